@@ -1,0 +1,5 @@
+import sys
+
+from ragkv.cli import main
+
+sys.exit(main())

@@ -1,0 +1,84 @@
+"""The `ragkv` command line: index, serve, query, eval, bench, demo.
+
+Each subcommand imports its heavy dependencies (torch, FAISS) only when it runs,
+so `ragkv --help` and `ragkv query` work on a client-only install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from ragkv.errors import NotBuiltError, RagKVError
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_NOT_BUILT = 3
+
+
+def _not_built(name: str) -> Callable[[argparse.Namespace], int]:
+    def run(_: argparse.Namespace) -> int:
+        raise NotBuiltError(f"`ragkv {name}` is not built yet")
+
+    return run
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from engine.demo import run_demo
+
+    return run_demo(model_spec=args.model, max_new_tokens=args.max_new_tokens)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ragkv",
+        description=(
+            "RAG retrieval with a persistent per-chunk KV-cache store. "
+            "Index documents once (chunks, embeddings, per-chunk KV), then serve "
+            "questions with blended KV reuse instead of a full prefill."
+        ),
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    demo = sub.add_parser(
+        "demo",
+        help="run the main job on the embedded defaults (shipped models, demo text)",
+        description="Answer a question over built-in demo chunks with full prefill and "
+        "with blended KV reuse, and print both answers and their time to first token.",
+    )
+    demo.add_argument("--model", default="smollm2-135m-instruct",
+                      help="model spec: HF directory, hub id, .gguf file, or the default")
+    demo.add_argument("--max-new-tokens", type=int, default=48, help="answer length cap")
+    demo.set_defaults(func=_run_demo)
+
+    for name, text in [
+        ("index", "split a corpus into chunks, embed them and precompute their KV"),
+        ("serve", "run the gRPC query server"),
+        ("query", "ask a running server a question and stream the answer"),
+        ("eval", "measure answer quality of each mode against full prefill"),
+        ("bench", "run the benchmarks"),
+    ]:
+        p = sub.add_parser(name, help=text, description=text)
+        p.set_defaults(func=_not_built(name))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except NotBuiltError as exc:
+        print(f"ragkv: {exc}", file=sys.stderr)
+        return EXIT_NOT_BUILT
+    except (RagKVError, ValueError) as exc:
+        print(f"ragkv: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

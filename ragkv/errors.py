@@ -1,0 +1,36 @@
+"""The one exception tree of ragkv.
+
+Every package raises these (or plain ValueError/TypeError for caller mistakes);
+`server/` alone maps them to gRPC status codes. This module imports nothing heavy
+so that engine, kvstore and the client can all share it.
+"""
+
+from __future__ import annotations
+
+
+class RagKVError(Exception):
+    """Base of every error ragkv raises on purpose."""
+
+
+class ModelLoadError(RagKVError):
+    """A model could not be loaded: missing path, unreachable hub, corrupt file."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The model loads, but its architecture or attention cannot be served correctly."""
+
+
+class KVFormatError(RagKVError):
+    """A KV file is malformed, truncated, or belongs to another model or layout."""
+
+
+class StoreError(RagKVError):
+    """A storage tier failed in a way the caller must hear about (not a plain miss)."""
+
+
+class IndexMismatchError(RagKVError):
+    """An index was built with another model, tokenizer or embedder than the one in use."""
+
+
+class NotBuiltError(RagKVError):
+    """A command or feature that is not built yet."""

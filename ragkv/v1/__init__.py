@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of the ragkv.v1 API (see proto/ragkv/v1/)."""

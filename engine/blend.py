@@ -1,0 +1,241 @@
+"""Run a RAG prompt `[prefix][chunk 1]...[chunk k][question]` in one of the blend modes.
+
+Modes (all return the same BlendResult, so they compare like with like):
+- full:   plain prefill of every token; the baseline.
+- prefix: reuse only the shared prefix's KV; recompute chunks and question.
+- reuse:  concatenate cached KV; recompute only the question.
+- blend:  CacheBlend selective recompute: layers [0, check_layer] run for every chunk
+          token; at the check layer the chunk tokens whose fresh K/V deviate most from
+          the cached ones are kept (top `recompute_ratio`); later layers recompute only
+          those and the question, attending to the whole blended cache under a mask
+          built from positions.
+At recompute_ratio 1.0, `blend` equals `full` within float tolerance.
+
+Nothing here knows about tokenization, storage or gRPC: token ids and tensors only.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.forward import Heads, layer_forward, plan_attention
+from engine.kv import ChunkKV, KVCache
+from engine.loading import LoadedModel
+from engine.rope import apply_rope, rotary_tables
+
+
+class BlendMode(str, enum.Enum):
+    FULL = "full"
+    PREFIX = "prefix"
+    REUSE = "reuse"
+    BLEND = "blend"
+
+
+@dataclass(frozen=True, slots=True)
+class BlendOptions:
+    """How `blend` mode picks the tokens it recomputes."""
+
+    recompute_ratio: float = 0.15  # fraction of chunk tokens recomputed after the check layer
+    check_layer: int = 1  # layers [0, check_layer] run for every chunk token
+    sink_tokens: int = 0  # the first tokens of every chunk are always picked (within the budget)
+    window: int = 1  # pick whole windows of this many tokens (CacheClip grouping); 1 = tokens
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.recompute_ratio <= 1.0:
+            raise ValueError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio}")
+        if self.check_layer < 0:
+            raise ValueError(f"check_layer must be >= 0, got {self.check_layer}")
+        if self.sink_tokens < 0 or self.window < 1:
+            raise ValueError(f"sink_tokens must be >= 0 and window >= 1, got {self.sink_tokens}, "
+                             f"{self.window}")
+
+
+@dataclass(slots=True)
+class BlendResult:
+    """A prompt run to its last position, ready for decoding."""
+
+    mode: BlendMode
+    token_ids: torch.Tensor  # [N] int64, the whole prompt
+    logits: torch.Tensor  # [V] float32, next-token logits at the last prompt position
+    cache: KVCache  # K (after RoPE) and V of all N prompt tokens, room to decode
+    recomputed: torch.Tensor  # [R] int64, prompt positions of chunk tokens recomputed in every layer
+    n_chunk_tokens: int  # chunk tokens (the candidates for recompute)
+    timings: dict[str, float] = field(default_factory=dict)  # phase -> seconds
+
+    @property
+    def n_prompt_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def recompute_fraction(self) -> float:
+        """Recomputed share of chunk tokens (1.0 for full and prefix, 0.0 for reuse)."""
+        return self.recomputed.numel() / self.n_chunk_tokens if self.n_chunk_tokens else 1.0
+
+    @property
+    def ttft_s(self) -> float:
+        return sum(self.timings.values())
+
+
+def heads_of(lm: LoadedModel) -> Heads:
+    attn = lm.model.model.layers[0].self_attn
+    return Heads(lm.num_heads, lm.num_kv_heads, lm.head_dim, float(attn.scaling), lm.sliding_window)
+
+
+def run_prompt(
+    lm: LoadedModel,
+    prefix: ChunkKV | None,
+    chunks: Sequence[ChunkKV],
+    question_ids: Sequence[int] | torch.Tensor,
+    mode: BlendMode,
+    options: BlendOptions = BlendOptions(),
+    reserve_tokens: int = 256,
+) -> BlendResult:
+    """Run a prompt in `mode`. For FULL, `prefix` and `chunks` give only their token ids.
+
+    Args:
+        prefix: the shared prefix's KV (positions 0..P-1); None means no prefix.
+        chunks: each chunk's KV as computed right after that same prefix.
+        question_ids: the question's token ids, always recomputed.
+        reserve_tokens: decode room preallocated after the prompt.
+    """
+    mode = BlendMode(mode)
+    dev, heads, model = lm.device, heads_of(lm), lm.model
+    timer = _PhaseTimer(dev)
+
+    # ---- assemble [prefix][chunks][question] at contiguous positions
+    segments = ([prefix] if prefix is not None else []) + list(chunks)
+    if mode is not BlendMode.FULL:
+        _check_segments(lm, prefix, chunks)
+    q_ids = torch.as_tensor(question_ids, dtype=torch.long).to(dev)  # [Q]
+    if q_ids.numel() == 0:
+        raise ValueError("question_ids is empty: the last prompt position must be a question token")
+    ids = torch.cat([s.token_ids.to(dev) for s in segments] + [q_ids])  # [N]
+    n = ids.shape[0]
+    p = prefix.num_tokens if prefix is not None else 0
+    c = n - q_ids.shape[0]  # context = prefix + chunks
+    cache = KVCache(lm.num_layers, lm.num_kv_heads, lm.head_dim, n + reserve_tokens, lm.dtype, dev)
+    cache.length = n
+    cos_all, sin_all = rotary_tables(model, torch.arange(n, device=dev), _like(lm))  # [N, D]
+    if mode is not BlendMode.FULL:
+        off = 0
+        for seg in segments:  # cached K is before RoPE: rotate it to its final positions
+            t = seg.num_tokens
+            k = seg.k.to(dev, lm.dtype)  # [L, Hkv, T, D]
+            cache.k[:, :, off:off + t] = apply_rope(k, cos_all[off:off + t], sin_all[off:off + t])
+            cache.v[:, :, off:off + t] = seg.v.to(dev, lm.dtype)
+            off += t
+    first_active = {BlendMode.FULL: 0, BlendMode.PREFIX: p, BlendMode.BLEND: p, BlendMode.REUSE: c}[mode]
+    pos = torch.arange(first_active, n, device=dev)  # [S] positions of the active tokens
+    timer.lap("assemble")
+
+    # ---- layers; `pos` shrinks to the selected tokens after the check layer in blend mode
+    check = min(options.check_layer, lm.num_layers - 1) if mode is BlendMode.BLEND else -1
+    h = model.model.embed_tokens(ids[pos])  # [S, hidden]
+    slots: slice | torch.Tensor = slice(first_active, n)
+    attend = plan_attention(pos, n, heads)
+    cos, sin = cos_all[pos], sin_all[pos]  # [S, D]
+    recomputed = torch.arange(p, c, device=dev) if mode in (BlendMode.FULL, BlendMode.PREFIX) \
+        else torch.empty(0, dtype=torch.long, device=dev)
+    for i, layer in enumerate(model.model.layers):
+        if i == check:
+            cached_k = cache.k[i, :, p:c].clone()  # [Hkv, C-P, D], after RoPE
+            cached_v = cache.v[i, :, p:c].clone()
+        h, _, _ = layer_forward(layer, h, cos, sin, cache, i, slots, attend, heads)
+        if i == check:
+            timer.lap("layers_full")
+            chunk_tokens = c - p
+            deviation = ((cache.k[i, :, p:c] - cached_k).float().pow(2).sum((0, 2))
+                         + (cache.v[i, :, p:c] - cached_v).float().pow(2).sum((0, 2)))  # [C-P]
+            picked = select_tokens(deviation, chunks, options)  # [R] offsets into the chunk tokens
+            recomputed = picked + p  # [R] prompt positions
+            keep = torch.cat([recomputed - p, torch.arange(chunk_tokens, n - p, device=dev)])  # rows of h
+            h = h[keep]
+            pos = torch.cat([recomputed, torch.arange(c, n, device=dev)])  # [S']
+            slots = pos
+            attend = plan_attention(pos, n, heads)
+            cos, sin = cos_all[pos], sin_all[pos]
+            timer.lap("select")
+    timer.lap("layers_partial" if check >= 0 else "layers")
+
+    logits = model.lm_head(model.model.norm(h[-1:]))[0].float()  # [V]
+    timer.lap("logits")
+    n_chunk = c - p
+    return BlendResult(mode, ids, logits, cache, recomputed, n_chunk, timer.phases)
+
+
+def select_tokens(deviation: torch.Tensor, chunks: Sequence[ChunkKV], options: BlendOptions) -> torch.Tensor:
+    """Pick exactly round(ratio * n) chunk tokens: sinks first, then by score.
+
+    Args:
+        deviation: [n] score per chunk token (higher = recompute first).
+
+    Returns:
+        [R] int64 sorted offsets into the concatenated chunk tokens.
+    """
+    n = deviation.shape[0]
+    budget = int(round(options.recompute_ratio * n))
+    if budget >= n:
+        return torch.arange(n, device=deviation.device)
+    score = deviation.clone()
+    if options.sink_tokens:
+        off = 0
+        for ch in chunks:
+            score[off:off + min(options.sink_tokens, ch.num_tokens)] = float("inf")
+            off += ch.num_tokens
+    if options.window > 1:
+        w = options.window
+        pad = (-n) % w
+        padded = torch.cat([score, score.new_full((pad,), float("-inf"))]) if pad else score
+        win_score = padded.view(-1, w).amax(1)  # [n_windows]
+        order = torch.argsort(win_score, descending=True, stable=True)  # windows, best first
+        tokens = (order[:, None] * w + torch.arange(w, device=score.device)).flatten()
+        tokens = tokens[tokens < n]
+        picked = tokens[:budget]
+    else:
+        picked = torch.topk(score, budget, sorted=False).indices
+    return torch.sort(picked).values
+
+
+def _check_segments(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV]) -> None:
+    want = (lm.num_layers, lm.num_kv_heads, lm.head_dim)
+    p = prefix.num_tokens if prefix is not None else 0
+    for i, seg in enumerate(([prefix] if prefix is not None else []) + list(chunks)):
+        got = (seg.k.shape[0], seg.k.shape[1], seg.k.shape[3])
+        if got != want:
+            raise ValueError(f"segment {i} KV has (L, Hkv, D) = {got}, but the model needs {want}: "
+                             "it was computed by another model")
+    for i, ch in enumerate(chunks):
+        if ch.num_tokens == 0:
+            raise ValueError(f"chunk {i} is empty")
+        start = int(ch.positions[0])
+        if start != p:
+            raise ValueError(f"chunk {i} was computed after a prefix of {start} tokens, but the "
+                             f"prefix here has {p}: recompute it with this prefix")
+
+
+def _like(lm: LoadedModel) -> torch.Tensor:
+    return torch.empty(0, dtype=lm.dtype, device=lm.device)
+
+
+class _PhaseTimer:
+    """Wall time per phase; syncs CUDA at phase boundaries only (never inside a layer)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.phases: dict[str, float] = {}
+        self.t = self._now()
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = self._now()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self.t
+        self.t = now

@@ -1,0 +1,146 @@
+"""Streaming decode over a preallocated cache: greedy or sampled, EOS and stop strings.
+
+`DecodeStream` is an iterator of text pieces; after it ends, `finish_reason` and
+`token_ids` tell what happened. Text is detokenized incrementally: a piece is
+emitted only once it cannot change (no dangling UTF-8, no partial stop string).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.blend import BlendResult, heads_of
+from engine.forward import layer_forward, plan_attention
+from engine.loading import LoadedModel
+from engine.rope import rotary_tables
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick each next token."""
+
+    max_new_tokens: int = 128  # hard cap on generated tokens
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass kept when sampling
+    top_k: int = 0  # 0 = no top-k cut
+    seed: int | None = None  # sampling seed; None = nondeterministic
+    stop: tuple[str, ...] = field(default_factory=tuple)  # generation ends before any of these
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+
+class DecodeStream(Iterator[str]):
+    """Yields text pieces of the answer; one forward step per generated token."""
+
+    def __init__(self, lm: LoadedModel, prompt: BlendResult, params: SamplingParams) -> None:
+        self.lm, self.params = lm, params
+        self.cache = prompt.cache
+        self.cache.ensure(self.cache.length + params.max_new_tokens)
+        self.logits = prompt.logits  # [V]
+        self.token_ids: list[int] = []  # generated so far
+        self.finish_reason: str | None = None  # "eos", "stop", "length"
+        self._heads = heads_of(lm)
+        self._eos = set(lm.eos_token_ids)
+        self._text = ""  # detokenized so far
+        self._emitted = 0  # characters of _text already yielded
+        self._gen = None
+        if params.temperature > 0:
+            self._gen = torch.Generator(device=lm.device)
+            self._gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+
+    def __iter__(self) -> DecodeStream:
+        return self
+
+    def __next__(self) -> str:
+        while self.finish_reason is None:
+            piece = self._step()
+            if piece:
+                return piece
+        raise StopIteration
+
+    @torch.inference_mode()
+    def _step(self) -> str:
+        token = self._pick(self.logits)
+        if token in self._eos:
+            self.finish_reason = "eos"
+            return self._flush()
+        self.token_ids.append(token)
+        self._text = self.lm.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        stop_at = self._find_stop()
+        if stop_at is not None:
+            self._text = self._text[:stop_at]
+            self.finish_reason = "stop"
+            return self._flush()
+        if len(self.token_ids) >= self.params.max_new_tokens:
+            self.finish_reason = "length"
+            return self._flush()
+        self.logits = self._forward(token)
+        return self._ready_piece()
+
+    def _pick(self, logits: torch.Tensor) -> int:
+        p = self.params
+        if p.temperature == 0:
+            return int(torch.argmax(logits))
+        scores = logits.float() / p.temperature  # [V]
+        if p.top_k:
+            kth = torch.topk(scores, min(p.top_k, scores.shape[0])).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = torch.softmax(scores, -1)
+        if p.top_p < 1.0:
+            sorted_p, order = torch.sort(probs, descending=True)
+            drop = torch.cumsum(sorted_p, -1) - sorted_p > p.top_p  # keep the smallest set reaching top_p
+            sorted_p[drop] = 0.0
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+        return int(torch.multinomial(probs, 1, generator=self._gen))
+
+    def _forward(self, token: int) -> torch.Tensor:
+        model, cache, dev = self.lm.model, self.cache, self.lm.device
+        n = cache.length
+        pos = torch.tensor([n], device=dev)  # [1]
+        cos, sin = rotary_tables(model, pos, self.logits.new_empty(0, dtype=self.lm.dtype))  # [1, D]
+        attend = plan_attention(pos, n + 1, self._heads)
+        h = model.model.embed_tokens(torch.tensor([token], device=dev))  # [1, hidden]
+        for i, layer in enumerate(model.model.layers):
+            h, _, _ = layer_forward(layer, h, cos, sin, cache, i, slice(n, n + 1), attend, self._heads)
+        cache.length = n + 1
+        return model.lm_head(model.model.norm(h))[0].float()  # [V]
+
+    def _find_stop(self) -> int | None:
+        if not self.params.stop:
+            return None
+        start = max(0, self._emitted - max(len(s) for s in self.params.stop))
+        hits = [i for s in self.params.stop if (i := self._text.find(s, start)) >= 0]
+        return min(hits) if hits else None
+
+    def _ready_piece(self) -> str:
+        """Text that can no longer change: not a dangling byte, not a possible stop prefix."""
+        end = len(self._text)
+        if self._text.endswith("\ufffd"):
+            return ""
+        for s in self.params.stop:
+            for k in range(min(len(s) - 1, end - self._emitted), 0, -1):
+                if self._text.endswith(s[:k]):
+                    end = min(end, len(self._text) - k)
+                    break
+        piece = self._text[self._emitted:end]
+        self._emitted = max(self._emitted, end)
+        return piece
+
+    def _flush(self) -> str:
+        piece = self._text[self._emitted:]
+        self._emitted = len(self._text)
+        return piece
+

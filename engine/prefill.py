@@ -1,0 +1,52 @@
+"""Prefill a chunk after the shared prefix and return its KV (K before RoPE).
+
+This is the indexer's work: every chunk is computed once, right after the prefix,
+so its tokens see the attention sink they will see at serving time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.blend import heads_of
+from engine.forward import layer_forward, plan_attention, project_kv
+from engine.kv import ChunkKV, KVCache
+from engine.loading import LoadedModel
+from engine.rope import apply_rope, rotary_tables
+
+
+@torch.inference_mode()
+def prefill_segment(lm: LoadedModel, prefix: ChunkKV | None, token_ids: Sequence[int] | torch.Tensor) -> ChunkKV:
+    """KV of `token_ids` computed after `prefix` (positions P..P+T-1), K before RoPE.
+
+    With prefix None the segment starts at position 0 (that is how the prefix itself
+    is computed).
+    """
+    dev, heads, model = lm.device, heads_of(lm), lm.model
+    ids = torch.as_tensor(token_ids, dtype=torch.long).to(dev)  # [T]
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(f"token_ids must be a non-empty 1-D sequence, got shape {tuple(ids.shape)}")
+    p = prefix.num_tokens if prefix is not None else 0
+    t = ids.shape[0]
+    n = p + t
+    cache = KVCache(lm.num_layers, lm.num_kv_heads, lm.head_dim, n, lm.dtype, dev)
+    pos = torch.arange(p, n, device=dev)  # [T]
+    cos_all, sin_all = rotary_tables(model, torch.arange(n, device=dev), torch.empty(0, dtype=lm.dtype, device=dev))
+    if prefix is not None:
+        cache.k[:, :, :p] = apply_rope(prefix.k.to(dev, lm.dtype), cos_all[:p], sin_all[:p])
+        cache.v[:, :, :p] = prefix.v.to(dev, lm.dtype)
+    cos, sin = cos_all[p:], sin_all[p:]  # [T, D]
+    attend = plan_attention(pos, n, heads)
+    k_out = torch.empty(lm.num_layers, lm.num_kv_heads, t, lm.head_dim, dtype=lm.dtype, device=dev)  # [L, Hkv, T, D]
+    v_out = torch.empty_like(k_out)
+    h = model.model.embed_tokens(ids)  # [T, hidden]
+    layers = model.model.layers
+    last = len(layers) - 1
+    for i, layer in enumerate(layers):
+        if i == last:  # the last layer's output is never needed, only its K/V
+            k_out[i], v_out[i] = project_kv(layer, h, heads)
+            break
+        h, k_out[i], v_out[i] = layer_forward(layer, h, cos, sin, cache, i, slice(p, n), attend, heads)
+    return ChunkKV(ids, k_out, v_out, pos)

@@ -1,0 +1,64 @@
+"""How a RAG prompt is laid out in tokens: `[prefix][chunk]...[chunk][question]`.
+
+The indexer and the server must tokenize chunks identically, or stored KV would not
+match the tokens served: both call `PromptFormat.chunk_ids`. Each segment is
+tokenized on its own, so a chunk's ids never depend on its neighbours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a helpful assistant. Answer the question using the context. "
+    "Answer briefly, in one sentence."
+)
+_SLOT = "\x00RAGKV_CONTEXT\x00"
+
+
+@dataclass(frozen=True, slots=True)
+class PromptFormat:
+    """Text around the chunks; the chat template decides it when the tokenizer has one."""
+
+    tokenizer: Any
+    head: str  # text before the first chunk (system turn, start of the user turn)
+    tail: str  # text after the question (end of the user turn, start of the assistant's)
+    add_bos: bool  # prepend the tokenizer's BOS id to the prefix
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any, system_prompt: str = DEFAULT_SYSTEM_PROMPT) -> PromptFormat:
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(
+                [{"role": "system", "content": system_prompt}, {"role": "user", "content": _SLOT}],
+                tokenize=False, add_generation_prompt=True)
+            head, tail = text.split(_SLOT)
+            return cls(tokenizer, head + "Context:\n", tail, add_bos=False)
+        return cls(tokenizer, f"{system_prompt}\n\nContext:\n", "\nAnswer:", add_bos=True)
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prefix_ids(self) -> list[int]:
+        """The shared prefix every chunk is prefilled after."""
+        bos = self.tokenizer.bos_token_id
+        return ([bos] if self.add_bos and bos is not None else []) + self._ids(self.head)
+
+    def chunk_ids(self, text: str) -> list[int]:
+        """One chunk's tokens, separated from the next by a blank line."""
+        if not text.strip():
+            raise ValueError("chunk text is empty")
+        return self._ids(text.strip() + "\n\n")
+
+    def question_ids(self, question: str) -> list[int]:
+        """The question and everything up to where the answer starts."""
+        if not question.strip():
+            raise ValueError("question is empty")
+        return self._ids(f"Question: {question.strip()}{self.tail}")
+
+    def prompt_ids(self, chunks: list[str], question: str) -> list[int]:
+        """The whole prompt as `full` mode sees it: exactly the concatenated segments."""
+        ids = self.prefix_ids()
+        for text in chunks:
+            ids += self.chunk_ids(text)
+        return ids + self.question_ids(question)

@@ -1,0 +1,162 @@
+"""Blended prefill against full prefill, on tiny random models and on SmolLM2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import BlendMode, BlendOptions, Engine, load_model
+from engine.testing import tiny_model_dir
+
+CHUNKS = [
+    "Paris is the capital of France. The secret number is 4721.",
+    "Alice met Bob by the river. The quick brown fox jumps over the lazy dog.",
+    "ragkv stores the KV cache of every chunk and blends them at query time.",
+    "The lazy dog sleeps. 0123456789 are digits; abc are letters.",
+]
+QUESTION = "What is the secret number?"
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor, atol: float, what: str) -> None:
+    diff = (a.float() - b.float()).abs()
+    assert diff.max().item() <= atol, f"{what}: max |diff| {diff.max().item():.3g}, mean {diff.mean().item():.3g} > {atol}"
+
+
+def _parts(eng: Engine, chunks=CHUNKS, question=QUESTION):
+    p = eng.prompt
+    prefix_ids = p.prefix_ids()
+    prefix = eng.prefix_kv(prefix_ids)
+    kvs = eng.prefill_chunks(prefix_ids, [p.chunk_ids(c) for c in chunks])
+    return prefix, kvs, p.question_ids(question), p.prompt_ids(chunks, question)
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
+def tiny_engine(request, tmp_path_factory):
+    d = tiny_model_dir(tmp_path_factory.mktemp(request.param), request.param, seed=7)
+    return Engine(load_model(str(d), device="cpu", dtype="float32"))
+
+
+def test_full_prefill_matches_transformers(tiny_engine):
+    _, _, _, ids = _parts(tiny_engine)
+    with torch.no_grad():
+        ref = tiny_engine.lm.model(torch.tensor([ids])).logits[0, -1]
+    assert_close(tiny_engine.full_prefill(ids).logits, ref, 1e-4, "full vs transformers")
+
+
+@pytest.mark.parametrize("mode", [BlendMode.BLEND, BlendMode.PREFIX])
+def test_ratio_one_equals_full(tiny_engine, mode):
+    prefix, kvs, q, ids = _parts(tiny_engine)
+    full = tiny_engine.full_prefill(ids)
+    res = tiny_engine.blend(prefix, kvs, q, mode=mode, recompute_ratio=1.0)
+    assert torch.equal(res.token_ids, full.token_ids)
+    assert_close(res.logits, full.logits, 1e-4, f"{mode.value}@1.0 vs full")
+    n = full.n_prompt_tokens
+    assert_close(res.cache.k[:, :, :n], full.cache.k[:, :, :n], 1e-4, "cache K")
+    assert_close(res.cache.v[:, :, :n], full.cache.v[:, :, :n], 1e-4, "cache V")
+    assert res.recompute_fraction == 1.0
+
+
+def test_reuse_of_one_chunk_equals_full(tiny_engine):
+    """One chunk right after the prefix is exactly what full prefill computes: the cached,
+    re-rotated KV must reproduce it (this checks RoPE at final positions end to end)."""
+    prefix, kvs, q, _ = _parts(tiny_engine, CHUNKS[:1])
+    ids = tiny_engine.prompt.prompt_ids(CHUNKS[:1], QUESTION)
+    res = tiny_engine.blend(prefix, kvs, q, mode="reuse")
+    assert_close(res.logits, tiny_engine.full_prefill(ids).logits, 1e-4, "reuse of one chunk vs full")
+    assert res.recomputed.numel() == 0
+
+
+def test_reuse_of_many_chunks_differs_from_full(tiny_engine):
+    """The test above could pass with a no-op: cross-chunk attention must be missing here."""
+    prefix, kvs, q, ids = _parts(tiny_engine)
+    res = tiny_engine.blend(prefix, kvs, q, mode="reuse")
+    assert (res.logits - tiny_engine.full_prefill(ids).logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.15, 0.5])
+def test_recomputes_exactly_the_tokens_asked(tiny_engine, ratio):
+    prefix, kvs, q, _ = _parts(tiny_engine)
+    res = tiny_engine.blend(prefix, kvs, q, mode="blend", recompute_ratio=ratio)
+    n_chunk = sum(k.num_tokens for k in kvs)
+    assert res.n_chunk_tokens == n_chunk
+    assert res.recomputed.numel() == round(ratio * n_chunk)
+    assert res.recomputed.unique().numel() == res.recomputed.numel()
+    p = prefix.num_tokens
+    assert bool(((res.recomputed >= p) & (res.recomputed < p + n_chunk)).all())
+
+
+def test_blend_error_falls_as_ratio_grows(tiny_engine):
+    prefix, kvs, q, ids = _parts(tiny_engine)
+    ref = torch.log_softmax(tiny_engine.full_prefill(ids).logits, -1)
+
+    def kl(ratio):
+        out = torch.log_softmax(tiny_engine.blend(prefix, kvs, q, recompute_ratio=ratio).logits, -1)
+        return torch.sum(ref.exp() * (ref - out)).item()
+
+    assert kl(0.0) > kl(0.5) > kl(1.0) - 1e-6
+    assert kl(1.0) < 1e-6
+
+
+def test_sink_and_window_options_keep_the_budget(tiny_engine):
+    prefix, kvs, q, _ = _parts(tiny_engine)
+    n_chunk = sum(k.num_tokens for k in kvs)
+    opts = BlendOptions(recompute_ratio=0.3, sink_tokens=2, window=4)
+    res = tiny_engine.blend(prefix, kvs, q, options=opts)
+    assert res.recomputed.numel() == round(0.3 * n_chunk)
+    starts, off = [], prefix.num_tokens
+    for k in kvs:
+        starts += [off, off + 1]
+        off += k.num_tokens
+    assert set(starts) <= set(res.recomputed.tolist()), "sink tokens were not all recomputed"
+
+
+def test_bad_inputs_are_refused(tiny_engine, tiny_llama_dir):
+    prefix, kvs, q, _ = _parts(tiny_engine)
+    with pytest.raises(ValueError, match="recompute_ratio"):
+        tiny_engine.blend(prefix, kvs, q, recompute_ratio=1.5)
+    with pytest.raises(ValueError, match="question_ids is empty"):
+        tiny_engine.blend(prefix, kvs, [], mode="reuse")
+    with pytest.raises(ValueError, match="prefix of"):
+        tiny_engine.blend(kvs[0], kvs[1:], q, mode="reuse")  # chunks were computed after `prefix`
+    with pytest.raises(ValueError):
+        tiny_engine.blend(prefix, kvs, q, mode="sideways")
+    other = Engine(load_model(str(tiny_model_dir(tiny_llama_dir.parent / "l2", num_layers=2))))
+    with pytest.raises(ValueError, match="another model"):
+        other.blend(other.prefix_kv(other.prompt.prefix_ids()), kvs, q, mode="reuse")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_ratio_one_tracks_full(tmp_path_factory, dtype):
+    d = tiny_model_dir(tmp_path_factory.mktemp("half"), "llama", seed=3)
+    eng = Engine(load_model(str(d), device="cpu", dtype=dtype))
+    prefix, kvs, q, ids = _parts(eng)
+    assert kvs[0].k.dtype == getattr(torch, dtype)
+    full = eng.full_prefill(ids)
+    res = eng.blend(prefix, kvs, q, recompute_ratio=1.0)
+    assert_close(res.logits, full.logits, 0.1, f"{dtype} blend@1.0 vs full")
+
+
+@pytest.mark.real_model
+def test_smollm2_ratio_one_equals_full(smollm2):
+    eng = Engine(smollm2)
+    chunks = [c * 6 for c in CHUNKS]
+    prefix, kvs, q, ids = _parts(eng, chunks)
+    full = eng.full_prefill(ids)
+    with torch.no_grad():
+        ref = smollm2.model(torch.tensor([ids])).logits[0, -1]
+    assert_close(full.logits, ref, 1e-4, "SmolLM2 full vs transformers")
+    res = eng.blend(prefix, kvs, q, recompute_ratio=1.0)
+    assert_close(res.logits, full.logits, 1e-4, "SmolLM2 blend@1.0 vs full")
+    part = eng.blend(prefix, kvs, q, recompute_ratio=0.15)
+    assert part.recomputed.numel() == round(0.15 * part.n_chunk_tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_ratio_one_equals_full(tiny_llama_dir, dtype):
+    eng = Engine(load_model(str(tiny_llama_dir), device="cuda", dtype=dtype))
+    prefix, kvs, q, ids = _parts(eng)
+    full = eng.full_prefill(ids)
+    res = eng.blend(prefix, kvs, q, recompute_ratio=1.0)
+    assert_close(res.logits, full.logits, 1e-4 if dtype == "float32" else 0.1, f"cuda {dtype}")

@@ -1,0 +1,75 @@
+# ragkv on AWS: the KV bucket (durable tier), the serving tier on EC2 g5, and
+# optional Spot Batch indexing. See README.md for the inputs and outputs.
+
+locals {
+  tags = merge({ Project = "ragkv", ManagedBy = "terraform" }, var.tags)
+}
+
+module "kv_bucket" {
+  source = "./modules/kv-bucket"
+
+  name                = var.name
+  bucket_name         = var.bucket_name
+  kv_prefix           = var.kv_prefix
+  index_prefix        = var.index_prefix
+  expired_prefixes    = var.expired_prefixes
+  expired_prefix_days = var.expired_prefix_days
+  access_log_bucket   = var.access_log_bucket
+  force_destroy       = var.force_destroy
+  tags                = local.tags
+}
+
+module "serving" {
+  source = "./modules/serving"
+  count  = var.enable_serving ? 1 : 0
+
+  name                              = var.name
+  vpc_id                            = var.vpc_id
+  subnet_ids                        = var.subnet_ids
+  instance_type                     = var.instance_type
+  ami_ssm_parameter                 = var.ami_ssm_parameter
+  ami_id                            = var.ami_id
+  kv_bucket_arn                     = module.kv_bucket.bucket_arn
+  kv_bucket_name                    = module.kv_bucket.bucket_name
+  kms_key_arn                       = module.kv_bucket.kms_key_arn
+  kv_prefix                         = module.kv_bucket.kv_prefix
+  index_prefix                      = module.kv_bucket.index_prefix
+  index_version                     = var.index_version
+  ragkv_pip_spec                    = var.ragkv_pip_spec
+  environment                       = var.serving_environment
+  grpc_port                         = var.grpc_port
+  metrics_port                      = var.metrics_port
+  allowed_cidrs                     = var.allowed_cidrs
+  allow_public_ingress              = var.allow_public_ingress
+  allowed_security_group_ids        = var.allowed_security_group_ids
+  instance_count                    = var.instance_count
+  create_autoscaling_group          = var.create_autoscaling_group
+  asg_min_size                      = var.asg_min_size
+  asg_max_size                      = var.asg_max_size
+  asg_desired_capacity              = var.asg_desired_capacity
+  create_load_balancer              = var.create_load_balancer
+  load_balancer_internal            = var.load_balancer_internal
+  load_balancer_deletion_protection = var.load_balancer_deletion_protection
+  tags                              = local.tags
+}
+
+module "indexing" {
+  source = "./modules/indexing"
+  count  = var.enable_indexing ? 1 : 0
+
+  name            = var.name
+  vpc_id          = var.vpc_id
+  subnet_ids      = var.subnet_ids
+  container_image = var.container_image
+  instance_types  = var.index_instance_types
+  max_vcpus       = var.index_max_vcpus
+  corpus_s3_uri   = var.corpus_s3_uri
+  retry_attempts  = var.index_retry_attempts
+  kv_bucket_arn   = module.kv_bucket.bucket_arn
+  kv_bucket_name  = module.kv_bucket.bucket_name
+  kms_key_arn     = module.kv_bucket.kms_key_arn
+  kv_prefix       = module.kv_bucket.kv_prefix
+  index_prefix    = module.kv_bucket.index_prefix
+  index_version   = var.index_version
+  tags            = local.tags
+}

@@ -1,0 +1,128 @@
+# Optional Network Load Balancer. NLB health checks cannot speak gRPC, so
+# each instance runs a small HTTP bridge (templates/grpc_health_http.py) that
+# calls grpc.health.v1.Health/Check on the local server and answers 200 only
+# while it reports SERVING; the target group checks that bridge.
+
+resource "aws_security_group" "lb" {
+  count = var.create_load_balancer ? 1 : 0
+
+  name_prefix = "${var.name}-lb-"
+  description = "ragkv load balancer: gRPC from named clients only"
+  vpc_id      = var.vpc_id
+
+  tags = merge(var.tags, { Name = "${var.name}-lb" })
+
+  lifecycle {
+    create_before_destroy = true
+  }
+}
+
+resource "aws_vpc_security_group_ingress_rule" "lb_cidr" {
+  for_each = var.create_load_balancer ? { for i, cidr in var.allowed_cidrs : "grpc-cidr-${i}" => cidr } : {}
+
+  security_group_id = aws_security_group.lb[0].id
+  description       = "ragkv gRPC from ${each.value}"
+  ip_protocol       = "tcp"
+  from_port         = var.grpc_port
+  to_port           = var.grpc_port
+  cidr_ipv4         = each.value
+
+  tags = var.tags
+}
+
+resource "aws_vpc_security_group_ingress_rule" "lb_sg" {
+  for_each = var.create_load_balancer ? { for i, sg in var.allowed_security_group_ids : "grpc-sg-${i}" => sg } : {}
+
+  security_group_id            = aws_security_group.lb[0].id
+  description                  = "ragkv gRPC from a client security group"
+  ip_protocol                  = "tcp"
+  from_port                    = var.grpc_port
+  to_port                      = var.grpc_port
+  referenced_security_group_id = each.value
+
+  tags = var.tags
+}
+
+resource "aws_vpc_security_group_egress_rule" "lb_to_instances" {
+  for_each = local.lb_ports
+
+  security_group_id            = aws_security_group.lb[0].id
+  description                  = "ragkv ${each.key} to the serving instances"
+  ip_protocol                  = "tcp"
+  from_port                    = each.value
+  to_port                      = each.value
+  referenced_security_group_id = aws_security_group.serving.id
+
+  tags = var.tags
+}
+
+resource "aws_lb" "serving" {
+  count = var.create_load_balancer ? 1 : 0
+
+  name_prefix                      = "rkv-"
+  load_balancer_type               = "network"
+  internal                         = var.load_balancer_internal
+  subnets                          = var.subnet_ids
+  security_groups                  = [aws_security_group.lb[0].id]
+  enable_cross_zone_load_balancing = true
+  enable_deletion_protection       = var.load_balancer_deletion_protection
+
+  dynamic "access_logs" {
+    for_each = var.load_balancer_access_log_bucket == null ? [] : [var.load_balancer_access_log_bucket]
+
+    content {
+      bucket  = access_logs.value
+      prefix  = "${var.name}-nlb"
+      enabled = true
+    }
+  }
+
+  tags = var.tags
+}
+
+resource "aws_lb_target_group" "grpc" {
+  count = var.create_load_balancer ? 1 : 0
+
+  name_prefix          = "rkv-"
+  vpc_id               = var.vpc_id
+  port                 = var.grpc_port
+  protocol             = "TCP"
+  target_type          = "instance"
+  deregistration_delay = 60
+
+  health_check {
+    enabled             = true
+    protocol            = "HTTP"
+    port                = tostring(var.health_port)
+    path                = "/grpc.health.v1.Health/Check"
+    matcher             = "200"
+    interval            = 10
+    healthy_threshold   = 2
+    unhealthy_threshold = 2
+  }
+
+  tags = var.tags
+}
+
+resource "aws_lb_listener" "grpc" {
+  count = var.create_load_balancer ? 1 : 0
+
+  load_balancer_arn = aws_lb.serving[0].arn
+  port              = var.grpc_port
+  protocol          = "TCP"
+
+  default_action {
+    type             = "forward"
+    target_group_arn = aws_lb_target_group.grpc[0].arn
+  }
+
+  tags = var.tags
+}
+
+resource "aws_lb_target_group_attachment" "standalone" {
+  count = var.create_load_balancer ? local.standalone_count : 0
+
+  target_group_arn = aws_lb_target_group.grpc[0].arn
+  target_id        = aws_instance.serving[count.index].id
+  port             = var.grpc_port
+}

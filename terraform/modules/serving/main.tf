@@ -1,0 +1,310 @@
+# The serving tier: GPU instances that run `ragkv serve` under systemd, with
+# the local NVMe instance store as the disk tier and the KV bucket as the
+# durable tier. Standalone instances by default; an Auto Scaling group and a
+# Network Load Balancer for several replicas are optional.
+
+data "aws_partition" "current" {}
+data "aws_region" "current" {}
+
+data "aws_ssm_parameter" "ami" {
+  count = var.ami_id == null ? 1 : 0
+  name  = var.ami_ssm_parameter
+}
+
+locals {
+  ami_id = var.ami_id != null ? var.ami_id : data.aws_ssm_parameter.ami[0].insecure_value
+
+  kv_s3_uri    = "s3://${var.kv_bucket_name}/${var.kv_prefix}"
+  index_s3_uri = "s3://${var.kv_bucket_name}/${var.index_prefix}/${var.index_version}"
+
+  user_data = templatefile("${path.module}/templates/user_data.sh.tftpl", {
+    pip_spec      = var.ragkv_pip_spec
+    grpc_port     = var.grpc_port
+    metrics_port  = var.metrics_port
+    health_port   = var.health_port
+    region        = data.aws_region.current.name
+    kv_s3_uri     = local.kv_s3_uri
+    index_s3_uri  = local.index_s3_uri
+    environment   = var.environment
+    health_bridge = file("${path.module}/templates/grpc_health_http.py")
+  })
+
+  standalone_count = var.create_autoscaling_group ? 0 : var.instance_count
+
+  # Ingress to the instances: gRPC and metrics from the named CIDRs and
+  # security groups; gRPC and the health bridge from the load balancer.
+  # Keys are indexes, not values, so ids unknown at plan time still work.
+  client_ports = { grpc = var.grpc_port, metrics = var.metrics_port }
+  cidr_ingress = merge([
+    for port_name, port in local.client_ports : {
+      for i, cidr in var.allowed_cidrs : "${port_name}-cidr-${i}" => { port = port, cidr = cidr, what = port_name }
+    }
+  ]...)
+  sg_ingress = merge([
+    for port_name, port in local.client_ports : {
+      for i, sg in var.allowed_security_group_ids : "${port_name}-sg-${i}" => { port = port, sg = sg, what = port_name }
+    }
+  ]...)
+  lb_ports = var.create_load_balancer ? { grpc = var.grpc_port, health = var.health_port } : {}
+}
+
+# --- IAM: least privilege on the KV prefix, read-only on the index prefix ---
+
+resource "aws_iam_role" "serving" {
+  name_prefix = "${var.name}-serving-"
+  description = "ragkv serving instances"
+
+  assume_role_policy = jsonencode({
+    Version = "2012-10-17"
+    Statement = [{
+      Effect    = "Allow"
+      Principal = { Service = "ec2.amazonaws.com" }
+      Action    = "sts:AssumeRole"
+    }]
+  })
+
+  tags = var.tags
+}
+
+resource "aws_iam_role_policy" "kv_access" {
+  name = "ragkv-kv-access"
+  role = aws_iam_role.serving.id
+
+  policy = jsonencode({
+    Version = "2012-10-17"
+    Statement = [
+      {
+        Sid      = "ReadWriteKV"
+        Effect   = "Allow"
+        Action   = ["s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload"]
+        Resource = "${var.kv_bucket_arn}/${var.kv_prefix}/*"
+      },
+      {
+        Sid      = "ReadIndex"
+        Effect   = "Allow"
+        Action   = ["s3:GetObject"]
+        Resource = "${var.kv_bucket_arn}/${var.index_prefix}/*"
+      },
+      {
+        Sid      = "ListOwnPrefixes"
+        Effect   = "Allow"
+        Action   = ["s3:ListBucket"]
+        Resource = var.kv_bucket_arn
+        Condition = {
+          StringLike = { "s3:prefix" = ["${var.kv_prefix}/*", "${var.index_prefix}/*"] }
+        }
+      },
+      {
+        Sid      = "UseBucketKey"
+        Effect   = "Allow"
+        Action   = ["kms:Decrypt", "kms:GenerateDataKey"]
+        Resource = var.kms_key_arn
+      },
+    ]
+  })
+}
+
+resource "aws_iam_role_policy_attachment" "ssm" {
+  count      = var.enable_ssm ? 1 : 0
+  role       = aws_iam_role.serving.name
+  policy_arn = "arn:${data.aws_partition.current.partition}:iam::aws:policy/AmazonSSMManagedInstanceCore"
+}
+
+resource "aws_iam_instance_profile" "serving" {
+  name_prefix = "${var.name}-serving-"
+  role        = aws_iam_role.serving.name
+
+  tags = var.tags
+}
+
+# --- Network ---
+
+resource "aws_security_group" "serving" {
+  name_prefix = "${var.name}-serving-"
+  description = "ragkv serving instances: gRPC and metrics from named clients only"
+  vpc_id      = var.vpc_id
+
+  tags = merge(var.tags, { Name = "${var.name}-serving" })
+
+  lifecycle {
+    create_before_destroy = true
+  }
+}
+
+resource "aws_vpc_security_group_ingress_rule" "cidr" {
+  for_each = local.cidr_ingress
+
+  security_group_id = aws_security_group.serving.id
+  description       = "ragkv ${each.value.what} from ${each.value.cidr}"
+  ip_protocol       = "tcp"
+  from_port         = each.value.port
+  to_port           = each.value.port
+  cidr_ipv4         = each.value.cidr
+
+  tags = var.tags
+}
+
+resource "aws_vpc_security_group_ingress_rule" "sg" {
+  for_each = local.sg_ingress
+
+  security_group_id            = aws_security_group.serving.id
+  description                  = "ragkv ${each.value.what} from a client security group"
+  ip_protocol                  = "tcp"
+  from_port                    = each.value.port
+  to_port                      = each.value.port
+  referenced_security_group_id = each.value.sg
+
+  tags = var.tags
+}
+
+resource "aws_vpc_security_group_ingress_rule" "from_lb" {
+  for_each = local.lb_ports
+
+  security_group_id            = aws_security_group.serving.id
+  description                  = "ragkv ${each.key} from the load balancer"
+  ip_protocol                  = "tcp"
+  from_port                    = each.value
+  to_port                      = each.value
+  referenced_security_group_id = aws_security_group.lb[0].id
+
+  tags = var.tags
+}
+
+resource "aws_vpc_security_group_egress_rule" "serving" {
+  for_each = { for pair in setproduct([80, 443], var.egress_cidrs) : "${pair[0]}-${pair[1]}" => { port = pair[0], cidr = pair[1] } }
+
+  security_group_id = aws_security_group.serving.id
+  description       = "HTTP(S) to S3, KMS, SSM and package mirrors"
+  ip_protocol       = "tcp"
+  from_port         = each.value.port
+  to_port           = each.value.port
+  cidr_ipv4         = each.value.cidr
+
+  tags = var.tags
+}
+
+# --- Instances ---
+
+resource "aws_instance" "serving" {
+  count = local.standalone_count
+
+  ami                    = local.ami_id
+  instance_type          = var.instance_type
+  subnet_id              = var.subnet_ids[count.index % length(var.subnet_ids)]
+  vpc_security_group_ids = [aws_security_group.serving.id]
+  iam_instance_profile   = aws_iam_instance_profile.serving.name
+  ebs_optimized          = true
+  monitoring             = true
+  user_data_base64       = base64gzip(local.user_data)
+
+  metadata_options {
+    http_endpoint               = "enabled"
+    http_tokens                 = "required"
+    http_put_response_hop_limit = 1
+    instance_metadata_tags      = "disabled"
+  }
+
+  root_block_device {
+    volume_type           = "gp3"
+    volume_size           = var.root_volume_size_gb
+    encrypted             = true
+    kms_key_id            = var.root_volume_kms_key_id
+    delete_on_termination = true
+    tags                  = var.tags
+  }
+
+  tags = merge(var.tags, { Name = "${var.name}-serving-${count.index}" })
+
+  lifecycle {
+    # The SSM parameter moves to each new AMI release; replacing a serving
+    # instance must be a deliberate act (taint it, or use the ASG's refresh).
+    ignore_changes = [ami]
+  }
+}
+
+resource "aws_launch_template" "serving" {
+  count = var.create_autoscaling_group ? 1 : 0
+
+  name_prefix            = "${var.name}-serving-"
+  description            = "ragkv serving replicas"
+  image_id               = local.ami_id
+  instance_type          = var.instance_type
+  vpc_security_group_ids = [aws_security_group.serving.id]
+  ebs_optimized          = true
+  user_data              = base64gzip(local.user_data)
+  update_default_version = true
+
+  iam_instance_profile {
+    arn = aws_iam_instance_profile.serving.arn
+  }
+
+  metadata_options {
+    http_endpoint               = "enabled"
+    http_tokens                 = "required"
+    http_put_response_hop_limit = 1
+    instance_metadata_tags      = "disabled"
+  }
+
+  monitoring {
+    enabled = true
+  }
+
+  block_device_mappings {
+    device_name = var.root_device_name
+
+    ebs {
+      volume_type           = "gp3"
+      volume_size           = var.root_volume_size_gb
+      encrypted             = true
+      kms_key_id            = var.root_volume_kms_key_id
+      delete_on_termination = true
+    }
+  }
+
+  dynamic "tag_specifications" {
+    for_each = ["instance", "volume", "network-interface"]
+
+    content {
+      resource_type = tag_specifications.value
+      tags          = merge(var.tags, { Name = "${var.name}-serving" })
+    }
+  }
+
+  tags = var.tags
+}
+
+resource "aws_autoscaling_group" "serving" {
+  count = var.create_autoscaling_group ? 1 : 0
+
+  name_prefix               = "${var.name}-serving-"
+  vpc_zone_identifier       = var.subnet_ids
+  min_size                  = var.asg_min_size
+  max_size                  = var.asg_max_size
+  desired_capacity          = var.asg_desired_capacity
+  health_check_type         = var.create_load_balancer ? "ELB" : "EC2"
+  health_check_grace_period = var.health_check_grace_period
+  target_group_arns         = var.create_load_balancer ? [aws_lb_target_group.grpc[0].arn] : []
+
+  launch_template {
+    id      = aws_launch_template.serving[0].id
+    version = aws_launch_template.serving[0].latest_version
+  }
+
+  instance_refresh {
+    strategy = "Rolling"
+
+    preferences {
+      min_healthy_percentage = 50
+    }
+  }
+
+  dynamic "tag" {
+    for_each = merge(var.tags, { Name = "${var.name}-serving" })
+
+    content {
+      key                 = tag.key
+      value               = tag.value
+      propagate_at_launch = true
+    }
+  }
+}

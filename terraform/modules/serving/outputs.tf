@@ -1,0 +1,53 @@
+output "security_group_id" {
+  description = "Security group of the serving instances."
+  value       = aws_security_group.serving.id
+}
+
+output "iam_role_arn" {
+  description = "ARN of the serving instances' IAM role."
+  value       = aws_iam_role.serving.arn
+}
+
+output "instance_profile_name" {
+  description = "Name of the serving instances' instance profile."
+  value       = aws_iam_instance_profile.serving.name
+}
+
+output "ami_id" {
+  description = "AMI the instances are launched from."
+  value       = local.ami_id
+}
+
+output "instance_ids" {
+  description = "IDs of the standalone instances (empty when an Auto Scaling group is used)."
+  value       = aws_instance.serving[*].id
+}
+
+output "private_ips" {
+  description = "Private IPs of the standalone instances (empty when an Auto Scaling group is used)."
+  value       = aws_instance.serving[*].private_ip
+}
+
+output "autoscaling_group_name" {
+  description = "Name of the Auto Scaling group, or null."
+  value       = one(aws_autoscaling_group.serving[*].name)
+}
+
+output "load_balancer_dns_name" {
+  description = "DNS name of the Network Load Balancer, or null."
+  value       = one(aws_lb.serving[*].dns_name)
+}
+
+output "grpc_endpoints" {
+  description = "host:port addresses clients dial: the load balancer when there is one, else each standalone instance."
+  value = (
+    var.create_load_balancer
+    ? ["${one(aws_lb.serving[*].dns_name)}:${var.grpc_port}"]
+    : [for ip in aws_instance.serving[*].private_ip : "${ip}:${var.grpc_port}"]
+  )
+}
+
+output "user_data" {
+  description = "Rendered cloud-init script (for review; it holds no secrets)."
+  value       = local.user_data
+}

@@ -1,0 +1,235 @@
+variable "name" {
+  description = "Name prefix for every resource (lowercase letters, digits and hyphens)."
+  type        = string
+  default     = "ragkv"
+
+  validation {
+    condition     = can(regex("^[a-z0-9][a-z0-9-]{1,30}[a-z0-9]$", var.name))
+    error_message = "name must be 3-32 characters of lowercase letters, digits and hyphens."
+  }
+}
+
+variable "tags" {
+  description = "Tags added to every taggable resource, besides the module's own Project and ManagedBy tags."
+  type        = map(string)
+  default     = {}
+}
+
+variable "vpc_id" {
+  description = "VPC in which the serving instances and the Batch compute environment run."
+  type        = string
+}
+
+variable "subnet_ids" {
+  description = "Subnets (preferably private, in several availability zones) for the instances, load balancer and Batch."
+  type        = list(string)
+}
+
+# --- KV bucket ---
+
+variable "bucket_name" {
+  description = "Exact name of the KV bucket. Null derives a unique name from var.name."
+  type        = string
+  default     = null
+}
+
+variable "kv_prefix" {
+  description = "Key prefix of the KV files in the bucket ({kv_prefix}/{model_fp}/{key[:2]}/{key}.safetensors)."
+  type        = string
+  default     = "kv"
+}
+
+variable "index_prefix" {
+  description = "Key prefix of the built indexes in the bucket (one folder per index version)."
+  type        = string
+  default     = "index"
+}
+
+variable "index_version" {
+  description = "Index version the serving tier fetches and the indexing jobs write by default."
+  type        = string
+  default     = "latest"
+}
+
+variable "expired_prefixes" {
+  description = "Key prefixes of retired index versions or model fingerprints whose objects expire (e.g. [\"kv/<old model_fp>\", \"index/v1\"])."
+  type        = list(string)
+  default     = []
+}
+
+variable "expired_prefix_days" {
+  description = "Days after which objects under an expired prefix are deleted."
+  type        = number
+  default     = 1
+}
+
+variable "access_log_bucket" {
+  description = "Existing bucket for S3 server access logs of the KV bucket. Null disables them."
+  type        = string
+  default     = null
+}
+
+variable "force_destroy" {
+  description = "Allow destroy to delete a non-empty KV bucket (for short-lived environments)."
+  type        = bool
+  default     = false
+}
+
+# --- Serving ---
+
+variable "enable_serving" {
+  description = "Create the serving tier (GPU instances running `ragkv serve`)."
+  type        = bool
+  default     = true
+}
+
+variable "instance_type" {
+  description = "EC2 instance type of the serving tier."
+  type        = string
+  default     = "g5.xlarge"
+}
+
+variable "ami_ssm_parameter" {
+  description = "Public SSM parameter holding the Deep Learning AMI id for the serving tier."
+  type        = string
+  default     = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
+}
+
+variable "ami_id" {
+  description = "Explicit AMI id for the serving tier, overriding the SSM lookup."
+  type        = string
+  default     = null
+}
+
+variable "ragkv_pip_spec" {
+  description = "pip requirement the serving instances install, e.g. \"ragkv[gpu]==0.1.0\"."
+  type        = string
+  default     = "ragkv[gpu]"
+}
+
+variable "serving_environment" {
+  description = "Extra RAGKV_... environment for `ragkv serve`."
+  type        = map(string)
+  default     = {}
+}
+
+variable "grpc_port" {
+  description = "Port of the gRPC API."
+  type        = number
+  default     = 50051
+}
+
+variable "metrics_port" {
+  description = "Port of the Prometheus metrics endpoint."
+  type        = number
+  default     = 9090
+}
+
+variable "allowed_cidrs" {
+  description = "IPv4 CIDR blocks admitted to the gRPC and metrics ports. Empty by default; 0.0.0.0/0 is refused unless allow_public_ingress is true."
+  type        = list(string)
+  default     = []
+}
+
+variable "allow_public_ingress" {
+  description = "Permit 0.0.0.0/0 in allowed_cidrs."
+  type        = bool
+  default     = false
+}
+
+variable "allowed_security_group_ids" {
+  description = "Security groups whose members are admitted to the gRPC and metrics ports."
+  type        = list(string)
+  default     = []
+}
+
+variable "instance_count" {
+  description = "Standalone serving instances when create_autoscaling_group is false."
+  type        = number
+  default     = 1
+}
+
+variable "create_autoscaling_group" {
+  description = "Run serving replicas in an Auto Scaling group instead of standalone instances."
+  type        = bool
+  default     = false
+}
+
+variable "asg_min_size" {
+  description = "Minimum serving replicas in the Auto Scaling group."
+  type        = number
+  default     = 1
+}
+
+variable "asg_max_size" {
+  description = "Maximum serving replicas in the Auto Scaling group."
+  type        = number
+  default     = 2
+}
+
+variable "asg_desired_capacity" {
+  description = "Desired serving replicas in the Auto Scaling group."
+  type        = number
+  default     = 1
+}
+
+variable "create_load_balancer" {
+  description = "Put a Network Load Balancer (health-checked through grpc.health.v1) in front of the serving replicas."
+  type        = bool
+  default     = false
+}
+
+variable "load_balancer_internal" {
+  description = "Make the load balancer internal."
+  type        = bool
+  default     = true
+}
+
+variable "load_balancer_deletion_protection" {
+  description = "Protect the load balancer from deletion."
+  type        = bool
+  default     = true
+}
+
+# --- Indexing ---
+
+variable "enable_indexing" {
+  description = "Create the Spot Batch indexing tier."
+  type        = bool
+  default     = false
+}
+
+variable "container_image" {
+  description = "Image for the Batch jobs (built from the repository's Dockerfile). Required when enable_indexing is true."
+  type        = string
+  default     = null
+
+  validation {
+    condition     = !var.enable_indexing || var.container_image != null
+    error_message = "container_image is required when enable_indexing is true."
+  }
+}
+
+variable "index_instance_types" {
+  description = "GPU instance types for the Spot compute environment."
+  type        = list(string)
+  default     = ["g5.xlarge", "g5.2xlarge", "g6.xlarge", "g6.2xlarge", "g4dn.xlarge", "g4dn.2xlarge"]
+}
+
+variable "index_max_vcpus" {
+  description = "Upper bound on vCPUs of the Spot compute environment."
+  type        = number
+  default     = 64
+}
+
+variable "corpus_s3_uri" {
+  description = "S3 URI of the corpus to index. Null uses s3://{kv bucket}/corpus."
+  type        = string
+  default     = null
+}
+
+variable "index_retry_attempts" {
+  description = "Attempts per indexing job on host reclamation or the interruption exit code."
+  type        = number
+  default     = 5
+}

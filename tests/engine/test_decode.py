@@ -1,0 +1,102 @@
+"""Streaming decode: equals transformers' greedy generate, honours EOS, stop and sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import Engine, SamplingParams, load_model
+
+CHUNKS = [
+    "The observatory on Mount Kerr was built in 1931 by the astronomer Ada Lind.",
+    "Its main telescope has a mirror of 2.4 metres and is still used for surveys.",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    return Engine(load_model(str(tiny_llama_dir), device="cpu"))
+
+
+def _greedy_hf(lm, ids, n):
+    out = lm.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                            eos_token_id=None, pad_token_id=lm.tokenizer.pad_token_id)
+    return out[0, len(ids):].tolist()
+
+
+def test_greedy_equals_generate_tiny(tiny):
+    ids = tiny.prompt.prompt_ids(CHUNKS, "Who built it?")
+    stream = tiny.decode(tiny.full_prefill(ids), SamplingParams(max_new_tokens=20))
+    pieces = list(stream)
+    ref = _greedy_hf(tiny.lm, ids, 20)
+    n = len(stream.token_ids)
+    assert stream.token_ids == ref[:n]
+    assert stream.finish_reason in ("length", "eos")
+    if stream.finish_reason == "length":
+        assert n == 20
+    assert "".join(pieces) == tiny.lm.tokenizer.decode(stream.token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.real_model
+def test_greedy_equals_generate_smollm2(smollm2):
+    eng = Engine(smollm2)
+    ids = eng.prompt.prompt_ids(CHUNKS, "Who built the observatory on Mount Kerr?")
+    stream = eng.decode(eng.full_prefill(ids), SamplingParams(max_new_tokens=24))
+    text = "".join(stream)
+    ref = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+    if ref and ref[-1] in smollm2.eos_token_ids:
+        ref = ref[:-1]
+    assert stream.token_ids == ref
+    assert "Ada Lind" in text, text
+
+
+def test_stop_string_ends_generation_and_is_not_emitted(tiny):
+    ids = tiny.prompt.prompt_ids(CHUNKS, "Who?")
+    free = tiny.decode(tiny.full_prefill(ids), SamplingParams(max_new_tokens=30))
+    text = "".join(free)
+    assert len(text) > 6
+    stop = text[3:6]
+    stream = tiny.decode(tiny.full_prefill(ids), SamplingParams(max_new_tokens=30, stop=(stop,)))
+    got = "".join(stream)
+    assert stream.finish_reason == "stop"
+    assert got == text[: text.find(stop)]
+
+
+def test_eos_ends_generation(tiny):
+    ids = tiny.prompt.prompt_ids(CHUNKS, "Who?")
+    first = int(torch.argmax(tiny.full_prefill(ids).logits))
+    lm = tiny.lm
+    object.__setattr__(lm, "eos_token_ids", (first,))  # make the first greedy token an EOS
+    try:
+        stream = tiny.decode(tiny.full_prefill(ids), SamplingParams(max_new_tokens=10))
+        assert list(stream) == [] and stream.finish_reason == "eos" and stream.token_ids == []
+    finally:
+        object.__setattr__(lm, "eos_token_ids", (lm.tokenizer.eos_token_id,))
+
+
+def test_sampling_is_seeded(tiny):
+    ids = tiny.prompt.prompt_ids(CHUNKS, "Who?")
+
+    def run(seed):
+        s = tiny.decode(tiny.full_prefill(ids), SamplingParams(max_new_tokens=12, temperature=1.0,
+                                                               top_p=0.9, top_k=50, seed=seed))
+        list(s)
+        return s.token_ids
+
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+def test_decode_grows_the_cache_past_its_reserve(tiny):
+    ids = tiny.prompt.prompt_ids(CHUNKS, "Who?")
+    prompt = tiny.full_prefill(ids, reserve_tokens=2)
+    stream = tiny.decode(prompt, SamplingParams(max_new_tokens=16))
+    list(stream)
+    assert stream.token_ids == _greedy_hf(tiny.lm, ids, 16)[: len(stream.token_ids)]
+
+
+@pytest.mark.parametrize("bad", [dict(max_new_tokens=0), dict(temperature=-1), dict(top_p=0.0),
+                                 dict(top_k=-1), dict(stop=("",))])
+def test_bad_sampling_params(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)

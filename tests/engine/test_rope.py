@@ -1,0 +1,54 @@
+"""RoPE: attention depends only on relative positions, so shifting a whole sequence by
+Δ leaves attention outputs unchanged; shifting one side does not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import load_model
+from engine.rope import apply_rope, rotary_tables
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_llama_dir):
+    return load_model(str(tiny_llama_dir))
+
+
+def _attend(lm, q, k, v, start):
+    pos = torch.arange(start, start + q.shape[1])
+    cos, sin = rotary_tables(lm.model, pos, q)
+    return F.scaled_dot_product_attention(apply_rope(q, cos, sin)[None], apply_rope(k, cos, sin)[None],
+                                          v[None], is_causal=True)[0]
+
+
+@pytest.mark.parametrize("delta", [1, 37, 1000])
+def test_shifting_the_whole_sequence_keeps_attention(lm, delta):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 24, lm.head_dim, generator=g) for _ in range(3))
+    base = _attend(lm, q, k, v, 0)
+    shifted = _attend(lm, q, k, v, delta)
+    assert (base - shifted).abs().max() < 1e-4
+
+
+def test_shifting_keys_alone_changes_attention(lm):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 24, lm.head_dim, generator=g) for _ in range(3))
+    pos = torch.arange(24)
+    cq, sq = rotary_tables(lm.model, pos, q)
+    ck, sk = rotary_tables(lm.model, pos + 5, q)
+    out = F.scaled_dot_product_attention(apply_rope(q, cq, sq)[None], apply_rope(k, ck, sk)[None], v[None],
+                                         is_causal=True)[0]
+    assert (out - _attend(lm, q, k, v, 0)).abs().max() > 1e-3
+
+
+def test_rope_matches_transformers(lm):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(1, 2, 10, lm.head_dim, generator=g), torch.randn(1, 2, 10, lm.head_dim, generator=g)
+    cos, sin = rotary_tables(lm.model, torch.arange(3, 13), q)
+    ref_q, ref_k = apply_rotary_pos_emb(q, k, cos[None], sin[None])
+    assert torch.allclose(apply_rope(q, cos, sin), ref_q, atol=1e-6)
+    assert torch.allclose(apply_rope(k, cos, sin), ref_k, atol=1e-6)

@@ -1,0 +1,456 @@
+"""RagClient and AsyncRagClient: the Python SDK of the ragkv query service.
+
+    with RagClient("localhost:50051", token=...) as client:
+        stream = client.query("Who wrote it?", mode="blend")
+        for piece in stream:
+            print(piece, end="")
+        print(stream.chunks, stream.stats.ttft_seconds)
+
+Every call has a deadline (the client's default `timeout` unless given), retries
+UNAVAILABLE with backoff (a stream only before its first message), and raises
+`grpc.RpcError` with the server's status code otherwise. This module imports
+grpcio and protobuf only, never torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from pathlib import Path
+
+import grpc
+import grpc.aio
+
+from ragkv import convert
+from ragkv.channel import ChannelConfig
+from ragkv.retry import RetryPolicy, is_retryable
+from ragkv.types import (
+    CollectionInfo,
+    CollectionStats,
+    Mode,
+    QueryOptions,
+    QueryStats,
+    RetrievedChunk,
+    RetrieveResult,
+)
+from ragkv.v1 import ragkv_pb2 as pb
+from ragkv.v1 import ragkv_pb2_grpc as pb_grpc
+
+DEFAULT_TIMEOUT = 120.0  # seconds, whole call (a Query stream included)
+
+
+def _mode(mode: Mode | str | None) -> Mode | None:
+    if mode is None or isinstance(mode, Mode):
+        return mode
+    try:
+        return Mode(mode.lower())
+    except ValueError:
+        known = ", ".join(m.value for m in Mode)
+        raise ValueError(f"mode must be one of {known}, got {mode!r}") from None
+
+
+def _options(
+    collection: str | None,
+    top_k: int | None,
+    mode: Mode | str | None,
+    recompute_ratio: float | None,
+    temperature: float,
+    top_p: float | None,
+    seed: int | None,
+    max_new_tokens: int | None,
+    stop: Sequence[str],
+    snippet_chars: int | None,
+) -> QueryOptions:
+    return QueryOptions(
+        collection=collection,
+        top_k=top_k,
+        mode=_mode(mode),
+        recompute_ratio=recompute_ratio,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+        stop=tuple(stop),
+        snippet_chars=snippet_chars,
+    )
+
+
+class _StreamState:
+    """What a Query stream has delivered so far (shared by the sync and async streams)."""
+
+    def __init__(self) -> None:
+        self.chunks: tuple[RetrievedChunk, ...] | None = None  # first message
+        self.stats: QueryStats | None = None  # last message
+        self.pieces: list[str] = []  # token pieces received
+
+    def absorb(self, msg: pb.QueryResponse) -> str | None:
+        """Record one message; return its token piece, if it is one."""
+        event = convert.query_event_from_proto(msg)
+        if isinstance(event, str):
+            self.pieces.append(event)
+            return event
+        if isinstance(event, QueryStats):
+            self.stats = event
+        else:
+            self.chunks = event
+        return None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+class QueryStream:
+    """A running Query: iterate for token pieces; `chunks` and `stats` fill in as they arrive."""
+
+    def __init__(self, start: Callable[[float], grpc.Call], retry: RetryPolicy, timeout: float) -> None:
+        self._start = start
+        self._retry = retry
+        self._deadline = time.monotonic() + timeout
+        self._state = _StreamState()
+        self._call: grpc.Call | None = None
+        self._buffer: deque[str] = deque()
+        self._events = self._run()
+
+    def _run(self) -> Iterator[str | None]:
+        delays = self._retry.delays()
+        while True:
+            self._call = self._start(max(0.0, self._deadline - time.monotonic()))
+            received = False
+            try:
+                for msg in self._call:
+                    received = True
+                    yield self._state.absorb(msg)
+                return
+            except grpc.RpcError as exc:
+                delay = next(delays, None) if is_retryable(exc) and not received else None
+                if delay is None or time.monotonic() + delay >= self._deadline:
+                    raise
+                time.sleep(delay)
+
+    def _pull(self) -> bool:
+        """Read one more message; False at the end of the stream."""
+        try:
+            piece = next(self._events)
+        except StopIteration:
+            return False
+        if piece is not None:
+            self._buffer.append(piece)
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        while True:
+            while self._buffer:
+                yield self._buffer.popleft()
+            if not self._pull():
+                return
+
+    @property
+    def chunks(self) -> tuple[RetrievedChunk, ...]:
+        """The retrieved chunks (waits for the first message if it has not arrived)."""
+        while self._state.chunks is None and self._pull():
+            pass
+        if self._state.chunks is None:
+            raise RuntimeError("the server ended the Query stream without a chunks message: a server bug")
+        return self._state.chunks
+
+    @property
+    def stats(self) -> QueryStats | None:
+        """The final stats; None until the stream has been read to its end."""
+        return self._state.stats
+
+    @property
+    def text(self) -> str:
+        """The answer text received so far."""
+        return self._state.text
+
+    def result(self) -> QueryStats:
+        """Read the stream to its end and return the final stats."""
+        for _ in self:
+            pass
+        if self._state.stats is None:
+            raise RuntimeError("the server ended the Query stream without stats: a server bug")
+        return self._state.stats
+
+    def cancel(self) -> None:
+        """Cancel the call; the server frees its work at once."""
+        if self._call is not None:
+            self._call.cancel()
+
+
+class RagClient:
+    """Blocking client of a ragkv server.
+
+    Args:
+        target: "host:port" of the server.
+        token: Bearer token, when the server requires one.
+        tls: Connect with TLS (system roots unless root_certificates is given).
+        root_certificates: PEM bytes or path of the CA that signed the server's cert.
+        server_name: TLS name to verify instead of the target's host.
+        timeout: Default deadline of each call, seconds.
+        retry: Retry policy for UNAVAILABLE.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        tls: bool = False,
+        root_certificates: bytes | str | Path | None = None,
+        server_name: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        retry: RetryPolicy = RetryPolicy(),
+    ) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        self._config = ChannelConfig.create(
+            target, token=token, tls=tls, root_certificates=root_certificates, server_name=server_name
+        )
+        self._timeout = timeout
+        self._retry = retry
+        self._channel = self._config.sync_channel()
+        self._stub = pb_grpc.RagServiceStub(self._channel)
+
+    def __enter__(self) -> RagClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the channel; running calls are cancelled."""
+        self._channel.close()
+
+    def _unary(self, method: Callable[..., object], request: object, timeout: float | None) -> object:
+        deadline = time.monotonic() + (timeout or self._timeout)
+        delays = self._retry.delays()
+        while True:
+            try:
+                return method(
+                    request, timeout=max(0.0, deadline - time.monotonic()), metadata=self._config.metadata()
+                )
+            except grpc.RpcError as exc:
+                delay = next(delays, None) if is_retryable(exc) else None
+                if delay is None or time.monotonic() + delay >= deadline:
+                    raise
+                time.sleep(delay)
+
+    def query(
+        self,
+        question: str,
+        *,
+        collection: str | None = None,
+        top_k: int | None = None,
+        mode: Mode | str | None = None,
+        recompute_ratio: float | None = None,
+        temperature: float = 0.0,
+        top_p: float | None = None,
+        seed: int | None = None,
+        max_new_tokens: int | None = None,
+        stop: Sequence[str] = (),
+        snippet_chars: int | None = None,
+        timeout: float | None = None,
+    ) -> QueryStream:
+        """Start a Query; None options take the server's defaults.
+
+        Returns:
+            A QueryStream; iterating it yields the answer's text pieces.
+        """
+        options = _options(
+            collection, top_k, mode, recompute_ratio, temperature, top_p, seed, max_new_tokens, stop, snippet_chars
+        )
+        request = convert.query_request_to_proto(question, options)
+
+        def start(remaining: float) -> grpc.Call:
+            return self._stub.Query(request, timeout=remaining, metadata=self._config.metadata())
+
+        return QueryStream(start, self._retry, timeout or self._timeout)
+
+    def retrieve(
+        self,
+        question: str,
+        *,
+        collection: str | None = None,
+        top_k: int | None = None,
+        snippet_chars: int | None = None,
+        timeout: float | None = None,
+    ) -> RetrieveResult:
+        """Retrieve chunks only."""
+        request = convert.retrieve_request_to_proto(question, collection, top_k, snippet_chars)
+        return convert.retrieve_result_from_proto(self._unary(self._stub.Retrieve, request, timeout))
+
+    def list_collections(self, *, timeout: float | None = None) -> list[CollectionInfo]:
+        """The collections the server serves."""
+        resp = self._unary(self._stub.ListCollections, pb.ListCollectionsRequest(), timeout)
+        return [convert.collection_from_proto(c) for c in resp.collections]
+
+    def collection_stats(self, name: str = "default", *, timeout: float | None = None) -> CollectionStats:
+        """One collection with its KV-tier statistics."""
+        resp = self._unary(self._stub.GetCollectionStats, pb.GetCollectionStatsRequest(name=name), timeout)
+        return convert.collection_stats_from_proto(resp)
+
+
+class AsyncQueryStream:
+    """A running Query on asyncio: `async for piece in stream`; `chunks`/`stats` fill in."""
+
+    def __init__(self, start: Callable[[float], grpc.aio.UnaryStreamCall], retry: RetryPolicy, timeout: float) -> None:
+        self._start = start
+        self._retry = retry
+        self._deadline = time.monotonic() + timeout
+        self._state = _StreamState()
+        self._call: grpc.aio.UnaryStreamCall | None = None
+        self._consumed = False
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        if self._consumed:
+            raise RuntimeError("an AsyncQueryStream can be iterated once")
+        self._consumed = True
+        delays = self._retry.delays()
+        while True:
+            self._call = self._start(max(0.0, self._deadline - time.monotonic()))
+            received = False
+            try:
+                async for msg in self._call:
+                    received = True
+                    piece = self._state.absorb(msg)
+                    if piece is not None:
+                        yield piece
+                return
+            except grpc.RpcError as exc:
+                delay = next(delays, None) if is_retryable(exc) and not received else None
+                if delay is None or time.monotonic() + delay >= self._deadline:
+                    raise
+                await asyncio.sleep(delay)
+
+    @property
+    def chunks(self) -> tuple[RetrievedChunk, ...] | None:
+        """The retrieved chunks; None until the first message arrived."""
+        return self._state.chunks
+
+    @property
+    def stats(self) -> QueryStats | None:
+        """The final stats; None until the stream ended."""
+        return self._state.stats
+
+    @property
+    def text(self) -> str:
+        """The answer text received so far."""
+        return self._state.text
+
+    async def result(self) -> QueryStats:
+        """Read the stream to its end and return the final stats."""
+        async for _ in self:
+            pass
+        if self._state.stats is None:
+            raise RuntimeError("the server ended the Query stream without stats: a server bug")
+        return self._state.stats
+
+    def cancel(self) -> None:
+        """Cancel the call; the server frees its work at once."""
+        if self._call is not None:
+            self._call.cancel()
+
+
+class AsyncRagClient:
+    """asyncio client of a ragkv server; same arguments and methods as RagClient.
+
+    Create it inside the running event loop that uses it.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        tls: bool = False,
+        root_certificates: bytes | str | Path | None = None,
+        server_name: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        retry: RetryPolicy = RetryPolicy(),
+    ) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        self._config = ChannelConfig.create(
+            target, token=token, tls=tls, root_certificates=root_certificates, server_name=server_name
+        )
+        self._timeout = timeout
+        self._retry = retry
+        self._channel = self._config.aio_channel()
+        self._stub = pb_grpc.RagServiceStub(self._channel)
+
+    async def __aenter__(self) -> AsyncRagClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the channel; running calls are cancelled."""
+        await self._channel.close()
+
+    async def _unary(self, method: Callable[..., object], request: object, timeout: float | None) -> object:
+        deadline = time.monotonic() + (timeout or self._timeout)
+        delays = self._retry.delays()
+        while True:
+            try:
+                return await method(
+                    request, timeout=max(0.0, deadline - time.monotonic()), metadata=self._config.metadata()
+                )
+            except grpc.RpcError as exc:
+                delay = next(delays, None) if is_retryable(exc) else None
+                if delay is None or time.monotonic() + delay >= deadline:
+                    raise
+                await asyncio.sleep(delay)
+
+    def query(
+        self,
+        question: str,
+        *,
+        collection: str | None = None,
+        top_k: int | None = None,
+        mode: Mode | str | None = None,
+        recompute_ratio: float | None = None,
+        temperature: float = 0.0,
+        top_p: float | None = None,
+        seed: int | None = None,
+        max_new_tokens: int | None = None,
+        stop: Sequence[str] = (),
+        snippet_chars: int | None = None,
+        timeout: float | None = None,
+    ) -> AsyncQueryStream:
+        """Start a Query (the call begins when the stream is iterated)."""
+        options = _options(
+            collection, top_k, mode, recompute_ratio, temperature, top_p, seed, max_new_tokens, stop, snippet_chars
+        )
+        request = convert.query_request_to_proto(question, options)
+
+        def start(remaining: float) -> grpc.aio.UnaryStreamCall:
+            return self._stub.Query(request, timeout=remaining, metadata=self._config.metadata())
+
+        return AsyncQueryStream(start, self._retry, timeout or self._timeout)
+
+    async def retrieve(
+        self,
+        question: str,
+        *,
+        collection: str | None = None,
+        top_k: int | None = None,
+        snippet_chars: int | None = None,
+        timeout: float | None = None,
+    ) -> RetrieveResult:
+        """Retrieve chunks only."""
+        request = convert.retrieve_request_to_proto(question, collection, top_k, snippet_chars)
+        return convert.retrieve_result_from_proto(await self._unary(self._stub.Retrieve, request, timeout))
+
+    async def list_collections(self, *, timeout: float | None = None) -> list[CollectionInfo]:
+        """The collections the server serves."""
+        resp = await self._unary(self._stub.ListCollections, pb.ListCollectionsRequest(), timeout)
+        return [convert.collection_from_proto(c) for c in resp.collections]
+
+    async def collection_stats(self, name: str = "default", *, timeout: float | None = None) -> CollectionStats:
+        """One collection with its KV-tier statistics."""
+        resp = await self._unary(self._stub.GetCollectionStats, pb.GetCollectionStatsRequest(name=name), timeout)
+        return convert.collection_stats_from_proto(resp)

@@ -1,0 +1,326 @@
+"""The one module that converts between ragkv.v1 protobuf messages and ragkv.types.
+
+Both the client SDK and the server use it, so a field added to the .proto is
+handled here once (tests/client/test_convert.py checks every field round-trips).
+Wire values the domain cannot represent (an enum number this build does not know)
+raise `WireValueError` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+from ragkv.types import (
+    CollectionInfo,
+    CollectionStats,
+    FinishReason,
+    Mode,
+    QueryOptions,
+    QueryStats,
+    RetrievedChunk,
+    RetrieveResult,
+    Tier,
+    TierStats,
+    Usage,
+)
+from ragkv.v1 import ragkv_pb2 as pb
+
+
+class WireValueError(ValueError):
+    """A message field holds a value this build cannot represent.
+
+    Attributes:
+        field: Name of the offending request field, as in the .proto.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+_MODE_TO_PB = {
+    Mode.FULL: pb.MODE_FULL,
+    Mode.PREFIX: pb.MODE_PREFIX,
+    Mode.REUSE: pb.MODE_REUSE,
+    Mode.BLEND: pb.MODE_BLEND,
+    Mode.CLIP: pb.MODE_CLIP,
+}
+_MODE_FROM_PB = {v: k for k, v in _MODE_TO_PB.items()}
+_TIER_TO_PB = {
+    Tier.GPU: pb.TIER_GPU,
+    Tier.CPU: pb.TIER_CPU,
+    Tier.DISK: pb.TIER_DISK,
+    Tier.S3: pb.TIER_S3,
+    Tier.COMPUTED: pb.TIER_COMPUTED,
+    Tier.NOT_LOADED: pb.TIER_NOT_LOADED,
+}
+_TIER_FROM_PB = {v: k for k, v in _TIER_TO_PB.items()}
+_FINISH_TO_PB = {FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.STOP: pb.FINISH_REASON_STOP}
+_FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
+
+
+def mode_to_proto(mode: Mode | None) -> int:
+    """Mode -> ragkv.v1.Mode number; None -> MODE_UNSPECIFIED."""
+    return pb.MODE_UNSPECIFIED if mode is None else _MODE_TO_PB[mode]
+
+
+def mode_from_proto(value: int, field: str = "mode") -> Mode | None:
+    """ragkv.v1.Mode number -> Mode; MODE_UNSPECIFIED -> None.
+
+    Raises:
+        WireValueError: The number is no Mode this build knows.
+    """
+    if value == pb.MODE_UNSPECIFIED:
+        return None
+    try:
+        return _MODE_FROM_PB[value]
+    except KeyError:
+        known = ", ".join(pb.Mode.Name(v) for v in _MODE_FROM_PB)
+        raise WireValueError(field, f"{field}: unknown mode {value} (known: {known})") from None
+
+
+def tier_to_proto(tier: Tier | None) -> int:
+    """Tier -> ragkv.v1.Tier number; None -> TIER_UNSPECIFIED."""
+    return pb.TIER_UNSPECIFIED if tier is None else _TIER_TO_PB[tier]
+
+
+def tier_from_proto(value: int, field: str = "kv_tier") -> Tier | None:
+    """ragkv.v1.Tier number -> Tier; TIER_UNSPECIFIED -> None."""
+    if value == pb.TIER_UNSPECIFIED:
+        return None
+    try:
+        return _TIER_FROM_PB[value]
+    except KeyError:
+        raise WireValueError(field, f"{field}: unknown tier {value}") from None
+
+
+def finish_reason_from_proto(value: int) -> FinishReason:
+    """ragkv.v1.FinishReason number -> FinishReason (unknown numbers read as STOP)."""
+    return _FINISH_FROM_PB.get(value, FinishReason.STOP)
+
+
+def query_request_to_proto(question: str, options: QueryOptions) -> pb.QueryRequest:
+    """Build the wire request of Query."""
+    msg = pb.QueryRequest(
+        question=question,
+        collection=options.collection or "",
+        top_k=options.top_k or 0,
+        mode=mode_to_proto(options.mode),
+        sampling=pb.SamplingOptions(temperature=options.temperature, top_p=options.top_p or 0.0),
+        max_new_tokens=options.max_new_tokens or 0,
+        stop=list(options.stop),
+        snippet_chars=options.snippet_chars or 0,
+    )
+    if options.recompute_ratio is not None:
+        msg.recompute_ratio = options.recompute_ratio
+    if options.seed is not None:
+        msg.sampling.seed = options.seed
+    return msg
+
+
+def query_request_from_proto(msg: pb.QueryRequest) -> tuple[str, QueryOptions]:
+    """Read a Query request into (question, options); zero values become None.
+
+    Raises:
+        WireValueError: `mode` holds an unknown enum number.
+    """
+    sampling = msg.sampling
+    options = QueryOptions(
+        collection=msg.collection or None,
+        top_k=msg.top_k or None,
+        mode=mode_from_proto(msg.mode),
+        recompute_ratio=msg.recompute_ratio if msg.HasField("recompute_ratio") else None,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p or None,
+        seed=sampling.seed if sampling.HasField("seed") else None,
+        max_new_tokens=msg.max_new_tokens or None,
+        stop=tuple(msg.stop),
+        snippet_chars=msg.snippet_chars or None,
+    )
+    return msg.question, options
+
+
+def retrieve_request_to_proto(
+    question: str, collection: str | None, top_k: int | None, snippet_chars: int | None
+) -> pb.RetrieveRequest:
+    """Build the wire request of Retrieve."""
+    return pb.RetrieveRequest(
+        question=question, collection=collection or "", top_k=top_k or 0, snippet_chars=snippet_chars or 0
+    )
+
+
+def retrieve_request_from_proto(msg: pb.RetrieveRequest) -> tuple[str, QueryOptions]:
+    """Read a Retrieve request into (question, options) with only the retrieval fields set."""
+    options = QueryOptions(
+        collection=msg.collection or None, top_k=msg.top_k or None, snippet_chars=msg.snippet_chars or None
+    )
+    return msg.question, options
+
+
+def _snippet(text: str, snippet_chars: int | None) -> str:
+    return text if not snippet_chars else text[:snippet_chars]
+
+
+def chunk_to_proto(chunk: RetrievedChunk, snippet_chars: int | None = None) -> pb.Chunk:
+    """RetrievedChunk -> Chunk, the text cut to snippet_chars when given."""
+    return pb.Chunk(
+        chunk_id=chunk.chunk_id,
+        score=chunk.score,
+        text=_snippet(chunk.text, snippet_chars),
+        metadata=dict(chunk.metadata),
+        kv_tier=tier_to_proto(chunk.kv_tier),
+        num_tokens=chunk.num_tokens,
+    )
+
+
+def chunk_from_proto(msg: pb.Chunk) -> RetrievedChunk:
+    """Chunk -> RetrievedChunk."""
+    return RetrievedChunk(
+        chunk_id=msg.chunk_id,
+        score=msg.score,
+        text=msg.text,
+        metadata=dict(msg.metadata),
+        kv_tier=tier_from_proto(msg.kv_tier),
+        num_tokens=msg.num_tokens,
+    )
+
+
+def retrieve_result_to_proto(result: RetrieveResult, snippet_chars: int | None = None) -> pb.RetrieveResponse:
+    """RetrieveResult -> RetrieveResponse."""
+    return pb.RetrieveResponse(
+        chunks=[chunk_to_proto(c, snippet_chars) for c in result.chunks],
+        retrieve_seconds=result.retrieve_seconds,
+    )
+
+
+def retrieve_result_from_proto(msg: pb.RetrieveResponse) -> RetrieveResult:
+    """RetrieveResponse -> RetrieveResult."""
+    return RetrieveResult(
+        chunks=tuple(chunk_from_proto(c) for c in msg.chunks), retrieve_seconds=msg.retrieve_seconds
+    )
+
+
+def query_stats_to_proto(stats: QueryStats) -> pb.QueryStats:
+    """QueryStats -> QueryStats message."""
+    return pb.QueryStats(
+        usage=pb.Usage(
+            prompt_tokens=stats.usage.prompt_tokens,
+            completion_tokens=stats.usage.completion_tokens,
+            cached_prompt_tokens=stats.usage.cached_prompt_tokens,
+        ),
+        ttft_seconds=stats.ttft_seconds,
+        total_seconds=stats.total_seconds,
+        phase_seconds=dict(stats.phase_seconds),
+        recompute_fraction=stats.recompute_fraction,
+        mode=mode_to_proto(stats.mode),
+        finish_reason=_FINISH_TO_PB[stats.finish_reason],
+        text=stats.text,
+    )
+
+
+def query_stats_from_proto(msg: pb.QueryStats) -> QueryStats:
+    """QueryStats message -> QueryStats."""
+    mode = mode_from_proto(msg.mode, field="stats.mode")
+    return QueryStats(
+        usage=Usage(
+            prompt_tokens=msg.usage.prompt_tokens,
+            completion_tokens=msg.usage.completion_tokens,
+            cached_prompt_tokens=msg.usage.cached_prompt_tokens,
+        ),
+        ttft_seconds=msg.ttft_seconds,
+        total_seconds=msg.total_seconds,
+        phase_seconds=dict(msg.phase_seconds),
+        recompute_fraction=msg.recompute_fraction,
+        mode=mode if mode is not None else Mode.BLEND,
+        finish_reason=finish_reason_from_proto(msg.finish_reason),
+        text=msg.text,
+    )
+
+
+def chunks_response(chunks: tuple[RetrievedChunk, ...], snippet_chars: int | None = None) -> pb.QueryResponse:
+    """The first message of a Query stream."""
+    return pb.QueryResponse(chunks=pb.RetrievedChunks(chunks=[chunk_to_proto(c, snippet_chars) for c in chunks]))
+
+
+def token_response(text: str, index: int) -> pb.QueryResponse:
+    """One token-piece message of a Query stream."""
+    return pb.QueryResponse(token=pb.TokenDelta(text=text, index=index))
+
+
+def stats_response(stats: QueryStats) -> pb.QueryResponse:
+    """The last message of a Query stream."""
+    return pb.QueryResponse(stats=query_stats_to_proto(stats))
+
+
+QueryEvent = tuple[RetrievedChunk, ...] | str | QueryStats
+
+
+def query_event_from_proto(msg: pb.QueryResponse) -> QueryEvent:
+    """A Query stream message -> chunks tuple, token text, or QueryStats.
+
+    Raises:
+        WireValueError: The message carries none of the known events.
+    """
+    which = msg.WhichOneof("event")
+    if which == "chunks":
+        return tuple(chunk_from_proto(c) for c in msg.chunks.chunks)
+    if which == "token":
+        return msg.token.text
+    if which == "stats":
+        return query_stats_from_proto(msg.stats)
+    raise WireValueError("event", f"event: QueryResponse carries no known event ({which!r})")
+
+
+def collection_to_proto(info: CollectionInfo) -> pb.Collection:
+    """CollectionInfo -> Collection."""
+    return pb.Collection(
+        name=info.name,
+        num_chunks=info.num_chunks,
+        model_fingerprint=info.model_fingerprint,
+        tokenizer_fingerprint=info.tokenizer_fingerprint,
+    )
+
+
+def collection_from_proto(msg: pb.Collection) -> CollectionInfo:
+    """Collection -> CollectionInfo."""
+    return CollectionInfo(
+        name=msg.name,
+        num_chunks=msg.num_chunks,
+        model_fingerprint=msg.model_fingerprint,
+        tokenizer_fingerprint=msg.tokenizer_fingerprint,
+    )
+
+
+def collection_stats_to_proto(stats: CollectionStats) -> pb.GetCollectionStatsResponse:
+    """CollectionStats -> GetCollectionStatsResponse."""
+    return pb.GetCollectionStatsResponse(
+        collection=collection_to_proto(stats.collection),
+        tiers=[
+            pb.TierStats(
+                tier=tier_to_proto(t.tier),
+                entries=t.entries,
+                bytes=t.bytes,
+                hits=t.hits,
+                misses=t.misses,
+                bytes_loaded=t.bytes_loaded,
+            )
+            for t in stats.tiers
+        ],
+    )
+
+
+def collection_stats_from_proto(msg: pb.GetCollectionStatsResponse) -> CollectionStats:
+    """GetCollectionStatsResponse -> CollectionStats."""
+    tiers = []
+    for t in msg.tiers:
+        tier = tier_from_proto(t.tier, field="tiers.tier")
+        if tier is None:
+            raise WireValueError("tiers.tier", "tiers.tier: TIER_UNSPECIFIED in collection stats")
+        tiers.append(TierStats(tier, t.entries, t.bytes, t.hits, t.misses, t.bytes_loaded))
+    return CollectionStats(collection=collection_from_proto(msg.collection), tiers=tuple(tiers))
+
+
+def metadata_to_wire(metadata: Mapping[str, object]) -> dict[str, str]:
+    """Flatten chunk metadata to the wire's string map (non-strings as JSON)."""
+    return {str(k): v if isinstance(v, str) else json.dumps(v, default=str) for k, v in metadata.items()}

@@ -1,0 +1,179 @@
+"""RagServer: assembles the grpc.aio server and runs its life cycle.
+
+start: bind, serve health (NOT_SERVING) and reflection at once, load the backend
+(indexes and model) off the loop, then flip health to SERVING.
+drain (SIGTERM/SIGINT): health NOT_SERVING, refuse new RPCs (UNAVAILABLE), give
+in-flight requests `grace_seconds` to finish, cancel what is left, stop, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ragkv.v1 import ragkv_pb2 as pb
+from ragkv.v1 import ragkv_pb2_grpc as pb_grpc
+from server.admission import Admission
+from server.auth import BearerTokenInterceptor, read_token
+from server.backend import QueryBackend
+from server.metrics import ServerMetrics
+from server.service import RagService
+from server.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RagService"].full_name
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# Answers carry whole chunk texts; allow messages well above gRPC's 4 MiB default.
+_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+BackendFactory = Callable[[ServerSettings], QueryBackend]
+
+
+class RagServer:
+    """One ragkv gRPC server.
+
+    Args:
+        settings: The configuration.
+        backend_factory: Builds the backend (slow: loads model and indexes); runs on a
+            worker thread after the port is bound, while health says NOT_SERVING.
+        metrics: Metrics to record into; a fresh registry by default.
+    """
+
+    def __init__(
+        self, settings: ServerSettings, backend_factory: BackendFactory, metrics: ServerMetrics | None = None
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics or ServerMetrics()
+        self._factory = backend_factory
+        self._admission = Admission(settings.max_queue, self.metrics.queue_depth.set)
+        self._retrieve_pool = ThreadPoolExecutor(settings.retrieve_workers, thread_name_prefix="ragkv-retrieve")
+        # The engine is not thread-safe: exactly one thread runs answers.
+        self._engine_pool = ThreadPoolExecutor(1, thread_name_prefix="ragkv-engine")
+        self.service = RagService(
+            limits=settings.limits(),
+            admission=self._admission,
+            metrics=self.metrics,
+            retrieve_pool=self._retrieve_pool,
+            engine_pool=self._engine_pool,
+        )
+        self.health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._load_task: asyncio.Task[None] | None = None
+        self._stopped = asyncio.Event()
+        self.port: int | None = None  # bound gRPC port, after start()
+        self.metrics_port: int | None = None  # bound metrics port, after start()
+        self.load_error: BaseException | None = None  # why loading failed, if it did
+
+    async def _set_health(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def start(self) -> int:
+        """Bind and start serving; loading continues in the background.
+
+        Returns:
+            The bound gRPC port.
+        """
+        s = self.settings
+        interceptors = []
+        token = read_token(s.auth_token_file)
+        if token is not None:
+            interceptors.append(
+                BearerTokenInterceptor(
+                    token, on_reject=lambda m: self.metrics.errors.labels(m.rsplit("/", 1)[-1], "UNAUTHENTICATED").inc()
+                )
+            )
+        server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[
+                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        pb_grpc.add_RagServiceServicer_to_server(self.service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            server,
+        )
+        address = f"{s.host}:{s.port}"
+        if s.tls_cert is not None and s.tls_key is not None:
+            creds = grpc.ssl_server_credentials([(s.tls_key.read_bytes(), s.tls_cert.read_bytes())])
+            port = server.add_secure_port(address, creds)
+        else:
+            port = server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"could not bind the gRPC port at {address}")
+        await self._set_health(_NOT_SERVING)
+        await server.start()
+        self._server, self.port = server, port
+        if s.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(s.metrics_port, s.host)
+        self._load_task = asyncio.create_task(self._load())
+        log.info("ragkv serving on %s:%d (tls=%s, auth=%s)", s.host, port, s.tls_cert is not None, token is not None)
+        return port
+
+    async def _load(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            backend = await loop.run_in_executor(self._retrieve_pool, self._factory, self.settings)
+        except Exception as exc:  # stays NOT_SERVING; queries get UNAVAILABLE
+            self.load_error = exc
+            log.error("loading the backend failed; staying NOT_SERVING", exc_info=exc)
+            return
+        self.service.backend = backend
+        await self._set_health(_SERVING)
+        log.info("backend loaded: %d collection(s)", len(backend.collections()))
+
+    async def wait_loaded(self, timeout: float) -> bool:
+        """Wait for loading to finish; True when the backend is serving."""
+        if self._load_task is None:
+            raise RuntimeError("wait_loaded() before start(): a caller bug")
+        await asyncio.wait_for(asyncio.shield(self._load_task), timeout)
+        return self.service.backend is not None
+
+    async def drain(self, grace: float | None = None) -> None:
+        """Stop gracefully: NOT_SERVING, refuse new RPCs, let in-flight ones finish, stop."""
+        if self._server is None or self._stopped.is_set():
+            return
+        grace = self.settings.grace_seconds if grace is None else grace
+        log.info("draining: %d RPC(s) in flight, grace %.1f s", self._admission.in_flight, grace)
+        await self._set_health(_NOT_SERVING)
+        self._admission.start_draining()
+        finished = await self._admission.wait_idle(grace)
+        if not finished:
+            log.warning("grace period over with %d RPC(s) in flight; cancelling them", self._admission.in_flight)
+        await self._server.stop(0)
+        if self._load_task is not None:
+            self._load_task.cancel()
+        self.metrics.close()
+        self._retrieve_pool.shutdown(wait=False, cancel_futures=True)
+        self._engine_pool.shutdown(wait=False, cancel_futures=True)
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        """Return once drain() has finished."""
+        await self._stopped.wait()
+
+
+async def run(settings: ServerSettings, backend_factory: BackendFactory) -> int:
+    """Serve until SIGTERM or SIGINT, then drain; returns the exit status (0)."""
+    server = RagServer(settings, backend_factory)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.drain()))
+    await server.wait_stopped()
+    log.info("stopped")
+    return 0

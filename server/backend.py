@@ -1,0 +1,122 @@
+"""The QueryBackend protocol: what the gRPC layer needs from retrieval and generation.
+
+The gRPC layer (validation, status codes, auth, health, metrics, queue, cancellation,
+drain) knows only this protocol; `server.pipeline.Pipeline` implements it over
+retriever + kvstore + engine, and tests implement it with a fake. Nothing here
+imports torch, FAISS or gRPC.
+
+Threading contract: `collections`, `collection_stats`, `retrieve` and `prepare` may
+run on any worker thread, concurrently with `answer`; `answer` runs on the single
+engine thread, one request at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from ragkv.types import CollectionInfo, CollectionStats, FinishReason, Mode, RetrievedChunk, Tier
+
+
+@dataclass(frozen=True, slots=True)
+class QueryParams:
+    """A validated Query with every default resolved."""
+
+    question: str  # non-empty, within the length limit
+    collection: str  # a collection this server serves
+    top_k: int  # chunks to retrieve, >= 1
+    mode: Mode  # how the prompt KV is assembled
+    recompute_ratio: float  # [0, 1], used by BLEND
+    temperature: float  # >= 0; 0 = greedy
+    top_p: float  # (0, 1]
+    seed: int | None  # sampling seed
+    max_new_tokens: int  # >= 1
+    stop: tuple[str, ...]  # stop strings
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedQuery:
+    """A Query after retrieval, with its KV loads already started."""
+
+    params: QueryParams  # the request
+    chunks: tuple[RetrievedChunk, ...]  # retrieved, best first (kv_tier not known yet)
+    phase_seconds: Mapping[str, float]  # phases done so far (retrieve, ...)
+    state: object = None  # backend-private (prefetch handles, hits)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunksEvent:
+    """First event of an answer: the chunks with the tier their KV came from."""
+
+    chunks: tuple[RetrievedChunk, ...]  # best first, kv_tier set
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One decoded text piece."""
+
+    text: str  # non-empty piece of the answer
+
+
+@dataclass(frozen=True, slots=True)
+class DoneEvent:
+    """Last event of an answer."""
+
+    prompt_tokens: int  # prefix + chunks + question
+    cached_prompt_tokens: int  # prompt tokens whose KV came from a cache tier
+    completion_tokens: int  # pieces generated
+    recompute_fraction: float  # fraction of prompt tokens recomputed, [0, 1]
+    finish_reason: FinishReason  # why decoding stopped
+    phase_seconds: Mapping[str, float]  # seconds per backend phase (kv_load, blend..., decode)
+    bytes_loaded: Mapping[Tier, int] = field(default_factory=dict)  # KV bytes read per tier
+
+
+AnswerEvent = ChunksEvent | TokenEvent | DoneEvent
+
+
+@runtime_checkable
+class QueryBackend(Protocol):
+    """Retrieval and generation behind the RagService."""
+
+    @property
+    def modes(self) -> frozenset[Mode]:
+        """The modes this backend can serve."""
+        ...
+
+    def collections(self) -> Sequence[CollectionInfo]:
+        """Every served collection."""
+        ...
+
+    def collection_stats(self, name: str) -> CollectionStats:
+        """One collection with KV-tier counters.
+
+        Raises:
+            UnknownCollectionError: No collection of that name.
+        """
+        ...
+
+    def retrieve(self, collection: str, question: str, top_k: int) -> tuple[RetrievedChunk, ...]:
+        """Search a collection; no model work.
+
+        Raises:
+            UnknownCollectionError: No collection of that name.
+        """
+        ...
+
+    def prepare(self, params: QueryParams) -> PreparedQuery:
+        """Retrieve and start loading the chunks' KV at once (non-blocking loads).
+
+        Raises:
+            UnknownCollectionError: No collection of that name.
+            IndexMismatchError: The index was built with another model.
+        """
+        ...
+
+    def answer(self, prepared: PreparedQuery, cancel: threading.Event) -> Iterator[AnswerEvent]:
+        """Blend and decode: yields one ChunksEvent, TokenEvents, then one DoneEvent.
+
+        Runs on the engine thread. Stops early (without DoneEvent) once `cancel` is set.
+        """
+        ...

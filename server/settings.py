@@ -1,0 +1,192 @@
+"""ServerSettings: the one typed configuration of `ragkv serve`.
+
+Each field is read, highest precedence first, from a command-line flag, the
+environment (`RAGKV_<FIELD>`, e.g. RAGKV_MAX_QUEUE=32), an optional TOML or JSON
+file (`--config`, keys named as the fields), and the defaults below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ragkv.types import DEFAULT_COLLECTION, Mode
+from server.validation import RequestLimits
+
+ENV_PREFIX = "RAGKV_"
+
+
+class DType(enum.Enum):
+    """Model weight and KV dtype."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+@dataclass(frozen=True, slots=True)
+class CollectionSpec:
+    """One served collection: a name and its index directory."""
+
+    name: str  # collection name clients use
+    index_dir: Path  # directory the indexer wrote
+
+    @classmethod
+    def parse(cls, text: str) -> CollectionSpec:
+        """Read `NAME=DIR`, or a bare `DIR` for the collection "default"."""
+        name, sep, path = text.partition("=")
+        if not sep:
+            name, path = DEFAULT_COLLECTION, text
+        if not name or not path:
+            raise ValueError(f"index must be DIR or NAME=DIR, got {text!r}")
+        return cls(name, Path(path))
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """Everything `ragkv serve` can be told."""
+
+    indexes: tuple[CollectionSpec, ...] = ()  # served collections (--index, repeatable)
+    host: str = "0.0.0.0"  # gRPC bind address
+    port: int = 50051  # gRPC port; 0 = any free port
+    metrics_port: int | None = 9464  # Prometheus /metrics port; None = off
+    model: str | None = None  # model spec; None = the one the index was built with
+    device: str = "cpu"  # torch device for the engine
+    dtype: DType = DType.FLOAT32  # model and KV dtype
+    max_queue: int = 16  # Queries admitted at once (decoding + waiting)
+    retrieve_workers: int = 1  # threads for retrieval and KV prefetch starts
+    grace_seconds: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
+    auth_token_file: Path | None = None  # bearer token file; else $RAGKV_AUTH_TOKEN; else no auth
+    tls_cert: Path | None = None  # PEM certificate chain; TLS when set with tls_key
+    tls_key: Path | None = None  # PEM private key
+    kv_cpu_bytes: int = 2 * 1024**3  # bytes of KV kept in the CPU tier
+    kv_gpu_bytes: int = 0  # bytes of KV kept in the GPU tier (CUDA only)
+    kv_disk_dir: Path | None = None  # disk tier directory; None = the index's own
+    kv_s3_uri: str | None = None  # s3://bucket/prefix of the S3 tier; None = off
+    max_question_chars: int = 4096  # characters
+    default_top_k: int = 4  # chunks
+    max_top_k: int = 32  # chunks
+    default_mode: Mode = Mode.BLEND  # mode when a request leaves it unspecified
+    default_recompute_ratio: float = 0.15  # fraction of context tokens
+    default_max_new_tokens: int = 64  # tokens
+    max_new_tokens: int = 1024  # tokens
+    log_level: str = "INFO"  # logging level name
+
+    def __post_init__(self) -> None:
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {value}")
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if self.retrieve_workers < 1:
+            raise ValueError(f"retrieve_workers must be >= 1, got {self.retrieve_workers}")
+        if self.grace_seconds < 0:
+            raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError(f"TLS needs both tls_cert and tls_key, got cert={self.tls_cert} key={self.tls_key}")
+        names = [c.name for c in self.indexes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"collection names must be unique, got {names}")
+
+    def limits(self) -> RequestLimits:
+        """The request bounds these settings imply."""
+        return RequestLimits(
+            max_question_chars=self.max_question_chars,
+            default_top_k=self.default_top_k,
+            max_top_k=self.max_top_k,
+            default_mode=self.default_mode,
+            default_recompute_ratio=self.default_recompute_ratio,
+            default_max_new_tokens=self.default_max_new_tokens,
+            max_new_tokens=self.max_new_tokens,
+        )
+
+
+_HINTS = typing.get_type_hints(ServerSettings)
+_FIELDS = tuple(f.name for f in dataclasses.fields(ServerSettings))
+
+
+def _parse(name: str, raw: object) -> object:
+    """Convert a raw value (a string from env, or a TOML/JSON value) to the field's type."""
+    hint = _HINTS[name]
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if raw is None or (isinstance(raw, str) and raw.lower() in ("", "none", "off")):
+            return None
+        hint = next(a for a in args if a is not type(None))
+    if name == "indexes":
+        items = raw.split(",") if isinstance(raw, str) else list(raw)  # type: ignore[arg-type]
+        return tuple(i if isinstance(i, CollectionSpec) else CollectionSpec.parse(str(i).strip()) for i in items if i)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        try:
+            return raw if isinstance(raw, hint) else hint(str(raw).lower())
+        except ValueError:
+            allowed = ", ".join(m.value for m in hint)
+            raise ValueError(f"{name} must be one of {allowed}, got {raw!r}") from None
+    if hint is bool:
+        if isinstance(raw, bool):
+            return raw
+        return str(raw).lower() in ("1", "true", "yes", "on")
+    try:
+        return hint(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a {hint.__name__}, got {raw!r}") from None
+
+
+def read_config_file(path: Path) -> dict[str, object]:
+    """Read a TOML (.toml) or JSON (.json) settings file into a field -> value dict."""
+    text = Path(path).read_text()
+    if path.suffix == ".json":
+        data = json.loads(text)
+    elif path.suffix == ".toml":
+        import tomllib  # Python >= 3.11
+
+        data = tomllib.loads(text)
+    else:
+        raise ValueError(f"config file must end in .toml or .json, got {path}")
+    data = data.get("server", data) if isinstance(data, dict) else data
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a table of settings")
+    unknown = sorted(set(data) - set(_FIELDS))
+    if unknown:
+        raise ValueError(f"config file {path}: unknown settings {unknown} (known: {list(_FIELDS)})")
+    return data
+
+
+def load_settings(
+    flags: Mapping[str, object] | None = None,
+    env: Mapping[str, str] | None = None,
+    config_file: Path | None = None,
+) -> ServerSettings:
+    """Merge defaults < file < environment < flags into one ServerSettings.
+
+    Args:
+        flags: Field -> value from the command line; None values are "not given".
+        env: The environment (os.environ by default); only RAGKV_<FIELD> keys count.
+        config_file: Optional TOML/JSON file.
+
+    Raises:
+        ValueError: A value does not parse, or names an unknown setting.
+    """
+    import os
+
+    env = os.environ if env is None else env
+    values: dict[str, object] = {}
+    if config_file is not None:
+        values.update({k: _parse(k, v) for k, v in read_config_file(config_file).items()})
+    for name in _FIELDS:
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is not None:
+            values[name] = _parse(name, raw)
+    for name, value in (flags or {}).items():
+        if name not in _FIELDS:
+            raise ValueError(f"unknown setting {name!r}")
+        if value is not None and value != ():
+            values[name] = _parse(name, value)
+    return ServerSettings(**values)

@@ -1,0 +1,72 @@
+"""Server-side errors and the one mapping from exceptions to gRPC status codes.
+
+`ragkv.errors` is the project's exception tree; the classes here are the ones only
+the serving path raises. `status_for` is the only place a Python exception becomes
+a status code.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from ragkv.convert import WireValueError
+from ragkv.errors import (
+    IndexMismatchError,
+    KVFormatError,
+    ModelLoadError,
+    RagKVError,
+    StoreError,
+    UnsupportedModelError,
+)
+
+
+class InvalidArgumentError(RagKVError, ValueError):
+    """A request field holds a bad value.
+
+    Attributes:
+        field: The request field, named as in the .proto.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class UnknownCollectionError(RagKVError, LookupError):
+    """A request names a collection this server does not serve."""
+
+
+class OverloadedError(RagKVError):
+    """The request queue is full."""
+
+
+class NotServingError(RagKVError):
+    """The server is still loading, or draining before it stops."""
+
+
+_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
+    (WireValueError, grpc.StatusCode.INVALID_ARGUMENT),
+    (UnknownCollectionError, grpc.StatusCode.NOT_FOUND),
+    (IndexMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
+    (UnsupportedModelError, grpc.StatusCode.FAILED_PRECONDITION),
+    (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (NotServingError, grpc.StatusCode.UNAVAILABLE),
+    (StoreError, grpc.StatusCode.UNAVAILABLE),
+    (KVFormatError, grpc.StatusCode.DATA_LOSS),
+    (ModelLoadError, grpc.StatusCode.INTERNAL),
+)
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and client-facing message for an exception.
+
+    Expected errors keep their message (it names the bad value); anything else is
+    INTERNAL with a generic message, since its text may leak server internals.
+    """
+    for cls, code in _CODES:
+        if isinstance(exc, cls):
+            return code, str(exc)
+    if isinstance(exc, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded while loading KV"
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"

@@ -1,0 +1,119 @@
+"""Request validation: wire options -> QueryParams, or InvalidArgumentError naming the field.
+
+Runs on the event loop before any queueing, so bad input costs nothing and every
+rejection says which field was wrong and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ragkv.types import DEFAULT_COLLECTION, Mode, QueryOptions
+from server.backend import QueryParams
+from server.status import InvalidArgumentError
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """Bounds and defaults applied to every request."""
+
+    max_question_chars: int = 4096  # characters
+    default_top_k: int = 4  # chunks
+    max_top_k: int = 32  # chunks
+    default_mode: Mode = Mode.BLEND  # mode when the request leaves it unspecified
+    default_recompute_ratio: float = 0.15  # fraction of context tokens
+    default_max_new_tokens: int = 64  # tokens
+    max_new_tokens: int = 1024  # tokens
+    max_stop_strings: int = 8  # stop strings per request
+    max_stop_chars: int = 64  # characters per stop string
+    max_snippet_chars: int = 1_000_000  # characters
+
+
+def _question(question: str, limits: RequestLimits) -> str:
+    if not question.strip():
+        raise InvalidArgumentError("question", "must not be empty")
+    if len(question) > limits.max_question_chars:
+        raise InvalidArgumentError(
+            "question", f"is {len(question)} characters, the limit is {limits.max_question_chars}"
+        )
+    return question
+
+
+def _top_k(top_k: int | None, limits: RequestLimits) -> int:
+    k = limits.default_top_k if top_k is None else top_k
+    if not 1 <= k <= limits.max_top_k:
+        raise InvalidArgumentError("top_k", f"must be in [1, {limits.max_top_k}], got {k}")
+    return k
+
+
+def _snippet(snippet_chars: int | None, limits: RequestLimits) -> None:
+    if snippet_chars is not None and not 0 <= snippet_chars <= limits.max_snippet_chars:
+        raise InvalidArgumentError(
+            "snippet_chars", f"must be in [0, {limits.max_snippet_chars}], got {snippet_chars}"
+        )
+
+
+def validate_retrieve(question: str, options: QueryOptions, limits: RequestLimits) -> tuple[str, str, int]:
+    """Check a Retrieve request.
+
+    Returns:
+        (question, collection, top_k).
+
+    Raises:
+        InvalidArgumentError: A field is out of range.
+    """
+    _snippet(options.snippet_chars, limits)
+    return _question(question, limits), options.collection or DEFAULT_COLLECTION, _top_k(options.top_k, limits)
+
+
+def validate_query(
+    question: str, options: QueryOptions, limits: RequestLimits, modes: frozenset[Mode]
+) -> QueryParams:
+    """Check a Query request and resolve its defaults.
+
+    Args:
+        question: The question text.
+        options: The options as read from the wire (None = default).
+        limits: Bounds and defaults.
+        modes: Modes the backend can serve.
+
+    Raises:
+        InvalidArgumentError: A field is out of range or names an unsupported mode.
+    """
+    question = _question(question, limits)
+    top_k = _top_k(options.top_k, limits)
+    _snippet(options.snippet_chars, limits)
+    mode = options.mode or limits.default_mode
+    if mode not in modes:
+        allowed = ", ".join(sorted(m.value for m in modes))
+        raise InvalidArgumentError("mode", f"{mode.value!r} is not served here (allowed: {allowed})")
+    ratio = limits.default_recompute_ratio if options.recompute_ratio is None else options.recompute_ratio
+    if not (math.isfinite(ratio) and 0.0 <= ratio <= 1.0):
+        raise InvalidArgumentError("recompute_ratio", f"must be in [0, 1], got {ratio}")
+    temperature = options.temperature
+    if not (math.isfinite(temperature) and 0.0 <= temperature <= 10.0):
+        raise InvalidArgumentError("sampling.temperature", f"must be in [0, 10], got {temperature}")
+    top_p = 1.0 if options.top_p is None else options.top_p
+    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise InvalidArgumentError("sampling.top_p", f"must be in (0, 1], got {top_p}")
+    max_new = limits.default_max_new_tokens if options.max_new_tokens is None else options.max_new_tokens
+    if not 1 <= max_new <= limits.max_new_tokens:
+        raise InvalidArgumentError("max_new_tokens", f"must be in [1, {limits.max_new_tokens}], got {max_new}")
+    if len(options.stop) > limits.max_stop_strings:
+        raise InvalidArgumentError("stop", f"at most {limits.max_stop_strings} strings, got {len(options.stop)}")
+    for s in options.stop:
+        if not s or len(s) > limits.max_stop_chars:
+            raise InvalidArgumentError("stop", f"each must have 1..{limits.max_stop_chars} characters, got {s!r}")
+    return QueryParams(
+        question=question,
+        collection=options.collection or DEFAULT_COLLECTION,
+        top_k=top_k,
+        mode=mode,
+        recompute_ratio=float(ratio),
+        temperature=float(temperature),
+        top_p=float(top_p),
+        seed=options.seed,
+        max_new_tokens=max_new,
+        stop=options.stop,
+    )

@@ -1,6 +1,53 @@
 """kvstore: ChunkKey, the per-chunk KV file format, and the tiers (gpu, cpu, disk, s3)
 behind one TieredStore.
 
-Knows nothing of the engine's internals, gRPC or FAISS: it stores named tensors
-with metadata and hands them back bit-exact or not at all.
+Knows nothing of the engine's internals, gRPC or FAISS (it must not import
+engine/, server/, retriever/ or indexer/): it stores named tensors with metadata
+and hands them back bit-exact (or within the stated tolerance when compressed),
+or not at all.
+
+Shapes: `[L, Hkv, T, D]` = layers, KV heads, tokens, head dim (legend in engine/).
+
+    store = TieredStore.open(StoreConfig.from_uris(["cpu", "disk:/x"]), model_fp, tokenizer_fp)
+    store.put(entry)
+    hit = store.fetch(key)            # Hit(entry, tier, seconds) or None
+    handles = store.prefetch(keys)    # handle.result(timeout=None) -> KVEntry | None
 """
+
+from kvstore.compression import Compression
+from kvstore.config import StoreConfig, TierSpec, parse_bytes
+from kvstore.entry import KVEntry, RopeMode
+from kvstore.eviction import Policy
+from kvstore.keys import FORMAT_VERSION, ChunkKey, PrefixHash, hash_prefix
+from kvstore.store import Hit, PrefetchHandle, StoreStats, TieredStore
+from kvstore.tiers.base import StorageTier, Tier, TierStats
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.memory import CpuTier, GpuTier, MemoryTier
+from kvstore.tiers.s3 import S3Settings, S3Tier
+
+__all__ = [
+    "FORMAT_VERSION",
+    "ChunkKey",
+    "Compression",
+    "CpuTier",
+    "DiskTier",
+    "GpuTier",
+    "Hit",
+    "KVEntry",
+    "MemoryTier",
+    "Policy",
+    "PrefetchHandle",
+    "PrefixHash",
+    "RopeMode",
+    "S3Settings",
+    "S3Tier",
+    "StorageTier",
+    "StoreConfig",
+    "StoreStats",
+    "Tier",
+    "TierSpec",
+    "TierStats",
+    "TieredStore",
+    "hash_prefix",
+    "parse_bytes",
+]

@@ -1,0 +1,258 @@
+"""The chunk KV file: one safetensors file per chunk, verified before any tensor is handed out.
+
+Tensors: `k`, `v` `[L, Hkv, T, D]` (or `k_q`/`k_scale`, `v_q`/`v_scale` when compressed),
+`token_ids` `[T]` int64 and `positions` `[T]` int64. Header metadata (all strings):
+format, format_version, key, model_fp, tokenizer_fp, prefix_hash, rope_mode, dtype,
+compression, shape ("L,Hkv,T,D") and checksum ("crc32:xxxxxxxx").
+
+The checksum covers the metadata (less the checksum) and every tensor's name, dtype,
+shape and bytes, in name order, so it does not depend on how safetensors lays the
+tensors out. CRC-32 (zlib) detects the faults a store meets (truncation, flipped
+bits, torn writes) at several GB/s; it is not a defence against a forger.
+
+Files are written with the safetensors library; reading parses the header here so
+the tensors can be views of the one buffer the bytes were read into (no copy).
+Any mismatch raises KVFormatError; the tiers turn that into a counted miss.
+
+Knows nothing of where the bytes live.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import safetensors.torch
+import torch
+
+from kvstore.compression import Compression, check_supported, dequantize, quantize
+from kvstore.entry import KVEntry, RopeMode
+from kvstore.keys import FORMAT_VERSION, ChunkKey, check_prefix_hash
+from ragkv.errors import KVFormatError
+
+FORMAT_NAME = "ragkv-chunk-kv"
+CHECKSUM_ALGO = "crc32"
+MAX_HEADER_BYTES = 1 << 20  # our headers are ~1 KB; anything larger is not ours
+
+_ST_DTYPES: dict[str, torch.dtype] = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I8": torch.int8,
+}
+if hasattr(torch, "float8_e4m3fn"):
+    _ST_DTYPES["F8_E4M3"] = torch.float8_e4m3fn
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+_TORCH_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class FileHeader:
+    """What a file's metadata says, parsed and checked for shape, before any tensor is built."""
+
+    key: ChunkKey  # the key the file claims to hold
+    model_fp: str  # model fingerprint recorded at write time
+    tokenizer_fp: str  # tokenizer fingerprint recorded at write time
+    compression: Compression  # how k and v are stored
+    dtype: torch.dtype  # dtype of k and v once decoded
+    shape: tuple[int, int, int, int]  # (L, Hkv, T, D)
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A CPU tensor's bytes, without a copy when it is contiguous."""
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)  # [nbytes]
+    return memoryview(flat.numpy())
+
+
+def _checksum(meta: Mapping[str, str], tensors: Mapping[str, tuple[str, tuple[int, ...], memoryview]]) -> str:
+    """crc32 over canonical metadata and (name, dtype, shape, bytes) of each tensor in name order."""
+    body = {k: v for k, v in meta.items() if k != "checksum"}
+    crc = zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    for name in sorted(tensors):
+        dtype, shape, data = tensors[name]
+        crc = zlib.crc32(f"{name}|{dtype}|{list(shape)}".encode(), crc)
+        crc = zlib.crc32(data, crc)
+    return f"{CHECKSUM_ALGO}:{crc:08x}"
+
+
+def encode(entry: KVEntry, compression: Compression = Compression.NONE) -> bytes:
+    """Serialize `entry` as one safetensors file's bytes.
+
+    Args:
+        entry: the chunk's KV (any device; it is copied to CPU for writing).
+        compression: NONE keeps k and v bit-exact; INT8/FP8 store per-channel quantized values.
+    """
+    compression = check_supported(compression)
+    tensors: dict[str, torch.Tensor] = {
+        "token_ids": entry.token_ids.contiguous(),  # [T]
+        "positions": entry.positions.contiguous(),  # [T]
+    }
+    for name, x in (("k", entry.k), ("v", entry.v)):
+        if compression is Compression.NONE:
+            tensors[name] = x.detach().to("cpu").contiguous()  # [L, Hkv, T, D]
+        else:
+            q, scale = quantize(x.detach(), compression)
+            tensors[f"{name}_q"] = q.to("cpu").contiguous()  # [L, Hkv, T, D]
+            tensors[f"{name}_scale"] = scale.to("cpu").contiguous()  # [L, Hkv, 1, D]
+    meta = {
+        "format": FORMAT_NAME,
+        "format_version": str(FORMAT_VERSION),
+        "key": entry.key.to_str(),
+        "model_fp": entry.model_fp,
+        "tokenizer_fp": entry.tokenizer_fp,
+        "prefix_hash": entry.prefix_hash,
+        "rope_mode": entry.rope_mode.value,
+        "dtype": str(entry.k.dtype).removeprefix("torch."),
+        "compression": compression.value,
+        "shape": ",".join(str(n) for n in entry.k.shape),
+    }
+    described = {
+        name: (_ST_NAMES[t.dtype], tuple(t.shape), _tensor_bytes(t)) for name, t in tensors.items()
+    }
+    meta["checksum"] = _checksum(meta, described)
+    return safetensors.torch.save(tensors, metadata=meta)
+
+
+def _parse_layout(buf: memoryview) -> tuple[dict[str, str], dict[str, tuple[str, tuple[int, ...], int, int]]]:
+    """Split a safetensors buffer into metadata and tensor layout, checking every bound."""
+    if len(buf) < 8:
+        raise KVFormatError(f"file is {len(buf)} bytes: too short for a safetensors header")
+    (n,) = struct.unpack("<Q", buf[:8])
+    if n > MAX_HEADER_BYTES or 8 + n > len(buf):
+        raise KVFormatError(f"header length {n} does not fit a {len(buf)}-byte file (truncated?)")
+    try:
+        header = json.loads(bytes(buf[8 : 8 + n]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise KVFormatError(f"header is not valid JSON: {e}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
+        raise KVFormatError("header has no __metadata__ object")
+    meta = header.pop("__metadata__")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise KVFormatError("header metadata must map strings to strings")
+    data_len = len(buf) - 8 - n
+    layout: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+    covered = 0
+    for name, info in header.items():
+        try:
+            dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise KVFormatError(f"tensor {name!r} has a malformed header entry: {info!r}") from None
+        if dtype not in _ST_DTYPES or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise KVFormatError(f"tensor {name!r} has dtype {dtype!r} / shape {shape!r} that we do not store")
+        numel = 1
+        for d in shape:
+            numel *= d
+        size = numel * _ST_DTYPES[dtype].itemsize
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start and end - start == size):
+            raise KVFormatError(f"tensor {name!r} offsets {start}..{end} do not hold {size} bytes")
+        if end > data_len:
+            raise KVFormatError(f"tensor {name!r} ends at {end}, past the {data_len} data bytes (truncated?)")
+        covered += size
+        layout[name] = (dtype, shape, 8 + n + start, 8 + n + end)
+    if covered != data_len:
+        raise KVFormatError(f"tensors cover {covered} of {data_len} data bytes")
+    return meta, layout
+
+
+def read_header(data: bytes | bytearray | memoryview) -> FileHeader:
+    """Parse and check a file's metadata without verifying the checksum (cheap; for listings)."""
+    meta, _ = _parse_layout(memoryview(data))
+    return _header_from_meta(meta)
+
+
+def _header_from_meta(meta: Mapping[str, str]) -> FileHeader:
+    if meta.get("format") != FORMAT_NAME:
+        raise KVFormatError(f"format {meta.get('format')!r} is not {FORMAT_NAME!r}")
+    if meta.get("format_version") != str(FORMAT_VERSION):
+        raise KVFormatError(f"format version {meta.get('format_version')!r}, this build reads {FORMAT_VERSION}")
+    try:
+        shape = tuple(int(s) for s in meta["shape"].split(","))
+        header = FileHeader(
+            key=ChunkKey.from_str(meta["key"]),
+            model_fp=meta["model_fp"],
+            tokenizer_fp=meta["tokenizer_fp"],
+            compression=Compression(meta["compression"]),
+            dtype=_TORCH_DTYPE_NAMES[meta["dtype"]],
+            shape=shape,  # type: ignore[arg-type]
+        )
+    except (KeyError, ValueError) as e:
+        raise KVFormatError(f"metadata field is missing or malformed: {e}") from None
+    if len(header.shape) != 4:
+        raise KVFormatError(f"shape {meta['shape']!r} is not L,Hkv,T,D")
+    return header
+
+
+def decode(
+    data: bytes | bytearray | memoryview,
+    *,
+    expected_key: ChunkKey,
+    model_fp: str,
+    tokenizer_fp: str,
+) -> KVEntry:
+    """Verify and parse a file's bytes into a KVEntry.
+
+    Tensors of an uncompressed file are views of `data` when it is writable (pass a
+    bytearray to avoid a copy).
+
+    Args:
+        data: the whole file.
+        expected_key: the key the caller asked for; a file holding another key is rejected.
+        model_fp: the store's model fingerprint; a file of another model is rejected.
+        tokenizer_fp: the store's tokenizer fingerprint.
+
+    Raises:
+        KVFormatError: truncated, corrupt, another model's or another key's file.
+    """
+    buf = memoryview(data)
+    if buf.readonly:
+        buf = memoryview(bytearray(buf))
+    meta, layout = _parse_layout(buf)
+    header = _header_from_meta(meta)
+    if header.model_fp != model_fp or header.tokenizer_fp != tokenizer_fp:
+        raise KVFormatError(
+            f"file is for model {header.model_fp!r} / tokenizer {header.tokenizer_fp!r}, "
+            f"the store serves {model_fp!r} / {tokenizer_fp!r}"
+        )
+    if header.key != expected_key:
+        raise KVFormatError(f"file holds key {header.key.hex}, expected {expected_key.hex}")
+    described = {name: (dt, shape, buf[s:e]) for name, (dt, shape, s, e) in layout.items()}
+    if meta.get("checksum") != _checksum(meta, described):
+        raise KVFormatError(f"checksum mismatch for key {expected_key.hex}: stored {meta.get('checksum')!r}")
+
+    def tensor(name: str) -> torch.Tensor:
+        if name not in layout:
+            raise KVFormatError(f"file has no tensor {name!r} (has {sorted(layout)})")
+        dt, shape, s, e = layout[name]
+        flat = torch.frombuffer(buf, dtype=torch.uint8, count=e - s, offset=s)  # [nbytes]
+        return flat.view(_ST_DTYPES[dt]).view(shape)
+
+    if header.compression is Compression.NONE:
+        k, v = tensor("k"), tensor("v")  # [L, Hkv, T, D]
+    else:
+        k = dequantize(tensor("k_q"), tensor("k_scale"), header.dtype)  # [L, Hkv, T, D]
+        v = dequantize(tensor("v_q"), tensor("v_scale"), header.dtype)  # [L, Hkv, T, D]
+    if tuple(k.shape) != header.shape or k.dtype != header.dtype:
+        raise KVFormatError(f"k is {k.dtype} {tuple(k.shape)}, metadata says {header.dtype} {header.shape}")
+    try:
+        return KVEntry(
+            key=header.key,
+            k=k,
+            v=v,
+            token_ids=tensor("token_ids"),
+            positions=tensor("positions"),
+            model_fp=header.model_fp,
+            tokenizer_fp=header.tokenizer_fp,
+            prefix_hash=check_prefix_hash(meta.get("prefix_hash", "")),
+            rope_mode=RopeMode(meta.get("rope_mode", "")),
+        )
+    except (TypeError, ValueError) as e:
+        raise KVFormatError(f"file for key {expected_key.hex} does not form a valid entry: {e}") from None

@@ -1,0 +1,319 @@
+"""TieredStore: one store over the tiers, looked at top-down (GPU, CPU, disk, S3).
+
+- `fetch(key)` returns a `Hit` (entry, the tier it was found in, seconds) or None;
+  `get(key)` is its entry. A hit is promoted into every tier above the one that held
+  it (memory tiers get the entry, a disk above S3 gets the verified file bytes).
+- `put(entry)` is inclusive: the entry goes into every memory tier (each under its
+  budget) and is written through to the durable tiers the config names.
+- `prefetch(keys)` starts loading in background threads and returns one
+  `PrefetchHandle` per key; concurrent prefetches of one key share one load.
+
+A store serves one (model_fp, tokenizer_fp) pair: a file of another model is a miss,
+and putting another model's entry is a ValueError. All methods are thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from kvstore.compression import Compression
+from kvstore.config import StoreConfig, TierSpec
+from kvstore.entry import KVEntry
+from kvstore.fileformat import encode
+from kvstore.keys import ChunkKey, check_fingerprint
+from kvstore.tiers.base import StorageTier, Tier, TierStats
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.durable import DurableTier
+from kvstore.tiers.memory import CpuTier, GpuTier, MemoryTier
+from kvstore.tiers.s3 import S3Tier
+from ragkv.errors import StoreError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """A successful lookup."""
+
+    entry: KVEntry  # the KV, as held by the topmost tier it now sits in
+    tier: Tier  # the tier it was found in (before promotion)
+    seconds: float  # wall time of the lookup, promotion included
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """A snapshot of a store's counters."""
+
+    tiers: tuple[TierStats, ...]  # per tier, top-down
+    lookups: int  # fetch/get/prefetch lookups
+    misses: int  # lookups that missed every tier
+    promotions: int  # copies made into upper tiers on hits
+    promotion_failures: int  # promotions that failed (logged; the hit still returned)
+    prefetches: int  # keys passed to prefetch
+    prefetch_joined: int  # prefetched keys that joined a load already in flight
+
+    def tier(self, tier: Tier) -> TierStats:
+        """The stats of one tier; KeyError if the store has no such tier."""
+        for s in self.tiers:
+            if s.tier is tier:
+                return s
+        raise KeyError(f"store has no {tier.value} tier")
+
+
+class PrefetchHandle:
+    """A key being loaded in the background."""
+
+    __slots__ = ("key", "_future")
+
+    def __init__(self, key: ChunkKey, future: Future[Hit | None]) -> None:
+        self.key = key  # the key being loaded
+        self._future = future
+
+    def hit(self, timeout: float | None = None) -> Hit | None:
+        """Wait for the load; the Hit, or None on a miss.
+
+        Raises:
+            concurrent.futures.TimeoutError: not done within `timeout` seconds.
+        """
+        return self._future.result(timeout)
+
+    def result(self, timeout: float | None = None) -> KVEntry | None:
+        """Wait for the load; the entry, or None on a miss (same errors as `hit`)."""
+        hit = self.hit(timeout)
+        return None if hit is None else hit.entry
+
+    def done(self) -> bool:
+        """Whether the load has finished."""
+        return self._future.done()
+
+
+def build_tier(
+    spec: TierSpec, config: StoreConfig, model_fp: str, tokenizer_fp: str
+) -> StorageTier:
+    """The tier object a spec describes."""
+    if spec.tier is Tier.GPU:
+        return GpuTier(model_fp, tokenizer_fp, spec.budget_bytes, spec.policy)
+    if spec.tier is Tier.CPU:
+        return CpuTier(model_fp, tokenizer_fp, spec.budget_bytes, spec.policy)
+    if spec.tier is Tier.DISK and spec.path is not None:
+        return DiskTier(spec.path, model_fp, tokenizer_fp, spec.budget_bytes, spec.policy, config.compression)
+    if spec.tier is Tier.S3 and spec.bucket is not None:
+        return S3Tier(spec.bucket, spec.prefix, model_fp, tokenizer_fp, config.s3, config.compression)
+    raise RuntimeError(f"bug: TierSpec {spec!r} passed its checks but names no buildable tier")
+
+
+class TieredStore:
+    """The tiers of one store, for one (model, tokenizer) pair."""
+
+    def __init__(
+        self,
+        tiers: Sequence[StorageTier],
+        *,
+        write_through: Iterable[Tier] | None = None,
+        prefetch_workers: int = 4,
+    ) -> None:
+        """Compose already-built tiers (see `open` to build them from a StoreConfig).
+
+        Args:
+            tiers: one per kind, any order (they are looked at GPU, CPU, disk, S3).
+            write_through: durable tiers a put writes to; None = all durable tiers given.
+            prefetch_workers: threads for prefetch.
+        """
+        if not tiers:
+            raise ValueError("a store needs at least one tier")
+        self._tiers = tuple(sorted(tiers, key=lambda t: t.tier.rank))
+        kinds = [t.tier for t in self._tiers]
+        if len(set(kinds)) != len(kinds):
+            raise ValueError(f"each tier may appear once, got {[k.value for k in kinds]}")
+        fps = {(t.model_fp, t.tokenizer_fp) for t in self._tiers}
+        if len(fps) != 1:
+            raise ValueError(f"tiers serve different (model, tokenizer) pairs: {sorted(fps)}")
+        self.model_fp, self.tokenizer_fp = fps.pop()
+        durable = {k for k in kinds if k.durable}
+        wt = durable if write_through is None else {Tier(t) for t in write_through}
+        if not wt <= durable:
+            raise ValueError(
+                f"write_through {sorted(t.value for t in wt)} must be durable tiers of this store "
+                f"({sorted(t.value for t in durable)})"
+            )
+        self.write_through = frozenset(wt)
+        self._pool = ThreadPoolExecutor(max_workers=prefetch_workers, thread_name_prefix="kvstore-prefetch")
+        self._lock = threading.RLock()
+        self._inflight: dict[ChunkKey, Future[Hit | None]] = {}
+        self._lookups = self._misses = self._promotions = self._promotion_failures = 0
+        self._prefetches = self._prefetch_joined = 0
+
+    @classmethod
+    def open(cls, config: StoreConfig, model_fp: str, tokenizer_fp: str) -> TieredStore:
+        """Build the tiers `config` names for one (model, tokenizer) pair."""
+        check_fingerprint(model_fp, "model fingerprint")
+        check_fingerprint(tokenizer_fp, "tokenizer fingerprint")
+        built: list[StorageTier] = []
+        try:
+            for spec in config.tiers:
+                built.append(build_tier(spec, config, model_fp, tokenizer_fp))
+        except BaseException:
+            for t in built:
+                t.close()
+            raise
+        return cls(built, write_through=config.durable_writes, prefetch_workers=config.prefetch_workers)
+
+    @property
+    def tiers(self) -> tuple[StorageTier, ...]:
+        """The tiers, top-down."""
+        return self._tiers
+
+    def tier(self, tier: Tier) -> StorageTier:
+        """One tier by kind; KeyError if the store has none."""
+        for t in self._tiers:
+            if t.tier is tier:
+                return t
+        raise KeyError(f"store has no {tier.value} tier")
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, f"_{name}", getattr(self, f"_{name}") + delta)
+
+    def fetch(self, key: ChunkKey) -> Hit | None:
+        """Look `key` up top-down; promote a hit into the tiers above; None if every tier misses."""
+        if not isinstance(key, ChunkKey):
+            raise TypeError(f"key must be a ChunkKey, got {type(key).__name__}")
+        started = time.perf_counter()
+        self._count(lookups=1)
+        for depth, tier in enumerate(self._tiers):
+            data = None
+            if isinstance(tier, DurableTier):
+                file_hit = tier.fetch(key)
+                if file_hit is None:
+                    continue
+                entry, data = file_hit.entry, file_hit.data
+            else:
+                found = tier.get(key)
+                if found is None:
+                    continue
+                entry = found
+            top = self._promote(entry, data, self._tiers[:depth])
+            return Hit(top, tier.tier, time.perf_counter() - started)
+        self._count(misses=1)
+        return None
+
+    def _promote(self, entry: KVEntry, data: bytearray | None, upper: Sequence[StorageTier]) -> KVEntry:
+        """Copy a hit into `upper` (top-down); the entry as held by the topmost that took it."""
+        top = entry
+        for tier in reversed(upper):  # nearest first, so a failure high up still fills the rest
+            try:
+                if isinstance(tier, MemoryTier):
+                    placed = tier.admit(entry)
+                    if placed is not None:
+                        top = placed
+                elif isinstance(tier, DurableTier) and data is not None:
+                    tier.put_file(entry.key, data)
+                else:
+                    tier.put(entry)
+                self._count(promotions=1)
+            except (StoreError, OSError, RuntimeError) as e:
+                self._count(promotion_failures=1)
+                logger.warning("promotion of %s into %s failed: %s", entry.key.hex, tier.tier.value, e)
+        return top
+
+    def get(self, key: ChunkKey) -> KVEntry | None:
+        """The entry under `key` from the highest tier that has it, or None. Use `fetch` for its tier."""
+        hit = self.fetch(key)
+        return None if hit is None else hit.entry
+
+    def contains(self, key: ChunkKey) -> bool:
+        """Whether any tier holds a copy (unverified; a get may still miss)."""
+        return any(t.contains(key) for t in self._tiers)
+
+    def put(self, entry: KVEntry) -> None:
+        """Store `entry` in every memory tier and write it through to the configured durable tiers.
+
+        Every tier is tried; then, if any durable write failed, StoreError names them.
+        """
+        if not isinstance(entry, KVEntry):
+            raise TypeError(f"put needs a KVEntry, got {type(entry).__name__}")
+        if entry.model_fp != self.model_fp or entry.tokenizer_fp != self.tokenizer_fp:
+            raise ValueError(
+                f"entry {entry.key.hex} is for model {entry.model_fp!r} / tokenizer {entry.tokenizer_fp!r}; "
+                f"this store serves {self.model_fp!r} / {self.tokenizer_fp!r}"
+            )
+        encoded: dict[Compression, bytes] = {}
+        failures: list[str] = []
+        for tier in self._tiers:
+            if isinstance(tier, DurableTier):
+                if tier.tier not in self.write_through:
+                    continue
+                if tier.compression not in encoded:
+                    encoded[tier.compression] = encode(entry, tier.compression)
+                try:
+                    tier.put_file(entry.key, encoded[tier.compression])
+                except StoreError as e:
+                    failures.append(f"{tier.tier.value}: {e}")
+            else:
+                tier.put(entry)
+        if failures:
+            raise StoreError(f"put of key {entry.key.hex} failed in {len(failures)} tier(s): {'; '.join(failures)}")
+
+    def put_many(self, entries: Iterable[KVEntry]) -> None:
+        """`put` for each entry."""
+        for e in entries:
+            self.put(e)
+
+    def delete(self, key: ChunkKey) -> bool:
+        """Remove `key` from every tier; True if any held it."""
+        return any([t.delete(key) for t in self._tiers])
+
+    def prefetch(self, keys: Iterable[ChunkKey]) -> list[PrefetchHandle]:
+        """Start loading `keys` in the background; one handle per key, in order."""
+        handles = []
+        for key in keys:
+            if not isinstance(key, ChunkKey):
+                raise TypeError(f"prefetch keys must be ChunkKey, got {type(key).__name__}")
+            with self._lock:
+                self._prefetches += 1
+                future = self._inflight.get(key)
+                if future is None:
+                    future = self._pool.submit(self.fetch, key)
+                    self._inflight[key] = future
+                    future.add_done_callback(lambda f, k=key: self._landed(k, f))
+                else:
+                    self._prefetch_joined += 1
+            handles.append(PrefetchHandle(key, future))
+        return handles
+
+    def _landed(self, key: ChunkKey, future: Future[Hit | None]) -> None:
+        with self._lock:
+            if self._inflight.get(key) is future:
+                del self._inflight[key]
+
+    def get_many(self, keys: Sequence[ChunkKey]) -> list[KVEntry | None]:
+        """Entries for `keys` in order (None for misses), loaded concurrently."""
+        return [h.result() for h in self.prefetch(keys)]
+
+    def stats(self) -> StoreStats:
+        """A snapshot of the store's and every tier's counters."""
+        tier_stats = tuple(t.stats() for t in self._tiers)
+        with self._lock:
+            return StoreStats(
+                tiers=tier_stats, lookups=self._lookups, misses=self._misses,
+                promotions=self._promotions, promotion_failures=self._promotion_failures,
+                prefetches=self._prefetches, prefetch_joined=self._prefetch_joined,
+            )
+
+    def close(self) -> None:
+        """Wait for prefetches in flight, then release every tier."""
+        self._pool.shutdown(wait=True)
+        for t in self._tiers:
+            t.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""The tiers: memory (gpu, cpu), disk and s3, each behind StorageTier's small interface."""

@@ -1,0 +1,174 @@
+"""The interface every tier offers, and the counters behind `stats()`.
+
+A tier stores KVEntry values under ChunkKeys for one (model, tokenizer) pair. Its
+`get` returns None on a miss, and also when what it holds is damaged or belongs to
+another model: that is counted as `rejected`, logged, and the bad copy is
+quarantined or removed. Caller mistakes raise ValueError/TypeError; a tier that
+cannot do its job (a put to a dead S3 endpoint) raises StoreError.
+
+Knows nothing of the other tiers or of promotion: that is TieredStore's job.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from kvstore.entry import KVEntry
+from kvstore.keys import ChunkKey, check_fingerprint
+
+
+class Tier(str, Enum):
+    """Where a chunk's KV lives, fastest first."""
+
+    GPU = "gpu"  # device memory (CUDA only)
+    CPU = "cpu"  # host memory, pinned when CUDA is there
+    DISK = "disk"  # files on a local SSD
+    S3 = "s3"  # objects in an S3-compatible bucket
+
+    @property
+    def rank(self) -> int:
+        """Lookup order: 0 is looked at first."""
+        return _RANK[self]
+
+    @property
+    def durable(self) -> bool:
+        """Whether the tier's contents outlive the process."""
+        return self in (Tier.DISK, Tier.S3)
+
+
+_RANK = {Tier.GPU: 0, Tier.CPU: 1, Tier.DISK: 2, Tier.S3: 3}
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """A snapshot of one tier's counters since it was opened."""
+
+    tier: Tier  # which tier
+    hits: int  # gets that returned an entry
+    misses: int  # gets that found nothing usable (rejected ones included)
+    rejected: int  # stored copies refused on read: corrupt, truncated, another model's or key's
+    errors: int  # I/O failures (e.g. S3 endpoint down), each also a miss or a raised StoreError
+    puts: int  # entries stored
+    refused: int  # puts not stored because one entry exceeds the whole byte budget
+    evictions: int  # entries dropped to stay under the byte budget
+    bytes_read: int  # bytes moved out of the tier by hits (file bytes for disk/S3)
+    bytes_written: int  # bytes moved into the tier by puts
+    entries: int  # entries held now, as far as this process knows
+    bytes_used: int  # bytes held now, as far as this process knows
+    budget_bytes: int | None  # byte budget; None is unbounded
+    get_seconds: float  # total wall time spent in get, hits and misses
+    put_seconds: float  # total wall time spent in put
+    max_get_seconds: float  # slowest single get
+
+    @property
+    def mean_get_seconds(self) -> float:
+        """Mean wall time of a get (0 before the first)."""
+        n = self.hits + self.misses
+        return self.get_seconds / n if n else 0.0
+
+
+class _Counters:
+    """Mutable counters behind TierStats; every update under one lock."""
+
+    __slots__ = (
+        "lock", "hits", "misses", "rejected", "errors", "puts", "refused", "evictions",
+        "bytes_read", "bytes_written", "get_seconds", "put_seconds", "max_get_seconds",
+    )
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.hits = self.misses = self.rejected = self.errors = 0
+        self.puts = self.refused = self.evictions = 0
+        self.bytes_read = self.bytes_written = 0
+        self.get_seconds = self.put_seconds = self.max_get_seconds = 0.0
+
+    def add(self, **deltas: float) -> None:
+        with self.lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def got(self, started: float, nbytes: int | None) -> None:
+        """Record one get that began at `started` (perf_counter); nbytes None is a miss."""
+        dt = time.perf_counter() - started
+        with self.lock:
+            if nbytes is None:
+                self.misses += 1
+            else:
+                self.hits += 1
+                self.bytes_read += nbytes
+            self.get_seconds += dt
+            self.max_get_seconds = max(self.max_get_seconds, dt)
+
+
+class StorageTier(abc.ABC):
+    """One tier: get, put, contains, delete, their batched forms, and stats."""
+
+    tier: Tier
+
+    def __init__(self, model_fp: str, tokenizer_fp: str, budget_bytes: int | None) -> None:
+        if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes < 0):
+            raise ValueError(f"budget_bytes must be a non-negative int or None, got {budget_bytes!r}")
+        self.model_fp = check_fingerprint(model_fp, "model fingerprint")
+        self.tokenizer_fp = check_fingerprint(tokenizer_fp, "tokenizer fingerprint")
+        self.budget_bytes = budget_bytes
+        self._counters = _Counters()
+
+    @abc.abstractmethod
+    def get(self, key: ChunkKey) -> KVEntry | None:
+        """The entry under `key`, or None (missing, damaged, or another model's)."""
+
+    @abc.abstractmethod
+    def put(self, entry: KVEntry) -> bool:
+        """Store `entry`; False if it cannot fit the byte budget at all (nothing else is dropped then)."""
+
+    @abc.abstractmethod
+    def contains(self, key: ChunkKey) -> bool:
+        """Whether a copy is there (not verified: a later get may still reject it)."""
+
+    @abc.abstractmethod
+    def delete(self, key: ChunkKey) -> bool:
+        """Remove `key`'s copy; True if there was one."""
+
+    @abc.abstractmethod
+    def _usage(self) -> tuple[int, int]:
+        """(entries, bytes) held now."""
+
+    def get_many(self, keys: Sequence[ChunkKey]) -> list[KVEntry | None]:
+        """`get` for each key, in order."""
+        return [self.get(k) for k in keys]
+
+    def put_many(self, entries: Iterable[KVEntry]) -> list[bool]:
+        """`put` for each entry, in order."""
+        return [self.put(e) for e in entries]
+
+    def stats(self) -> TierStats:
+        """A snapshot of this tier's counters."""
+        entries, used = self._usage()
+        c = self._counters
+        with c.lock:
+            return TierStats(
+                tier=self.tier, hits=c.hits, misses=c.misses, rejected=c.rejected, errors=c.errors,
+                puts=c.puts, refused=c.refused, evictions=c.evictions, bytes_read=c.bytes_read,
+                bytes_written=c.bytes_written, entries=entries, bytes_used=used,
+                budget_bytes=self.budget_bytes, get_seconds=c.get_seconds,
+                put_seconds=c.put_seconds, max_get_seconds=c.max_get_seconds,
+            )
+
+    def close(self) -> None:
+        """Release what the tier holds open (nothing by default)."""
+
+    def _check_entry(self, entry: KVEntry) -> None:
+        """Refuse an entry of another model or tokenizer: a store serves one pair."""
+        if not isinstance(entry, KVEntry):
+            raise TypeError(f"put needs a KVEntry, got {type(entry).__name__}")
+        if entry.model_fp != self.model_fp or entry.tokenizer_fp != self.tokenizer_fp:
+            raise ValueError(
+                f"entry {entry.key.hex} is for model {entry.model_fp!r} / tokenizer "
+                f"{entry.tokenizer_fp!r}; this {self.tier.value} tier serves "
+                f"{self.model_fp!r} / {self.tokenizer_fp!r}"
+            )

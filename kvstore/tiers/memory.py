@@ -1,0 +1,174 @@
+"""Memory tiers: CpuTier (host memory, pinned when CUDA is there) and GpuTier (CUDA memory).
+
+They hold ready-to-use KVEntry objects in the entry's own dtype (the store's file
+compression does not apply here) under a byte budget, evicting by policy. Entries
+are returned without a copy: callers must not modify their tensors in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import torch
+
+from kvstore.entry import KVEntry
+from kvstore.eviction import EvictionTracker, Policy
+from kvstore.keys import ChunkKey
+from kvstore.tiers.base import StorageTier, Tier
+from ragkv.errors import StoreError
+
+
+class MemoryTier(StorageTier):
+    """Entries held in a dict on one device, under a byte budget."""
+
+    def __init__(
+        self,
+        tier: Tier,
+        device: torch.device,
+        model_fp: str,
+        tokenizer_fp: str,
+        budget_bytes: int | None = None,
+        policy: Policy = Policy.LRU,
+        pin: bool = False,
+    ) -> None:
+        super().__init__(model_fp, tokenizer_fp, budget_bytes)
+        self.tier = tier
+        self.device = device
+        self.pin = pin
+        self._lock = threading.Lock()
+        self._entries: dict[ChunkKey, KVEntry] = {}
+        self._bytes = 0
+        self._tracker: EvictionTracker[ChunkKey] = EvictionTracker(policy)
+
+    @property
+    def policy(self) -> Policy:
+        """The eviction policy."""
+        return self._tracker.policy
+
+    def _placed(self, entry: KVEntry) -> KVEntry:
+        """`entry` with k and v on this tier's device (pinned if asked); no copy if already there."""
+        k, v = entry.k, entry.v
+        if k.device != self.device:
+            # Asynchronous only towards CUDA, where the stream orders later use.
+            async_copy = self.device.type == "cuda"
+            k = k.to(self.device, non_blocking=async_copy)  # [L, Hkv, T, D]
+            v = v.to(self.device, non_blocking=async_copy)  # [L, Hkv, T, D]
+        if self.pin and not k.is_pinned():
+            k, v = k.pin_memory(), v.pin_memory()
+        if k is entry.k and v is entry.v:
+            return entry
+        return dataclasses.replace(entry, k=k, v=v)
+
+    def get(self, key: ChunkKey) -> KVEntry | None:
+        started = time.perf_counter()
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._tracker.touch(key)
+        self._counters.got(started, None if entry is None else entry.nbytes)
+        return entry
+
+    def put(self, entry: KVEntry) -> bool:
+        return self.admit(entry) is not None
+
+    def admit(self, entry: KVEntry) -> KVEntry | None:
+        """Like `put`, returning the entry as held here (on this tier's device), or None if refused."""
+        self._check_entry(entry)
+        started = time.perf_counter()
+        size = entry.nbytes
+        if self.budget_bytes is not None and size > self.budget_bytes:
+            self._counters.add(refused=1)
+            return None
+        with self._lock:
+            held = self._entries.get(entry.key)
+            if held is not None:
+                self._tracker.touch(entry.key)
+        if held is not None:
+            self._counters.add(put_seconds=time.perf_counter() - started)
+            return held
+        placed = self._placed(entry)  # copies outside the lock
+        evicted = 0
+        with self._lock:
+            if entry.key in self._entries:  # another thread won the race
+                placed = self._entries[entry.key]
+                size = 0
+            else:
+                while self.budget_bytes is not None and self._bytes + size > self.budget_bytes:
+                    victim = self._tracker.victim()
+                    if victim is None:
+                        raise RuntimeError(f"bug: {self._bytes} bytes held but no key to evict")
+                    self._drop(victim)
+                    evicted += 1
+                self._entries[entry.key] = placed
+                self._bytes += size
+                self._tracker.add(entry.key)
+        self._counters.add(
+            puts=1 if size else 0, bytes_written=size, evictions=evicted,
+            put_seconds=time.perf_counter() - started,
+        )
+        return placed
+
+    def _drop(self, key: ChunkKey) -> None:
+        """Remove `key` (lock held)."""
+        entry = self._entries.pop(key)
+        self._bytes -= entry.nbytes
+        self._tracker.remove(key)
+
+    def contains(self, key: ChunkKey) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def delete(self, key: ChunkKey) -> bool:
+        with self._lock:
+            if key not in self._entries:
+                return False
+            self._drop(key)
+            return True
+
+    def keys_by_eviction_order(self) -> list[ChunkKey]:
+        """Held keys, least recently used first (eviction order under LRU)."""
+        with self._lock:
+            return self._tracker.keys_oldest_first()
+
+    def _usage(self) -> tuple[int, int]:
+        with self._lock:
+            return len(self._entries), self._bytes
+
+
+class CpuTier(MemoryTier):
+    """Host memory; tensors pinned when CUDA is available, so copies to the GPU can overlap."""
+
+    def __init__(
+        self,
+        model_fp: str,
+        tokenizer_fp: str,
+        budget_bytes: int | None = None,
+        policy: Policy = Policy.LRU,
+    ) -> None:
+        super().__init__(
+            Tier.CPU, torch.device("cpu"), model_fp, tokenizer_fp, budget_bytes, policy,
+            pin=torch.cuda.is_available(),
+        )
+
+
+class GpuTier(MemoryTier):
+    """CUDA memory. Raises StoreError when CUDA is not available."""
+
+    def __init__(
+        self,
+        model_fp: str,
+        tokenizer_fp: str,
+        budget_bytes: int | None = None,
+        policy: Policy = Policy.LRU,
+        device: str = "cuda",
+    ) -> None:
+        if not torch.cuda.is_available():
+            raise StoreError(f"gpu tier on {device!r} needs CUDA; torch.cuda.is_available() is False")
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            raise ValueError(f"gpu tier device must be a CUDA device, got {device!r}")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        super().__init__(Tier.GPU, dev, model_fp, tokenizer_fp, budget_bytes, policy)

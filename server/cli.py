@@ -1,0 +1,78 @@
+"""`ragkv serve`: the argument parser and entry point of the query server.
+
+Imports only argparse at module level; grpc, torch and the pipeline load when the
+command runs, so `ragkv --help` works on a client-only install.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+# flag dest -> help; every dest is a ServerSettings field. Defaults are None so a
+# missing flag leaves the value to the environment, the config file or the default.
+_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("host", str, "gRPC bind address (default 0.0.0.0)"),
+    ("port", int, "gRPC port, 0 = any free port (default 50051)"),
+    ("metrics_port", str, "Prometheus /metrics port, 'off' to disable (default 9464)"),
+    ("model", str, "model spec (HF dir, hub id, .gguf); default: the index's model"),
+    ("device", str, "torch device (default cpu)"),
+    ("dtype", str, "float32, bfloat16 or float16 (default float32)"),
+    ("max_queue", int, "queries admitted at once; more get RESOURCE_EXHAUSTED (default 16)"),
+    ("retrieve_workers", int, "threads for retrieval and KV prefetch (default 1)"),
+    ("grace_seconds", float, "seconds in-flight requests get on SIGTERM (default 30)"),
+    ("auth_token_file", Path, "bearer token file (else $RAGKV_AUTH_TOKEN; else no auth)"),
+    ("tls_cert", Path, "PEM certificate chain (TLS with --tls-key)"),
+    ("tls_key", Path, "PEM private key"),
+    ("kv_cpu_bytes", int, "bytes of KV kept in the CPU tier (default 2 GiB)"),
+    ("kv_gpu_bytes", int, "bytes of KV kept in the GPU tier (default 0)"),
+    ("kv_disk_dir", Path, "disk tier directory (default: the index's own)"),
+    ("kv_s3_uri", str, "s3://bucket/prefix of the S3 tier (default off)"),
+    ("default_mode", str, "mode when a request leaves it unspecified (default blend)"),
+    ("default_recompute_ratio", float, "blend recompute ratio by default (default 0.15)"),
+    ("default_top_k", int, "chunks retrieved by default (default 4)"),
+    ("max_top_k", int, "largest top_k accepted (default 32)"),
+    ("default_max_new_tokens", int, "answer length by default (default 64)"),
+    ("max_new_tokens", int, "largest max_new_tokens accepted (default 1024)"),
+    ("log_level", str, "logging level (default INFO)"),
+)
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `serve` on the `ragkv` subcommand parser."""
+    p = sub.add_parser(
+        "serve",
+        help="run the gRPC query server",
+        description="Serve Query/Retrieve over gRPC for one or more index directories. "
+        "Every option can also come from RAGKV_<OPTION> in the environment or a --config file; "
+        "flags win over the environment, which wins over the file.",
+    )
+    p.add_argument(
+        "--index", dest="indexes", action="append", default=[], metavar="[NAME=]DIR",
+        help="index directory to serve as collection NAME (a bare DIR is 'default'); repeatable",
+    )
+    p.add_argument("--config", type=Path, default=None, help="TOML or JSON settings file")
+    for dest, kind, text in _FLAGS:
+        p.add_argument("--" + dest.replace("_", "-"), dest=dest, type=kind, default=None, help=text)
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load settings, then serve until SIGTERM; returns the exit status."""
+    import asyncio
+    import logging
+
+    from server.app import run
+    from server.settings import load_settings
+
+    flags = {dest: getattr(args, dest) for dest, _, _ in _FLAGS}
+    flags["indexes"] = tuple(args.indexes)
+    settings = load_settings(flags, config_file=args.config)
+    if not settings.indexes:
+        raise ValueError("no index to serve: pass --index [NAME=]DIR (or set RAGKV_INDEXES)")
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    from server.pipeline import Pipeline
+
+    return asyncio.run(run(settings, Pipeline.from_settings))

@@ -53,13 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=48, help="answer length cap")
     demo.set_defaults(func=_run_demo)
 
+    from indexer.cli import add_index_parser
+
+    add_index_parser(sub)
     from ragkv.query_cli import add_query_parser
     from server.cli import add_serve_parser
 
     add_serve_parser(sub)
     add_query_parser(sub)
     for name, text in [
-        ("index", "split a corpus into chunks, embed them and precompute their KV"),
         ("eval", "measure answer quality of each mode against full prefill"),
         ("bench", "run the benchmarks"),
     ]:

@@ -1,4 +1,25 @@
 """retriever: query embedding, FAISS search and chunk metadata.
 
-Knows nothing of the engine or KV caches; never imports gRPC.
+Owns the on-disk index format (manifest.json, chunks.sqlite, vectors.faiss) that the
+indexer writes and the server reads. Knows nothing of the engine or KV tensors;
+never imports gRPC. Importing the package is light: numpy, FAISS and torch load
+only when ``Retriever``/``Hit`` are first used, so the CLI stays a client install.
 """
+
+from typing import Any
+
+from retriever.manifest import IndexState, Manifest, ShardSpec, VectorIndexKind
+from retriever.records import ChunkId, ChunkRecord, DocId, Fingerprint
+
+__all__ = [
+    "ChunkId", "ChunkRecord", "DocId", "Fingerprint", "Hit", "IndexState", "Manifest",
+    "Retriever", "ShardSpec", "VectorIndexKind",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Hit", "Retriever"):
+        from retriever import search
+
+        return getattr(search, name)
+    raise AttributeError(f"module 'retriever' has no attribute {name!r}")

@@ -1,0 +1,109 @@
+"""``ragkv index``: build, update, resume or merge an index from the command line.
+
+    ragkv index CORPUS --out INDEX_DIR [options]   index a folder (resumable, incremental)
+    ragkv index demo --out INDEX_DIR              build the demo corpus, then index it
+    ragkv index merge --out INDEX_DIR             merge shard outputs into one index
+
+Heavy imports (torch, FAISS, sentence-transformers) happen only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from indexer.chunking import DEFAULT_CHUNK_TOKENS, DEFAULT_OVERLAP_TOKENS
+from indexer.spot import DEFAULT_IMDS_ENDPOINT, EXIT_INTERRUPTED, IndexInterrupted
+
+ENV_KV_URIS = "RAGKV_KV_URIS"  # comma-separated default for --kv-store
+ENV_IMDS = "RAGKV_IMDS_ENDPOINT"  # IMDS base URL; setting it turns the Spot watcher on
+DEMO = "demo"
+MERGE = "merge"
+
+
+def add_index_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``index`` on the ``ragkv`` subcommands."""
+    p = sub.add_parser(
+        "index",
+        help="split a corpus into chunks, embed them and precompute their KV",
+        description=(
+            "Index CORPUS (a folder of .txt, .md and .jsonl files) into --out: chunks by the "
+            "LLM's tokenizer, sentence-transformers embeddings, a FAISS index, and every chunk's "
+            "KV in kvstore. Rerun the same command to resume after a crash or to update after the "
+            "corpus changed. `ragkv index demo --out DIR` indexes the built-in demo corpus; "
+            "`ragkv index merge --out DIR` merges the shard outputs of --shard runs. Exits "
+            f"{EXIT_INTERRUPTED} when stopped by SIGTERM or a Spot notice (rerun to resume)."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("corpus", metavar="CORPUS", help=f"corpus folder, or `{DEMO}`, or `{MERGE}`")
+    p.add_argument("--out", required=True, type=Path, help="index folder")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="LLM: HF directory, hub id, .gguf file, or the shipped default")
+    p.add_argument("--embedder", default="all-MiniLM-L6-v2",
+                   help="sentence-transformers model directory, or the shipped default")
+    p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_TOKENS, help="tokens per chunk at most")
+    p.add_argument("--chunk-overlap", type=int, default=DEFAULT_OVERLAP_TOKENS,
+                   help="tokens shared by consecutive chunks at most")
+    p.add_argument("--kv-store", action="append", dest="kv_stores", metavar="URI",
+                   help="kvstore tier to write, repeatable: disk:/path or s3://bucket/prefix "
+                        f"(default: ${ENV_KV_URIS}, else disk:OUT/kv)")
+    p.add_argument("--no-kv", action="store_true", help="skip KV precompute (chunks and vectors only)")
+    p.add_argument("--shard", metavar="i/N",
+                   help="index only shard i of N (default: AWS_BATCH_JOB_ARRAY_INDEX/_SIZE when set)")
+    p.add_argument("--device", default="cpu", help="torch device")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="LLM dtype")
+    p.add_argument("--kv-batch", type=int, default=4, help="chunks prefilled per checkpoint")
+    p.add_argument("--embed-batch", type=int, default=64, help="chunks embedded per checkpoint")
+    p.add_argument("--imds-endpoint", default=os.environ.get(ENV_IMDS),
+                   help="poll this IMDS for Spot interruption notices "
+                        f"(default: ${ENV_IMDS}; {DEFAULT_IMDS_ENDPOINT} when AWS_BATCH_JOB_ID is set)")
+    p.add_argument("--imds-interval", type=float, default=5.0, help="seconds between IMDS polls")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=run_index_command)
+    return p
+
+
+def run_index_command(args: argparse.Namespace) -> int:
+    """Run ``ragkv index``; returns the exit code."""
+    logging.basicConfig(level=logging.WARNING, format="ragkv: %(message)s")
+    if args.corpus == MERGE:
+        from indexer.merge import merge_shards
+
+        manifest = merge_shards(args.out, progress=not args.no_progress)
+        print(f"merged index {args.out}: {manifest.n_documents} documents, {manifest.n_chunks} chunks, "
+              f"{manifest.n_tokens} tokens")
+        return 0
+
+    from indexer.chunking import ChunkingConfig
+    from indexer.job import IndexJobConfig, run_index
+    from indexer.sharding import resolve_shard
+    from indexer.spot import SpotWatcher, StopSignal
+
+    corpus = Path(args.corpus)
+    if args.corpus == DEMO:
+        from indexer.demo_corpus import build_demo_corpus
+
+        corpus = build_demo_corpus(args.out / "demo-corpus")
+    kv = tuple(args.kv_stores or [u for u in os.environ.get(ENV_KV_URIS, "").split(",") if u.strip()])
+    config = IndexJobConfig(
+        corpus=corpus, out=args.out, model=args.model, embedder=args.embedder,
+        chunking=ChunkingConfig(args.chunk_size, args.chunk_overlap), kv_uris=kv,
+        precompute_kv=not args.no_kv, shard=resolve_shard(args.shard), device=args.device,
+        dtype=args.dtype, kv_batch=args.kv_batch, embed_batch=args.embed_batch,
+        progress=not args.no_progress,
+    )
+    endpoint = args.imds_endpoint or (DEFAULT_IMDS_ENDPOINT if os.environ.get("AWS_BATCH_JOB_ID") else None)
+    stop = StopSignal()
+    try:
+        with SpotWatcher(stop, endpoint, interval_s=args.imds_interval):
+            summary = run_index(config, stop)
+    except IndexInterrupted as exc:
+        print(f"ragkv: {exc}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    for line in summary.lines():
+        print(line)
+    return 0

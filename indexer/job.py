@@ -1,0 +1,294 @@
+"""The index job: corpus -> chunks -> embeddings -> per-chunk KV -> FAISS, resumable.
+
+Every phase works from the chunk database's state, in small transactions, so a
+crash or ``kill -9`` anywhere loses at most one batch, and rerunning the same
+command resumes where it stopped:
+
+1. diff the corpus against the database: delete the chunks of removed or changed
+   documents, chunk new and changed ones (one transaction per batch of documents,
+   in document-id order, so rows are numbered as in an uninterrupted run);
+2. embed chunks that have no embedding;
+3. prefill and store the KV of chunks not marked done (skipping keys the store has);
+4. rebuild the FAISS file when the chunks changed, then mark the manifest complete.
+
+A ``StopSignal`` (SIGTERM, Spot notice) is checked between batches: the job then
+raises ``IndexInterrupted`` with all finished work saved.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ragkv.errors import IndexMismatchError
+from indexer.chunking import ChunkingConfig, chunk_document
+from indexer.corpus import Corpus, Document, load_corpus
+from indexer.kv_job import KVItem, KVWriter, kv_key, open_store
+from indexer.sharding import shard_of
+from indexer.spot import StopSignal
+from retriever import vector_index
+from retriever.chunk_db import ChunkDB
+from retriever.embedder import DEFAULT_EMBEDDER, Embedder
+from retriever.manifest import IndexState, Manifest, ShardSpec, read_manifest, write_manifest
+from retriever.records import ChunkRecord, DocId, DocumentRecord, Fingerprint
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_MODEL = "smollm2-135m-instruct"  # the shipped SmolLM2 (engine.DEFAULT_MODEL)
+KV_DIR_NAME = "kv"  # default disk tier: <out>/kv
+
+
+@dataclass(frozen=True, slots=True)
+class IndexJobConfig:
+    """Everything one index run needs."""
+
+    corpus: Path  # folder of .txt / .md / .jsonl files
+    out: Path  # index folder (shards go to <out>/shard-i-of-N)
+    model: str = DEFAULT_MODEL  # LLM spec for engine.load_model
+    embedder: str = DEFAULT_EMBEDDER  # sentence-transformers model: shipped name or directory
+    chunking: ChunkingConfig = field(default_factory=ChunkingConfig)  # chunk size and overlap
+    kv_uris: tuple[str, ...] = ()  # kvstore tiers to write; () = ("disk:<out>/kv",)
+    precompute_kv: bool = True  # False: chunks and vectors only (KV computed on first query)
+    shard: ShardSpec | None = None  # index only this shard of the corpus
+    doc_batch: int = 16  # documents chunked per transaction
+    embed_batch: int = 64  # chunks embedded per transaction
+    kv_batch: int = 4  # chunks prefilled per batch (per checkpoint)
+    device: str = "cpu"  # torch device for the LLM and embedder
+    dtype: str = "float32"  # LLM dtype: float32, bfloat16, float16
+    hnsw_threshold: int = vector_index.HNSW_THRESHOLD  # chunks at which FAISS switches to HNSW
+    progress: bool = True  # tqdm bars on stderr
+
+    def index_dir(self) -> Path:
+        """Where this run writes: ``out``, or its shard's subfolder."""
+        return self.out / self.shard.dir_name() if self.shard else self.out
+
+    def resolved_kv_uris(self) -> tuple[str, ...]:
+        return self.kv_uris or (f"disk:{(self.out / KV_DIR_NAME).resolve()}",)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexSummary:
+    """What a run did, for the summary line."""
+
+    index_dir: Path  # where the index is
+    documents: int  # documents in the index
+    chunks: int  # chunks in the index
+    tokens: int  # LLM tokens over all chunks
+    documents_added: int  # new or changed documents chunked this run
+    documents_deleted: int  # documents removed this run (gone or changed)
+    chunks_embedded: int  # chunks embedded this run
+    kv_chunks: int  # chunks whose KV was computed and written this run
+    kv_tokens: int  # tokens prefilled this run
+    kv_bytes: int  # KV bytes written this run
+    kv_seconds: float  # seconds in the KV phase
+    seconds: float  # wall seconds of the whole run
+    skipped_files: tuple[str, ...]  # corpus files that are not documents
+
+    @property
+    def kv_tokens_per_s(self) -> float:
+        return self.kv_tokens / self.kv_seconds if self.kv_seconds > 0 else 0.0
+
+    def lines(self) -> list[str]:
+        """Human-readable summary."""
+        out = [
+            f"index {self.index_dir}: {self.documents} documents, {self.chunks} chunks, "
+            f"{self.tokens} tokens",
+            f"this run: +{self.documents_added}/-{self.documents_deleted} documents, "
+            f"{self.chunks_embedded} chunks embedded, KV for {self.kv_chunks} chunks "
+            f"({self.kv_tokens} tokens, {self.kv_bytes / 1e6:.1f} MB) in {self.kv_seconds:.1f} s "
+            f"= {self.kv_tokens_per_s:.0f} tokens/s; {self.seconds:.1f} s total",
+        ]
+        if self.skipped_files:
+            out.append(f"skipped {len(self.skipped_files)} non-document files: "
+                       + ", ".join(self.skipped_files[:10]) + (" ..." if len(self.skipped_files) > 10 else ""))
+        return out
+
+
+def batched(items: Sequence[T], n: int) -> Iterator[Sequence[T]]:
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
+
+def _bar(total: int, desc: str, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="chunk" if desc != "chunking" else "doc",
+                disable=not enabled, dynamic_ncols=True, leave=True)
+
+
+def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Any = None,
+              embedder: Embedder | None = None) -> IndexSummary:
+    """Build or update the index of ``config``; resumable and incremental.
+
+    Args:
+        config: what to index and where.
+        stop: checked between batches; when set, the job saves and raises IndexInterrupted.
+        lm: an already loaded ``engine.LoadedModel`` (tests, benchmarks); else loaded here.
+        embedder: an already loaded embedder; else loaded here.
+
+    Raises:
+        CorpusError: the corpus is missing, empty or malformed.
+        IndexMismatchError: ``out`` holds an index built with other models or settings.
+        IndexInterrupted: ``stop`` was set; rerun to resume.
+    """
+    t0 = time.perf_counter()
+    stop = stop or StopSignal()
+    corpus = load_corpus(config.corpus)
+    docs = _shard_documents(corpus, config.shard)
+    index_dir = config.index_dir()
+
+    from engine import Engine, load_model
+
+    lm = lm or load_model(config.model, device=config.device, dtype=config.dtype)
+    embedder = embedder or Embedder.load(config.embedder, device=config.device)
+    engine = Engine(lm)
+    prefix_ids = tuple(engine.prompt.prefix_ids())
+    kv_uris = config.resolved_kv_uris()
+
+    index_dir.mkdir(parents=True, exist_ok=True)
+    old = read_manifest(index_dir)
+    now = time.time()
+    manifest = Manifest(
+        model_spec=config.model, model_fp=Fingerprint(str(lm.fingerprint)),
+        tokenizer_fp=Fingerprint(str(lm.tokenizer_fingerprint)), embedder=config.embedder,
+        embedder_fp=embedder.fingerprint, embedding_dim=embedder.dim, prefix_ids=prefix_ids,
+        chunk_size=config.chunking.size, chunk_overlap=config.chunking.overlap, kv_uris=kv_uris,
+        kv_precomputed=False, vector_index=vector_index.choose_kind(0, config.hnsw_threshold),
+        state=IndexState.BUILDING, n_documents=0, n_chunks=0, n_tokens=0, shard=config.shard,
+        created_at=old.created_at if old else now, updated_at=now,
+    )
+    if old is not None:
+        _check_compatible(index_dir, old, manifest)
+    write_manifest(index_dir, manifest)
+
+    db = ChunkDB.open(index_dir)
+    try:
+        if old is not None and old.kv_uris != kv_uris:
+            db.reset_kv_done()  # another store: check every chunk against it again
+        added, deleted = _sync_documents(db, docs, engine, lm, manifest, config, stop)
+        embedded = _embed_pending(db, embedder, config, stop)
+        kv_chunks = kv_tokens = kv_bytes = 0
+        kv_seconds = 0.0
+        if config.precompute_kv:
+            t_kv = time.perf_counter()
+            kv_chunks, kv_tokens, kv_bytes = _precompute_kv(db, engine, lm, prefix_ids, kv_uris, config, stop)
+            kv_seconds = time.perf_counter() - t_kv
+        stop.check()
+        n_docs, n_chunks, n_tokens = db.stats()
+        kind = vector_index.choose_kind(n_chunks, config.hnsw_threshold)
+        if not db.faiss_is_current() or old is None or old.vector_index is not kind \
+                or not (index_dir / vector_index.FAISS_NAME).exists():
+            version = db.vectors_version()
+            ids, xb = db.all_vectors()
+            if xb.size == 0:
+                xb = xb.reshape(0, embedder.dim)
+            vector_index.save(vector_index.build(ids, xb, kind), index_dir)
+            db.mark_faiss_built(version)
+        write_manifest(index_dir, replace(
+            manifest, state=IndexState.COMPLETE, vector_index=kind, n_documents=n_docs,
+            n_chunks=n_chunks, n_tokens=n_tokens, kv_precomputed=db.count_kv_pending() == 0,
+            updated_at=time.time(),
+        ))
+        db.close(compact=True)
+        db = None
+    finally:
+        if db is not None:
+            db.close()
+    return IndexSummary(
+        index_dir=index_dir, documents=n_docs, chunks=n_chunks, tokens=n_tokens,
+        documents_added=added, documents_deleted=deleted, chunks_embedded=embedded,
+        kv_chunks=kv_chunks, kv_tokens=kv_tokens, kv_bytes=kv_bytes, kv_seconds=kv_seconds,
+        seconds=time.perf_counter() - t0, skipped_files=corpus.skipped,
+    )
+
+
+def _shard_documents(corpus: Corpus, shard: ShardSpec | None) -> list[Document]:
+    if shard is None:
+        return list(corpus.documents)
+    return [d for d in corpus.documents if shard_of(d.doc_id, shard.count) == shard.index]
+
+
+def _check_compatible(index_dir: Path, old: Manifest, new: Manifest) -> None:
+    for name in ("model_fp", "tokenizer_fp", "embedder_fp", "prefix_ids", "chunk_size", "chunk_overlap", "shard"):
+        a, b = getattr(old, name), getattr(new, name)
+        if a != b:
+            raise IndexMismatchError(
+                f"{index_dir} holds an index built with another {name} ({str(a)[:40]!r}, now "
+                f"{str(b)[:40]!r}): index into a new --out folder, or delete {index_dir} to rebuild"
+            )
+
+
+def _sync_documents(db: ChunkDB, docs: list[Document], engine: Any, lm: Any, manifest: Manifest,
+                    config: IndexJobConfig, stop: StopSignal) -> tuple[int, int]:
+    """Delete gone documents, chunk new and changed ones. Returns (added, deleted)."""
+    known = db.documents()
+    wanted = {d.doc_id: d for d in docs}
+    gone = sorted(set(known) - set(wanted))
+    db.delete_documents(gone)
+    todo = [d for d in docs if d.doc_id not in known or known[d.doc_id].content_hash != d.content_hash]
+    changed = sum(1 for d in todo if d.doc_id in known)
+    tok = lm.tokenizer
+
+    def count(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+    with _bar(len(todo), "chunking", config.progress) as bar:
+        for batch in batched(todo, config.doc_batch):
+            stop.check()
+            rows = []
+            for doc in batch:
+                chunks = chunk_document(doc.doc_id, doc.text, engine.prompt.chunk_ids, config.chunking, count)
+                records = [
+                    ChunkRecord(c.chunk_id, c.doc_id, c.ordinal, c.text, doc.metadata, c.token_ids,
+                                kv_key(manifest.model_fp, manifest.tokenizer_fp, manifest.prefix_ids, c.token_ids))
+                    for c in chunks
+                ]
+                rows.append((DocumentRecord(doc.doc_id, doc.content_hash, doc.source, len(records)), records))
+            db.replace_documents(rows)
+            bar.update(len(batch))
+    return len(todo), len(gone) + changed
+
+
+def _embed_pending(db: ChunkDB, embedder: Embedder, config: IndexJobConfig, stop: StopSignal) -> int:
+    pending = db.pending_embeddings()
+    with _bar(len(pending), "embedding", config.progress) as bar:
+        for batch in batched(pending, config.embed_batch):
+            stop.check()
+            xb = embedder.encode_documents([text for _, text in batch], batch_size=config.embed_batch)
+            db.set_embeddings([row for row, _ in batch], xb)
+            bar.update(len(batch))
+    return len(pending)
+
+
+def _precompute_kv(db: ChunkDB, engine: Any, lm: Any, prefix_ids: Sequence[int], kv_uris: Sequence[str],
+                   config: IndexJobConfig, stop: StopSignal) -> tuple[int, int, int]:
+    """Returns (chunks computed, tokens computed, bytes written)."""
+    pending = [KVItem(row, key, ids) for row, key, ids in db.pending_kv()]
+    if not pending:
+        return 0, 0, 0
+    store = open_store(kv_uris, lm.fingerprint, lm.tokenizer_fingerprint)
+    try:
+        writer = KVWriter(engine, store, prefix_ids)
+        stored = {it.row for it in pending} - {it.row for it in writer.missing(pending)}
+        db.set_kv_done(sorted(stored))  # written before a crash, not yet marked
+        todo = [it for it in pending if it.row not in stored]
+        totals = [0, 0, 0]
+        with _bar(len(todo), "kv precompute", config.progress) as bar:
+            def on_done(batch: Sequence[KVItem], nbytes: int) -> None:
+                db.set_kv_done([it.row for it in batch])
+                totals[0] += len(batch)
+                totals[1] += sum(len(it.token_ids) for it in batch)
+                totals[2] += nbytes
+                bar.update(len(batch))
+
+            writer.run(list(batched(todo, config.kv_batch)), on_done, stop.is_set)
+    finally:
+        close = getattr(store, "close", None)
+        if close is not None:
+            close()
+    return totals[0], totals[1], totals[2]

@@ -1,0 +1,132 @@
+"""The KV step of indexing: prefill chunks after the shared prefix and write them to kvstore.
+
+Compute and writing overlap: the engine prefills batch i+1 while a writer thread
+puts batch i into the store (torch and file I/O both release the GIL), so the
+disk tier costs little on top of plain prefill (see bench/indexer_bench.py).
+
+This is the only indexer module that touches the engine's tensors or kvstore.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ragkv.errors import StoreError
+
+
+@dataclass(frozen=True, slots=True)
+class KVItem:
+    """One chunk whose KV is to be computed."""
+
+    row: int  # the chunk's row in the chunk database
+    kv_key: str  # its kvstore ChunkKey string
+    token_ids: tuple[int, ...]  # its token ids (no prefix)
+
+
+def kv_key(model_fp: str, tokenizer_fp: str, prefix_ids: Sequence[int], chunk_ids: Sequence[int]) -> str:
+    """The kvstore ChunkKey string of a chunk (one place builds it for the whole indexer)."""
+    from kvstore.keys import ChunkKey
+
+    return ChunkKey.build(model_fp, tokenizer_fp, list(prefix_ids), list(chunk_ids)).to_str()
+
+
+def open_store(uris: Sequence[str], model_fp: str, tokenizer_fp: str) -> Any:
+    """A kvstore TieredStore writing through to the tiers named by ``uris``."""
+    from kvstore import StoreConfig, TieredStore
+
+    config = StoreConfig.from_uris(list(uris))
+    return TieredStore(config, model_fp=model_fp, tokenizer_fp=tokenizer_fp)
+
+
+class KVWriter:
+    """Computes and stores chunks' KV; ``run`` returns after every item is durable.
+
+    Args:
+        engine: an ``engine.Engine``.
+        store: a kvstore store with ``contains(key)`` and ``put(entry)``.
+        prefix_ids: the shared prefix.
+    """
+
+    def __init__(self, engine: Any, store: Any, prefix_ids: Sequence[int]) -> None:
+        from kvstore.keys import hash_prefix
+
+        self.engine = engine  # engine.Engine
+        self.store = store  # kvstore TieredStore (or any object with contains/put)
+        self.prefix_ids = list(prefix_ids)  # the shared prefix
+        self._prefix_hash = hash_prefix(self.prefix_ids)
+        self._lm = engine.lm
+
+    def missing(self, items: Sequence[KVItem]) -> list[KVItem]:
+        """The items whose KV is not in the store yet (a resumed run skips the rest)."""
+        from kvstore.keys import ChunkKey
+
+        return [it for it in items if not self.store.contains(ChunkKey.from_str(it.kv_key))]
+
+    def run(
+        self,
+        batches: Sequence[Sequence[KVItem]],
+        on_done: Callable[[Sequence[KVItem], int], None],
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """Prefill and store each batch; call ``on_done(batch, nbytes)`` once it is durable.
+
+        Stops after the batch in flight when ``should_stop()`` turns true; every batch
+        handed to ``on_done`` is fully written, no other is.
+        """
+        todo: queue.Queue = queue.Queue(maxsize=2)
+        failure: list[BaseException] = []
+
+        def write_loop() -> None:
+            while True:
+                job = todo.get()
+                if job is None:
+                    return
+                batch, kvs = job
+                try:
+                    nbytes = 0
+                    for item, kv in zip(batch, kvs):
+                        self.store.put(self._entry(item, kv))
+                        nbytes += kv.nbytes
+                    on_done(batch, nbytes)
+                except BaseException as exc:  # handed to the caller's thread below
+                    failure.append(exc)
+                    return
+
+        writer = threading.Thread(target=write_loop, name="kv-writer", daemon=True)
+        writer.start()
+        try:
+            for batch in batches:
+                if should_stop() or failure:
+                    break
+                kvs = self.engine.prefill_chunks(self.prefix_ids, [it.token_ids for it in batch])
+                while writer.is_alive():
+                    try:
+                        todo.put((batch, kvs), timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+        finally:
+            if writer.is_alive():
+                todo.put(None)
+            writer.join()
+        if failure:
+            exc = failure[0]
+            if isinstance(exc, StoreError):
+                raise exc
+            raise StoreError(f"writing chunk KV to the store failed: {exc}") from exc
+
+    def _entry(self, item: KVItem, kv: Any) -> Any:
+        from kvstore.entry import KVEntry
+        from kvstore.keys import ChunkKey
+
+        return KVEntry(
+            key=ChunkKey.from_str(item.kv_key),
+            k=kv.k, v=kv.v,
+            token_ids=kv.token_ids.cpu(), positions=kv.positions.cpu(),
+            model_fp=self._lm.fingerprint, tokenizer_fp=self._lm.tokenizer_fingerprint,
+            prefix_hash=self._prefix_hash,
+        )

@@ -1,0 +1,168 @@
+"""The manifest of an index: which models built it, with which settings, and its state.
+
+It lives in ``manifest.json`` beside the chunk database and the FAISS file, and is
+always replaced atomically (temp file + fsync + rename), so a crash never leaves a
+half-written manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ragkv.errors import IndexMismatchError, RagKVError
+from retriever.records import Fingerprint
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_VERSION = 1
+
+
+class IndexState(enum.Enum):
+    """Whether an index can be searched."""
+
+    BUILDING = "building"  # a run started and has not finished (or was interrupted)
+    COMPLETE = "complete"  # every chunk is embedded, has its KV, and the FAISS file matches
+
+
+class VectorIndexKind(enum.Enum):
+    """Which FAISS index holds the embeddings (chosen by size, see vector_index.py)."""
+
+    FLAT_IP = "flat_ip"  # exact inner product
+    HNSW_IP = "hnsw_ip"  # HNSW graph over inner product
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSpec:
+    """One shard of a corpus split across machines: documents whose id hash % count == index."""
+
+    index: int  # this shard, 0 <= index < count
+    count: int  # how many shards in all
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or not 0 <= self.index < self.count:
+            raise ValueError(
+                f"shard {self.index}/{self.count} is invalid: need count >= 1 and "
+                f"0 <= index < count, e.g. --shard 0/4"
+            )
+
+    @classmethod
+    def parse(cls, text: str) -> ShardSpec:
+        """Parse ``"i/N"``."""
+        parts = text.split("/")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"--shard {text!r} is not of the form i/N, e.g. 0/4")
+        return cls(int(parts[0]), int(parts[1]))
+
+    def dir_name(self) -> str:
+        """The subfolder of the output that holds this shard."""
+        return f"shard-{self.index:05d}-of-{self.count:05d}"
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """What an index was built with; the server checks it before serving."""
+
+    model_spec: str  # the model as given to the indexer (path, hub id, or shipped name)
+    model_fp: Fingerprint  # engine fingerprint of config + weights + tokenizer
+    tokenizer_fp: Fingerprint  # engine fingerprint of the tokenizer alone
+    embedder: str  # the sentence-transformers model as given (path or shipped name)
+    embedder_fp: Fingerprint  # sha256 over the embedder's files
+    embedding_dim: int  # width of the embedding vectors
+    prefix_ids: tuple[int, ...]  # the shared prefix every chunk's KV was computed after
+    chunk_size: int  # tokens per chunk at most
+    chunk_overlap: int  # tokens shared by consecutive chunks at most
+    kv_uris: tuple[str, ...]  # kvstore tiers the KV was written to, e.g. ("disk:/x", "s3://b/p")
+    kv_precomputed: bool  # False when the run skipped KV precompute (--no-kv)
+    vector_index: VectorIndexKind  # the FAISS index type of the last build
+    state: IndexState  # building or complete
+    n_documents: int  # documents in the index
+    n_chunks: int  # chunks in the index
+    n_tokens: int  # LLM tokens over all chunks
+    shard: ShardSpec | None  # the shard this index covers, None for a whole corpus
+    created_at: float  # unix seconds when the index was first created
+    updated_at: float  # unix seconds of the last change
+    version: int = MANIFEST_VERSION  # manifest format version
+
+    def check_model(self, model_fp: str, tokenizer_fp: str) -> None:
+        """Raise IndexMismatchError unless the index was built for this model and tokenizer."""
+        if model_fp != self.model_fp:
+            raise IndexMismatchError(
+                f"index was built for model {self.model_spec!r} (fingerprint {self.model_fp[:16]}) "
+                f"but the model in use has fingerprint {model_fp[:16]}: serve the same model or "
+                f"re-index with `ragkv index CORPUS --model ...`"
+            )
+        if tokenizer_fp != self.tokenizer_fp:
+            raise IndexMismatchError(
+                f"index was built with tokenizer {self.tokenizer_fp[:16]} but the model in use "
+                f"has tokenizer {tokenizer_fp[:16]}: re-index with the serving model"
+            )
+
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        d["vector_index"] = self.vector_index.value
+        d["state"] = self.state.value
+        d["prefix_ids"] = list(self.prefix_ids)
+        d["kv_uris"] = list(self.kv_uris)
+        return json.dumps(d, indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        d = json.loads(text)
+        if d.get("version") != MANIFEST_VERSION:
+            raise IndexMismatchError(
+                f"index manifest version {d.get('version')!r} is not {MANIFEST_VERSION}: "
+                f"re-index with this ragkv version"
+            )
+        d["vector_index"] = VectorIndexKind(d["vector_index"])
+        d["state"] = IndexState(d["state"])
+        d["prefix_ids"] = tuple(d["prefix_ids"])
+        d["kv_uris"] = tuple(d["kv_uris"])
+        d["shard"] = ShardSpec(**d["shard"]) if d.get("shard") else None
+        return cls(**d)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` so that readers see the old or the new file, never half."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data``: temp file in the same folder, fsync, rename, fsync dir."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp makes 0600; an index is meant to be read by others
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def read_manifest(index_dir: Path) -> Manifest | None:
+    """The manifest in ``index_dir``, or None when there is none yet."""
+    path = Path(index_dir) / MANIFEST_NAME
+    if not path.exists():
+        return None
+    try:
+        return Manifest.from_json(path.read_text("utf-8"))
+    except (KeyError, TypeError, json.JSONDecodeError) as exc:
+        raise RagKVError(f"manifest {path} is unreadable ({exc}): delete the index and rebuild it") from exc
+
+
+def write_manifest(index_dir: Path, manifest: Manifest) -> None:
+    """Atomically write ``manifest`` into ``index_dir``."""
+    atomic_write_text(Path(index_dir) / MANIFEST_NAME, manifest.to_json())

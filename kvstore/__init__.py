@@ -8,7 +8,7 @@ or not at all.
 
 Shapes: `[L, Hkv, T, D]` = layers, KV heads, tokens, head dim (legend in engine/).
 
-    store = TieredStore.open(StoreConfig.from_uris(["cpu", "disk:/x"]), model_fp, tokenizer_fp)
+    store = TieredStore(StoreConfig.from_uris(["cpu", "disk:/x"]), model_fp, tokenizer_fp)
     store.put(entry)
     hit = store.fetch(key)            # Hit(entry, tier, seconds) or None
     handles = store.prefetch(keys)    # handle.result(timeout=None) -> KVEntry | None

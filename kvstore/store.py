@@ -110,20 +110,52 @@ def build_tier(
 class TieredStore:
     """The tiers of one store, for one (model, tokenizer) pair."""
 
-    def __init__(
-        self,
+    def __init__(self, config: StoreConfig, model_fp: str, tokenizer_fp: str) -> None:
+        """Build the tiers `config` names for one (model, tokenizer) pair.
+
+        Raises:
+            ValueError: a fingerprint that is not one safe path segment.
+            StoreError: a tier that cannot be opened (no CUDA for gpu, unwritable disk root).
+        """
+        check_fingerprint(model_fp, "model fingerprint")
+        check_fingerprint(tokenizer_fp, "tokenizer fingerprint")
+        built: list[StorageTier] = []
+        try:
+            for spec in config.tiers:
+                built.append(build_tier(spec, config, model_fp, tokenizer_fp))
+        except BaseException:
+            for t in built:
+                t.close()
+            raise
+        self._setup(built, config.durable_writes, config.prefetch_workers)
+
+    @classmethod
+    def open(cls, config: StoreConfig, model_fp: str, tokenizer_fp: str) -> TieredStore:
+        """Same as the constructor."""
+        return cls(config, model_fp, tokenizer_fp)
+
+    @classmethod
+    def from_tiers(
+        cls,
         tiers: Sequence[StorageTier],
         *,
         write_through: Iterable[Tier] | None = None,
         prefetch_workers: int = 4,
-    ) -> None:
-        """Compose already-built tiers (see `open` to build them from a StoreConfig).
+    ) -> TieredStore:
+        """Compose already-built tiers (tests, custom tiers).
 
         Args:
             tiers: one per kind, any order (they are looked at GPU, CPU, disk, S3).
             write_through: durable tiers a put writes to; None = all durable tiers given.
             prefetch_workers: threads for prefetch.
         """
+        store = cls.__new__(cls)
+        store._setup(tiers, write_through, prefetch_workers)
+        return store
+
+    def _setup(
+        self, tiers: Sequence[StorageTier], write_through: Iterable[Tier] | None, prefetch_workers: int
+    ) -> None:
         if not tiers:
             raise ValueError("a store needs at least one tier")
         self._tiers = tuple(sorted(tiers, key=lambda t: t.tier.rank))
@@ -141,27 +173,14 @@ class TieredStore:
                 f"write_through {sorted(t.value for t in wt)} must be durable tiers of this store "
                 f"({sorted(t.value for t in durable)})"
             )
+        if prefetch_workers < 1:
+            raise ValueError(f"prefetch_workers must be >= 1, got {prefetch_workers}")
         self.write_through = frozenset(wt)
         self._pool = ThreadPoolExecutor(max_workers=prefetch_workers, thread_name_prefix="kvstore-prefetch")
         self._lock = threading.RLock()
         self._inflight: dict[ChunkKey, Future[Hit | None]] = {}
         self._lookups = self._misses = self._promotions = self._promotion_failures = 0
         self._prefetches = self._prefetch_joined = 0
-
-    @classmethod
-    def open(cls, config: StoreConfig, model_fp: str, tokenizer_fp: str) -> TieredStore:
-        """Build the tiers `config` names for one (model, tokenizer) pair."""
-        check_fingerprint(model_fp, "model fingerprint")
-        check_fingerprint(tokenizer_fp, "tokenizer fingerprint")
-        built: list[StorageTier] = []
-        try:
-            for spec in config.tiers:
-                built.append(build_tier(spec, config, model_fp, tokenizer_fp))
-        except BaseException:
-            for t in built:
-                t.close()
-            raise
-        return cls(built, write_through=config.durable_writes, prefetch_workers=config.prefetch_workers)
 
     @property
     def tiers(self) -> tuple[StorageTier, ...]:

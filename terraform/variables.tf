@@ -129,6 +129,11 @@ variable "allowed_cidrs" {
   description = "IPv4 CIDR blocks admitted to the gRPC and metrics ports. Empty by default; 0.0.0.0/0 is refused unless allow_public_ingress is true."
   type        = list(string)
   default     = []
+
+  validation {
+    condition     = var.allow_public_ingress || !contains(var.allowed_cidrs, "0.0.0.0/0")
+    error_message = "allowed_cidrs contains 0.0.0.0/0: the API would be open to the internet. Name your clients' CIDRs, or set allow_public_ingress = true if you really mean it."
+  }
 }
 
 variable "allow_public_ingress" {

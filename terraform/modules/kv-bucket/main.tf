@@ -148,7 +148,7 @@ resource "aws_s3_bucket_lifecycle_configuration" "kv" {
   }
 
   rule {
-    id     = "expire-noncurrent-versions"
+    id     = "noncurrent-versions"
     status = "Enabled"
 
     filter {}

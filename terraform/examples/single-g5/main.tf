@@ -1,0 +1,74 @@
+# The smallest useful deployment: the KV bucket and one g5.xlarge serving
+# instance, reachable on gRPC and metrics only from the VPC's own CIDR.
+#
+#   terraform init
+#   terraform apply -var vpc_id=vpc-... -var subnet_id=subnet-... -var client_cidr=10.0.0.0/16
+
+terraform {
+  required_version = ">= 1.9"
+
+  required_providers {
+    aws = {
+      source  = "hashicorp/aws"
+      version = ">= 5.70, < 6.0"
+    }
+  }
+}
+
+provider "aws" {
+  region = var.region
+
+  default_tags {
+    tags = { Environment = "example" }
+  }
+}
+
+variable "region" {
+  description = "AWS region to deploy into (it needs g5 capacity)."
+  type        = string
+  default     = "us-east-1"
+}
+
+variable "vpc_id" {
+  description = "Existing VPC for the instance."
+  type        = string
+}
+
+variable "subnet_id" {
+  description = "Existing subnet (private, with a NAT gateway or an S3 endpoint) for the instance."
+  type        = string
+}
+
+variable "client_cidr" {
+  description = "CIDR block of the clients allowed to reach gRPC and metrics, e.g. the VPC's CIDR."
+  type        = string
+}
+
+module "ragkv" {
+  source = "../.."
+
+  name          = "ragkv-single"
+  vpc_id        = var.vpc_id
+  subnet_ids    = [var.subnet_id]
+  instance_type = "g5.xlarge"
+  allowed_cidrs = [var.client_cidr]
+  index_version = "latest"
+  force_destroy = true
+
+  tags = { Example = "single-g5" }
+}
+
+output "grpc_endpoints" {
+  description = "Dial one of these with `ragkv query --server HOST:PORT`."
+  value       = module.ragkv.grpc_endpoints
+}
+
+output "kv_s3_uri" {
+  description = "Build the index into this KV store: `ragkv index CORPUS --out DIR --kv-store <this>`."
+  value       = module.ragkv.kv_s3_uri
+}
+
+output "index_s3_uri" {
+  description = "Upload the built index to <this>/latest/ before the instance starts serving."
+  value       = module.ragkv.index_s3_uri
+}

@@ -1,0 +1,247 @@
+# Plan-level checks of the serving module, offline (mock AWS provider).
+
+mock_provider "aws" {
+  mock_data "aws_partition" {
+    defaults = { partition = "aws" }
+  }
+  mock_data "aws_region" {
+    defaults = { name = "us-east-1" }
+  }
+  mock_data "aws_ssm_parameter" {
+    defaults = { insecure_value = "ami-0dlami0000000000", value = "ami-0dlami0000000000" }
+  }
+}
+
+variables {
+  name           = "ragkv-test"
+  vpc_id         = "vpc-0123456789abcdef0"
+  subnet_ids     = ["subnet-0aaaaaaaaaaaaaaaa", "subnet-0bbbbbbbbbbbbbbbb"]
+  kv_bucket_arn  = "arn:aws:s3:::ragkv-test-kv"
+  kv_bucket_name = "ragkv-test-kv"
+  kms_key_arn    = "arn:aws:kms:us-east-1:123456789012:key/11111111-2222-3333-4444-555555555555"
+  allowed_cidrs  = ["10.0.0.0/16", "192.168.10.0/24"]
+  tags           = { Project = "ragkv" }
+}
+
+run "instance_defaults_are_hardened" {
+  command = plan
+
+  module {
+    source = "./modules/serving"
+  }
+
+  assert {
+    condition     = length(aws_instance.serving) == 1 && aws_instance.serving[0].instance_type == "g5.xlarge"
+    error_message = "One g5.xlarge instance by default."
+  }
+
+  assert {
+    condition     = aws_instance.serving[0].metadata_options[0].http_tokens == "required"
+    error_message = "IMDSv2 must be required."
+  }
+
+  assert {
+    condition     = aws_instance.serving[0].root_block_device[0].encrypted == true && aws_instance.serving[0].root_block_device[0].volume_type == "gp3"
+    error_message = "The root volume must be encrypted gp3."
+  }
+
+  assert {
+    condition     = aws_instance.serving[0].ami == "ami-0dlami0000000000"
+    error_message = "The AMI must come from the Deep Learning AMI SSM parameter."
+  }
+
+  assert {
+    condition     = data.aws_ssm_parameter.ami[0].name == "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
+    error_message = "The default AMI lookup must use the public Deep Learning AMI parameter."
+  }
+}
+
+run "ingress_only_from_named_clients" {
+  command = plan
+
+  module {
+    source = "./modules/serving"
+  }
+
+  assert {
+    condition     = length(aws_vpc_security_group_ingress_rule.cidr) == 4
+    error_message = "Two CIDRs times two ports (gRPC, metrics) make four ingress rules."
+  }
+
+  assert {
+    condition     = alltrue([for r in aws_vpc_security_group_ingress_rule.cidr : r.cidr_ipv4 != "0.0.0.0/0" && r.cidr_ipv6 == null])
+    error_message = "No ingress rule may admit the whole internet."
+  }
+
+  assert {
+    condition     = toset([for r in aws_vpc_security_group_ingress_rule.cidr : r.from_port]) == toset([50051, 9090])
+    error_message = "Only the gRPC (50051) and metrics (9090) ports may be opened."
+  }
+
+  assert {
+    condition     = alltrue([for r in aws_vpc_security_group_ingress_rule.cidr : r.from_port == r.to_port])
+    error_message = "Ingress rules must open single ports, not ranges."
+  }
+}
+
+run "no_ingress_at_all_by_default" {
+  command = plan
+
+  module {
+    source = "./modules/serving"
+  }
+
+  variables {
+    allowed_cidrs = []
+  }
+
+  assert {
+    condition     = length(aws_vpc_security_group_ingress_rule.cidr) == 0 && length(aws_vpc_security_group_ingress_rule.sg) == 0
+    error_message = "Without allowed_cidrs or allowed_security_group_ids nothing may be admitted."
+  }
+}
+
+run "public_ingress_is_refused" {
+  command = plan
+
+  module {
+    source = "./modules/serving"
+  }
+
+  variables {
+    allowed_cidrs = ["0.0.0.0/0"]
+  }
+
+  expect_failures = [var.allowed_cidrs]
+}
+
+run "iam_is_limited_to_the_kv_prefix_and_key" {
+  command = plan
+
+  module {
+    source = "./modules/serving"
+  }
+
+  assert {
+    condition = alltrue([
+      for s in jsondecode(aws_iam_role_policy.kv_access.policy).Statement :
+      !contains(flatten([s.Resource]), "*") && !contains(flatten([s.Action]), "s3:*")
+    ])
+    error_message = "No statement may use Resource \"*\" or s3:*."
+  }
+
+  assert {
+    condition = anytrue([
+      for s in jsondecode(aws_iam_role_policy.kv_access.policy).Statement :
+      s.Resource == "arn:aws:s3:::ragkv-test-kv/kv/*" && contains(s.Action, "s3:PutObject")
+    ])
+    error_message = "Get/put must be scoped to the KV prefix."
+  }
+
+  assert {
+    condition = alltrue([
+      for s in jsondecode(aws_iam_role_policy.kv_access.policy).Statement :
+      can(s.Condition.StringLike["s3:prefix"]) if contains(flatten([s.Action]), "s3:ListBucket")
+    ])
+    error_message = "ListBucket must be limited by an s3:prefix condition."
+  }
+}
+
+run "user_data_runs_ragkv_serve_under_systemd" {
+  command = plan
+
+  module {
+    source = "./modules/serving"
+  }
+
+  assert {
+    condition     = strcontains(output.user_data, "ragkv serve --index /var/lib/ragkv/index --port 50051 --metrics-port 9090")
+    error_message = "The unit must run `ragkv serve` on the configured ports."
+  }
+
+  assert {
+    condition     = strcontains(output.user_data, "Restart=always") && strcontains(output.user_data, "systemctl enable --now")
+    error_message = "ragkv must run under systemd with restarts."
+  }
+
+  assert {
+    condition     = strcontains(output.user_data, "RAGKV_KV_S3_URI=s3://ragkv-test-kv/kv") && strcontains(output.user_data, "Amazon EC2 NVMe Instance Storage")
+    error_message = "User data must wire the S3 tier and the NVMe instance store."
+  }
+
+  assert {
+    condition     = strcontains(output.user_data, "pip install --quiet 'ragkv[gpu]'")
+    error_message = "User data must install ragkv."
+  }
+}
+
+run "autoscaling_group_behind_nlb" {
+  command = plan
+
+  module {
+    source = "./modules/serving"
+  }
+
+  variables {
+    create_autoscaling_group = true
+    create_load_balancer     = true
+    asg_desired_capacity     = 2
+    asg_max_size             = 3
+  }
+
+  assert {
+    condition     = length(aws_instance.serving) == 0 && length(aws_autoscaling_group.serving) == 1
+    error_message = "With an Auto Scaling group there are no standalone instances."
+  }
+
+  assert {
+    condition     = aws_launch_template.serving[0].metadata_options[0].http_tokens == "required"
+    error_message = "IMDSv2 must be required in the launch template."
+  }
+
+  assert {
+    condition     = aws_launch_template.serving[0].block_device_mappings[0].ebs[0].encrypted == "true"
+    error_message = "The launch template's root volume must be encrypted."
+  }
+
+  assert {
+    condition     = aws_lb.serving[0].load_balancer_type == "network" && aws_lb.serving[0].internal == true
+    error_message = "The load balancer must be an internal NLB."
+  }
+
+  assert {
+    condition = (
+      aws_lb_target_group.grpc[0].health_check[0].protocol == "HTTP"
+      && aws_lb_target_group.grpc[0].health_check[0].port == "8081"
+      && aws_lb_target_group.grpc[0].health_check[0].path == "/grpc.health.v1.Health/Check"
+    )
+    error_message = "The target group must check the grpc.health.v1 bridge."
+  }
+
+  assert {
+    condition     = aws_autoscaling_group.serving[0].health_check_type == "ELB"
+    error_message = "Replicas must be replaced when the load balancer finds them unhealthy."
+  }
+
+  assert {
+    condition     = alltrue([for r in aws_vpc_security_group_ingress_rule.lb_cidr : r.cidr_ipv4 != "0.0.0.0/0"])
+    error_message = "The load balancer must not admit the whole internet."
+  }
+}
+
+run "explicit_ami_skips_the_lookup" {
+  command = plan
+
+  module {
+    source = "./modules/serving"
+  }
+
+  variables {
+    ami_id = "ami-0123456789abcdef0"
+  }
+
+  assert {
+    condition     = length(data.aws_ssm_parameter.ami) == 0 && aws_instance.serving[0].ami == "ami-0123456789abcdef0"
+    error_message = "ami_id must override the SSM lookup."
+  }
+}

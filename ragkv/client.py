@@ -110,14 +110,18 @@ class QueryStream:
         self._retry = retry
         self._deadline = time.monotonic() + timeout
         self._state = _StreamState()
-        self._call: grpc.Call | None = None
         self._buffer: deque[str] = deque()
+        # The call starts now, not at the first read: the server queues it at once.
+        self._call: grpc.Call = start(timeout)
         self._events = self._run()
 
     def _run(self) -> Iterator[str | None]:
         delays = self._retry.delays()
+        first = True
         while True:
-            self._call = self._start(max(0.0, self._deadline - time.monotonic()))
+            if not first:
+                self._call = self._start(max(0.0, self._deadline - time.monotonic()))
+            first = False
             received = False
             try:
                 for msg in self._call:
@@ -176,8 +180,7 @@ class QueryStream:
 
     def cancel(self) -> None:
         """Cancel the call; the server frees its work at once."""
-        if self._call is not None:
-            self._call.cancel()
+        self._call.cancel()
 
 
 class RagClient:

@@ -1,0 +1,89 @@
+"""ragkv.convert: every field of every message survives a round trip."""
+
+from __future__ import annotations
+
+import pytest
+from google.protobuf.message import Message
+
+from ragkv import convert
+from ragkv.types import (
+    CollectionInfo, CollectionStats, FinishReason, Mode, QueryOptions, QueryStats, RetrievedChunk,
+    RetrieveResult, Tier, TierStats, Usage,
+)
+from ragkv.v1 import ragkv_pb2 as pb
+
+CHUNK = RetrievedChunk("c1", 0.5, "some text", {"source": "a.txt"}, Tier.DISK, 7)
+STATS = QueryStats(Usage(100, 5, 80), 0.25, 1.5, {"retrieve": 0.01, "decode": 1.0}, 0.15, Mode.CLIP,
+                   FinishReason.LENGTH, "an answer")
+
+
+def _all_fields_set(msg: Message) -> list[str]:
+    """Names of fields left at their default (recursively)."""
+    missing = []
+    for fd in msg.DESCRIPTOR.fields:
+        if fd.message_type is not None and not fd.is_repeated:
+            if not msg.HasField(fd.name):
+                missing.append(fd.name)
+            else:
+                missing += [f"{fd.name}.{m}" for m in _all_fields_set(getattr(msg, fd.name))]
+        elif not getattr(msg, fd.name) and not (fd.has_presence and msg.HasField(fd.name)):
+            missing.append(fd.name)
+    return missing
+
+
+def test_query_request_round_trip() -> None:
+    options = QueryOptions("docs", 3, Mode.REUSE, 0.0, 0.75, 0.5, 42, 16, ("\n\n",), 100)
+    msg = convert.query_request_to_proto("why?", options)
+    assert _all_fields_set(msg) == []
+    assert msg.HasField("recompute_ratio")  # 0.0 is an explicit value, not "unset"
+    assert convert.query_request_from_proto(msg) == ("why?", options)
+
+
+def test_query_request_unset_means_server_default() -> None:
+    question, options = convert.query_request_from_proto(convert.query_request_to_proto("q", QueryOptions()))
+    assert (question, options) == ("q", QueryOptions())
+
+
+def test_chunk_stats_and_retrieve_round_trip() -> None:
+    msg = convert.chunk_to_proto(CHUNK)
+    assert _all_fields_set(msg) == []
+    assert convert.chunk_from_proto(msg) == CHUNK
+    assert convert.chunk_to_proto(CHUNK, snippet_chars=4).text == "some"
+    smsg = convert.query_stats_to_proto(STATS)
+    assert _all_fields_set(smsg) == []
+    assert convert.query_stats_from_proto(smsg) == STATS
+    result = RetrieveResult((CHUNK,), 0.02)
+    rmsg = convert.retrieve_result_to_proto(result)
+    assert _all_fields_set(rmsg) == []
+    assert convert.retrieve_result_from_proto(rmsg) == result
+
+
+def test_collection_round_trip() -> None:
+    stats = CollectionStats(CollectionInfo("docs", 10, "m", "t"), (TierStats(Tier.CPU, 1, 2, 3, 4, 5),))
+    msg = convert.collection_stats_to_proto(stats)
+    assert _all_fields_set(msg) == []
+    assert convert.collection_stats_from_proto(msg) == stats
+
+
+def test_stream_events() -> None:
+    assert convert.query_event_from_proto(convert.chunks_response((CHUNK,))) == (CHUNK,)
+    assert convert.query_event_from_proto(convert.token_response("hi", 0)) == "hi"
+    assert convert.query_event_from_proto(convert.stats_response(STATS)) == STATS
+    with pytest.raises(convert.WireValueError, match="no known event"):
+        convert.query_event_from_proto(pb.QueryResponse())
+
+
+def test_every_enum_value_maps() -> None:
+    for mode in Mode:
+        assert convert.mode_from_proto(convert.mode_to_proto(mode)) is mode
+    for tier in Tier:
+        assert convert.tier_from_proto(convert.tier_to_proto(tier)) is tier
+    assert len(Mode) == len(pb.Mode.values()) - 1 and len(Tier) == len(pb.Tier.values()) - 1
+    with pytest.raises(convert.WireValueError) as err:
+        convert.mode_from_proto(42)
+    assert err.value.field == "mode" and "42" in str(err.value)
+
+
+def test_metadata_to_wire() -> None:
+    assert convert.metadata_to_wire({"a": "x", "page": 3, "tags": ["p", "q"]}) == {
+        "a": "x", "page": "3", "tags": '["p", "q"]'}

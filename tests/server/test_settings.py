@@ -1,0 +1,60 @@
+"""ServerSettings: flags > environment > file > defaults, and errors that name the value."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ragkv.types import Mode
+from server.settings import CollectionSpec, DType, ServerSettings, load_settings
+
+
+def test_defaults() -> None:
+    s = load_settings({}, env={})
+    assert s == ServerSettings()
+    assert s.limits().default_mode is Mode.BLEND
+
+
+def test_precedence_flags_env_file(tmp_path: Path) -> None:
+    cfg = tmp_path / "ragkv.toml"
+    cfg.write_text('[server]\nport = 7000\nmax_queue = 5\ndtype = "bfloat16"\nindexes = ["docs=/data/docs"]\n')
+    env = {"RAGKV_MAX_QUEUE": "9", "RAGKV_METRICS_PORT": "off", "RAGKV_DEFAULT_MODE": "REUSE"}
+    s = load_settings({"port": 7001, "max_queue": None}, env=env, config_file=cfg)
+    assert s.port == 7001  # flag over file
+    assert s.max_queue == 9  # env over file; a None flag is "not given"
+    assert s.metrics_port is None and s.dtype is DType.BFLOAT16 and s.default_mode is Mode.REUSE
+    assert s.indexes == (CollectionSpec("docs", Path("/data/docs")),)
+
+
+def test_json_file_and_index_specs(tmp_path: Path) -> None:
+    cfg = tmp_path / "ragkv.json"
+    cfg.write_text(json.dumps({"grace_seconds": 2.5}))
+    s = load_settings({"indexes": ("/idx/a", "b=/idx/b")}, env={}, config_file=cfg)
+    assert s.grace_seconds == 2.5
+    assert [(c.name, str(c.index_dir)) for c in s.indexes] == [("default", "/idx/a"), ("b", "/idx/b")]
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "needle"),
+    [
+        ({"port": 70000}, {}, "port must be in [0, 65535], got 70000"),
+        ({}, {"RAGKV_MAX_QUEUE": "lots"}, "max_queue must be a int, got 'lots'"),
+        ({"dtype": "float8"}, {}, "dtype must be one of float32, bfloat16, float16, got 'float8'"),
+        ({"indexes": ("a=/x", "a=/y")}, {}, "collection names must be unique"),
+        ({"tls_cert": "/c.pem"}, {}, "TLS needs both"),
+        ({"nonsense": 1}, {}, "unknown setting 'nonsense'"),
+    ],
+)
+def test_bad_values_are_named(flags: dict, env: dict, needle: str) -> None:
+    with pytest.raises(ValueError) as err:
+        load_settings(flags, env=env)
+    assert needle in str(err.value)
+
+
+def test_unknown_file_key(tmp_path: Path) -> None:
+    cfg = tmp_path / "x.toml"
+    cfg.write_text("prot = 1\n")
+    with pytest.raises(ValueError, match="unknown settings \\['prot'\\]"):
+        load_settings({}, env={}, config_file=cfg)

@@ -1,0 +1,308 @@
+"""Pipeline: the real QueryBackend, composing retriever + kvstore + engine.
+
+One collection = one index directory with its Retriever and its TieredStore (a CPU
+tier over the tiers the index was written to). One model and one Engine serve every
+collection; a collection whose index was built with another model is still listed
+and searchable, but Query on it fails with IndexMismatchError (FAILED_PRECONDITION).
+
+Request path: `prepare` searches and starts the KV prefetch at once (worker thread);
+`answer` (engine thread) waits for each chunk's KV, computes the ones missing from
+every tier and writes them back, blends, and streams the decode.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine import BlendMode, ChunkKV, Engine, LoadedModel, SamplingParams, load_model
+from kvstore import ChunkKey, PrefetchHandle, StoreConfig, TieredStore
+from ragkv.convert import metadata_to_wire
+from ragkv.errors import IndexMismatchError, StoreError
+from ragkv.types import CollectionInfo, CollectionStats, FinishReason, Mode, RetrievedChunk, Tier, TierStats
+from retriever import Retriever
+from server.backend import AnswerEvent, ChunksEvent, DoneEvent, PreparedQuery, QueryParams, TokenEvent
+from server.kv_bridge import chunk_kv_to_entry, entry_to_chunk_kv, placeholder_kv
+from server.settings import ServerSettings
+from server.status import UnknownCollectionError
+
+log = logging.getLogger(__name__)
+
+_BLEND_MODE = {Mode.FULL: BlendMode.FULL, Mode.PREFIX: BlendMode.PREFIX, Mode.REUSE: BlendMode.REUSE,
+               Mode.BLEND: BlendMode.BLEND}
+_CACHED_KV_MODES = frozenset({Mode.REUSE, Mode.BLEND})  # modes that read chunk KV from the store
+_FINISH = {"eos": FinishReason.STOP, "stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+_KV_WAIT_SLICE = 0.05  # seconds between cancel checks while waiting for a prefetch
+_KV_WAIT_LIMIT = 120.0  # seconds a single chunk's KV load may take
+
+
+@dataclass(frozen=True, slots=True)
+class Collection:
+    """One served index."""
+
+    name: str  # collection name
+    retriever: Retriever  # search over the index
+    store: TieredStore  # KV tiers of the index, for the serving model
+    prefix_ids: tuple[int, ...]  # the prefix the index's chunk KVs were computed after
+    mismatch: str | None  # why Query is refused (another model built the index); None = servable
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """Pipeline-private state of a prepared query."""
+
+    collection: Collection  # where the hits came from
+    token_ids: tuple[tuple[int, ...], ...]  # each hit's chunk tokens
+    kv_keys: tuple[str, ...]  # each hit's ChunkKey string
+    handles: tuple[PrefetchHandle, ...] | None  # KV loads in flight; None when the mode needs none
+
+
+def _store_config(settings: ServerSettings, index_dir: Path, kv_uris: Sequence[str], device: torch.device) -> StoreConfig:
+    uris: list[str] = ["cpu"]
+    budgets: dict[str, int] = {"cpu": settings.kv_cpu_bytes}
+    if device.type == "cuda" and settings.kv_gpu_bytes > 0:
+        uris.insert(0, "gpu")
+        budgets["gpu"] = settings.kv_gpu_bytes
+    for uri in kv_uris:
+        if uri.startswith("disk:") and settings.kv_disk_dir is not None:
+            continue
+        if uri.startswith("s3://") and settings.kv_s3_uri is not None:
+            continue
+        uris.append(uri)
+    if settings.kv_disk_dir is not None:
+        uris.append(f"disk:{settings.kv_disk_dir}")
+    if settings.kv_s3_uri is not None:
+        uris.append(settings.kv_s3_uri)
+    if not any(u.startswith(("disk:", "s3://")) for u in uris):
+        uris.append(f"disk:{(index_dir / 'kv').resolve()}")
+    return StoreConfig.from_uris(uris, budgets=budgets)
+
+
+class Pipeline:
+    """QueryBackend over retriever + kvstore + engine.
+
+    Args:
+        engine: The engine (one model) serving every collection.
+        collections: The served collections by name.
+    """
+
+    def __init__(self, engine: Engine, collections: dict[str, Collection]) -> None:
+        self.engine = engine
+        self.lm: LoadedModel = engine.lm
+        self._collections = collections
+        self._shape = (self.lm.num_layers, self.lm.num_kv_heads, self.lm.head_dim)
+
+    @classmethod
+    def from_settings(cls, settings: ServerSettings) -> Pipeline:
+        """Open every index, load the model (the first index's, unless settings name one).
+
+        Raises:
+            FileNotFoundError: An index directory holds no index.
+            ModelLoadError: The model cannot be loaded.
+        """
+        if not settings.indexes:
+            raise ValueError("no index to serve: give at least one --index [NAME=]DIR")
+        retrievers = {spec.name: (spec.index_dir, Retriever.open(spec.index_dir, device=settings.device))
+                      for spec in settings.indexes}
+        first = next(iter(retrievers.values()))[1]
+        lm = load_model(settings.model or first.manifest.model_spec, device=settings.device,
+                        dtype=settings.dtype.value)
+        return cls.from_parts(Engine(lm), retrievers, settings)
+
+    @classmethod
+    def from_parts(
+        cls, engine: Engine, retrievers: dict[str, tuple[Path, Retriever]], settings: ServerSettings
+    ) -> Pipeline:
+        """Assemble from an engine and opened retrievers (tests share one loaded engine)."""
+        lm = engine.lm
+        collections = {}
+        for name, (index_dir, retriever) in retrievers.items():
+            manifest = retriever.manifest
+            mismatch = None
+            try:
+                retriever.check_model(lm.fingerprint, lm.tokenizer_fingerprint)
+            except IndexMismatchError as exc:
+                mismatch = f"collection {name!r}: {exc}"
+                log.warning("%s", mismatch)
+            store = TieredStore(_store_config(settings, Path(index_dir), manifest.kv_uris, lm.device),
+                                lm.fingerprint, lm.tokenizer_fingerprint)
+            collections[name] = Collection(name, retriever, store, tuple(manifest.prefix_ids), mismatch)
+        return cls(engine, collections)
+
+    @property
+    def modes(self) -> frozenset[Mode]:
+        return frozenset(_BLEND_MODE)
+
+    def _collection(self, name: str) -> Collection:
+        try:
+            return self._collections[name]
+        except KeyError:
+            served = ", ".join(sorted(self._collections))
+            raise UnknownCollectionError(f"collection {name!r} is not served here (served: {served})") from None
+
+    def collections(self) -> Sequence[CollectionInfo]:
+        return [
+            CollectionInfo(c.name, len(c.retriever), c.retriever.manifest.model_fp, c.retriever.manifest.tokenizer_fp)
+            for c in self._collections.values()
+        ]
+
+    def collection_stats(self, name: str) -> CollectionStats:
+        c = self._collection(name)
+        info = CollectionInfo(c.name, len(c.retriever), c.retriever.manifest.model_fp,
+                              c.retriever.manifest.tokenizer_fp)
+        tiers = tuple(
+            TierStats(Tier(t.tier.value), t.entries, t.bytes_used, t.hits, t.misses, t.bytes_read)
+            for t in c.store.stats().tiers
+        )
+        return CollectionStats(info, tiers)
+
+    def _search(self, c: Collection, question: str, top_k: int) -> list:  # list[retriever.Hit]
+        return c.retriever.search(question, min(top_k, len(c.retriever)))
+
+    def retrieve(self, collection: str, question: str, top_k: int) -> tuple[RetrievedChunk, ...]:
+        c = self._collection(collection)
+        return tuple(
+            RetrievedChunk(h.chunk_id, h.score, h.text, metadata_to_wire(h.metadata), None, len(h.token_ids))
+            for h in self._search(c, question, top_k)
+        )
+
+    def prepare(self, params: QueryParams) -> PreparedQuery:
+        c = self._collection(params.collection)
+        if c.mismatch is not None:
+            raise IndexMismatchError(c.mismatch)
+        started = time.perf_counter()
+        hits = self._search(c, params.question, params.top_k)
+        retrieved = time.perf_counter()
+        kv_keys = tuple(h.kv_key for h in hits)
+        handles = None
+        if params.mode in _CACHED_KV_MODES:  # start loading the moment the ids are known
+            handles = tuple(c.store.prefetch([ChunkKey.from_str(k) for k in kv_keys]))
+        chunks = tuple(
+            RetrievedChunk(h.chunk_id, h.score, h.text, metadata_to_wire(h.metadata), None, len(h.token_ids))
+            for h in hits
+        )
+        plan = _Plan(c, tuple(tuple(h.token_ids) for h in hits), kv_keys, handles)
+        return PreparedQuery(params, chunks, {"retrieve": retrieved - started}, plan)
+
+    def _wait(self, handle: PrefetchHandle, cancel: threading.Event):  # -> kvstore.Hit | None
+        deadline = time.monotonic() + _KV_WAIT_LIMIT
+        while True:
+            try:
+                return handle.hit(timeout=_KV_WAIT_SLICE)
+            except concurrent.futures.TimeoutError:
+                if cancel.is_set():
+                    return None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"KV load of {handle.key} took over {_KV_WAIT_LIMIT:.0f} s") from None
+
+    def _load_chunks(
+        self, prepared: PreparedQuery, plan: _Plan, cancel: threading.Event, phases: dict[str, float]
+    ) -> tuple[list[ChunkKV], list[Tier], dict[Tier, int]] | None:
+        """Each chunk's KV from its tier, or computed and written back; None if cancelled."""
+        lm, c = self.lm, plan.collection
+        kvs: list[ChunkKV] = []
+        tiers: list[Tier] = []
+        loaded: dict[Tier, int] = {}
+        wait_s = compute_s = 0.0
+        for ids, key, handle in zip(plan.token_ids, plan.kv_keys, plan.handles or ()):
+            t0 = time.perf_counter()
+            hit = self._wait(handle, cancel)
+            wait_s += time.perf_counter() - t0
+            if cancel.is_set():
+                return None
+            if hit is not None:
+                tier = Tier(hit.tier.value)
+                loaded[tier] = loaded.get(tier, 0) + hit.entry.nbytes
+                kvs.append(entry_to_chunk_kv(hit.entry, lm.device, lm.dtype))
+                tiers.append(tier)
+                continue
+            t0 = time.perf_counter()
+            kv = self.engine.prefill_chunk(list(c.prefix_ids), list(ids))
+            compute_s += time.perf_counter() - t0
+            try:
+                c.store.put(chunk_kv_to_entry(kv, key, lm.fingerprint, lm.tokenizer_fingerprint, c.prefix_ids))
+            except StoreError as exc:  # the answer does not depend on the write-back
+                log.warning("writing back computed KV of %s failed: %s", key, exc)
+            kvs.append(kv)
+            tiers.append(Tier.COMPUTED)
+        phases["kv_wait"] = wait_s
+        phases["kv_compute"] = compute_s
+        return kvs, tiers, loaded
+
+    def answer(self, prepared: PreparedQuery, cancel: threading.Event) -> Iterator[AnswerEvent]:
+        params, plan = prepared.params, prepared.state
+        if not isinstance(plan, _Plan):
+            raise RuntimeError(f"prepared query carries {type(plan).__name__}, not this pipeline's plan: a bug")
+        lm, engine, c = self.lm, self.engine, plan.collection
+        phases: dict[str, float] = {}
+        loaded: dict[Tier, int] = {}
+        prefix_ids = list(c.prefix_ids)
+        if params.mode in _CACHED_KV_MODES:
+            result = self._load_chunks(prepared, plan, cancel, phases)
+            if result is None:
+                return
+            kvs, tiers, loaded = result
+        else:
+            kvs, tiers = [], [Tier.NOT_LOADED] * len(plan.token_ids)
+        yield ChunksEvent(tuple(dataclasses.replace(ch, kv_tier=t) for ch, t in zip(prepared.chunks, tiers)))
+        if cancel.is_set():
+            return
+
+        question_ids = engine.prompt.question_ids(params.question)
+        t0 = time.perf_counter()
+        if params.mode is Mode.FULL:
+            ids = prefix_ids + [t for chunk in plan.token_ids for t in chunk] + question_ids
+            res = engine.full_prefill(ids, reserve_tokens=params.max_new_tokens)
+        else:
+            prefix = engine.prefix_kv(prefix_ids)
+            if params.mode is Mode.PREFIX:  # every chunk token is recomputed: no KV to load
+                start = len(prefix_ids)
+                kvs = [placeholder_kv(ids, start, self._shape, lm.device, lm.dtype) for ids in plan.token_ids]
+            res = engine.blend(prefix, kvs, question_ids, mode=_BLEND_MODE[params.mode],
+                               recompute_ratio=params.recompute_ratio, reserve_tokens=params.max_new_tokens)
+        phases["prompt"] = time.perf_counter() - t0
+        phases.update({f"prompt.{k}": v for k, v in res.timings.items()})
+
+        stream = engine.decode(res, SamplingParams(
+            max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
+            seed=params.seed, stop=params.stop,
+        ))
+        t0 = time.perf_counter()
+        for piece in stream:
+            yield TokenEvent(piece)
+            if cancel.is_set():
+                return
+        phases["decode"] = time.perf_counter() - t0
+
+        n_prompt = res.n_prompt_tokens
+        if params.mode is Mode.FULL:
+            cached = 0
+        elif params.mode is Mode.PREFIX:
+            cached = len(prefix_ids)
+        else:
+            cached = len(prefix_ids) + sum(
+                len(ids) for ids, t in zip(plan.token_ids, tiers) if t is not Tier.COMPUTED
+            )
+        yield DoneEvent(
+            prompt_tokens=n_prompt,
+            cached_prompt_tokens=cached,
+            completion_tokens=len(stream.token_ids),
+            recompute_fraction=float(res.recompute_fraction),
+            finish_reason=_FINISH.get(stream.finish_reason or "", FinishReason.STOP),
+            phase_seconds=phases,
+            bytes_loaded=loaded,
+        )
+
+    def close(self) -> None:
+        """Release every store and index."""
+        for c in self._collections.values():
+            c.store.close()
+            c.retriever.close()

@@ -29,7 +29,7 @@ class KVItem:
 
 def kv_key(model_fp: str, tokenizer_fp: str, prefix_ids: Sequence[int], chunk_ids: Sequence[int]) -> str:
     """The kvstore ChunkKey string of a chunk (one place builds it for the whole indexer)."""
-    from kvstore.keys import ChunkKey
+    from kvstore import ChunkKey
 
     return ChunkKey.build(model_fp, tokenizer_fp, list(prefix_ids), list(chunk_ids)).to_str()
 
@@ -39,7 +39,7 @@ def open_store(uris: Sequence[str], model_fp: str, tokenizer_fp: str) -> Any:
     from kvstore import StoreConfig, TieredStore
 
     config = StoreConfig.from_uris(list(uris))
-    return TieredStore(config, model_fp=model_fp, tokenizer_fp=tokenizer_fp)
+    return TieredStore(config, model_fp, tokenizer_fp)
 
 
 class KVWriter:
@@ -52,7 +52,7 @@ class KVWriter:
     """
 
     def __init__(self, engine: Any, store: Any, prefix_ids: Sequence[int]) -> None:
-        from kvstore.keys import hash_prefix
+        from kvstore import hash_prefix
 
         self.engine = engine  # engine.Engine
         self.store = store  # kvstore TieredStore (or any object with contains/put)
@@ -62,7 +62,7 @@ class KVWriter:
 
     def missing(self, items: Sequence[KVItem]) -> list[KVItem]:
         """The items whose KV is not in the store yet (a resumed run skips the rest)."""
-        from kvstore.keys import ChunkKey
+        from kvstore import ChunkKey
 
         return [it for it in items if not self.store.contains(ChunkKey.from_str(it.kv_key))]
 
@@ -120,8 +120,7 @@ class KVWriter:
             raise StoreError(f"writing chunk KV to the store failed: {exc}") from exc
 
     def _entry(self, item: KVItem, kv: Any) -> Any:
-        from kvstore.entry import KVEntry
-        from kvstore.keys import ChunkKey
+        from kvstore import ChunkKey, KVEntry
 
         return KVEntry(
             key=ChunkKey.from_str(item.kv_key),

@@ -170,6 +170,7 @@ def test_writer_process_beside_reader_process(tmp_path):
             if got is not None:
                 assert_same(got, e)
                 seen.add(i)
+        time.sleep(0.005)  # leave the (shared) CPU to the writer
     assert proc.wait(timeout=60) == 0
     assert len(seen) == n
     s = reader.stats()

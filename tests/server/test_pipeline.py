@@ -1,0 +1,169 @@
+"""The real pipeline (retriever + kvstore + engine) behind a loopback server, tiny model.
+
+One index is built per session (tiny random Llama, the shipped MiniLM embedder);
+tests that need a damaged index copy it first.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import grpc
+import pytest
+
+from ragkv.client import RagClient
+from ragkv.retry import NO_RETRY
+from ragkv.types import FinishReason, Mode, Tier
+from server.settings import CollectionSpec
+from tests.server.fakes import ServerThread, settings
+
+QUESTION = "What is the secret number?"
+CORPUS = {
+    "paris.txt": "Paris is the capital of France. The secret number is 4721.",
+    "fox.txt": "The quick brown fox jumps over the lazy dog. Alice met Bob.",
+    "ragkv.txt": "ragkv stores the KV cache of every chunk and blends them at query time.",
+    "mix.txt": "Alice met Bob in Paris. The fox is quick. 0123456789 is not a secret.",
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_index(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Path:
+    from indexer.chunking import ChunkingConfig
+    from indexer.job import IndexJobConfig, run_index
+
+    root = tmp_path_factory.mktemp("tiny-index")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for name, text in CORPUS.items():
+        (corpus / name).write_text(text)
+    run_index(IndexJobConfig(corpus=corpus, out=root / "index", model=str(tiny_llama_dir),
+                             chunking=ChunkingConfig(size=32, overlap=0), progress=False))
+    return root / "index"
+
+
+def _copy(index: Path, dest: Path) -> Path:
+    shutil.copytree(index, dest)
+    manifest = json.loads((dest / "manifest.json").read_text())
+    manifest["kv_uris"] = [f"disk:{(dest / 'kv').resolve()}"]  # the copy's own KV, not the original's
+    (dest / "manifest.json").write_text(json.dumps(manifest))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def pipeline_server(tiny_index: Path, tmp_path_factory: pytest.TempPathFactory):
+    from server.pipeline import Pipeline
+
+    other = _copy(tiny_index, tmp_path_factory.mktemp("other") / "index")
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["model_fp"] = "f" * 64  # as if another model had built it
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    st = ServerThread(
+        settings(indexes=(CollectionSpec("default", tiny_index), CollectionSpec("other", other)), max_queue=32),
+        Pipeline.from_settings,
+    )
+    yield st
+    st.stop()
+
+
+@pytest.mark.parametrize("mode", [Mode.FULL, Mode.PREFIX, Mode.REUSE, Mode.BLEND])
+def test_every_mode_streams(pipeline_server: ServerThread, mode: Mode) -> None:
+    with RagClient(pipeline_server.addr, timeout=60) as client:
+        stream = client.query(QUESTION, mode=mode, top_k=3, max_new_tokens=6, recompute_ratio=0.5)
+        chunks = stream.chunks
+        pieces = list(stream)
+        stats = stream.stats
+    assert len(chunks) == 3 and all(c.num_tokens > 0 for c in chunks)
+    expected_tiers = {Tier.NOT_LOADED} if mode in (Mode.FULL, Mode.PREFIX) else {Tier.DISK, Tier.CPU}
+    assert {c.kv_tier for c in chunks} <= expected_tiers
+    assert stats is not None and stats.mode is mode and "".join(pieces) == stats.text
+    assert 1 <= stats.usage.completion_tokens <= 6
+    assert stats.usage.prompt_tokens > sum(c.num_tokens for c in chunks)
+    expected_fraction = {Mode.FULL: 1.0, Mode.PREFIX: 1.0, Mode.REUSE: 0.0, Mode.BLEND: 0.5}[mode]
+    assert stats.recompute_fraction == pytest.approx(expected_fraction, abs=0.05)
+    assert {"retrieve", "queue", "prompt", "decode"} <= set(stats.phase_seconds)
+    assert 0 < stats.ttft_seconds <= stats.total_seconds
+
+
+def test_full_mode_equals_engine_full_prefill_and_greedy_decode(
+    pipeline_server: ServerThread, tiny_index: Path, tiny_llama_dir: Path
+) -> None:
+    from engine import Engine, SamplingParams, load_model
+    from retriever import Retriever
+
+    with RagClient(pipeline_server.addr, timeout=60) as client:
+        stream = client.query(QUESTION, mode="full", top_k=2, max_new_tokens=12)
+        served = stream.result()
+        chunk_ids = [c.chunk_id for c in stream.chunks]
+
+    engine = Engine(load_model(str(tiny_llama_dir), device="cpu", dtype="float32"))
+    with Retriever.open(tiny_index) as retriever:
+        hits = retriever.search(QUESTION, 2)
+        prefix = list(retriever.manifest.prefix_ids)
+    assert [h.chunk_id for h in hits] == chunk_ids
+    ids = prefix + [t for h in hits for t in h.token_ids] + engine.prompt.question_ids(QUESTION)
+    decode = engine.decode(engine.full_prefill(ids), SamplingParams(max_new_tokens=12))
+    expected = "".join(decode)
+    assert served.text == expected
+    assert served.usage.prompt_tokens == len(ids)
+    assert served.usage.completion_tokens == len(decode.token_ids)
+    finish = FinishReason.LENGTH if decode.finish_reason == "length" else FinishReason.STOP
+    assert served.finish_reason is finish
+
+
+def test_retrieve_and_collections(pipeline_server: ServerThread) -> None:
+    with RagClient(pipeline_server.addr, timeout=60) as client:
+        result = client.retrieve(QUESTION, top_k=2, snippet_chars=10)
+        assert len(result.chunks) == 2 and all(len(c.text) <= 10 for c in result.chunks)
+        assert "secret" in client.retrieve(QUESTION, top_k=1).chunks[0].text
+        infos = {c.name: c for c in client.list_collections()}
+        assert set(infos) == {"default", "other"} and infos["default"].num_chunks >= 4
+        stats = client.collection_stats("default")
+        assert [t.tier for t in stats.tiers] == [Tier.CPU, Tier.DISK]
+        # top_k beyond the index size is clamped, not an error
+        assert len(client.retrieve(QUESTION, top_k=32).chunks) == infos["default"].num_chunks
+
+
+def test_index_built_with_another_model_is_failed_precondition(pipeline_server: ServerThread) -> None:
+    with RagClient(pipeline_server.addr, timeout=60, retry=NO_RETRY) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.query(QUESTION, collection="other"))
+        assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert "fingerprint" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.query(QUESTION, collection="missing"))
+        assert err.value.code() is grpc.StatusCode.NOT_FOUND
+
+
+def test_missing_kv_is_computed_and_written_back(tiny_index: Path, tmp_path: Path) -> None:
+    from server.pipeline import Pipeline
+
+    index = _copy(tiny_index, tmp_path / "index")
+    shutil.rmtree(index / "kv")  # every chunk KV gone from every tier
+    st = ServerThread(settings(indexes=(CollectionSpec("default", index),)), Pipeline.from_settings)
+    try:
+        with RagClient(st.addr, timeout=60) as client:
+            first = client.query(QUESTION, mode="blend", top_k=2, max_new_tokens=4)
+            assert {c.kv_tier for c in first.chunks} == {Tier.COMPUTED}
+            first_text = first.result().text
+            assert first.stats.usage.cached_prompt_tokens < first.stats.usage.prompt_tokens
+            second = client.query(QUESTION, mode="blend", top_k=2, max_new_tokens=4)
+            assert {c.kv_tier for c in second.chunks} == {Tier.CPU}  # written back, promoted
+            assert second.result().text == first_text
+        assert list((index / "kv").rglob("*.safetensors"))  # durable tier written back too
+    finally:
+        st.stop()
+
+
+def test_concurrent_clients_on_the_real_pipeline(pipeline_server: ServerThread) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> str:
+        with RagClient(pipeline_server.addr, timeout=60) as client:
+            mode = [Mode.BLEND, Mode.REUSE, Mode.FULL][i % 3]
+            return client.query(f"{QUESTION} ({i})", mode=mode, top_k=2, max_new_tokens=4).result().text
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(one, range(12)))
+    assert len(answers) == 12

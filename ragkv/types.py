@@ -86,7 +86,7 @@ class QueryStats:
     ttft_seconds: float  # server-side, request arrival to first token
     total_seconds: float  # server-side, request arrival to last token
     phase_seconds: Mapping[str, float]  # seconds per phase (queue, retrieve, kv_load, ...)
-    recompute_fraction: float  # fraction of prompt tokens recomputed, [0, 1]
+    recompute_fraction: float  # fraction of chunk tokens recomputed, [0, 1]
     mode: Mode  # the mode actually used
     finish_reason: FinishReason  # why decoding stopped
     text: str  # the whole answer

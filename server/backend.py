@@ -67,7 +67,7 @@ class DoneEvent:
     prompt_tokens: int  # prefix + chunks + question
     cached_prompt_tokens: int  # prompt tokens whose KV came from a cache tier
     completion_tokens: int  # pieces generated
-    recompute_fraction: float  # fraction of prompt tokens recomputed, [0, 1]
+    recompute_fraction: float  # fraction of chunk tokens recomputed, [0, 1]
     finish_reason: FinishReason  # why decoding stopped
     phase_seconds: Mapping[str, float]  # seconds per backend phase (kv_load, blend..., decode)
     bytes_loaded: Mapping[Tier, int] = field(default_factory=dict)  # KV bytes read per tier

@@ -23,7 +23,7 @@ print('HEAVY:' + ','.join(heavy))
 @pytest.mark.parametrize(
     "body",
     [
-        "import ragkv",
+        "import ragkv; ragkv.RagClient, ragkv.AsyncRagClient",
         "import ragkv.client, ragkv.convert, ragkv.types; from ragkv.client import RagClient, AsyncRagClient",
         "from ragkv.cli import build_parser; build_parser().parse_args(['query', 'q'])",
         # `ragkv query` end to end, against a port nobody listens on.

@@ -40,8 +40,10 @@ locals {
     { on_status_reason = null, on_exit_code = null, on_reason = "*", action = "EXIT" },
   ]
 
-  # Batch launch templates take MIME multi-part user data. Spot draining makes
-  # the ECS agent stop tasks (SIGTERM) as soon as the two-minute notice comes.
+  # Batch launch templates take MIME multi-part user data. Spot draining stops
+  # the ECS agent from placing new jobs on an instance that has received the
+  # two-minute notice; the running indexer sees the notice itself (IMDS) or
+  # gets SIGTERM, checkpoints, and exits with the interruption code.
   batch_user_data = <<-EOT
     MIME-Version: 1.0
     Content-Type: multipart/mixed; boundary="==RAGKV=="
@@ -198,6 +200,7 @@ resource "aws_vpc_security_group_egress_rule" "batch" {
 # --- Compute ---
 
 resource "aws_launch_template" "batch" {
+  #checkov:skip=CKV_AWS_341:Hop limit 2 lets the containerised indexer read the Spot interruption notice from IMDS (IMDSv2 stays required); the job's data access uses its own task role.
   name_prefix            = "${var.name}-batch-"
   description            = "ragkv indexing Spot instances: IMDSv2, encrypted root, Spot draining"
   user_data              = base64encode(local.batch_user_data)
@@ -206,7 +209,8 @@ resource "aws_launch_template" "batch" {
   metadata_options {
     http_endpoint = "enabled"
     http_tokens   = "required"
-    # 2 hops so the containerised indexer can read the Spot notice from IMDS.
+    # 2 hops: the indexer runs in a container (one hop further from IMDS)
+    # and polls the Spot interruption notice to checkpoint in time.
     http_put_response_hop_limit = 2
   }
 

@@ -122,7 +122,7 @@ variable "interruption_exit_code" {
 }
 
 variable "stop_timeout_seconds" {
-  description = "Seconds ECS waits between SIGTERM and SIGKILL when it drains a reclaimed Spot instance; the indexer checkpoints in this window (the Spot notice gives 120)."
+  description = "Seconds ECS waits between SIGTERM and SIGKILL when it stops a job's container; the indexer checkpoints in this window (a Spot notice gives 120 in all)."
   type        = number
   default     = 100
 

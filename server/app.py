@@ -128,9 +128,10 @@ class RagServer:
         loop = asyncio.get_running_loop()
         try:
             backend = await loop.run_in_executor(self._retrieve_pool, self._factory, self.settings)
-        except Exception as exc:  # stays NOT_SERVING; queries get UNAVAILABLE
+        except Exception as exc:  # a server that cannot load must not linger NOT_SERVING
             self.load_error = exc
-            log.error("loading the backend failed; staying NOT_SERVING", exc_info=exc)
+            log.error("loading the backend failed; stopping", exc_info=exc)
+            asyncio.ensure_future(self.drain(0.0))
             return
         self.service.backend = backend
         await self._set_health(_SERVING)
@@ -155,7 +156,7 @@ class RagServer:
         if not finished:
             log.warning("grace period over with %d RPC(s) in flight; cancelling them", self._admission.in_flight)
         await self._server.stop(0)
-        if self._load_task is not None:
+        if self._load_task is not None and self._load_task is not asyncio.current_task():
             self._load_task.cancel()
         self.metrics.close()
         self._retrieve_pool.shutdown(wait=False, cancel_futures=True)
@@ -168,12 +169,19 @@ class RagServer:
 
 
 async def run(settings: ServerSettings, backend_factory: BackendFactory) -> int:
-    """Serve until SIGTERM or SIGINT, then drain; returns the exit status (0)."""
+    """Serve until SIGTERM or SIGINT, then drain.
+
+    Returns:
+        The exit status: 0 after a drain, 1 when loading the backend failed.
+    """
     server = RagServer(settings, backend_factory)
     await server.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.drain()))
     await server.wait_stopped()
+    if server.load_error is not None:
+        log.error("exiting: %s", server.load_error)
+        return 1
     log.info("stopped")
     return 0

@@ -58,17 +58,23 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     return p
 
 
+def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = None):  # -> ServerSettings
+    """The ServerSettings that parsed `serve` arguments, the environment and --config give."""
+    from server.settings import load_settings
+
+    flags = {dest: getattr(args, dest) for dest, _, _ in _FLAGS}
+    flags["indexes"] = tuple(args.indexes)
+    return load_settings(flags, env=env, config_file=args.config)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Load settings, then serve until SIGTERM; returns the exit status."""
     import asyncio
     import logging
 
     from server.app import run
-    from server.settings import load_settings
 
-    flags = {dest: getattr(args, dest) for dest, _, _ in _FLAGS}
-    flags["indexes"] = tuple(args.indexes)
-    settings = load_settings(flags, config_file=args.config)
+    settings = settings_from_args(args)
     if not settings.indexes:
         raise ValueError("no index to serve: pass --index [NAME=]DIR (or set RAGKV_INDEXES)")
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -58,3 +58,32 @@ def test_unknown_file_key(tmp_path: Path) -> None:
     cfg.write_text("prot = 1\n")
     with pytest.raises(ValueError, match="unknown settings \\['prot'\\]"):
         load_settings({}, env={}, config_file=cfg)
+
+
+def test_serve_flags_map_to_settings(tmp_path: Path) -> None:
+    from ragkv.cli import build_parser
+    from server.cli import settings_from_args
+
+    args = build_parser().parse_args([
+        "serve", "--index", "/idx/a", "--index", "b=/idx/b", "--port", "0", "--metrics-port", "off",
+        "--max-queue", "3", "--default-mode", "reuse",
+    ])
+    s = settings_from_args(args, env={"RAGKV_MAX_QUEUE": "7", "RAGKV_GRACE_SECONDS": "1.5"})
+    assert [c.name for c in s.indexes] == ["default", "b"]
+    assert (s.port, s.metrics_port, s.max_queue, s.grace_seconds) == (0, None, 3, 1.5)
+    assert s.default_mode is Mode.REUSE
+
+
+def test_serve_exits_nonzero_when_the_index_cannot_load(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-m", "ragkv", "serve", "--index", str(tmp_path / "no-such-index"), "--port", "0",
+         "--metrics-port", "off", "--host", "127.0.0.1"],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 1, out.stderr
+    assert "no index at" in out.stderr

@@ -1,0 +1,168 @@
+"""The index job: end to end, incremental re-index, resume after kill -9, SIGTERM exit 75."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from indexer.job import run_index
+from indexer.spot import EXIT_INTERRUPTED, IndexInterrupted, StopReason, StopSignal
+from ragkv.errors import IndexMismatchError
+from tests.indexer.helpers import CHUNK_SIZE, OVERLAP, assert_same_index, dump_index, kv_files
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_index_end_to_end(job_config, tiny_lm, embedder):
+    s = run_index(job_config, lm=tiny_lm, embedder=embedder)
+    out = job_config.out
+    assert {p.name for p in out.iterdir()} >= {"manifest.json", "chunks.sqlite", "vectors.faiss", "kv"}
+    assert not list(out.glob("chunks.sqlite-*")), "WAL files are folded back at the end"
+    assert s.documents == 6 and s.chunks >= 8 and s.kv_chunks == s.chunks and s.kv_bytes > 0
+    d = dump_index(out)
+    assert d["manifest"]["state"] == "complete" and d["manifest"]["kv_precomputed"]
+    assert len(kv_files(out / "kv")) == len({c[8] for c in d["chunks"]})
+    assert all(c[7] <= CHUNK_SIZE for c in d["chunks"])
+
+    again = run_index(job_config, lm=tiny_lm, embedder=embedder)  # nothing changed: nothing to do
+    assert (again.documents_added, again.chunks_embedded, again.kv_chunks) == (0, 0, 0)
+
+
+def test_incremental_reindex_touches_only_changes(job_config, tiny_lm, embedder):
+    run_index(job_config, lm=tiny_lm, embedder=embedder)
+    before = {c[1]: c for c in dump_index(job_config.out)["chunks"]}
+    corpus = job_config.corpus
+    (corpus / "space.txt").write_text("Venus is the hottest planet. Its clouds are made of sulfuric acid.")
+    (corpus / "animals.txt").unlink()
+    (corpus / "new.md").write_text("# New\n\nOctopuses have three hearts and blue blood.")
+    s = run_index(job_config, lm=tiny_lm, embedder=embedder)
+    assert (s.documents_added, s.documents_deleted) == (2, 2)  # space changed, new added; space + animals out
+    after = {c[1]: c for c in dump_index(job_config.out)["chunks"]}
+    docs = {c[2] for c in after.values()}
+    assert "animals.txt" not in docs and "new.md" in docs
+    new_ids = set(after) - set(before)
+    assert {after[i][2] for i in new_ids} == {"space.txt", "new.md"}
+    assert s.chunks_embedded == len(new_ids) and s.kv_chunks == len(new_ids)
+    for i in set(after) & set(before):  # untouched chunks kept their rows, vectors and KV
+        assert after[i] == before[i]
+
+
+def test_other_model_in_same_folder_is_refused(job_config, tiny_lm, embedder, tmp_path):
+    from engine import load_model
+    from engine.testing import tiny_model_dir
+
+    run_index(dataclasses.replace(job_config, precompute_kv=False), lm=tiny_lm, embedder=embedder)
+    other = load_model(str(tiny_model_dir(tmp_path / "other", seed=1)), device="cpu", dtype="float32")
+    with pytest.raises(IndexMismatchError, match="model_fp.*new --out"):
+        run_index(job_config, lm=other, embedder=embedder)
+
+
+def test_stop_signal_saves_progress_and_resume_finishes(job_config, tiny_lm, embedder, tmp_path, monkeypatch):
+    import indexer.job
+
+    stop = StopSignal()
+    real_run = indexer.job.KVWriter.run
+
+    def run_then_stop(self, batches, on_done, should_stop):
+        def counted(batch, nbytes):
+            on_done(batch, nbytes)
+            counted.n += 1
+            if counted.n == 2:
+                stop.set(StopReason.REQUESTED)  # as SIGTERM would, after two batches are durable
+        counted.n = 0
+        return real_run(self, batches, counted, should_stop)
+
+    monkeypatch.setattr(indexer.job.KVWriter, "run", run_then_stop)
+    with pytest.raises(IndexInterrupted, match="requested"):
+        run_index(job_config, stop, lm=tiny_lm, embedder=embedder)
+    monkeypatch.undo()
+    d = dump_index(job_config.out)
+    assert d["manifest"]["state"] == "building"
+    done = sum(c[9] for c in d["chunks"])
+    assert 4 <= done < len(d["chunks"])  # batches in flight were finished, the rest left
+    assert len(kv_files(job_config.out / "kv")) == done  # every written file is checkpointed
+    s = run_index(job_config, lm=tiny_lm, embedder=embedder)
+    assert s.kv_chunks == s.chunks - done and s.chunks_embedded == 0
+
+    clean = dataclasses.replace(job_config, out=tmp_path / "clean")
+    run_index(clean, lm=tiny_lm, embedder=embedder)
+    assert_same_index(job_config.out, clean.out)
+
+
+def _cli(args: list[str], **kw) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-m", "ragkv", "index", *args], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _cli_args(job_config, out: Path) -> list[str]:
+    return [str(job_config.corpus), "--out", str(out), "--model", job_config.model, "--chunk-size",
+            str(CHUNK_SIZE), "--chunk-overlap", str(OVERLAP), "--kv-batch", "1", "--no-progress"]
+
+
+def _wait_for_kv_files(kv_dir: Path, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if kv_dir.exists() and len(kv_files(kv_dir)) >= n:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"indexer exited early ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+        time.sleep(0.02)
+    raise AssertionError("indexer made no KV progress in time")
+
+
+def test_kill_9_mid_run_then_rerun_equals_clean_run(job_config, tmp_path, tiny_lm, embedder):
+    out = tmp_path / "killed"
+    proc = _cli(_cli_args(job_config, out))
+    _wait_for_kv_files(out / "kv", 2, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    partial = dump_index(out)
+    assert partial["manifest"]["state"] == "building"
+    n_done = sum(c[9] for c in partial["chunks"])
+    assert 0 < n_done < len(partial["chunks"]), "kill should land in the KV phase"
+
+    rerun = run_index(dataclasses.replace(job_config, out=out), lm=tiny_lm, embedder=embedder)
+    assert rerun.kv_chunks <= len(partial["chunks"]) - n_done  # finished chunks were not recomputed
+    assert rerun.chunks_embedded == 0
+
+    clean = dataclasses.replace(job_config, out=tmp_path / "clean")
+    run_index(clean, lm=tiny_lm, embedder=embedder)
+    assert_same_index(out, clean.out)
+    assert kv_files(out / "kv") == kv_files(clean.out / "kv")
+
+
+def test_sigterm_checkpoints_and_exits_75(job_config, tmp_path, capsys):
+    import threading
+
+    from ragkv.cli import main
+
+    out = tmp_path / "termed"
+    args = _cli_args(job_config, out)
+
+    def term_when_kv_starts():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not kv_files(out / "kv"):
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)  # the watcher's handler is installed by now
+
+    killer = threading.Thread(target=term_when_kv_starts, daemon=True)
+    killer.start()
+    assert main(["index", *args]) == EXIT_INTERRUPTED
+    killer.join()
+    assert "stopped (sigterm)" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the old handler is back
+    d = dump_index(out)
+    assert d["manifest"]["state"] == "building"
+    # every chunk marked done has its file: the batch in flight was finished, not lost
+    done_keys = {c[8] for c in d["chunks"] if c[9]}
+    assert done_keys and {k + ".safetensors" for k in done_keys} <= kv_files(out / "kv")
+    assert len(done_keys) < len(d["chunks"])

@@ -129,7 +129,9 @@ def run_prompt(
             cache.k[:, :, off:off + t] = apply_rope(k, cos_all[off:off + t], sin_all[off:off + t])
             cache.v[:, :, off:off + t] = seg.v.to(dev, lm.dtype)
             off += t
-    first_active = {BlendMode.FULL: 0, BlendMode.PREFIX: p, BlendMode.BLEND: p, BlendMode.REUSE: c}[mode]
+    # blend recomputes the (short) prefix too in its first layers: its fresh KV equals the
+    # cached one, and queries == keys lets SDPA use its causal kernel instead of a mask.
+    first_active = {BlendMode.FULL: 0, BlendMode.PREFIX: p, BlendMode.BLEND: 0, BlendMode.REUSE: c}[mode]
     pos = torch.arange(first_active, n, device=dev)  # [S] positions of the active tokens
     timer.lap("assemble")
 
@@ -148,12 +150,11 @@ def run_prompt(
         h, _, _ = layer_forward(layer, h, cos, sin, cache, i, slots, attend, heads)
         if i == check:
             timer.lap("layers_full")
-            chunk_tokens = c - p
             deviation = ((cache.k[i, :, p:c] - cached_k).float().pow(2).sum((0, 2))
                          + (cache.v[i, :, p:c] - cached_v).float().pow(2).sum((0, 2)))  # [C-P]
             picked = select_tokens(deviation, chunks, options)  # [R] offsets into the chunk tokens
             recomputed = picked + p  # [R] prompt positions
-            keep = torch.cat([recomputed - p, torch.arange(chunk_tokens, n - p, device=dev)])  # rows of h
+            keep = torch.cat([recomputed, torch.arange(c, n, device=dev)]) - first_active  # rows of h
             h = h[keep]
             pos = torch.cat([recomputed, torch.arange(c, n, device=dev)])  # [S']
             slots = pos

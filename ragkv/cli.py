@@ -26,7 +26,7 @@ def _not_built(name: str) -> Callable[[argparse.Namespace], int]:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from engine.demo import run_demo
+    from ragkv.demo import run_demo
 
     return run_demo(model_spec=args.model, max_new_tokens=args.max_new_tokens)
 

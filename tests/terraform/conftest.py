@@ -60,17 +60,24 @@ def copy_terraform_tree(dst: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def terraform_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Environment for terraform: CLI config pointing at the offline mirror.
-
-    Skips (loudly) only when the terraform binary or the mirror is missing.
-    """
+def terraform_binary() -> str:
+    """Path of the terraform binary; skips (loudly) when there is none."""
     binary = find_terraform()
     if binary is None:
         pytest.skip(
             "TERRAFORM TESTS NOT RUN: no `terraform` binary on PATH or in /usr/local/bin. "
             "fmt/init/validate/test were skipped; install Terraform >= 1.9 to run them."
         )
+    return binary
+
+
+@pytest.fixture(scope="session")
+def terraform_env(terraform_binary: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Environment for terraform: CLI config pointing at the offline mirror.
+
+    Skips (loudly) only when the terraform binary or the mirror is missing.
+    """
+    binary = terraform_binary
     mirror = find_mirror()
     if mirror is None:
         pytest.skip(

@@ -33,31 +33,45 @@ class Heads:
 
 @dataclass(frozen=True, slots=True)
 class Attend:
-    """Which cached keys the current queries see."""
+    """Which cached keys one group of queries sees."""
 
+    rows: slice  # the queries of this group (rows of h)
     n_keys: int  # keys [0, n_keys) of the cache take part
     causal: bool  # queries are exactly keys [0, n_keys): use SDPA's causal kernel
-    mask: torch.Tensor | None  # [S, n_keys] bool, True = may attend; None with causal or all-visible
+    mask: torch.Tensor | None  # [S_g, n_keys] bool, True = may attend; None with causal or all-visible
 
 
-def plan_attention(q_pos: torch.Tensor, n_keys: int, heads: Heads) -> Attend:
-    """The attention pattern for queries at positions q_pos over cache keys [0, n_keys).
+_GROUP_MIN_QUERIES = 64  # scattered queries are split into groups of at least this many
+
+
+def plan_attention(q_pos: torch.Tensor, n_keys: int, heads: Heads) -> list[Attend]:
+    """The attention pattern for sorted queries at positions q_pos over cache keys [0, n_keys).
 
     Key j sits at position j (prompt positions are contiguous), so query i may see key j
-    iff j <= q_pos[i] (and j > q_pos[i] - window under a sliding window).
+    iff j <= q_pos[i] (and j > q_pos[i] - window under a sliding window). Scattered
+    queries (selective recompute) are split into groups, each reading keys only up to
+    its last query: about half the work of one [S, n_keys] mask.
     """
     s = q_pos.shape[0]
     window = heads.sliding_window
     windowed = window is not None and n_keys > window
     if not windowed and s == n_keys and _is_arange(q_pos):
-        return Attend(n_keys, True, None)
+        return [Attend(slice(0, s), n_keys, True, None)]
     if not windowed and s == 1 and int(q_pos[0]) == n_keys - 1:
-        return Attend(n_keys, False, None)  # one query at the end sees everything
-    k_pos = torch.arange(n_keys, device=q_pos.device)  # [n_keys]
-    mask = k_pos[None, :] <= q_pos[:, None]  # [S, n_keys]
-    if windowed:
-        mask &= k_pos[None, :] > q_pos[:, None] - window
-    return Attend(n_keys, False, mask)
+        return [Attend(slice(0, 1), n_keys, False, None)]  # one query at the end sees everything
+    n_groups = 1 if windowed else max(1, min(8, s // _GROUP_MIN_QUERIES))
+    bounds = [round(g * s / n_groups) for g in range(n_groups + 1)]
+    ends = (q_pos[[b - 1 for b in bounds[1:]]] + 1).tolist()  # keys each group needs
+    plans = []
+    for g in range(n_groups):
+        rows = slice(bounds[g], bounds[g + 1])
+        keys = n_keys if windowed else int(ends[g])
+        k_pos = torch.arange(keys, device=q_pos.device)  # [keys]
+        mask = k_pos[None, :] <= q_pos[rows, None]  # [S_g, keys]
+        if windowed:
+            mask &= k_pos[None, :] > q_pos[rows, None] - window
+        plans.append(Attend(rows, keys, False, mask))
+    return plans
 
 
 def _is_arange(pos: torch.Tensor) -> bool:
@@ -83,7 +97,7 @@ def layer_forward(
     cache: KVCache,
     layer_idx: int,
     slots: slice | torch.Tensor,
-    attend: Attend,
+    attend: list[Attend],
     heads: Heads,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run one decoder layer for the active tokens.
@@ -108,16 +122,23 @@ def layer_forward(
     v_cache = cache.v[layer_idx]
     k_cache[:, slots] = apply_rope(k, cos, sin)
     v_cache[:, slots] = v
-    out = F.scaled_dot_product_attention(
-        q[None],  # [1, H, S, D]
-        k_cache[None, :, : attend.n_keys],  # [1, Hkv, n_keys, D]
-        v_cache[None, :, : attend.n_keys],
-        attn_mask=attend.mask,
-        is_causal=attend.causal,
-        scale=heads.scaling,
-        enable_gqa=heads.num_heads != heads.num_kv_heads,
-    )  # [1, H, S, D]
-    out = out[0].transpose(0, 1).reshape(s, heads.num_heads * heads.head_dim)  # [S, H*D]
+    out = torch.cat([attention(q[:, a.rows], k_cache, v_cache, a, heads) for a in attend], 1) \
+        if len(attend) > 1 else attention(q, k_cache, v_cache, attend[0], heads)  # [H, S, D]
+    out = out.transpose(0, 1).reshape(s, heads.num_heads * heads.head_dim)  # [S, H*D]
     h = h + attn.o_proj(out)
     h = h + layer.mlp(layer.post_attention_layernorm(h))
     return h, k, v
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: Attend, heads: Heads,
+              ) -> torch.Tensor:
+    """SDPA of q: [H, S_g, D] over cache keys [0, a.n_keys) -> [H, S_g, D]."""
+    return F.scaled_dot_product_attention(
+        q[None],  # [1, H, S_g, D]
+        k_cache[None, :, : a.n_keys],  # [1, Hkv, n_keys, D]
+        v_cache[None, :, : a.n_keys],
+        attn_mask=a.mask,
+        is_causal=a.causal,
+        scale=heads.scaling,
+        enable_gqa=heads.num_heads != heads.num_kv_heads,
+    )[0]

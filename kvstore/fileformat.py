@@ -3,15 +3,18 @@
 Tensors: `k`, `v` `[L, Hkv, T, D]` (or `k_q`/`k_scale`, `v_q`/`v_scale` when compressed),
 `token_ids` `[T]` int64 and `positions` `[T]` int64. Header metadata (all strings):
 format, format_version, key, model_fp, tokenizer_fp, prefix_hash, rope_mode, dtype,
-compression, shape ("L,Hkv,T,D") and checksum ("crc32:xxxxxxxx").
+compression, shape ("L,Hkv,T,D"), checksum and header_checksum.
 
-The checksum covers the metadata (less the checksum) and every tensor's name, dtype,
-shape and bytes, in name order, so it does not depend on how safetensors lays the
-tensors out. CRC-32 (zlib) detects the faults a store meets (truncation, flipped
-bits, torn writes) at several GB/s; it is not a defence against a forger.
+`checksum` is CRC-32 of the tensor bytes (the data section, in file order), so a
+reader can compute it block by block as the bytes arrive. `header_checksum` covers
+the metadata (less both checksums) and every tensor's name, dtype, shape and
+offsets. CRC-32 (zlib) catches the faults a store meets (truncation, flipped bits,
+torn writes) at memory speed; it is no defence against a forger.
 
-Files are written with the safetensors library; reading parses the header here so
-the tensors can be views of the one buffer the bytes were read into (no copy).
+The writer here lays tensors out as the safetensors library does (widest dtype
+first, then by name; header padded to 8 bytes) and the library reads our files
+(a test checks). Reading parses the header here so the tensors are views of the
+one buffer the bytes were read into (no copy).
 Any mismatch raises KVFormatError; the tiers turn that into a counted miss.
 
 Knows nothing of where the bytes live.
@@ -25,7 +28,6 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import safetensors.torch
 import torch
 
 from kvstore.compression import Compression, check_supported, dequantize, quantize
@@ -35,6 +37,7 @@ from ragkv.errors import KVFormatError
 
 FORMAT_NAME = "ragkv-chunk-kv"
 CHECKSUM_ALGO = "crc32"
+_CHECKSUM_FIELDS = ("checksum", "header_checksum")
 MAX_HEADER_BYTES = 1 << 20  # our headers are ~1 KB; anything larger is not ours
 
 _ST_DTYPES: dict[str, torch.dtype] = {
@@ -73,15 +76,19 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy())
 
 
-def _checksum(meta: Mapping[str, str], tensors: Mapping[str, tuple[str, tuple[int, ...], memoryview]]) -> str:
-    """crc32 over canonical metadata and (name, dtype, shape, bytes) of each tensor in name order."""
-    body = {k: v for k, v in meta.items() if k != "checksum"}
+def _header_checksum(meta: Mapping[str, str], layout: Mapping[str, tuple[str, tuple[int, ...], int, int]]) -> str:
+    """crc32 over canonical metadata (less checksums) and each tensor's dtype, shape and data offsets."""
+    body = {
+        "metadata": {k: v for k, v in meta.items() if k not in _CHECKSUM_FIELDS},
+        "tensors": {name: [dt, list(shape), s, e] for name, (dt, shape, s, e) in layout.items()},
+    }
     crc = zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
-    for name in sorted(tensors):
-        dtype, shape, data = tensors[name]
-        crc = zlib.crc32(f"{name}|{dtype}|{list(shape)}".encode(), crc)
-        crc = zlib.crc32(data, crc)
     return f"{CHECKSUM_ALGO}:{crc:08x}"
+
+
+def data_checksum(data: memoryview | bytes | bytearray, crc: int = 0) -> int:
+    """Running CRC-32 of tensor bytes; feed the data section in file order, block by block."""
+    return zlib.crc32(data, crc)
 
 
 def encode(entry: KVEntry, compression: Compression = Compression.NONE) -> bytes:
@@ -115,11 +122,27 @@ def encode(entry: KVEntry, compression: Compression = Compression.NONE) -> bytes
         "compression": compression.value,
         "shape": ",".join(str(n) for n in entry.k.shape),
     }
-    described = {
-        name: (_ST_NAMES[t.dtype], tuple(t.shape), _tensor_bytes(t)) for name, t in tensors.items()
-    }
-    meta["checksum"] = _checksum(meta, described)
-    return safetensors.torch.save(tensors, metadata=meta)
+    # safetensors' own order: widest dtype first (keeps every tensor aligned), then name.
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    layout: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+    chunks: list[memoryview] = []
+    offset = 0
+    crc = 0
+    for name in order:
+        t = tensors[name]
+        raw = _tensor_bytes(t)
+        layout[name] = (_ST_NAMES[t.dtype], tuple(t.shape), offset, offset + len(raw))
+        offset += len(raw)
+        crc = data_checksum(raw, crc)
+        chunks.append(raw)
+    meta["checksum"] = f"{CHECKSUM_ALGO}:{crc:08x}"
+    meta["header_checksum"] = _header_checksum(meta, layout)
+    header: dict[str, object] = {"__metadata__": meta}
+    for name, (dt, shape, start, end) in layout.items():
+        header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [start, end]}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    return b"".join([struct.pack("<Q", len(blob)), blob, *chunks])
 
 
 def _parse_layout(buf: memoryview) -> tuple[dict[str, str], dict[str, tuple[str, tuple[int, ...], int, int]]]:
@@ -157,10 +180,17 @@ def _parse_layout(buf: memoryview) -> tuple[dict[str, str], dict[str, tuple[str,
         if end > data_len:
             raise KVFormatError(f"tensor {name!r} ends at {end}, past the {data_len} data bytes (truncated?)")
         covered += size
-        layout[name] = (dtype, shape, 8 + n + start, 8 + n + end)
+        layout[name] = (dtype, shape, start, end)  # relative to the data section
     if covered != data_len:
         raise KVFormatError(f"tensors cover {covered} of {data_len} data bytes")
     return meta, layout
+
+
+def data_start(head: bytes | bytearray | memoryview) -> int:
+    """Offset of the data section, from a file's first 8 bytes (0 if they are missing)."""
+    if len(head) < 8:
+        return 0
+    return 8 + struct.unpack("<Q", head[:8])[0]
 
 
 def read_header(data: bytes | bytearray | memoryview) -> FileHeader:
@@ -197,6 +227,7 @@ def decode(
     expected_key: ChunkKey,
     model_fp: str,
     tokenizer_fp: str,
+    data_crc: int | None = None,
 ) -> KVEntry:
     """Verify and parse a file's bytes into a KVEntry.
 
@@ -208,6 +239,8 @@ def decode(
         expected_key: the key the caller asked for; a file holding another key is rejected.
         model_fp: the store's model fingerprint; a file of another model is rejected.
         tokenizer_fp: the store's tokenizer fingerprint.
+        data_crc: CRC-32 of `data[data_start(data):]` when the caller computed it while
+            reading (see `data_checksum`); None computes it here.
 
     Raises:
         KVFormatError: truncated, corrupt, another model's or another key's file.
@@ -224,14 +257,19 @@ def decode(
         )
     if header.key != expected_key:
         raise KVFormatError(f"file holds key {header.key.hex}, expected {expected_key.hex}")
-    described = {name: (dt, shape, buf[s:e]) for name, (dt, shape, s, e) in layout.items()}
-    if meta.get("checksum") != _checksum(meta, described):
+    if meta.get("header_checksum") != _header_checksum(meta, layout):
+        raise KVFormatError(f"header checksum mismatch for key {expected_key.hex}")
+    base = data_start(buf)
+    if data_crc is None:
+        data_crc = data_checksum(buf[base:])
+    if meta.get("checksum") != f"{CHECKSUM_ALGO}:{data_crc:08x}":
         raise KVFormatError(f"checksum mismatch for key {expected_key.hex}: stored {meta.get('checksum')!r}")
 
     def tensor(name: str) -> torch.Tensor:
         if name not in layout:
             raise KVFormatError(f"file has no tensor {name!r} (has {sorted(layout)})")
         dt, shape, s, e = layout[name]
+        s, e = base + s, base + e
         flat = torch.frombuffer(buf, dtype=torch.uint8, count=e - s, offset=s)  # [nbytes]
         return flat.view(_ST_DTYPES[dt]).view(shape)
 

@@ -217,18 +217,27 @@ class TieredStore:
                 if found is None:
                     continue
                 entry = found
-            top = self._promote(entry, data, self._tiers[:depth])
+            top = self._promote(entry, data, self._tiers[:depth], from_file=data is not None)
             return Hit(top, tier.tier, time.perf_counter() - started)
         self._count(misses=1)
         return None
 
-    def _promote(self, entry: KVEntry, data: bytearray | None, upper: Sequence[StorageTier]) -> KVEntry:
-        """Copy a hit into `upper` (top-down); the entry as held by the topmost that took it."""
+    def _promote(
+        self,
+        entry: KVEntry,
+        data: memoryview | bytearray | None,
+        upper: Sequence[StorageTier],
+        from_file: bool,
+    ) -> KVEntry:
+        """Copy a hit into `upper` (top-down); the entry as held by the topmost that took it.
+
+        Memory tiers get their own copy of an entry read from a file (it views the file's bytes).
+        """
         top = entry
         for tier in reversed(upper):  # nearest first, so a failure high up still fills the rest
             try:
                 if isinstance(tier, MemoryTier):
-                    placed = tier.admit(entry)
+                    placed = tier.admit(entry, copy=from_file)
                     if placed is not None:
                         top = placed
                 elif isinstance(tier, DurableTier) and data is not None:

@@ -1,6 +1,7 @@
 """DiskTier: chunk files in a directory on local SSD, `{root}/{model_fp}/{key[:2]}/{key}.safetensors`.
 
-Writes are atomic: a temp file in the same directory (named with a leading dot, so
+Reads map the file (private, copy-on-write) instead of copying it out of the page
+cache; the checksum pass is then the only pass over the bytes. Writes are atomic: a temp file in the same directory (named with a leading dot, so
 no scan or reader ever takes it for a chunk), fsync, rename, fsync of the directory.
 A reader therefore sees a whole file or none, also when another process (the
 indexer) writes while this one (the server) reads.
@@ -17,11 +18,16 @@ Bad copies go to `{root}/.quarantine/` with the reason in the log, never deleted
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import secrets
 import threading
 import time
 from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
 
 from kvstore.compression import Compression
 from kvstore.eviction import EvictionTracker, Policy
@@ -35,6 +41,33 @@ logger = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
 QUARANTINE_DIR = ".quarantine"
 STALE_TEMP_SECONDS = 3600.0  # a temp file this old belongs to a writer that died
+
+
+def _map_file(f: BinaryIO) -> memoryview:
+    """A whole file as a private, copy-on-write memory map (no copy out of the page cache).
+
+    The kernel is told to read the file ahead, so decode's checksum pass streams over
+    pages as they arrive. Writes through the map stay private to this process. Safe
+    because files are only ever replaced by rename or unlinked, both of which leave
+    an existing map intact; a file truncated in place by someone else would fault.
+    Falls back to one read into an uninitialized buffer where mmap cannot be used.
+    """
+    fd = f.fileno()
+    size = os.fstat(fd).st_size
+    if size > 0 and hasattr(mmap, "MAP_PRIVATE"):
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        if hasattr(mm, "madvise"):
+            mm.madvise(mmap.MADV_WILLNEED)
+        return memoryview(mm)
+    buf = torch.empty(size, dtype=torch.uint8)  # [nbytes], uninitialized: no zero-fill pass
+    view = memoryview(buf.numpy())
+    n = 0
+    while n < size:
+        got = f.readinto(view[n:])
+        if not got:
+            return view[:n]  # shrank under us: decode will reject the short buffer
+        n += got
+    return view
 
 
 def _fsync_dir(path: Path) -> None:
@@ -137,19 +170,11 @@ class DiskTier(DurableTier):
         if victims:
             self._counters.add(evictions=len(victims))
 
-    def _read(self, key: ChunkKey) -> bytearray | None:
+    def _read(self, key: ChunkKey) -> tuple[memoryview, None] | None:
         path = self.path(key)
         try:
             with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                buf = bytearray(size)
-                view = memoryview(buf)
-                n = 0
-                while n < size:
-                    got = f.readinto(view[n:])
-                    if not got:
-                        break  # shrank under us: decode will reject the short buffer
-                    n += got
+                data = _map_file(f)
         except FileNotFoundError:
             with self._lock:
                 self._forget(key)
@@ -158,8 +183,7 @@ class DiskTier(DurableTier):
             self._counters.add(errors=1)
             logger.warning("disk tier cannot read %s: %s", path, e)
             return None
-        if n < size:
-            del buf[n:]
+        size = len(data)
         with self._lock:
             if key in self._sizes:
                 self._tracker.touch(key)
@@ -174,7 +198,7 @@ class DiskTier(DurableTier):
             os.utime(path)  # recency for the next rescan
         except OSError:
             pass
-        return buf
+        return data, None
 
     def _write(self, key: ChunkKey, data: bytes | bytearray) -> bool:
         size = len(data)
@@ -253,3 +277,4 @@ class DiskTier(DurableTier):
     def _usage(self) -> tuple[int, int]:
         with self._lock:
             return len(self._sizes), self._bytes
+

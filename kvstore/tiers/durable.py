@@ -29,7 +29,7 @@ class FileHit:
     """A verified read from a durable tier."""
 
     entry: KVEntry  # the decoded entry (views of `data` when uncompressed)
-    data: bytearray  # the file's bytes, verified
+    data: memoryview | bytearray  # the file's bytes, verified
 
 
 class DurableTier(StorageTier):
@@ -46,11 +46,14 @@ class DurableTier(StorageTier):
         self.compression = check_supported(compression)
 
     @abc.abstractmethod
-    def _read(self, key: ChunkKey) -> bytearray | None:
-        """The raw bytes stored under `key`, or None if absent (I/O failures counted as errors)."""
+    def _read(self, key: ChunkKey) -> tuple[memoryview | bytearray, int | None] | None:
+        """(raw bytes under `key`, CRC-32 of their data section if computed while reading), or None if absent.
+
+        I/O failures are counted as errors and read as None.
+        """
 
     @abc.abstractmethod
-    def _write(self, key: ChunkKey, data: bytes | bytearray) -> bool:
+    def _write(self, key: ChunkKey, data: bytes | bytearray | memoryview) -> bool:
         """Store `data` under `key` atomically; False if refused by the budget."""
 
     @abc.abstractmethod
@@ -60,12 +63,15 @@ class DurableTier(StorageTier):
     def fetch(self, key: ChunkKey) -> FileHit | None:
         """Read and verify `key`'s file; None on a miss or a rejected copy."""
         started = time.perf_counter()
-        data = self._read(key)
-        if data is None:
+        found = self._read(key)
+        if found is None:
             self._counters.got(started, None)
             return None
+        data, crc = found
         try:
-            entry = decode(data, expected_key=key, model_fp=self.model_fp, tokenizer_fp=self.tokenizer_fp)
+            entry = decode(
+                data, expected_key=key, model_fp=self.model_fp, tokenizer_fp=self.tokenizer_fp, data_crc=crc
+            )
         except KVFormatError as e:
             self._counters.add(rejected=1)
             self._counters.got(started, None)
@@ -83,7 +89,7 @@ class DurableTier(StorageTier):
         self._check_entry(entry)
         return self.put_file(entry.key, encode(entry, self.compression))
 
-    def put_file(self, key: ChunkKey, data: bytes | bytearray) -> bool:
+    def put_file(self, key: ChunkKey, data: bytes | bytearray | memoryview) -> bool:
         """Store already encoded (or verified) file bytes under `key`."""
         started = time.perf_counter()
         stored = self._write(key, data)

@@ -47,8 +47,13 @@ class MemoryTier(StorageTier):
         """The eviction policy."""
         return self._tracker.policy
 
-    def _placed(self, entry: KVEntry) -> KVEntry:
-        """`entry` with k and v on this tier's device (pinned if asked); no copy if already there."""
+    def _placed(self, entry: KVEntry, copy: bool) -> KVEntry:
+        """`entry` with k and v on this tier's device (pinned if asked).
+
+        No copy if already there, unless `copy`: then the tier gets memory of its own
+        (an entry read from disk views the file's map, which would keep an evicted
+        file's space allocated for as long as the entry stayed here).
+        """
         k, v = entry.k, entry.v
         if k.device != self.device:
             # Asynchronous only towards CUDA, where the stream orders later use.
@@ -58,7 +63,13 @@ class MemoryTier(StorageTier):
         if self.pin and not k.is_pinned():
             k, v = k.pin_memory(), v.pin_memory()
         if k is entry.k and v is entry.v:
-            return entry
+            if not copy:
+                return entry
+            k, v = k.clone(), v.clone()
+        if copy:
+            return dataclasses.replace(
+                entry, k=k, v=v, token_ids=entry.token_ids.clone(), positions=entry.positions.clone()
+            )
         return dataclasses.replace(entry, k=k, v=v)
 
     def get(self, key: ChunkKey) -> KVEntry | None:
@@ -73,8 +84,13 @@ class MemoryTier(StorageTier):
     def put(self, entry: KVEntry) -> bool:
         return self.admit(entry) is not None
 
-    def admit(self, entry: KVEntry) -> KVEntry | None:
-        """Like `put`, returning the entry as held here (on this tier's device), or None if refused."""
+    def admit(self, entry: KVEntry, copy: bool = False) -> KVEntry | None:
+        """Like `put`, returning the entry as held here (on this tier's device), or None if refused.
+
+        Args:
+            entry: what to hold.
+            copy: hold a copy even where the tensors could be kept as they are (see `_placed`).
+        """
         self._check_entry(entry)
         started = time.perf_counter()
         size = entry.nbytes
@@ -88,7 +104,7 @@ class MemoryTier(StorageTier):
         if held is not None:
             self._counters.add(put_seconds=time.perf_counter() - started)
             return held
-        placed = self._placed(entry)  # copies outside the lock
+        placed = self._placed(entry, copy)  # copies outside the lock
         evicted = 0
         with self._lock:
             if entry.key in self._entries:  # another thread won the race

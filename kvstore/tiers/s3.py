@@ -126,10 +126,10 @@ class S3Tier(DurableTier):
         self._counters.add(errors=1)
         logger.warning("s3 tier %s of key %s in s3://%s failed: %s", what, key.hex, self.bucket, e)
 
-    def _read(self, key: ChunkKey) -> bytearray | None:
+    def _read(self, key: ChunkKey) -> tuple[bytearray, None] | None:
         try:
             resp = self._s3.get_object(Bucket=self.bucket, Key=self.object_key(key))
-            return bytearray(resp["Body"].read())
+            return bytearray(resp["Body"].read()), None
         except ClientError as e:
             if e.response.get("Error", {}).get("Code") in _MISSING:
                 return None
@@ -138,7 +138,7 @@ class S3Tier(DurableTier):
             self._failed("get", key, e)
         return None
 
-    def _write(self, key: ChunkKey, data: bytes | bytearray) -> bool:
+    def _write(self, key: ChunkKey, data: bytes | bytearray | memoryview) -> bool:
         name = self.object_key(key)
         try:
             if len(data) > self.settings.multipart_threshold:
@@ -156,7 +156,7 @@ class S3Tier(DurableTier):
             raise StoreError(f"s3 put of key {key.hex} to s3://{self.bucket}/{name} failed: {e}") from e
         return True
 
-    def _put_multipart(self, name: str, data: bytes | bytearray) -> None:
+    def _put_multipart(self, name: str, data: bytes | bytearray | memoryview) -> None:
         upload_id = self._s3.create_multipart_upload(Bucket=self.bucket, Key=name)["UploadId"]
         try:
             view = memoryview(data)
@@ -179,7 +179,7 @@ class S3Tier(DurableTier):
                 logger.warning("s3 tier could not abort upload %s of %s: %s", upload_id, name, e)
             raise
 
-    def _note_existing(self, key: ChunkKey, data: bytes | bytearray) -> None:
+    def _note_existing(self, key: ChunkKey, data: bytes | bytearray | memoryview) -> None:
         """An object is already under `key`: keep it, and say so if it differs from ours."""
         try:
             existing = self._s3.get_object(

@@ -105,6 +105,22 @@ def test_hit_is_promoted_into_every_tier_above(tmp_path, s3_settings, bucket):
         assert st.tier(Tier.S3).hits == 2 and st.tier(Tier.CPU).hits == 1  # (one S3 hit was ours above)
 
 
+def test_memory_tier_owns_what_it_promotes_from_disk(tmp_path):
+    """A disk hit views the file's map; the CPU tier must hold its own copy, or an evicted
+    file's space would stay allocated for as long as the entry stayed in memory."""
+    with TieredStore(StoreConfig.from_uris(["cpu", f"disk:{tmp_path / 'kv'}"]), MODEL_FP, TOKENIZER_FP) as store:
+        e = make_entry(1)
+        store.tier(Tier.DISK).put(e)
+        from_disk = store.tier(Tier.DISK).get(e.key)
+        assert not from_disk.k.untyped_storage().resizable()  # a view of the file's bytes
+        hit = store.fetch(e.key)
+        held = store.tier(Tier.CPU).get(e.key)
+        for name in ("k", "v", "token_ids", "positions"):
+            assert getattr(held, name).untyped_storage().resizable(), name  # memory of its own
+        assert_same(held, e)
+        assert_same(hit.entry, e)
+
+
 def test_miss_everywhere_is_none_and_counted(tmp_path, s3_settings, bucket):
     with _store(tmp_path, s3_settings, bucket) as store:
         assert store.get(make_entry(1).key) is None

@@ -11,7 +11,7 @@ Shape legend used in every comment:
     V    vocabulary size
 """
 
-from engine.blend import BlendMode, BlendOptions, BlendResult
+from engine.blend import BlendMode, BlendOptions, BlendResult, Selector
 from engine.decode import DecodeStream, SamplingParams
 from engine.fingerprint import Fingerprint
 from engine.kv import ChunkKV, KVCache
@@ -21,5 +21,5 @@ from engine.runtime import Engine
 
 __all__ = [
     "DEFAULT_MODEL", "BlendMode", "BlendOptions", "BlendResult", "ChunkKV", "DecodeStream",
-    "Engine", "Fingerprint", "KVCache", "LoadedModel", "PromptFormat", "SamplingParams", "load_model",
+    "Engine", "Fingerprint", "KVCache", "LoadedModel", "PromptFormat", "SamplingParams", "Selector", "load_model",
 ]

@@ -27,6 +27,7 @@ from engine.forward import Heads, layer_forward, plan_attention
 from engine.kv import ChunkKV, KVCache
 from engine.loading import LoadedModel
 from engine.rope import apply_rope, rotary_tables
+from engine.select import question_attention, select_tokens
 
 
 class BlendMode(str, enum.Enum):
@@ -36,18 +37,35 @@ class BlendMode(str, enum.Enum):
     BLEND = "blend"
 
 
+class Selector(str, enum.Enum):
+    """What decides which chunk tokens `blend` recomputes."""
+
+    DEVIATION = "deviation"  # CacheBlend: K/V deviation at the check layer
+    QUERY = "query"  # the question's attention onto chunk tokens, from a pass over the reused cache
+
+
 @dataclass(frozen=True, slots=True)
 class BlendOptions:
     """How `blend` mode picks the tokens it recomputes."""
 
-    recompute_ratio: float = 0.15  # fraction of chunk tokens recomputed after the check layer
-    check_layer: int = 1  # layers [0, check_layer] run for every chunk token
+    recompute_ratio: float = 0.15  # fraction of chunk tokens recomputed (the most, when adaptive)
+    selector: Selector = Selector.DEVIATION
+    check_layer: int = 1  # deviation: layers [0, check_layer] run for every chunk token
+    score_layer: int = -1  # query: the layer whose attention scores tokens (-1 = last)
     sink_tokens: int = 0  # the first tokens of every chunk are always picked (within the budget)
     window: int = 1  # pick whole windows of this many tokens (CacheClip grouping); 1 = tokens
+    adaptive_mass: float | None = None  # pick the fewest tokens holding this share of the score
+    min_ratio: float = 0.0  # adaptive: never fewer than this fraction
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.recompute_ratio <= 1.0:
             raise ValueError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio}")
+        if not 0.0 <= self.min_ratio <= self.recompute_ratio:
+            raise ValueError(f"min_ratio must be in [0, recompute_ratio={self.recompute_ratio}], "
+                             f"got {self.min_ratio}")
+        if self.adaptive_mass is not None and not 0.0 < self.adaptive_mass <= 1.0:
+            raise ValueError(f"adaptive_mass must be in (0, 1], got {self.adaptive_mass}")
+        object.__setattr__(self, "selector", Selector(self.selector))
         if self.check_layer < 0:
             raise ValueError(f"check_layer must be >= 0, got {self.check_layer}")
         if self.sink_tokens < 0 or self.window < 1:
@@ -137,12 +155,19 @@ def run_prompt(
 
     # ---- layers; `pos` shrinks to the selected tokens after the check layer in blend mode
     check = min(options.check_layer, lm.num_layers - 1) if mode is BlendMode.BLEND else -1
+    if mode is BlendMode.BLEND and options.selector is Selector.QUERY:
+        score_layer = options.score_layer % lm.num_layers
+        scores = question_attention(lm, ids, cache, cos_all, sin_all, c, score_layer)[p:]  # [C-P]
+        timer.lap("score")
+        picked = select_tokens(scores, [ch.num_tokens for ch in chunks], options)
+        pos = torch.cat([picked + p, torch.arange(c, n, device=dev)])  # [S]
+        first_active, check = -1, -1
     h = model.model.embed_tokens(ids[pos])  # [S, hidden]
-    slots: slice | torch.Tensor = slice(first_active, n)
+    slots: slice | torch.Tensor = slice(first_active, n) if first_active >= 0 else pos
     attend = plan_attention(pos, n, heads)
     cos, sin = cos_all[pos], sin_all[pos]  # [S, D]
-    recomputed = torch.arange(p, c, device=dev) if mode in (BlendMode.FULL, BlendMode.PREFIX) \
-        else torch.empty(0, dtype=torch.long, device=dev)
+    recomputed = pos[pos < c] if first_active < 0 else torch.arange(p, c, device=dev) \
+        if mode in (BlendMode.FULL, BlendMode.PREFIX) else torch.empty(0, dtype=torch.long, device=dev)
     for i, layer in enumerate(model.model.layers):
         if i == check:
             cached_k = cache.k[i, :, p:c].clone()  # [Hkv, C-P, D], after RoPE
@@ -152,7 +177,7 @@ def run_prompt(
             timer.lap("layers_full")
             deviation = ((cache.k[i, :, p:c] - cached_k).float().pow(2).sum((0, 2))
                          + (cache.v[i, :, p:c] - cached_v).float().pow(2).sum((0, 2)))  # [C-P]
-            picked = select_tokens(deviation, chunks, options)  # [R] offsets into the chunk tokens
+            picked = select_tokens(deviation, [ch.num_tokens for ch in chunks], options)  # [R] offsets into the chunk tokens
             recomputed = picked + p  # [R] prompt positions
             keep = torch.cat([recomputed, torch.arange(c, n, device=dev)]) - first_active  # rows of h
             h = h[keep]
@@ -167,39 +192,6 @@ def run_prompt(
     timer.lap("logits")
     n_chunk = c - p
     return BlendResult(mode, ids, logits, cache, recomputed, n_chunk, timer.phases)
-
-
-def select_tokens(deviation: torch.Tensor, chunks: Sequence[ChunkKV], options: BlendOptions) -> torch.Tensor:
-    """Pick exactly round(ratio * n) chunk tokens: sinks first, then by score.
-
-    Args:
-        deviation: [n] score per chunk token (higher = recompute first).
-
-    Returns:
-        [R] int64 sorted offsets into the concatenated chunk tokens.
-    """
-    n = deviation.shape[0]
-    budget = int(round(options.recompute_ratio * n))
-    if budget >= n:
-        return torch.arange(n, device=deviation.device)
-    score = deviation.clone()
-    if options.sink_tokens:
-        off = 0
-        for ch in chunks:
-            score[off:off + min(options.sink_tokens, ch.num_tokens)] = float("inf")
-            off += ch.num_tokens
-    if options.window > 1:
-        w = options.window
-        pad = (-n) % w
-        padded = torch.cat([score, score.new_full((pad,), float("-inf"))]) if pad else score
-        win_score = padded.view(-1, w).amax(1)  # [n_windows]
-        order = torch.argsort(win_score, descending=True, stable=True)  # windows, best first
-        tokens = (order[:, None] * w + torch.arange(w, device=score.device)).flatten()
-        tokens = tokens[tokens < n]
-        picked = tokens[:budget]
-    else:
-        picked = torch.topk(score, budget, sorted=False).indices
-    return torch.sort(picked).values
 
 
 def _check_segments(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV]) -> None:

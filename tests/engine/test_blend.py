@@ -160,3 +160,37 @@ def test_cuda_ratio_one_equals_full(tiny_llama_dir, dtype):
     full = eng.full_prefill(ids)
     res = eng.blend(prefix, kvs, q, recompute_ratio=1.0)
     assert_close(res.logits, full.logits, 1e-4 if dtype == "float32" else 0.1, f"cuda {dtype}")
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.2, 1.0])
+def test_query_selector_budget_and_exactness(tiny_engine, ratio):
+    prefix, kvs, q, ids = _parts(tiny_engine)
+    opts = BlendOptions(recompute_ratio=ratio, selector="query")
+    res = tiny_engine.blend(prefix, kvs, q, options=opts)
+    assert res.recomputed.numel() == round(ratio * res.n_chunk_tokens)
+    assert "score" in res.timings
+    if ratio == 1.0:
+        assert_close(res.logits, tiny_engine.full_prefill(ids).logits, 1e-4, "query@1.0 vs full")
+
+
+def test_query_selector_prefers_what_the_question_attends(tiny_engine):
+    from engine.select import question_attention  # noqa: F401  (the scores come from there)
+
+    prefix, kvs, q, ids = _parts(tiny_engine)
+    a = tiny_engine.blend(prefix, kvs, q, options=BlendOptions(recompute_ratio=0.3, selector="query"))
+    b = tiny_engine.blend(prefix, kvs, q, options=BlendOptions(recompute_ratio=0.3))
+    assert not torch.equal(a.recomputed, b.recomputed), "query and deviation picked the same tokens"
+
+
+def test_adaptive_budget_stays_within_bounds(tiny_engine):
+    prefix, kvs, q, _ = _parts(tiny_engine)
+    n = sum(k.num_tokens for k in kvs)
+    for mass in (0.05, 0.5, 0.99):
+        opts = BlendOptions(recompute_ratio=0.6, min_ratio=0.1, adaptive_mass=mass, selector="query")
+        r = tiny_engine.blend(prefix, kvs, q, options=opts).recomputed.numel()
+        assert round(0.1 * n) <= r <= round(0.6 * n)
+    small = tiny_engine.blend(prefix, kvs, q, options=BlendOptions(
+        recompute_ratio=0.6, adaptive_mass=0.05, selector="query")).recomputed.numel()
+    large = tiny_engine.blend(prefix, kvs, q, options=BlendOptions(
+        recompute_ratio=0.6, adaptive_mass=0.99, selector="query")).recomputed.numel()
+    assert small < large

@@ -1,0 +1,98 @@
+"""Which chunk tokens selective recompute picks: scores in, sorted token offsets out.
+
+Scores come from one of the selectors (engine.blend.Selector): K/V deviation at an
+early layer (CacheBlend), or the question's attention onto the chunk tokens from a
+pass of the question over the reused cache. Picking then honours the options shared
+by every selector: a budget (fixed, or adaptive to the score mass), sink tokens at
+each chunk's start, and whole windows (CacheClip's grouping).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.forward import Heads, layer_forward, plan_attention
+from engine.kv import KVCache
+from engine.rope import apply_rope
+
+if TYPE_CHECKING:
+    from engine.blend import BlendOptions
+    from engine.loading import LoadedModel
+
+
+def select_tokens(score: torch.Tensor, chunk_lens: Sequence[int], options: BlendOptions) -> torch.Tensor:
+    """Pick chunk tokens to recompute: sinks first, then by score, within the budget.
+
+    The budget is round(recompute_ratio * n) tokens; with `adaptive_mass` it is the fewest
+    tokens whose scores hold that share of the total, clamped to [min_ratio, recompute_ratio].
+
+    Args:
+        score: [n] per chunk token, higher = recompute first (n = sum(chunk_lens)).
+
+    Returns:
+        [R] int64 sorted offsets into the concatenated chunk tokens.
+    """
+    n = score.shape[0]
+    budget = int(round(options.recompute_ratio * n))
+    if options.adaptive_mass is not None and budget > 0:
+        sorted_s = torch.sort(score.float().clamp_min(0), descending=True).values
+        total = float(sorted_s.sum())
+        if total > 0:
+            need = int(torch.searchsorted(torch.cumsum(sorted_s, 0), options.adaptive_mass * total)) + 1
+            budget = max(int(round(options.min_ratio * n)), min(budget, need))
+    if budget >= n:
+        return torch.arange(n, device=score.device)
+    score = score.float().clone()
+    if options.sink_tokens:
+        off = 0
+        for t in chunk_lens:
+            score[off:off + min(options.sink_tokens, t)] = float("inf")
+            off += t
+    if options.window > 1:
+        w = options.window
+        pad = (-n) % w
+        padded = torch.cat([score, score.new_full((pad,), float("-inf"))]) if pad else score
+        win_score = padded.view(-1, w).amax(1)  # [n_windows]
+        order = torch.argsort(win_score, descending=True, stable=True)  # windows, best first
+        tokens = (order[:, None] * w + torch.arange(w, device=score.device)).flatten()
+        picked = tokens[tokens < n][:budget]
+    else:
+        picked = torch.topk(score, budget, sorted=False).indices
+    return torch.sort(picked).values
+
+
+def question_attention(lm: LoadedModel, ids: torch.Tensor, cache: KVCache, cos_all: torch.Tensor,
+                       sin_all: torch.Tensor, c: int, score_layer: int) -> torch.Tensor:
+    """Attention of the question tokens onto every context token at `score_layer`.
+
+    Runs only the question (prompt positions [c, N)) through layers [0, score_layer] over
+    the reused cache, writing the question's K/V into the cache as it goes (the blend
+    pass overwrites them), and sums the softmax weights over heads and question tokens.
+
+    Returns:
+        [c] float32 attention mass per context token.
+    """
+    from engine.blend import heads_of
+
+    heads: Heads = heads_of(lm)
+    model, n = lm.model, ids.shape[0]
+    pos = torch.arange(c, n, device=ids.device)  # [Q]
+    cos, sin = cos_all[c:], sin_all[c:]  # [Q, D]
+    attend = plan_attention(pos, n, heads)
+    h = model.model.embed_tokens(ids[c:])  # [Q, hidden]
+    for i, layer in enumerate(model.model.layers[: score_layer + 1]):
+        h_in = h
+        h, _, _ = layer_forward(layer, h, cos, sin, cache, i, pos, attend, heads)
+    attn = model.model.layers[score_layer].self_attn
+    x = model.model.layers[score_layer].input_layernorm(h_in)
+    q = attn.q_proj(x).view(-1, heads.num_heads, heads.head_dim).transpose(0, 1)  # [H, Q, D]
+    q = apply_rope(q, cos, sin)
+    k = cache.k[score_layer, :, :n]  # [Hkv, N, D]
+    k = k.repeat_interleave(heads.num_heads // heads.num_kv_heads, 0)  # [H, N, D]
+    logits = (q @ k.transpose(1, 2)).float() * heads.scaling  # [H, Q, N]
+    k_pos = torch.arange(n, device=ids.device)
+    logits = logits.masked_fill(k_pos[None, None, :] > pos[None, :, None], float("-inf"))
+    return torch.softmax(logits, -1).sum((0, 1))[:c]  # [c]

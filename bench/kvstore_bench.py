@@ -169,8 +169,12 @@ def main(argv: list[str] | None = None) -> None:
 
 def bench_s3(chunks: list[KVEntry], rounds: int) -> tuple[float, float]:
     """put/get GB/s through boto3 to a moto server on 127.0.0.1 (an HTTP round trip per object)."""
+    import logging
+
     import boto3
     from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
 
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         os.environ.setdefault(var, "bench")

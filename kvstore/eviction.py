@@ -17,8 +17,9 @@ Not thread-safe: the owning tier holds its lock around every call.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
 from enum import Enum
-from typing import Generic, Hashable, TypeVar
+from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 

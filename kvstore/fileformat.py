@@ -5,8 +5,8 @@ Tensors: `k`, `v` `[L, Hkv, T, D]` (or `k_q`/`k_scale`, `v_q`/`v_scale` when com
 format, format_version, key, model_fp, tokenizer_fp, prefix_hash, rope_mode, dtype,
 compression, shape ("L,Hkv,T,D"), checksum and header_checksum.
 
-`checksum` is CRC-32 of the tensor bytes (the data section, in file order), so a
-reader can compute it block by block as the bytes arrive. `header_checksum` covers
+`checksum` is CRC-32 of the tensor bytes (the data section, in file order): one
+streaming pass over the bytes. `header_checksum` covers
 the metadata (less both checksums) and every tensor's name, dtype, shape and
 offsets. CRC-32 (zlib) catches the faults a store meets (truncation, flipped bits,
 torn writes) at memory speed; it is no defence against a forger.
@@ -227,7 +227,6 @@ def decode(
     expected_key: ChunkKey,
     model_fp: str,
     tokenizer_fp: str,
-    data_crc: int | None = None,
 ) -> KVEntry:
     """Verify and parse a file's bytes into a KVEntry.
 
@@ -239,8 +238,6 @@ def decode(
         expected_key: the key the caller asked for; a file holding another key is rejected.
         model_fp: the store's model fingerprint; a file of another model is rejected.
         tokenizer_fp: the store's tokenizer fingerprint.
-        data_crc: CRC-32 of `data[data_start(data):]` when the caller computed it while
-            reading (see `data_checksum`); None computes it here.
 
     Raises:
         KVFormatError: truncated, corrupt, another model's or another key's file.
@@ -260,9 +257,7 @@ def decode(
     if meta.get("header_checksum") != _header_checksum(meta, layout):
         raise KVFormatError(f"header checksum mismatch for key {expected_key.hex}")
     base = data_start(buf)
-    if data_crc is None:
-        data_crc = data_checksum(buf[base:])
-    if meta.get("checksum") != f"{CHECKSUM_ALGO}:{data_crc:08x}":
+    if meta.get("checksum") != f"{CHECKSUM_ALGO}:{data_checksum(buf[base:]):08x}":
         raise KVFormatError(f"checksum mismatch for key {expected_key.hex}: stored {meta.get('checksum')!r}")
 
     def tensor(name: str) -> torch.Tensor:

@@ -170,7 +170,7 @@ class DiskTier(DurableTier):
         if victims:
             self._counters.add(evictions=len(victims))
 
-    def _read(self, key: ChunkKey) -> tuple[memoryview, None] | None:
+    def _read(self, key: ChunkKey) -> memoryview | None:
         path = self.path(key)
         try:
             with open(path, "rb", buffering=0) as f:
@@ -198,7 +198,7 @@ class DiskTier(DurableTier):
             os.utime(path)  # recency for the next rescan
         except OSError:
             pass
-        return data, None
+        return data
 
     def _write(self, key: ChunkKey, data: bytes | bytearray) -> bool:
         size = len(data)

@@ -46,8 +46,8 @@ class DurableTier(StorageTier):
         self.compression = check_supported(compression)
 
     @abc.abstractmethod
-    def _read(self, key: ChunkKey) -> tuple[memoryview | bytearray, int | None] | None:
-        """(raw bytes under `key`, CRC-32 of their data section if computed while reading), or None if absent.
+    def _read(self, key: ChunkKey) -> memoryview | bytearray | None:
+        """The raw bytes under `key` (writable, so tensors can view them), or None if absent.
 
         I/O failures are counted as errors and read as None.
         """
@@ -63,15 +63,12 @@ class DurableTier(StorageTier):
     def fetch(self, key: ChunkKey) -> FileHit | None:
         """Read and verify `key`'s file; None on a miss or a rejected copy."""
         started = time.perf_counter()
-        found = self._read(key)
-        if found is None:
+        data = self._read(key)
+        if data is None:
             self._counters.got(started, None)
             return None
-        data, crc = found
         try:
-            entry = decode(
-                data, expected_key=key, model_fp=self.model_fp, tokenizer_fp=self.tokenizer_fp, data_crc=crc
-            )
+            entry = decode(data, expected_key=key, model_fp=self.model_fp, tokenizer_fp=self.tokenizer_fp)
         except KVFormatError as e:
             self._counters.add(rejected=1)
             self._counters.got(started, None)

@@ -126,10 +126,10 @@ class S3Tier(DurableTier):
         self._counters.add(errors=1)
         logger.warning("s3 tier %s of key %s in s3://%s failed: %s", what, key.hex, self.bucket, e)
 
-    def _read(self, key: ChunkKey) -> tuple[bytearray, None] | None:
+    def _read(self, key: ChunkKey) -> bytearray | None:
         try:
             resp = self._s3.get_object(Bucket=self.bucket, Key=self.object_key(key))
-            return bytearray(resp["Body"].read()), None
+            return bytearray(resp["Body"].read())
         except ClientError as e:
             if e.response.get("Error", {}).get("Code") in _MISSING:
                 return None

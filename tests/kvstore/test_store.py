@@ -156,7 +156,7 @@ def test_prefetch_handles_and_shared_loads(tmp_path, s3_settings, bucket):
         assert results[1] is None
         assert_same(results[0], entries[0])
         assert_same(results[2], entries[0])
-        for got, e in zip(results[3:], entries[1:]):
+        for got, e in zip(results[3:], entries[1:], strict=True):
             assert_same(got, e)
         assert handles[3].hit().tier is Tier.DISK and handles[3].done()
         st = store.stats()

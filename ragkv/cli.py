@@ -61,12 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)
     add_query_parser(sub)
-    for name, text in [
-        ("eval", "measure answer quality of each mode against full prefill"),
-        ("bench", "run the benchmarks"),
-    ]:
-        p = sub.add_parser(name, help=text, description=text)
-        p.set_defaults(func=_not_built(name))
+    from ragkv.bench_cli import add_bench_parser
+    from ragkv.eval_cli import add_eval_parser
+
+    add_eval_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

@@ -1,0 +1,110 @@
+"""`ragkv bench`: TTFT of full prefill vs the blend modes, with KV read from a tier.
+
+Everything runs in one process and one run: chunk KVs are precomputed once and put in
+the named tier; each repeat reads them back from that tier (timed as kv_load) and runs
+every mode, interleaved, so drift on the machine hits every mode alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench", help="time full prefill against the blend modes, KV read from a tier",
+        description="Precompute the KV of --chunks chunks of --chunk-tokens tokens (stdlib text), "
+        "store them in --tier, then per repeat read them back and time each mode up to the first "
+        "token. Prints the median TTFT per mode and the speedup over full prefill. Example: "
+        "ragkv bench --chunks 8 --chunk-tokens 512 --modes full,reuse,blend --ratio 0.15 --tier disk --json")
+    p.add_argument("--chunks", type=int, default=8)
+    p.add_argument("--chunk-tokens", type=int, default=512)
+    p.add_argument("--modes", default="full,reuse,blend", help="comma list of full, prefix, reuse, blend")
+    p.add_argument("--ratio", type=float, default=0.15, help="blend recompute ratio")
+    p.add_argument("--selector", default="deviation", help="blend selector: deviation or query")
+    p.add_argument("--tier", default="disk", help="where the KV is read from: cpu, disk, or disk:/path")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    p.set_defaults(func=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from engine import BlendMode, BlendOptions, Engine, load_model
+    from engine.synthetic import haystack_paragraphs
+    from kvstore import ChunkKey, StoreConfig, TieredStore
+    from server.kv_bridge import chunk_kv_to_entry, entry_to_chunk_kv
+
+    if args.repeats < 1 or args.chunks < 1 or args.chunk_tokens < 1:
+        raise ValueError("--repeats, --chunks and --chunk-tokens must be >= 1")
+    modes = [BlendMode(m.strip()) for m in args.modes.split(",") if m.strip()]
+    eng = Engine(load_model(args.model, device=args.device, dtype=args.dtype))
+    lm = eng.lm
+    ids = lm.tokenizer("\n\n".join(haystack_paragraphs()), add_special_tokens=False)["input_ids"]
+    need = args.chunks * args.chunk_tokens
+    ids = (ids * (need // len(ids) + 1))[:need]
+    chunk_ids = [ids[i * args.chunk_tokens:(i + 1) * args.chunk_tokens] for i in range(args.chunks)]
+    prefix_ids = eng.prompt.prefix_ids()
+    question = eng.prompt.question_ids("Which module describes how to parse command-line arguments?")
+    full_ids = prefix_ids + ids + question
+
+    tmp = tempfile.TemporaryDirectory(prefix="ragkv-bench-")
+    uri = f"disk:{tmp.name}" if args.tier == "disk" else args.tier
+    store = TieredStore(StoreConfig.from_uris([uri]), lm.fingerprint, lm.tokenizer_fingerprint)
+    prefix = eng.prefix_kv(prefix_ids)
+    keys = []
+    for cids, kv in zip(chunk_ids, eng.prefill_chunks(prefix_ids, chunk_ids)):
+        key = ChunkKey.build(lm.fingerprint, lm.tokenizer_fingerprint, prefix_ids, cids)
+        store.put(chunk_kv_to_entry(kv, key.to_str(), lm.fingerprint, lm.tokenizer_fingerprint, prefix_ids))
+        keys.append(key)
+    kv_bytes = sum(e.k.nbytes + e.v.nbytes for e in (store.get(k) for k in keys[:1])) * len(keys)
+
+    def load():
+        entries = [h.result() for h in store.prefetch(keys)]
+        if any(e is None for e in entries):
+            raise RuntimeError("a chunk stored by this bench is missing from its tier: this is a bug")
+        return [entry_to_chunk_kv(e, lm.device, lm.dtype) for e in entries]
+
+    opts = BlendOptions(recompute_ratio=args.ratio, selector=args.selector)
+    ttft: dict[str, list[float]] = {m.value: [] for m in modes}
+    kv_load: list[float] = []
+    for _ in range(args.repeats):
+        for mode in modes:
+            t = time.perf_counter()
+            if mode is BlendMode.FULL:
+                res = eng.full_prefill(full_ids)
+            else:
+                kvs = load()
+                kv_load.append(time.perf_counter() - t)
+                res = eng.blend(prefix, kvs, question, mode=mode, options=opts)
+            res.logits.cpu()
+            ttft[mode.value].append(time.perf_counter() - t)
+    med = {m: statistics.median(v) for m, v in ttft.items()}
+    out = {
+        "ttft_median_s": med,
+        "speedup": {m: med["full"] / s for m, s in med.items()} if "full" in med else {},
+        "kv_load_s": statistics.median(kv_load) if kv_load else 0.0,
+        "config": {**{k: v for k, v in vars(args).items() if k != "func"}, "prompt_tokens": len(full_ids),
+                   "kv_bytes": kv_bytes, "device": str(lm.device), "dtype": str(lm.dtype),
+                   "torch_threads": torch.get_num_threads()},
+    }
+    tmp.cleanup()
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"prompt {len(full_ids)} tokens ({args.chunks} x {args.chunk_tokens}) on {lm.device} {lm.dtype}; "
+          f"KV from {args.tier} ({kv_bytes / 1e6:.0f} MB), median of {args.repeats}", file=sys.stdout)
+    for m, s in med.items():
+        speed = f"x{out['speedup'][m]:.2f} vs full" if out["speedup"] else ""
+        print(f"  {m:7s} TTFT {s:7.3f} s  {speed}")
+    print(f"  kv load (median) {out['kv_load_s']:.3f} s")
+    return 0

@@ -1,0 +1,120 @@
+"""`ragkv eval`: answer quality and TTFT of each mode against full prefill.
+
+Two sources of questions: `--synthetic TASK` builds RULER-style cases over stdlib text
+at a given context length; `--index DIR --questions FILE.jsonl` retrieves the top-k
+chunks of a built index for each `{"id", "question", "answer"}` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_eval_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval", help="measure answer quality of each mode against full prefill",
+        description="For each question and mode: blend, decode greedily, and report accuracy, "
+        "agreement with full prefill, next-token KL to full prefill, median TTFT and the fraction "
+        "of tokens recomputed. Example: ragkv eval --synthetic niah --context 2048 --n 20 "
+        "--modes full,reuse,blend --ratio 0.15,0.3 --selector deviation,query --json")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--synthetic", metavar="TASK", help="niah, multikey, multivalue or twohop")
+    src.add_argument("--index", type=Path, metavar="DIR", help="a built index (with --questions)")
+    p.add_argument("--questions", type=Path, metavar="FILE.jsonl", help='lines of {"id", "question", "answer"}')
+    p.add_argument("--top-k", type=int, default=4, help="chunks per question with --index (default 4)")
+    p.add_argument("--context", type=int, default=2048, help="synthetic: context tokens (default 2048)")
+    p.add_argument("--chunk-tokens", type=int, default=512, help="synthetic: tokens per chunk (default 512)")
+    p.add_argument("--n", type=int, default=20, help="synthetic: number of cases (default 20)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--modes", default="full,reuse,blend", help="comma list of full, prefix, reuse, blend")
+    p.add_argument("--ratio", default="0.15", help="blend recompute ratio(s), comma list")
+    p.add_argument("--selector", default="deviation", help="blend selector(s): deviation, query")
+    p.add_argument("--check-layer", type=int, default=1, help="deviation: check layer (default 1)")
+    p.add_argument("--sink-tokens", type=int, default=0, help="always recompute each chunk's first tokens")
+    p.add_argument("--window", type=int, default=1, help="recompute whole windows of this many tokens")
+    p.add_argument("--adaptive-mass", type=float, default=None,
+                   help="recompute the fewest tokens holding this share of the selector's score")
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    p.set_defaults(func=run_eval)
+
+
+def _methods(args: argparse.Namespace):
+    from engine import BlendMode, BlendOptions
+    from engine.evaluate import Method
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    ratios = [float(r) for r in args.ratio.split(",")]
+    selectors = [s.strip() for s in args.selector.split(",")]
+    methods = []
+    for mode in modes:
+        try:
+            bm = BlendMode(mode)
+        except ValueError:
+            raise ValueError(f"unknown mode {mode!r} in --modes; use full, prefix, reuse, blend") from None
+        if bm is not BlendMode.BLEND:
+            methods.append(Method(mode, bm))
+            continue
+        for sel in selectors:
+            for r in ratios:
+                opts = BlendOptions(recompute_ratio=r, selector=sel, check_layer=args.check_layer,
+                                    sink_tokens=args.sink_tokens, window=args.window,
+                                    adaptive_mass=args.adaptive_mass)
+                name = "blend" if len(selectors) == len(ratios) == 1 else f"blend-{sel}-{r:g}"
+                methods.append(Method(name, bm, opts))
+    return methods
+
+
+def _cases(args: argparse.Namespace, engine):
+    from engine.synthetic import EvalCase, make_cases
+
+    if args.synthetic:
+        tok = engine.lm.tokenizer
+        n_chunks = max(1, args.context // args.chunk_tokens)
+        return make_cases(args.synthetic, args.n, n_chunks, args.chunk_tokens,
+                          lambda s: len(tok(s, add_special_tokens=False)["input_ids"]), args.seed)
+    if not args.questions:
+        raise ValueError("--index needs --questions FILE.jsonl")
+    from retriever import Retriever
+
+    r = Retriever.open(args.index)
+    r.check_model(engine.lm.fingerprint, engine.lm.tokenizer_fingerprint)
+    cases = []
+    for i, line in enumerate(args.questions.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            question, answer = row["question"], str(row["answer"])
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"{args.questions}:{i + 1}: expected {{\"id\", \"question\", \"answer\"}}: {exc}") from None
+        hits = r.search(question, args.top_k)
+        cases.append(EvalCase(str(row.get("id", i)), tuple(h.text for h in hits), question, (answer,)))
+    return cases
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from engine import Engine, load_model
+    from engine.evaluate import evaluate
+
+    engine = Engine(load_model(args.model))
+    methods = _methods(args)
+    cases = _cases(args, engine)
+    reports = evaluate(engine, cases, methods, args.max_new_tokens,
+                       progress=lambda xs: tqdm(xs, desc="eval", unit="case", file=sys.stderr))
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
+    out = {"modes": {name: r.as_dict() for name, r in reports.items()}, "config": config}
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{'method':24s} {'n':>4s} {'acc':>6s} {'agree':>6s} {'KL':>8s} {'TTFT s':>8s} {'recomp':>7s}")
+    for name, r in reports.items():
+        print(f"{name:24s} {r.n:4d} {r.accuracy:6.2f} {r.agreement:6.2f} {r.kl_mean:8.4f} "
+              f"{r.ttft_median_s:8.3f} {r.recompute_fraction:7.2f}")
+    return 0

@@ -1,0 +1,64 @@
+"""`ragkv eval` and `ragkv bench` end to end on a tiny model: one JSON object, sane numbers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.synthetic import TASKS, make_cases
+from ragkv.cli import main
+
+
+def _json(capsys) -> dict:
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1, f"--json must print exactly one line, got {len(out)}"
+    return json.loads(out[0])
+
+
+def test_eval_synthetic_json(tiny_llama_dir, capsys):
+    rc = main(["eval", "--synthetic", "niah", "--model", str(tiny_llama_dir), "--n", "2", "--context", "192",
+               "--chunk-tokens", "64", "--modes", "full,reuse,blend", "--ratio", "0.2,1.0",
+               "--selector", "deviation,query", "--max-new-tokens", "4", "--json"])
+    assert rc == 0
+    out = _json(capsys)
+    assert set(out["modes"]) == {"full", "reuse", "blend-deviation-0.2", "blend-deviation-1",
+                                 "blend-query-0.2", "blend-query-1"}
+    full = out["modes"]["full"]
+    assert full["n"] == 2 and full["agreement"] == 1.0 and full["kl_mean"] == 0.0
+    for name in ("blend-deviation-1", "blend-query-1"):  # ratio 1.0 is full prefill
+        assert out["modes"][name]["agreement"] == 1.0
+        assert out["modes"][name]["kl_mean"] < 1e-6
+        assert out["modes"][name]["recompute_fraction"] == 1.0
+    assert out["modes"]["reuse"]["recompute_fraction"] == 0.0
+    assert out["modes"]["reuse"]["kl_mean"] > 1e-6
+    assert abs(out["modes"]["blend-query-0.2"]["recompute_fraction"] - 0.2) < 0.02
+    assert out["config"]["synthetic"] == "niah"
+
+
+def test_eval_rejects_unknown_mode(tiny_llama_dir, capsys):
+    rc = main(["eval", "--synthetic", "niah", "--model", str(tiny_llama_dir), "--modes", "full,sideways"])
+    assert rc != 0
+    assert "sideways" in capsys.readouterr().err
+
+
+def test_bench_json(tiny_llama_dir, capsys):
+    rc = main(["bench", "--model", str(tiny_llama_dir), "--chunks", "2", "--chunk-tokens", "64",
+               "--repeats", "2", "--tier", "disk", "--json"])
+    assert rc == 0
+    out = _json(capsys)
+    assert set(out["ttft_median_s"]) == {"full", "reuse", "blend"}
+    assert out["speedup"]["full"] == 1.0
+    assert out["kv_load_s"] > 0
+    assert out["config"]["prompt_tokens"] > 128
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_synthetic_cases_hold_their_needles(task):
+    cases = make_cases(task, 3, 4, 100, lambda s: len(s.split()), seed=1)
+    assert len(cases) == 3 and len({c.question for c in cases}) == 3
+    for c in cases:
+        assert len(c.chunks) == 4
+        text = " ".join(c.chunks)
+        assert all(a in text for a in c.answers), "the answer must be in the context"
+    assert make_cases(task, 3, 4, 100, lambda s: len(s.split()), seed=1) == cases  # deterministic

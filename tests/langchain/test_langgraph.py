@@ -29,11 +29,7 @@ def example():  # noqa: ANN201
 
 def _agent(example, addr: str, min_score: float | None = None, **llm_kwargs: object):  # noqa: ANN001, ANN202
     llm = RagKVChatModel(target=addr, timeout=60, top_k=2, **llm_kwargs)
-    return build(example, llm, RagKVRetriever(target=addr, top_k=2), min_score)
-
-
-def build(example, llm, retriever, min_score):  # noqa: ANN001, ANN201
-    return example.build_agent(llm, retriever, min_score)
+    return example.build_agent(llm, RagKVRetriever(target=addr, top_k=2), min_score)
 
 
 def test_sync_stream_messages_mode_streams_tokens_from_the_answer_node(example, fake_server: ServerThread) -> None:

@@ -8,21 +8,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from ragkv.errors import NotBuiltError, RagKVError
+from ragkv.errors import RagKVError
 
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
-EXIT_NOT_BUILT = 3
-
-
-def _not_built(name: str) -> Callable[[argparse.Namespace], int]:
-    def run(_: argparse.Namespace) -> int:
-        raise NotBuiltError(f"`ragkv {name}` is not built yet")
-
-    return run
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -74,9 +66,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
-    except NotBuiltError as exc:
-        print(f"ragkv: {exc}", file=sys.stderr)
-        return EXIT_NOT_BUILT
     except (RagKVError, ValueError) as exc:
         print(f"ragkv: error: {exc}", file=sys.stderr)
         return EXIT_ERROR

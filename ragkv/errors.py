@@ -31,6 +31,3 @@ class StoreError(RagKVError):
 class IndexMismatchError(RagKVError):
     """An index was built with another model, tokenizer or embedder than the one in use."""
 
-
-class NotBuiltError(RagKVError):
-    """A command or feature that is not built yet."""

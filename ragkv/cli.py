@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from collections.abc import Sequence
 
 from ragkv.errors import RagKVError
@@ -20,7 +21,7 @@ EXIT_USAGE = 2
 def _run_demo(args: argparse.Namespace) -> int:
     from ragkv.demo import run_demo
 
-    return run_demo(model_spec=args.model, max_new_tokens=args.max_new_tokens)
+    return run_demo(index_dir=args.index, model_spec=args.model, max_new_tokens=args.max_new_tokens)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,10 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="run the main job on the embedded defaults (shipped models, demo text)",
-        description="Answer a question over built-in demo chunks with full prefill and "
-        "with blended KV reuse, and print both answers and their time to first token.",
+        help="run the main job on the embedded defaults: index the demo corpus, serve, ask",
+        description="Index the built-in demo corpus (stdlib documentation) with the shipped "
+        "models, start the gRPC server on loopback, and ask questions through the Python SDK "
+        "in full and blend mode, printing each streamed answer with its sources and TTFT.",
     )
+    demo.add_argument("--index", type=Path, default=None,
+                      help="where the demo index lives (default: $RAGKV_CACHE_DIR/demo-index)")
     demo.add_argument("--model", default="smollm2-135m-instruct",
                       help="model spec: HF directory, hub id, .gguf file, or the default")
     demo.add_argument("--max-new-tokens", type=int, default=48, help="answer length cap")

@@ -1,55 +1,98 @@
 """`ragkv demo`: the main job on the embedded defaults, for a new user's first run.
 
-Loads the shipped SmolLM2 model, precomputes the KV of a few built-in chunks (what
-the indexer does), then answers a question with full prefill and with blended KV
-reuse, printing both answers and their time to first token.
+1. Index the built-in demo corpus (chunks, embeddings, FAISS, every chunk's KV on
+   disk) with `ragkv index demo` — resumable, so a second run only checks it.
+2. Start `ragkv serve` on a free loopback port (CPU + disk tiers, shipped models).
+3. Ask questions through the Python SDK in `full` and `blend` mode, streaming each
+   answer with its sources and time to first token, then stop the server.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import TextIO
 
-DEMO_CHUNKS = [
-    "The Kerr Observatory stands on Mount Kerr, 2,150 metres above sea level. It was founded "
-    "in 1931 by the astronomer Ada Lind, who chose the site for its dry, still air.",
-    "The observatory's main instrument is a reflecting telescope with a 2.4-metre mirror. It "
-    "was cast in 1954 and is still used for sky surveys every clear night.",
-    "Visitors can tour the observatory on Saturdays from April to October. Tours start at the "
-    "visitor centre at the foot of the mountain and take about three hours.",
-    "In 1987 the observatory discovered the comet Lind-Haro, named after its founder and the "
-    "engineer Tomas Haro, who built the observatory's first electronic camera.",
-]
-DEMO_QUESTION = "Who founded the Kerr Observatory?"
+DEMO_QUESTIONS = (
+    "What does the json module's dumps function do?",
+    "How do I create a temporary directory that is removed automatically?",
+)
 
 
-def run_demo(model_spec: str, max_new_tokens: int, out=sys.stdout) -> int:
-    from engine import BlendMode, Engine, SamplingParams, load_model
+def default_index_dir() -> Path:
+    from engine.loading import cache_dir
 
-    t0 = time.perf_counter()
-    print(f"loading {model_spec} (the first run converts the GGUF once, ~30 s) ...", file=out, flush=True)
-    eng = Engine(load_model(model_spec))
-    print(f"loaded in {time.perf_counter() - t0:.1f} s; fingerprint {eng.lm.fingerprint[:16]}", file=out)
+    return cache_dir() / "demo-index"
 
-    p = eng.prompt
-    prefix_ids = p.prefix_ids()
-    t0 = time.perf_counter()
-    prefix = eng.prefix_kv(prefix_ids)
-    kvs = eng.prefill_chunks(prefix_ids, [p.chunk_ids(c) for c in DEMO_CHUNKS])
-    n_tokens = sum(k.num_tokens for k in kvs)
-    print(f"precomputed KV of {len(kvs)} chunks ({n_tokens} tokens) in {time.perf_counter() - t0:.2f} s",
-          file=out)
-    question = p.question_ids(DEMO_QUESTION)
-    print(f"\nQ: {DEMO_QUESTION}", file=out)
-    params = SamplingParams(max_new_tokens=max_new_tokens, stop=("\n\n",))
-    for label, run in [
-        ("full prefill", lambda: eng.full_prefill(p.prompt_ids(DEMO_CHUNKS, DEMO_QUESTION))),
-        ("blend 15%", lambda: eng.blend(prefix, kvs, question, mode=BlendMode.BLEND, recompute_ratio=0.15)),
-    ]:
-        res = run()
-        print(f"[{label}] TTFT {res.ttft_s * 1000:.0f} ms, recomputed {res.recompute_fraction:.0%} "
-              f"of chunk tokens\nA: ", end="", file=out, flush=True)
-        for piece in eng.decode(res, params):
-            print(piece, end="", file=out, flush=True)
-        print(file=out)
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_demo(index_dir: Path | None, model_spec: str, max_new_tokens: int, questions: tuple[str, ...] = DEMO_QUESTIONS,
+             out: TextIO = sys.stdout) -> int:
+    from ragkv import RagClient
+
+    index_dir = index_dir or default_index_dir()
+    ragkv = [sys.executable, "-m", "ragkv"]
+    print(f"[1/3] indexing the demo corpus into {index_dir} (first run: a few minutes on 2 cores)",
+          file=out, flush=True)
+    subprocess.run(ragkv + ["index", "demo", "--out", str(index_dir), "--model", model_spec], check=True)
+
+    port = _free_port()
+    addr = f"127.0.0.1:{port}"
+    print(f"[2/3] starting the server on {addr}", file=out, flush=True)
+    server = subprocess.Popen(ragkv + ["serve", "--index", str(index_dir), "--host", "127.0.0.1", "--port",
+                                       str(port), "--metrics-port", "off", "--log-level", "warning"],
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        with RagClient(addr, timeout=300) as client:
+            _wait_until_serving(client, server)
+            print("[3/3] asking through the SDK (full prefill, then blend with 15% recompute)\n",
+                  file=out, flush=True)
+            for question in questions:
+                print(f"Q: {question}", file=out)
+                for mode in ("full", "blend"):
+                    stream = client.query(question, mode=mode, recompute_ratio=0.15, top_k=4,
+                                          max_new_tokens=max_new_tokens)
+                    t0 = time.perf_counter()
+                    first = None
+                    print(f"  [{mode:5s}] ", end="", file=out, flush=True)
+                    for piece in stream:
+                        first = first or time.perf_counter() - t0
+                        print(piece, end="", file=out, flush=True)
+                    stats = stream.result()
+                    print(f"\n          TTFT {stats.ttft_seconds:.2f} s (server), {first or 0:.2f} s (client); "
+                          f"recomputed {stats.recompute_fraction:.0%} of chunk tokens", file=out)
+                sources = ", ".join(f"{c.metadata.get('source', c.chunk_id)} ({c.score:.2f}, KV from "
+                                    f"{c.kv_tier.name.lower() if c.kv_tier else '-'})" for c in stream.chunks)
+                print(f"  sources: {sources}\n", file=out, flush=True)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
     return 0
+
+
+def _wait_until_serving(client, server: subprocess.Popen, timeout_s: float = 300.0) -> None:
+    import grpc
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the demo server exited with code {server.returncode}; see its log above")
+        try:
+            client.list_collections(timeout=5)
+            return
+        except grpc.RpcError:
+            time.sleep(0.5)
+    raise TimeoutError(f"the demo server did not start serving within {timeout_s:.0f} s")

@@ -4,11 +4,16 @@ Modes (all return the same BlendResult, so they compare like with like):
 - full:   plain prefill of every token; the baseline.
 - prefix: reuse only the shared prefix's KV; recompute chunks and question.
 - reuse:  concatenate cached KV; recompute only the question.
-- blend:  CacheBlend selective recompute: layers [0, check_layer] run for every chunk
-          token; at the check layer the chunk tokens whose fresh K/V deviate most from
-          the cached ones are kept (top `recompute_ratio`); later layers recompute only
-          those and the question, attending to the whole blended cache under a mask
-          built from positions.
+- blend:  selective recompute. With the `deviation` selector (CacheBlend), layers
+          [0, check_layer) run for every chunk token; at the check layer the K/V of
+          every token are recomputed and the chunk tokens whose K/V deviate most from
+          the cached ones are kept (top `recompute_ratio`); that layer and the later
+          ones recompute only those and the question. With the `query` selector, a
+          pass of the question over the reused cache scores the chunk tokens by its
+          attention first, and every layer recomputes only the picked tokens. Picked
+          tokens attend to the whole blended cache under a mask built from positions.
+The last layer computes its output for the last position only (K/V for all), in every
+mode: nothing else reads it.
 At recompute_ratio 1.0, `blend` equals `full` within float tolerance.
 
 Nothing here knows about tokenization, storage or gRPC: token ids and tensors only.
@@ -23,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.forward import Heads, layer_forward, plan_attention
+from engine.forward import Heads, layer_forward, plan_attention, project_kv
 from engine.kv import ChunkKV, KVCache
 from engine.loading import LoadedModel
 from engine.rope import apply_rope, rotary_tables
@@ -50,7 +55,7 @@ class BlendOptions:
 
     recompute_ratio: float = 0.15  # fraction of chunk tokens recomputed (the most, when adaptive)
     selector: Selector = Selector.DEVIATION
-    check_layer: int = 1  # deviation: layers [0, check_layer] run for every chunk token
+    check_layer: int = 1  # deviation: layers [0, check_layer) run for every chunk token, scored here
     score_layer: int = -1  # query: the layer whose attention scores tokens (-1 = last)
     sink_tokens: int = 0  # the first tokens of every chunk are always picked (within the budget)
     window: int = 1  # pick whole windows of this many tokens (CacheClip grouping); 1 = tokens
@@ -66,8 +71,9 @@ class BlendOptions:
         if self.adaptive_mass is not None and not 0.0 < self.adaptive_mass <= 1.0:
             raise ValueError(f"adaptive_mass must be in (0, 1], got {self.adaptive_mass}")
         object.__setattr__(self, "selector", Selector(self.selector))
-        if self.check_layer < 0:
-            raise ValueError(f"check_layer must be >= 0, got {self.check_layer}")
+        if self.check_layer < 1:  # layer 0's K/V depend on the token alone: nothing to score there
+            raise ValueError(f"check_layer must be >= 1 (layer 0's K/V do not depend on context), "
+                             f"got {self.check_layer}")
         if self.sink_tokens < 0 or self.window < 1:
             raise ValueError(f"sink_tokens must be >= 0 and window >= 1, got {self.sink_tokens}, "
                              f"{self.window}")
@@ -168,16 +174,17 @@ def run_prompt(
     cos, sin = cos_all[pos], sin_all[pos]  # [S, D]
     recomputed = pos[pos < c] if first_active < 0 else torch.arange(p, c, device=dev) \
         if mode in (BlendMode.FULL, BlendMode.PREFIX) else torch.empty(0, dtype=torch.long, device=dev)
+    last = lm.num_layers - 1
     for i, layer in enumerate(model.model.layers):
-        if i == check:
-            cached_k = cache.k[i, :, p:c].clone()  # [Hkv, C-P, D], after RoPE
-            cached_v = cache.v[i, :, p:c].clone()
-        h, _, _ = layer_forward(layer, h, cos, sin, cache, i, slots, attend, heads)
-        if i == check:
+        if i == check:  # score chunk tokens by how far their fresh K/V moved from the cached ones
             timer.lap("layers_full")
-            deviation = ((cache.k[i, :, p:c] - cached_k).float().pow(2).sum((0, 2))
-                         + (cache.v[i, :, p:c] - cached_v).float().pow(2).sum((0, 2)))  # [C-P]
-            picked = select_tokens(deviation, [ch.num_tokens for ch in chunks], options)  # [R] offsets into the chunk tokens
+            k, v = project_kv(layer, h, heads)  # [Hkv, S, D], every active token
+            k = apply_rope(k, cos, sin)
+            rows = slice(p - first_active, c - first_active)  # chunk tokens among the active rows
+            deviation = ((k[:, rows] - cache.k[i, :, p:c]).float().pow(2).sum((0, 2))
+                         + (v[:, rows] - cache.v[i, :, p:c]).float().pow(2).sum((0, 2)))  # [C-P]
+            cache.k[i, :, slots], cache.v[i, :, slots] = k, v  # fresh beats stale, for every token
+            picked = select_tokens(deviation, [ch.num_tokens for ch in chunks], options)  # [R] chunk offsets
             recomputed = picked + p  # [R] prompt positions
             keep = torch.cat([recomputed, torch.arange(c, n, device=dev)]) - first_active  # rows of h
             h = h[keep]
@@ -186,6 +193,13 @@ def run_prompt(
             attend = plan_attention(pos, n, heads)
             cos, sin = cos_all[pos], sin_all[pos]
             timer.lap("select")
+        if i == last and h.shape[0] > 1:  # only the last position's output is ever read
+            k, v = project_kv(layer, h, heads)  # [Hkv, S, D]
+            cache.k[i, :, slots], cache.v[i, :, slots] = apply_rope(k, cos, sin), v
+            h, pos, cos, sin = h[-1:], pos[-1:], cos[-1:], sin[-1:]
+            slots = pos
+            attend = plan_attention(pos, n, heads)
+        h, _, _ = layer_forward(layer, h, cos, sin, cache, i, slots, attend, heads)
     timer.lap("layers_partial" if check >= 0 else "layers")
 
     logits = model.lm_head(model.model.norm(h[-1:]))[0].float()  # [V]

@@ -55,7 +55,8 @@ def normalize(text: str) -> str:
 
 
 def first_sentence(text: str) -> str:
-    m = re.search(r"(?<!\d)[.!?\n](?!\d)", text)
+    text = " ".join(text.split())  # "is:\n\n4721." reads as one sentence
+    m = re.search(r"[.!?](?!\d)", text)
     return text[: m.start()] if m else text
 
 
@@ -71,7 +72,7 @@ def evaluate(engine: Engine, cases: Iterable[EvalCase], methods: Sequence[Method
              ) -> dict[str, MethodReport]:
     """Run every method on every case; `full` is always run as the reference."""
     p = engine.prompt
-    params = SamplingParams(max_new_tokens=max_new_tokens, stop=("\n",))
+    params = SamplingParams(max_new_tokens=max_new_tokens)
     reports = {m.name: MethodReport() for m in methods}
     sums: dict[str, dict[str, float]] = {m.name: {"acc": 0, "agr": 0, "kl": 0, "rf": 0} for m in methods}
     for case in progress(list(cases)):

@@ -54,13 +54,14 @@ class BlendOptions:
     """How `blend` mode picks the tokens it recomputes."""
 
     recompute_ratio: float = 0.15  # fraction of chunk tokens recomputed (the most, when adaptive)
-    selector: Selector = Selector.DEVIATION
+    selector: Selector = Selector.QUERY  # lowest KL to full at every ratio measured (docs/quality.md)
     check_layer: int = 1  # deviation: layers [0, check_layer) run for every chunk token, scored here
-    score_layer: int = -1  # query: the layer whose attention scores tokens (-1 = last)
+    score_layer: int | None = None  # query: the layer whose attention scores tokens (None = middle)
     sink_tokens: int = 0  # the first tokens of every chunk are always picked (within the budget)
     window: int = 1  # pick whole windows of this many tokens (CacheClip grouping); 1 = tokens
     adaptive_mass: float | None = None  # pick the fewest tokens holding this share of the score
     min_ratio: float = 0.0  # adaptive: never fewer than this fraction
+    context_temperature: float = 1.0  # APE-style: reused chunk keys are divided by this (<1 sharpens)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.recompute_ratio <= 1.0:
@@ -70,6 +71,8 @@ class BlendOptions:
                              f"got {self.min_ratio}")
         if self.adaptive_mass is not None and not 0.0 < self.adaptive_mass <= 1.0:
             raise ValueError(f"adaptive_mass must be in (0, 1], got {self.adaptive_mass}")
+        if self.context_temperature <= 0:
+            raise ValueError(f"context_temperature must be > 0, got {self.context_temperature}")
         object.__setattr__(self, "selector", Selector(self.selector))
         if self.check_layer < 1:  # layer 0's K/V depend on the token alone: nothing to score there
             raise ValueError(f"check_layer must be >= 1 (layer 0's K/V do not depend on context), "
@@ -153,6 +156,8 @@ def run_prompt(
             cache.k[:, :, off:off + t] = apply_rope(k, cos_all[off:off + t], sin_all[off:off + t])
             cache.v[:, :, off:off + t] = seg.v.to(dev, lm.dtype)
             off += t
+    if mode in (BlendMode.REUSE, BlendMode.BLEND) and options.context_temperature != 1.0:
+        cache.k[:, :, p:c] /= options.context_temperature  # recomputed tokens overwrite theirs
     # blend recomputes the (short) prefix too in its first layers: its fresh KV equals the
     # cached one, and queries == keys lets SDPA use its causal kernel instead of a mask.
     first_active = {BlendMode.FULL: 0, BlendMode.PREFIX: p, BlendMode.BLEND: 0, BlendMode.REUSE: c}[mode]
@@ -162,7 +167,7 @@ def run_prompt(
     # ---- layers; `pos` shrinks to the selected tokens after the check layer in blend mode
     check = min(options.check_layer, lm.num_layers - 1) if mode is BlendMode.BLEND else -1
     if mode is BlendMode.BLEND and options.selector is Selector.QUERY:
-        score_layer = options.score_layer % lm.num_layers
+        score_layer = lm.num_layers // 2 if options.score_layer is None else options.score_layer % lm.num_layers
         scores = question_attention(lm, ids, cache, cos_all, sin_all, c, score_layer)[p:]  # [C-P]
         timer.lap("score")
         picked = select_tokens(scores, [ch.num_tokens for ch in chunks], options)

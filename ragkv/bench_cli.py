@@ -26,7 +26,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--modes", default="full,reuse,blend", help="comma list of full, prefix, reuse, blend")
     p.add_argument("--ratio", type=float, default=0.15, help="blend recompute ratio")
-    p.add_argument("--selector", default="deviation", help="blend selector: deviation or query")
+    p.add_argument("--selector", default="query", help="blend selector: query (default) or deviation")
     p.add_argument("--tier", default="disk", help="where the KV is read from: cpu, disk, or disk:/path")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--model", default="smollm2-135m-instruct")

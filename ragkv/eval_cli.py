@@ -31,7 +31,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", default="full,reuse,blend", help="comma list of full, prefix, reuse, blend")
     p.add_argument("--ratio", default="0.15", help="blend recompute ratio(s), comma list")
-    p.add_argument("--selector", default="deviation", help="blend selector(s): deviation, query")
+    p.add_argument("--selector", default="query", help="blend selector(s): query (default), deviation")
     p.add_argument("--check-layer", type=int, default=1, help="deviation: check layer (default 1)")
     p.add_argument("--sink-tokens", type=int, default=0, help="always recompute each chunk's first tokens")
     p.add_argument("--window", type=int, default=1, help="recompute whole windows of this many tokens")

@@ -43,11 +43,12 @@ def test_full_prefill_matches_transformers(tiny_engine):
     assert_close(tiny_engine.full_prefill(ids).logits, ref, 1e-4, "full vs transformers")
 
 
-@pytest.mark.parametrize("mode", [BlendMode.BLEND, BlendMode.PREFIX])
-def test_ratio_one_equals_full(tiny_engine, mode):
+@pytest.mark.parametrize("mode,selector", [(BlendMode.BLEND, "deviation"), (BlendMode.BLEND, "query"),
+                                           (BlendMode.PREFIX, "query")])
+def test_ratio_one_equals_full(tiny_engine, mode, selector):
     prefix, kvs, q, ids = _parts(tiny_engine)
     full = tiny_engine.full_prefill(ids)
-    res = tiny_engine.blend(prefix, kvs, q, mode=mode, recompute_ratio=1.0)
+    res = tiny_engine.blend(prefix, kvs, q, mode=mode, options=BlendOptions(recompute_ratio=1.0, selector=selector))
     assert torch.equal(res.token_ids, full.token_ids)
     assert_close(res.logits, full.logits, 1e-4, f"{mode.value}@1.0 vs full")
     n = full.n_prompt_tokens
@@ -73,10 +74,11 @@ def test_reuse_of_many_chunks_differs_from_full(tiny_engine):
     assert (res.logits - tiny_engine.full_prefill(ids).logits).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("selector", ["deviation", "query"])
 @pytest.mark.parametrize("ratio", [0.0, 0.15, 0.5])
-def test_recomputes_exactly_the_tokens_asked(tiny_engine, ratio):
+def test_recomputes_exactly_the_tokens_asked(tiny_engine, ratio, selector):
     prefix, kvs, q, _ = _parts(tiny_engine)
-    res = tiny_engine.blend(prefix, kvs, q, mode="blend", recompute_ratio=ratio)
+    res = tiny_engine.blend(prefix, kvs, q, options=BlendOptions(recompute_ratio=ratio, selector=selector))
     n_chunk = sum(k.num_tokens for k in kvs)
     assert res.n_chunk_tokens == n_chunk
     assert res.recomputed.numel() == round(ratio * n_chunk)
@@ -85,12 +87,14 @@ def test_recomputes_exactly_the_tokens_asked(tiny_engine, ratio):
     assert bool(((res.recomputed >= p) & (res.recomputed < p + n_chunk)).all())
 
 
-def test_blend_error_falls_as_ratio_grows(tiny_engine):
+@pytest.mark.parametrize("selector", ["deviation", "query"])
+def test_blend_error_falls_as_ratio_grows(tiny_engine, selector):
     prefix, kvs, q, ids = _parts(tiny_engine)
     ref = torch.log_softmax(tiny_engine.full_prefill(ids).logits, -1)
 
     def kl(ratio):
-        out = torch.log_softmax(tiny_engine.blend(prefix, kvs, q, recompute_ratio=ratio).logits, -1)
+        opts = BlendOptions(recompute_ratio=ratio, selector=selector)
+        out = torch.log_softmax(tiny_engine.blend(prefix, kvs, q, options=opts).logits, -1)
         return torch.sum(ref.exp() * (ref - out)).item()
 
     assert kl(0.0) > kl(0.5) > kl(1.0) - 1e-6
@@ -178,7 +182,7 @@ def test_query_selector_prefers_what_the_question_attends(tiny_engine):
 
     prefix, kvs, q, ids = _parts(tiny_engine)
     a = tiny_engine.blend(prefix, kvs, q, options=BlendOptions(recompute_ratio=0.3, selector="query"))
-    b = tiny_engine.blend(prefix, kvs, q, options=BlendOptions(recompute_ratio=0.3))
+    b = tiny_engine.blend(prefix, kvs, q, options=BlendOptions(recompute_ratio=0.3, selector="deviation"))
     assert not torch.equal(a.recomputed, b.recomputed), "query and deviation picked the same tokens"
 
 
@@ -194,3 +198,15 @@ def test_adaptive_budget_stays_within_bounds(tiny_engine):
     large = tiny_engine.blend(prefix, kvs, q, options=BlendOptions(
         recompute_ratio=0.6, adaptive_mass=0.99, selector="query")).recomputed.numel()
     assert small < large
+
+
+def test_context_temperature_changes_only_reused_keys(tiny_engine):
+    prefix, kvs, q, ids = _parts(tiny_engine)
+    full = tiny_engine.full_prefill(ids).logits
+    hot = tiny_engine.blend(prefix, kvs, q, mode="reuse", options=BlendOptions(0.0, context_temperature=1.5))
+    plain = tiny_engine.blend(prefix, kvs, q, mode="reuse")
+    assert (hot.logits - plain.logits).abs().max() > 1e-4
+    exact = tiny_engine.blend(prefix, kvs, q, options=BlendOptions(1.0, context_temperature=1.5))
+    assert_close(exact.logits, full, 1e-4, "every token recomputed: the temperature is gone")
+    with pytest.raises(ValueError, match="context_temperature"):
+        BlendOptions(context_temperature=0.0)

@@ -181,7 +181,10 @@ class Pipeline:
         started = time.perf_counter()
         hits = self._search(c, params.question, params.top_k)
         retrieved = time.perf_counter()
-        kv_keys = tuple(h.kv_key for h in hits)
+        # The key is rebuilt, not read from the index: it must name this build's file format
+        # and this model (an index written by an older format version then just misses).
+        kv_keys = tuple(ChunkKey.build(self.lm.fingerprint, self.lm.tokenizer_fingerprint, c.prefix_ids,
+                                       h.token_ids).to_str() for h in hits)
         handles = None
         if params.mode in _CACHED_KV_MODES:  # start loading the moment the ids are known
             handles = tuple(c.store.prefetch([ChunkKey.from_str(k) for k in kv_keys]))

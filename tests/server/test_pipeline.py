@@ -156,6 +156,25 @@ def test_missing_kv_is_computed_and_written_back(tiny_index: Path, tmp_path: Pat
         st.stop()
 
 
+def test_kv_written_by_another_format_version_is_recomputed(
+    tiny_index: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An index whose KV files (and stored keys) come from an older format still answers."""
+    import kvstore.keys
+    from server.pipeline import Pipeline
+
+    index = _copy(tiny_index, tmp_path / "index")
+    monkeypatch.setattr(kvstore.keys, "FORMAT_VERSION", kvstore.keys.FORMAT_VERSION + 100)
+    st = ServerThread(settings(indexes=(CollectionSpec("default", index),)), Pipeline.from_settings)
+    try:
+        with RagClient(st.addr, timeout=60) as client:
+            stream = client.query(QUESTION, mode="blend", top_k=2, max_new_tokens=4)
+            assert stream.result().finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+            assert {c.kv_tier for c in stream.chunks} == {Tier.COMPUTED}
+    finally:
+        st.stop()
+
+
 def test_concurrent_clients_on_the_real_pipeline(pipeline_server: ServerThread) -> None:
     from concurrent.futures import ThreadPoolExecutor
 

@@ -3,12 +3,16 @@
 Tensors: `k`, `v` `[L, Hkv, T, D]` (or `k_q`/`k_scale`, `v_q`/`v_scale` when compressed),
 `token_ids` `[T]` int64 and `positions` `[T]` int64. Header metadata (all strings):
 format, format_version, key, model_fp, tokenizer_fp, prefix_hash, rope_mode, dtype,
-compression, shape ("L,Hkv,T,D"), checksum and header_checksum.
+compression, shape ("L,Hkv,T,D"), checksum_block, checksum and header_checksum.
 
-`checksum` is CRC-32 of the tensor bytes (the data section, in file order): one
-streaming pass over the bytes. `header_checksum` covers
-the metadata (less both checksums) and every tensor's name, dtype, shape and
-offsets. CRC-32 (zlib) catches the faults a store meets (truncation, flipped bits,
+`checksum` is "crc32:" and a comma-separated list of CRC-32s, one per fixed block
+of `checksum_block` bytes of the data section (the tensor bytes, in file order;
+the last block may be shorter). Every byte of the data is in exactly one block, so
+the check is as strong per byte as one CRC over the whole, and the blocks are
+verified on a small thread pool (zlib releases the GIL on large buffers), which
+roughly divides the verify time by the number of cores. `header_checksum` covers
+the metadata (less both checksums, so `checksum_block` and the block count are
+covered) and every tensor's name, dtype, shape and offsets. CRC-32 (zlib) catches the faults a store meets (truncation, flipped bits,
 torn writes) at memory speed; it is no defence against a forger.
 
 The writer here lays tensors out as the safetensors library does (widest dtype
@@ -23,9 +27,12 @@ Knows nothing of where the bytes live.
 from __future__ import annotations
 
 import json
+import os
 import struct
+import threading
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +45,11 @@ from ragkv.errors import KVFormatError
 FORMAT_NAME = "ragkv-chunk-kv"
 CHECKSUM_ALGO = "crc32"
 _CHECKSUM_FIELDS = ("checksum", "header_checksum")
-MAX_HEADER_BYTES = 1 << 20  # our headers are ~1 KB; anything larger is not ours
+MAX_HEADER_BYTES = 1 << 20  # our headers are ~1-2 KB; anything larger is not ours
+CHECKSUM_BLOCK_BYTES = 1 << 20  # 1 MiB: ~12 blocks per SmolLM2 chunk of 512 tokens, so 2+ threads balance
+_MIN_BLOCK_BYTES = 1 << 16  # smallest block size a file may declare (bounds the header's CRC list)
+_MAX_BLOCK_BYTES = 1 << 30
+_MAX_VERIFY_THREADS = 4
 
 _ST_DTYPES: dict[str, torch.dtype] = {
     "F32": torch.float32,
@@ -87,8 +98,76 @@ def _header_checksum(meta: Mapping[str, str], layout: Mapping[str, tuple[str, tu
 
 
 def data_checksum(data: memoryview | bytes | bytearray, crc: int = 0) -> int:
-    """Running CRC-32 of tensor bytes; feed the data section in file order, block by block."""
+    """Running CRC-32 of tensor bytes."""
     return zlib.crc32(data, crc)
+
+
+_pool_lock = threading.Lock()
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid that made it, pool): remade after a fork
+
+
+def _verify_threads() -> int:
+    return max(1, min(_MAX_VERIFY_THREADS, os.cpu_count() or 1))
+
+
+def _crc_pool() -> ThreadPoolExecutor:
+    """The process's checksum helpers (one fewer than the threads used: the caller takes a share)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(max(1, _verify_threads() - 1), thread_name_prefix="kv-crc"))
+        return _pool[1]
+
+
+def _block_crcs_range(pieces: Sequence[memoryview], block: int, first: int, last: int) -> list[int]:
+    """CRC-32 of blocks first..last-1 of the concatenation of `pieces` (each block its own CRC)."""
+    out: list[int] = []
+    # Locate block `first`: walk pieces until its start offset.
+    starts: list[int] = []
+    pos = 0
+    for p in pieces:
+        starts.append(pos)
+        pos += len(p)
+    total = pos
+    for b in range(first, last):
+        lo, hi = b * block, min((b + 1) * block, total)
+        crc = 0
+        for p, s in zip(pieces, starts):
+            e = s + len(p)
+            if e <= lo or s >= hi:
+                continue
+            crc = zlib.crc32(p[max(lo, s) - s : min(hi, e) - s], crc)
+        out.append(crc)
+    return out
+
+
+def block_checksums(pieces: Sequence[memoryview], block: int = CHECKSUM_BLOCK_BYTES) -> list[int]:
+    """CRC-32 of each `block`-byte block of the concatenated `pieces` (the data section), in order.
+
+    Blocks are split into one contiguous run per thread; the calling thread checks
+    the first run while the pool checks the rest.
+    """
+    total = sum(len(p) for p in pieces)
+    n_blocks = -(-total // block)
+    threads = min(_verify_threads(), n_blocks)
+    if threads <= 1:
+        return _block_crcs_range(pieces, block, 0, n_blocks)
+    bounds = [n_blocks * i // threads for i in range(threads + 1)]
+    pool = _crc_pool()
+    futures = [pool.submit(_block_crcs_range, pieces, block, bounds[i], bounds[i + 1]) for i in range(1, threads)]
+    out = _block_crcs_range(pieces, block, bounds[0], bounds[1])
+    for f in futures:
+        out.extend(f.result())
+    return out
+
+
+# (block size, a callable giving the CRC-32 of each block of the data section, in order):
+# computed by a reader while it read the bytes (over the very buffer handed to decode).
+BlockCrcs = tuple[int, Callable[[], list[int]]]
+
+
+def _format_checksum(crcs: Sequence[int]) -> str:
+    return f"{CHECKSUM_ALGO}:" + ",".join(f"{c:08x}" for c in crcs)
 
 
 def encode(entry: KVEntry, compression: Compression = Compression.NONE) -> bytes:
@@ -127,15 +206,14 @@ def encode(entry: KVEntry, compression: Compression = Compression.NONE) -> bytes
     layout: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
     chunks: list[memoryview] = []
     offset = 0
-    crc = 0
     for name in order:
         t = tensors[name]
         raw = _tensor_bytes(t)
         layout[name] = (_ST_NAMES[t.dtype], tuple(t.shape), offset, offset + len(raw))
         offset += len(raw)
-        crc = data_checksum(raw, crc)
         chunks.append(raw)
-    meta["checksum"] = f"{CHECKSUM_ALGO}:{crc:08x}"
+    meta["checksum_block"] = str(CHECKSUM_BLOCK_BYTES)
+    meta["checksum"] = _format_checksum(block_checksums(chunks, CHECKSUM_BLOCK_BYTES))
     meta["header_checksum"] = _header_checksum(meta, layout)
     header: dict[str, object] = {"__metadata__": meta}
     for name, (dt, shape, start, end) in layout.items():
@@ -203,7 +281,10 @@ def _header_from_meta(meta: Mapping[str, str]) -> FileHeader:
     if meta.get("format") != FORMAT_NAME:
         raise KVFormatError(f"format {meta.get('format')!r} is not {FORMAT_NAME!r}")
     if meta.get("format_version") != str(FORMAT_VERSION):
-        raise KVFormatError(f"format version {meta.get('format_version')!r}, this build reads {FORMAT_VERSION}")
+        raise KVFormatError(
+            f"file is format version {meta.get('format_version')!r}, this build reads only version "
+            f"{FORMAT_VERSION} (another version's file: a miss, not damage)"
+        )
     try:
         shape = tuple(int(s) for s in meta["shape"].split(","))
         header = FileHeader(
@@ -221,12 +302,37 @@ def _header_from_meta(meta: Mapping[str, str]) -> FileHeader:
     return header
 
 
+def _verify_data(
+    meta: Mapping[str, str], data: memoryview, key: ChunkKey, precomputed: BlockCrcs | None = None
+) -> None:
+    """Check the data section against the per-block CRC-32 list in `meta`; raise KVFormatError."""
+    try:
+        block = int(meta["checksum_block"])
+    except (KeyError, ValueError):
+        raise KVFormatError(f"checksum_block {meta.get('checksum_block')!r} is missing or malformed") from None
+    if not _MIN_BLOCK_BYTES <= block <= _MAX_BLOCK_BYTES:
+        raise KVFormatError(f"checksum_block {block} is outside {_MIN_BLOCK_BYTES}..{_MAX_BLOCK_BYTES}")
+    stored = meta.get("checksum", "")
+    n_blocks = -(-len(data) // block)
+    if not stored.startswith(f"{CHECKSUM_ALGO}:") or len(stored) != len(CHECKSUM_ALGO) + 1 + max(0, 9 * n_blocks - 1):
+        raise KVFormatError(f"checksum field does not list {n_blocks} {CHECKSUM_ALGO} blocks for key {key.hex}")
+    if precomputed is not None and precomputed[0] == block:
+        got = _format_checksum(precomputed[1]())
+    else:
+        got = _format_checksum(block_checksums([data], block))
+    if got != stored:
+        pairs = zip(got.split(":", 1)[1].split(","), stored.split(":", 1)[1].split(","))
+        bad = next((str(i) for i, (a, b) in enumerate(pairs) if a != b), "?")
+        raise KVFormatError(f"checksum mismatch for key {key.hex} in block {bad} of {n_blocks} ({block} bytes each)")
+
+
 def decode(
     data: bytes | bytearray | memoryview,
     *,
     expected_key: ChunkKey,
     model_fp: str,
     tokenizer_fp: str,
+    block_crcs: BlockCrcs | None = None,
 ) -> KVEntry:
     """Verify and parse a file's bytes into a KVEntry.
 
@@ -238,6 +344,8 @@ def decode(
         expected_key: the key the caller asked for; a file holding another key is rejected.
         model_fp: the store's model fingerprint; a file of another model is rejected.
         tokenizer_fp: the store's tokenizer fingerprint.
+        block_crcs: CRC-32s of the data section's blocks, taken while `data` was read
+            (used only when their block size is the file's; otherwise computed here).
 
     Raises:
         KVFormatError: truncated, corrupt, another model's or another key's file.
@@ -257,8 +365,7 @@ def decode(
     if meta.get("header_checksum") != _header_checksum(meta, layout):
         raise KVFormatError(f"header checksum mismatch for key {expected_key.hex}")
     base = data_start(buf)
-    if meta.get("checksum") != f"{CHECKSUM_ALGO}:{data_checksum(buf[base:]):08x}":
-        raise KVFormatError(f"checksum mismatch for key {expected_key.hex}: stored {meta.get('checksum')!r}")
+    _verify_data(meta, buf[base:], expected_key, block_crcs)
 
     def tensor(name: str) -> torch.Tensor:
         if name not in layout:

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import NewType
 
 # Bump when the key derivation or the file layout changes: old files then stop matching.
-FORMAT_VERSION = 1
+# 2: the data checksum is a CRC-32 per fixed block (checksum_block), verified in parallel.
+FORMAT_VERSION = 2
 
 # sha256 of the prefix token ids, as 64 lowercase hex characters.
 PrefixHash = NewType("PrefixHash", str)

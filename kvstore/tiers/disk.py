@@ -1,7 +1,8 @@
 """DiskTier: chunk files in a directory on local SSD, `{root}/{model_fp}/{key[:2]}/{key}.safetensors`.
 
-Reads map the file (private, copy-on-write) instead of copying it out of the page
-cache; the checksum pass is then the only pass over the bytes. Writes are atomic: a temp file in the same directory (named with a leading dot, so
+Reads copy the file into a fresh buffer block by block and hand each block to the
+checksum pool as soon as it is in memory, so verification overlaps the read
+(decode then only collects the block CRCs). Writes are atomic: a temp file in the same directory (named with a leading dot, so
 no scan or reader ever takes it for a chunk), fsync, rename, fsync of the directory.
 A reader therefore sees a whole file or none, also when another process (the
 indexer) writes while this one (the server) reads.
@@ -23,6 +24,7 @@ import os
 import secrets
 import threading
 import time
+import zlib
 from pathlib import Path
 from typing import BinaryIO
 
@@ -31,6 +33,7 @@ import torch
 
 from kvstore.compression import Compression
 from kvstore.eviction import EvictionTracker, Policy
+from kvstore.fileformat import CHECKSUM_BLOCK_BYTES, BlockCrcs, _crc_pool, data_start
 from kvstore.keys import ChunkKey
 from kvstore.tiers.base import Tier
 from kvstore.tiers.durable import DurableTier
@@ -68,6 +71,54 @@ def _map_file(f: BinaryIO) -> memoryview:
             return view[:n]  # shrank under us: decode will reject the short buffer
         n += got
     return view
+
+
+_FIRST_READ = 1 << 16  # enough for the header of any file we write
+
+
+def _read_checking(f: BinaryIO) -> tuple[memoryview, BlockCrcs | None]:
+    """Read a whole file into a fresh buffer, checksumming each block while the next is read.
+
+    The data section's blocks (CHECKSUM_BLOCK_BYTES from its start, as the writer
+    cut them) go to the checksum pool as soon as they are in memory, so the CRC pass
+    overlaps the I/O instead of following it; decode then only collects the CRCs.
+    A short read (a file shrinking under us) returns the short buffer and no CRCs.
+    """
+    fd = f.fileno()
+    size = os.fstat(fd).st_size
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    buf = torch.empty(size, dtype=torch.uint8)  # [nbytes], uninitialized: no zero-fill pass
+    view = memoryview(buf.numpy())
+    filled = 0
+
+    def fill(upto: int) -> bool:
+        nonlocal filled
+        while filled < upto:
+            got = f.readinto(view[filled:upto])
+            if not got:
+                return False
+            filled += got
+        return True
+
+    if not fill(min(size, _FIRST_READ)):
+        return view[:filled], None
+    base = data_start(view[:filled])
+    if not 8 <= base <= size:
+        return (view, None) if fill(size) else (view[:filled], None)
+    block = CHECKSUM_BLOCK_BYTES
+    pool = _crc_pool()
+    futures = []
+    for lo in range(base, size, block):
+        hi = min(size, lo + block)
+        if not fill(hi):
+            for fut in futures:
+                fut.cancel()
+            return view[:filled], None
+        futures.append(pool.submit(zlib.crc32, view[lo:hi]))
+    if not fill(size):
+        return view[:filled], None
+    return view, (block, lambda: [fut.result() for fut in futures])
 
 
 def _fsync_dir(path: Path) -> None:
@@ -170,11 +221,11 @@ class DiskTier(DurableTier):
         if victims:
             self._counters.add(evictions=len(victims))
 
-    def _read(self, key: ChunkKey) -> memoryview | None:
+    def _read(self, key: ChunkKey) -> tuple[memoryview, BlockCrcs | None] | None:
         path = self.path(key)
         try:
             with open(path, "rb", buffering=0) as f:
-                data = _map_file(f)
+                data, crcs = _read_checking(f)
         except FileNotFoundError:
             with self._lock:
                 self._forget(key)
@@ -198,7 +249,7 @@ class DiskTier(DurableTier):
             os.utime(path)  # recency for the next rescan
         except OSError:
             pass
-        return data
+        return data, crcs
 
     def _write(self, key: ChunkKey, data: bytes | bytearray) -> bool:
         size = len(data)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from kvstore.compression import Compression, check_supported
 from kvstore.entry import KVEntry
-from kvstore.fileformat import decode, encode
+from kvstore.fileformat import BlockCrcs, decode, encode
 from kvstore.keys import ChunkKey
 from kvstore.tiers.base import StorageTier
 from ragkv.errors import KVFormatError
@@ -46,8 +46,10 @@ class DurableTier(StorageTier):
         self.compression = check_supported(compression)
 
     @abc.abstractmethod
-    def _read(self, key: ChunkKey) -> memoryview | bytearray | None:
+    def _read(self, key: ChunkKey) -> memoryview | bytearray | tuple[memoryview, BlockCrcs | None] | None:
         """The raw bytes under `key` (writable, so tensors can view them), or None if absent.
+
+        A tier that checksums blocks while reading returns (bytes, block CRCs) instead.
 
         I/O failures are counted as errors and read as None.
         """
@@ -63,12 +65,15 @@ class DurableTier(StorageTier):
     def fetch(self, key: ChunkKey) -> FileHit | None:
         """Read and verify `key`'s file; None on a miss or a rejected copy."""
         started = time.perf_counter()
-        data = self._read(key)
-        if data is None:
+        got = self._read(key)
+        if got is None:
             self._counters.got(started, None)
             return None
+        data, crcs = got if isinstance(got, tuple) else (got, None)
         try:
-            entry = decode(data, expected_key=key, model_fp=self.model_fp, tokenizer_fp=self.tokenizer_fp)
+            entry = decode(
+                data, expected_key=key, model_fp=self.model_fp, tokenizer_fp=self.tokenizer_fp, block_crcs=crcs
+            )
         except KVFormatError as e:
             self._counters.add(rejected=1)
             self._counters.got(started, None)

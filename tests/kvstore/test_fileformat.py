@@ -9,7 +9,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from kvstore import Compression
+from kvstore import FORMAT_VERSION, Compression
 from kvstore.fileformat import decode, encode, read_header
 from ragkv.errors import KVFormatError
 from tests.kvstore.conftest import MODEL_FP, TOKENIZER_FP, assert_same, make_entry
@@ -28,7 +28,7 @@ def test_file_is_plain_safetensors_with_the_documented_header():
     (n,) = struct.unpack("<Q", data[:8])
     meta = json.loads(data[8 : 8 + n])["__metadata__"]
     assert {k: meta[k] for k in ("format_version", "model_fp", "tokenizer_fp", "dtype", "shape", "rope_mode", "compression")} == {
-        "format_version": "1", "model_fp": MODEL_FP, "tokenizer_fp": TOKENIZER_FP,
+        "format_version": str(FORMAT_VERSION), "model_fp": MODEL_FP, "tokenizer_fp": TOKENIZER_FP,
         "dtype": "float16", "shape": "2,2,8,4", "rope_mode": "pre_rope", "compression": "none",
     }
     assert meta["prefix_hash"] == e.prefix_hash and meta["key"] == e.key.hex
@@ -115,3 +115,64 @@ def test_bytes_per_token_fp16_vs_int8():
     assert kv_fp16 < per_token[Compression.NONE] < kv_fp16 + 16 + 4096 / shape[2]  # ids + header
     # int8 values are half; the float32 scales are a per-chunk cost (T=64 here).
     assert per_token[Compression.INT8] < 0.5 * per_token[Compression.NONE] + 2 * 30 * 3 * 64 * 4 / shape[2] + 64
+
+
+def _big_entry():
+    """An entry whose data section spans several checksum blocks (3.x MiB with 1 MiB blocks)."""
+    return make_entry(5, shape=(4, 4, 256, 64), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_flipped_bit_in_any_checksum_block_is_caught(where, tmp_path):
+    from kvstore import DiskTier
+    from kvstore.fileformat import CHECKSUM_BLOCK_BYTES, data_start
+
+    e = _big_entry()
+    data = bytearray(encode(e))
+    base = data_start(data)
+    n_blocks = -(-(len(data) - base) // CHECKSUM_BLOCK_BYTES)
+    assert n_blocks >= 3
+    block = {"first": 0, "middle": n_blocks // 2, "last": n_blocks - 1}[where]
+    at = min(len(data) - 1, base + block * CHECKSUM_BLOCK_BYTES + 12345)
+    data[at] ^= 0x10
+    with pytest.raises(KVFormatError, match=f"checksum mismatch .* block {block} of {n_blocks}"):
+        _decode(data, e.key)
+    # The disk tier, which checksums blocks while it reads, catches it too.
+    disk = DiskTier(tmp_path, MODEL_FP, TOKENIZER_FP)
+    assert disk.put(e) and disk.get(e.key) is not None
+    disk.path(e.key).write_bytes(bytes(data))
+    assert disk.get(e.key) is None
+
+
+def test_old_format_file_is_a_clean_miss_not_corruption(tmp_path, caplog):
+    """A genuine version-1 file (one CRC over all data): refused as another format version."""
+    import zlib
+
+    from kvstore import DiskTier
+    from kvstore.fileformat import _header_checksum, _parse_layout
+
+    e = make_entry(1)
+    meta, layout = _parse_layout(memoryview(encode(e)))
+    tensors = safetensors.torch.load(encode(e))
+    blob = encode(e)
+    data = blob[8 + struct.unpack("<Q", blob[:8])[0]:]
+    meta = {k: v for k, v in meta.items() if k != "checksum_block"}
+    meta["format_version"] = "1"
+    meta["checksum"] = f"crc32:{zlib.crc32(data):08x}"
+    meta["header_checksum"] = _header_checksum(meta, layout)
+    header = {"__metadata__": meta}
+    for name, (dt, shape, s, end) in layout.items():
+        header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [s, end]}
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    old = struct.pack("<Q", len(hb)) + hb + data
+    assert sorted(safetensors.torch.load(old)) == sorted(tensors)  # still a valid safetensors file
+    with pytest.raises(KVFormatError, match="format version '1'") as err:
+        _decode(old, e.key)
+    assert "checksum" not in str(err.value)
+    disk = DiskTier(tmp_path, MODEL_FP, TOKENIZER_FP)
+    disk.path(e.key).parent.mkdir(parents=True, exist_ok=True)
+    disk.path(e.key).write_bytes(old)
+    with caplog.at_level("WARNING"):
+        assert disk.get(e.key) is None
+    assert "format version" in caplog.text and "checksum mismatch" not in caplog.text

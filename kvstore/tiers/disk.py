@@ -19,7 +19,6 @@ Bad copies go to `{root}/.quarantine/` with the reason in the log, never deleted
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import secrets
 import threading
@@ -44,33 +43,6 @@ logger = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
 QUARANTINE_DIR = ".quarantine"
 STALE_TEMP_SECONDS = 3600.0  # a temp file this old belongs to a writer that died
-
-
-def _map_file(f: BinaryIO) -> memoryview:
-    """A whole file as a private, copy-on-write memory map (no copy out of the page cache).
-
-    The kernel is told to read the file ahead, so decode's checksum pass streams over
-    pages as they arrive. Writes through the map stay private to this process. Safe
-    because files are only ever replaced by rename or unlinked, both of which leave
-    an existing map intact; a file truncated in place by someone else would fault.
-    Falls back to one read into an uninitialized buffer where mmap cannot be used.
-    """
-    fd = f.fileno()
-    size = os.fstat(fd).st_size
-    if size > 0 and hasattr(mmap, "MAP_PRIVATE"):
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        if hasattr(mm, "madvise"):
-            mm.madvise(mmap.MADV_WILLNEED)
-        return memoryview(mm)
-    buf = torch.empty(size, dtype=torch.uint8)  # [nbytes], uninitialized: no zero-fill pass
-    view = memoryview(buf.numpy())
-    n = 0
-    while n < size:
-        got = f.readinto(view[n:])
-        if not got:
-            return view[:n]  # shrank under us: decode will reject the short buffer
-        n += got
-    return view
 
 
 _FIRST_READ = 1 << 16  # enough for the header of any file we write

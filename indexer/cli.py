@@ -57,6 +57,14 @@ def add_index_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--device", default="cpu", help="torch device")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="LLM dtype")
     p.add_argument("--kv-batch", type=int, default=4, help="chunks prefilled per checkpoint")
+    p.add_argument("--runner", choices=["local", "ray"], default="local",
+                   help="where KV is computed: this process, or Ray actors holding one model each "
+                        "(needs pip install 'ragkv[ray]')")
+    p.add_argument("--ray-address", default=None,
+                   help="--runner ray: cluster to join (`auto`, `ray://host:10001`); "
+                        "default: $RAY_ADDRESS, else a new local Ray instance")
+    p.add_argument("--ray-workers", type=int, default=0,
+                   help="--runner ray: actors (models loaded); 0 = one per GPU with --device cuda, else one per CPU")
     p.add_argument("--embed-batch", type=int, default=64, help="chunks embedded per checkpoint")
     p.add_argument("--imds-endpoint", default=os.environ.get(ENV_IMDS),
                    help="poll this IMDS for Spot interruption notices "
@@ -79,7 +87,7 @@ def run_index_command(args: argparse.Namespace) -> int:
         return 0
 
     from indexer.chunking import ChunkingConfig
-    from indexer.job import IndexJobConfig, run_index
+    from indexer.job import IndexJobConfig, Runner, run_index
     from indexer.sharding import resolve_shard
     from indexer.spot import SpotWatcher, StopSignal
 
@@ -94,8 +102,13 @@ def run_index_command(args: argparse.Namespace) -> int:
         chunking=ChunkingConfig(args.chunk_size, args.chunk_overlap), kv_uris=kv,
         precompute_kv=not args.no_kv, shard=resolve_shard(args.shard), device=args.device,
         dtype=args.dtype, kv_batch=args.kv_batch, embed_batch=args.embed_batch,
-        progress=not args.no_progress,
+        progress=not args.no_progress, runner=Runner(args.runner), ray_address=args.ray_address,
+        ray_workers=args.ray_workers,
     )
+    if config.runner is Runner.RAY and config.precompute_kv:
+        from indexer.ray_runner import import_ray
+
+        import_ray()  # a missing extra fails before any work, not after chunking and embedding
     endpoint = args.imds_endpoint or (DEFAULT_IMDS_ENDPOINT if os.environ.get("AWS_BATCH_JOB_ID") else None)
     stop = StopSignal()
     try:

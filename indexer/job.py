@@ -17,6 +17,7 @@ raises ``IndexInterrupted`` with all finished work saved.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -43,6 +44,13 @@ DEFAULT_MODEL = "smollm2-135m-instruct"  # the shipped SmolLM2 (engine.DEFAULT_M
 KV_DIR_NAME = "kv"  # default disk tier: <out>/kv
 
 
+class Runner(enum.Enum):
+    """Where the KV batches are computed."""
+
+    LOCAL = "local"  # this process: KVWriter overlaps prefill and writes on threads
+    RAY = "ray"  # Ray actors, one model per worker (indexer.ray_runner; the `ray` extra)
+
+
 @dataclass(frozen=True, slots=True)
 class IndexJobConfig:
     """Everything one index run needs."""
@@ -61,6 +69,9 @@ class IndexJobConfig:
     device: str = "cpu"  # torch device for the LLM and embedder
     dtype: str = "float32"  # LLM dtype: float32, bfloat16, float16
     hnsw_threshold: int = vector_index.HNSW_THRESHOLD  # chunks at which FAISS switches to HNSW
+    runner: Runner = Runner.LOCAL  # where the KV batches are computed
+    ray_address: str | None = None  # Runner.RAY: ray.init address; None = $RAY_ADDRESS or a local instance
+    ray_workers: int = 0  # Runner.RAY: actors; 0 = one per GPU (cuda) or per CPU of the cluster
     progress: bool = True  # tqdm bars on stderr
 
     def index_dir(self) -> Path:
@@ -286,9 +297,23 @@ def _precompute_kv(db: ChunkDB, engine: Any, lm: Any, prefix_ids: Sequence[int],
                 totals[2] += nbytes
                 bar.update(len(batch))
 
-            writer.run(list(batched(todo, config.kv_batch)), on_done, stop.is_set)
+            batches = list(batched(todo, config.kv_batch))
+            if config.runner is Runner.RAY and batches:  # nothing to do: no cluster to start
+                with _ray_runner(config, prefix_ids, kv_uris, lm) as runner:
+                    runner.run(batches, on_done, stop.is_set)
+            else:
+                writer.run(batches, on_done, stop.is_set)
     finally:
         close = getattr(store, "close", None)
         if close is not None:
             close()
     return totals[0], totals[1], totals[2]
+
+
+def _ray_runner(config: IndexJobConfig, prefix_ids: Sequence[int], kv_uris: Sequence[str], lm: Any) -> Any:
+    from indexer.ray_runner import RayKVRunner, RayRunnerConfig
+
+    ray_config = RayRunnerConfig(model=config.model, device=config.device, dtype=config.dtype,
+                                 kv_uris=tuple(kv_uris), address=config.ray_address,
+                                 workers=config.ray_workers)
+    return RayKVRunner(ray_config, prefix_ids, lm.fingerprint, lm.tokenizer_fingerprint)

@@ -4,7 +4,8 @@ Compute and writing overlap: the engine prefills batch i+1 while a writer thread
 puts batch i into the store (torch and file I/O both release the GIL), so the
 disk tier costs little on top of plain prefill (see bench/indexer_bench.py).
 
-This is the only indexer module that touches the engine's tensors or kvstore.
+This module and ``indexer.ray_runner`` (which maps ``KVWriter.compute`` and ``write`` over
+Ray actors) are the only indexer modules that touch the engine's tensors or kvstore.
 """
 
 from __future__ import annotations
@@ -66,6 +67,22 @@ class KVWriter:
 
         return [it for it in items if not self.store.contains(ChunkKey.from_str(it.kv_key))]
 
+    def compute(self, batch: Sequence[KVItem]) -> list[Any]:
+        """Prefill one batch after the prefix: one ``engine.ChunkKV`` per item."""
+        return self.engine.prefill_chunks(self.prefix_ids, [it.token_ids for it in batch])
+
+    def write(self, batch: Sequence[KVItem], kvs: Sequence[Any]) -> int:
+        """Put one computed batch into the store; returns the KV bytes written.
+
+        ``compute`` then ``write`` is the per-batch function of every runner: ``run``
+        overlaps the two on threads, ``indexer.ray_runner`` calls them in Ray actors.
+        """
+        nbytes = 0
+        for item, kv in zip(batch, kvs):
+            self.store.put(self._entry(item, kv))
+            nbytes += kv.nbytes
+        return nbytes
+
     def run(
         self,
         batches: Sequence[Sequence[KVItem]],
@@ -87,11 +104,7 @@ class KVWriter:
                     return
                 batch, kvs = job
                 try:
-                    nbytes = 0
-                    for item, kv in zip(batch, kvs):
-                        self.store.put(self._entry(item, kv))
-                        nbytes += kv.nbytes
-                    on_done(batch, nbytes)
+                    on_done(batch, self.write(batch, kvs))
                 except BaseException as exc:  # handed to the caller's thread below
                     failure.append(exc)
                     return
@@ -102,7 +115,7 @@ class KVWriter:
             for batch in batches:
                 if should_stop() or failure:
                     break
-                kvs = self.engine.prefill_chunks(self.prefix_ids, [it.token_ids for it in batch])
+                kvs = self.compute(batch)
                 while writer.is_alive():
                     try:
                         todo.put((batch, kvs), timeout=0.5)

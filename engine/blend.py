@@ -149,13 +149,7 @@ def run_prompt(
     cache.length = n
     cos_all, sin_all = rotary_tables(model, torch.arange(n, device=dev), _like(lm))  # [N, D]
     if mode is not BlendMode.FULL:
-        off = 0
-        for seg in segments:  # cached K is before RoPE: rotate it to its final positions
-            t = seg.num_tokens
-            k = seg.k.to(dev, lm.dtype)  # [L, Hkv, T, D]
-            cache.k[:, :, off:off + t] = apply_rope(k, cos_all[off:off + t], sin_all[off:off + t])
-            cache.v[:, :, off:off + t] = seg.v.to(dev, lm.dtype)
-            off += t
+        cache.write_segments(segments, cos_all, sin_all)
     if mode in (BlendMode.REUSE, BlendMode.BLEND) and options.context_temperature != 1.0:
         cache.k[:, :, p:c] /= options.context_temperature  # recomputed tokens overwrite theirs
     # blend recomputes the (short) prefix too in its first layers: its fresh KV equals the

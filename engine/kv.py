@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from collections.abc import Sequence
+
 import torch
+
+from engine.rope import apply_rope
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +54,24 @@ class KVCache:
         self.k = torch.empty(num_layers, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)  # [L, Hkv, cap, D]
         self.v = torch.empty_like(self.k)  # [L, Hkv, cap, D]
         self.length = 0  # tokens [0, length) hold valid K/V
+
+    def write_segments(self, segments: Sequence[ChunkKV], cos: torch.Tensor, sin: torch.Tensor) -> int:
+        """Write stored segments back to back from slot 0, rotating each K to its final positions.
+
+        Args:
+            cos, sin: [>= total T, D] rotary tables of positions 0, 1, ...
+
+        Returns:
+            The number of slots written.
+        """
+        off = 0
+        for seg in segments:
+            t = seg.num_tokens
+            k = seg.k.to(self.k.device, self.k.dtype)  # [L, Hkv, T, D], before RoPE
+            self.k[:, :, off:off + t] = apply_rope(k, cos[off:off + t], sin[off:off + t])
+            self.v[:, :, off:off + t] = seg.v.to(self.v.device, self.v.dtype)
+            off += t
+        return off
 
     @property
     def capacity(self) -> int:

@@ -14,7 +14,7 @@ from engine.blend import heads_of
 from engine.forward import layer_forward, plan_attention, project_kv
 from engine.kv import ChunkKV, KVCache
 from engine.loading import LoadedModel
-from engine.rope import apply_rope, rotary_tables
+from engine.rope import rotary_tables
 
 
 @torch.inference_mode()
@@ -35,8 +35,7 @@ def prefill_segment(lm: LoadedModel, prefix: ChunkKV | None, token_ids: Sequence
     pos = torch.arange(p, n, device=dev)  # [T]
     cos_all, sin_all = rotary_tables(model, torch.arange(n, device=dev), torch.empty(0, dtype=lm.dtype, device=dev))
     if prefix is not None:
-        cache.k[:, :, :p] = apply_rope(prefix.k.to(dev, lm.dtype), cos_all[:p], sin_all[:p])
-        cache.v[:, :, :p] = prefix.v.to(dev, lm.dtype)
+        cache.write_segments([prefix], cos_all, sin_all)
     cos, sin = cos_all[p:], sin_all[p:]  # [T, D]
     attend = plan_attention(pos, n, heads)
     k_out = torch.empty(lm.num_layers, lm.num_kv_heads, t, lm.head_dim, dtype=lm.dtype, device=dev)  # [L, Hkv, T, D]

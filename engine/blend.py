@@ -4,6 +4,11 @@ Modes (all return the same BlendResult, so they compare like with like):
 - full:   plain prefill of every token; the baseline.
 - prefix: reuse only the shared prefix's KV; recompute chunks and question.
 - reuse:  concatenate cached KV; recompute only the question.
+- focus:  a pass of the question over the reused cache scores each chunk by its
+          attention (engine.focus); chunks below `focus_keep` x the best are dropped,
+          and the prompt runs over the kept ones: exact reuse when one is kept (its KV
+          was computed right after the prefix), blend when several are. It answers a
+          shorter prompt than full prefill, by design.
 - blend:  selective recompute. With the `deviation` selector (CacheBlend), layers
           [0, check_layer) run for every chunk token; at the check layer the K/V of
           every token are recomputed and the chunk tokens whose K/V deviate most from
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.focus import chunk_relevance, focus_layers, pick_chunks
 from engine.forward import Heads, layer_forward, plan_attention, project_kv
 from engine.kv import ChunkKV, KVCache
 from engine.loading import LoadedModel
@@ -40,6 +46,7 @@ class BlendMode(str, enum.Enum):
     PREFIX = "prefix"
     REUSE = "reuse"
     BLEND = "blend"
+    FOCUS = "focus"
 
 
 class Selector(str, enum.Enum):
@@ -62,6 +69,8 @@ class BlendOptions:
     adaptive_mass: float | None = None  # pick the fewest tokens holding this share of the score
     min_ratio: float = 0.0  # adaptive: never fewer than this fraction
     context_temperature: float = 1.0  # APE-style: reused chunk keys are divided by this (<1 sharpens)
+    focus_keep: float = 0.5  # focus: keep chunks whose relevance is at least this x the best's
+    focus_band: tuple[int, int] | None = None  # focus: scoring layers [start, stop); None = engine.focus default
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.recompute_ratio <= 1.0:
@@ -77,6 +86,10 @@ class BlendOptions:
         if self.check_layer < 1:  # layer 0's K/V depend on the token alone: nothing to score there
             raise ValueError(f"check_layer must be >= 1 (layer 0's K/V do not depend on context), "
                              f"got {self.check_layer}")
+        if not 0.0 < self.focus_keep <= 1.0:
+            raise ValueError(f"focus_keep must be in (0, 1], got {self.focus_keep}")
+        if self.focus_band is not None and not 0 <= self.focus_band[0] < self.focus_band[1]:
+            raise ValueError(f"focus_band must be (start, stop) with 0 <= start < stop, got {self.focus_band}")
         if self.sink_tokens < 0 or self.window < 1:
             raise ValueError(f"sink_tokens must be >= 0 and window >= 1, got {self.sink_tokens}, "
                              f"{self.window}")
@@ -93,6 +106,7 @@ class BlendResult:
     recomputed: torch.Tensor  # [R] int64, prompt positions of chunk tokens recomputed in every layer
     n_chunk_tokens: int  # chunk tokens (the candidates for recompute)
     timings: dict[str, float] = field(default_factory=dict)  # phase -> seconds
+    used_chunks: tuple[int, ...] | None = None  # focus: indices of the chunks kept; None = all
 
     @property
     def n_prompt_tokens(self) -> int:
@@ -131,6 +145,8 @@ def run_prompt(
         reserve_tokens: decode room preallocated after the prompt.
     """
     mode = BlendMode(mode)
+    if mode is BlendMode.FOCUS:
+        return _run_focused(lm, prefix, chunks, question_ids, options, reserve_tokens)
     dev, heads, model = lm.device, heads_of(lm), lm.model
     timer = _PhaseTimer(dev)
 
@@ -162,7 +178,7 @@ def run_prompt(
     check = min(options.check_layer, lm.num_layers - 1) if mode is BlendMode.BLEND else -1
     if mode is BlendMode.BLEND and options.selector is Selector.QUERY:
         score_layer = lm.num_layers // 2 if options.score_layer is None else options.score_layer % lm.num_layers
-        scores = question_attention(lm, ids, cache, cos_all, sin_all, c, score_layer)[p:]  # [C-P]
+        scores = question_attention(lm, ids, cache, cos_all, sin_all, c, [score_layer])[0, p:]  # [C-P]
         timer.lap("score")
         picked = select_tokens(scores, [ch.num_tokens for ch in chunks], options)
         pos = torch.cat([picked + p, torch.arange(c, n, device=dev)])  # [S]
@@ -205,6 +221,26 @@ def run_prompt(
     timer.lap("logits")
     n_chunk = c - p
     return BlendResult(mode, ids, logits, cache, recomputed, n_chunk, timer.phases)
+
+
+def _run_focused(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV],
+                 question_ids: Sequence[int] | torch.Tensor, options: BlendOptions,
+                 reserve_tokens: int) -> BlendResult:
+    """FOCUS: score the chunks, then run the prompt over the kept ones."""
+    _check_segments(lm, prefix, chunks)
+    q_ids = torch.as_tensor(question_ids, dtype=torch.long)  # [Q]
+    if q_ids.numel() == 0:
+        raise ValueError("question_ids is empty: the last prompt position must be a question token")
+    timer = _PhaseTimer(lm.device)
+    relevance = chunk_relevance(lm, prefix, chunks, q_ids, focus_layers(lm.num_layers, options.focus_band))
+    kept = pick_chunks(relevance, options.focus_keep)
+    timer.lap("focus")
+    inner = BlendMode.REUSE if len(kept) == 1 else BlendMode.BLEND  # one kept chunk's KV is exact
+    res = run_prompt(lm, prefix, [chunks[i] for i in kept], q_ids, inner, options, reserve_tokens)
+    res.mode, res.used_chunks = BlendMode.FOCUS, tuple(kept)
+    res.n_chunk_tokens = sum(ch.num_tokens for ch in chunks)
+    res.timings = {**timer.phases, **res.timings}
+    return res
 
 
 def _check_segments(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV]) -> None:

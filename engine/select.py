@@ -65,15 +65,16 @@ def select_tokens(score: torch.Tensor, chunk_lens: Sequence[int], options: Blend
 
 
 def question_attention(lm: LoadedModel, ids: torch.Tensor, cache: KVCache, cos_all: torch.Tensor,
-                       sin_all: torch.Tensor, c: int, score_layer: int) -> torch.Tensor:
-    """Attention of the question tokens onto every context token at `score_layer`.
+                       sin_all: torch.Tensor, c: int, layers: Sequence[int]) -> torch.Tensor:
+    """Attention of the question tokens onto every context token at each of `layers`.
 
-    Runs only the question (prompt positions [c, N)) through layers [0, score_layer] over
-    the reused cache, writing the question's K/V into the cache as it goes (the blend
-    pass overwrites them), and sums the softmax weights over heads and question tokens.
+    Runs only the question (prompt positions [c, N)) through layers [0, max(layers)] over
+    the reused cache, writing the question's K/V into the cache as it goes (a later pass
+    overwrites them), and sums the softmax weights over heads and question tokens.
+    The cache needs only layers [0, max(layers)].
 
     Returns:
-        [c] float32 attention mass per context token.
+        [len(layers), c] float32 attention mass per context token, one row per layer.
     """
     from engine.blend import heads_of
 
@@ -82,17 +83,20 @@ def question_attention(lm: LoadedModel, ids: torch.Tensor, cache: KVCache, cos_a
     pos = torch.arange(c, n, device=ids.device)  # [Q]
     cos, sin = cos_all[c:], sin_all[c:]  # [Q, D]
     attend = plan_attention(pos, n, heads)
-    h = model.model.embed_tokens(ids[c:])  # [Q, hidden]
-    for i, layer in enumerate(model.model.layers[: score_layer + 1]):
-        h_in = h
-        h, _, _ = layer_forward(layer, h, cos, sin, cache, i, pos, attend, heads)
-    attn = model.model.layers[score_layer].self_attn
-    x = model.model.layers[score_layer].input_layernorm(h_in)
-    q = attn.q_proj(x).view(-1, heads.num_heads, heads.head_dim).transpose(0, 1)  # [H, Q, D]
-    q = apply_rope(q, cos, sin)
-    k = cache.k[score_layer, :, :n]  # [Hkv, N, D]
-    k = k.repeat_interleave(heads.num_heads // heads.num_kv_heads, 0)  # [H, N, D]
-    logits = (q @ k.transpose(1, 2)).float() * heads.scaling  # [H, Q, N]
     k_pos = torch.arange(n, device=ids.device)
-    logits = logits.masked_fill(k_pos[None, None, :] > pos[None, :, None], float("-inf"))
-    return torch.softmax(logits, -1).sum((0, 1))[:c]  # [c]
+    future = k_pos[None, None, :] > pos[None, :, None]  # [1, Q, N]
+    want = sorted({int(i) for i in layers})
+    rows: dict[int, torch.Tensor] = {}
+    h = model.model.embed_tokens(ids[c:])  # [Q, hidden]
+    for i, layer in enumerate(model.model.layers[: want[-1] + 1]):
+        if i in want:
+            x = layer.input_layernorm(h)
+            q = layer.self_attn.q_proj(x).view(-1, heads.num_heads, heads.head_dim).transpose(0, 1)  # [H, Q, D]
+            q = apply_rope(q, cos, sin)
+            k = cache.k[i, :, :n].repeat_interleave(heads.num_heads // heads.num_kv_heads, 0)  # [H, N, D]
+            logits = (q @ k.transpose(1, 2)).float() * heads.scaling  # [H, Q, N]
+            rows[i] = torch.softmax(logits.masked_fill(future, float("-inf")), -1).sum((0, 1))[:c]  # [c]
+            if i == want[-1]:
+                break
+        h, _, _ = layer_forward(layer, h, cos, sin, cache, i, pos, attend, heads)
+    return torch.stack([rows[int(i)] for i in layers])  # [len(layers), c]

@@ -1,0 +1,77 @@
+"""Question-guided focus: which retrieved chunks the question actually attends to.
+
+A short pass of the question over the reused (cached, uncorrected) chunk KV reads the
+question's attention at a band of upper-middle layers, where small models carry their
+retrieval heads. Each chunk's relevance is its strongest token there. `focus` mode then
+answers over the relevant chunks only, so stale KV of chunks that do not hold the
+answer cannot distract the question (on SmolLM2-135M it is their staleness, not the
+answer chunk's, that loses accuracy under reuse: docs/quality.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.kv import ChunkKV, KVCache
+from engine.rope import rotary_tables
+from engine.select import question_attention
+
+if TYPE_CHECKING:
+    from engine.loading import LoadedModel
+
+_SKIP_TOKENS = 4  # each chunk's first tokens collect sink-like attention under reuse: not relevance
+
+
+def focus_layers(num_layers: int, band: tuple[int, int] | None = None) -> range:
+    """The layers whose attention scores chunks: `band` = [start, stop), or the default
+    [2/3, 4/5) of the depth (layers 20-23 of SmolLM2's 30, where single-needle top-1
+    chunk recall was 100% at 2K and 4K)."""
+    start, stop = band if band is not None else (round(num_layers * 2 / 3), round(num_layers * 4 / 5))
+    start, stop = max(0, min(start, num_layers - 1)), min(num_layers, max(stop, start + 1))
+    return range(start, stop)
+
+
+def chunk_relevance(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV],
+                    question_ids: torch.Tensor, layers: range) -> torch.Tensor:
+    """How strongly the question attends to each chunk over the reused cache.
+
+    Per layer in `layers`: the question's attention (summed over heads and question
+    tokens) onto each chunk token; a chunk scores its strongest token past the first
+    few; scores are normalized by the layer's best chunk and averaged over the layers.
+
+    Returns:
+        [n_chunks] float32 in [0, 1]; the most relevant chunk scores near 1.
+    """
+    dev = lm.device
+    segments = ([prefix] if prefix is not None else []) + list(chunks)
+    ids = torch.cat([s.token_ids.to(dev) for s in segments] + [question_ids.to(dev)])  # [N]
+    n, c = ids.shape[0], ids.shape[0] - question_ids.shape[0]
+    top = layers.stop  # layers [0, top) are all the pass needs
+    cache = KVCache(top, lm.num_kv_heads, lm.head_dim, n, lm.dtype, dev)
+    cache.length = n
+    cos, sin = rotary_tables(lm.model, torch.arange(n, device=dev), torch.empty(0, dtype=lm.dtype, device=dev))
+    cache.write_segments([_first_layers(s, top) for s in segments], cos, sin)
+    attn = question_attention(lm, ids, cache, cos, sin, c, list(layers))  # [len(layers), c]
+    p = prefix.num_tokens if prefix is not None else 0
+    per_chunk = []
+    for ch in chunks:
+        t = ch.num_tokens
+        skip = _SKIP_TOKENS if t > 2 * _SKIP_TOKENS else 0
+        per_chunk.append(attn[:, p + skip:p + t].amax(1))  # [len(layers)]
+        p += t
+    scores = torch.stack(per_chunk, 1)  # [len(layers), n_chunks]
+    scores = scores / scores.amax(1, keepdim=True).clamp_min(1e-12)
+    return scores.mean(0)  # [n_chunks]
+
+
+def pick_chunks(relevance: torch.Tensor, keep: float) -> list[int]:
+    """Indices (in prompt order) of the chunks scoring at least `keep` x the best."""
+    best = float(relevance.max())
+    return [i for i, r in enumerate(relevance.tolist()) if r >= keep * best]
+
+
+def _first_layers(seg: ChunkKV, top: int) -> ChunkKV:
+    return ChunkKV(seg.token_ids, seg.k[:top], seg.v[:top], seg.positions)

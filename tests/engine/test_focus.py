@@ -1,0 +1,91 @@
+"""FOCUS mode: chunk relevance from the question's attention, and exactness of what it runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import BlendOptions, Engine, load_model
+from engine.focus import chunk_relevance, focus_layers, pick_chunks
+from engine.synthetic import make_cases
+from engine.testing import tiny_model_dir
+
+CHUNKS = ["alpha beta gamma delta epsilon " * 8, "one two three four five six " * 9, "red green blue cyan " * 7]
+QUESTION = "what comes after alpha?"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tiny_model_dir(tmp_path_factory.mktemp("focus"), "llama", num_layers=6, seed=3)
+    return Engine(load_model(str(d), device="cpu", dtype="float32"))
+
+
+def _parts(eng: Engine, chunks=CHUNKS, question=QUESTION):
+    p = eng.prompt
+    prefix_ids = p.prefix_ids()
+    kvs = eng.prefill_chunks(prefix_ids, [p.chunk_ids(c) for c in chunks])
+    return eng.prefix_kv(prefix_ids), kvs, p.question_ids(question)
+
+
+def test_focus_layers_default_band_and_clamping():
+    assert focus_layers(30) == range(20, 24)
+    assert focus_layers(4) == range(3, 4)  # never empty, never past the last layer
+    assert focus_layers(30, (5, 9)) == range(5, 9)
+    assert focus_layers(6, (4, 40)) == range(4, 6)
+
+
+def test_pick_chunks_keeps_prompt_order_and_threshold():
+    rel = torch.tensor([0.2, 1.0, 0.6, 0.49])
+    assert pick_chunks(rel, 1.0) == [1]
+    assert pick_chunks(rel, 0.5) == [1, 2]
+    assert pick_chunks(rel, 0.1) == [0, 1, 2, 3]
+
+
+def test_bad_focus_options_are_refused():
+    with pytest.raises(ValueError, match="focus_keep"):
+        BlendOptions(focus_keep=0.0)
+    with pytest.raises(ValueError, match="focus_band"):
+        BlendOptions(focus_band=(5, 5))
+
+
+def test_one_kept_chunk_is_exact_prefill_of_the_focused_prompt(tiny):
+    prefix, kvs, q = _parts(tiny)
+    res = tiny.blend(prefix, kvs, q, mode="focus", options=BlendOptions(focus_keep=1.0))
+    assert res.mode.value == "focus" and res.used_chunks is not None and len(res.used_chunks) == 1
+    kept = CHUNKS[res.used_chunks[0]]
+    ref = tiny.full_prefill(tiny.prompt.prompt_ids([kept], QUESTION))
+    assert torch.equal(res.token_ids, torch.tensor(tiny.prompt.prompt_ids([kept], QUESTION)))
+    assert (res.logits - ref.logits).abs().max() <= 1e-4
+    assert res.recompute_fraction == 0.0 and "focus" in res.timings
+    assert res.n_chunk_tokens == sum(k.num_tokens for k in kvs)
+
+
+def test_all_kept_at_ratio_one_equals_full_prefill(tiny):
+    prefix, kvs, q = _parts(tiny)
+    res = tiny.blend(prefix, kvs, q, mode="focus", options=BlendOptions(focus_keep=1e-9, recompute_ratio=1.0))
+    assert res.used_chunks == (0, 1, 2)
+    ref = tiny.full_prefill(tiny.prompt.prompt_ids(CHUNKS, QUESTION))
+    assert (res.logits - ref.logits).abs().max() <= 1e-4
+    # decoding continues from the focused cache like from any other mode
+    assert len(list(tiny.decode(res))) > 0
+
+
+def test_relevance_is_normalized_and_the_best_chunk_is_one(tiny):
+    prefix, kvs, q = _parts(tiny)
+    rel = chunk_relevance(tiny.lm, prefix, kvs, torch.tensor(q), focus_layers(tiny.lm.num_layers))
+    assert rel.shape == (3,)
+    assert float(rel.max()) == pytest.approx(1.0) and float(rel.min()) > 0
+
+
+def test_smollm2_focus_finds_the_needle_chunk(smollm2):
+    """Retrieval heads in layers 20-23 point at the chunk that holds the asked-for fact."""
+    eng = Engine(smollm2)
+    tok = smollm2.tokenizer
+    cases = make_cases("niah", 4, 4, 160, lambda s: len(tok(s, add_special_tokens=False)["input_ids"]), seed=1)
+    found = 0
+    for case in cases:
+        prefix, kvs, q = _parts(eng, list(case.chunks), case.question)
+        needle = next(i for i, c in enumerate(case.chunks) if case.answers[0] in c)
+        rel = chunk_relevance(smollm2, prefix, kvs, torch.tensor(q), focus_layers(smollm2.num_layers))
+        found += int(rel.argmax()) == needle
+    assert found >= 3, f"the needle chunk scored highest in only {found} of 4 cases"

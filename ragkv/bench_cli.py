@@ -24,7 +24,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "ragkv bench --chunks 8 --chunk-tokens 512 --modes full,reuse,blend --ratio 0.15 --tier disk --json")
     p.add_argument("--chunks", type=int, default=8)
     p.add_argument("--chunk-tokens", type=int, default=512)
-    p.add_argument("--modes", default="full,reuse,blend", help="comma list of full, prefix, reuse, blend")
+    p.add_argument("--modes", default="full,reuse,blend", help="comma list of full, prefix, reuse, blend, focus")
     p.add_argument("--ratio", type=float, default=0.15, help="blend recompute ratio")
     p.add_argument("--selector", default="query", help="blend selector: query (default) or deviation")
     p.add_argument("--tier", default="disk", help="where the KV is read from: cpu, disk, or disk:/path")

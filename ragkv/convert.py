@@ -45,6 +45,7 @@ _MODE_TO_PB = {
     Mode.REUSE: pb.MODE_REUSE,
     Mode.BLEND: pb.MODE_BLEND,
     Mode.CLIP: pb.MODE_CLIP,
+    Mode.FOCUS: pb.MODE_FOCUS,
 }
 _MODE_FROM_PB = {v: k for k, v in _MODE_TO_PB.items()}
 _TIER_TO_PB = {
@@ -216,6 +217,7 @@ def query_stats_to_proto(stats: QueryStats) -> pb.QueryStats:
         mode=mode_to_proto(stats.mode),
         finish_reason=_FINISH_TO_PB[stats.finish_reason],
         text=stats.text,
+        used_chunk_ids=list(stats.used_chunk_ids),
     )
 
 
@@ -235,6 +237,7 @@ def query_stats_from_proto(msg: pb.QueryStats) -> QueryStats:
         mode=mode if mode is not None else Mode.BLEND,
         finish_reason=finish_reason_from_proto(msg.finish_reason),
         text=msg.text,
+        used_chunk_ids=tuple(msg.used_chunk_ids),
     )
 
 

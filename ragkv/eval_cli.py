@@ -29,7 +29,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk-tokens", type=int, default=512, help="synthetic: tokens per chunk (default 512)")
     p.add_argument("--n", type=int, default=20, help="synthetic: number of cases (default 20)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--modes", default="full,reuse,blend", help="comma list of full, prefix, reuse, blend")
+    p.add_argument("--modes", default="full,reuse,blend", help="comma list of full, prefix, reuse, blend, focus")
     p.add_argument("--ratio", default="0.15", help="blend recompute ratio(s), comma list")
     p.add_argument("--selector", default="query", help="blend selector(s): query (default), deviation")
     p.add_argument("--check-layer", type=int, default=1, help="deviation: check layer (default 1)")
@@ -37,6 +37,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--window", type=int, default=1, help="recompute whole windows of this many tokens")
     p.add_argument("--adaptive-mass", type=float, default=None,
                    help="recompute the fewest tokens holding this share of the selector's score")
+    p.add_argument("--focus-keep", default="0.5",
+                   help="focus: keep chunks scoring at least this x the best; comma list (default 0.5)")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
@@ -55,7 +57,13 @@ def _methods(args: argparse.Namespace):
         try:
             bm = BlendMode(mode)
         except ValueError:
-            raise ValueError(f"unknown mode {mode!r} in --modes; use full, prefix, reuse, blend") from None
+            raise ValueError(f"unknown mode {mode!r} in --modes; use full, prefix, reuse, blend, focus") from None
+        if bm is BlendMode.FOCUS:  # several chunks kept: blended with the first ratio and selector
+            keeps = [float(k) for k in args.focus_keep.split(",")]
+            for keep in keeps:
+                opts = BlendOptions(recompute_ratio=ratios[0], selector=selectors[0], focus_keep=keep)
+                methods.append(Method("focus" if len(keeps) == 1 else f"focus-{keep:g}", bm, opts))
+            continue
         if bm is not BlendMode.BLEND:
             methods.append(Method(mode, bm))
             continue

@@ -21,6 +21,7 @@ class Mode(enum.Enum):
     REUSE = "reuse"  # concatenate cached chunk KVs, recompute only the question
     BLEND = "blend"  # selective recompute (CacheBlend)
     CLIP = "clip"  # tokens picked by an auxiliary model's attention (CacheClip)
+    FOCUS = "focus"  # only the chunks the question attends to (engine.focus)
 
 
 class Tier(enum.Enum):
@@ -90,6 +91,7 @@ class QueryStats:
     mode: Mode  # the mode actually used
     finish_reason: FinishReason  # why decoding stopped
     text: str  # the whole answer
+    used_chunk_ids: tuple[str, ...] = ()  # chunks the answer was computed over (FOCUS keeps a subset)
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,8 +37,8 @@ from server.status import UnknownCollectionError
 log = logging.getLogger(__name__)
 
 _BLEND_MODE = {Mode.FULL: BlendMode.FULL, Mode.PREFIX: BlendMode.PREFIX, Mode.REUSE: BlendMode.REUSE,
-               Mode.BLEND: BlendMode.BLEND}
-_CACHED_KV_MODES = frozenset({Mode.REUSE, Mode.BLEND})  # modes that read chunk KV from the store
+               Mode.BLEND: BlendMode.BLEND, Mode.FOCUS: BlendMode.FOCUS}
+_CACHED_KV_MODES = frozenset({Mode.REUSE, Mode.BLEND, Mode.FOCUS})  # modes that read chunk KV from the store
 _FINISH = {"eos": FinishReason.STOP, "stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 _KV_WAIT_SLICE = 0.05  # seconds between cancel checks while waiting for a prefetch
 _KV_WAIT_LIMIT = 120.0  # seconds a single chunk's KV load may take
@@ -286,13 +286,14 @@ class Pipeline:
         phases["decode"] = time.perf_counter() - t0
 
         n_prompt = res.n_prompt_tokens
+        used = res.used_chunks if res.used_chunks is not None else range(len(prepared.chunks))
         if params.mode is Mode.FULL:
             cached = 0
         elif params.mode is Mode.PREFIX:
             cached = len(prefix_ids)
         else:
             cached = len(prefix_ids) + sum(
-                len(ids) for ids, t in zip(plan.token_ids, tiers) if t is not Tier.COMPUTED
+                len(plan.token_ids[i]) for i in used if tiers[i] is not Tier.COMPUTED
             )
         yield DoneEvent(
             prompt_tokens=n_prompt,
@@ -302,6 +303,7 @@ class Pipeline:
             finish_reason=_FINISH.get(stream.finish_reason or "", FinishReason.STOP),
             phase_seconds=phases,
             bytes_loaded=loaded,
+            used_chunk_ids=tuple(prepared.chunks[i].chunk_id for i in used),
         )
 
     def close(self) -> None:

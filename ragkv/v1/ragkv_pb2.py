@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14ragkv/v1/ragkv.proto\x12\x08ragkv.v1\"Q\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xfd\x01\n\x0cQueryRequest\x12\x10\n\x08question\x18\x01 \x01(\t\x12\x12\n\ncollection\x18\x02 \x01(\t\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x1c\n\x04mode\x18\x04 \x01(\x0e\x32\x0e.ragkv.v1.Mode\x12\x1c\n\x0frecompute_ratio\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.ragkv.v1.SamplingOptions\x12\x16\n\x0emax_new_tokens\x18\x07 \x01(\r\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x15\n\rsnippet_chars\x18\t \x01(\rB\x12\n\x10_recompute_ratio\"\x93\x01\n\rQueryResponse\x12+\n\x06\x63hunks\x18\x01 \x01(\x0b\x32\x19.ragkv.v1.RetrievedChunksH\x00\x12%\n\x05token\x18\x02 \x01(\x0b\x32\x14.ragkv.v1.TokenDeltaH\x00\x12%\n\x05stats\x18\x03 \x01(\x0b\x32\x14.ragkv.v1.QueryStatsH\x00\x42\x07\n\x05\x65vent\"2\n\x0fRetrievedChunks\x12\x1f\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x0f.ragkv.v1.Chunk\"\xcd\x01\n\x05\x43hunk\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\x08metadata\x18\x04 \x03(\x0b\x32\x1d.ragkv.v1.Chunk.MetadataEntry\x12\x1f\n\x07kv_tier\x18\x05 \x01(\x0e\x32\x0e.ragkv.v1.Tier\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\")\n\nTokenDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xc4\x02\n\nQueryStats\x12\x1e\n\x05usage\x18\x01 \x01(\x0b\x32\x0f.ragkv.v1.Usage\x12\x14\n\x0cttft_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\x12=\n\rphase_seconds\x18\x04 \x03(\x0b\x32&.ragkv.v1.QueryStats.PhaseSecondsEntry\x12\x1a\n\x12recompute_fraction\x18\x05 \x01(\x01\x12\x1c\n\x04mode\x18\x06 \x01(\x0e\x32\x0e.ragkv.v1.Mode\x12-\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x16.ragkv.v1.FinishReason\x12\x0c\n\x04text\x18\x08 \x01(\t\x1a\x33\n\x11PhaseSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"]\n\x0fRetrieveRequest\x12\x10\n\x08question\x18\x01 \x01(\t\x12\x12\n\ncollection\x18\x02 \x01(\t\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x15\n\rsnippet_chars\x18\x04 \x01(\r\"M\n\x10RetrieveResponse\x12\x1f\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x0f.ragkv.v1.Chunk\x12\x18\n\x10retrieve_seconds\x18\x02 \x01(\x01\"\x18\n\x16ListCollectionsRequest\"D\n\x17ListCollectionsResponse\x12)\n\x0b\x63ollections\x18\x01 \x03(\x0b\x32\x14.ragkv.v1.Collection\"h\n\nCollection\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nnum_chunks\x18\x02 \x01(\x04\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\")\n\x19GetCollectionStatsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"}\n\tTierStats\x12\x1c\n\x04tier\x18\x01 \x01(\x0e\x32\x0e.ragkv.v1.Tier\x12\x0f\n\x07\x65ntries\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x14\n\x0c\x62ytes_loaded\x18\x06 \x01(\x04\"j\n\x1aGetCollectionStatsResponse\x12(\n\ncollection\x18\x01 \x01(\x0b\x32\x14.ragkv.v1.Collection\x12\"\n\x05tiers\x18\x02 \x03(\x0b\x32\x13.ragkv.v1.TierStats*k\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_FULL\x10\x01\x12\x0f\n\x0bMODE_PREFIX\x10\x02\x12\x0e\n\nMODE_REUSE\x10\x03\x12\x0e\n\nMODE_BLEND\x10\x04\x12\r\n\tMODE_CLIP\x10\x05*|\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\x0c\n\x08TIER_CPU\x10\x02\x12\r\n\tTIER_DISK\x10\x03\x12\x0b\n\x07TIER_S3\x10\x04\x12\x11\n\rTIER_COMPUTED\x10\x05\x12\x13\n\x0fTIER_NOT_LOADED\x10\x06*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x32\xc4\x02\n\nRagService\x12:\n\x05Query\x12\x16.ragkv.v1.QueryRequest\x1a\x17.ragkv.v1.QueryResponse0\x01\x12\x41\n\x08Retrieve\x12\x19.ragkv.v1.RetrieveRequest\x1a\x1a.ragkv.v1.RetrieveResponse\x12V\n\x0fListCollections\x12 .ragkv.v1.ListCollectionsRequest\x1a!.ragkv.v1.ListCollectionsResponse\x12_\n\x12GetCollectionStats\x12#.ragkv.v1.GetCollectionStatsRequest\x1a$.ragkv.v1.GetCollectionStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14ragkv/v1/ragkv.proto\x12\x08ragkv.v1\"Q\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xfd\x01\n\x0cQueryRequest\x12\x10\n\x08question\x18\x01 \x01(\t\x12\x12\n\ncollection\x18\x02 \x01(\t\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x1c\n\x04mode\x18\x04 \x01(\x0e\x32\x0e.ragkv.v1.Mode\x12\x1c\n\x0frecompute_ratio\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.ragkv.v1.SamplingOptions\x12\x16\n\x0emax_new_tokens\x18\x07 \x01(\r\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x15\n\rsnippet_chars\x18\t \x01(\rB\x12\n\x10_recompute_ratio\"\x93\x01\n\rQueryResponse\x12+\n\x06\x63hunks\x18\x01 \x01(\x0b\x32\x19.ragkv.v1.RetrievedChunksH\x00\x12%\n\x05token\x18\x02 \x01(\x0b\x32\x14.ragkv.v1.TokenDeltaH\x00\x12%\n\x05stats\x18\x03 \x01(\x0b\x32\x14.ragkv.v1.QueryStatsH\x00\x42\x07\n\x05\x65vent\"2\n\x0fRetrievedChunks\x12\x1f\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x0f.ragkv.v1.Chunk\"\xcd\x01\n\x05\x43hunk\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\x08metadata\x18\x04 \x03(\x0b\x32\x1d.ragkv.v1.Chunk.MetadataEntry\x12\x1f\n\x07kv_tier\x18\x05 \x01(\x0e\x32\x0e.ragkv.v1.Tier\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\")\n\nTokenDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xdc\x02\n\nQueryStats\x12\x1e\n\x05usage\x18\x01 \x01(\x0b\x32\x0f.ragkv.v1.Usage\x12\x14\n\x0cttft_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\x12=\n\rphase_seconds\x18\x04 \x03(\x0b\x32&.ragkv.v1.QueryStats.PhaseSecondsEntry\x12\x1a\n\x12recompute_fraction\x18\x05 \x01(\x01\x12\x1c\n\x04mode\x18\x06 \x01(\x0e\x32\x0e.ragkv.v1.Mode\x12-\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x16.ragkv.v1.FinishReason\x12\x0c\n\x04text\x18\x08 \x01(\t\x12\x16\n\x0eused_chunk_ids\x18\t \x03(\t\x1a\x33\n\x11PhaseSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"]\n\x0fRetrieveRequest\x12\x10\n\x08question\x18\x01 \x01(\t\x12\x12\n\ncollection\x18\x02 \x01(\t\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x15\n\rsnippet_chars\x18\x04 \x01(\r\"M\n\x10RetrieveResponse\x12\x1f\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x0f.ragkv.v1.Chunk\x12\x18\n\x10retrieve_seconds\x18\x02 \x01(\x01\"\x18\n\x16ListCollectionsRequest\"D\n\x17ListCollectionsResponse\x12)\n\x0b\x63ollections\x18\x01 \x03(\x0b\x32\x14.ragkv.v1.Collection\"h\n\nCollection\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nnum_chunks\x18\x02 \x01(\x04\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\")\n\x19GetCollectionStatsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"}\n\tTierStats\x12\x1c\n\x04tier\x18\x01 \x01(\x0e\x32\x0e.ragkv.v1.Tier\x12\x0f\n\x07\x65ntries\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x14\n\x0c\x62ytes_loaded\x18\x06 \x01(\x04\"j\n\x1aGetCollectionStatsResponse\x12(\n\ncollection\x18\x01 \x01(\x0b\x32\x14.ragkv.v1.Collection\x12\"\n\x05tiers\x18\x02 \x03(\x0b\x32\x13.ragkv.v1.TierStats*{\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_FULL\x10\x01\x12\x0f\n\x0bMODE_PREFIX\x10\x02\x12\x0e\n\nMODE_REUSE\x10\x03\x12\x0e\n\nMODE_BLEND\x10\x04\x12\r\n\tMODE_CLIP\x10\x05\x12\x0e\n\nMODE_FOCUS\x10\x06*|\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\x0c\n\x08TIER_CPU\x10\x02\x12\r\n\tTIER_DISK\x10\x03\x12\x0b\n\x07TIER_S3\x10\x04\x12\x11\n\rTIER_COMPUTED\x10\x05\x12\x13\n\x0fTIER_NOT_LOADED\x10\x06*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x32\xc4\x02\n\nRagService\x12:\n\x05Query\x12\x16.ragkv.v1.QueryRequest\x1a\x17.ragkv.v1.QueryResponse0\x01\x12\x41\n\x08Retrieve\x12\x19.ragkv.v1.RetrieveRequest\x1a\x1a.ragkv.v1.RetrieveResponse\x12V\n\x0fListCollections\x12 .ragkv.v1.ListCollectionsRequest\x1a!.ragkv.v1.ListCollectionsResponse\x12_\n\x12GetCollectionStats\x12#.ragkv.v1.GetCollectionStatsRequest\x1a$.ragkv.v1.GetCollectionStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,12 +37,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHUNK_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_QUERYSTATS_PHASESECONDSENTRY']._loaded_options = None
   _globals['_QUERYSTATS_PHASESECONDSENTRY']._serialized_options = b'8\001'
-  _globals['_MODE']._serialized_start=1896
-  _globals['_MODE']._serialized_end=2003
-  _globals['_TIER']._serialized_start=2005
-  _globals['_TIER']._serialized_end=2129
-  _globals['_FINISHREASON']._serialized_start=2131
-  _globals['_FINISHREASON']._serialized_end=2226
+  _globals['_MODE']._serialized_start=1920
+  _globals['_MODE']._serialized_end=2043
+  _globals['_TIER']._serialized_start=2045
+  _globals['_TIER']._serialized_end=2169
+  _globals['_FINISHREASON']._serialized_start=2171
+  _globals['_FINISHREASON']._serialized_end=2266
   _globals['_SAMPLINGOPTIONS']._serialized_start=34
   _globals['_SAMPLINGOPTIONS']._serialized_end=115
   _globals['_QUERYREQUEST']._serialized_start=118
@@ -60,25 +60,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_start=826
   _globals['_USAGE']._serialized_end=913
   _globals['_QUERYSTATS']._serialized_start=916
-  _globals['_QUERYSTATS']._serialized_end=1240
-  _globals['_QUERYSTATS_PHASESECONDSENTRY']._serialized_start=1189
-  _globals['_QUERYSTATS_PHASESECONDSENTRY']._serialized_end=1240
-  _globals['_RETRIEVEREQUEST']._serialized_start=1242
-  _globals['_RETRIEVEREQUEST']._serialized_end=1335
-  _globals['_RETRIEVERESPONSE']._serialized_start=1337
-  _globals['_RETRIEVERESPONSE']._serialized_end=1414
-  _globals['_LISTCOLLECTIONSREQUEST']._serialized_start=1416
-  _globals['_LISTCOLLECTIONSREQUEST']._serialized_end=1440
-  _globals['_LISTCOLLECTIONSRESPONSE']._serialized_start=1442
-  _globals['_LISTCOLLECTIONSRESPONSE']._serialized_end=1510
-  _globals['_COLLECTION']._serialized_start=1512
-  _globals['_COLLECTION']._serialized_end=1616
-  _globals['_GETCOLLECTIONSTATSREQUEST']._serialized_start=1618
-  _globals['_GETCOLLECTIONSTATSREQUEST']._serialized_end=1659
-  _globals['_TIERSTATS']._serialized_start=1661
-  _globals['_TIERSTATS']._serialized_end=1786
-  _globals['_GETCOLLECTIONSTATSRESPONSE']._serialized_start=1788
-  _globals['_GETCOLLECTIONSTATSRESPONSE']._serialized_end=1894
-  _globals['_RAGSERVICE']._serialized_start=2229
-  _globals['_RAGSERVICE']._serialized_end=2553
+  _globals['_QUERYSTATS']._serialized_end=1264
+  _globals['_QUERYSTATS_PHASESECONDSENTRY']._serialized_start=1213
+  _globals['_QUERYSTATS_PHASESECONDSENTRY']._serialized_end=1264
+  _globals['_RETRIEVEREQUEST']._serialized_start=1266
+  _globals['_RETRIEVEREQUEST']._serialized_end=1359
+  _globals['_RETRIEVERESPONSE']._serialized_start=1361
+  _globals['_RETRIEVERESPONSE']._serialized_end=1438
+  _globals['_LISTCOLLECTIONSREQUEST']._serialized_start=1440
+  _globals['_LISTCOLLECTIONSREQUEST']._serialized_end=1464
+  _globals['_LISTCOLLECTIONSRESPONSE']._serialized_start=1466
+  _globals['_LISTCOLLECTIONSRESPONSE']._serialized_end=1534
+  _globals['_COLLECTION']._serialized_start=1536
+  _globals['_COLLECTION']._serialized_end=1640
+  _globals['_GETCOLLECTIONSTATSREQUEST']._serialized_start=1642
+  _globals['_GETCOLLECTIONSTATSREQUEST']._serialized_end=1683
+  _globals['_TIERSTATS']._serialized_start=1685
+  _globals['_TIERSTATS']._serialized_end=1810
+  _globals['_GETCOLLECTIONSTATSRESPONSE']._serialized_start=1812
+  _globals['_GETCOLLECTIONSTATSRESPONSE']._serialized_end=1918
+  _globals['_RAGSERVICE']._serialized_start=2269
+  _globals['_RAGSERVICE']._serialized_end=2593
 # @@protoc_insertion_point(module_scope)

@@ -17,6 +17,7 @@ class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODE_REUSE: _ClassVar[Mode]
     MODE_BLEND: _ClassVar[Mode]
     MODE_CLIP: _ClassVar[Mode]
+    MODE_FOCUS: _ClassVar[Mode]
 
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -39,6 +40,7 @@ MODE_PREFIX: Mode
 MODE_REUSE: Mode
 MODE_BLEND: Mode
 MODE_CLIP: Mode
+MODE_FOCUS: Mode
 TIER_UNSPECIFIED: Tier
 TIER_GPU: Tier
 TIER_CPU: Tier
@@ -140,7 +142,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class QueryStats(_message.Message):
-    __slots__ = ("usage", "ttft_seconds", "total_seconds", "phase_seconds", "recompute_fraction", "mode", "finish_reason", "text")
+    __slots__ = ("usage", "ttft_seconds", "total_seconds", "phase_seconds", "recompute_fraction", "mode", "finish_reason", "text", "used_chunk_ids")
     class PhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +158,7 @@ class QueryStats(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    USED_CHUNK_IDS_FIELD_NUMBER: _ClassVar[int]
     usage: Usage
     ttft_seconds: float
     total_seconds: float
@@ -164,7 +167,8 @@ class QueryStats(_message.Message):
     mode: Mode
     finish_reason: FinishReason
     text: str
-    def __init__(self, usage: _Optional[_Union[Usage, _Mapping]] = ..., ttft_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., recompute_fraction: _Optional[float] = ..., mode: _Optional[_Union[Mode, str]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., text: _Optional[str] = ...) -> None: ...
+    used_chunk_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, usage: _Optional[_Union[Usage, _Mapping]] = ..., ttft_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., recompute_fraction: _Optional[float] = ..., mode: _Optional[_Union[Mode, str]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., text: _Optional[str] = ..., used_chunk_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RetrieveRequest(_message.Message):
     __slots__ = ("question", "collection", "top_k", "snippet_chars")

@@ -84,6 +84,23 @@ def test_every_mode_streams(pipeline_server: ServerThread, mode: Mode) -> None:
     assert stats.recompute_fraction == pytest.approx(expected_fraction, abs=0.05)
     assert {"retrieve", "queue", "prompt", "decode"} <= set(stats.phase_seconds)
     assert 0 < stats.ttft_seconds <= stats.total_seconds
+    assert stats.used_chunk_ids == tuple(c.chunk_id for c in chunks)  # every retrieved chunk is used
+
+
+def test_focus_mode_names_the_chunks_it_kept(pipeline_server: ServerThread) -> None:
+    with RagClient(pipeline_server.addr, timeout=60) as client:
+        stream = client.query(QUESTION, mode=Mode.FOCUS, top_k=3, max_new_tokens=6)
+        retrieved = [c.chunk_id for c in stream.chunks]
+        tokens = {c.chunk_id: c.num_tokens for c in stream.chunks}
+        stats = stream.result()
+        reuse = client.query(QUESTION, mode=Mode.REUSE, top_k=3, max_new_tokens=1).result()
+    assert stats.mode is Mode.FOCUS and 1 <= len(stats.used_chunk_ids) <= 3
+    assert set(stats.used_chunk_ids) <= set(retrieved)
+    # kept chunks keep their prompt order; the prompt holds only them
+    assert list(stats.used_chunk_ids) == [c for c in retrieved if c in stats.used_chunk_ids]
+    assert "prompt.focus" in stats.phase_seconds
+    overhead = reuse.usage.prompt_tokens - sum(tokens.values())  # prefix + question
+    assert stats.usage.prompt_tokens == overhead + sum(tokens[c] for c in stats.used_chunk_ids)
 
 
 def test_full_mode_equals_engine_full_prefill_and_greedy_decode(

@@ -13,6 +13,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,10 +34,19 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    p.add_argument("--plot", type=Path, nargs="+", metavar="EVAL.json",
+                   help="instead of timing: plot accuracy against TTFT from `ragkv eval --json` results")
+    p.add_argument("--plot-out", type=Path, default=Path("accuracy_vs_ttft.png"), metavar="FILE.png",
+                   help="where --plot writes the PNG (default accuracy_vs_ttft.png)")
     p.set_defaults(func=run_bench)
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.plot:
+        from ragkv.plot import plot_accuracy_vs_ttft
+
+        print(plot_accuracy_vs_ttft(args.plot, args.plot_out))
+        return 0
     import torch
 
     from engine import BlendMode, BlendOptions, Engine, load_model
@@ -93,7 +103,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "ttft_median_s": med,
         "speedup": {m: med["full"] / s for m, s in med.items()} if "full" in med else {},
         "kv_load_s": statistics.median(kv_load) if kv_load else 0.0,
-        "config": {**{k: v for k, v in vars(args).items() if k != "func"}, "prompt_tokens": len(full_ids),
+        "config": {**{k: v for k, v in vars(args).items() if k not in ("func", "plot", "plot_out")}, "prompt_tokens": len(full_ids),
                    "kv_bytes": kv_bytes, "device": str(lm.device), "dtype": str(lm.dtype),
                    "torch_threads": torch.get_num_threads()},
     }

@@ -3,7 +3,7 @@
 1. Index the built-in demo corpus (chunks, embeddings, FAISS, every chunk's KV on
    disk) with `ragkv index demo` — resumable, so a second run only checks it.
 2. Start `ragkv serve` on a free loopback port (CPU + disk tiers, shipped models).
-3. Ask questions through the Python SDK in `full` and `blend` mode, streaming each
+3. Ask questions through the Python SDK in `full`, `blend` and `focus` mode, streaming each
    answer with its sources and time to first token, then stop the server.
 """
 
@@ -55,11 +55,11 @@ def run_demo(index_dir: Path | None, model_spec: str, max_new_tokens: int, quest
     try:
         with RagClient(addr, timeout=300) as client:
             _wait_until_serving(client, server)
-            print("[3/3] asking through the SDK (full prefill, then blend with 15% recompute)\n",
+            print("[3/3] asking through the SDK (full prefill, blend with 15% recompute, focus)\n",
                   file=out, flush=True)
             for question in questions:
                 print(f"Q: {question}", file=out)
-                for mode in ("full", "blend"):
+                for mode in ("full", "blend", "focus"):
                     stream = client.query(question, mode=mode, recompute_ratio=0.15, top_k=4,
                                           max_new_tokens=max_new_tokens)
                     t0 = time.perf_counter()
@@ -70,7 +70,8 @@ def run_demo(index_dir: Path | None, model_spec: str, max_new_tokens: int, quest
                         print(piece, end="", file=out, flush=True)
                     stats = stream.result()
                     print(f"\n          TTFT {stats.ttft_seconds:.2f} s (server), {first or 0:.2f} s (client); "
-                          f"recomputed {stats.recompute_fraction:.0%} of chunk tokens", file=out)
+                          f"recomputed {stats.recompute_fraction:.0%} of chunk tokens; answered over "
+                          f"{len(stats.used_chunk_ids)} of {len(stream.chunks)} chunks", file=out)
                 sources = ", ".join(f"{c.metadata.get('source', c.chunk_id)} ({c.score:.2f}, KV from "
                                     f"{c.kv_tier.name.lower() if c.kv_tier else '-'})" for c in stream.chunks)
                 print(f"  sources: {sources}\n", file=out, flush=True)

@@ -37,8 +37,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--window", type=int, default=1, help="recompute whole windows of this many tokens")
     p.add_argument("--adaptive-mass", type=float, default=None,
                    help="recompute the fewest tokens holding this share of the selector's score")
-    p.add_argument("--focus-keep", default="0.5",
-                   help="focus: keep chunks scoring at least this x the best; comma list (default 0.5)")
+    p.add_argument("--focus-keep", default="0.25",
+                   help="focus: keep chunks scoring at least this x the best; comma list (default 0.25)")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
@@ -58,11 +58,13 @@ def _methods(args: argparse.Namespace):
             bm = BlendMode(mode)
         except ValueError:
             raise ValueError(f"unknown mode {mode!r} in --modes; use full, prefix, reuse, blend, focus") from None
-        if bm is BlendMode.FOCUS:  # several chunks kept: blended with the first ratio and selector
+        if bm is BlendMode.FOCUS:  # several chunks kept: blended at each ratio, first selector
             keeps = [float(k) for k in args.focus_keep.split(",")]
             for keep in keeps:
-                opts = BlendOptions(recompute_ratio=ratios[0], selector=selectors[0], focus_keep=keep)
-                methods.append(Method("focus" if len(keeps) == 1 else f"focus-{keep:g}", bm, opts))
+                for r in ratios:
+                    opts = BlendOptions(recompute_ratio=r, selector=selectors[0], focus_keep=keep)
+                    name = "focus" + (f"-{keep:g}" if len(keeps) > 1 else "") + (f"-r{r:g}" if len(ratios) > 1 else "")
+                    methods.append(Method(name, bm, opts))
             continue
         if bm is not BlendMode.BLEND:
             methods.append(Method(mode, bm))

@@ -98,6 +98,7 @@ def run_query(args: argparse.Namespace) -> int:
         sys.stderr.write(
             f"mode={stats.mode.value} ttft={client_ttft * 1000:.0f}ms (server {stats.ttft_seconds * 1000:.0f}ms) "
             f"total={stats.total_seconds * 1000:.0f}ms tokens={stats.usage.completion_tokens} "
-            f"recomputed={stats.recompute_fraction:.2f} finish={stats.finish_reason.value}\n"
+            f"recomputed={stats.recompute_fraction:.2f} finish={stats.finish_reason.value} "
+            f"used={len(stats.used_chunk_ids)}/{len(stream.chunks)} chunks\n"
         )
     return 0

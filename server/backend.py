@@ -71,7 +71,7 @@ class DoneEvent:
     finish_reason: FinishReason  # why decoding stopped
     phase_seconds: Mapping[str, float]  # seconds per backend phase (kv_load, blend..., decode)
     bytes_loaded: Mapping[Tier, int] = field(default_factory=dict)  # KV bytes read per tier
-    used_chunk_ids: tuple[str, ...] = ()  # chunks the answer was computed over, prompt order
+    used_chunk_ids: tuple[str, ...] = ()  # chunks the answer was computed over, prompt order; () = all
 
 
 AnswerEvent = ChunksEvent | TokenEvent | DoneEvent

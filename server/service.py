@@ -173,7 +173,7 @@ class RagService(pb_grpc.RagServiceServicer):
                         mode=params.mode,
                         finish_reason=done.finish_reason,
                         text="".join(pieces),
-                        used_chunk_ids=done.used_chunk_ids,
+                        used_chunk_ids=done.used_chunk_ids or tuple(c.chunk_id for c in chunks),
                     )
                     self._metrics.observe_answer(
                         params.mode,

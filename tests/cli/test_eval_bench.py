@@ -36,6 +36,29 @@ def test_eval_synthetic_json(tiny_llama_dir, capsys):
     assert out["config"]["synthetic"] == "niah"
 
 
+def test_eval_focus_modes_and_plot(tiny_llama_dir, capsys, tmp_path):
+    rc = main(["eval", "--synthetic", "niah", "--model", str(tiny_llama_dir), "--n", "2", "--context", "192",
+               "--chunk-tokens", "64", "--modes", "full,reuse,focus", "--focus-keep", "1.0,1e-9",
+               "--ratio", "1.0", "--max-new-tokens", "4", "--json"])
+    assert rc == 0
+    out = _json(capsys)
+    assert set(out["modes"]) == {"full", "reuse", "focus-1", "focus-1e-09"}
+    keep_all = out["modes"]["focus-1e-09"]  # every chunk kept, blended at ratio 1.0: full prefill
+    assert keep_all["kl_mean"] < 1e-6 and keep_all["recompute_fraction"] == 1.0
+    one = out["modes"]["focus-1"]  # one chunk of three kept, nothing recomputed
+    assert one["recompute_fraction"] == 0.0
+    result = tmp_path / "eval.json"
+    result.write_text(json.dumps(out))
+    png = tmp_path / "plots" / "curve.png"
+    assert main(["bench", "--plot", str(result), "--plot-out", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    capsys.readouterr()
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"modes": {"full": {}}}')
+    assert main(["bench", "--plot", str(bad)]) != 0
+    assert "not a `ragkv eval --json` result" in capsys.readouterr().err
+
+
 def test_eval_rejects_unknown_mode(tiny_llama_dir, capsys):
     rc = main(["eval", "--synthetic", "niah", "--model", str(tiny_llama_dir), "--modes", "full,sideways"])
     assert rc != 0

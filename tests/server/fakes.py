@@ -54,7 +54,7 @@ class FakeBackend:
 
     @property
     def modes(self) -> frozenset[Mode]:
-        return frozenset({Mode.FULL, Mode.PREFIX, Mode.REUSE, Mode.BLEND})
+        return frozenset({Mode.FULL, Mode.PREFIX, Mode.REUSE, Mode.BLEND, Mode.FOCUS})
 
     def collections(self) -> Sequence[CollectionInfo]:
         return [

@@ -1,8 +1,8 @@
 """Accuracy against TTFT, one series per `ragkv eval --json` result (`ragkv bench --plot`).
 
-Each eval file becomes one panel-series labelled by its task and context; each method
-is one point, its name written beside it, so every method reads against `full` and
-`reuse` of the same run. matplotlib is the `plot` extra; nothing else imports it.
+Each eval file becomes one panel titled by its task and context; each method is one
+point, its name written beside it, so every method reads against `full` and `reuse`
+of the same run. matplotlib is the `plot` extra; nothing else imports it.
 """
 
 from __future__ import annotations
@@ -33,37 +33,54 @@ def series_label(data: dict, path: Path) -> str:
 
 
 def plot_accuracy_vs_ttft(paths: Sequence[Path], out: Path) -> Path:
-    """Write a PNG of accuracy (y) against median TTFT (x, log) for every eval file."""
+    """Write a PNG with one panel per eval file: accuracy (y) against median TTFT (x, log).
+
+    Dashed lines mark the quality target of issue 7 where the file has a `full` row:
+    95% of full's accuracy (horizontal) and a third of full's TTFT (vertical); a method
+    in the upper-left box meets both.
+    """
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, NullFormatter
     except ImportError:
         raise ImportError("the plot needs matplotlib: pip install 'ragkv[plot]'") from None
     if not paths:
         raise ValueError("give at least one eval result to plot")
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    for path in paths:
-        data = load_eval(path)
+    runs = [(load_eval(p), p) for p in paths]
+    ncols = min(3, len(runs))
+    nrows = (len(runs) + ncols - 1) // ncols
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.8 * nrows), squeeze=False)
+    for ax, (data, path) in zip(axes.flat, runs):
         modes = data["modes"]
-        names = sorted(modes, key=lambda n: modes[n]["ttft_median_s"])
-        xs = [modes[n]["ttft_median_s"] for n in names]
-        ys = [modes[n]["accuracy"] for n in names]
-        line = ax.plot(xs, ys, "o", label=series_label(data, path))[0]
-        for name, x, y in zip(names, xs, ys):
-            ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7,
-                        color=line.get_color())
-    ax.set_xscale("log")
-    ax.set_xlabel("median TTFT, s (log scale; left is faster)")
-    ax.set_ylabel("accuracy")
-    ax.set_ylim(-0.05, 1.05)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
-    ax.set_title("Answer accuracy against time to first token")
+        for name, m in modes.items():
+            x, y = m["ttft_median_s"], m["accuracy"]
+            color = "black" if name == "full" else "gray" if name == "reuse" else \
+                "tab:green" if name.startswith("focus") else "tab:blue"
+            ax.plot([x], [y], "o", color=color)
+            ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7, color=color)
+        if "full" in modes:
+            full = modes["full"]
+            ax.axhline(0.95 * full["accuracy"], ls="--", lw=0.8, color="black")
+            ax.axvline(full["ttft_median_s"] / 3, ls="--", lw=0.8, color="black")
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_ylim(-0.05, 1.05)
+        ax.grid(True, which="major", alpha=0.3)
+        ax.set_title(series_label(data, path), fontsize=10)
+        ax.set_xlabel("median TTFT, s (log)", fontsize=8)
+        ax.set_ylabel("accuracy", fontsize=8)
+    for ax in list(axes.flat)[len(runs):]:
+        ax.axis("off")
+    fig.suptitle("Accuracy against time to first token (dashed: 95% of full's accuracy, full's TTFT / 3)",
+                 fontsize=10)
+    fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
+    fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
     tmp.replace(out)
     return out

@@ -196,7 +196,8 @@ class RagKVChatModel(_Connection, BaseChatModel):
     Every call is one `Query`. The answer's `response_metadata` holds the retrieved
     `chunk_ids`, `scores` and `chunks` (id, score, KV tier, tokens, source metadata),
     and the server's `ttft_seconds`, `total_seconds`, `phase_seconds`,
-    `recompute_fraction`, `mode` and `finish_reason`; `usage_metadata` counts prompt
+    `recompute_fraction`, `mode`, `finish_reason` and `used_chunk_ids` (the chunks the
+    answer was computed over: focus mode keeps a subset); `usage_metadata` counts prompt
     tokens, answer tokens, and prompt tokens read from the KV cache (`cache_read`).
     When streaming, the retrieval metadata comes with the first chunk and the rest
     with the last one.
@@ -310,6 +311,7 @@ class RagKVChatModel(_Connection, BaseChatModel):
             mode=stats.mode.value,
             finish_reason=stats.finish_reason.value,
             recompute_fraction=stats.recompute_fraction,
+            used_chunk_ids=list(stats.used_chunk_ids),
             ttft_seconds=stats.ttft_seconds,
             total_seconds=stats.total_seconds,
             phase_seconds=dict(stats.phase_seconds),

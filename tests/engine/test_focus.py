@@ -14,9 +14,9 @@ CHUNKS = ["alpha beta gamma delta epsilon " * 8, "one two three four five six " 
 QUESTION = "what comes after alpha?"
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = tiny_model_dir(tmp_path_factory.mktemp("focus"), "llama", num_layers=6, seed=3)
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
+def tiny(tmp_path_factory, request):
+    d = tiny_model_dir(tmp_path_factory.mktemp(f"focus-{request.param}"), request.param, num_layers=6, seed=3)
     return Engine(load_model(str(d), device="cpu", dtype="float32"))
 
 

@@ -30,6 +30,7 @@ def test_invoke_answers_with_chunks_stats_and_usage(fake_server: ServerThread) -
     assert [c["kv_tier"] for c in meta["chunks"]] == ["cpu", "disk", "computed"]
     assert meta["chunks"][0]["metadata"] == {"source": "doc0.txt"} and "text" not in meta["chunks"][0]
     assert meta["mode"] == "blend" and meta["recompute_fraction"] == pytest.approx(0.25)
+    assert meta["used_chunk_ids"] == meta["chunk_ids"]  # blend computes over every retrieved chunk
     assert meta["finish_reason"] == "stop" and meta["model_name"] == "ragkv" and meta["collection"] == "default"
     assert 0 < meta["ttft_seconds"] <= meta["total_seconds"] and "decode" in meta["phase_seconds"]
     assert msg.usage_metadata == {

@@ -28,7 +28,7 @@ def load_eval(path: Path) -> dict:
 def series_label(data: dict, path: Path) -> str:
     cfg = data.get("config", {})
     if cfg.get("synthetic"):
-        return f"{cfg['synthetic']} {int(cfg.get('context', 0)) // 1024}K (n={cfg.get('n')})"
+        return f"{path.stem}: {cfg['synthetic']} {int(cfg.get('context', 0)) // 1024}K, n={cfg.get('n')}"
     return path.stem
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from engine import BlendMode, ChunkKV, Engine, LoadedModel, SamplingParams, load_model
+from engine import BlendMode, BlendOptions, ChunkKV, Engine, LoadedModel, SamplingParams, load_model
 from kvstore import ChunkKey, PrefetchHandle, StoreConfig, TieredStore
 from ragkv.convert import metadata_to_wire
 from ragkv.errors import IndexMismatchError, StoreError
@@ -92,10 +92,12 @@ class Pipeline:
     Args:
         engine: The engine (one model) serving every collection.
         collections: The served collections by name.
+        focus_keep: FOCUS keeps chunks scoring at least this x the best (BlendOptions.focus_keep).
     """
 
-    def __init__(self, engine: Engine, collections: dict[str, Collection]) -> None:
+    def __init__(self, engine: Engine, collections: dict[str, Collection], focus_keep: float = 0.25) -> None:
         self.engine = engine
+        self._focus_keep = focus_keep
         self.lm: LoadedModel = engine.lm
         self._collections = collections
         self._shape = (self.lm.num_layers, self.lm.num_kv_heads, self.lm.head_dim)
@@ -135,7 +137,7 @@ class Pipeline:
             store = TieredStore(_store_config(settings, Path(index_dir), manifest.kv_uris, lm.device),
                                 lm.fingerprint, lm.tokenizer_fingerprint)
             collections[name] = Collection(name, retriever, store, tuple(manifest.prefix_ids), mismatch)
-        return cls(engine, collections)
+        return cls(engine, collections, settings.focus_keep)
 
     @property
     def modes(self) -> frozenset[Mode]:
@@ -269,8 +271,9 @@ class Pipeline:
             if params.mode is Mode.PREFIX:  # every chunk token is recomputed: no KV to load
                 start = len(prefix_ids)
                 kvs = [placeholder_kv(ids, start, self._shape, lm.device, lm.dtype) for ids in plan.token_ids]
-            res = engine.blend(prefix, kvs, question_ids, mode=_BLEND_MODE[params.mode],
-                               recompute_ratio=params.recompute_ratio, reserve_tokens=params.max_new_tokens)
+            options = BlendOptions(recompute_ratio=params.recompute_ratio, focus_keep=self._focus_keep)
+            res = engine.blend(prefix, kvs, question_ids, mode=_BLEND_MODE[params.mode], options=options,
+                               reserve_tokens=params.max_new_tokens)
         phases["prompt"] = time.perf_counter() - t0
         phases.update({f"prompt.{k}": v for k, v in res.timings.items()})
 

@@ -74,6 +74,7 @@ class ServerSettings:
     max_top_k: int = 32  # chunks
     default_mode: Mode = Mode.FOCUS  # mode when a request leaves it unspecified (docs/quality.md)
     default_recompute_ratio: float = 0.15  # fraction of context tokens
+    focus_keep: float = 0.25  # FOCUS keeps chunks scoring at least this x the best (docs/quality.md)
     default_max_new_tokens: int = 64  # tokens
     max_new_tokens: int = 1024  # tokens
     log_level: str = "INFO"  # logging level name
@@ -87,6 +88,8 @@ class ServerSettings:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
         if self.retrieve_workers < 1:
             raise ValueError(f"retrieve_workers must be >= 1, got {self.retrieve_workers}")
+        if not 0.0 < self.focus_keep <= 1.0:
+            raise ValueError(f"focus_keep must be in (0, 1], got {self.focus_keep}")
         if self.grace_seconds < 0:
             raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
         if (self.tls_cert is None) != (self.tls_key is None):

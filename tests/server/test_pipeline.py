@@ -103,6 +103,22 @@ def test_focus_mode_names_the_chunks_it_kept(pipeline_server: ServerThread) -> N
     assert stats.usage.prompt_tokens == overhead + sum(tokens[c] for c in stats.used_chunk_ids)
 
 
+def test_focus_keep_setting_reaches_the_engine(tiny_index: Path) -> None:
+    """focus_keep 1.0 keeps exactly the best chunk; a tiny one keeps every chunk."""
+    from server.pipeline import Pipeline
+
+    used = {}
+    for keep in (1.0, 1e-9):
+        st = ServerThread(settings(indexes=(CollectionSpec("default", tiny_index),), focus_keep=keep),
+                          Pipeline.from_settings)
+        try:
+            with RagClient(st.addr, timeout=60) as client:
+                used[keep] = client.query(QUESTION, mode=Mode.FOCUS, top_k=3, max_new_tokens=2).result().used_chunk_ids
+        finally:
+            st.stop()
+    assert len(used[1.0]) == 1 and len(used[1e-9]) == 3
+
+
 def test_full_mode_equals_engine_full_prefill_and_greedy_decode(
     pipeline_server: ServerThread, tiny_index: Path, tiny_llama_dir: Path
 ) -> None:

@@ -45,6 +45,7 @@ def test_json_file_and_index_specs(tmp_path: Path) -> None:
         ({"indexes": ("a=/x", "a=/y")}, {}, "collection names must be unique"),
         ({"tls_cert": "/c.pem"}, {}, "TLS needs both"),
         ({"nonsense": 1}, {}, "unknown setting 'nonsense'"),
+        ({}, {"RAGKV_FOCUS_KEEP": "0"}, "focus_keep must be in (0, 1], got 0.0"),
     ],
 )
 def test_bad_values_are_named(flags: dict, env: dict, needle: str) -> None:
@@ -66,12 +67,12 @@ def test_serve_flags_map_to_settings(tmp_path: Path) -> None:
 
     args = build_parser().parse_args([
         "serve", "--index", "/idx/a", "--index", "b=/idx/b", "--port", "0", "--metrics-port", "off",
-        "--max-queue", "3", "--default-mode", "reuse",
+        "--max-queue", "3", "--default-mode", "reuse", "--focus-keep", "0.5",
     ])
     s = settings_from_args(args, env={"RAGKV_MAX_QUEUE": "7", "RAGKV_GRACE_SECONDS": "1.5"})
     assert [c.name for c in s.indexes] == ["default", "b"]
     assert (s.port, s.metrics_port, s.max_queue, s.grace_seconds) == (0, None, 3, 1.5)
-    assert s.default_mode is Mode.REUSE
+    assert s.default_mode is Mode.REUSE and s.focus_keep == 0.5
 
 
 def test_serve_exits_nonzero_when_the_index_cannot_load(tmp_path: Path) -> None:

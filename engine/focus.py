@@ -27,8 +27,9 @@ _SKIP_TOKENS = 4  # each chunk's first tokens collect sink-like attention under 
 
 def focus_layers(num_layers: int, band: tuple[int, int] | None = None) -> range:
     """The layers whose attention scores chunks: `band` = [start, stop), or the default
-    [2/3, 4/5) of the depth (layers 20-23 of SmolLM2's 30, where single-needle top-1
-    chunk recall was 100% at 2K and 4K)."""
+    [2/3, 4/5) of the depth: layers 20-23 of SmolLM2's 30, each of which alone put the
+    needle's chunk first in 75-100% of single-needle cases at 2K and 4K (the middle
+    layer: chance)."""
     start, stop = band if band is not None else (round(num_layers * 2 / 3), round(num_layers * 4 / 5))
     start, stop = max(0, min(start, num_layers - 1)), min(num_layers, max(stop, start + 1))
     return range(start, stop)

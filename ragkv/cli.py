@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the main job on the embedded defaults: index the demo corpus, serve, ask",
         description="Index the built-in demo corpus (stdlib documentation) with the shipped "
         "models, start the gRPC server on loopback, and ask questions through the Python SDK "
-        "in full and blend mode, printing each streamed answer with its sources and TTFT.",
+        "in full, blend and focus mode, printing each streamed answer with its sources and TTFT.",
     )
     demo.add_argument("--index", type=Path, default=None,
                       help="where the demo index lives (default: $RAGKV_CACHE_DIR/demo-index)")

@@ -69,7 +69,7 @@ class BlendOptions:
     adaptive_mass: float | None = None  # pick the fewest tokens holding this share of the score
     min_ratio: float = 0.0  # adaptive: never fewer than this fraction
     context_temperature: float = 1.0  # APE-style: reused chunk keys are divided by this (<1 sharpens)
-    focus_keep: float = 0.25  # focus: keep chunks scoring at least this x the best (0.5 lost multikey)
+    focus_keep: float = 0.5  # focus: keep chunks scoring at least this x the best (docs/quality.md)
     focus_band: tuple[int, int] | None = None  # focus: scoring layers [start, stop); None = engine.focus default
 
     def __post_init__(self) -> None:

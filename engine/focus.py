@@ -2,7 +2,8 @@
 
 A short pass of the question over the reused (cached, uncorrected) chunk KV reads the
 question's attention at a band of upper-middle layers, where small models carry their
-retrieval heads. Each chunk's relevance is its strongest token there. `focus` mode then
+retrieval heads. Each chunk's relevance is how far its strongest token stands above
+its mean there. `focus` mode then
 answers over the relevant chunks only, so stale KV of chunks that do not hold the
 answer cannot distract the question (on SmolLM2-135M it is their staleness, not the
 answer chunk's, that loses accuracy under reuse: docs/quality.md).
@@ -41,7 +42,8 @@ def chunk_relevance(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Ch
 
     Per layer in `layers`: the question's attention (summed over heads and question
     tokens) onto each chunk token; a chunk scores its strongest token past the first
-    few; scores are normalized by the layer's best chunk and averaged over the layers.
+    few, divided by its mean token (position-neutral: docs/quality.md); scores are
+    normalized by the layer's best chunk and averaged over the layers.
 
     Returns:
         [n_chunks] float32 in [0, 1]; the most relevant chunk scores near 1.
@@ -61,7 +63,10 @@ def chunk_relevance(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Ch
     for ch in chunks:
         t = ch.num_tokens
         skip = _SKIP_TOKENS if t > 2 * _SKIP_TOKENS else 0
-        per_chunk.append(attn[:, p + skip:p + t].amax(1))  # [len(layers)]
+        a = attn[:, p + skip:p + t]  # [len(layers), t - skip]
+        # strongest token over the chunk's mean: attention decays with distance, so the chunk
+        # nearest the question collects more of it everywhere; the ratio cancels that lift
+        per_chunk.append(a.amax(1) / a.mean(1).clamp_min(1e-12))  # [len(layers)]
         p += t
     scores = torch.stack(per_chunk, 1)  # [len(layers), n_chunks]
     scores = scores / scores.amax(1, keepdim=True).clamp_min(1e-12)

@@ -37,8 +37,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--window", type=int, default=1, help="recompute whole windows of this many tokens")
     p.add_argument("--adaptive-mass", type=float, default=None,
                    help="recompute the fewest tokens holding this share of the selector's score")
-    p.add_argument("--focus-keep", default="0.25",
-                   help="focus: keep chunks scoring at least this x the best; comma list (default 0.25)")
+    p.add_argument("--focus-keep", default="0.5",
+                   help="focus: keep chunks scoring at least this x the best; comma list (default 0.5)")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")

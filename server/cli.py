@@ -30,7 +30,7 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("kv_s3_uri", str, "s3://bucket/prefix of the S3 tier (default off)"),
     ("default_mode", str, "mode when a request leaves it unspecified (default blend)"),
     ("default_recompute_ratio", float, "recompute ratio of blend (and of focus over several chunks) by default (default 0.15)"),
-    ("focus_keep", float, "focus mode keeps chunks scoring at least this x the best, (0, 1] (default 0.25)"),
+    ("focus_keep", float, "focus mode keeps chunks scoring at least this x the best, (0, 1] (default 0.5)"),
     ("default_top_k", int, "chunks retrieved by default (default 4)"),
     ("max_top_k", int, "largest top_k accepted (default 32)"),
     ("default_max_new_tokens", int, "answer length by default (default 64)"),

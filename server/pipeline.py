@@ -95,7 +95,7 @@ class Pipeline:
         focus_keep: FOCUS keeps chunks scoring at least this x the best (BlendOptions.focus_keep).
     """
 
-    def __init__(self, engine: Engine, collections: dict[str, Collection], focus_keep: float = 0.25) -> None:
+    def __init__(self, engine: Engine, collections: dict[str, Collection], focus_keep: float = 0.5) -> None:
         self.engine = engine
         self._focus_keep = focus_keep
         self.lm: LoadedModel = engine.lm

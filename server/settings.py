@@ -74,7 +74,7 @@ class ServerSettings:
     max_top_k: int = 32  # chunks
     default_mode: Mode = Mode.BLEND  # mode when a request leaves it unspecified (docs/quality.md)
     default_recompute_ratio: float = 0.15  # fraction of context tokens
-    focus_keep: float = 0.25  # FOCUS keeps chunks scoring at least this x the best (docs/quality.md)
+    focus_keep: float = 0.5  # FOCUS keeps chunks scoring at least this x the best (docs/quality.md)
     default_max_new_tokens: int = 64  # tokens
     max_new_tokens: int = 1024  # tokens
     log_level: str = "INFO"  # logging level name

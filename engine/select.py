@@ -89,14 +89,14 @@ def question_attention(lm: LoadedModel, ids: torch.Tensor, cache: KVCache, cos_a
     rows: dict[int, torch.Tensor] = {}
     h = model.model.embed_tokens(ids[c:])  # [Q, hidden]
     for i, layer in enumerate(model.model.layers[: want[-1] + 1]):
-        if i in want:
-            x = layer.input_layernorm(h)
+        x = layer.input_layernorm(h) if i in want else None
+        # the layer writes the question's own K into cache[i]: read the keys only after it,
+        # never the cache's unwritten (uninitialized) slots
+        h, _, _ = layer_forward(layer, h, cos, sin, cache, i, pos, attend, heads)
+        if x is not None:
             q = layer.self_attn.q_proj(x).view(-1, heads.num_heads, heads.head_dim).transpose(0, 1)  # [H, Q, D]
             q = apply_rope(q, cos, sin)
             k = cache.k[i, :, :n].repeat_interleave(heads.num_heads // heads.num_kv_heads, 0)  # [H, N, D]
             logits = (q @ k.transpose(1, 2)).float() * heads.scaling  # [H, Q, N]
             rows[i] = torch.softmax(logits.masked_fill(future, float("-inf")), -1).sum((0, 1))[:c]  # [c]
-            if i == want[-1]:
-                break
-        h, _, _ = layer_forward(layer, h, cos, sin, cache, i, pos, attend, heads)
     return torch.stack([rows[int(i)] for i in layers])  # [len(layers), c]

@@ -93,3 +93,32 @@ def test_smollm2_focus_finds_the_needle_chunk(smollm2):
         rel = chunk_relevance(smollm2, prefix, kvs, torch.tensor(q), focus_layers(smollm2.num_layers))
         found += int(rel.argmax()) == needle
     assert found >= 3, f"the needle chunk scored highest in only {found} of 4 cases"
+
+
+@pytest.mark.parametrize("garbage", [float("nan"), 1e30])
+def test_question_attention_never_reads_unwritten_cache_slots(tiny, garbage):
+    """The cache's question slots are uninitialized memory until the pass writes them: scores
+    must come out the same whatever they held (CI once saw NaN there and focus kept nothing)."""
+    from engine.kv import KVCache
+    from engine.rope import rotary_tables
+    from engine.select import question_attention
+
+    lm = tiny.lm
+    prefix, kvs, q = _parts(tiny)
+    segments = [prefix, *kvs]
+    ids = torch.cat([s.token_ids for s in segments] + [torch.tensor(q)])  # [N]
+    n, c = ids.shape[0], ids.shape[0] - len(q)
+    cos, sin = rotary_tables(lm.model, torch.arange(n), torch.empty(0, dtype=lm.dtype))
+    layers = list(range(lm.num_layers))
+
+    def scores(fill: float) -> torch.Tensor:
+        cache = KVCache(lm.num_layers, lm.num_kv_heads, lm.head_dim, n, lm.dtype, lm.device)
+        cache.k.fill_(fill)
+        cache.v.fill_(fill)
+        cache.length = n
+        cache.write_segments(segments, cos, sin)
+        return question_attention(lm, ids, cache, cos, sin, c, layers)  # [L, c]
+
+    clean, dirty = scores(0.0), scores(garbage)
+    assert torch.isfinite(dirty).all()
+    torch.testing.assert_close(dirty, clean)

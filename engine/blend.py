@@ -181,14 +181,19 @@ def run_prompt(
         scores = question_attention(lm, ids, cache, cos_all, sin_all, c, [score_layer])[0, p:]  # [C-P]
         timer.lap("score")
         picked = select_tokens(scores, [ch.num_tokens for ch in chunks], options)
-        pos = torch.cat([picked + p, torch.arange(c, n, device=dev)])  # [S]
-        first_active, check = -1, -1
+        check = -1
+        if picked.numel() == c - p:  # every chunk token: recompute the prefix too and run as full
+            first_active, pos = 0, torch.arange(n, device=dev)  # prefill does (same kernels, same sums)
+        else:
+            pos, first_active = torch.cat([picked + p, torch.arange(c, n, device=dev)]), -1  # [S]
     h = model.model.embed_tokens(ids[pos])  # [S, hidden]
     slots: slice | torch.Tensor = slice(first_active, n) if first_active >= 0 else pos
     attend = plan_attention(pos, n, heads)
     cos, sin = cos_all[pos], sin_all[pos]  # [S, D]
+    all_chunk_tokens = mode in (BlendMode.FULL, BlendMode.PREFIX) or (
+        mode is BlendMode.BLEND and options.selector is Selector.QUERY and first_active == 0)
     recomputed = pos[pos < c] if first_active < 0 else torch.arange(p, c, device=dev) \
-        if mode in (BlendMode.FULL, BlendMode.PREFIX) else torch.empty(0, dtype=torch.long, device=dev)
+        if all_chunk_tokens else torch.empty(0, dtype=torch.long, device=dev)
     last = lm.num_layers - 1
     for i, layer in enumerate(model.model.layers):
         if i == check:  # score chunk tokens by how far their fresh K/V moved from the cached ones

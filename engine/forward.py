@@ -39,6 +39,10 @@ class Attend:
     n_keys: int  # keys [0, n_keys) of the cache take part
     causal: bool  # queries are exactly keys [0, n_keys): use SDPA's causal kernel
     mask: torch.Tensor | None  # [S_g, n_keys] bool, True = may attend; None with causal or all-visible
+    # CPU split path (`_split_attention`): keys [0, open_keys) are visible to every query of
+    # the group; tail_bias is the additive mask of the rest, one row per folded query head
+    open_keys: int = 0
+    tail_bias: torch.Tensor | None = None  # [g*S_g, n_keys - open_keys] float32, 0 or -inf
 
 
 _GROUP_MIN_QUERIES = 64  # scattered queries are split into groups of at least this many
@@ -70,8 +74,24 @@ def plan_attention(q_pos: torch.Tensor, n_keys: int, heads: Heads) -> list[Atten
         mask = k_pos[None, :] <= q_pos[rows, None]  # [S_g, keys]
         if windowed:
             mask &= k_pos[None, :] > q_pos[rows, None] - window
-        plans.append(Attend(rows, keys, False, mask))
+        plans.append(_with_split(Attend(rows, keys, False, mask), q_pos, heads) if not windowed
+                     else Attend(rows, keys, False, mask))
     return plans
+
+
+def _with_split(a: Attend, q_pos: torch.Tensor, heads: Heads) -> Attend:
+    """`a` with the CPU split path's data, built once per plan (a plan serves every layer)."""
+    # keys before the group's first query are open to all of its queries; the span starts at
+    # that query's own key, so every row of the span sees at least one key (a fully masked
+    # row would come back from the kernel with LSE 0, not -inf, and skew the merge)
+    open_keys = int(q_pos[a.rows.start])
+    s = a.rows.stop - a.rows.start
+    if (q_pos.device.type != "cpu" or _CPU_FLASH is None or open_keys < _SPLIT_MIN_OPEN_KEYS
+            or s < _GROUP_MIN_QUERIES):  # a few queries (the question, decode): no gain worth other sums
+        return a
+    g = heads.num_heads // heads.num_kv_heads
+    bias = torch.zeros(a.mask.shape[0], a.n_keys - open_keys).masked_fill_(~a.mask[:, open_keys:], float("-inf"))
+    return Attend(a.rows, a.n_keys, False, a.mask, open_keys, bias.repeat(g, 1))  # [g*S_g, span]
 
 
 def _is_arange(pos: torch.Tensor) -> bool:
@@ -133,6 +153,8 @@ def layer_forward(
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: Attend, heads: Heads,
               ) -> torch.Tensor:
     """SDPA of q: [H, S_g, D] over cache keys [0, a.n_keys) -> [H, S_g, D]."""
+    if a.tail_bias is not None and q.device.type == "cpu":
+        return _split_attention(q, k_cache, v_cache, a, heads)
     return F.scaled_dot_product_attention(
         q[None],  # [1, H, S_g, D]
         k_cache[None, :, : a.n_keys],  # [1, Hkv, n_keys, D]
@@ -142,3 +164,28 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: 
         scale=heads.scaling,
         enable_gqa=heads.num_heads != heads.num_kv_heads,
     )[0]
+
+
+# CPU: a masked group is split where its mask starts to matter. Keys every query sees run
+# through the flash kernel without a mask (its fast path); only the group's own span is
+# masked; the two halves merge by their log-sum-exp. 1.2x faster than one masked call
+# per group in bench/attention_bench.py; in blend@0.15 on 8x512 tokens the attention's
+# share fell from 1.82 s to 1.24 s (no bool-mask conversion, no GQA repeat of K/V). The
+# private op returns the LSE that the public SDPA does not.
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_SPLIT_MIN_OPEN_KEYS = 256  # below this the second kernel call costs more than it saves
+
+
+def _split_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: Attend,
+                     heads: Heads) -> torch.Tensor:
+    """`attention` for a masked group on CPU, as [open keys] + [masked span], merged by LSE."""
+    h, s, d = q.shape
+    hkv, g, lo = heads.num_kv_heads, heads.num_heads // heads.num_kv_heads, a.open_keys
+    # fold each KV head's query heads into rows: GQA without repeating K and V
+    qf = q.reshape(hkv, g * s, d)[None]  # [1, Hkv, g*S_g, D]
+    k, v = k_cache[None, :, : a.n_keys], v_cache[None, :, : a.n_keys]  # [1, Hkv, n_keys, D]
+    o1, lse1 = _CPU_FLASH(qf, k[:, :, :lo], v[:, :, :lo], scale=heads.scaling)  # [1, Hkv, g*S_g, D], [1, Hkv, g*S_g]
+    o2, lse2 = _CPU_FLASH(qf, k[:, :, lo:], v[:, :, lo:], attn_mask=a.tail_bias.to(q.dtype), scale=heads.scaling)
+    lse = torch.logaddexp(lse1, lse2)  # [1, Hkv, g*S_g]
+    out = o1.mul_((lse1 - lse).exp_()[..., None]).addcmul_(o2, (lse2 - lse).exp_()[..., None])  # [1, Hkv, g*S_g, D]
+    return out[0].reshape(h, s, d).to(q.dtype)

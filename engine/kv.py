@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.rope import apply_rope
+from engine.rope import rotate_into
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +68,7 @@ class KVCache:
         for seg in segments:
             t = seg.num_tokens
             k = seg.k.to(self.k.device, self.k.dtype)  # [L, Hkv, T, D], before RoPE
-            self.k[:, :, off:off + t] = apply_rope(k, cos[off:off + t], sin[off:off + t])
+            rotate_into(self.k[:, :, off:off + t], k, cos[off:off + t], sin[off:off + t])
             self.v[:, :, off:off + t] = seg.v.to(self.v.device, self.v.dtype)
             off += t
         return off

@@ -34,3 +34,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x: [..., S, D] by cos, sin: [S, D]."""
     return x * cos + rotate_half(x) * sin
+
+
+def rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """out = apply_rope(x, cos, sin), written in place without whole-size temporaries.
+
+    For the cache's bulk writes (every layer of every chunk): half-size temporaries
+    instead of five fresh [..., S, D] buffers. Same products and sums as apply_rope, so
+    the same bits (no fused multiply-add): reused K equals prefilled K exactly.
+    """
+    half = x.shape[-1] // 2
+    torch.mul(x, cos, out=out)
+    out[..., :half] -= x[..., half:] * sin[..., :half]
+    out[..., half:] += x[..., :half] * sin[..., half:]

@@ -86,6 +86,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     opts = BlendOptions(recompute_ratio=args.ratio, selector=args.selector)
     ttft: dict[str, list[float]] = {m.value: [] for m in modes}
+    phases: dict[str, dict[str, list[float]]] = {m.value: {} for m in modes}  # mode -> phase -> s per repeat
     kv_load: list[float] = []
     for _ in range(args.repeats):
         for mode in modes:
@@ -98,11 +99,14 @@ def run_bench(args: argparse.Namespace) -> int:
                 res = eng.blend(prefix, kvs, question, mode=mode, options=opts)
             res.logits.cpu()
             ttft[mode.value].append(time.perf_counter() - t)
+            for name, sec in res.timings.items():
+                phases[mode.value].setdefault(name, []).append(sec)
     med = {m: statistics.median(v) for m, v in ttft.items()}
     out = {
         "ttft_median_s": med,
         "speedup": {m: med["full"] / s for m, s in med.items()} if "full" in med else {},
         "kv_load_s": statistics.median(kv_load) if kv_load else 0.0,
+        "phases_median_s": {m: {k: statistics.median(v) for k, v in ph.items()} for m, ph in phases.items()},
         "config": {**{k: v for k, v in vars(args).items() if k not in ("func", "plot", "plot_out")}, "prompt_tokens": len(full_ids),
                    "kv_bytes": kv_bytes, "device": str(lm.device), "dtype": str(lm.dtype),
                    "torch_threads": torch.get_num_threads()},
@@ -117,4 +121,6 @@ def run_bench(args: argparse.Namespace) -> int:
         speed = f"x{out['speedup'][m]:.2f} vs full" if out["speedup"] else ""
         print(f"  {m:7s} TTFT {s:7.3f} s  {speed}")
     print(f"  kv load (median) {out['kv_load_s']:.3f} s")
+    for m, ph in out["phases_median_s"].items():
+        print(f"  {m:7s} phases: " + ", ".join(f"{k} {v:.3f} s" for k, v in ph.items()))
     return 0

@@ -73,6 +73,10 @@ def test_bench_json(tiny_llama_dir, capsys):
     assert out["speedup"]["full"] == 1.0
     assert out["kv_load_s"] > 0
     assert out["config"]["prompt_tokens"] > 128
+    # per-mode phase medians; blend's query selector scores before its layers
+    assert {"assemble", "score", "layers"} <= set(out["phases_median_s"]["blend"])
+    assert "score" not in out["phases_median_s"]["reuse"]
+    assert sum(out["phases_median_s"]["full"].values()) <= out["ttft_median_s"]["full"] * 1.01
 
 
 @pytest.mark.parametrize("task", TASKS)

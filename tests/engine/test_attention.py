@@ -1,0 +1,51 @@
+"""Attention plans: the CPU split path (open keys + masked span, merged by LSE) against one
+masked SDPA call, on SmolLM2's geometry (9 query heads over 3 KV heads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.forward import Heads, attention, plan_attention
+
+HEADS = Heads(num_heads=9, num_kv_heads=3, head_dim=64, scaling=64 ** -0.5, sliding_window=None)
+
+
+def _reference(q, k, v, q_pos):  # one masked call over every key: [H, S, D]
+    mask = torch.arange(k.shape[1])[None, :] <= q_pos[:, None]  # [S, N]
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=HEADS.scaling,
+                                          enable_gqa=True)[0]
+
+
+def _run(plans, q, k, v):
+    return torch.cat([attention(q[:, a.rows], k, v, a, HEADS) for a in plans], 1)
+
+
+@pytest.mark.parametrize("n_keys,n_queries", [(2048, 300), (4136, 614)])
+def test_split_plan_matches_one_masked_call(n_keys, n_queries):
+    g = torch.Generator().manual_seed(n_keys)
+    q_pos = torch.sort(torch.randperm(n_keys - 40, generator=g)[:n_queries] + 40).values  # scattered, sorted
+    q = torch.randn(9, n_queries, 64, generator=g)
+    k, v = torch.randn(3, n_keys, 64, generator=g), torch.randn(3, n_keys, 64, generator=g)
+    k[:, 0] *= 8  # a sink-like key that takes most of the weight, as in real models
+    plans = plan_attention(q_pos, n_keys, HEADS)
+    split = [a for a in plans if a.tail_bias is not None]
+    assert len(plans) > 1 and split == plans[1:]  # the first group starts too early to pay a second call
+    for a in split:  # the open keys are visible to every query of the group; the span is masked
+        assert a.mask[:, : a.open_keys].all() and a.tail_bias.shape == (3 * a.mask.shape[0], a.n_keys - a.open_keys)
+        assert (a.tail_bias == 0).any(1).all()  # no row of the span is fully masked
+    out = _run(plans, q, k, v)
+    torch.testing.assert_close(out, _reference(q, k, v, q_pos), atol=2e-6, rtol=1e-5)
+
+
+def test_question_and_decode_plans_do_not_split():
+    """A few queries gain nothing from the split, and keep the exact sums of full prefill."""
+    assert all(a.tail_bias is None for a in plan_attention(torch.arange(3000, 3020), 3020, HEADS))
+    assert all(a.tail_bias is None for a in plan_attention(torch.tensor([3019]), 3020, HEADS))
+
+
+def test_short_prefix_groups_keep_one_masked_call():
+    q_pos = torch.arange(0, 400, 2)  # the first group's open keys are too few to pay a second call
+    plans = plan_attention(q_pos, 400, HEADS)
+    assert plans[0].tail_bias is None

@@ -38,7 +38,7 @@ from engine.forward import Heads, layer_forward, plan_attention, project_kv
 from engine.kv import ChunkKV, KVCache
 from engine.loading import LoadedModel
 from engine.rope import apply_rope, rotary_tables
-from engine.select import question_attention, select_tokens
+from engine.select import question_attention, select_tokens, tokens_for_mass
 
 
 class BlendMode(str, enum.Enum):
@@ -68,6 +68,10 @@ class BlendOptions:
     window: int = 1  # pick whole windows of this many tokens (CacheClip grouping); 1 = tokens
     adaptive_mass: float | None = None  # pick the fewest tokens holding this share of the score
     min_ratio: float = 0.0  # adaptive: never fewer than this fraction
+    # quality guard (query selector, with adaptive_mass): when holding adaptive_mass of the
+    # question's attention needs more than recompute_ratio of the chunk tokens, reuse is
+    # unsafe for this request: run it as full prefill instead of a starved blend
+    fallback_full: bool = False
     context_temperature: float = 1.0  # APE-style: reused chunk keys are divided by this (<1 sharpens)
     focus_keep: float = 0.5  # focus: keep chunks scoring at least this x the best (docs/quality.md)
     focus_band: tuple[int, int] | None = None  # focus: scoring layers [start, stop); None = engine.focus default
@@ -90,6 +94,9 @@ class BlendOptions:
             raise ValueError(f"focus_keep must be in (0, 1], got {self.focus_keep}")
         if self.focus_band is not None and not 0 <= self.focus_band[0] < self.focus_band[1]:
             raise ValueError(f"focus_band must be (start, stop) with 0 <= start < stop, got {self.focus_band}")
+        if self.fallback_full and (self.adaptive_mass is None or self.selector is not Selector.QUERY):
+            raise ValueError("fallback_full needs adaptive_mass and the query selector: the guard reads "
+                             "how much of the question's attention the budget holds")
         if self.sink_tokens < 0 or self.window < 1:
             raise ValueError(f"sink_tokens must be >= 0 and window >= 1, got {self.sink_tokens}, "
                              f"{self.window}")
@@ -180,6 +187,12 @@ def run_prompt(
         score_layer = lm.num_layers // 2 if options.score_layer is None else options.score_layer % lm.num_layers
         scores = question_attention(lm, ids, cache, cos_all, sin_all, c, [score_layer])[0, p:]  # [C-P]
         timer.lap("score")
+        if options.fallback_full and tokens_for_mass(scores, options.adaptive_mass) > round(
+                options.recompute_ratio * (c - p)):
+            del cache  # the guard: this request's attention is too spread for the budget
+            res = run_prompt(lm, prefix, chunks, q_ids, BlendMode.FULL, options, reserve_tokens)
+            res.timings = {**timer.phases, **res.timings}
+            return res
         picked = select_tokens(scores, [ch.num_tokens for ch in chunks], options)
         check = -1
         if picked.numel() == c - p:  # every chunk token: recompute the prefix too and run as full

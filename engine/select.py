@@ -23,6 +23,15 @@ if TYPE_CHECKING:
     from engine.loading import LoadedModel
 
 
+def tokens_for_mass(score: torch.Tensor, mass: float) -> int:
+    """The fewest tokens whose scores hold `mass` of the total (score: [n]); n when all are 0."""
+    sorted_s = torch.sort(score.float().clamp_min(0), descending=True).values  # [n]
+    total = float(sorted_s.sum())
+    if total <= 0:
+        return int(score.shape[0])
+    return min(int(score.shape[0]), int(torch.searchsorted(torch.cumsum(sorted_s, 0), mass * total)) + 1)
+
+
 def select_tokens(score: torch.Tensor, chunk_lens: Sequence[int], options: BlendOptions) -> torch.Tensor:
     """Pick chunk tokens to recompute: sinks first, then by score, within the budget.
 
@@ -38,11 +47,7 @@ def select_tokens(score: torch.Tensor, chunk_lens: Sequence[int], options: Blend
     n = score.shape[0]
     budget = int(round(options.recompute_ratio * n))
     if options.adaptive_mass is not None and budget > 0:
-        sorted_s = torch.sort(score.float().clamp_min(0), descending=True).values
-        total = float(sorted_s.sum())
-        if total > 0:
-            need = int(torch.searchsorted(torch.cumsum(sorted_s, 0), options.adaptive_mass * total)) + 1
-            budget = max(int(round(options.min_ratio * n)), min(budget, need))
+        budget = max(int(round(options.min_ratio * n)), min(budget, tokens_for_mass(score, options.adaptive_mass)))
     if budget >= n:
         return torch.arange(n, device=score.device)
     score = score.float().clone()

@@ -37,6 +37,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--window", type=int, default=1, help="recompute whole windows of this many tokens")
     p.add_argument("--adaptive-mass", type=float, default=None,
                    help="recompute the fewest tokens holding this share of the selector's score")
+    p.add_argument("--fallback-full", action="store_true",
+                   help="blend quality guard (with --adaptive-mass, query selector): run a request as full "
+                        "prefill when holding that mass needs more than --ratio")
     p.add_argument("--focus-keep", default="0.5",
                    help="focus: keep chunks scoring at least this x the best; comma list (default 0.5)")
     p.add_argument("--max-new-tokens", type=int, default=24)
@@ -73,7 +76,7 @@ def _methods(args: argparse.Namespace):
             for r in ratios:
                 opts = BlendOptions(recompute_ratio=r, selector=sel, check_layer=args.check_layer,
                                     sink_tokens=args.sink_tokens, window=args.window,
-                                    adaptive_mass=args.adaptive_mass)
+                                    adaptive_mass=args.adaptive_mass, fallback_full=args.fallback_full)
                 name = "blend" if len(selectors) == len(ratios) == 1 else f"blend-{sel}-{r:g}"
                 methods.append(Method(name, bm, opts))
     return methods

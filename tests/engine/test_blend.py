@@ -200,6 +200,25 @@ def test_adaptive_budget_stays_within_bounds(tiny_engine):
     assert small < large
 
 
+def test_quality_guard_falls_back_to_full_only_when_the_budget_is_short(tiny_engine):
+    prefix, kvs, q, ids = _parts(tiny_engine)
+    full = tiny_engine.full_prefill(ids)
+    # holding all of the attention needs every scored token: more than a 0.2 budget
+    guarded = tiny_engine.blend(prefix, kvs, q, options=BlendOptions(
+        recompute_ratio=0.2, adaptive_mass=1.0, selector="query", fallback_full=True))
+    assert guarded.mode.value == "full" and guarded.recompute_fraction == 1.0
+    assert "score" in guarded.timings  # the scores were read, then the guard fired
+    assert_close(guarded.logits, full.logits, 1e-4, "guarded request vs full prefill")
+    # a tiny share of the attention fits the budget: the request blends as usual
+    kept = tiny_engine.blend(prefix, kvs, q, options=BlendOptions(
+        recompute_ratio=0.2, adaptive_mass=1e-6, selector="query", fallback_full=True))
+    assert kept.mode.value == "blend" and 0 < kept.recompute_fraction < 0.2
+    with pytest.raises(ValueError, match="fallback_full"):
+        BlendOptions(fallback_full=True)  # no mass to guard
+    with pytest.raises(ValueError, match="fallback_full"):
+        BlendOptions(adaptive_mass=0.5, selector="deviation", fallback_full=True)
+
+
 def test_context_temperature_changes_only_reused_keys(tiny_engine):
     prefix, kvs, q, ids = _parts(tiny_engine)
     full = tiny_engine.full_prefill(ids).logits

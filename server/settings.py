@@ -72,7 +72,7 @@ class ServerSettings:
     max_question_chars: int = 4096  # characters
     default_top_k: int = 4  # chunks
     max_top_k: int = 32  # chunks
-    default_mode: Mode = Mode.BLEND  # mode when a request leaves it unspecified (docs/quality.md)
+    default_mode: Mode = Mode.FOCUS  # mode when a request leaves it unspecified: the best measured (docs/quality.md)
     default_recompute_ratio: float = 0.15  # fraction of context tokens
     focus_keep: float = 0.5  # FOCUS keeps chunks scoring at least this x the best (docs/quality.md)
     default_max_new_tokens: int = 64  # tokens

@@ -14,7 +14,7 @@ from server.settings import CollectionSpec, DType, ServerSettings, load_settings
 def test_defaults() -> None:
     s = load_settings({}, env={})
     assert s == ServerSettings()
-    assert s.limits().default_mode is Mode.BLEND
+    assert s.limits().default_mode is Mode.FOCUS
 
 
 def test_precedence_flags_env_file(tmp_path: Path) -> None:

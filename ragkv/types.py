@@ -48,7 +48,7 @@ class QueryOptions:
 
     collection: str | None = None  # collection name; None = "default"
     top_k: int | None = None  # chunks to retrieve
-    mode: Mode | None = None  # None = server default (BLEND unless configured otherwise)
+    mode: Mode | None = None  # None = server default (FOCUS unless configured otherwise)
     recompute_ratio: float | None = None  # fraction of context tokens recomputed, [0, 1]
     temperature: float = 0.0  # 0 = greedy
     top_p: float | None = None  # nucleus mass in (0, 1]

@@ -78,11 +78,11 @@ def test_server_error_in_the_answer_node_surfaces(example, fake_server: ServerTh
 
 
 def test_example_main_on_the_real_pipeline(example, real_server: ServerThread, capsys) -> None:
-    """The example CLI against the real pipeline (tiny random Llama, blend mode)."""
+    """The example CLI against the real pipeline (tiny random Llama, the server's default mode)."""
     assert example.main(["What is the secret number?", "--addr", real_server.addr, "--top-k", "2",
                          "--max-tokens", "8"]) == 0
     out = capsys.readouterr().out
-    assert "source " in out and "mode=blend" in out
+    assert "source " in out and "mode=focus" in out
 
 
 def test_real_pipeline_streams_several_token_chunks_through_langgraph(example, real_server: ServerThread) -> None:

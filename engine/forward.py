@@ -155,6 +155,14 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: 
     """SDPA of q: [H, S_g, D] over cache keys [0, a.n_keys) -> [H, S_g, D]."""
     if a.tail_bias is not None and q.device.type == "cpu":
         return _split_attention(q, k_cache, v_cache, a, heads)
+    if a.mask is None and not a.causal and heads.num_heads != heads.num_kv_heads:
+        # decode (queries that see every key): fold each KV head's query heads into rows,
+        # instead of SDPA's GQA path, which repeats the whole K and V per call on CPU
+        h, s, d = q.shape
+        qf = q.reshape(heads.num_kv_heads, h // heads.num_kv_heads * s, d)  # [Hkv, g*S_g, D]
+        return F.scaled_dot_product_attention(
+            qf[None], k_cache[None, :, : a.n_keys], v_cache[None, :, : a.n_keys], scale=heads.scaling,
+        )[0].reshape(h, s, d)
     return F.scaled_dot_product_attention(
         q[None],  # [1, H, S_g, D]
         k_cache[None, :, : a.n_keys],  # [1, Hkv, n_keys, D]

@@ -33,6 +33,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16")
+    p.add_argument("--decode-tokens", type=int, default=0, metavar="N",
+                   help="also decode N greedy tokens after each prompt and report ms per token (default 0: off)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.add_argument("--plot", type=Path, nargs="+", metavar="EVAL.json",
                    help="instead of timing: plot accuracy against TTFT from `ragkv eval --json` results")
@@ -49,13 +51,13 @@ def run_bench(args: argparse.Namespace) -> int:
         return 0
     import torch
 
-    from engine import BlendMode, BlendOptions, Engine, load_model
+    from engine import BlendMode, BlendOptions, Engine, SamplingParams, load_model
     from engine.synthetic import haystack_paragraphs
     from kvstore import ChunkKey, StoreConfig, TieredStore
     from server.kv_bridge import chunk_kv_to_entry, entry_to_chunk_kv
 
-    if args.repeats < 1 or args.chunks < 1 or args.chunk_tokens < 1:
-        raise ValueError("--repeats, --chunks and --chunk-tokens must be >= 1")
+    if args.repeats < 1 or args.chunks < 1 or args.chunk_tokens < 1 or args.decode_tokens < 0:
+        raise ValueError("--repeats, --chunks and --chunk-tokens must be >= 1, --decode-tokens >= 0")
     modes = [BlendMode(m.strip()) for m in args.modes.split(",") if m.strip()]
     eng = Engine(load_model(args.model, device=args.device, dtype=args.dtype))
     lm = eng.lm
@@ -87,6 +89,7 @@ def run_bench(args: argparse.Namespace) -> int:
     opts = BlendOptions(recompute_ratio=args.ratio, selector=args.selector)
     ttft: dict[str, list[float]] = {m.value: [] for m in modes}
     phases: dict[str, dict[str, list[float]]] = {m.value: {} for m in modes}  # mode -> phase -> s per repeat
+    per_token: dict[str, list[float]] = {m.value: [] for m in modes}  # decode s/token per repeat
     kv_load: list[float] = []
     for _ in range(args.repeats):
         for mode in modes:
@@ -101,12 +104,19 @@ def run_bench(args: argparse.Namespace) -> int:
             ttft[mode.value].append(time.perf_counter() - t)
             for name, sec in res.timings.items():
                 phases[mode.value].setdefault(name, []).append(sec)
+            if args.decode_tokens:  # greedy; an answer that ends early (EOS) is timed per token it made
+                t = time.perf_counter()
+                stream = eng.decode(res, SamplingParams(max_new_tokens=args.decode_tokens))
+                for _ in stream:
+                    pass
+                per_token[mode.value].append((time.perf_counter() - t) / max(1, len(stream.token_ids)))
     med = {m: statistics.median(v) for m, v in ttft.items()}
     out = {
         "ttft_median_s": med,
         "speedup": {m: med["full"] / s for m, s in med.items()} if "full" in med else {},
         "kv_load_s": statistics.median(kv_load) if kv_load else 0.0,
         "phases_median_s": {m: {k: statistics.median(v) for k, v in ph.items()} for m, ph in phases.items()},
+        "decode_ms_per_token": {m: statistics.median(v) * 1e3 for m, v in per_token.items() if v},
         "config": {**{k: v for k, v in vars(args).items() if k not in ("func", "plot", "plot_out")}, "prompt_tokens": len(full_ids),
                    "kv_bytes": kv_bytes, "device": str(lm.device), "dtype": str(lm.dtype),
                    "torch_threads": torch.get_num_threads()},
@@ -121,6 +131,8 @@ def run_bench(args: argparse.Namespace) -> int:
         speed = f"x{out['speedup'][m]:.2f} vs full" if out["speedup"] else ""
         print(f"  {m:7s} TTFT {s:7.3f} s  {speed}")
     print(f"  kv load (median) {out['kv_load_s']:.3f} s")
+    for m, ms in out["decode_ms_per_token"].items():
+        print(f"  {m:7s} decode {ms:.1f} ms/token")
     for m, ph in out["phases_median_s"].items():
         print(f"  {m:7s} phases: " + ", ".join(f"{k} {v:.3f} s" for k, v in ph.items()))
     return 0

@@ -66,10 +66,12 @@ def test_eval_rejects_unknown_mode(tiny_llama_dir, capsys):
 
 def test_bench_json(tiny_llama_dir, capsys):
     rc = main(["bench", "--model", str(tiny_llama_dir), "--chunks", "2", "--chunk-tokens", "64",
-               "--repeats", "2", "--tier", "disk", "--json"])
+               "--repeats", "2", "--tier", "disk", "--decode-tokens", "3", "--json"])
     assert rc == 0
     out = _json(capsys)
     assert set(out["ttft_median_s"]) == {"full", "reuse", "blend"}
+    assert set(out["decode_ms_per_token"]) == {"full", "reuse", "blend"}
+    assert all(ms > 0 for ms in out["decode_ms_per_token"].values())
     assert out["speedup"]["full"] == 1.0
     assert out["kv_load_s"] > 0
     assert out["config"]["prompt_tokens"] > 128

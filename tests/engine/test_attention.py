@@ -49,3 +49,15 @@ def test_short_prefix_groups_keep_one_masked_call():
     q_pos = torch.arange(0, 400, 2)  # the first group's open keys are too few to pay a second call
     plans = plan_attention(q_pos, 400, HEADS)
     assert plans[0].tail_bias is None
+
+
+def test_decode_attention_folds_heads_and_matches_gqa_sdpa():
+    g = torch.Generator().manual_seed(7)
+    n = 1500
+    k, v = torch.randn(3, n + 64, 64, generator=g), torch.randn(3, n + 64, 64, generator=g)  # capacity > n
+    q = torch.randn(9, 1, 64, generator=g)  # [H, 1, D]
+    (plan,) = plan_attention(torch.tensor([n - 1]), n, HEADS)
+    assert plan.mask is None and not plan.causal  # the last query sees every key: no mask
+    ref = F.scaled_dot_product_attention(q[None], k[None, :, :n], v[None, :, :n], scale=HEADS.scaling,
+                                         enable_gqa=True)[0]
+    torch.testing.assert_close(attention(q, k, v, plan, HEADS), ref, atol=1e-6, rtol=1e-5)

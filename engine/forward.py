@@ -155,7 +155,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: 
     """SDPA of q: [H, S_g, D] over cache keys [0, a.n_keys) -> [H, S_g, D]."""
     if a.tail_bias is not None and q.device.type == "cpu":
         return _split_attention(q, k_cache, v_cache, a, heads)
-    if a.mask is None and not a.causal and heads.num_heads != heads.num_kv_heads:
+    if a.mask is None and not a.causal and heads.num_heads != heads.num_kv_heads and q.device.type == "cpu":
         # decode (queries that see every key): fold each KV head's query heads into rows,
         # instead of SDPA's GQA path, which repeats the whole K and V per call on CPU
         h, s, d = q.shape

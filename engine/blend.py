@@ -203,10 +203,9 @@ def run_prompt(
     slots: slice | torch.Tensor = slice(first_active, n) if first_active >= 0 else pos
     attend = plan_attention(pos, n, heads)
     cos, sin = cos_all[pos], sin_all[pos]  # [S, D]
-    all_chunk_tokens = mode in (BlendMode.FULL, BlendMode.PREFIX) or (
-        mode is BlendMode.BLEND and options.selector is Selector.QUERY and first_active == 0)
-    recomputed = pos[pos < c] if first_active < 0 else torch.arange(p, c, device=dev) \
-        if all_chunk_tokens else torch.empty(0, dtype=torch.long, device=dev)
+    # contiguous active tokens from first_active on recompute every chunk token past it (none
+    # for reuse); deviation blend replaces this with its pick at the check layer
+    recomputed = pos[pos < c] if first_active < 0 else torch.arange(max(first_active, p), c, device=dev)
     last = lm.num_layers - 1
     for i, layer in enumerate(model.model.layers):
         if i == check:  # score chunk tokens by how far their fresh K/V moved from the cached ones

@@ -153,16 +153,16 @@ def layer_forward(
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: Attend, heads: Heads,
               ) -> torch.Tensor:
     """SDPA of q: [H, S_g, D] over cache keys [0, a.n_keys) -> [H, S_g, D]."""
-    if a.tail_bias is not None and q.device.type == "cpu":
+    if a.tail_bias is not None:  # built only on CPU (_with_split)
         return _split_attention(q, k_cache, v_cache, a, heads)
     if a.mask is None and not a.causal and heads.num_heads != heads.num_kv_heads and q.device.type == "cpu":
-        # decode (queries that see every key): fold each KV head's query heads into rows,
-        # instead of SDPA's GQA path, which repeats the whole K and V per call on CPU
-        h, s, d = q.shape
-        qf = q.reshape(heads.num_kv_heads, h // heads.num_kv_heads * s, d)  # [Hkv, g*S_g, D]
-        return F.scaled_dot_product_attention(
-            qf[None], k_cache[None, :, : a.n_keys], v_cache[None, :, : a.n_keys], scale=heads.scaling,
-        )[0].reshape(h, s, d)
+        # decode (queries that see every key): folded heads instead of SDPA's GQA path,
+        # which repeats the whole K and V per call on CPU
+        out = F.scaled_dot_product_attention(
+            _fold_heads(q, heads)[None], k_cache[None, :, : a.n_keys], v_cache[None, :, : a.n_keys],
+            scale=heads.scaling,
+        )[0]  # [Hkv, g*S_g, D]
+        return out.reshape(q.shape)
     return F.scaled_dot_product_attention(
         q[None],  # [1, H, S_g, D]
         k_cache[None, :, : a.n_keys],  # [1, Hkv, n_keys, D]
@@ -187,13 +187,18 @@ _SPLIT_MIN_OPEN_KEYS = 256  # below this the second kernel call costs more than 
 def _split_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: Attend,
                      heads: Heads) -> torch.Tensor:
     """`attention` for a masked group on CPU, as [open keys] + [masked span], merged by LSE."""
-    h, s, d = q.shape
-    hkv, g, lo = heads.num_kv_heads, heads.num_heads // heads.num_kv_heads, a.open_keys
-    # fold each KV head's query heads into rows: GQA without repeating K and V
-    qf = q.reshape(hkv, g * s, d)[None]  # [1, Hkv, g*S_g, D]
+    lo = a.open_keys
+    qf = _fold_heads(q, heads)[None]  # [1, Hkv, g*S_g, D]
     k, v = k_cache[None, :, : a.n_keys], v_cache[None, :, : a.n_keys]  # [1, Hkv, n_keys, D]
     o1, lse1 = _CPU_FLASH(qf, k[:, :, :lo], v[:, :, :lo], scale=heads.scaling)  # [1, Hkv, g*S_g, D], [1, Hkv, g*S_g]
     o2, lse2 = _CPU_FLASH(qf, k[:, :, lo:], v[:, :, lo:], attn_mask=a.tail_bias.to(q.dtype), scale=heads.scaling)
     lse = torch.logaddexp(lse1, lse2)  # [1, Hkv, g*S_g]
     out = o1.mul_((lse1 - lse).exp_()[..., None]).addcmul_(o2, (lse2 - lse).exp_()[..., None])  # [1, Hkv, g*S_g, D]
-    return out[0].reshape(h, s, d).to(q.dtype)
+    return out[0].reshape(q.shape)
+
+
+def _fold_heads(q: torch.Tensor, heads: Heads) -> torch.Tensor:
+    """[H, S, D] -> [Hkv, g*S, D]: each KV head's g query heads as rows (GQA without
+    repeating K and V); a mask over S rows repeats g times to match."""
+    h, s, d = q.shape
+    return q.reshape(heads.num_kv_heads, h // heads.num_kv_heads * s, d)

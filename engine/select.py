@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.forward import Heads, layer_forward, plan_attention
+from engine.forward import Heads, layer_forward, plan_attention, project_kv
 from engine.kv import KVCache
 from engine.rope import apply_rope
 
@@ -95,9 +95,13 @@ def question_attention(lm: LoadedModel, ids: torch.Tensor, cache: KVCache, cos_a
     h = model.model.embed_tokens(ids[c:])  # [Q, hidden]
     for i, layer in enumerate(model.model.layers[: want[-1] + 1]):
         x = layer.input_layernorm(h) if i in want else None
-        # the layer writes the question's own K into cache[i]: read the keys only after it,
-        # never the cache's unwritten (uninitialized) slots
-        h, _, _ = layer_forward(layer, h, cos, sin, cache, i, pos, attend, heads)
+        # the question's own K must be in cache[i] before the keys are read (its slots are
+        # uninitialized until written); past the last scored layer nothing reads h
+        if i == want[-1]:
+            k, v = project_kv(layer, h, heads)  # [Hkv, Q, D]
+            cache.k[i, :, c:n], cache.v[i, :, c:n] = apply_rope(k, cos, sin), v
+        else:
+            h, _, _ = layer_forward(layer, h, cos, sin, cache, i, pos, attend, heads)
         if x is not None:
             q = layer.self_attn.q_proj(x).view(-1, heads.num_heads, heads.head_dim).transpose(0, 1)  # [H, Q, D]
             q = apply_rope(q, cos, sin)

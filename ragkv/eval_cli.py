@@ -83,7 +83,7 @@ def _methods(args: argparse.Namespace):
 
 
 def _cases(args: argparse.Namespace, engine):
-    from engine.synthetic import EvalCase, make_cases
+    from engine.synthetic import make_cases
 
     if args.synthetic:
         tok = engine.lm.tokenizer
@@ -92,20 +92,27 @@ def _cases(args: argparse.Namespace, engine):
                           lambda s: len(tok(s, add_special_tokens=False)["input_ids"]), args.seed)
     if not args.questions:
         raise ValueError("--index needs --questions FILE.jsonl")
+    return index_cases(engine, args.index, args.questions, args.top_k)
+
+
+def index_cases(engine, index: Path, questions: Path, top_k: int):  # noqa: ANN001, ANN201
+    """One EvalCase per line of `questions` ({"id", "question", "answer"}), its chunks the
+    top_k that the index retrieves for the question."""
+    from engine.synthetic import EvalCase
     from retriever import Retriever
 
-    r = Retriever.open(args.index)
+    r = Retriever.open(index)
     r.check_model(engine.lm.fingerprint, engine.lm.tokenizer_fingerprint)
     cases = []
-    for i, line in enumerate(args.questions.read_text().splitlines()):
+    for i, line in enumerate(questions.read_text().splitlines()):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
             question, answer = row["question"], str(row["answer"])
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ValueError(f"{args.questions}:{i + 1}: expected {{\"id\", \"question\", \"answer\"}}: {exc}") from None
-        hits = r.search(question, args.top_k)
+            raise ValueError(f"{questions}:{i + 1}: expected {{\"id\", \"question\", \"answer\"}}: {exc}") from None
+        hits = r.search(question, top_k)
         cases.append(EvalCase(str(row.get("id", i)), tuple(h.text for h in hits), question, (answer,)))
     return cases
 

@@ -12,7 +12,6 @@ evidence, which a 135M model's answers cannot show.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -29,25 +28,22 @@ def main() -> int:
     args = ap.parse_args()
 
     from engine import BlendOptions, Engine, load_model
-    from retriever import Retriever
+    from ragkv.eval_cli import index_cases
 
     eng = Engine(load_model(args.model))
-    retriever = Retriever.open(args.index)
-    retriever.check_model(eng.lm.fingerprint, eng.lm.tokenizer_fingerprint)
     p, opts = eng.prompt, BlendOptions(focus_keep=args.focus_keep)
-    rows = [json.loads(line) for line in args.questions.read_text().splitlines() if line.strip()]
+    cases = index_cases(eng, args.index, args.questions, args.top_k)
     retrieved = kept = last = n_kept = 0
-    for row in rows:
-        chunks = [h.text for h in retriever.search(row["question"], args.top_k)]
+    for case in cases:
         prefix_ids = p.prefix_ids()
-        kvs = eng.prefill_chunks(prefix_ids, [p.chunk_ids(c) for c in chunks])
-        res = eng.blend(eng.prefix_kv(prefix_ids), kvs, p.question_ids(row["question"]), mode="focus", options=opts)
-        has = [str(row["answer"]) in c for c in chunks]
+        kvs = eng.prefill_chunks(prefix_ids, [p.chunk_ids(c) for c in case.chunks])
+        res = eng.blend(eng.prefix_kv(prefix_ids), kvs, p.question_ids(case.question), mode="focus", options=opts)
+        has = [any(a in c for a in case.answers) for c in case.chunks]
         retrieved += any(has)
         kept += any(has[i] for i in res.used_chunks)
-        last += (len(chunks) - 1) in res.used_chunks
+        last += (len(case.chunks) - 1) in res.used_chunks
         n_kept += len(res.used_chunks)
-    n = len(rows)
+    n = len(cases)
     print(f"{n} questions, top-{args.top_k}, focus_keep {args.focus_keep}: answer in a retrieved chunk {retrieved}, "
           f"in a kept chunk {kept}; last chunk kept {last}; chunks kept {n_kept / max(1, n):.2f} on average")
     return 0

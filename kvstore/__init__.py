@@ -12,6 +12,7 @@ Shapes: `[L, Hkv, T, D]` = layers, KV heads, tokens, head dim (legend in engine/
     store.put(entry)
     hit = store.fetch(key)            # Hit(entry, tier, seconds) or None
     handles = store.prefetch(keys)    # handle.result(timeout=None) -> KVEntry | None
+    hit = store.fetch_layered(key)    # hit.layers.wait(l) before reading layer l (filled behind compute)
 """
 
 from kvstore.compression import Compression
@@ -19,6 +20,7 @@ from kvstore.config import StoreConfig, TierSpec, parse_bytes
 from kvstore.entry import KVEntry, RopeMode
 from kvstore.eviction import Policy
 from kvstore.keys import FORMAT_VERSION, ChunkKey, PrefixHash, hash_prefix
+from kvstore.layered import LayerGate
 from kvstore.store import Hit, PrefetchHandle, StoreStats, TieredStore
 from kvstore.tiers.base import StorageTier, Tier, TierStats
 from kvstore.tiers.disk import DiskTier
@@ -34,6 +36,7 @@ __all__ = [
     "GpuTier",
     "Hit",
     "KVEntry",
+    "LayerGate",
     "MemoryTier",
     "Policy",
     "PrefetchHandle",

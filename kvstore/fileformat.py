@@ -223,13 +223,22 @@ def encode(entry: KVEntry, compression: Compression = Compression.NONE) -> bytes
     return b"".join([struct.pack("<Q", len(blob)), blob, *chunks])
 
 
-def _parse_layout(buf: memoryview) -> tuple[dict[str, str], dict[str, tuple[str, tuple[int, ...], int, int]]]:
-    """Split a safetensors buffer into metadata and tensor layout, checking every bound."""
-    if len(buf) < 8:
-        raise KVFormatError(f"file is {len(buf)} bytes: too short for a safetensors header")
+Layout = dict[str, tuple[str, tuple[int, ...], int, int]]  # name -> (dtype, shape, start, end) in the data section
+
+
+def _parse_layout(buf: memoryview, file_size: int | None = None) -> tuple[dict[str, str], Layout]:
+    """Split a safetensors buffer into metadata and tensor layout, checking every bound.
+
+    `buf` may hold only the file's head (header included) when `file_size` gives the whole size.
+    """
+    size = len(buf) if file_size is None else file_size
+    if size < 8 or len(buf) < 8:
+        raise KVFormatError(f"file is {size} bytes: too short for a safetensors header")
     (n,) = struct.unpack("<Q", buf[:8])
-    if n > MAX_HEADER_BYTES or 8 + n > len(buf):
-        raise KVFormatError(f"header length {n} does not fit a {len(buf)}-byte file (truncated?)")
+    if n > MAX_HEADER_BYTES or 8 + n > size:
+        raise KVFormatError(f"header length {n} does not fit a {size}-byte file (truncated?)")
+    if 8 + n > len(buf):
+        raise KVFormatError(f"header length {n} is past the {len(buf)} bytes read: read more first")
     try:
         header = json.loads(bytes(buf[8 : 8 + n]))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -239,8 +248,8 @@ def _parse_layout(buf: memoryview) -> tuple[dict[str, str], dict[str, tuple[str,
     meta = header.pop("__metadata__")
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise KVFormatError("header metadata must map strings to strings")
-    data_len = len(buf) - 8 - n
-    layout: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+    data_len = size - 8 - n
+    layout: Layout = {}
     covered = 0
     for name, info in header.items():
         try:
@@ -302,10 +311,8 @@ def _header_from_meta(meta: Mapping[str, str]) -> FileHeader:
     return header
 
 
-def _verify_data(
-    meta: Mapping[str, str], data: memoryview, key: ChunkKey, precomputed: BlockCrcs | None = None
-) -> None:
-    """Check the data section against the per-block CRC-32 list in `meta`; raise KVFormatError."""
+def stored_block_crcs(meta: Mapping[str, str], data_len: int, key: ChunkKey) -> tuple[int, list[int]]:
+    """(block size, the CRC-32 of each block) as the file's metadata lists them; KVFormatError if malformed."""
     try:
         block = int(meta["checksum_block"])
     except (KeyError, ValueError):
@@ -313,9 +320,23 @@ def _verify_data(
     if not _MIN_BLOCK_BYTES <= block <= _MAX_BLOCK_BYTES:
         raise KVFormatError(f"checksum_block {block} is outside {_MIN_BLOCK_BYTES}..{_MAX_BLOCK_BYTES}")
     stored = meta.get("checksum", "")
-    n_blocks = -(-len(data) // block)
+    n_blocks = -(-data_len // block)
     if not stored.startswith(f"{CHECKSUM_ALGO}:") or len(stored) != len(CHECKSUM_ALGO) + 1 + max(0, 9 * n_blocks - 1):
         raise KVFormatError(f"checksum field does not list {n_blocks} {CHECKSUM_ALGO} blocks for key {key.hex}")
+    try:
+        crcs = [int(c, 16) for c in stored.split(":", 1)[1].split(",")] if n_blocks else []
+    except ValueError:
+        raise KVFormatError(f"checksum field of key {key.hex} holds a value that is not hex") from None
+    return block, crcs
+
+
+def _verify_data(
+    meta: Mapping[str, str], data: memoryview, key: ChunkKey, precomputed: BlockCrcs | None = None
+) -> None:
+    """Check the data section against the per-block CRC-32 list in `meta`; raise KVFormatError."""
+    block = stored_block_crcs(meta, len(data), key)[0]
+    stored = meta["checksum"]
+    n_blocks = -(-len(data) // block)
     if precomputed is not None and precomputed[0] == block:
         got = _format_checksum(precomputed[1]())
     else:
@@ -353,7 +374,33 @@ def decode(
     buf = memoryview(data)
     if buf.readonly:
         buf = memoryview(bytearray(buf))
-    meta, layout = _parse_layout(buf)
+    head = check_head(buf, expected_key=expected_key, model_fp=model_fp, tokenizer_fp=tokenizer_fp)
+    _verify_data(head.meta, buf[head.base:], expected_key, block_crcs)
+    return entry_views(buf, head)
+
+
+@dataclass(frozen=True, slots=True)
+class FileHead:
+    """A file's header, parsed and checked against what the reader asked for (data not yet verified)."""
+
+    meta: dict[str, str]
+    layout: Layout
+    header: FileHeader
+    base: int  # file offset of the data section
+
+
+def check_head(
+    buf: memoryview, *, expected_key: ChunkKey, model_fp: str, tokenizer_fp: str, file_size: int | None = None
+) -> FileHead:
+    """Parse the header at the start of `buf` and check model, tokenizer, key and header checksum.
+
+    Args:
+        file_size: the whole file's size when `buf` holds only its head.
+
+    Raises:
+        KVFormatError: malformed, another model's or another key's file.
+    """
+    meta, layout = _parse_layout(buf, file_size)
     header = _header_from_meta(meta)
     if header.model_fp != model_fp or header.tokenizer_fp != tokenizer_fp:
         raise KVFormatError(
@@ -364,8 +411,16 @@ def decode(
         raise KVFormatError(f"file holds key {header.key.hex}, expected {expected_key.hex}")
     if meta.get("header_checksum") != _header_checksum(meta, layout):
         raise KVFormatError(f"header checksum mismatch for key {expected_key.hex}")
-    base = data_start(buf)
-    _verify_data(meta, buf[base:], expected_key, block_crcs)
+    return FileHead(meta, layout, header, data_start(buf))
+
+
+def entry_views(buf: memoryview, head: FileHead) -> KVEntry:
+    """The entry whose tensors view (uncompressed) or are decoded from (compressed) `buf`.
+
+    `buf` is the whole file, writable; the caller has verified what it will read.
+    """
+    meta, layout, header, base = head.meta, head.layout, head.header, head.base
+    expected_key = header.key
 
     def tensor(name: str) -> torch.Tensor:
         if name not in layout:

@@ -7,6 +7,10 @@
   budget) and is written through to the durable tiers the config names.
 - `prefetch(keys)` starts loading in background threads and returns one
   `PrefetchHandle` per key; concurrent prefetches of one key share one load.
+- `prefetch(keys, layered=True)` (and `fetch_layered`) hand a durable tier's hit out
+  as soon as its header is verified: `Hit.layers` says how many of the entry's layers
+  are filled and verified so far (kvstore.layered), so compute on layer l overlaps the
+  read of layer l+1. The hit is promoted once the whole file has passed.
 
 A store serves one (model_fp, tokenizer_fp) pair: a file of another model is a miss,
 and putting another model's entry is a ValueError. All methods are thread-safe.
@@ -26,6 +30,7 @@ from kvstore.config import StoreConfig, TierSpec
 from kvstore.entry import KVEntry
 from kvstore.fileformat import encode
 from kvstore.keys import ChunkKey, check_fingerprint
+from kvstore.layered import LayerGate
 from kvstore.tiers.base import StorageTier, Tier, TierStats
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.durable import DurableTier
@@ -35,6 +40,8 @@ from ragkv.errors import StoreError
 
 logger = logging.getLogger(__name__)
 
+_STREAM_WORKERS = 16  # concurrent layered reads (a prompt has 3-10 chunks)
+
 
 @dataclass(frozen=True, slots=True)
 class Hit:
@@ -43,6 +50,8 @@ class Hit:
     entry: KVEntry  # the KV, as held by the topmost tier it now sits in
     tier: Tier  # the tier it was found in (before promotion)
     seconds: float  # wall time of the lookup, promotion included
+    # layered reads: wait on this before reading a layer of entry.k / entry.v; None = all filled
+    layers: LayerGate | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,8 +186,11 @@ class TieredStore:
             raise ValueError(f"prefetch_workers must be >= 1, got {prefetch_workers}")
         self.write_through = frozenset(wt)
         self._pool = ThreadPoolExecutor(max_workers=prefetch_workers, thread_name_prefix="kvstore-prefetch")
+        # the bodies of layered reads: one per chunk in flight, so a prompt's chunks fill side by side
+        self._stream_pool = ThreadPoolExecutor(max_workers=max(_STREAM_WORKERS, prefetch_workers),
+                                               thread_name_prefix="kvstore-layers")
         self._lock = threading.RLock()
-        self._inflight: dict[ChunkKey, Future[Hit | None]] = {}
+        self._inflight: dict[tuple[ChunkKey, bool], Future[Hit | None]] = {}
         self._lookups = self._misses = self._promotions = self._promotion_failures = 0
         self._prefetches = self._prefetch_joined = 0
 
@@ -218,6 +230,35 @@ class TieredStore:
                     continue
                 entry = found
             top = self._promote(entry, data, self._tiers[:depth], from_file=data is not None)
+            return Hit(top, tier.tier, time.perf_counter() - started)
+        self._count(misses=1)
+        return None
+
+    def fetch_layered(self, key: ChunkKey) -> Hit | None:
+        """`fetch`, but a durable tier's hit comes back before its data is all read.
+
+        The hit's `layers` gate says how far k and v are filled; the read goes on in the
+        background and the entry is promoted once every block has passed. A memory tier's
+        hit is whole (`layers` None).
+        """
+        if not isinstance(key, ChunkKey):
+            raise TypeError(f"key must be a ChunkKey, got {type(key).__name__}")
+        started = time.perf_counter()
+        self._count(lookups=1)
+        for depth, tier in enumerate(self._tiers):
+            upper = self._tiers[:depth]
+            if isinstance(tier, DurableTier):
+                def promote(data: memoryview | bytearray, entry: KVEntry, upper=upper) -> None:
+                    self._promote(entry, data, upper, from_file=True)
+
+                layered = tier.fetch_layered(key, self._stream_pool.submit, promote)
+                if layered is None:
+                    continue
+                return Hit(layered.entry, tier.tier, time.perf_counter() - started, layered.layers)
+            found = tier.get(key)
+            if found is None:
+                continue
+            top = self._promote(found, None, upper, from_file=False)
             return Hit(top, tier.tier, time.perf_counter() - started)
         self._count(misses=1)
         return None
@@ -297,25 +338,29 @@ class TieredStore:
         """Remove `key` from every tier; True if any held it."""
         return any([t.delete(key) for t in self._tiers])
 
-    def prefetch(self, keys: Iterable[ChunkKey]) -> list[PrefetchHandle]:
-        """Start loading `keys` in the background; one handle per key, in order."""
+    def prefetch(self, keys: Iterable[ChunkKey], layered: bool = False) -> list[PrefetchHandle]:
+        """Start loading `keys` in the background; one handle per key, in order.
+
+        layered: hits come back once their headers are verified, with `Hit.layers` to wait
+        on per layer (`fetch_layered`); otherwise once the whole entry is verified.
+        """
         handles = []
         for key in keys:
             if not isinstance(key, ChunkKey):
                 raise TypeError(f"prefetch keys must be ChunkKey, got {type(key).__name__}")
             with self._lock:
                 self._prefetches += 1
-                future = self._inflight.get(key)
+                future = self._inflight.get((key, layered))
                 if future is None:
-                    future = self._pool.submit(self.fetch, key)
-                    self._inflight[key] = future
-                    future.add_done_callback(lambda f, k=key: self._landed(k, f))
+                    future = self._pool.submit(self.fetch_layered if layered else self.fetch, key)
+                    self._inflight[(key, layered)] = future
+                    future.add_done_callback(lambda f, k=(key, layered): self._landed(k, f))
                 else:
                     self._prefetch_joined += 1
             handles.append(PrefetchHandle(key, future))
         return handles
 
-    def _landed(self, key: ChunkKey, future: Future[Hit | None]) -> None:
+    def _landed(self, key: tuple[ChunkKey, bool], future: Future[Hit | None]) -> None:
         with self._lock:
             if self._inflight.get(key) is future:
                 del self._inflight[key]
@@ -337,6 +382,7 @@ class TieredStore:
     def close(self) -> None:
         """Wait for prefetches in flight, then release every tier."""
         self._pool.shutdown(wait=True)
+        self._stream_pool.shutdown(wait=True)
         for t in self._tiers:
             t.close()
 

@@ -93,6 +93,44 @@ def _read_checking(f: BinaryIO) -> tuple[memoryview, BlockCrcs | None]:
     return view, (block, lambda: [fut.result() for fut in futures])
 
 
+class _FileSource:
+    """A chunk file open for positioned reads (kvstore.layered's ByteSource)."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_RDONLY)
+        self._closed = False
+        try:
+            self.size = os.fstat(self._fd).st_size
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        except OSError:
+            self.close()
+            raise
+
+    def reader(self, start: int, end: int) -> _RangeReader:
+        return _RangeReader(self._fd, start, end)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            os.close(self._fd)
+
+
+class _RangeReader:
+    """pread through [start, end) of an open file; several may share one descriptor."""
+
+    def __init__(self, fd: int, start: int, end: int) -> None:
+        self._fd, self._pos, self._end = fd, start, end
+
+    def readinto(self, view: memoryview) -> int:
+        n = min(len(view), self._end - self._pos)
+        if n <= 0:
+            return 0
+        got = os.preadv(self._fd, [view[:n]], self._pos)
+        self._pos += got
+        return got
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -105,6 +143,7 @@ class DiskTier(DurableTier):
     """Chunk files under one root directory, for one model, under an optional byte budget."""
 
     tier = Tier.DISK
+    streams_layers = True
 
     def __init__(
         self,
@@ -206,7 +245,11 @@ class DiskTier(DurableTier):
             self._counters.add(errors=1)
             logger.warning("disk tier cannot read %s: %s", path, e)
             return None
-        size = len(data)
+        self._note_read(key, path, len(data))
+        return data, crcs
+
+    def _note_read(self, key: ChunkKey, path: Path, size: int) -> None:
+        """A read of `key`'s file: refresh its recency (and index it if another process wrote it)."""
         with self._lock:
             if key in self._sizes:
                 self._tracker.touch(key)
@@ -221,7 +264,17 @@ class DiskTier(DurableTier):
             os.utime(path)  # recency for the next rescan
         except OSError:
             pass
-        return data, crcs
+
+    def _source(self, key: ChunkKey) -> _FileSource | None:
+        path = self.path(key)
+        try:
+            source = _FileSource(path)
+        except FileNotFoundError:
+            with self._lock:
+                self._forget(key)
+            return None
+        self._note_read(key, path, source.size)
+        return source
 
     def _write(self, key: ChunkKey, data: bytes | bytearray) -> bool:
         size = len(data)

@@ -5,6 +5,9 @@ reads are verified by `fileformat.decode` before an entry leaves the tier. A cop
 that fails verification is a counted, logged miss and is handed to `_discard`
 (quarantine on disk, delete on S3). Verified bytes can move between durable tiers
 unchanged (`fetch` then `put_file`), so promotion never re-quantizes.
+A tier that can read byte ranges (`_source`) also serves layer-ordered reads
+(`fetch_layered`, kvstore.layered): the entry is handed out once its header is checked,
+and its layers fill behind compute.
 """
 
 from __future__ import annotations
@@ -12,14 +15,16 @@ from __future__ import annotations
 import abc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.compression import Compression, check_supported
 from kvstore.entry import KVEntry
 from kvstore.fileformat import BlockCrcs, decode, encode
 from kvstore.keys import ChunkKey
+from kvstore.layered import ByteSource, LayerGate, read_layered
 from kvstore.tiers.base import StorageTier
-from ragkv.errors import KVFormatError
+from ragkv.errors import KVFormatError, StoreError
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +37,18 @@ class FileHit:
     data: memoryview | bytearray  # the file's bytes, verified
 
 
+@dataclass(frozen=True, slots=True)
+class LayeredFileHit:
+    """A layer-ordered read from a durable tier."""
+
+    entry: KVEntry  # k and v are filled layer by layer: wait on `layers` before reading one
+    layers: LayerGate
+
+
 class DurableTier(StorageTier):
     """A tier that stores each chunk as one verified file."""
+
+    streams_layers = False  # True where `_source` gives byte-range reads
 
     def __init__(
         self,
@@ -62,6 +77,19 @@ class DurableTier(StorageTier):
     def _discard(self, key: ChunkKey, reason: str) -> None:
         """Take a copy that failed verification out of service."""
 
+    def _source(self, key: ChunkKey) -> ByteSource | None:
+        """Byte-range access to `key`'s file, or None if absent (tiers with `streams_layers`).
+
+        Raises:
+            OSError, StoreError: the file is there but cannot be opened.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not read byte ranges")
+
+    def _rejected(self, key: ChunkKey, error: Exception) -> None:
+        self._counters.add(rejected=1)
+        logger.warning("%s tier rejected key %s: %s", self.tier.value, key.hex, error)
+        self._discard(key, str(error))
+
     def fetch(self, key: ChunkKey) -> FileHit | None:
         """Read and verify `key`'s file; None on a miss or a rejected copy."""
         started = time.perf_counter()
@@ -75,13 +103,66 @@ class DurableTier(StorageTier):
                 data, expected_key=key, model_fp=self.model_fp, tokenizer_fp=self.tokenizer_fp, block_crcs=crcs
             )
         except KVFormatError as e:
-            self._counters.add(rejected=1)
             self._counters.got(started, None)
-            logger.warning("%s tier rejected key %s: %s", self.tier.value, key.hex, e)
-            self._discard(key, str(e))
+            self._rejected(key, e)
             return None
         self._counters.got(started, len(data))
         return FileHit(entry, data)
+
+    def fetch_layered(
+        self,
+        key: ChunkKey,
+        spawn: Callable[[Callable[[], None]], object],
+        on_done: Callable[[memoryview | bytearray, KVEntry], None],
+    ) -> LayeredFileHit | None:
+        """Start a layer-ordered read of `key`; None on a miss or a rejected header.
+
+        The hit comes back once the header, token ids and positions are verified; `spawn`
+        runs the rest of the read, which calls `on_done(file bytes, entry)` when every
+        block has passed. A block that fails later fails the gate and discards the file.
+        A tier without byte-range reads reads whole (its gate is complete at once).
+        """
+        if not self.streams_layers:
+            hit = self.fetch(key)
+            if hit is None:
+                return None
+            on_done(hit.data, hit.entry)
+            return LayeredFileHit(hit.entry, LayerGate.complete(hit.entry.k.shape[0]))
+        started = time.perf_counter()
+        try:
+            source = self._source(key)
+        except (OSError, StoreError) as e:
+            self._counters.add(errors=1)
+            self._counters.got(started, None)
+            logger.warning("%s tier cannot open key %s: %s", self.tier.value, key.hex, e)
+            return None
+        if source is None:
+            self._counters.got(started, None)
+            return None
+        size = source.size
+
+        def failed(error: BaseException) -> None:
+            if isinstance(error, KVFormatError):
+                self._rejected(key, error)
+            else:
+                self._counters.add(errors=1)
+                logger.warning("%s tier read of key %s failed: %s", self.tier.value, key.hex, error)
+
+        try:
+            entry, gate = read_layered(source, expected_key=key, model_fp=self.model_fp,
+                                       tokenizer_fp=self.tokenizer_fp, spawn=spawn, on_done=on_done,
+                                       on_fail=failed)
+        except KVFormatError as e:
+            self._counters.got(started, None)
+            self._rejected(key, e)
+            return None
+        except (OSError, StoreError) as e:
+            self._counters.add(errors=1)
+            self._counters.got(started, None)
+            logger.warning("%s tier read of key %s failed: %s", self.tier.value, key.hex, e)
+            return None
+        self._counters.got(started, size)
+        return LayeredFileHit(entry, gate)
 
     def get(self, key: ChunkKey) -> KVEntry | None:
         hit = self.fetch(key)

@@ -39,6 +39,7 @@ MIN_PART_BYTES = 5 * 1024 * 1024  # S3's smallest part but the last
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _SEGMENT = re.compile(r"[A-Za-z0-9_=+-][A-Za-z0-9._=+-]*")
 _MISSING = {"NoSuchKey", "404", "NotFound"}
+_HEAD_BYTES = 1 << 16  # the first ranged GET of a layered read: header and the start of k
 _EXISTS = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
 
 
@@ -84,10 +85,58 @@ class S3Settings:
             )
 
 
+class _ObjectSource:
+    """An object read by byte ranges (kvstore.layered's ByteSource).
+
+    Opening fetches the head (header and the start of k) with one ranged GET, whose
+    Content-Range gives the size; each later reader is one streaming ranged GET.
+    """
+
+    def __init__(self, client: Any, bucket: str, name: str) -> None:
+        self._s3, self._bucket, self._name = client, bucket, name
+        resp = client.get_object(Bucket=bucket, Key=name, Range=f"bytes=0-{_HEAD_BYTES - 1}")
+        self._head = resp["Body"].read()
+        total = str(resp.get("ContentRange", "")).rpartition("/")[2]
+        self.size = int(total) if total.isdigit() else len(self._head)
+
+    def reader(self, start: int, end: int) -> _BodyReader:
+        if end <= len(self._head):
+            return _BodyReader(memoryview(self._head)[start:end])
+        try:
+            body = self._s3.get_object(Bucket=self._bucket, Key=self._name, Range=f"bytes={start}-{end - 1}")["Body"]
+        except (ClientError, BotoCoreError) as e:
+            raise StoreError(f"s3 ranged get of s3://{self._bucket}/{self._name} failed: {e}") from e
+        return _BodyReader(body)
+
+    def close(self) -> None:
+        self._head = b""
+
+
+class _BodyReader:
+    """Sequential reads from a GET's streaming body (or from bytes already fetched)."""
+
+    def __init__(self, body: Any) -> None:
+        self._body = body
+        self._pos = 0
+
+    def readinto(self, view: memoryview) -> int:
+        if isinstance(self._body, memoryview):
+            part = self._body[self._pos:self._pos + len(view)]
+            self._pos += len(part)
+        else:
+            try:
+                part = self._body.read(len(view))
+            except Exception as e:  # botocore and urllib3 both raise from a broken stream
+                raise StoreError(f"s3 read failed mid-object: {e}") from e
+        view[:len(part)] = part
+        return len(part)
+
+
 class S3Tier(DurableTier):
     """Chunk files in one bucket under one prefix, for one model. No byte budget."""
 
     tier = Tier.S3
+    streams_layers = True
 
     def __init__(
         self,
@@ -137,6 +186,17 @@ class S3Tier(DurableTier):
         except BotoCoreError as e:
             self._failed("get", key, e)
         return None
+
+    def _source(self, key: ChunkKey) -> _ObjectSource | None:
+        name = self.object_key(key)
+        try:
+            return _ObjectSource(self._s3, self.bucket, name)
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in _MISSING | {"InvalidRange"}:
+                return None
+            raise StoreError(f"s3 get of s3://{self.bucket}/{name} failed: {e}") from e
+        except BotoCoreError as e:
+            raise StoreError(f"s3 get of s3://{self.bucket}/{name} failed: {e}") from e
 
     def _write(self, key: ChunkKey, data: bytes | bytearray | memoryview) -> bool:
         name = self.object_key(key)

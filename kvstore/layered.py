@@ -1,0 +1,266 @@
+"""Layer-ordered reads of a chunk file: its layers become usable one by one.
+
+A blend needs layer l of every chunk only when it reaches layer l, so a durable tier
+can hand an entry out as soon as the file's header is checked and fill K and V behind
+compute, in layer order (layer-wise pipelining). The data section is read as two
+sequential streams, one through k's bytes and one through v's (v follows k in every
+file we write), so layer l's K and V arrive together. Each checksum block is verified
+the moment it is whole, and layer l is published only once every block holding any of
+its bytes has passed. A block that fails, or a read that fails, stops the stream:
+`LayerGate.wait` raises for that layer and every later one, and the tier takes the
+file out of service. Files this cannot stream (compressed ones, whose dequantization
+needs whole tensors, or a layout we did not write) are read whole before they are
+handed out.
+
+Knows nothing of where the bytes live: a tier supplies a `ByteSource`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from kvstore.compression import Compression
+from kvstore.entry import KVEntry
+from kvstore.fileformat import FileHead, check_head, data_start, decode, entry_views, stored_block_crcs
+from kvstore.keys import ChunkKey
+from ragkv.errors import KVFormatError, StoreError
+
+HEAD_BYTES = 1 << 16  # first read: the header of any file we write, and the start of k
+
+
+class RangeReader(Protocol):
+    """Sequential reads through one byte range of a file."""
+
+    def readinto(self, view: memoryview) -> int:
+        """Fill the start of `view` with the next bytes; 0 only at the range's end."""
+
+
+class ByteSource(Protocol):
+    """Random access to one stored file, as a tier provides it."""
+
+    size: int  # the file's length in bytes
+
+    def reader(self, start: int, end: int) -> RangeReader:
+        """A reader through bytes [start, end)."""
+
+    def close(self) -> None:
+        """Release the file (called once, after the last read)."""
+
+
+class LayerGate:
+    """How many of a chunk's layers hold verified data. Wait on it before reading a layer."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self._cond = threading.Condition()
+        self._ready = 0  # layers [0, ready) are filled and verified
+        self._error: BaseException | None = None
+
+    @classmethod
+    def complete(cls, num_layers: int) -> LayerGate:
+        gate = cls(num_layers)
+        gate._ready = num_layers
+        return gate
+
+    @property
+    def ready(self) -> int:
+        """Layers [0, ready) may be read now."""
+        with self._cond:
+            return self._ready
+
+    @property
+    def error(self) -> BaseException | None:
+        with self._cond:
+            return self._error
+
+    def wait(self, layer: int, timeout: float | None = None) -> None:
+        """Block until layers [0, layer] are filled and verified.
+
+        Raises:
+            KVFormatError: a block holding this layer failed its checksum (StoreError: the read failed).
+            TimeoutError: not ready within `timeout` seconds.
+        """
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} is outside 0..{self.num_layers - 1}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._ready <= layer:
+                if self._error is not None:
+                    raise self._error
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"layer {layer} not read within {timeout} s ({self._ready} ready)")
+                self._cond.wait(left)
+
+    def wait_all(self, timeout: float | None = None) -> None:
+        self.wait(self.num_layers - 1, timeout)
+
+    def publish(self, ready: int) -> None:
+        with self._cond:
+            self._ready = max(self._ready, ready)
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+
+
+class _Stream:
+    """One sequential read through a run of checksum blocks, verifying each as it completes."""
+
+    def __init__(self, source: ByteSource, buf: memoryview, base: int, block: int, crcs: list[int],
+                 first_block: int, end_block: int, filled: int, key: ChunkKey) -> None:
+        self.buf, self.base, self.block, self.crcs, self.key = buf, base, block, crcs, key
+        self.end = min(len(buf), base + end_block * block)  # file offset where this stream stops
+        self.filled = min(max(filled, base + first_block * block), self.end)  # bytes before it are in buf
+        self.next_block = first_block  # the first block not yet verified
+        self._reader = source.reader(self.filled, self.end) if self.filled < self.end else None
+
+    def block_end(self, b: int) -> int:
+        return min(len(self.buf), self.base + (b + 1) * self.block)
+
+    def advance(self, upto_block: int) -> None:
+        """Read and verify through block `upto_block` (one of this stream's)."""
+        while self.next_block <= upto_block:
+            b = self.next_block
+            stop = self.block_end(b)
+            while self.filled < stop:
+                got = self._reader.readinto(self.buf[self.filled:stop]) if self._reader is not None else 0
+                if not got:
+                    raise KVFormatError(f"file of key {self.key.hex} ended at byte {self.filled}, "
+                                        f"before block {b} was whole (truncated?)")
+                self.filled += got
+            lo = self.base + b * self.block
+            if zlib.crc32(self.buf[lo:stop]) != self.crcs[b]:
+                raise KVFormatError(f"checksum mismatch for key {self.key.hex} in block {b} of "
+                                    f"{len(self.crcs)} ({self.block} bytes each)")
+            self.next_block += 1
+
+
+def read_layered(
+    source: ByteSource,
+    *,
+    expected_key: ChunkKey,
+    model_fp: str,
+    tokenizer_fp: str,
+    spawn: Callable[[Callable[[], None]], object],
+    on_done: Callable[[memoryview, KVEntry], None],
+    on_fail: Callable[[BaseException], None],
+) -> tuple[KVEntry, LayerGate]:
+    """Start reading `source`; return its entry (k and v filling in) and the gate that says how far.
+
+    The header and the blocks holding token_ids and positions are read and verified
+    here; `spawn(job)` runs the rest in the background (closing the source at the end).
+
+    Args:
+        spawn: runs a callable on another thread (an executor's submit).
+        on_done: called from that thread with the whole verified file and its entry.
+        on_fail: called from that thread when a block or a read fails (the gate already says so).
+
+    Raises:
+        KVFormatError: the header is bad or another model's / key's; the source is closed.
+        OSError, StoreError: the first reads failed; the source is closed.
+    """
+    try:
+        buf_t = torch.empty(source.size, dtype=torch.uint8)  # [nbytes], uninitialized: no zero-fill pass
+        buf = memoryview(buf_t.numpy())
+        head_len = _fill(source, buf, 0, min(source.size, HEAD_BYTES))
+        base = data_start(buf[:head_len])
+        if head_len < base <= source.size:  # a header longer than the first read
+            head_len = _fill(source, buf, head_len, base)
+        head = check_head(buf[:head_len], expected_key=expected_key, model_fp=model_fp,
+                          tokenizer_fp=tokenizer_fp, file_size=source.size)
+        plan = _plan(head, source.size)
+        if plan is None:  # not streamable: read the rest and verify it whole
+            _fill(source, buf, head_len, source.size)
+            entry = decode(buf, expected_key=expected_key, model_fp=model_fp, tokenizer_fp=tokenizer_fp)
+            source.close()
+            on_done(buf, entry)
+            return entry, LayerGate.complete(entry.k.shape[0])
+        block, crcs = stored_block_crcs(head.meta, source.size - base, expected_key)
+        k_stream = _Stream(source, buf, base, block, crcs, 0, plan.v_first_block, head_len, expected_key)
+        v_stream = _Stream(source, buf, base, block, crcs, plan.v_first_block, len(crcs), head_len, expected_key)
+        k_stream.advance(plan.prelude_block)  # token_ids and positions: the entry checks its key with them
+        entry = entry_views(buf, head)
+    except BaseException:
+        source.close()
+        raise
+    gate = LayerGate(plan.num_layers)
+
+    def run() -> None:
+        try:
+            for layer in range(plan.num_layers):
+                for need in (plan.k_blocks[layer], plan.v_blocks[layer]):
+                    (k_stream if need < plan.v_first_block else v_stream).advance(need)
+                gate.publish(layer + 1)
+            k_stream.advance(plan.v_first_block - 1)  # bytes past the last layer, if any
+            v_stream.advance(len(crcs) - 1)
+        except KVFormatError as e:
+            gate.fail(e)
+            on_fail(e)
+            return
+        except Exception as e:  # an I/O failure is not damage: say so, keep the file
+            err = StoreError(f"reading key {expected_key.hex} failed after {gate.ready} layers: {e}")
+            gate.fail(err)
+            on_fail(err)
+            return
+        finally:
+            source.close()
+        on_done(buf, entry)
+
+    spawn(run)
+    return entry, gate
+
+
+class _Plan:
+    """Which checksum block each layer's last K and V bytes sit in."""
+
+    __slots__ = ("num_layers", "k_blocks", "v_blocks", "v_first_block", "prelude_block")
+
+    def __init__(self, num_layers: int, k_blocks: list[int], v_blocks: list[int], v_first_block: int,
+                 prelude_block: int) -> None:
+        self.num_layers, self.k_blocks, self.v_blocks = num_layers, k_blocks, v_blocks
+        self.v_first_block, self.prelude_block = v_first_block, prelude_block
+
+
+def _plan(head: FileHead, size: int) -> _Plan | None:
+    """The layer plan of an uncompressed file laid out as we write it, else None (read it whole)."""
+    layout = head.layout
+    if head.header.compression is not Compression.NONE or "k" not in layout or "v" not in layout:
+        return None
+    try:
+        block = int(head.meta["checksum_block"])
+    except (KeyError, ValueError):
+        return None  # decode names the problem
+    (_, _, k_start, k_end), (_, _, v_start, v_end) = layout["k"], layout["v"]
+    others_end = max((e for n, (_, _, _, e) in layout.items() if n not in ("k", "v")), default=0)
+    num_layers = head.header.shape[0]
+    if not (others_end <= k_start < k_end <= v_start < v_end) or num_layers < 1 or block < 1:
+        return None
+    per_layer = (k_end - k_start) // num_layers
+    k_blocks = [(k_start + (i + 1) * per_layer - 1) // block for i in range(num_layers)]
+    v_blocks = [(v_start + (i + 1) * per_layer - 1) // block for i in range(num_layers)]
+    v_first = v_start // block
+    prelude = max(0, (others_end - 1) // block) if others_end else -1
+    if prelude >= v_first:
+        return None
+    return _Plan(num_layers, k_blocks, v_blocks, v_first, prelude)
+
+
+def _fill(source: ByteSource, buf: memoryview, start: int, end: int) -> int:
+    """Read bytes [start, end) into buf; returns end. KVFormatError if the file is shorter."""
+    reader = source.reader(start, end)
+    pos = start
+    while pos < end:
+        got = reader.readinto(buf[pos:end])
+        if not got:
+            raise KVFormatError(f"file ended at byte {pos} of {end} (truncated?)")
+        pos += got
+    return end

@@ -21,6 +21,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -177,14 +178,14 @@ def read_layered(
             head_len = _fill(source, buf, head_len, base)
         head = check_head(buf[:head_len], expected_key=expected_key, model_fp=model_fp,
                           tokenizer_fp=tokenizer_fp, file_size=source.size)
-        plan = _plan(head, source.size)
+        block, crcs = stored_block_crcs(head.meta, source.size - base, expected_key)
+        plan = _plan(head, block)
         if plan is None:  # not streamable: read the rest and verify it whole
             _fill(source, buf, head_len, source.size)
             entry = decode(buf, expected_key=expected_key, model_fp=model_fp, tokenizer_fp=tokenizer_fp)
             source.close()
             on_done(buf, entry)
             return entry, LayerGate.complete(entry.k.shape[0])
-        block, crcs = stored_block_crcs(head.meta, source.size - base, expected_key)
         k_stream = _Stream(source, buf, base, block, crcs, 0, plan.v_first_block, head_len, expected_key)
         v_stream = _Stream(source, buf, base, block, crcs, plan.v_first_block, len(crcs), head_len, expected_key)
         k_stream.advance(plan.prelude_block)  # token_ids and positions: the entry checks its key with them
@@ -219,36 +220,32 @@ def read_layered(
     return entry, gate
 
 
+@dataclass(frozen=True, slots=True)
 class _Plan:
     """Which checksum block each layer's last K and V bytes sit in."""
 
-    __slots__ = ("num_layers", "k_blocks", "v_blocks", "v_first_block", "prelude_block")
+    num_layers: int
+    k_blocks: list[int]  # [L] block holding the last byte of k's layer l
+    v_blocks: list[int]  # [L] block holding the last byte of v's layer l
+    v_first_block: int  # the block v starts in: the v stream's first
+    prelude_block: int  # the last block holding token_ids / positions (-1: none)
 
-    def __init__(self, num_layers: int, k_blocks: list[int], v_blocks: list[int], v_first_block: int,
-                 prelude_block: int) -> None:
-        self.num_layers, self.k_blocks, self.v_blocks = num_layers, k_blocks, v_blocks
-        self.v_first_block, self.prelude_block = v_first_block, prelude_block
 
-
-def _plan(head: FileHead, size: int) -> _Plan | None:
+def _plan(head: FileHead, block: int) -> _Plan | None:
     """The layer plan of an uncompressed file laid out as we write it, else None (read it whole)."""
     layout = head.layout
     if head.header.compression is not Compression.NONE or "k" not in layout or "v" not in layout:
         return None
-    try:
-        block = int(head.meta["checksum_block"])
-    except (KeyError, ValueError):
-        return None  # decode names the problem
     (_, _, k_start, k_end), (_, _, v_start, v_end) = layout["k"], layout["v"]
     others_end = max((e for n, (_, _, _, e) in layout.items() if n not in ("k", "v")), default=0)
     num_layers = head.header.shape[0]
-    if not (others_end <= k_start < k_end <= v_start < v_end) or num_layers < 1 or block < 1:
+    if not (others_end <= k_start < k_end <= v_start < v_end) or num_layers < 1:
         return None
     per_layer = (k_end - k_start) // num_layers
     k_blocks = [(k_start + (i + 1) * per_layer - 1) // block for i in range(num_layers)]
     v_blocks = [(v_start + (i + 1) * per_layer - 1) // block for i in range(num_layers)]
     v_first = v_start // block
-    prelude = max(0, (others_end - 1) // block) if others_end else -1
+    prelude = (others_end - 1) // block if others_end else -1
     if prelude >= v_first:
         return None
     return _Plan(num_layers, k_blocks, v_blocks, v_first, prelude)

@@ -213,11 +213,32 @@ class TieredStore:
 
     def fetch(self, key: ChunkKey) -> Hit | None:
         """Look `key` up top-down; promote a hit into the tiers above; None if every tier misses."""
+        return self._lookup(key, layered=False)
+
+    def fetch_layered(self, key: ChunkKey) -> Hit | None:
+        """`fetch`, but a durable tier's hit comes back before its data is all read.
+
+        The hit's `layers` gate says how far k and v are filled; the read goes on in the
+        background and the entry is promoted once every block has passed. A memory tier's
+        hit is whole (`layers` None).
+        """
+        return self._lookup(key, layered=True)
+
+    def _lookup(self, key: ChunkKey, layered: bool) -> Hit | None:
         if not isinstance(key, ChunkKey):
             raise TypeError(f"key must be a ChunkKey, got {type(key).__name__}")
         started = time.perf_counter()
         self._count(lookups=1)
         for depth, tier in enumerate(self._tiers):
+            upper = self._tiers[:depth]
+            if isinstance(tier, DurableTier) and layered:
+                def promote(data: memoryview | bytearray, entry: KVEntry, upper=upper) -> None:
+                    self._promote(entry, data, upper, from_file=True)
+
+                streamed = tier.fetch_layered(key, self._stream_pool.submit, promote)
+                if streamed is None:
+                    continue
+                return Hit(streamed.entry, tier.tier, time.perf_counter() - started, streamed.layers)
             data = None
             if isinstance(tier, DurableTier):
                 file_hit = tier.fetch(key)
@@ -229,36 +250,7 @@ class TieredStore:
                 if found is None:
                     continue
                 entry = found
-            top = self._promote(entry, data, self._tiers[:depth], from_file=data is not None)
-            return Hit(top, tier.tier, time.perf_counter() - started)
-        self._count(misses=1)
-        return None
-
-    def fetch_layered(self, key: ChunkKey) -> Hit | None:
-        """`fetch`, but a durable tier's hit comes back before its data is all read.
-
-        The hit's `layers` gate says how far k and v are filled; the read goes on in the
-        background and the entry is promoted once every block has passed. A memory tier's
-        hit is whole (`layers` None).
-        """
-        if not isinstance(key, ChunkKey):
-            raise TypeError(f"key must be a ChunkKey, got {type(key).__name__}")
-        started = time.perf_counter()
-        self._count(lookups=1)
-        for depth, tier in enumerate(self._tiers):
-            upper = self._tiers[:depth]
-            if isinstance(tier, DurableTier):
-                def promote(data: memoryview | bytearray, entry: KVEntry, upper=upper) -> None:
-                    self._promote(entry, data, upper, from_file=True)
-
-                layered = tier.fetch_layered(key, self._stream_pool.submit, promote)
-                if layered is None:
-                    continue
-                return Hit(layered.entry, tier.tier, time.perf_counter() - started, layered.layers)
-            found = tier.get(key)
-            if found is None:
-                continue
-            top = self._promote(found, None, upper, from_file=False)
+            top = self._promote(entry, data, upper, from_file=data is not None)
             return Hit(top, tier.tier, time.perf_counter() - started)
         self._count(misses=1)
         return None

@@ -90,6 +90,14 @@ class DurableTier(StorageTier):
         logger.warning("%s tier rejected key %s: %s", self.tier.value, key.hex, error)
         self._discard(key, str(error))
 
+    def _read_failed(self, key: ChunkKey, error: BaseException) -> None:
+        """A layered read failed: damage is rejected (and discarded), I/O is a counted error (file kept)."""
+        if isinstance(error, KVFormatError):
+            self._rejected(key, error)
+        else:
+            self._counters.add(errors=1)
+            logger.warning("%s tier read of key %s failed: %s", self.tier.value, key.hex, error)
+
     def fetch(self, key: ChunkKey) -> FileHit | None:
         """Read and verify `key`'s file; None on a miss or a rejected copy."""
         started = time.perf_counter()
@@ -132,34 +140,20 @@ class DurableTier(StorageTier):
         try:
             source = self._source(key)
         except (OSError, StoreError) as e:
-            self._counters.add(errors=1)
             self._counters.got(started, None)
-            logger.warning("%s tier cannot open key %s: %s", self.tier.value, key.hex, e)
+            self._read_failed(key, e)
             return None
         if source is None:
             self._counters.got(started, None)
             return None
         size = source.size
-
-        def failed(error: BaseException) -> None:
-            if isinstance(error, KVFormatError):
-                self._rejected(key, error)
-            else:
-                self._counters.add(errors=1)
-                logger.warning("%s tier read of key %s failed: %s", self.tier.value, key.hex, error)
-
         try:
             entry, gate = read_layered(source, expected_key=key, model_fp=self.model_fp,
                                        tokenizer_fp=self.tokenizer_fp, spawn=spawn, on_done=on_done,
-                                       on_fail=failed)
-        except KVFormatError as e:
+                                       on_fail=lambda e: self._read_failed(key, e))
+        except (KVFormatError, OSError, StoreError) as e:
             self._counters.got(started, None)
-            self._rejected(key, e)
-            return None
-        except (OSError, StoreError) as e:
-            self._counters.add(errors=1)
-            self._counters.got(started, None)
-            logger.warning("%s tier read of key %s failed: %s", self.tier.value, key.hex, e)
+            self._read_failed(key, e)
             return None
         self._counters.got(started, size)
         return LayeredFileHit(entry, gate)

@@ -11,23 +11,20 @@ Shape legend used in every comment:
     V    vocabulary size
 """
 
-import os
+from engine.memory import tune_host_allocator
 
-# Every request allocates its KV cache and reads chunk files into fresh buffers (hundreds
-# of MB): torch's CPU allocator backs blocks >= 2 MB with transparent huge pages when
-# this is set, which halves the first-touch cost (about 6% of reuse TTFT on 8x512
-# tokens). Read at torch's first large allocation; an explicit setting wins.
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+tune_host_allocator()  # before torch's first large allocation: see engine/memory.py
 
 from engine.blend import BlendMode, BlendOptions, BlendResult, Selector
+from engine.select import Budget
 from engine.decode import DecodeStream, SamplingParams
 from engine.fingerprint import Fingerprint
-from engine.kv import ChunkKV, KVCache
+from engine.kv import ChunkKV, KVCache, LayerReady
 from engine.loading import DEFAULT_MODEL, LoadedModel, load_model
 from engine.prompt import PromptFormat
 from engine.runtime import Engine
 
 __all__ = [
-    "DEFAULT_MODEL", "BlendMode", "BlendOptions", "BlendResult", "ChunkKV", "DecodeStream",
-    "Engine", "Fingerprint", "KVCache", "LoadedModel", "PromptFormat", "SamplingParams", "Selector", "load_model",
+    "DEFAULT_MODEL", "BlendMode", "Budget", "BlendOptions", "BlendResult", "ChunkKV", "DecodeStream",
+    "Engine", "Fingerprint", "KVCache", "LayerReady", "LoadedModel", "PromptFormat", "SamplingParams", "Selector", "load_model",
 ]

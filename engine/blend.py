@@ -38,7 +38,7 @@ from engine.forward import Heads, layer_forward, plan_attention, project_kv
 from engine.kv import ChunkKV, KVCache
 from engine.loading import LoadedModel
 from engine.rope import apply_rope, rotary_tables
-from engine.select import question_attention, select_tokens, tokens_for_mass
+from engine.select import Budget, question_attention, select_tokens, tokens_for_mass
 
 
 class BlendMode(str, enum.Enum):
@@ -66,6 +66,7 @@ class BlendOptions:
     score_layer: int | None = None  # query: the layer whose attention scores tokens (None = middle)
     sink_tokens: int = 0  # the first tokens of every chunk are always picked (within the budget)
     window: int = 1  # pick whole windows of this many tokens (CacheClip grouping); 1 = tokens
+    budget: Budget = Budget.GLOBAL  # spread the picks over the whole context, or per chunk
     adaptive_mass: float | None = None  # pick the fewest tokens holding this share of the score
     min_ratio: float = 0.0  # adaptive: never fewer than this fraction
     # quality guard (query selector, with adaptive_mass): when holding adaptive_mass of the
@@ -87,6 +88,7 @@ class BlendOptions:
         if self.context_temperature <= 0:
             raise ValueError(f"context_temperature must be > 0, got {self.context_temperature}")
         object.__setattr__(self, "selector", Selector(self.selector))
+        object.__setattr__(self, "budget", Budget(self.budget))
         if self.check_layer < 1:  # layer 0's K/V depend on the token alone: nothing to score there
             raise ValueError(f"check_layer must be >= 1 (layer 0's K/V do not depend on context), "
                              f"got {self.check_layer}")
@@ -171,10 +173,9 @@ def run_prompt(
     cache = KVCache(lm.num_layers, lm.num_kv_heads, lm.head_dim, n + reserve_tokens, lm.dtype, dev)
     cache.length = n
     cos_all, sin_all = rotary_tables(model, torch.arange(n, device=dev), _like(lm))  # [N, D]
-    if mode is not BlendMode.FULL:
-        cache.write_segments(segments, cos_all, sin_all)
-    if mode in (BlendMode.REUSE, BlendMode.BLEND) and options.context_temperature != 1.0:
-        cache.k[:, :, p:c] /= options.context_temperature  # recomputed tokens overwrite theirs
+    if mode is not BlendMode.FULL:  # layers of chunks still loading are written as the pass reaches them
+        temper = mode in (BlendMode.REUSE, BlendMode.BLEND) and options.context_temperature != 1.0
+        cache.stage(segments, cos_all, sin_all, (p, options.context_temperature) if temper else None)
     # blend recomputes the (short) prefix too in its first layers: its fresh KV equals the
     # cached one, and queries == keys lets SDPA use its causal kernel instead of a mask.
     first_active = {BlendMode.FULL: 0, BlendMode.PREFIX: p, BlendMode.BLEND: 0, BlendMode.REUSE: c}[mode]
@@ -208,6 +209,7 @@ def run_prompt(
     recomputed = pos[pos < c] if first_active < 0 else torch.arange(max(first_active, p), c, device=dev)
     last = lm.num_layers - 1
     for i, layer in enumerate(model.model.layers):
+        cache.fill(i)
         if i == check:  # score chunk tokens by how far their fresh K/V moved from the cached ones
             timer.lap("layers_full")
             k, v = project_kv(layer, h, heads)  # [Hkv, S, D], every active token

@@ -9,6 +9,7 @@ each chunk's start, and whole windows (CacheClip's grouping).
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -32,11 +33,20 @@ def tokens_for_mass(score: torch.Tensor, mass: float) -> int:
     return min(int(score.shape[0]), int(torch.searchsorted(torch.cumsum(sorted_s, 0), mass * total)) + 1)
 
 
+class Budget(str, enum.Enum):
+    """How the recompute budget is spread over the chunks."""
+
+    GLOBAL = "global"  # the best-scoring tokens of the whole context, wherever they sit
+    CHUNK = "chunk"  # each chunk gets its length's share of the budget and picks its own best
+
+
 def select_tokens(score: torch.Tensor, chunk_lens: Sequence[int], options: BlendOptions) -> torch.Tensor:
     """Pick chunk tokens to recompute: sinks first, then by score, within the budget.
 
     The budget is round(recompute_ratio * n) tokens; with `adaptive_mass` it is the fewest
     tokens whose scores hold that share of the total, clamped to [min_ratio, recompute_ratio].
+    Under `Budget.CHUNK` it is split over the chunks in proportion to their lengths
+    (largest remainder), and each chunk spends its share on its own best tokens.
 
     Args:
         score: [n] per chunk token, higher = recompute first (n = sum(chunk_lens)).
@@ -45,9 +55,35 @@ def select_tokens(score: torch.Tensor, chunk_lens: Sequence[int], options: Blend
         [R] int64 sorted offsets into the concatenated chunk tokens.
     """
     n = score.shape[0]
+    if sum(chunk_lens) != n:
+        raise ValueError(f"chunk_lens sum to {sum(chunk_lens)}, but there are {n} scores")
     budget = int(round(options.recompute_ratio * n))
     if options.adaptive_mass is not None and budget > 0:
         budget = max(int(round(options.min_ratio * n)), min(budget, tokens_for_mass(score, options.adaptive_mass)))
+    if budget >= n:
+        return torch.arange(n, device=score.device)
+    if options.budget is Budget.GLOBAL:
+        return _pick(score, budget, chunk_lens, options)
+    picks, off = [], 0
+    for t, b in zip(chunk_lens, _split_budget(budget, chunk_lens)):
+        picks.append(_pick(score[off:off + t], b, [t], options) + off)
+        off += t
+    return torch.cat(picks)
+
+
+def _split_budget(budget: int, chunk_lens: Sequence[int]) -> list[int]:
+    """`budget` tokens shared over chunks in proportion to their lengths (largest remainder)."""
+    n = sum(chunk_lens)
+    exact = [budget * t / n for t in chunk_lens]
+    shares = [int(e) for e in exact]
+    for i in sorted(range(len(exact)), key=lambda i: shares[i] - exact[i])[: budget - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+def _pick(score: torch.Tensor, budget: int, chunk_lens: Sequence[int], options: BlendOptions) -> torch.Tensor:
+    """The `budget` best of score: [n] (sinks of each chunk first, whole windows) as sorted offsets."""
+    n = score.shape[0]
     if budget >= n:
         return torch.arange(n, device=score.device)
     score = score.float().clone()
@@ -94,6 +130,7 @@ def question_attention(lm: LoadedModel, ids: torch.Tensor, cache: KVCache, cos_a
     rows: dict[int, torch.Tensor] = {}
     h = model.model.embed_tokens(ids[c:])  # [Q, hidden]
     for i, layer in enumerate(model.model.layers[: want[-1] + 1]):
+        cache.fill(i)
         x = layer.input_layernorm(h) if i in want else None
         # the question's own K must be in cache[i] before the keys are read (its slots are
         # uninitialized until written); past the last scored layer nothing reads h

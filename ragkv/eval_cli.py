@@ -32,6 +32,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--modes", default="full,reuse,blend", help="comma list of full, prefix, reuse, blend, focus")
     p.add_argument("--ratio", default="0.15", help="blend recompute ratio(s), comma list")
     p.add_argument("--selector", default="query", help="blend selector(s): query (default), deviation")
+    p.add_argument("--budget", default="global",
+                   help="blend: how the recompute budget spreads: global (the best tokens anywhere) or chunk "
+                        "(each chunk its length's share); comma list to compare")
     p.add_argument("--check-layer", type=int, default=1, help="deviation: check layer (default 1)")
     p.add_argument("--sink-tokens", type=int, default=0, help="always recompute each chunk's first tokens")
     p.add_argument("--window", type=int, default=1, help="recompute whole windows of this many tokens")
@@ -72,13 +75,16 @@ def _methods(args: argparse.Namespace):
         if bm is not BlendMode.BLEND:
             methods.append(Method(mode, bm))
             continue
+        budgets = [b.strip() for b in args.budget.split(",")]
         for sel in selectors:
-            for r in ratios:
-                opts = BlendOptions(recompute_ratio=r, selector=sel, check_layer=args.check_layer,
-                                    sink_tokens=args.sink_tokens, window=args.window,
-                                    adaptive_mass=args.adaptive_mass, fallback_full=args.fallback_full)
-                name = "blend" if len(selectors) == len(ratios) == 1 else f"blend-{sel}-{r:g}"
-                methods.append(Method(name, bm, opts))
+            for budget in budgets:
+                for r in ratios:
+                    opts = BlendOptions(recompute_ratio=r, selector=sel, check_layer=args.check_layer,
+                                        sink_tokens=args.sink_tokens, window=args.window, budget=budget,
+                                        adaptive_mass=args.adaptive_mass, fallback_full=args.fallback_full)
+                    name = "blend" if len(selectors) == len(ratios) == len(budgets) == 1 else (
+                        f"blend-{sel}-{r:g}" + (f"-{budget}" if len(budgets) > 1 else ""))
+                    methods.append(Method(name, bm, opts))
     return methods
 
 

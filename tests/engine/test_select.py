@@ -1,0 +1,62 @@
+"""Picking tokens from scores: the global and the per-chunk budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import BlendMode, BlendOptions, Budget
+from engine.select import select_tokens
+
+
+def test_chunk_budget_gives_each_chunk_its_share_of_its_own_best():
+    torch.manual_seed(0)
+    lens = [50, 30, 20]
+    score = torch.rand(100)
+    score[80:] += 10  # the last chunk would take every pick under a global budget
+    glob = select_tokens(score, lens, BlendOptions(0.2))
+    per = select_tokens(score, lens, BlendOptions(0.2, budget="chunk"))
+    assert glob.tolist() == list(range(80, 100))
+    assert per.numel() == 20 and per.tolist() == sorted(per.tolist())
+    off = 0
+    for t, share in zip(lens, [10, 6, 4]):
+        mine = per[(per >= off) & (per < off + t)]
+        assert mine.numel() == share
+        assert set(mine.tolist()) == set((torch.topk(score[off:off + t], share).indices + off).tolist())
+        off += t
+
+
+@pytest.mark.parametrize("lens,ratio", [([7, 7, 7], 0.5), ([1, 2, 97], 0.13), ([33], 0.3), ([5, 5], 1.0)])
+def test_chunk_budget_spends_exactly_the_global_budget(lens, ratio):
+    n = sum(lens)
+    picked = select_tokens(torch.rand(n), lens, BlendOptions(ratio, budget=Budget.CHUNK, sink_tokens=1))
+    assert picked.numel() == round(ratio * n) and picked.unique().numel() == picked.numel()
+
+
+def test_scores_must_match_the_chunks():
+    with pytest.raises(ValueError, match="sum to 9"):
+        select_tokens(torch.rand(10), [4, 5], BlendOptions(0.2))
+    with pytest.raises(ValueError, match="'sideways' is not a valid Budget"):
+        BlendOptions(budget="sideways")
+
+
+def test_chunk_budget_blend_recomputes_every_chunk(tiny_llama_engine):
+    from tests.engine.test_blend import _parts
+
+    prefix, kvs, q, _ = _parts(tiny_llama_engine)
+    res = tiny_llama_engine.blend(prefix, kvs, q, mode=BlendMode.BLEND,
+                                  options=BlendOptions(0.3, budget="chunk", selector="query"))
+    starts = torch.tensor([prefix.num_tokens + sum(k.num_tokens for k in kvs[:i]) for i in range(len(kvs) + 1)])
+    per_chunk = torch.bucketize(res.recomputed, starts[1:], right=True).bincount(minlength=len(kvs))
+    assert per_chunk.tolist() == [round(0.3 * k.num_tokens) for k in kvs] or per_chunk.sum() == round(
+        0.3 * sum(k.num_tokens for k in kvs))
+    assert (per_chunk > 0).all()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_engine(tmp_path_factory):
+    from engine import Engine, load_model
+    from engine.testing import tiny_model_dir
+
+    d = tiny_model_dir(tmp_path_factory.mktemp("llama"), "llama", seed=7)
+    return Engine(load_model(str(d), device="cpu", dtype="float32"))

@@ -56,7 +56,7 @@ def chunk_relevance(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Ch
     cache = KVCache(top, lm.num_kv_heads, lm.head_dim, n, lm.dtype, dev)
     cache.length = n
     cos, sin = rotary_tables(lm.model, torch.arange(n, device=dev), torch.empty(0, dtype=lm.dtype, device=dev))
-    cache.write_segments([_first_layers(s, top) for s in segments], cos, sin)
+    cache.stage([s.first_layers(top) for s in segments], cos, sin)
     attn = question_attention(lm, ids, cache, cos, sin, c, list(layers))  # [len(layers), c]
     p = prefix.num_tokens if prefix is not None else 0
     per_chunk = []
@@ -78,6 +78,3 @@ def pick_chunks(relevance: torch.Tensor, keep: float) -> list[int]:
     best = float(relevance.max())
     return [i for i, r in enumerate(relevance.tolist()) if r >= keep * best]
 
-
-def _first_layers(seg: ChunkKV, top: int) -> ChunkKV:
-    return ChunkKV(seg.token_ids, seg.k[:top], seg.v[:top], seg.positions)

@@ -2,17 +2,30 @@
 
 Layout is one everywhere: `[L, Hkv, T, D]`. Stored chunk K is *before* RoPE (so it
 can be rotated to any final position); the decode cache holds K *after* RoPE.
+
+A chunk may still be arriving (layer-wise loading): its `ready.wait(l)` returns once
+layer l of its k and v hold their data. The cache then takes each layer only when the
+forward pass reaches it (`KVCache.stage` + `fill`), so reading layer l+1 overlaps the
+compute of layer l.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from engine.rope import rotate_into
+
+
+class LayerReady(Protocol):
+    """Says when a chunk's layers hold their data (kvstore's LayerGate is one)."""
+
+    def wait(self, layer: int) -> None:
+        """Block until layers [0, layer] are filled; raise if they never will be."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +36,9 @@ class ChunkKV:
     k: torch.Tensor  # [L, Hkv, T, D], before RoPE
     v: torch.Tensor  # [L, Hkv, T, D]
     positions: torch.Tensor  # [T] int64, the positions the KV was computed at
+    # still loading: wait(l) before reading layer l of k or v (which stay on the host, in
+    # the stored dtype, until the cache copies each layer); None = every layer is there
+    ready: LayerReady | None = None
 
     def __post_init__(self) -> None:
         if self.k.dim() != 4 or self.k.shape != self.v.shape:
@@ -42,8 +58,14 @@ class ChunkKV:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> ChunkKV:
+        if self.ready is not None:  # its layers are not all there yet: the cache converts each one
+            raise RuntimeError("ChunkKV.to on a chunk still loading would copy unfilled layers: a bug")
         return ChunkKV(self.token_ids.to(device), self.k.to(device, dtype), self.v.to(device, dtype),
                        self.positions.to(device))
+
+    def first_layers(self, n: int) -> ChunkKV:
+        """This chunk's layers [0, n) (views, still loading if this one is)."""
+        return dataclasses.replace(self, k=self.k[:n], v=self.v[:n])
 
 
 class KVCache:
@@ -54,6 +76,7 @@ class KVCache:
         self.k = torch.empty(num_layers, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)  # [L, Hkv, cap, D]
         self.v = torch.empty_like(self.k)  # [L, Hkv, cap, D]
         self.length = 0  # tokens [0, length) hold valid K/V
+        self._staged: _Staged | None = None  # segments whose layers fill as the pass reaches them
 
     def write_segments(self, segments: Sequence[ChunkKV], cos: torch.Tensor, sin: torch.Tensor) -> int:
         """Write stored segments back to back from slot 0, rotating each K to its final positions.
@@ -67,11 +90,50 @@ class KVCache:
         off = 0
         for seg in segments:
             t = seg.num_tokens
+            if seg.ready is not None:
+                seg.ready.wait(seg.k.shape[0] - 1)
             k = seg.k.to(self.k.device, self.k.dtype)  # [L, Hkv, T, D], before RoPE
             rotate_into(self.k[:, :, off:off + t], k, cos[off:off + t], sin[off:off + t])
             self.v[:, :, off:off + t] = seg.v.to(self.v.device, self.v.dtype)
             off += t
         return off
+
+    def stage(self, segments: Sequence[ChunkKV], cos: torch.Tensor, sin: torch.Tensor,
+              divide_k: tuple[int, float] | None = None) -> None:
+        """Write stored segments back to back from slot 0: now when all are loaded, else layer
+        by layer as `fill` asks (each layer waits for its data then, not before).
+
+        Args:
+            cos, sin: [>= total T, D] rotary tables of positions 0, 1, ...
+            divide_k: (first slot, d): K of slots [first slot, total T) is divided by d
+                (APE-style context temperature).
+        """
+        staged = _Staged(tuple(segments), cos, sin, divide_k)
+        if all(seg.ready is None for seg in segments):
+            n = self.write_segments(segments, cos, sin)
+            staged.divide(self, slice(None), n)
+            return
+        self._staged = staged
+
+    def fill(self, layer: int) -> None:
+        """Make layers [0, layer] of the staged segments present (a no-op once they are)."""
+        st = self._staged
+        if st is None or layer < st.next_layer:
+            return
+        for i in range(st.next_layer, layer + 1):
+            off = 0
+            for seg in st.segments:
+                t = seg.num_tokens
+                if seg.ready is not None:
+                    seg.ready.wait(i)
+                k = seg.k[i].to(self.k.device, self.k.dtype, non_blocking=True)  # [Hkv, T, D], before RoPE
+                rotate_into(self.k[i, :, off:off + t], k, st.cos[off:off + t], st.sin[off:off + t])
+                self.v[i, :, off:off + t] = seg.v[i].to(self.v.device, self.v.dtype, non_blocking=True)
+                off += t
+            st.divide(self, i, off)
+        st.next_layer = layer + 1
+        if st.next_layer >= min(seg.k.shape[0] for seg in st.segments):
+            self._staged = None
 
     @property
     def capacity(self) -> int:
@@ -88,3 +150,18 @@ class KVCache:
         k[:, :, : self.length] = self.k[:, :, : self.length]
         v[:, :, : self.length] = self.v[:, :, : self.length]
         self.k, self.v = k, v
+
+
+@dataclass(slots=True)
+class _Staged:
+    """Segments `KVCache.stage` has yet to write, from layer `next_layer` on."""
+
+    segments: tuple[ChunkKV, ...]
+    cos: torch.Tensor  # [>= total T, D]
+    sin: torch.Tensor  # [>= total T, D]
+    divide_k: tuple[int, float] | None  # (first slot, divisor) or None
+    next_layer: int = 0  # layers [0, next_layer) are written
+
+    def divide(self, cache: KVCache, layers: slice | int, n: int) -> None:
+        if self.divide_k is not None and self.divide_k[1] != 1.0:
+            cache.k[layers, :, self.divide_k[0]:n] /= self.divide_k[1]

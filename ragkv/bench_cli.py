@@ -28,7 +28,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--modes", default="full,reuse,blend", help="comma list of full, prefix, reuse, blend, focus")
     p.add_argument("--ratio", type=float, default=0.15, help="blend recompute ratio")
     p.add_argument("--selector", default="query", help="blend selector: query (default) or deviation")
+    p.add_argument("--budget", default="global", help="blend: global (default) or chunk (each chunk its share)")
     p.add_argument("--tier", default="disk", help="where the KV is read from: cpu, disk, or disk:/path")
+    p.add_argument("--load", default="layered",
+                   help="how chunk KV is read: layered (blend starts once headers are checked and each layer "
+                        "waits for its own bytes; default), whole (every file read and verified first), or "
+                        "whole,layered to compare them in one run")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -80,41 +85,51 @@ def run_bench(args: argparse.Namespace) -> int:
         keys.append(key)
     kv_bytes = sum(e.k.nbytes + e.v.nbytes for e in (store.get(k) for k in keys[:1])) * len(keys)
 
-    def load():
-        entries = [h.result() for h in store.prefetch(keys)]
-        if any(e is None for e in entries):
+    def load(layered: bool):
+        hits = [h.hit() for h in store.prefetch(keys, layered=layered)]
+        if any(h is None for h in hits):
             raise RuntimeError("a chunk stored by this bench is missing from its tier: this is a bug")
-        return [entry_to_chunk_kv(e, lm.device, lm.dtype) for e in entries]
+        return [entry_to_chunk_kv(h.entry, lm.device, lm.dtype, h.layers) for h in hits]
 
-    opts = BlendOptions(recompute_ratio=args.ratio, selector=args.selector)
-    ttft: dict[str, list[float]] = {m.value: [] for m in modes}
-    phases: dict[str, dict[str, list[float]]] = {m.value: {} for m in modes}  # mode -> phase -> s per repeat
-    per_token: dict[str, list[float]] = {m.value: [] for m in modes}  # decode s/token per repeat
-    kv_load: list[float] = []
+    loads = [x.strip() for x in args.load.split(",") if x.strip()]
+    if not loads or set(loads) - {"whole", "layered"}:
+        raise ValueError(f"--load takes whole, layered or both, got {args.load!r}")
+    runs = [(m, None) if m is BlendMode.FULL else (m, ld) for m in modes for ld in loads]
+    runs = list(dict.fromkeys(runs))  # full once, however many loads
+    label = {r: r[0].value if r[1] is None or len(loads) == 1 else f"{r[0].value}-{r[1]}" for r in runs}
+    opts = BlendOptions(recompute_ratio=args.ratio, selector=args.selector, budget=args.budget)
+    ttft: dict[str, list[float]] = {label[r]: [] for r in runs}
+    phases: dict[str, dict[str, list[float]]] = {label[r]: {} for r in runs}  # run -> phase -> s per repeat
+    per_token: dict[str, list[float]] = {label[r]: [] for r in runs}  # decode s/token per repeat
+    kv_load: dict[str, list[float]] = {ld: [] for ld in loads}  # until the chunks are handed to the engine
     for _ in range(args.repeats):
-        for mode in modes:
+        for run in runs:
+            mode, how = run
             t = time.perf_counter()
             if mode is BlendMode.FULL:
                 res = eng.full_prefill(full_ids)
             else:
-                kvs = load()
-                kv_load.append(time.perf_counter() - t)
+                kvs = load(how == "layered")
+                kv_load[how].append(time.perf_counter() - t)
                 res = eng.blend(prefix, kvs, question, mode=mode, options=opts)
             res.logits.cpu()
-            ttft[mode.value].append(time.perf_counter() - t)
+            ttft[label[run]].append(time.perf_counter() - t)
             for name, sec in res.timings.items():
-                phases[mode.value].setdefault(name, []).append(sec)
+                phases[label[run]].setdefault(name, []).append(sec)
             if args.decode_tokens:  # greedy; an answer that ends early (EOS) is timed per token it made
                 t = time.perf_counter()
                 stream = eng.decode(res, SamplingParams(max_new_tokens=args.decode_tokens))
                 for _ in stream:
                     pass
-                per_token[mode.value].append((time.perf_counter() - t) / max(1, len(stream.token_ids)))
+                per_token[label[run]].append((time.perf_counter() - t) / max(1, len(stream.token_ids)))
+            del res
     med = {m: statistics.median(v) for m, v in ttft.items()}
+    load_med = {ld: statistics.median(v) for ld, v in kv_load.items() if v}
     out = {
         "ttft_median_s": med,
         "speedup": {m: med["full"] / s for m, s in med.items()} if "full" in med else {},
-        "kv_load_s": statistics.median(kv_load) if kv_load else 0.0,
+        "kv_load_s": load_med.get(loads[0], 0.0),  # the first --load's: with layered, until headers pass
+        "kv_load_s_per_load": load_med,
         "phases_median_s": {m: {k: statistics.median(v) for k, v in ph.items()} for m, ph in phases.items()},
         "decode_ms_per_token": {m: statistics.median(v) * 1e3 for m, v in per_token.items() if v},
         "config": {**{k: v for k, v in vars(args).items() if k not in ("func", "plot", "plot_out")}, "prompt_tokens": len(full_ids),
@@ -130,7 +145,8 @@ def run_bench(args: argparse.Namespace) -> int:
     for m, s in med.items():
         speed = f"x{out['speedup'][m]:.2f} vs full" if out["speedup"] else ""
         print(f"  {m:7s} TTFT {s:7.3f} s  {speed}")
-    print(f"  kv load (median) {out['kv_load_s']:.3f} s")
+    for ld, sec in load_med.items():
+        print(f"  kv load {ld} (median, until handed to the engine) {sec:.3f} s")
     for m, ms in out["decode_ms_per_token"].items():
         print(f"  {m:7s} decode {ms:.1f} ms/token")
     for m, ph in out["phases_median_s"].items():

@@ -28,6 +28,8 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("kv_gpu_bytes", int, "bytes of KV kept in the GPU tier (default 0)"),
     ("kv_disk_dir", Path, "disk tier directory (default: the index's own)"),
     ("kv_s3_uri", str, "s3://bucket/prefix of the S3 tier (default off)"),
+    ("kv_layered", str, "on: blend starts once a disk/S3 file's header is checked and reads each layer as it "
+                        "arrives; off: read and verify whole files first (default on)"),
     ("default_mode", str, "mode when a request leaves it unspecified (default focus)"),
     ("default_recompute_ratio", float, "recompute ratio of blend (and of focus over several chunks) by default (default 0.15)"),
     ("focus_keep", float, "focus mode keeps chunks scoring at least this x the best, (0, 1] (default 0.5)"),

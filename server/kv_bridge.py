@@ -10,12 +10,21 @@ from collections.abc import Sequence
 
 import torch
 
-from engine import ChunkKV
+from engine import ChunkKV, LayerReady
 from kvstore import ChunkKey, KVEntry, hash_prefix
 
 
-def entry_to_chunk_kv(entry: KVEntry, device: torch.device, dtype: torch.dtype) -> ChunkKV:
-    """A stored entry as the engine's ChunkKV, on `device` in `dtype`."""
+def entry_to_chunk_kv(entry: KVEntry, device: torch.device, dtype: torch.dtype,
+                      ready: LayerReady | None = None) -> ChunkKV:
+    """A stored entry as the engine's ChunkKV, on `device` in `dtype`.
+
+    Args:
+        ready: the layer gate of an entry still being read (`kvstore.Hit.layers`): its k
+            and v stay where they are, in the stored dtype, and the engine's cache copies
+            each layer to `device` once the gate has it.
+    """
+    if ready is not None:
+        return ChunkKV(entry.token_ids.to(device), entry.k, entry.v, entry.positions.to(device), ready)
     return ChunkKV(
         token_ids=entry.token_ids.to(device),  # [T]
         k=entry.k.to(device, dtype),  # [L, Hkv, T, D]

@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from engine import BlendMode, BlendOptions, ChunkKV, Engine, LoadedModel, SamplingParams, load_model
-from kvstore import ChunkKey, PrefetchHandle, StoreConfig, TieredStore
+from kvstore import ChunkKey, LayerGate, PrefetchHandle, StoreConfig, TieredStore
 from ragkv.convert import metadata_to_wire
-from ragkv.errors import IndexMismatchError, StoreError
+from ragkv.errors import IndexMismatchError, KVFormatError, StoreError
 from ragkv.types import CollectionInfo, CollectionStats, FinishReason, Mode, RetrievedChunk, Tier, TierStats
 from retriever import Retriever
 from server.backend import AnswerEvent, ChunksEvent, DoneEvent, PreparedQuery, QueryParams, TokenEvent
@@ -93,11 +93,14 @@ class Pipeline:
         engine: The engine (one model) serving every collection.
         collections: The served collections by name.
         focus_keep: FOCUS keeps chunks scoring at least this x the best (BlendOptions.focus_keep).
+        kv_layered: hand disk/S3 hits to the engine layer by layer (ServerSettings.kv_layered).
     """
 
-    def __init__(self, engine: Engine, collections: dict[str, Collection], focus_keep: float = 0.5) -> None:
+    def __init__(self, engine: Engine, collections: dict[str, Collection], focus_keep: float = 0.5,
+                 kv_layered: bool = True) -> None:
         self.engine = engine
         self._focus_keep = focus_keep
+        self._kv_layered = kv_layered
         self.lm: LoadedModel = engine.lm
         self._collections = collections
         self._shape = (self.lm.num_layers, self.lm.num_kv_heads, self.lm.head_dim)
@@ -137,7 +140,7 @@ class Pipeline:
             store = TieredStore(_store_config(settings, Path(index_dir), manifest.kv_uris, lm.device),
                                 lm.fingerprint, lm.tokenizer_fingerprint)
             collections[name] = Collection(name, retriever, store, tuple(manifest.prefix_ids), mismatch)
-        return cls(engine, collections, settings.focus_keep)
+        return cls(engine, collections, settings.focus_keep, settings.kv_layered)
 
     @property
     def modes(self) -> frozenset[Mode]:
@@ -189,7 +192,7 @@ class Pipeline:
                                        h.token_ids).to_str() for h in hits)
         handles = None
         if params.mode in _CACHED_KV_MODES:  # start loading the moment the ids are known
-            handles = tuple(c.store.prefetch([ChunkKey.from_str(k) for k in kv_keys]))
+            handles = tuple(c.store.prefetch([ChunkKey.from_str(k) for k in kv_keys], layered=self._kv_layered))
         chunks = tuple(
             RetrievedChunk(h.chunk_id, h.score, h.text, metadata_to_wire(h.metadata), None, len(h.token_ids))
             for h in hits
@@ -226,7 +229,7 @@ class Pipeline:
             if hit is not None:
                 tier = Tier(hit.tier.value)
                 loaded[tier] = loaded.get(tier, 0) + hit.entry.nbytes
-                kvs.append(entry_to_chunk_kv(hit.entry, lm.device, lm.dtype))
+                kvs.append(entry_to_chunk_kv(hit.entry, lm.device, lm.dtype, hit.layers))
                 tiers.append(tier)
                 continue
             t0 = time.perf_counter()
@@ -241,6 +244,25 @@ class Pipeline:
         phases["kv_wait"] = wait_s
         phases["kv_compute"] = compute_s
         return kvs, tiers, loaded
+
+    def _recompute_failed(self, c: Collection, plan: _Plan, kvs: list[ChunkKV], tiers: list[Tier],
+                          exc: Exception) -> list[ChunkKV]:
+        """`kvs` with every chunk whose layered read failed computed anew and written back (a
+        damaged copy is already out of its tier). `tiers` is updated in place."""
+        failed = [i for i, kv in enumerate(kvs) if isinstance(kv.ready, LayerGate) and kv.ready.error is not None]
+        if not failed:  # the error came from elsewhere: not ours to absorb
+            raise exc
+        log.warning("layered KV read of %d chunk(s) failed mid-prompt (%s); recomputing them", len(failed), exc)
+        kvs = list(kvs)
+        for i in failed:
+            kvs[i] = self.engine.prefill_chunk(list(c.prefix_ids), list(plan.token_ids[i]))
+            tiers[i] = Tier.COMPUTED
+            try:
+                c.store.put(chunk_kv_to_entry(kvs[i], plan.kv_keys[i], self.lm.fingerprint,
+                                              self.lm.tokenizer_fingerprint, c.prefix_ids))
+            except StoreError as err:
+                log.warning("writing back computed KV of %s failed: %s", plan.kv_keys[i], err)
+        return kvs
 
     def answer(self, prepared: PreparedQuery, cancel: threading.Event) -> Iterator[AnswerEvent]:
         params, plan = prepared.params, prepared.state
@@ -272,8 +294,13 @@ class Pipeline:
                 start = len(prefix_ids)
                 kvs = [placeholder_kv(ids, start, self._shape, lm.device, lm.dtype) for ids in plan.token_ids]
             options = BlendOptions(recompute_ratio=params.recompute_ratio, focus_keep=self._focus_keep)
-            res = engine.blend(prefix, kvs, question_ids, mode=_BLEND_MODE[params.mode], options=options,
-                               reserve_tokens=params.max_new_tokens)
+            try:
+                res = engine.blend(prefix, kvs, question_ids, mode=_BLEND_MODE[params.mode], options=options,
+                                   reserve_tokens=params.max_new_tokens)
+            except (KVFormatError, StoreError) as exc:  # a layered read failed mid-blend
+                kvs = self._recompute_failed(c, plan, kvs, tiers, exc)
+                res = engine.blend(prefix, kvs, question_ids, mode=_BLEND_MODE[params.mode], options=options,
+                                   reserve_tokens=params.max_new_tokens)
         phases["prompt"] = time.perf_counter() - t0
         phases.update({f"prompt.{k}": v for k, v in res.timings.items()})
 

@@ -69,6 +69,9 @@ class ServerSettings:
     kv_gpu_bytes: int = 0  # bytes of KV kept in the GPU tier (CUDA only)
     kv_disk_dir: Path | None = None  # disk tier directory; None = the index's own
     kv_s3_uri: str | None = None  # s3://bucket/prefix of the S3 tier; None = off
+    # disk and S3 hits go to the engine once their headers pass, each layer as its bytes are
+    # verified, so reading overlaps compute (layer-wise pipelining); off = read whole first
+    kv_layered: bool = True
     max_question_chars: int = 4096  # characters
     default_top_k: int = 4  # chunks
     max_top_k: int = 32  # chunks
@@ -115,6 +118,9 @@ _HINTS = typing.get_type_hints(ServerSettings)
 _FIELDS = tuple(f.name for f in dataclasses.fields(ServerSettings))
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def _parse(name: str, raw: object) -> object:
     """Convert a raw value (a string from env, or a TOML/JSON value) to the field's type."""
     hint = _HINTS[name]
@@ -135,7 +141,10 @@ def _parse(name: str, raw: object) -> object:
     if hint is bool:
         if isinstance(raw, bool):
             return raw
-        return str(raw).lower() in ("1", "true", "yes", "on")
+        word = str(raw).strip().lower()
+        if word not in _TRUE + _FALSE:
+            raise ValueError(f"{name} must be one of {', '.join(_TRUE + _FALSE)}, got {raw!r}")
+        return word in _TRUE
     try:
         return hint(raw)
     except (TypeError, ValueError):

@@ -219,3 +219,63 @@ def test_concurrent_clients_on_the_real_pipeline(pipeline_server: ServerThread) 
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(one, range(12)))
     assert len(answers) == 12
+
+
+def test_a_layered_read_that_fails_mid_prompt_is_recomputed(
+    tiny_index: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk whose layer 1 fails its checksum after layer 0 was handed out: the answer is
+    computed over fresh KV of that chunk, and equals the answer over the stored KV."""
+    import dataclasses
+
+    import server.pipeline as sp
+    from kvstore import LayerGate
+    from ragkv.errors import KVFormatError
+
+    real = sp.entry_to_chunk_kv
+    failed = []
+
+    def first_chunk_fails_at_layer_1(entry, device, dtype, ready=None):
+        kv = real(entry, device, dtype, ready)
+        if failed or ready is None:
+            return kv
+        ready.wait_all()  # the real read is done; this gate replays it as broken
+        gate = LayerGate(entry.k.shape[0])
+        gate.publish(1)
+        gate.fail(KVFormatError("checksum mismatch in block 1 (test)"))
+        failed.append(gate)
+        return dataclasses.replace(kv, ready=gate)
+
+    monkeypatch.setattr(sp, "entry_to_chunk_kv", first_chunk_fails_at_layer_1)
+    index = _copy(tiny_index, tmp_path / "index")
+    st = ServerThread(settings(indexes=(CollectionSpec("default", index),)), sp.Pipeline.from_settings)
+    try:
+        with RagClient(st.addr, timeout=60) as client:
+            broken = client.query(QUESTION, mode="blend", top_k=3, max_new_tokens=6, recompute_ratio=0.3)
+            assert {c.kv_tier for c in broken.chunks} == {Tier.DISK}
+            broken_stats = broken.result()
+            assert failed, "no layered read reached the engine"
+            again = client.query(QUESTION, mode="blend", top_k=3, max_new_tokens=6, recompute_ratio=0.3)
+            again_stats = again.result()
+    finally:
+        st.stop()
+    assert broken_stats.text == again_stats.text
+    assert broken_stats.usage.cached_prompt_tokens < again_stats.usage.cached_prompt_tokens
+
+
+def test_layered_and_whole_reads_give_the_same_answer(tiny_index: Path, tmp_path: Path) -> None:
+    from server.pipeline import Pipeline
+
+    texts = {}
+    for layered in (True, False):
+        index = _copy(tiny_index, tmp_path / f"index-{layered}")
+        st = ServerThread(settings(indexes=(CollectionSpec("default", index),), kv_layered=layered),
+                          Pipeline.from_settings)
+        try:
+            with RagClient(st.addr, timeout=60) as client:
+                stream = client.query(QUESTION, mode="blend", top_k=3, max_new_tokens=8, recompute_ratio=0.3)
+                assert {c.kv_tier for c in stream.chunks} == {Tier.DISK}
+                texts[layered] = stream.result().text
+        finally:
+            st.stop()
+    assert texts[True] == texts[False]

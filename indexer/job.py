@@ -181,6 +181,11 @@ def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Any
     try:
         if old is not None and old.kv_uris != kv_uris:
             db.reset_kv_done()  # another store: check every chunk against it again
+        if old is not None:  # keys name the kvstore format: after an upgrade the KV is written anew
+            rekeyed = db.rekey(lambda ids: kv_key(manifest.model_fp, manifest.tokenizer_fp, prefix_ids, ids))
+            if rekeyed:
+                log.info("%d chunks get new KV keys (the kvstore format changed): their KV is computed again",
+                         rekeyed)
         added, deleted = _sync_documents(db, docs, engine, lm, manifest, config, stop)
         embedded = _embed_pending(db, embedder, config, stop)
         kv_chunks = kv_tokens = kv_bytes = 0

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -28,7 +27,7 @@ import torch
 
 from kvstore.compression import Compression
 from kvstore.entry import KVEntry
-from kvstore.fileformat import FileHead, check_head, data_start, decode, entry_views, stored_block_crcs
+from kvstore.fileformat import FileHead, block_crc, check_head, data_start, decode, entry_views, stored_block_crcs
 from kvstore.keys import ChunkKey
 from ragkv.errors import KVFormatError, StoreError
 
@@ -139,7 +138,7 @@ class _Stream:
                                         f"before block {b} was whole (truncated?)")
                 self.filled += got
             lo = self.base + b * self.block
-            if zlib.crc32(self.buf[lo:stop]) != self.crcs[b]:
+            if block_crc(self.buf[lo:stop]) != self.crcs[b]:
                 raise KVFormatError(f"checksum mismatch for key {self.key.hex} in block {b} of "
                                     f"{len(self.crcs)} ({self.block} bytes each)")
             self.next_block += 1

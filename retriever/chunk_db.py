@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -217,6 +217,17 @@ class ChunkDB:
         """Forget which chunks have KV (the store changed): each is checked again."""
         with self._lock, self._tx():
             self._conn.execute("UPDATE chunks SET kv_done=0")
+
+    def rekey(self, key_of: Callable[[tuple[int, ...]], str]) -> int:
+        """Give every chunk the KV key `key_of(token_ids)` names now; a chunk whose key changed
+        (a new kvstore format version) is marked as having no KV. Returns how many changed."""
+        with self._lock:
+            rows = self._conn.execute("SELECT row, kv_key, token_ids FROM chunks").fetchall()
+        changed = [(key, int(r)) for r, old, b in rows if (key := key_of(_ids_from_blob(b))) != old]
+        if changed:
+            with self._lock, self._tx():
+                self._conn.executemany("UPDATE chunks SET kv_key=?, kv_done=0 WHERE row=?", changed)
+        return len(changed)
 
     def count_kv_pending(self) -> int:
         with self._lock:

@@ -23,7 +23,6 @@ import os
 import secrets
 import threading
 import time
-import zlib
 from pathlib import Path
 from typing import BinaryIO
 
@@ -32,7 +31,7 @@ import torch
 
 from kvstore.compression import Compression
 from kvstore.eviction import EvictionTracker, Policy
-from kvstore.fileformat import CHECKSUM_BLOCK_BYTES, BlockCrcs, _crc_pool, data_start
+from kvstore.fileformat import CHECKSUM_BLOCK_BYTES, BlockCrcs, _crc_pool, block_crc, data_start
 from kvstore.keys import ChunkKey
 from kvstore.tiers.base import Tier
 from kvstore.tiers.durable import DurableTier
@@ -87,7 +86,7 @@ def _read_checking(f: BinaryIO) -> tuple[memoryview, BlockCrcs | None]:
             for fut in futures:
                 fut.cancel()
             return view[:filled], None
-        futures.append(pool.submit(zlib.crc32, view[lo:hi]))
+        futures.append(pool.submit(block_crc, view[lo:hi]))
     if not fill(size):
         return view[:filled], None
     return view, (block, lambda: [fut.result() for fut in futures])

@@ -166,3 +166,17 @@ def test_sigterm_checkpoints_and_exits_75(job_config, tmp_path, capsys):
     done_keys = {c[8] for c in d["chunks"] if c[9]}
     assert done_keys and {k + ".safetensors" for k in done_keys} <= kv_files(out / "kv")
     assert len(done_keys) < len(d["chunks"])
+
+
+def test_rerun_after_a_kvstore_format_change_rekeys_and_writes_the_kv_anew(job_config, tiny_lm, embedder,
+                                                                            monkeypatch):
+    import kvstore.keys
+
+    first = run_index(job_config, lm=tiny_lm, embedder=embedder)
+    old_keys = {c[8] for c in dump_index(job_config.out)["chunks"]}
+    monkeypatch.setattr(kvstore.keys, "FORMAT_VERSION", kvstore.keys.FORMAT_VERSION + 1)
+    again = run_index(job_config, lm=tiny_lm, embedder=embedder)
+    new_keys = {c[8] for c in dump_index(job_config.out)["chunks"]}
+    assert again.documents_added == 0 and again.kv_chunks == first.kv_chunks  # nothing re-chunked, all KV anew
+    assert new_keys.isdisjoint(old_keys) and len(new_keys) == len(old_keys)
+    assert (run_index(job_config, lm=tiny_lm, embedder=embedder).kv_chunks) == 0  # and then it is done

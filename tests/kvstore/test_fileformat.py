@@ -32,7 +32,7 @@ def test_file_is_plain_safetensors_with_the_documented_header():
         "dtype": "float16", "shape": "2,2,8,4", "rope_mode": "pre_rope", "compression": "none",
     }
     assert meta["prefix_hash"] == e.prefix_hash and meta["key"] == e.key.hex
-    assert meta["checksum"].startswith("crc32:")
+    assert meta["checksum"].startswith("crc32c:")
     assert read_header(data).key == e.key
 
 

@@ -90,3 +90,15 @@ def test_synthetic_cases_hold_their_needles(task):
         text = " ".join(c.chunks)
         assert all(a in text for a in c.answers), "the answer must be in the context"
     assert make_cases(task, 3, 4, 100, lambda s: len(s.split()), seed=1) == cases  # deterministic
+
+
+def test_bench_compares_whole_and_layered_loads_in_one_run(tiny_llama_dir, capsys):
+    rc = main(["bench", "--model", str(tiny_llama_dir), "--chunks", "2", "--chunk-tokens", "64", "--repeats", "1",
+               "--tier", "disk", "--modes", "full,blend", "--load", "whole,layered", "--budget", "chunk", "--json"])
+    assert rc == 0
+    out = _json(capsys)
+    assert set(out["ttft_median_s"]) == {"full", "blend-whole", "blend-layered"}
+    assert set(out["kv_load_s_per_load"]) == {"whole", "layered"} and out["kv_load_s"] > 0
+    assert out["config"]["budget"] == "chunk"
+    assert main(["bench", "--model", str(tiny_llama_dir), "--load", "sideways"]) != 0
+    assert "--load takes whole, layered or both" in capsys.readouterr().err

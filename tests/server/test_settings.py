@@ -88,3 +88,12 @@ def test_serve_exits_nonzero_when_the_index_cannot_load(tmp_path: Path) -> None:
     )
     assert out.returncode == 1, out.stderr
     assert "no index at" in out.stderr
+
+
+def test_kv_layered_reads_on_and_off_words_and_refuses_others() -> None:
+    assert ServerSettings().kv_layered is True
+    assert load_settings({"kv_layered": "off"}, env={}).kv_layered is False
+    assert load_settings({}, env={"RAGKV_KV_LAYERED": "no"}).kv_layered is False
+    assert load_settings({"kv_layered": "ON"}, env={"RAGKV_KV_LAYERED": "0"}).kv_layered is True
+    with pytest.raises(ValueError, match="kv_layered must be one of 1, true, yes, on, 0, false, no, off, got 'maybe'"):
+        load_settings({"kv_layered": "maybe"}, env={})

@@ -108,12 +108,10 @@ class KVCache:
             divide_k: (first slot, d): K of slots [first slot, total T) is divided by d
                 (APE-style context temperature).
         """
-        staged = _Staged(tuple(segments), cos, sin, divide_k)
         if all(seg.ready is None for seg in segments):
-            n = self.write_segments(segments, cos, sin)
-            staged.divide(self, slice(None), n)
+            self._divide_k(slice(None), self.write_segments(segments, cos, sin), divide_k)
             return
-        self._staged = staged
+        self._staged = _Staged(tuple(segments), cos, sin, divide_k, min(seg.k.shape[0] for seg in segments))
 
     def fill(self, layer: int) -> None:
         """Make layers [0, layer] of the staged segments present (a no-op once they are)."""
@@ -130,10 +128,15 @@ class KVCache:
                 rotate_into(self.k[i, :, off:off + t], k, st.cos[off:off + t], st.sin[off:off + t])
                 self.v[i, :, off:off + t] = seg.v[i].to(self.v.device, self.v.dtype, non_blocking=True)
                 off += t
-            st.divide(self, i, off)
+            self._divide_k(i, off, st.divide_k)
         st.next_layer = layer + 1
-        if st.next_layer >= min(seg.k.shape[0] for seg in st.segments):
+        if st.next_layer >= st.num_layers:
             self._staged = None
+
+    def _divide_k(self, layers: slice | int, n: int, divide_k: tuple[int, float] | None) -> None:
+        """K of slots [divide_k[0], n) at `layers`, divided by divide_k[1] (context temperature)."""
+        if divide_k is not None:
+            self.k[layers, :, divide_k[0]:n] /= divide_k[1]
 
     @property
     def capacity(self) -> int:
@@ -160,8 +163,5 @@ class _Staged:
     cos: torch.Tensor  # [>= total T, D]
     sin: torch.Tensor  # [>= total T, D]
     divide_k: tuple[int, float] | None  # (first slot, divisor) or None
+    num_layers: int  # layers every segment has
     next_layer: int = 0  # layers [0, next_layer) are written
-
-    def divide(self, cache: KVCache, layers: slice | int, n: int) -> None:
-        if self.divide_k is not None and self.divide_k[1] != 1.0:
-            cache.k[layers, :, self.divide_k[0]:n] /= self.divide_k[1]

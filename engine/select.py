@@ -60,8 +60,6 @@ def select_tokens(score: torch.Tensor, chunk_lens: Sequence[int], options: Blend
     budget = int(round(options.recompute_ratio * n))
     if options.adaptive_mass is not None and budget > 0:
         budget = max(int(round(options.min_ratio * n)), min(budget, tokens_for_mass(score, options.adaptive_mass)))
-    if budget >= n:
-        return torch.arange(n, device=score.device)
     if options.budget is Budget.GLOBAL:
         return _pick(score, budget, chunk_lens, options)
     picks, off = [], 0

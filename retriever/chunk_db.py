@@ -220,8 +220,15 @@ class ChunkDB:
 
     def rekey(self, key_of: Callable[[tuple[int, ...]], str]) -> int:
         """Give every chunk the KV key `key_of(token_ids)` names now; a chunk whose key changed
-        (a new kvstore format version) is marked as having no KV. Returns how many changed."""
+        (a new kvstore format version) is marked as having no KV. Returns how many changed.
+
+        What changes a key apart from the chunk's own tokens (format version, model, prefix)
+        is the same for every chunk, so when the first chunk's key holds, all do: a resume
+        pays one key, not one per chunk."""
         with self._lock:
+            first = self._conn.execute("SELECT kv_key, token_ids FROM chunks ORDER BY row LIMIT 1").fetchone()
+            if first is None or key_of(_ids_from_blob(first[1])) == first[0]:
+                return 0
             rows = self._conn.execute("SELECT row, kv_key, token_ids FROM chunks").fetchall()
         changed = [(key, int(r)) for r, old, b in rows if (key := key_of(_ids_from_blob(b))) != old]
         if changed:

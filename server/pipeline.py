@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from engine import BlendMode, BlendOptions, ChunkKV, Engine, LoadedModel, SamplingParams, load_model
+from engine import BlendMode, BlendOptions, BlendResult, ChunkKV, Engine, LoadedModel, SamplingParams, load_model
 from kvstore import ChunkKey, LayerGate, PrefetchHandle, StoreConfig, TieredStore
 from ragkv.convert import metadata_to_wire
 from ragkv.errors import IndexMismatchError, KVFormatError, StoreError
@@ -294,13 +294,15 @@ class Pipeline:
                 start = len(prefix_ids)
                 kvs = [placeholder_kv(ids, start, self._shape, lm.device, lm.dtype) for ids in plan.token_ids]
             options = BlendOptions(recompute_ratio=params.recompute_ratio, focus_keep=self._focus_keep)
+
+            def blend(kvs: list[ChunkKV]) -> BlendResult:
+                return engine.blend(prefix, kvs, question_ids, mode=_BLEND_MODE[params.mode], options=options,
+                                    reserve_tokens=params.max_new_tokens)
+
             try:
-                res = engine.blend(prefix, kvs, question_ids, mode=_BLEND_MODE[params.mode], options=options,
-                                   reserve_tokens=params.max_new_tokens)
+                res = blend(kvs)
             except (KVFormatError, StoreError) as exc:  # a layered read failed mid-blend
-                kvs = self._recompute_failed(c, plan, kvs, tiers, exc)
-                res = engine.blend(prefix, kvs, question_ids, mode=_BLEND_MODE[params.mode], options=options,
-                                   reserve_tokens=params.max_new_tokens)
+                res = blend(self._recompute_failed(c, plan, kvs, tiers, exc))
         phases["prompt"] = time.perf_counter() - t0
         phases.update({f"prompt.{k}": v for k, v in res.timings.items()})
 

@@ -31,7 +31,7 @@ def main() -> int:
 
     import torch
 
-    import engine.forward as fw
+    import ragkv.engine.forward as fw
 
     heads = fw.Heads(num_heads=9, num_kv_heads=3, head_dim=64, scaling=64 ** -0.5, sliding_window=None)
     g = torch.Generator().manual_seed(0)

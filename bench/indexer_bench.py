@@ -33,11 +33,11 @@ def main() -> int:
 
     import torch
 
-    from engine import Engine, load_model
-    from indexer.chunking import ChunkingConfig, chunk_document
-    from indexer.corpus import load_corpus
-    from indexer.demo_corpus import build_demo_corpus
-    from indexer.kv_job import KVItem, KVWriter, kv_key, open_store
+    from ragkv.engine import Engine, load_model
+    from ragkv.indexer.chunking import ChunkingConfig, chunk_document
+    from ragkv.indexer.corpus import load_corpus
+    from ragkv.indexer.demo_corpus import build_demo_corpus
+    from ragkv.indexer.kv_job import KVItem, KVWriter, kv_key, open_store
 
     lm = load_model(args.model, device="cpu", dtype=torch.float32)
     eng = Engine(lm)

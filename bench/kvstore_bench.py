@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from kvstore import (
+from ragkv.kvstore import (
     ChunkKey, Compression, CpuTier, DiskTier, GpuTier, KVEntry, S3Settings, S3Tier, StorageTier, hash_prefix,
 )
-from kvstore.compression import fp8_supported
-from kvstore.fileformat import encode
+from ragkv.kvstore.compression import fp8_supported
+from ragkv.kvstore.fileformat import encode
 
 MODEL_FP = "bench-smollm2-135m"
 TOKENIZER_FP = "bench-tokenizer"

@@ -9,22 +9,21 @@ Shape legend used in every comment:
     T    tokens of one segment (N = the whole prompt, S = the tokens being computed)
     D    head dim
     V    vocabulary size
+
+Importing the engine changes nothing in the process: the programs that run it (serve,
+index, eval, bench) call `tune_host_allocator()` first (engine/memory.py).
 """
 
-from engine.memory import tune_host_allocator
-
-tune_host_allocator()  # before torch's first large allocation: see engine/memory.py
-
-from engine.blend import BlendMode, BlendOptions, BlendResult, Selector
-from engine.select import Budget
-from engine.decode import DecodeStream, SamplingParams
-from engine.fingerprint import Fingerprint
-from engine.kv import ChunkKV, KVCache, LayerReady
-from engine.loading import DEFAULT_MODEL, LoadedModel, load_model
-from engine.prompt import PromptFormat
-from engine.runtime import Engine
+from ragkv.engine.memory import tune_host_allocator
+from ragkv.engine.blend import BlendOptions, BlendResult, Selector
+from ragkv.engine.select import Budget
+from ragkv.engine.decode import DecodeStream, SamplingParams
+from ragkv.engine.kv import ChunkKV, KVCache, LayerReady
+from ragkv.engine.loading import DEFAULT_MODEL, LoadedModel, load_model
+from ragkv.engine.prompt import PromptFormat
+from ragkv.engine.runtime import Engine
 
 __all__ = [
-    "DEFAULT_MODEL", "BlendMode", "Budget", "BlendOptions", "BlendResult", "ChunkKV", "DecodeStream",
-    "Engine", "Fingerprint", "KVCache", "LayerReady", "LoadedModel", "PromptFormat", "SamplingParams", "Selector", "load_model",
+    "DEFAULT_MODEL", "Budget", "BlendOptions", "BlendResult", "ChunkKV", "DecodeStream",
+    "Engine", "KVCache", "LayerReady", "LoadedModel", "PromptFormat", "SamplingParams", "Selector", "load_model", "tune_host_allocator",
 ]

@@ -33,20 +33,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.focus import chunk_relevance, focus_layers, pick_chunks
-from engine.forward import Heads, layer_forward, plan_attention, project_kv
-from engine.kv import ChunkKV, KVCache
-from engine.loading import LoadedModel
-from engine.rope import apply_rope, rotary_tables
-from engine.select import Budget, question_attention, select_tokens, tokens_for_mass
-
-
-class BlendMode(str, enum.Enum):
-    FULL = "full"
-    PREFIX = "prefix"
-    REUSE = "reuse"
-    BLEND = "blend"
-    FOCUS = "focus"
+from ragkv.types import Mode
+from ragkv.engine.focus import chunk_relevance, focus_layers, pick_chunks
+from ragkv.engine.forward import heads_of, layer_forward, plan_attention, project_kv
+from ragkv.engine.kv import ChunkKV, KVCache
+from ragkv.engine.loading import LoadedModel
+from ragkv.engine.rope import apply_rope, rotary_tables
+from ragkv.engine.select import Budget, question_attention, select_tokens, tokens_for_mass
 
 
 class Selector(str, enum.Enum):
@@ -108,7 +101,7 @@ class BlendOptions:
 class BlendResult:
     """A prompt run to its last position, ready for decoding."""
 
-    mode: BlendMode
+    mode: Mode
     token_ids: torch.Tensor  # [N] int64, the whole prompt
     logits: torch.Tensor  # [V] float32, next-token logits at the last prompt position
     cache: KVCache  # K (after RoPE) and V of all N prompt tokens, room to decode
@@ -116,6 +109,7 @@ class BlendResult:
     n_chunk_tokens: int  # chunk tokens (the candidates for recompute)
     timings: dict[str, float] = field(default_factory=dict)  # phase -> seconds
     used_chunks: tuple[int, ...] | None = None  # focus: indices of the chunks kept; None = all
+    cached_tokens: int = 0  # prompt tokens whose KV was read from a cache, not computed here
 
     @property
     def n_prompt_tokens(self) -> int:
@@ -131,17 +125,12 @@ class BlendResult:
         return sum(self.timings.values())
 
 
-def heads_of(lm: LoadedModel) -> Heads:
-    attn = lm.model.model.layers[0].self_attn
-    return Heads(lm.num_heads, lm.num_kv_heads, lm.head_dim, float(attn.scaling), lm.sliding_window)
-
-
 def run_prompt(
     lm: LoadedModel,
     prefix: ChunkKV | None,
     chunks: Sequence[ChunkKV],
     question_ids: Sequence[int] | torch.Tensor,
-    mode: BlendMode,
+    mode: Mode,
     options: BlendOptions = BlendOptions(),
     reserve_tokens: int = 256,
 ) -> BlendResult:
@@ -153,15 +142,15 @@ def run_prompt(
         question_ids: the question's token ids, always recomputed.
         reserve_tokens: decode room preallocated after the prompt.
     """
-    mode = BlendMode(mode)
-    if mode is BlendMode.FOCUS:
+    mode = Mode(mode)
+    if mode is Mode.FOCUS:
         return _run_focused(lm, prefix, chunks, question_ids, options, reserve_tokens)
     dev, heads, model = lm.device, heads_of(lm), lm.model
     timer = _PhaseTimer(dev)
 
     # ---- assemble [prefix][chunks][question] at contiguous positions
     segments = ([prefix] if prefix is not None else []) + list(chunks)
-    if mode is not BlendMode.FULL:
+    if mode is not Mode.FULL:
         _check_segments(lm, prefix, chunks)
     q_ids = torch.as_tensor(question_ids, dtype=torch.long).to(dev)  # [Q]
     if q_ids.numel() == 0:
@@ -173,25 +162,25 @@ def run_prompt(
     cache = KVCache(lm.num_layers, lm.num_kv_heads, lm.head_dim, n + reserve_tokens, lm.dtype, dev)
     cache.length = n
     cos_all, sin_all = rotary_tables(model, torch.arange(n, device=dev), _like(lm))  # [N, D]
-    if mode is not BlendMode.FULL:  # layers of chunks still loading are written as the pass reaches them
-        temper = mode in (BlendMode.REUSE, BlendMode.BLEND) and options.context_temperature != 1.0
+    if mode is not Mode.FULL:  # layers of chunks still loading are written as the pass reaches them
+        temper = mode in (Mode.REUSE, Mode.BLEND) and options.context_temperature != 1.0
         cache.stage(segments, cos_all, sin_all, (p, options.context_temperature) if temper else None)
     # blend recomputes the (short) prefix too in its first layers: its fresh KV equals the
     # cached one, and queries == keys lets SDPA use its causal kernel instead of a mask.
-    first_active = {BlendMode.FULL: 0, BlendMode.PREFIX: p, BlendMode.BLEND: 0, BlendMode.REUSE: c}[mode]
+    first_active = {Mode.FULL: 0, Mode.PREFIX: p, Mode.BLEND: 0, Mode.REUSE: c}[mode]
     pos = torch.arange(first_active, n, device=dev)  # [S] positions of the active tokens
     timer.lap("assemble")
 
     # ---- layers; `pos` shrinks to the selected tokens after the check layer in blend mode
-    check = min(options.check_layer, lm.num_layers - 1) if mode is BlendMode.BLEND else -1
-    if mode is BlendMode.BLEND and options.selector is Selector.QUERY:
+    check = min(options.check_layer, lm.num_layers - 1) if mode is Mode.BLEND else -1
+    if mode is Mode.BLEND and options.selector is Selector.QUERY:
         score_layer = lm.num_layers // 2 if options.score_layer is None else options.score_layer % lm.num_layers
         scores = question_attention(lm, ids, cache, cos_all, sin_all, c, [score_layer])[0, p:]  # [C-P]
         timer.lap("score")
         if options.fallback_full and tokens_for_mass(scores, options.adaptive_mass) > round(
                 options.recompute_ratio * (c - p)):
             del cache  # the guard: this request's attention is too spread for the budget
-            res = run_prompt(lm, prefix, chunks, q_ids, BlendMode.FULL, options, reserve_tokens)
+            res = run_prompt(lm, prefix, chunks, q_ids, Mode.FULL, options, reserve_tokens)
             res.timings = {**timer.phases, **res.timings}
             return res
         picked = select_tokens(scores, [ch.num_tokens for ch in chunks], options)
@@ -254,9 +243,9 @@ def _run_focused(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chunk
     relevance = chunk_relevance(lm, prefix, chunks, q_ids, focus_layers(lm.num_layers, options.focus_band))
     kept = pick_chunks(relevance, options.focus_keep)
     timer.lap("focus")
-    inner = BlendMode.REUSE if len(kept) == 1 else BlendMode.BLEND  # one kept chunk's KV is exact
+    inner = Mode.REUSE if len(kept) == 1 else Mode.BLEND  # one kept chunk's KV is exact
     res = run_prompt(lm, prefix, [chunks[i] for i in kept], q_ids, inner, options, reserve_tokens)
-    res.mode, res.used_chunks = BlendMode.FOCUS, tuple(kept)
+    res.mode, res.used_chunks = Mode.FOCUS, tuple(kept)
     res.n_chunk_tokens = sum(ch.num_tokens for ch in chunks)
     res.timings = {**timer.phases, **res.timings}
     return res

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.blend import BlendResult, heads_of
-from engine.forward import layer_forward, plan_attention
-from engine.loading import LoadedModel
-from engine.rope import rotary_tables
+from ragkv.engine.blend import BlendResult
+from ragkv.engine.forward import heads_of, layer_forward, plan_attention
+from ragkv.engine.loading import LoadedModel
+from ragkv.engine.rope import rotary_tables
 
 
 @dataclass(frozen=True, slots=True)

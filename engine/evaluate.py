@@ -19,10 +19,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from engine.blend import BlendMode, BlendOptions, BlendResult
-from engine.decode import SamplingParams
-from engine.runtime import Engine
-from engine.synthetic import EvalCase
+from ragkv.types import Mode
+from ragkv.engine.blend import BlendOptions, BlendResult
+from ragkv.engine.decode import SamplingParams
+from ragkv.engine.runtime import Engine
+from ragkv.engine.synthetic import EvalCase
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +31,7 @@ class Method:
     """A named way of running the prompt."""
 
     name: str  # label in reports, e.g. "blend-query-0.30"
-    mode: BlendMode
+    mode: Mode
     options: BlendOptions = field(default_factory=BlendOptions)
 
 
@@ -84,15 +85,15 @@ def evaluate(engine: Engine, cases: Iterable[EvalCase], methods: Sequence[Method
 
         def run(m: Method) -> tuple[BlendResult, float]:
             t = time.perf_counter()
-            res = engine.full_prefill(full_ids) if m.mode is BlendMode.FULL else \
+            res = engine.full_prefill(full_ids) if m.mode is Mode.FULL else \
                 engine.blend(prefix, kvs, q, mode=m.mode, options=m.options)
             res.logits.cpu()
             return res, time.perf_counter() - t
 
-        ref, ref_s = run(Method("full", BlendMode.FULL))
+        ref, ref_s = run(Method("full", Mode.FULL))
         ref_answer = "".join(engine.decode(ref, params))
         for m in methods:
-            res, secs = (ref, ref_s) if m.mode is BlendMode.FULL else run(m)
+            res, secs = (ref, ref_s) if m.mode is Mode.FULL else run(m)
             answer = ref_answer if res is ref else "".join(engine.decode(res, params))
             s, r = sums[m.name], reports[m.name]
             head = normalize(first_sentence(answer))

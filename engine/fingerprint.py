@@ -10,9 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, NewType
+from typing import Any
 
-Fingerprint = NewType("Fingerprint", str)  # 64 hex chars of sha256
+from ragkv.types import Fingerprint
 
 # Config keys that describe where or how a file was written, not what the model computes.
 _VOLATILE_CONFIG_KEYS = frozenset(

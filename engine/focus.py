@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.kv import ChunkKV, KVCache
-from engine.rope import rotary_tables
-from engine.select import question_attention
+from ragkv.engine.kv import ChunkKV, KVCache
+from ragkv.engine.rope import rotary_tables
+from ragkv.engine.select import question_attention
 
 if TYPE_CHECKING:
-    from engine.loading import LoadedModel
+    from ragkv.engine.loading import LoadedModel
 
 _SKIP_TOKENS = 4  # each chunk's first tokens collect sink-like attention under reuse: not relevance
 

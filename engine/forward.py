@@ -11,13 +11,16 @@ there are fewer queries than keys, which is wrong for recomputing selected token
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from engine.kv import KVCache
-from engine.rope import apply_rope
+from ragkv.engine.kv import KVCache
+from ragkv.engine.rope import apply_rope
+
+if TYPE_CHECKING:
+    from ragkv.engine.loading import LoadedModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +32,12 @@ class Heads:
     head_dim: int  # D
     scaling: float  # softmax scale, usually D ** -0.5
     sliding_window: int | None  # None = every earlier key is visible
+
+
+def heads_of(lm: LoadedModel) -> Heads:
+    """The attention geometry of a loaded model."""
+    attn = lm.model.model.layers[0].self_attn
+    return Heads(lm.num_heads, lm.num_kv_heads, lm.head_dim, float(attn.scaling), lm.sliding_window)
 
 
 @dataclass(frozen=True, slots=True)

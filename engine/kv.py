@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from engine.rope import rotate_into
+from ragkv.engine.rope import rotate_into
 
 
 class LayerReady(Protocol):
@@ -39,6 +39,7 @@ class ChunkKV:
     # still loading: wait(l) before reading layer l of k or v (which stay on the host, in
     # the stored dtype, until the cache copies each layer); None = every layer is there
     ready: LayerReady | None = None
+    fresh: bool = False  # computed for this request (prefill), not read from a cache tier
 
     def __post_init__(self) -> None:
         if self.k.dim() != 4 or self.k.shape != self.v.shape:
@@ -61,7 +62,7 @@ class ChunkKV:
         if self.ready is not None:  # its layers are not all there yet: the cache converts each one
             raise RuntimeError("ChunkKV.to on a chunk still loading would copy unfilled layers: a bug")
         return ChunkKV(self.token_ids.to(device), self.k.to(device, dtype), self.v.to(device, dtype),
-                       self.positions.to(device))
+                       self.positions.to(device), fresh=self.fresh)
 
     def first_layers(self, n: int) -> ChunkKV:
         """This chunk's layers [0, n) (views, still loading if this one is)."""

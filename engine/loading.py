@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from engine.fingerprint import (
+from ragkv.engine.fingerprint import (
     Fingerprint,
     hash_file,
     model_fingerprint,

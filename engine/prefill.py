@@ -10,11 +10,11 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.blend import heads_of
-from engine.forward import layer_forward, plan_attention, project_kv
-from engine.kv import ChunkKV, KVCache
-from engine.loading import LoadedModel
-from engine.rope import rotary_tables
+from ragkv.engine.forward import heads_of
+from ragkv.engine.forward import layer_forward, plan_attention, project_kv
+from ragkv.engine.kv import ChunkKV, KVCache
+from ragkv.engine.loading import LoadedModel
+from ragkv.engine.rope import rotary_tables
 
 
 @torch.inference_mode()
@@ -48,4 +48,4 @@ def prefill_segment(lm: LoadedModel, prefix: ChunkKV | None, token_ids: Sequence
             k_out[i], v_out[i] = project_kv(layer, h, heads)
             break
         h, k_out[i], v_out[i] = layer_forward(layer, h, cos, sin, cache, i, slice(p, n), attend, heads)
-    return ChunkKV(ids, k_out, v_out, pos)
+    return ChunkKV(ids, k_out, v_out, pos, fresh=True)

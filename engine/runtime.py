@@ -10,14 +10,33 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.blend import BlendMode, BlendOptions, BlendResult, run_prompt
-from engine.decode import DecodeStream, SamplingParams
-from engine.kv import ChunkKV
-from engine.loading import LoadedModel
-from engine.prefill import prefill_segment
-from engine.prompt import DEFAULT_SYSTEM_PROMPT, PromptFormat
+from ragkv.types import Mode
+from ragkv.engine.blend import BlendOptions, BlendResult, run_prompt
+from ragkv.engine.decode import DecodeStream, SamplingParams
+from ragkv.engine.kv import ChunkKV
+from ragkv.engine.loading import LoadedModel
+from ragkv.engine.prefill import prefill_segment
+from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT, PromptFormat
 
 _PREFIX_MEMO_SIZE = 8  # distinct prefixes kept computed
+_CHUNK_KV_MODES = frozenset({Mode.REUSE, Mode.BLEND, Mode.FOCUS})
+
+
+def placeholder_kv(token_ids: Sequence[int], start: int, lm: LoadedModel) -> ChunkKV:
+    """A chunk with its tokens but no real KV, for PREFIX mode (it recomputes every chunk token).
+
+    The K/V are a zero-stride view of one zero, so no memory is spent on them.
+    """
+    n = len(token_ids)
+    zeros = torch.zeros((), device=lm.device, dtype=lm.dtype).expand(
+        lm.num_layers, lm.num_kv_heads, n, lm.head_dim)  # [L, Hkv, T, D]
+    return ChunkKV(
+        token_ids=torch.tensor(list(token_ids), dtype=torch.long, device=lm.device),  # [T]
+        k=zeros,
+        v=zeros,
+        positions=torch.arange(start, start + n, device=lm.device),  # [T]
+        fresh=True,
+    )
 
 
 class Engine:
@@ -52,7 +71,7 @@ class Engine:
     @torch.inference_mode()
     def full_prefill(self, ids: Sequence[int], reserve_tokens: int = 256) -> BlendResult:
         """Plain prefill of the whole prompt: the baseline every mode is measured against."""
-        return run_prompt(self.lm, None, [], ids, BlendMode.FULL, reserve_tokens=reserve_tokens)
+        return run_prompt(self.lm, None, [], ids, Mode.FULL, reserve_tokens=reserve_tokens)
 
     @torch.inference_mode()
     def blend(
@@ -60,14 +79,60 @@ class Engine:
         prefix: ChunkKV,
         chunks: Sequence[ChunkKV],
         question_ids: Sequence[int],
-        mode: BlendMode | str = BlendMode.BLEND,
+        mode: Mode | str = Mode.BLEND,
         recompute_ratio: float = 0.15,
         options: BlendOptions | None = None,
         reserve_tokens: int = 256,
     ) -> BlendResult:
         """Run `[prefix][chunks][question]` in `mode`; see engine.blend for the modes."""
         opts = options or BlendOptions(recompute_ratio=recompute_ratio)
-        return run_prompt(self.lm, prefix, chunks, question_ids, BlendMode(mode), opts, reserve_tokens)
+        return run_prompt(self.lm, prefix, chunks, question_ids, Mode(mode), opts, reserve_tokens)
+
+    @staticmethod
+    def reads_chunk_kv(mode: Mode) -> bool:
+        """Whether `mode` reads the chunks' cached KV (FULL and PREFIX recompute every chunk token)."""
+        return Mode(mode) in _CHUNK_KV_MODES
+
+    @torch.inference_mode()
+    def run(
+        self,
+        prefix_ids: Sequence[int],
+        chunk_ids: Sequence[Sequence[int]],
+        chunks: Sequence[ChunkKV] | None,
+        question_ids: Sequence[int],
+        mode: Mode,
+        options: BlendOptions | None = None,
+        reserve_tokens: int = 256,
+    ) -> BlendResult:
+        """Run `[prefix][chunks][question]` in any mode; the one entry point for serving.
+
+        Args:
+            prefix_ids: the shared prefix the chunks' KV was computed after.
+            chunk_ids: each chunk's token ids.
+            chunks: each chunk's KV, when `reads_chunk_kv(mode)`; ignored otherwise. A chunk
+                computed for this request (`ChunkKV.fresh`) does not count as cached.
+
+        Returns:
+            The prompt ready for decoding; `cached_tokens` counts the prompt tokens whose KV
+            was read from a cache (the prefix, and the used chunks that were not fresh).
+        """
+        mode, opts = Mode(mode), options or BlendOptions()
+        if mode is Mode.FULL:
+            ids = [*prefix_ids, *(t for ids in chunk_ids for t in ids), *question_ids]
+            return self.full_prefill(ids, reserve_tokens)
+        prefix = self.prefix_kv(prefix_ids)
+        if mode is Mode.PREFIX:  # every chunk token is recomputed: its KV is never read
+            res = self.blend(prefix, [placeholder_kv(ids, len(prefix_ids), self.lm) for ids in chunk_ids],
+                             question_ids, mode=mode, options=opts, reserve_tokens=reserve_tokens)
+            res.cached_tokens = len(prefix_ids)
+            return res
+        if chunks is None or len(chunks) != len(chunk_ids):
+            raise ValueError(f"mode {mode.value} reads each chunk's KV: got "
+                             f"{'none' if chunks is None else len(chunks)} for {len(chunk_ids)} chunks")
+        res = self.blend(prefix, chunks, question_ids, mode=mode, options=opts, reserve_tokens=reserve_tokens)
+        used = res.used_chunks if res.used_chunks is not None else range(len(chunks))
+        res.cached_tokens = len(prefix_ids) + sum(chunks[i].num_tokens for i in used if not chunks[i].fresh)
+        return res
 
     def decode(self, prompt: BlendResult, params: SamplingParams | None = None) -> DecodeStream:
         """Stream the answer's text pieces; the stream reports finish_reason and token_ids."""

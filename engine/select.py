@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.forward import Heads, layer_forward, plan_attention, project_kv
-from engine.kv import KVCache
-from engine.rope import apply_rope
+from ragkv.engine.forward import Heads, heads_of, layer_forward, plan_attention, project_kv
+from ragkv.engine.kv import KVCache
+from ragkv.engine.rope import apply_rope
 
 if TYPE_CHECKING:
-    from engine.blend import BlendOptions
-    from engine.loading import LoadedModel
+    from ragkv.engine.blend import BlendOptions
+    from ragkv.engine.loading import LoadedModel
 
 
 def tokens_for_mass(score: torch.Tensor, mass: float) -> int:
@@ -115,7 +115,6 @@ def question_attention(lm: LoadedModel, ids: torch.Tensor, cache: KVCache, cos_a
     Returns:
         [len(layers), c] float32 attention mass per context token, one row per layer.
     """
-    from engine.blend import heads_of
 
     heads: Heads = heads_of(lm)
     model, n = lm.model, ids.shape[0]

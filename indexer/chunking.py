@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from retriever.records import ChunkId, DocId, chunk_id
+from ragkv.retriever.records import ChunkId, DocId, chunk_id
 
 Tokenize = Callable[[str], Sequence[int]]  # text -> token ids, no special tokens
 

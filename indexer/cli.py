@@ -15,8 +15,8 @@ import os
 import sys
 from pathlib import Path
 
-from indexer.chunking import DEFAULT_CHUNK_TOKENS, DEFAULT_OVERLAP_TOKENS
-from indexer.spot import DEFAULT_IMDS_ENDPOINT, EXIT_INTERRUPTED, IndexInterrupted
+from ragkv.indexer.chunking import DEFAULT_CHUNK_TOKENS, DEFAULT_OVERLAP_TOKENS
+from ragkv.indexer.spot import DEFAULT_IMDS_ENDPOINT, EXIT_INTERRUPTED, IndexInterrupted
 
 ENV_KV_URIS = "RAGKV_KV_URIS"  # comma-separated default for --kv-store
 ENV_IMDS = "RAGKV_IMDS_ENDPOINT"  # IMDS base URL; setting it turns the Spot watcher on
@@ -79,21 +79,24 @@ def run_index_command(args: argparse.Namespace) -> int:
     """Run ``ragkv index``; returns the exit code."""
     logging.basicConfig(level=logging.WARNING, format="ragkv: %(message)s")
     if args.corpus == MERGE:
-        from indexer.merge import merge_shards
+        from ragkv.indexer.merge import merge_shards
 
         manifest = merge_shards(args.out, progress=not args.no_progress)
         print(f"merged index {args.out}: {manifest.n_documents} documents, {manifest.n_chunks} chunks, "
               f"{manifest.n_tokens} tokens")
         return 0
 
-    from indexer.chunking import ChunkingConfig
-    from indexer.job import IndexJobConfig, Runner, run_index
-    from indexer.sharding import resolve_shard
-    from indexer.spot import SpotWatcher, StopSignal
+    from ragkv.engine.memory import tune_host_allocator
+
+    tune_host_allocator()  # before torch's first large allocation
+    from ragkv.indexer.chunking import ChunkingConfig
+    from ragkv.indexer.job import IndexJobConfig, Runner, run_index
+    from ragkv.indexer.sharding import resolve_shard
+    from ragkv.indexer.spot import SpotWatcher, StopSignal
 
     corpus = Path(args.corpus)
     if args.corpus == DEMO:
-        from indexer.demo_corpus import build_demo_corpus
+        from ragkv.indexer.demo_corpus import build_demo_corpus
 
         corpus = build_demo_corpus(args.out / "demo-corpus")
     kv = tuple(args.kv_stores or [u for u in os.environ.get(ENV_KV_URIS, "").split(",") if u.strip()])
@@ -106,7 +109,7 @@ def run_index_command(args: argparse.Namespace) -> int:
         ray_workers=args.ray_workers,
     )
     if config.runner is Runner.RAY and config.precompute_kv:
-        from indexer.ray_runner import import_ray
+        from ragkv.indexer.ray_runner import import_ray
 
         import_ray()  # a missing extra fails before any work, not after chunking and embedding
     endpoint = args.imds_endpoint or (DEFAULT_IMDS_ENDPOINT if os.environ.get("AWS_BATCH_JOB_ID") else None)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ragkv.errors import RagKVError
-from retriever.records import ContentHash, DocId, content_hash
+from ragkv.retriever.records import ContentHash, DocId, content_hash
 
 
 class CorpusError(RagKVError):

@@ -26,16 +26,16 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ragkv.errors import IndexMismatchError
-from indexer.chunking import ChunkingConfig, chunk_document
-from indexer.corpus import Corpus, Document, load_corpus
-from indexer.kv_job import KVItem, KVWriter, kv_key, open_store
-from indexer.sharding import shard_of
-from indexer.spot import StopSignal
-from retriever import vector_index
-from retriever.chunk_db import ChunkDB
-from retriever.embedder import DEFAULT_EMBEDDER, Embedder
-from retriever.manifest import IndexState, Manifest, ShardSpec, read_manifest, write_manifest
-from retriever.records import ChunkRecord, DocId, DocumentRecord, Fingerprint
+from ragkv.indexer.chunking import ChunkingConfig, chunk_document
+from ragkv.indexer.corpus import Corpus, Document, load_corpus
+from ragkv.indexer.kv_job import KVItem, KVWriter, kv_key, open_store
+from ragkv.indexer.sharding import shard_of
+from ragkv.indexer.spot import StopSignal
+from ragkv.retriever import vector_index
+from ragkv.retriever.chunk_db import ChunkDB
+from ragkv.retriever.embedder import DEFAULT_EMBEDDER, Embedder
+from ragkv.retriever.manifest import IndexState, Manifest, ShardSpec, read_manifest, write_manifest
+from ragkv.retriever.records import ChunkRecord, DocId, DocumentRecord, Fingerprint
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -153,7 +153,7 @@ def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Any
     docs = _shard_documents(corpus, config.shard)
     index_dir = config.index_dir()
 
-    from engine import Engine, load_model
+    from ragkv.engine import Engine, load_model
 
     lm = lm or load_model(config.model, device=config.device, dtype=config.dtype)
     embedder = embedder or Embedder.load(config.embedder, device=config.device)
@@ -316,7 +316,7 @@ def _precompute_kv(db: ChunkDB, engine: Any, lm: Any, prefix_ids: Sequence[int],
 
 
 def _ray_runner(config: IndexJobConfig, prefix_ids: Sequence[int], kv_uris: Sequence[str], lm: Any) -> Any:
-    from indexer.ray_runner import RayKVRunner, RayRunnerConfig
+    from ragkv.indexer.ray_runner import RayKVRunner, RayRunnerConfig
 
     ray_config = RayRunnerConfig(model=config.model, device=config.device, dtype=config.dtype,
                                  kv_uris=tuple(kv_uris), address=config.ray_address,

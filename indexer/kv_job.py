@@ -30,14 +30,14 @@ class KVItem:
 
 def kv_key(model_fp: str, tokenizer_fp: str, prefix_ids: Sequence[int], chunk_ids: Sequence[int]) -> str:
     """The kvstore ChunkKey string of a chunk (one place builds it for the whole indexer)."""
-    from kvstore import ChunkKey
+    from ragkv.kvstore import ChunkKey
 
     return ChunkKey.build(model_fp, tokenizer_fp, list(prefix_ids), list(chunk_ids)).to_str()
 
 
 def open_store(uris: Sequence[str], model_fp: str, tokenizer_fp: str) -> Any:
     """A kvstore TieredStore writing through to the tiers named by ``uris``."""
-    from kvstore import StoreConfig, TieredStore
+    from ragkv.kvstore import StoreConfig, TieredStore
 
     config = StoreConfig.from_uris(list(uris))
     return TieredStore(config, model_fp, tokenizer_fp)
@@ -53,7 +53,7 @@ class KVWriter:
     """
 
     def __init__(self, engine: Any, store: Any, prefix_ids: Sequence[int]) -> None:
-        from kvstore import hash_prefix
+        from ragkv.kvstore import hash_prefix
 
         self.engine = engine  # engine.Engine
         self.store = store  # kvstore TieredStore (or any object with contains/put)
@@ -63,7 +63,7 @@ class KVWriter:
 
     def missing(self, items: Sequence[KVItem]) -> list[KVItem]:
         """The items whose KV is not in the store yet (a resumed run skips the rest)."""
-        from kvstore import ChunkKey
+        from ragkv.kvstore import ChunkKey
 
         return [it for it in items if not self.store.contains(ChunkKey.from_str(it.kv_key))]
 
@@ -133,12 +133,8 @@ class KVWriter:
             raise StoreError(f"writing chunk KV to the store failed: {exc}") from exc
 
     def _entry(self, item: KVItem, kv: Any) -> Any:
-        from kvstore import ChunkKey, KVEntry
+        from ragkv.indexer.kv_bridge import chunk_kv_to_entry
+        from ragkv.kvstore import ChunkKey
 
-        return KVEntry(
-            key=ChunkKey.from_str(item.kv_key),
-            k=kv.k, v=kv.v,
-            token_ids=kv.token_ids.cpu(), positions=kv.positions.cpu(),
-            model_fp=self._lm.fingerprint, tokenizer_fp=self._lm.tokenizer_fingerprint,
-            prefix_hash=self._prefix_hash,
-        )
+        return chunk_kv_to_entry(kv, ChunkKey.from_str(item.kv_key), self._lm.fingerprint,
+                                 self._lm.tokenizer_fingerprint, self._prefix_hash)

@@ -15,9 +15,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from ragkv.errors import IndexMismatchError, RagKVError
-from retriever import vector_index
-from retriever.chunk_db import DB_NAME, ChunkDB
-from retriever.manifest import IndexState, Manifest, read_manifest, write_manifest
+from ragkv.retriever import vector_index
+from ragkv.retriever.chunk_db import DB_NAME, ChunkDB
+from ragkv.retriever.manifest import IndexState, Manifest, read_manifest, write_manifest
 
 _SHARD_DIR = re.compile(r"shard-(\d{5})-of-(\d{5})")
 _SAME = ("model_fp", "tokenizer_fp", "embedder_fp", "embedding_dim", "prefix_ids", "chunk_size",

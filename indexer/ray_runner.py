@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from indexer.kv_job import KVItem, KVWriter, open_store
+from ragkv.indexer.kv_job import KVItem, KVWriter, open_store
 from ragkv.errors import IndexMismatchError, RagKVError
 
 INSTALL_HINT = "pip install 'ragkv[ray]'"
@@ -57,7 +57,7 @@ class KVBatchWorker:
     def __init__(self, config: RayRunnerConfig, prefix_ids: Sequence[int], threads: int) -> None:
         import torch
 
-        from engine import Engine, load_model
+        from ragkv.engine import Engine, load_model
 
         if config.device == "cpu":
             torch.set_num_threads(threads)  # the actor's CPU share, not every core of the node

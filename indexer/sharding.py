@@ -11,8 +11,8 @@ import hashlib
 import os
 from collections.abc import Mapping
 
-from retriever.manifest import ShardSpec
-from retriever.records import DocId
+from ragkv.retriever.manifest import ShardSpec
+from ragkv.retriever.records import DocId
 
 ENV_ARRAY_INDEX = "AWS_BATCH_JOB_ARRAY_INDEX"  # set by AWS Batch on each array child
 ENV_ARRAY_SIZE = "AWS_BATCH_JOB_ARRAY_SIZE"  # set by our Terraform job definition

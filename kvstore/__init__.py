@@ -15,17 +15,17 @@ Shapes: `[L, Hkv, T, D]` = layers, KV heads, tokens, head dim (legend in engine/
     hit = store.fetch_layered(key)    # hit.layers.wait(l) before reading layer l (filled behind compute)
 """
 
-from kvstore.compression import Compression
-from kvstore.config import StoreConfig, TierSpec, parse_bytes
-from kvstore.entry import KVEntry, RopeMode
-from kvstore.eviction import Policy
-from kvstore.keys import FORMAT_VERSION, ChunkKey, PrefixHash, hash_prefix
-from kvstore.layered import LayerGate
-from kvstore.store import Hit, PrefetchHandle, StoreStats, TieredStore
-from kvstore.tiers.base import StorageTier, Tier, TierStats
-from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.memory import CpuTier, GpuTier, MemoryTier
-from kvstore.tiers.s3 import S3Settings, S3Tier
+from ragkv.kvstore.compression import Compression
+from ragkv.kvstore.config import StoreConfig, TierSpec, parse_bytes
+from ragkv.kvstore.entry import KVEntry, RopeMode
+from ragkv.kvstore.eviction import Policy
+from ragkv.kvstore.keys import FORMAT_VERSION, ChunkKey, PrefixHash, hash_prefix
+from ragkv.kvstore.layered import LayerGate
+from ragkv.kvstore.store import Hit, PrefetchHandle, StoreStats, TieredStore
+from ragkv.kvstore.tiers.base import StorageTier, Tier, TierStats
+from ragkv.kvstore.tiers.disk import DiskTier
+from ragkv.kvstore.tiers.memory import CpuTier, GpuTier, MemoryTier
+from ragkv.kvstore.tiers.s3 import S3Settings, S3Tier
 
 __all__ = [
     "FORMAT_VERSION",

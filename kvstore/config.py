@@ -13,10 +13,10 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from kvstore.compression import Compression, check_supported
-from kvstore.eviction import Policy
-from kvstore.tiers.base import Tier
-from kvstore.tiers.s3 import S3Settings, check_bucket, check_prefix
+from ragkv.kvstore.compression import Compression, check_supported
+from ragkv.kvstore.eviction import Policy
+from ragkv.kvstore.tiers.base import Tier
+from ragkv.kvstore.tiers.s3 import S3Settings, check_bucket, check_prefix
 
 _UNITS = {
     "": 1, "b": 1,
@@ -57,6 +57,8 @@ class TierSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tier", Tier(self.tier))
+        if self.tier not in Tier.storage():
+            raise ValueError(f"{self.tier.value!r} is not a storage tier ({[t.value for t in Tier.storage()]})")
         object.__setattr__(self, "policy", Policy(self.policy))
         if self.tier is Tier.DISK and not self.path:
             raise ValueError("disk tier needs a path, e.g. 'disk:/var/cache/ragkv'")
@@ -159,8 +161,10 @@ class StoreConfig:
         for name, size in (budgets or {}).items():
             try:
                 tier = Tier(name)
+                if tier not in Tier.storage():
+                    raise ValueError
             except ValueError:
-                raise ValueError(f"budget for {name!r}: not a tier ({[t.value for t in Tier]})") from None
+                raise ValueError(f"budget for {name!r}: not a tier ({[t.value for t in Tier.storage()]})") from None
             budget_of[tier] = parse_bytes(size)
         if Tier.S3 in budget_of:
             raise ValueError(f"s3 tier has no byte budget, got {budget_of[Tier.S3]}")

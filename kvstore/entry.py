@@ -11,7 +11,7 @@ from enum import Enum
 
 import torch
 
-from kvstore.keys import ChunkKey, PrefixHash, check_fingerprint, check_prefix_hash
+from ragkv.kvstore.keys import ChunkKey, PrefixHash, check_fingerprint, check_prefix_hash
 
 # The dtypes K and V may be stored in (the file records which).
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -25,17 +25,17 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kvstore.compression import Compression
-from kvstore.config import StoreConfig, TierSpec
-from kvstore.entry import KVEntry
-from kvstore.fileformat import encode
-from kvstore.keys import ChunkKey, check_fingerprint
-from kvstore.layered import LayerGate
-from kvstore.tiers.base import StorageTier, Tier, TierStats
-from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.durable import DurableTier
-from kvstore.tiers.memory import CpuTier, GpuTier, MemoryTier
-from kvstore.tiers.s3 import S3Tier
+from ragkv.kvstore.compression import Compression
+from ragkv.kvstore.config import StoreConfig, TierSpec
+from ragkv.kvstore.entry import KVEntry
+from ragkv.kvstore.fileformat import encode
+from ragkv.kvstore.keys import ChunkKey, check_fingerprint
+from ragkv.kvstore.layered import LayerGate
+from ragkv.kvstore.tiers.base import StorageTier, Tier, TierStats
+from ragkv.kvstore.tiers.disk import DiskTier
+from ragkv.kvstore.tiers.durable import DurableTier
+from ragkv.kvstore.tiers.memory import CpuTier, GpuTier, MemoryTier
+from ragkv.kvstore.tiers.s3 import S3Tier
 from ragkv.errors import StoreError
 
 logger = logging.getLogger(__name__)

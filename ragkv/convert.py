@@ -44,7 +44,6 @@ _MODE_TO_PB = {
     Mode.PREFIX: pb.MODE_PREFIX,
     Mode.REUSE: pb.MODE_REUSE,
     Mode.BLEND: pb.MODE_BLEND,
-    Mode.CLIP: pb.MODE_CLIP,
     Mode.FOCUS: pb.MODE_FOCUS,
 }
 _MODE_FROM_PB = {v: k for k, v in _MODE_TO_PB.items()}

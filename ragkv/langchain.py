@@ -218,7 +218,7 @@ class RagKVChatModel(_Connection, BaseChatModel):
     top_k: int | None = Field(default=None, ge=1)
     """Chunks to retrieve."""
     mode: Mode | None = None
-    """How the prompt KV is assembled: full, prefix, reuse, blend, clip."""
+    """How the prompt KV is assembled: full, prefix, reuse, blend, focus."""
     recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
     """Fraction of context tokens recomputed in blend mode."""
     temperature: float = Field(default=0.0, ge=0.0)

@@ -9,30 +9,57 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NewType
 
 DEFAULT_COLLECTION = "default"
 
 
-class Mode(enum.Enum):
-    """How the prompt KV is assembled before decoding."""
+class Mode(str, enum.Enum):
+    """How the prompt KV is assembled before decoding: the one mode enum, wire to engine.
+
+    What each mode recomputes and counts as cached is the engine's to say (ragkv.engine.blend).
+    """
 
     FULL = "full"  # plain prefill of the whole prompt (the baseline)
     PREFIX = "prefix"  # reuse only the shared prefix KV
     REUSE = "reuse"  # concatenate cached chunk KVs, recompute only the question
     BLEND = "blend"  # selective recompute (CacheBlend)
-    CLIP = "clip"  # tokens picked by an auxiliary model's attention (CacheClip)
     FOCUS = "focus"  # only the chunks the question attends to (engine.focus)
 
 
-class Tier(enum.Enum):
-    """Where a chunk's KV came from for one request."""
+class Tier(str, enum.Enum):
+    """Where a chunk's KV lives (the storage tiers, fastest first) or came from for one request.
 
-    GPU = "gpu"
-    CPU = "cpu"
-    DISK = "disk"
-    S3 = "s3"
+    The one tier enum, from kvstore's tiers to the wire; only the first four are storage
+    tiers (`Tier.storage`).
+    """
+
+    GPU = "gpu"  # device memory (CUDA only)
+    CPU = "cpu"  # host memory, pinned when CUDA is there
+    DISK = "disk"  # files on a local SSD
+    S3 = "s3"  # objects in an S3-compatible bucket
     COMPUTED = "computed"  # missing from every tier: computed on the spot, written back
     NOT_LOADED = "not_loaded"  # the mode does not use cached chunk KV
+
+    @property
+    def rank(self) -> int:
+        """Lookup order of a storage tier: 0 is looked at first."""
+        return _RANK[self]
+
+    @property
+    def durable(self) -> bool:
+        """Whether the tier's contents outlive the process."""
+        return self in (Tier.DISK, Tier.S3)
+
+    @classmethod
+    def storage(cls) -> tuple[Tier, ...]:
+        """The tiers a store can hold KV in, fastest first."""
+        return (cls.GPU, cls.CPU, cls.DISK, cls.S3)
+
+
+_RANK = {Tier.GPU: 0, Tier.CPU: 1, Tier.DISK: 2, Tier.S3: 3}
+
+Fingerprint = NewType("Fingerprint", str)  # sha256 hex naming a model, tokenizer or embedder
 
 
 class FinishReason(enum.Enum):

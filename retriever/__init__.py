@@ -8,8 +8,8 @@ only when ``Retriever``/``Hit`` are first used, so the CLI stays a client instal
 
 from typing import Any
 
-from retriever.manifest import IndexState, Manifest, ShardSpec, VectorIndexKind
-from retriever.records import ChunkId, ChunkRecord, DocId, Fingerprint
+from ragkv.retriever.manifest import IndexState, Manifest, ShardSpec, VectorIndexKind
+from ragkv.retriever.records import ChunkId, ChunkRecord, DocId, Fingerprint
 
 __all__ = [
     "ChunkId", "ChunkRecord", "DocId", "Fingerprint", "Hit", "IndexState", "Manifest",
@@ -19,7 +19,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in ("Hit", "Retriever"):
-        from retriever import search
+        from ragkv.retriever import search
 
         return getattr(search, name)
     raise AttributeError(f"module 'retriever' has no attribute {name!r}")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retriever.records import ChunkId, ChunkRecord, ContentHash, DocId, DocumentRecord
+from ragkv.retriever.records import ChunkId, ChunkRecord, ContentHash, DocId, DocumentRecord
 
 DB_NAME = "chunks.sqlite"
 

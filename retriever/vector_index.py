@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retriever.manifest import VectorIndexKind, atomic_write_bytes
+from ragkv.retriever.manifest import VectorIndexKind, atomic_write_bytes
 
 FAISS_NAME = "vectors.faiss"
 HNSW_THRESHOLD = 50_000  # chunks; at or past this, HNSW instead of exact search

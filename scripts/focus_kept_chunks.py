@@ -27,8 +27,8 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     args = ap.parse_args()
 
-    from engine import BlendOptions, Engine, load_model
-    from ragkv.eval_cli import index_cases
+    from ragkv.engine import BlendOptions, Engine, load_model
+    from ragkv.cli.eval import index_cases
 
     eng = Engine(load_model(args.model))
     p, opts = eng.prompt, BlendOptions(focus_keep=args.focus_keep)

@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from server.status import NotServingError, OverloadedError
+from ragkv.server.status import NotServingError, OverloadedError
 
 
 class Admission:

@@ -21,12 +21,12 @@ from grpc_reflection.v1alpha import reflection
 
 from ragkv.v1 import ragkv_pb2 as pb
 from ragkv.v1 import ragkv_pb2_grpc as pb_grpc
-from server.admission import Admission
-from server.auth import BearerTokenInterceptor, read_token
-from server.backend import QueryBackend
-from server.metrics import ServerMetrics
-from server.service import RagService
-from server.settings import ServerSettings
+from ragkv.server.admission import Admission
+from ragkv.server.auth import BearerTokenInterceptor, read_token
+from ragkv.server.backend import QueryBackend
+from ragkv.server.metrics import ServerMetrics
+from ragkv.server.service import RagService
+from ragkv.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 

@@ -63,7 +63,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
 
 def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = None):  # -> ServerSettings
     """The ServerSettings that parsed `serve` arguments, the environment and --config give."""
-    from server.settings import load_settings
+    from ragkv.server.settings import load_settings
 
     flags = {dest: getattr(args, dest) for dest, _, _ in _FLAGS}
     flags["indexes"] = tuple(args.indexes)
@@ -75,13 +75,16 @@ def run_serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from server.app import run
+    from ragkv.engine.memory import tune_host_allocator
+
+    tune_host_allocator()  # before torch's first large allocation
+    from ragkv.server.app import run
 
     settings = settings_from_args(args)
     if not settings.indexes:
         raise ValueError("no index to serve: pass --index [NAME=]DIR (or set RAGKV_INDEXES)")
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from server.pipeline import Pipeline
+    from ragkv.server.pipeline import Pipeline
 
     return asyncio.run(run(settings, Pipeline.from_settings))

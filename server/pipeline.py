@@ -23,22 +23,19 @@ from pathlib import Path
 
 import torch
 
-from engine import BlendMode, BlendOptions, BlendResult, ChunkKV, Engine, LoadedModel, SamplingParams, load_model
-from kvstore import ChunkKey, LayerGate, PrefetchHandle, StoreConfig, TieredStore
+from ragkv.engine import BlendOptions, ChunkKV, Engine, LoadedModel, SamplingParams, load_model
+from ragkv.indexer.kv_bridge import chunk_kv_to_entry, entry_to_chunk_kv
+from ragkv.kvstore import ChunkKey, LayerGate, PrefetchHandle, PrefixHash, StoreConfig, TieredStore, hash_prefix
 from ragkv.convert import metadata_to_wire
 from ragkv.errors import IndexMismatchError, KVFormatError, StoreError
 from ragkv.types import CollectionInfo, CollectionStats, FinishReason, Mode, RetrievedChunk, Tier, TierStats
-from retriever import Retriever
-from server.backend import AnswerEvent, ChunksEvent, DoneEvent, PreparedQuery, QueryParams, TokenEvent
-from server.kv_bridge import chunk_kv_to_entry, entry_to_chunk_kv, placeholder_kv
-from server.settings import ServerSettings
-from server.status import UnknownCollectionError
+from ragkv.retriever import Retriever
+from ragkv.server.backend import AnswerEvent, ChunksEvent, DoneEvent, PreparedQuery, QueryParams, TokenEvent
+from ragkv.server.settings import ServerSettings
+from ragkv.server.status import UnknownCollectionError
 
 log = logging.getLogger(__name__)
 
-_BLEND_MODE = {Mode.FULL: BlendMode.FULL, Mode.PREFIX: BlendMode.PREFIX, Mode.REUSE: BlendMode.REUSE,
-               Mode.BLEND: BlendMode.BLEND, Mode.FOCUS: BlendMode.FOCUS}
-_CACHED_KV_MODES = frozenset({Mode.REUSE, Mode.BLEND, Mode.FOCUS})  # modes that read chunk KV from the store
 _FINISH = {"eos": FinishReason.STOP, "stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 _KV_WAIT_SLICE = 0.05  # seconds between cancel checks while waiting for a prefetch
 _KV_WAIT_LIMIT = 120.0  # seconds a single chunk's KV load may take
@@ -52,6 +49,7 @@ class Collection:
     retriever: Retriever  # search over the index
     store: TieredStore  # KV tiers of the index, for the serving model
     prefix_ids: tuple[int, ...]  # the prefix the index's chunk KVs were computed after
+    prefix_hash: PrefixHash  # its hash, as it names the KV entries
     mismatch: str | None  # why Query is refused (another model built the index); None = servable
 
 
@@ -61,7 +59,7 @@ class _Plan:
 
     collection: Collection  # where the hits came from
     token_ids: tuple[tuple[int, ...], ...]  # each hit's chunk tokens
-    kv_keys: tuple[str, ...]  # each hit's ChunkKey string
+    kv_keys: tuple[ChunkKey, ...]  # each hit's KV name
     handles: tuple[PrefetchHandle, ...] | None  # KV loads in flight; None when the mode needs none
 
 
@@ -103,7 +101,6 @@ class Pipeline:
         self._kv_layered = kv_layered
         self.lm: LoadedModel = engine.lm
         self._collections = collections
-        self._shape = (self.lm.num_layers, self.lm.num_kv_heads, self.lm.head_dim)
 
     @classmethod
     def from_settings(cls, settings: ServerSettings) -> Pipeline:
@@ -139,12 +136,13 @@ class Pipeline:
                 log.warning("%s", mismatch)
             store = TieredStore(_store_config(settings, Path(index_dir), manifest.kv_uris, lm.device),
                                 lm.fingerprint, lm.tokenizer_fingerprint)
-            collections[name] = Collection(name, retriever, store, tuple(manifest.prefix_ids), mismatch)
+            collections[name] = Collection(name, retriever, store, tuple(manifest.prefix_ids),
+                                           hash_prefix(manifest.prefix_ids), mismatch)
         return cls(engine, collections, settings.focus_keep, settings.kv_layered)
 
     @property
     def modes(self) -> frozenset[Mode]:
-        return frozenset(_BLEND_MODE)
+        return frozenset(Mode)
 
     def _collection(self, name: str) -> Collection:
         try:
@@ -186,13 +184,13 @@ class Pipeline:
         started = time.perf_counter()
         hits = self._search(c, params.question, params.top_k)
         retrieved = time.perf_counter()
-        # The key is rebuilt, not read from the index: it must name this build's file format
+        # The key is built here, not read from the index: it must name this build's file format
         # and this model (an index written by an older format version then just misses).
-        kv_keys = tuple(ChunkKey.build(self.lm.fingerprint, self.lm.tokenizer_fingerprint, c.prefix_ids,
-                                       h.token_ids).to_str() for h in hits)
+        kv_keys = tuple(ChunkKey.from_prefix_hash(self.lm.fingerprint, self.lm.tokenizer_fingerprint,
+                                                  c.prefix_hash, h.token_ids) for h in hits)
         handles = None
-        if params.mode in _CACHED_KV_MODES:  # start loading the moment the ids are known
-            handles = tuple(c.store.prefetch([ChunkKey.from_str(k) for k in kv_keys], layered=self._kv_layered))
+        if self.engine.reads_chunk_kv(params.mode):  # start loading the moment the ids are known
+            handles = tuple(c.store.prefetch(kv_keys, layered=self._kv_layered))
         chunks = tuple(
             RetrievedChunk(h.chunk_id, h.score, h.text, metadata_to_wire(h.metadata), None, len(h.token_ids))
             for h in hits
@@ -235,10 +233,7 @@ class Pipeline:
             t0 = time.perf_counter()
             kv = self.engine.prefill_chunk(list(c.prefix_ids), list(ids))
             compute_s += time.perf_counter() - t0
-            try:
-                c.store.put(chunk_kv_to_entry(kv, key, lm.fingerprint, lm.tokenizer_fingerprint, c.prefix_ids))
-            except StoreError as exc:  # the answer does not depend on the write-back
-                log.warning("writing back computed KV of %s failed: %s", key, exc)
+            self._write_back(c, key, kv)
             kvs.append(kv)
             tiers.append(Tier.COMPUTED)
         phases["kv_wait"] = wait_s
@@ -257,52 +252,46 @@ class Pipeline:
         for i in failed:
             kvs[i] = self.engine.prefill_chunk(list(c.prefix_ids), list(plan.token_ids[i]))
             tiers[i] = Tier.COMPUTED
-            try:
-                c.store.put(chunk_kv_to_entry(kvs[i], plan.kv_keys[i], self.lm.fingerprint,
-                                              self.lm.tokenizer_fingerprint, c.prefix_ids))
-            except StoreError as err:
-                log.warning("writing back computed KV of %s failed: %s", plan.kv_keys[i], err)
+            self._write_back(c, plan.kv_keys[i], kvs[i])
         return kvs
+
+    def _write_back(self, c: Collection, key: ChunkKey, kv: ChunkKV) -> None:
+        """Store a chunk KV computed on the spot; the answer does not depend on it."""
+        try:
+            c.store.put(chunk_kv_to_entry(kv, key, self.lm.fingerprint, self.lm.tokenizer_fingerprint, c.prefix_hash))
+        except StoreError as exc:
+            log.warning("writing back computed KV of %s failed: %s", key, exc)
 
     def answer(self, prepared: PreparedQuery, cancel: threading.Event) -> Iterator[AnswerEvent]:
         params, plan = prepared.params, prepared.state
         if not isinstance(plan, _Plan):
             raise RuntimeError(f"prepared query carries {type(plan).__name__}, not this pipeline's plan: a bug")
-        lm, engine, c = self.lm, self.engine, plan.collection
+        engine, c = self.engine, plan.collection
         phases: dict[str, float] = {}
         loaded: dict[Tier, int] = {}
-        prefix_ids = list(c.prefix_ids)
-        if params.mode in _CACHED_KV_MODES:
+        if engine.reads_chunk_kv(params.mode):
             result = self._load_chunks(prepared, plan, cancel, phases)
             if result is None:
                 return
             kvs, tiers, loaded = result
         else:
-            kvs, tiers = [], [Tier.NOT_LOADED] * len(plan.token_ids)
+            kvs, tiers = None, [Tier.NOT_LOADED] * len(plan.token_ids)
         yield ChunksEvent(tuple(dataclasses.replace(ch, kv_tier=t) for ch, t in zip(prepared.chunks, tiers)))
         if cancel.is_set():
             return
 
         question_ids = engine.prompt.question_ids(params.question)
+        options = BlendOptions(recompute_ratio=params.recompute_ratio, focus_keep=self._focus_keep)
         t0 = time.perf_counter()
-        if params.mode is Mode.FULL:
-            ids = prefix_ids + [t for chunk in plan.token_ids for t in chunk] + question_ids
-            res = engine.full_prefill(ids, reserve_tokens=params.max_new_tokens)
-        else:
-            prefix = engine.prefix_kv(prefix_ids)
-            if params.mode is Mode.PREFIX:  # every chunk token is recomputed: no KV to load
-                start = len(prefix_ids)
-                kvs = [placeholder_kv(ids, start, self._shape, lm.device, lm.dtype) for ids in plan.token_ids]
-            options = BlendOptions(recompute_ratio=params.recompute_ratio, focus_keep=self._focus_keep)
 
-            def blend(kvs: list[ChunkKV]) -> BlendResult:
-                return engine.blend(prefix, kvs, question_ids, mode=_BLEND_MODE[params.mode], options=options,
-                                    reserve_tokens=params.max_new_tokens)
+        def run(kvs: list[ChunkKV] | None):  # -> engine.BlendResult
+            return engine.run(c.prefix_ids, plan.token_ids, kvs, question_ids, params.mode, options,
+                              reserve_tokens=params.max_new_tokens)
 
-            try:
-                res = blend(kvs)
-            except (KVFormatError, StoreError) as exc:  # a layered read failed mid-blend
-                res = blend(self._recompute_failed(c, plan, kvs, tiers, exc))
+        try:
+            res = run(kvs)
+        except (KVFormatError, StoreError) as exc:  # a layered read failed mid-prompt
+            res = run(self._recompute_failed(c, plan, kvs or [], tiers, exc))
         phases["prompt"] = time.perf_counter() - t0
         phases.update({f"prompt.{k}": v for k, v in res.timings.items()})
 
@@ -317,19 +306,10 @@ class Pipeline:
                 return
         phases["decode"] = time.perf_counter() - t0
 
-        n_prompt = res.n_prompt_tokens
         used = res.used_chunks if res.used_chunks is not None else range(len(prepared.chunks))
-        if params.mode is Mode.FULL:
-            cached = 0
-        elif params.mode is Mode.PREFIX:
-            cached = len(prefix_ids)
-        else:
-            cached = len(prefix_ids) + sum(
-                len(plan.token_ids[i]) for i in used if tiers[i] is not Tier.COMPUTED
-            )
         yield DoneEvent(
-            prompt_tokens=n_prompt,
-            cached_prompt_tokens=cached,
+            prompt_tokens=res.n_prompt_tokens,
+            cached_prompt_tokens=res.cached_tokens,
             completion_tokens=len(stream.token_ids),
             recompute_fraction=float(res.recompute_fraction),
             finish_reason=_FINISH.get(stream.finish_reason or "", FinishReason.STOP),

@@ -25,11 +25,11 @@ from ragkv import convert
 from ragkv.types import QueryStats, RetrievedChunk, RetrieveResult, Usage
 from ragkv.v1 import ragkv_pb2 as pb
 from ragkv.v1 import ragkv_pb2_grpc as pb_grpc
-from server.admission import Admission
-from server.backend import ChunksEvent, DoneEvent, PreparedQuery, QueryBackend, TokenEvent
-from server.metrics import ServerMetrics
-from server.status import NotServingError, status_for
-from server.validation import RequestLimits, validate_query, validate_retrieve
+from ragkv.server.admission import Admission
+from ragkv.server.backend import ChunksEvent, DoneEvent, PreparedQuery, QueryBackend, TokenEvent
+from ragkv.server.metrics import ServerMetrics
+from ragkv.server.status import NotServingError, status_for
+from ragkv.server.validation import RequestLimits, validate_query, validate_retrieve
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ragkv.types import DEFAULT_COLLECTION, Mode
-from server.validation import RequestLimits
+from ragkv.server.validation import RequestLimits
 
 ENV_PREFIX = "RAGKV_"
 

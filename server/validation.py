@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass
 
 from ragkv.types import DEFAULT_COLLECTION, Mode, QueryOptions
-from server.backend import QueryParams
-from server.status import InvalidArgumentError
+from ragkv.server.backend import QueryParams
+from ragkv.server.status import InvalidArgumentError
 
 
 @dataclass(frozen=True, slots=True)

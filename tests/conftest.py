@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
-    from engine.testing import tiny_model_dir
+    from ragkv.engine.testing import tiny_model_dir
 
     return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), "llama")
 
@@ -22,21 +22,21 @@ def tiny_llama_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2():
     """The real shipped model (converted from GGUF once, then loaded from the cache)."""
-    from engine import load_model
+    from ragkv.engine import load_model
 
     return load_model("smollm2-135m-instruct", device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="session")
 def tiny_lm(tiny_llama_dir):
-    from engine import load_model
+    from ragkv.engine import load_model
 
     return load_model(str(tiny_llama_dir), device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="session")
 def embedder():
-    from retriever.embedder import Embedder
+    from ragkv.retriever.embedder import Embedder
 
     return Embedder.load()
 
@@ -50,8 +50,8 @@ def corpus(tmp_path):
 
 @pytest.fixture()
 def job_config(tmp_path, corpus, tiny_llama_dir):
-    from indexer.chunking import ChunkingConfig
-    from indexer.job import IndexJobConfig
+    from ragkv.indexer.chunking import ChunkingConfig
+    from ragkv.indexer.job import IndexJobConfig
     from tests.indexer.helpers import CHUNK_SIZE, OVERLAP
 
     return IndexJobConfig(corpus=corpus, out=tmp_path / "index", model=str(tiny_llama_dir),

@@ -16,32 +16,12 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from enum import Enum
 
-from kvstore.entry import KVEntry
-from kvstore.keys import ChunkKey, check_fingerprint
-
-
-class Tier(str, Enum):
-    """Where a chunk's KV lives, fastest first."""
-
-    GPU = "gpu"  # device memory (CUDA only)
-    CPU = "cpu"  # host memory, pinned when CUDA is there
-    DISK = "disk"  # files on a local SSD
-    S3 = "s3"  # objects in an S3-compatible bucket
-
-    @property
-    def rank(self) -> int:
-        """Lookup order: 0 is looked at first."""
-        return _RANK[self]
-
-    @property
-    def durable(self) -> bool:
-        """Whether the tier's contents outlive the process."""
-        return self in (Tier.DISK, Tier.S3)
+from ragkv.types import Tier  # noqa: F401  (re-exported: the one tier enum)
+from ragkv.kvstore.entry import KVEntry
+from ragkv.kvstore.keys import ChunkKey, check_fingerprint
 
 
-_RANK = {Tier.GPU: 0, Tier.CPU: 1, Tier.DISK: 2, Tier.S3: 3}
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,12 +29,12 @@ from typing import BinaryIO
 import torch
 
 
-from kvstore.compression import Compression
-from kvstore.eviction import EvictionTracker, Policy
-from kvstore.fileformat import CHECKSUM_BLOCK_BYTES, BlockCrcs, _crc_pool, block_crc, data_start
-from kvstore.keys import ChunkKey
-from kvstore.tiers.base import Tier
-from kvstore.tiers.durable import DurableTier
+from ragkv.kvstore.compression import Compression
+from ragkv.kvstore.eviction import EvictionTracker, Policy
+from ragkv.kvstore.fileformat import CHECKSUM_BLOCK_BYTES, BlockCrcs, _crc_pool, block_crc, data_start
+from ragkv.kvstore.keys import ChunkKey
+from ragkv.kvstore.tiers.base import Tier
+from ragkv.kvstore.tiers.durable import DurableTier
 from ragkv.errors import StoreError
 
 logger = logging.getLogger(__name__)

@@ -18,12 +18,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvstore.compression import Compression, check_supported
-from kvstore.entry import KVEntry
-from kvstore.fileformat import BlockCrcs, decode, encode
-from kvstore.keys import ChunkKey
-from kvstore.layered import ByteSource, LayerGate, read_layered
-from kvstore.tiers.base import StorageTier
+from ragkv.kvstore.compression import Compression, check_supported
+from ragkv.kvstore.entry import KVEntry
+from ragkv.kvstore.fileformat import BlockCrcs, decode, encode
+from ragkv.kvstore.keys import ChunkKey
+from ragkv.kvstore.layered import ByteSource, LayerGate, read_layered
+from ragkv.kvstore.tiers.base import StorageTier
 from ragkv.errors import KVFormatError, StoreError
 
 logger = logging.getLogger(__name__)

@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from kvstore.entry import KVEntry
-from kvstore.eviction import EvictionTracker, Policy
-from kvstore.keys import ChunkKey
-from kvstore.tiers.base import StorageTier, Tier
+from ragkv.kvstore.entry import KVEntry
+from ragkv.kvstore.eviction import EvictionTracker, Policy
+from ragkv.kvstore.keys import ChunkKey
+from ragkv.kvstore.tiers.base import StorageTier, Tier
 from ragkv.errors import StoreError
 
 

@@ -24,12 +24,12 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from kvstore.compression import Compression
-from kvstore.entry import KVEntry
-from kvstore.fileformat import read_header
-from kvstore.keys import ChunkKey
-from kvstore.tiers.base import Tier
-from kvstore.tiers.durable import DurableTier
+from ragkv.kvstore.compression import Compression
+from ragkv.kvstore.entry import KVEntry
+from ragkv.kvstore.fileformat import read_header
+from ragkv.kvstore.keys import ChunkKey
+from ragkv.kvstore.tiers.base import Tier
+from ragkv.kvstore.tiers.durable import DurableTier
 from ragkv.errors import KVFormatError, StoreError
 
 logger = logging.getLogger(__name__)

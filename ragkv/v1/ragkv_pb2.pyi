@@ -16,7 +16,6 @@ class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODE_PREFIX: _ClassVar[Mode]
     MODE_REUSE: _ClassVar[Mode]
     MODE_BLEND: _ClassVar[Mode]
-    MODE_CLIP: _ClassVar[Mode]
     MODE_FOCUS: _ClassVar[Mode]
 
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
@@ -39,7 +38,6 @@ MODE_FULL: Mode
 MODE_PREFIX: Mode
 MODE_REUSE: Mode
 MODE_BLEND: Mode
-MODE_CLIP: Mode
 MODE_FOCUS: Mode
 TIER_UNSPECIFIED: Tier
 TIER_GPU: Tier

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from engine.synthetic import TASKS, make_cases
-from ragkv.cli import main
+from ragkv.engine.synthetic import TASKS, make_cases
+from ragkv.cli.main import main
 
 
 def _json(capsys) -> dict:

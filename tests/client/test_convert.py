@@ -13,7 +13,7 @@ from ragkv.types import (
 from ragkv.v1 import ragkv_pb2 as pb
 
 CHUNK = RetrievedChunk("c1", 0.5, "some text", {"source": "a.txt"}, Tier.DISK, 7)
-STATS = QueryStats(Usage(100, 5, 80), 0.25, 1.5, {"retrieve": 0.01, "decode": 1.0}, 0.15, Mode.CLIP,
+STATS = QueryStats(Usage(100, 5, 80), 0.25, 1.5, {"retrieve": 0.01, "decode": 1.0}, 0.15, Mode.FOCUS,
                    FinishReason.LENGTH, "an answer", ("c1", "c3"))
 
 

@@ -25,9 +25,9 @@ print('HEAVY:' + ','.join(heavy))
     [
         "import ragkv; ragkv.RagClient, ragkv.AsyncRagClient",
         "import ragkv.client, ragkv.convert, ragkv.types; from ragkv.client import RagClient, AsyncRagClient",
-        "from ragkv.cli import build_parser; build_parser().parse_args(['query', 'q'])",
+        "from ragkv.cli.main import build_parser; build_parser().parse_args(['query', 'q'])",
         # `ragkv query` end to end, against a port nobody listens on.
-        "from ragkv.cli import main; rc = main(['query', 'q', '--addr', '127.0.0.1:1', '--timeout', '1'])",
+        "from ragkv.cli.main import main; rc = main(['query', 'q', '--addr', '127.0.0.1:1', '--timeout', '1'])",
     ],
 )
 def test_client_paths_do_not_import_torch(body: str) -> None:

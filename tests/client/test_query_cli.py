@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ragkv.cli import main
+from ragkv.cli.main import main
 from tests.server.fakes import FakeBackend, ServerThread, settings
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.forward import Heads, attention, plan_attention
+from ragkv.engine.forward import Heads, attention, plan_attention
 
 HEADS = Heads(num_heads=9, num_kv_heads=3, head_dim=64, scaling=64 ** -0.5, sliding_window=None)
 

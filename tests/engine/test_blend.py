@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import BlendMode, BlendOptions, Engine, load_model
-from engine.testing import tiny_model_dir
+from ragkv.types import Mode
+from ragkv.engine import BlendOptions, Engine, load_model
+from ragkv.engine.testing import tiny_model_dir
 
 CHUNKS = [
     "Paris is the capital of France. The secret number is 4721.",
@@ -43,8 +44,8 @@ def test_full_prefill_matches_transformers(tiny_engine):
     assert_close(tiny_engine.full_prefill(ids).logits, ref, 1e-4, "full vs transformers")
 
 
-@pytest.mark.parametrize("mode,selector", [(BlendMode.BLEND, "deviation"), (BlendMode.BLEND, "query"),
-                                           (BlendMode.PREFIX, "query")])
+@pytest.mark.parametrize("mode,selector", [(Mode.BLEND, "deviation"), (Mode.BLEND, "query"),
+                                           (Mode.PREFIX, "query")])
 def test_ratio_one_equals_full(tiny_engine, mode, selector):
     prefix, kvs, q, ids = _parts(tiny_engine)
     full = tiny_engine.full_prefill(ids)
@@ -178,7 +179,7 @@ def test_query_selector_budget_and_exactness(tiny_engine, ratio):
 
 
 def test_query_selector_prefers_what_the_question_attends(tiny_engine):
-    from engine.select import question_attention  # noqa: F401  (the scores come from there)
+    from ragkv.engine.select import question_attention  # noqa: F401  (the scores come from there)
 
     prefix, kvs, q, ids = _parts(tiny_engine)
     a = tiny_engine.blend(prefix, kvs, q, options=BlendOptions(recompute_ratio=0.3, selector="query"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import Engine, SamplingParams, load_model
+from ragkv.engine import Engine, SamplingParams, load_model
 
 CHUNKS = [
     "The observatory on Mount Kerr was built in 1931 by the astronomer Ada Lind.",

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import BlendOptions, Engine, load_model
-from engine.focus import chunk_relevance, focus_layers, pick_chunks
-from engine.synthetic import make_cases
-from engine.testing import tiny_model_dir
+from ragkv.engine import BlendOptions, Engine, load_model
+from ragkv.engine.focus import chunk_relevance, focus_layers, pick_chunks
+from ragkv.engine.synthetic import make_cases
+from ragkv.engine.testing import tiny_model_dir
 
 CHUNKS = ["alpha beta gamma delta epsilon " * 8, "one two three four five six " * 9, "red green blue cyan " * 7]
 QUESTION = "what comes after alpha?"
@@ -99,9 +99,9 @@ def test_smollm2_focus_finds_the_needle_chunk(smollm2):
 def test_question_attention_never_reads_unwritten_cache_slots(tiny, garbage):
     """The cache's question slots are uninitialized memory until the pass writes them: scores
     must come out the same whatever they held (CI once saw NaN there and focus kept nothing)."""
-    from engine.kv import KVCache
-    from engine.rope import rotary_tables
-    from engine.select import question_attention
+    from ragkv.engine.kv import KVCache
+    from ragkv.engine.rope import rotary_tables
+    from ragkv.engine.select import question_attention
 
     lm = tiny.lm
     prefix, kvs, q = _parts(tiny)

@@ -9,10 +9,11 @@ import time
 import pytest
 import torch
 
-from engine import BlendMode, BlendOptions, Engine, load_model
-from engine.kv import KVCache
-from engine.rope import rotary_tables
-from engine.testing import tiny_model_dir
+from ragkv.types import Mode
+from ragkv.engine import BlendOptions, Engine, load_model
+from ragkv.engine.kv import KVCache
+from ragkv.engine.rope import rotary_tables
+from ragkv.engine.testing import tiny_model_dir
 from ragkv.errors import KVFormatError
 from tests.engine.test_blend import _parts
 
@@ -85,11 +86,11 @@ def _loading(kvs):
 
 
 @pytest.mark.parametrize("mode,options", [
-    (BlendMode.REUSE, BlendOptions()),
-    (BlendMode.BLEND, BlendOptions(0.3, selector="query")),
-    (BlendMode.BLEND, BlendOptions(0.3, selector="deviation", check_layer=1)),
-    (BlendMode.BLEND, BlendOptions(0.3, context_temperature=1.5)),
-    (BlendMode.FOCUS, BlendOptions(0.3, focus_keep=0.01)),
+    (Mode.REUSE, BlendOptions()),
+    (Mode.BLEND, BlendOptions(0.3, selector="query")),
+    (Mode.BLEND, BlendOptions(0.3, selector="deviation", check_layer=1)),
+    (Mode.BLEND, BlendOptions(0.3, context_temperature=1.5)),
+    (Mode.FOCUS, BlendOptions(0.3, focus_keep=0.01)),
 ])
 def test_chunks_still_loading_give_the_same_bits_as_whole_ones(tiny_engine, mode, options):
     prefix, kvs, q, _ = _parts(tiny_engine)
@@ -103,7 +104,7 @@ def test_chunks_still_loading_give_the_same_bits_as_whole_ones(tiny_engine, mode
     layers = list(range(tiny_engine.lm.num_layers))
     for kv in loading:  # each layer waited for once, in order, as the pass reached it
         waits = kv.ready.gate.waits
-        if mode is BlendMode.FOCUS:  # the scoring pass's cache, then the prompt's own
+        if mode is Mode.FOCUS:  # the scoring pass's cache, then the prompt's own
             cut = next((i for i in range(1, len(waits)) if waits[i] <= waits[i - 1]), len(waits))
             assert waits[:cut] == layers[:cut] and waits[cut:] in ([], layers)
         else:

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from engine import load_model
-from engine import loading
-from engine.testing import tiny_model_dir
+from ragkv.engine import load_model
+from ragkv.engine import loading
+from ragkv.engine.testing import tiny_model_dir
 from ragkv.errors import ModelLoadError, UnsupportedModelError
 
 

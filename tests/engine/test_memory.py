@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-_PROBE = "import os, engine.memory as m; print(m.tune_host_allocator(), os.environ['THP_MEM_ALLOC_ENABLE'])"
+_PROBE = "import os, ragkv.engine.memory as m; print(m.tune_host_allocator(), os.environ['THP_MEM_ALLOC_ENABLE'])"
 
 
 def _probe(**env: str) -> str:

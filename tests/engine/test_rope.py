@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import load_model
-from engine.rope import apply_rope, rotary_tables
+from ragkv.engine import load_model
+from ragkv.engine.rope import apply_rope, rotary_tables
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import BlendMode, BlendOptions, Budget
-from engine.select import select_tokens
+from ragkv.types import Mode
+from ragkv.engine import BlendOptions, Budget
+from ragkv.engine.select import select_tokens
 
 
 def test_chunk_budget_gives_each_chunk_its_share_of_its_own_best():
@@ -44,7 +45,7 @@ def test_chunk_budget_blend_recomputes_every_chunk(tiny_llama_engine):
     from tests.engine.test_blend import _parts
 
     prefix, kvs, q, _ = _parts(tiny_llama_engine)
-    res = tiny_llama_engine.blend(prefix, kvs, q, mode=BlendMode.BLEND,
+    res = tiny_llama_engine.blend(prefix, kvs, q, mode=Mode.BLEND,
                                   options=BlendOptions(0.3, budget="chunk", selector="query"))
     starts = torch.tensor([prefix.num_tokens + sum(k.num_tokens for k in kvs[:i]) for i in range(len(kvs) + 1)])
     per_chunk = torch.bucketize(res.recomputed, starts[1:], right=True).bincount(minlength=len(kvs))
@@ -55,8 +56,8 @@ def test_chunk_budget_blend_recomputes_every_chunk(tiny_llama_engine):
 
 @pytest.fixture(scope="module")
 def tiny_llama_engine(tmp_path_factory):
-    from engine import Engine, load_model
-    from engine.testing import tiny_model_dir
+    from ragkv.engine import Engine, load_model
+    from ragkv.engine.testing import tiny_model_dir
 
     d = tiny_model_dir(tmp_path_factory.mktemp("llama"), "llama", seed=7)
     return Engine(load_model(str(d), device="cpu", dtype="float32"))

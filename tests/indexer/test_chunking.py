@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from indexer.chunking import ChunkingConfig, chunk_document
-from retriever.records import DocId
+from ragkv.indexer.chunking import ChunkingConfig, chunk_document
+from ragkv.retriever.records import DocId
 
 
 def words(text: str) -> list[str]:
@@ -61,7 +61,7 @@ def test_long_sentence_and_long_word_are_split():
 
 
 def test_real_tokenizer_counts_and_exact_ids(tiny_lm):
-    from engine import Engine
+    from ragkv.engine import Engine
 
     prompt = Engine(tiny_lm).prompt
     text = "Paris is the capital of France. " * 40 + "\n\nThe secret number is 4721. Alice met Bob."

@@ -6,13 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ragkv.cli import main
+from ragkv.cli.main import main
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_help_does_not_import_torch_or_faiss():
-    code = ("import sys, ragkv.cli as c; c.build_parser().parse_args(['index', 'x', '--out', 'y']); "
+    code = ("import sys, ragkv.cli.main as c; c.build_parser().parse_args(['index', 'x', '--out', 'y']); "
             "print(sorted(m for m in ('torch', 'faiss', 'numpy', 'sentence_transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from indexer.corpus import CorpusError, load_corpus
+from ragkv.indexer.corpus import CorpusError, load_corpus
 from tests.indexer.helpers import write_corpus
 
 

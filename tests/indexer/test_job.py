@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from indexer.job import run_index
-from indexer.spot import EXIT_INTERRUPTED, IndexInterrupted, StopReason, StopSignal
+from ragkv.indexer.job import run_index
+from ragkv.indexer.spot import EXIT_INTERRUPTED, IndexInterrupted, StopReason, StopSignal
 from ragkv.errors import IndexMismatchError
 from tests.indexer.helpers import CHUNK_SIZE, OVERLAP, assert_same_index, dump_index, kv_files
 
@@ -55,8 +55,8 @@ def test_incremental_reindex_touches_only_changes(job_config, tiny_lm, embedder)
 
 
 def test_other_model_in_same_folder_is_refused(job_config, tiny_lm, embedder, tmp_path):
-    from engine import load_model
-    from engine.testing import tiny_model_dir
+    from ragkv.engine import load_model
+    from ragkv.engine.testing import tiny_model_dir
 
     run_index(dataclasses.replace(job_config, precompute_kv=False), lm=tiny_lm, embedder=embedder)
     other = load_model(str(tiny_model_dir(tmp_path / "other", seed=1)), device="cpu", dtype="float32")
@@ -65,10 +65,10 @@ def test_other_model_in_same_folder_is_refused(job_config, tiny_lm, embedder, tm
 
 
 def test_stop_signal_saves_progress_and_resume_finishes(job_config, tiny_lm, embedder, tmp_path, monkeypatch):
-    import indexer.job
+    import ragkv.indexer.job
 
     stop = StopSignal()
-    real_run = indexer.job.KVWriter.run
+    real_run = ragkv.indexer.job.KVWriter.run
 
     def run_then_stop(self, batches, on_done, should_stop):
         def counted(batch, nbytes):
@@ -79,7 +79,7 @@ def test_stop_signal_saves_progress_and_resume_finishes(job_config, tiny_lm, emb
         counted.n = 0
         return real_run(self, batches, counted, should_stop)
 
-    monkeypatch.setattr(indexer.job.KVWriter, "run", run_then_stop)
+    monkeypatch.setattr(ragkv.indexer.job.KVWriter, "run", run_then_stop)
     with pytest.raises(IndexInterrupted, match="requested"):
         run_index(job_config, stop, lm=tiny_lm, embedder=embedder)
     monkeypatch.undo()
@@ -98,7 +98,7 @@ def test_stop_signal_saves_progress_and_resume_finishes(job_config, tiny_lm, emb
 
 def _cli(args: list[str], **kw) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-m", "ragkv", "index", *args], env=env, cwd=REPO,
+    return subprocess.Popen([sys.executable, "-m", "ragkv.cli", "index", *args], env=env, cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
@@ -143,7 +143,7 @@ def test_kill_9_mid_run_then_rerun_equals_clean_run(job_config, tmp_path, tiny_l
 def test_sigterm_checkpoints_and_exits_75(job_config, tmp_path, capsys):
     import threading
 
-    from ragkv.cli import main
+    from ragkv.cli.main import main
 
     out = tmp_path / "termed"
     args = _cli_args(job_config, out)
@@ -170,11 +170,11 @@ def test_sigterm_checkpoints_and_exits_75(job_config, tmp_path, capsys):
 
 def test_rerun_after_a_kvstore_format_change_rekeys_and_writes_the_kv_anew(job_config, tiny_lm, embedder,
                                                                             monkeypatch):
-    import kvstore.keys
+    import ragkv.kvstore.keys
 
     first = run_index(job_config, lm=tiny_lm, embedder=embedder)
     old_keys = {c[8] for c in dump_index(job_config.out)["chunks"]}
-    monkeypatch.setattr(kvstore.keys, "FORMAT_VERSION", kvstore.keys.FORMAT_VERSION + 1)
+    monkeypatch.setattr(ragkv.kvstore.keys, "FORMAT_VERSION", ragkv.kvstore.keys.FORMAT_VERSION + 1)
     again = run_index(job_config, lm=tiny_lm, embedder=embedder)
     new_keys = {c[8] for c in dump_index(job_config.out)["chunks"]}
     assert again.documents_added == 0 and again.kv_chunks == first.kv_chunks  # nothing re-chunked, all KV anew

@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from indexer.job import run_index
-from indexer.merge import merge_shards
+from ragkv.indexer.job import run_index
+from ragkv.indexer.merge import merge_shards
 from ragkv.errors import RagKVError
-from retriever.manifest import ShardSpec
+from ragkv.retriever.manifest import ShardSpec
 from tests.indexer.helpers import assert_same_index, kv_files
 
 
@@ -31,7 +31,7 @@ def test_shards_then_merge_equal_single_run(job_config, tiny_lm, embedder, tmp_p
     assert_same_index(sharded.out, single.out)
     assert kv_files(sharded.out / "kv") == kv_files(single.out / "kv")  # both shards wrote one store
 
-    from retriever import Retriever
+    from ragkv.retriever import Retriever
 
     with Retriever.open(sharded.out, embedder=embedder) as a, Retriever.open(single.out, embedder=embedder) as b:
         qs = ["How is bread made?", "Which planet has rings?"]

@@ -7,9 +7,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from indexer.sharding import resolve_shard, shard_of
-from indexer.spot import SpotWatcher, StopReason, StopSignal
-from retriever.manifest import ShardSpec
+from ragkv.indexer.sharding import resolve_shard, shard_of
+from ragkv.indexer.spot import SpotWatcher, StopReason, StopSignal
+from ragkv.retriever.manifest import ShardSpec
 
 NOTICE = '{"action": "terminate", "time": "2026-11-21T23:50:00Z"}'
 
@@ -86,7 +86,7 @@ def test_watcher_tolerates_an_unreachable_endpoint():
 def test_job_stops_on_notice_with_exit_75(imds, job_config, tmp_path, capsys):
     import threading as th
 
-    from ragkv.cli import main
+    from ragkv.cli.main import main
     from tests.indexer.helpers import CHUNK_SIZE, dump_index, kv_files
 
     out = tmp_path / "spot"

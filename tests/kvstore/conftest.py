@@ -9,7 +9,7 @@ import boto3
 import pytest
 import torch
 
-from kvstore import (
+from ragkv.kvstore import (
     ChunkKey, Compression, CpuTier, DiskTier, GpuTier, KVEntry, Policy, S3Settings, S3Tier,
     StorageTier, Tier, hash_prefix,
 )

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstore import DiskTier, Policy
-from kvstore.fileformat import encode
-from kvstore.tiers import disk as disk_module
+from ragkv.kvstore import DiskTier, Policy
+from ragkv.kvstore.fileformat import encode
+from ragkv.kvstore.tiers import disk as disk_module
 from ragkv.errors import StoreError
 from tests.kvstore.conftest import MODEL_FP, TOKENIZER_FP, assert_same, make_entry
 
@@ -145,7 +145,7 @@ def test_unwritable_root_is_a_clear_error(tmp_path):
 _WRITER = textwrap.dedent(
     """
     import sys
-    from kvstore import DiskTier
+    from ragkv.kvstore import DiskTier
     from tests.kvstore.conftest import MODEL_FP, TOKENIZER_FP, make_entry
     t = DiskTier(sys.argv[1], MODEL_FP, TOKENIZER_FP)
     for i in range(int(sys.argv[2])):

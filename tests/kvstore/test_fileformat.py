@@ -9,8 +9,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from kvstore import FORMAT_VERSION, Compression
-from kvstore.fileformat import decode, encode, read_header
+from ragkv.kvstore import FORMAT_VERSION, Compression
+from ragkv.kvstore.fileformat import decode, encode, read_header
 from ragkv.errors import KVFormatError
 from tests.kvstore.conftest import MODEL_FP, TOKENIZER_FP, assert_same, make_entry
 
@@ -124,8 +124,8 @@ def _big_entry():
 
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 def test_flipped_bit_in_any_checksum_block_is_caught(where, tmp_path):
-    from kvstore import DiskTier
-    from kvstore.fileformat import CHECKSUM_BLOCK_BYTES, data_start
+    from ragkv.kvstore import DiskTier
+    from ragkv.kvstore.fileformat import CHECKSUM_BLOCK_BYTES, data_start
 
     e = _big_entry()
     data = bytearray(encode(e))
@@ -148,8 +148,8 @@ def test_old_format_file_is_a_clean_miss_not_corruption(tmp_path, caplog):
     """A genuine version-1 file (one CRC over all data): refused as another format version."""
     import zlib
 
-    from kvstore import DiskTier
-    from kvstore.fileformat import _header_checksum, _parse_layout
+    from ragkv.kvstore import DiskTier
+    from ragkv.kvstore.fileformat import _header_checksum, _parse_layout
 
     e = make_entry(1)
     meta, layout = _parse_layout(memoryview(encode(e)))

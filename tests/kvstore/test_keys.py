@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from kvstore import ChunkKey, KVEntry, RopeMode, hash_prefix
+from ragkv.kvstore import ChunkKey, KVEntry, RopeMode, hash_prefix
 from tests.kvstore.conftest import MODEL_FP, PREFIX_IDS, TOKENIZER_FP, make_entry
 
 

@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
-from kvstore import Compression, StoreConfig, Tier, TieredStore
-from kvstore.fileformat import data_start, encode
-from kvstore.layered import LayerGate, read_layered
+from ragkv.kvstore import Compression, StoreConfig, Tier, TieredStore
+from ragkv.kvstore.fileformat import data_start, encode
+from ragkv.kvstore.layered import LayerGate, read_layered
 from ragkv.errors import KVFormatError, StoreError
 from tests.kvstore.conftest import MODEL_FP, TOKENIZER_FP, assert_same, make_entry
 

@@ -6,9 +6,9 @@ import socket
 
 import pytest
 
-from kvstore import Compression, S3Settings, S3Tier
-from kvstore.fileformat import encode
-from kvstore.tiers.s3 import MIN_PART_BYTES
+from ragkv.kvstore import Compression, S3Settings, S3Tier
+from ragkv.kvstore.fileformat import encode
+from ragkv.kvstore.tiers.s3 import MIN_PART_BYTES
 from ragkv.errors import StoreError
 from tests.kvstore.conftest import MODEL_FP, TOKENIZER_FP, assert_same, make_entry
 

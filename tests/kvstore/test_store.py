@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from kvstore import (
+from ragkv.kvstore import (
     Compression, CpuTier, DiskTier, Policy, S3Settings, S3Tier, StoreConfig, Tier, TieredStore, TierSpec,
     parse_bytes,
 )

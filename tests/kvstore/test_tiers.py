@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore import Compression, Policy, Tier
-from kvstore.compression import fp8_supported
+from ragkv.kvstore import Compression, Policy, Tier
+from ragkv.kvstore.compression import fp8_supported
 from tests.kvstore.conftest import ALL_TIERS, assert_same, make_entry
 
 DURABLE = [Tier.DISK, Tier.S3]

@@ -56,8 +56,8 @@ def auth_server(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def real_server(tiny_index):  # noqa: ANN001, F811
-    from server.pipeline import Pipeline
-    from server.settings import CollectionSpec
+    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.settings import CollectionSpec
 
     st = ServerThread(settings(indexes=(CollectionSpec("default", tiny_index),)), Pipeline.from_settings)
     yield st

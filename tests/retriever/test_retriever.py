@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from indexer.job import run_index
+from ragkv.indexer.job import run_index
 from ragkv.errors import IndexMismatchError, RagKVError
-from retriever import Hit, Retriever
+from ragkv.retriever import Hit, Retriever
 from tests.indexer.helpers import NEEDLE_QUESTION
 
 
@@ -27,7 +27,7 @@ def retriever(index_dir, embedder):
 
 
 def test_needle_question_finds_the_needle(retriever, tiny_lm):
-    from engine import Engine
+    from ragkv.engine import Engine
 
     hits = retriever.search(NEEDLE_QUESTION, top_k=3)
     assert len(hits) == 3 and isinstance(hits[0], Hit)
@@ -36,7 +36,7 @@ def test_needle_question_finds_the_needle(retriever, tiny_lm):
     assert top.metadata == {"source": "notes/needle.txt"}
     assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
     assert top.token_ids == Engine(tiny_lm).prompt.chunk_ids(top.text)
-    from indexer.kv_job import kv_key
+    from ragkv.indexer.kv_job import kv_key
 
     m = retriever.manifest
     assert top.kv_key == kv_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, top.token_ids)
@@ -93,8 +93,8 @@ def test_missing_and_incomplete_index(tmp_path, index_dir, embedder):
 def test_vector_index_kind_by_size():
     import numpy as np
 
-    from retriever import vector_index
-    from retriever.manifest import VectorIndexKind
+    from ragkv.retriever import vector_index
+    from ragkv.retriever.manifest import VectorIndexKind
 
     assert vector_index.choose_kind(49_999) is VectorIndexKind.FLAT_IP
     assert vector_index.choose_kind(50_000) is VectorIndexKind.HNSW_IP

@@ -9,7 +9,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from server.app import RagServer, run
+from ragkv.server.app import RagServer, run
 from tests.server.fakes import FakeBackend, settings
 
 

@@ -18,10 +18,10 @@ from ragkv.types import (
     Tier,
     TierStats,
 )
-from server.app import RagServer
-from server.backend import ChunksEvent, DoneEvent, PreparedQuery, QueryParams, TokenEvent
-from server.settings import ServerSettings
-from server.status import UnknownCollectionError
+from ragkv.server.app import RagServer
+from ragkv.server.backend import ChunksEvent, DoneEvent, PreparedQuery, QueryParams, TokenEvent
+from ragkv.server.settings import ServerSettings
+from ragkv.server.status import UnknownCollectionError
 
 TIERS = (Tier.CPU, Tier.DISK, Tier.COMPUTED, Tier.GPU)
 CORPUS = tuple(

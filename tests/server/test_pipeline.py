@@ -16,7 +16,7 @@ import pytest
 from ragkv.client import RagClient
 from ragkv.retry import NO_RETRY
 from ragkv.types import FinishReason, Mode, Tier
-from server.settings import CollectionSpec
+from ragkv.server.settings import CollectionSpec
 from tests.server.fakes import ServerThread, settings
 
 QUESTION = "What is the secret number?"
@@ -30,8 +30,8 @@ CORPUS = {
 
 @pytest.fixture(scope="session")
 def tiny_index(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Path:
-    from indexer.chunking import ChunkingConfig
-    from indexer.job import IndexJobConfig, run_index
+    from ragkv.indexer.chunking import ChunkingConfig
+    from ragkv.indexer.job import IndexJobConfig, run_index
 
     root = tmp_path_factory.mktemp("tiny-index")
     corpus = root / "corpus"
@@ -53,7 +53,7 @@ def _copy(index: Path, dest: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def pipeline_server(tiny_index: Path, tmp_path_factory: pytest.TempPathFactory):
-    from server.pipeline import Pipeline
+    from ragkv.server.pipeline import Pipeline
 
     other = _copy(tiny_index, tmp_path_factory.mktemp("other") / "index")
     manifest = json.loads((other / "manifest.json").read_text())
@@ -105,7 +105,7 @@ def test_focus_mode_names_the_chunks_it_kept(pipeline_server: ServerThread) -> N
 
 def test_focus_keep_setting_reaches_the_engine(tiny_index: Path) -> None:
     """focus_keep 1.0 keeps exactly the best chunk; a tiny one keeps every chunk."""
-    from server.pipeline import Pipeline
+    from ragkv.server.pipeline import Pipeline
 
     used = {}
     for keep in (1.0, 1e-9):
@@ -122,8 +122,8 @@ def test_focus_keep_setting_reaches_the_engine(tiny_index: Path) -> None:
 def test_full_mode_equals_engine_full_prefill_and_greedy_decode(
     pipeline_server: ServerThread, tiny_index: Path, tiny_llama_dir: Path
 ) -> None:
-    from engine import Engine, SamplingParams, load_model
-    from retriever import Retriever
+    from ragkv.engine import Engine, SamplingParams, load_model
+    from ragkv.retriever import Retriever
 
     with RagClient(pipeline_server.addr, timeout=60) as client:
         stream = client.query(QUESTION, mode="full", top_k=2, max_new_tokens=12)
@@ -170,7 +170,7 @@ def test_index_built_with_another_model_is_failed_precondition(pipeline_server: 
 
 
 def test_missing_kv_is_computed_and_written_back(tiny_index: Path, tmp_path: Path) -> None:
-    from server.pipeline import Pipeline
+    from ragkv.server.pipeline import Pipeline
 
     index = _copy(tiny_index, tmp_path / "index")
     shutil.rmtree(index / "kv")  # every chunk KV gone from every tier
@@ -193,11 +193,11 @@ def test_kv_written_by_another_format_version_is_recomputed(
     tiny_index: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An index whose KV files (and stored keys) come from an older format still answers."""
-    import kvstore.keys
-    from server.pipeline import Pipeline
+    import ragkv.kvstore.keys
+    from ragkv.server.pipeline import Pipeline
 
     index = _copy(tiny_index, tmp_path / "index")
-    monkeypatch.setattr(kvstore.keys, "FORMAT_VERSION", kvstore.keys.FORMAT_VERSION + 100)
+    monkeypatch.setattr(ragkv.kvstore.keys, "FORMAT_VERSION", ragkv.kvstore.keys.FORMAT_VERSION + 100)
     st = ServerThread(settings(indexes=(CollectionSpec("default", index),)), Pipeline.from_settings)
     try:
         with RagClient(st.addr, timeout=60) as client:
@@ -228,8 +228,8 @@ def test_a_layered_read_that_fails_mid_prompt_is_recomputed(
     computed over fresh KV of that chunk, and equals the answer over the stored KV."""
     import dataclasses
 
-    import server.pipeline as sp
-    from kvstore import LayerGate
+    import ragkv.server.pipeline as sp
+    from ragkv.kvstore import LayerGate
     from ragkv.errors import KVFormatError
 
     real = sp.entry_to_chunk_kv
@@ -264,7 +264,7 @@ def test_a_layered_read_that_fails_mid_prompt_is_recomputed(
 
 
 def test_layered_and_whole_reads_give_the_same_answer(tiny_index: Path, tmp_path: Path) -> None:
-    from server.pipeline import Pipeline
+    from ragkv.server.pipeline import Pipeline
 
     texts = {}
     for layered in (True, False):

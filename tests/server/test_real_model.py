@@ -9,7 +9,7 @@ import pytest
 
 from ragkv.client import RagClient
 from ragkv.types import Mode, Tier
-from server.settings import CollectionSpec
+from ragkv.server.settings import CollectionSpec
 from tests.server.fakes import ServerThread, settings
 from tests.server.test_pipeline import CORPUS
 
@@ -18,11 +18,11 @@ QUESTION = "What is the secret number?"
 
 @pytest.mark.real_model
 def test_smollm2_full_equals_engine_and_blend_serves(smollm2, tmp_path: Path) -> None:  # noqa: ANN001
-    from engine import Engine, SamplingParams
-    from indexer.chunking import ChunkingConfig
-    from indexer.job import IndexJobConfig, run_index
-    from retriever import Retriever
-    from server.pipeline import Pipeline
+    from ragkv.engine import Engine, SamplingParams
+    from ragkv.indexer.chunking import ChunkingConfig
+    from ragkv.indexer.job import IndexJobConfig, run_index
+    from ragkv.retriever import Retriever
+    from ragkv.server.pipeline import Pipeline
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -81,7 +81,7 @@ def test_retrieve_and_collections(server: ServerThread) -> None:
         ({"recompute_ratio": 1.5}, "recompute_ratio"),
         ({"recompute_ratio": math.nan}, "recompute_ratio"),
         ({"mode": 99}, "mode"),
-        ({"mode": pb.MODE_CLIP}, "mode"),
+        ({"mode": 5}, "mode"),  # the reserved number of the removed MODE_CLIP
         ({"max_new_tokens": 5000}, "max_new_tokens"),
         ({"stop": [""]}, "stop"),
         ({"stop": ["s"] * 9}, "stop"),

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ragkv.types import Mode
-from server.settings import CollectionSpec, DType, ServerSettings, load_settings
+from ragkv.server.settings import CollectionSpec, DType, ServerSettings, load_settings
 
 
 def test_defaults() -> None:
@@ -62,8 +62,8 @@ def test_unknown_file_key(tmp_path: Path) -> None:
 
 
 def test_serve_flags_map_to_settings(tmp_path: Path) -> None:
-    from ragkv.cli import build_parser
-    from server.cli import settings_from_args
+    from ragkv.cli.main import build_parser
+    from ragkv.server.cli import settings_from_args
 
     args = build_parser().parse_args([
         "serve", "--index", "/idx/a", "--index", "b=/idx/b", "--port", "0", "--metrics-port", "off",
@@ -82,7 +82,7 @@ def test_serve_exits_nonzero_when_the_index_cannot_load(tmp_path: Path) -> None:
 
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
-        [sys.executable, "-m", "ragkv", "serve", "--index", str(tmp_path / "no-such-index"), "--port", "0",
+        [sys.executable, "-m", "ragkv.cli", "serve", "--index", str(tmp_path / "no-such-index"), "--port", "0",
          "--metrics-port", "off", "--host", "127.0.0.1"],
         cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=120,
     )

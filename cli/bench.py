@@ -7,6 +7,7 @@ every mode, interleaved, so drift on the machine hits every mode alike.
 
 from __future__ import annotations
 
+from ragkv.types import Mode
 import argparse
 import json
 import statistics
@@ -50,20 +51,23 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     if args.plot:
-        from ragkv.plot import plot_accuracy_vs_ttft
+        from ragkv.cli.plot import plot_accuracy_vs_ttft
 
         print(plot_accuracy_vs_ttft(args.plot, args.plot_out))
         return 0
+    from ragkv.engine.memory import tune_host_allocator
+
+    tune_host_allocator()  # before torch's first large allocation
     import torch
 
-    from engine import BlendMode, BlendOptions, Engine, SamplingParams, load_model
-    from engine.synthetic import haystack_paragraphs
-    from kvstore import ChunkKey, StoreConfig, TieredStore
-    from server.kv_bridge import chunk_kv_to_entry, entry_to_chunk_kv
+    from ragkv.engine import BlendOptions, Engine, SamplingParams, load_model
+    from ragkv.engine.synthetic import haystack_paragraphs
+    from ragkv.kvstore import ChunkKey, StoreConfig, TieredStore, hash_prefix
+    from ragkv.indexer.kv_bridge import chunk_kv_to_entry, entry_to_chunk_kv
 
     if args.repeats < 1 or args.chunks < 1 or args.chunk_tokens < 1 or args.decode_tokens < 0:
         raise ValueError("--repeats, --chunks and --chunk-tokens must be >= 1, --decode-tokens >= 0")
-    modes = [BlendMode(m.strip()) for m in args.modes.split(",") if m.strip()]
+    modes = [Mode(m.strip()) for m in args.modes.split(",") if m.strip()]
     eng = Engine(load_model(args.model, device=args.device, dtype=args.dtype))
     lm = eng.lm
     ids = lm.tokenizer("\n\n".join(haystack_paragraphs()), add_special_tokens=False)["input_ids"]
@@ -81,7 +85,7 @@ def run_bench(args: argparse.Namespace) -> int:
     keys = []
     for cids, kv in zip(chunk_ids, eng.prefill_chunks(prefix_ids, chunk_ids)):
         key = ChunkKey.build(lm.fingerprint, lm.tokenizer_fingerprint, prefix_ids, cids)
-        store.put(chunk_kv_to_entry(kv, key.to_str(), lm.fingerprint, lm.tokenizer_fingerprint, prefix_ids))
+        store.put(chunk_kv_to_entry(kv, key, lm.fingerprint, lm.tokenizer_fingerprint, hash_prefix(prefix_ids)))
         keys.append(key)
     kv_bytes = sum(e.k.nbytes + e.v.nbytes for e in (store.get(k) for k in keys[:1])) * len(keys)
 
@@ -94,7 +98,7 @@ def run_bench(args: argparse.Namespace) -> int:
     loads = [x.strip() for x in args.load.split(",") if x.strip()]
     if not loads or set(loads) - {"whole", "layered"}:
         raise ValueError(f"--load takes whole, layered or both, got {args.load!r}")
-    runs = [(m, None) if m is BlendMode.FULL else (m, ld) for m in modes for ld in loads]
+    runs = [(m, None) if m is Mode.FULL else (m, ld) for m in modes for ld in loads]
     runs = list(dict.fromkeys(runs))  # full once, however many loads
     label = {r: r[0].value if r[1] is None or len(loads) == 1 else f"{r[0].value}-{r[1]}" for r in runs}
     opts = BlendOptions(recompute_ratio=args.ratio, selector=args.selector, budget=args.budget)
@@ -106,7 +110,7 @@ def run_bench(args: argparse.Namespace) -> int:
         for run in runs:
             mode, how = run
             t = time.perf_counter()
-            if mode is BlendMode.FULL:
+            if mode is Mode.FULL:
                 res = eng.full_prefill(full_ids)
             else:
                 kvs = load(how == "layered")

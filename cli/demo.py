@@ -25,7 +25,7 @@ DEMO_QUESTIONS = (
 
 
 def default_index_dir() -> Path:
-    from engine.loading import cache_dir
+    from ragkv.engine.loading import cache_dir
 
     return cache_dir() / "demo-index"
 
@@ -41,7 +41,7 @@ def run_demo(index_dir: Path | None, model_spec: str, max_new_tokens: int, quest
     from ragkv import RagClient
 
     index_dir = index_dir or default_index_dir()
-    ragkv = [sys.executable, "-m", "ragkv"]
+    ragkv = [sys.executable, "-m", "ragkv.cli"]
     print(f"[1/3] indexing the demo corpus into {index_dir} (first run: a few minutes on 2 cores)",
           file=out, flush=True)
     subprocess.run(ragkv + ["index", "demo", "--out", str(index_dir), "--model", model_spec], check=True)

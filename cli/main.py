@@ -19,7 +19,7 @@ EXIT_USAGE = 2
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from ragkv.demo import run_demo
+    from ragkv.cli.demo import run_demo
 
     return run_demo(index_dir=args.index, model_spec=args.model, max_new_tokens=args.max_new_tokens)
 
@@ -49,16 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=48, help="answer length cap")
     demo.set_defaults(func=_run_demo)
 
-    from indexer.cli import add_index_parser
+    from ragkv.indexer.cli import add_index_parser
 
     add_index_parser(sub)
-    from ragkv.query_cli import add_query_parser
-    from server.cli import add_serve_parser
+    from ragkv.cli.query import add_query_parser
+    from ragkv.server.cli import add_serve_parser
 
     add_serve_parser(sub)
     add_query_parser(sub)
-    from ragkv.bench_cli import add_bench_parser
-    from ragkv.eval_cli import add_eval_parser
+    from ragkv.cli.bench import add_bench_parser
+    from ragkv.cli.eval import add_eval_parser
 
     add_eval_parser(sub)
     add_bench_parser(sub)

@@ -7,6 +7,7 @@ chunks of a built index for each `{"id", "question", "answer"}` line.
 
 from __future__ import annotations
 
+from ragkv.types import Mode
 import argparse
 import json
 import sys
@@ -52,8 +53,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _methods(args: argparse.Namespace):
-    from engine import BlendMode, BlendOptions
-    from engine.evaluate import Method
+    from ragkv.engine import BlendOptions
+    from ragkv.engine.evaluate import Method
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     ratios = [float(r) for r in args.ratio.split(",")]
@@ -61,10 +62,10 @@ def _methods(args: argparse.Namespace):
     methods = []
     for mode in modes:
         try:
-            bm = BlendMode(mode)
+            bm = Mode(mode)
         except ValueError:
             raise ValueError(f"unknown mode {mode!r} in --modes; use full, prefix, reuse, blend, focus") from None
-        if bm is BlendMode.FOCUS:  # several chunks kept: blended at each ratio, first selector
+        if bm is Mode.FOCUS:  # several chunks kept: blended at each ratio, first selector
             keeps = [float(k) for k in args.focus_keep.split(",")]
             for keep in keeps:
                 for r in ratios:
@@ -72,7 +73,7 @@ def _methods(args: argparse.Namespace):
                     name = "focus" + (f"-{keep:g}" if len(keeps) > 1 else "") + (f"-r{r:g}" if len(ratios) > 1 else "")
                     methods.append(Method(name, bm, opts))
             continue
-        if bm is not BlendMode.BLEND:
+        if bm is not Mode.BLEND:
             methods.append(Method(mode, bm))
             continue
         budgets = [b.strip() for b in args.budget.split(",")]
@@ -89,7 +90,7 @@ def _methods(args: argparse.Namespace):
 
 
 def _cases(args: argparse.Namespace, engine):
-    from engine.synthetic import make_cases
+    from ragkv.engine.synthetic import make_cases
 
     if args.synthetic:
         tok = engine.lm.tokenizer
@@ -104,8 +105,8 @@ def _cases(args: argparse.Namespace, engine):
 def index_cases(engine, index: Path, questions: Path, top_k: int):  # noqa: ANN001, ANN201
     """One EvalCase per line of `questions` ({"id", "question", "answer"}), its chunks the
     top_k that the index retrieves for the question."""
-    from engine.synthetic import EvalCase
-    from retriever import Retriever
+    from ragkv.engine.synthetic import EvalCase
+    from ragkv.retriever import Retriever
 
     r = Retriever.open(index)
     r.check_model(engine.lm.fingerprint, engine.lm.tokenizer_fingerprint)
@@ -126,8 +127,10 @@ def index_cases(engine, index: Path, questions: Path, top_k: int):  # noqa: ANN0
 def run_eval(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from engine import Engine, load_model
-    from engine.evaluate import evaluate
+    from ragkv.engine import Engine, load_model, tune_host_allocator
+
+    tune_host_allocator()  # before torch's first large allocation
+    from ragkv.engine.evaluate import evaluate
 
     engine = Engine(load_model(args.model))
     methods = _methods(args)

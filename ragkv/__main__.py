@@ -1,5 +1,0 @@
-import sys
-
-from ragkv.cli import main
-
-sys.exit(main())

@@ -17,9 +17,12 @@ from pathlib import Path
 from ragkv.errors import IndexMismatchError, RagKVError
 from ragkv.retriever import vector_index
 from ragkv.retriever.chunk_db import DB_NAME, ChunkDB
-from ragkv.retriever.manifest import IndexState, Manifest, read_manifest, write_manifest
+from ragkv.retriever.lexical import LEXICAL_DIR, LexicalIndex
+from ragkv.retriever.manifest import (
+    IndexState, Manifest, portable_kv_uris, read_manifest, resolve_kv_uris, write_manifest,
+)
 
-_SHARD_DIR = re.compile(r"shard-(\d{5})-of-(\d{5})")
+SHARD_DIR = re.compile(r"shard-(\d{5})-of-(\d{5})")  # ShardSpec.dir_name()
 _SAME = ("model_fp", "tokenizer_fp", "embedder_fp", "embedding_dim", "prefix_ids", "chunk_size",
          "chunk_overlap", "kv_uris")
 
@@ -31,15 +34,15 @@ def find_shards(out: Path) -> list[tuple[Path, Manifest]]:
         RagKVError: no shard, shards of different counts, a missing or incomplete shard.
         IndexMismatchError: shards built with different models or settings.
     """
-    dirs = sorted(p for p in Path(out).iterdir() if p.is_dir() and _SHARD_DIR.fullmatch(p.name)) \
+    dirs = sorted(p for p in Path(out).iterdir() if p.is_dir() and SHARD_DIR.fullmatch(p.name)) \
         if Path(out).is_dir() else []
     if not dirs:
         raise RagKVError(f"no shard-*-of-* folders in {out}: run `ragkv index CORPUS --out {out} --shard i/N` first")
-    counts = {int(_SHARD_DIR.fullmatch(p.name).group(2)) for p in dirs}  # type: ignore[union-attr]
+    counts = {int(SHARD_DIR.fullmatch(p.name).group(2)) for p in dirs}  # type: ignore[union-attr]
     if len(counts) != 1:
         raise RagKVError(f"{out} holds shards of different counts {sorted(counts)}: keep one set of shards")
     n = counts.pop()
-    have = {int(_SHARD_DIR.fullmatch(p.name).group(1)): p for p in dirs}  # type: ignore[union-attr]
+    have = {int(SHARD_DIR.fullmatch(p.name).group(1)): p for p in dirs}  # type: ignore[union-attr]
     missing = [i for i in range(n) if i not in have]
     if missing:
         raise RagKVError(f"shards {missing} of {n} are missing in {out}: run them with --shard i/{n}")
@@ -88,6 +91,8 @@ def merge_shards(out: str | Path, *, hnsw_threshold: int = vector_index.HNSW_THR
             xb = xb.reshape(0, first.embedding_dim)
         vector_index.save(vector_index.build(ids, xb, kind), tmp)
         merged.mark_faiss_built(merged.vectors_version())
+        LexicalIndex.build(*merged.texts()).save(tmp)
+        merged.mark_lexical_built(merged.vectors_version())
         kv_done = merged.count_kv_pending() == 0
     finally:
         merged.close(compact=True)
@@ -96,6 +101,8 @@ def merge_shards(out: str | Path, *, hnsw_threshold: int = vector_index.HNSW_THR
     manifest = replace(
         first, state=IndexState.COMPLETE, vector_index=kind, n_documents=n_docs, n_chunks=n_chunks,
         n_tokens=n_tokens, shard=None, kv_precomputed=kv_done,
+        # the shards name their KV relative to their own folders; the merge, relative to out
+        kv_uris=portable_kv_uris(resolve_kv_uris(first.kv_uris, shards[0][0]), out, out),
         created_at=old.created_at if old else min(m.created_at for _, m in shards), updated_at=now,
     )
     # readers see "building" while the files are swapped, then the complete manifest
@@ -103,6 +110,8 @@ def merge_shards(out: str | Path, *, hnsw_threshold: int = vector_index.HNSW_THR
         write_manifest(out, replace(old, state=IndexState.BUILDING))
     for name in (DB_NAME, vector_index.FAISS_NAME):
         (tmp / name).replace(out / name)
+    shutil.rmtree(out / LEXICAL_DIR, ignore_errors=True)
+    (tmp / LEXICAL_DIR).rename(out / LEXICAL_DIR)
     write_manifest(out, manifest)
     shutil.rmtree(tmp, ignore_errors=True)
     return manifest

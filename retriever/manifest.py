@@ -10,8 +10,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import logging
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +22,10 @@ from ragkv.retriever.records import Fingerprint
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
+KV_DIR_NAME = "kv"  # the default disk tier of an index: INDEX/kv
+_DISK = "disk:"
+
+log = logging.getLogger(__name__)
 
 
 class IndexState(enum.Enum):
@@ -76,7 +82,9 @@ class Manifest:
     prefix_ids: tuple[int, ...]  # the shared prefix every chunk's KV was computed after
     chunk_size: int  # tokens per chunk at most
     chunk_overlap: int  # tokens shared by consecutive chunks at most
-    kv_uris: tuple[str, ...]  # kvstore tiers the KV was written to, e.g. ("disk:/x", "s3://b/p")
+    # kvstore tiers the KV was written to: "disk:kv" is relative to the index folder (it moves
+    # with it), "disk:/abs" an external folder the user named, "s3://b/p" absolute
+    kv_uris: tuple[str, ...]
     kv_precomputed: bool  # False when the run skipped KV precompute (--no-kv)
     vector_index: VectorIndexKind  # the FAISS index type of the last build
     state: IndexState  # building or complete
@@ -166,3 +174,45 @@ def read_manifest(index_dir: Path) -> Manifest | None:
 def write_manifest(index_dir: Path, manifest: Manifest) -> None:
     """Atomically write ``manifest`` into ``index_dir``."""
     atomic_write_text(Path(index_dir) / MANIFEST_NAME, manifest.to_json())
+
+
+def portable_kv_uris(uris: Sequence[str], index_dir: Path, root: Path) -> tuple[str, ...]:
+    """``uris`` as a manifest records them: a disk tier inside ``root`` (the index folder, or the
+    folder that holds its shards) relative to ``index_dir``; anything else unchanged."""
+    root = Path(root).resolve()
+    out = []
+    for uri in uris:
+        if uri.startswith(_DISK):
+            path = Path(uri[len(_DISK):]).expanduser().resolve()  # a relative path given is the caller's
+            uri = _DISK + (os.path.relpath(path, Path(index_dir).resolve()) if path.is_relative_to(root)
+                           else str(path))
+        out.append(uri)
+    return tuple(out)
+
+
+def resolve_kv_uris(uris: Sequence[str], index_dir: Path) -> tuple[str, ...]:
+    """The tiers a manifest names, with relative disk paths made absolute against ``index_dir``.
+
+    An index written before KV locations were relative names its disk tier by the absolute path
+    it was built at. When that path is gone but ``index_dir/kv`` exists (the index was copied or
+    moved), the copy's own KV is used and the migration is logged.
+    """
+    index_dir = Path(index_dir).resolve()
+    out = []
+    for uri in uris:
+        if uri.startswith(_DISK):
+            path = Path(uri[len(_DISK):]).expanduser()
+            if not path.is_absolute():
+                path = Path(os.path.normpath(index_dir / path))
+            elif not path.exists() and (index_dir / KV_DIR_NAME).is_dir():
+                log.warning("index %s names KV folder %s, which does not exist; reading the index's own "
+                            "%s instead (rerun `ragkv index` on it to record the relative path)",
+                            index_dir, path, index_dir / KV_DIR_NAME)
+                path = index_dir / KV_DIR_NAME
+            elif not path.exists():
+                log.warning("index %s names KV folder %s, which does not exist: every chunk's KV will be "
+                            "computed on its first query (copy the KV there, or rebuild with `ragkv index`)",
+                            index_dir, path)
+            uri = f"{_DISK}{path}"
+        out.append(uri)
+    return tuple(out)

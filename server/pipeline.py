@@ -64,12 +64,14 @@ class _Plan:
 
 
 def _store_config(settings: ServerSettings, index_dir: Path, kv_uris: Sequence[str], device: torch.device) -> StoreConfig:
+    from ragkv.retriever.manifest import resolve_kv_uris
+
     uris: list[str] = ["cpu"]
     budgets: dict[str, int] = {"cpu": settings.kv_cpu_bytes}
     if device.type == "cuda" and settings.kv_gpu_bytes > 0:
         uris.insert(0, "gpu")
         budgets["gpu"] = settings.kv_gpu_bytes
-    for uri in kv_uris:
+    for uri in resolve_kv_uris(kv_uris, index_dir):  # relative disk tiers live in the index folder
         if uri.startswith("disk:") and settings.kv_disk_dir is not None:
             continue
         if uri.startswith("s3://") and settings.kv_s3_uri is not None:

@@ -9,17 +9,21 @@ raise `WireValueError` naming the field.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ragkv.types import (
     CollectionInfo,
     CollectionStats,
+    FilterOp,
     FinishReason,
+    MetadataFilter,
     Mode,
     QueryOptions,
     QueryStats,
     RetrievedChunk,
     RetrieveResult,
+    SearchMode,
     Tier,
     TierStats,
     Usage,
@@ -56,6 +60,14 @@ _TIER_TO_PB = {
     Tier.NOT_LOADED: pb.TIER_NOT_LOADED,
 }
 _TIER_FROM_PB = {v: k for k, v in _TIER_TO_PB.items()}
+_SEARCH_TO_PB = {
+    SearchMode.DENSE: pb.SEARCH_MODE_DENSE,
+    SearchMode.LEXICAL: pb.SEARCH_MODE_LEXICAL,
+    SearchMode.HYBRID: pb.SEARCH_MODE_HYBRID,
+}
+_SEARCH_FROM_PB = {v: k for k, v in _SEARCH_TO_PB.items()}
+_OP_TO_PB = {FilterOp.EQUALS: pb.FILTER_OP_EQUALS, FilterOp.PREFIX: pb.FILTER_OP_PREFIX}
+_OP_FROM_PB = {v: k for k, v in _OP_TO_PB.items()}
 _FINISH_TO_PB = {FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.STOP: pb.FINISH_REASON_STOP}
 _FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
 
@@ -95,6 +107,57 @@ def tier_from_proto(value: int, field: str = "kv_tier") -> Tier | None:
         raise WireValueError(field, f"{field}: unknown tier {value}") from None
 
 
+def search_mode_to_proto(mode: SearchMode | None) -> int:
+    """SearchMode -> ragkv.v1.SearchMode number; None -> SEARCH_MODE_UNSPECIFIED."""
+    return pb.SEARCH_MODE_UNSPECIFIED if mode is None else _SEARCH_TO_PB[SearchMode(mode)]
+
+
+def search_mode_from_proto(value: int, field: str = "search_mode") -> SearchMode | None:
+    """ragkv.v1.SearchMode number -> SearchMode; SEARCH_MODE_UNSPECIFIED -> None.
+
+    Raises:
+        WireValueError: The number is no SearchMode this build knows.
+    """
+    if value == pb.SEARCH_MODE_UNSPECIFIED:
+        return None
+    try:
+        return _SEARCH_FROM_PB[value]
+    except KeyError:
+        known = ", ".join(pb.SearchMode.Name(v) for v in _SEARCH_FROM_PB)
+        raise WireValueError(field, f"{field}: unknown search mode {value} (known: {known})") from None
+
+
+def filters_to_proto(filters: Sequence[MetadataFilter]) -> list[pb.MetadataFilter]:
+    """MetadataFilters -> wire filters, each value as JSON text (its type kept)."""
+    return [
+        pb.MetadataFilter(key=f.key, op=_OP_TO_PB[f.op], value_json=json.dumps(f.value, ensure_ascii=False))
+        for f in filters
+    ]
+
+
+def filters_from_proto(msgs: Sequence[pb.MetadataFilter], field: str = "filters") -> tuple[MetadataFilter, ...]:
+    """Wire filters -> MetadataFilters.
+
+    Raises:
+        WireValueError: A filter has an unknown op, invalid JSON, or a non-string prefix.
+    """
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"{field}[{i}]"
+        op = FilterOp.EQUALS if m.op == pb.FILTER_OP_UNSPECIFIED else _OP_FROM_PB.get(m.op)
+        if op is None:
+            raise WireValueError(field, f"{where}.op: unknown filter op {m.op} (known: FILTER_OP_EQUALS, FILTER_OP_PREFIX)")
+        try:
+            value = json.loads(m.value_json)
+        except json.JSONDecodeError as exc:
+            raise WireValueError(field, f"{where}.value_json is not JSON ({exc.msg}): {m.value_json[:80]!r}") from None
+        try:
+            out.append(MetadataFilter(m.key, value, op))
+        except ValueError as exc:
+            raise WireValueError(field, f"{where}: {exc}") from None
+    return tuple(out)
+
+
 def finish_reason_from_proto(value: int) -> FinishReason:
     """ragkv.v1.FinishReason number -> FinishReason (unknown numbers read as STOP)."""
     return _FINISH_FROM_PB.get(value, FinishReason.STOP)
@@ -111,6 +174,8 @@ def query_request_to_proto(question: str, options: QueryOptions) -> pb.QueryRequ
         max_new_tokens=options.max_new_tokens or 0,
         stop=list(options.stop),
         snippet_chars=options.snippet_chars or 0,
+        search_mode=search_mode_to_proto(options.search_mode),
+        filters=filters_to_proto(options.filters),
     )
     if options.recompute_ratio is not None:
         msg.recompute_ratio = options.recompute_ratio
@@ -137,23 +202,32 @@ def query_request_from_proto(msg: pb.QueryRequest) -> tuple[str, QueryOptions]:
         max_new_tokens=msg.max_new_tokens or None,
         stop=tuple(msg.stop),
         snippet_chars=msg.snippet_chars or None,
+        search_mode=search_mode_from_proto(msg.search_mode),
+        filters=filters_from_proto(msg.filters),
     )
     return msg.question, options
 
 
 def retrieve_request_to_proto(
-    question: str, collection: str | None, top_k: int | None, snippet_chars: int | None
+    question: str, collection: str | None, top_k: int | None, snippet_chars: int | None,
+    search_mode: SearchMode | None = None, filters: Sequence[MetadataFilter] = (),
 ) -> pb.RetrieveRequest:
     """Build the wire request of Retrieve."""
     return pb.RetrieveRequest(
-        question=question, collection=collection or "", top_k=top_k or 0, snippet_chars=snippet_chars or 0
+        question=question, collection=collection or "", top_k=top_k or 0, snippet_chars=snippet_chars or 0,
+        search_mode=search_mode_to_proto(search_mode), filters=filters_to_proto(filters),
     )
 
 
 def retrieve_request_from_proto(msg: pb.RetrieveRequest) -> tuple[str, QueryOptions]:
-    """Read a Retrieve request into (question, options) with only the retrieval fields set."""
+    """Read a Retrieve request into (question, options) with only the retrieval fields set.
+
+    Raises:
+        WireValueError: `search_mode` or a filter holds a value this build cannot read.
+    """
     options = QueryOptions(
-        collection=msg.collection or None, top_k=msg.top_k or None, snippet_chars=msg.snippet_chars or None
+        collection=msg.collection or None, top_k=msg.top_k or None, snippet_chars=msg.snippet_chars or None,
+        search_mode=search_mode_from_proto(msg.search_mode), filters=filters_from_proto(msg.filters),
     )
     return msg.question, options
 
@@ -168,9 +242,11 @@ def chunk_to_proto(chunk: RetrievedChunk, snippet_chars: int | None = None) -> p
         chunk_id=chunk.chunk_id,
         score=chunk.score,
         text=_snippet(chunk.text, snippet_chars),
-        metadata=dict(chunk.metadata),
+        metadata=metadata_to_wire(chunk.metadata),
         kv_tier=tier_to_proto(chunk.kv_tier),
         num_tokens=chunk.num_tokens,
+        metadata_json=json.dumps(dict(chunk.metadata), ensure_ascii=False, default=str) if chunk.metadata else "",
+        found_by=[search_mode_to_proto(m) for m in chunk.found_by],
     )
 
 
@@ -180,9 +256,10 @@ def chunk_from_proto(msg: pb.Chunk) -> RetrievedChunk:
         chunk_id=msg.chunk_id,
         score=msg.score,
         text=msg.text,
-        metadata=dict(msg.metadata),
+        metadata=metadata_from_wire(msg.metadata_json, msg.metadata),
         kv_tier=tier_from_proto(msg.kv_tier),
         num_tokens=msg.num_tokens,
+        found_by=tuple(m for v in msg.found_by if (m := _SEARCH_FROM_PB.get(v)) is not None),
     )
 
 
@@ -326,3 +403,16 @@ def collection_stats_from_proto(msg: pb.GetCollectionStatsResponse) -> Collectio
 def metadata_to_wire(metadata: Mapping[str, object]) -> dict[str, str]:
     """Flatten chunk metadata to the wire's string map (non-strings as JSON)."""
     return {str(k): v if isinstance(v, str) else json.dumps(v, default=str) for k, v in metadata.items()}
+
+
+def metadata_from_wire(metadata_json: str, flat: Mapping[str, str]) -> dict[str, Any]:
+    """A chunk's metadata with its JSON types: from ``metadata_json`` when the server sent it,
+    else the flat string map (an older server)."""
+    if metadata_json:
+        try:
+            obj = json.loads(metadata_json)
+        except json.JSONDecodeError:
+            obj = None
+        if isinstance(obj, dict):
+            return obj
+    return dict(flat)

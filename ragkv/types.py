@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import Any, NewType
 
 DEFAULT_COLLECTION = "default"
 
@@ -25,6 +25,52 @@ class Mode(str, enum.Enum):
     REUSE = "reuse"  # concatenate cached chunk KVs, recompute only the question
     BLEND = "blend"  # selective recompute (CacheBlend)
     FOCUS = "focus"  # only the chunks the question attends to (engine.focus)
+
+
+class SearchMode(str, enum.Enum):
+    """Which index a request searches: the one search-mode enum, wire to retriever."""
+
+    DENSE = "dense"  # embedding similarity (FAISS)
+    LEXICAL = "lexical"  # BM25 over chunk text: exact names, codes, identifiers
+    HYBRID = "hybrid"  # both, fused (reciprocal rank fusion by default)
+
+
+class FilterOp(str, enum.Enum):
+    """How a metadata filter compares a document's value with its own."""
+
+    EQUALS = "equals"  # same JSON type and value (1 != "1", True != 1)
+    PREFIX = "prefix"  # the document's value is a str starting with the filter's str
+
+
+@dataclass(frozen=True, slots=True)
+class MetadataFilter:
+    """One condition on a chunk's document metadata; a request's filters must all hold."""
+
+    key: str  # metadata key ("source", or a JSONL document's own field)
+    value: Any  # a JSON value (str, int, float, bool, None, list, dict); a str for PREFIX
+    op: FilterOp = FilterOp.EQUALS  # how to compare
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key, str) or not self.key:
+            raise ValueError(f"metadata filter key must be a non-empty str, got {self.key!r}")
+        if not isinstance(self.op, FilterOp):
+            object.__setattr__(self, "op", FilterOp(self.op))
+        if self.op is FilterOp.PREFIX and not isinstance(self.value, str):
+            raise ValueError(
+                f"prefix filter on {self.key!r} needs a str value, got {type(self.value).__name__} {self.value!r}"
+            )
+
+    def matches(self, metadata: Mapping[str, Any]) -> bool:
+        """Whether ``metadata`` satisfies this condition (a missing key never does)."""
+        if self.key not in metadata:
+            return False
+        have = metadata[self.key]
+        if self.op is FilterOp.PREFIX:
+            return isinstance(have, str) and have.startswith(self.value)
+        # JSON equality: bool is not int, int 1 equals float 1.0 as in JSON
+        if isinstance(have, bool) or isinstance(self.value, bool):
+            return type(have) is type(self.value) and have == self.value
+        return have == self.value
 
 
 class Tier(str, enum.Enum):
@@ -83,6 +129,8 @@ class QueryOptions:
     max_new_tokens: int | None = None  # answer length cap, tokens
     stop: tuple[str, ...] = ()  # stop strings
     snippet_chars: int | None = None  # chunk text characters to return; None = all
+    search_mode: SearchMode | None = None  # None = server default (hybrid)
+    filters: tuple[MetadataFilter, ...] = ()  # metadata conditions, all must hold, applied before top_k
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,9 +140,10 @@ class RetrievedChunk:
     chunk_id: str  # stable id of the chunk in its index
     score: float  # retriever similarity, higher is closer
     text: str  # chunk text, or a snippet of it
-    metadata: Mapping[str, str] = field(default_factory=dict)  # source, title, offsets...
+    metadata: Mapping[str, Any] = field(default_factory=dict)  # the document's metadata, JSON types kept
     kv_tier: Tier | None = None  # where the KV came from; None in Retrieve
     num_tokens: int = 0  # tokens of the chunk in the prompt
+    found_by: tuple[SearchMode, ...] = ()  # which searches ranked it in their top results (DENSE, LEXICAL)
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 # meta keys
 _VECTORS_VERSION = "vectors_version"  # bumped whenever the set of chunks or embeddings changes
 _FAISS_VERSION = "faiss_version"  # the vectors_version the FAISS file on disk was built from
+_LEXICAL_VERSION = "lexical_version"  # the vectors_version the lexical (BM25) index was built from
 
 
 def _ids_blob(token_ids: Sequence[int]) -> bytes:
@@ -124,6 +125,16 @@ class ChunkDB:
         with self._lock:
             self._conn.execute(
                 "INSERT OR REPLACE INTO meta(key, value) VALUES(?, ?)", (_FAISS_VERSION, version)
+            )
+
+    def lexical_is_current(self) -> bool:
+        """True when the lexical index was built from the chunks as they are now."""
+        return self.get_meta(_LEXICAL_VERSION) == self.vectors_version()
+
+    def mark_lexical_built(self, version: str) -> None:
+        with self._lock:
+            self._conn.execute(
+                "INSERT OR REPLACE INTO meta(key, value) VALUES(?, ?)", (_LEXICAL_VERSION, version)
             )
 
     # ---- documents ----------------------------------------------------------------------
@@ -308,6 +319,19 @@ class ChunkDB:
                 [int(r) for r in rows],
             ).fetchall()
         return {int(r[0]): _record(r[1:]) for r in found}
+
+    def texts(self) -> tuple[list[int], list[str]]:
+        """(rows, texts) of every chunk, in row order: what the lexical index is built from."""
+        with self._lock:
+            found = self._conn.execute("SELECT row, text FROM chunks ORDER BY row").fetchall()
+        return [int(r) for r, _ in found], [str(t) for _, t in found]
+
+    def metadata_by_row(self) -> dict[int, dict]:
+        """Every chunk's document metadata (JSON types kept), by row: what filters test."""
+        with self._lock:
+            found = self._conn.execute("SELECT row, metadata FROM chunks ORDER BY row").fetchall()
+        parsed: dict[str, dict] = {}  # chunks of one document share one metadata text
+        return {int(r): parsed.setdefault(m, json.loads(m)) for r, m in found}
 
     def iter_chunks(self) -> Iterator[ChunkRecord]:
         """Every chunk, ordered by (doc_id, ordinal)."""

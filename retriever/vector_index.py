@@ -78,3 +78,18 @@ def load(index_dir: Path):  # -> faiss.Index
     if isinstance(base, faiss.IndexHNSW):
         base.hnsw.efSearch = HNSW_EF_SEARCH
     return index
+
+
+def search_params(index, allowed: np.ndarray):  # index: faiss.IndexIDMap2 -> faiss.SearchParameters
+    """Search parameters that restrict ``index`` to the ids in ``allowed`` (``[M]`` int64, sorted):
+    metadata filters applied inside FAISS, before its top-k."""
+    import faiss
+
+    sel = faiss.IDSelectorBatch(np.ascontiguousarray(allowed, dtype=np.int64))
+    base = faiss.downcast_index(index.index) if hasattr(index, "index") else index
+    if isinstance(base, faiss.IndexHNSW):
+        params = faiss.SearchParametersHNSW(sel=sel, efSearch=HNSW_EF_SEARCH)
+    else:
+        params = faiss.SearchParameters(sel=sel)
+    params._ragkv_sel = sel  # the selector must outlive the search: SWIG does not hold it
+    return params

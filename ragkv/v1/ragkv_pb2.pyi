@@ -33,6 +33,19 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
+
+class SearchMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SEARCH_MODE_UNSPECIFIED: _ClassVar[SearchMode]
+    SEARCH_MODE_DENSE: _ClassVar[SearchMode]
+    SEARCH_MODE_LEXICAL: _ClassVar[SearchMode]
+    SEARCH_MODE_HYBRID: _ClassVar[SearchMode]
+
+class FilterOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FILTER_OP_UNSPECIFIED: _ClassVar[FilterOp]
+    FILTER_OP_EQUALS: _ClassVar[FilterOp]
+    FILTER_OP_PREFIX: _ClassVar[FilterOp]
 MODE_UNSPECIFIED: Mode
 MODE_FULL: Mode
 MODE_PREFIX: Mode
@@ -49,6 +62,23 @@ TIER_NOT_LOADED: Tier
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
+SEARCH_MODE_UNSPECIFIED: SearchMode
+SEARCH_MODE_DENSE: SearchMode
+SEARCH_MODE_LEXICAL: SearchMode
+SEARCH_MODE_HYBRID: SearchMode
+FILTER_OP_UNSPECIFIED: FilterOp
+FILTER_OP_EQUALS: FilterOp
+FILTER_OP_PREFIX: FilterOp
+
+class MetadataFilter(_message.Message):
+    __slots__ = ("key", "op", "value_json")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    VALUE_JSON_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    op: FilterOp
+    value_json: str
+    def __init__(self, key: _Optional[str] = ..., op: _Optional[_Union[FilterOp, str]] = ..., value_json: _Optional[str] = ...) -> None: ...
 
 class SamplingOptions(_message.Message):
     __slots__ = ("temperature", "top_p", "seed")
@@ -61,7 +91,7 @@ class SamplingOptions(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class QueryRequest(_message.Message):
-    __slots__ = ("question", "collection", "top_k", "mode", "recompute_ratio", "sampling", "max_new_tokens", "stop", "snippet_chars")
+    __slots__ = ("question", "collection", "top_k", "mode", "recompute_ratio", "sampling", "max_new_tokens", "stop", "snippet_chars", "search_mode", "filters")
     QUESTION_FIELD_NUMBER: _ClassVar[int]
     COLLECTION_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +101,8 @@ class QueryRequest(_message.Message):
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     SNIPPET_CHARS_FIELD_NUMBER: _ClassVar[int]
+    SEARCH_MODE_FIELD_NUMBER: _ClassVar[int]
+    FILTERS_FIELD_NUMBER: _ClassVar[int]
     question: str
     collection: str
     top_k: int
@@ -80,7 +112,9 @@ class QueryRequest(_message.Message):
     max_new_tokens: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     snippet_chars: int
-    def __init__(self, question: _Optional[str] = ..., collection: _Optional[str] = ..., top_k: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., recompute_ratio: _Optional[float] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., snippet_chars: _Optional[int] = ...) -> None: ...
+    search_mode: SearchMode
+    filters: _containers.RepeatedCompositeFieldContainer[MetadataFilter]
+    def __init__(self, question: _Optional[str] = ..., collection: _Optional[str] = ..., top_k: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., recompute_ratio: _Optional[float] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., snippet_chars: _Optional[int] = ..., search_mode: _Optional[_Union[SearchMode, str]] = ..., filters: _Optional[_Iterable[_Union[MetadataFilter, _Mapping]]] = ...) -> None: ...
 
 class QueryResponse(_message.Message):
     __slots__ = ("chunks", "token", "stats")
@@ -99,7 +133,7 @@ class RetrievedChunks(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("chunk_id", "score", "text", "metadata", "kv_tier", "num_tokens")
+    __slots__ = ("chunk_id", "score", "text", "metadata", "kv_tier", "num_tokens", "metadata_json", "found_by")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -113,13 +147,17 @@ class Chunk(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     KV_TIER_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    FOUND_BY_FIELD_NUMBER: _ClassVar[int]
     chunk_id: str
     score: float
     text: str
     metadata: _containers.ScalarMap[str, str]
     kv_tier: Tier
     num_tokens: int
-    def __init__(self, chunk_id: _Optional[str] = ..., score: _Optional[float] = ..., text: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., kv_tier: _Optional[_Union[Tier, str]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    metadata_json: str
+    found_by: _containers.RepeatedScalarFieldContainer[SearchMode]
+    def __init__(self, chunk_id: _Optional[str] = ..., score: _Optional[float] = ..., text: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., kv_tier: _Optional[_Union[Tier, str]] = ..., num_tokens: _Optional[int] = ..., metadata_json: _Optional[str] = ..., found_by: _Optional[_Iterable[_Union[SearchMode, str]]] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
     __slots__ = ("text", "index")
@@ -169,16 +207,20 @@ class QueryStats(_message.Message):
     def __init__(self, usage: _Optional[_Union[Usage, _Mapping]] = ..., ttft_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., recompute_fraction: _Optional[float] = ..., mode: _Optional[_Union[Mode, str]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., text: _Optional[str] = ..., used_chunk_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RetrieveRequest(_message.Message):
-    __slots__ = ("question", "collection", "top_k", "snippet_chars")
+    __slots__ = ("question", "collection", "top_k", "snippet_chars", "search_mode", "filters")
     QUESTION_FIELD_NUMBER: _ClassVar[int]
     COLLECTION_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SNIPPET_CHARS_FIELD_NUMBER: _ClassVar[int]
+    SEARCH_MODE_FIELD_NUMBER: _ClassVar[int]
+    FILTERS_FIELD_NUMBER: _ClassVar[int]
     question: str
     collection: str
     top_k: int
     snippet_chars: int
-    def __init__(self, question: _Optional[str] = ..., collection: _Optional[str] = ..., top_k: _Optional[int] = ..., snippet_chars: _Optional[int] = ...) -> None: ...
+    search_mode: SearchMode
+    filters: _containers.RepeatedCompositeFieldContainer[MetadataFilter]
+    def __init__(self, question: _Optional[str] = ..., collection: _Optional[str] = ..., top_k: _Optional[int] = ..., snippet_chars: _Optional[int] = ..., search_mode: _Optional[_Union[SearchMode, str]] = ..., filters: _Optional[_Iterable[_Union[MetadataFilter, _Mapping]]] = ...) -> None: ...
 
 class RetrieveResponse(_message.Message):
     __slots__ = ("chunks", "retrieve_seconds")

@@ -4,6 +4,10 @@
     ragkv index demo --out INDEX_DIR              build the demo corpus, then index it
     ragkv index merge --out INDEX_DIR             merge shard outputs into one index
 
+CORPUS and INDEX_DIR may be ``s3://bucket/prefix``: the corpus is fetched and the index
+built in a local staging folder (``--staging``), then uploaded (``retriever.remote``). A
+rerun fetches what an earlier, interrupted run uploaded and resumes from it.
+
 Heavy imports (torch, FAISS, sentence-transformers) happen only when the command runs.
 """
 
@@ -16,10 +20,12 @@ import sys
 from pathlib import Path
 
 from ragkv.indexer.chunking import DEFAULT_CHUNK_TOKENS, DEFAULT_OVERLAP_TOKENS
+from ragkv.indexer.device import AUTO, DTYPES, resolve_device, resolve_dtype
 from ragkv.indexer.spot import DEFAULT_IMDS_ENDPOINT, EXIT_INTERRUPTED, IndexInterrupted
 
 ENV_KV_URIS = "RAGKV_KV_URIS"  # comma-separated default for --kv-store
 ENV_IMDS = "RAGKV_IMDS_ENDPOINT"  # IMDS base URL; setting it turns the Spot watcher on
+ENV_NAMES = (ENV_KV_URIS, ENV_IMDS)  # every RAGKV_ variable `ragkv index` reads itself
 DEMO = "demo"
 MERGE = "merge"
 
@@ -39,8 +45,12 @@ def add_index_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("corpus", metavar="CORPUS", help=f"corpus folder, or `{DEMO}`, or `{MERGE}`")
-    p.add_argument("--out", required=True, type=Path, help="index folder")
+    p.add_argument("corpus", metavar="CORPUS",
+                   help=f"corpus folder or s3://bucket/prefix, or `{DEMO}`, or `{MERGE}`")
+    p.add_argument("--out", required=True,
+                   help="index folder, or s3://bucket/prefix (built in --staging, then uploaded)")
+    p.add_argument("--staging", type=Path, default=None,
+                   help="local folder an s3:// --out is built in (default: $RAGKV_CACHE_DIR/staging/BUCKET/PREFIX)"),
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="LLM: HF directory, hub id, .gguf file, or the shipped default")
     p.add_argument("--embedder", default="all-MiniLM-L6-v2",
@@ -54,8 +64,9 @@ def add_index_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--no-kv", action="store_true", help="skip KV precompute (chunks and vectors only)")
     p.add_argument("--shard", metavar="i/N",
                    help="index only shard i of N (default: AWS_BATCH_JOB_ARRAY_INDEX/_SIZE when set)")
-    p.add_argument("--device", default="cpu", help="torch device")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="LLM dtype")
+    p.add_argument("--device", default=AUTO, help="torch device; auto = cuda when torch sees a GPU, else cpu")
+    p.add_argument("--dtype", default=AUTO, choices=[AUTO, *DTYPES],
+                   help="LLM dtype; auto = bfloat16 on cuda, float32 on cpu")
     p.add_argument("--kv-batch", type=int, default=4, help="chunks prefilled per checkpoint")
     p.add_argument("--runner", choices=["local", "ray"], default="local",
                    help="where KV is computed: this process, or Ray actors holding one model each "
@@ -75,13 +86,31 @@ def add_index_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     return p
 
 
+def _staging(args: argparse.Namespace, what: str, uri: str) -> Path:
+    from ragkv.engine.loading import cache_dir
+    from ragkv.retriever.remote import S3Location
+
+    loc = S3Location.parse(uri)
+    if what == "out" and args.staging is not None:
+        return args.staging
+    return loc.cache_dir(cache_dir() / ("staging" if what == "out" else "corpus"))
+
+
 def run_index_command(args: argparse.Namespace) -> int:
     """Run ``ragkv index``; returns the exit code."""
     logging.basicConfig(level=logging.WARNING, format="ragkv: %(message)s")
-    if args.corpus == MERGE:
-        from ragkv.indexer.merge import merge_shards
+    from ragkv.retriever.remote import S3Location, download, is_s3_uri, upload
 
-        manifest = merge_shards(args.out, progress=not args.no_progress)
+    remote = S3Location.parse(args.out) if is_s3_uri(args.out) else None
+    out = _staging(args, "out", args.out) if remote else Path(args.out)
+    if args.corpus == MERGE:
+        from ragkv.indexer.merge import SHARD_DIR, merge_shards
+
+        if remote is not None:  # the shards' own files; their KV stays where it is
+            download(remote, out, lambda rel: SHARD_DIR.fullmatch(rel.partition("/")[0]) is not None)
+        manifest = merge_shards(out, progress=not args.no_progress)
+        if remote is not None:
+            upload(out, remote, lambda rel: "/" not in rel)  # the merged index's top-level files
         print(f"merged index {args.out}: {manifest.n_documents} documents, {manifest.n_chunks} chunks, "
               f"{manifest.n_tokens} tokens")
         return 0
@@ -93,18 +122,30 @@ def run_index_command(args: argparse.Namespace) -> int:
     from ragkv.indexer.job import IndexJobConfig, Runner, run_index
     from ragkv.indexer.sharding import resolve_shard
     from ragkv.indexer.spot import SpotWatcher, StopSignal
+    from ragkv.retriever.manifest import KV_DIR_NAME
 
-    corpus = Path(args.corpus)
+    shard = resolve_shard(args.shard)
+    # what this run owns in --out: its shard folder (or the whole index) and the local KV
+    mine = (lambda rel: rel.startswith((f"{shard.dir_name()}/", f"{KV_DIR_NAME}/"))) if shard else \
+        (lambda rel: not rel.startswith(("shard-", "demo-corpus/")))
     if args.corpus == DEMO:
         from ragkv.indexer.demo_corpus import build_demo_corpus
 
-        corpus = build_demo_corpus(args.out / "demo-corpus")
+        corpus = build_demo_corpus(out / "demo-corpus")
+    elif is_s3_uri(args.corpus):
+        corpus = _staging(args, "corpus", args.corpus)
+        download(S3Location.parse(args.corpus), corpus)
+    else:
+        corpus = Path(args.corpus)
+    if remote is not None:  # resume from what an interrupted run uploaded
+        download(remote, out, lambda rel: mine(rel) and not rel.startswith(f"{KV_DIR_NAME}/"), missing_ok=True)
     kv = tuple(args.kv_stores or [u for u in os.environ.get(ENV_KV_URIS, "").split(",") if u.strip()])
+    device = resolve_device(args.device)
     config = IndexJobConfig(
-        corpus=corpus, out=args.out, model=args.model, embedder=args.embedder,
+        corpus=corpus, out=out, model=args.model, embedder=args.embedder,
         chunking=ChunkingConfig(args.chunk_size, args.chunk_overlap), kv_uris=kv,
-        precompute_kv=not args.no_kv, shard=resolve_shard(args.shard), device=args.device,
-        dtype=args.dtype, kv_batch=args.kv_batch, embed_batch=args.embed_batch,
+        precompute_kv=not args.no_kv, shard=shard, device=device,
+        dtype=resolve_dtype(args.dtype, device), kv_batch=args.kv_batch, embed_batch=args.embed_batch,
         progress=not args.no_progress, runner=Runner(args.runner), ray_address=args.ray_address,
         ray_workers=args.ray_workers,
     )
@@ -118,8 +159,14 @@ def run_index_command(args: argparse.Namespace) -> int:
         with SpotWatcher(stop, endpoint, interval_s=args.imds_interval):
             summary = run_index(config, stop)
     except IndexInterrupted as exc:
+        if remote is not None:  # the checkpoint goes up, so the retry on another host resumes
+            upload(out, remote, mine)
         print(f"ragkv: {exc}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    if remote is not None:
+        upload(out, remote, mine)
     for line in summary.lines():
         print(line)
+    if remote is not None:
+        print(f"uploaded to {remote.uri}")
     return 0

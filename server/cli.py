@@ -16,8 +16,8 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("port", int, "gRPC port, 0 = any free port (default 50051)"),
     ("metrics_port", str, "Prometheus /metrics port, 'off' to disable (default 9464)"),
     ("model", str, "model spec (HF dir, hub id, .gguf); default: the index's model"),
-    ("device", str, "torch device (default cpu)"),
-    ("dtype", str, "float32, bfloat16 or float16 (default float32)"),
+    ("device", str, "torch device; auto = cuda when torch sees a GPU, else cpu (default auto)"),
+    ("dtype", str, "auto, float32, bfloat16 or float16; auto = bfloat16 on cuda, float32 on cpu (default auto)"),
     ("max_queue", int, "queries admitted at once; more get RESOURCE_EXHAUSTED (default 16)"),
     ("retrieve_workers", int, "threads for retrieval and KV prefetch (default 1)"),
     ("grace_seconds", float, "seconds in-flight requests get on SIGTERM (default 30)"),
@@ -52,7 +52,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     )
     p.add_argument(
         "--index", dest="indexes", action="append", default=[], metavar="[NAME=]DIR",
-        help="index directory to serve as collection NAME (a bare DIR is 'default'); repeatable",
+        help="index directory (or s3://bucket/prefix, synced into $RAGKV_CACHE_DIR/indexes first) to "
+             "serve as collection NAME (a bare DIR is 'default'); repeatable",
     )
     p.add_argument("--config", type=Path, default=None, help="TOML or JSON settings file")
     for dest, kind, text in _FLAGS:
@@ -70,6 +71,24 @@ def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = No
     return load_settings(flags, env=env, config_file=args.config)
 
 
+def fetch_indexes(settings) -> None:  # settings: ServerSettings
+    """Sync every s3:// collection into its local folder (files already there and current are
+    kept, so a restart copies only what changed). The shard folders of a merged index stay in S3.
+
+    Raises:
+        RagKVError: a bucket cannot be read, or holds no index.
+    """
+    from ragkv.indexer.merge import SHARD_DIR
+    from ragkv.retriever.remote import S3Location, download
+
+    def wanted(rel: str) -> bool:
+        return SHARD_DIR.fullmatch(rel.partition("/")[0]) is None
+
+    for spec in settings.indexes:
+        if spec.source is not None:
+            download(S3Location.parse(spec.source), spec.index_dir, wanted)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Load settings, then serve until SIGTERM; returns the exit status."""
     import asyncio
@@ -84,6 +103,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if not settings.indexes:
         raise ValueError("no index to serve: pass --index [NAME=]DIR (or set RAGKV_INDEXES)")
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    fetch_indexes(settings)
 
     from ragkv.server.pipeline import Pipeline
 

@@ -114,6 +114,7 @@ class Pipeline:
         """
         if not settings.indexes:
             raise ValueError("no index to serve: give at least one --index [NAME=]DIR")
+        settings = settings.resolved()  # --device/--dtype auto: cuda and bfloat16 when torch sees a GPU
         retrievers = {spec.name: (spec.index_dir, Retriever.open(spec.index_dir, device=settings.device))
                       for spec in settings.indexes}
         first = next(iter(retrievers.values()))[1]

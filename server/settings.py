@@ -20,6 +20,7 @@ from ragkv.types import DEFAULT_COLLECTION, Mode
 from ragkv.server.validation import RequestLimits
 
 ENV_PREFIX = "RAGKV_"
+S3_SCHEME = "s3://"
 
 
 class DType(enum.Enum):
@@ -28,6 +29,7 @@ class DType(enum.Enum):
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
+    AUTO = "auto"  # bfloat16 on CUDA, float32 elsewhere (ServerSettings.resolved)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,17 +37,31 @@ class CollectionSpec:
     """One served collection: a name and its index directory."""
 
     name: str  # collection name clients use
-    index_dir: Path  # directory the indexer wrote
+    index_dir: Path  # directory the indexer wrote (for an S3 source: the local copy's folder)
+    source: str | None = None  # s3://bucket/prefix synced into index_dir before serving; None = local
 
     @classmethod
     def parse(cls, text: str) -> CollectionSpec:
-        """Read `NAME=DIR`, or a bare `DIR` for the collection "default"."""
+        """Read `NAME=DIR`, or a bare `DIR` for the collection "default"; DIR may be s3://bucket/prefix."""
         name, sep, path = text.partition("=")
-        if not sep:
+        if not sep or text.startswith(S3_SCHEME):
             name, path = DEFAULT_COLLECTION, text
         if not name or not path:
             raise ValueError(f"index must be DIR or NAME=DIR, got {text!r}")
+        if path.startswith(S3_SCHEME):
+            bucket, _, prefix = path[len(S3_SCHEME):].partition("/")
+            if not bucket:
+                raise ValueError(f"index {text!r} names no bucket: use s3://bucket/prefix")
+            return cls(name, index_cache_dir() / bucket / (prefix.strip("/") or "_root"), path)
         return cls(name, Path(path))
+
+
+def index_cache_dir() -> Path:
+    """Where `ragkv serve` keeps local copies of s3:// indexes: $RAGKV_CACHE_DIR/indexes
+    (the root engine.loading.cache_dir names; read here so settings never import torch)."""
+    import os
+
+    return Path(os.environ.get("RAGKV_CACHE_DIR") or Path.home() / ".cache" / "ragkv") / "indexes"
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +73,8 @@ class ServerSettings:
     port: int = 50051  # gRPC port; 0 = any free port
     metrics_port: int | None = 9464  # Prometheus /metrics port; None = off
     model: str | None = None  # model spec; None = the one the index was built with
-    device: str = "cpu"  # torch device for the engine
-    dtype: DType = DType.FLOAT32  # model and KV dtype
+    device: str = "auto"  # torch device for the engine; auto = cuda when torch sees a GPU, else cpu
+    dtype: DType = DType.AUTO  # model and KV dtype; auto = bfloat16 on cuda, float32 on cpu
     max_queue: int = 16  # Queries admitted at once (decoding + waiting)
     retrieve_workers: int = 1  # threads for retrieval and KV prefetch starts
     grace_seconds: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
@@ -100,6 +116,13 @@ class ServerSettings:
         names = [c.name for c in self.indexes]
         if len(set(names)) != len(names):
             raise ValueError(f"collection names must be unique, got {names}")
+
+    def resolved(self) -> ServerSettings:
+        """These settings with `auto` device and dtype made concrete (imports torch when auto)."""
+        from ragkv.indexer.device import resolve_device, resolve_dtype
+
+        device = resolve_device(self.device)
+        return dataclasses.replace(self, device=device, dtype=DType(resolve_dtype(self.dtype.value, device)))
 
     def limits(self) -> RequestLimits:
         """The request bounds these settings imply."""

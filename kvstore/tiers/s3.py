@@ -14,8 +14,9 @@ A get that cannot reach S3 is a counted, logged miss; a put that cannot raises S
 from __future__ import annotations
 
 import logging
+import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -83,6 +84,28 @@ class S3Settings:
             raise ValueError(
                 f"multipart_threshold {self.multipart_threshold} must be >= part_bytes {self.part_bytes}"
             )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> S3Settings:
+        """Endpoint and region from the AWS variables boto3 itself reads (AWS_ENDPOINT_URL_S3,
+        AWS_ENDPOINT_URL, AWS_REGION, AWS_DEFAULT_REGION); None where unset."""
+        env = os.environ if env is None else env
+        return cls(endpoint_url=env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None,
+                   region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None)
+
+
+def make_client(settings: S3Settings) -> Any:
+    """A boto3 S3 client with these settings' endpoint, region, retries and timeouts."""
+    config = Config(
+        retries={"max_attempts": settings.max_attempts, "mode": "standard"},
+        connect_timeout=settings.connect_timeout_s,
+        read_timeout=settings.read_timeout_s,
+        max_pool_connections=max(10, settings.max_workers * 2),
+        s3={"addressing_style": "path"} if settings.endpoint_url else None,
+    )
+    return boto3.session.Session().client(
+        "s3", endpoint_url=settings.endpoint_url, region_name=settings.region, config=config
+    )
 
 
 class _ObjectSource:
@@ -152,18 +175,7 @@ class S3Tier(DurableTier):
         self.bucket = check_bucket(bucket)
         self.prefix = check_prefix(prefix)
         self.settings = settings
-        if client is None:
-            config = Config(
-                retries={"max_attempts": settings.max_attempts, "mode": "standard"},
-                connect_timeout=settings.connect_timeout_s,
-                read_timeout=settings.read_timeout_s,
-                max_pool_connections=max(10, settings.max_workers * 2),
-                s3={"addressing_style": "path"} if settings.endpoint_url else None,
-            )
-            client = boto3.session.Session().client(
-                "s3", endpoint_url=settings.endpoint_url, region_name=settings.region, config=config
-            )
-        self._s3 = client
+        self._s3 = make_client(settings) if client is None else client
         self._pool = ThreadPoolExecutor(max_workers=settings.max_workers, thread_name_prefix="kvstore-s3")
 
     def object_key(self, key: ChunkKey) -> str:

@@ -41,7 +41,7 @@ def test_json_file_and_index_specs(tmp_path: Path) -> None:
     [
         ({"port": 70000}, {}, "port must be in [0, 65535], got 70000"),
         ({}, {"RAGKV_MAX_QUEUE": "lots"}, "max_queue must be a int, got 'lots'"),
-        ({"dtype": "float8"}, {}, "dtype must be one of float32, bfloat16, float16, got 'float8'"),
+        ({"dtype": "float8"}, {}, "dtype must be one of float32, bfloat16, float16, auto, got 'float8'"),
         ({"indexes": ("a=/x", "a=/y")}, {}, "collection names must be unique"),
         ({"tls_cert": "/c.pem"}, {}, "TLS needs both"),
         ({"nonsense": 1}, {}, "unknown setting 'nonsense'"),

@@ -1,0 +1,33 @@
+"""``--device auto`` and ``--dtype auto``: CUDA when torch sees it, bf16 on CUDA.
+
+`ragkv serve` and `ragkv index` default to ``auto`` so that a GPU host (the Docker
+image, the Terraform g5 units and Batch jobs pass no device) computes on its GPU
+without being told. torch is imported only when ``auto`` has to be resolved.
+"""
+
+from __future__ import annotations
+
+AUTO = "auto"
+DTYPES = ("float32", "bfloat16", "float16")  # what the engine loads weights and KV as
+
+
+def resolve_device(device: str) -> str:
+    """``device``, or ``cuda`` / ``cpu`` for ``auto`` by what torch sees."""
+    if device != AUTO:
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``dtype``, or for ``auto``: bfloat16 on CUDA, float32 elsewhere (CPUs are slow at 16-bit).
+
+    Raises:
+        ValueError: ``dtype`` is neither ``auto`` nor one of DTYPES.
+    """
+    if dtype == AUTO:
+        return "bfloat16" if resolve_device(device).startswith("cuda") else "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {AUTO}, {', '.join(DTYPES)}")
+    return dtype

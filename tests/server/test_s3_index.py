@@ -1,0 +1,87 @@
+"""Index to and from S3 as the deploy runs it, against moto's S3 server on loopback.
+
+Two "hosts" (separate staging folders) each index one shard of a corpus that lives in
+S3 and upload it; a third merges; a fresh server syncs the merged index into its cache
+and serves every chunk's KV from the disk tier (the KV travelled with the index).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import boto3
+import pytest
+
+from ragkv.cli.main import main
+from ragkv.client import RagClient
+from ragkv.server.cli import fetch_indexes
+from ragkv.server.settings import CollectionSpec
+from ragkv.types import Mode, Tier
+from tests.kvstore.conftest import s3_endpoint  # noqa: F401  (the moto server fixture)
+from tests.server.fakes import ServerThread, settings
+from tests.server.test_relocate import CORPUS
+
+
+@pytest.fixture
+def s3(s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # noqa: F811
+    """A fresh bucket, with boto3 (ours and the CLI's) pointed at moto, and a private cache dir."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_endpoint)
+    monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path / "cache"))
+    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+    bucket = f"ix-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=bucket)
+    return client, bucket
+
+
+def keys(client, bucket: str, prefix: str) -> set[str]:  # noqa: ANN001
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return {o["Key"][len(prefix):] for p in pages for o in p.get("Contents", ())}
+
+
+def test_sharded_index_to_s3_then_serve_from_s3(s3, tmp_path: Path, tiny_llama_dir: Path) -> None:  # noqa: ANN001
+    from ragkv.server.pipeline import Pipeline
+
+    client, bucket = s3
+    for name, text in CORPUS.items():
+        client.put_object(Bucket=bucket, Key=f"corpus/{name}", Body=text.encode())
+    out = f"s3://{bucket}/index/v1"
+    common = ["--model", str(tiny_llama_dir), "--chunk-size", "32", "--chunk-overlap", "0", "--no-progress"]
+    for i in range(2):  # the Batch array job: one host per shard
+        assert main(["index", f"s3://{bucket}/corpus", "--out", out, "--shard", f"{i}/2",
+                     "--staging", str(tmp_path / f"host{i}"), *common]) == 0
+    assert main(["index", "merge", "--out", out, "--staging", str(tmp_path / "merge-host")]) == 0
+
+    stored = keys(client, bucket, "index/v1/")
+    assert {"manifest.json", "chunks.sqlite", "shard-00000-of-00002/manifest.json",
+            "shard-00001-of-00002/manifest.json"} <= stored
+    kv = {k for k in stored if k.startswith("kv/")}
+    manifest = json.loads(client.get_object(Bucket=bucket, Key="index/v1/manifest.json")["Body"].read())
+    assert manifest["kv_uris"] == ["disk:kv"] and manifest["state"] == "complete"
+    assert len(kv) == manifest["n_chunks"] > 0  # both shards' KV went up beside the index
+
+    spec = CollectionSpec.parse(out)
+    assert spec.source == out and spec.index_dir == tmp_path / "cache" / "indexes" / bucket / "index" / "v1"
+    served = settings(indexes=(spec,))
+    fetch_indexes(served)
+    assert (spec.index_dir / "manifest.json").is_file()
+    assert not any(spec.index_dir.glob("shard-*"))  # the shards stay in S3
+    st = ServerThread(served, Pipeline.from_settings)
+    try:
+        with RagClient(st.addr, timeout=60) as rag:
+            stream = rag.query("What is the secret number?", mode=Mode.REUSE, top_k=manifest["n_chunks"],
+                               max_new_tokens=2)
+            list(stream)
+            tiers = [c.kv_tier for c in stream.chunks]
+    finally:
+        st.stop()
+    assert len(tiers) == manifest["n_chunks"] and set(tiers) == {Tier.DISK}, tiers
+
+
+def test_serve_from_an_empty_prefix_says_what_to_run(s3) -> None:  # noqa: ANN001
+    from ragkv.errors import RagKVError
+
+    _, bucket = s3
+    with pytest.raises(RagKVError, match=rf"s3://{bucket}/nothing holds no index files: build one with"):
+        fetch_indexes(settings(indexes=(CollectionSpec.parse(f"docs=s3://{bucket}/nothing"),)))

@@ -22,7 +22,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         "of tokens recomputed. Example: ragkv eval --synthetic niah --context 2048 --n 20 "
         "--modes full,reuse,blend --ratio 0.15,0.3 --selector deviation,query --json")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--synthetic", metavar="TASK", help="niah, multikey, multivalue or twohop")
+    src.add_argument("--synthetic", metavar="TASK",
+                     help="niah, multikey, multivalue or twohop; with --retrieval-only: facts")
     src.add_argument("--index", type=Path, metavar="DIR", help="a built index (with --questions)")
     p.add_argument("--questions", type=Path, metavar="FILE.jsonl", help='lines of {"id", "question", "answer"}')
     p.add_argument("--top-k", type=int, default=4, help="chunks per question with --index (default 4)")
@@ -49,6 +50,16 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    r = p.add_argument_group("retrieval only (no LLM decoding)")
+    r.add_argument("--retrieval-only", action="store_true",
+                   help="report retrieval_recall and mrr per search mode as one JSON object: "
+                        "--synthetic facts (a generated corpus) or --index DIR --questions FILE.jsonl")
+    r.add_argument("--docs", type=int, default=40, help="facts: documents in the corpus (default 40)")
+    r.add_argument("--search-modes", default="dense,lexical,hybrid", help="comma list of dense, lexical, hybrid")
+    r.add_argument("--reranker", type=Path, metavar="DIR", help="a cross-encoder folder: adds a 'reranked' row")
+    r.add_argument("--fusion", default="rrf", choices=("rrf", "weighted"), help="hybrid fusion (default rrf)")
+    r.add_argument("--dense-weight", type=float, default=1.0, help="hybrid: weight of dense results")
+    r.add_argument("--lexical-weight", type=float, default=1.0, help="hybrid: weight of lexical results")
     p.set_defaults(func=run_eval)
 
 
@@ -125,6 +136,11 @@ def index_cases(engine, index: Path, questions: Path, top_k: int):  # noqa: ANN0
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    if args.retrieval_only:
+        from ragkv.cli.retrieval_eval import run_retrieval_eval
+
+        print(json.dumps(run_retrieval_eval(args)))
+        return 0
     from tqdm import tqdm
 
     from ragkv.engine import Engine, load_model, tune_host_allocator

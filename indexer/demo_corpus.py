@@ -16,7 +16,7 @@ from pathlib import Path
 DEMO_MODULES = (
     "json", "csv", "heapq", "bisect", "itertools", "functools", "collections", "pathlib",
     "datetime", "random", "statistics", "textwrap", "shutil", "sqlite3", "re", "string",
-    "enum", "contextlib", "operator", "fractions",
+    "enum", "contextlib", "operator", "fractions", "tempfile",
 )
 MAX_CHARS = 8_000  # characters per module file: ~2,000 tokens, ~4 chunks
 MAX_MEMBER_CHARS = 1_200  # characters of one function's or class's docstring

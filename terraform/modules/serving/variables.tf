@@ -116,7 +116,7 @@ variable "environment" {
 
   validation {
     condition     = alltrue([for k in keys(var.environment) : can(regex("^[A-Z_][A-Z0-9_]*$", k))])
-    error_message = "environment keys must be upper-case shell variable names such as RAGKV_CPU_BYTES."
+    error_message = "environment keys must be upper-case shell variable names such as RAGKV_KV_CPU_BYTES."
   }
 }
 
@@ -129,7 +129,7 @@ variable "grpc_port" {
 variable "metrics_port" {
   description = "Port of the Prometheus metrics endpoint."
   type        = number
-  default     = 9090
+  default     = 9464
 }
 
 variable "health_port" {

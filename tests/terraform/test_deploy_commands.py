@@ -1,0 +1,190 @@
+"""Every command line the deploy runs parses with the real `ragkv` parser, and every
+RAGKV_ variable the deploy sets is one ragkv reads.
+
+Collected from: the Dockerfile's CMD, the serving user data (systemd ExecStart), the
+Batch job definitions' commands (the indexing module's variables), and every `ragkv ...`
+step of terraform/README.md's walk-through. Runs without terraform (python-hcl2 only).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from ragkv.cli.environment import OTHER_ENV, known_env, unknown_env, warn_unknown_env
+from ragkv.cli.main import build_parser, main
+from tests.terraform.conftest import REPO_ROOT, TERRAFORM_DIR
+
+hcl2 = pytest.importorskip("hcl2", reason="python-hcl2 is a dev dependency: pip install -e '.[dev]'")
+
+USER_DATA = TERRAFORM_DIR / "modules" / "serving" / "templates" / "user_data.sh.tftpl"
+# What Terraform and Batch put into the commands, as the modules' defaults would.
+TEMPLATE_VARS = {
+    "pip_spec": "ragkv[gpu]", "grpc_port": "50051", "metrics_port": "9464", "health_port": "8080",
+    "region": "us-east-1", "kv_s3_uri": "s3://ragkv-kv/kv", "index_s3_uri": "s3://ragkv-kv/index/latest",
+    "health_bridge": "", "environment": "",
+}
+SHELL_ENV = {
+    "CORPUS_URI": "s3://ragkv-kv/corpus", "INDEX_OUT_URI": "s3://ragkv-kv/index/latest",
+    "RAGKV_KV_S3_URI": "s3://ragkv-kv/kv", "SHARD_COUNT": "4", "AWS_BATCH_JOB_ARRAY_INDEX": "2",
+    "IMAGE": "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv:0.1.0", "BUCKET": "ragkv-kv",
+    "REGION": "us-east-1", "ENDPOINT": "internal-ragkv-123.elb.us-east-1.amazonaws.com:50051",
+}
+SUBCOMMANDS = {"index", "serve", "query", "eval", "bench", "demo"}
+_RAGKV_VAR = re.compile(r"\bRAGKV_[A-Z0-9_]*[A-Z0-9]\b")
+
+
+def _expand(word: str) -> str:
+    """Shell parameter expansion of the forms the deploy uses: $X, ${X}, ${X:-default}."""
+    def sub(m: re.Match[str]) -> str:
+        name = m.group(1) or m.group(3)
+        return SHELL_ENV.get(name, m.group(2) or "") if name in SHELL_ENV or m.group(2) is not None else \
+            pytest.fail(f"the deploy uses ${name}, which this test gives no value: add it to SHELL_ENV")
+    return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}|\$(\w+)", lambda m: sub(m) if m.group(1) else
+                  SHELL_ENV.get(m.group(3)) or pytest.fail(f"unknown ${m.group(3)}"), word)
+
+
+def ragkv_argvs(text: str) -> list[list[str]]:
+    """The argv (after `ragkv`) of each ragkv invocation in shell text."""
+    out = []
+    for line in text.replace("\\\n", " ").splitlines():
+        line = line.split(" #", 1)[0]
+        if "ragkv" not in line:
+            continue
+        try:
+            words = shlex.split(line, comments=True)
+        except ValueError:
+            continue
+        for i, w in enumerate(words[:-1]):
+            if (w == "ragkv" or w.endswith("/bin/ragkv")) and words[i + 1] in SUBCOMMANDS:
+                argv = []
+                for a in words[i + 1:]:
+                    if a in ("&&", "||", "|", ";", ")"):
+                        break
+                    argv.append(_expand(a))
+                out.append(argv)
+    return out
+
+
+def render_user_data() -> str:
+    text = re.sub(r"%\{ for .*?%\{ endfor ~\}\n", "", USER_DATA.read_text(), flags=re.S)  # var.environment: {}
+    text = re.sub(r"(?<!\$)\$\{(\w+)\}", lambda m: TEMPLATE_VARS[m.group(1)], text)
+    return text.replace("$${", "${")
+
+
+def batch_commands() -> dict[str, str]:
+    """The indexing module's job commands (variables index_command, merge_command), as sh -c gets them."""
+    out = {}
+    for entry in hcl2.load((TERRAFORM_DIR / "modules" / "indexing" / "variables.tf").open())["variable"]:
+        for label, body in entry.items():
+            name = label.strip('"')
+            if name in ("index_command", "merge_command"):
+                out[name] = json.loads(body["default"]).replace("$${", "${")
+    return out
+
+
+def readme_steps() -> list[list[str]]:
+    blocks = re.findall(r"```(?:bash|sh)\n(.*?)```", (TERRAFORM_DIR / "README.md").read_text(), re.S)
+    return [argv for b in blocks for argv in ragkv_argvs(b)]
+
+
+def collected() -> dict[str, list[str]]:
+    cmd = re.search(r"^CMD (\[.*\])$", (REPO_ROOT / "Dockerfile").read_text(), re.M)
+    assert cmd, "the Dockerfile has no CMD [...]"
+    found = {"Dockerfile CMD": json.loads(cmd.group(1))[1:]}
+    for i, argv in enumerate(ragkv_argvs(render_user_data())):
+        found[f"user_data #{i}"] = argv
+    for name, command in batch_commands().items():
+        (argv,) = ragkv_argvs(command)
+        found[f"Batch {name}"] = argv
+    for i, argv in enumerate(readme_steps()):
+        found[f"terraform/README.md step {i}: ragkv {' '.join(argv[:2])}"] = argv
+    return found
+
+
+def test_every_surface_has_commands() -> None:
+    names = " ".join(collected())
+    for where in ("Dockerfile CMD", "user_data", "Batch index_command", "Batch merge_command", "README.md"):
+        assert where in names, f"no ragkv command found in {where}"
+    readme = [argv[0] for argv in readme_steps()]
+    assert {"index", "serve", "query"} <= set(readme), readme
+
+
+@pytest.mark.parametrize(("where", "argv"), sorted(collected().items()))
+def test_deploy_command_parses(where: str, argv: list[str]) -> None:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"{where}: `ragkv {shlex.join(argv)}` does not parse (see the usage message above)")
+    if args.command == "index":  # S3 locations must be well formed, a shard spec valid
+        from ragkv.indexer.sharding import resolve_shard
+        from ragkv.retriever.remote import S3Location, is_s3_uri
+
+        for uri in (args.corpus, args.out):
+            if is_s3_uri(uri):
+                S3Location.parse(uri)
+        if args.shard:
+            assert resolve_shard(args.shard) is not None
+    if args.command == "serve":
+        from ragkv.server.cli import settings_from_args
+
+        settings_from_args(args, env={})  # every value converts to its setting
+
+
+def test_batch_jobs_run_sharded_s3_index_and_merge() -> None:
+    cmds = {k: ragkv_argvs(v)[0] for k, v in batch_commands().items()}
+    index = build_parser().parse_args(cmds["index_command"])
+    merge = build_parser().parse_args(cmds["merge_command"])
+    assert index.out == merge.out == SHELL_ENV["INDEX_OUT_URI"] and merge.corpus == "merge"
+    assert index.corpus == SHELL_ENV["CORPUS_URI"] and index.shard == "2/4"
+    assert index.device == "auto"  # the GPU host's CUDA is found, not named
+
+
+def test_serving_unit_serves_the_s3_index_on_the_one_metrics_port() -> None:
+    (argv,) = ragkv_argvs(render_user_data())
+    args = build_parser().parse_args(argv)
+    assert args.indexes == [TEMPLATE_VARS["index_s3_uri"]] and args.metrics_port == "9464"
+    docker = collected()["Dockerfile CMD"]
+    assert docker[docker.index("--metrics-port") + 1] == "9464"
+    assert "EXPOSE 50051 9464" in (REPO_ROOT / "Dockerfile").read_text()
+
+
+def _set_vars() -> dict[str, set[str]]:
+    files = [REPO_ROOT / "Dockerfile", USER_DATA, TERRAFORM_DIR / "README.md",
+             *TERRAFORM_DIR.rglob("*.tf"), *TERRAFORM_DIR.rglob("*.hcl")]
+    return {str(p.relative_to(REPO_ROOT)): set(_RAGKV_VAR.findall(p.read_text())) for p in files}
+
+
+def test_every_ragkv_variable_the_deploy_names_is_read() -> None:
+    known = known_env()
+    bad = {f: sorted(v - known) for f, v in _set_vars().items() if v - known}
+    assert not bad, f"RAGKV_ variables that nothing reads: {bad} (known: {sorted(known)})"
+    assert "RAGKV_KV_DISK_DIR" in _set_vars()["Dockerfile"]
+
+
+def test_other_env_names_are_read_in_the_source() -> None:
+    sources = "".join(p.read_text() for d in ("engine", "server", "cli", "ragkv", "indexer")
+                      for p in (REPO_ROOT / d).rglob("*.py") if p.name != "environment.py")
+    for name in OTHER_ENV:
+        assert f'"{name}"' in sources, f"{name} is listed as read but no module reads it"
+
+
+def test_unknown_variables_warn_with_the_right_name(caplog: pytest.LogCaptureFixture) -> None:
+    env = {"RAGKV_DISK_DIR": "/x", "RAGKV_KV_DISK_DIR": "/y", "RAGKV_MAX_QUEUE": "4", "HOME": "/h"}
+    assert unknown_env(env) == ["RAGKV_DISK_DIR"]
+    with caplog.at_level(logging.WARNING, logger="ragkv.cli"):
+        assert warn_unknown_env(env) == ["RAGKV_DISK_DIR"]
+    assert "RAGKV_DISK_DIR is not a ragkv setting" in caplog.text and "did you mean RAGKV_KV_DISK_DIR" in caplog.text
+
+
+def test_index_command_warns_at_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                      caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("RAGKV_DISK_DIR", "/mnt/kv")
+    with caplog.at_level(logging.WARNING, logger="ragkv.cli"):
+        assert main(["index", "merge", "--out", str(tmp_path)]) == 1  # no shards there: an error, after the warning
+    assert "RAGKV_DISK_DIR is not a ragkv setting" in caplog.text

@@ -85,3 +85,34 @@ def test_serve_from_an_empty_prefix_says_what_to_run(s3) -> None:  # noqa: ANN00
     _, bucket = s3
     with pytest.raises(RagKVError, match=rf"s3://{bucket}/nothing holds no index files: build one with"):
         fetch_indexes(settings(indexes=(CollectionSpec.parse(f"docs=s3://{bucket}/nothing"),)))
+
+
+def test_interrupted_shard_uploads_its_checkpoint_and_the_retry_resumes(
+        s3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """A Spot reclaim: the first host checkpoints, uploads and exits 75; the retry on another
+    host starts from the uploaded checkpoint, not from nothing."""
+    import ragkv.indexer.job as job
+    from ragkv.indexer.spot import EXIT_INTERRUPTED, IndexInterrupted, StopReason
+
+    client, bucket = s3
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("some text")
+    seen: list[bytes] = []
+
+    def interrupted(config, stop):  # noqa: ANN001, ANN202
+        config.index_dir().mkdir(parents=True)
+        (config.index_dir() / "chunks.sqlite").write_bytes(b"checkpoint")
+        raise IndexInterrupted(StopReason.SPOT_NOTICE)
+
+    def resumed(config, stop):  # noqa: ANN001, ANN202
+        seen.append((config.index_dir() / "chunks.sqlite").read_bytes())
+        return job.IndexSummary(config.index_dir(), 1, 1, 1, 0, 0, 0, 0, 0, 0, 0.0, 0.0, ())
+
+    argv = ["index", str(corpus), "--out", f"s3://{bucket}/ix", "--shard", "1/2", "--no-progress"]
+    monkeypatch.setattr(job, "run_index", interrupted)
+    assert main([*argv, "--staging", str(tmp_path / "reclaimed")]) == EXIT_INTERRUPTED
+    assert keys(client, bucket, "ix/") == {"shard-00001-of-00002/chunks.sqlite"}
+    monkeypatch.setattr(job, "run_index", resumed)
+    assert main([*argv, "--staging", str(tmp_path / "retry-host")]) == 0
+    assert seen == [b"checkpoint"]

@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -29,11 +30,13 @@ from ragkv.retry import RetryPolicy, is_retryable
 from ragkv.types import (
     CollectionInfo,
     CollectionStats,
+    MetadataFilter,
     Mode,
     QueryOptions,
     QueryStats,
     RetrievedChunk,
     RetrieveResult,
+    SearchMode,
 )
 from ragkv.v1 import ragkv_pb2 as pb
 from ragkv.v1 import ragkv_pb2_grpc as pb_grpc
@@ -51,6 +54,31 @@ def _mode(mode: Mode | str | None) -> Mode | None:
         raise ValueError(f"mode must be one of {known}, got {mode!r}") from None
 
 
+def _search_mode(mode: SearchMode | str | None) -> SearchMode | None:
+    if mode is None or isinstance(mode, SearchMode):
+        return mode
+    try:
+        return SearchMode(mode.lower())
+    except ValueError:
+        known = ", ".join(m.value for m in SearchMode)
+        raise ValueError(f"search_mode must be one of {known}, got {mode!r}") from None
+
+
+Filters = Mapping[str, Any] | Sequence[MetadataFilter] | None  # {"key": value} means equality on each key
+
+
+def _filters(filters: Filters) -> tuple[MetadataFilter, ...]:
+    if not filters:
+        return ()
+    if isinstance(filters, Mapping):
+        return tuple(MetadataFilter(str(k), v) for k, v in filters.items())
+    out = tuple(filters)
+    for f in out:
+        if not isinstance(f, MetadataFilter):
+            raise TypeError(f"filters must be a dict or MetadataFilter objects, got {type(f).__name__}")
+    return out
+
+
 def _options(
     collection: str | None,
     top_k: int | None,
@@ -62,6 +90,8 @@ def _options(
     max_new_tokens: int | None,
     stop: Sequence[str],
     snippet_chars: int | None,
+    search_mode: SearchMode | str | None = None,
+    filters: Filters = None,
 ) -> QueryOptions:
     return QueryOptions(
         collection=collection,
@@ -74,6 +104,8 @@ def _options(
         max_new_tokens=max_new_tokens,
         stop=tuple(stop),
         snippet_chars=snippet_chars,
+        search_mode=_search_mode(search_mode),
+        filters=_filters(filters),
     )
 
 
@@ -255,15 +287,22 @@ class RagClient:
         max_new_tokens: int | None = None,
         stop: Sequence[str] = (),
         snippet_chars: int | None = None,
+        search_mode: SearchMode | str | None = None,
+        filters: Filters = None,
         timeout: float | None = None,
     ) -> QueryStream:
         """Start a Query; None options take the server's defaults.
+
+        ``search_mode`` is dense, lexical or hybrid (server default: hybrid); ``filters`` is a
+        ``{"key": value}`` dict of equality conditions, or ``MetadataFilter`` objects (prefix
+        filters: ``MetadataFilter("source", "docs/", "prefix")``), applied before top_k.
 
         Returns:
             A QueryStream; iterating it yields the answer's text pieces.
         """
         options = _options(
-            collection, top_k, mode, recompute_ratio, temperature, top_p, seed, max_new_tokens, stop, snippet_chars
+            collection, top_k, mode, recompute_ratio, temperature, top_p, seed, max_new_tokens, stop, snippet_chars,
+            search_mode, filters,
         )
         request = convert.query_request_to_proto(question, options)
 
@@ -279,10 +318,14 @@ class RagClient:
         collection: str | None = None,
         top_k: int | None = None,
         snippet_chars: int | None = None,
+        search_mode: SearchMode | str | None = None,
+        filters: Filters = None,
         timeout: float | None = None,
     ) -> RetrieveResult:
         """Retrieve chunks only."""
-        request = convert.retrieve_request_to_proto(question, collection, top_k, snippet_chars)
+        request = convert.retrieve_request_to_proto(
+            question, collection, top_k, snippet_chars, _search_mode(search_mode), _filters(filters)
+        )
         return convert.retrieve_result_from_proto(self._unary(self._stub.Retrieve, request, timeout))
 
     def list_collections(self, *, timeout: float | None = None) -> list[CollectionInfo]:
@@ -422,11 +465,14 @@ class AsyncRagClient:
         max_new_tokens: int | None = None,
         stop: Sequence[str] = (),
         snippet_chars: int | None = None,
+        search_mode: SearchMode | str | None = None,
+        filters: Filters = None,
         timeout: float | None = None,
     ) -> AsyncQueryStream:
         """Start a Query (the call begins when the stream is iterated)."""
         options = _options(
-            collection, top_k, mode, recompute_ratio, temperature, top_p, seed, max_new_tokens, stop, snippet_chars
+            collection, top_k, mode, recompute_ratio, temperature, top_p, seed, max_new_tokens, stop, snippet_chars,
+            search_mode, filters,
         )
         request = convert.query_request_to_proto(question, options)
 
@@ -442,10 +488,14 @@ class AsyncRagClient:
         collection: str | None = None,
         top_k: int | None = None,
         snippet_chars: int | None = None,
+        search_mode: SearchMode | str | None = None,
+        filters: Filters = None,
         timeout: float | None = None,
     ) -> RetrieveResult:
         """Retrieve chunks only."""
-        request = convert.retrieve_request_to_proto(question, collection, top_k, snippet_chars)
+        request = convert.retrieve_request_to_proto(
+            question, collection, top_k, snippet_chars, _search_mode(search_mode), _filters(filters)
+        )
         return convert.retrieve_result_from_proto(await self._unary(self._stub.Retrieve, request, timeout))
 
     async def list_collections(self, *, timeout: float | None = None) -> list[CollectionInfo]:

@@ -42,14 +42,15 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
 from ragkv.client import AsyncRagClient, RagClient
 from ragkv.errors import RagKVError
 from ragkv.retry import RetryPolicy
-from ragkv.types import Mode, QueryStats, RetrievedChunk
+from ragkv.types import MetadataFilter, Mode, QueryStats, RetrievedChunk, SearchMode
 
 __all__ = ["RagKVChatModel", "RagKVRetriever", "RagKVServerError"]
 
 _PROVIDER = "ragkv"
 # Per-call keyword arguments `invoke`/`bind` may override, by field name.
 _QUERY_OVERRIDES = frozenset(
-    {"collection", "top_k", "mode", "recompute_ratio", "temperature", "top_p", "seed", "max_tokens"}
+    {"collection", "top_k", "mode", "recompute_ratio", "temperature", "top_p", "seed", "max_tokens",
+     "search_mode", "filters"}
 )
 # Keywords LangChain itself may pass down to _stream; they are not ours to act on.
 _LANGCHAIN_KWARGS = frozenset({"model", "stream", "ls_structured_output_format"})
@@ -219,6 +220,10 @@ class RagKVChatModel(_Connection, BaseChatModel):
     """Chunks to retrieve."""
     mode: Mode | None = None
     """How the prompt KV is assembled: full, prefix, reuse, blend, focus."""
+    search_mode: SearchMode | None = None
+    """Which index retrieval searches: dense, lexical or hybrid; None = the server's default (hybrid)."""
+    filters: dict[str, Any] | list[MetadataFilter] | None = None
+    """Metadata conditions applied before top_k: {"key": value} for equality, or MetadataFilter objects."""
     recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
     """Fraction of context tokens recomputed in blend mode."""
     temperature: float = Field(default=0.0, ge=0.0)
@@ -285,6 +290,8 @@ class RagKVChatModel(_Connection, BaseChatModel):
             "collection": values["collection"],
             "top_k": values["top_k"],
             "mode": values["mode"],
+            "search_mode": values["search_mode"],
+            "filters": values["filters"],
             "recompute_ratio": values["recompute_ratio"],
             "temperature": values["temperature"],
             "top_p": values["top_p"],
@@ -405,7 +412,7 @@ class RagKVRetriever(_Connection, BaseRetriever):
     Each Document's `page_content` is the chunk text (or its first `snippet_chars`
     characters) and its `metadata` the chunk's own metadata (source, offsets...) plus
     `chunk_id`, `score` and `collection`; its `id` is the chunk id. `invoke(q, top_k=3)`
-    overrides top_k for one call.
+    overrides top_k for one call, as `search_mode=` and `filters=` override theirs.
 
     Raises (from invoke and ainvoke):
         RagKVServerError: The server refused or failed the call.
@@ -417,6 +424,10 @@ class RagKVRetriever(_Connection, BaseRetriever):
     """Chunks to return; None = the server's default."""
     snippet_chars: int | None = Field(default=None, ge=1)
     """Characters of chunk text per Document; None = the whole text."""
+    search_mode: SearchMode | None = None
+    """Which index to search: dense, lexical or hybrid; None = the server's default (hybrid)."""
+    filters: dict[str, Any] | list[MetadataFilter] | None = None
+    """Metadata conditions applied before top_k: {"key": value} for equality, or MetadataFilter objects."""
 
     def _documents(self, chunks: Sequence[RetrievedChunk]) -> list[Document]:
         collection = self.collection or "default"
@@ -435,23 +446,31 @@ class RagKVRetriever(_Connection, BaseRetriever):
             raise ValueError(f"top_k must be an int >= 1, got {top_k!r}")
         return top_k
 
+    def _search(self, search_mode: SearchMode | str | None, filters: Any) -> dict[str, Any]:
+        return {"search_mode": self.search_mode if search_mode is None else search_mode,
+                "filters": self.filters if filters is None else filters}
+
     def _get_relevant_documents(
-        self, query: str, *, run_manager: CallbackManagerForRetrieverRun, top_k: int | None = None
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun, top_k: int | None = None,
+        search_mode: SearchMode | str | None = None, filters: Any = None,
     ) -> list[Document]:
         try:
             result = self._client().retrieve(
-                query, collection=self.collection, top_k=self._top_k(top_k), snippet_chars=self.snippet_chars
+                query, collection=self.collection, top_k=self._top_k(top_k), snippet_chars=self.snippet_chars,
+                **self._search(search_mode, filters),
             )
         except grpc.RpcError as exc:
             raise _server_error(exc, "Retrieve", self.target) from exc
         return self._documents(result.chunks)
 
     async def _aget_relevant_documents(
-        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, top_k: int | None = None
+        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, top_k: int | None = None,
+        search_mode: SearchMode | str | None = None, filters: Any = None,
     ) -> list[Document]:
         try:
             result = await self._aclient().retrieve(
-                query, collection=self.collection, top_k=self._top_k(top_k), snippet_chars=self.snippet_chars
+                query, collection=self.collection, top_k=self._top_k(top_k), snippet_chars=self.snippet_chars,
+                **self._search(search_mode, filters),
             )
         except grpc.RpcError as exc:
             raise _server_error(exc, "Retrieve", self.target) from exc

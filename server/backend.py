@@ -17,7 +17,30 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from ragkv.types import CollectionInfo, CollectionStats, FinishReason, Mode, RetrievedChunk, Tier
+from ragkv.types import CollectionInfo, CollectionStats, FinishReason, MetadataFilter, Mode, RetrievedChunk, SearchMode, Tier
+
+
+@dataclass(frozen=True, slots=True)
+class SearchParams:
+    """How a request searches its collection."""
+
+    mode: SearchMode | None = None  # dense, lexical or hybrid; None = the collection's default
+    filters: tuple[MetadataFilter, ...] = ()  # metadata conditions, all must hold, applied before top_k
+
+
+class RetrieveQuestion(str):
+    """A validated Retrieve question carrying its SearchParams in ``search``.
+
+    `validate_retrieve` returns one, so the search options travel through callers that pass
+    ``(collection, question, top_k)`` positionally; a plain str searches with the defaults.
+    """
+
+    search: SearchParams
+
+    def __new__(cls, text: str, search: SearchParams) -> RetrieveQuestion:
+        obj = super().__new__(cls, text)
+        obj.search = search
+        return obj
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +57,7 @@ class QueryParams:
     seed: int | None  # sampling seed
     max_new_tokens: int  # >= 1
     stop: tuple[str, ...]  # stop strings
+    search: SearchParams = SearchParams()  # search mode and metadata filters
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,8 +122,9 @@ class QueryBackend(Protocol):
         """
         ...
 
-    def retrieve(self, collection: str, question: str, top_k: int) -> tuple[RetrievedChunk, ...]:
-        """Search a collection; no model work.
+    def retrieve(self, collection: str, question: str, top_k: int,
+                 search: SearchParams | None = None) -> tuple[RetrievedChunk, ...]:
+        """Search a collection; no model work. ``search`` None: a `RetrieveQuestion`'s own, else defaults.
 
         Raises:
             UnknownCollectionError: No collection of that name.

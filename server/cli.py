@@ -38,6 +38,12 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("default_max_new_tokens", int, "answer length by default (default 64)"),
     ("max_new_tokens", int, "largest max_new_tokens accepted (default 1024)"),
     ("log_level", str, "logging level (default INFO)"),
+    ("default_search_mode", str, "search when a request names none: dense, lexical or hybrid (default hybrid)"),
+    ("fusion", str, "hybrid fusion: rrf (reciprocal rank fusion) or weighted (default rrf)"),
+    ("dense_weight", float, "hybrid: weight of dense results (default 1.0)"),
+    ("lexical_weight", float, "hybrid: weight of lexical (BM25) results (default 1.0)"),
+    ("search_candidates", int, "chunks each search hands to fusion and the reranker (default 50)"),
+    ("reranker", Path, "a sentence-transformers cross-encoder folder: rerank the fused candidates (default off)"),
 )
 
 

@@ -26,11 +26,11 @@ import torch
 from ragkv.engine import BlendOptions, ChunkKV, Engine, LoadedModel, SamplingParams, load_model
 from ragkv.indexer.kv_bridge import chunk_kv_to_entry, entry_to_chunk_kv
 from ragkv.kvstore import ChunkKey, LayerGate, PrefetchHandle, PrefixHash, StoreConfig, TieredStore, hash_prefix
-from ragkv.convert import metadata_to_wire
 from ragkv.errors import IndexMismatchError, KVFormatError, StoreError
 from ragkv.types import CollectionInfo, CollectionStats, FinishReason, Mode, RetrievedChunk, Tier, TierStats
 from ragkv.retriever import Retriever
-from ragkv.server.backend import AnswerEvent, ChunksEvent, DoneEvent, PreparedQuery, QueryParams, TokenEvent
+from ragkv.server.backend import AnswerEvent, ChunksEvent, DoneEvent, PreparedQuery, QueryParams, SearchParams, TokenEvent
+from ragkv.server.search_config import retriever_options
 from ragkv.server.settings import ServerSettings
 from ragkv.server.status import UnknownCollectionError
 
@@ -115,7 +115,8 @@ class Pipeline:
         if not settings.indexes:
             raise ValueError("no index to serve: give at least one --index [NAME=]DIR")
         settings = settings.resolved()  # --device/--dtype auto: cuda and bfloat16 when torch sees a GPU
-        retrievers = {spec.name: (spec.index_dir, Retriever.open(spec.index_dir, device=settings.device))
+        search = retriever_options(settings)  # search mode, fusion and reranker, shared by every index
+        retrievers = {spec.name: (spec.index_dir, Retriever.open(spec.index_dir, device=settings.device, **search))
                       for spec in settings.indexes}
         first = next(iter(retrievers.values()))[1]
         lm = load_model(settings.model or first.manifest.model_spec, device=settings.device,
@@ -170,14 +171,17 @@ class Pipeline:
         )
         return CollectionStats(info, tiers)
 
-    def _search(self, c: Collection, question: str, top_k: int) -> list:  # list[retriever.Hit]
-        return c.retriever.search(question, min(top_k, len(c.retriever)))
+    def _search(self, c: Collection, question: str, top_k: int, search: SearchParams) -> list:  # list[retriever.Hit]
+        return c.retriever.search(str(question), min(top_k, len(c.retriever)), mode=search.mode,
+                                  filters=search.filters)
 
-    def retrieve(self, collection: str, question: str, top_k: int) -> tuple[RetrievedChunk, ...]:
+    def retrieve(self, collection: str, question: str, top_k: int,
+                 search: SearchParams | None = None) -> tuple[RetrievedChunk, ...]:
         c = self._collection(collection)
+        search = search or getattr(question, "search", None) or SearchParams()
         return tuple(
-            RetrievedChunk(h.chunk_id, h.score, h.text, metadata_to_wire(h.metadata), None, len(h.token_ids))
-            for h in self._search(c, question, top_k)
+            RetrievedChunk(h.chunk_id, h.score, h.text, h.metadata, None, len(h.token_ids), h.found_by)
+            for h in self._search(c, question, top_k, search)
         )
 
     def prepare(self, params: QueryParams) -> PreparedQuery:
@@ -185,7 +189,7 @@ class Pipeline:
         if c.mismatch is not None:
             raise IndexMismatchError(c.mismatch)
         started = time.perf_counter()
-        hits = self._search(c, params.question, params.top_k)
+        hits = self._search(c, params.question, params.top_k, params.search)
         retrieved = time.perf_counter()
         # The key is built here, not read from the index: it must name this build's file format
         # and this model (an index written by an older format version then just misses).
@@ -195,7 +199,7 @@ class Pipeline:
         if self.engine.reads_chunk_kv(params.mode):  # start loading the moment the ids are known
             handles = tuple(c.store.prefetch(kv_keys, layered=self._kv_layered))
         chunks = tuple(
-            RetrievedChunk(h.chunk_id, h.score, h.text, metadata_to_wire(h.metadata), None, len(h.token_ids))
+            RetrievedChunk(h.chunk_id, h.score, h.text, h.metadata, None, len(h.token_ids), h.found_by)
             for h in hits
         )
         plan = _Plan(c, tuple(tuple(h.token_ids) for h in hits), kv_keys, handles)

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ragkv.types import DEFAULT_COLLECTION, Mode
+from ragkv.types import DEFAULT_COLLECTION, Mode, SearchMode
 from ragkv.server.validation import RequestLimits
 
 ENV_PREFIX = "RAGKV_"
@@ -97,6 +97,12 @@ class ServerSettings:
     default_max_new_tokens: int = 64  # tokens
     max_new_tokens: int = 1024  # tokens
     log_level: str = "INFO"  # logging level name
+    default_search_mode: SearchMode = SearchMode.HYBRID  # search when a request names none (docs/retrieval.md)
+    fusion: str = "rrf"  # hybrid fusion: rrf (reciprocal rank) or weighted (normalized scores)
+    dense_weight: float = 1.0  # hybrid: weight of the dense (FAISS) list, >= 0
+    lexical_weight: float = 1.0  # hybrid: weight of the lexical (BM25) list, >= 0
+    search_candidates: int = 50  # chunks each search hands to fusion and to the reranker
+    reranker: Path | None = None  # cross-encoder folder reordering the candidates; None = no reranking
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port"):

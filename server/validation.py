@@ -6,11 +6,12 @@ rejection says which field was wrong and what is allowed.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
-from ragkv.types import DEFAULT_COLLECTION, Mode, QueryOptions
-from ragkv.server.backend import QueryParams
+from ragkv.types import DEFAULT_COLLECTION, FilterOp, Mode, QueryOptions, SearchMode
+from ragkv.server.backend import QueryParams, RetrieveQuestion, SearchParams
 from ragkv.server.status import InvalidArgumentError
 
 
@@ -28,6 +29,8 @@ class RequestLimits:
     max_stop_strings: int = 8  # stop strings per request
     max_stop_chars: int = 64  # characters per stop string
     max_snippet_chars: int = 1_000_000  # characters
+    max_filters: int = 16  # metadata filters per request
+    max_filter_chars: int = 1024  # characters of one filter's key or value (as JSON)
 
 
 def _question(question: str, limits: RequestLimits) -> str:
@@ -54,17 +57,37 @@ def _snippet(snippet_chars: int | None, limits: RequestLimits) -> None:
         )
 
 
-def validate_retrieve(question: str, options: QueryOptions, limits: RequestLimits) -> tuple[str, str, int]:
+def _search(options: QueryOptions, limits: RequestLimits) -> SearchParams:
+    mode = options.search_mode
+    if mode is not None and not isinstance(mode, SearchMode):
+        allowed = ", ".join(m.value for m in SearchMode)
+        raise InvalidArgumentError("search_mode", f"must be one of {allowed}, got {mode!r}")
+    filters = tuple(options.filters)
+    if len(filters) > limits.max_filters:
+        raise InvalidArgumentError("filters", f"at most {limits.max_filters} filters, got {len(filters)}")
+    for i, f in enumerate(filters):
+        size = max(len(f.key), len(json.dumps(f.value, default=str)))
+        if size > limits.max_filter_chars:
+            raise InvalidArgumentError(f"filters[{i}]", f"key or value is {size} characters, the limit is "
+                                                        f"{limits.max_filter_chars}")
+        if f.op is FilterOp.PREFIX and not f.value:
+            raise InvalidArgumentError(f"filters[{i}]", f"prefix filter on {f.key!r} needs a non-empty prefix")
+    return SearchParams(mode, filters)
+
+
+def validate_retrieve(question: str, options: QueryOptions, limits: RequestLimits) -> tuple[RetrieveQuestion, str, int]:
     """Check a Retrieve request.
 
     Returns:
-        (question, collection, top_k).
+        (question, collection, top_k); the question carries the search mode and filters
+        (``RetrieveQuestion.search``).
 
     Raises:
         InvalidArgumentError: A field is out of range.
     """
     _snippet(options.snippet_chars, limits)
-    return _question(question, limits), options.collection or DEFAULT_COLLECTION, _top_k(options.top_k, limits)
+    question = RetrieveQuestion(_question(question, limits), _search(options, limits))
+    return question, options.collection or DEFAULT_COLLECTION, _top_k(options.top_k, limits)
 
 
 def validate_query(
@@ -84,6 +107,7 @@ def validate_query(
     question = _question(question, limits)
     top_k = _top_k(options.top_k, limits)
     _snippet(options.snippet_chars, limits)
+    search = _search(options, limits)
     mode = options.mode or limits.default_mode
     if mode not in modes:
         allowed = ", ".join(sorted(m.value for m in modes))
@@ -116,4 +140,5 @@ def validate_query(
         seed=options.seed,
         max_new_tokens=max_new,
         stop=options.stop,
+        search=search,
     )

@@ -7,12 +7,15 @@ from google.protobuf.message import Message
 
 from ragkv import convert
 from ragkv.types import (
-    CollectionInfo, CollectionStats, FinishReason, Mode, QueryOptions, QueryStats, RetrievedChunk,
-    RetrieveResult, Tier, TierStats, Usage,
+    CollectionInfo, CollectionStats, FilterOp, FinishReason, MetadataFilter, Mode, QueryOptions, QueryStats,
+    RetrievedChunk, RetrieveResult, SearchMode, Tier, TierStats, Usage,
 )
 from ragkv.v1 import ragkv_pb2 as pb
 
-CHUNK = RetrievedChunk("c1", 0.5, "some text", {"source": "a.txt"}, Tier.DISK, 7)
+CHUNK = RetrievedChunk("c1", 0.5, "some text", {"source": "a.txt", "page": 3, "ok": True, "tags": ["x"]},
+                       Tier.DISK, 7, (SearchMode.DENSE, SearchMode.LEXICAL))
+FILTERS = (MetadataFilter("year", 2024), MetadataFilter("source", "docs/", FilterOp.PREFIX),
+           MetadataFilter("ok", True), MetadataFilter("tag", None))
 STATS = QueryStats(Usage(100, 5, 80), 0.25, 1.5, {"retrieve": 0.01, "decode": 1.0}, 0.15, Mode.FOCUS,
                    FinishReason.LENGTH, "an answer", ("c1", "c3"))
 
@@ -32,7 +35,8 @@ def _all_fields_set(msg: Message) -> list[str]:
 
 
 def test_query_request_round_trip() -> None:
-    options = QueryOptions("docs", 3, Mode.REUSE, 0.0, 0.75, 0.5, 42, 16, ("\n\n",), 100)
+    options = QueryOptions("docs", 3, Mode.REUSE, 0.0, 0.75, 0.5, 42, 16, ("\n\n",), 100, SearchMode.LEXICAL,
+                           FILTERS)
     msg = convert.query_request_to_proto("why?", options)
     assert _all_fields_set(msg) == []
     assert msg.HasField("recompute_ratio")  # 0.0 is an explicit value, not "unset"
@@ -87,3 +91,37 @@ def test_every_enum_value_maps() -> None:
 def test_metadata_to_wire() -> None:
     assert convert.metadata_to_wire({"a": "x", "page": 3, "tags": ["p", "q"]}) == {
         "a": "x", "page": "3", "tags": '["p", "q"]'}
+
+
+def test_metadata_keeps_json_types_end_to_end() -> None:
+    msg = convert.chunk_to_proto(CHUNK)
+    assert dict(msg.metadata) == {"source": "a.txt", "page": "3", "ok": "true", "tags": '["x"]'}  # older clients
+    back = convert.chunk_from_proto(msg).metadata
+    assert back == {"source": "a.txt", "page": 3, "ok": True, "tags": ["x"]}
+    assert type(back["page"]) is int and type(back["ok"]) is bool
+    old_server = pb.Chunk(chunk_id="c", metadata={"source": "a"})  # no metadata_json: the flat map
+    assert convert.chunk_from_proto(old_server).metadata == {"source": "a"}
+
+
+def test_retrieve_request_search_fields_round_trip() -> None:
+    msg = convert.retrieve_request_to_proto("q", "docs", 2, 10, SearchMode.HYBRID, FILTERS)
+    assert _all_fields_set(msg) == []
+    question, options = convert.retrieve_request_from_proto(msg)
+    assert options.search_mode is SearchMode.HYBRID and options.filters == FILTERS
+    assert type(options.filters[0].value) is int and options.filters[2].value is True
+    for mode in SearchMode:
+        assert convert.search_mode_from_proto(convert.search_mode_to_proto(mode)) is mode
+    assert len(SearchMode) == len(pb.SearchMode.values()) - 1
+
+
+def test_bad_wire_filters_name_the_field() -> None:
+    bad_json = pb.RetrieveRequest(question="q", filters=[pb.MetadataFilter(key="a", value_json="{nope")])
+    with pytest.raises(convert.WireValueError, match=r"filters\[0\].value_json is not JSON") as err:
+        convert.retrieve_request_from_proto(bad_json)
+    assert err.value.field == "filters"
+    bad_prefix = pb.QueryRequest(question="q", filters=[pb.MetadataFilter(key="a", op=pb.FILTER_OP_PREFIX,
+                                                                          value_json="3")])
+    with pytest.raises(convert.WireValueError, match="needs a str value"):
+        convert.query_request_from_proto(bad_prefix)
+    with pytest.raises(convert.WireValueError, match="unknown search mode 9"):
+        convert.query_request_from_proto(pb.QueryRequest(question="q", search_mode=9))

@@ -4,7 +4,8 @@
    disk) with `ragkv index demo` — resumable, so a second run only checks it.
 2. Start `ragkv serve` on a free loopback port (CPU + disk tiers, shipped models).
 3. Ask questions through the Python SDK in `full`, `blend` and `focus` mode, streaming each
-   answer with its sources and time to first token, then stop the server.
+   answer with its sources (which search found each: dense, lexical or both, fused by
+   the default hybrid search) and time to first token, then stop the server.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def run_demo(index_dir: Path | None, model_spec: str, max_new_tokens: int, quest
                     print(f"\n          TTFT {stats.ttft_seconds:.2f} s (server), {first or 0:.2f} s (client); "
                           f"recomputed {stats.recompute_fraction:.0%} of chunk tokens; answered over "
                           f"{len(stats.used_chunk_ids)} of {len(stream.chunks)} chunks", file=out)
-                sources = ", ".join(f"{c.metadata.get('source', c.chunk_id)} ({c.score:.2f}, KV from "
+                sources = ", ".join(f"{c.metadata.get('source', c.chunk_id)} ({c.score:.3f}, found by "
+                                    f"{'+'.join(m.value for m in c.found_by) or '-'}, KV from "
                                     f"{c.kv_tier.name.lower() if c.kv_tier else '-'})" for c in stream.chunks)
                 print(f"  sources: {sources}\n", file=out, flush=True)
     finally:

@@ -41,7 +41,11 @@ class FusionConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, FusionMethod):
-            object.__setattr__(self, "method", FusionMethod(self.method))
+            try:
+                object.__setattr__(self, "method", FusionMethod(str(self.method).lower()))
+            except ValueError:
+                allowed = ", ".join(m.value for m in FusionMethod)
+                raise ValueError(f"fusion must be one of {allowed}, got {self.method!r}") from None
         for name in ("dense_weight", "lexical_weight"):
             w = getattr(self, name)
             if not (isinstance(w, (int, float)) and np.isfinite(w) and w >= 0):

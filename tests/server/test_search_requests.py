@@ -129,3 +129,24 @@ def test_validation_of_search_options() -> None:
         validate_retrieve("q", QueryOptions(filters=(MetadataFilter("a", 1),) * 3), limits)
     with pytest.raises(InvalidArgumentError, match="search_mode"):
         validate_retrieve("q", QueryOptions(search_mode="sparse"), limits)  # type: ignore[arg-type]
+
+
+def test_serve_flags_reach_the_retriever(tmp_path: Path) -> None:
+    import argparse
+
+    from ragkv.server.cli import add_serve_parser, settings_from_args
+    from ragkv.server.search_config import retriever_options
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--index", str(tmp_path), "--default-search-mode", "lexical",
+                              "--fusion", "weighted", "--lexical-weight", "2", "--search-candidates", "20"])
+    st = settings_from_args(args, env={})
+    opts = retriever_options(st)
+    assert opts["default_mode"] is SearchMode.LEXICAL and opts["reranker"] is None
+    assert opts["fusion"].method.value == "weighted" and opts["fusion"].lexical_weight == 2.0
+    assert opts["fusion"].candidates == 20
+    with pytest.raises(FileNotFoundError, match="no cross-encoder"):
+        retriever_options(settings_from_args(parser.parse_args(["serve", "--reranker", str(tmp_path)]), env={}))
+    with pytest.raises(ValueError, match="fusion must be one of rrf, weighted, got 'bogus'"):
+        retriever_options(settings_from_args(parser.parse_args(["serve", "--fusion", "bogus"]), env={}))

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -125,6 +125,9 @@ class BlendResult:
         return sum(self.timings.values())
 
 
+PromptSteps = Generator[int, None, BlendResult]  # yields the tokens each layer computed; returns the result
+
+
 def run_prompt(
     lm: LoadedModel,
     prefix: ChunkKV | None,
@@ -134,7 +137,34 @@ def run_prompt(
     options: BlendOptions = BlendOptions(),
     reserve_tokens: int = 256,
 ) -> BlendResult:
-    """Run a prompt in `mode`. For FULL, `prefix` and `chunks` give only their token ids.
+    """Run a prompt in `mode` to its end; see `prompt_steps`."""
+    return drain(prompt_steps(lm, prefix, chunks, question_ids, mode, options, reserve_tokens))
+
+
+def drain(steps: PromptSteps) -> BlendResult:
+    """Run a prompt pass's steps to the end and return its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def prompt_steps(
+    lm: LoadedModel,
+    prefix: ChunkKV | None,
+    chunks: Sequence[ChunkKV],
+    question_ids: Sequence[int] | torch.Tensor,
+    mode: Mode,
+    options: BlendOptions = BlendOptions(),
+    reserve_tokens: int = 256,
+) -> PromptSteps:
+    """Run a prompt in `mode`, one decoder layer per step. For FULL, `prefix` and `chunks`
+    give only their token ids.
+
+    A generator: it yields after each layer (the number of tokens that layer computed), so
+    a scheduler can run other requests' decode steps between the layers of a long prompt
+    pass; it returns the BlendResult. The work and its results are the same as in one go.
 
     Args:
         prefix: the shared prefix's KV (positions 0..P-1); None means no prefix.
@@ -144,7 +174,7 @@ def run_prompt(
     """
     mode = Mode(mode)
     if mode is Mode.FOCUS:
-        return _run_focused(lm, prefix, chunks, question_ids, options, reserve_tokens)
+        return (yield from _focused_steps(lm, prefix, chunks, question_ids, options, reserve_tokens))
     dev, heads, model = lm.device, heads_of(lm), lm.model
     timer = _PhaseTimer(dev)
 
@@ -180,7 +210,7 @@ def run_prompt(
         if options.fallback_full and tokens_for_mass(scores, options.adaptive_mass) > round(
                 options.recompute_ratio * (c - p)):
             del cache  # the guard: this request's attention is too spread for the budget
-            res = run_prompt(lm, prefix, chunks, q_ids, Mode.FULL, options, reserve_tokens)
+            res = yield from prompt_steps(lm, prefix, chunks, q_ids, Mode.FULL, options, reserve_tokens)
             res.timings = {**timer.phases, **res.timings}
             return res
         picked = select_tokens(scores, [ch.num_tokens for ch in chunks], options)
@@ -223,6 +253,7 @@ def run_prompt(
             slots = pos
             attend = plan_attention(pos, n, heads)
         h, _, _ = layer_forward(layer, h, cos, sin, cache, i, slots, attend, heads)
+        yield h.shape[0]
     timer.lap("layers_partial" if check >= 0 else "layers")
 
     logits = model.lm_head(model.model.norm(h[-1:]))[0].float()  # [V]
@@ -231,9 +262,9 @@ def run_prompt(
     return BlendResult(mode, ids, logits, cache, recomputed, n_chunk, timer.phases)
 
 
-def _run_focused(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV],
-                 question_ids: Sequence[int] | torch.Tensor, options: BlendOptions,
-                 reserve_tokens: int) -> BlendResult:
+def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV],
+                   question_ids: Sequence[int] | torch.Tensor, options: BlendOptions,
+                   reserve_tokens: int) -> PromptSteps:
     """FOCUS: score the chunks, then run the prompt over the kept ones."""
     _check_segments(lm, prefix, chunks)
     q_ids = torch.as_tensor(question_ids, dtype=torch.long)  # [Q]
@@ -244,7 +275,8 @@ def _run_focused(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chunk
     kept = pick_chunks(relevance, options.focus_keep)
     timer.lap("focus")
     inner = Mode.REUSE if len(kept) == 1 else Mode.BLEND  # one kept chunk's KV is exact
-    res = run_prompt(lm, prefix, [chunks[i] for i in kept], q_ids, inner, options, reserve_tokens)
+    yield q_ids.numel()  # the scoring pass
+    res = yield from prompt_steps(lm, prefix, [chunks[i] for i in kept], q_ids, inner, options, reserve_tokens)
     res.mode, res.used_chunks = Mode.FOCUS, tuple(kept)
     res.n_chunk_tokens = sum(ch.num_tokens for ch in chunks)
     res.timings = {**timer.phases, **res.timings}

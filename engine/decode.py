@@ -7,15 +7,16 @@ emitted only once it cannot change (no dangling UTF-8, no partial stop string).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ragkv.engine.blend import BlendResult
-from ragkv.engine.forward import heads_of, layer_forward, plan_attention
+from ragkv.engine.forward import attention, heads_of, layer_forward, plan_attention
+from ragkv.engine.kv import KVCache
 from ragkv.engine.loading import LoadedModel
-from ragkv.engine.rope import rotary_tables
+from ragkv.engine.rope import apply_rope, rotary_tables
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,22 +74,34 @@ class DecodeStream(Iterator[str]):
 
     @torch.inference_mode()
     def _step(self) -> str:
+        piece, token = self.advance()
+        if token is not None:
+            self.logits = self._forward(token)
+        return piece
+
+    def advance(self) -> tuple[str, int | None]:
+        """Pick the next token from the current logits.
+
+        Returns:
+            The text that became final, and the token to run the model on next (None when
+            generation has finished: then `finish_reason` says why). The caller sets
+            `logits` from that forward step, alone (`_step`) or batched (`decode_batch`).
+        """
         token = self._pick(self.logits)
         if token in self._eos:
             self.finish_reason = "eos"
-            return self._flush()
+            return self._flush(), None
         self.token_ids.append(token)
         self._text = self.lm.tokenizer.decode(self.token_ids, skip_special_tokens=True)
         stop_at = self._find_stop()
         if stop_at is not None:
             self._text = self._text[:stop_at]
             self.finish_reason = "stop"
-            return self._flush()
+            return self._flush(), None
         if len(self.token_ids) >= self.params.max_new_tokens:
             self.finish_reason = "length"
-            return self._flush()
-        self.logits = self._forward(token)
-        return self._ready_piece()
+            return self._flush(), None
+        return self._ready_piece(), token
 
     def _pick(self, logits: torch.Tensor) -> int:
         p = self.params
@@ -144,3 +157,49 @@ class DecodeStream(Iterator[str]):
         self._emitted = len(self._text)
         return piece
 
+
+
+@torch.inference_mode()
+def decode_batch(lm: LoadedModel, caches: Sequence[KVCache], tokens: Sequence[int]) -> torch.Tensor:
+    """One decode step for B sequences with caches of different lengths (ragged batching).
+
+    The projections, MLPs and the LM head run once over all B rows, so the weights are
+    read once per step for the whole batch; attention runs per sequence over its own
+    cache (no padding). Each cache gets its token's K/V at its own length, and grows by 1.
+
+    Args:
+        caches: each sequence's cache, `length` = the tokens it holds.
+        tokens: the token each sequence feeds next.
+
+    Returns:
+        [B, V] float32 next-token logits.
+    """
+    if len(caches) != len(tokens) or not caches:
+        raise ValueError(f"decode_batch needs one token per cache, got {len(tokens)} for {len(caches)}")
+    model, dev, heads = lm.model, lm.device, heads_of(lm)
+    b = len(caches)
+    lens = [c.length for c in caches]
+    for c, n in zip(caches, lens):
+        c.ensure(n + 1)
+    pos = torch.tensor(lens, device=dev)  # [B]
+    cos, sin = rotary_tables(model, pos, torch.empty(0, dtype=lm.dtype, device=dev))  # [B, D]
+    plans = [plan_attention(pos[j:j + 1], n + 1, heads) for j, n in enumerate(lens)]
+    h = model.model.embed_tokens(torch.tensor(list(tokens), device=dev))  # [B, hidden]
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = attn.q_proj(x).view(b, heads.num_heads, heads.head_dim).transpose(0, 1)  # [H, B, D]
+        k = attn.k_proj(x).view(b, heads.num_kv_heads, heads.head_dim).transpose(0, 1)  # [Hkv, B, D]
+        v = attn.v_proj(x).view(b, heads.num_kv_heads, heads.head_dim).transpose(0, 1)  # [Hkv, B, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        outs = []
+        for j, (cache, n) in enumerate(zip(caches, lens)):
+            k_cache, v_cache = cache.k[i], cache.v[i]  # [Hkv, cap, D]
+            k_cache[:, n:n + 1], v_cache[:, n:n + 1] = k[:, j:j + 1], v[:, j:j + 1]
+            outs.append(attention(q[:, j:j + 1], k_cache, v_cache, plans[j][0], heads))  # [H, 1, D]
+        out = torch.cat(outs, 1).transpose(0, 1).reshape(b, heads.num_heads * heads.head_dim)  # [B, H*D]
+        h = h + attn.o_proj(out)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    for c, n in zip(caches, lens):
+        c.length = n + 1
+    return model.lm_head(model.model.norm(h)).float()  # [B, V]

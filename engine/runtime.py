@@ -1,6 +1,6 @@
 """Engine: one loaded model and the operations the indexer and server call.
 
-Not thread-safe: run one request at a time per Engine (the server serializes).
+Not thread-safe: one thread runs an Engine (the server's scheduler thread, engine.scheduler).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from ragkv.types import Mode
-from ragkv.engine.blend import BlendOptions, BlendResult, run_prompt
+from ragkv.engine.blend import BlendOptions, BlendResult, PromptSteps, drain, prompt_steps, run_prompt
 from ragkv.engine.decode import DecodeStream, SamplingParams
 from ragkv.engine.kv import ChunkKV
 from ragkv.engine.loading import LoadedModel
@@ -93,8 +93,14 @@ class Engine:
         """Whether `mode` reads the chunks' cached KV (FULL and PREFIX recompute every chunk token)."""
         return Mode(mode) in _CHUNK_KV_MODES
 
+    def run(self, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]], chunks: Sequence[ChunkKV] | None,
+            question_ids: Sequence[int], mode: Mode, options: BlendOptions | None = None,
+            reserve_tokens: int = 256) -> BlendResult:
+        """`run_steps` to its end."""
+        return drain(self.run_steps(prefix_ids, chunk_ids, chunks, question_ids, mode, options, reserve_tokens))
+
     @torch.inference_mode()
-    def run(
+    def run_steps(
         self,
         prefix_ids: Sequence[int],
         chunk_ids: Sequence[Sequence[int]],
@@ -103,8 +109,11 @@ class Engine:
         mode: Mode,
         options: BlendOptions | None = None,
         reserve_tokens: int = 256,
-    ) -> BlendResult:
+    ) -> PromptSteps:
         """Run `[prefix][chunks][question]` in any mode; the one entry point for serving.
+
+        A generator that yields between decoder layers (`engine.blend.prompt_steps`), so the
+        scheduler can interleave other requests' decode steps; it returns the BlendResult.
 
         Args:
             prefix_ids: the shared prefix the chunks' KV was computed after.
@@ -119,17 +128,17 @@ class Engine:
         mode, opts = Mode(mode), options or BlendOptions()
         if mode is Mode.FULL:
             ids = [*prefix_ids, *(t for ids in chunk_ids for t in ids), *question_ids]
-            return self.full_prefill(ids, reserve_tokens)
+            return (yield from prompt_steps(self.lm, None, [], ids, Mode.FULL, reserve_tokens=reserve_tokens))
         prefix = self.prefix_kv(prefix_ids)
         if mode is Mode.PREFIX:  # every chunk token is recomputed: its KV is never read
-            res = self.blend(prefix, [placeholder_kv(ids, len(prefix_ids), self.lm) for ids in chunk_ids],
-                             question_ids, mode=mode, options=opts, reserve_tokens=reserve_tokens)
+            placeholders = [placeholder_kv(ids, len(prefix_ids), self.lm) for ids in chunk_ids]
+            res = yield from prompt_steps(self.lm, prefix, placeholders, question_ids, mode, opts, reserve_tokens)
             res.cached_tokens = len(prefix_ids)
             return res
         if chunks is None or len(chunks) != len(chunk_ids):
             raise ValueError(f"mode {mode.value} reads each chunk's KV: got "
                              f"{'none' if chunks is None else len(chunks)} for {len(chunk_ids)} chunks")
-        res = self.blend(prefix, chunks, question_ids, mode=mode, options=opts, reserve_tokens=reserve_tokens)
+        res = yield from prompt_steps(self.lm, prefix, chunks, question_ids, mode, opts, reserve_tokens)
         used = res.used_chunks if res.used_chunks is not None else range(len(chunks))
         res.cached_tokens = len(prefix_ids) + sum(chunks[i].num_tokens for i in used if not chunks[i].fresh)
         return res

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ragkv.v1 import ragkv_pb2 as pb
 from ragkv.v1 import ragkv_pb2_grpc as pb_grpc
+from ragkv.engine.scheduler import Scheduler, SchedulerConfig
 from ragkv.server.admission import Admission
 from ragkv.server.auth import BearerTokenInterceptor, read_token
 from ragkv.server.backend import QueryBackend
@@ -57,14 +58,16 @@ class RagServer:
         self._factory = backend_factory
         self._admission = Admission(settings.max_queue, self.metrics.queue_depth.set)
         self._retrieve_pool = ThreadPoolExecutor(settings.retrieve_workers, thread_name_prefix="ragkv-retrieve")
-        # The engine is not thread-safe: exactly one thread runs answers.
-        self._engine_pool = ThreadPoolExecutor(1, thread_name_prefix="ragkv-engine")
+        # The engine is not thread-safe: one scheduler thread runs every answer, batched.
+        self._scheduler = Scheduler(SchedulerConfig(settings.kv_budget_bytes, settings.max_batch,
+                                                    settings.prompt_slice_s))
+        self.metrics.watch_scheduler(self._scheduler.stats)
         self.service = RagService(
             limits=settings.limits(),
             admission=self._admission,
             metrics=self.metrics,
             retrieve_pool=self._retrieve_pool,
-            engine_pool=self._engine_pool,
+            scheduler=self._scheduler,
         )
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
@@ -160,7 +163,7 @@ class RagServer:
             self._load_task.cancel()
         self.metrics.close()
         self._retrieve_pool.shutdown(wait=False, cancel_futures=True)
-        self._engine_pool.shutdown(wait=False, cancel_futures=True)
+        self._scheduler.close(timeout=5.0)
         self._stopped.set()
 
     async def wait_stopped(self) -> None:

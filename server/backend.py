@@ -7,7 +7,9 @@ imports torch, FAISS or gRPC.
 
 Threading contract: `collections`, `collection_stats`, `retrieve` and `prepare` may
 run on any worker thread, concurrently with `answer`; `answer` runs on the single
-engine thread, one request at a time.
+scheduler thread (engine.scheduler), which interleaves the answers of many requests:
+an answer yields `int` steps of prompt work and `engine.scheduler.Decode` to have its
+decode batched with the others.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class PreparedQuery:
     chunks: tuple[RetrievedChunk, ...]  # retrieved, best first (kv_tier not known yet)
     phase_seconds: Mapping[str, float]  # phases done so far (retrieve, ...)
     state: object = None  # backend-private (prefetch handles, hits)
+    kv_bytes: int = 0  # KV cache bytes the answer holds at most (admission by memory)
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,6 +45,37 @@ class ServerMetrics:
         self.bytes_loaded = Counter("ragkv_kv_bytes_loaded", "KV bytes loaded per tier.", ["tier"], registry=r)
         self.queue_depth = Gauge("ragkv_queue_depth", "Queries admitted and not finished.", registry=r)
         self.errors = Counter("ragkv_rpc_errors", "RPCs that ended with a non-OK status.", ["method", "code"], registry=r)
+        # the scheduler (engine.scheduler): batching and throughput
+        self.requests_running = Gauge("ragkv_requests_running", "Queries in a prompt pass or decoding.", registry=r)
+        self.requests_waiting = Gauge("ragkv_requests_waiting", "Queries admitted, not started.", registry=r)
+        self.batch_size = Histogram("ragkv_decode_batch_size", "Queries decoded together in one step.",
+                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), registry=r)
+        self.time_per_output_token = Histogram(
+            "ragkv_time_per_output_token_seconds", "Seconds of one batched decode step.",
+            buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0), registry=r)
+        self.generation_tokens = Counter("ragkv_generation_tokens", "Tokens generated (exported as _total).",
+                                         registry=r)
+        self.prompt_tokens = Counter("ragkv_prompt_tokens", "Prompt tokens, by whether their KV came from a cache "
+                                     "(exported as _total).", ["cached"], registry=r)
+        self.requests = Counter("ragkv_requests", "Query RPCs by final status code (exported as _total).",
+                                ["code"], registry=r)
+
+    def observe_step(self, batch: int, seconds: float) -> None:
+        """One batched decode step (engine.scheduler's hook)."""
+        self.batch_size.observe(batch)
+        self.time_per_output_token.observe(seconds)
+
+    def watch_scheduler(self, stats) -> None:  # noqa: ANN001 - engine.scheduler.SchedulerStats
+        """Read the running/waiting gauges from the scheduler and take its step hook."""
+        self.requests_running.set_function(lambda: stats.running)
+        self.requests_waiting.set_function(lambda: stats.waiting)
+        stats.on_step.append(self.observe_step)
+
+    def observe_usage(self, prompt_tokens: int, cached_prompt_tokens: int, completion_tokens: int) -> None:
+        """Token counts of one finished answer."""
+        self.prompt_tokens.labels("true").inc(cached_prompt_tokens)
+        self.prompt_tokens.labels("false").inc(prompt_tokens - cached_prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
 
     def observe_chunks(self, chunks: tuple[RetrievedChunk, ...]) -> None:
         """Count tier hits and misses of one request's chunk KVs."""

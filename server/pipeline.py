@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ragkv.engine import BlendOptions, ChunkKV, Engine, LoadedModel, SamplingParams, load_model
+from ragkv.engine.scheduler import Decode
 from ragkv.indexer.kv_bridge import chunk_kv_to_entry, entry_to_chunk_kv
 from ragkv.kvstore import ChunkKey, LayerGate, PrefetchHandle, PrefixHash, StoreConfig, TieredStore, hash_prefix
 from ragkv.errors import IndexMismatchError, KVFormatError, StoreError
@@ -203,9 +204,14 @@ class Pipeline:
             for h in hits
         )
         plan = _Plan(c, tuple(tuple(h.token_ids) for h in hits), kv_keys, handles)
-        return PreparedQuery(params, chunks, {"retrieve": retrieved - started}, plan)
+        lm = self.lm
+        max_tokens = (len(c.prefix_ids) + sum(len(h.token_ids) for h in hits) + len(params.question) // 2 + 64
+                      + params.max_new_tokens)  # a question takes fewer tokens than chars/2, plus the template
+        kv_bytes = max_tokens * 2 * lm.num_layers * lm.num_kv_heads * lm.head_dim * lm.dtype.itemsize
+        return PreparedQuery(params, chunks, {"retrieve": retrieved - started}, plan, kv_bytes)
 
-    def _wait(self, handle: PrefetchHandle, cancel: threading.Event):  # -> kvstore.Hit | None
+    def _wait(self, handle: PrefetchHandle, cancel: threading.Event):  # -> Generator[int, None, kvstore.Hit | None]
+        """A prefetch's hit; yields 0 between short waits, so the scheduler decodes meanwhile."""
         deadline = time.monotonic() + _KV_WAIT_LIMIT
         while True:
             try:
@@ -213,12 +219,13 @@ class Pipeline:
             except concurrent.futures.TimeoutError:
                 if cancel.is_set():
                     return None
+                yield 0
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"KV load of {handle.key} took over {_KV_WAIT_LIMIT:.0f} s") from None
 
     def _load_chunks(
         self, prepared: PreparedQuery, plan: _Plan, cancel: threading.Event, phases: dict[str, float]
-    ) -> tuple[list[ChunkKV], list[Tier], dict[Tier, int]] | None:
+    ):  # -> Generator[int, None, tuple[list[ChunkKV], list[Tier], dict[Tier, int]] | None]
         """Each chunk's KV from its tier, or computed and written back; None if cancelled."""
         lm, c = self.lm, plan.collection
         kvs: list[ChunkKV] = []
@@ -227,7 +234,7 @@ class Pipeline:
         wait_s = compute_s = 0.0
         for ids, key, handle in zip(plan.token_ids, plan.kv_keys, plan.handles or ()):
             t0 = time.perf_counter()
-            hit = self._wait(handle, cancel)
+            hit = yield from self._wait(handle, cancel)
             wait_s += time.perf_counter() - t0
             if cancel.is_set():
                 return None
@@ -277,7 +284,7 @@ class Pipeline:
         phases: dict[str, float] = {}
         loaded: dict[Tier, int] = {}
         if engine.reads_chunk_kv(params.mode):
-            result = self._load_chunks(prepared, plan, cancel, phases)
+            result = yield from self._load_chunks(prepared, plan, cancel, phases)
             if result is None:
                 return
             kvs, tiers, loaded = result
@@ -291,14 +298,14 @@ class Pipeline:
         options = BlendOptions(recompute_ratio=params.recompute_ratio, focus_keep=self._focus_keep)
         t0 = time.perf_counter()
 
-        def run(kvs: list[ChunkKV] | None):  # -> engine.BlendResult
-            return engine.run(c.prefix_ids, plan.token_ids, kvs, question_ids, params.mode, options,
+        def run(kvs: list[ChunkKV] | None):  # -> engine.blend.PromptSteps
+            return engine.run_steps(c.prefix_ids, plan.token_ids, kvs, question_ids, params.mode, options,
                               reserve_tokens=params.max_new_tokens)
 
         try:
-            res = run(kvs)
+            res = yield from run(kvs)
         except (KVFormatError, StoreError) as exc:  # a layered read failed mid-prompt
-            res = run(self._recompute_failed(c, plan, kvs or [], tiers, exc))
+            res = yield from run(self._recompute_failed(c, plan, kvs or [], tiers, exc))
         phases["prompt"] = time.perf_counter() - t0
         phases.update({f"prompt.{k}": v for k, v in res.timings.items()})
 
@@ -307,10 +314,7 @@ class Pipeline:
             seed=params.seed, stop=params.stop,
         ))
         t0 = time.perf_counter()
-        for piece in stream:
-            yield TokenEvent(piece)
-            if cancel.is_set():
-                return
+        yield Decode(stream, TokenEvent)  # the scheduler decodes it, batched with the others
         phases["decode"] = time.perf_counter() - t0
 
         used = res.used_chunks if res.used_chunks is not None else range(len(prepared.chunks))

@@ -1,11 +1,12 @@
 """RagService: the grpc.aio servicer. Validation, queueing, streaming, cancellation.
 
 Model work never runs on the event loop: `prepare` (retrieval, KV prefetch start)
-runs on the retrieval pool and `answer` on the single engine thread, which hands
-events back through `loop.call_soon_threadsafe`. The loop stays free to answer
-health checks, reject bad or excess requests, and notice cancelled clients; a
-cancelled or timed-out request sets its cancel flag, and the engine thread drops
-it before its next piece.
+runs on the retrieval pool and `answer` on the engine's scheduler thread, which runs
+many answers at once (their decode steps batched) and hands events back through
+`loop.call_soon_threadsafe`. The loop stays free to answer health checks, reject bad
+or excess requests, and notice cancelled clients; a cancelled or timed-out request
+sets its cancel flag, and the scheduler drops it (and frees its cache) at its next
+iteration.
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import Executor
-from dataclasses import dataclass
 
 import grpc
 import grpc.aio
@@ -25,6 +25,7 @@ from ragkv import convert
 from ragkv.types import QueryStats, RetrievedChunk, RetrieveResult, Usage
 from ragkv.v1 import ragkv_pb2 as pb
 from ragkv.v1 import ragkv_pb2_grpc as pb_grpc
+from ragkv.engine.scheduler import END, Scheduler, Started
 from ragkv.server.admission import Admission
 from ragkv.server.backend import ChunksEvent, DoneEvent, PreparedQuery, QueryBackend, TokenEvent
 from ragkv.server.metrics import ServerMetrics
@@ -32,43 +33,6 @@ from ragkv.server.status import NotServingError, status_for
 from ragkv.server.validation import RequestLimits, validate_query, validate_retrieve
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class _Started:
-    """The engine thread picked the request up."""
-
-    at: float  # time.perf_counter() seconds
-
-
-_END = object()  # the engine thread is done with the request
-
-
-def _drive(
-    backend: QueryBackend,
-    prepared: PreparedQuery,
-    cancel: threading.Event,
-    deadline: float | None,
-    emit: Callable[[object], None],
-) -> None:
-    """Run one answer on the engine thread, handing each event to the loop."""
-    try:
-        if cancel.is_set():
-            return
-        emit(_Started(time.perf_counter()))
-        events = backend.answer(prepared, cancel)
-        try:
-            for event in events:
-                if cancel.is_set() or (deadline is not None and time.monotonic() > deadline):
-                    cancel.set()
-                    return
-                emit(event)
-        finally:
-            events.close()
-    except Exception as exc:  # handed to the loop, which maps it to a status
-        emit(exc)
-    finally:
-        emit(_END)
 
 
 class RagService(pb_grpc.RagServiceServicer):
@@ -79,7 +43,7 @@ class RagService(pb_grpc.RagServiceServicer):
         admission: Queue slots and in-flight count.
         metrics: Where to record latencies, tiers and errors.
         retrieve_pool: Runs retrieval and KV prefetch starts.
-        engine_pool: A single-thread executor for `answer`.
+        scheduler: Runs every `answer`, batching their decode steps (engine.scheduler).
     """
 
     def __init__(
@@ -89,13 +53,13 @@ class RagService(pb_grpc.RagServiceServicer):
         admission: Admission,
         metrics: ServerMetrics,
         retrieve_pool: Executor,
-        engine_pool: Executor,
+        scheduler: Scheduler,
     ) -> None:
         self._limits = limits
         self._admission = admission
         self._metrics = metrics
         self._retrieve_pool = retrieve_pool
-        self._engine_pool = engine_pool
+        self._scheduler = scheduler
         self.backend: QueryBackend | None = None  # set once indexes and model are loaded
 
     def _ready_backend(self) -> QueryBackend:
@@ -106,6 +70,8 @@ class RagService(pb_grpc.RagServiceServicer):
     async def _fail(self, context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
         code, message = status_for(exc)
         self._metrics.errors.labels(method, code.name).inc()
+        if method == "Query":
+            self._metrics.requests.labels(code.name).inc()
         if code is grpc.StatusCode.INTERNAL:
             log.error("%s failed", method, exc_info=exc)
         await context.abort(code, message)
@@ -134,16 +100,16 @@ class RagService(pb_grpc.RagServiceServicer):
 
                     remaining = context.time_remaining()
                     deadline = None if remaining is None else time.monotonic() + remaining
-                    loop.run_in_executor(self._engine_pool, _drive, backend, prepared, cancel, deadline, emit)
+                    self._scheduler.submit(backend.answer(prepared, cancel), emit, cancel, deadline, prepared.kv_bytes)
                     phases = dict(prepared.phase_seconds)
                     chunks: tuple[RetrievedChunk, ...] | None = None
                     pieces: list[str] = []
                     first_token_at: float | None = None
                     done: DoneEvent | None = None
-                    while (event := await events.get()) is not _END:
+                    while (event := await events.get()) is not END:
                         if isinstance(event, Exception):
                             raise event
-                        if isinstance(event, _Started):
+                        if isinstance(event, Started):
                             phases["queue"] = event.at - prepared_at
                         elif isinstance(event, ChunksEvent):
                             chunks = event.chunks
@@ -182,6 +148,8 @@ class RagService(pb_grpc.RagServiceServicer):
                         done.bytes_loaded,
                     )
                     self._metrics.e2e.labels("Query").observe(finished - arrived)
+                    self._metrics.observe_usage(done.prompt_tokens, done.cached_prompt_tokens, done.completion_tokens)
+                    self._metrics.requests.labels(grpc.StatusCode.OK.name).inc()
                     yield convert.stats_response(stats)
         except asyncio.CancelledError:
             cancel.set()

@@ -76,6 +76,9 @@ class ServerSettings:
     device: str = "auto"  # torch device for the engine; auto = cuda when torch sees a GPU, else cpu
     dtype: DType = DType.AUTO  # model and KV dtype; auto = bfloat16 on cuda, float32 on cpu
     max_queue: int = 16  # Queries admitted at once (decoding + waiting)
+    kv_budget_bytes: int = 4 * 1024**3  # KV cache bytes of all Queries in flight (engine.scheduler)
+    max_batch: int = 16  # Queries decoding in one batched step at most
+    prompt_slice_s: float = 0.05  # seconds of prompt work between two decode steps
     retrieve_workers: int = 1  # threads for retrieval and KV prefetch starts
     grace_seconds: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
     auth_token_file: Path | None = None  # bearer token file; else $RAGKV_AUTH_TOKEN; else no auth
@@ -111,6 +114,9 @@ class ServerSettings:
                 raise ValueError(f"{name} must be in [0, 65535], got {value}")
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if self.kv_budget_bytes < 1 or self.max_batch < 1 or self.prompt_slice_s <= 0:
+            raise ValueError(f"kv_budget_bytes, max_batch and prompt_slice_s must be > 0, got "
+                             f"{self.kv_budget_bytes}, {self.max_batch}, {self.prompt_slice_s}")
         if self.retrieve_workers < 1:
             raise ValueError(f"retrieve_workers must be >= 1, got {self.retrieve_workers}")
         if not 0.0 < self.focus_keep <= 1.0:

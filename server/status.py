@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import grpc
 
+from ragkv.engine.scheduler import SchedulerFullError
 from ragkv.convert import WireValueError
 from ragkv.errors import (
     IndexMismatchError,
@@ -51,6 +52,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (IndexMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
     (UnsupportedModelError, grpc.StatusCode.FAILED_PRECONDITION),
     (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (SchedulerFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (NotServingError, grpc.StatusCode.UNAVAILABLE),
     (StoreError, grpc.StatusCode.UNAVAILABLE),
     (KVFormatError, grpc.StatusCode.DATA_LOSS),

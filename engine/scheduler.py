@@ -1,0 +1,271 @@
+"""The scheduler: one thread owns every admitted request and runs them in iterations.
+
+Each iteration:
+1. drops requests whose client cancelled or whose deadline passed (their generator is
+   closed, their cache freed with it);
+2. runs prompt work of admitted requests, one decoder layer per step
+   (`engine.blend.prompt_steps`), for at most `prompt_slice_s` seconds while others are
+   decoding (a prompt pass with nobody decoding runs to its end);
+3. runs one batched decode step (`engine.decode.decode_batch`) for every request that is
+   decoding: the weights are read once per step for all of them.
+
+A request is a job: a generator (the server's answer) that yields
+- an `int`: one step of prompt work done (the scheduler may switch to other work here);
+- `Decode(stream, wrap)`: the prompt is ready; the scheduler decodes `stream` in batches,
+  emitting `wrap(piece)` for each text piece, and resumes the job when the stream ends;
+- anything else: an event handed to the job's `emit`.
+An exception raised by a job is handed to `emit` too; `emit(END)` always comes last.
+
+Admission counts KV bytes in flight as well as requests: `submit` refuses, with
+`SchedulerFullError`, a request whose cache would take the total past `kv_budget_bytes`.
+Sampling is per request (each stream has its own generator); greedy decoding gives the
+same tokens in a batch as alone (tests/engine/test_scheduler.py).
+
+Knows nothing of gRPC or storage: token ids, tensors and callbacks.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ragkv.engine.decode import DecodeStream, decode_batch
+from ragkv.errors import RagKVError
+
+log = logging.getLogger(__name__)
+
+END = object()  # the last thing a job's `emit` receives
+
+
+class SchedulerFullError(RagKVError):
+    """A request would take the scheduler past its KV-memory or request budget."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decode:
+    """Yielded by a job once its prompt is ready: decode `stream`, batched with the others."""
+
+    stream: DecodeStream  # the request's decode state (cache, sampling, detokenizer)
+    wrap: Callable[[str], object]  # a text piece -> the event the job's emit takes
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """Emitted when the scheduler first runs a job."""
+
+    at: float  # time.perf_counter() seconds
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Budgets of the scheduler."""
+
+    kv_budget_bytes: int = 8 << 30  # KV cache bytes of all requests in flight
+    max_batch: int = 32  # requests decoding in one step at most
+    prompt_slice_s: float = 0.05  # seconds of prompt work between two decode steps
+
+    def __post_init__(self) -> None:
+        if self.kv_budget_bytes < 1 or self.max_batch < 1 or self.prompt_slice_s <= 0:
+            raise ValueError(f"scheduler budgets must be positive, got {self}")
+
+
+@dataclass(slots=True)
+class _Job:
+    gen: Generator[Any, None, None]  # the request's answer
+    emit: Callable[[object], None]  # where its events go
+    cancel: threading.Event  # set by the client side; checked every iteration
+    deadline: float | None  # time.monotonic() seconds; None = none
+    kv_bytes: int  # admitted KV bytes
+    decode: Decode | None = None  # set once the job decodes
+    started: bool = False
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Counters the server's metrics read (written by the scheduler thread only)."""
+
+    running: int = 0  # requests admitted and in a prompt pass or decoding
+    waiting: int = 0  # submitted, not run yet
+    kv_bytes: int = 0  # KV bytes admitted in flight
+    steps: int = 0  # decode steps run
+    on_step: list[Callable[[int, float], None]] = field(default_factory=list)  # (batch size, seconds)
+
+
+class Scheduler:
+    """Runs jobs on one thread in iterations (see the module docstring)."""
+
+    def __init__(self, config: SchedulerConfig = SchedulerConfig()) -> None:
+        self.config = config
+        self.stats = SchedulerStats()
+        self._lock = threading.Condition()
+        self._incoming: collections.deque[_Job] = collections.deque()
+        self._kv_bytes = 0  # admitted, under _lock
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="ragkv-scheduler", daemon=True)
+        self._thread.start()
+
+    def submit(self, gen: Generator[Any, None, None], emit: Callable[[object], None], cancel: threading.Event,
+               deadline: float | None = None, kv_bytes: int = 0) -> None:
+        """Admit a job, or raise SchedulerFullError naming the budget it would exceed."""
+        budget = self.config.kv_budget_bytes
+        with self._lock:
+            if self._stopping:
+                gen.close()
+                raise SchedulerFullError("the scheduler is stopping: no new requests")
+            if kv_bytes > budget:
+                gen.close()
+                raise SchedulerFullError(
+                    f"this request needs {kv_bytes / 2**20:.0f} MiB of KV cache, more than the whole "
+                    f"budget of {budget / 2**20:.0f} MiB (--kv-budget-bytes): ask for fewer chunks or tokens")
+            if self._kv_bytes + kv_bytes > budget:
+                gen.close()
+                raise SchedulerFullError(
+                    f"KV memory budget full: {self._kv_bytes / 2**20:.0f} MiB of {budget / 2**20:.0f} MiB "
+                    f"(--kv-budget-bytes) in flight, this request needs {kv_bytes / 2**20:.0f} MiB: retry later")
+            self._kv_bytes += kv_bytes
+            self._incoming.append(_Job(gen, emit, cancel, deadline, kv_bytes))
+            self.stats.waiting = len(self._incoming)
+            self._lock.notify()
+
+    def close(self, timeout: float | None = 5.0) -> None:
+        """Stop after the current iteration; jobs still running are closed (their emit gets END)."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        self._thread.join(timeout)
+
+    # ---- the loop (scheduler thread only)
+
+    def _loop(self) -> None:
+        prompting: collections.deque[_Job] = collections.deque()
+        decoding: list[_Job] = []
+        while True:
+            with self._lock:
+                while not (self._incoming or prompting or decoding or self._stopping):
+                    self._lock.wait()
+                if self._stopping:
+                    leftover = [*self._incoming, *prompting, *decoding]
+                    self._incoming.clear()
+                    break
+                prompting.extend(self._incoming)
+                self._incoming.clear()
+                self.stats.waiting = 0
+            prompting = collections.deque(j for j in prompting if self._alive(j))
+            decoding = [j for j in decoding if self._alive(j)]
+            self._prompt_work(prompting, decoding)
+            if decoding:
+                self._decode_step(decoding)
+            self.stats.running = len(prompting) + len(decoding)
+        for job in leftover:
+            self._end(job)
+
+    def _alive(self, job: _Job) -> bool:
+        if job.cancel.is_set() or (job.deadline is not None and time.monotonic() > job.deadline):
+            job.cancel.set()
+            self._end(job)
+            return False
+        return True
+
+    def _prompt_work(self, prompting: collections.deque[_Job], decoding: list[_Job]) -> None:
+        """Advance prompt passes, oldest first, until the slice is spent (while nobody decodes and
+        nobody new waits, the slice does not end)."""
+        t0 = time.perf_counter()
+        while prompting and len(decoding) < self.config.max_batch:
+            if (decoding or self._incoming) and time.perf_counter() - t0 >= self.config.prompt_slice_s:
+                return
+            job = prompting[0]
+            if not self._alive(job):
+                prompting.popleft()
+                continue
+            if not job.started:
+                job.started = True
+                job.emit(Started(time.perf_counter()))
+            item = self._resume(job)
+            if item is None or job.decode is not None:  # ended, or ready to decode
+                prompting.popleft()
+                if job.decode is not None:
+                    decoding.append(job)
+
+    def _resume(self, job: _Job) -> object | None:
+        """Run the job to its next step; returns None once it has ended (END emitted)."""
+        try:
+            while True:
+                item = next(job.gen)
+                if isinstance(item, int):
+                    return item
+                if isinstance(item, Decode):
+                    job.decode = item
+                    return item
+                job.emit(item)
+        except StopIteration:
+            self._end(job)
+        except Exception as exc:  # handed to the job's owner, which maps it to a status
+            job.emit(exc)
+            self._end(job)
+        return None
+
+    def _decode_step(self, decoding: list[_Job]) -> None:
+        """Pick each decoding request's next token, then one batched forward for those that go on."""
+        t0 = time.perf_counter()
+        live: list[_Job] = []
+        tokens: list[int] = []
+        for job in list(decoding):
+            stream = job.decode.stream
+            try:
+                piece, token = stream.advance()
+            except Exception as exc:
+                job.emit(exc)
+                decoding.remove(job)
+                self._end(job)
+                continue
+            if piece:
+                job.emit(job.decode.wrap(piece))
+            if token is None:  # finished: the job reports its end
+                decoding.remove(job)
+                job.decode = None
+                self._finish(job)
+            else:
+                live.append(job)
+                tokens.append(token)
+        if not live:
+            return
+        streams = [j.decode.stream for j in live]
+        try:
+            logits = decode_batch(streams[0].lm, [s.cache for s in streams], tokens)  # [B, V]
+        except Exception as exc:  # a bug or out of memory: every request of the step fails
+            for job in live:
+                job.emit(exc)
+                decoding.remove(job)
+                self._end(job)
+            return
+        for j, stream in enumerate(streams):
+            stream.logits = logits[j]
+        st = self.stats
+        st.steps += 1
+        dt = time.perf_counter() - t0
+        for hook in st.on_step:
+            hook(len(live), dt)
+
+    def _finish(self, job: _Job) -> None:
+        """Resume a job whose stream ended, so it emits its last events, then end it."""
+        try:
+            for item in job.gen:
+                if not isinstance(item, int):
+                    job.emit(item)
+        except Exception as exc:
+            job.emit(exc)
+        self._end(job)
+
+    def _end(self, job: _Job) -> None:
+        job.gen.close()
+        job.decode = None  # the cache goes with the stream
+        with self._lock:
+            self._kv_bytes -= job.kv_bytes
+            job.kv_bytes = 0
+        self.stats.kv_bytes = self._kv_bytes
+        job.emit(END)

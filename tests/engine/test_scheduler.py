@@ -1,0 +1,232 @@
+"""The scheduler: batched decode gives each request the tokens it gets alone; budgets,
+cancellation and prompt slicing."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from ragkv.engine import Engine, SamplingParams, load_model
+from ragkv.engine.scheduler import END, Decode, Scheduler, SchedulerConfig, SchedulerFullError, Started
+from ragkv.engine.testing import tiny_model_dir
+from ragkv.types import Mode
+
+PASSAGES = [
+    "The observatory on Mount Kerr was built in 1931 by the astronomer Ada Lind.",
+    "Its main telescope has a mirror of 2.4 metres and is still used for surveys.",
+    "The village below the mountain grows apples and holds a cider fair every October.",
+    "A cable car to the summit opened in 1978; it carries forty people per cabin.",
+]
+# (mode, chunks used, question, max_new_tokens): mixed modes and prompt lengths
+REQUESTS = [
+    (Mode.FULL, 4, "Who built the observatory on Mount Kerr?", 14),
+    (Mode.BLEND, 3, "How large is the telescope mirror?", 9),
+    (Mode.REUSE, 2, "What does the village grow?", 17),
+    (Mode.FOCUS, 4, "When did the cable car open?", 11),
+]
+
+
+class _Piece(str):
+    """A decoded text piece, as the job wraps it (apart from the job's other events)."""
+
+
+class _Sink:
+    """A job's emit: records events, and when END came."""
+
+    def __init__(self) -> None:
+        self.events: list[object] = []
+        self.ended = threading.Event()
+
+    def __call__(self, event: object) -> None:
+        if event is END:
+            self.ended.set()
+        else:
+            self.events.append(event)
+
+    @property
+    def pieces(self) -> list[str]:
+        return [e for e in self.events if isinstance(e, _Piece)]
+
+
+def _job(engine: Engine, mode: Mode, n_chunks: int, question: str, max_new: int, out: dict):
+    """A server-like answer: the prompt pass in steps, then Decode; records the stream."""
+    prefix_ids = engine.prompt.prefix_ids()
+    chunk_ids = [engine.prompt.chunk_ids(p) for p in PASSAGES[:n_chunks]]
+    kvs = [engine.prefill_chunk(prefix_ids, ids) for ids in chunk_ids]
+    res = yield from engine.run_steps(prefix_ids, chunk_ids, kvs, engine.prompt.question_ids(question), mode,
+                                      reserve_tokens=max_new)
+    stream = engine.decode(res, SamplingParams(max_new_tokens=max_new))
+    out["stream"] = stream
+    yield Decode(stream, _Piece)
+    yield "done"
+
+
+def _alone(engine: Engine) -> list[list[int]]:
+    outs = []
+    for mode, n, q, m in REQUESTS:
+        out: dict = {}
+        sched = Scheduler()
+        sink = _Sink()
+        sched.submit(_job(engine, mode, n, q, m, out), sink, threading.Event())
+        assert sink.ended.wait(120)
+        sched.close()
+        outs.append(out["stream"].token_ids)
+    return outs
+
+
+def _together(engine: Engine, slice_s: float = 0.05) -> tuple[list[list[int]], list[_Sink], Scheduler]:
+    sched = Scheduler(SchedulerConfig(prompt_slice_s=slice_s))
+    sinks, outs = [], []
+    for mode, n, q, m in REQUESTS:
+        out: dict = {}
+        sink = _Sink()
+        sched.submit(_job(engine, mode, n, q, m, out), sink, threading.Event())
+        sinks.append(sink)
+        outs.append(out)
+    for s in sinks:
+        assert s.ended.wait(300)
+    sched.close()
+    return [o["stream"].token_ids for o in outs], sinks, sched
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_greedy_in_a_batch_equals_alone_tiny(arch: str, tmp_path) -> None:
+    engine = Engine(load_model(str(tiny_model_dir(tmp_path, arch)), device="cpu"))
+    alone = _alone(engine)
+    together, sinks, sched = _together(engine, slice_s=1e-4)  # tiny slices: prompts interleave with decode
+    assert together == alone
+    assert sched.stats.steps > 0
+    for s, ids in zip(sinks, together):
+        assert isinstance(s.events[0], Started) and s.events[-1] == "done"
+        assert "".join(s.pieces) == engine.lm.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.real_model
+def test_greedy_in_a_batch_equals_alone_smollm2(smollm2) -> None:
+    engine = Engine(smollm2)
+    alone = _alone(engine)
+    together, _, sched = _together(engine)
+    assert together == alone
+    assert all(len(ids) > 0 for ids in together)
+    assert sched.stats.steps < sum(len(ids) for ids in together)  # steps were shared: batched
+
+
+def test_decode_batch_equals_single_steps(tiny_lm) -> None:
+    """One batched step over caches of different lengths gives each row its own logits."""
+    from ragkv.engine.decode import decode_batch
+
+    engine = Engine(tiny_lm)
+    prompts = [engine.full_prefill(engine.prompt.prompt_ids(PASSAGES[:n], "Who?")) for n in (1, 3, 2)]
+    tokens = [int(p.logits.argmax()) for p in prompts]
+    singles = []
+    for p, t in zip(prompts, tokens):
+        stream = engine.decode(p, SamplingParams(max_new_tokens=4))
+        with torch.inference_mode():
+            singles.append(stream._forward(t))
+    prompts = [engine.full_prefill(engine.prompt.prompt_ids(PASSAGES[:n], "Who?")) for n in (1, 3, 2)]
+    lens = [p.cache.length for p in prompts]
+    batched = decode_batch(engine.lm, [p.cache for p in prompts], tokens)  # [B, V]
+    assert [p.cache.length for p in prompts] == [n + 1 for n in lens]
+    for j, single in enumerate(singles):
+        torch.testing.assert_close(batched[j], single, atol=1e-4, rtol=1e-4)
+
+
+def test_kv_budget_refuses_with_a_message_naming_it() -> None:
+    sched = Scheduler(SchedulerConfig(kv_budget_bytes=1000))
+    hold = threading.Event()
+
+    def waiting_job():
+        while not hold.is_set():
+            yield 0
+            time.sleep(0.01)
+
+    sink = _Sink()
+    sched.submit(waiting_job(), sink, threading.Event(), kv_bytes=600)
+    with pytest.raises(SchedulerFullError, match="budget"):
+        sched.submit(waiting_job(), _Sink(), threading.Event(), kv_bytes=600)
+    with pytest.raises(SchedulerFullError, match="more than the whole budget"):
+        sched.submit(waiting_job(), _Sink(), threading.Event(), kv_bytes=5000)
+    hold.set()
+    assert sink.ended.wait(10)
+    deadline = time.monotonic() + 5
+    while sched.stats.kv_bytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sched.submit(waiting_job(), _Sink(), threading.Event(), kv_bytes=600)  # the budget came back
+    sched.close()
+
+
+def test_cancel_and_deadline_end_a_request_and_free_its_budget() -> None:
+    sched = Scheduler(SchedulerConfig(kv_budget_bytes=1000))
+    closed = []
+
+    def endless():
+        try:
+            while True:
+                yield 0
+                time.sleep(0.005)
+        finally:
+            closed.append(True)
+
+    cancel, sink = threading.Event(), _Sink()
+    sched.submit(endless(), sink, cancel, kv_bytes=1000)
+    time.sleep(0.05)
+    cancel.set()
+    assert sink.ended.wait(5)
+    late = _Sink()
+    sched.submit(endless(), late, threading.Event(), deadline=time.monotonic() + 0.05, kv_bytes=1000)
+    assert late.ended.wait(5)
+    assert closed == [True, True]
+    sched.close()
+
+
+def test_a_long_prompt_does_not_stall_decoding(tiny_lm) -> None:
+    """Decode steps of a running request happen between the layers of a new prompt pass."""
+    engine = Engine(tiny_lm)
+    order: list[str] = []
+    sched = Scheduler(SchedulerConfig(prompt_slice_s=1e-6))
+
+    def decoder():
+        prefix_ids = engine.prompt.prefix_ids()
+        res = yield from engine.run_steps(prefix_ids, [], [], engine.prompt.question_ids("Hi?"), Mode.FULL)
+        stream = engine.decode(res, SamplingParams(max_new_tokens=200))
+        yield Decode(stream, lambda piece: order.append("piece"))
+
+    def long_prompt():
+        ids = [engine.prompt.chunk_ids(p) for p in PASSAGES] * 4
+        steps = engine.run_steps(engine.prompt.prefix_ids(), ids, None, engine.prompt.question_ids("Why?"), Mode.FULL)
+        try:
+            while True:
+                next(steps)
+                order.append("layer")
+                yield 0
+        except StopIteration:
+            return
+
+    a, b = _Sink(), _Sink()
+    sched.submit(decoder(), a, threading.Event())  # a short prompt: it decodes while the next one runs
+    sched.submit(long_prompt(), b, threading.Event())
+    assert b.ended.wait(60) and a.ended.wait(60)
+    sched.close()
+    first, last = order.index("layer"), len(order) - 1 - order[::-1].index("layer")
+    assert "piece" in order[first:last], order  # decode went on while the long prompt ran
+
+
+def test_a_job_error_reaches_its_emit_and_spares_the_others(tiny_lm) -> None:
+    engine = Engine(tiny_lm)
+    sched = Scheduler()
+
+    def broken():
+        yield 0
+        raise ValueError("bad request")
+
+    bad, good = _Sink(), _Sink()
+    out: dict = {}
+    sched.submit(broken(), bad, threading.Event())
+    sched.submit(_job(engine, Mode.REUSE, 2, "What does the village grow?", 5, out), good, threading.Event())
+    assert bad.ended.wait(30) and good.ended.wait(60)
+    sched.close()
+    assert any(isinstance(e, ValueError) for e in bad.events)
+    assert good.events[-1] == "done" and out["stream"].finish_reason in ("length", "eos")

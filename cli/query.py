@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from ragkv.types import Mode
+from ragkv.types import FilterOp, MetadataFilter, Mode, SearchMode
 
 
 def add_query_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -30,6 +30,13 @@ def add_query_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--collection", default=None, help="collection name (default: 'default')")
     p.add_argument("--mode", choices=[m.value for m in Mode], default=None, help="KV mode (default: server's)")
     p.add_argument("--top-k", type=int, default=None, help="chunks to retrieve")
+    p.add_argument("--search-mode", choices=[m.value for m in SearchMode], default=None,
+                   help="dense, lexical or hybrid (default: server's, hybrid)")
+    p.add_argument("--filter", dest="filters", action="append", default=[], type=_equals_filter,
+                   metavar="KEY=VALUE", help="metadata equality before top-k; VALUE is JSON if it parses "
+                                             "(year=2023 is an int, team=beta a string); repeatable")
+    p.add_argument("--prefix", dest="filters", action="append", type=_prefix_filter, metavar="KEY=PREFIX",
+                   help="metadata string prefix before top-k (source=guides/); repeatable")
     p.add_argument("--ratio", dest="recompute_ratio", type=float, default=None, help="blend recompute ratio [0, 1]")
     p.add_argument("--max-new-tokens", type=int, default=None, help="answer length cap")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -44,6 +51,27 @@ def add_query_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.set_defaults(func=run_query)
     return p
+
+
+def _split(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def _equals_filter(text: str) -> MetadataFilter:
+    key, raw = _split(text)
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return MetadataFilter(key, value)
+
+
+def _prefix_filter(text: str) -> MetadataFilter:
+    key, prefix = _split(text)
+    return MetadataFilter(key, prefix, FilterOp.PREFIX)
 
 
 def _jsonable(obj: object) -> object:
@@ -68,11 +96,14 @@ def run_query(args: argparse.Namespace) -> int:
                 args.question, collection=args.collection, top_k=args.top_k, mode=args.mode,
                 recompute_ratio=args.recompute_ratio, temperature=args.temperature, top_p=args.top_p,
                 seed=args.seed, max_new_tokens=args.max_new_tokens, stop=args.stop,
+                search_mode=args.search_mode, filters=args.filters,
             )
             if not args.json:
                 for i, chunk in enumerate(stream.chunks):
                     tier = chunk.kv_tier.value if chunk.kv_tier else "-"
-                    sys.stderr.write(f"[{i + 1}] {chunk.chunk_id} score={chunk.score:.3f} kv={tier}\n")
+                    found = "+".join(m.value for m in chunk.found_by) or "-"
+                    sys.stderr.write(f"[{i + 1}] {chunk.chunk_id} score={chunk.score:.3f} found_by={found} "
+                                     f"kv={tier}\n")
             for piece in stream:
                 if first_piece_at is None:
                     first_piece_at = time.perf_counter()

@@ -150,3 +150,16 @@ def test_serve_flags_reach_the_retriever(tmp_path: Path) -> None:
         retriever_options(settings_from_args(parser.parse_args(["serve", "--reranker", str(tmp_path)]), env={}))
     with pytest.raises(ValueError, match="fusion must be one of rrf, weighted, got 'bogus'"):
         retriever_options(settings_from_args(parser.parse_args(["serve", "--fusion", "bogus"]), env={}))
+
+
+def test_query_cli_search_flags(server, capsys: pytest.CaptureFixture[str]) -> None:
+    from ragkv.cli.main import main
+
+    plain, _ = server
+    rc = main(["query", "What is the code of Korlin-48?", "--addr", plain.addr, "--mode", "full", "--top-k", "2",
+               "--max-new-tokens", "2", "--search-mode", "lexical", "--filter", "year=2023",
+               "--prefix", "source=devices", "--json"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [c["metadata"]["year"] for c in doc["chunks"]] == [2023]  # the int; "2023" (a str) is filtered out
+    assert doc["chunks"][0]["found_by"] == ["lexical"]

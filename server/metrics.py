@@ -1,4 +1,10 @@
-"""Prometheus metrics of the query server, in their own registry, served on their own port."""
+"""Prometheus metrics of the query server, in their own registry, served on their own port.
+
+Names follow Prometheus conventions: counters end in `_total` (prometheus_client adds it),
+units are spelled out (`_seconds`, `_bytes`), fractions end in `_ratio`. Per-request
+metrics carry a `collection` label, so one server's indexes can be told apart. The gRPC
+and the HTTP API record into the same objects (the `method` label tells them apart).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,7 @@ from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from ragkv.types import Mode, RetrievedChunk, Tier
+from ragkv.types import DEFAULT_COLLECTION, Mode, RetrievedChunk, Tier
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _FRACTION_BUCKETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
@@ -26,23 +32,26 @@ class ServerMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
-            "ragkv_ttft_seconds", "Request arrival to first token.", ["mode"], buckets=_LATENCY_BUCKETS, registry=r
+            "ragkv_ttft_seconds", "Request arrival to first token.", ["mode", "collection"], buckets=_LATENCY_BUCKETS, registry=r
         )
         self.e2e = Histogram(
             "ragkv_request_seconds", "Request arrival to the end of the response.", ["method"],
             buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.recompute = Histogram(
-            "ragkv_recompute_fraction", "Fraction of prompt tokens recomputed.", ["mode"],
+            "ragkv_recompute_ratio", "Fraction of prompt tokens recomputed.", ["mode", "collection"],
             buckets=_FRACTION_BUCKETS, registry=r,
         )
-        self.tier_hits = Counter("ragkv_kv_tier_hits", "Chunk KVs found in a tier.", ["tier"], registry=r)
+        self.tier_hits = Counter("ragkv_kv_tier_hits", "Chunk KVs found in a tier.", ["tier", "collection"],
+                                 registry=r)
         self.tier_misses = Counter(
-            "ragkv_kv_tier_misses", "Chunk KVs a tier did not hold (found lower, or computed).", ["tier"],
+            "ragkv_kv_tier_misses", "Chunk KVs a tier did not hold (found lower, or computed).", ["tier", "collection"],
             registry=r,
         )
-        self.kv_computed = Counter("ragkv_kv_computed", "Chunk KVs missing from every tier, computed.", registry=r)
-        self.bytes_loaded = Counter("ragkv_kv_bytes_loaded", "KV bytes loaded per tier.", ["tier"], registry=r)
+        self.kv_computed = Counter("ragkv_kv_computed", "Chunk KVs missing from every tier, computed.",
+                                   ["collection"], registry=r)
+        self.bytes_loaded = Counter("ragkv_kv_loaded_bytes", "KV bytes loaded per tier.", ["tier", "collection"],
+                                    registry=r)
         self.queue_depth = Gauge("ragkv_queue_depth", "Queries admitted and not finished.", registry=r)
         self.errors = Counter("ragkv_rpc_errors", "RPCs that ended with a non-OK status.", ["method", "code"], registry=r)
         # the scheduler (engine.scheduler): batching and throughput
@@ -54,9 +63,9 @@ class ServerMetrics:
             "ragkv_time_per_output_token_seconds", "Seconds of one batched decode step.",
             buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0), registry=r)
         self.generation_tokens = Counter("ragkv_generation_tokens", "Tokens generated (exported as _total).",
-                                         registry=r)
+                                         ["collection"], registry=r)
         self.prompt_tokens = Counter("ragkv_prompt_tokens", "Prompt tokens, by whether their KV came from a cache "
-                                     "(exported as _total).", ["cached"], registry=r)
+                                     "(exported as _total).", ["cached", "collection"], registry=r)
         self.requests = Counter("ragkv_requests", "Query RPCs by final status code (exported as _total).",
                                 ["code"], registry=r)
 
@@ -71,34 +80,36 @@ class ServerMetrics:
         self.requests_waiting.set_function(lambda: stats.waiting)
         stats.on_step.append(self.observe_step)
 
-    def observe_usage(self, prompt_tokens: int, cached_prompt_tokens: int, completion_tokens: int) -> None:
+    def observe_usage(self, prompt_tokens: int, cached_prompt_tokens: int, completion_tokens: int,
+                      collection: str = DEFAULT_COLLECTION) -> None:
         """Token counts of one finished answer."""
-        self.prompt_tokens.labels("true").inc(cached_prompt_tokens)
-        self.prompt_tokens.labels("false").inc(prompt_tokens - cached_prompt_tokens)
-        self.generation_tokens.inc(completion_tokens)
+        self.prompt_tokens.labels("true", collection).inc(cached_prompt_tokens)
+        self.prompt_tokens.labels("false", collection).inc(prompt_tokens - cached_prompt_tokens)
+        self.generation_tokens.labels(collection).inc(completion_tokens)
 
-    def observe_chunks(self, chunks: tuple[RetrievedChunk, ...]) -> None:
+    def observe_chunks(self, chunks: tuple[RetrievedChunk, ...], collection: str = DEFAULT_COLLECTION) -> None:
         """Count tier hits and misses of one request's chunk KVs."""
         for chunk in chunks:
             tier = chunk.kv_tier
             if tier in _CACHE_TIERS:
-                self.tier_hits.labels(tier.value).inc()
+                self.tier_hits.labels(tier.value, collection).inc()
                 for above in _CACHE_TIERS[: _CACHE_TIERS.index(tier)]:
-                    self.tier_misses.labels(above.value).inc()
+                    self.tier_misses.labels(above.value, collection).inc()
             elif tier is Tier.COMPUTED:
-                self.kv_computed.inc()
+                self.kv_computed.labels(collection).inc()
                 for above in _CACHE_TIERS:
-                    self.tier_misses.labels(above.value).inc()
+                    self.tier_misses.labels(above.value, collection).inc()
 
     def observe_answer(
-        self, mode: Mode, ttft: float | None, recompute_fraction: float, bytes_loaded: Mapping[Tier, int]
+        self, mode: Mode, ttft: float | None, recompute_fraction: float, bytes_loaded: Mapping[Tier, int],
+        collection: str = DEFAULT_COLLECTION,
     ) -> None:
         """Record one finished answer."""
         if ttft is not None:
-            self.ttft.labels(mode.value).observe(ttft)
-        self.recompute.labels(mode.value).observe(recompute_fraction)
+            self.ttft.labels(mode.value, collection).observe(ttft)
+        self.recompute.labels(mode.value, collection).observe(recompute_fraction)
         for tier, n in bytes_loaded.items():
-            self.bytes_loaded.labels(tier.value).inc(n)
+            self.bytes_loaded.labels(tier.value, collection).inc(n)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """Start the /metrics HTTP endpoint in a daemon thread; returns the bound port."""

@@ -22,12 +22,13 @@ import grpc
 import grpc.aio
 
 from ragkv import convert
-from ragkv.types import QueryStats, RetrievedChunk, RetrieveResult, Usage
+from ragkv.types import RetrieveResult
 from ragkv.v1 import ragkv_pb2 as pb
 from ragkv.v1 import ragkv_pb2_grpc as pb_grpc
-from ragkv.engine.scheduler import END, Scheduler, Started
+from ragkv.engine.scheduler import Scheduler
 from ragkv.server.admission import Admission
-from ragkv.server.backend import ChunksEvent, DoneEvent, PreparedQuery, QueryBackend, TokenEvent
+from ragkv.server.answering import QueryRunner
+from ragkv.server.backend import ChunksEvent, QueryBackend, TokenEvent
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.status import NotServingError, status_for
 from ragkv.server.validation import RequestLimits, validate_query, validate_retrieve
@@ -59,7 +60,8 @@ class RagService(pb_grpc.RagServiceServicer):
         self._admission = admission
         self._metrics = metrics
         self._retrieve_pool = retrieve_pool
-        self._scheduler = scheduler
+        self._runner = QueryRunner(admission=admission, metrics=metrics, retrieve_pool=retrieve_pool,
+                                   scheduler=scheduler)
         self.backend: QueryBackend | None = None  # set once indexes and model are loaded
 
     def _ready_backend(self) -> QueryBackend:
@@ -80,77 +82,24 @@ class RagService(pb_grpc.RagServiceServicer):
         self, request: pb.QueryRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.QueryResponse]:
         arrived = time.perf_counter()
-        loop = asyncio.get_running_loop()
         cancel = threading.Event()
         try:
             with self._admission.rpc():
                 backend = self._ready_backend()
                 question, options = convert.query_request_from_proto(request)
                 params = validate_query(question, options, self._limits, backend.modes)
-                with self._admission.query_slot():
-                    prepared = await loop.run_in_executor(self._retrieve_pool, backend.prepare, params)
-                    prepared_at = time.perf_counter()
-                    events: asyncio.Queue[object] = asyncio.Queue()
-
-                    def emit(event: object) -> None:
-                        try:
-                            loop.call_soon_threadsafe(events.put_nowait, event)
-                        except RuntimeError:  # the loop closed under us: nobody is listening
-                            cancel.set()
-
-                    remaining = context.time_remaining()
-                    deadline = None if remaining is None else time.monotonic() + remaining
-                    self._scheduler.submit(backend.answer(prepared, cancel), emit, cancel, deadline, prepared.kv_bytes)
-                    phases = dict(prepared.phase_seconds)
-                    chunks: tuple[RetrievedChunk, ...] | None = None
-                    pieces: list[str] = []
-                    first_token_at: float | None = None
-                    done: DoneEvent | None = None
-                    while (event := await events.get()) is not END:
-                        if isinstance(event, Exception):
-                            raise event
-                        if isinstance(event, Started):
-                            phases["queue"] = event.at - prepared_at
-                        elif isinstance(event, ChunksEvent):
-                            chunks = event.chunks
-                            self._metrics.observe_chunks(chunks)
-                            yield convert.chunks_response(chunks, options.snippet_chars)
-                        elif isinstance(event, TokenEvent):
-                            if chunks is None:
-                                raise RuntimeError("backend yielded a token before the chunks: a backend bug")
-                            if first_token_at is None:
-                                first_token_at = time.perf_counter()
-                            yield convert.token_response(event.text, len(pieces))
-                            pieces.append(event.text)
-                        elif isinstance(event, DoneEvent):
-                            done = event
-                    if done is None or chunks is None:
-                        if cancel.is_set():
-                            raise TimeoutError("deadline exceeded while answering")
-                        raise RuntimeError("backend ended without chunks or stats: a backend bug")
-                    finished = time.perf_counter()
-                    phases.update(done.phase_seconds)
-                    stats = QueryStats(
-                        usage=Usage(done.prompt_tokens, done.completion_tokens, done.cached_prompt_tokens),
-                        ttft_seconds=(first_token_at or finished) - arrived,
-                        total_seconds=finished - arrived,
-                        phase_seconds=phases,
-                        recompute_fraction=done.recompute_fraction,
-                        mode=params.mode,
-                        finish_reason=done.finish_reason,
-                        text="".join(pieces),
-                        used_chunk_ids=done.used_chunk_ids or tuple(c.chunk_id for c in chunks),
-                    )
-                    self._metrics.observe_answer(
-                        params.mode,
-                        None if first_token_at is None else first_token_at - arrived,
-                        done.recompute_fraction,
-                        done.bytes_loaded,
-                    )
-                    self._metrics.e2e.labels("Query").observe(finished - arrived)
-                    self._metrics.observe_usage(done.prompt_tokens, done.cached_prompt_tokens, done.completion_tokens)
-                    self._metrics.requests.labels(grpc.StatusCode.OK.name).inc()
-                    yield convert.stats_response(stats)
+                remaining = context.time_remaining()
+                deadline = None if remaining is None else time.monotonic() + remaining
+                index = 0
+                async for event in self._runner.run(backend, params, arrived=arrived, cancel=cancel,
+                                                    deadline=deadline):
+                    if isinstance(event, ChunksEvent):
+                        yield convert.chunks_response(event.chunks, options.snippet_chars)
+                    elif isinstance(event, TokenEvent):
+                        yield convert.token_response(event.text, index)
+                        index += 1
+                    else:
+                        yield convert.stats_response(event)
         except asyncio.CancelledError:
             cancel.set()
             self._metrics.errors.labels("Query", grpc.StatusCode.CANCELLED.name).inc()

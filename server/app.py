@@ -28,6 +28,7 @@ from ragkv.server.backend import QueryBackend
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.service import RagService
 from ragkv.server.settings import ServerSettings
+from ragkv.server.undecodable import UndecodableRequestInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,9 @@ class RagServer:
                     token, on_reject=lambda m: self.metrics.errors.labels(m.rsplit("/", 1)[-1], "UNAUTHENTICATED").inc()
                 )
             )
+        # after auth, so a caller without the token hears UNAUTHENTICATED whatever it sent
+        interceptors.append(UndecodableRequestInterceptor(
+            on_reject=lambda m: self.metrics.errors.labels(m.rsplit("/", 1)[-1], "INVALID_ARGUMENT").inc()))
         server = grpc.aio.server(
             interceptors=interceptors,
             options=[

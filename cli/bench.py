@@ -46,6 +46,17 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="instead of timing: plot accuracy against TTFT from `ragkv eval --json` results")
     p.add_argument("--plot-out", type=Path, default=Path("accuracy_vs_ttft.png"), metavar="FILE.png",
                    help="where --plot writes the PNG (default accuracy_vs_ttft.png)")
+    load = p.add_argument_group(
+        "concurrency", "instead of one request at a time: N gRPC clients at once against an in-process server "
+        "(the scheduler batching them), modes full,blend,focus,reuse in rotation, KV from the disk tier. "
+        "Example: ragkv bench --concurrency 1,4,8 --duration 60 --json")
+    load.add_argument("--concurrency", metavar="N,N,...",
+                      help="client counts to run in turn; the first is the baseline of the speedup")
+    load.add_argument("--duration", type=float, default=60.0, help="seconds per level (default 60)")
+    load.add_argument("--index", type=Path, default=None,
+                      help="an index to serve (default: build a 40-document one in a temporary folder)")
+    load.add_argument("--max-new-tokens", type=int, default=16, help="answer length per request (default 16)")
+    load.add_argument("--top-k", type=int, default=4, help="chunks per request (default 4)")
     p.set_defaults(func=run_bench)
 
 
@@ -55,6 +66,12 @@ def run_bench(args: argparse.Namespace) -> int:
 
         print(plot_accuracy_vs_ttft(args.plot, args.plot_out))
         return 0
+    if args.concurrency:
+        from ragkv.cli.load_bench import run_concurrency_bench
+        from ragkv.engine.memory import tune_host_allocator
+
+        tune_host_allocator()
+        return run_concurrency_bench(args)
     from ragkv.engine.memory import tune_host_allocator
 
     tune_host_allocator()  # before torch's first large allocation

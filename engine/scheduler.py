@@ -4,8 +4,9 @@ Each iteration:
 1. drops requests whose client cancelled or whose deadline passed (their generator is
    closed, their cache freed with it);
 2. runs prompt work of admitted requests, one decoder layer per step
-   (`engine.blend.prompt_steps`), for at most `prompt_slice_s` seconds while others are
-   decoding (a prompt pass with nobody decoding runs to its end);
+   (`engine.blend.prompt_steps`), the pass with the least prompt time so far first, for at
+   most `prompt_slice_s` seconds while others are decoding (with nobody decoding, prompt
+   work goes on);
 3. runs one batched decode step (`engine.decode.decode_batch`) for every request that is
    decoding: the weights are read once per step for all of them.
 
@@ -83,6 +84,7 @@ class _Job:
     kv_bytes: int  # admitted KV bytes
     decode: Decode | None = None  # set once the job decodes
     started: bool = False
+    prompt_s: float = 0.0  # seconds of prompt work it has had
 
 
 @dataclass(slots=True)
@@ -172,22 +174,30 @@ class Scheduler:
         return True
 
     def _prompt_work(self, prompting: collections.deque[_Job], decoding: list[_Job]) -> None:
-        """Advance prompt passes, oldest first, until the slice is spent (while nobody decodes and
-        nobody new waits, the slice does not end)."""
+        """Advance prompt passes one step at a time until the slice is spent (while nobody
+        decodes and nobody new waits, the slice does not end).
+
+        Each step goes to the pass that has had the least prompt time so far (least attained
+        service; the oldest on ties): a short pass (reuse, focus) then finishes within its own
+        few steps while a long one (full prefill) waits, which approximates shortest-first
+        without knowing any pass's length.
+        """
         t0 = time.perf_counter()
         while prompting and len(decoding) < self.config.max_batch:
-            if (decoding or self._incoming) and time.perf_counter() - t0 >= self.config.prompt_slice_s:
+            now = time.perf_counter()
+            if (decoding or self._incoming) and now - t0 >= self.config.prompt_slice_s:
                 return
-            job = prompting[0]
+            job = min(prompting, key=lambda j: j.prompt_s)  # stable: the oldest of equals
             if not self._alive(job):
-                prompting.popleft()
+                prompting.remove(job)
                 continue
             if not job.started:
                 job.started = True
-                job.emit(Started(time.perf_counter()))
+                job.emit(Started(now))
             item = self._resume(job)
-            if item is None or job.decode is not None:  # ended, or ready to decode
-                prompting.popleft()
+            job.prompt_s += time.perf_counter() - now
+            if job.decode is not None or item is None:  # decoding now, or ended
+                prompting.remove(job)
                 if job.decode is not None:
                     decoding.append(job)
 

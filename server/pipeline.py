@@ -38,7 +38,7 @@ from ragkv.server.status import UnknownCollectionError
 log = logging.getLogger(__name__)
 
 _FINISH = {"eos": FinishReason.STOP, "stop": FinishReason.STOP, "length": FinishReason.LENGTH}
-_KV_WAIT_SLICE = 0.05  # seconds between cancel checks while waiting for a prefetch
+_KV_WAIT_SLICE = 0.005  # seconds of one wait for a prefetch before the scheduler may run other work
 _KV_WAIT_LIMIT = 120.0  # seconds a single chunk's KV load may take
 
 

@@ -195,6 +195,8 @@ def test_a_long_prompt_does_not_stall_decoding(tiny_lm) -> None:
         yield Decode(stream, lambda piece: order.append("piece"))
 
     def long_prompt():
+        while "piece" not in order:  # it arrives once the first request decodes
+            yield 0
         ids = [engine.prompt.chunk_ids(p) for p in PASSAGES] * 4
         steps = engine.run_steps(engine.prompt.prefix_ids(), ids, None, engine.prompt.question_ids("Why?"), Mode.FULL)
         try:
@@ -230,3 +232,24 @@ def test_a_job_error_reaches_its_emit_and_spares_the_others(tiny_lm) -> None:
     sched.close()
     assert any(isinstance(e, ValueError) for e in bad.events)
     assert good.events[-1] == "done" and out["stream"].finish_reason in ("length", "eos")
+
+
+def test_a_short_prompt_overtakes_a_long_one() -> None:
+    """Least attained service: a pass of a few cheap steps that arrives while a long pass
+    runs finishes long before it (reuse's TTFT does not wait for a full prefill)."""
+    sched = Scheduler(SchedulerConfig(prompt_slice_s=0.01))
+    finished: list[str] = []
+
+    def work(name: str, steps: int, step_s: float):
+        for _ in range(steps):
+            time.sleep(step_s)
+            yield 1
+        finished.append(name)
+
+    long_sink, short_sink = _Sink(), _Sink()
+    sched.submit(work("long", 40, 0.01), long_sink, threading.Event())
+    time.sleep(0.05)
+    sched.submit(work("short", 3, 0.001), short_sink, threading.Event())
+    assert long_sink.ended.wait(30) and short_sink.ended.wait(30)
+    sched.close()
+    assert finished == ["short", "long"]

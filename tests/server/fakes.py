@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import threading
 import time
@@ -18,7 +17,7 @@ from ragkv.types import (
     Tier,
     TierStats,
 )
-from ragkv.server.app import RagServer
+from ragkv.server.inprocess import InProcessServer
 from ragkv.server.backend import ChunksEvent, DoneEvent, PreparedQuery, QueryParams, TokenEvent
 from ragkv.server.settings import ServerSettings
 from ragkv.server.status import UnknownCollectionError
@@ -120,30 +119,14 @@ class FakeBackend:
             self.active -= 1
 
 
-class ServerThread:
-    """A RagServer on 127.0.0.1 in its own event loop thread."""
+class ServerThread(InProcessServer):
+    """A RagServer on 127.0.0.1 in its own event loop thread (tests assert it loaded)."""
 
     def __init__(self, settings: ServerSettings, factory, wait_loaded: bool = True) -> None:  # noqa: ANN001
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-        self.server = RagServer(settings, factory)
-        self.port = self._call(self.server.start())
-        self.addr = f"127.0.0.1:{self.port}"
+        super().__init__(settings, factory, wait_loaded=False)
         if wait_loaded:
-            assert self._call(self.server.wait_loaded(30.0))
-
-    def _call(self, coro, timeout: float = 30.0):  # noqa: ANN001, ANN202
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def wait_loaded(self, timeout: float = 30.0) -> bool:
-        return self._call(self.server.wait_loaded(timeout), timeout + 1)
-
-    def stop(self, grace: float = 0.0) -> None:
-        if self.loop.is_running():
-            self._call(self.server.drain(grace), grace + 30)
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(10)
+            assert self.wait_loaded(30.0)
+        self.addr = f"127.0.0.1:{self.port}"
 
 
 def settings(**overrides: object) -> ServerSettings:

@@ -253,3 +253,37 @@ def test_a_short_prompt_overtakes_a_long_one() -> None:
     assert long_sink.ended.wait(30) and short_sink.ended.wait(30)
     sched.close()
     assert finished == ["short", "long"]
+
+
+def test_sampling_is_per_request_in_a_batch(tiny_lm) -> None:
+    """A seeded sampled request gives the same tokens alone and beside other requests."""
+    engine = Engine(tiny_lm)
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=1234)
+
+    def sampled(out: dict):
+        res = yield from engine.run_steps(engine.prompt.prefix_ids(), [], [], engine.prompt.question_ids("Why?"),
+                                          Mode.FULL, reserve_tokens=16)
+        out["stream"] = engine.decode(res, params)
+        yield Decode(out["stream"], _Piece)
+
+    alone: dict = {}
+    sched = Scheduler()
+    sink = _Sink()
+    sched.submit(sampled(alone), sink, threading.Event())
+    assert sink.ended.wait(60)
+    batched: dict = {}
+    sinks = [_Sink() for _ in range(3)]
+    sched.submit(_job(engine, Mode.FULL, 4, "Who built it?", 12, {}), sinks[0], threading.Event())
+    sched.submit(sampled(batched), sinks[1], threading.Event())
+    sched.submit(_job(engine, Mode.REUSE, 2, "What grows there?", 12, {}), sinks[2], threading.Event())
+    assert all(s.ended.wait(60) for s in sinks)
+    sched.close()
+    assert batched["stream"].token_ids == alone["stream"].token_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the same scheduler path in bf16 on a GPU")
+def test_greedy_in_a_batch_equals_alone_cuda_bf16(tmp_path) -> None:
+    engine = Engine(load_model(str(tiny_model_dir(tmp_path, "llama")), device="cuda", dtype="bfloat16"))
+    together, _, _ = _together(engine)
+    assert together == _alone(engine)

@@ -28,6 +28,7 @@ from ragkv import convert
 from ragkv.channel import ChannelConfig
 from ragkv.retry import RetryPolicy, is_retryable
 from ragkv.types import (
+    ChatTurn,
     CollectionInfo,
     CollectionStats,
     MetadataFilter,
@@ -92,8 +93,12 @@ def _options(
     snippet_chars: int | None,
     search_mode: SearchMode | str | None = None,
     filters: Filters = None,
+    history: Sequence[ChatTurn] = (),
+    system_prompt: str | None = None,
 ) -> QueryOptions:
     return QueryOptions(
+        history=tuple(history),
+        system_prompt=system_prompt,
         collection=collection,
         top_k=top_k,
         mode=_mode(mode),
@@ -289,6 +294,8 @@ class RagClient:
         snippet_chars: int | None = None,
         search_mode: SearchMode | str | None = None,
         filters: Filters = None,
+        history: Sequence[ChatTurn] = (),
+        system_prompt: str | None = None,
         timeout: float | None = None,
     ) -> QueryStream:
         """Start a Query; None options take the server's defaults.
@@ -296,13 +303,15 @@ class RagClient:
         ``search_mode`` is dense, lexical or hybrid (server default: hybrid); ``filters`` is a
         ``{"key": value}`` dict of equality conditions, or ``MetadataFilter`` objects (prefix
         filters: ``MetadataFilter("source", "docs/", "prefix")``), applied before top_k.
+        ``history`` holds earlier turns (``ChatTurn``), placed after the chunks, before the
+        question; ``system_prompt``, when given, must equal the collection's (INVALID_ARGUMENT).
 
         Returns:
             A QueryStream; iterating it yields the answer's text pieces.
         """
         options = _options(
             collection, top_k, mode, recompute_ratio, temperature, top_p, seed, max_new_tokens, stop, snippet_chars,
-            search_mode, filters,
+            search_mode, filters, history, system_prompt,
         )
         request = convert.query_request_to_proto(question, options)
 
@@ -467,12 +476,14 @@ class AsyncRagClient:
         snippet_chars: int | None = None,
         search_mode: SearchMode | str | None = None,
         filters: Filters = None,
+        history: Sequence[ChatTurn] = (),
+        system_prompt: str | None = None,
         timeout: float | None = None,
     ) -> AsyncQueryStream:
         """Start a Query (the call begins when the stream is iterated)."""
         options = _options(
             collection, top_k, mode, recompute_ratio, temperature, top_p, seed, max_new_tokens, stop, snippet_chars,
-            search_mode, filters,
+            search_mode, filters, history, system_prompt,
         )
         request = convert.query_request_to_proto(question, options)
 

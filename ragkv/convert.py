@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ragkv.types import (
+    ChatRole,
+    ChatTurn,
     CollectionInfo,
     CollectionStats,
     FilterOp,
@@ -181,7 +183,31 @@ def query_request_to_proto(question: str, options: QueryOptions) -> pb.QueryRequ
         msg.recompute_ratio = options.recompute_ratio
     if options.seed is not None:
         msg.sampling.seed = options.seed
+    msg.history.extend(pb.ChatTurn(role=_CHAT_ROLE_TO_PROTO[ChatRole(t.role)], content=t.content)
+                       for t in options.history)
+    if options.system_prompt is not None:
+        msg.system_prompt = options.system_prompt
     return msg
+
+
+_CHAT_ROLE_TO_PROTO = {ChatRole.USER: pb.CHAT_ROLE_USER, ChatRole.ASSISTANT: pb.CHAT_ROLE_ASSISTANT}
+_CHAT_ROLE_FROM_PROTO = {v: k for k, v in _CHAT_ROLE_TO_PROTO.items()}
+
+
+def history_from_proto(turns: Sequence[pb.ChatTurn]) -> tuple[ChatTurn, ...]:
+    """Wire chat turns -> ChatTurn.
+
+    Raises:
+        WireValueError: A turn's role is unspecified or unknown.
+    """
+    out = []
+    for i, t in enumerate(turns):
+        role = _CHAT_ROLE_FROM_PROTO.get(t.role)
+        if role is None:
+            raise WireValueError(f"history[{i}].role",
+                                 f"history[{i}].role: must be CHAT_ROLE_USER or CHAT_ROLE_ASSISTANT, got {t.role}")
+        out.append(ChatTurn(role, t.content))
+    return tuple(out)
 
 
 def query_request_from_proto(msg: pb.QueryRequest) -> tuple[str, QueryOptions]:
@@ -204,6 +230,8 @@ def query_request_from_proto(msg: pb.QueryRequest) -> tuple[str, QueryOptions]:
         snippet_chars=msg.snippet_chars or None,
         search_mode=search_mode_from_proto(msg.search_mode),
         filters=filters_from_proto(msg.filters),
+        history=history_from_proto(msg.history),
+        system_prompt=msg.system_prompt if msg.HasField("system_prompt") else None,
     )
     return msg.question, options
 

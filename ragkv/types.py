@@ -115,6 +115,28 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # end-of-sequence token or a stop string
 
 
+class ChatRole(str, enum.Enum):
+    """Who said an earlier turn of a conversation."""
+
+    USER = "user"
+    ASSISTANT = "assistant"
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTurn:
+    """One earlier turn of a conversation; it goes after the chunks, before the question."""
+
+    role: ChatRole  # user or assistant
+    content: str  # what was said
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.role, ChatRole):
+            try:
+                object.__setattr__(self, "role", ChatRole(self.role))
+            except ValueError:
+                raise ValueError(f"chat turn role must be user or assistant, got {self.role!r}") from None
+
+
 @dataclass(frozen=True, slots=True)
 class QueryOptions:
     """What a client asks for besides the question; None means the server's default."""
@@ -131,6 +153,8 @@ class QueryOptions:
     snippet_chars: int | None = None  # chunk text characters to return; None = all
     search_mode: SearchMode | None = None  # None = server default (hybrid)
     filters: tuple[MetadataFilter, ...] = ()  # metadata conditions, all must hold, applied before top_k
+    history: tuple[ChatTurn, ...] = ()  # earlier turns, oldest first (after the chunks, before the question)
+    system_prompt: str | None = None  # must equal the collection's own (set at index time); None = the index's
 
 
 @dataclass(frozen=True, slots=True)

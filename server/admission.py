@@ -44,6 +44,11 @@ class Admission:
         """RPCs of any kind running now."""
         return self._in_flight
 
+    @property
+    def draining(self) -> bool:
+        """Whether new RPCs are refused (the server is stopping)."""
+        return self._draining
+
     def start_draining(self) -> None:
         """Refuse every new RPC from now on (UNAVAILABLE)."""
         self._draining = True

@@ -23,6 +23,7 @@ from ragkv.v1 import ragkv_pb2 as pb
 from ragkv.v1 import ragkv_pb2_grpc as pb_grpc
 from ragkv.engine.scheduler import Scheduler, SchedulerConfig
 from ragkv.server.admission import Admission
+from ragkv.server.answering import QueryRunner
 from ragkv.server.auth import BearerTokenInterceptor, read_token
 from ragkv.server.backend import QueryBackend
 from ragkv.server.metrics import ServerMetrics
@@ -76,6 +77,8 @@ class RagServer:
         self._stopped = asyncio.Event()
         self.port: int | None = None  # bound gRPC port, after start()
         self.metrics_port: int | None = None  # bound metrics port, after start()
+        self.http_port: int | None = None  # bound OpenAI-compatible HTTP port, after start(); None = off
+        self._http = None  # openai_api.HttpServer when settings.http_port is set
         self.load_error: BaseException | None = None  # why loading failed, if it did
 
     async def _set_health(self, status: int) -> None:
@@ -127,8 +130,24 @@ class RagServer:
         self._server, self.port = server, port
         if s.metrics_port is not None:
             self.metrics_port = self.metrics.serve(s.metrics_port, s.host)
+        if s.http_port is not None:
+            self.http_port = await self._start_http(token)
         self._load_task = asyncio.create_task(self._load())
         log.info("ragkv serving on %s:%d (tls=%s, auth=%s)", s.host, port, s.tls_cert is not None, token is not None)
+        return port
+
+    async def _start_http(self, token: str | None) -> int:
+        """Serve the OpenAI-compatible API on this loop, over the same backend and scheduler."""
+        from ragkv.server.openai_api import HttpServer, OpenAIApi  # starlette/uvicorn only when asked for
+
+        s = self.settings
+        runner = QueryRunner(admission=self._admission, metrics=self.metrics, retrieve_pool=self._retrieve_pool,
+                             scheduler=self._scheduler)
+        api = OpenAIApi(runner=runner, admission=self._admission, limits=s.limits(), metrics=self.metrics,
+                        backend=lambda: self.service.backend, token=token)
+        self._http = HttpServer(api.app, s.host, s.http_port, s.tls_cert, s.tls_key)
+        port = await self._http.start()
+        log.info("OpenAI-compatible HTTP API on %s:%d (/v1/chat/completions, /v1/models, /health)", s.host, port)
         return port
 
     async def _load(self) -> None:
@@ -162,6 +181,8 @@ class RagServer:
         finished = await self._admission.wait_idle(grace)
         if not finished:
             log.warning("grace period over with %d RPC(s) in flight; cancelling them", self._admission.in_flight)
+        if self._http is not None:
+            await self._http.stop()
         await self._server.stop(0)
         if self._load_task is not None and self._load_task is not asyncio.current_task():
             self._load_task.cancel()

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from ragkv.types import CollectionInfo, CollectionStats, FinishReason, MetadataFilter, Mode, RetrievedChunk, SearchMode, Tier
+from ragkv.types import ChatTurn, CollectionInfo, CollectionStats, FinishReason, MetadataFilter, Mode, RetrievedChunk, SearchMode, Tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +60,8 @@ class QueryParams:
     max_new_tokens: int  # >= 1
     stop: tuple[str, ...]  # stop strings
     search: SearchParams = SearchParams()  # search mode and metadata filters
+    history: tuple[ChatTurn, ...] = ()  # earlier turns, oldest first: after the chunks, before the question
+    system_prompt: str | None = None  # the client's system message; must equal the index's (None = not given)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,8 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("host", str, "gRPC bind address (default 0.0.0.0)"),
     ("port", int, "gRPC port, 0 = any free port (default 50051)"),
     ("metrics_port", str, "Prometheus /metrics port, 'off' to disable (default 9464)"),
+    ("http_port", str, "OpenAI-compatible HTTP API port (/v1/chat/completions, /v1/models, /health), "
+                       "0 = any free port (default off)"),
     ("model", str, "model spec (HF dir, hub id, .gguf); default: the index's model"),
     ("device", str, "torch device; auto = cuda when torch sees a GPU, else cpu (default auto)"),
     ("dtype", str, "auto, float32, bfloat16 or float16; auto = bfloat16 on cuda, float32 on cpu (default auto)"),

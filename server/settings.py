@@ -72,6 +72,7 @@ class ServerSettings:
     host: str = "0.0.0.0"  # gRPC bind address
     port: int = 50051  # gRPC port; 0 = any free port
     metrics_port: int | None = 9464  # Prometheus /metrics port; None = off
+    http_port: int | None = None  # OpenAI-compatible HTTP API port (server/openai_api.py); None = off
     model: str | None = None  # model spec; None = the one the index was built with
     device: str = "auto"  # torch device for the engine; auto = cuda when torch sees a GPU, else cpu
     dtype: DType = DType.AUTO  # model and KV dtype; auto = bfloat16 on cuda, float32 on cpu
@@ -108,7 +109,7 @@ class ServerSettings:
     reranker: Path | None = None  # cross-encoder folder reordering the candidates; None = no reranking
 
     def __post_init__(self) -> None:
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "http_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {value}")

@@ -10,7 +10,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from ragkv.types import DEFAULT_COLLECTION, FilterOp, Mode, QueryOptions, SearchMode
+from ragkv.types import DEFAULT_COLLECTION, ChatTurn, FilterOp, Mode, QueryOptions, SearchMode
 from ragkv.server.backend import QueryParams, RetrieveQuestion, SearchParams
 from ragkv.server.status import InvalidArgumentError
 
@@ -31,6 +31,9 @@ class RequestLimits:
     max_snippet_chars: int = 1_000_000  # characters
     max_filters: int = 16  # metadata filters per request
     max_filter_chars: int = 1024  # characters of one filter's key or value (as JSON)
+    max_history_turns: int = 32  # earlier conversation turns per request
+    max_history_chars: int = 16384  # characters of all earlier turns together
+    max_system_prompt_chars: int = 16384  # characters of a request's system message
 
 
 def _question(question: str, limits: RequestLimits) -> str:
@@ -129,6 +132,19 @@ def validate_query(
     for s in options.stop:
         if not s or len(s) > limits.max_stop_chars:
             raise InvalidArgumentError("stop", f"each must have 1..{limits.max_stop_chars} characters, got {s!r}")
+    history = tuple(options.history)
+    if len(history) > limits.max_history_turns:
+        raise InvalidArgumentError("history", f"at most {limits.max_history_turns} turns, got {len(history)}")
+    for i, turn in enumerate(history):
+        if not isinstance(turn, ChatTurn) or not turn.content.strip():
+            raise InvalidArgumentError(f"history[{i}]", f"must be a user or assistant turn with text, got {turn!r}")
+    history_chars = sum(len(t.content) for t in history)
+    if history_chars > limits.max_history_chars:
+        raise InvalidArgumentError("history", f"is {history_chars} characters, the limit is {limits.max_history_chars}")
+    system = options.system_prompt
+    if system is not None and len(system) > limits.max_system_prompt_chars:
+        raise InvalidArgumentError("system_prompt", f"is {len(system)} characters, the limit is "
+                                                    f"{limits.max_system_prompt_chars}")
     return QueryParams(
         question=question,
         collection=options.collection or DEFAULT_COLLECTION,
@@ -141,4 +157,6 @@ def validate_query(
         max_new_tokens=max_new,
         stop=options.stop,
         search=search,
+        history=history,
+        system_prompt=system,
     )

@@ -46,6 +46,12 @@ class FilterOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FILTER_OP_UNSPECIFIED: _ClassVar[FilterOp]
     FILTER_OP_EQUALS: _ClassVar[FilterOp]
     FILTER_OP_PREFIX: _ClassVar[FilterOp]
+
+class ChatRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHAT_ROLE_UNSPECIFIED: _ClassVar[ChatRole]
+    CHAT_ROLE_USER: _ClassVar[ChatRole]
+    CHAT_ROLE_ASSISTANT: _ClassVar[ChatRole]
 MODE_UNSPECIFIED: Mode
 MODE_FULL: Mode
 MODE_PREFIX: Mode
@@ -69,6 +75,9 @@ SEARCH_MODE_HYBRID: SearchMode
 FILTER_OP_UNSPECIFIED: FilterOp
 FILTER_OP_EQUALS: FilterOp
 FILTER_OP_PREFIX: FilterOp
+CHAT_ROLE_UNSPECIFIED: ChatRole
+CHAT_ROLE_USER: ChatRole
+CHAT_ROLE_ASSISTANT: ChatRole
 
 class MetadataFilter(_message.Message):
     __slots__ = ("key", "op", "value_json")
@@ -79,6 +88,14 @@ class MetadataFilter(_message.Message):
     op: FilterOp
     value_json: str
     def __init__(self, key: _Optional[str] = ..., op: _Optional[_Union[FilterOp, str]] = ..., value_json: _Optional[str] = ...) -> None: ...
+
+class ChatTurn(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: ChatRole
+    content: str
+    def __init__(self, role: _Optional[_Union[ChatRole, str]] = ..., content: _Optional[str] = ...) -> None: ...
 
 class SamplingOptions(_message.Message):
     __slots__ = ("temperature", "top_p", "seed")
@@ -91,7 +108,7 @@ class SamplingOptions(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class QueryRequest(_message.Message):
-    __slots__ = ("question", "collection", "top_k", "mode", "recompute_ratio", "sampling", "max_new_tokens", "stop", "snippet_chars", "search_mode", "filters")
+    __slots__ = ("question", "collection", "top_k", "mode", "recompute_ratio", "sampling", "max_new_tokens", "stop", "snippet_chars", "search_mode", "filters", "history", "system_prompt")
     QUESTION_FIELD_NUMBER: _ClassVar[int]
     COLLECTION_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +120,8 @@ class QueryRequest(_message.Message):
     SNIPPET_CHARS_FIELD_NUMBER: _ClassVar[int]
     SEARCH_MODE_FIELD_NUMBER: _ClassVar[int]
     FILTERS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_PROMPT_FIELD_NUMBER: _ClassVar[int]
     question: str
     collection: str
     top_k: int
@@ -114,7 +133,9 @@ class QueryRequest(_message.Message):
     snippet_chars: int
     search_mode: SearchMode
     filters: _containers.RepeatedCompositeFieldContainer[MetadataFilter]
-    def __init__(self, question: _Optional[str] = ..., collection: _Optional[str] = ..., top_k: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., recompute_ratio: _Optional[float] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., snippet_chars: _Optional[int] = ..., search_mode: _Optional[_Union[SearchMode, str]] = ..., filters: _Optional[_Iterable[_Union[MetadataFilter, _Mapping]]] = ...) -> None: ...
+    history: _containers.RepeatedCompositeFieldContainer[ChatTurn]
+    system_prompt: str
+    def __init__(self, question: _Optional[str] = ..., collection: _Optional[str] = ..., top_k: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., recompute_ratio: _Optional[float] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., snippet_chars: _Optional[int] = ..., search_mode: _Optional[_Union[SearchMode, str]] = ..., filters: _Optional[_Iterable[_Union[MetadataFilter, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[ChatTurn, _Mapping]]] = ..., system_prompt: _Optional[str] = ...) -> None: ...
 
 class QueryResponse(_message.Message):
     __slots__ = ("chunks", "token", "stats")

@@ -7,7 +7,7 @@ from google.protobuf.message import Message
 
 from ragkv import convert
 from ragkv.types import (
-    CollectionInfo, CollectionStats, FilterOp, FinishReason, MetadataFilter, Mode, QueryOptions, QueryStats,
+    ChatRole, ChatTurn, CollectionInfo, CollectionStats, FilterOp, FinishReason, MetadataFilter, Mode, QueryOptions, QueryStats,
     RetrievedChunk, RetrieveResult, SearchMode, Tier, TierStats, Usage,
 )
 from ragkv.v1 import ragkv_pb2 as pb
@@ -36,11 +36,17 @@ def _all_fields_set(msg: Message) -> list[str]:
 
 def test_query_request_round_trip() -> None:
     options = QueryOptions("docs", 3, Mode.REUSE, 0.0, 0.75, 0.5, 42, 16, ("\n\n",), 100, SearchMode.LEXICAL,
-                           FILTERS)
+                           FILTERS, (ChatTurn(ChatRole.USER, "hi"), ChatTurn(ChatRole.ASSISTANT, "hello")), "Be brief.")
     msg = convert.query_request_to_proto("why?", options)
     assert _all_fields_set(msg) == []
     assert msg.HasField("recompute_ratio")  # 0.0 is an explicit value, not "unset"
     assert convert.query_request_from_proto(msg) == ("why?", options)
+
+
+def test_history_role_unspecified_is_a_wire_error() -> None:
+    msg = pb.QueryRequest(question="q", history=[pb.ChatTurn(role=pb.CHAT_ROLE_UNSPECIFIED, content="x")])
+    with pytest.raises(convert.WireValueError, match=r"history\[0\]\.role"):
+        convert.query_request_from_proto(msg)
 
 
 def test_query_request_unset_means_server_default() -> None:

@@ -162,7 +162,7 @@ def read_layered(
     Args:
         spawn: runs a callable on another thread (an executor's submit).
         on_done: called from that thread with the whole verified file and its entry.
-        on_fail: called from that thread when a block or a read fails (the gate already says so).
+        on_fail: called from that thread when a block or a read fails, before the gate says so.
 
     Raises:
         KVFormatError: the header is bad or another model's / key's; the source is closed.
@@ -202,14 +202,15 @@ def read_layered(
                 gate.publish(layer + 1)
             k_stream.advance(plan.v_first_block - 1)  # bytes past the last layer, if any
             v_stream.advance(len(crcs) - 1)
-        except KVFormatError as e:
-            gate.fail(e)
-            on_fail(e)
-            return
-        except Exception as e:  # an I/O failure is not damage: say so, keep the file
-            err = StoreError(f"reading key {expected_key.hex} failed after {gate.ready} layers: {e}")
-            gate.fail(err)
-            on_fail(err)
+        except Exception as e:  # damage (KVFormatError), or an I/O failure, which is not damage: keep the file
+            err = e if isinstance(e, KVFormatError) else StoreError(
+                f"reading key {expected_key.hex} failed after {gate.ready} layers: {e}")
+            # the tier acts first (quarantine), then the waiter hears of it: a waiter that
+            # recomputes and writes the chunk back must find the bad file gone, not lose its own
+            try:
+                on_fail(err)
+            finally:
+                gate.fail(err)
             return
         finally:
             source.close()

@@ -234,7 +234,11 @@ class Pipeline:
         wait_s = compute_s = 0.0
         for ids, key, handle in zip(plan.token_ids, plan.kv_keys, plan.handles or ()):
             t0 = time.perf_counter()
-            hit = yield from self._wait(handle, cancel)
+            try:
+                hit = yield from self._wait(handle, cancel)
+            except (KVFormatError, StoreError, OSError) as exc:  # the tiers could not serve it: compute it
+                log.warning("loading KV of %s failed (%s); computing it", key, exc)
+                hit = None
             wait_s += time.perf_counter() - t0
             if cancel.is_set():
                 return None
@@ -259,7 +263,7 @@ class Pipeline:
         """`kvs` with every chunk whose layered read failed computed anew and written back (a
         damaged copy is already out of its tier). `tiers` is updated in place."""
         failed = [i for i, kv in enumerate(kvs) if isinstance(kv.ready, LayerGate) and kv.ready.error is not None]
-        if not failed:  # the error came from elsewhere: not ours to absorb
+        if not failed:  # the error came from elsewhere (no chunk still loading has failed): not ours to absorb
             raise exc
         log.warning("layered KV read of %d chunk(s) failed mid-prompt (%s); recomputing them", len(failed), exc)
         kvs = list(kvs)
@@ -302,10 +306,13 @@ class Pipeline:
             return engine.run_steps(c.prefix_ids, plan.token_ids, kvs, question_ids, params.mode, options,
                               reserve_tokens=params.max_new_tokens)
 
-        try:
-            res = yield from run(kvs)
-        except (KVFormatError, StoreError) as exc:  # a layered read failed mid-prompt
-            res = yield from run(self._recompute_failed(c, plan, kvs or [], tiers, exc))
+        res = None
+        while res is None:  # each retry computes at least one chunk anew, so this ends
+            try:
+                res = yield from run(kvs)
+            except (KVFormatError, StoreError) as exc:  # a layered read failed mid-prompt
+                # a chunk whose read fails later (during the retry) fails that pass in turn
+                kvs = self._recompute_failed(c, plan, kvs or [], tiers, exc)
         phases["prompt"] = time.perf_counter() - t0
         phases.update({f"prompt.{k}": v for k, v in res.timings.items()})
 

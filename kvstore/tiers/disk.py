@@ -99,7 +99,9 @@ class _FileSource:
         self._fd = os.open(path, os.O_RDONLY)
         self._closed = False
         try:
-            self.size = os.fstat(self._fd).st_size
+            st = os.fstat(self._fd)
+            self.size = st.st_size
+            self.identity = (st.st_dev, st.st_ino)  # which file this is, should the path be replaced
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         except OSError:
@@ -312,8 +314,19 @@ class DiskTier(DurableTier):
         self._unlink_evicted(victims)
         return True
 
-    def _discard(self, key: ChunkKey, reason: str) -> None:
+    def _discard(self, key: ChunkKey, reason: str, source: object | None = None) -> None:
         path = self.path(key)
+        identity = getattr(source, "identity", None)
+        if identity is not None:
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                with self._lock:
+                    self._forget(key)
+                return
+            if (st.st_dev, st.st_ino) != identity:  # rewritten since this read opened it: keep the new file
+                logger.warning("disk tier: bad copy of %s already replaced (%s)", path, reason)
+                return
         qdir = self.root / QUARANTINE_DIR
         target = qdir / f"{self.model_fp}.{key.hex}.{int(time.time())}.{secrets.token_hex(2)}{SUFFIX}"
         try:

@@ -74,8 +74,12 @@ class DurableTier(StorageTier):
         """Store `data` under `key` atomically; False if refused by the budget."""
 
     @abc.abstractmethod
-    def _discard(self, key: ChunkKey, reason: str) -> None:
-        """Take a copy that failed verification out of service."""
+    def _discard(self, key: ChunkKey, reason: str, source: ByteSource | None = None) -> None:
+        """Take a copy that failed verification out of service.
+
+        source: the open file the bad bytes came from, when known: a tier that can tell
+            leaves alone a newer file written under the key since (a recomputed copy).
+        """
 
     def _source(self, key: ChunkKey) -> ByteSource | None:
         """Byte-range access to `key`'s file, or None if absent (tiers with `streams_layers`).
@@ -85,15 +89,15 @@ class DurableTier(StorageTier):
         """
         raise NotImplementedError(f"{type(self).__name__} does not read byte ranges")
 
-    def _rejected(self, key: ChunkKey, error: Exception) -> None:
+    def _rejected(self, key: ChunkKey, error: Exception, source: ByteSource | None = None) -> None:
         self._counters.add(rejected=1)
         logger.warning("%s tier rejected key %s: %s", self.tier.value, key.hex, error)
-        self._discard(key, str(error))
+        self._discard(key, str(error), source)
 
-    def _read_failed(self, key: ChunkKey, error: BaseException) -> None:
+    def _read_failed(self, key: ChunkKey, error: BaseException, source: ByteSource | None = None) -> None:
         """A layered read failed: damage is rejected (and discarded), I/O is a counted error (file kept)."""
         if isinstance(error, KVFormatError):
-            self._rejected(key, error)
+            self._rejected(key, error, source)
         else:
             self._counters.add(errors=1)
             logger.warning("%s tier read of key %s failed: %s", self.tier.value, key.hex, error)
@@ -150,10 +154,10 @@ class DurableTier(StorageTier):
         try:
             entry, gate = read_layered(source, expected_key=key, model_fp=self.model_fp,
                                        tokenizer_fp=self.tokenizer_fp, spawn=spawn, on_done=on_done,
-                                       on_fail=lambda e: self._read_failed(key, e))
+                                       on_fail=lambda e: self._read_failed(key, e, source))
         except (KVFormatError, OSError, StoreError) as e:
             self._counters.got(started, None)
-            self._read_failed(key, e)
+            self._read_failed(key, e, source)
             return None
         self._counters.got(started, size)
         return LayeredFileHit(entry, gate)

@@ -195,7 +195,7 @@ class S3Tier(DurableTier):
             if e.response.get("Error", {}).get("Code") in _MISSING:
                 return None
             self._failed("get", key, e)
-        except BotoCoreError as e:
+        except Exception as e:  # noqa: BLE001 - botocore, and urllib3 from a body cut off mid-read
             self._failed("get", key, e)
         return None
 
@@ -207,7 +207,7 @@ class S3Tier(DurableTier):
             if e.response.get("Error", {}).get("Code") in _MISSING | {"InvalidRange"}:
                 return None
             raise StoreError(f"s3 get of s3://{self.bucket}/{name} failed: {e}") from e
-        except BotoCoreError as e:
+        except Exception as e:  # noqa: BLE001 - botocore, and urllib3 from a body cut off mid-read
             raise StoreError(f"s3 get of s3://{self.bucket}/{name} failed: {e}") from e
 
     def _write(self, key: ChunkKey, data: bytes | bytearray | memoryview) -> bool:
@@ -266,7 +266,7 @@ class S3Tier(DurableTier):
                 key.hex, theirs.compression.value, ours.compression.value,
             )
 
-    def _discard(self, key: ChunkKey, reason: str) -> None:
+    def _discard(self, key: ChunkKey, reason: str, source: object | None = None) -> None:
         try:
             self._s3.delete_object(Bucket=self.bucket, Key=self.object_key(key))
             logger.warning("s3 tier deleted s3://%s/%s: %s", self.bucket, self.object_key(key), reason)

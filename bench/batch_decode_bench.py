@@ -1,0 +1,60 @@
+"""Batched decode against one request at a time: the step the scheduler runs for B requests.
+
+Baseline: B single-token forwards (what one engine thread did per token for B requests).
+Arm: one `decode_batch` over the same B caches of different lengths (weights read once).
+Both run interleaved in the same process; prints ms per step of each and the ratio.
+
+    python bench/batch_decode_bench.py --batch 1,4,8 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--batch", default="1,4,8", help="batch sizes")
+    ap.add_argument("--steps", type=int, default=20, help="decode steps timed per arm")
+    ap.add_argument("--context", type=int, default=1024, help="tokens in the longest cache (others shorter)")
+    args = ap.parse_args()
+
+    from ragkv.engine.memory import tune_host_allocator
+
+    tune_host_allocator()
+    import torch
+
+    from ragkv.engine import Engine, SamplingParams, load_model
+    from ragkv.engine.decode import decode_batch
+
+    engine = Engine(load_model(args.model))
+    vocab = engine.lm.tokenizer.vocab_size
+    out = {}
+    for b in [int(x) for x in args.batch.split(",")]:
+        g = torch.Generator().manual_seed(b)
+        lens = [max(16, args.context * (j + 1) // b) for j in range(b)]
+        prompts = [engine.full_prefill(torch.randint(0, vocab, (n,), generator=g).tolist(),
+                                       reserve_tokens=2 * args.steps + 4) for n in lens]
+        streams = [engine.decode(p, SamplingParams(max_new_tokens=4 * args.steps)) for p in prompts]
+        single, batched = [], []
+        with torch.inference_mode():
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                for s in streams:
+                    s._forward(7)
+                single.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                decode_batch(engine.lm, [s.cache for s in streams], [7] * b)
+                batched.append(time.perf_counter() - t0)
+        one, many = statistics.median(single), statistics.median(batched)
+        out[str(b)] = {"one_at_a_time_ms": round(1e3 * one, 2), "batched_ms": round(1e3 * many, 2),
+                       "speedup": round(one / many, 2), "cache_tokens": lens}
+    print(json.dumps({"model": args.model, "steps": args.steps, "batch": out}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,7 @@
 """Reading a corpus folder: ``.txt`` and ``.md`` files are one document each, ``.jsonl``
-files hold one ``{"id", "text", "metadata"}`` document per line. Other files are
-named in ``Corpus.skipped`` and left out.
+files hold one ``{"id", "text", "metadata"}`` document per line, and PDF, HTML and .docx
+files one document per page or section (indexer/documents.py, the ``ingest`` extra).
+Other files are named in ``Corpus.skipped`` and left out.
 
 Knows nothing of tokens, embeddings or KV.
 """
@@ -28,15 +29,19 @@ class DocFormat(enum.Enum):
     TEXT = ".txt"  # one document, id = relative path
     MARKDOWN = ".md"  # one document, id = relative path
     JSONL = ".jsonl"  # one document per line, id = its "id" field
+    PDF = ".pdf"  # one document per page, id = path#page=N (the ingest extra)
+    HTML = ".html"  # one document per section under a heading, id = path#section=N
+    HTM = ".htm"  # as HTML
+    DOCX = ".docx"  # one document per section under a heading style, id = path#section=N
 
 
 @dataclass(frozen=True, slots=True)
 class Document:
     """One document to index."""
 
-    doc_id: DocId  # relative path for .txt/.md, the "id" field for .jsonl lines
+    doc_id: DocId  # relative path for .txt/.md, the "id" field for .jsonl lines, path#page=N / #section=N
     text: str  # the full text
-    metadata: Mapping[str, Any]  # {"source": path} plus a JSONL line's own "metadata"
+    metadata: Mapping[str, Any]  # {"source": path} plus a JSONL line's own "metadata", or page / section
     source: str  # corpus-relative path of the file, with ":LINE" for JSONL
     content_hash: ContentHash  # hash of text + metadata: what decides "changed"
 
@@ -47,7 +52,7 @@ class Corpus:
 
     root: Path  # the corpus folder
     documents: tuple[Document, ...]  # sorted by doc_id
-    skipped: tuple[str, ...]  # relative paths of files that are not .txt/.md/.jsonl
+    skipped: tuple[str, ...]  # relative paths of files in no DocFormat
 
 
 def load_corpus(root: str | Path) -> Corpus:
@@ -59,9 +64,9 @@ def load_corpus(root: str | Path) -> Corpus:
     """
     root = Path(root)
     if not root.exists():
-        raise CorpusError(f"corpus {root} does not exist: give a folder of .txt, .md or .jsonl files")
+        raise CorpusError(f"corpus {root} does not exist: give a folder of .txt, .md, .jsonl, .pdf, .html or .docx files")
     if not root.is_dir():
-        raise CorpusError(f"corpus {root} is not a folder: give a folder of .txt, .md or .jsonl files")
+        raise CorpusError(f"corpus {root} is not a folder: give a folder of .txt, .md, .jsonl, .pdf, .html or .docx files")
     formats = {f.value: f for f in DocFormat}
     docs: dict[DocId, Document] = {}
     skipped: list[str] = []
@@ -82,11 +87,19 @@ def load_corpus(root: str | Path) -> Corpus:
             docs[doc.doc_id] = doc
     if not docs:
         extra = f" (skipped: {', '.join(skipped[:5])})" if skipped else ""
-        raise CorpusError(f"corpus {root} holds no .txt, .md or .jsonl document{extra}")
+        raise CorpusError(f"corpus {root} holds no .txt, .md, .jsonl, .pdf, .html or .docx document{extra}")
     return Corpus(root, tuple(docs[k] for k in sorted(docs)), tuple(skipped))
 
 
 def _read_file(path: Path, rel: str, fmt: DocFormat) -> list[Document]:
+    if fmt in (DocFormat.PDF, DocFormat.HTML, DocFormat.HTM, DocFormat.DOCX):
+        from ragkv.indexer.documents import READERS
+
+        out = []
+        for suffix, text, extra in READERS[fmt.value](path, rel):
+            meta = {"source": rel, **extra}
+            out.append(Document(DocId(rel + suffix), text, meta, rel + suffix, content_hash(text, meta)))
+        return out
     try:
         raw = path.read_text("utf-8")
     except UnicodeDecodeError as exc:

@@ -21,7 +21,7 @@ def test_help_does_not_import_torch_or_faiss():
 def test_missing_corpus_is_a_clear_error(tmp_path, capsys):
     assert main(["index", str(tmp_path / "nope"), "--out", str(tmp_path / "ix"), "--no-progress"]) == 1
     err = capsys.readouterr().err
-    assert "does not exist: give a folder of .txt, .md or .jsonl files" in err
+    assert "does not exist: give a folder of .txt, .md, .jsonl, .pdf, .html or .docx files" in err
 
 
 def test_bad_shard_is_a_clear_error(tmp_path, capsys):

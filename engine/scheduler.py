@@ -47,6 +47,10 @@ class SchedulerFullError(RagKVError):
     """A request would take the scheduler past its KV-memory or request budget."""
 
 
+class SchedulerStoppedError(RagKVError):
+    """The scheduler stopped (the server is shutting down) before the request finished."""
+
+
 @dataclass(frozen=True, slots=True)
 class Decode:
     """Yielded by a job once its prompt is ready: decode `stream`, batched with the others."""
@@ -118,7 +122,7 @@ class Scheduler:
         with self._lock:
             if self._stopping:
                 gen.close()
-                raise SchedulerFullError("the scheduler is stopping: no new requests")
+                raise SchedulerStoppedError("the server is stopping: no new requests")
             if kv_bytes > budget:
                 gen.close()
                 raise SchedulerFullError(
@@ -164,6 +168,7 @@ class Scheduler:
                 self._decode_step(decoding)
             self.stats.running = len(prompting) + len(decoding)
         for job in leftover:
+            job.emit(SchedulerStoppedError("the server stopped before this request finished: retry on another replica"))
             self._end(job)
 
     def _alive(self, job: _Job) -> bool:
@@ -185,7 +190,7 @@ class Scheduler:
         t0 = time.perf_counter()
         while prompting and len(decoding) < self.config.max_batch:
             now = time.perf_counter()
-            if (decoding or self._incoming) and now - t0 >= self.config.prompt_slice_s:
+            if (decoding or self._incoming or self._stopping) and now - t0 >= self.config.prompt_slice_s:
                 return
             job = min(prompting, key=lambda j: j.prompt_s)  # stable: the oldest of equals
             if not self._alive(job):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import grpc
 
-from ragkv.engine.scheduler import SchedulerFullError
+from ragkv.engine.scheduler import SchedulerFullError, SchedulerStoppedError
 from ragkv.convert import WireValueError
 from ragkv.errors import (
     IndexMismatchError,
@@ -53,6 +53,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (UnsupportedModelError, grpc.StatusCode.FAILED_PRECONDITION),
     (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (SchedulerFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (SchedulerStoppedError, grpc.StatusCode.UNAVAILABLE),
     (NotServingError, grpc.StatusCode.UNAVAILABLE),
     (StoreError, grpc.StatusCode.UNAVAILABLE),
     (KVFormatError, grpc.StatusCode.DATA_LOSS),

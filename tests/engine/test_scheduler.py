@@ -287,3 +287,23 @@ def test_greedy_in_a_batch_equals_alone_cuda_bf16(tmp_path) -> None:
     engine = Engine(load_model(str(tiny_model_dir(tmp_path, "llama")), device="cuda", dtype="bfloat16"))
     together, _, _ = _together(engine)
     assert together == _alone(engine)
+
+
+def test_close_ends_running_requests_with_a_stopped_error() -> None:
+    from ragkv.engine.scheduler import SchedulerStoppedError
+
+    sched = Scheduler()
+
+    def endless():
+        while True:
+            yield 0
+            time.sleep(0.005)
+
+    sink = _Sink()
+    sched.submit(endless(), sink, threading.Event(), kv_bytes=10)
+    time.sleep(0.05)
+    sched.close()
+    assert sink.ended.wait(5)
+    assert any(isinstance(e, SchedulerStoppedError) for e in sink.events)
+    with pytest.raises(SchedulerStoppedError):
+        sched.submit(endless(), _Sink(), threading.Event())

@@ -292,10 +292,14 @@ class TieredStore:
         """Whether any tier holds a copy (unverified; a get may still miss)."""
         return any(t.contains(key) for t in self._tiers)
 
-    def put(self, entry: KVEntry) -> None:
+    def put(self, entry: KVEntry, *, memory: bool = True, durable: bool = True) -> None:
         """Store `entry` in every memory tier and write it through to the configured durable tiers.
 
         Every tier is tried; then, if any durable write failed, StoreError names them.
+
+        Args:
+            memory, durable: which kinds of tier to write (a caller may write the durable
+                ones later, off its hot path).
         """
         if not isinstance(entry, KVEntry):
             raise TypeError(f"put needs a KVEntry, got {type(entry).__name__}")
@@ -308,7 +312,7 @@ class TieredStore:
         failures: list[str] = []
         for tier in self._tiers:
             if isinstance(tier, DurableTier):
-                if tier.tier not in self.write_through:
+                if not durable or tier.tier not in self.write_through:
                     continue
                 if tier.compression not in encoded:
                     encoded[tier.compression] = encode(entry, tier.compression)
@@ -316,7 +320,7 @@ class TieredStore:
                     tier.put_file(entry.key, encoded[tier.compression])
                 except StoreError as e:
                     failures.append(f"{tier.tier.value}: {e}")
-            else:
+            elif memory:
                 tier.put(entry)
         if failures:
             raise StoreError(f"put of key {entry.key.hex} failed in {len(failures)} tier(s): {'; '.join(failures)}")

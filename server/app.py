@@ -160,6 +160,9 @@ class RagServer:
             asyncio.ensure_future(self.drain(0.0))
             return
         self.service.backend = backend
+        tier_errors = getattr(backend, "tier_errors", None)  # a backend with KV tiers (the pipeline)
+        if tier_errors is not None:
+            self.metrics.watch_tier_errors(tier_errors)
         await self._set_health(_SERVING)
         log.info("backend loaded: %d collection(s)", len(backend.collections()))
 

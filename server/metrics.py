@@ -8,9 +8,10 @@ and the HTTP API record into the same objects (the `method` label tells them apa
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
 
 from ragkv.types import DEFAULT_COLLECTION, Mode, RetrievedChunk, Tier
 
@@ -111,6 +112,11 @@ class ServerMetrics:
         for tier, n in bytes_loaded.items():
             self.bytes_loaded.labels(tier.value, collection).inc(n)
 
+    def watch_tier_errors(self, read: Callable[[], Mapping[tuple[str, Tier], int]]) -> None:
+        """Export `read()`'s I/O failures per (collection, tier) as ragkv_kv_tier_errors_total
+        (an S3 endpoint down, a disk that cannot be read); read at each scrape."""
+        self.registry.register(_TierErrors(read))
+
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """Start the /metrics HTTP endpoint in a daemon thread; returns the bound port."""
         self._httpd, _ = start_http_server(port, addr=host, registry=self.registry)
@@ -123,3 +129,18 @@ class ServerMetrics:
             httpd.shutdown()
             httpd.server_close()
             self._httpd = None
+
+
+class _TierErrors:
+    """A collector of the KV tiers' own error counts (kept by kvstore, read at scrape time)."""
+
+    def __init__(self, read: Callable[[], Mapping[tuple[str, Tier], int]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily("ragkv_kv_tier_errors", "KV tier I/O failures (each a miss or a failed "
+                                     "write; the request is served from another tier or computed).",
+                                     labels=["tier", "collection"])
+        for (collection, tier), n in sorted(self._read().items(), key=lambda kv: (kv[0][0], kv[0][1].value)):
+            family.add_metric([tier.value, collection], n)
+        yield family

@@ -104,6 +104,8 @@ class Pipeline:
         self._kv_layered = kv_layered
         self.lm: LoadedModel = engine.lm
         self._collections = collections
+        # durable write-backs run here: a slow or unreachable S3 never stalls the scheduler thread
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ragkv-writeback")
 
     @classmethod
     def from_settings(cls, settings: ServerSettings) -> Pipeline:
@@ -274,11 +276,27 @@ class Pipeline:
         return kvs
 
     def _write_back(self, c: Collection, key: ChunkKey, kv: ChunkKV) -> None:
-        """Store a chunk KV computed on the spot; the answer does not depend on it."""
+        """Store a chunk KV computed on the spot: memory tiers now, durable tiers on the writer
+        thread. The answer does not depend on it."""
+        entry = chunk_kv_to_entry(kv, key, self.lm.fingerprint, self.lm.tokenizer_fingerprint, c.prefix_hash)
+        c.store.put(entry, durable=False)  # the next request finds it at once
+        self._writer.submit(self._persist, c, entry)
+
+    @staticmethod
+    def _persist(c: Collection, entry) -> None:  # noqa: ANN001 - kvstore.KVEntry
         try:
-            c.store.put(chunk_kv_to_entry(kv, key, self.lm.fingerprint, self.lm.tokenizer_fingerprint, c.prefix_hash))
+            c.store.put(entry, memory=False)
         except StoreError as exc:
-            log.warning("writing back computed KV of %s failed: %s", key, exc)
+            log.warning("writing back computed KV of %s failed: %s", entry.key, exc)
+
+    def flush_writes(self, timeout: float | None = None) -> None:
+        """Wait until every write-back submitted so far has reached its durable tiers (or failed)."""
+        self._writer.submit(lambda: None).result(timeout)
+
+    def tier_errors(self) -> dict[tuple[str, Tier], int]:
+        """I/O failures per (collection, tier) so far (ServerMetrics.watch_tier_errors)."""
+        return {(c.name, Tier(t.tier.value)): t.errors for c in self._collections.values()
+                for t in c.store.stats().tiers}
 
     def answer(self, prepared: PreparedQuery, cancel: threading.Event) -> Iterator[AnswerEvent]:
         params, plan = prepared.params, prepared.state
@@ -337,7 +355,8 @@ class Pipeline:
         )
 
     def close(self) -> None:
-        """Release every store and index."""
+        """Finish the write-backs, then release every store and index."""
+        self._writer.shutdown(wait=True)
         for c in self._collections.values():
             c.store.close()
             c.retriever.close()

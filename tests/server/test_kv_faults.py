@@ -192,6 +192,7 @@ def test_corrupted_files_are_recomputed_and_rewritten(
     st = ServerThread(settings(**conf), Pipeline.from_settings)
     try:
         after = _answers(st.addr, n)
+        st.server.service.backend.flush_writes(60)  # write-backs reach the disk on a writer thread
     finally:
         st.stop()
     for mode in clean:

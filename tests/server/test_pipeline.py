@@ -184,6 +184,7 @@ def test_missing_kv_is_computed_and_written_back(tiny_index: Path, tmp_path: Pat
             second = client.query(QUESTION, mode="blend", top_k=2, max_new_tokens=4)
             assert {c.kv_tier for c in second.chunks} == {Tier.CPU}  # written back, promoted
             assert second.result().text == first_text
+            st.server.service.backend.flush_writes(60)  # durable tiers are written on a writer thread
         assert list((index / "kv").rglob("*.safetensors"))  # durable tier written back too
     finally:
         st.stop()

@@ -3,10 +3,16 @@
 The indexer and the server must tokenize chunks identically, or stored KV would not
 match the tokens served: both call `PromptFormat.chunk_ids`. Each segment is
 tokenized on its own, so a chunk's ids never depend on its neighbours.
+
+The system prompt is the index's (`ragkv index --system-prompt`): it is in the prefix,
+so every chunk's KV (and key) depends on it. Earlier turns of a conversation go in the
+question segment, after the chunks and before the question, so they are always
+computed fresh and never change a chunk's cached KV.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,15 +56,35 @@ class PromptFormat:
             raise ValueError("chunk text is empty")
         return self._ids(text.strip() + "\n\n")
 
-    def question_ids(self, question: str) -> list[int]:
-        """The question and everything up to where the answer starts."""
+    def question_ids(self, question: str, history: Sequence[tuple[str, str]] = ()) -> list[int]:
+        """The earlier turns, the question and everything up to where the answer starts.
+
+        Args:
+            question: The question.
+            history: Earlier turns, oldest first, as (role, text) with role "user" or "assistant".
+        """
         if not question.strip():
             raise ValueError("question is empty")
-        return self._ids(f"Question: {question.strip()}{self.tail}")
+        return self._ids(f"{history_text(history)}Question: {question.strip()}{self.tail}")
 
-    def prompt_ids(self, chunks: list[str], question: str) -> list[int]:
+    def prompt_ids(self, chunks: list[str], question: str, history: Sequence[tuple[str, str]] = ()) -> list[int]:
         """The whole prompt as `full` mode sees it: exactly the concatenated segments."""
         ids = self.prefix_ids()
         for text in chunks:
             ids += self.chunk_ids(text)
-        return ids + self.question_ids(question)
+        return ids + self.question_ids(question, history)
+
+
+_SPEAKER = {"user": "User", "assistant": "Assistant"}
+
+
+def history_text(history: Sequence[tuple[str, str]]) -> str:
+    """Earlier turns as text placed between the chunks and the question ("" when none)."""
+    if not history:
+        return ""
+    lines = []
+    for role, text in history:
+        if role not in _SPEAKER:
+            raise ValueError(f"history role must be user or assistant, got {role!r}")
+        lines.append(f"{_SPEAKER[role]}: {text.strip()}")
+    return "Earlier in this conversation:\n" + "\n".join(lines) + "\n\n"

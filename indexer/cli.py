@@ -62,6 +62,12 @@ def add_index_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    help="kvstore tier to write, repeatable: disk:/path or s3://bucket/prefix "
                         f"(default: ${ENV_KV_URIS}, else disk:OUT/kv)")
     p.add_argument("--no-kv", action="store_true", help="skip KV precompute (chunks and vectors only)")
+    p.add_argument("--system-prompt", default=None, metavar="TEXT|@FILE",
+                   help="the system prompt answers from this index get (it is in every chunk's KV, so changing "
+                        "it means a new index); @FILE reads it from a file (default: the built-in one)")
+    p.add_argument("--kv-compression", choices=["none", "int8", "fp8"], default="none",
+                   help="how KV files store K and V: int8/fp8 per-channel quantization halves the bytes of 16-bit "
+                        "KV (quarters float32) at a small quality cost, see docs/kv-compression.md (default none)")
     p.add_argument("--shard", metavar="i/N",
                    help="index only shard i of N (default: AWS_BATCH_JOB_ARRAY_INDEX/_SIZE when set)")
     p.add_argument("--device", default=AUTO, help="torch device; auto = cuda when torch sees a GPU, else cpu")
@@ -84,6 +90,26 @@ def add_index_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run_index_command)
     return p
+
+
+def read_system_prompt(value: str | None) -> str | None:
+    """``--system-prompt``: the text itself, or ``@FILE`` to read it from a file; None = the default.
+
+    Raises:
+        ValueError: The text (or the file) is empty, or the file cannot be read.
+    """
+    if value is None:
+        return None
+    if value.startswith("@"):
+        path = Path(value[1:])
+        try:
+            value = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"--system-prompt {value!r}: cannot read {path}: {exc}") from None
+        value = value.strip()
+    if not value.strip():
+        raise ValueError("--system-prompt is empty: give the text, or @FILE naming a file with it")
+    return value
 
 
 def _staging(args: argparse.Namespace, what: str, uri: str) -> Path:
@@ -147,7 +173,8 @@ def run_index_command(args: argparse.Namespace) -> int:
         precompute_kv=not args.no_kv, shard=shard, device=device,
         dtype=resolve_dtype(args.dtype, device), kv_batch=args.kv_batch, embed_batch=args.embed_batch,
         progress=not args.no_progress, runner=Runner(args.runner), ray_address=args.ray_address,
-        ray_workers=args.ray_workers,
+        ray_workers=args.ray_workers, system_prompt=read_system_prompt(args.system_prompt),
+        kv_compression=args.kv_compression,
     )
     if config.runner is Runner.RAY and config.precompute_kv:
         from ragkv.indexer.ray_runner import import_ray

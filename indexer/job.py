@@ -77,6 +77,8 @@ class IndexJobConfig:
     ray_address: str | None = None  # Runner.RAY: ray.init address; None = $RAY_ADDRESS or a local instance
     ray_workers: int = 0  # Runner.RAY: actors; 0 = one per GPU (cuda) or per CPU of the cluster
     progress: bool = True  # tqdm bars on stderr
+    system_prompt: str | None = None  # in the shared prefix, so in every chunk's KV and key; None = the default
+    kv_compression: str = "none"  # how KV files store K and V: none, int8 or fp8 (kvstore.compression)
 
     def index_dir(self) -> Path:
         """Where this run writes: ``out``, or its shard's subfolder."""
@@ -159,10 +161,14 @@ def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Any
     index_dir = config.index_dir()
 
     from ragkv.engine import Engine, load_model
+    from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT
 
     lm = lm or load_model(config.model, device=config.device, dtype=config.dtype)
     embedder = embedder or Embedder.load(config.embedder, device=config.device)
-    engine = Engine(lm)
+    system_prompt = DEFAULT_SYSTEM_PROMPT if config.system_prompt is None else config.system_prompt
+    if not system_prompt.strip():
+        raise ValueError("the system prompt is empty: give --system-prompt TEXT or @FILE with some text")
+    engine = Engine(lm, system_prompt=system_prompt)
     prefix_ids = tuple(engine.prompt.prefix_ids())
     kv_uris = config.resolved_kv_uris()
 
@@ -178,6 +184,7 @@ def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Any
         kv_precomputed=False, vector_index=vector_index.choose_kind(0, config.hnsw_threshold),
         state=IndexState.BUILDING, n_documents=0, n_chunks=0, n_tokens=0, shard=config.shard,
         created_at=old.created_at if old else now, updated_at=now,
+        system_prompt=system_prompt, kv_compression=config.kv_compression,
     )
     if old is not None:
         _check_compatible(index_dir, old, manifest)
@@ -240,8 +247,13 @@ def _shard_documents(corpus: Corpus, shard: ShardSpec | None) -> list[Document]:
 
 
 def _check_compatible(index_dir: Path, old: Manifest, new: Manifest) -> None:
-    for name in ("model_fp", "tokenizer_fp", "embedder_fp", "prefix_ids", "chunk_size", "chunk_overlap", "shard"):
+    for name in ("model_fp", "tokenizer_fp", "embedder_fp", "prefix_ids", "chunk_size", "chunk_overlap", "shard",
+                 "kv_compression"):
         a, b = getattr(old, name), getattr(new, name)
+        if name == "prefix_ids" and a != b and old.system_prompt != new.system_prompt:
+            raise IndexMismatchError(
+                f"{index_dir} was indexed with system prompt {old.system_prompt!r}, this run gives "
+                f"{new.system_prompt!r}: the system prompt is in every chunk's KV; index into a new --out folder")
         if a != b:
             raise IndexMismatchError(
                 f"{index_dir} holds an index built with another {name} ({str(a)[:40]!r}, now "
@@ -297,7 +309,7 @@ def _precompute_kv(db: ChunkDB, engine: Any, lm: Any, prefix_ids: Sequence[int],
     pending = [KVItem(row, key, ids) for row, key, ids in db.pending_kv()]
     if not pending:
         return 0, 0, 0
-    store = open_store(kv_uris, lm.fingerprint, lm.tokenizer_fingerprint)
+    store = open_store(kv_uris, lm.fingerprint, lm.tokenizer_fingerprint, config.kv_compression)
     try:
         writer = KVWriter(engine, store, prefix_ids)
         stored = {it.row for it in pending} - {it.row for it in writer.missing(pending)}
@@ -330,5 +342,5 @@ def _ray_runner(config: IndexJobConfig, prefix_ids: Sequence[int], kv_uris: Sequ
 
     ray_config = RayRunnerConfig(model=config.model, device=config.device, dtype=config.dtype,
                                  kv_uris=tuple(kv_uris), address=config.ray_address,
-                                 workers=config.ray_workers)
+                                 workers=config.ray_workers, kv_compression=config.kv_compression)
     return RayKVRunner(ray_config, prefix_ids, lm.fingerprint, lm.tokenizer_fingerprint)

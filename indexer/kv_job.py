@@ -35,11 +35,12 @@ def kv_key(model_fp: str, tokenizer_fp: str, prefix_ids: Sequence[int], chunk_id
     return ChunkKey.build(model_fp, tokenizer_fp, list(prefix_ids), list(chunk_ids)).to_str()
 
 
-def open_store(uris: Sequence[str], model_fp: str, tokenizer_fp: str) -> Any:
-    """A kvstore TieredStore writing through to the tiers named by ``uris``."""
+def open_store(uris: Sequence[str], model_fp: str, tokenizer_fp: str, compression: str = "none") -> Any:
+    """A kvstore TieredStore writing through to the tiers named by ``uris``, K and V stored
+    as ``compression`` says (none, int8 or fp8)."""
     from ragkv.kvstore import StoreConfig, TieredStore
 
-    config = StoreConfig.from_uris(list(uris))
+    config = StoreConfig.from_uris(list(uris), compression=compression)
     return TieredStore(config, model_fp, tokenizer_fp)
 
 

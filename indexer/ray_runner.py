@@ -46,6 +46,7 @@ class RayRunnerConfig:
     kv_uris: tuple[str, ...]  # kvstore tiers each actor writes through
     address: str | None = None  # ray.init address; None: $RAY_ADDRESS or a new local instance
     workers: int = 0  # actors; 0: one per GPU of the cluster (cuda) or one per CPU (cpu)
+    kv_compression: str = "none"  # how the KV files store K and V: none, int8 or fp8
 
 
 class KVBatchWorker:
@@ -62,7 +63,8 @@ class KVBatchWorker:
         if config.device == "cpu":
             torch.set_num_threads(threads)  # the actor's CPU share, not every core of the node
         self.lm = load_model(config.model, device=config.device, dtype=config.dtype)
-        self.store = open_store(config.kv_uris, self.lm.fingerprint, self.lm.tokenizer_fingerprint)
+        self.store = open_store(config.kv_uris, self.lm.fingerprint, self.lm.tokenizer_fingerprint,
+                                config.kv_compression)
         self.writer = KVWriter(Engine(self.lm), self.store, prefix_ids)
 
     def fingerprints(self) -> tuple[str, str]:

@@ -95,6 +95,10 @@ class Manifest:
     created_at: float  # unix seconds when the index was first created
     updated_at: float  # unix seconds of the last change
     version: int = MANIFEST_VERSION  # manifest format version
+    # the system prompt in the prefix (ragkv index --system-prompt); None: an index written
+    # before it was recorded, built with the engine's DEFAULT_SYSTEM_PROMPT of its day
+    system_prompt: str | None = None
+    kv_compression: str = "none"  # how the KV files store K and V: none, int8 or fp8
 
     def check_model(self, model_fp: str, tokenizer_fp: str) -> None:
         """Raise IndexMismatchError unless the index was built for this model and tokenizer."""

@@ -33,6 +33,8 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("kv_gpu_bytes", int, "bytes of KV kept in the GPU tier (default 0)"),
     ("kv_disk_dir", Path, "disk tier directory (default: the index's own)"),
     ("kv_s3_uri", str, "s3://bucket/prefix of the S3 tier (default off)"),
+    ("kv_compression", str, "how KV computed at serve time is written back: auto (as the index was built, "
+                            "see ragkv index --kv-compression), none, int8 or fp8 (default auto)"),
     ("kv_layered", str, "on: blend starts once a disk/S3 file's header is checked and reads each layer as it "
                         "arrives; off: read and verify whole files first (default on)"),
     ("default_mode", str, "mode when a request leaves it unspecified (default focus)"),

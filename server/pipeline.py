@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ragkv.engine import BlendOptions, ChunkKV, Engine, LoadedModel, SamplingParams, load_model
+from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT
 from ragkv.engine.scheduler import Decode
 from ragkv.indexer.kv_bridge import chunk_kv_to_entry, entry_to_chunk_kv
 from ragkv.kvstore import ChunkKey, LayerGate, PrefetchHandle, PrefixHash, StoreConfig, TieredStore, hash_prefix
@@ -33,7 +34,7 @@ from ragkv.retriever import Retriever
 from ragkv.server.backend import AnswerEvent, ChunksEvent, DoneEvent, PreparedQuery, QueryParams, SearchParams, TokenEvent
 from ragkv.server.search_config import retriever_options
 from ragkv.server.settings import ServerSettings
-from ragkv.server.status import UnknownCollectionError
+from ragkv.server.status import InvalidArgumentError, UnknownCollectionError
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class Collection:
     prefix_ids: tuple[int, ...]  # the prefix the index's chunk KVs were computed after
     prefix_hash: PrefixHash  # its hash, as it names the KV entries
     mismatch: str | None  # why Query is refused (another model built the index); None = servable
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT  # the system prompt in prefix_ids (the index's own)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +66,8 @@ class _Plan:
     handles: tuple[PrefetchHandle, ...] | None  # KV loads in flight; None when the mode needs none
 
 
-def _store_config(settings: ServerSettings, index_dir: Path, kv_uris: Sequence[str], device: torch.device) -> StoreConfig:
+def _store_config(settings: ServerSettings, index_dir: Path, kv_uris: Sequence[str], device: torch.device,
+                  kv_compression: str = "none") -> StoreConfig:
     from ragkv.retriever.manifest import resolve_kv_uris
 
     uris: list[str] = ["cpu"]
@@ -84,7 +87,27 @@ def _store_config(settings: ServerSettings, index_dir: Path, kv_uris: Sequence[s
         uris.append(settings.kv_s3_uri)
     if not any(u.startswith(("disk:", "s3://")) for u in uris):
         uris.append(f"disk:{(index_dir / 'kv').resolve()}")
-    return StoreConfig.from_uris(uris, budgets=budgets)
+    # computed KV written back is stored as the index's own files are, unless --kv-compression says otherwise
+    compression = kv_compression if settings.kv_compression == "auto" else settings.kv_compression
+    return StoreConfig.from_uris(uris, budgets=budgets, compression=compression)
+
+
+def check_system_prompt(params: QueryParams, index_prompt: str) -> None:
+    """Refuse a request whose system message is not the one its collection was indexed with.
+
+    The system prompt is in the prefix every chunk's KV was computed after, so another one
+    cannot be honoured from the cache; it is refused rather than silently dropped.
+
+    Raises:
+        InvalidArgumentError: The request's system prompt differs (the message names both).
+    """
+    if params.system_prompt is None or params.system_prompt.strip() == index_prompt.strip():
+        return
+    raise InvalidArgumentError(
+        "system_prompt",
+        f"the request's system message {params.system_prompt!r} differs from the system prompt collection "
+        f"{params.collection!r} was indexed with: {index_prompt!r} (send that one or none, or index the corpus "
+        f"again with `ragkv index --system-prompt`)")
 
 
 class Pipeline:
@@ -141,10 +164,12 @@ class Pipeline:
             except IndexMismatchError as exc:
                 mismatch = f"collection {name!r}: {exc}"
                 log.warning("%s", mismatch)
-            store = TieredStore(_store_config(settings, Path(index_dir), manifest.kv_uris, lm.device),
+            store = TieredStore(_store_config(settings, Path(index_dir), manifest.kv_uris, lm.device,
+                                              manifest.kv_compression),
                                 lm.fingerprint, lm.tokenizer_fingerprint)
             collections[name] = Collection(name, retriever, store, tuple(manifest.prefix_ids),
-                                           hash_prefix(manifest.prefix_ids), mismatch)
+                                           hash_prefix(manifest.prefix_ids), mismatch,
+                                           manifest.system_prompt or DEFAULT_SYSTEM_PROMPT)
         return cls(engine, collections, settings.focus_keep, settings.kv_layered)
 
     @property
@@ -191,6 +216,7 @@ class Pipeline:
         c = self._collection(params.collection)
         if c.mismatch is not None:
             raise IndexMismatchError(c.mismatch)
+        check_system_prompt(params, c.system_prompt)
         started = time.perf_counter()
         hits = self._search(c, params.question, params.top_k, params.search)
         retrieved = time.perf_counter()
@@ -316,7 +342,7 @@ class Pipeline:
         if cancel.is_set():
             return
 
-        question_ids = engine.prompt.question_ids(params.question)
+        question_ids = engine.prompt.question_ids(params.question, [(t.role.value, t.content) for t in params.history])
         options = BlendOptions(recompute_ratio=params.recompute_ratio, focus_keep=self._focus_keep)
         t0 = time.perf_counter()
 

@@ -89,6 +89,7 @@ class ServerSettings:
     kv_gpu_bytes: int = 0  # bytes of KV kept in the GPU tier (CUDA only)
     kv_disk_dir: Path | None = None  # disk tier directory; None = the index's own
     kv_s3_uri: str | None = None  # s3://bucket/prefix of the S3 tier; None = off
+    kv_compression: str = "auto"  # how KV computed at serve time is written back: none, int8, fp8; auto = as the index
     # disk and S3 hits go to the engine once their headers pass, each layer as its bytes are
     # verified, so reading overlaps compute (layer-wise pipelining); off = read whole first
     kv_layered: bool = True
@@ -120,6 +121,8 @@ class ServerSettings:
                              f"{self.kv_budget_bytes}, {self.max_batch}, {self.prompt_slice_s}")
         if self.retrieve_workers < 1:
             raise ValueError(f"retrieve_workers must be >= 1, got {self.retrieve_workers}")
+        if self.kv_compression not in ("auto", "none", "int8", "fp8"):
+            raise ValueError(f"kv_compression must be auto, none, int8 or fp8, got {self.kv_compression!r}")
         if not 0.0 < self.focus_keep <= 1.0:
             raise ValueError(f"focus_keep must be in (0, 1], got {self.focus_keep}")
         if self.grace_seconds < 0:

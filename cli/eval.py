@@ -50,6 +50,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    p.add_argument("--kv-compression", default=None, metavar="int8,fp8",
+                   help="measure KV file compression instead: KL, agreement and accuracy of each mode over "
+                        "compressed against uncompressed KV, file bytes and read time (synthetic cases)")
     r = p.add_argument_group("retrieval only (no LLM decoding)")
     r.add_argument("--retrieval-only", action="store_true",
                    help="report retrieval_recall and mrr per search mode as one JSON object: "
@@ -136,6 +139,12 @@ def index_cases(engine, index: Path, questions: Path, top_k: int):  # noqa: ANN0
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    if args.kv_compression:
+        from ragkv.cli.kv_compression_eval import print_report, run_compression_eval
+
+        report = run_compression_eval(args)
+        print(json.dumps(report)) if args.json else print_report(report)
+        return 0
     if args.retrieval_only:
         from ragkv.cli.retrieval_eval import run_retrieval_eval
 

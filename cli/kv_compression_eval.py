@@ -1,0 +1,150 @@
+"""`ragkv eval --kv-compression int8,fp8`: what compressing the KV files costs and saves.
+
+For each case the chunks' KV is prefilled once (the indexer's work), written as a KV file
+with no compression and with each asked-for compression (kvstore.fileformat, exactly what
+`ragkv index --kv-compression` writes), read back, and every mode runs over the
+uncompressed and the read-back KV. Per compression and mode:
+- kl_mean: KL(uncompressed || compressed) of the next-token distribution at the last prompt
+  position, in nats (0 = no change);
+- first_token_agreement / agreement: the first token / the greedy answer equals the one over
+  uncompressed KV;
+- accuracy / accuracy_uncompressed: an expected answer is in the answer's first sentence;
+- bytes_per_token, bytes_ratio: file bytes per chunk token, and against the uncompressed file;
+- read_median_s: median seconds to verify, parse and dequantize one chunk's file from memory
+  (what a page-cache hit costs; a disk read adds bytes / disk bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+COMPRESSIONS = ("none", "int8", "fp8")
+
+
+def parse_compressions(text: str) -> list[str]:
+    """`--kv-compression int8,fp8` -> ["int8", "fp8"] ("none" is always the reference).
+
+    Raises:
+        ValueError: An unknown name.
+    """
+    names = [c.strip().lower() for c in text.split(",") if c.strip()]
+    bad = [c for c in names if c not in COMPRESSIONS]
+    if bad or not names:
+        raise ValueError(f"--kv-compression takes a comma list of int8, fp8 (none is the reference), got {text!r}")
+    return [c for c in dict.fromkeys(names) if c != "none"]
+
+
+def run_compression_eval(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure each compression of --kv-compression against uncompressed KV; returns the report."""
+    import torch
+    from tqdm import tqdm
+
+    from ragkv.engine import BlendOptions, Engine, SamplingParams, load_model, tune_host_allocator
+    from ragkv.engine.evaluate import best_f1, first_sentence, kl_divergence, normalize
+    from ragkv.engine.synthetic import make_cases
+    from ragkv.indexer.kv_bridge import chunk_kv_to_entry, entry_to_chunk_kv
+    from ragkv.kvstore import ChunkKey, hash_prefix
+    from ragkv.kvstore.compression import Compression, check_supported
+    from ragkv.kvstore.fileformat import decode, encode
+    from ragkv.types import Mode
+
+    tune_host_allocator()
+    compressions = [check_supported(Compression(c)) for c in parse_compressions(args.kv_compression)]
+    modes = [Mode(m.strip()) for m in args.modes.split(",") if m.strip() and m.strip() != "full"]
+    if not modes:
+        raise ValueError("--kv-compression needs a mode that reads chunk KV in --modes: reuse, blend or focus")
+    engine = Engine(load_model(args.model))
+    lm, p = engine.lm, engine.prompt
+    tok = lm.tokenizer
+    n_chunks = max(1, args.context // args.chunk_tokens)
+    cases = make_cases(args.synthetic or "niah", args.n, n_chunks, args.chunk_tokens,
+                       lambda s: len(tok(s, add_special_tokens=False)["input_ids"]), args.seed)
+    ratio = float(args.ratio.split(",")[0])
+    options = BlendOptions(recompute_ratio=ratio, selector=args.selector.split(",")[0].strip())
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    prefix_ids = p.prefix_ids()
+    prefix = engine.prefix_kv(prefix_ids)
+    prefix_hash = hash_prefix(prefix_ids)
+    sums: dict[tuple[str, str], Counter] = {}
+    sizes: dict[str, list[int]] = {c: [] for c in ["none", *[c.value for c in compressions]]}
+    reads: dict[str, list[float]] = {c: [] for c in sizes}
+    tokens = 0
+
+    def read_back(kvs: list, compression: Compression) -> list:
+        out = []
+        for kv in kvs:
+            key = ChunkKey.build(lm.fingerprint, lm.tokenizer_fingerprint, prefix_ids, kv.token_ids.tolist())
+            data = encode(chunk_kv_to_entry(kv, key, lm.fingerprint, lm.tokenizer_fingerprint, prefix_hash),
+                          compression)
+            sizes[compression.value].append(len(data))
+            t = time.perf_counter()
+            entry = decode(bytearray(data), expected_key=key, model_fp=lm.fingerprint,
+                           tokenizer_fp=lm.tokenizer_fingerprint)
+            back = entry_to_chunk_kv(entry, lm.device, lm.dtype)
+            reads[compression.value].append(time.perf_counter() - t)
+            out.append(back)
+        return out
+
+    for case in tqdm(cases, desc="kv-compression eval", unit="case", file=sys.stderr):
+        chunk_ids = [p.chunk_ids(c) for c in case.chunks]
+        tokens += sum(len(ids) for ids in chunk_ids)
+        kvs = engine.prefill_chunks(prefix_ids, chunk_ids)
+        q = p.question_ids(case.question)
+        plain = read_back(kvs, Compression.NONE)  # bit-exact: the reference
+        refs = {}
+        for mode in modes:
+            res = engine.blend(prefix, plain, q, mode=mode, options=options)
+            refs[mode] = (res, "".join(engine.decode(res, params)))
+        for compression in compressions:
+            packed = read_back(kvs, compression)
+            for mode in modes:
+                ref, ref_answer = refs[mode]
+                res = engine.blend(prefix, packed, q, mode=mode, options=options)
+                answer = "".join(engine.decode(res, params))
+                s = sums.setdefault((compression.value, mode.value), Counter())
+                s["n"] += 1
+                s["kl"] += kl_divergence(ref.logits, res.logits)
+                s["first"] += int(res.logits.argmax()) == int(ref.logits.argmax())
+                s["agree"] += normalize(answer) == normalize(ref_answer)
+                s["acc"] += any(normalize(a) in normalize(first_sentence(answer)) for a in case.answers)
+                s["acc_ref"] += any(normalize(a) in normalize(first_sentence(ref_answer)) for a in case.answers)
+                s["f1"] += best_f1(first_sentence(answer), case.answers)
+        del kvs
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    none_bytes = sum(sizes["none"])
+    report: dict[str, Any] = {"files": {}, "quality": {}}
+    for name, sz in sizes.items():
+        report["files"][name] = {
+            "bytes_per_token": sum(sz) / tokens,  # each variant wrote every chunk once
+            "bytes_ratio": sum(sz) / none_bytes if none_bytes else 0.0,
+            "read_median_s": statistics.median(reads[name]) if reads[name] else 0.0,
+        }
+    for (comp, mode), s in sums.items():
+        n = s["n"]
+        report["quality"][f"{comp}/{mode}"] = {
+            "n": n, "kl_mean": s["kl"] / n, "first_token_agreement": s["first"] / n, "agreement": s["agree"] / n,
+            "accuracy": s["acc"] / n, "accuracy_uncompressed": s["acc_ref"] / n, "f1": s["f1"] / n,
+        }
+    report["config"] = {"model": args.model, "dtype": str(lm.dtype).removeprefix("torch."), "device": str(lm.device),
+                        "synthetic": args.synthetic or "niah", "n": args.n, "context": args.context,
+                        "chunk_tokens": args.chunk_tokens, "modes": [m.value for m in modes], "ratio": ratio,
+                        "selector": options.selector, "seed": args.seed}
+    return report
+
+
+def print_report(report: dict[str, Any]) -> None:
+    """The report as two small tables."""
+    print(f"{'file':6s} {'bytes/token':>12s} {'ratio':>6s} {'read s':>8s}")
+    for name, f in report["files"].items():
+        print(f"{name:6s} {f['bytes_per_token']:12.0f} {f['bytes_ratio']:6.3f} {f['read_median_s']:8.4f}")
+    print(f"{'compression/mode':18s} {'n':>4s} {'KL':>8s} {'tok1':>5s} {'agree':>5s} {'acc':>5s} {'acc none':>8s}")
+    for name, q in report["quality"].items():
+        print(f"{name:18s} {q['n']:4d} {q['kl_mean']:8.5f} {q['first_token_agreement']:5.2f} "
+              f"{q['agreement']:5.2f} {q['accuracy']:5.2f} {q['accuracy_uncompressed']:8.2f}")

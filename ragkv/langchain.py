@@ -11,11 +11,13 @@ imports it. It talks to a server through `ragkv.client` alone and knows nothing 
 the engine, the KV store or the retriever behind it. No tool calling: the server
 answers one question from retrieved context, it does not pick tools.
 
-Which text is sent as the question: the last human message's text. The server owns
-the system prompt (the shared KV prefix every chunk was prefilled after), so system
-and tool messages are never sent. `history_messages` > 0 folds that many earlier
-human/AI messages before the question as "role: text" lines; off by default because
-the question is also what the server embeds for retrieval, and old turns blur it.
+Which text is sent as the question: the last human message's text (it is also what the
+server embeds for retrieval). `history_messages` > 0 sends that many earlier human/AI
+messages as the request's chat history, which the server places after the chunks and
+before the question. System messages are sent as the request's system prompt: an index
+has its own (`ragkv index --system-prompt`, the shared KV prefix every chunk was
+prefilled after), and a different one is refused with INVALID_ARGUMENT naming both
+rather than silently dropped. Tool messages are never sent.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, Callba
 from langchain_core.documents import Document
 from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, SystemMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.retrievers import BaseRetriever
@@ -42,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
 from ragkv.client import AsyncRagClient, RagClient
 from ragkv.errors import RagKVError
 from ragkv.retry import RetryPolicy
-from ragkv.types import MetadataFilter, Mode, QueryStats, RetrievedChunk, SearchMode
+from ragkv.types import ChatRole, ChatTurn, MetadataFilter, Mode, QueryStats, RetrievedChunk, SearchMode
 
 __all__ = ["RagKVChatModel", "RagKVRetriever", "RagKVServerError"]
 
@@ -146,29 +148,40 @@ class _Connection(BaseModel):
             await client.close()
 
 
-def question_from_messages(messages: Sequence[BaseMessage], history_messages: int = 0) -> str:
-    """The question sent to Query: the last human message, after `history_messages` earlier turns.
-
-    Args:
-        messages: The conversation, oldest first.
-        history_messages: Earlier human/AI messages to fold in before the question.
-
-    Raises:
-        ValueError: No human message with text.
-    """
+def _last_human(messages: Sequence[BaseMessage]) -> int:
     last = next((i for i in range(len(messages) - 1, -1, -1) if isinstance(messages[i], HumanMessage)), None)
     if last is None:
         kinds = [m.type for m in messages]
         raise ValueError(f"RagKVChatModel needs a human message to ask; got messages of types {kinds}")
-    question = messages[last].text.strip()
+    return last
+
+
+def question_from_messages(messages: Sequence[BaseMessage]) -> str:
+    """The question sent to Query: the last human message's text.
+
+    Raises:
+        ValueError: No human message with text.
+    """
+    question = messages[_last_human(messages)].text.strip()
     if not question:
         raise ValueError("the last human message has no text to ask")
+    return question
+
+
+def history_from_messages(messages: Sequence[BaseMessage], history_messages: int) -> tuple[ChatTurn, ...]:
+    """The last `history_messages` human/AI messages before the question, as the request's history."""
     if history_messages <= 0:
-        return question
-    earlier = [m for m in messages[:last] if isinstance(m, (HumanMessage, AIMessage)) and m.text.strip()]
-    lines = [f"{'user' if m.type == 'human' else 'assistant'}: {m.text.strip()}"
-             for m in earlier[-history_messages:]]
-    return "\n".join([*lines, f"user: {question}"]) if lines else question
+        return ()
+    earlier = [m for m in messages[:_last_human(messages)] if isinstance(m, (HumanMessage, AIMessage))
+               and m.text.strip()]
+    return tuple(ChatTurn(ChatRole.USER if m.type == "human" else ChatRole.ASSISTANT, m.text.strip())
+                 for m in earlier[-history_messages:])
+
+
+def system_prompt_from_messages(messages: Sequence[BaseMessage]) -> str | None:
+    """The system messages' text (joined by blank lines), or None when there is none."""
+    texts = [m.text.strip() for m in messages if isinstance(m, SystemMessage) and m.text.strip()]
+    return "\n\n".join(texts) if texts else None
 
 
 def _chunk_metadata(chunks: Sequence[RetrievedChunk], text_chars: int) -> dict[str, Any]:
@@ -239,7 +252,7 @@ class RagKVChatModel(_Connection, BaseChatModel):
     streaming: bool = False
     """Stream tokens even from invoke (LangGraph's messages mode streams regardless)."""
     history_messages: int = Field(default=0, ge=0)
-    """Earlier human/AI messages folded into the question; 0 = the last human message only."""
+    """Earlier human/AI messages sent as chat history (after the chunks, before the question); 0 = none."""
     chunk_text_chars: int = Field(default=0, ge=0)
     """Characters of each chunk's text to put in response_metadata; 0 = no text."""
 
@@ -286,7 +299,9 @@ class RagKVChatModel(_Connection, BaseChatModel):
         # Bad values (an unknown mode, top_k 0...) fail in the SDK or as the server's INVALID_ARGUMENT.
         values = {k: kwargs.get(k, getattr(self, k)) for k in _QUERY_OVERRIDES}
         return {
-            "question": question_from_messages(messages, self.history_messages),
+            "question": question_from_messages(messages),
+            "history": history_from_messages(messages, self.history_messages),
+            "system_prompt": system_prompt_from_messages(messages),
             "collection": values["collection"],
             "top_k": values["top_k"],
             "mode": values["mode"],

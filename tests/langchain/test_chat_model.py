@@ -11,7 +11,10 @@ import grpc
 import pytest
 from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage, ToolMessage
 
-from ragkv.langchain import RagKVChatModel, RagKVServerError, question_from_messages
+from ragkv.langchain import (
+    RagKVChatModel, RagKVServerError, history_from_messages, question_from_messages, system_prompt_from_messages,
+)
+from ragkv.types import ChatRole, ChatTurn
 from tests.langchain.conftest import TOKEN
 from tests.server.fakes import FakeBackend, ServerThread
 
@@ -73,16 +76,32 @@ def test_last_human_message_is_the_question(fake_server: ServerThread, fake_back
         ToolMessage("tool output", tool_call_id="t1"),
     ]
     assert _model(fake_server).invoke(conversation).content == "second question "
-    folded = _model(fake_server, history_messages=2).invoke(conversation)
-    assert fake_backend.started[-1] == "user: first question\nassistant: first answer\nuser: second question"
-    assert folded.content.startswith("user: first")
+    with_history = _model(fake_server, history_messages=2).invoke(conversation)
+    assert fake_backend.started[-1] == "second question"  # the question alone is what retrieval embeds
+    assert with_history.content == "second question "
+
+
+def test_history_and_system_prompt_reach_the_server(fake_server: ServerThread, fake_backend: FakeBackend,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = []
+    prepare = fake_backend.prepare
+    monkeypatch.setattr(fake_backend, "prepare", lambda params: seen.append(params) or prepare(params))
+    conversation = [SystemMessage("be brief"), HumanMessage("first question"), AIMessage("first answer"),
+                    HumanMessage("second question")]
+    _model(fake_server, history_messages=2).invoke(conversation)
+    assert seen[-1].system_prompt == "be brief"
+    assert seen[-1].history == (ChatTurn(ChatRole.USER, "first question"), ChatTurn(ChatRole.ASSISTANT, "first answer"))
+    _model(fake_server).invoke([HumanMessage("alone")])
+    assert seen[-1].system_prompt is None and seen[-1].history == ()
 
 
 def test_question_from_messages_rules() -> None:
     msgs = [HumanMessage("q1"), AIMessage("a1"), HumanMessage([{"type": "text", "text": "q2"}])]
     assert question_from_messages(msgs) == "q2"
-    assert question_from_messages(msgs, history_messages=1) == "assistant: a1\nuser: q2"
-    assert question_from_messages(msgs, history_messages=9) == "user: q1\nassistant: a1\nuser: q2"
+    assert history_from_messages(msgs, 1) == (ChatTurn(ChatRole.ASSISTANT, "a1"),)
+    assert history_from_messages(msgs, 9) == (ChatTurn(ChatRole.USER, "q1"), ChatTurn(ChatRole.ASSISTANT, "a1"))
+    assert history_from_messages(msgs, 0) == ()
+    assert system_prompt_from_messages([SystemMessage("a"), SystemMessage("b"), *msgs]) == "a\n\nb"
     with pytest.raises(ValueError, match="human message"):
         question_from_messages([SystemMessage("s"), AIMessage("a")])
     with pytest.raises(ValueError, match="no text"):

@@ -1,0 +1,34 @@
+"""The soak's short version: 1 client for 30 s against a tiny random model, with every fault kind."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import soak
+
+
+def test_failures_names_each_way_a_soak_fails() -> None:
+    good = {"codes": {"OK": 10, "RESOURCE_EXHAUSTED": 1}, "differing_answers": 0, "rss_growth": 0.02,
+            "rss_mib": {"first": 100, "max": 102, "last": 102}}
+    assert soak.failures(good, 0.10) == []
+    bad = dict(good, codes={"OK": 3, "DATA_LOSS": 1, "UNKNOWN": 2}, differing_answers=1, rss_growth=0.2)
+    why = " / ".join(soak.failures(bad, 0.10))
+    for expected in ("1 request(s) ended DATA_LOSS", "2 request(s) ended UNKNOWN", "1 answer(s) differ",
+                     "RSS grew 20.0%"):
+        assert expected in why, f"{expected!r} not in {why!r}"
+    assert soak.failures(dict(good, codes={}), 0.10) == ["no request was answered"]
+
+
+def test_short_soak_passes_under_faults(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    rc = soak.main(["--tiny", "--clients", "1", "--minutes", "0.5", "--fault-every", "1.5",
+                    "--workdir", str(tmp_path / "work"), "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0, f"soak failed: {report['failures']} (server log {report['server_log']})"
+    assert report["requests"] >= 20, report["codes"]
+    assert set(report["codes"]) == {"OK"}, report["codes"]
+    assert set(report["codes_by_mode"]) == set(soak.MODES)
+    for kind in ("flip", "truncate", "delete", "s3_stop", "s3_start"):
+        assert report["faults"].get(kind, 0) >= 1, f"no {kind} fault injected: {report['faults']}"
+    assert report["rss_mib"]["first"] > 0 and report["open_fds"]["first"] > 0

@@ -5,6 +5,7 @@ live server on loopback over the fake backend."""
 from __future__ import annotations
 
 import asyncio
+import time
 import json
 import urllib.error
 import urllib.request
@@ -272,3 +273,33 @@ def test_langchain_chat_openai_in_a_langgraph_graph(http_server: ServerThread, c
     p = chat_backend.params[-1]
     assert p.mode is Mode.REUSE and p.top_k == 2 and p.system_prompt == SYSTEM
     assert p.history == (ChatTurn(ChatRole.USER, "first question"), ChatTurn(ChatRole.ASSISTANT, "first answer"))
+
+
+def test_a_client_that_leaves_mid_stream_cancels_the_answer() -> None:
+    backend = ChatBackend(token_delay=0.05, n_pieces=200)
+    st = ServerThread(settings(http_port=0), lambda _: backend)
+    try:
+        stream = _client(st).chat.completions.create(model="default", stream=True,
+                                                     messages=[{"role": "user", "content": "long one"}])
+        pieces = 0
+        for chunk in stream:
+            pieces += bool(chunk.choices and chunk.choices[0].delta.content)
+            if pieces == 3:
+                break
+        stream.close()
+        deadline = time.monotonic() + 10
+        while "long one" not in backend.cancelled and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        st.stop()
+    assert backend.cancelled == ["long one"] and backend.finished == []
+
+
+def test_http_port_setting_and_flag() -> None:
+    from ragkv.server.settings import load_settings
+
+    assert load_settings({"http_port": "8000"}, env={}).http_port == 8000
+    assert load_settings({}, env={"RAGKV_HTTP_PORT": "off"}).http_port is None
+    assert load_settings({}, env={}).http_port is None  # off unless asked for
+    with pytest.raises(ValueError, match="http_port"):
+        load_settings({"http_port": "70000"}, env={})

@@ -1,8 +1,14 @@
 """`ragkv eval`: answer quality and TTFT of each mode against full prefill.
 
-Two sources of questions: `--synthetic TASK` builds RULER-style cases over stdlib text
-at a given context length; `--index DIR --questions FILE.jsonl` retrieves the top-k
-chunks of a built index for each `{"id", "question", "answer"}` line.
+Three sources of questions: `--synthetic TASK` builds RULER-style cases over stdlib text
+at a given context length; `--dataset FILE.json` reads CacheBlend's QA format (MuSiQue:
+`--ctxs N` passages per question); `--index DIR --questions FILE.jsonl` retrieves the
+top-k chunks of a built index for each `{"id", "question", "answer"}` line.
+
+`--neighbours 0,2` compares plain chunk KV with neighbour-conditioned KV (each chunk
+prefilled after its m most similar chunks: indexer.neighbours) on the same cases; the
+neighbours come from every passage of the dataset file, every chunk of the synthetic
+run, or the index's own embeddings.
 """
 
 from __future__ import annotations
@@ -25,11 +31,28 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--synthetic", metavar="TASK",
                      help="niah, multikey, multivalue or twohop; with --retrieval-only: facts")
     src.add_argument("--index", type=Path, metavar="DIR", help="a built index (with --questions)")
+    src.add_argument("--dataset", type=Path, metavar="FILE.json",
+                     help="CacheBlend's QA format: a JSON list of {question, answers, ctxs: [{title, text}]} "
+                          "(e.g. MuSiQue); scored by SQuAD token F1")
+    p.add_argument("--ctxs", type=int, default=5, help="dataset: passages per question (default 5)")
+    p.add_argument("--instruction", default=None,
+                   help="the instruction before the passages (the system prompt); default: the dataset "
+                        "default with --dataset, the engine's system prompt otherwise")
+    p.add_argument("--question-suffix", default=None,
+                   help="text appended to every question; default: a short-answer request with "
+                        "--dataset, nothing otherwise")
+    p.add_argument("--neighbours", default="0",
+                   help="neighbour-conditioned KV: comma list of m (neighbours each chunk is prefilled "
+                        "after; 0 = plain KV), each compared on the same cases (default 0)")
+    p.add_argument("--neighbour-budget", type=int, default=1024,
+                   help="most context tokens before a chunk (default 1024)")
+    p.add_argument("--neighbour-choice", default="nearest", choices=("nearest", "random"),
+                   help="neighbours by embedding similarity, or at random (the control)")
     p.add_argument("--questions", type=Path, metavar="FILE.jsonl", help='lines of {"id", "question", "answer"}')
     p.add_argument("--top-k", type=int, default=4, help="chunks per question with --index (default 4)")
     p.add_argument("--context", type=int, default=2048, help="synthetic: context tokens (default 2048)")
     p.add_argument("--chunk-tokens", type=int, default=512, help="synthetic: tokens per chunk (default 512)")
-    p.add_argument("--n", type=int, default=20, help="synthetic: number of cases (default 20)")
+    p.add_argument("--n", type=int, default=20, help="synthetic, dataset: number of cases (default 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", default="full,reuse,blend", help="comma list of full, prefix, reuse, blend, focus")
     p.add_argument("--ratio", default="0.15", help="blend recompute ratio(s), comma list")
@@ -104,16 +127,85 @@ def _methods(args: argparse.Namespace):
 
 
 def _cases(args: argparse.Namespace, engine):
+    """The cases and the pool of chunk texts neighbours are chosen from (None: the index's)."""
+    from dataclasses import replace
+
     from ragkv.engine.synthetic import make_cases
 
+    if args.dataset:
+        from ragkv.cli.dataset import DEFAULT_QUESTION_SUFFIX, load_dataset
+
+        suffix = DEFAULT_QUESTION_SUFFIX if args.question_suffix is None else args.question_suffix
+        return load_dataset(args.dataset, args.n, args.ctxs, suffix)
     if args.synthetic:
         tok = engine.lm.tokenizer
         n_chunks = max(1, args.context // args.chunk_tokens)
-        return make_cases(args.synthetic, args.n, n_chunks, args.chunk_tokens,
-                          lambda s: len(tok(s, add_special_tokens=False)["input_ids"]), args.seed)
-    if not args.questions:
-        raise ValueError("--index needs --questions FILE.jsonl")
-    return index_cases(engine, args.index, args.questions, args.top_k)
+        cases = make_cases(args.synthetic, args.n, n_chunks, args.chunk_tokens,
+                           lambda s: len(tok(s, add_special_tokens=False)["input_ids"]), args.seed)
+        pool = list(dict.fromkeys(c for case in cases for c in case.chunks))
+    else:
+        if not args.questions:
+            raise ValueError("--index needs --questions FILE.jsonl")
+        cases, pool = index_cases(engine, args.index, args.questions, args.top_k), None
+    if args.question_suffix:
+        cases = [replace(c, question=c.question + args.question_suffix) for c in cases]
+    return cases, pool
+
+
+def neighbour_variants(args: argparse.Namespace, engine, cases, pool):  # noqa: ANN001, ANN201
+    """One evaluate.KVVariant per m of --neighbours: plain KV for 0, else neighbour-conditioned."""
+    from ragkv.engine.evaluate import PLAIN, KVVariant
+    from ragkv.indexer.neighbours import NeighbourOptions, context_ids, select_neighbours
+
+    ms = [int(m) for m in args.neighbours.split(",") if m.strip()]
+    if not ms or any(m < 0 for m in ms):
+        raise ValueError(f"--neighbours must be a comma list of m >= 0, got {args.neighbours!r}")
+    if all(m == 0 for m in ms):
+        return [PLAIN]
+    texts, xb = _neighbour_pool(args, cases, pool)
+    row_of = {t: i for i, t in enumerate(texts)}
+    p = engine.prompt
+    variants = []
+    for m in ms:
+        if m == 0:
+            variants.append(PLAIN)
+            continue
+        opts = NeighbourOptions(m, args.neighbour_budget, args.neighbour_choice, args.seed)
+        wanted = sorted({row_of[c] for case in cases for c in case.chunks})
+        nbrs = dict(zip(wanted, select_neighbours(xb, opts, wanted)))
+
+        def context(case, nbrs=nbrs, opts=opts):  # noqa: ANN001, ANN202
+            return [context_ids([p.chunk_ids(texts[j]) for j in nbrs[row_of[c]]], opts.budget_tokens)
+                    for c in case.chunks]
+
+        variants.append(KVVariant(f"nb{m}", context))
+    return variants
+
+
+def _neighbour_pool(args: argparse.Namespace, cases, pool):  # noqa: ANN001, ANN202
+    """(texts, [n, d] embeddings) neighbours are chosen from; every case chunk is among the texts."""
+    import numpy as np
+
+    if pool is None:  # an index: its own embeddings
+        from ragkv.retriever.chunk_db import ChunkDB
+
+        db = ChunkDB.open(args.index, readonly=True)
+        try:
+            rows, texts = db.texts()
+            ids, xb = db.all_vectors()
+        finally:
+            db.close()
+        if list(ids) != rows:
+            raise RuntimeError("chunk rows of texts and vectors differ: a bug")
+        texts, known = list(texts), set(texts)
+        missing = [c for case in cases for c in case.chunks if c not in known]
+        if missing:
+            raise RuntimeError(f"{len(missing)} retrieved chunks are not in {args.index}'s chunk table: a bug")
+        return texts, np.asarray(xb)
+    from ragkv.retriever.embedder import Embedder
+
+    embedder = Embedder.load()
+    return pool, embedder.encode_documents(pool)
 
 
 def index_cases(engine, index: Path, questions: Path, top_k: int):  # noqa: ANN001, ANN201
@@ -157,18 +249,28 @@ def run_eval(args: argparse.Namespace) -> int:
     tune_host_allocator()  # before torch's first large allocation
     from ragkv.engine.evaluate import evaluate
 
-    engine = Engine(load_model(args.model))
+    if args.instruction is not None:
+        instruction = args.instruction
+    elif args.dataset:
+        from ragkv.cli.dataset import DEFAULT_INSTRUCTION as instruction
+    else:
+        from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT as instruction
+    engine = Engine(load_model(args.model), system_prompt=instruction)
     methods = _methods(args)
-    cases = _cases(args, engine)
+    cases, pool = _cases(args, engine)
+    variants = neighbour_variants(args, engine, cases, pool)
     reports = evaluate(engine, cases, methods, args.max_new_tokens,
-                       progress=lambda xs: tqdm(xs, desc="eval", unit="case", file=sys.stderr))
+                       progress=lambda xs: tqdm(xs, desc="eval", unit="case", file=sys.stderr), variants=variants)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
+    config["instruction"], config["question_suffix_used"] = instruction, args.question_suffix
     out = {"modes": {name: r.as_dict() for name, r in reports.items()}, "config": config}
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"{'method':24s} {'n':>4s} {'acc':>6s} {'agree':>6s} {'KL':>8s} {'TTFT s':>8s} {'recomp':>7s}")
+    print(f"{'method':28s} {'n':>4s} {'acc':>5s} {'F1':>5s} {'agree':>5s} {'F1full':>6s} {'tok1':>5s} "
+          f"{'KL':>7s} {'TTFT s':>7s} {'recomp':>6s} {'KV s':>6s}")
     for name, r in reports.items():
-        print(f"{name:24s} {r.n:4d} {r.accuracy:6.2f} {r.agreement:6.2f} {r.kl_mean:8.4f} "
-              f"{r.ttft_median_s:8.3f} {r.recompute_fraction:7.2f}")
+        print(f"{name:28s} {r.n:4d} {r.accuracy:5.2f} {r.f1:5.2f} {r.agreement:5.2f} {r.f1_vs_full:6.2f} "
+              f"{r.first_token_agreement:5.2f} {r.kl_mean:7.4f} {r.ttft_median_s:7.3f} "
+              f"{r.recompute_fraction:6.2f} {r.kv_prefill_median_s:6.2f}")
     return 0

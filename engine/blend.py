@@ -168,7 +168,8 @@ def prompt_steps(
 
     Args:
         prefix: the shared prefix's KV (positions 0..P-1); None means no prefix.
-        chunks: each chunk's KV as computed right after that same prefix.
+        chunks: each chunk's KV as computed after that same prefix (right after it, or after
+            context tokens too: neighbour-conditioned KV, positions[0] > P).
         question_ids: the question's token ids, always recomputed.
         reserve_tokens: decode room preallocated after the prompt.
     """
@@ -294,8 +295,10 @@ def _check_segments(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Ch
     for i, ch in enumerate(chunks):
         if ch.num_tokens == 0:
             raise ValueError(f"chunk {i} is empty")
+        # a chunk starts right after the prefix, or later when it was computed after context
+        # tokens too (neighbour-conditioned KV); K is re-rotated to the final positions either way
         start = int(ch.positions[0])
-        if start != p:
+        if start < p or (start != p and not ch.after_context):
             raise ValueError(f"chunk {i} was computed after a prefix of {start} tokens, but the "
                              f"prefix here has {p}: recompute it with this prefix")
 

@@ -1,19 +1,27 @@
 """Answer quality and TTFT of each blend method against full prefill of the same prompt.
 
-For every case the chunk KVs are prefilled once (the indexer's work, not timed); each
-method then runs the prompt and decodes greedily. Per method:
+For every case the chunk KVs are prefilled once per KV variant (the indexer's work, not
+in TTFT: plain KV after the prefix, or neighbour-conditioned KV after the prefix and
+context tokens); each method then runs the prompt over each variant's KV and decodes
+greedily. Per method (and variant):
 - accuracy:   an expected answer appears in the answer's first sentence;
+- f1:         SQuAD token F1 of the answer's first sentence against the best expected answer;
 - agreement:  the answer equals full prefill's answer (normalized);
+- f1_vs_full: token F1 of the answer against full prefill's answer (fidelity);
+- first_token_agreement: the first token equals full prefill's (argmax of the logits);
 - kl_mean:    KL(full || method) of the next-token distribution at the last prompt position;
 - ttft_median_s: prompt processing up to the first token's logits;
-- recompute_fraction: the mean share of chunk tokens recomputed.
+- recompute_fraction: the mean share of chunk tokens recomputed;
+- kv_prefill_median_s: the indexer's work for one case's chunks in this KV variant.
 """
 
 from __future__ import annotations
 
 import re
 import statistics
+import string
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -22,6 +30,8 @@ import torch
 from ragkv.types import Mode
 from ragkv.engine.blend import BlendOptions, BlendResult
 from ragkv.engine.decode import SamplingParams
+from ragkv.engine.kv import ChunkKV
+from ragkv.engine.prefill import prefill_segment
 from ragkv.engine.runtime import Engine
 from ragkv.engine.synthetic import EvalCase
 
@@ -35,19 +45,36 @@ class Method:
     options: BlendOptions = field(default_factory=BlendOptions)
 
 
+@dataclass(frozen=True, slots=True)
+class KVVariant:
+    """How the chunks' KV is computed before the methods read it."""
+
+    name: str  # suffix of the method names in reports ("" = plain KV, no suffix)
+    # each chunk's context token ids (between prefix and chunk), given the case; None = plain KV
+    context: Callable[[EvalCase], Sequence[Sequence[int]]] | None = None
+
+
+PLAIN = KVVariant("")
+
+
 @dataclass(slots=True)
 class MethodReport:
     n: int = 0
     accuracy: float = 0.0
+    f1: float = 0.0
     agreement: float = 0.0
+    f1_vs_full: float = 0.0
+    first_token_agreement: float = 0.0
     kl_mean: float = 0.0
     ttft_median_s: float = 0.0
     recompute_fraction: float = 0.0
+    kv_prefill_median_s: float = 0.0
     _ttfts: list[float] = field(default_factory=list, repr=False)
+    _prefills: list[float] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict[str, float]:
         d = asdict(self)
-        d.pop("_ttfts")
+        d.pop("_ttfts"), d.pop("_prefills")
         return d
 
 
@@ -61,6 +88,30 @@ def first_sentence(text: str) -> str:
     return text[: m.start()] if m else text
 
 
+def squad_normalize(text: str) -> str:
+    """SQuAD's answer normalization: lower case, no punctuation, no articles, single spaces."""
+    text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def token_f1(prediction: str, reference: str) -> float:
+    """SQuAD token F1 of `prediction` against `reference` (both normalized); 1.0 when both are empty."""
+    pred, ref = squad_normalize(prediction).split(), squad_normalize(reference).split()
+    if not pred or not ref:
+        return float(pred == ref)
+    same = sum((Counter(pred) & Counter(ref)).values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(pred), same / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def best_f1(prediction: str, references: Iterable[str]) -> float:
+    """The best token F1 of `prediction` against any of `references` (0.0 with none)."""
+    return max((token_f1(prediction, r) for r in references), default=0.0)
+
+
 def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
     """KL(ref || other) of the softmax distributions, in nats."""
     ref = torch.log_softmax(ref_logits.float(), -1)
@@ -70,43 +121,64 @@ def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
 
 def evaluate(engine: Engine, cases: Iterable[EvalCase], methods: Sequence[Method],
              max_new_tokens: int = 24, progress: Callable[[Iterable], Iterable] = lambda x: x,
-             ) -> dict[str, MethodReport]:
-    """Run every method on every case; `full` is always run as the reference."""
+             variants: Sequence[KVVariant] = (PLAIN,)) -> dict[str, MethodReport]:
+    """Run every method on every case over each KV variant's chunks; `full` is always run as
+    the reference (once a case: it reads no chunk KV). Reports are named `method` for the
+    plain variant and `method+variant` for the others."""
     p = engine.prompt
     params = SamplingParams(max_new_tokens=max_new_tokens)
-    reports = {m.name: MethodReport() for m in methods}
-    sums: dict[str, dict[str, float]] = {m.name: {"acc": 0, "agr": 0, "kl": 0, "rf": 0} for m in methods}
+    names = {(m.name, v.name): m.name if m.mode is Mode.FULL or not v.name else f"{m.name}+{v.name}"
+             for m in methods for v in variants}
+    reports = {name: MethodReport() for name in dict.fromkeys(names.values())}
+    sums = {name: Counter() for name in reports}
     for case in progress(list(cases)):
         prefix_ids = p.prefix_ids()
         prefix = engine.prefix_kv(prefix_ids)
-        kvs = engine.prefill_chunks(prefix_ids, [p.chunk_ids(c) for c in case.chunks])
+        chunk_ids = [p.chunk_ids(c) for c in case.chunks]
         q = p.question_ids(case.question)
         full_ids = p.prompt_ids(list(case.chunks), case.question)
 
-        def run(m: Method) -> tuple[BlendResult, float]:
+        def run(m: Method, kvs: Sequence[ChunkKV]) -> tuple[BlendResult, float]:
             t = time.perf_counter()
             res = engine.full_prefill(full_ids) if m.mode is Mode.FULL else \
                 engine.blend(prefix, kvs, q, mode=m.mode, options=m.options)
             res.logits.cpu()
             return res, time.perf_counter() - t
 
-        ref, ref_s = run(Method("full", Mode.FULL))
+        ref, ref_s = run(Method("full", Mode.FULL), [])
         ref_answer = "".join(engine.decode(ref, params))
-        for m in methods:
-            res, secs = (ref, ref_s) if m.mode is Mode.FULL else run(m)
-            answer = ref_answer if res is ref else "".join(engine.decode(res, params))
-            s, r = sums[m.name], reports[m.name]
-            head = normalize(first_sentence(answer))
-            s["acc"] += any(normalize(a) in head for a in case.answers)
-            s["agr"] += normalize(answer) == normalize(ref_answer)
-            s["kl"] += kl_divergence(ref.logits, res.logits)
-            s["rf"] += res.recompute_fraction
-            r.n += 1
-            r._ttfts.append(secs)
+        ref_first = int(ref.logits.argmax())
+        done: set[str] = set()
+        for v in variants:
+            t = time.perf_counter()
+            contexts = v.context(case) if v.context is not None else [()] * len(chunk_ids)
+            kvs = [prefill_segment(engine.lm, prefix, ids, ctx) for ids, ctx in zip(chunk_ids, contexts)]
+            prefill_s = time.perf_counter() - t
+            for m in methods:
+                name = names[(m.name, v.name)]
+                if name in done:  # full, once
+                    continue
+                done.add(name)
+                res, secs = (ref, ref_s) if m.mode is Mode.FULL else run(m, kvs)
+                answer = ref_answer if res is ref else "".join(engine.decode(res, params))
+                s, r = sums[name], reports[name]
+                head = first_sentence(answer)
+                s["acc"] += any(normalize(a) in normalize(head) for a in case.answers)
+                s["f1"] += best_f1(head, case.answers)
+                s["agr"] += normalize(answer) == normalize(ref_answer)
+                s["f1_full"] += token_f1(answer, ref_answer)
+                s["first"] += int(res.logits.argmax()) == ref_first
+                s["kl"] += kl_divergence(ref.logits, res.logits)
+                s["rf"] += res.recompute_fraction
+                r.n += 1
+                r._ttfts.append(secs)
+                r._prefills.append(0.0 if m.mode is Mode.FULL else prefill_s)
     for name, r in reports.items():
         s = sums[name]
         if r.n:
-            r.accuracy, r.agreement = s["acc"] / r.n, s["agr"] / r.n
+            r.accuracy, r.f1, r.agreement = s["acc"] / r.n, s["f1"] / r.n, s["agr"] / r.n
+            r.f1_vs_full, r.first_token_agreement = s["f1_full"] / r.n, s["first"] / r.n
             r.kl_mean, r.recompute_fraction = s["kl"] / r.n, s["rf"] / r.n
             r.ttft_median_s = statistics.median(r._ttfts)
+            r.kv_prefill_median_s = statistics.median(r._prefills)
     return reports

@@ -40,6 +40,9 @@ class ChunkKV:
     # the stored dtype, until the cache copies each layer); None = every layer is there
     ready: LayerReady | None = None
     fresh: bool = False  # computed for this request (prefill), not read from a cache tier
+    # computed after context tokens between the prefix and itself (neighbour-conditioned KV):
+    # positions start past the prefix; False = right after the prefix
+    after_context: bool = False
 
     def __post_init__(self) -> None:
         if self.k.dim() != 4 or self.k.shape != self.v.shape:
@@ -62,7 +65,7 @@ class ChunkKV:
         if self.ready is not None:  # its layers are not all there yet: the cache converts each one
             raise RuntimeError("ChunkKV.to on a chunk still loading would copy unfilled layers: a bug")
         return ChunkKV(self.token_ids.to(device), self.k.to(device, dtype), self.v.to(device, dtype),
-                       self.positions.to(device), fresh=self.fresh)
+                       self.positions.to(device), fresh=self.fresh, after_context=self.after_context)
 
     def first_layers(self, n: int) -> ChunkKV:
         """This chunk's layers [0, n) (views, still loading if this one is)."""

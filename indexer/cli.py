@@ -68,6 +68,13 @@ def add_index_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--kv-compression", choices=["none", "int8", "fp8"], default="none",
                    help="how KV files store K and V: int8/fp8 per-channel quantization halves the bytes of 16-bit "
                         "KV (quarters float32) at a small quality cost, see docs/kv-compression.md (default none)")
+    p.add_argument("--neighbours", type=int, default=0, metavar="M",
+                   help="neighbour-conditioned KV: prefill each chunk after its M most similar chunks (by the "
+                        "index's embeddings) and store only its own KV; 0 = plain KV (default 0; docs/quality.md)")
+    p.add_argument("--neighbour-budget", type=int, default=1024, metavar="TOKENS",
+                   help="most neighbour tokens before a chunk (default 1024)")
+    p.add_argument("--neighbour-choice", choices=["nearest", "random"], default="nearest",
+                   help="neighbours by similarity, or at random (a control); default nearest")
     p.add_argument("--shard", metavar="i/N",
                    help="index only shard i of N (default: AWS_BATCH_JOB_ARRAY_INDEX/_SIZE when set)")
     p.add_argument("--device", default=AUTO, help="torch device; auto = cuda when torch sees a GPU, else cpu")
@@ -146,6 +153,7 @@ def run_index_command(args: argparse.Namespace) -> int:
     tune_host_allocator()  # before torch's first large allocation
     from ragkv.indexer.chunking import ChunkingConfig
     from ragkv.indexer.job import IndexJobConfig, Runner, run_index
+    from ragkv.indexer.neighbours import NeighbourOptions
     from ragkv.indexer.sharding import resolve_shard
     from ragkv.indexer.spot import SpotWatcher, StopSignal
     from ragkv.retriever.manifest import KV_DIR_NAME
@@ -175,6 +183,7 @@ def run_index_command(args: argparse.Namespace) -> int:
         progress=not args.no_progress, runner=Runner(args.runner), ray_address=args.ray_address,
         ray_workers=args.ray_workers, system_prompt=read_system_prompt(args.system_prompt),
         kv_compression=args.kv_compression,
+        neighbours=NeighbourOptions(args.neighbours, args.neighbour_budget, args.neighbour_choice),
     )
     if config.runner is Runner.RAY and config.precompute_kv:
         from ragkv.indexer.ray_runner import import_ray

@@ -31,6 +31,7 @@ from ragkv.errors import IndexMismatchError
 from ragkv.indexer.chunking import ChunkingConfig, chunk_document
 from ragkv.indexer.corpus import Corpus, Document, load_corpus
 from ragkv.indexer.kv_job import KVItem, KVWriter, kv_key, open_store
+from ragkv.indexer.neighbours import NeighbourOptions, context_ids, select_neighbours
 from ragkv.indexer.sharding import shard_of
 from ragkv.indexer.spot import StopSignal
 from ragkv.retriever import vector_index
@@ -79,6 +80,8 @@ class IndexJobConfig:
     progress: bool = True  # tqdm bars on stderr
     system_prompt: str | None = None  # in the shared prefix, so in every chunk's KV and key; None = the default
     kv_compression: str = "none"  # how KV files store K and V: none, int8 or fp8 (kvstore.compression)
+    # neighbour-conditioned KV: each chunk prefilled after its m most similar chunks (m = 0: plain)
+    neighbours: NeighbourOptions = field(default_factory=NeighbourOptions)
 
     def index_dir(self) -> Path:
         """Where this run writes: ``out``, or its shard's subfolder."""
@@ -185,6 +188,7 @@ def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Any
         state=IndexState.BUILDING, n_documents=0, n_chunks=0, n_tokens=0, shard=config.shard,
         created_at=old.created_at if old else now, updated_at=now,
         system_prompt=system_prompt, kv_compression=config.kv_compression,
+        neighbours=config.neighbours.as_dict() if config.neighbours.enabled else None,
     )
     if old is not None:
         _check_compatible(index_dir, old, manifest)
@@ -194,7 +198,9 @@ def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Any
     try:
         if old is not None and resolve_kv_uris(old.kv_uris, index_dir) != kv_uris:
             db.reset_kv_done()  # another store: check every chunk against it again
-        if old is not None:  # keys name the kvstore format: after an upgrade the KV is written anew
+        # keys name the kvstore format: after an upgrade the KV is written anew (with neighbours,
+        # _neighbour_contexts gives every chunk its key, and a changed option changes them all)
+        if old is not None and not config.neighbours.enabled:
             rekeyed = db.rekey(lambda ids: kv_key(manifest.model_fp, manifest.tokenizer_fp, prefix_ids, ids))
             if rekeyed:
                 log.info("%d chunks get new KV keys (the kvstore format changed): their KV is computed again",
@@ -203,9 +209,11 @@ def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Any
         embedded = _embed_pending(db, embedder, config, stop)
         kv_chunks = kv_tokens = kv_bytes = 0
         kv_seconds = 0.0
+        contexts = _neighbour_contexts(db, manifest, config.neighbours) if config.neighbours.enabled else {}
         if config.precompute_kv:
             t_kv = time.perf_counter()
-            kv_chunks, kv_tokens, kv_bytes = _precompute_kv(db, engine, lm, prefix_ids, kv_uris, config, stop)
+            kv_chunks, kv_tokens, kv_bytes = _precompute_kv(db, engine, lm, prefix_ids, kv_uris, config, stop,
+                                                            contexts)
             kv_seconds = time.perf_counter() - t_kv
         stop.check()
         n_docs, n_chunks, n_tokens = db.stats()
@@ -303,10 +311,35 @@ def _embed_pending(db: ChunkDB, embedder: Embedder, config: IndexJobConfig, stop
     return len(pending)
 
 
+def _neighbour_contexts(db: ChunkDB, manifest: Manifest, options: NeighbourOptions) -> dict[int, tuple[int, ...]]:
+    """Every chunk's context (its neighbours' tokens, by the index's own embeddings), by row; each
+    chunk gets the key of its KV computed after that context (a changed key: its KV is computed)."""
+    from ragkv.kvstore import ChunkContext
+
+    rows, xb = db.all_vectors()
+    if not len(rows):
+        return {}
+    records = db.chunks_by_rows([int(r) for r in rows])
+    ids_of = [records[int(r)].token_ids for r in rows]
+    contexts, keys = {}, {}
+    for r, chunk_ids, nbrs in zip(rows, ids_of, select_neighbours(xb, options)):
+        ctx = tuple(context_ids([ids_of[j] for j in nbrs], options.budget_tokens))
+        contexts[int(r)] = ctx
+        keys[int(r)] = kv_key(manifest.model_fp, manifest.tokenizer_fp, manifest.prefix_ids, chunk_ids,
+                              ChunkContext(options.tag(), ctx))
+    changed = db.set_kv_keys(keys)
+    if changed:
+        log.info("%d chunks have new neighbours or options: their KV is computed again", changed)
+    return contexts
+
+
 def _precompute_kv(db: ChunkDB, engine: Any, lm: Any, prefix_ids: Sequence[int], kv_uris: Sequence[str],
-                   config: IndexJobConfig, stop: StopSignal) -> tuple[int, int, int]:
+                   config: IndexJobConfig, stop: StopSignal,
+                   contexts: dict[int, tuple[int, ...]] | None = None) -> tuple[int, int, int]:
     """Returns (chunks computed, tokens computed, bytes written)."""
-    pending = [KVItem(row, key, ids) for row, key, ids in db.pending_kv()]
+    contexts = contexts or {}
+    tag = config.neighbours.tag() if config.neighbours.enabled else ""
+    pending = [KVItem(row, key, ids, contexts.get(row, ()), tag) for row, key, ids in db.pending_kv()]
     if not pending:
         return 0, 0, 0
     store = open_store(kv_uris, lm.fingerprint, lm.tokenizer_fingerprint, config.kv_compression)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ragkv.engine import ChunkKV, LayerReady
-from ragkv.kvstore import ChunkKey, KVEntry, PrefixHash
+from ragkv.kvstore import ChunkKey, ContextHash, KVEntry, PrefixHash
 
 
 def entry_to_chunk_kv(entry: KVEntry, device: torch.device, dtype: torch.dtype,
@@ -22,20 +22,24 @@ def entry_to_chunk_kv(entry: KVEntry, device: torch.device, dtype: torch.dtype,
             and v stay where they are, in the stored dtype, and the engine's cache copies
             each layer to `device` once the gate has it.
     """
+    after_context = entry.context_hash is not None  # neighbour-conditioned KV
     if ready is not None:
-        return ChunkKV(entry.token_ids.to(device), entry.k, entry.v, entry.positions.to(device), ready)
+        return ChunkKV(entry.token_ids.to(device), entry.k, entry.v, entry.positions.to(device), ready,
+                       after_context=after_context)
     return ChunkKV(
         token_ids=entry.token_ids.to(device),  # [T]
         k=entry.k.to(device, dtype),  # [L, Hkv, T, D]
         v=entry.v.to(device, dtype),  # [L, Hkv, T, D]
         positions=entry.positions.to(device),  # [T]
+        after_context=after_context,
     )
 
 
 def chunk_kv_to_entry(
-    kv: ChunkKV, key: ChunkKey, model_fp: str, tokenizer_fp: str, prefix_hash: PrefixHash
+    kv: ChunkKV, key: ChunkKey, model_fp: str, tokenizer_fp: str, prefix_hash: PrefixHash,
+    context_hash: ContextHash | None = None,
 ) -> KVEntry:
-    """A computed chunk KV as a store entry under `key`."""
+    """A computed chunk KV as a store entry under `key` (`context_hash`: neighbour-conditioned KV)."""
     return KVEntry(
         key=key,
         k=kv.k,
@@ -45,4 +49,5 @@ def chunk_kv_to_entry(
         model_fp=model_fp,
         tokenizer_fp=tokenizer_fp,
         prefix_hash=prefix_hash,
+        context_hash=context_hash,
     )

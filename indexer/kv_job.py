@@ -26,13 +26,21 @@ class KVItem:
     row: int  # the chunk's row in the chunk database
     kv_key: str  # its kvstore ChunkKey string
     token_ids: tuple[int, ...]  # its token ids (no prefix)
+    # tokens prefilled between the prefix and the chunk (its neighbours: indexer.neighbours); () = none
+    context_ids: tuple[int, ...] = ()
+    context_tag: str = ""  # the options that chose the context (NeighbourOptions.tag()); "" = none
 
 
-def kv_key(model_fp: str, tokenizer_fp: str, prefix_ids: Sequence[int], chunk_ids: Sequence[int]) -> str:
-    """The kvstore ChunkKey string of a chunk (one place builds it for the whole indexer)."""
+def kv_key(model_fp: str, tokenizer_fp: str, prefix_ids: Sequence[int], chunk_ids: Sequence[int],
+           context: Any = None) -> str:
+    """The kvstore ChunkKey string of a chunk (one place builds it for the whole indexer).
+
+    Args:
+        context: a ``kvstore.ChunkContext`` when the chunk is prefilled after context tokens.
+    """
     from ragkv.kvstore import ChunkKey
 
-    return ChunkKey.build(model_fp, tokenizer_fp, list(prefix_ids), list(chunk_ids)).to_str()
+    return ChunkKey.build(model_fp, tokenizer_fp, list(prefix_ids), list(chunk_ids), context).to_str()
 
 
 def open_store(uris: Sequence[str], model_fp: str, tokenizer_fp: str, compression: str = "none") -> Any:
@@ -69,8 +77,13 @@ class KVWriter:
         return [it for it in items if not self.store.contains(ChunkKey.from_str(it.kv_key))]
 
     def compute(self, batch: Sequence[KVItem]) -> list[Any]:
-        """Prefill one batch after the prefix: one ``engine.ChunkKV`` per item."""
-        return self.engine.prefill_chunks(self.prefix_ids, [it.token_ids for it in batch])
+        """Prefill one batch after the prefix (and each item's context): one ``engine.ChunkKV`` per item."""
+        if not any(it.context_ids for it in batch):
+            return self.engine.prefill_chunks(self.prefix_ids, [it.token_ids for it in batch])
+        from ragkv.engine.prefill import prefill_segment
+
+        prefix = self.engine.prefix_kv(self.prefix_ids) if self.prefix_ids else None
+        return [prefill_segment(self._lm, prefix, it.token_ids, it.context_ids) for it in batch]
 
     def write(self, batch: Sequence[KVItem], kvs: Sequence[Any]) -> int:
         """Put one computed batch into the store; returns the KV bytes written.
@@ -137,5 +150,8 @@ class KVWriter:
         from ragkv.indexer.kv_bridge import chunk_kv_to_entry
         from ragkv.kvstore import ChunkKey
 
+        from ragkv.kvstore import ChunkContext
+
+        context = ChunkContext(item.context_tag, item.context_ids).hash() if item.context_tag else None
         return chunk_kv_to_entry(kv, ChunkKey.from_str(item.kv_key), self._lm.fingerprint,
-                                 self._lm.tokenizer_fingerprint, self._prefix_hash)
+                                 self._lm.tokenizer_fingerprint, self._prefix_hash, context)

@@ -19,7 +19,7 @@ from ragkv.kvstore.compression import Compression
 from ragkv.kvstore.config import StoreConfig, TierSpec, parse_bytes
 from ragkv.kvstore.entry import KVEntry, RopeMode
 from ragkv.kvstore.eviction import Policy
-from ragkv.kvstore.keys import FORMAT_VERSION, ChunkKey, PrefixHash, hash_prefix
+from ragkv.kvstore.keys import FORMAT_VERSION, ChunkContext, ChunkKey, ContextHash, PrefixHash, hash_prefix
 from ragkv.kvstore.layered import LayerGate
 from ragkv.kvstore.store import Hit, PrefetchHandle, StoreStats, TieredStore
 from ragkv.kvstore.tiers.base import StorageTier, Tier, TierStats
@@ -29,7 +29,9 @@ from ragkv.kvstore.tiers.s3 import S3Settings, S3Tier
 
 __all__ = [
     "FORMAT_VERSION",
+    "ChunkContext",
     "ChunkKey",
+    "ContextHash",
     "Compression",
     "CpuTier",
     "DiskTier",

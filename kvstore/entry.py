@@ -11,7 +11,7 @@ from enum import Enum
 
 import torch
 
-from ragkv.kvstore.keys import ChunkKey, PrefixHash, check_fingerprint, check_prefix_hash
+from ragkv.kvstore.keys import ChunkKey, ContextHash, PrefixHash, check_fingerprint, check_prefix_hash
 
 # The dtypes K and V may be stored in (the file records which).
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -43,6 +43,8 @@ class KVEntry:
     tokenizer_fp: str  # tokenizer fingerprint, one path segment
     prefix_hash: PrefixHash  # sha256 hex of the prefix token ids the chunk was prefilled after
     rope_mode: RopeMode = RopeMode.PRE_ROPE  # whether k carries RoPE
+    # the context prefilled between prefix and chunk (neighbour-conditioned KV); None = none
+    context_hash: ContextHash | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, ChunkKey):
@@ -51,6 +53,8 @@ class KVEntry:
         check_fingerprint(self.model_fp, "model fingerprint")
         check_fingerprint(self.tokenizer_fp, "tokenizer fingerprint")
         check_prefix_hash(self.prefix_hash)
+        if self.context_hash is not None:
+            check_prefix_hash(self.context_hash)
         for name in ("k", "v", "token_ids", "positions"):
             t = getattr(self, name)
             if not isinstance(t, torch.Tensor):
@@ -75,7 +79,7 @@ class KVEntry:
                     f"got {t.dtype} {tuple(t.shape)} on {t.device}"
                 )
         expected = ChunkKey.from_prefix_hash(
-            self.model_fp, self.tokenizer_fp, self.prefix_hash, self.token_ids.tolist()
+            self.model_fp, self.tokenizer_fp, self.prefix_hash, self.token_ids.tolist(), self.context_hash
         )
         if expected != self.key:
             raise ValueError(

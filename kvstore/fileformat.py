@@ -2,7 +2,8 @@
 
 Tensors: `k`, `v` `[L, Hkv, T, D]` (or `k_q`/`k_scale`, `v_q`/`v_scale` when compressed),
 `token_ids` `[T]` int64 and `positions` `[T]` int64. Header metadata (all strings):
-format, format_version, key, model_fp, tokenizer_fp, prefix_hash, rope_mode, dtype,
+format, format_version, key, model_fp, tokenizer_fp, prefix_hash (and context_hash, only for a chunk
+prefilled after context: neighbour-conditioned KV), rope_mode, dtype,
 compression, shape ("L,Hkv,T,D"), checksum_block, checksum and header_checksum.
 
 `checksum` is "crc32c:" and a comma-separated list of CRC-32Cs, one per fixed block
@@ -205,6 +206,8 @@ def encode(entry: KVEntry, compression: Compression = Compression.NONE) -> bytes
         "compression": compression.value,
         "shape": ",".join(str(n) for n in entry.k.shape),
     }
+    if entry.context_hash is not None:  # only context KV has it: plain files are byte-for-byte as before
+        meta["context_hash"] = entry.context_hash
     # safetensors' own order: widest dtype first (keeps every tensor aligned), then name.
     order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
     layout: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
@@ -452,6 +455,7 @@ def entry_views(buf: memoryview, head: FileHead) -> KVEntry:
             tokenizer_fp=header.tokenizer_fp,
             prefix_hash=check_prefix_hash(meta.get("prefix_hash", "")),
             rope_mode=RopeMode(meta.get("rope_mode", "")),
+            context_hash=meta.get("context_hash") or None,
         )
     except (TypeError, ValueError) as e:
         raise KVFormatError(f"file for key {expected_key.hex} does not form a valid entry: {e}") from None

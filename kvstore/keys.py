@@ -2,7 +2,13 @@
 
 A key is sha256 over (format version, model fingerprint, tokenizer fingerprint,
 prefix hash, chunk token ids), each field length-prefixed so no two inputs can
-encode alike. The prefix enters through its own sha256 (`PrefixHash`), so a
+encode alike. A chunk prefilled after context tokens between the prefix and itself
+(neighbour-conditioned KV: its most similar chunks) is another KV: its key adds one
+more field, the context's own sha256 (`ContextHash`, over the options' tag and the
+context's token ids), which a stored file carries beside its prefix hash. Keys without
+context hash exactly as before, and no context-free encoding can equal one with
+context (the fields are length-prefixed, so the extra one cannot be read as part of
+an old one): FORMAT_VERSION stays. The prefix enters through its own sha256 (`PrefixHash`), so a
 stored file, which carries the prefix hash and its token ids, can prove it is
 the file its name says. Python's `hash()` is never used: it is salted per process.
 
@@ -26,6 +32,8 @@ FORMAT_VERSION = 3
 
 # sha256 of the prefix token ids, as 64 lowercase hex characters.
 PrefixHash = NewType("PrefixHash", str)
+# sha256 of a chunk's context (tag and token ids), as 64 lowercase hex characters.
+ContextHash = NewType("ContextHash", str)
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 # Fingerprints name a directory on disk and an S3 path segment: no separators,
@@ -74,6 +82,24 @@ def check_prefix_hash(value: str) -> PrefixHash:
 
 
 @dataclass(frozen=True, slots=True)
+class ChunkContext:
+    """What a chunk was prefilled after, between the shared prefix and its own tokens."""
+
+    tag: str  # the options that chose the context, e.g. "neighbours:m=2,budget=1024,choice=nearest"
+    token_ids: tuple[int, ...]  # the context's token ids, in prompt order (may be empty)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tag, str) or not self.tag:
+            raise ValueError(f"context tag must be a non-empty string, got {self.tag!r}")
+        object.__setattr__(self, "token_ids", tuple(int(i) for i in self.token_ids))
+
+    def hash(self) -> ContextHash:
+        """sha256 of the tag and the token ids: what the key and a stored file carry."""
+        return ContextHash(hashlib.sha256(b"ragkv-context\0" + _str_bytes(self.tag)
+                                          + _ids_bytes(self.token_ids)).hexdigest())
+
+
+@dataclass(frozen=True, slots=True)
 class ChunkKey:
     """The name of one chunk's KV under one model, tokenizer and prefix."""
 
@@ -90,9 +116,11 @@ class ChunkKey:
         tokenizer_fp: str,
         prefix_ids: Sequence[int],
         chunk_ids: Sequence[int],
+        context: ChunkContext | None = None,
     ) -> ChunkKey:
-        """Key of `chunk_ids` prefilled after `prefix_ids` by one model and tokenizer."""
-        return cls.from_prefix_hash(model_fp, tokenizer_fp, hash_prefix(prefix_ids), chunk_ids)
+        """Key of `chunk_ids` prefilled after `prefix_ids` (and `context`) by one model and tokenizer."""
+        return cls.from_prefix_hash(model_fp, tokenizer_fp, hash_prefix(prefix_ids), chunk_ids,
+                                    context.hash() if context is not None else None)
 
     @classmethod
     def from_prefix_hash(
@@ -101,8 +129,9 @@ class ChunkKey:
         tokenizer_fp: str,
         prefix_hash: PrefixHash,
         chunk_ids: Sequence[int],
+        context_hash: ContextHash | None = None,
     ) -> ChunkKey:
-        """Same as `build`, for a caller that holds the prefix's hash, not its ids."""
+        """Same as `build`, for a caller that holds the prefix's (and context's) hash, not its ids."""
         check_fingerprint(model_fp, "model fingerprint")
         check_fingerprint(tokenizer_fp, "tokenizer fingerprint")
         check_prefix_hash(prefix_hash)
@@ -112,6 +141,9 @@ class ChunkKey:
         h.update(_str_bytes(tokenizer_fp))
         h.update(_str_bytes(prefix_hash))
         h.update(_ids_bytes(chunk_ids))
+        if context_hash is not None:  # absent for plain KV: old keys keep their meaning
+            h.update(b"ctx\0")
+            h.update(_str_bytes(check_prefix_hash(context_hash)))
         return cls(h.hexdigest())
 
     def to_str(self) -> str:

@@ -247,6 +247,17 @@ class ChunkDB:
                 self._conn.executemany("UPDATE chunks SET kv_key=?, kv_done=0 WHERE row=?", changed)
         return len(changed)
 
+    def set_kv_keys(self, keys: dict[int, str]) -> int:
+        """Give each row its KV key; a row whose key changed is marked as having no KV.
+        Returns how many changed (neighbour-conditioned KV: a chunk's key names its context)."""
+        with self._lock:
+            rows = self._conn.execute("SELECT row, kv_key FROM chunks").fetchall()
+        changed = [(keys[int(r)], int(r)) for r, old in rows if int(r) in keys and keys[int(r)] != old]
+        if changed:
+            with self._lock, self._tx():
+                self._conn.executemany("UPDATE chunks SET kv_key=?, kv_done=0 WHERE row=?", changed)
+        return len(changed)
+
     def count_kv_pending(self) -> int:
         with self._lock:
             return int(self._conn.execute("SELECT COUNT(*) FROM chunks WHERE kv_done=0").fetchone()[0])

@@ -99,6 +99,9 @@ class Manifest:
     # before it was recorded, built with the engine's DEFAULT_SYSTEM_PROMPT of its day
     system_prompt: str | None = None
     kv_compression: str = "none"  # how the KV files store K and V: none, int8 or fp8
+    # neighbour-conditioned KV (indexer.neighbours.NeighbourOptions.as_dict: m, budget_tokens,
+    # choice, seed): each chunk prefilled after its m most similar chunks; None = plain KV
+    neighbours: dict | None = None
 
     def check_model(self, model_fp: str, tokenizer_fp: str) -> None:
         """Raise IndexMismatchError unless the index was built for this model and tokenizer."""

@@ -206,7 +206,7 @@ class Pipeline:
     def retrieve(self, collection: str, question: str, top_k: int,
                  search: SearchParams | None = None) -> tuple[RetrievedChunk, ...]:
         c = self._collection(collection)
-        search = search or getattr(question, "search", None) or SearchParams()
+        search = search or SearchParams()
         return tuple(
             RetrievedChunk(h.chunk_id, h.score, h.text, h.metadata, None, len(h.token_ids), h.found_by)
             for h in self._search(c, question, top_k, search)
@@ -304,7 +304,10 @@ class Pipeline:
     def _write_back(self, c: Collection, key: ChunkKey, kv: ChunkKV) -> None:
         """Store a chunk KV computed on the spot: memory tiers now, durable tiers on the writer
         thread. The answer does not depend on it."""
-        entry = chunk_kv_to_entry(kv, key, self.lm.fingerprint, self.lm.tokenizer_fingerprint, c.prefix_hash)
+        try:
+            entry = chunk_kv_to_entry(kv, key, self.lm.fingerprint, self.lm.tokenizer_fingerprint, c.prefix_hash)
+        except ValueError:  # the key names neighbour-conditioned KV (ragkv index --neighbours): the
+            return  # plain KV computed here serves this request but is not that entry
         c.store.put(entry, durable=False)  # the next request finds it at once
         self._writer.submit(self._persist, c, entry)
 

@@ -1,0 +1,117 @@
+"""Neighbour-conditioned chunk KV (the idea of FusionRAG, arXiv 2601.12904): which chunks a
+chunk is prefilled after, and the context tokens they make.
+
+At index time each chunk is prefilled after the shared prefix *and* its m most similar
+other chunks (by the index's own embeddings), and only the chunk's own KV is stored, so
+its entries already carry some of the cross-chunk attention they will need when it is
+served beside those chunks. The context sits between the prefix and the chunk, the most
+similar neighbour nearest the chunk, and is cut to a token budget (its first tokens are
+dropped: the tokens nearest the chunk stay).
+
+Pure numpy and token ids: nothing here loads a model or touches the store.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+_BLOCK = 1024  # rows whose similarities to every chunk are held at once
+_DUPLICATE = 1.0 - 1e-6  # cosine similarity at which two chunks count as the same text
+
+
+class NeighbourChoice(str, enum.Enum):
+    """How a chunk's neighbours are chosen."""
+
+    NEAREST = "nearest"  # the m highest cosine similarities of the chunks' embeddings
+    RANDOM = "random"  # m other chunks drawn at random (seeded): the control for NEAREST
+
+
+@dataclass(frozen=True, slots=True)
+class NeighbourOptions:
+    """How neighbour-conditioned KV is computed; m = 0 means plain KV (after the prefix only)."""
+
+    m: int = 0  # neighbours per chunk
+    budget_tokens: int = 1024  # most context tokens before a chunk (neighbours cut to fit)
+    choice: NeighbourChoice = NeighbourChoice.NEAREST  # how neighbours are picked
+    seed: int = 0  # NeighbourChoice.RANDOM only
+
+    def __post_init__(self) -> None:
+        if self.m < 0 or self.budget_tokens < 1:
+            raise ValueError(f"neighbours need m >= 0 and budget_tokens >= 1, got m={self.m}, "
+                             f"budget_tokens={self.budget_tokens}")
+        object.__setattr__(self, "choice", NeighbourChoice(self.choice))
+
+    @property
+    def enabled(self) -> bool:
+        return self.m > 0
+
+    def tag(self) -> str:
+        """The options as one string: the ChunkKey context tag and the manifest's record."""
+        seed = f",seed={self.seed}" if self.choice is NeighbourChoice.RANDOM else ""
+        return f"neighbours:m={self.m},budget={self.budget_tokens},choice={self.choice.value}{seed}"
+
+    def as_dict(self) -> dict:
+        return {"m": self.m, "budget_tokens": self.budget_tokens, "choice": self.choice.value, "seed": self.seed}
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> NeighbourOptions:
+        return cls() if not d else cls(int(d["m"]), int(d["budget_tokens"]), NeighbourChoice(d["choice"]),
+                                       int(d.get("seed", 0)))
+
+
+def select_neighbours(xb: np.ndarray, options: NeighbourOptions,
+                      rows: Sequence[int] | None = None) -> list[list[int]]:
+    """For each row of `xb` (or each of `rows`), its neighbours: row numbers, most similar first.
+
+    A chunk is never its own neighbour, nor is any row whose vector is (nearly) its own:
+    cosine similarity >= 1 - 1e-6 marks a duplicate passage, which adds no context.
+
+    Args:
+        xb: [n, d] embeddings (normalized or not: cosine similarity is used).
+        rows: the rows to find neighbours for; None = all.
+    """
+    xb = np.asarray(xb, dtype=np.float32)
+    if xb.ndim != 2:
+        raise ValueError(f"xb must be [n, d], got shape {xb.shape}")
+    n = xb.shape[0]
+    rows = list(range(n)) if rows is None else [int(r) for r in rows]
+    if not options.enabled or n == 0:
+        return [[] for _ in rows]
+    norm = xb / np.maximum(np.linalg.norm(xb, axis=1, keepdims=True), 1e-12)
+    rng = np.random.default_rng(options.seed)
+    out: list[list[int]] = []
+    for start in range(0, len(rows), _BLOCK):  # [block, n] similarities at a time, not [n, n]
+        block = rows[start:start + _BLOCK]
+        sims = norm[block] @ norm.T  # [B, n]
+        same = sims >= _DUPLICATE  # [B, n] duplicates of the row (itself included)
+        same[np.arange(len(block)), block] = True
+        for i in range(len(block)):
+            if options.choice is NeighbourChoice.NEAREST:
+                s = np.where(same[i], -np.inf, sims[i])
+                order = np.argsort(-s, kind="stable")[: options.m]
+                out.append([int(j) for j in order if np.isfinite(s[j])])
+            else:
+                pool = np.flatnonzero(~same[i])
+                out.append([int(j) for j in rng.permutation(pool)[: options.m]])
+    return out
+
+
+def context_ids(neighbour_ids: Sequence[Sequence[int]], budget_tokens: int) -> list[int]:
+    """The context a chunk is prefilled after: its neighbours' tokens, most similar nearest the chunk.
+
+    Args:
+        neighbour_ids: each neighbour's token ids, most similar first.
+        budget_tokens: the most tokens kept; the farthest neighbours go (or lose their first
+            tokens) first.
+    """
+    out: list[int] = []
+    for ids in neighbour_ids:  # most similar first: it ends up last, next to the chunk
+        room = budget_tokens - len(out)
+        if room <= 0:
+            break
+        out = list(ids)[-room:] + out
+    return out

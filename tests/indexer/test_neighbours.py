@@ -1,0 +1,160 @@
+"""Neighbour-conditioned chunk KV: neighbour choice, context budget, keys, and the index job."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from ragkv.indexer.neighbours import NeighbourChoice, NeighbourOptions, context_ids, select_neighbours
+from ragkv.kvstore import FORMAT_VERSION, ChunkContext, ChunkKey, hash_prefix
+
+MODEL, TOK = "model-a", "tok-a"
+
+
+def test_nearest_neighbours_most_similar_first_never_self_nor_duplicates():
+    xb = np.array([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.6, 0.4], [2.0, 0.0]], dtype=np.float32)
+    # row 4 is row 0 scaled: the same passage for cosine similarity, never a neighbour of 0
+    got = select_neighbours(xb, NeighbourOptions(m=2))
+    assert got[0] == [1, 3]
+    assert got[2] == [3, 1]
+    assert 4 not in got[0] and 0 not in got[4]
+    assert all(i not in nb for i, nb in enumerate(got))
+    assert select_neighbours(xb, NeighbourOptions(m=10), rows=[2]) == [[3, 1, 0, 4]]  # m > n - 1: all others
+    assert select_neighbours(xb, NeighbourOptions(m=10), rows=[0]) == [[1, 3, 2]]  # 4 duplicates 0
+    assert select_neighbours(xb, NeighbourOptions(m=0)) == [[]] * 5
+
+
+def test_random_neighbours_are_seeded_and_exclude_self():
+    xb = np.random.default_rng(0).normal(size=(20, 8)).astype(np.float32)
+    a = select_neighbours(xb, NeighbourOptions(m=3, choice="random", seed=1))
+    assert a == select_neighbours(xb, NeighbourOptions(m=3, choice="random", seed=1))
+    assert a != select_neighbours(xb, NeighbourOptions(m=3, choice="random", seed=2))
+    assert all(len(nb) == 3 and i not in nb for i, nb in enumerate(a))
+    assert a != select_neighbours(xb, NeighbourOptions(m=3))
+
+
+def test_context_most_similar_next_to_the_chunk_and_cut_to_budget():
+    near, far = [1, 2, 3], [7, 8, 9, 10]
+    assert context_ids([near, far], 100) == [7, 8, 9, 10, 1, 2, 3]
+    assert context_ids([near, far], 5) == [9, 10, 1, 2, 3]  # the far one loses its first tokens
+    assert context_ids([near, far], 2) == [2, 3]
+    assert context_ids([], 5) == []
+
+
+def test_options_validate_and_round_trip():
+    with pytest.raises(ValueError, match="m >= 0"):
+        NeighbourOptions(m=-1)
+    with pytest.raises(ValueError):
+        NeighbourOptions(m=1, choice="closest")
+    o = NeighbourOptions(m=2, budget_tokens=512, choice=NeighbourChoice.RANDOM, seed=3)
+    assert NeighbourOptions.from_dict(o.as_dict()) == o
+    assert o.tag() == "neighbours:m=2,budget=512,choice=random,seed=3"
+    assert NeighbourOptions(m=2).tag() != NeighbourOptions(m=4).tag() != NeighbourOptions(m=2, budget_tokens=9).tag()
+
+
+def _old_key(prefix_ids, chunk_ids) -> str:
+    """The key derivation of a plain chunk before contexts existed, written out by hand."""
+    def ids(xs):
+        return struct.pack("<Q", len(xs)) + b"".join(struct.pack("<q", x) for x in xs)
+
+    def s(x):
+        return struct.pack("<Q", len(x.encode())) + x.encode()
+
+    h = hashlib.sha256(b"ragkv-chunk\0" + struct.pack("<I", FORMAT_VERSION) + s(MODEL) + s(TOK)
+                       + s(hash_prefix(prefix_ids)) + ids(chunk_ids))
+    return h.hexdigest()
+
+
+def test_keys_differ_with_context_and_options_and_plain_keys_keep_their_meaning():
+    prefix, chunk = [1, 2], [5, 6, 7]
+    plain = ChunkKey.build(MODEL, TOK, prefix, chunk)
+    assert plain.hex == _old_key(prefix, chunk)
+    m2 = ChunkKey.build(MODEL, TOK, prefix, chunk, ChunkContext(NeighbourOptions(m=2).tag(), (9, 9)))
+    m4 = ChunkKey.build(MODEL, TOK, prefix, chunk, ChunkContext(NeighbourOptions(m=4).tag(), (9, 9)))
+    other_ctx = ChunkKey.build(MODEL, TOK, prefix, chunk, ChunkContext(NeighbourOptions(m=2).tag(), (9, 8)))
+    empty_ctx = ChunkKey.build(MODEL, TOK, prefix, chunk, ChunkContext(NeighbourOptions(m=2).tag(), ()))
+    assert len({plain, m2, m4, other_ctx, empty_ctx}) == 5
+    assert m2 == ChunkKey.build(MODEL, TOK, prefix, chunk, ChunkContext(NeighbourOptions(m=2).tag(), [9, 9]))
+    with pytest.raises(ValueError, match="tag"):
+        ChunkContext("", ())
+
+
+def test_prefill_with_context_is_the_chunk_slice_of_one_pass(tiny_lm):
+    from ragkv.engine.prefill import prefill_segment
+
+    prefix = prefill_segment(tiny_lm, None, [1, 5, 9])
+    ctx, own = [20, 21, 22, 23], [30, 31, 32]
+    whole = prefill_segment(tiny_lm, prefix, ctx + own)
+    kv = prefill_segment(tiny_lm, prefix, own, ctx)
+    assert kv.token_ids.tolist() == own and kv.positions.tolist() == [7, 8, 9]
+    torch.testing.assert_close(kv.k, whole.k[:, :, 4:])
+    torch.testing.assert_close(kv.v, whole.v[:, :, 4:])
+    plain = prefill_segment(tiny_lm, prefix, own)
+    assert not torch.allclose(plain.v[1:], kv.v[1:])  # layer 0's V sees no context; later ones do
+
+
+def test_serving_neighbour_kv_every_mode_and_blend_1_equals_full(tiny_lm):
+    from ragkv.engine import BlendOptions, Engine
+    from ragkv.engine.prefill import prefill_segment
+    from ragkv.types import Mode
+
+    eng = Engine(tiny_lm)
+    p = eng.prompt
+    prefix_ids = p.prefix_ids()
+    prefix = eng.prefix_kv(prefix_ids)
+    texts = ["Paris is the capital of France.", "The secret number is 4721.", "Alice met Bob."]
+    ids = [p.chunk_ids(t) for t in texts]
+    kvs = [prefill_segment(tiny_lm, prefix, c, ids[(i + 1) % 3]) for i, c in enumerate(ids)]
+    assert all(int(kv.positions[0]) > len(prefix_ids) for kv in kvs)
+    q = p.question_ids("What is the secret number?")
+    full = eng.full_prefill(p.prompt_ids(texts, "What is the secret number?"))
+    for mode in (Mode.REUSE, Mode.BLEND, Mode.FOCUS, Mode.PREFIX):
+        res = eng.run(prefix_ids, ids, kvs, q, mode)
+        assert torch.isfinite(res.logits).all()
+    for sel in ("query", "deviation"):
+        res = eng.blend(prefix, kvs, q, Mode.BLEND, options=BlendOptions(recompute_ratio=1.0, selector=sel))
+        torch.testing.assert_close(res.logits, full.logits, atol=1e-4, rtol=1e-4)
+    early = dataclasses.replace(kvs[0], positions=kvs[0].positions - kvs[0].positions[0])  # before the prefix
+    with pytest.raises(ValueError, match="prefix of 0 tokens"):
+        eng.blend(prefix, [early], q, Mode.REUSE)
+
+
+def test_index_with_neighbours_records_options_keys_and_stores_context_kv(job_config, tiny_lm, embedder):
+    from ragkv.indexer.job import run_index
+    from ragkv.retriever.chunk_db import ChunkDB
+    from ragkv.retriever.manifest import read_manifest
+    from ragkv.kvstore import KVEntry  # noqa: F401  (the store's entry type)
+    from ragkv.indexer.kv_job import kv_key, open_store
+
+    plain_cfg = dataclasses.replace(job_config, out=job_config.out.parent / "plain")
+    run_index(plain_cfg, lm=tiny_lm, embedder=embedder)
+    opts = NeighbourOptions(m=2, budget_tokens=64)
+    cfg = dataclasses.replace(job_config, neighbours=opts)
+    s = run_index(cfg, lm=tiny_lm, embedder=embedder)
+    m = read_manifest(cfg.out)
+    assert m.neighbours == opts.as_dict() and read_manifest(plain_cfg.out).neighbours is None
+    db = ChunkDB.open(cfg.out, readonly=True)
+    try:
+        chunks = list(db.iter_chunks())
+    finally:
+        db.close()
+    plain_keys = {kv_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids) for c in chunks}
+    assert not plain_keys & {c.kv_key for c in chunks}  # every chunk was computed with context
+    assert s.kv_chunks == len(chunks)
+    store = open_store([f"disk:{cfg.out / 'kv'}"], m.model_fp, m.tokenizer_fp)
+    try:
+        entry = store.get(ChunkKey.from_str(chunks[0].kv_key))
+        entry = getattr(entry, "entry", entry)
+        assert int(entry.positions[0]) > len(m.prefix_ids)  # stored at the positions it was computed at
+    finally:
+        getattr(store, "close", lambda: None)()
+    again = run_index(cfg, lm=tiny_lm, embedder=embedder)  # nothing changed: nothing recomputed
+    assert again.kv_chunks == 0
+    other = run_index(dataclasses.replace(cfg, neighbours=NeighbourOptions(m=1, budget_tokens=64)),
+                      lm=tiny_lm, embedder=embedder)
+    assert other.kv_chunks == len(chunks)  # another m: other keys, computed again

@@ -30,21 +30,6 @@ class SearchParams:
     filters: tuple[MetadataFilter, ...] = ()  # metadata conditions, all must hold, applied before top_k
 
 
-class RetrieveQuestion(str):
-    """A validated Retrieve question carrying its SearchParams in ``search``.
-
-    `validate_retrieve` returns one, so the search options travel through callers that pass
-    ``(collection, question, top_k)`` positionally; a plain str searches with the defaults.
-    """
-
-    search: SearchParams
-
-    def __new__(cls, text: str, search: SearchParams) -> RetrieveQuestion:
-        obj = super().__new__(cls, text)
-        obj.search = search
-        return obj
-
-
 @dataclass(frozen=True, slots=True)
 class QueryParams:
     """A validated Query with every default resolved."""
@@ -129,7 +114,7 @@ class QueryBackend(Protocol):
 
     def retrieve(self, collection: str, question: str, top_k: int,
                  search: SearchParams | None = None) -> tuple[RetrievedChunk, ...]:
-        """Search a collection; no model work. ``search`` None: a `RetrieveQuestion`'s own, else defaults.
+        """Search a collection; no model work. ``search`` None: the server's search defaults.
 
         Raises:
             UnknownCollectionError: No collection of that name.

@@ -118,10 +118,10 @@ class RagService(pb_grpc.RagServiceServicer):
             with self._admission.rpc():
                 backend = self._ready_backend()
                 question, options = convert.retrieve_request_from_proto(request)
-                question, collection, top_k = validate_retrieve(question, options, self._limits)
+                question, collection, top_k, search = validate_retrieve(question, options, self._limits)
                 loop = asyncio.get_running_loop()
                 chunks = await loop.run_in_executor(
-                    self._retrieve_pool, backend.retrieve, collection, question, top_k
+                    self._retrieve_pool, backend.retrieve, collection, question, top_k, search
                 )
                 elapsed = time.perf_counter() - arrived
                 self._metrics.e2e.labels("Retrieve").observe(elapsed)

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from ragkv.types import DEFAULT_COLLECTION, ChatTurn, FilterOp, Mode, QueryOptions, SearchMode
-from ragkv.server.backend import QueryParams, RetrieveQuestion, SearchParams
+from ragkv.server.backend import QueryParams, SearchParams
 from ragkv.server.status import InvalidArgumentError
 
 
@@ -78,19 +78,19 @@ def _search(options: QueryOptions, limits: RequestLimits) -> SearchParams:
     return SearchParams(mode, filters)
 
 
-def validate_retrieve(question: str, options: QueryOptions, limits: RequestLimits) -> tuple[RetrieveQuestion, str, int]:
+def validate_retrieve(question: str, options: QueryOptions, limits: RequestLimits
+                      ) -> tuple[str, str, int, SearchParams]:
     """Check a Retrieve request.
 
     Returns:
-        (question, collection, top_k); the question carries the search mode and filters
-        (``RetrieveQuestion.search``).
+        (question, collection, top_k, search mode and filters).
 
     Raises:
         InvalidArgumentError: A field is out of range.
     """
     _snippet(options.snippet_chars, limits)
-    question = RetrieveQuestion(_question(question, limits), _search(options, limits))
-    return question, options.collection or DEFAULT_COLLECTION, _top_k(options.top_k, limits)
+    return (_question(question, limits), options.collection or DEFAULT_COLLECTION, _top_k(options.top_k, limits),
+            _search(options, limits))
 
 
 def validate_query(

@@ -71,7 +71,7 @@ class FakeBackend:
                 return info
         raise UnknownCollectionError(f"collection {name!r} is not served here (served: default, mismatch)")
 
-    def retrieve(self, collection: str, question: str, top_k: int) -> tuple[RetrievedChunk, ...]:
+    def retrieve(self, collection: str, question: str, top_k: int, search: object = None) -> tuple[RetrievedChunk, ...]:
         self._info(collection)
         return CORPUS[:top_k]
 

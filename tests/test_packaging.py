@@ -19,9 +19,20 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def wheel_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import shutil
+
     out = tmp_path_factory.mktemp("wheel")
+    # build from a copy of the checkout's files: a stale build/ folder here (setuptools keeps
+    # one) could carry modules deleted from the source into the wheel
+    src = out / "src"
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, check=True,
+                            capture_output=True, text=True).stdout.split()
+    for rel in listed:
+        if (REPO / rel).is_file():
+            (src / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, src / rel)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    str(REPO), "-w", str(out)], check=True, capture_output=True, text=True)
+                    str(src), "-w", str(out)], check=True, capture_output=True, text=True)
     (whl,) = out.glob("ragkv-*.whl")
     tree = out / "tree"
     with zipfile.ZipFile(whl) as z:

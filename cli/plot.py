@@ -2,7 +2,9 @@
 
 Each eval file becomes one panel titled by its task and context; each method is one
 point, its name written beside it, so every method reads against `full` and `reuse`
-of the same run. matplotlib is the `plot` extra; nothing else imports it.
+of the same run. Where the results have fidelity (`f1_vs_full`: token F1 of each answer
+against full prefill's), each method gets a second, hollow triangle at that value, so
+accuracy and fidelity to full read on one axis. matplotlib is the `plot` extra; nothing else imports it.
 """
 
 from __future__ import annotations
@@ -55,12 +57,15 @@ def plot_accuracy_vs_ttft(paths: Sequence[Path], out: Path) -> Path:
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.8 * nrows), squeeze=False)
     for ax, (data, path) in zip(axes.flat, runs):
         modes = data["modes"]
+        fidelity = all("f1_vs_full" in m for m in modes.values())
         for name, m in modes.items():
             x, y = m["ttft_median_s"], m["accuracy"]
-            color = "black" if name == "full" else "gray" if name == "reuse" else \
+            color = "black" if name == "full" else "gray" if name.startswith("reuse") else \
                 "tab:green" if name.startswith("focus") else "tab:blue"
             ax.plot([x], [y], "o", color=color)
             ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7, color=color)
+            if fidelity and name != "full":
+                ax.plot([x], [float(m["f1_vs_full"])], "^", mfc="none", color=color)
         if "full" in modes:
             full = modes["full"]
             ax.axhline(0.95 * full["accuracy"], ls="--", lw=0.8, color="black")
@@ -72,7 +77,7 @@ def plot_accuracy_vs_ttft(paths: Sequence[Path], out: Path) -> Path:
         ax.grid(True, which="major", alpha=0.3)
         ax.set_title(series_label(data, path), fontsize=10)
         ax.set_xlabel("median TTFT, s (log)", fontsize=8)
-        ax.set_ylabel("accuracy", fontsize=8)
+        ax.set_ylabel("accuracy (o), F1 vs full (^)" if fidelity else "accuracy", fontsize=8)
     for ax in list(axes.flat)[len(runs):]:
         ax.axis("off")
     fig.suptitle("Accuracy against time to first token (dashed: 95% of full's accuracy, full's TTFT / 3)",

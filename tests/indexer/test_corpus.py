@@ -34,8 +34,8 @@ def test_missing_and_empty_corpus(tmp_path):
     with pytest.raises(CorpusError, match="does not exist"):
         load_corpus(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
-    (tmp_path / "empty" / "a.pdf").write_bytes(b"%PDF")
-    with pytest.raises(CorpusError, match=r"holds no \.txt.*skipped: a\.pdf"):
+    (tmp_path / "empty" / "a.bin").write_bytes(b"\x00\x01")  # PDF, HTML and .docx are read now
+    with pytest.raises(CorpusError, match=r"holds no \.txt.*skipped: a\.bin"):
         load_corpus(tmp_path / "empty")
 
 

@@ -46,6 +46,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                         "after; 0 = plain KV), each compared on the same cases (default 0)")
     p.add_argument("--neighbour-budget", type=int, default=1024,
                    help="most context tokens before a chunk (default 1024)")
+    p.add_argument("--pool-embeddings", type=Path, metavar="FILE.npy",
+                   help="neighbours: keep the pool's embeddings in FILE.npy and reuse them on the next run")
     p.add_argument("--neighbour-choice", default="nearest", choices=("nearest", "random"),
                    help="neighbours by embedding similarity, or at random (the control)")
     p.add_argument("--questions", type=Path, metavar="FILE.jsonl", help='lines of {"id", "question", "answer"}')
@@ -73,6 +75,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    p.add_argument("--partial", type=Path, metavar="FILE.json",
+                   help="rewrite FILE.json with the results so far after every case (long runs)")
     p.add_argument("--kv-compression", default=None, metavar="int8,fp8",
                    help="measure KV file compression instead: KL, agreement and accuracy of each mode over "
                         "compressed against uncompressed KV, file bytes and read time (synthetic cases)")
@@ -204,8 +208,15 @@ def _neighbour_pool(args: argparse.Namespace, cases, pool):  # noqa: ANN001, ANN
         return texts, np.asarray(xb)
     from ragkv.retriever.embedder import Embedder
 
-    embedder = Embedder.load()
-    return pool, embedder.encode_documents(pool)
+    cache = args.pool_embeddings
+    if cache is not None and cache.is_file():
+        xb = np.load(cache)
+        if xb.shape[0] == len(pool):
+            return pool, xb
+    xb = Embedder.load().encode_documents(pool)
+    if cache is not None:
+        np.save(cache, xb)
+    return pool, xb
 
 
 def index_cases(engine, index: Path, questions: Path, top_k: int):  # noqa: ANN001, ANN201
@@ -259,11 +270,21 @@ def run_eval(args: argparse.Namespace) -> int:
     methods = _methods(args)
     cases, pool = _cases(args, engine)
     variants = neighbour_variants(args, engine, cases, pool)
-    reports = evaluate(engine, cases, methods, args.max_new_tokens,
-                       progress=lambda xs: tqdm(xs, desc="eval", unit="case", file=sys.stderr), variants=variants)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
-    config["instruction"], config["question_suffix_used"] = instruction, args.question_suffix
-    out = {"modes": {name: r.as_dict() for name, r in reports.items()}, "config": config}
+    config["instruction"] = instruction
+
+    def result(reports) -> dict:  # noqa: ANN001
+        return {"modes": {name: r.as_dict() for name, r in reports.items()}, "config": config}
+
+    def partial(reports) -> None:  # noqa: ANN001
+        tmp = args.partial.with_name(args.partial.name + ".tmp")
+        tmp.write_text(json.dumps(result(reports)) + "\n")
+        tmp.replace(args.partial)
+
+    reports = evaluate(engine, cases, methods, args.max_new_tokens,
+                       progress=lambda xs: tqdm(xs, desc="eval", unit="case", file=sys.stderr), variants=variants,
+                       after_case=partial if args.partial else None)
+    out = result(reports)
     if args.json:
         print(json.dumps(out))
         return 0

@@ -121,10 +121,12 @@ def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
 
 def evaluate(engine: Engine, cases: Iterable[EvalCase], methods: Sequence[Method],
              max_new_tokens: int = 24, progress: Callable[[Iterable], Iterable] = lambda x: x,
-             variants: Sequence[KVVariant] = (PLAIN,)) -> dict[str, MethodReport]:
+             variants: Sequence[KVVariant] = (PLAIN,),
+             after_case: Callable[[dict[str, MethodReport]], None] | None = None) -> dict[str, MethodReport]:
     """Run every method on every case over each KV variant's chunks; `full` is always run as
     the reference (once a case: it reads no chunk KV). Reports are named `method` for the
-    plain variant and `method+variant` for the others."""
+    plain variant and `method+variant` for the others; `after_case` gets the reports over the
+    cases so far after each case (a long run's partial results)."""
     p = engine.prompt
     params = SamplingParams(max_new_tokens=max_new_tokens)
     names = {(m.name, v.name): m.name if m.mode is Mode.FULL or not v.name else f"{m.name}+{v.name}"
@@ -173,6 +175,13 @@ def evaluate(engine: Engine, cases: Iterable[EvalCase], methods: Sequence[Method
                 r.n += 1
                 r._ttfts.append(secs)
                 r._prefills.append(0.0 if m.mode is Mode.FULL else prefill_s)
+        if after_case is not None:
+            after_case(_finish(reports, sums))
+    return _finish(reports, sums)
+
+
+def _finish(reports: dict[str, MethodReport], sums: dict[str, Counter]) -> dict[str, MethodReport]:
+    """The means and medians of the cases run so far."""
     for name, r in reports.items():
         s = sums[name]
         if r.n:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ragkv.cli.dataset import DEFAULT_QUESTION_SUFFIX, load_dataset, passage_text
@@ -82,10 +83,13 @@ def test_eval_dataset_with_neighbour_kv_json(tiny_llama_dir, tmp_path, capsys):
     rc = main(["eval", "--dataset", str(path), "--n", "2", "--ctxs", "2", "--model", str(tiny_llama_dir),
                "--modes", "full,reuse,blend", "--ratio", "1.0", "--neighbours", "0,1", "--neighbour-budget", "32",
                "--instruction", "Answer from the passages.", "--question-suffix", " Briefly.",
-               "--max-new-tokens", "4", "--json"])
+               "--max-new-tokens", "4", "--partial", str(tmp_path / "partial.json"),
+               "--pool-embeddings", str(tmp_path / "pool.npy"), "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out.strip())
     assert set(out["modes"]) == {"full", "reuse", "blend", "reuse+nb1", "blend+nb1"}
+    assert json.loads((tmp_path / "partial.json").read_text())["modes"] == out["modes"]  # after the last case
+    assert np.load(tmp_path / "pool.npy").shape[0] == 12  # every passage of the file, kept for the next run
     full = out["modes"]["full"]
     assert full["n"] == 2 and full["f1_vs_full"] == 1.0 and full["first_token_agreement"] == 1.0
     for name in ("blend", "blend+nb1"):  # ratio 1.0 is full prefill, whatever KV it starts from

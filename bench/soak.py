@@ -10,7 +10,8 @@ those greedy answers are the reference. Then N client threads ask in rotation (m
 full, reuse, blend, focus) for the duration, while a fault injector, every --fault-every
 seconds, in turn flips a byte in a KV file, truncates one, deletes one, stops the S3
 server, or starts it again. The server's RSS and open file descriptors are sampled
-every second (the first sample after the clean pass).
+every second from the end of the clean pass; growth is measured from the sample --warmup
+seconds into the load (RSS by tenths of the whole run is reported too).
 
 Prints one JSON report: requests by status code, answers that differ from the clean
 pass, faults injected, RSS first/max/last (MiB) and descriptors first/max/last. Exits 1
@@ -309,7 +310,9 @@ def run(args: argparse.Namespace) -> dict:
         stop.set()
         server.stop()
         s3.stop()
-    rss, fds = report.rss_mib or [0.0], report.fds or [0]
+    everything = report.rss_mib or [0.0]
+    skip = min(len(everything) - 1, int(args.warmup))  # samples are 1 s apart
+    rss, fds = everything[skip:], (report.fds or [0])[skip:] or [0]
     return {
         "clients": args.clients, "minutes": args.minutes, "layered": not args.whole, "index": str(index),
         "questions": len(questions), "requests": sum(report.codes.values()),
@@ -317,6 +320,9 @@ def run(args: argparse.Namespace) -> dict:
         "differing_answers": report.n_differing, "differing_examples": report.differing,
         "faults": dict(report.faults),
         "rss_mib": {"first": rss[0], "max": max(rss), "last": rss[-1]},
+        # the whole run, including the warm-up: one sample per tenth of it
+        "rss_mib_by_tenth": [everything[min(len(everything) - 1, i * len(everything) // 10)] for i in range(11)],
+        "warmup_seconds": args.warmup,
         "rss_growth": (rss[-1] - rss[0]) / rss[0] if rss[0] else 0.0,
         "open_fds": {"first": fds[0], "max": max(fds), "last": fds[-1]},
         "server_log": str(work / "server.log"),
@@ -366,6 +372,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per request")
     p.add_argument("--load-timeout", type=float, default=600.0, help="seconds for the server to load")
+    p.add_argument("--warmup", type=float, default=0.0, help="seconds of load before the first RSS sample "
+                   "that growth is measured from (allocator arenas and batch buffers fill under concurrency)")
     p.add_argument("--max-rss-growth", type=float, default=0.10, help="fail above this RSS growth (fraction)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", type=Path, help="where the tiny index, copies and the server log go")

@@ -188,22 +188,22 @@ def test_corrupted_files_are_recomputed_and_rewritten(
         st.stop()
     assert clean["reuse"][1] == {Tier.DISK}, f"clean run read tiers {clean['reuse'][1]}"
     assert not (index / "kv" / ".quarantine").exists(), "the clean run quarantined a file"
-    damaged = _corrupt(index / "kv")
-    st = ServerThread(settings(**conf), Pipeline.from_settings)
-    try:
-        after = _answers(st.addr, n)
-        st.server.service.backend.flush_writes(60)  # write-backs reach the disk on a writer thread
-    finally:
-        st.stop()
-    for mode in clean:
-        assert after[mode][0] == clean[mode][0], f"{mode}: answer over damaged KV differs"
-    assert Tier.COMPUTED in after["reuse"][1], "no damaged file was detected"
-    for f in damaged["flipped"] + damaged["truncated"]:
-        assert f.exists(), f"{f.name} was not written back after its damaged copy was quarantined"
-        decode(bytearray(f.read_bytes()), expected_key=_key_of(f),
-               model_fp=manifest["model_fp"], tokenizer_fp=manifest["tokenizer_fp"])  # KVFormatError if bad
+    for mode in ("reuse", "blend", "focus"):  # damage every file anew, then one request reads them all
+        damaged = _corrupt(index / "kv")
+        st = ServerThread(settings(**conf), Pipeline.from_settings)
+        try:
+            stream, stats = _query(st.addr, mode, top_k=n)
+            st.server.service.backend.flush_writes(60)  # write-backs reach the disk on a writer thread
+        finally:
+            st.stop()
+        assert stats.text == clean[mode][0], f"{mode}: answer over damaged KV differs"
+        assert Tier.COMPUTED in {c.kv_tier for c in stream.chunks}, f"{mode}: no damaged file was detected"
+        for f in damaged["flipped"] + damaged["truncated"]:  # after this one request, not a later one
+            assert f.exists(), f"{mode}: {f.name} was not written back after its damaged copy was quarantined"
+            decode(bytearray(f.read_bytes()), expected_key=_key_of(f),
+                   model_fp=manifest["model_fp"], tokenizer_fp=manifest["tokenizer_fp"])  # KVFormatError if bad
     quarantined = list((index / "kv" / ".quarantine").glob("*.safetensors"))
-    assert quarantined, "no damaged copy went to quarantine"
+    assert len(quarantined) >= 3 * len(damaged["flipped"] + damaged["truncated"]), "damaged copies not quarantined"
     st = ServerThread(settings(**conf), Pipeline.from_settings)  # the next start reads them, computes none
     try:
         restarted = _answers(st.addr, n)

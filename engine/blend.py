@@ -176,10 +176,42 @@ def prompt_steps(
     mode = Mode(mode)
     if mode is Mode.FOCUS:
         return (yield from _focused_steps(lm, prefix, chunks, question_ids, options, reserve_tokens))
-    dev, heads, model = lm.device, heads_of(lm), lm.model
-    timer = _PhaseTimer(dev)
+    if mode is Mode.BLEND and options.selector is Selector.QUERY:  # (no name here holds the cache:
+        # the guard's fallback frees it before running full)
+        return (yield from _query_blend_steps(lm, _assemble(lm, prefix, chunks, question_ids, mode, options,
+                                                            reserve_tokens), prefix, chunks, options, reserve_tokens))
+    a = _assemble(lm, prefix, chunks, question_ids, mode, options, reserve_tokens)
+    if mode is Mode.BLEND:  # deviation: every token through the check layer, then the picked ones
+        check = min(options.check_layer, lm.num_layers - 1)
+        return (yield from _layers(lm, a, chunks, options, first_active=0, check=check))
+    # contiguous active tokens: FULL all, PREFIX every chunk token and the question, REUSE the question
+    first_active = {Mode.FULL: 0, Mode.PREFIX: a.p, Mode.REUSE: a.c}[mode]
+    return (yield from _layers(lm, a, chunks, options, first_active))
 
-    # ---- assemble [prefix][chunks][question] at contiguous positions
+
+@dataclass(slots=True)
+class _Assembled:
+    """`[prefix][chunks][question]` laid out at contiguous positions, its cache staged."""
+
+    mode: Mode  # the mode being run
+    ids: torch.Tensor  # [N] int64, the whole prompt
+    p: int  # prefix tokens
+    c: int  # context tokens (prefix + chunks); the question is [c, N)
+    cache: KVCache  # reused segments staged (written layer by layer as the pass reaches them)
+    cos_all: torch.Tensor  # [N, D] rotary tables of every position
+    sin_all: torch.Tensor  # [N, D]
+    timer: _PhaseTimer  # phases so far
+
+    @property
+    def n(self) -> int:
+        return int(self.ids.shape[0])
+
+
+def _assemble(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV],
+              question_ids: Sequence[int] | torch.Tensor, mode: Mode, options: BlendOptions,
+              reserve_tokens: int) -> _Assembled:
+    dev = lm.device
+    timer = _PhaseTimer(dev)
     segments = ([prefix] if prefix is not None else []) + list(chunks)
     if mode is not Mode.FULL:
         _check_segments(lm, prefix, chunks)
@@ -189,41 +221,56 @@ def prompt_steps(
     ids = torch.cat([s.token_ids.to(dev) for s in segments] + [q_ids])  # [N]
     n = ids.shape[0]
     p = prefix.num_tokens if prefix is not None else 0
-    c = n - q_ids.shape[0]  # context = prefix + chunks
     cache = KVCache(lm.num_layers, lm.num_kv_heads, lm.head_dim, n + reserve_tokens, lm.dtype, dev)
     cache.length = n
-    cos_all, sin_all = rotary_tables(model, torch.arange(n, device=dev), _like(lm))  # [N, D]
+    cos_all, sin_all = rotary_tables(lm.model, torch.arange(n, device=dev), _like(lm))  # [N, D]
     if mode is not Mode.FULL:  # layers of chunks still loading are written as the pass reaches them
         temper = mode in (Mode.REUSE, Mode.BLEND) and options.context_temperature != 1.0
         cache.stage(segments, cos_all, sin_all, (p, options.context_temperature) if temper else None)
-    # blend recomputes the (short) prefix too in its first layers: its fresh KV equals the
-    # cached one, and queries == keys lets SDPA use its causal kernel instead of a mask.
-    first_active = {Mode.FULL: 0, Mode.PREFIX: p, Mode.BLEND: 0, Mode.REUSE: c}[mode]
-    pos = torch.arange(first_active, n, device=dev)  # [S] positions of the active tokens
     timer.lap("assemble")
+    return _Assembled(mode, ids, p, n - q_ids.shape[0], cache, cos_all, sin_all, timer)
 
-    # ---- layers; `pos` shrinks to the selected tokens after the check layer in blend mode
-    check = min(options.check_layer, lm.num_layers - 1) if mode is Mode.BLEND else -1
-    if mode is Mode.BLEND and options.selector is Selector.QUERY:
-        score_layer = lm.num_layers // 2 if options.score_layer is None else options.score_layer % lm.num_layers
-        scores = question_attention(lm, ids, cache, cos_all, sin_all, c, [score_layer])[0, p:]  # [C-P]
-        timer.lap("score")
-        if options.fallback_full and tokens_for_mass(scores, options.adaptive_mass) > round(
-                options.recompute_ratio * (c - p)):
-            del cache  # the guard: this request's attention is too spread for the budget
-            res = yield from prompt_steps(lm, prefix, chunks, q_ids, Mode.FULL, options, reserve_tokens)
-            res.timings = {**timer.phases, **res.timings}
-            return res
-        picked = select_tokens(scores, [ch.num_tokens for ch in chunks], options)
-        check = -1
-        if picked.numel() == c - p:  # every chunk token: recompute the prefix too and run as full
-            first_active, pos = 0, torch.arange(n, device=dev)  # prefill does (same kernels, same sums)
-        else:
-            pos, first_active = torch.cat([picked + p, torch.arange(c, n, device=dev)]), -1  # [S]
-    h = model.model.embed_tokens(ids[pos])  # [S, hidden]
+
+def _query_blend_steps(lm: LoadedModel, a: _Assembled, prefix: ChunkKV | None, chunks: Sequence[ChunkKV],
+                       options: BlendOptions, reserve_tokens: int) -> PromptSteps:
+    """BLEND with the query selector: the question's attention picks the tokens first."""
+    p, c, n = a.p, a.c, a.n
+    score_layer = lm.num_layers // 2 if options.score_layer is None else options.score_layer % lm.num_layers
+    scores = question_attention(lm, a.ids, a.cache, a.cos_all, a.sin_all, c, [score_layer])[0, p:]  # [C-P]
+    a.timer.lap("score")
+    if options.fallback_full and tokens_for_mass(scores, options.adaptive_mass) > round(
+            options.recompute_ratio * (c - p)):
+        q_ids = a.ids[c:]
+        phases = a.timer.phases
+        del a  # the guard: this request's attention is too spread for the budget
+        res = yield from prompt_steps(lm, prefix, chunks, q_ids, Mode.FULL, options, reserve_tokens)
+        res.timings = {**phases, **res.timings}
+        return res
+    picked = select_tokens(scores, [ch.num_tokens for ch in chunks], options)
+    if picked.numel() == c - p:  # every chunk token: recompute the prefix too and run as full
+        return (yield from _layers(lm, a, chunks, options, first_active=0))  # prefill does (same sums)
+    pos = torch.cat([picked + p, torch.arange(c, n, device=lm.device)])  # [S]
+    return (yield from _layers(lm, a, chunks, options, first_active=-1, pos=pos))
+
+
+def _layers(lm: LoadedModel, a: _Assembled, chunks: Sequence[ChunkKV], options: BlendOptions,
+            first_active: int, check: int = -1, pos: torch.Tensor | None = None) -> PromptSteps:
+    """The layer loop every mode shares, one layer per step.
+
+    Args:
+        first_active: the active tokens are [first_active, N); -1: exactly `pos`.
+        check: deviation blend's check layer (-1: none): from it on only the picked tokens
+            and the question run.
+        pos: [S] sorted positions of the active tokens, with first_active -1.
+    """
+    dev, heads, model = lm.device, heads_of(lm), lm.model
+    p, c, n, cache, timer = a.p, a.c, a.n, a.cache, a.timer
+    if pos is None:
+        pos = torch.arange(first_active, n, device=dev)  # [S] positions of the active tokens
+    h = model.model.embed_tokens(a.ids[pos])  # [S, hidden]
     slots: slice | torch.Tensor = slice(first_active, n) if first_active >= 0 else pos
     attend = plan_attention(pos, n, heads)
-    cos, sin = cos_all[pos], sin_all[pos]  # [S, D]
+    cos, sin = a.cos_all[pos], a.sin_all[pos]  # [S, D]
     # contiguous active tokens from first_active on recompute every chunk token past it (none
     # for reuse); deviation blend replaces this with its pick at the check layer
     recomputed = pos[pos < c] if first_active < 0 else torch.arange(max(first_active, p), c, device=dev)
@@ -245,7 +292,7 @@ def prompt_steps(
             pos = torch.cat([recomputed, torch.arange(c, n, device=dev)])  # [S']
             slots = pos
             attend = plan_attention(pos, n, heads)
-            cos, sin = cos_all[pos], sin_all[pos]
+            cos, sin = a.cos_all[pos], a.sin_all[pos]
             timer.lap("select")
         if i == last and h.shape[0] > 1:  # only the last position's output is ever read
             k, v = project_kv(layer, h, heads)  # [Hkv, S, D]
@@ -259,8 +306,7 @@ def prompt_steps(
 
     logits = model.lm_head(model.model.norm(h[-1:]))[0].float()  # [V]
     timer.lap("logits")
-    n_chunk = c - p
-    return BlendResult(mode, ids, logits, cache, recomputed, n_chunk, timer.phases)
+    return BlendResult(a.mode, a.ids, logits, cache, recomputed, c - p, timer.phases)
 
 
 def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV],

@@ -158,3 +158,21 @@ def test_index_with_neighbours_records_options_keys_and_stores_context_kv(job_co
     other = run_index(dataclasses.replace(cfg, neighbours=NeighbourOptions(m=1, budget_tokens=64)),
                       lm=tiny_lm, embedder=embedder)
     assert other.kv_chunks == len(chunks)  # another m: other keys, computed again
+
+
+def test_eval_on_an_index_takes_neighbours_from_its_embeddings(job_config, tiny_lm, embedder, tmp_path, capsys):
+    import json
+
+    from ragkv.cli.main import main
+    from ragkv.indexer.job import run_index
+
+    run_index(job_config, lm=tiny_lm, embedder=embedder)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"id": "a", "question": "Which planet is the hottest?", "answer": "Venus"}) + "\n")
+    rc = main(["eval", "--index", str(job_config.out), "--questions", str(questions), "--model", job_config.model,
+               "--top-k", "2", "--modes", "full,reuse", "--neighbours", "0,1", "--max-new-tokens", "2", "--json"])
+    assert rc == 0
+    modes = json.loads(capsys.readouterr().out.strip())["modes"]
+    assert set(modes) == {"full", "reuse", "reuse+nb1"}
+    assert {"f1", "f1_vs_full", "first_token_agreement"} <= set(modes["reuse+nb1"])
+    assert modes["reuse+nb1"]["kv_prefill_median_s"] > 0

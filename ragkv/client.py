@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
@@ -45,24 +45,26 @@ from ragkv.v1 import ragkv_pb2_grpc as pb_grpc
 DEFAULT_TIMEOUT = 120.0  # seconds, whole call (a Query stream included)
 
 
-def _mode(mode: Mode | str | None) -> Mode | None:
-    if mode is None or isinstance(mode, Mode):
-        return mode
+E = TypeVar("E", Mode, SearchMode)
+
+
+def _enum(cls: type[E], value: E | str | None, field: str) -> E | None:
+    """A caller's enum or its (case-insensitive) name as the enum; None stays None."""
+    if value is None or isinstance(value, cls):
+        return value
     try:
-        return Mode(mode.lower())
+        return cls(value.lower())
     except ValueError:
-        known = ", ".join(m.value for m in Mode)
-        raise ValueError(f"mode must be one of {known}, got {mode!r}") from None
+        known = ", ".join(m.value for m in cls)
+        raise ValueError(f"{field} must be one of {known}, got {value!r}") from None
+
+
+def _mode(mode: Mode | str | None) -> Mode | None:
+    return _enum(Mode, mode, "mode")
 
 
 def _search_mode(mode: SearchMode | str | None) -> SearchMode | None:
-    if mode is None or isinstance(mode, SearchMode):
-        return mode
-    try:
-        return SearchMode(mode.lower())
-    except ValueError:
-        known = ", ".join(m.value for m in SearchMode)
-        raise ValueError(f"search_mode must be one of {known}, got {mode!r}") from None
+    return _enum(SearchMode, mode, "search_mode")
 
 
 Filters = Mapping[str, Any] | Sequence[MetadataFilter] | None  # {"key": value} means equality on each key

@@ -85,13 +85,7 @@ def mode_from_proto(value: int, field: str = "mode") -> Mode | None:
     Raises:
         WireValueError: The number is no Mode this build knows.
     """
-    if value == pb.MODE_UNSPECIFIED:
-        return None
-    try:
-        return _MODE_FROM_PB[value]
-    except KeyError:
-        known = ", ".join(pb.Mode.Name(v) for v in _MODE_FROM_PB)
-        raise WireValueError(field, f"{field}: unknown mode {value} (known: {known})") from None
+    return _from_proto(_MODE_FROM_PB, pb.Mode, value, field, "mode")
 
 
 def tier_to_proto(tier: Tier | None) -> int:
@@ -120,13 +114,18 @@ def search_mode_from_proto(value: int, field: str = "search_mode") -> SearchMode
     Raises:
         WireValueError: The number is no SearchMode this build knows.
     """
-    if value == pb.SEARCH_MODE_UNSPECIFIED:
+    return _from_proto(_SEARCH_FROM_PB, pb.SearchMode, value, field, "search mode")
+
+
+def _from_proto(table: Mapping[int, Any], wire_enum: Any, value: int, field: str, what: str) -> Any:
+    """A wire enum number through `table`; 0 (UNSPECIFIED) -> None; an unknown number names the known ones."""
+    if value == 0:
         return None
     try:
-        return _SEARCH_FROM_PB[value]
+        return table[value]
     except KeyError:
-        known = ", ".join(pb.SearchMode.Name(v) for v in _SEARCH_FROM_PB)
-        raise WireValueError(field, f"{field}: unknown search mode {value} (known: {known})") from None
+        known = ", ".join(wire_enum.Name(v) for v in table)
+        raise WireValueError(field, f"{field}: unknown {what} {value} (known: {known})") from None
 
 
 def filters_to_proto(filters: Sequence[MetadataFilter]) -> list[pb.MetadataFilter]:

@@ -17,6 +17,9 @@ A request is a job: a generator (the server's answer) that yields
 - anything else: an event handed to the job's `emit`.
 An exception raised by a job is handed to `emit` too; `emit(END)` always comes last.
 
+When it goes idle, and every `heap_trim_s` seconds under load, it hands the host heap's
+free pages back to the OS (`engine.memory.trim_host_heap`).
+
 Admission counts KV bytes in flight as well as requests: `submit` refuses, with
 `SchedulerFullError`, a request whose cache would take the total past `kv_budget_bytes`.
 Sampling is per request (each stream has its own generator); greedy decoding gives the
@@ -36,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ragkv.engine.decode import DecodeStream, decode_batch
+from ragkv.engine.memory import trim_host_heap
 from ragkv.errors import RagKVError
 
 log = logging.getLogger(__name__)
@@ -73,9 +77,10 @@ class SchedulerConfig:
     kv_budget_bytes: int = 8 << 30  # KV cache bytes of all requests in flight
     max_batch: int = 32  # requests decoding in one step at most
     prompt_slice_s: float = 0.05  # seconds of prompt work between two decode steps
+    heap_trim_s: float = 10.0  # under load, free host heap pages go back to the OS this often; 0 = never
 
     def __post_init__(self) -> None:
-        if self.kv_budget_bytes < 1 or self.max_batch < 1 or self.prompt_slice_s <= 0:
+        if self.kv_budget_bytes < 1 or self.max_batch < 1 or self.prompt_slice_s <= 0 or self.heap_trim_s < 0:
             raise ValueError(f"scheduler budgets must be positive, got {self}")
 
 
@@ -112,6 +117,7 @@ class Scheduler:
         self._incoming: collections.deque[_Job] = collections.deque()
         self._kv_bytes = 0  # admitted, under _lock
         self._stopping = False
+        self._trimmed = time.monotonic()  # last heap trim
         self._thread = threading.Thread(target=self._loop, name="ragkv-scheduler", daemon=True)
         self._thread.start()
 
@@ -151,7 +157,10 @@ class Scheduler:
         prompting: collections.deque[_Job] = collections.deque()
         decoding: list[_Job] = []
         while True:
+            self._trim_when_due()
             with self._lock:
+                if not (self._incoming or prompting or decoding or self._stopping) and self.config.heap_trim_s:
+                    self._trim()  # going idle: nothing in flight needs the free pages
                 while not (self._incoming or prompting or decoding or self._stopping):
                     self._lock.wait()
                 if self._stopping:
@@ -170,6 +179,14 @@ class Scheduler:
         for job in leftover:
             job.emit(SchedulerStoppedError("the server stopped before this request finished: retry on another replica"))
             self._end(job)
+
+    def _trim_when_due(self) -> None:
+        if self.config.heap_trim_s and time.monotonic() - self._trimmed >= self.config.heap_trim_s:
+            self._trim()
+
+    def _trim(self) -> None:
+        trim_host_heap()  # the holes requests of different sizes leave (engine/memory.py)
+        self._trimmed = time.monotonic()
 
     def _alive(self, job: _Job) -> bool:
         if job.cancel.is_set() or (job.deadline is not None and time.monotonic() > job.deadline):
@@ -192,6 +209,7 @@ class Scheduler:
             now = time.perf_counter()
             if (decoding or self._incoming or self._stopping) and now - t0 >= self.config.prompt_slice_s:
                 return
+            self._trim_when_due()  # a long prompt pass alone never leaves this loop
             job = min(prompting, key=lambda j: j.prompt_s)  # stable: the oldest of equals
             if not self._alive(job):
                 prompting.remove(job)

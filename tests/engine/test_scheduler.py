@@ -307,3 +307,43 @@ def test_close_ends_running_requests_with_a_stopped_error() -> None:
     assert any(isinstance(e, SchedulerStoppedError) for e in sink.events)
     with pytest.raises(SchedulerStoppedError):
         sched.submit(endless(), _Sink(), threading.Event())
+
+
+def test_heap_is_trimmed_when_idle_and_periodically_under_load(monkeypatch) -> None:
+    import ragkv.engine.scheduler as scheduler
+
+    trims: list[float] = []
+    monkeypatch.setattr(scheduler, "trim_host_heap", lambda: trims.append(time.monotonic()) or True)
+    sched = Scheduler(SchedulerConfig(heap_trim_s=0.1))
+    hold = threading.Event()
+
+    ended: list[float] = []
+
+    def busy():
+        while not hold.is_set():
+            yield 0
+            time.sleep(0.005)
+        ended.append(time.monotonic())
+
+    sink = _Sink()
+    sched.submit(busy(), sink, threading.Event())
+    time.sleep(0.2)
+    under_load = len(trims)
+    time.sleep(0.3)
+    assert len(trims) >= under_load + 2  # about every 0.1 s while the job runs
+    hold.set()
+    assert sink.ended.wait(5)
+    deadline = time.monotonic() + 5
+    while not (trims and trims[-1] >= ended[0]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert trims[-1] >= ended[0]  # going idle trims
+    idle = len(trims)
+    time.sleep(0.4)
+    assert len(trims) == idle  # and an idle scheduler sleeps: no trim loop
+    sched.close()
+    never = Scheduler(SchedulerConfig(heap_trim_s=0))
+    trims.clear()
+    never.submit(busy(), _Sink(), threading.Event())  # hold is set: ends at once
+    time.sleep(0.1)
+    never.close()
+    assert trims == []

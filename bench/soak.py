@@ -10,8 +10,9 @@ those greedy answers are the reference. Then N client threads ask in rotation (m
 full, reuse, blend, focus) for the duration, while a fault injector, every --fault-every
 seconds, in turn flips a byte in a KV file, truncates one, deletes one, stops the S3
 server, or starts it again. The server's RSS and open file descriptors are sampled
-every second from the end of the clean pass; growth is measured from the sample --warmup
-seconds into the load (RSS by tenths of the whole run is reported too).
+every second from the end of the clean pass; growth compares the median RSS of the first
+minute after --warmup seconds of load with that of the last minute (a single sample swings
+by what the requests in flight hold; every sample is in the report).
 
 Prints one JSON report: requests by status code, answers that differ from the clean
 pass, faults injected, RSS first/max/last (MiB) and descriptors first/max/last. Exits 1
@@ -28,6 +29,7 @@ import logging
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -313,17 +315,23 @@ def run(args: argparse.Namespace) -> dict:
     everything = report.rss_mib or [0.0]
     skip = min(len(everything) - 1, int(args.warmup))  # samples are 1 s apart
     rss, fds = everything[skip:], (report.fds or [0])[skip:] or [0]
+    # a sample holds whatever the requests in flight hold at that second (hundreds of MiB
+    # either way): growth compares the medians of the first and last minute after warm-up
+    window = max(1, min(60, len(rss) // 5))
+    start_mib, end_mib = statistics.median(rss[:window]), statistics.median(rss[-window:])
     return {
         "clients": args.clients, "minutes": args.minutes, "layered": not args.whole, "index": str(index),
         "questions": len(questions), "requests": sum(report.codes.values()),
         "codes": dict(report.codes), "codes_by_mode": {m: dict(c) for m, c in report.by_mode.items()},
         "differing_answers": report.n_differing, "differing_examples": report.differing,
         "faults": dict(report.faults),
-        "rss_mib": {"first": rss[0], "max": max(rss), "last": rss[-1]},
+        "rss_mib": {"first": rss[0], "max": max(rss), "last": rss[-1], "median_first_window": start_mib,
+                    "median_last_window": end_mib, "window_s": window},
         # the whole run, including the warm-up: one sample per tenth of it
         "rss_mib_by_tenth": [everything[min(len(everything) - 1, i * len(everything) // 10)] for i in range(11)],
         "warmup_seconds": args.warmup,
-        "rss_growth": (rss[-1] - rss[0]) / rss[0] if rss[0] else 0.0,
+        "rss_growth": (end_mib - start_mib) / start_mib if start_mib else 0.0,
+        "rss_mib_samples": everything,  # one a second, from the end of the clean pass
         "open_fds": {"first": fds[0], "max": max(fds), "last": fds[-1]},
         "server_log": str(work / "server.log"),
     }

@@ -46,6 +46,10 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                         "after; 0 = plain KV), each compared on the same cases (default 0)")
     p.add_argument("--neighbour-budget", type=int, default=1024,
                    help="most context tokens before a chunk (default 1024)")
+    p.add_argument("--neighbour-context", default="tokens", metavar="tokens,kv",
+                   help="neighbours before a chunk as their tokens (prefilled with it; default) or as their "
+                        "plain KV (only the chunk is computed: about half the cost, the same KV for m = 1); "
+                        "tokens,kv compares both (rows +nbM and +nbMkv)")
     p.add_argument("--pool-embeddings", type=Path, metavar="FILE.npy",
                    help="neighbours: keep the pool's embeddings in FILE.npy and reuse them on the next run")
     p.add_argument("--neighbour-choice", default="nearest", choices=("nearest", "random"),
@@ -159,30 +163,52 @@ def _cases(args: argparse.Namespace, engine):
 def neighbour_variants(args: argparse.Namespace, engine, cases, pool):  # noqa: ANN001, ANN201
     """One evaluate.KVVariant per m of --neighbours: plain KV for 0, else neighbour-conditioned."""
     from ragkv.engine.evaluate import PLAIN, KVVariant
-    from ragkv.indexer.neighbours import NeighbourOptions, context_ids, select_neighbours
+    from ragkv.engine.prefill import context_segments, prefill_segment
+    from ragkv.indexer.neighbours import NeighbourContext, NeighbourOptions, context_ids, select_neighbours
 
     ms = [int(m) for m in args.neighbours.split(",") if m.strip()]
     if not ms or any(m < 0 for m in ms):
         raise ValueError(f"--neighbours must be a comma list of m >= 0, got {args.neighbours!r}")
     if all(m == 0 for m in ms):
         return [PLAIN]
+    contexts = [NeighbourContext(c.strip()) for c in args.neighbour_context.split(",") if c.strip()]
+    if not contexts:
+        raise ValueError(f"--neighbour-context must be tokens, kv or both, got {args.neighbour_context!r}")
     texts, xb = _neighbour_pool(args, cases, pool)
     row_of = {t: i for i, t in enumerate(texts)}
     p = engine.prompt
+    # pool row -> its plain KV (what an index stores anyway), for the case at hand only: each
+    # case's KV prefill time then includes its neighbours' plain prefill once, and memory stays flat
+    plain_kv: dict[int, object] = {}
+
+    def neighbour_kv(j: int, prefix):  # noqa: ANN001, ANN202
+        if j not in plain_kv:
+            plain_kv[j] = prefill_segment(engine.lm, prefix, p.chunk_ids(texts[j]))
+        return plain_kv[j]
+
     variants = []
     for m in ms:
         if m == 0:
             variants.append(PLAIN)
             continue
-        opts = NeighbourOptions(m, args.neighbour_budget, args.neighbour_choice, args.seed)
-        wanted = sorted({row_of[c] for case in cases for c in case.chunks})
-        nbrs = dict(zip(wanted, select_neighbours(xb, opts, wanted)))
+        for how in contexts:
+            opts = NeighbourOptions(m, args.neighbour_budget, args.neighbour_choice, args.seed, how)
+            wanted = sorted({row_of[c] for case in cases for c in case.chunks})
+            nbrs = dict(zip(wanted, select_neighbours(xb, opts, wanted)))
+            if how is NeighbourContext.KV:
+                def context_kv(case, prefix, nbrs=nbrs, opts=opts):  # noqa: ANN001, ANN202
+                    plain_kv.clear()
+                    return [context_segments([neighbour_kv(j, prefix) for j in nbrs[row_of[c]]], opts.budget_tokens)
+                            for c in case.chunks]
 
-        def context(case, nbrs=nbrs, opts=opts):  # noqa: ANN001, ANN202
-            return [context_ids([p.chunk_ids(texts[j]) for j in nbrs[row_of[c]]], opts.budget_tokens)
-                    for c in case.chunks]
+                variants.append(KVVariant(f"nb{m}kv", context_kv=context_kv))
+                continue
 
-        variants.append(KVVariant(f"nb{m}", context))
+            def context(case, nbrs=nbrs, opts=opts):  # noqa: ANN001, ANN202
+                return [context_ids([p.chunk_ids(texts[j]) for j in nbrs[row_of[c]]], opts.budget_tokens)
+                        for c in case.chunks]
+
+            variants.append(KVVariant(f"nb{m}", context))
     return variants
 
 

@@ -52,6 +52,9 @@ class KVVariant:
     name: str  # suffix of the method names in reports ("" = plain KV, no suffix)
     # each chunk's context token ids (between prefix and chunk), given the case; None = plain KV
     context: Callable[[EvalCase], Sequence[Sequence[int]]] | None = None
+    # or each chunk's context as computed KV (its neighbours' plain KV: `prefill_segment(context_kv=)`),
+    # given the case and the prefix; the time it takes counts as the variant's KV prefill
+    context_kv: Callable[[EvalCase, ChunkKV], Sequence[Sequence[ChunkKV]]] | None = None
 
 
 PLAIN = KVVariant("")
@@ -153,8 +156,12 @@ def evaluate(engine: Engine, cases: Iterable[EvalCase], methods: Sequence[Method
         done: set[str] = set()
         for v in variants:
             t = time.perf_counter()
-            contexts = v.context(case) if v.context is not None else [()] * len(chunk_ids)
-            kvs = [prefill_segment(engine.lm, prefix, ids, ctx) for ids, ctx in zip(chunk_ids, contexts)]
+            if v.context_kv is not None:
+                kvs = [prefill_segment(engine.lm, prefix, ids, context_kv=ctx)
+                       for ids, ctx in zip(chunk_ids, v.context_kv(case, prefix))]
+            else:
+                contexts = v.context(case) if v.context is not None else [()] * len(chunk_ids)
+                kvs = [prefill_segment(engine.lm, prefix, ids, ctx) for ids, ctx in zip(chunk_ids, contexts)]
             prefill_s = time.perf_counter() - t
             for m in methods:
                 name = names[(m.name, v.name)]

@@ -31,7 +31,7 @@ from ragkv.errors import IndexMismatchError
 from ragkv.indexer.chunking import ChunkingConfig, chunk_document
 from ragkv.indexer.corpus import Corpus, Document, load_corpus
 from ragkv.indexer.kv_job import KVItem, KVWriter, kv_key, open_store
-from ragkv.indexer.neighbours import NeighbourOptions, context_ids, select_neighbours
+from ragkv.indexer.neighbours import NeighbourContext, NeighbourOptions, context_ids, select_neighbours
 from ragkv.indexer.sharding import shard_of
 from ragkv.indexer.spot import StopSignal
 from ragkv.retriever import vector_index
@@ -212,8 +212,12 @@ def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Any
         contexts = _neighbour_contexts(db, manifest, config.neighbours) if config.neighbours.enabled else {}
         if config.precompute_kv:
             t_kv = time.perf_counter()
-            kv_chunks, kv_tokens, kv_bytes = _precompute_kv(db, engine, lm, prefix_ids, kv_uris, config, stop,
-                                                            contexts)
+            if config.neighbours.context is NeighbourContext.KV and db.pending_kv():
+                plain = _precompute_plain_kv(db, engine, lm, prefix_ids, kv_uris, contexts, config, stop)
+            else:
+                plain = (0, 0, 0)
+            kv_chunks, kv_tokens, kv_bytes = (a + b for a, b in zip(plain, _precompute_kv(
+                db, engine, lm, prefix_ids, kv_uris, config, stop, contexts)))
             kv_seconds = time.perf_counter() - t_kv
         stop.check()
         n_docs, n_chunks, n_tokens = db.stats()
@@ -311,8 +315,16 @@ def _embed_pending(db: ChunkDB, embedder: Embedder, config: IndexJobConfig, stop
     return len(pending)
 
 
-def _neighbour_contexts(db: ChunkDB, manifest: Manifest, options: NeighbourOptions) -> dict[int, tuple[int, ...]]:
-    """Every chunk's context (its neighbours' tokens, by the index's own embeddings), by row; each
+@dataclass(frozen=True, slots=True)
+class _Context:
+    """What a chunk is computed after (neighbour-conditioned KV)."""
+
+    ids: tuple[int, ...]  # its neighbours' tokens, cut to the budget (named in the key)
+    neighbours: tuple[tuple[str, tuple[int, ...]], ...]  # (plain key, token ids), most similar first
+
+
+def _neighbour_contexts(db: ChunkDB, manifest: Manifest, options: NeighbourOptions) -> dict[int, _Context]:
+    """Every chunk's context (its neighbours, by the index's own embeddings), by row; each
     chunk gets the key of its KV computed after that context (a changed key: its KV is computed)."""
     from ragkv.kvstore import ChunkContext
 
@@ -321,10 +333,14 @@ def _neighbour_contexts(db: ChunkDB, manifest: Manifest, options: NeighbourOptio
         return {}
     records = db.chunks_by_rows([int(r) for r in rows])
     ids_of = [records[int(r)].token_ids for r in rows]
+
+    def plain_key(ids: Sequence[int]) -> str:
+        return kv_key(manifest.model_fp, manifest.tokenizer_fp, manifest.prefix_ids, ids)
+
     contexts, keys = {}, {}
     for r, chunk_ids, nbrs in zip(rows, ids_of, select_neighbours(xb, options)):
         ctx = tuple(context_ids([ids_of[j] for j in nbrs], options.budget_tokens))
-        contexts[int(r)] = ctx
+        contexts[int(r)] = _Context(ctx, tuple((plain_key(ids_of[j]), tuple(ids_of[j])) for j in nbrs))
         keys[int(r)] = kv_key(manifest.model_fp, manifest.tokenizer_fp, manifest.prefix_ids, chunk_ids,
                               ChunkContext(options.tag(), ctx))
     changed = db.set_kv_keys(keys)
@@ -333,13 +349,54 @@ def _neighbour_contexts(db: ChunkDB, manifest: Manifest, options: NeighbourOptio
     return contexts
 
 
+def _precompute_plain_kv(db: ChunkDB, engine: Any, lm: Any, prefix_ids: Sequence[int], kv_uris: Sequence[str],
+                         contexts: dict[int, _Context], config: IndexJobConfig,
+                         stop: StopSignal) -> tuple[int, int, int]:
+    """The plain KV of every chunk some chunk has as a neighbour (NeighbourContext.KV: the context
+    the neighbour pass reads); resumes from what the store holds. Returns (chunks, tokens, bytes)."""
+    wanted = dict(nb for c in contexts.values() for nb in c.neighbours)  # plain key -> token ids
+    items = [KVItem(-1, key, ids) for key, ids in wanted.items()]
+    if not items:
+        return 0, 0, 0
+    store = open_store(kv_uris, lm.fingerprint, lm.tokenizer_fingerprint, config.kv_compression)
+    try:
+        writer = KVWriter(engine, store, prefix_ids)
+        todo = writer.missing(items)
+        totals = [0, 0, 0]
+        with _bar(len(todo), "kv precompute (plain, the neighbours' context)", config.progress) as bar:
+            def on_done(batch: Sequence[KVItem], nbytes: int) -> None:
+                totals[0] += len(batch)
+                totals[1] += sum(len(it.token_ids) for it in batch)
+                totals[2] += nbytes
+                bar.update(len(batch))
+
+            writer.run(list(batched(todo, config.kv_batch)), on_done, stop.is_set)
+    finally:
+        close = getattr(store, "close", None)
+        if close is not None:
+            close()
+    stop.check()
+    return totals[0], totals[1], totals[2]
+
+
 def _precompute_kv(db: ChunkDB, engine: Any, lm: Any, prefix_ids: Sequence[int], kv_uris: Sequence[str],
                    config: IndexJobConfig, stop: StopSignal,
-                   contexts: dict[int, tuple[int, ...]] | None = None) -> tuple[int, int, int]:
+                   contexts: dict[int, _Context] | None = None) -> tuple[int, int, int]:
     """Returns (chunks computed, tokens computed, bytes written)."""
     contexts = contexts or {}
     tag = config.neighbours.tag() if config.neighbours.enabled else ""
-    pending = [KVItem(row, key, ids, contexts.get(row, ()), tag) for row, key, ids in db.pending_kv()]
+    by_kv = config.neighbours.context is NeighbourContext.KV
+
+    def item(row: int, key: str, ids: tuple[int, ...]) -> KVItem:
+        ctx = contexts.get(row)
+        if ctx is None:
+            return KVItem(row, key, ids)
+        if not by_kv:
+            return KVItem(row, key, ids, ctx.ids, tag)
+        return KVItem(row, key, ids, ctx.ids, tag, tuple(k for k, _ in ctx.neighbours),
+                      tuple(i for _, i in ctx.neighbours), config.neighbours.budget_tokens)
+
+    pending = [item(row, key, ids) for row, key, ids in db.pending_kv()]
     if not pending:
         return 0, 0, 0
     store = open_store(kv_uris, lm.fingerprint, lm.tokenizer_fingerprint, config.kv_compression)

@@ -29,6 +29,12 @@ class KVItem:
     # tokens prefilled between the prefix and the chunk (its neighbours: indexer.neighbours); () = none
     context_ids: tuple[int, ...] = ()
     context_tag: str = ""  # the options that chose the context (NeighbourOptions.tag()); "" = none
+    # the context as the neighbours' own plain KV instead (NeighbourContext.KV): their plain keys
+    # and token ids, most similar first, cut to context_budget tokens; context_ids then only
+    # name the context (in the key)
+    context_keys: tuple[str, ...] = ()
+    context_chunk_ids: tuple[tuple[int, ...], ...] = ()
+    context_budget: int = 0
 
 
 def kv_key(model_fp: str, tokenizer_fp: str, prefix_ids: Sequence[int], chunk_ids: Sequence[int],
@@ -80,10 +86,30 @@ class KVWriter:
         """Prefill one batch after the prefix (and each item's context): one ``engine.ChunkKV`` per item."""
         if not any(it.context_ids for it in batch):
             return self.engine.prefill_chunks(self.prefix_ids, [it.token_ids for it in batch])
-        from ragkv.engine.prefill import prefill_segment
+        from ragkv.engine.prefill import context_segments, prefill_segment
 
         prefix = self.engine.prefix_kv(self.prefix_ids) if self.prefix_ids else None
-        return [prefill_segment(self._lm, prefix, it.token_ids, it.context_ids) for it in batch]
+        out = []
+        for it in batch:
+            if it.context_keys:  # the neighbours' stored plain KV: only the chunk's tokens run
+                plain = [self._plain(prefix, k, ids) for k, ids in zip(it.context_keys, it.context_chunk_ids)]
+                context = context_segments(plain, it.context_budget)
+                out.append(prefill_segment(self._lm, prefix, it.token_ids, context_kv=context))
+            else:
+                out.append(prefill_segment(self._lm, prefix, it.token_ids, it.context_ids))
+        return out
+
+    def _plain(self, prefix: Any, key: str, token_ids: Sequence[int]) -> Any:
+        """A neighbour's plain KV as an ``engine.ChunkKV``: from the store (the plain pass wrote
+        it), or computed again if no tier has it whole (deleted or corrupted since)."""
+        from ragkv.engine.prefill import prefill_segment
+        from ragkv.indexer.kv_bridge import entry_to_chunk_kv
+        from ragkv.kvstore import ChunkKey
+
+        entry = self.store.get(ChunkKey.from_str(key))
+        if entry is None:
+            return prefill_segment(self._lm, prefix, token_ids)
+        return entry_to_chunk_kv(entry, self._lm.device, self._lm.dtype)
 
     def write(self, batch: Sequence[KVItem], kvs: Sequence[Any]) -> int:
         """Put one computed batch into the store; returns the KV bytes written.

@@ -30,6 +30,16 @@ class NeighbourChoice(str, enum.Enum):
     RANDOM = "random"  # m other chunks drawn at random (seeded): the control for NEAREST
 
 
+class NeighbourContext(str, enum.Enum):
+    """How the neighbours sit before a chunk while its KV is computed."""
+
+    TOKENS = "tokens"  # their tokens are prefilled with the chunk (each sees the farther ones)
+    # their own plain KV (stored anyway) is placed before the chunk and only the chunk's
+    # tokens are computed: the same KV as TOKENS for one neighbour within the budget (a
+    # neighbour's plain KV is what its tokens give after the prefix), about half the cost
+    KV = "kv"
+
+
 @dataclass(frozen=True, slots=True)
 class NeighbourOptions:
     """How neighbour-conditioned KV is computed; m = 0 means plain KV (after the prefix only)."""
@@ -38,12 +48,14 @@ class NeighbourOptions:
     budget_tokens: int = 1024  # most context tokens before a chunk (neighbours cut to fit)
     choice: NeighbourChoice = NeighbourChoice.NEAREST  # how neighbours are picked
     seed: int = 0  # NeighbourChoice.RANDOM only
+    context: NeighbourContext = NeighbourContext.TOKENS  # the neighbours as tokens or as their plain KV
 
     def __post_init__(self) -> None:
         if self.m < 0 or self.budget_tokens < 1:
             raise ValueError(f"neighbours need m >= 0 and budget_tokens >= 1, got m={self.m}, "
                              f"budget_tokens={self.budget_tokens}")
         object.__setattr__(self, "choice", NeighbourChoice(self.choice))
+        object.__setattr__(self, "context", NeighbourContext(self.context))
 
     @property
     def enabled(self) -> bool:
@@ -52,15 +64,17 @@ class NeighbourOptions:
     def tag(self) -> str:
         """The options as one string: the ChunkKey context tag and the manifest's record."""
         seed = f",seed={self.seed}" if self.choice is NeighbourChoice.RANDOM else ""
-        return f"neighbours:m={self.m},budget={self.budget_tokens},choice={self.choice.value}{seed}"
+        context = f",context={self.context.value}" if self.context is not NeighbourContext.TOKENS else ""
+        return f"neighbours:m={self.m},budget={self.budget_tokens},choice={self.choice.value}{seed}{context}"
 
     def as_dict(self) -> dict:
-        return {"m": self.m, "budget_tokens": self.budget_tokens, "choice": self.choice.value, "seed": self.seed}
+        return {"m": self.m, "budget_tokens": self.budget_tokens, "choice": self.choice.value, "seed": self.seed,
+                "context": self.context.value}
 
     @classmethod
     def from_dict(cls, d: dict | None) -> NeighbourOptions:
         return cls() if not d else cls(int(d["m"]), int(d["budget_tokens"]), NeighbourChoice(d["choice"]),
-                                       int(d.get("seed", 0)))
+                                       int(d.get("seed", 0)), NeighbourContext(d.get("context", "tokens")))
 
 
 def select_neighbours(xb: np.ndarray, options: NeighbourOptions,

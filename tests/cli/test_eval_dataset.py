@@ -82,17 +82,17 @@ def test_eval_dataset_with_neighbour_kv_json(tiny_llama_dir, tmp_path, capsys):
     path = _write(tmp_path, [_row(i) for i in range(4)])
     rc = main(["eval", "--dataset", str(path), "--n", "2", "--ctxs", "2", "--model", str(tiny_llama_dir),
                "--modes", "full,reuse,blend", "--ratio", "1.0", "--neighbours", "0,1", "--neighbour-budget", "32",
-               "--instruction", "Answer from the passages.", "--question-suffix", " Briefly.",
+               "--neighbour-context", "tokens,kv", "--instruction", "Answer from the passages.", "--question-suffix", " Briefly.",
                "--max-new-tokens", "4", "--partial", str(tmp_path / "partial.json"),
                "--pool-embeddings", str(tmp_path / "pool.npy"), "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out.strip())
-    assert set(out["modes"]) == {"full", "reuse", "blend", "reuse+nb1", "blend+nb1"}
+    assert set(out["modes"]) == {"full", "reuse", "blend", "reuse+nb1", "blend+nb1", "reuse+nb1kv", "blend+nb1kv"}
     assert json.loads((tmp_path / "partial.json").read_text())["modes"] == out["modes"]  # after the last case
     assert np.load(tmp_path / "pool.npy").shape[0] == 12  # every passage of the file, kept for the next run
     full = out["modes"]["full"]
     assert full["n"] == 2 and full["f1_vs_full"] == 1.0 and full["first_token_agreement"] == 1.0
-    for name in ("blend", "blend+nb1"):  # ratio 1.0 is full prefill, whatever KV it starts from
+    for name in ("blend", "blend+nb1", "blend+nb1kv"):  # ratio 1.0 is full prefill, whatever KV it starts from
         m = out["modes"][name]
         assert m["kl_mean"] < 1e-6 and m["f1_vs_full"] == 1.0 and m["first_token_agreement"] == 1.0
     for name, m in out["modes"].items():

@@ -55,6 +55,12 @@ def test_options_validate_and_round_trip():
     assert NeighbourOptions.from_dict(o.as_dict()) == o
     assert o.tag() == "neighbours:m=2,budget=512,choice=random,seed=3"
     assert NeighbourOptions(m=2).tag() != NeighbourOptions(m=4).tag() != NeighbourOptions(m=2, budget_tokens=9).tag()
+    kv = NeighbourOptions(m=2, context="kv")
+    assert kv.tag() == "neighbours:m=2,budget=1024,choice=nearest,context=kv"  # tokens keep their old tag
+    assert NeighbourOptions.from_dict(kv.as_dict()) == kv
+    assert NeighbourOptions.from_dict({"m": 2, "budget_tokens": 1024, "choice": "nearest"}).context.value == "tokens"
+    with pytest.raises(ValueError):
+        NeighbourOptions(m=1, context="text")
 
 
 def _old_key(prefix_ids, chunk_ids) -> str:
@@ -160,6 +166,53 @@ def test_index_with_neighbours_records_options_keys_and_stores_context_kv(job_co
     assert other.kv_chunks == len(chunks)  # another m: other keys, computed again
 
 
+def test_index_with_kv_context_stores_plain_kv_and_the_same_kv_as_tokens_for_one_neighbour(
+        job_config, tiny_lm, embedder):
+    """--neighbour-context kv: a plain pass writes the neighbours' plain KV (under plain keys),
+    then each chunk runs after it; with m = 1 in budget that is the KV the tokens variant makes."""
+    from ragkv.indexer.job import run_index
+    from ragkv.indexer.kv_job import kv_key, open_store
+    from ragkv.retriever.chunk_db import ChunkDB
+    from ragkv.retriever.manifest import read_manifest
+
+    big = 10_000  # no neighbour is cut
+    by_tokens = dataclasses.replace(job_config, out=job_config.out.parent / "tokens",
+                                    neighbours=NeighbourOptions(m=1, budget_tokens=big))
+    run_index(by_tokens, lm=tiny_lm, embedder=embedder)
+    opts = NeighbourOptions(m=1, budget_tokens=big, context="kv")
+    cfg = dataclasses.replace(job_config, neighbours=opts)
+    s = run_index(cfg, lm=tiny_lm, embedder=embedder)
+    m = read_manifest(cfg.out)
+    assert m.neighbours == opts.as_dict()
+
+    def chunks_of(out):  # noqa: ANN001, ANN202
+        db = ChunkDB.open(out, readonly=True)
+        try:
+            return {c.chunk_id: c for c in db.iter_chunks()}
+        finally:
+            db.close()
+
+    mine, theirs = chunks_of(cfg.out), chunks_of(by_tokens.out)
+    assert all(mine[c].kv_key != theirs[c].kv_key for c in mine)  # another context: other keys
+    store = open_store([f"disk:{cfg.out / 'kv'}"], m.model_fp, m.tokenizer_fp)
+    other = open_store([f"disk:{by_tokens.out / 'kv'}"], m.model_fp, m.tokenizer_fp)
+    try:
+        plain = [kv_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids) for c in mine.values()]
+        stored_plain = [k for k in plain if store.contains(ChunkKey.from_str(k))]
+        assert stored_plain  # the neighbours' plain KV is in the store too
+        assert s.kv_chunks == len(mine) + len(stored_plain)
+        for cid, c in mine.items():
+            a = store.get(ChunkKey.from_str(c.kv_key))
+            b = other.get(ChunkKey.from_str(theirs[cid].kv_key))
+            assert a.positions.tolist() == b.positions.tolist()
+            torch.testing.assert_close(a.k, b.k, atol=1e-4, rtol=1e-3)
+            torch.testing.assert_close(a.v, b.v, atol=1e-4, rtol=1e-3)
+    finally:
+        store.close()
+        other.close()
+    assert run_index(cfg, lm=tiny_lm, embedder=embedder).kv_chunks == 0  # resumed: nothing again
+
+
 def test_eval_on_an_index_takes_neighbours_from_its_embeddings(job_config, tiny_lm, embedder, tmp_path, capsys):
     import json
 
@@ -176,3 +229,28 @@ def test_eval_on_an_index_takes_neighbours_from_its_embeddings(job_config, tiny_
     assert set(modes) == {"full", "reuse", "reuse+nb1"}
     assert {"f1", "f1_vs_full", "first_token_agreement"} <= set(modes["reuse+nb1"])
     assert modes["reuse+nb1"]["kv_prefill_median_s"] > 0
+
+
+def test_one_neighbour_as_its_plain_kv_gives_the_kv_of_its_tokens(tiny_lm):
+    """A neighbour's plain KV is what its tokens give after the prefix, so for one neighbour
+    within the budget the cheap context (no forward of the neighbour) is the same KV."""
+    from ragkv.engine.prefill import context_segments, prefill_segment
+
+    prefix = prefill_segment(tiny_lm, None, [1, 5, 9])
+    near, far, own = [20, 21, 22, 23], [40, 41, 42], [30, 31, 32]
+    near_kv, far_kv = prefill_segment(tiny_lm, prefix, near), prefill_segment(tiny_lm, prefix, far)
+    by_tokens = prefill_segment(tiny_lm, prefix, own, near)
+    by_kv = prefill_segment(tiny_lm, prefix, own, context_kv=context_segments([near_kv], 100))
+    assert by_kv.after_context and by_kv.positions.tolist() == by_tokens.positions.tolist() == [7, 8, 9]
+    torch.testing.assert_close(by_kv.k, by_tokens.k, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(by_kv.v, by_tokens.v, atol=1e-5, rtol=1e-4)
+    # two neighbours: the nearer one's tokens no longer see the farther one, a different KV
+    two = prefill_segment(tiny_lm, prefix, own, context_kv=context_segments([near_kv, far_kv], 100))
+    assert two.positions.tolist() == [10, 11, 12]
+    assert not torch.allclose(two.v[1:], prefill_segment(tiny_lm, prefix, own, far + near).v[1:], atol=1e-5)
+    # the budget cuts the farthest neighbour's first tokens, as with tokens
+    cut = context_segments([near_kv, far_kv], 5)
+    assert [c.token_ids.tolist() for c in cut] == [[42], near]
+    assert cut[0].positions.tolist() == [5]  # computed at the end of the far neighbour, re-rotated when placed
+    with pytest.raises(ValueError, match="not both"):
+        prefill_segment(tiny_lm, prefix, own, near, context_kv=[near_kv])

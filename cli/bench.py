@@ -57,6 +57,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                       help="an index to serve (default: build a 40-document one in a temporary folder)")
     load.add_argument("--max-new-tokens", type=int, default=16, help="answer length per request (default 16)")
     load.add_argument("--top-k", type=int, default=4, help="chunks per request (default 4)")
+    load.add_argument("--prompt-slice-s", type=float, default=None, metavar="S",
+                      help="the server's --prompt-slice-s: seconds of prompt work between decode steps "
+                           "(default: the server's)")
+    load.add_argument("--prompt-first-s", type=float, default=None, metavar="S",
+                      help="the server's --prompt-first-s: prompt time a pass gets before decode steps may cut it "
+                           "(default: the server's)")
     p.set_defaults(func=run_bench)
 
 

@@ -35,6 +35,7 @@ class _Done:
     ttft_s: float  # server-side TTFT
     tokens: int  # completion tokens
     finished_at: float  # time.perf_counter()
+    phases: dict  # server-side seconds per phase (queue, retrieve, kv_load, ..., decode)
 
 
 def _build_index(out: Path, model: str, device: str | None, dtype: str | None) -> Path:
@@ -84,7 +85,8 @@ def _client(addr: str, questions: list[str], offset: int, stop_at: float, max_ne
             try:
                 stats = client.query(questions[i % len(questions)], mode=mode, top_k=top_k,
                                      max_new_tokens=max_new).result()
-                out.append(_Done(mode, stats.ttft_seconds, stats.usage.completion_tokens, time.perf_counter()))
+                out.append(_Done(mode, stats.ttft_seconds, stats.usage.completion_tokens, time.perf_counter(),
+                                 dict(stats.phase_seconds)))
             except Exception as exc:  # counted and reported, never hidden
                 errors.append(f"{mode.value}: {exc}")
             i += 1
@@ -117,6 +119,10 @@ def _level(addr: str, n: int, duration: float, questions: list[str], max_new: in
         "tokens_per_s": round(sum(d.tokens for d in done) / wall, 2),
         "ttft_p50_s": {m: round(statistics.median(xs), 3) for m, xs in sorted(by_mode.items())},
         "ttft_p95_s": {m: pct(xs, 95) for m, xs in sorted(by_mode.items())},
+        # where the time goes, per mode: the median seconds of each phase the server reports
+        "phase_p50_s": {m.value: {ph: round(statistics.median(d.phases.get(ph, 0.0) for d in ds), 3)
+                                  for ph in sorted({ph for d in ds for ph in d.phases})}
+                        for m in MODES if (ds := [d for d in done if d.mode is m])},
     }
 
 
@@ -137,6 +143,8 @@ def run_concurrency_bench(args) -> int:  # noqa: ANN001 - argparse.Namespace fro
             model=None if args.index else args.model, kv_cpu_bytes=1,  # nothing stays in RAM: KV from disk
             max_queue=max(levels) + 4, max_batch=max(levels),
             **({"device": args.device} if args.device else {}), **({"dtype": args.dtype} if args.dtype else {}),
+            **({"prompt_slice_s": args.prompt_slice_s} if args.prompt_slice_s else {}),
+            **({"prompt_first_s": args.prompt_first_s} if args.prompt_first_s is not None else {}),
         )
         server = InProcessServer(settings, Pipeline.from_settings, load_timeout=600)
         try:
@@ -153,7 +161,8 @@ def run_concurrency_bench(args) -> int:  # noqa: ANN001 - argparse.Namespace fro
         "config": {"levels": levels, "duration_s": args.duration, "max_new_tokens": args.max_new_tokens,
                    "top_k": args.top_k, "modes": [m.value for m in MODES], "model": args.model,
                    "index": str(args.index) if args.index else f"built: {_DOCS} docs x 256-token chunks",
-                   "kv_tier": "disk", "baseline": f"{levels[0]} client(s), same run"},
+                   "kv_tier": "disk", "prompt_slice_s": settings.prompt_slice_s,
+                   "prompt_first_s": settings.prompt_first_s, "baseline": f"{levels[0]} client(s), same run"},
     }
     if args.json:
         print(json.dumps(report))

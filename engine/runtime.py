@@ -93,6 +93,24 @@ class Engine:
         """Whether `mode` reads the chunks' cached KV (FULL and PREFIX recompute every chunk token)."""
         return Mode(mode) in _CHUNK_KV_MODES
 
+    @staticmethod
+    def prompt_cost(mode: Mode, prefix_tokens: int, chunk_tokens: int, question_tokens: int,
+                    options: BlendOptions | None = None) -> int:
+        """About how much work a prompt pass is, in token-equivalents: the tokens it runs through
+        the model, plus an eighth of the prompt for reading and attending to the cached KV.
+
+        The scheduler runs the cheapest pass first; only the order of passes matters, not
+        the unit (measured alone on CPU, reuse : blend 0.15 : focus : full took about
+        1 : 2.6 : 2.9 : 7 of 1K chunk tokens, this gives 1 : 2 : 2.4 : 8.5).
+        """
+        mode = Mode(mode)
+        ratio = (options or BlendOptions()).recompute_ratio
+        total = prefix_tokens + chunk_tokens + question_tokens
+        computed = {Mode.FULL: total, Mode.PREFIX: chunk_tokens + question_tokens, Mode.REUSE: question_tokens,
+                    Mode.BLEND: round(ratio * chunk_tokens) + question_tokens,
+                    Mode.FOCUS: round(0.2 * chunk_tokens) + question_tokens}.get(mode, total)
+        return computed + total // 8
+
     def run(self, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]], chunks: Sequence[ChunkKV] | None,
             question_ids: Sequence[int], mode: Mode, options: BlendOptions | None = None,
             reserve_tokens: int = 256) -> BlendResult:

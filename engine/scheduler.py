@@ -4,9 +4,16 @@ Each iteration:
 1. drops requests whose client cancelled or whose deadline passed (their generator is
    closed, their cache freed with it);
 2. runs prompt work of admitted requests, one decoder layer per step
-   (`engine.blend.prompt_steps`), the pass with the least prompt time so far first, for at
-   most `prompt_slice_s` seconds while others are decoding (with nobody decoding, prompt
-   work goes on);
+   (`engine.blend.prompt_steps`), the pass with the least work left first (the
+   `prompt_cost` it was submitted with, less what it has done, aged by its wait: shortest
+   remaining first, without starving a long one), for
+   at most `prompt_slice_s` seconds while others are decoding (with nobody decoding,
+   prompt work goes on). A pass still within its first `prompt_first_s` seconds of prompt
+   time is not cut by decode steps: short passes (reuse, focus, blend) finish in one go,
+   which keeps their time to first token near what it is alone, and only long ones
+   (full prefill of long prompts) share the engine with decode steps slice by slice. A
+   request submitted meanwhile joins at the next step, and a pass that ends has its
+   first token picked and emitted at once, not after the rest of the slice;
 3. runs one batched decode step (`engine.decode.decode_batch`) for every request that is
    decoding: the weights are read once per step for all of them.
 
@@ -77,10 +84,17 @@ class SchedulerConfig:
     kv_budget_bytes: int = 8 << 30  # KV cache bytes of all requests in flight
     max_batch: int = 32  # requests decoding in one step at most
     prompt_slice_s: float = 0.05  # seconds of prompt work between two decode steps
+    # a pass that has had less prompt time than this is not cut by decode steps: short passes
+    # (reuse, focus, blend) finish in one go, a long one (full prefill) goes on in slices
+    prompt_first_s: float = 0.5
+    # the order of prompt work: least remaining work first (submit's prompt_cost, less what the
+    # pass has done), a second of waiting counting as this many seconds less work (no starving)
+    aging: float = 0.25
     heap_trim_s: float = 10.0  # under load, free host heap pages go back to the OS this often; 0 = never
 
     def __post_init__(self) -> None:
-        if self.kv_budget_bytes < 1 or self.max_batch < 1 or self.prompt_slice_s <= 0 or self.heap_trim_s < 0:
+        if (self.kv_budget_bytes < 1 or self.max_batch < 1 or self.prompt_slice_s <= 0 or self.prompt_first_s < 0
+                or self.aging < 0 or self.heap_trim_s < 0):
             raise ValueError(f"scheduler budgets must be positive, got {self}")
 
 
@@ -94,6 +108,9 @@ class _Job:
     decode: Decode | None = None  # set once the job decodes
     started: bool = False
     prompt_s: float = 0.0  # seconds of prompt work it has had
+    cost: float = 0.0  # its prompt pass's estimated work (submit's prompt_cost); 0 = unknown
+    submitted: float = 0.0  # time.monotonic()
+    next_token: int | None = None  # picked, not yet run through the model (the next decode step does)
 
 
 @dataclass(slots=True)
@@ -118,12 +135,18 @@ class Scheduler:
         self._kv_bytes = 0  # admitted, under _lock
         self._stopping = False
         self._trimmed = time.monotonic()  # last heap trim
+        self._cost_per_s: float | None = None  # prompt_cost units per second of prompt work, as measured
         self._thread = threading.Thread(target=self._loop, name="ragkv-scheduler", daemon=True)
         self._thread.start()
 
     def submit(self, gen: Generator[Any, None, None], emit: Callable[[object], None], cancel: threading.Event,
-               deadline: float | None = None, kv_bytes: int = 0) -> None:
-        """Admit a job, or raise SchedulerFullError naming the budget it would exceed."""
+               deadline: float | None = None, kv_bytes: int = 0, prompt_cost: float = 0.0) -> None:
+        """Admit a job, or raise SchedulerFullError naming the budget it would exceed.
+
+        Args:
+            prompt_cost: about how much work its prompt pass is (`Engine.prompt_cost`); the
+                cheapest pass gets the prompt work first. 0 = unknown (then by arrival).
+        """
         budget = self.config.kv_budget_bytes
         with self._lock:
             if self._stopping:
@@ -140,7 +163,8 @@ class Scheduler:
                     f"KV memory budget full: {self._kv_bytes / 2**20:.0f} MiB of {budget / 2**20:.0f} MiB "
                     f"(--kv-budget-bytes) in flight, this request needs {kv_bytes / 2**20:.0f} MiB: retry later")
             self._kv_bytes += kv_bytes
-            self._incoming.append(_Job(gen, emit, cancel, deadline, kv_bytes))
+            self._incoming.append(_Job(gen, emit, cancel, deadline, kv_bytes, cost=prompt_cost,
+                                       submitted=time.monotonic()))
             self.stats.waiting = len(self._incoming)
             self._lock.notify()
 
@@ -197,20 +221,28 @@ class Scheduler:
 
     def _prompt_work(self, prompting: collections.deque[_Job], decoding: list[_Job]) -> None:
         """Advance prompt passes one step at a time until the slice is spent (while nobody
-        decodes and nobody new waits, the slice does not end).
+        decodes, the slice does not end; nor while the pass up next is in its first quantum).
 
-        Each step goes to the pass that has had the least prompt time so far (least attained
-        service; the oldest on ties): a short pass (reuse, focus) then finishes within its own
-        few steps while a long one (full prefill) waits, which approximates shortest-first
-        without knowing any pass's length.
+        Each step goes to the pass with the least work left (`_priority`: its `prompt_cost`
+        in seconds at the rate measured over finished passes, less the prompt time it has
+        had, less `aging` x its wait). A cheap pass (reuse, blend, focus) that arrives
+        while a full prefill runs takes over at the next layer and finishes in its own few
+        steps: shortest remaining first, which keeps the mean time to first token low; the
+        aging term bounds how long a full prefill can be passed over.
         """
         t0 = time.perf_counter()
         while prompting and len(decoding) < self.config.max_batch:
             now = time.perf_counter()
-            if (decoding or self._incoming or self._stopping) and now - t0 >= self.config.prompt_slice_s:
-                return
             self._trim_when_due()  # a long prompt pass alone never leaves this loop
-            job = min(prompting, key=lambda j: j.prompt_s)  # stable: the oldest of equals
+            if self._incoming:  # a newcomer starts at the next step, not after the next decode step
+                with self._lock:
+                    prompting.extend(self._incoming)
+                    self._incoming.clear()
+                    self.stats.waiting = 0
+            job = min(prompting, key=self._priority)  # stable: the oldest of equals
+            if (self._stopping or (decoding and job.prompt_s >= self.config.prompt_first_s)) \
+                    and now - t0 >= self.config.prompt_slice_s:
+                return
             if not self._alive(job):
                 prompting.remove(job)
                 continue
@@ -221,8 +253,24 @@ class Scheduler:
             job.prompt_s += time.perf_counter() - now
             if job.decode is not None or item is None:  # decoding now, or ended
                 prompting.remove(job)
-                if job.decode is not None:
+                self._learn_rate(job)
+                if job.decode is not None and self._pick(job, decoding):  # its first token goes out now
                     decoding.append(job)
+
+    def _priority(self, job: _Job) -> float:
+        """Seconds of prompt work the pass has left, less `aging` x the seconds it has waited;
+        the lowest goes next (shortest remaining first). A pass of unknown cost: 0 left."""
+        if not job.cost:
+            return 0.0
+        rate = self._cost_per_s
+        left = job.cost / rate - job.prompt_s if rate else job.cost  # no pass measured yet: by cost
+        return max(left, 0.0) - self.config.aging * (time.monotonic() - job.submitted)
+
+    def _learn_rate(self, job: _Job) -> None:
+        """Cost units per second of prompt work, a moving average over finished passes."""
+        if job.cost and job.prompt_s > 0:
+            r = job.cost / job.prompt_s
+            self._cost_per_s = r if self._cost_per_s is None else 0.8 * self._cost_per_s + 0.2 * r
 
     def _resume(self, job: _Job) -> object | None:
         """Run the job to its next step; returns None once it has ended (END emitted)."""
@@ -242,32 +290,38 @@ class Scheduler:
             self._end(job)
         return None
 
+    def _pick(self, job: _Job, decoding: list[_Job]) -> bool:
+        """Pick a decoding job's next token from its logits and emit the text it completes;
+        False once the job has left (finished, or failed)."""
+        try:
+            piece, token = job.decode.stream.advance()
+        except Exception as exc:
+            job.emit(exc)
+            if job in decoding:
+                decoding.remove(job)
+            self._end(job)
+            return False
+        if piece:
+            job.emit(job.decode.wrap(piece))
+        if token is None:  # finished: the job reports its end
+            if job in decoding:
+                decoding.remove(job)
+            job.decode = None
+            self._finish(job)
+            return False
+        job.next_token = token
+        return True
+
     def _decode_step(self, decoding: list[_Job]) -> None:
         """Pick each decoding request's next token, then one batched forward for those that go on."""
         t0 = time.perf_counter()
-        live: list[_Job] = []
-        tokens: list[int] = []
-        for job in list(decoding):
-            stream = job.decode.stream
-            try:
-                piece, token = stream.advance()
-            except Exception as exc:
-                job.emit(exc)
-                decoding.remove(job)
-                self._end(job)
-                continue
-            if piece:
-                job.emit(job.decode.wrap(piece))
-            if token is None:  # finished: the job reports its end
-                decoding.remove(job)
-                job.decode = None
-                self._finish(job)
-            else:
-                live.append(job)
-                tokens.append(token)
+        live = [j for j in list(decoding) if j.next_token is not None or self._pick(j, decoding)]
         if not live:
             return
         streams = [j.decode.stream for j in live]
+        tokens = [j.next_token for j in live]
+        for job in live:
+            job.next_token = None
         try:
             logits = decode_batch(streams[0].lm, [s.cache for s in streams], tokens)  # [B, V]
         except Exception as exc:  # a bug or out of memory: every request of the step fails

@@ -79,7 +79,8 @@ class QueryRunner:
                     except RuntimeError:  # the loop closed under us: nobody is listening
                         cancel.set()
 
-                self._scheduler.submit(backend.answer(prepared, cancel), emit, cancel, deadline, prepared.kv_bytes)
+                self._scheduler.submit(backend.answer(prepared, cancel), emit, cancel, deadline, prepared.kv_bytes,
+                                       prepared.prompt_cost)
                 phases = dict(prepared.phase_seconds)
                 chunks: tuple[RetrievedChunk, ...] | None = None
                 pieces: list[str] = []

@@ -62,7 +62,7 @@ class RagServer:
         self._retrieve_pool = ThreadPoolExecutor(settings.retrieve_workers, thread_name_prefix="ragkv-retrieve")
         # The engine is not thread-safe: one scheduler thread runs every answer, batched.
         self._scheduler = Scheduler(SchedulerConfig(settings.kv_budget_bytes, settings.max_batch,
-                                                    settings.prompt_slice_s))
+                                                    settings.prompt_slice_s, settings.prompt_first_s))
         self.metrics.watch_scheduler(self._scheduler.stats)
         self.service = RagService(
             limits=settings.limits(),

@@ -58,6 +58,7 @@ class PreparedQuery:
     phase_seconds: Mapping[str, float]  # phases done so far (retrieve, ...)
     state: object = None  # backend-private (prefetch handles, hits)
     kv_bytes: int = 0  # KV cache bytes the answer holds at most (admission by memory)
+    prompt_cost: int = 0  # about how much work its prompt pass is (Engine.prompt_cost): cheapest runs first
 
 
 @dataclass(frozen=True, slots=True)

@@ -236,7 +236,10 @@ class Pipeline:
         max_tokens = (len(c.prefix_ids) + sum(len(h.token_ids) for h in hits) + len(params.question) // 2 + 64
                       + params.max_new_tokens)  # a question takes fewer tokens than chars/2, plus the template
         kv_bytes = max_tokens * 2 * lm.num_layers * lm.num_kv_heads * lm.head_dim * lm.dtype.itemsize
-        return PreparedQuery(params, chunks, {"retrieve": retrieved - started}, plan, kv_bytes)
+        cost = self.engine.prompt_cost(params.mode, len(c.prefix_ids), sum(len(h.token_ids) for h in hits),
+                                       len(params.question) // 4 + 16,  # about a token per 4 chars, plus the template
+                                       BlendOptions(recompute_ratio=params.recompute_ratio))
+        return PreparedQuery(params, chunks, {"retrieve": retrieved - started}, plan, kv_bytes, cost)
 
     def _wait(self, handle: PrefetchHandle, cancel: threading.Event):  # -> Generator[int, None, kvstore.Hit | None]
         """A prefetch's hit; yields 0 between short waits, so the scheduler decodes meanwhile."""

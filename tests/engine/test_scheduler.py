@@ -182,11 +182,13 @@ def test_cancel_and_deadline_end_a_request_and_free_its_budget() -> None:
     sched.close()
 
 
-def test_a_long_prompt_does_not_stall_decoding(tiny_lm) -> None:
-    """Decode steps of a running request happen between the layers of a new prompt pass."""
+@pytest.mark.parametrize("first_s", [0.0, 30.0])
+def test_a_long_prompt_does_not_stall_decoding(tiny_lm, first_s: float) -> None:
+    """Decode steps of a running request happen between the layers of a new prompt pass,
+    once that pass has had its first `prompt_first_s` of prompt time uncut."""
     engine = Engine(tiny_lm)
     order: list[str] = []
-    sched = Scheduler(SchedulerConfig(prompt_slice_s=1e-6))
+    sched = Scheduler(SchedulerConfig(prompt_slice_s=1e-6, prompt_first_s=first_s))
 
     def decoder():
         prefix_ids = engine.prompt.prefix_ids()
@@ -195,8 +197,6 @@ def test_a_long_prompt_does_not_stall_decoding(tiny_lm) -> None:
         yield Decode(stream, lambda piece: order.append("piece"))
 
     def long_prompt():
-        while "piece" not in order:  # it arrives once the first request decodes
-            yield 0
         ids = [engine.prompt.chunk_ids(p) for p in PASSAGES] * 4
         steps = engine.run_steps(engine.prompt.prefix_ids(), ids, None, engine.prompt.question_ids("Why?"), Mode.FULL)
         try:
@@ -209,11 +209,17 @@ def test_a_long_prompt_does_not_stall_decoding(tiny_lm) -> None:
 
     a, b = _Sink(), _Sink()
     sched.submit(decoder(), a, threading.Event())  # a short prompt: it decodes while the next one runs
+    deadline = time.monotonic() + 30
+    while "piece" not in order and time.monotonic() < deadline:  # the long one arrives once the first decodes
+        time.sleep(0.001)
     sched.submit(long_prompt(), b, threading.Event())
     assert b.ended.wait(60) and a.ended.wait(60)
     sched.close()
     first, last = order.index("layer"), len(order) - 1 - order[::-1].index("layer")
-    assert "piece" in order[first:last], order  # decode went on while the long prompt ran
+    if first_s:  # the whole pass is within its first quantum: no decode step cuts it
+        assert "piece" not in order[first:last], order
+    else:
+        assert "piece" in order[first:last], order  # decode went on while the long prompt ran
 
 
 def test_a_job_error_reaches_its_emit_and_spares_the_others(tiny_lm) -> None:
@@ -235,8 +241,8 @@ def test_a_job_error_reaches_its_emit_and_spares_the_others(tiny_lm) -> None:
 
 
 def test_a_short_prompt_overtakes_a_long_one() -> None:
-    """Least attained service: a pass of a few cheap steps that arrives while a long pass
-    runs finishes long before it (reuse's TTFT does not wait for a full prefill)."""
+    """Cheapest first: a pass of a few cheap steps that arrives while a long pass runs
+    finishes long before it (reuse's TTFT does not wait for a full prefill)."""
     sched = Scheduler(SchedulerConfig(prompt_slice_s=0.01))
     finished: list[str] = []
 
@@ -247,12 +253,62 @@ def test_a_short_prompt_overtakes_a_long_one() -> None:
         finished.append(name)
 
     long_sink, short_sink = _Sink(), _Sink()
-    sched.submit(work("long", 40, 0.01), long_sink, threading.Event())
+    sched.submit(work("long", 40, 0.01), long_sink, threading.Event(), prompt_cost=1000)
     time.sleep(0.05)
-    sched.submit(work("short", 3, 0.001), short_sink, threading.Event())
+    sched.submit(work("short", 3, 0.001), short_sink, threading.Event(), prompt_cost=100)
     assert long_sink.ended.wait(30) and short_sink.ended.wait(30)
     sched.close()
     assert finished == ["short", "long"]
+
+
+def test_aging_keeps_a_long_pass_from_starving() -> None:
+    """A long pass that has waited counts as shorter: it runs before a cheap one that came
+    long enough after it."""
+    sched = Scheduler(SchedulerConfig(aging=1.0))
+    finished: list[str] = []
+    hold = threading.Event()
+
+    def blocker():
+        while not hold.is_set():  # holds the engine so the others queue up
+            time.sleep(0.005)
+            yield 1
+
+    def work(name: str):
+        yield 1
+        finished.append(name)
+
+    sinks = [_Sink() for _ in range(3)]
+    sched.submit(blocker(), sinks[0], threading.Event(), prompt_cost=0)  # unknown cost: it goes first
+    sched.submit(work("long"), sinks[1], threading.Event(), prompt_cost=0.5)
+    time.sleep(0.7)  # 0.7 s of waiting at aging 1.0: the long one now has the least work left
+    sched.submit(work("short"), sinks[2], threading.Event(), prompt_cost=0.1)
+    hold.set()
+    assert all(s.ended.wait(30) for s in sinks)
+    sched.close()
+    assert finished == ["long", "short"]
+
+
+def test_work_left_falls_as_a_pass_runs() -> None:
+    """Shortest remaining first: a long pass that has done most of its work is not
+    overtaken by a newcomer of middling cost."""
+    sched = Scheduler(SchedulerConfig(prompt_slice_s=0.01, aging=0.0))
+    finished: list[str] = []
+
+    def work(name: str, steps: int):
+        for _ in range(steps):
+            time.sleep(0.01)
+            yield 1
+        finished.append(name)
+
+    warm, a, b = _Sink(), _Sink(), _Sink()
+    sched.submit(work("warm", 10), warm, threading.Event(), prompt_cost=10)  # the rate: 10 units per ~0.1 s
+    assert warm.ended.wait(30)
+    sched.submit(work("long", 40), a, threading.Event(), prompt_cost=40)
+    time.sleep(0.3)  # about 3/4 done: about 10 units left
+    sched.submit(work("middle", 30), b, threading.Event(), prompt_cost=30)
+    assert a.ended.wait(30) and b.ended.wait(30)
+    sched.close()
+    assert finished == ["warm", "long", "middle"]
 
 
 def test_sampling_is_per_request_in_a_batch(tiny_lm) -> None:
@@ -347,3 +403,12 @@ def test_heap_is_trimmed_when_idle_and_periodically_under_load(monkeypatch) -> N
     time.sleep(0.1)
     never.close()
     assert trims == []
+
+
+def test_prompt_cost_orders_the_modes_as_their_work() -> None:
+    cost = {m: Engine.prompt_cost(m, 20, 1000, 20) for m in Mode}
+    assert cost[Mode.REUSE] < cost[Mode.BLEND] < cost[Mode.FOCUS] < cost[Mode.PREFIX] < cost[Mode.FULL]
+    from ragkv.engine import BlendOptions
+
+    assert Engine.prompt_cost(Mode.BLEND, 20, 1000, 20, BlendOptions(recompute_ratio=1.0)) > cost[Mode.BLEND]
+    assert Engine.prompt_cost(Mode.FULL, 20, 4000, 20) > cost[Mode.FULL]  # longer prompts cost more

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,6 +27,7 @@ from ragkv.engine import BlendOptions, ChunkKV, Engine, LoadedModel, SamplingPar
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT
 from ragkv.engine.scheduler import Decode
 from ragkv.indexer.kv_bridge import chunk_kv_to_entry, entry_to_chunk_kv
+from ragkv.indexer.neighbours import NeighbourContext, NeighbourOptions
 from ragkv.kvstore import ChunkKey, LayerGate, PrefetchHandle, PrefixHash, StoreConfig, TieredStore, hash_prefix
 from ragkv.errors import IndexMismatchError, KVFormatError, StoreError
 from ragkv.types import CollectionInfo, CollectionStats, FinishReason, Mode, RetrievedChunk, Tier, TierStats
@@ -54,6 +55,21 @@ class Collection:
     prefix_hash: PrefixHash  # its hash, as it names the KV entries
     mismatch: str | None  # why Query is refused (another model built the index); None = servable
     system_prompt: str = DEFAULT_SYSTEM_PROMPT  # the system prompt in prefix_ids (the index's own)
+    # how its chunk KV was computed after neighbours (ragkv index --neighbours); m = 0: plain
+    neighbours: NeighbourOptions = field(default_factory=NeighbourOptions)
+
+    def kv_key(self, hit, mode: Mode, model_fp: str, tokenizer_fp: str) -> ChunkKey:  # noqa: ANN001 - retriever.Hit
+        """The KV a hit is served from in `mode`. Plain KV: the key is built here, not read from
+        the index, so it names this build's file format and this model (an index written by an
+        older format just misses). Neighbour KV: the key the index recorded (it names the
+        neighbours' context, which only the indexer knows), except for focus where the index
+        also stores the plain KV (`--neighbour-context kv`): focus keeps some chunks and drops
+        the others, which a neighbour KV has attended to, so plain KV is its exact input."""
+        n = self.neighbours
+        plain = not n.enabled or (mode is Mode.FOCUS and n.context is NeighbourContext.KV)
+        if plain:
+            return ChunkKey.from_prefix_hash(model_fp, tokenizer_fp, self.prefix_hash, hit.token_ids)
+        return ChunkKey.from_str(hit.kv_key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +185,8 @@ class Pipeline:
                                 lm.fingerprint, lm.tokenizer_fingerprint)
             collections[name] = Collection(name, retriever, store, tuple(manifest.prefix_ids),
                                            hash_prefix(manifest.prefix_ids), mismatch,
-                                           manifest.system_prompt or DEFAULT_SYSTEM_PROMPT)
+                                           manifest.system_prompt or DEFAULT_SYSTEM_PROMPT,
+                                           NeighbourOptions.from_dict(manifest.neighbours))
         return cls(engine, collections, settings.focus_keep, settings.kv_layered)
 
     @property
@@ -220,10 +237,7 @@ class Pipeline:
         started = time.perf_counter()
         hits = self._search(c, params.question, params.top_k, params.search)
         retrieved = time.perf_counter()
-        # The key is built here, not read from the index: it must name this build's file format
-        # and this model (an index written by an older format version then just misses).
-        kv_keys = tuple(ChunkKey.from_prefix_hash(self.lm.fingerprint, self.lm.tokenizer_fingerprint,
-                                                  c.prefix_hash, h.token_ids) for h in hits)
+        kv_keys = tuple(c.kv_key(h, params.mode, self.lm.fingerprint, self.lm.tokenizer_fingerprint) for h in hits)
         handles = None
         if self.engine.reads_chunk_kv(params.mode):  # start loading the moment the ids are known
             handles = tuple(c.store.prefetch(kv_keys, layered=self._kv_layered))

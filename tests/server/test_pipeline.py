@@ -280,3 +280,64 @@ def test_layered_and_whole_reads_give_the_same_answer(tiny_index: Path, tmp_path
         finally:
             st.stop()
     assert texts[True] == texts[False]
+
+
+@pytest.mark.parametrize("context", ["tokens", "kv"])
+def test_a_neighbour_index_is_served_from_its_own_kv(tiny_llama_dir: Path, tmp_path: Path, context: str) -> None:
+    """Blend and reuse read the neighbour-conditioned KV the index stored (the index's keys);
+    focus reads the plain KV where the index stores it too (--neighbour-context kv)."""
+    from ragkv.indexer.chunking import ChunkingConfig
+    from ragkv.indexer.job import IndexJobConfig, run_index
+    from ragkv.indexer.kv_job import kv_key
+    from ragkv.indexer.neighbours import NeighbourOptions
+    from ragkv.kvstore import ChunkKey
+    from ragkv.retriever.chunk_db import ChunkDB
+    from ragkv.retriever.manifest import read_manifest
+    from ragkv.server.pipeline import Pipeline
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name, text in CORPUS.items():
+        (corpus / name).write_text(text)
+    index = tmp_path / "index"
+    run_index(IndexJobConfig(corpus=corpus, out=index, model=str(tiny_llama_dir), progress=False,
+                             chunking=ChunkingConfig(size=32, overlap=0),
+                             neighbours=NeighbourOptions(m=1, budget_tokens=256, context=context)))
+    m = read_manifest(index)
+    db = ChunkDB.open(index, readonly=True)
+    try:
+        chunks = list(db.iter_chunks())
+    finally:
+        db.close()
+    plain_files = {ChunkKey.from_str(kv_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids)).hex
+                   for c in chunks}
+    stored = {f.stem for f in (index / "kv").rglob("*.safetensors")}
+    assert {c.kv_key for c in chunks} <= stored  # the neighbour KV of every chunk
+    assert bool(plain_files & stored) == (context == "kv")  # and the plain KV only with kv contexts
+    st = ServerThread(settings(indexes=(CollectionSpec("default", index),), kv_cpu_bytes=1), Pipeline.from_settings)
+    try:
+        with RagClient(st.addr, timeout=60) as client:
+            for mode in ("blend", "reuse"):
+                q = client.query(QUESTION, mode=mode, top_k=2, max_new_tokens=3)
+                q.result()
+                assert {c.kv_tier for c in q.chunks} == {Tier.DISK}, mode  # the index's neighbour KV
+            focus = client.query(QUESTION, mode="focus", top_k=2, max_new_tokens=3)
+            focus.result()
+            assert {c.kv_tier for c in focus.chunks} == {Tier.DISK}
+    finally:
+        st.stop()
+    if context == "kv":  # focus read plain KV: without it, focus computes while blend still reads
+        for f in (index / "kv").rglob("*.safetensors"):
+            if f.stem in plain_files and f.stem not in {c.kv_key for c in chunks}:
+                f.unlink()
+        st = ServerThread(settings(indexes=(CollectionSpec("default", index),), kv_cpu_bytes=1), Pipeline.from_settings)
+        try:
+            with RagClient(st.addr, timeout=60) as client:
+                blend = client.query(QUESTION, mode="blend", top_k=2, max_new_tokens=3)
+                blend.result()
+                assert {c.kv_tier for c in blend.chunks} == {Tier.DISK}
+                focus = client.query(QUESTION, mode="focus", top_k=2, max_new_tokens=3)
+                focus.result()
+                assert Tier.COMPUTED in {c.kv_tier for c in focus.chunks}
+        finally:
+            st.stop()

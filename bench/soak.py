@@ -315,10 +315,7 @@ def run(args: argparse.Namespace) -> dict:
     everything = report.rss_mib or [0.0]
     skip = min(len(everything) - 1, int(args.warmup))  # samples are 1 s apart
     rss, fds = everything[skip:], (report.fds or [0])[skip:] or [0]
-    # a sample holds whatever the requests in flight hold at that second (hundreds of MiB
-    # either way): growth compares the medians of the first and last minute after warm-up
-    window = max(1, min(60, len(rss) // 5))
-    start_mib, end_mib = statistics.median(rss[:window]), statistics.median(rss[-window:])
+    growth, start_mib, end_mib, window = rss_growth(rss)
     return {
         "clients": args.clients, "minutes": args.minutes, "layered": not args.whole, "index": str(index),
         "questions": len(questions), "requests": sum(report.codes.values()),
@@ -330,11 +327,23 @@ def run(args: argparse.Namespace) -> dict:
         # the whole run, including the warm-up: one sample per tenth of it
         "rss_mib_by_tenth": [everything[min(len(everything) - 1, i * len(everything) // 10)] for i in range(11)],
         "warmup_seconds": args.warmup,
-        "rss_growth": (end_mib - start_mib) / start_mib if start_mib else 0.0,
+        "rss_growth": growth,
         "rss_mib_samples": everything,  # one a second, from the end of the clean pass
         "open_fds": {"first": fds[0], "max": max(fds), "last": fds[-1]},
         "server_log": str(work / "server.log"),
     }
+
+
+def rss_growth(samples: list[float]) -> tuple[float, float, float, int]:
+    """(growth, first median, last median, window) of RSS samples taken 1 s apart.
+
+    A sample holds whatever the requests in flight hold at that second (hundreds of MiB
+    either way), so growth compares the medians of the first and last minute (a fifth of
+    the samples when there are fewer than five minutes of them).
+    """
+    window = max(1, min(60, len(samples) // 5))
+    first, last = statistics.median(samples[:window]), statistics.median(samples[-window:])
+    return ((last - first) / first if first else 0.0), first, last, window
 
 
 def build_tiny(work: Path) -> tuple[Path, list[str]]:

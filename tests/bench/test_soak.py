@@ -20,6 +20,19 @@ def test_failures_names_each_way_a_soak_fails() -> None:
     assert soak.failures(dict(good, codes={}), 0.10) == ["no request was answered"]
 
 
+def test_rss_growth_sees_a_leak_through_the_noise_of_requests_in_flight() -> None:
+    import random
+
+    rng = random.Random(0)
+    flat = [1400 + rng.choice((-150, 0, 150, 220)) for _ in range(600)]  # in-flight swings, no trend
+    flat[-1] = 1620  # a last sample at a peak: a point-to-point measure would call it +16%
+    assert abs(soak.rss_growth(flat)[0]) < 0.05
+    leak = [1400 + 0.5 * i + rng.choice((-150, 0, 150)) for i in range(600)]  # +0.5 MiB a second
+    growth, first, last, window = soak.rss_growth(leak)
+    assert growth > 0.15 and window == 60 and last > first
+    assert soak.rss_growth([100.0, 110.0])[3] == 1  # a short run: one-sample windows
+
+
 def test_short_soak_passes_under_faults(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     rc = soak.main(["--tiny", "--clients", "1", "--minutes", "0.5", "--fault-every", "1.5",

@@ -48,7 +48,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                    help="most context tokens before a chunk (default 1024)")
     p.add_argument("--neighbour-context", default="tokens", metavar="tokens,kv",
                    help="neighbours before a chunk as their tokens (prefilled with it; default) or as their "
-                        "plain KV (only the chunk is computed: about half the cost, the same KV for m = 1); "
+                        "plain KV (only the chunk is computed: the same KV for m = 1, cheaper for m >= 2); "
                         "tokens,kv compares both (rows +nbM and +nbMkv)")
     p.add_argument("--pool-embeddings", type=Path, metavar="FILE.npy",
                    help="neighbours: keep the pool's embeddings in FILE.npy and reuse them on the next run")

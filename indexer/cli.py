@@ -77,8 +77,9 @@ def add_index_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    help="neighbours by similarity, or at random (a control); default nearest")
     p.add_argument("--neighbour-context", choices=["tokens", "kv"], default="kv",
                    help="kv (default): each chunk is computed after its neighbours' own plain KV (also stored), so "
-                        "only its own tokens run, about 2x plain indexing; tokens: the neighbours' tokens are "
-                        "prefilled with every chunk (m = 1 gives the same KV at about 2.3x, see docs/quality.md)")
+                        "only its own tokens run (MuSiQue passages: 2.2x plain indexing at m = 1, 2.4x at m = 2); "
+                        "tokens: the neighbours' tokens are prefilled with every chunk (2.2x at m = 1, the same KV; "
+                        "3.0x at m = 2; docs/quality.md)")
     p.add_argument("--shard", metavar="i/N",
                    help="index only shard i of N (default: AWS_BATCH_JOB_ARRAY_INDEX/_SIZE when set)")
     p.add_argument("--device", default=AUTO, help="torch device; auto = cuda when torch sees a GPU, else cpu")

@@ -171,9 +171,12 @@ def neighbour_variants(args: argparse.Namespace, engine, cases, pool):  # noqa: 
         raise ValueError(f"--neighbours must be a comma list of m >= 0, got {args.neighbours!r}")
     if all(m == 0 for m in ms):
         return [PLAIN]
-    contexts = [NeighbourContext(c.strip()) for c in args.neighbour_context.split(",") if c.strip()]
-    if not contexts:
-        raise ValueError(f"--neighbour-context must be tokens, kv or both, got {args.neighbour_context!r}")
+    names = [c.strip() for c in args.neighbour_context.split(",") if c.strip()]
+    known = [c.value for c in NeighbourContext]
+    if not names or any(n not in known for n in names):
+        raise ValueError(f"--neighbour-context takes a comma list of {', '.join(known)}, "
+                         f"got {args.neighbour_context!r}")
+    contexts = [NeighbourContext(n) for n in names]
     texts, xb = _neighbour_pool(args, cases, pool)
     row_of = {t: i for i, t in enumerate(texts)}
     p = engine.prompt

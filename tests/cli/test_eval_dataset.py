@@ -101,6 +101,14 @@ def test_eval_dataset_with_neighbour_kv_json(tiny_llama_dir, tmp_path, capsys):
     assert out["config"]["instruction"] == "Answer from the passages."
 
 
+def test_eval_names_a_bad_neighbour_context(tiny_llama_dir, tmp_path, capsys):
+    path = _write(tmp_path, [_row(i) for i in range(2)])
+    rc = main(["eval", "--dataset", str(path), "--n", "1", "--ctxs", "2", "--model", str(tiny_llama_dir),
+               "--modes", "full,reuse", "--neighbours", "0,1", "--neighbour-context", "text", "--json"])
+    assert rc != 0
+    assert "--neighbour-context takes a comma list of tokens, kv, got 'text'" in capsys.readouterr().err
+
+
 def test_eval_synthetic_reports_fidelity(tiny_llama_dir, capsys):
     rc = main(["eval", "--synthetic", "niah", "--model", str(tiny_llama_dir), "--n", "1", "--context", "128",
                "--chunk-tokens", "64", "--modes", "full,reuse", "--max-new-tokens", "3", "--json"])

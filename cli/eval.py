@@ -162,6 +162,8 @@ def _cases(args: argparse.Namespace, engine):
 
 def neighbour_variants(args: argparse.Namespace, engine, cases, pool):  # noqa: ANN001, ANN201
     """One evaluate.KVVariant per m of --neighbours: plain KV for 0, else neighbour-conditioned."""
+    from dataclasses import replace
+
     from ragkv.engine.evaluate import PLAIN, KVVariant
     from ragkv.engine.prefill import context_segments, prefill_segment
     from ragkv.indexer.neighbours import NeighbourContext, NeighbourOptions, context_ids, select_neighbours
@@ -189,15 +191,16 @@ def neighbour_variants(args: argparse.Namespace, engine, cases, pool):  # noqa: 
             plain_kv[j] = prefill_segment(engine.lm, prefix, p.chunk_ids(texts[j]))
         return plain_kv[j]
 
+    wanted = sorted({row_of[c] for case in cases for c in case.chunks})
     variants = []
     for m in ms:
         if m == 0:
             variants.append(PLAIN)
             continue
+        choice = NeighbourOptions(m, args.neighbour_budget, args.neighbour_choice, args.seed)
+        nbrs = dict(zip(wanted, select_neighbours(xb, choice, wanted)))  # the same for either context
         for how in contexts:
-            opts = NeighbourOptions(m, args.neighbour_budget, args.neighbour_choice, args.seed, how)
-            wanted = sorted({row_of[c] for case in cases for c in case.chunks})
-            nbrs = dict(zip(wanted, select_neighbours(xb, opts, wanted)))
+            opts = replace(choice, context=how)
             if how is NeighbourContext.KV:
                 def context_kv(case, prefix, nbrs=nbrs, opts=opts):  # noqa: ANN001, ANN202
                     plain_kv.clear()

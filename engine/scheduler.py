@@ -145,7 +145,8 @@ class Scheduler:
 
         Args:
             prompt_cost: about how much work its prompt pass is (`Engine.prompt_cost`); the
-                cheapest pass gets the prompt work first. 0 = unknown (then by arrival).
+                pass with the least work left gets the prompt work first. 0 = unknown: such
+                passes go first, oldest first.
         """
         budget = self.config.kv_budget_bytes
         with self._lock:

@@ -212,12 +212,13 @@ def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Any
         contexts = _neighbour_contexts(db, manifest, config.neighbours) if config.neighbours.enabled else {}
         if config.precompute_kv:
             t_kv = time.perf_counter()
-            if config.neighbours.context is NeighbourContext.KV and db.pending_kv():
-                plain = _precompute_plain_kv(db, engine, lm, prefix_ids, kv_uris, contexts, config, stop)
-            else:
-                plain = (0, 0, 0)
+            pending = db.pending_kv()
+            plain = (0, 0, 0)
+            if config.neighbours.context is NeighbourContext.KV:
+                plain = _precompute_plain_kv(engine, lm, prefix_ids, kv_uris,
+                                             [contexts[row] for row, _, _ in pending if row in contexts], config, stop)
             kv_chunks, kv_tokens, kv_bytes = (a + b for a, b in zip(plain, _precompute_kv(
-                db, engine, lm, prefix_ids, kv_uris, config, stop, contexts)))
+                db, pending, engine, lm, prefix_ids, kv_uris, config, stop, contexts)))
             kv_seconds = time.perf_counter() - t_kv
         stop.check()
         n_docs, n_chunks, n_tokens = db.stats()
@@ -349,12 +350,13 @@ def _neighbour_contexts(db: ChunkDB, manifest: Manifest, options: NeighbourOptio
     return contexts
 
 
-def _precompute_plain_kv(db: ChunkDB, engine: Any, lm: Any, prefix_ids: Sequence[int], kv_uris: Sequence[str],
-                         contexts: dict[int, _Context], config: IndexJobConfig,
+def _precompute_plain_kv(engine: Any, lm: Any, prefix_ids: Sequence[int], kv_uris: Sequence[str],
+                         contexts: Sequence[_Context], config: IndexJobConfig,
                          stop: StopSignal) -> tuple[int, int, int]:
-    """The plain KV of every chunk some chunk has as a neighbour (NeighbourContext.KV: the context
-    the neighbour pass reads); resumes from what the store holds. Returns (chunks, tokens, bytes)."""
-    wanted = dict(nb for c in contexts.values() for nb in c.neighbours)  # plain key -> token ids
+    """The plain KV of every neighbour in `contexts` (those of the chunks still to compute:
+    NeighbourContext.KV, the context the neighbour pass reads); resumes from what the store
+    holds. Returns (chunks, tokens, bytes)."""
+    wanted = dict(nb for c in contexts for nb in c.neighbours)  # plain key -> token ids
     items = [KVItem(-1, key, ids) for key, ids in wanted.items()]
     if not items:
         return 0, 0, 0
@@ -379,10 +381,10 @@ def _precompute_plain_kv(db: ChunkDB, engine: Any, lm: Any, prefix_ids: Sequence
     return totals[0], totals[1], totals[2]
 
 
-def _precompute_kv(db: ChunkDB, engine: Any, lm: Any, prefix_ids: Sequence[int], kv_uris: Sequence[str],
-                   config: IndexJobConfig, stop: StopSignal,
+def _precompute_kv(db: ChunkDB, pending: Sequence[tuple[int, str, tuple[int, ...]]], engine: Any, lm: Any,
+                   prefix_ids: Sequence[int], kv_uris: Sequence[str], config: IndexJobConfig, stop: StopSignal,
                    contexts: dict[int, _Context] | None = None) -> tuple[int, int, int]:
-    """Returns (chunks computed, tokens computed, bytes written)."""
+    """The KV of `pending` (`db.pending_kv()`). Returns (chunks computed, tokens computed, bytes written)."""
     contexts = contexts or {}
     tag = config.neighbours.tag() if config.neighbours.enabled else ""
     by_kv = config.neighbours.context is NeighbourContext.KV
@@ -393,10 +395,9 @@ def _precompute_kv(db: ChunkDB, engine: Any, lm: Any, prefix_ids: Sequence[int],
             return KVItem(row, key, ids)
         if not by_kv:
             return KVItem(row, key, ids, ctx.ids, tag)
-        return KVItem(row, key, ids, ctx.ids, tag, tuple(k for k, _ in ctx.neighbours),
-                      tuple(i for _, i in ctx.neighbours), config.neighbours.budget_tokens)
+        return KVItem(row, key, ids, ctx.ids, tag, ctx.neighbours, config.neighbours.budget_tokens)
 
-    pending = [item(row, key, ids) for row, key, ids in db.pending_kv()]
+    pending = [item(row, key, ids) for row, key, ids in pending]
     if not pending:
         return 0, 0, 0
     store = open_store(kv_uris, lm.fingerprint, lm.tokenizer_fingerprint, config.kv_compression)

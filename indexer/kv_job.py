@@ -29,11 +29,10 @@ class KVItem:
     # tokens prefilled between the prefix and the chunk (its neighbours: indexer.neighbours); () = none
     context_ids: tuple[int, ...] = ()
     context_tag: str = ""  # the options that chose the context (NeighbourOptions.tag()); "" = none
-    # the context as the neighbours' own plain KV instead (NeighbourContext.KV): their plain keys
-    # and token ids, most similar first, cut to context_budget tokens; context_ids then only
-    # name the context (in the key)
-    context_keys: tuple[str, ...] = ()
-    context_chunk_ids: tuple[tuple[int, ...], ...] = ()
+    # the context as the neighbours' own plain KV instead (NeighbourContext.KV): (plain key,
+    # token ids) of each, most similar first, cut to context_budget tokens; context_ids then
+    # only name the context (in the key)
+    context_neighbours: tuple[tuple[str, tuple[int, ...]], ...] = ()
     context_budget: int = 0
 
 
@@ -91,8 +90,8 @@ class KVWriter:
         prefix = self.engine.prefix_kv(self.prefix_ids) if self.prefix_ids else None
         out = []
         for it in batch:
-            if it.context_keys:  # the neighbours' stored plain KV: only the chunk's tokens run
-                plain = [self._plain(prefix, k, ids) for k, ids in zip(it.context_keys, it.context_chunk_ids)]
+            if it.context_neighbours:  # the neighbours' stored plain KV: only the chunk's tokens run
+                plain = [self._plain(prefix, k, ids) for k, ids in it.context_neighbours]
                 context = context_segments(plain, it.context_budget)
                 out.append(prefill_segment(self._lm, prefix, it.token_ids, context_kv=context))
             else:

@@ -247,11 +247,12 @@ class Pipeline:
         )
         plan = _Plan(c, tuple(tuple(h.token_ids) for h in hits), kv_keys, handles)
         lm = self.lm
-        max_tokens = (len(c.prefix_ids) + sum(len(h.token_ids) for h in hits) + len(params.question) // 2 + 64
+        chunk_tokens = sum(len(h.token_ids) for h in hits)
+        max_tokens = (len(c.prefix_ids) + chunk_tokens + len(params.question) // 2 + 64
                       + params.max_new_tokens)  # a question takes fewer tokens than chars/2, plus the template
         kv_bytes = max_tokens * 2 * lm.num_layers * lm.num_kv_heads * lm.head_dim * lm.dtype.itemsize
-        cost = self.engine.prompt_cost(params.mode, len(c.prefix_ids), sum(len(h.token_ids) for h in hits),
-                                       len(params.question) // 4 + 16,  # about a token per 4 chars, plus the template
+        # the order of work needs a typical question (a token per 4 chars), not the bound above
+        cost = self.engine.prompt_cost(params.mode, len(c.prefix_ids), chunk_tokens, len(params.question) // 4 + 16,
                                        BlendOptions(recompute_ratio=params.recompute_ratio))
         return PreparedQuery(params, chunks, {"retrieve": retrieved - started}, plan, kv_bytes, cost)
 

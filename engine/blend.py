@@ -35,10 +35,10 @@ import torch
 
 from ragkv.types import Mode
 from ragkv.engine.focus import chunk_relevance, focus_layers, pick_chunks
-from ragkv.engine.forward import heads_of, layer_forward, plan_attention, project_kv
+from ragkv.engine.forward import layer_forward, project_kv, span
 from ragkv.engine.kv import ChunkKV, KVCache
 from ragkv.engine.loading import LoadedModel
-from ragkv.engine.rope import apply_rope, rotary_tables
+from ragkv.engine.rope import RopeTables
 from ragkv.engine.select import Budget, question_attention, select_tokens, tokens_for_mass
 
 
@@ -198,8 +198,7 @@ class _Assembled:
     p: int  # prefix tokens
     c: int  # context tokens (prefix + chunks); the question is [c, N)
     cache: KVCache  # reused segments staged (written layer by layer as the pass reaches them)
-    cos_all: torch.Tensor  # [N, D] rotary tables of every position
-    sin_all: torch.Tensor  # [N, D]
+    rope_all: RopeTables  # rotary tables of every position (N rows)
     timer: _PhaseTimer  # phases so far
 
     @property
@@ -223,12 +222,12 @@ def _assemble(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV]
     p = prefix.num_tokens if prefix is not None else 0
     cache = KVCache(lm.num_layers, lm.num_kv_heads, lm.head_dim, n + reserve_tokens, lm.dtype, dev)
     cache.length = n
-    cos_all, sin_all = rotary_tables(lm.model, torch.arange(n, device=dev), _like(lm))  # [N, D]
+    rope_all = lm.adapter.rotary(torch.arange(n, device=dev), _like(lm))  # N rows
     if mode is not Mode.FULL:  # layers of chunks still loading are written as the pass reaches them
         temper = mode in (Mode.REUSE, Mode.BLEND) and options.context_temperature != 1.0
-        cache.stage(segments, cos_all, sin_all, (p, options.context_temperature) if temper else None)
+        cache.stage(segments, rope_all, (p, options.context_temperature) if temper else None)
     timer.lap("assemble")
-    return _Assembled(mode, ids, p, n - q_ids.shape[0], cache, cos_all, sin_all, timer)
+    return _Assembled(mode, ids, p, n - q_ids.shape[0], cache, rope_all, timer)
 
 
 def _query_blend_steps(lm: LoadedModel, a: _Assembled, prefix: ChunkKV | None, chunks: Sequence[ChunkKV],
@@ -236,7 +235,7 @@ def _query_blend_steps(lm: LoadedModel, a: _Assembled, prefix: ChunkKV | None, c
     """BLEND with the query selector: the question's attention picks the tokens first."""
     p, c, n = a.p, a.c, a.n
     score_layer = lm.num_layers // 2 if options.score_layer is None else options.score_layer % lm.num_layers
-    scores = question_attention(lm, a.ids, a.cache, a.cos_all, a.sin_all, c, [score_layer])[0, p:]  # [C-P]
+    scores = question_attention(lm, a.ids, a.cache, a.rope_all, c, [score_layer])[0, p:]  # [C-P]
     a.timer.lap("score")
     if options.fallback_full and tokens_for_mass(scores, options.adaptive_mass) > round(
             options.recompute_ratio * (c - p)):
@@ -263,24 +262,24 @@ def _layers(lm: LoadedModel, a: _Assembled, chunks: Sequence[ChunkKV], options: 
             and the question run.
         pos: [S] sorted positions of the active tokens, with first_active -1.
     """
-    dev, heads, model = lm.device, heads_of(lm), lm.model
+    dev, ad = lm.device, lm.adapter
     p, c, n, cache, timer = a.p, a.c, a.n, a.cache, a.timer
     if pos is None:
         pos = torch.arange(first_active, n, device=dev)  # [S] positions of the active tokens
-    h = model.model.embed_tokens(a.ids[pos])  # [S, hidden]
+    h = ad.embed(a.ids[pos])  # [S, hidden]
     slots: slice | torch.Tensor = slice(first_active, n) if first_active >= 0 else pos
-    attend = plan_attention(pos, n, heads)
-    cos, sin = a.cos_all[pos], a.sin_all[pos]  # [S, D]
+    spans = span(cache, slots, pos, n, lm)
+    rope = a.rope_all[pos]  # S rows
     # contiguous active tokens from first_active on recompute every chunk token past it (none
     # for reuse); deviation blend replaces this with its pick at the check layer
     recomputed = pos[pos < c] if first_active < 0 else torch.arange(max(first_active, p), c, device=dev)
     last = lm.num_layers - 1
-    for i, layer in enumerate(model.model.layers):
+    for i in range(lm.num_layers):
         cache.fill(i)
         if i == check:  # score chunk tokens by how far their fresh K/V moved from the cached ones
             timer.lap("layers_full")
-            k, v = project_kv(layer, h, heads)  # [Hkv, S, D], every active token
-            k = apply_rope(k, cos, sin)
+            k, v = project_kv(ad, i, h)  # [Hkv, S, D], every active token
+            k = rope.apply(k, i)
             rows = slice(p - first_active, c - first_active)  # chunk tokens among the active rows
             deviation = ((k[:, rows] - cache.k[i, :, p:c]).float().pow(2).sum((0, 2))
                          + (v[:, rows] - cache.v[i, :, p:c]).float().pow(2).sum((0, 2)))  # [C-P]
@@ -291,20 +290,20 @@ def _layers(lm: LoadedModel, a: _Assembled, chunks: Sequence[ChunkKV], options: 
             h = h[keep]
             pos = torch.cat([recomputed, torch.arange(c, n, device=dev)])  # [S']
             slots = pos
-            attend = plan_attention(pos, n, heads)
-            cos, sin = a.cos_all[pos], a.sin_all[pos]
+            spans = span(cache, slots, pos, n, lm)
+            rope = a.rope_all[pos]
             timer.lap("select")
         if i == last and h.shape[0] > 1:  # only the last position's output is ever read
-            k, v = project_kv(layer, h, heads)  # [Hkv, S, D]
-            cache.k[i, :, slots], cache.v[i, :, slots] = apply_rope(k, cos, sin), v
-            h, pos, cos, sin = h[-1:], pos[-1:], cos[-1:], sin[-1:]
+            k, v = project_kv(ad, i, h)  # [Hkv, S, D]
+            cache.k[i, :, slots], cache.v[i, :, slots] = rope.apply(k, i), v
+            h, pos, rope = h[-1:], pos[-1:], rope[-1:]
             slots = pos
-            attend = plan_attention(pos, n, heads)
-        h, _, _ = layer_forward(layer, h, cos, sin, cache, i, slots, attend, heads)
+            spans = span(cache, slots, pos, n, lm)
+        h, _, _ = layer_forward(ad, i, h, rope, spans)
         yield h.shape[0]
     timer.lap("layers_partial" if check >= 0 else "layers")
 
-    logits = model.lm_head(model.model.norm(h[-1:]))[0].float()  # [V]
+    logits = ad.logits(h[-1:])[0]  # [V]
     timer.lap("logits")
     return BlendResult(a.mode, a.ids, logits, cache, recomputed, c - p, timer.phases)
 

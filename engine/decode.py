@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ragkv.engine.blend import BlendResult
-from ragkv.engine.forward import attention, heads_of, layer_forward, plan_attention
+from ragkv.engine.forward import layer_forward, span
 from ragkv.engine.kv import KVCache
 from ragkv.engine.loading import LoadedModel
-from ragkv.engine.rope import apply_rope, rotary_tables
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +52,6 @@ class DecodeStream(Iterator[str]):
         self.logits = prompt.logits  # [V]
         self.token_ids: list[int] = []  # generated so far
         self.finish_reason: str | None = None  # "eos", "stop", "length"
-        self._heads = heads_of(lm)
         self._eos = set(lm.eos_token_ids)
         self._text = ""  # detokenized so far
         self._emitted = 0  # characters of _text already yielded
@@ -120,16 +118,7 @@ class DecodeStream(Iterator[str]):
         return int(torch.multinomial(probs, 1, generator=self._gen))
 
     def _forward(self, token: int) -> torch.Tensor:
-        model, cache, dev = self.lm.model, self.cache, self.lm.device
-        n = cache.length
-        pos = torch.tensor([n], device=dev)  # [1]
-        cos, sin = rotary_tables(model, pos, self.logits.new_empty(0, dtype=self.lm.dtype))  # [1, D]
-        attend = plan_attention(pos, n + 1, self._heads)
-        h = model.model.embed_tokens(torch.tensor([token], device=dev))  # [1, hidden]
-        for i, layer in enumerate(model.model.layers):
-            h, _, _ = layer_forward(layer, h, cos, sin, cache, i, slice(n, n + 1), attend, self._heads)
-        cache.length = n + 1
-        return model.lm_head(model.model.norm(h))[0].float()  # [V]
+        return decode_batch(self.lm, [self.cache], [token])[0]  # [V]: a batch of one
 
     def _find_stop(self) -> int | None:
         if not self.params.stop:
@@ -165,7 +154,8 @@ def decode_batch(lm: LoadedModel, caches: Sequence[KVCache], tokens: Sequence[in
 
     The projections, MLPs and the LM head run once over all B rows, so the weights are
     read once per step for the whole batch; attention runs per sequence over its own
-    cache (no padding). Each cache gets its token's K/V at its own length, and grows by 1.
+    cache (no padding): one `Span` per sequence in the one layer function. Each cache gets
+    its token's K/V at its own length, and grows by 1.
 
     Args:
         caches: each sequence's cache, `length` = the tokens it holds.
@@ -176,30 +166,17 @@ def decode_batch(lm: LoadedModel, caches: Sequence[KVCache], tokens: Sequence[in
     """
     if len(caches) != len(tokens) or not caches:
         raise ValueError(f"decode_batch needs one token per cache, got {len(tokens)} for {len(caches)}")
-    model, dev, heads = lm.model, lm.device, heads_of(lm)
-    b = len(caches)
+    dev, ad = lm.device, lm.adapter
     lens = [c.length for c in caches]
     for c, n in zip(caches, lens):
         c.ensure(n + 1)
     pos = torch.tensor(lens, device=dev)  # [B]
-    cos, sin = rotary_tables(model, pos, torch.empty(0, dtype=lm.dtype, device=dev))  # [B, D]
-    plans = [plan_attention(pos[j:j + 1], n + 1, heads) for j, n in enumerate(lens)]
-    h = model.model.embed_tokens(torch.tensor(list(tokens), device=dev))  # [B, hidden]
-    for i, layer in enumerate(model.model.layers):
-        attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        q = attn.q_proj(x).view(b, heads.num_heads, heads.head_dim).transpose(0, 1)  # [H, B, D]
-        k = attn.k_proj(x).view(b, heads.num_kv_heads, heads.head_dim).transpose(0, 1)  # [Hkv, B, D]
-        v = attn.v_proj(x).view(b, heads.num_kv_heads, heads.head_dim).transpose(0, 1)  # [Hkv, B, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        outs = []
-        for j, (cache, n) in enumerate(zip(caches, lens)):
-            k_cache, v_cache = cache.k[i], cache.v[i]  # [Hkv, cap, D]
-            k_cache[:, n:n + 1], v_cache[:, n:n + 1] = k[:, j:j + 1], v[:, j:j + 1]
-            outs.append(attention(q[:, j:j + 1], k_cache, v_cache, plans[j][0], heads))  # [H, 1, D]
-        out = torch.cat(outs, 1).transpose(0, 1).reshape(b, heads.num_heads * heads.head_dim)  # [B, H*D]
-        h = h + attn.o_proj(out)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    rope = ad.rotary(pos, torch.empty(0, dtype=lm.dtype, device=dev))  # B rows
+    spans = [s for j, (c, n) in enumerate(zip(caches, lens))
+             for s in span(c, slice(n, n + 1), pos[j:j + 1], n + 1, lm, rows=slice(j, j + 1))]
+    h = ad.embed(torch.tensor(list(tokens), device=dev))  # [B, hidden]
+    for i in range(lm.num_layers):
+        h, _, _ = layer_forward(ad, i, h, rope, spans)
     for c, n in zip(caches, lens):
         c.length = n + 1
-    return model.lm_head(model.model.norm(h)).float()  # [B, V]
+    return ad.logits(h)  # [B, V]

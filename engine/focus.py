@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from ragkv.engine.kv import ChunkKV, KVCache
-from ragkv.engine.rope import rotary_tables
 from ragkv.engine.select import question_attention
 
 if TYPE_CHECKING:
@@ -55,9 +54,9 @@ def chunk_relevance(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Ch
     top = layers.stop  # layers [0, top) are all the pass needs
     cache = KVCache(top, lm.num_kv_heads, lm.head_dim, n, lm.dtype, dev)
     cache.length = n
-    cos, sin = rotary_tables(lm.model, torch.arange(n, device=dev), torch.empty(0, dtype=lm.dtype, device=dev))
-    cache.stage([s.first_layers(top) for s in segments], cos, sin)
-    attn = question_attention(lm, ids, cache, cos, sin, c, list(layers))  # [len(layers), c]
+    rope = lm.adapter.rotary(torch.arange(n, device=dev), torch.empty(0, dtype=lm.dtype, device=dev))
+    cache.stage([s.first_layers(top) for s in segments], rope)
+    attn = question_attention(lm, ids, cache, rope, c, list(layers))  # [len(layers), c]
     p = prefix.num_tokens if prefix is not None else 0
     per_chunk = []
     for ch in chunks:

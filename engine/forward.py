@@ -1,23 +1,30 @@
-"""One decoder layer over a subset of tokens, reading and writing a shared KV cache.
+"""One decoder layer over a subset of tokens, reading and writing KV caches.
 
-This is the hot path of every mode: full prefill (all tokens), chunk prefill (the
-chunk after a cached prefix), selective recompute (a few tokens against the whole
-blended cache) and decode (one token). It uses the model's own modules (norms,
-projections, MLP) so numerics match transformers; only attention is ours, because
-its mask must come from positions: SDPA's `is_causal=True` aligns top-left when
-there are fewer queries than keys, which is wrong for recomputing selected tokens.
+This is the one layer function of every mode and every model family: full prefill
+(all tokens), chunk prefill (the chunk after a cached prefix), selective recompute (a
+few tokens against the whole blended cache) and batched decode (one token for each of
+B requests, each with its own cache: a ragged batch). What differs between
+architectures (norms, fused projections, q/k norms, MoE blocks, multipliers, windows,
+soft-capping, sinks, per-layer rotary) comes from the model's `engine.family.Adapter`;
+the numerics are the model's own modules (norms, projections, MLP). Only attention is
+ours, because its mask must come from positions: SDPA's `is_causal=True` aligns
+top-left when there are fewer queries than keys, which is wrong for recomputing
+selected tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from ragkv.engine.family import Adapter, LayerAttention
 from ragkv.engine.kv import KVCache
-from ragkv.engine.rope import apply_rope
+from ragkv.engine.rope import RopeTables
 
 if TYPE_CHECKING:
     from ragkv.engine.loading import LoadedModel
@@ -25,7 +32,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class Heads:
-    """Attention geometry of a model."""
+    """Attention geometry of a model (of one layer kind: `sliding_window` is that layer's)."""
 
     num_heads: int  # query heads
     num_kv_heads: int  # Hkv
@@ -35,9 +42,9 @@ class Heads:
 
 
 def heads_of(lm: LoadedModel) -> Heads:
-    """The attention geometry of a loaded model."""
-    attn = lm.model.model.layers[0].self_attn
-    return Heads(lm.num_heads, lm.num_kv_heads, lm.head_dim, float(attn.scaling), lm.sliding_window)
+    """The attention geometry of a loaded model (its first layer's scale, no window)."""
+    ad = lm.adapter
+    return Heads(ad.num_heads, ad.num_kv_heads, ad.head_dim, ad.attention[0].scaling, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +59,29 @@ class Attend:
     # the group; tail_bias is the additive mask of the rest, one row per folded query head
     open_keys: int = 0
     tail_bias: torch.Tensor | None = None  # [g*S_g, n_keys - open_keys] float32, 0 or -inf
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Active tokens that live in one cache: all of a prompt pass's, or one decoding request's."""
+
+    cache: KVCache
+    rows: slice  # their rows among the active tokens (of h)
+    slots: slice | torch.Tensor  # where they live in the cache (a slice, or [S'] int64 indices)
+    plans: dict[int | None, list[Attend]]  # the attention groups per sliding window (None = global)
+
+
+def plan_layers(q_pos: torch.Tensor, n_keys: int, lm: LoadedModel) -> dict[int | None, list[Attend]]:
+    """`plan_attention` for each distinct window among the model's layers."""
+    base = heads_of(lm)
+    return {w: plan_attention(q_pos, n_keys, dataclasses.replace(base, sliding_window=w))
+            for w in lm.adapter.windows}
+
+
+def span(cache: KVCache, slots: slice | torch.Tensor, q_pos: torch.Tensor, n_keys: int, lm: LoadedModel,
+         rows: slice | None = None) -> list[Span]:
+    """The one span of a prompt pass: active tokens at q_pos [S], written at `slots`, over keys [0, n_keys)."""
+    return [Span(cache, rows or slice(0, q_pos.shape[0]), slots, plan_layers(q_pos, n_keys, lm))]
 
 
 _GROUP_MIN_QUERIES = 64  # scattered queries are split into groups of at least this many
@@ -108,68 +138,60 @@ def _is_arange(pos: torch.Tensor) -> bool:
     return n > 0 and int(pos[0]) == 0 and int(pos[-1]) == n - 1
 
 
-def project_kv(layer: Any, h: torch.Tensor, heads: Heads) -> tuple[torch.Tensor, torch.Tensor]:
-    """K (before RoPE) and V of hidden states h: [S, hidden] -> each [Hkv, S, D]."""
-    attn = layer.self_attn
-    x = layer.input_layernorm(h)
-    s = h.shape[0]
-    k = attn.k_proj(x).view(s, heads.num_kv_heads, heads.head_dim).transpose(0, 1)  # [Hkv, S, D]
-    v = attn.v_proj(x).view(s, heads.num_kv_heads, heads.head_dim).transpose(0, 1)  # [Hkv, S, D]
+def project_kv(ad: Adapter, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer i's K (before RoPE) and V of hidden states h: [S, hidden] -> each [Hkv, S, D]."""
+    _, k, v = ad.qkv(i, ad.attn_input(i, h))
     return k, v
 
 
-def layer_forward(
-    layer: Any,
-    h: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    cache: KVCache,
-    layer_idx: int,
-    slots: slice | torch.Tensor,
-    attend: list[Attend],
-    heads: Heads,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run one decoder layer for the active tokens.
+def layer_forward(ad: Adapter, i: int, h: torch.Tensor, rope: RopeTables, spans: Sequence[Span],
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run decoder layer i for the active tokens.
 
     Args:
         h: [S, hidden] hidden states of the active tokens.
-        cos, sin: [S, D] rotary tables at the active tokens' positions.
-        cache: the whole prompt's cache; the active tokens' K/V are written at `slots`.
-        slots: where the active tokens live in the cache (a slice, or [S] int64 indices).
+        rope: rotary tables at the active tokens' positions (S rows).
+        spans: where the active tokens' K/V go and which keys they attend to: one span
+            for a prompt pass, one per request for batched decode (rows in order).
 
     Returns:
         h_out [S, hidden], k before RoPE [Hkv, S, D], v [Hkv, S, D].
     """
-    attn = layer.self_attn
     s = h.shape[0]
-    x = layer.input_layernorm(h)
-    q = attn.q_proj(x).view(s, heads.num_heads, heads.head_dim).transpose(0, 1)  # [H, S, D]
-    k = attn.k_proj(x).view(s, heads.num_kv_heads, heads.head_dim).transpose(0, 1)  # [Hkv, S, D]
-    v = attn.v_proj(x).view(s, heads.num_kv_heads, heads.head_dim).transpose(0, 1)  # [Hkv, S, D]
-    q = apply_rope(q, cos, sin)
-    k_cache = cache.k[layer_idx]  # [Hkv, cap, D]
-    v_cache = cache.v[layer_idx]
-    k_cache[:, slots] = apply_rope(k, cos, sin)
-    v_cache[:, slots] = v
-    out = torch.cat([attention(q[:, a.rows], k_cache, v_cache, a, heads) for a in attend], 1) \
-        if len(attend) > 1 else attention(q, k_cache, v_cache, attend[0], heads)  # [H, S, D]
-    out = out.transpose(0, 1).reshape(s, heads.num_heads * heads.head_dim)  # [S, H*D]
-    h = h + attn.o_proj(out)
-    h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return h, k, v
+    x = ad.attn_input(i, h)
+    q, k, v = ad.qkv(i, x)  # [H, S, D], [Hkv, S, D], [Hkv, S, D]
+    q, k_rot = rope.apply(q, i), rope.apply(k, i)
+    la = ad.attention[i]
+    outs = []
+    for sp in spans:
+        k_cache, v_cache = sp.cache.k[i], sp.cache.v[i]  # [Hkv, cap, D]
+        k_cache[:, sp.slots], v_cache[:, sp.slots] = k_rot[:, sp.rows], v[:, sp.rows]
+        q_sp = q[:, sp.rows] if len(spans) > 1 else q
+        plan = sp.plans[la.window]
+        outs.extend(attention(q_sp[:, a.rows] if len(plan) > 1 else q_sp, k_cache, v_cache, a, ad, la)
+                    for a in plan)  # each [H, S_g, D]
+    out = torch.cat(outs, 1) if len(outs) > 1 else outs[0]  # [H, S, D]
+    a_out = ad.attn_output(i, out.transpose(0, 1).reshape(s, ad.num_heads * ad.head_dim))  # [S, hidden]
+    return ad.residual(i, h, x, a_out), k, v
 
 
-def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: Attend, heads: Heads,
-              ) -> torch.Tensor:
-    """SDPA of q: [H, S_g, D] over cache keys [0, a.n_keys) -> [H, S_g, D]."""
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: Attend, heads: Heads | Adapter,
+              la: LayerAttention | None = None) -> torch.Tensor:
+    """SDPA of q: [H, S_g, D] over cache keys [0, a.n_keys) -> [H, S_g, D].
+
+    `la` is the layer's attention (scale, soft-capping, sinks); None = `heads.scaling`, plain softmax.
+    """
+    scaling = la.scaling if la is not None else heads.scaling
+    if la is not None and (la.softcap is not None or la.sinks is not None):
+        return _explicit_attention(q, k_cache, v_cache, a, heads, la)
     if a.tail_bias is not None:  # built only on CPU (_with_split)
-        return _split_attention(q, k_cache, v_cache, a, heads)
+        return _split_attention(q, k_cache, v_cache, a, heads, scaling)
     if a.mask is None and not a.causal and heads.num_heads != heads.num_kv_heads and q.device.type == "cpu":
         # decode (queries that see every key): folded heads instead of SDPA's GQA path,
         # which repeats the whole K and V per call on CPU
         out = F.scaled_dot_product_attention(
             _fold_heads(q, heads)[None], k_cache[None, :, : a.n_keys], v_cache[None, :, : a.n_keys],
-            scale=heads.scaling,
+            scale=scaling,
         )[0]  # [Hkv, g*S_g, D]
         return out.reshape(q.shape)
     return F.scaled_dot_product_attention(
@@ -178,9 +200,32 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: 
         v_cache[None, :, : a.n_keys],
         attn_mask=a.mask,
         is_causal=a.causal,
-        scale=heads.scaling,
+        scale=scaling,
         enable_gqa=heads.num_heads != heads.num_kv_heads,
     )[0]
+
+
+def _explicit_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: Attend,
+                        heads: Heads | Adapter, la: LayerAttention) -> torch.Tensor:
+    """Attention with what SDPA cannot express: logit soft-capping (Gemma 2), sinks (gpt-oss)."""
+    g = heads.num_heads // heads.num_kv_heads
+    k = k_cache[:, : a.n_keys].repeat_interleave(g, 0)  # [H, n_keys, D]
+    v = v_cache[:, : a.n_keys].repeat_interleave(g, 0)
+    scores = (q @ k.transpose(1, 2)).float() * la.scaling  # [H, S_g, n_keys]
+    if la.softcap is not None:
+        scores = torch.tanh(scores / la.softcap) * la.softcap
+    s_g = q.shape[1]
+    if a.mask is not None:
+        scores = scores.masked_fill(~a.mask[None], float("-inf"))
+    elif a.causal:
+        scores = scores.masked_fill(torch.ones(s_g, a.n_keys, dtype=torch.bool, device=q.device).triu(1)[None],
+                                    float("-inf"))
+    if la.sinks is not None:  # one more logit per head in the denominator, dropped after the softmax
+        sink = la.sinks.float().to(q.device)[:, None, None].expand(-1, s_g, 1)  # [H, S_g, 1]
+        probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, -1)
+    return (probs.to(v.dtype) @ v)  # [H, S_g, D]
 
 
 # CPU: a masked group is split where its mask starts to matter. Keys every query sees run
@@ -194,19 +239,19 @@ _SPLIT_MIN_OPEN_KEYS = 256  # below this the second kernel call costs more than 
 
 
 def _split_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: Attend,
-                     heads: Heads) -> torch.Tensor:
+                     heads: Heads | Adapter, scaling: float) -> torch.Tensor:
     """`attention` for a masked group on CPU, as [open keys] + [masked span], merged by LSE."""
     lo = a.open_keys
     qf = _fold_heads(q, heads)[None]  # [1, Hkv, g*S_g, D]
     k, v = k_cache[None, :, : a.n_keys], v_cache[None, :, : a.n_keys]  # [1, Hkv, n_keys, D]
-    o1, lse1 = _CPU_FLASH(qf, k[:, :, :lo], v[:, :, :lo], scale=heads.scaling)  # [1, Hkv, g*S_g, D], [1, Hkv, g*S_g]
-    o2, lse2 = _CPU_FLASH(qf, k[:, :, lo:], v[:, :, lo:], attn_mask=a.tail_bias.to(q.dtype), scale=heads.scaling)
+    o1, lse1 = _CPU_FLASH(qf, k[:, :, :lo], v[:, :, :lo], scale=scaling)  # [1, Hkv, g*S_g, D], [1, Hkv, g*S_g]
+    o2, lse2 = _CPU_FLASH(qf, k[:, :, lo:], v[:, :, lo:], attn_mask=a.tail_bias.to(q.dtype), scale=scaling)
     lse = torch.logaddexp(lse1, lse2)  # [1, Hkv, g*S_g]
     out = o1.mul_((lse1 - lse).exp_()[..., None]).addcmul_(o2, (lse2 - lse).exp_()[..., None])  # [1, Hkv, g*S_g, D]
     return out[0].reshape(q.shape)
 
 
-def _fold_heads(q: torch.Tensor, heads: Heads) -> torch.Tensor:
+def _fold_heads(q: torch.Tensor, heads: Heads | Adapter) -> torch.Tensor:
     """[H, S, D] -> [Hkv, g*S, D]: each KV head's g query heads as rows (GQA without
     repeating K and V); a mask over S rows repeats g times to match."""
     h, s, d = q.shape

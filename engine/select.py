@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ragkv.engine.forward import Heads, heads_of, layer_forward, plan_attention, project_kv
+from ragkv.engine.forward import layer_forward, project_kv, span
 from ragkv.engine.kv import KVCache
-from ragkv.engine.rope import apply_rope
+from ragkv.engine.rope import RopeTables
 
 if TYPE_CHECKING:
     from ragkv.engine.blend import BlendOptions
@@ -103,8 +103,8 @@ def _pick(score: torch.Tensor, budget: int, chunk_lens: Sequence[int], options: 
     return torch.sort(picked).values
 
 
-def question_attention(lm: LoadedModel, ids: torch.Tensor, cache: KVCache, cos_all: torch.Tensor,
-                       sin_all: torch.Tensor, c: int, layers: Sequence[int]) -> torch.Tensor:
+def question_attention(lm: LoadedModel, ids: torch.Tensor, cache: KVCache, rope_all: RopeTables, c: int,
+                       layers: Sequence[int]) -> torch.Tensor:
     """Attention of the question tokens onto every context token at each of `layers`.
 
     Runs only the question (prompt positions [c, N)) through layers [0, max(layers)] over
@@ -116,30 +116,27 @@ def question_attention(lm: LoadedModel, ids: torch.Tensor, cache: KVCache, cos_a
         [len(layers), c] float32 attention mass per context token, one row per layer.
     """
 
-    heads: Heads = heads_of(lm)
-    model, n = lm.model, ids.shape[0]
+    ad, n = lm.adapter, ids.shape[0]
     pos = torch.arange(c, n, device=ids.device)  # [Q]
-    cos, sin = cos_all[c:], sin_all[c:]  # [Q, D]
-    attend = plan_attention(pos, n, heads)
+    rope = rope_all[c:]  # Q rows
+    spans = span(cache, pos, pos, n, lm)
     k_pos = torch.arange(n, device=ids.device)
     future = k_pos[None, None, :] > pos[None, :, None]  # [1, Q, N]
     want = sorted({int(i) for i in layers})
     rows: dict[int, torch.Tensor] = {}
-    h = model.model.embed_tokens(ids[c:])  # [Q, hidden]
-    for i, layer in enumerate(model.model.layers[: want[-1] + 1]):
+    h = ad.embed(ids[c:])  # [Q, hidden]
+    for i in range(want[-1] + 1):
         cache.fill(i)
-        x = layer.input_layernorm(h) if i in want else None
+        q = rope.apply(ad.qkv(i, ad.attn_input(i, h))[0], i) if i in want else None  # [H, Q, D]
         # the question's own K must be in cache[i] before the keys are read (its slots are
         # uninitialized until written); past the last scored layer nothing reads h
         if i == want[-1]:
-            k, v = project_kv(layer, h, heads)  # [Hkv, Q, D]
-            cache.k[i, :, c:n], cache.v[i, :, c:n] = apply_rope(k, cos, sin), v
+            k, v = project_kv(ad, i, h)  # [Hkv, Q, D]
+            cache.k[i, :, c:n], cache.v[i, :, c:n] = rope.apply(k, i), v
         else:
-            h, _, _ = layer_forward(layer, h, cos, sin, cache, i, pos, attend, heads)
-        if x is not None:
-            q = layer.self_attn.q_proj(x).view(-1, heads.num_heads, heads.head_dim).transpose(0, 1)  # [H, Q, D]
-            q = apply_rope(q, cos, sin)
-            k = cache.k[i, :, :n].repeat_interleave(heads.num_heads // heads.num_kv_heads, 0)  # [H, N, D]
-            logits = (q @ k.transpose(1, 2)).float() * heads.scaling  # [H, Q, N]
+            h, _, _ = layer_forward(ad, i, h, rope, spans)
+        if q is not None:
+            k = cache.k[i, :, :n].repeat_interleave(ad.num_heads // ad.num_kv_heads, 0)  # [H, N, D]
+            logits = (q @ k.transpose(1, 2)).float() * ad.attention[i].scaling  # [H, Q, N]
             rows[i] = torch.softmax(logits.masked_fill(future, float("-inf")), -1).sum((0, 1))[:c]  # [c]
     return torch.stack([rows[int(i)] for i in layers])  # [len(layers), c]

@@ -1,4 +1,4 @@
-"""Tiny random-weight models for fast tests: Llama, Mistral and Qwen2 shapes on CPU.
+"""Tiny random-weight models for fast tests: every served family's shape, on CPU.
 
 Each is a real Hugging Face model directory (config, safetensors, tokenizer), so it
 goes through exactly the loading path users' models take.
@@ -23,6 +23,43 @@ _ARCH = {
     "qwen2": ("Qwen2Config", {"use_sliding_window": False}),
 }
 
+_WINDOW = 8  # tiny sliding windows, so that the tests' prompts (40+ tokens) cross them
+_LOCAL_GLOBAL = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+
+# One tiny config per served family (engine.family.FAMILIES), each with the features its
+# adapter handles switched on: windows, q/k norms, MoE, multipliers, soft-capping, sinks.
+FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", {}),
+    "llama3-rope": ("LlamaConfig", {"rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "mistral": ("MistralConfig", {"sliding_window": _WINDOW}),
+    "qwen2": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": _WINDOW, "max_window_layers": 2}),
+    "qwen3": ("Qwen3Config", {"use_sliding_window": True, "sliding_window": _WINDOW, "max_window_layers": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "norm_topk_prob": True, "mlp_only_layers": [1], "decoder_sparse_step": 1}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": _WINDOW}),
+    "gemma": ("GemmaConfig", {}),
+    "gemma2": ("Gemma2Config", {"query_pre_attn_scalar": 24, "sliding_window": _WINDOW,
+                                "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
+    "gemma3_text": ("Gemma3TextConfig", {
+        "query_pre_attn_scalar": 24, "sliding_window": _WINDOW, "layer_types": _LOCAL_GLOBAL,
+        "final_logit_softcapping": 3.0, "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}),
+    "phi3": ("Phi3Config", {"sliding_window": _WINDOW, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}),
+    "olmo2": ("Olmo2Config", {}),
+    "granite": ("GraniteConfig", {"embedding_multiplier": 12.0, "logits_scaling": 8.0, "residual_multiplier": 0.22,
+                                  "attention_multiplier": 1 / 16}),
+    "smollm3": ("SmolLM3Config", {"use_sliding_window": True, "sliding_window": _WINDOW,
+                                  "no_rope_layer_interval": 2}),
+    "gpt_oss": ("GptOssConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": _WINDOW,
+                                 "intermediate_size": 64}),
+    "cohere": ("CohereConfig", {"use_qk_norm": True, "logit_scale": 0.25}),
+    "starcoder2": ("Starcoder2Config", {"sliding_window": _WINDOW}),
+}
+
 
 def _tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -38,31 +75,39 @@ def _tokenizer():
 
 
 def tiny_model_dir(path: str | Path, arch: str = "llama", num_layers: int = 4, seed: int = 0,
-                   **config_overrides) -> Path:
+                   family: bool = False, **config_overrides) -> Path:
     """Write a tiny random-weight HF model directory and return its path.
 
     Args:
-        arch: "llama", "mistral" or "qwen2".
+        arch: "llama", "mistral" or "qwen2"; with `family`, any key of FAMILY_CONFIGS.
         num_layers: decoder layers (L).
-        seed: weights are a pure function of (arch, num_layers, seed, overrides).
+        seed: weights are a pure function of (arch, num_layers, seed, family, overrides).
+        family: the family test's config, every feature on; its 1-D weights (norms, biases,
+            sinks) are randomized too, so that a norm applied in the wrong place shows.
     """
     import transformers
 
-    if arch not in _ARCH:
-        raise ValueError(f"arch must be one of {sorted(_ARCH)}, got {arch!r}")
+    table = FAMILY_CONFIGS if family else _ARCH
+    if arch not in table:
+        raise ValueError(f"arch must be one of {sorted(table)}, got {arch!r}")
     path = Path(path)
     if (path / "config.json").is_file():
         return path
     tokenizer = _tokenizer()
-    config_cls_name, extra = _ARCH[arch]
-    config = getattr(transformers, config_cls_name)(
+    config_cls_name, extra = table[arch]
+    base = dict(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, initializer_range=0.2,
-        **{**extra, **config_overrides})
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, initializer_range=0.2)
+    config = getattr(transformers, config_cls_name)(**{**base, **extra, **config_overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if family:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 1:
+                    p.add_(torch.randn_like(p) * 0.2)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -100,7 +100,6 @@ def test_question_attention_never_reads_unwritten_cache_slots(tiny, garbage):
     """The cache's question slots are uninitialized memory until the pass writes them: scores
     must come out the same whatever they held (CI once saw NaN there and focus kept nothing)."""
     from ragkv.engine.kv import KVCache
-    from ragkv.engine.rope import rotary_tables
     from ragkv.engine.select import question_attention
 
     lm = tiny.lm
@@ -108,7 +107,7 @@ def test_question_attention_never_reads_unwritten_cache_slots(tiny, garbage):
     segments = [prefix, *kvs]
     ids = torch.cat([s.token_ids for s in segments] + [torch.tensor(q)])  # [N]
     n, c = ids.shape[0], ids.shape[0] - len(q)
-    cos, sin = rotary_tables(lm.model, torch.arange(n), torch.empty(0, dtype=lm.dtype))
+    rope = lm.adapter.rotary(torch.arange(n), torch.empty(0, dtype=lm.dtype))
     layers = list(range(lm.num_layers))
 
     def scores(fill: float) -> torch.Tensor:
@@ -116,8 +115,8 @@ def test_question_attention_never_reads_unwritten_cache_slots(tiny, garbage):
         cache.k.fill_(fill)
         cache.v.fill_(fill)
         cache.length = n
-        cache.write_segments(segments, cos, sin)
-        return question_attention(lm, ids, cache, cos, sin, c, layers)  # [L, c]
+        cache.write_segments(segments, rope)
+        return question_attention(lm, ids, cache, rope, c, layers)  # [L, c]
 
     clean, dirty = scores(0.0), scores(garbage)
     assert torch.isfinite(dirty).all()

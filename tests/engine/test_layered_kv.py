@@ -12,7 +12,6 @@ import torch
 from ragkv.types import Mode
 from ragkv.engine import BlendOptions, Engine, load_model
 from ragkv.engine.kv import KVCache
-from ragkv.engine.rope import rotary_tables
 from ragkv.engine.testing import tiny_model_dir
 from ragkv.errors import KVFormatError
 from tests.engine.test_blend import _parts
@@ -116,14 +115,14 @@ def test_fill_takes_each_layer_only_when_the_pass_reaches_it(tiny_engine):
     prefix, kvs, _, _ = _parts(tiny_engine)
     loading = _loading(kvs)
     n = sum(kv.num_tokens for kv in [prefix, *kvs])
-    cos, sin = rotary_tables(lm.model, torch.arange(n), torch.empty(0))
+    rope = lm.adapter.rotary(torch.arange(n), torch.empty(0))
     cache = KVCache(lm.num_layers, lm.num_kv_heads, lm.head_dim, n, lm.dtype, lm.device)
-    cache.stage([prefix, *loading], cos, sin)
+    cache.stage([prefix, *loading], rope)
     cache.fill(0)
     assert all(max(kv.ready.gate.waits) == 0 for kv in loading)
     assert not torch.isnan(cache.k[0, :, :n]).any()
     ref = KVCache(lm.num_layers, lm.num_kv_heads, lm.head_dim, n, lm.dtype, lm.device)
-    ref.write_segments([prefix, *kvs], cos, sin)
+    ref.write_segments([prefix, *kvs], rope)
     cache.fill(lm.num_layers - 1)
     assert torch.equal(cache.k[:, :, :n], ref.k[:, :, :n]) and torch.equal(cache.v[:, :, :n], ref.v[:, :, :n])
 

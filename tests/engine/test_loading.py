@@ -59,9 +59,11 @@ def test_unsupported_architecture_is_refused(tmp_path):
         load_model(str(d))
 
 
-def test_unsupported_attention_variant_is_refused(tmp_path):
-    d = tiny_model_dir(tmp_path / "q", "qwen2", use_sliding_window=True, sliding_window=32)
-    with pytest.raises(UnsupportedModelError, match="use_sliding_window"):
+def test_latent_attention_is_refused_by_name_with_what_it_would_take(tmp_path):
+    d = tmp_path / "deepseek"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "num_hidden_layers": 2}))
+    with pytest.raises(UnsupportedModelError, match="'deepseek_v3' is not supported: multi-head latent"):
         load_model(str(d))
 
 

@@ -1,0 +1,110 @@
+"""The correctness gate: does ragkv compute this model as transformers does?
+
+`check_model` runs a short RAG prompt through transformers' own forward and through
+ragkv's engine, and checks four things:
+
+- logits: the last position's logits of full prefill against transformers' forward
+  (max abs difference, top-1 agreement);
+- blend at ratio 1.0 against full prefill (every chunk token recomputed: the same sums);
+- reuse of a chunk at the positions it was computed at against full prefill (its KV
+  is exact there, so any difference is a bug in storing or re-rotating K);
+- greedy decode against transformers' `generate` (token for token).
+
+`ragkv check-model MODEL` prints the verdicts; `ragkv serve` and `ragkv index` run the
+quick form at start and refuse a model that fails it (`--skip-model-check` overrides).
+
+Tolerances scale with the logits' magnitude (a 135M model's logits reach ~20, a tiny
+random model's ~1) and with the dtype: float32 must agree to 1e-4 of that scale with
+transformers and 1e-5 between ragkv's own modes; bfloat16 and float16 round every
+product to 8 (11) bits, so ragkv and transformers differ there by as much as either
+differs from float32: 5e-2 of the scale, with the top-1 token the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from ragkv.engine.loading import LoadedModel
+
+_TEXT = ("The archive keeps the secret number 4721 in a sealed box.",
+         "Alice met Bob in Paris, the capital of France, on a quiet day.",
+         "The quick brown fox jumps over the lazy dog near the river bank.")
+_QUESTION = "What is the secret number, and where did Alice meet Bob?"
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One check's outcome."""
+
+    name: str
+    passed: bool
+    detail: str  # the numbers behind the verdict
+
+    def line(self) -> str:
+        return f"{'PASS' if self.passed else 'FAIL'}  {self.name:<28} {self.detail}"
+
+
+def tolerances(dtype: torch.dtype) -> tuple[float, float]:
+    """(against transformers, between ragkv's modes), as fractions of the logits' scale."""
+    return (1e-4, 1e-5) if dtype == torch.float32 else (5e-2, 5e-2)
+
+
+@torch.inference_mode()
+def check_model(lm: LoadedModel, quick: bool = False, decode_tokens: int | None = None) -> list[Check]:
+    """Run the gate's checks on a loaded model; `quick` = a shorter prompt and decode (start-up)."""
+    from ragkv.engine.blend import BlendOptions
+    from ragkv.engine.decode import SamplingParams
+    from ragkv.engine.runtime import Engine
+    from ragkv.types import Mode
+
+    engine = Engine(lm)
+    fmt = engine.prompt
+    prefix_ids = fmt.prefix_ids()
+    chunk_ids = [fmt.chunk_ids(t) for t in (_TEXT[:2] if quick else _TEXT)]
+    q_ids = fmt.question_ids(_QUESTION)
+    ids = [*prefix_ids, *(t for c in chunk_ids for t in c), *q_ids]
+    dev = lm.device
+    n_new = decode_tokens or (4 if quick else 16)
+    tol_ref, tol_self = tolerances(lm.dtype)
+
+    full = engine.run(prefix_ids, chunk_ids, None, q_ids, Mode.FULL, reserve_tokens=n_new + 1)
+    ref = lm.model(torch.tensor([ids], device=dev)).logits[0, -1].float()  # [V]
+    scale = max(1.0, float(ref.abs().max()))
+    checks = []
+    diff = float((full.logits - ref).abs().max())
+    same_top = int(full.logits.argmax()) == int(ref.argmax())
+    checks.append(Check("logits vs transformers", diff <= tol_ref * scale and same_top,
+                        f"max abs diff {diff:.2e} (limit {tol_ref * scale:.1e}), top-1 "
+                        f"{'agrees' if same_top else 'differs'}, {len(ids)} tokens"))
+
+    chunks = engine.prefill_chunks(prefix_ids, chunk_ids)
+    blend = engine.run(prefix_ids, chunk_ids, chunks, q_ids, Mode.BLEND, BlendOptions(recompute_ratio=1.0))
+    diff = float((blend.logits - full.logits).abs().max())
+    checks.append(Check("blend at 1.0 vs full", diff <= tol_self * scale,
+                        f"max abs diff {diff:.2e} (limit {tol_self * scale:.1e})"))
+
+    one = engine.run(prefix_ids, chunk_ids[:1], chunks[:1], q_ids, Mode.REUSE)
+    one_full = engine.run(prefix_ids, chunk_ids[:1], None, q_ids, Mode.FULL)
+    diff = float((one.logits - one_full.logits).abs().max())
+    checks.append(Check("reused chunk vs full", diff <= tol_self * scale,
+                        f"max abs diff {diff:.2e} (limit {tol_self * scale:.1e})"))
+
+    stream = engine.decode(full, SamplingParams(max_new_tokens=n_new))
+    for _ in stream:
+        pass
+    ours = list(stream.token_ids)
+    out = lm.model.generate(torch.tensor([ids], device=dev), attention_mask=torch.ones(1, len(ids), device=dev,
+                            dtype=torch.long), max_new_tokens=n_new, do_sample=False, top_k=None, top_p=None,
+                            temperature=None, eos_token_id=list(lm.eos_token_ids) or None,
+                            pad_token_id=lm.tokenizer.pad_token_id or 0)
+    theirs = [t for t in out[0, len(ids):].tolist()]
+    while theirs and theirs[-1] in lm.eos_token_ids:  # generate keeps the EOS; our stream ends before it
+        theirs.pop()
+    checks.append(Check("greedy decode vs generate", ours == theirs,
+                        f"{sum(a == b for a, b in zip(ours, theirs))} of {max(len(ours), len(theirs))} tokens "
+                        "agree" + ("" if ours == theirs else f" (ours {ours[:8]}..., theirs {theirs[:8]}...)")))
+    return checks

@@ -1,0 +1,246 @@
+"""Model families: how one decoder layer of each architecture computes, as data.
+
+The engine has one layer function (`engine.forward.layer_forward`); everything that
+differs between architectures is said here, once per family, and read through an
+`Adapter` built for the loaded model:
+
+- how a layer computes pre-RoPE Q, K and V (separate or fused projections, q/k norms
+  per head or over the whole projection);
+- how the residual stream goes: which norms sit before and after attention and the
+  MLP (pre-norm, Gemma's sandwich, OLMo 2's post-norm, Cohere's parallel block), and
+  Granite's multipliers;
+- the MLP or mixture-of-experts block (it runs on the active tokens only, so selective
+  recompute never sends the other tokens through the experts);
+- per layer: its attention (scale, sliding window, logit soft-capping, sinks) and which
+  rotary table it uses (Gemma 3's local and global tables, SmolLM3's no-RoPE layers);
+- the embedding and the logits (Granite's multipliers, Cohere's logit scale, Gemma's
+  final soft-capping).
+
+To add a family: a `Family` entry in `FAMILIES` and its row in the tests'
+family list (tests/engine/test_families.py), nothing else; docs/models.md says more.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ragkv.engine.rope import RopeTables
+from ragkv.errors import UnsupportedModelError
+
+
+class QKNorm(str, enum.Enum):
+    """Where a family normalizes queries and keys before RoPE."""
+
+    NONE = "none"
+    HEAD = "head"  # per head, after the projection is split into heads (Qwen3, Gemma 3, Cohere)
+    PROJECTION = "projection"  # over the whole projection, before the split (OLMo 2)
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """What one architecture does differently from Llama's decoder layer."""
+
+    model_type: str  # config.model_type
+    # the residual stream: norms by their attribute names on the layer, None = no norm there
+    attn_in: str | None = "input_layernorm"  # before attention (None: OLMo 2's post-norm)
+    attn_out: str | None = None  # on attention's output, before the residual add (Gemma 2/3, OLMo 2)
+    mlp_in: str | None = "post_attention_layernorm"  # before the MLP
+    mlp_out: str | None = None  # on the MLP's output, before the residual add (Gemma 2/3, OLMo 2)
+    parallel: bool = False  # attention and MLP read the same normed input (Cohere)
+    qk_norm: QKNorm = QKNorm.NONE
+    fused_qkv: bool = False  # one `qkv_proj` (Phi-3)
+    rope_interleaved: bool = False  # RoPE rotates pairs (0, 1), (2, 3)... (Cohere)
+    rope_per_layer_type: bool = False  # the rotary module takes the layer type (Gemma 3)
+    rope_half_table: bool = False  # the rotary module returns D/2-wide tables for the halves (gpt-oss)
+    attn_softcap: bool = False  # scores are soft-capped by attn_logit_softcapping (Gemma 2; Gemma 3
+    # keeps the setting but transformers never applies it, so neither do we)
+    notes: str = ""  # what the adapter handles, for docs/models.md
+    config_notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+_SANDWICH = dict(attn_out="post_attention_layernorm", mlp_in="pre_feedforward_layernorm",
+                 mlp_out="post_feedforward_layernorm")
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    Family("llama", notes="pre-norm; Llama 3 rope scaling through the model's rotary module"),
+    Family("mistral", notes="sliding window on every layer when configured"),
+    Family("qwen2", notes="q/k/v biases; sliding window on the layers its layer_types name"),
+    Family("qwen3", qk_norm=QKNorm.HEAD, notes="per-head q/k RMSNorm before RoPE"),
+    Family("qwen3_moe", qk_norm=QKNorm.HEAD, notes="per-head q/k norm; sparse MoE blocks (top-k experts "
+           "run on the active tokens only)"),
+    Family("mixtral", notes="sparse MoE blocks; sliding window when configured"),
+    Family("gemma", notes="embedding scaled by sqrt(hidden) in its module; (1 + w) RMSNorm"),
+    Family("gemma2", **_SANDWICH, attn_softcap=True, notes="sandwich norms; attention logit soft-capping; sliding window "
+           "on alternate layers; final logit soft-capping; query_pre_attn_scalar"),
+    Family("gemma3_text", **_SANDWICH, qk_norm=QKNorm.HEAD, rope_per_layer_type=True,
+           notes="sandwich norms; per-head q/k norm; local (sliding) and global layers with their own "
+           "rotary tables"),
+    Family("phi3", fused_qkv=True, notes="fused qkv_proj; partial rotary when configured"),
+    Family("olmo2", attn_in=None, attn_out="post_attention_layernorm", mlp_in=None,
+           mlp_out="post_feedforward_layernorm", qk_norm=QKNorm.PROJECTION,
+           notes="post-norm residual; q/k RMSNorm over the whole projection"),
+    Family("granite", notes="embedding, attention, residual and logit multipliers"),
+    Family("smollm3", notes="no RoPE on the layers no_rope_layers marks 0"),
+    Family("gpt_oss", rope_half_table=True, notes="attention sinks; sliding window on alternate layers; MoE with its own "
+           "router; yarn rope scaling"),
+    Family("cohere", parallel=True, qk_norm=QKNorm.HEAD, rope_interleaved=True,
+           notes="parallel attention and MLP from one LayerNorm; interleaved RoPE; logit scale; "
+           "optional per-head q/k LayerNorm"),
+    Family("starcoder2", notes="LayerNorm with biases; biased projections; sliding window when configured"),
+)}
+
+# Refused by name, with what serving it would take (docs/models.md).
+REFUSED: dict[str, str] = {
+    "deepseek_v2": "multi-head latent attention (MLA) caches a compressed latent and a decoupled RoPE key; "
+                   "chunk KV would have to be stored as the latent and re-rotated only on its rope part",
+    "deepseek_v3": "multi-head latent attention (MLA), as deepseek_v2",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """How one layer attends."""
+
+    scaling: float  # softmax scale
+    window: int | None  # key j is visible to query i iff i - window < j <= i; None = every earlier key
+    softcap: float | None  # scores pass through cap * tanh(score / cap) (Gemma 2)
+    sinks: torch.Tensor | None  # [H] per-head sink logits in the softmax's denominator (gpt-oss)
+
+
+class Adapter:
+    """A loaded model's layers, as its family computes them."""
+
+    def __init__(self, model: Any, family: Family) -> None:
+        self.family = family
+        self.model = model
+        self.config = cfg = model.config
+        self.base = model.model  # the decoder stack: embed_tokens, layers, norm
+        self.layers = list(self.base.layers)
+        attn0 = self.layers[0].self_attn
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.attention = tuple(self._layer_attention(layer.self_attn, cfg, family) for layer in self.layers)
+        self.layer_types: tuple[str, ...] = tuple(getattr(cfg, "layer_types", None) or
+                                                  ["full_attention"] * len(self.layers))
+        self.rope_kinds = sorted(set(self.layer_types)) if family.rope_per_layer_type else ["*"]
+        no_rope = getattr(cfg, "no_rope_layers", None)  # SmolLM3: 1 = uses RoPE, 0 = none
+        self.rope_kind = tuple(-1 if no_rope is not None and not no_rope[i] else
+                               (self.rope_kinds.index(self.layer_types[i]) if family.rope_per_layer_type else 0)
+                               for i in range(len(self.layers)))
+        self.embedding_multiplier = float(getattr(cfg, "embedding_multiplier", 1.0) or 1.0)
+        self.residual_multiplier = float(getattr(cfg, "residual_multiplier", 1.0) or 1.0)
+        self.logit_scale = float(getattr(cfg, "logit_scale", 1.0) or 1.0)
+        self.logits_divisor = float(getattr(cfg, "logits_scaling", 1.0) or 1.0)
+        self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
+        self._has_qk_norm = hasattr(attn0, "q_norm")
+
+    @staticmethod
+    def _layer_attention(attn: Any, cfg: Any, family: Family) -> LayerAttention:
+        # per-layer families set the window on the module; the others window every layer by config
+        window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(cfg, "sliding_window", None)
+        sinks = getattr(attn, "sinks", None)
+        softcap = getattr(attn, "attn_logit_softcapping", None) if family.attn_softcap else None
+        return LayerAttention(float(attn.scaling), int(window) if window else None, softcap or None,
+                              sinks.detach() if sinks is not None else None)
+
+    @property
+    def windows(self) -> frozenset[int | None]:
+        """The distinct sliding windows of the layers (None = global attention)."""
+        return frozenset(a.window for a in self.attention)
+
+    # -- the layer's pieces, in the order layer_forward calls them --------------------------------
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """[S] -> [S, hidden]."""
+        h = self.base.embed_tokens(ids)
+        return h * self.embedding_multiplier if self.embedding_multiplier != 1.0 else h
+
+    def attn_input(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """What layer i's attention reads: the normed residual (or the residual itself)."""
+        norm = self.family.attn_in
+        return getattr(self.layers[i], norm)(h) if norm else h
+
+    def qkv(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pre-RoPE q [H, S, D], k [Hkv, S, D] and v [Hkv, S, D] of layer i from its input x: [S, hidden]."""
+        attn, fam, s = self.layers[i].self_attn, self.family, x.shape[0]
+        hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if fam.fused_qkv:
+            q, k, v = attn.qkv_proj(x).split([hq * d, hk * d, hk * d], -1)  # [S, H*D], [S, Hkv*D] x 2
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        if fam.qk_norm is QKNorm.PROJECTION:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.view(s, hq, d), k.view(s, hk, d), v.view(s, hk, d)  # [S, H, D], [S, Hkv, D] x 2
+        if fam.qk_norm is QKNorm.HEAD and self._has_qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+
+    def attn_output(self, i: int, out: torch.Tensor) -> torch.Tensor:
+        """Attention's heads [S, H*D] through the output projection: [S, hidden]."""
+        return self.layers[i].self_attn.o_proj(out)
+
+    def residual(self, i: int, h: torch.Tensor, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """The layer's output from its input h, attention's input x and attention's output a."""
+        layer, fam, m = self.layers[i], self.family, self.residual_multiplier
+        if fam.parallel:
+            return h + a + self.mlp(i, x)
+        if fam.attn_out:
+            a = getattr(layer, fam.attn_out)(a)
+        h = h + a * m if m != 1.0 else h + a
+        y = self.mlp(i, getattr(layer, fam.mlp_in)(h) if fam.mlp_in else h)
+        if fam.mlp_out:
+            y = getattr(layer, fam.mlp_out)(y)
+        return h + y * m if m != 1.0 else h + y
+
+    def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer i's MLP or mixture of experts over x: [S, hidden] (the active tokens only)."""
+        y = self.layers[i].mlp(x[None])  # MoE blocks expect [B, S, hidden]
+        if isinstance(y, tuple):  # MoE blocks also return their router scores
+            y = y[0]
+        return y.reshape(x.shape)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[S, hidden] -> [S, V] float32 next-token logits."""
+        out = self.model.lm_head(self.base.norm(h))
+        if self.logit_scale != 1.0:
+            out = out * self.logit_scale
+        if self.logits_divisor != 1.0:
+            out = out / self.logits_divisor
+        if self.final_softcap:
+            out = torch.tanh(out / self.final_softcap) * self.final_softcap
+        return out.float()
+
+    def rotary(self, positions: torch.Tensor, like: torch.Tensor) -> RopeTables:
+        """Rotary tables at positions [S] for every layer."""
+        emb = self.base.rotary_emb
+        cos, sin = [], []
+        for kind in self.rope_kinds:
+            c, s = emb(like, positions[None, :], kind) if self.family.rope_per_layer_type else \
+                emb(like, positions[None, :])  # [1, S, R]
+            c, s = c[0].to(like.dtype), s[0].to(like.dtype)  # [S, R] (OLMo 2's come in float32)
+            if self.family.rope_half_table:  # one table per half: the same rotation as rotate_half's
+                c, s = torch.cat([c, c], -1), torch.cat([s, s], -1)
+            cos.append(c)
+            sin.append(s)
+        return RopeTables(tuple(cos), tuple(sin), self.rope_kind, self.family.rope_interleaved)
+
+
+def family_of(config: Any) -> Family:
+    """The family serving config's architecture.
+
+    Raises:
+        UnsupportedModelError: naming the architecture (and, for a known one, what it would take).
+    """
+    model_type = getattr(config, "model_type", None)
+    if model_type in REFUSED:
+        raise UnsupportedModelError(f"model type {model_type!r} is not supported: {REFUSED[model_type]}")
+    if model_type not in FAMILIES:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} is not supported; ragkv serves RoPE decoders of types "
+            f"{', '.join(sorted(FAMILIES))} (docs/models.md says how to add one)")
+    return FAMILIES[model_type]

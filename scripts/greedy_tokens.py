@@ -1,0 +1,110 @@
+"""Greedy answer tokens of fixed prompts in every mode, alone and batched, as JSON.
+
+The before/after check for engine changes that must not change answers: run it before a
+change and after it, and compare the two files (`--compare OLD.json`). The prompts are the
+demo questions over passages of the demo corpus's kind; every mode and selector runs, and
+each answer is decoded alone (`DecodeStream`) and with the others in one batch
+(`decode_batch` through the scheduler's path), so both decode paths are covered.
+
+    python scripts/greedy_tokens.py --out before.json
+    python scripts/greedy_tokens.py --out after.json --compare before.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+PASSAGES = (
+    "json.dumps(obj) serializes obj to a JSON formatted str. If indent is a non-negative integer, "
+    "JSON array elements and object members are pretty-printed with that indent level.",
+    "tempfile.TemporaryDirectory() creates a temporary directory; on completion of the context or "
+    "destruction of the object, the directory and everything in it are removed.",
+    "The secret number of the archive is 4721. It was chosen by Alice when she met Bob in Paris.",
+    "os.path.join joins one or more path segments intelligently, inserting a separator between them.",
+)
+QUESTIONS = (
+    "What does the json module's dumps function do?",
+    "How do I create a temporary directory that is removed automatically?",
+    "What is the secret number of the archive?",
+)
+RUNS = (("full", "query"), ("prefix", "query"), ("reuse", "query"), ("blend", "query"),
+        ("blend", "deviation"), ("focus", "query"))
+
+
+def record(model: str, max_new_tokens: int) -> dict[str, list[int]]:
+    import torch
+
+    from ragkv.engine import load_model
+    from ragkv.engine.blend import BlendOptions
+    from ragkv.engine.decode import SamplingParams, decode_batch
+    from ragkv.engine.runtime import Engine
+
+    torch.manual_seed(0)
+    engine = Engine(load_model(model, device="cpu"))
+    fmt = engine.prompt
+    prefix_ids = fmt.prefix_ids()
+    chunk_ids = [fmt.chunk_ids(p) for p in PASSAGES]
+    chunks = engine.prefill_chunks(prefix_ids, chunk_ids)
+    out: dict[str, list[int]] = {}
+    prompts = {}
+    for q_i, question in enumerate(QUESTIONS):
+        q_ids = fmt.question_ids(question)
+        for mode, selector in RUNS:
+            opts = BlendOptions(recompute_ratio=0.15, selector=selector)
+            res = engine.run(prefix_ids, chunk_ids, chunks, q_ids, mode, opts, reserve_tokens=max_new_tokens + 1)
+            name = f"q{q_i}/{mode}/{selector}"
+            prompts[name] = res
+    # alone: each prompt decoded by itself (its cache is cloned so the batch gets a fresh one)
+    for name, res in prompts.items():
+        import copy
+
+        stream = engine.decode(copy.deepcopy(res), SamplingParams(max_new_tokens=max_new_tokens))
+        for _ in stream:
+            pass
+        out[f"{name}/alone"] = list(stream.token_ids)
+    # batched: every prompt in one ragged batch, step by step
+    streams = {name: engine.decode(res, SamplingParams(max_new_tokens=max_new_tokens)) for name, res in prompts.items()}
+    live = dict(streams)
+    while live:
+        step = {}
+        for name, s in list(live.items()):
+            _, token = s.advance()
+            if token is None:
+                del live[name]
+            else:
+                step[name] = token
+        if step:
+            logits = decode_batch(engine.lm, [live[n].cache for n in step], list(step.values()))  # [B, V]
+            for row, name in enumerate(step):
+                live[name].logits = logits[row]
+    for name, s in streams.items():
+        out[f"{name}/batched"] = list(s.token_ids)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="model spec (default: the shipped SmolLM2)")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--compare", help="an earlier output: report every answer that differs")
+    args = ap.parse_args(argv)
+    got = record(args.model, args.max_new_tokens)
+    with open(args.out, "w") as f:
+        json.dump(got, f, indent=1)
+    print(f"{len(got)} answers written to {args.out}")
+    if args.compare:
+        with open(args.compare) as f:
+            old = json.load(f)
+        diff = sorted(k for k in old.keys() | got.keys() if old.get(k) != got.get(k))
+        print(f"{len(old) - len(diff)} of {len(old)} answers token-identical to {args.compare}")
+        for k in diff:
+            print(f"  differs: {k}")
+        return 1 if diff else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

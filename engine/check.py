@@ -42,7 +42,8 @@ class Check:
 
     name: str
     passed: bool
-    detail: str  # the numbers behind the verdict
+    value: float  # the measured number: max abs difference, or tokens that agree
+    detail: str  # the numbers behind the verdict, in words
 
     def line(self) -> str:
         return f"{'PASS' if self.passed else 'FAIL'}  {self.name:<28} {self.detail}"
@@ -77,20 +78,20 @@ def check_model(lm: LoadedModel, quick: bool = False, decode_tokens: int | None 
     checks = []
     diff = float((full.logits - ref).abs().max())
     same_top = int(full.logits.argmax()) == int(ref.argmax())
-    checks.append(Check("logits vs transformers", diff <= tol_ref * scale and same_top,
+    checks.append(Check("logits vs transformers", diff <= tol_ref * scale and same_top, diff,
                         f"max abs diff {diff:.2e} (limit {tol_ref * scale:.1e}), top-1 "
                         f"{'agrees' if same_top else 'differs'}, {len(ids)} tokens"))
 
     chunks = engine.prefill_chunks(prefix_ids, chunk_ids)
     blend = engine.run(prefix_ids, chunk_ids, chunks, q_ids, Mode.BLEND, BlendOptions(recompute_ratio=1.0))
     diff = float((blend.logits - full.logits).abs().max())
-    checks.append(Check("blend at 1.0 vs full", diff <= tol_self * scale,
+    checks.append(Check("blend at 1.0 vs full", diff <= tol_self * scale, diff,
                         f"max abs diff {diff:.2e} (limit {tol_self * scale:.1e})"))
 
     one = engine.run(prefix_ids, chunk_ids[:1], chunks[:1], q_ids, Mode.REUSE)
     one_full = engine.run(prefix_ids, chunk_ids[:1], None, q_ids, Mode.FULL)
     diff = float((one.logits - one_full.logits).abs().max())
-    checks.append(Check("reused chunk vs full", diff <= tol_self * scale,
+    checks.append(Check("reused chunk vs full", diff <= tol_self * scale, diff,
                         f"max abs diff {diff:.2e} (limit {tol_self * scale:.1e})"))
 
     stream = engine.decode(full, SamplingParams(max_new_tokens=n_new))
@@ -101,10 +102,11 @@ def check_model(lm: LoadedModel, quick: bool = False, decode_tokens: int | None 
                             dtype=torch.long), max_new_tokens=n_new, do_sample=False, top_k=None, top_p=None,
                             temperature=None, eos_token_id=list(lm.eos_token_ids) or None,
                             pad_token_id=lm.tokenizer.pad_token_id or 0)
-    theirs = [t for t in out[0, len(ids):].tolist()]
+    theirs = out[0, len(ids):].tolist()
     while theirs and theirs[-1] in lm.eos_token_ids:  # generate keeps the EOS; our stream ends before it
         theirs.pop()
-    checks.append(Check("greedy decode vs generate", ours == theirs,
-                        f"{sum(a == b for a, b in zip(ours, theirs))} of {max(len(ours), len(theirs))} tokens "
+    agree = sum(a == b for a, b in zip(ours, theirs))
+    checks.append(Check("greedy decode vs generate", ours == theirs, agree,
+                        f"{agree} of {max(len(ours), len(theirs))} tokens "
                         "agree" + ("" if ours == theirs else f" (ours {ours[:8]}..., theirs {theirs[:8]}...)")))
     return checks

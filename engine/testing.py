@@ -50,13 +50,13 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
     "phi3": ("Phi3Config", {"sliding_window": _WINDOW, "rope_parameters": {
         "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}),
     "olmo2": ("Olmo2Config", {}),
-    "granite": ("GraniteConfig", {"embedding_multiplier": 12.0, "logits_scaling": 8.0, "residual_multiplier": 0.22,
-                                  "attention_multiplier": 1 / 16}),
+    "granite": ("GraniteConfig", {"embedding_multiplier": 4.0, "logits_scaling": 2.0, "residual_multiplier": 0.5,
+                                  "attention_multiplier": 0.125}),
     "smollm3": ("SmolLM3Config", {"use_sliding_window": True, "sliding_window": _WINDOW,
                                   "no_rope_layer_interval": 2}),
     "gpt_oss": ("GptOssConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": _WINDOW,
                                  "intermediate_size": 64}),
-    "cohere": ("CohereConfig", {"use_qk_norm": True, "logit_scale": 0.25}),
+    "cohere": ("CohereConfig", {"use_qk_norm": True, "logit_scale": 2.0}),
     "starcoder2": ("Starcoder2Config", {"sliding_window": _WINDOW}),
 }
 

@@ -1,4 +1,4 @@
-"""The `ragkv` command line: index, serve, query, eval, bench, demo.
+"""The `ragkv` command line: index, serve, query, eval, bench, demo, check-model.
 
 Each subcommand imports its heavy dependencies (torch, FAISS) only when it runs,
 so `ragkv --help` and `ragkv query` work on a client-only install.
@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_parser(sub)
     add_bench_parser(sub)
+    from ragkv.cli.check_model import add_check_model_parser
+
+    add_check_model_parser(sub)
     return parser
 
 

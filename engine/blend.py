@@ -234,7 +234,8 @@ def _query_blend_steps(lm: LoadedModel, a: _Assembled, prefix: ChunkKV | None, c
                        options: BlendOptions, reserve_tokens: int) -> PromptSteps:
     """BLEND with the query selector: the question's attention picks the tokens first."""
     p, c, n = a.p, a.c, a.n
-    score_layer = lm.num_layers // 2 if options.score_layer is None else options.score_layer % lm.num_layers
+    score_layer = lm.adapter.scoring_layers([lm.num_layers // 2])[0] if options.score_layer is None \
+        else options.score_layer % lm.num_layers
     scores = question_attention(lm, a.ids, a.cache, a.rope_all, c, [score_layer])[0, p:]  # [C-P]
     a.timer.lap("score")
     if options.fallback_full and tokens_for_mass(scores, options.adaptive_mass) > round(

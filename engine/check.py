@@ -22,13 +22,18 @@ differs from float32: 5e-2 of the scale, with the top-1 token the same.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from ragkv.errors import ModelCheckError
+
 if TYPE_CHECKING:
     from ragkv.engine.loading import LoadedModel
+
+log = logging.getLogger(__name__)
 
 _TEXT = ("The archive keeps the secret number 4721 in a sealed box.",
          "Alice met Bob in Paris, the capital of France, on a quiet day.",
@@ -110,3 +115,31 @@ def check_model(lm: LoadedModel, quick: bool = False, decode_tokens: int | None 
                         f"{agree} of {max(len(ours), len(theirs))} tokens "
                         "agree" + ("" if ours == theirs else f" (ours {ours[:8]}..., theirs {theirs[:8]}...)")))
     return checks
+
+
+_PASSED: set[tuple[str, str, str]] = set()  # (fingerprint, dtype, device) that passed in this process
+
+
+def gate_model(lm: LoadedModel, skip: bool = False) -> None:
+    """The quick gate `ragkv serve` and `ragkv index` run at start.
+
+    Raises:
+        ModelCheckError: a check failed; the message has every check's numbers.
+    """
+    if skip:
+        log.warning("SKIPPING the model correctness gate (--skip-model-check): %s (%s) is served without "
+                    "checking that ragkv computes it as transformers does; its answers may be wrong. "
+                    "Run `ragkv check-model %s` to see.", lm.spec, lm.adapter.family.model_type, lm.spec)
+        return
+    key = (str(lm.fingerprint), str(lm.dtype), str(lm.device))
+    if key in _PASSED:
+        return
+    checks = check_model(lm, quick=True)
+    if not all(c.passed for c in checks):
+        raise ModelCheckError(
+            f"model {lm.spec!r} ({lm.adapter.family.model_type}, {str(lm.dtype).removeprefix('torch.')}) fails "
+            "ragkv's correctness gate, so it is not served:\n  " + "\n  ".join(c.line() for c in checks)
+            + f"\nRun `ragkv check-model {lm.spec}` for the full report; --skip-model-check serves it anyway "
+            "(its answers may be wrong).")
+    _PASSED.add(key)
+    log.info("model check passed for %s: %s", lm.spec, "; ".join(f"{c.name}: {c.detail}" for c in checks))

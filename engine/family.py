@@ -95,6 +95,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
 
 # Refused by name, with what serving it would take (docs/models.md).
 REFUSED: dict[str, str] = {
+    "gemma3": "the multimodal Gemma 3 (4B and up) wraps its text model in a vision-language model; serve a "
+              "text-only checkpoint (model_type gemma3_text, as gemma-3-1b-it) or its extracted language model",
     "deepseek_v2": "multi-head latent attention (MLA) caches a compressed latent and a decoupled RoPE key; "
                    "chunk KV would have to be stored as the latent and re-rotated only on its rope part",
     "deepseek_v3": "multi-head latent attention (MLA), as deepseek_v2",
@@ -152,6 +154,24 @@ class Adapter:
     def windows(self) -> frozenset[int | None]:
         """The distinct sliding windows of the layers (None = global attention)."""
         return frozenset(a.window for a in self.attention)
+
+    def scoring_layers(self, candidates: range | list[int]) -> list[int]:
+        """The layers whose attention may score chunk tokens, among `candidates`.
+
+        A sliding-window layer's question sees only its last `window` keys, so it says
+        nothing about the chunks before them: where the model has global layers, only
+        those score (the candidates' global ones, else the global layer nearest them).
+        A model windowed everywhere scores on its windowed layers, as the model sees.
+        """
+        cands = list(candidates)
+        glob = [i for i, a in enumerate(self.attention) if a.window is None]
+        if not glob or len(glob) == len(self.attention):
+            return cands
+        inside = [i for i in cands if i in glob]
+        if inside:
+            return inside
+        mid = sum(cands) / len(cands)
+        return [min(glob, key=lambda i: (abs(i - mid), i))]
 
     # -- the layer's pieces, in the order layer_forward calls them --------------------------------
 

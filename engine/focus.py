@@ -36,7 +36,7 @@ def focus_layers(num_layers: int, band: tuple[int, int] | None = None) -> range:
 
 
 def chunk_relevance(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV],
-                    question_ids: torch.Tensor, layers: range) -> torch.Tensor:
+                    question_ids: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
     """How strongly the question attends to each chunk over the reused cache.
 
     Per layer in `layers`: the question's attention (summed over heads and question
@@ -51,7 +51,8 @@ def chunk_relevance(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Ch
     segments = ([prefix] if prefix is not None else []) + list(chunks)
     ids = torch.cat([s.token_ids.to(dev) for s in segments] + [question_ids.to(dev)])  # [N]
     n, c = ids.shape[0], ids.shape[0] - question_ids.shape[0]
-    top = layers.stop  # layers [0, top) are all the pass needs
+    layers = lm.adapter.scoring_layers(layers)  # global layers only, where the model has windows
+    top = max(layers) + 1  # layers [0, top) are all the pass needs
     cache = KVCache(top, lm.num_kv_heads, lm.head_dim, n, lm.dtype, dev)
     cache.length = n
     rope = lm.adapter.rotary(torch.arange(n, device=dev), torch.empty(0, dtype=lm.dtype, device=dev))

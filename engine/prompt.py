@@ -35,10 +35,7 @@ class PromptFormat:
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, system_prompt: str = DEFAULT_SYSTEM_PROMPT) -> PromptFormat:
         if getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template(
-                [{"role": "system", "content": system_prompt}, {"role": "user", "content": _SLOT}],
-                tokenize=False, add_generation_prompt=True)
-            head, tail = text.split(_SLOT)
+            head, tail = render_around_slot(tokenizer, system_prompt)
             return cls(tokenizer, head + "Context:\n", tail, add_bos=False)
         return cls(tokenizer, f"{system_prompt}\n\nContext:\n", "\nAnswer:", add_bos=True)
 
@@ -73,6 +70,24 @@ class PromptFormat:
         for text in chunks:
             ids += self.chunk_ids(text)
         return ids + self.question_ids(question, history)
+
+
+def render_around_slot(tokenizer: Any, system_prompt: str) -> tuple[str, str]:
+    """The chat template's text before and after the user turn's content.
+
+    A template without a system role (Gemma 1 and 2 raise on one) gets the system prompt
+    folded into the first user turn, as Gemma 3's own template does.
+    """
+    turns = [{"role": "system", "content": system_prompt}, {"role": "user", "content": _SLOT}]
+    try:
+        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # jinja2's TemplateError, raised by the template itself
+        if "system" not in str(exc).lower():
+            raise
+        text = tokenizer.apply_chat_template([{"role": "user", "content": f"{system_prompt}\n\n{_SLOT}"}],
+                                             tokenize=False, add_generation_prompt=True)
+    head, tail = text.split(_SLOT)
+    return head, tail
 
 
 _SPEAKER = {"user": "User", "assistant": "Assistant"}

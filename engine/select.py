@@ -138,5 +138,7 @@ def question_attention(lm: LoadedModel, ids: torch.Tensor, cache: KVCache, rope_
         if q is not None:
             k = cache.k[i, :, :n].repeat_interleave(ad.num_heads // ad.num_kv_heads, 0)  # [H, N, D]
             logits = (q @ k.transpose(1, 2)).float() * ad.attention[i].scaling  # [H, Q, N]
-            rows[i] = torch.softmax(logits.masked_fill(future, float("-inf")), -1).sum((0, 1))[:c]  # [c]
+            window = ad.attention[i].window
+            hidden = future if window is None else future | (k_pos[None, None, :] <= pos[None, :, None] - window)
+            rows[i] = torch.softmax(logits.masked_fill(hidden, float("-inf")), -1).sum((0, 1))[:c]  # [c]
     return torch.stack([rows[int(i)] for i in layers])  # [len(layers), c]

@@ -83,6 +83,9 @@ def add_index_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--shard", metavar="i/N",
                    help="index only shard i of N (default: AWS_BATCH_JOB_ARRAY_INDEX/_SIZE when set)")
     p.add_argument("--device", default=AUTO, help="torch device; auto = cuda when torch sees a GPU, else cpu")
+    p.add_argument("--skip-model-check", action="store_true",
+                   help="index without the start-up correctness gate (ragkv check-model); logged as a warning: "
+                        "KV of a model the engine computes wrongly is wrong")
     p.add_argument("--dtype", default=AUTO, choices=[AUTO, *DTYPES],
                    help="LLM dtype; auto = bfloat16 on cuda, float32 on cpu")
     p.add_argument("--kv-batch", type=int, default=4, help="chunks prefilled per checkpoint")
@@ -187,7 +190,7 @@ def run_index_command(args: argparse.Namespace) -> int:
         dtype=resolve_dtype(args.dtype, device), kv_batch=args.kv_batch, embed_batch=args.embed_batch,
         progress=not args.no_progress, runner=Runner(args.runner), ray_address=args.ray_address,
         ray_workers=args.ray_workers, system_prompt=read_system_prompt(args.system_prompt),
-        kv_compression=args.kv_compression,
+        kv_compression=args.kv_compression, model_check=not args.skip_model_check,
         neighbours=NeighbourOptions(args.neighbours, args.neighbour_budget, args.neighbour_choice,
                                     context=args.neighbour_context),
     )

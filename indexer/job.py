@@ -73,6 +73,7 @@ class IndexJobConfig:
     kv_batch: int = 4  # chunks prefilled per batch (per checkpoint)
     device: str = "cpu"  # torch device for the LLM and embedder
     dtype: str = "float32"  # LLM dtype: float32, bfloat16, float16
+    model_check: bool = True  # run the quick correctness gate (engine.check) before indexing
     hnsw_threshold: int = vector_index.HNSW_THRESHOLD  # chunks at which FAISS switches to HNSW
     runner: Runner = Runner.LOCAL  # where the KV batches are computed
     ray_address: str | None = None  # Runner.RAY: ray.init address; None = $RAY_ADDRESS or a local instance
@@ -167,6 +168,10 @@ def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Any
     from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT
 
     lm = lm or load_model(config.model, device=config.device, dtype=config.dtype)
+    if config.precompute_kv:  # stored KV must be the model's own: refuse a model ragkv computes wrongly
+        from ragkv.engine.check import gate_model
+
+        gate_model(lm, skip=not config.model_check)
     embedder = embedder or Embedder.load(config.embedder, device=config.device)
     system_prompt = DEFAULT_SYSTEM_PROMPT if config.system_prompt is None else config.system_prompt
     if not system_prompt.strip():

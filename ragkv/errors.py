@@ -20,6 +20,10 @@ class UnsupportedModelError(ModelLoadError):
     """The model loads, but its architecture or attention cannot be served correctly."""
 
 
+class ModelCheckError(UnsupportedModelError):
+    """A model's forward through ragkv does not match transformers' (the correctness gate)."""
+
+
 class KVFormatError(RagKVError):
     """A KV file is malformed, truncated, or belongs to another model or layout."""
 

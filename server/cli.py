@@ -70,6 +70,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
              "serve as collection NAME (a bare DIR is 'default'); repeatable",
     )
     p.add_argument("--config", type=Path, default=None, help="TOML or JSON settings file")
+    p.add_argument("--skip-model-check", action="store_true",
+                   help="serve the model without the start-up correctness gate (ragkv check-model); logged "
+                        "as a warning: answers of a model the engine computes wrongly are wrong")
     for dest, kind, text in _FLAGS:
         p.add_argument("--" + dest.replace("_", "-"), dest=dest, type=kind, default=None, help=text)
     p.set_defaults(func=run_serve)
@@ -82,6 +85,7 @@ def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = No
 
     flags = {dest: getattr(args, dest) for dest, _, _ in _FLAGS}
     flags["indexes"] = tuple(args.indexes)
+    flags["model_check"] = False if getattr(args, "skip_model_check", False) else None
     return load_settings(flags, env=env, config_file=args.config)
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ragkv.engine import BlendOptions, ChunkKV, Engine, LoadedModel, SamplingParams, load_model
+from ragkv.engine.check import gate_model
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT
 from ragkv.engine.scheduler import Decode
 from ragkv.indexer.kv_bridge import chunk_kv_to_entry, entry_to_chunk_kv
@@ -163,6 +164,7 @@ class Pipeline:
         first = next(iter(retrievers.values()))[1]
         lm = load_model(settings.model or first.manifest.model_spec, device=settings.device,
                         dtype=settings.dtype.value)
+        gate_model(lm, skip=not settings.model_check)
         return cls.from_parts(Engine(lm), retrievers, settings)
 
     @classmethod

@@ -76,6 +76,7 @@ class ServerSettings:
     model: str | None = None  # model spec; None = the one the index was built with
     device: str = "auto"  # torch device for the engine; auto = cuda when torch sees a GPU, else cpu
     dtype: DType = DType.AUTO  # model and KV dtype; auto = bfloat16 on cuda, float32 on cpu
+    model_check: bool = True  # run the quick correctness gate at start (engine.check); off = --skip-model-check
     max_queue: int = 16  # Queries admitted at once (decoding + waiting)
     kv_budget_bytes: int = 4 * 1024**3  # KV cache bytes of all Queries in flight (engine.scheduler)
     max_batch: int = 16  # Queries decoding in one batched step at most

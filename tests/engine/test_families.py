@@ -175,3 +175,23 @@ def test_windowed_layers_attend_within_their_window(tmp_path_factory):
     assert windows == [8, None, 8, None]
     kinds = lm.adapter.rotary(torch.arange(4), torch.empty(0)).kind
     assert kinds[0] == kinds[2] != kinds[1] == kinds[3]  # local and global rotary tables
+    # a windowed layer's question sees only its last 8 keys: the chunks are scored on global layers
+    assert lm.adapter.scoring_layers([2]) == [1]
+    assert lm.adapter.scoring_layers(range(4)) == [1, 3]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_mode_serves_every_family(tmp_path_factory, name):
+    lm = _lm(tmp_path_factory, name)
+    engine = Engine(lm)
+    fmt = engine.prompt
+    prefix, chunk_ids = fmt.prefix_ids(), [fmt.chunk_ids(t) for t in TEXTS]
+    chunks = engine.prefill_chunks(prefix, chunk_ids)
+    q_ids = fmt.question_ids(QUESTIONS[0])
+    for mode in Mode:
+        res = engine.run(prefix, chunk_ids, chunks, q_ids, mode, BlendOptions(recompute_ratio=0.15))
+        assert torch.isfinite(res.logits).all(), mode
+        stream = engine.decode(res)
+        assert isinstance(next(iter(stream), ""), str)
+        if mode is Mode.FOCUS:
+            assert res.used_chunks

@@ -45,3 +45,34 @@ def test_history_text_rejects_other_roles() -> None:
 def test_engine_takes_the_system_prompt(tiny_llama_dir) -> None:  # noqa: ANN001
     engine = Engine(load_model(str(tiny_llama_dir)), system_prompt="Be terse.")
     assert "Be terse." in engine.lm.tokenizer.decode(engine.prompt.prefix_ids())
+
+
+_GEMMA_LIKE = (  # Gemma 1/2's shape: no system role (it raises), turns in <start_of_turn> markers
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+_WITH_SYSTEM = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.mark.parametrize("template", [_GEMMA_LIKE, _WITH_SYSTEM], ids=["no-system-role", "system-role"])
+def test_segments_render_what_the_chat_template_renders(template) -> None:  # noqa: ANN001
+    """[prefix][chunks][question] decodes to the template's own rendering of the conversation; a
+    template without a system role gets the system prompt folded into the user turn."""
+    from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT, PromptFormat
+    from ragkv.engine.testing import _tokenizer
+
+    tok = _tokenizer()
+    tok.chat_template = template
+    fmt = PromptFormat.for_tokenizer(tok)
+    chunks = ["Paris is the capital of France.", "The secret number is 4721."]
+    content = "Context:\n" + "".join(c + "\n\n" for c in chunks) + "Question: What is the number?"
+    if template is _GEMMA_LIKE:
+        turns = [{"role": "user", "content": f"{DEFAULT_SYSTEM_PROMPT}\n\n{content}"}]
+    else:
+        turns = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": content}]
+    rendered = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    assert tok.decode(fmt.prompt_ids(chunks, "What is the number?")) == rendered
+    assert DEFAULT_SYSTEM_PROMPT in tok.decode(fmt.prefix_ids())  # in the prefix: every chunk's KV sees it

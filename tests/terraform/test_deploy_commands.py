@@ -35,7 +35,7 @@ SHELL_ENV = {
     "IMAGE": "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv:0.1.0", "BUCKET": "ragkv-kv",
     "REGION": "us-east-1", "ENDPOINT": "internal-ragkv-123.elb.us-east-1.amazonaws.com:50051",
 }
-SUBCOMMANDS = {"index", "serve", "query", "eval", "bench", "demo"}
+SUBCOMMANDS = {"index", "serve", "query", "eval", "bench", "demo", "check-model"}
 _RAGKV_VAR = re.compile(r"\bRAGKV_[A-Z0-9_]*[A-Z0-9]\b")
 
 

@@ -19,10 +19,20 @@ Each iteration:
 
 A request is a job: a generator (the server's answer) that yields
 - an `int`: one step of prompt work done (the scheduler may switch to other work here);
+- `WaitFor(futures, timeout_s)`: the job cannot go on until these are done (its chunks' KV
+  reads): the scheduler parks it and resumes it from a future's done-callback, or once
+  `timeout_s` has passed. A parked job costs nothing: the scheduler never polls, sleeps
+  on I/O or counts the wait as prompt time, so a slow read stalls nobody's decode;
 - `Decode(stream, wrap)`: the prompt is ready; the scheduler decodes `stream` in batches,
   emitting `wrap(piece)` for each text piece, and resumes the job when the stream ends;
 - anything else: an event handed to the job's `emit`.
 An exception raised by a job is handed to `emit` too; `emit(END)` always comes last.
+
+Each request has a status (`RequestStatus`), and every transition is made here:
+QUEUED (submitted) -> PROMPT (its prompt pass runs, layer by layer) <-> WAITING_KV
+(parked on a `WaitFor`) -> DECODING (batched decode steps) -> FINISHED, with
+`finish_reason` set; a cancelled, expired or failed request goes to FINISHED from any
+status.
 
 When it goes idle, and every `heap_trim_s` seconds under load, it hands the host heap's
 free pages back to the OS (`engine.memory.trim_host_heap`).
@@ -38,10 +48,12 @@ Knows nothing of gRPC or storage: token ids, tensors and callbacks.
 from __future__ import annotations
 
 import collections
+import enum
 import logging
 import threading
 import time
 from collections.abc import Callable, Generator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +64,7 @@ from ragkv.errors import RagKVError
 log = logging.getLogger(__name__)
 
 END = object()  # the last thing a job's `emit` receives
+_PARKED_CHECK_S = 0.1  # while jobs wait for KV, the idle loop looks for their cancels this often
 
 
 class SchedulerFullError(RagKVError):
@@ -68,6 +81,24 @@ class Decode:
 
     stream: DecodeStream  # the request's decode state (cache, sampling, detokenizer)
     wrap: Callable[[str], object]  # a text piece -> the event the job's emit takes
+
+
+@dataclass(frozen=True, slots=True)
+class WaitFor:
+    """Yielded by a job that cannot go on until `futures` are done (its KV reads): park it."""
+
+    futures: tuple[Future, ...]  # the job resumes once all are done (or have failed)
+    timeout_s: float | None = None  # ... or once this many seconds have passed (the job decides what then)
+
+
+class RequestStatus(str, enum.Enum):
+    """Where a request is in its life; the scheduler makes every transition."""
+
+    QUEUED = "queued"  # submitted, not run yet
+    PROMPT = "prompt"  # its prompt pass runs, one layer per step
+    WAITING_KV = "waiting_kv"  # parked until its KV reads are done (WaitFor)
+    DECODING = "decoding"  # in the batched decode steps
+    FINISHED = "finished"  # ended: see _Job.end_reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +142,11 @@ class _Job:
     cost: float = 0.0  # its prompt pass's estimated work (submit's prompt_cost); 0 = unknown
     submitted: float = 0.0  # time.monotonic()
     next_token: int | None = None  # picked, not yet run through the model (the next decode step does)
+    status: RequestStatus = RequestStatus.QUEUED
+    end_reason: str = ""  # FINISHED: "done", "cancelled", "deadline", "error" or "stopped"
+    wait: WaitFor | None = None  # WAITING_KV: what it waits for
+    wake_at: float | None = None  # WAITING_KV: time.monotonic() when it resumes whatever its futures do
+    waited_s: float = 0.0  # seconds parked on KV reads (not prompt time)
 
 
 @dataclass(slots=True)
@@ -119,6 +155,7 @@ class SchedulerStats:
 
     running: int = 0  # requests admitted and in a prompt pass or decoding
     waiting: int = 0  # submitted, not run yet
+    waiting_kv: int = 0  # parked until their KV reads are done
     kv_bytes: int = 0  # KV bytes admitted in flight
     steps: int = 0  # decode steps run
     on_step: list[Callable[[int, float], None]] = field(default_factory=list)  # (batch size, seconds)
@@ -132,6 +169,8 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._lock = threading.Condition()
         self._incoming: collections.deque[_Job] = collections.deque()
+        self._parked: list[_Job] = []  # WAITING_KV (scheduler thread only)
+        self._wake = False  # a parked job's future is done (set by its callback, under _lock)
         self._kv_bytes = 0  # admitted, under _lock
         self._stopping = False
         self._trimmed = time.monotonic()  # last heap trim
@@ -184,26 +223,83 @@ class Scheduler:
         while True:
             self._trim_when_due()
             with self._lock:
-                if not (self._incoming or prompting or decoding or self._stopping) and self.config.heap_trim_s:
+                if not (self._incoming or self._wake or prompting or decoding or self._parked
+                        or self._stopping) and self.config.heap_trim_s:
                     self._trim()  # going idle: nothing in flight needs the free pages
-                while not (self._incoming or prompting or decoding or self._stopping):
-                    self._lock.wait()
+                while not (self._incoming or self._wake or prompting or decoding or self._stopping
+                           or self._due()):
+                    self._lock.wait(self._park_timeout())  # parked jobs wake us from their futures
                 if self._stopping:
-                    leftover = [*self._incoming, *prompting, *decoding]
+                    leftover = [*self._incoming, *prompting, *decoding, *self._parked]
                     self._incoming.clear()
                     break
-                prompting.extend(self._incoming)
-                self._incoming.clear()
-                self.stats.waiting = 0
+                prompting.extend(self._take_incoming())
+            prompting.extend(self._unpark())
             prompting = collections.deque(j for j in prompting if self._alive(j))
             decoding = [j for j in decoding if self._alive(j)]
+            self._parked = [j for j in self._parked if self._alive(j)]
             self._prompt_work(prompting, decoding)
             if decoding:
                 self._decode_step(decoding)
             self.stats.running = len(prompting) + len(decoding)
+            self.stats.waiting_kv = len(self._parked)
         for job in leftover:
             job.emit(SchedulerStoppedError("the server stopped before this request finished: retry on another replica"))
-            self._end(job)
+            self._end(job, "stopped")
+
+    def _take_incoming(self) -> list[_Job]:
+        """QUEUED -> PROMPT for every newcomer (under _lock)."""
+        jobs = list(self._incoming)
+        self._incoming.clear()
+        self.stats.waiting = 0
+        for job in jobs:
+            job.status = RequestStatus.PROMPT
+        return jobs
+
+    # ---- WAITING_KV: parked on futures, woken by their callbacks or a timeout
+
+    def _park(self, job: _Job, wait: WaitFor) -> None:
+        """PROMPT -> WAITING_KV until every future of `wait` is done, or its timeout."""
+        job.status, job.wait = RequestStatus.WAITING_KV, wait
+        job.wake_at = None if wait.timeout_s is None else time.monotonic() + wait.timeout_s
+        job.waited_s -= time.monotonic()
+        self._parked.append(job)
+        for fut in wait.futures:
+            fut.add_done_callback(self._on_done)  # runs at once if already done
+
+    def _on_done(self, _future: Future) -> None:
+        """A parked job's future is done (any thread): the loop looks at the parked jobs."""
+        with self._lock:
+            self._wake = True
+            self._lock.notify()
+
+    def _park_timeout(self) -> float | None:
+        """How long the idle loop may sleep: until the next parked timeout, and at most
+        `_PARKED_CHECK_S` while any job is parked (its client may cancel meanwhile)."""
+        if not self._parked:
+            return None
+        times = [j.wake_at for j in self._parked if j.wake_at is not None] + [time.monotonic() + _PARKED_CHECK_S]
+        return max(0.0, min(times) - time.monotonic())
+
+    def _due(self) -> bool:
+        """A parked job must be looked at: its timeout passed, or it was cancelled or expired."""
+        now = time.monotonic()
+        return any((j.wake_at is not None and j.wake_at <= now) or j.cancel.is_set()
+                   or (j.deadline is not None and now > j.deadline) for j in self._parked)
+
+    def _unpark(self) -> list[_Job]:
+        """WAITING_KV -> PROMPT for the parked jobs whose futures are all done or whose timeout passed."""
+        with self._lock:
+            self._wake = False
+        now = time.monotonic()
+        out = []
+        for job in list(self._parked):
+            if all(f.done() for f in job.wait.futures) or (job.wake_at is not None and job.wake_at <= now):
+                self._parked.remove(job)
+                job.status, job.wait, job.wake_at = RequestStatus.PROMPT, None, None
+                job.waited_s += now
+                out.append(job)
+        return out
 
     def _trim_when_due(self) -> None:
         if self.config.heap_trim_s and time.monotonic() - self._trimmed >= self.config.heap_trim_s:
@@ -214,9 +310,10 @@ class Scheduler:
         self._trimmed = time.monotonic()
 
     def _alive(self, job: _Job) -> bool:
-        if job.cancel.is_set() or (job.deadline is not None and time.monotonic() > job.deadline):
+        expired = job.deadline is not None and time.monotonic() > job.deadline
+        if job.cancel.is_set() or expired:
             job.cancel.set()
-            self._end(job)
+            self._end(job, "deadline" if expired else "cancelled")
             return False
         return True
 
@@ -237,9 +334,11 @@ class Scheduler:
             self._trim_when_due()  # a long prompt pass alone never leaves this loop
             if self._incoming:  # a newcomer starts at the next step, not after the next decode step
                 with self._lock:
-                    prompting.extend(self._incoming)
-                    self._incoming.clear()
-                    self.stats.waiting = 0
+                    prompting.extend(self._take_incoming())
+            if self._wake:  # so does a request whose KV has arrived
+                prompting.extend(self._unpark())
+            if not prompting:
+                return
             job = min(prompting, key=self._priority)  # stable: the oldest of equals
             if (self._stopping or (decoding and job.prompt_s >= self.config.prompt_first_s)) \
                     and now - t0 >= self.config.prompt_slice_s:
@@ -252,10 +351,14 @@ class Scheduler:
                 job.emit(Started(now))
             item = self._resume(job)
             job.prompt_s += time.perf_counter() - now
-            if job.decode is not None or item is None:  # decoding now, or ended
+            if isinstance(item, WaitFor):  # waiting for its KV: parked, off the prompt work
+                prompting.remove(job)
+                self._park(job, item)
+            elif job.decode is not None or item is None:  # decoding now, or ended
                 prompting.remove(job)
                 self._learn_rate(job)
                 if job.decode is not None and self._pick(job, decoding):  # its first token goes out now
+                    job.status = RequestStatus.DECODING
                     decoding.append(job)
 
     def _priority(self, job: _Job) -> float:
@@ -278,17 +381,17 @@ class Scheduler:
         try:
             while True:
                 item = next(job.gen)
-                if isinstance(item, int):
+                if isinstance(item, (int, WaitFor)):
                     return item
                 if isinstance(item, Decode):
                     job.decode = item
                     return item
                 job.emit(item)
         except StopIteration:
-            self._end(job)
+            self._end(job, "done")
         except Exception as exc:  # handed to the job's owner, which maps it to a status
             job.emit(exc)
-            self._end(job)
+            self._end(job, "error")
         return None
 
     def _pick(self, job: _Job, decoding: list[_Job]) -> bool:
@@ -300,7 +403,7 @@ class Scheduler:
             job.emit(exc)
             if job in decoding:
                 decoding.remove(job)
-            self._end(job)
+            self._end(job, "error")
             return False
         if piece:
             job.emit(job.decode.wrap(piece))
@@ -329,7 +432,7 @@ class Scheduler:
             for job in live:
                 job.emit(exc)
                 decoding.remove(job)
-                self._end(job)
+                self._end(job, "error")
             return
         for j, stream in enumerate(streams):
             stream.logits = logits[j]
@@ -341,15 +444,19 @@ class Scheduler:
 
     def _finish(self, job: _Job) -> None:
         """Resume a job whose stream ended, so it emits its last events, then end it."""
+        reason = "done"
         try:
             for item in job.gen:
-                if not isinstance(item, int):
+                if not isinstance(item, (int, WaitFor)):
                     job.emit(item)
         except Exception as exc:
             job.emit(exc)
-        self._end(job)
+            reason = "error"
+        self._end(job, reason)
 
-    def _end(self, job: _Job) -> None:
+    def _end(self, job: _Job, reason: str) -> None:
+        """Any status -> FINISHED: the job's generator closes, its KV budget goes back, END goes out."""
+        job.status, job.end_reason, job.wait = RequestStatus.FINISHED, reason, None
         job.gen.close()
         job.decode = None  # the cache goes with the stream
         with self._lock:

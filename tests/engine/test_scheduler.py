@@ -412,3 +412,81 @@ def test_prompt_cost_orders_the_modes_as_their_work() -> None:
 
     assert Engine.prompt_cost(Mode.BLEND, 20, 1000, 20, BlendOptions(recompute_ratio=1.0)) > cost[Mode.BLEND]
     assert Engine.prompt_cost(Mode.FULL, 20, 4000, 20) > cost[Mode.FULL]  # longer prompts cost more
+
+
+def test_a_request_waiting_for_its_kv_stalls_nobody(tiny_lm) -> None:
+    """3 requests decode while a 4th waits 1 s for its KV (a future a timer completes): the
+    waiting one is parked (WAITING_KV, not prompt time), decode steps go on at their pace
+    meanwhile, and its answer is the answer it gets without the wait."""
+    import concurrent.futures
+
+    from ragkv.engine.scheduler import RequestStatus, WaitFor
+
+    engine = Engine(tiny_lm)
+    step_times: list[float] = []
+    states: list[RequestStatus] = []
+
+    def slow_job(out: dict, delay_s: float):
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if delay_s:
+            threading.Timer(delay_s, fut.set_result, (None,)).start()
+        else:
+            fut.set_result(None)
+        yield WaitFor((fut,))
+        yield from _job(engine, Mode.REUSE, 2, "What does the village grow?", 8, out)
+
+    def run(delay_s: float) -> tuple[list[int], list[float], float]:
+        sched = Scheduler(SchedulerConfig(prompt_slice_s=1e-4))
+        sched.stats.on_step.append(lambda b, dt: step_times.append(time.monotonic()))
+        step_times.clear()
+        sinks, outs = [], []
+        for mode, n, q, _ in REQUESTS[:3]:
+            out: dict = {}
+            sinks.append(_Sink())
+            sched.submit(_job(engine, mode, n, q, 40, out), sinks[-1], threading.Event())
+            outs.append(out)
+        time.sleep(0.2)
+        slow_out: dict = {}
+        slow = _Sink()
+        t0 = time.monotonic()
+        sched.submit(slow_job(slow_out, delay_s), slow, threading.Event())
+        if delay_s:
+            time.sleep(0.3)
+            states.append(sched.stats.waiting_kv)
+        assert slow.ended.wait(60) and all(s.ended.wait(120) for s in sinks)
+        sched.close()
+        window = [t for t in step_times if t0 <= t <= t0 + delay_s]
+        return slow_out["stream"].token_ids, window, time.monotonic() - t0
+
+    base_ids, _, _ = run(0.0)
+    ids, steps_during_wait, _ = run(1.0)
+    assert ids == base_ids  # the same answer, delayed
+    assert states == [1]  # parked while its future was pending
+    assert len(steps_during_wait) >= 5  # the others kept decoding through the whole second
+
+
+def test_parked_request_is_cancelled_and_times_out(tiny_lm) -> None:
+    import concurrent.futures
+
+    from ragkv.engine.scheduler import WaitFor
+
+    sched = Scheduler()
+    never: concurrent.futures.Future = concurrent.futures.Future()
+    resumed: list[bool] = []
+
+    def job(timeout):
+        yield WaitFor((never,), timeout)
+        resumed.append(never.done())
+        yield "after"
+
+    timed = _Sink()
+    sched.submit(job(0.2), timed, threading.Event())
+    assert timed.ended.wait(10) and resumed == [False] and timed.events[-1] == "after"
+    cancel = threading.Event()
+    cancelled = _Sink()
+    sched.submit(job(None), cancelled, cancel)
+    time.sleep(0.1)
+    assert not cancelled.ended.is_set()
+    cancel.set()  # seen within the parked check interval, with nothing else to wake the loop
+    assert cancelled.ended.wait(2) and "after" not in cancelled.events
+    sched.close()

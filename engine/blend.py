@@ -40,6 +40,7 @@ from ragkv.engine.kv import ChunkKV, KVCache
 from ragkv.engine.loading import LoadedModel
 from ragkv.engine.rope import RopeTables
 from ragkv.engine.select import Budget, question_attention, select_tokens, tokens_for_mass
+from ragkv.engine.work import WaitFor, wait_for
 
 
 class Selector(str, enum.Enum):
@@ -125,7 +126,9 @@ class BlendResult:
         return sum(self.timings.values())
 
 
-PromptSteps = Generator[int, None, BlendResult]  # yields the tokens each layer computed; returns the result
+# yields the tokens each layer computed, or a WaitFor while a chunk's next layer is still
+# arriving (layer-wise loading); returns the result
+PromptSteps = Generator[int | WaitFor, None, BlendResult]
 
 
 def run_prompt(
@@ -142,12 +145,14 @@ def run_prompt(
 
 
 def drain(steps: PromptSteps) -> BlendResult:
-    """Run a prompt pass's steps to the end and return its result."""
+    """Run a prompt pass's steps to the end and return its result (blocking on its waits)."""
     while True:
         try:
-            next(steps)
+            item = next(steps)
         except StopIteration as done:
             return done.value
+        if isinstance(item, WaitFor):
+            item.block()
 
 
 def prompt_steps(
@@ -236,6 +241,8 @@ def _query_blend_steps(lm: LoadedModel, a: _Assembled, prefix: ChunkKV | None, c
     p, c, n = a.p, a.c, a.n
     score_layer = lm.adapter.scoring_layers([lm.num_layers // 2])[0] if options.score_layer is None \
         else options.score_layer % lm.num_layers
+    if (w := wait_for(a.cache.pending(score_layer))) is not None:  # the scoring pass reads layers up to it
+        yield w
     scores = question_attention(lm, a.ids, a.cache, a.rope_all, c, [score_layer])[0, p:]  # [C-P]
     a.timer.lap("score")
     if options.fallback_full and tokens_for_mass(scores, options.adaptive_mass) > round(
@@ -276,6 +283,8 @@ def _layers(lm: LoadedModel, a: _Assembled, chunks: Sequence[ChunkKV], options: 
     recomputed = pos[pos < c] if first_active < 0 else torch.arange(max(first_active, p), c, device=dev)
     last = lm.num_layers - 1
     for i in range(lm.num_layers):
+        if (w := wait_for(cache.pending(i))) is not None:  # a chunk's layer i is still arriving: park
+            yield w
         cache.fill(i)
         if i == check:  # score chunk tokens by how far their fresh K/V moved from the cached ones
             timer.lap("layers_full")
@@ -318,7 +327,12 @@ def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chu
     if q_ids.numel() == 0:
         raise ValueError("question_ids is empty: the last prompt position must be a question token")
     timer = _PhaseTimer(lm.device)
-    relevance = chunk_relevance(lm, prefix, chunks, q_ids, focus_layers(lm.num_layers, options.focus_band))
+    layers = lm.adapter.scoring_layers(focus_layers(lm.num_layers, options.focus_band))
+    top = max(layers)  # the scoring pass reads every chunk's layers [0, top]: wait for them off the scheduler
+    w = wait_for([c.ready.when_ready(min(top, c.k.shape[0] - 1)) for c in chunks if hasattr(c.ready, "when_ready")])
+    if w is not None:
+        yield w
+    relevance = chunk_relevance(lm, prefix, chunks, q_ids, layers)
     kept = pick_chunks(relevance, options.focus_keep)
     timer.lap("focus")
     inner = Mode.REUSE if len(kept) == 1 else Mode.BLEND  # one kept chunk's KV is exact

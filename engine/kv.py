@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,6 +27,10 @@ class LayerReady(Protocol):
 
     def wait(self, layer: int) -> None:
         """Block until layers [0, layer] are filled; raise if they never will be."""
+
+    # Optional: `when_ready(layer) -> Future | None`, None when layers [0, layer] may be read
+    # now (or never will: `wait` raises), else a future done once they may be. With it, a
+    # request's work parks until its layers arrive (`KVCache.pending`); without, `fill` blocks.
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +141,15 @@ class KVCache:
         st.next_layer = layer + 1
         if st.next_layer >= st.num_layers:
             self._staged = None
+
+    def pending(self, layer: int) -> list[Future[None]]:
+        """Futures of the staged segments whose layers [0, layer] are still arriving (empty: `fill`
+        will not block). A request's work yields a WaitFor on them instead of blocking in `fill`."""
+        st = self._staged
+        if st is None or layer < st.next_layer:
+            return []
+        return [f for seg in st.segments if hasattr(seg.ready, "when_ready")
+                and (f := seg.ready.when_ready(min(layer, seg.k.shape[0] - 1))) is not None]
 
     def _divide_k(self, layers: slice | int, n: int, divide_k: tuple[int, float] | None) -> None:
         """K of slots [divide_k[0], n) at `layers`, divided by divide_k[1] (context temperature)."""

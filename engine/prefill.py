@@ -12,7 +12,7 @@ positions either way.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 
 import torch
 
@@ -21,10 +21,24 @@ from ragkv.engine.kv import ChunkKV, KVCache
 from ragkv.engine.loading import LoadedModel
 
 
-@torch.inference_mode()
 def prefill_segment(lm: LoadedModel, prefix: ChunkKV | None, token_ids: Sequence[int] | torch.Tensor,
                     context_ids: Sequence[int] = (), context_kv: Sequence[ChunkKV] = ()) -> ChunkKV:
-    """KV of `token_ids` computed after `prefix` (positions P..P+T-1), K before RoPE.
+    """`prefill_steps` in one go."""
+    steps = prefill_steps(lm, prefix, token_ids, context_ids, context_kv)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+@torch.inference_mode()
+def prefill_steps(lm: LoadedModel, prefix: ChunkKV | None, token_ids: Sequence[int] | torch.Tensor,
+                  context_ids: Sequence[int] = (), context_kv: Sequence[ChunkKV] = (),
+                  ) -> Generator[int, None, ChunkKV]:
+    """KV of `token_ids` computed after `prefix` (positions P..P+T-1), K before RoPE, one
+    decoder layer per step (it yields the tokens each layer computed, so a chunk computed
+    while serving is prompt work the scheduler slices like any other).
 
     With prefix None the segment starts at position 0 (that is how the prefix itself
     is computed). With context, X tokens between the prefix and the segment, the segment
@@ -64,6 +78,7 @@ def prefill_segment(lm: LoadedModel, prefix: ChunkKV | None, token_ids: Sequence
             k_out[i], v_out[i] = project_kv(ad, i, h)
             break
         h, k_out[i], v_out[i] = layer_forward(ad, i, h, rope, spans)
+        yield t
     x = ctx.shape[0]
     if x == 0:
         return ChunkKV(ids, k_out, v_out, pos, fresh=True, after_context=bool(context_kv))

@@ -6,7 +6,7 @@ Not thread-safe: one thread runs an Engine (the server's scheduler thread, engin
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 
 import torch
 
@@ -15,7 +15,7 @@ from ragkv.engine.blend import BlendOptions, BlendResult, PromptSteps, drain, pr
 from ragkv.engine.decode import DecodeStream, SamplingParams
 from ragkv.engine.kv import ChunkKV
 from ragkv.engine.loading import LoadedModel
-from ragkv.engine.prefill import prefill_segment
+from ragkv.engine.prefill import prefill_segment, prefill_steps
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT, PromptFormat
 
 _PREFIX_MEMO_SIZE = 8  # distinct prefixes kept computed
@@ -63,6 +63,11 @@ class Engine:
         """A chunk's KV computed after the shared prefix: K before RoPE, V, both [L, Hkv, T, D]."""
         prefix = self.prefix_kv(prefix_ids) if len(prefix_ids) else None
         return prefill_segment(self.lm, prefix, chunk_ids)
+
+    def prefill_chunk_steps(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int]) -> Generator[int, None, ChunkKV]:
+        """`prefill_chunk` one decoder layer per step (engine.prefill.prefill_steps)."""
+        prefix = self.prefix_kv(prefix_ids) if len(prefix_ids) else None
+        return (yield from prefill_steps(self.lm, prefix, chunk_ids))
 
     def prefill_chunks(self, prefix_ids: Sequence[int], chunks: Sequence[Sequence[int]]) -> list[ChunkKV]:
         """`prefill_chunk` for many chunks sharing one prefix."""

@@ -59,6 +59,7 @@ from typing import Any
 
 from ragkv.engine.decode import DecodeStream, decode_batch
 from ragkv.engine.memory import trim_host_heap
+from ragkv.engine.work import WaitFor
 from ragkv.errors import RagKVError
 
 log = logging.getLogger(__name__)
@@ -81,14 +82,6 @@ class Decode:
 
     stream: DecodeStream  # the request's decode state (cache, sampling, detokenizer)
     wrap: Callable[[str], object]  # a text piece -> the event the job's emit takes
-
-
-@dataclass(frozen=True, slots=True)
-class WaitFor:
-    """Yielded by a job that cannot go on until `futures` are done (its KV reads): park it."""
-
-    futures: tuple[Future, ...]  # the job resumes once all are done (or have failed)
-    timeout_s: float | None = None  # ... or once this many seconds have passed (the job decides what then)
 
 
 class RequestStatus(str, enum.Enum):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -61,6 +62,7 @@ class LayerGate:
         self._cond = threading.Condition()
         self._ready = 0  # layers [0, ready) are filled and verified
         self._error: BaseException | None = None
+        self._futures: dict[int, Future[None]] = {}  # layer -> done once layers [0, layer] are (when_ready)
 
     @classmethod
     def complete(cls, num_layers: int) -> LayerGate:
@@ -101,15 +103,31 @@ class LayerGate:
     def wait_all(self, timeout: float | None = None) -> None:
         self.wait(self.num_layers - 1, timeout)
 
+    def when_ready(self, layer: int) -> Future[None] | None:
+        """None when layers [0, layer] may be read now (or the read failed: `wait` raises it);
+        else a future done once they may be, or once the read fails. For a scheduler that
+        parks the request instead of blocking its thread."""
+        with self._cond:
+            if self._ready > layer or self._error is not None:
+                return None
+            return self._futures.setdefault(layer, Future())
+
     def publish(self, ready: int) -> None:
         with self._cond:
             self._ready = max(self._ready, ready)
             self._cond.notify_all()
+            done = [self._futures.pop(layer) for layer in list(self._futures) if layer < self._ready]
+        for fut in done:
+            fut.set_result(None)
 
     def fail(self, error: BaseException) -> None:
         with self._cond:
             self._error = error
             self._cond.notify_all()
+            done = list(self._futures.values())
+            self._futures.clear()
+        for fut in done:  # the waiter resumes and finds the error in `wait`
+            fut.set_result(None)
 
 
 class _Stream:

@@ -91,6 +91,11 @@ class PrefetchHandle:
         """
         return self._future.result(timeout)
 
+    @property
+    def future(self) -> Future[Hit | None]:
+        """The load itself: done once `hit` returns without waiting (a scheduler parks on it)."""
+        return self._future
+
     def result(self, timeout: float | None = None) -> KVEntry | None:
         """Wait for the load; the entry, or None on a miss (same errors as `hit`)."""
         hit = self.hit(timeout)

@@ -27,6 +27,7 @@ from ragkv.engine import BlendOptions, ChunkKV, Engine, LoadedModel, SamplingPar
 from ragkv.engine.check import gate_model
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT
 from ragkv.engine.scheduler import Decode
+from ragkv.engine.work import WaitFor, wait_for
 from ragkv.indexer.kv_bridge import chunk_kv_to_entry, entry_to_chunk_kv
 from ragkv.indexer.neighbours import NeighbourContext, NeighbourOptions
 from ragkv.kvstore import ChunkKey, LayerGate, PrefetchHandle, PrefixHash, StoreConfig, TieredStore, hash_prefix
@@ -41,7 +42,6 @@ from ragkv.server.status import InvalidArgumentError, UnknownCollectionError
 log = logging.getLogger(__name__)
 
 _FINISH = {"eos": FinishReason.STOP, "stop": FinishReason.STOP, "length": FinishReason.LENGTH}
-_KV_WAIT_SLICE = 0.005  # seconds of one wait for a prefetch before the scheduler may run other work
 _KV_WAIT_LIMIT = 120.0  # seconds a single chunk's KV load may take
 
 
@@ -258,47 +258,45 @@ class Pipeline:
                                        BlendOptions(recompute_ratio=params.recompute_ratio))
         return PreparedQuery(params, chunks, {"retrieve": retrieved - started}, plan, kv_bytes, cost)
 
-    def _wait(self, handle: PrefetchHandle, cancel: threading.Event):  # -> Generator[int, None, kvstore.Hit | None]
-        """A prefetch's hit; yields 0 between short waits, so the scheduler decodes meanwhile."""
-        deadline = time.monotonic() + _KV_WAIT_LIMIT
-        while True:
-            try:
-                return handle.hit(timeout=_KV_WAIT_SLICE)
-            except concurrent.futures.TimeoutError:
-                if cancel.is_set():
-                    return None
-                yield 0
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"KV load of {handle.key} took over {_KV_WAIT_LIMIT:.0f} s") from None
-
     def _load_chunks(
         self, prepared: PreparedQuery, plan: _Plan, cancel: threading.Event, phases: dict[str, float]
-    ):  # -> Generator[int, None, tuple[list[ChunkKV], list[Tier], dict[Tier, int]] | None]
-        """Each chunk's KV from its tier, or computed and written back; None if cancelled."""
+    ):  # -> Generator[int | WaitFor, None, tuple[list[ChunkKV], list[Tier], dict[Tier, int]] | None]
+        """Each chunk's KV from its tier, or computed (layer by layer) and written back; None if cancelled.
+
+        The request waits for its reads parked in the scheduler (`WaitFor`), never polling; a
+        read still pending after `_KV_WAIT_LIMIT` is abandoned and the chunk computed instead.
+        """
         lm, c = self.lm, plan.collection
         kvs: list[ChunkKV] = []
         tiers: list[Tier] = []
         loaded: dict[Tier, int] = {}
-        wait_s = compute_s = 0.0
-        for ids, key, handle in zip(plan.token_ids, plan.kv_keys, plan.handles or ()):
-            t0 = time.perf_counter()
-            try:
-                hit = yield from self._wait(handle, cancel)
-            except (KVFormatError, StoreError, OSError) as exc:  # the tiers could not serve it: compute it
-                log.warning("loading KV of %s failed (%s); computing it", key, exc)
-                hit = None
-            wait_s += time.perf_counter() - t0
-            if cancel.is_set():
-                return None
+        handles = plan.handles or ()
+        t0 = time.perf_counter()
+        if (w := wait_for([h.future for h in handles])) is not None:
+            yield WaitFor(w.futures, _KV_WAIT_LIMIT)
+        wait_s, compute_s = time.perf_counter() - t0, 0.0
+        if cancel.is_set():
+            return None
+        for ids, key, handle in zip(plan.token_ids, plan.kv_keys, handles):
+            hit = None
+            if not handle.done():
+                log.warning("loading KV of %s took over %.0f s; computing it", key, _KV_WAIT_LIMIT)
+            else:
+                try:
+                    hit = handle.hit(timeout=0)
+                except (KVFormatError, StoreError, OSError) as exc:  # the tiers could not serve it: compute it
+                    log.warning("loading KV of %s failed (%s); computing it", key, exc)
             if hit is not None:
-                tier = Tier(hit.tier.value)
+                tier = hit.tier
                 loaded[tier] = loaded.get(tier, 0) + hit.entry.nbytes
                 kvs.append(entry_to_chunk_kv(hit.entry, lm.device, lm.dtype, hit.layers))
                 tiers.append(tier)
                 continue
             t0 = time.perf_counter()
-            kv = self.engine.prefill_chunk(list(c.prefix_ids), list(ids))
+            kv = yield from self.engine.prefill_chunk_steps(list(c.prefix_ids), list(ids))
             compute_s += time.perf_counter() - t0
+            if cancel.is_set():
+                return None
             self._write_back(c, key, kv)
             kvs.append(kv)
             tiers.append(Tier.COMPUTED)
@@ -307,32 +305,31 @@ class Pipeline:
         return kvs, tiers, loaded
 
     def _recompute_failed(self, c: Collection, plan: _Plan, kvs: list[ChunkKV], tiers: list[Tier],
-                          exc: Exception) -> list[ChunkKV]:
-        """`kvs` with every chunk whose layered read failed computed anew and written back (a
-        damaged copy is already out of its tier). `tiers` is updated in place."""
+                          exc: Exception):  # -> Generator[int, None, list[ChunkKV]]
+        """`kvs` with every chunk whose layered read failed computed anew (layer by layer) and
+        written back (a damaged copy is already out of its tier). `tiers` is updated in place."""
         failed = [i for i, kv in enumerate(kvs) if isinstance(kv.ready, LayerGate) and kv.ready.error is not None]
         if not failed:  # the error came from elsewhere (no chunk still loading has failed): not ours to absorb
             raise exc
         log.warning("layered KV read of %d chunk(s) failed mid-prompt (%s); recomputing them", len(failed), exc)
         kvs = list(kvs)
         for i in failed:
-            kvs[i] = self.engine.prefill_chunk(list(c.prefix_ids), list(plan.token_ids[i]))
+            kvs[i] = yield from self.engine.prefill_chunk_steps(list(c.prefix_ids), list(plan.token_ids[i]))
             tiers[i] = Tier.COMPUTED
             self._write_back(c, plan.kv_keys[i], kvs[i])
         return kvs
 
     def _write_back(self, c: Collection, key: ChunkKey, kv: ChunkKV) -> None:
-        """Store a chunk KV computed on the spot: memory tiers now, durable tiers on the writer
-        thread. The answer does not depend on it."""
+        """Store a chunk KV computed on the spot, on the writer thread (memory tiers first, then
+        the durable ones): the scheduler thread only hands it over. The answer does not depend on it."""
+        self._writer.submit(self._persist, c, key, kv)
+
+    def _persist(self, c: Collection, key: ChunkKey, kv: ChunkKV) -> None:
         try:
             entry = chunk_kv_to_entry(kv, key, self.lm.fingerprint, self.lm.tokenizer_fingerprint, c.prefix_hash)
         except ValueError:  # the key names neighbour-conditioned KV (ragkv index --neighbours): the
             return  # plain KV computed here serves this request but is not that entry
-        c.store.put(entry, durable=False)  # the next request finds it at once
-        self._writer.submit(self._persist, c, entry)
-
-    @staticmethod
-    def _persist(c: Collection, entry) -> None:  # noqa: ANN001 - kvstore.KVEntry
+        c.store.put(entry, durable=False)  # the next request finds it in memory
         try:
             c.store.put(entry, memory=False)
         except StoreError as exc:
@@ -379,7 +376,7 @@ class Pipeline:
                 res = yield from run(kvs)
             except (KVFormatError, StoreError) as exc:  # a layered read failed mid-prompt
                 # a chunk whose read fails later (during the retry) fails that pass in turn
-                kvs = self._recompute_failed(c, plan, kvs or [], tiers, exc)
+                kvs = yield from self._recompute_failed(c, plan, kvs or [], tiers, exc)
         phases["prompt"] = time.perf_counter() - t0
         phases.update({f"prompt.{k}": v for k, v in res.timings.items()})
 

@@ -41,11 +41,18 @@ class _FailsLate(LayerGate):
         self._delay = delay
         self._armed = threading.Lock()
 
-    def wait(self, layer: int, timeout: float | None = None) -> None:
+    def _arm(self, layer: int) -> None:
         if layer >= self.ready and self._armed.acquire(blocking=False):
             err = KVFormatError(f"checksum mismatch in block of layer {layer} (test, after {self._delay} s)")
             threading.Timer(self._delay, self.fail, [err]).start()
+
+    def wait(self, layer: int, timeout: float | None = None) -> None:
+        self._arm(layer)
         super().wait(layer, timeout)
+
+    def when_ready(self, layer: int):  # the scheduler parks on it instead of waiting  # noqa: ANN201
+        self._arm(layer)
+        return super().when_ready(layer)
 
 
 def _query(addr: str, mode: str, top_k: int = TOP_K, **kw: object):

@@ -1,0 +1,33 @@
+"""What a request's work hands the scheduler besides a finished step: a wait.
+
+A prompt pass (`engine.blend.prompt_steps`) and a server's answer are generators; each
+`int` they yield is one step of prompt work done. A `WaitFor` says the work cannot go on
+until some futures are done (a chunk's KV read, the next layer of a layer-wise read): the
+scheduler parks the request and resumes it from the futures' callbacks, so no thread
+sleeps on I/O. Outside the scheduler (`drain`, evals, tests) a wait simply blocks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class WaitFor:
+    """Yielded by work that cannot go on until `futures` are done (its KV reads): park it."""
+
+    futures: tuple[Future, ...]  # the work resumes once all are done (or have failed)
+    timeout_s: float | None = None  # ... or once this many seconds have passed (the work decides what then)
+
+    def block(self) -> None:
+        """Wait here, for callers that are not the scheduler."""
+        concurrent.futures.wait(self.futures, timeout=self.timeout_s)
+
+
+def wait_for(futures: Sequence[Future | None]) -> WaitFor | None:
+    """A WaitFor for those of `futures` that are pending, or None when none is."""
+    pending = tuple(f for f in futures if f is not None and not f.done())
+    return WaitFor(pending) if pending else None

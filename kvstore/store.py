@@ -36,6 +36,7 @@ from ragkv.kvstore.tiers.disk import DiskTier
 from ragkv.kvstore.tiers.durable import DurableTier
 from ragkv.kvstore.tiers.memory import CpuTier, GpuTier, MemoryTier
 from ragkv.kvstore.tiers.s3 import S3Tier
+from ragkv.kvstore.timing import ReadEstimate, ReadTiming
 from ragkv.errors import StoreError
 
 logger = logging.getLogger(__name__)
@@ -173,6 +174,7 @@ class TieredStore:
         if not tiers:
             raise ValueError("a store needs at least one tier")
         self._tiers = tuple(sorted(tiers, key=lambda t: t.tier.rank))
+        self._timing = {t.tier: ReadTiming() for t in self._tiers}  # measured read speed per tier
         kinds = [t.tier for t in self._tiers]
         if len(set(kinds)) != len(kinds):
             raise ValueError(f"each tier may appear once, got {[k.value for k in kinds]}")
@@ -243,7 +245,9 @@ class TieredStore:
                 streamed = tier.fetch_layered(key, self._stream_pool.submit, promote)
                 if streamed is None:
                     continue
-                return Hit(streamed.entry, tier.tier, time.perf_counter() - started, streamed.layers)
+                header_s = time.perf_counter() - started
+                self._time_layered(tier.tier, streamed.entry, streamed.layers, header_s)
+                return Hit(streamed.entry, tier.tier, header_s, streamed.layers)
             data = None
             if isinstance(tier, DurableTier):
                 file_hit = tier.fetch(key)
@@ -255,9 +259,42 @@ class TieredStore:
                 if found is None:
                     continue
                 entry = found
+            read_s = time.perf_counter() - started  # a whole read: all of it counts as transfer
+            self._timing[tier.tier].observe(0.0, entry.nbytes, entry.k.shape[2], read_s)
             top = self._promote(entry, data, upper, from_file=data is not None)
             return Hit(top, tier.tier, time.perf_counter() - started)
         self._count(misses=1)
+        return None
+
+    def _time_layered(self, tier: Tier, entry: KVEntry, layers: LayerGate, header_s: float) -> None:
+        """Measure a layer-wise read: its latency now, its transfer once the last layer is in."""
+        t0 = time.perf_counter()
+        timing, tokens = self._timing[tier], entry.k.shape[2]
+        done = layers.when_ready(layers.num_layers - 1)
+        if done is None:  # already whole (or failed: then nothing is measured)
+            if layers.error is None:
+                timing.observe(header_s, entry.nbytes, tokens, 1e-6)
+            return
+
+        def finished(_f: object) -> None:
+            if layers.error is None:
+                timing.observe(header_s, entry.nbytes, tokens, time.perf_counter() - t0)
+
+        done.add_done_callback(finished)
+
+    def read_estimate(self, tier: Tier) -> ReadEstimate | None:
+        """`tier`'s measured read speed (None before its first read or when it is not configured)."""
+        timing = self._timing.get(tier)
+        return None if timing is None else timing.estimate()
+
+    def where(self, key: ChunkKey) -> Tier | None:
+        """The tier a read of `key` would likely come from, asking no network tier: the first
+        local tier holding it, else S3 when configured (its objects are not listed), else None."""
+        for t in self._tiers:
+            if t.tier is Tier.S3:
+                return Tier.S3
+            if t.contains(key):
+                return t.tier
         return None
 
     def _promote(

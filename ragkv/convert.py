@@ -19,6 +19,7 @@ from ragkv.types import (
     CollectionStats,
     FilterOp,
     FinishReason,
+    KVSource,
     MetadataFilter,
     Mode,
     QueryOptions,
@@ -321,6 +322,7 @@ def query_stats_to_proto(stats: QueryStats) -> pb.QueryStats:
         finish_reason=_FINISH_TO_PB[stats.finish_reason],
         text=stats.text,
         used_chunk_ids=list(stats.used_chunk_ids),
+        kv_sources={k.value: v for k, v in stats.kv_sources.items()},
     )
 
 
@@ -341,7 +343,14 @@ def query_stats_from_proto(msg: pb.QueryStats) -> QueryStats:
         finish_reason=finish_reason_from_proto(msg.finish_reason),
         text=msg.text,
         used_chunk_ids=tuple(msg.used_chunk_ids),
+        kv_sources=_kv_sources_from_proto(msg.kv_sources),
     )
+
+
+def _kv_sources_from_proto(counts: Mapping[str, int]) -> dict[KVSource, int]:
+    """The wire's map, keeping only the sources this client knows (a newer server may add some)."""
+    known = {s.value: s for s in KVSource}
+    return {known[k]: int(v) for k, v in counts.items() if k in known}
 
 
 def chunks_response(chunks: tuple[RetrievedChunk, ...], snippet_chars: int | None = None) -> pb.QueryResponse:

@@ -105,6 +105,17 @@ class Tier(str, enum.Enum):
 
 _RANK = {Tier.GPU: 0, Tier.CPU: 1, Tier.DISK: 2, Tier.S3: 3}
 
+
+class KVSource(str, enum.Enum):
+    """Where one request's chunk KV came from, and why: the loading controller's decision
+    (server/loading.py), counted per request in `QueryStats.kv_sources` and in a metric."""
+
+    LOADED = "loaded"  # read from a tier: the cheaper way
+    COMPUTED_MISSING = "computed_missing"  # in no tier: computed (and written back)
+    COMPUTED_CHEAPER = "computed_cheaper"  # its tier is slower than recomputing it: computed, not read
+    COMPUTED_OVERRUN = "computed_overrun"  # its read overran the estimate: abandoned and computed
+    COMPUTED_FAILED = "computed_failed"  # its read failed (damaged or unreachable): computed
+
 Fingerprint = NewType("Fingerprint", str)  # sha256 hex naming a model, tokenizer or embedder
 
 
@@ -192,6 +203,7 @@ class QueryStats:
     finish_reason: FinishReason  # why decoding stopped
     text: str  # the whole answer
     used_chunk_ids: tuple[str, ...] = ()  # chunks the answer was computed over (FOCUS keeps a subset)
+    kv_sources: Mapping[KVSource, int] = field(default_factory=dict)  # chunks by where their KV came from
 
 
 @dataclass(frozen=True, slots=True)

@@ -120,6 +120,7 @@ class QueryRunner:
                     finish_reason=done.finish_reason,
                     text="".join(pieces),
                     used_chunk_ids=done.used_chunk_ids or tuple(c.chunk_id for c in chunks),
+                    kv_sources=dict(done.kv_sources),
                 )
                 self._metrics.observe_answer(
                     params.mode,
@@ -127,6 +128,7 @@ class QueryRunner:
                     done.recompute_fraction,
                     done.bytes_loaded,
                     params.collection,
+                    done.kv_sources,
                 )
                 self._metrics.e2e.labels(method).observe(finished - arrived)
                 self._metrics.observe_usage(done.prompt_tokens, done.cached_prompt_tokens, done.completion_tokens,

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from ragkv.types import ChatTurn, CollectionInfo, CollectionStats, FinishReason, MetadataFilter, Mode, RetrievedChunk, SearchMode, Tier
+from ragkv.types import ChatTurn, CollectionInfo, CollectionStats, FinishReason, KVSource, MetadataFilter, Mode, RetrievedChunk, SearchMode, Tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +87,7 @@ class DoneEvent:
     phase_seconds: Mapping[str, float]  # seconds per backend phase (kv_load, blend..., decode)
     bytes_loaded: Mapping[Tier, int] = field(default_factory=dict)  # KV bytes read per tier
     used_chunk_ids: tuple[str, ...] = ()  # chunks the answer was computed over, prompt order; () = all
+    kv_sources: Mapping[KVSource, int] = field(default_factory=dict)  # chunks by where their KV came from
 
 
 AnswerEvent = ChunksEvent | TokenEvent | DoneEvent

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily
 
-from ragkv.types import DEFAULT_COLLECTION, Mode, RetrievedChunk, Tier
+from ragkv.types import DEFAULT_COLLECTION, KVSource, Mode, RetrievedChunk, Tier
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _FRACTION_BUCKETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
@@ -53,6 +53,10 @@ class ServerMetrics:
                                    ["collection"], registry=r)
         self.bytes_loaded = Counter("ragkv_kv_loaded_bytes", "KV bytes loaded per tier.", ["tier", "collection"],
                                     registry=r)
+        self.kv_sources = Counter(
+            "ragkv_chunk_kv", "Chunk KVs by where they came from, as the loading controller decided: loaded, "
+            "computed_missing, computed_cheaper, computed_overrun, computed_failed (exported as _total).",
+            ["source", "collection"], registry=r)
         self.queue_depth = Gauge("ragkv_queue_depth", "Queries admitted and not finished.", registry=r)
         self.errors = Counter("ragkv_rpc_errors", "RPCs that ended with a non-OK status.", ["method", "code"], registry=r)
         # the scheduler (engine.scheduler): batching and throughput
@@ -103,7 +107,7 @@ class ServerMetrics:
 
     def observe_answer(
         self, mode: Mode, ttft: float | None, recompute_fraction: float, bytes_loaded: Mapping[Tier, int],
-        collection: str = DEFAULT_COLLECTION,
+        collection: str = DEFAULT_COLLECTION, kv_sources: Mapping[KVSource, int] | None = None,
     ) -> None:
         """Record one finished answer."""
         if ttft is not None:
@@ -111,6 +115,8 @@ class ServerMetrics:
         self.recompute.labels(mode.value, collection).observe(recompute_fraction)
         for tier, n in bytes_loaded.items():
             self.bytes_loaded.labels(tier.value, collection).inc(n)
+        for source, n in (kv_sources or {}).items():
+            self.kv_sources.labels(source.value, collection).inc(n)
 
     def watch_tier_errors(self, read: Callable[[], Mapping[tuple[str, Tier], int]]) -> None:
         """Export `read()`'s I/O failures per (collection, tier) as ragkv_kv_tier_errors_total

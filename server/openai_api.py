@@ -210,6 +210,7 @@ def ragkv_extra(chunks: tuple[RetrievedChunk, ...], stats: QueryStats, snippet_c
     return {
         "sources": [_source(c, snippet_chars) for c in chunks],
         "used_chunk_ids": list(stats.used_chunk_ids),
+        "kv_sources": {k.value: v for k, v in stats.kv_sources.items()},
         "mode": stats.mode.value,
         "recompute_fraction": stats.recompute_fraction,
         "ttft_seconds": stats.ttft_seconds,

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,11 +29,12 @@ from ragkv.engine.check import gate_model
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT
 from ragkv.engine.scheduler import Decode
 from ragkv.engine.work import WaitFor, wait_for
+from ragkv.server.loading import ChunkDecision, ControllerConfig, LoadingController
 from ragkv.indexer.kv_bridge import chunk_kv_to_entry, entry_to_chunk_kv
 from ragkv.indexer.neighbours import NeighbourContext, NeighbourOptions
 from ragkv.kvstore import ChunkKey, LayerGate, PrefetchHandle, PrefixHash, StoreConfig, TieredStore, hash_prefix
 from ragkv.errors import IndexMismatchError, KVFormatError, StoreError
-from ragkv.types import CollectionInfo, CollectionStats, FinishReason, Mode, RetrievedChunk, Tier, TierStats
+from ragkv.types import CollectionInfo, CollectionStats, FinishReason, KVSource, Mode, RetrievedChunk, Tier, TierStats
 from ragkv.retriever import Retriever
 from ragkv.server.backend import AnswerEvent, ChunksEvent, DoneEvent, PreparedQuery, QueryParams, SearchParams, TokenEvent
 from ragkv.server.search_config import retriever_options
@@ -42,6 +44,7 @@ from ragkv.server.status import InvalidArgumentError, UnknownCollectionError
 log = logging.getLogger(__name__)
 
 _FINISH = {"eos": FinishReason.STOP, "stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+_SEED_TEXT = "The loading controller measures how fast this engine computes a chunk of text like this one."
 _KV_WAIT_LIMIT = 120.0  # seconds a single chunk's KV load may take
 
 
@@ -80,7 +83,9 @@ class _Plan:
     collection: Collection  # where the hits came from
     token_ids: tuple[tuple[int, ...], ...]  # each hit's chunk tokens
     kv_keys: tuple[ChunkKey, ...]  # each hit's KV name
-    handles: tuple[PrefetchHandle, ...] | None  # KV loads in flight; None when the mode needs none
+    handles: tuple[PrefetchHandle | None, ...] | None  # KV loads in flight (None: computed instead);
+    # None when the mode reads no chunk KV
+    decisions: tuple[ChunkDecision, ...] = ()  # the loading controller's choice per hit
 
 
 def _store_config(settings: ServerSettings, index_dir: Path, kv_uris: Sequence[str], device: torch.device,
@@ -138,10 +143,11 @@ class Pipeline:
     """
 
     def __init__(self, engine: Engine, collections: dict[str, Collection], focus_keep: float = 0.5,
-                 kv_layered: bool = True) -> None:
+                 kv_layered: bool = True, controller: LoadingController | None = None) -> None:
         self.engine = engine
         self._focus_keep = focus_keep
         self._kv_layered = kv_layered
+        self.controller = controller or LoadingController()
         self.lm: LoadedModel = engine.lm
         self._collections = collections
         # durable write-backs run here: a slow or unreachable S3 never stalls the scheduler thread
@@ -189,7 +195,15 @@ class Pipeline:
                                            hash_prefix(manifest.prefix_ids), mismatch,
                                            manifest.system_prompt or DEFAULT_SYSTEM_PROMPT,
                                            NeighbourOptions.from_dict(manifest.neighbours))
-        return cls(engine, collections, settings.focus_keep, settings.kv_layered)
+        controller = LoadingController(ControllerConfig(enabled=settings.kv_controller))
+        first = next(iter(collections.values()), None)
+        if first is not None:  # seed the prefill rate: a chunk of ~100 tokens after the prefix
+            ids = engine.prompt.chunk_ids(" ".join([_SEED_TEXT] * 4))
+            engine.prefill_chunk(list(first.prefix_ids), ids)  # warm-up: the first call allocates
+            t0 = time.perf_counter()
+            engine.prefill_chunk(list(first.prefix_ids), ids)
+            controller.observe_compute(len(ids), time.perf_counter() - t0)
+        return cls(engine, collections, settings.focus_keep, settings.kv_layered, controller)
 
     @property
     def modes(self) -> frozenset[Mode]:
@@ -240,14 +254,17 @@ class Pipeline:
         hits = self._search(c, params.question, params.top_k, params.search)
         retrieved = time.perf_counter()
         kv_keys = tuple(c.kv_key(h, params.mode, self.lm.fingerprint, self.lm.tokenizer_fingerprint) for h in hits)
-        handles = None
+        handles, decisions = None, ()
         if self.engine.reads_chunk_kv(params.mode):  # start loading the moment the ids are known
-            handles = tuple(c.store.prefetch(kv_keys, layered=self._kv_layered))
+            decisions = tuple(self.controller.decide(c.store, k, len(h.token_ids)) for k, h in zip(kv_keys, hits))
+            reads = iter(c.store.prefetch([k for k, d in zip(kv_keys, decisions) if d.load],
+                                          layered=self._kv_layered))
+            handles = tuple(next(reads) if d.load else None for d in decisions)
         chunks = tuple(
             RetrievedChunk(h.chunk_id, h.score, h.text, h.metadata, None, len(h.token_ids), h.found_by)
             for h in hits
         )
-        plan = _Plan(c, tuple(tuple(h.token_ids) for h in hits), kv_keys, handles)
+        plan = _Plan(c, tuple(tuple(h.token_ids) for h in hits), kv_keys, handles, decisions)
         lm = self.lm
         chunk_tokens = sum(len(h.token_ids) for h in hits)
         max_tokens = (len(c.prefix_ids) + chunk_tokens + len(params.question) // 2 + 64
@@ -259,12 +276,14 @@ class Pipeline:
         return PreparedQuery(params, chunks, {"retrieve": retrieved - started}, plan, kv_bytes, cost)
 
     def _load_chunks(
-        self, prepared: PreparedQuery, plan: _Plan, cancel: threading.Event, phases: dict[str, float]
+        self, prepared: PreparedQuery, plan: _Plan, cancel: threading.Event, phases: dict[str, float],
+        sources: Counter[KVSource],
     ):  # -> Generator[int | WaitFor, None, tuple[list[ChunkKV], list[Tier], dict[Tier, int]] | None]
-        """Each chunk's KV from its tier, or computed (layer by layer) and written back; None if cancelled.
+        """Each chunk's KV from its tier, or computed (layer by layer) and written back, as the
+        loading controller decided; None if cancelled. `sources` counts where each came from.
 
         The request waits for its reads parked in the scheduler (`WaitFor`), never polling; a
-        read still pending after `_KV_WAIT_LIMIT` is abandoned and the chunk computed instead.
+        read still pending past the controller's limit is abandoned and the chunk computed.
         """
         lm, c = self.lm, plan.collection
         kvs: list[ChunkKV] = []
@@ -272,37 +291,57 @@ class Pipeline:
         loaded: dict[Tier, int] = {}
         handles = plan.handles or ()
         t0 = time.perf_counter()
-        if (w := wait_for([h.future for h in handles])) is not None:
-            yield WaitFor(w.futures, _KV_WAIT_LIMIT)
-        wait_s, compute_s = time.perf_counter() - t0, 0.0
+        if (w := wait_for([h.future for h in handles if h is not None])) is not None:
+            yield WaitFor(w.futures, self.controller.wait_limit(list(plan.decisions), _KV_WAIT_LIMIT))
+        wait_s, compute_s = time.perf_counter() - t0, [0.0]
         if cancel.is_set():
             return None
-        for ids, key, handle in zip(plan.token_ids, plan.kv_keys, handles):
-            hit = None
-            if not handle.done():
-                log.warning("loading KV of %s took over %.0f s; computing it", key, _KV_WAIT_LIMIT)
-            else:
+        for ids, key, handle, decision in zip(plan.token_ids, plan.kv_keys, handles, plan.decisions):
+            hit, source = None, decision.source
+            if handle is not None and not handle.done():
+                log.info("loading KV of %s overran its estimate (%s s); computing it", key,
+                         f"{decision.load_s:.3f}" if decision.load_s is not None else "?")
+                source = KVSource.COMPUTED_OVERRUN
+            elif handle is not None:
                 try:
                     hit = handle.hit(timeout=0)
+                    source = KVSource.LOADED if hit is not None else KVSource.COMPUTED_MISSING
                 except (KVFormatError, StoreError, OSError) as exc:  # the tiers could not serve it: compute it
                     log.warning("loading KV of %s failed (%s); computing it", key, exc)
+                    source = KVSource.COMPUTED_FAILED
+            sources[source] += 1
             if hit is not None:
                 tier = hit.tier
                 loaded[tier] = loaded.get(tier, 0) + hit.entry.nbytes
                 kvs.append(entry_to_chunk_kv(hit.entry, lm.device, lm.dtype, hit.layers))
                 tiers.append(tier)
                 continue
-            t0 = time.perf_counter()
-            kv = yield from self.engine.prefill_chunk_steps(list(c.prefix_ids), list(ids))
-            compute_s += time.perf_counter() - t0
+            kv = yield from self._compute_chunk(c, ids, compute_s)
             if cancel.is_set():
                 return None
             self._write_back(c, key, kv)
             kvs.append(kv)
             tiers.append(Tier.COMPUTED)
         phases["kv_wait"] = wait_s
-        phases["kv_compute"] = compute_s
+        phases["kv_compute"] = compute_s[0]
         return kvs, tiers, loaded
+
+    def _compute_chunk(self, c: Collection, ids: Sequence[int], spent: list[float]):  # -> Generator[int, None, ChunkKV]
+        """A chunk's KV computed one layer per step; its own compute seconds (not the time other
+        requests ran between its steps) go into spent[0] and teach the controller the prefill rate."""
+        steps = self.engine.prefill_chunk_steps(list(c.prefix_ids), list(ids))
+        own = 0.0
+        while True:
+            t0 = time.perf_counter()
+            try:
+                item = next(steps)
+            except StopIteration as done:
+                own += time.perf_counter() - t0
+                spent[0] += own
+                self.controller.observe_compute(len(ids), own)
+                return done.value
+            own += time.perf_counter() - t0
+            yield item
 
     def _recompute_failed(self, c: Collection, plan: _Plan, kvs: list[ChunkKV], tiers: list[Tier],
                           exc: Exception):  # -> Generator[int, None, list[ChunkKV]]
@@ -314,7 +353,7 @@ class Pipeline:
         log.warning("layered KV read of %d chunk(s) failed mid-prompt (%s); recomputing them", len(failed), exc)
         kvs = list(kvs)
         for i in failed:
-            kvs[i] = yield from self.engine.prefill_chunk_steps(list(c.prefix_ids), list(plan.token_ids[i]))
+            kvs[i] = yield from self._compute_chunk(c, plan.token_ids[i], [0.0])
             tiers[i] = Tier.COMPUTED
             self._write_back(c, plan.kv_keys[i], kvs[i])
         return kvs
@@ -351,8 +390,9 @@ class Pipeline:
         engine, c = self.engine, plan.collection
         phases: dict[str, float] = {}
         loaded: dict[Tier, int] = {}
+        sources: Counter[KVSource] = Counter()
         if engine.reads_chunk_kv(params.mode):
-            result = yield from self._load_chunks(prepared, plan, cancel, phases)
+            result = yield from self._load_chunks(prepared, plan, cancel, phases, sources)
             if result is None:
                 return
             kvs, tiers, loaded = result
@@ -398,6 +438,7 @@ class Pipeline:
             phase_seconds=phases,
             bytes_loaded=loaded,
             used_chunk_ids=tuple(prepared.chunks[i].chunk_id for i in used),
+            kv_sources=dict(sources),
         )
 
     def close(self) -> None:

@@ -95,6 +95,9 @@ class ServerSettings:
     # disk and S3 hits go to the engine once their headers pass, each layer as its bytes are
     # verified, so reading overlaps compute (layer-wise pipelining); off = read whole first
     kv_layered: bool = True
+    # the loading controller (server/loading.py): per chunk, read its KV or recompute it, whichever
+    # its tier's measured speed and the engine's prefill rate say is cheaper; off = always read
+    kv_controller: bool = True
     max_question_chars: int = 4096  # characters
     default_top_k: int = 4  # chunks
     max_top_k: int = 32  # chunks

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14ragkv/v1/ragkv.proto\x12\x08ragkv.v1\"Q\n\x0eMetadataFilter\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x1e\n\x02op\x18\x02 \x01(\x0e\x32\x12.ragkv.v1.FilterOp\x12\x12\n\nvalue_json\x18\x03 \x01(\t\"=\n\x08\x43hatTurn\x12 \n\x04role\x18\x01 \x01(\x0e\x32\x12.ragkv.v1.ChatRole\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"Q\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xa6\x03\n\x0cQueryRequest\x12\x10\n\x08question\x18\x01 \x01(\t\x12\x12\n\ncollection\x18\x02 \x01(\t\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x1c\n\x04mode\x18\x04 \x01(\x0e\x32\x0e.ragkv.v1.Mode\x12\x1c\n\x0frecompute_ratio\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.ragkv.v1.SamplingOptions\x12\x16\n\x0emax_new_tokens\x18\x07 \x01(\r\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x15\n\rsnippet_chars\x18\t \x01(\r\x12)\n\x0bsearch_mode\x18\n \x01(\x0e\x32\x14.ragkv.v1.SearchMode\x12)\n\x07\x66ilters\x18\x0b \x03(\x0b\x32\x18.ragkv.v1.MetadataFilter\x12#\n\x07history\x18\x0c \x03(\x0b\x32\x12.ragkv.v1.ChatTurn\x12\x1a\n\rsystem_prompt\x18\r \x01(\tH\x01\x88\x01\x01\x42\x12\n\x10_recompute_ratioB\x10\n\x0e_system_prompt\"\x93\x01\n\rQueryResponse\x12+\n\x06\x63hunks\x18\x01 \x01(\x0b\x32\x19.ragkv.v1.RetrievedChunksH\x00\x12%\n\x05token\x18\x02 \x01(\x0b\x32\x14.ragkv.v1.TokenDeltaH\x00\x12%\n\x05stats\x18\x03 \x01(\x0b\x32\x14.ragkv.v1.QueryStatsH\x00\x42\x07\n\x05\x65vent\"2\n\x0fRetrievedChunks\x12\x1f\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x0f.ragkv.v1.Chunk\"\x8c\x02\n\x05\x43hunk\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\x08metadata\x18\x04 \x03(\x0b\x32\x1d.ragkv.v1.Chunk.MetadataEntry\x12\x1f\n\x07kv_tier\x18\x05 \x01(\x0e\x32\x0e.ragkv.v1.Tier\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x15\n\rmetadata_json\x18\x07 \x01(\t\x12&\n\x08\x66ound_by\x18\x08 \x03(\x0e\x32\x14.ragkv.v1.SearchMode\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\")\n\nTokenDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xdc\x02\n\nQueryStats\x12\x1e\n\x05usage\x18\x01 \x01(\x0b\x32\x0f.ragkv.v1.Usage\x12\x14\n\x0cttft_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\x12=\n\rphase_seconds\x18\x04 \x03(\x0b\x32&.ragkv.v1.QueryStats.PhaseSecondsEntry\x12\x1a\n\x12recompute_fraction\x18\x05 \x01(\x01\x12\x1c\n\x04mode\x18\x06 \x01(\x0e\x32\x0e.ragkv.v1.Mode\x12-\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x16.ragkv.v1.FinishReason\x12\x0c\n\x04text\x18\x08 \x01(\t\x12\x16\n\x0eused_chunk_ids\x18\t \x03(\t\x1a\x33\n\x11PhaseSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb3\x01\n\x0fRetrieveRequest\x12\x10\n\x08question\x18\x01 \x01(\t\x12\x12\n\ncollection\x18\x02 \x01(\t\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x15\n\rsnippet_chars\x18\x04 \x01(\r\x12)\n\x0bsearch_mode\x18\x05 \x01(\x0e\x32\x14.ragkv.v1.SearchMode\x12)\n\x07\x66ilters\x18\x06 \x03(\x0b\x32\x18.ragkv.v1.MetadataFilter\"M\n\x10RetrieveResponse\x12\x1f\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x0f.ragkv.v1.Chunk\x12\x18\n\x10retrieve_seconds\x18\x02 \x01(\x01\"\x18\n\x16ListCollectionsRequest\"D\n\x17ListCollectionsResponse\x12)\n\x0b\x63ollections\x18\x01 \x03(\x0b\x32\x14.ragkv.v1.Collection\"h\n\nCollection\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nnum_chunks\x18\x02 \x01(\x04\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\")\n\x19GetCollectionStatsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"}\n\tTierStats\x12\x1c\n\x04tier\x18\x01 \x01(\x0e\x32\x0e.ragkv.v1.Tier\x12\x0f\n\x07\x65ntries\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x14\n\x0c\x62ytes_loaded\x18\x06 \x01(\x04\"j\n\x1aGetCollectionStatsResponse\x12(\n\ncollection\x18\x01 \x01(\x0b\x32\x14.ragkv.v1.Collection\x12\"\n\x05tiers\x18\x02 \x03(\x0b\x32\x13.ragkv.v1.TierStats*}\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_FULL\x10\x01\x12\x0f\n\x0bMODE_PREFIX\x10\x02\x12\x0e\n\nMODE_REUSE\x10\x03\x12\x0e\n\nMODE_BLEND\x10\x04\x12\x0e\n\nMODE_FOCUS\x10\x06\"\x04\x08\x05\x10\x05*\tMODE_CLIP*|\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\x0c\n\x08TIER_CPU\x10\x02\x12\r\n\tTIER_DISK\x10\x03\x12\x0b\n\x07TIER_S3\x10\x04\x12\x11\n\rTIER_COMPUTED\x10\x05\x12\x13\n\x0fTIER_NOT_LOADED\x10\x06*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02*q\n\nSearchMode\x12\x1b\n\x17SEARCH_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11SEARCH_MODE_DENSE\x10\x01\x12\x17\n\x13SEARCH_MODE_LEXICAL\x10\x02\x12\x16\n\x12SEARCH_MODE_HYBRID\x10\x03*Q\n\x08\x46ilterOp\x12\x19\n\x15\x46ILTER_OP_UNSPECIFIED\x10\x00\x12\x14\n\x10\x46ILTER_OP_EQUALS\x10\x01\x12\x14\n\x10\x46ILTER_OP_PREFIX\x10\x02*R\n\x08\x43hatRole\x12\x19\n\x15\x43HAT_ROLE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x43HAT_ROLE_USER\x10\x01\x12\x17\n\x13\x43HAT_ROLE_ASSISTANT\x10\x02\x32\xc4\x02\n\nRagService\x12:\n\x05Query\x12\x16.ragkv.v1.QueryRequest\x1a\x17.ragkv.v1.QueryResponse0\x01\x12\x41\n\x08Retrieve\x12\x19.ragkv.v1.RetrieveRequest\x1a\x1a.ragkv.v1.RetrieveResponse\x12V\n\x0fListCollections\x12 .ragkv.v1.ListCollectionsRequest\x1a!.ragkv.v1.ListCollectionsResponse\x12_\n\x12GetCollectionStats\x12#.ragkv.v1.GetCollectionStatsRequest\x1a$.ragkv.v1.GetCollectionStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14ragkv/v1/ragkv.proto\x12\x08ragkv.v1\"Q\n\x0eMetadataFilter\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x1e\n\x02op\x18\x02 \x01(\x0e\x32\x12.ragkv.v1.FilterOp\x12\x12\n\nvalue_json\x18\x03 \x01(\t\"=\n\x08\x43hatTurn\x12 \n\x04role\x18\x01 \x01(\x0e\x32\x12.ragkv.v1.ChatRole\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"Q\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xa6\x03\n\x0cQueryRequest\x12\x10\n\x08question\x18\x01 \x01(\t\x12\x12\n\ncollection\x18\x02 \x01(\t\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x1c\n\x04mode\x18\x04 \x01(\x0e\x32\x0e.ragkv.v1.Mode\x12\x1c\n\x0frecompute_ratio\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.ragkv.v1.SamplingOptions\x12\x16\n\x0emax_new_tokens\x18\x07 \x01(\r\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x15\n\rsnippet_chars\x18\t \x01(\r\x12)\n\x0bsearch_mode\x18\n \x01(\x0e\x32\x14.ragkv.v1.SearchMode\x12)\n\x07\x66ilters\x18\x0b \x03(\x0b\x32\x18.ragkv.v1.MetadataFilter\x12#\n\x07history\x18\x0c \x03(\x0b\x32\x12.ragkv.v1.ChatTurn\x12\x1a\n\rsystem_prompt\x18\r \x01(\tH\x01\x88\x01\x01\x42\x12\n\x10_recompute_ratioB\x10\n\x0e_system_prompt\"\x93\x01\n\rQueryResponse\x12+\n\x06\x63hunks\x18\x01 \x01(\x0b\x32\x19.ragkv.v1.RetrievedChunksH\x00\x12%\n\x05token\x18\x02 \x01(\x0b\x32\x14.ragkv.v1.TokenDeltaH\x00\x12%\n\x05stats\x18\x03 \x01(\x0b\x32\x14.ragkv.v1.QueryStatsH\x00\x42\x07\n\x05\x65vent\"2\n\x0fRetrievedChunks\x12\x1f\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x0f.ragkv.v1.Chunk\"\x8c\x02\n\x05\x43hunk\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\x08metadata\x18\x04 \x03(\x0b\x32\x1d.ragkv.v1.Chunk.MetadataEntry\x12\x1f\n\x07kv_tier\x18\x05 \x01(\x0e\x32\x0e.ragkv.v1.Tier\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x15\n\rmetadata_json\x18\x07 \x01(\t\x12&\n\x08\x66ound_by\x18\x08 \x03(\x0e\x32\x14.ragkv.v1.SearchMode\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\")\n\nTokenDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xc7\x03\n\nQueryStats\x12\x1e\n\x05usage\x18\x01 \x01(\x0b\x32\x0f.ragkv.v1.Usage\x12\x14\n\x0cttft_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\x12=\n\rphase_seconds\x18\x04 \x03(\x0b\x32&.ragkv.v1.QueryStats.PhaseSecondsEntry\x12\x1a\n\x12recompute_fraction\x18\x05 \x01(\x01\x12\x1c\n\x04mode\x18\x06 \x01(\x0e\x32\x0e.ragkv.v1.Mode\x12-\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x16.ragkv.v1.FinishReason\x12\x0c\n\x04text\x18\x08 \x01(\t\x12\x16\n\x0eused_chunk_ids\x18\t \x03(\t\x12\x37\n\nkv_sources\x18\n \x03(\x0b\x32#.ragkv.v1.QueryStats.KvSourcesEntry\x1a\x33\n\x11PhaseSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x30\n\x0eKvSourcesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\xb3\x01\n\x0fRetrieveRequest\x12\x10\n\x08question\x18\x01 \x01(\t\x12\x12\n\ncollection\x18\x02 \x01(\t\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x15\n\rsnippet_chars\x18\x04 \x01(\r\x12)\n\x0bsearch_mode\x18\x05 \x01(\x0e\x32\x14.ragkv.v1.SearchMode\x12)\n\x07\x66ilters\x18\x06 \x03(\x0b\x32\x18.ragkv.v1.MetadataFilter\"M\n\x10RetrieveResponse\x12\x1f\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x0f.ragkv.v1.Chunk\x12\x18\n\x10retrieve_seconds\x18\x02 \x01(\x01\"\x18\n\x16ListCollectionsRequest\"D\n\x17ListCollectionsResponse\x12)\n\x0b\x63ollections\x18\x01 \x03(\x0b\x32\x14.ragkv.v1.Collection\"h\n\nCollection\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nnum_chunks\x18\x02 \x01(\x04\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\")\n\x19GetCollectionStatsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"}\n\tTierStats\x12\x1c\n\x04tier\x18\x01 \x01(\x0e\x32\x0e.ragkv.v1.Tier\x12\x0f\n\x07\x65ntries\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x14\n\x0c\x62ytes_loaded\x18\x06 \x01(\x04\"j\n\x1aGetCollectionStatsResponse\x12(\n\ncollection\x18\x01 \x01(\x0b\x32\x14.ragkv.v1.Collection\x12\"\n\x05tiers\x18\x02 \x03(\x0b\x32\x13.ragkv.v1.TierStats*}\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_FULL\x10\x01\x12\x0f\n\x0bMODE_PREFIX\x10\x02\x12\x0e\n\nMODE_REUSE\x10\x03\x12\x0e\n\nMODE_BLEND\x10\x04\x12\x0e\n\nMODE_FOCUS\x10\x06\"\x04\x08\x05\x10\x05*\tMODE_CLIP*|\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\x0c\n\x08TIER_CPU\x10\x02\x12\r\n\tTIER_DISK\x10\x03\x12\x0b\n\x07TIER_S3\x10\x04\x12\x11\n\rTIER_COMPUTED\x10\x05\x12\x13\n\x0fTIER_NOT_LOADED\x10\x06*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02*q\n\nSearchMode\x12\x1b\n\x17SEARCH_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11SEARCH_MODE_DENSE\x10\x01\x12\x17\n\x13SEARCH_MODE_LEXICAL\x10\x02\x12\x16\n\x12SEARCH_MODE_HYBRID\x10\x03*Q\n\x08\x46ilterOp\x12\x19\n\x15\x46ILTER_OP_UNSPECIFIED\x10\x00\x12\x14\n\x10\x46ILTER_OP_EQUALS\x10\x01\x12\x14\n\x10\x46ILTER_OP_PREFIX\x10\x02*R\n\x08\x43hatRole\x12\x19\n\x15\x43HAT_ROLE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x43HAT_ROLE_USER\x10\x01\x12\x17\n\x13\x43HAT_ROLE_ASSISTANT\x10\x02\x32\xc4\x02\n\nRagService\x12:\n\x05Query\x12\x16.ragkv.v1.QueryRequest\x1a\x17.ragkv.v1.QueryResponse0\x01\x12\x41\n\x08Retrieve\x12\x19.ragkv.v1.RetrieveRequest\x1a\x1a.ragkv.v1.RetrieveResponse\x12V\n\x0fListCollections\x12 .ragkv.v1.ListCollectionsRequest\x1a!.ragkv.v1.ListCollectionsResponse\x12_\n\x12GetCollectionStats\x12#.ragkv.v1.GetCollectionStatsRequest\x1a$.ragkv.v1.GetCollectionStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,18 +37,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHUNK_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_QUERYSTATS_PHASESECONDSENTRY']._loaded_options = None
   _globals['_QUERYSTATS_PHASESECONDSENTRY']._serialized_options = b'8\001'
-  _globals['_MODE']._serialized_start=2385
-  _globals['_MODE']._serialized_end=2510
-  _globals['_TIER']._serialized_start=2512
-  _globals['_TIER']._serialized_end=2636
-  _globals['_FINISHREASON']._serialized_start=2638
-  _globals['_FINISHREASON']._serialized_end=2733
-  _globals['_SEARCHMODE']._serialized_start=2735
-  _globals['_SEARCHMODE']._serialized_end=2848
-  _globals['_FILTEROP']._serialized_start=2850
-  _globals['_FILTEROP']._serialized_end=2931
-  _globals['_CHATROLE']._serialized_start=2933
-  _globals['_CHATROLE']._serialized_end=3015
+  _globals['_QUERYSTATS_KVSOURCESENTRY']._loaded_options = None
+  _globals['_QUERYSTATS_KVSOURCESENTRY']._serialized_options = b'8\001'
+  _globals['_MODE']._serialized_start=2492
+  _globals['_MODE']._serialized_end=2617
+  _globals['_TIER']._serialized_start=2619
+  _globals['_TIER']._serialized_end=2743
+  _globals['_FINISHREASON']._serialized_start=2745
+  _globals['_FINISHREASON']._serialized_end=2840
+  _globals['_SEARCHMODE']._serialized_start=2842
+  _globals['_SEARCHMODE']._serialized_end=2955
+  _globals['_FILTEROP']._serialized_start=2957
+  _globals['_FILTEROP']._serialized_end=3038
+  _globals['_CHATROLE']._serialized_start=3040
+  _globals['_CHATROLE']._serialized_end=3122
   _globals['_METADATAFILTER']._serialized_start=34
   _globals['_METADATAFILTER']._serialized_end=115
   _globals['_CHATTURN']._serialized_start=117
@@ -70,25 +72,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_start=1204
   _globals['_USAGE']._serialized_end=1291
   _globals['_QUERYSTATS']._serialized_start=1294
-  _globals['_QUERYSTATS']._serialized_end=1642
-  _globals['_QUERYSTATS_PHASESECONDSENTRY']._serialized_start=1591
-  _globals['_QUERYSTATS_PHASESECONDSENTRY']._serialized_end=1642
-  _globals['_RETRIEVEREQUEST']._serialized_start=1645
-  _globals['_RETRIEVEREQUEST']._serialized_end=1824
-  _globals['_RETRIEVERESPONSE']._serialized_start=1826
-  _globals['_RETRIEVERESPONSE']._serialized_end=1903
-  _globals['_LISTCOLLECTIONSREQUEST']._serialized_start=1905
-  _globals['_LISTCOLLECTIONSREQUEST']._serialized_end=1929
-  _globals['_LISTCOLLECTIONSRESPONSE']._serialized_start=1931
-  _globals['_LISTCOLLECTIONSRESPONSE']._serialized_end=1999
-  _globals['_COLLECTION']._serialized_start=2001
-  _globals['_COLLECTION']._serialized_end=2105
-  _globals['_GETCOLLECTIONSTATSREQUEST']._serialized_start=2107
-  _globals['_GETCOLLECTIONSTATSREQUEST']._serialized_end=2148
-  _globals['_TIERSTATS']._serialized_start=2150
-  _globals['_TIERSTATS']._serialized_end=2275
-  _globals['_GETCOLLECTIONSTATSRESPONSE']._serialized_start=2277
-  _globals['_GETCOLLECTIONSTATSRESPONSE']._serialized_end=2383
-  _globals['_RAGSERVICE']._serialized_start=3018
-  _globals['_RAGSERVICE']._serialized_end=3342
+  _globals['_QUERYSTATS']._serialized_end=1749
+  _globals['_QUERYSTATS_PHASESECONDSENTRY']._serialized_start=1648
+  _globals['_QUERYSTATS_PHASESECONDSENTRY']._serialized_end=1699
+  _globals['_QUERYSTATS_KVSOURCESENTRY']._serialized_start=1701
+  _globals['_QUERYSTATS_KVSOURCESENTRY']._serialized_end=1749
+  _globals['_RETRIEVEREQUEST']._serialized_start=1752
+  _globals['_RETRIEVEREQUEST']._serialized_end=1931
+  _globals['_RETRIEVERESPONSE']._serialized_start=1933
+  _globals['_RETRIEVERESPONSE']._serialized_end=2010
+  _globals['_LISTCOLLECTIONSREQUEST']._serialized_start=2012
+  _globals['_LISTCOLLECTIONSREQUEST']._serialized_end=2036
+  _globals['_LISTCOLLECTIONSRESPONSE']._serialized_start=2038
+  _globals['_LISTCOLLECTIONSRESPONSE']._serialized_end=2106
+  _globals['_COLLECTION']._serialized_start=2108
+  _globals['_COLLECTION']._serialized_end=2212
+  _globals['_GETCOLLECTIONSTATSREQUEST']._serialized_start=2214
+  _globals['_GETCOLLECTIONSTATSREQUEST']._serialized_end=2255
+  _globals['_TIERSTATS']._serialized_start=2257
+  _globals['_TIERSTATS']._serialized_end=2382
+  _globals['_GETCOLLECTIONSTATSRESPONSE']._serialized_start=2384
+  _globals['_GETCOLLECTIONSTATSRESPONSE']._serialized_end=2490
+  _globals['_RAGSERVICE']._serialized_start=3125
+  _globals['_RAGSERVICE']._serialized_end=3449
 # @@protoc_insertion_point(module_scope)

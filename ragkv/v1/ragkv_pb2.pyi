@@ -199,7 +199,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class QueryStats(_message.Message):
-    __slots__ = ("usage", "ttft_seconds", "total_seconds", "phase_seconds", "recompute_fraction", "mode", "finish_reason", "text", "used_chunk_ids")
+    __slots__ = ("usage", "ttft_seconds", "total_seconds", "phase_seconds", "recompute_fraction", "mode", "finish_reason", "text", "used_chunk_ids", "kv_sources")
     class PhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +207,13 @@ class QueryStats(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class KvSourcesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TTFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +223,7 @@ class QueryStats(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     USED_CHUNK_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCES_FIELD_NUMBER: _ClassVar[int]
     usage: Usage
     ttft_seconds: float
     total_seconds: float
@@ -225,7 +233,8 @@ class QueryStats(_message.Message):
     finish_reason: FinishReason
     text: str
     used_chunk_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, usage: _Optional[_Union[Usage, _Mapping]] = ..., ttft_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., recompute_fraction: _Optional[float] = ..., mode: _Optional[_Union[Mode, str]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., text: _Optional[str] = ..., used_chunk_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    kv_sources: _containers.ScalarMap[str, int]
+    def __init__(self, usage: _Optional[_Union[Usage, _Mapping]] = ..., ttft_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., recompute_fraction: _Optional[float] = ..., mode: _Optional[_Union[Mode, str]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., text: _Optional[str] = ..., used_chunk_ids: _Optional[_Iterable[str]] = ..., kv_sources: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class RetrieveRequest(_message.Message):
     __slots__ = ("question", "collection", "top_k", "snippet_chars", "search_mode", "filters")

@@ -7,7 +7,7 @@ from google.protobuf.message import Message
 
 from ragkv import convert
 from ragkv.types import (
-    ChatRole, ChatTurn, CollectionInfo, CollectionStats, FilterOp, FinishReason, MetadataFilter, Mode, QueryOptions, QueryStats,
+    ChatRole, ChatTurn, CollectionInfo, CollectionStats, FilterOp, FinishReason, KVSource, MetadataFilter, Mode, QueryOptions, QueryStats,
     RetrievedChunk, RetrieveResult, SearchMode, Tier, TierStats, Usage,
 )
 from ragkv.v1 import ragkv_pb2 as pb
@@ -17,7 +17,8 @@ CHUNK = RetrievedChunk("c1", 0.5, "some text", {"source": "a.txt", "page": 3, "o
 FILTERS = (MetadataFilter("year", 2024), MetadataFilter("source", "docs/", FilterOp.PREFIX),
            MetadataFilter("ok", True), MetadataFilter("tag", None))
 STATS = QueryStats(Usage(100, 5, 80), 0.25, 1.5, {"retrieve": 0.01, "decode": 1.0}, 0.15, Mode.FOCUS,
-                   FinishReason.LENGTH, "an answer", ("c1", "c3"))
+                   FinishReason.LENGTH, "an answer", ("c1", "c3"),
+                   {KVSource.LOADED: 3, KVSource.COMPUTED_CHEAPER: 1})
 
 
 def _all_fields_set(msg: Message) -> list[str]:
@@ -131,3 +132,9 @@ def test_bad_wire_filters_name_the_field() -> None:
         convert.query_request_from_proto(bad_prefix)
     with pytest.raises(convert.WireValueError, match="unknown search mode 9"):
         convert.query_request_from_proto(pb.QueryRequest(question="q", search_mode=9))
+
+
+def test_kv_sources_a_newer_server_adds_are_dropped_not_fatal() -> None:
+    smsg = convert.query_stats_to_proto(STATS)
+    smsg.kv_sources["computed_by_magic"] = 2
+    assert convert.query_stats_from_proto(smsg).kv_sources == STATS.kv_sources

@@ -130,7 +130,11 @@ class ServerThread(InProcessServer):
 
 
 def settings(**overrides: object) -> ServerSettings:
-    """Loopback settings for tests: any free port, no metrics port unless asked."""
-    base = {"host": "127.0.0.1", "port": 0, "metrics_port": None}
+    """Loopback settings for tests: any free port, no metrics port unless asked.
+
+    The loading controller is off unless asked: a tiny model computes a chunk faster than
+    any tier reads it, so with it on these tests' reads (the paths they test) would be
+    replaced by recomputes. tests/server/test_loading_controller.py tests it on."""
+    base = {"host": "127.0.0.1", "port": 0, "metrics_port": None, "kv_controller": False}
     base.update(overrides)
     return ServerSettings(**base)

@@ -1,0 +1,153 @@
+"""The loading controller: read a chunk's KV or recompute it, whichever is cheaper, and
+never wait on a read that overruns its estimate (real pipeline, tiny model, disk tier with
+injected latency). Answers are the same whichever way each chunk's KV came."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ragkv.client import RagClient
+from ragkv.kvstore.tiers.disk import DiskTier
+from ragkv.kvstore.timing import ReadEstimate
+from ragkv.server.loading import ControllerConfig, LoadingController
+from ragkv.server.settings import CollectionSpec
+from ragkv.types import KVSource, Tier
+from tests.server.fakes import ServerThread, settings
+from tests.server.test_pipeline import QUESTION, _copy, tiny_index  # noqa: F401 - the session fixture
+
+TOP_K = 3
+
+
+class _Store:
+    """What the controller asks of a store: where a key is, and that tier's measured speed."""
+
+    def __init__(self, tier: Tier | None, est: ReadEstimate | None) -> None:
+        self.tier, self.est = tier, est
+
+    def where(self, key: object) -> Tier | None:
+        return self.tier
+
+    def read_estimate(self, tier: Tier) -> ReadEstimate | None:
+        return self.est
+
+
+def test_decisions_follow_the_measured_costs() -> None:
+    c = LoadingController()
+    c.observe_compute(1000, 1.0)  # 1000 tokens/s: 500 tokens take 0.5 s to compute
+    slow = ReadEstimate(latency_s=0.2, bytes_per_s=1e6, bytes_per_token=4096, reads=3)  # 500 tokens: 2.25 s
+    fast = ReadEstimate(latency_s=0.001, bytes_per_s=1e9, bytes_per_token=4096, reads=3)  # ~3 ms
+    assert c.decide(_Store(Tier.S3, slow), "k", 500).source is KVSource.COMPUTED_CHEAPER
+    d = c.decide(_Store(Tier.DISK, fast), "k", 500)
+    assert d.load and d.source is KVSource.LOADED and d.load_s < d.compute_s
+    assert c.decide(_Store(None, fast), "k", 500).source is KVSource.COMPUTED_MISSING
+    assert c.decide(_Store(Tier.S3, None), "k", 500).load  # an unmeasured tier is read (and measured)
+    assert LoadingController(ControllerConfig(enabled=False)).decide(_Store(Tier.S3, slow), "k", 500).load
+    # a read is abandoned at twice its estimate (+50 ms), never later than the hard limit
+    assert c.wait_limit([d], 120.0) == pytest.approx(2 * d.load_s + 0.05)
+    assert c.wait_limit([c.decide(_Store(Tier.S3, None), "k", 500)], 120.0) == 120.0
+
+
+@pytest.fixture()
+def slow_disk(monkeypatch: pytest.MonkeyPatch):
+    """Every disk read sleeps `delay[0]` seconds first (its latency), on the prefetch thread."""
+    delay = [0.0]
+    for name in ("fetch", "fetch_layered"):
+        real = getattr(DiskTier, name)
+
+        def slow(self, *args, _real=real, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+            time.sleep(delay[0])
+            return _real(self, *args, **kw)
+
+        monkeypatch.setattr(DiskTier, name, slow)
+    return delay
+
+
+@pytest.fixture()
+def server(tiny_index: Path, tmp_path: Path):  # noqa: F811
+    import ragkv.server.pipeline as sp
+
+    index = _copy(tiny_index, tmp_path / "index")
+    st = ServerThread(settings(indexes=(CollectionSpec("default", index),), kv_cpu_bytes=1, kv_controller=True),
+                      sp.Pipeline.from_settings)
+    yield st
+    st.stop()
+
+
+def _ask(addr: str, mode: str = "reuse", max_new_tokens: int = 6):
+    with RagClient(addr, timeout=60) as client:
+        stream = client.query(QUESTION, mode=mode, top_k=TOP_K, max_new_tokens=max_new_tokens)
+        stats = stream.result()
+        return stream, stats
+
+
+def _pipeline(st: ServerThread):
+    return st.server.service.backend  # the test reaches the controller it configures
+
+
+def test_a_tier_slower_than_recompute_is_not_read(server: ServerThread, slow_disk: list[float]) -> None:
+    slow_disk[0] = 0.4  # a slow tier: each read takes 0.4 s, a tiny model computes a chunk in ms
+    first_stream, first = _ask(server.addr)
+    assert first.kv_sources == {KVSource.LOADED: TOP_K}  # not measured yet: read, and measured
+    _, second = _ask(server.addr)
+    assert second.kv_sources == {KVSource.COMPUTED_CHEAPER: TOP_K}
+    assert second.text == first.text
+    assert second.phase_seconds["kv_wait"] < 0.2  # nothing waited on the slow tier
+
+
+def test_a_tier_faster_than_recompute_is_read(server: ServerThread, slow_disk: list[float]) -> None:
+    controller = _pipeline(server).controller
+    for _ in range(20):  # an engine computing 20 tokens a second: any disk read is cheaper
+        controller.observe_compute(20, 1.0)
+    _, first = _ask(server.addr)
+    _, second = _ask(server.addr)
+    assert first.kv_sources == second.kv_sources == {KVSource.LOADED: TOP_K}
+    stream, _ = _ask(server.addr)
+    assert {c.kv_tier for c in stream.chunks} == {Tier.DISK}
+
+
+def test_a_read_that_overruns_is_abandoned_and_the_answer_unchanged(server: ServerThread,
+                                                                      slow_disk: list[float]) -> None:
+    controller = _pipeline(server).controller
+    for _ in range(20):  # recompute looks slow, so the (fast, measured) tier is chosen...
+        controller.observe_compute(20, 1.0)
+    _, clean = _ask(server.addr)
+    _, again = _ask(server.addr)
+    assert clean.kv_sources == again.kv_sources == {KVSource.LOADED: TOP_K}
+    slow_disk[0] = 3.0  # ...then the tier stalls: 3 s a read, far past its estimate
+    t0 = time.monotonic()
+    _, stalled = _ask(server.addr)
+    took = time.monotonic() - t0
+    assert stalled.kv_sources == {KVSource.COMPUTED_OVERRUN: TOP_K}
+    assert stalled.text == clean.text
+    assert took < 2.5, f"the request waited for the stalled reads ({took:.2f} s)"
+
+
+def test_waiting_for_kv_parks_the_request_and_others_decode(server: ServerThread, slow_disk: list[float]) -> None:
+    """A 1 s read parks its request (waiting_kv) while another request decodes to its end."""
+    sched = server.server._scheduler  # noqa: SLF001
+    # the controller off: the read is waited for whole (with it on, the slow read would be
+    # abandoned after twice its estimate, as the test above shows)
+    _pipeline(server).controller.config = ControllerConfig(enabled=False)
+    _, base = _ask(server.addr)
+    slow_disk[0] = 1.0
+    seen: list[int] = []
+    result: dict = {}
+
+    def slow_request() -> None:
+        result["stats"] = _ask(server.addr)[1]
+
+    t = threading.Thread(target=slow_request)
+    t.start()
+    time.sleep(0.3)
+    seen.append(sched.stats.waiting_kv)
+    slow_disk[0] = 0.0
+    _, other = _ask(server.addr, mode="full", max_new_tokens=24)  # a full prefill needs no KV read
+    seen.append(sched.stats.waiting_kv)
+    t.join(30)
+    assert seen[0] == 1  # parked on its reads
+    assert other.usage.completion_tokens > 0
+    assert result["stats"].text == base.text  # the same answer, only later

@@ -193,6 +193,7 @@ class TieredStore:
             raise ValueError(f"prefetch_workers must be >= 1, got {prefetch_workers}")
         self.write_through = frozenset(wt)
         self._pool = ThreadPoolExecutor(max_workers=prefetch_workers, thread_name_prefix="kvstore-prefetch")
+        self.prefetch_workers = prefetch_workers  # reads in flight at once
         # the bodies of layered reads: one per chunk in flight, so a prompt's chunks fill side by side
         self._stream_pool = ThreadPoolExecutor(max_workers=max(_STREAM_WORKERS, prefetch_workers),
                                                thread_name_prefix="kvstore-layers")

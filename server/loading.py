@@ -1,19 +1,26 @@
-"""The loading controller: for each chunk, load its KV or recompute it, whichever is cheaper.
+"""The loading controller: for each chunk, load its KV or recompute it, whichever makes the
+request's KV ready sooner.
 
-CacheBlend's loading controller, in our words: a chunk's KV is worth reading only if the
-read takes less time than computing it. The read time comes from the tier the chunk sits
-in, as measured on the reads that tier served (kvstore.timing: latency plus size over
-throughput); the compute time from the engine's measured prefill rate (tokens per second,
-learned from the chunks computed while serving, and seeded at start). The cheaper wins;
-a read that is chosen but overruns its estimate (by `overrun_factor`, plus a floor) is
-abandoned and the chunk computed, so loading never makes a request much slower than
-recomputing would. Before a tier has a measured read, loading is assumed cheaper (the
-stored KV is what the index was built for); the first reads measure it.
+CacheBlend's loading controller, in our words: a chunk's KV is worth reading only if reading
+it does not make the request wait longer than computing it would. The read time comes from
+the tier the chunk sits in, as measured on the reads that tier served (kvstore.timing:
+latency plus size over throughput); the compute time from the engine's measured prefill
+rate (tokens per second, seeded at start and learned from the chunks computed while
+serving). Reads run in parallel, `store.prefetch_workers` at a time, off the engine; the
+chunks to compute run one after another on the engine (which every other request needs
+too, so compute counts `margin` times its time). The request's KV is ready when both are
+done, so the controller computes the chunks whose reads are slowest for as long as that
+brings the ready time down. A read that is chosen but overruns its estimate (by
+`overrun_factor`, plus a floor) is abandoned and the chunk computed. Before a tier has a
+measured read, loading is chosen (the stored KV is what the index was built for); the
+first reads measure it.
 """
 
 from __future__ import annotations
 
+import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ragkv.types import KVSource, Tier
@@ -34,16 +41,16 @@ class ChunkDecision:
 
 @dataclass(frozen=True, slots=True)
 class ControllerConfig:
-    """How the controller weighs a read against a recompute."""
+    """How the controller weighs reads against recomputes."""
 
     enabled: bool = True  # off: always read what a tier holds (the behaviour before the controller)
-    margin: float = 1.0  # compute when read_s > margin x compute_s
-    overrun_factor: float = 2.0  # abandon a read still pending at overrun_factor x its estimate ...
+    margin: float = 1.2  # a second of compute counts this much: the engine is every request's
+    overrun_factor: float = 2.0  # abandon reads still pending at overrun_factor x their estimate ...
     overrun_floor_s: float = 0.05  # ... plus this
 
 
 class LoadingController:
-    """Decides per chunk, and learns the engine's prefill rate (thread-safe)."""
+    """Decides per request which chunks to read and which to compute; learns the prefill rate."""
 
     def __init__(self, config: ControllerConfig = ControllerConfig()) -> None:
         self.config = config
@@ -51,7 +58,7 @@ class LoadingController:
         self._tokens_per_s: float | None = None
 
     def observe_compute(self, tokens: int, seconds: float) -> None:
-        """A chunk of `tokens` tokens was computed in `seconds`."""
+        """A chunk of `tokens` tokens was computed in `seconds` of engine time."""
         if tokens <= 0 or seconds <= 0:
             return
         rate = tokens / seconds
@@ -64,24 +71,45 @@ class LoadingController:
         with self._lock:
             return self._tokens_per_s
 
-    def decide(self, store, key, tokens: int) -> ChunkDecision:  # noqa: ANN001 - kvstore.TieredStore, ChunkKey
-        """Load or compute the chunk under `key` (of `tokens` tokens)."""
-        tier = store.where(key)
-        rate = self.tokens_per_s
-        compute_s = tokens / rate if rate else None
-        if tier is None:
-            return ChunkDecision(False, KVSource.COMPUTED_MISSING, None, None, compute_s)
-        est = store.read_estimate(tier)
-        load_s = est.seconds(tokens) if est is not None else None
-        if (self.config.enabled and load_s is not None and compute_s is not None
-                and load_s > self.config.margin * compute_s):
-            return ChunkDecision(False, KVSource.COMPUTED_CHEAPER, tier, load_s, compute_s)
-        return ChunkDecision(True, KVSource.LOADED, tier, load_s, compute_s)
+    def decide(self, store, keys: Sequence, tokens: Sequence[int]) -> list[ChunkDecision]:  # noqa: ANN001
+        """Read or compute each chunk (`keys[i]` of `tokens[i]` tokens) of one request.
 
-    def wait_limit(self, decisions: list[ChunkDecision], hard_limit_s: float) -> float:
-        """Seconds to wait for the chosen reads before abandoning the pending ones: the slowest
-        estimate times `overrun_factor`, plus the floor; `hard_limit_s` while any is unmeasured."""
+        Args:
+            store: a kvstore.TieredStore (`where`, `read_estimate`, `prefetch_workers`).
+        """
+        rate = self.tokens_per_s
+        base = []
+        for key, n in zip(keys, tokens):
+            tier = store.where(key)
+            est = store.read_estimate(tier) if tier is not None else None
+            base.append(ChunkDecision(tier is not None, KVSource.LOADED if tier is not None
+                                      else KVSource.COMPUTED_MISSING, tier,
+                                      est.seconds(n) if est is not None else None, n / rate if rate else None))
+        readable = [i for i, d in enumerate(base) if d.load]
+        if not self.config.enabled or any(base[i].load_s is None or base[i].compute_s is None for i in readable):
+            return base
+        workers = max(1, getattr(store, "prefetch_workers", 1))
+        compute = {i for i, d in enumerate(base) if not d.load}
+        missing_s = sum(base[i].compute_s or 0.0 for i in compute)
+
+        def ready_s(computed: set[int]) -> float:
+            reads = [base[i].load_s for i in readable if i not in computed]
+            read_s = max(reads) * math.ceil(len(reads) / workers) if reads else 0.0
+            return max(read_s, self.config.margin * (missing_s + sum(base[i].compute_s for i in computed)))
+
+        slowest_first = sorted(readable, key=lambda i: base[i].load_s, reverse=True)
+        # compute the k slowest reads, for the k that makes the KV ready soonest (fewest on ties)
+        k = min(range(len(slowest_first) + 1), key=lambda k: (ready_s(set(slowest_first[:k])), k))
+        chosen = set(slowest_first[:k])
+        return [ChunkDecision(False, KVSource.COMPUTED_CHEAPER, d.tier, d.load_s, d.compute_s) if i in chosen else d
+                for i, d in enumerate(base)]
+
+    def wait_limit(self, decisions: Sequence[ChunkDecision], hard_limit_s: float, workers: int = 1) -> float:
+        """Seconds to wait for the chosen reads before abandoning the pending ones: their
+        estimated time (in rounds of `workers` at once) times `overrun_factor`, plus the floor;
+        `hard_limit_s` while any is unmeasured."""
         loads = [d.load_s for d in decisions if d.load]
         if not self.config.enabled or not loads or any(s is None for s in loads):
             return hard_limit_s
-        return min(hard_limit_s, max(loads) * self.config.overrun_factor + self.config.overrun_floor_s)
+        read_s = max(loads) * math.ceil(len(loads) / max(1, workers))
+        return min(hard_limit_s, read_s * self.config.overrun_factor + self.config.overrun_floor_s)

@@ -256,7 +256,7 @@ class Pipeline:
         kv_keys = tuple(c.kv_key(h, params.mode, self.lm.fingerprint, self.lm.tokenizer_fingerprint) for h in hits)
         handles, decisions = None, ()
         if self.engine.reads_chunk_kv(params.mode):  # start loading the moment the ids are known
-            decisions = tuple(self.controller.decide(c.store, k, len(h.token_ids)) for k, h in zip(kv_keys, hits))
+            decisions = tuple(self.controller.decide(c.store, kv_keys, [len(h.token_ids) for h in hits]))
             reads = iter(c.store.prefetch([k for k, d in zip(kv_keys, decisions) if d.load],
                                           layered=self._kv_layered))
             handles = tuple(next(reads) if d.load else None for d in decisions)
@@ -292,7 +292,7 @@ class Pipeline:
         handles = plan.handles or ()
         t0 = time.perf_counter()
         if (w := wait_for([h.future for h in handles if h is not None])) is not None:
-            yield WaitFor(w.futures, self.controller.wait_limit(list(plan.decisions), _KV_WAIT_LIMIT))
+            yield WaitFor(w.futures, self.controller.wait_limit(plan.decisions, _KV_WAIT_LIMIT, c.store.prefetch_workers))
         wait_s, compute_s = time.perf_counter() - t0, [0.0]
         if cancel.is_set():
             return None

@@ -435,25 +435,43 @@ def test_a_request_waiting_for_its_kv_stalls_nobody(tiny_lm) -> None:
         yield WaitFor((fut,))
         yield from _job(engine, Mode.REUSE, 2, "What does the village grow?", 8, out)
 
+    def bystander(mode: Mode, n: int, q: str, started: threading.Event):
+        """Decodes until cancelled: no EOS, a length past the test's end."""
+        prefix_ids = engine.prompt.prefix_ids()
+        chunk_ids = [engine.prompt.chunk_ids(p) for p in PASSAGES[:n]]
+        kvs = [engine.prefill_chunk(prefix_ids, ids) for ids in chunk_ids]
+        res = yield from engine.run_steps(prefix_ids, chunk_ids, kvs, engine.prompt.question_ids(q), mode,
+                                          reserve_tokens=3000)
+        stream = engine.decode(res, SamplingParams(max_new_tokens=3000))
+        stream._eos = set()  # a random model may pick EOS at any step: this one must go on
+        started.set()
+        yield Decode(stream, _Piece)
+
     def run(delay_s: float) -> tuple[list[int], list[float], float]:
         sched = Scheduler(SchedulerConfig(prompt_slice_s=1e-4))
         sched.stats.on_step.append(lambda b, dt: step_times.append(time.monotonic()))
         step_times.clear()
-        sinks, outs = [], []
+        sinks, cancels, started = [], [], []
         for mode, n, q, _ in REQUESTS[:3]:
-            out: dict = {}
             sinks.append(_Sink())
-            sched.submit(_job(engine, mode, n, q, 40, out), sinks[-1], threading.Event())
-            outs.append(out)
-        time.sleep(0.2)
+            cancels.append(threading.Event())
+            started.append(threading.Event())
+            sched.submit(bystander(mode, n, q, started[-1]), sinks[-1], cancels[-1])
+        assert all(s.wait(60) for s in started)  # all three decoding before the slow one comes
         slow_out: dict = {}
         slow = _Sink()
         t0 = time.monotonic()
         sched.submit(slow_job(slow_out, delay_s), slow, threading.Event())
         if delay_s:
-            time.sleep(0.3)
+            deadline = time.monotonic() + delay_s / 2
+            while sched.stats.waiting_kv != 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
             states.append(sched.stats.waiting_kv)
-        assert slow.ended.wait(60) and all(s.ended.wait(120) for s in sinks)
+        assert slow.ended.wait(60)
+        assert not any(s.ended.is_set() for s in sinks)  # the bystanders decoded all along
+        for c in cancels:
+            c.set()
+        assert all(s.ended.wait(60) for s in sinks)
         sched.close()
         window = [t for t in step_times if t0 <= t <= t0 + delay_s]
         return slow_out["stream"].token_ids, window, time.monotonic() - t0

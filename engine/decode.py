@@ -55,6 +55,9 @@ class DecodeStream(Iterator[str]):
         self._eos = set(lm.eos_token_ids)
         self._text = ""  # detokenized so far
         self._emitted = 0  # characters of _text already yielded
+        # incremental detokenization: token_ids[_prefix:_read] were decoded last time; the newest
+        # tokens' text is decode(token_ids[_prefix:]) less decode(token_ids[_prefix:_read])
+        self._prefix = self._read = 0
         self._gen = None
         if params.temperature > 0:
             self._gen = torch.Generator(device=lm.device)
@@ -77,20 +80,26 @@ class DecodeStream(Iterator[str]):
             self.logits = self._forward(token)
         return piece
 
-    def advance(self) -> tuple[str, int | None]:
-        """Pick the next token from the current logits.
+    @property
+    def greedy(self) -> bool:
+        """Whether the next token is the argmax (a batch picks those together: `pick_greedy`)."""
+        return self.params.temperature == 0
+
+    def advance(self, token: int | None = None) -> tuple[str, int | None]:
+        """Take the next token: `token` when the caller picked it (greedy rows of a batch,
+        `pick_greedy`), else picked here from the current logits.
 
         Returns:
             The text that became final, and the token to run the model on next (None when
             generation has finished: then `finish_reason` says why). The caller sets
             `logits` from that forward step, alone (`_step`) or batched (`decode_batch`).
         """
-        token = self._pick(self.logits)
+        token = self._pick(self.logits) if token is None else token
         if token in self._eos:
             self.finish_reason = "eos"
             return self._flush(), None
         self.token_ids.append(token)
-        self._text = self.lm.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        self._detokenize()
         stop_at = self._find_stop()
         if stop_at is not None:
             self._text = self._text[:stop_at]
@@ -100,6 +109,21 @@ class DecodeStream(Iterator[str]):
             self.finish_reason = "length"
             return self._flush(), None
         return self._ready_piece(), token
+
+    def _detokenize(self) -> None:
+        """Append the newest token's text to `_text`, decoding only the last few tokens.
+
+        Decoding a window with and without the newest token and keeping the difference is
+        what a whole decode gives (a word-start space stripped at the window's start is
+        stripped in both); a token that ends inside a UTF-8 character adds nothing until
+        the token that completes it comes.
+        """
+        tok, ids = self.lm.tokenizer, self.token_ids
+        before = tok.decode(ids[self._prefix:self._read], skip_special_tokens=True)
+        now = tok.decode(ids[self._prefix:], skip_special_tokens=True)
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self._text += now[len(before):]
+            self._prefix, self._read = self._read, len(ids)
 
     def _pick(self, logits: torch.Tensor) -> int:
         p = self.params
@@ -142,6 +166,13 @@ class DecodeStream(Iterator[str]):
         return piece
 
     def _flush(self) -> str:
+        """The rest of the text, at the end: a character left incomplete by the last token
+        comes out as U+FFFD, as a whole decode gives it (unless a stop string cut the text)."""
+        if self.finish_reason != "stop" and self._read < len(self.token_ids):
+            tok, ids = self.lm.tokenizer, self.token_ids
+            before = tok.decode(ids[self._prefix:self._read], skip_special_tokens=True)
+            self._text += tok.decode(ids[self._prefix:], skip_special_tokens=True)[len(before):]
+            self._prefix = self._read = len(ids)
         piece = self._text[self._emitted:]
         self._emitted = len(self._text)
         return piece
@@ -180,3 +211,8 @@ def decode_batch(lm: LoadedModel, caches: Sequence[KVCache], tokens: Sequence[in
     for c, n in zip(caches, lens):
         c.length = n + 1
     return ad.logits(h)  # [B, V]
+
+
+def pick_greedy(logits: torch.Tensor) -> list[int]:
+    """The argmax of each row of logits [B, V]: one call for a batch's greedy requests."""
+    return logits.argmax(-1).tolist()

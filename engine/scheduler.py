@@ -57,7 +57,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from ragkv.engine.decode import DecodeStream, decode_batch
+from ragkv.engine.decode import DecodeStream, decode_batch, pick_greedy
 from ragkv.engine.memory import trim_host_heap
 from ragkv.engine.work import WaitFor
 from ragkv.errors import RagKVError
@@ -135,6 +135,7 @@ class _Job:
     cost: float = 0.0  # its prompt pass's estimated work (submit's prompt_cost); 0 = unknown
     submitted: float = 0.0  # time.monotonic()
     next_token: int | None = None  # picked, not yet run through the model (the next decode step does)
+    next_pick: int | None = None  # greedy: the token its last decode step's batched argmax chose
     status: RequestStatus = RequestStatus.QUEUED
     end_reason: str = ""  # FINISHED: "done", "cancelled", "deadline", "error" or "stopped"
     wait: WaitFor | None = None  # WAITING_KV: what it waits for
@@ -391,7 +392,8 @@ class Scheduler:
         """Pick a decoding job's next token from its logits and emit the text it completes;
         False once the job has left (finished, or failed)."""
         try:
-            piece, token = job.decode.stream.advance()
+            piece, token = job.decode.stream.advance(job.next_pick)
+            job.next_pick = None
         except Exception as exc:
             job.emit(exc)
             if job in decoding:
@@ -429,6 +431,10 @@ class Scheduler:
             return
         for j, stream in enumerate(streams):
             stream.logits = logits[j]
+        greedy = [j for j, s in enumerate(streams) if s.greedy]
+        if greedy:  # one argmax over the batch's greedy rows; sampled rows pick per request (own seeds)
+            for j, token in zip(greedy, pick_greedy(logits[greedy])):
+                live[j].next_pick = token
         st = self.stats
         st.steps += 1
         dt = time.perf_counter() - t0

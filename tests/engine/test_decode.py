@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragkv.engine import Engine, SamplingParams, load_model
+from ragkv.engine import Engine, KVCache, SamplingParams, load_model
+from ragkv.types import Mode
 
 CHUNKS = [
     "The observatory on Mount Kerr was built in 1931 by the astronomer Ada Lind.",
@@ -100,3 +101,35 @@ def test_decode_grows_the_cache_past_its_reserve(tiny):
 def test_bad_sampling_params(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def _incremental_text(lm, ids: list[int]) -> tuple[str, list[str]]:
+    """Feed `ids` to a stream one token at a time (as decode does) and return its text and pieces."""
+    from ragkv.engine.blend import BlendResult
+    from ragkv.engine.decode import DecodeStream
+
+    prompt = BlendResult(Mode.FULL, torch.tensor([1]), torch.zeros(8), KVCache(1, 1, 1, 1, torch.float32,
+                                                                             torch.device("cpu")),
+                         torch.tensor([], dtype=torch.long), 0)
+    stream = DecodeStream(lm, prompt, SamplingParams(max_new_tokens=len(ids) + 1))
+    stream._eos = set()  # every id is text here
+    pieces = [stream.advance(t)[0] for t in ids]
+    pieces.append(stream._flush())
+    return stream._text, pieces
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_incremental_detokenization_equals_a_whole_decode(tiny, smollm2, seed):
+    """Random ids (multi-byte characters split across tokens included) decode to the same text
+    one token at a time as all at once, and the pieces emitted add up to it."""
+    g = torch.Generator().manual_seed(seed)
+    for lm in (tiny.lm, smollm2):
+        tok = lm.tokenizer
+        text = "Grüße, 東京 — naïve café ☕ 4721. " * 3
+        real = tok(text, add_special_tokens=False)["input_ids"]
+        noise = torch.randint(0, len(tok), (40,), generator=g).tolist()
+        for ids in (real, noise, real[:7] + noise[:9] + real[7:]):
+            whole = tok.decode(ids, skip_special_tokens=True)
+            text_inc, pieces = _incremental_text(lm, ids)
+            assert text_inc == whole
+            assert "".join(pieces) == whole

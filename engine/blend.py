@@ -40,7 +40,7 @@ from ragkv.engine.kv import ChunkKV, KVCache
 from ragkv.engine.loading import LoadedModel
 from ragkv.engine.rope import RopeTables
 from ragkv.engine.select import Budget, question_attention, select_tokens, tokens_for_mass
-from ragkv.engine.work import WaitFor, wait_for
+from ragkv.engine.work import WaitFor, drain, wait_for
 
 
 class Selector(str, enum.Enum):
@@ -142,17 +142,6 @@ def run_prompt(
 ) -> BlendResult:
     """Run a prompt in `mode` to its end; see `prompt_steps`."""
     return drain(prompt_steps(lm, prefix, chunks, question_ids, mode, options, reserve_tokens))
-
-
-def drain(steps: PromptSteps) -> BlendResult:
-    """Run a prompt pass's steps to the end and return its result (blocking on its waits)."""
-    while True:
-        try:
-            item = next(steps)
-        except StopIteration as done:
-            return done.value
-        if isinstance(item, WaitFor):
-            item.block()
 
 
 def prompt_steps(

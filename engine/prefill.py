@@ -19,17 +19,13 @@ import torch
 from ragkv.engine.forward import layer_forward, project_kv, span
 from ragkv.engine.kv import ChunkKV, KVCache
 from ragkv.engine.loading import LoadedModel
+from ragkv.engine.work import drain
 
 
 def prefill_segment(lm: LoadedModel, prefix: ChunkKV | None, token_ids: Sequence[int] | torch.Tensor,
                     context_ids: Sequence[int] = (), context_kv: Sequence[ChunkKV] = ()) -> ChunkKV:
     """`prefill_steps` in one go."""
-    steps = prefill_steps(lm, prefix, token_ids, context_ids, context_kv)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
+    return drain(prefill_steps(lm, prefix, token_ids, context_ids, context_kv))
 
 
 @torch.inference_mode()

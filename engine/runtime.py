@@ -11,12 +11,13 @@ from collections.abc import Generator, Sequence
 import torch
 
 from ragkv.types import Mode
-from ragkv.engine.blend import BlendOptions, BlendResult, PromptSteps, drain, prompt_steps, run_prompt
+from ragkv.engine.blend import BlendOptions, BlendResult, PromptSteps, prompt_steps, run_prompt
 from ragkv.engine.decode import DecodeStream, SamplingParams
 from ragkv.engine.kv import ChunkKV
 from ragkv.engine.loading import LoadedModel
 from ragkv.engine.prefill import prefill_segment, prefill_steps
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT, PromptFormat
+from ragkv.engine.work import drain
 
 _PREFIX_MEMO_SIZE = 8  # distinct prefixes kept computed
 _CHUNK_KV_MODES = frozenset({Mode.REUSE, Mode.BLEND, Mode.FOCUS})

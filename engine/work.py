@@ -10,9 +10,12 @@ sleeps on I/O. Outside the scheduler (`drain`, evals, tests) a wait simply block
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,3 +34,15 @@ def wait_for(futures: Sequence[Future | None]) -> WaitFor | None:
     """A WaitFor for those of `futures` that are pending, or None when none is."""
     pending = tuple(f for f in futures if f is not None and not f.done())
     return WaitFor(pending) if pending else None
+
+
+def drain(steps: Generator[int | WaitFor, None, T]) -> T:
+    """Run work's steps to the end and return its result, blocking on its waits (not the
+    scheduler's way: for evals, tests and one-off calls)."""
+    while True:
+        try:
+            item = next(steps)
+        except StopIteration as done:
+            return done.value
+        if isinstance(item, WaitFor):
+            item.block()

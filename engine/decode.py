@@ -16,6 +16,7 @@ from ragkv.engine.blend import BlendResult
 from ragkv.engine.forward import layer_forward, span
 from ragkv.engine.kv import KVCache
 from ragkv.engine.loading import LoadedModel
+from ragkv.types import FinishReason
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +52,8 @@ class DecodeStream(Iterator[str]):
         self.cache.ensure(self.cache.length + params.max_new_tokens)
         self.logits = prompt.logits  # [V]
         self.token_ids: list[int] = []  # generated so far
-        self.finish_reason: str | None = None  # "eos", "stop", "length"
+        self.finish_reason: FinishReason | None = None  # STOP (EOS or a stop string) or LENGTH
+        self._cut = False  # a stop string cut the text
         self._eos = set(lm.eos_token_ids)
         self._text = ""  # detokenized so far
         self._emitted = 0  # characters of _text already yielded
@@ -96,17 +98,17 @@ class DecodeStream(Iterator[str]):
         """
         token = self._pick(self.logits) if token is None else token
         if token in self._eos:
-            self.finish_reason = "eos"
+            self.finish_reason = FinishReason.STOP
             return self._flush(), None
         self.token_ids.append(token)
         self._detokenize()
         stop_at = self._find_stop()
         if stop_at is not None:
             self._text = self._text[:stop_at]
-            self.finish_reason = "stop"
+            self.finish_reason, self._cut = FinishReason.STOP, True
             return self._flush(), None
         if len(self.token_ids) >= self.params.max_new_tokens:
-            self.finish_reason = "length"
+            self.finish_reason = FinishReason.LENGTH
             return self._flush(), None
         return self._ready_piece(), token
 
@@ -168,7 +170,7 @@ class DecodeStream(Iterator[str]):
     def _flush(self) -> str:
         """The rest of the text, at the end: a character left incomplete by the last token
         comes out as U+FFFD, as a whole decode gives it (unless a stop string cut the text)."""
-        if self.finish_reason != "stop" and self._read < len(self.token_ids):
+        if not self._cut and self._read < len(self.token_ids):
             tok, ids = self.lm.tokenizer, self.token_ids
             before = tok.decode(ids[self._prefix:self._read], skip_special_tokens=True)
             self._text += tok.decode(ids[self._prefix:], skip_special_tokens=True)[len(before):]

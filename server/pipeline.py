@@ -43,7 +43,6 @@ from ragkv.server.status import InvalidArgumentError, UnknownCollectionError
 
 log = logging.getLogger(__name__)
 
-_FINISH = {"eos": FinishReason.STOP, "stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 _SEED_TEXT = "The loading controller measures how fast this engine computes a chunk of text like this one."
 _KV_WAIT_LIMIT = 120.0  # seconds a single chunk's KV load may take
 
@@ -434,7 +433,7 @@ class Pipeline:
             cached_prompt_tokens=res.cached_tokens,
             completion_tokens=len(stream.token_ids),
             recompute_fraction=float(res.recompute_fraction),
-            finish_reason=_FINISH.get(stream.finish_reason or "", FinishReason.STOP),
+            finish_reason=stream.finish_reason or FinishReason.STOP,
             phase_seconds=phases,
             bytes_loaded=loaded,
             used_chunk_ids=tuple(prepared.chunks[i].chunk_id for i in used),

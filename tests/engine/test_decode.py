@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ragkv.engine import Engine, KVCache, SamplingParams, load_model
-from ragkv.types import Mode
+from ragkv.types import FinishReason, Mode
 
 CHUNKS = [
     "The observatory on Mount Kerr was built in 1931 by the astronomer Ada Lind.",
@@ -32,8 +32,8 @@ def test_greedy_equals_generate_tiny(tiny):
     ref = _greedy_hf(tiny.lm, ids, 20)
     n = len(stream.token_ids)
     assert stream.token_ids == ref[:n]
-    assert stream.finish_reason in ("length", "eos")
-    if stream.finish_reason == "length":
+    assert stream.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    if stream.finish_reason is FinishReason.LENGTH:
         assert n == 20
     assert "".join(pieces) == tiny.lm.tokenizer.decode(stream.token_ids, skip_special_tokens=True)
 
@@ -59,7 +59,7 @@ def test_stop_string_ends_generation_and_is_not_emitted(tiny):
     stop = text[3:6]
     stream = tiny.decode(tiny.full_prefill(ids), SamplingParams(max_new_tokens=30, stop=(stop,)))
     got = "".join(stream)
-    assert stream.finish_reason == "stop"
+    assert stream.finish_reason is FinishReason.STOP
     assert got == text[: text.find(stop)]
 
 
@@ -70,7 +70,7 @@ def test_eos_ends_generation(tiny):
     object.__setattr__(lm, "eos_token_ids", (first,))  # make the first greedy token an EOS
     try:
         stream = tiny.decode(tiny.full_prefill(ids), SamplingParams(max_new_tokens=10))
-        assert list(stream) == [] and stream.finish_reason == "eos" and stream.token_ids == []
+        assert list(stream) == [] and stream.finish_reason is FinishReason.STOP and stream.token_ids == []
     finally:
         object.__setattr__(lm, "eos_token_ids", (lm.tokenizer.eos_token_id,))
 

@@ -12,7 +12,7 @@ import torch
 from ragkv.engine import Engine, SamplingParams, load_model
 from ragkv.engine.scheduler import END, Decode, Scheduler, SchedulerConfig, SchedulerFullError, Started
 from ragkv.engine.testing import tiny_model_dir
-from ragkv.types import Mode
+from ragkv.types import FinishReason, Mode
 
 PASSAGES = [
     "The observatory on Mount Kerr was built in 1931 by the astronomer Ada Lind.",
@@ -237,7 +237,7 @@ def test_a_job_error_reaches_its_emit_and_spares_the_others(tiny_lm) -> None:
     assert bad.ended.wait(30) and good.ended.wait(60)
     sched.close()
     assert any(isinstance(e, ValueError) for e in bad.events)
-    assert good.events[-1] == "done" and out["stream"].finish_reason in ("length", "eos")
+    assert good.events[-1] == "done" and out["stream"].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
 
 
 def test_a_short_prompt_overtakes_a_long_one() -> None:

@@ -94,6 +94,12 @@ class Engine:
         opts = options or BlendOptions(recompute_ratio=recompute_ratio)
         return run_prompt(self.lm, prefix, chunks, question_ids, Mode(mode), opts, reserve_tokens)
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of decode cache (K and V, every layer) one token takes at the model's dtype."""
+        lm = self.lm
+        return 2 * lm.num_layers * lm.num_kv_heads * lm.head_dim * lm.dtype.itemsize
+
     @staticmethod
     def reads_chunk_kv(mode: Mode) -> bool:
         """Whether `mode` reads the chunks' cached KV (FULL and PREFIX recompute every chunk token)."""

@@ -226,7 +226,7 @@ class Pipeline:
         info = CollectionInfo(c.name, len(c.retriever), c.retriever.manifest.model_fp,
                               c.retriever.manifest.tokenizer_fp)
         tiers = tuple(
-            TierStats(Tier(t.tier.value), t.entries, t.bytes_used, t.hits, t.misses, t.bytes_read)
+            TierStats(t.tier, t.entries, t.bytes_used, t.hits, t.misses, t.bytes_read)
             for t in c.store.stats().tiers
         )
         return CollectionStats(info, tiers)
@@ -264,11 +264,10 @@ class Pipeline:
             for h in hits
         )
         plan = _Plan(c, tuple(tuple(h.token_ids) for h in hits), kv_keys, handles, decisions)
-        lm = self.lm
         chunk_tokens = sum(len(h.token_ids) for h in hits)
         max_tokens = (len(c.prefix_ids) + chunk_tokens + len(params.question) // 2 + 64
                       + params.max_new_tokens)  # a question takes fewer tokens than chars/2, plus the template
-        kv_bytes = max_tokens * 2 * lm.num_layers * lm.num_kv_heads * lm.head_dim * lm.dtype.itemsize
+        kv_bytes = max_tokens * self.engine.kv_bytes_per_token
         # the order of work needs a typical question (a token per 4 chars), not the bound above
         cost = self.engine.prompt_cost(params.mode, len(c.prefix_ids), chunk_tokens, len(params.question) // 4 + 16,
                                        BlendOptions(recompute_ratio=params.recompute_ratio))
@@ -379,7 +378,7 @@ class Pipeline:
 
     def tier_errors(self) -> dict[tuple[str, Tier], int]:
         """I/O failures per (collection, tier) so far (ServerMetrics.watch_tier_errors)."""
-        return {(c.name, Tier(t.tier.value)): t.errors for c in self._collections.values()
+        return {(c.name, t.tier): t.errors for c in self._collections.values()
                 for t in c.store.stats().tiers}
 
     def answer(self, prepared: PreparedQuery, cancel: threading.Event) -> Iterator[AnswerEvent]:

@@ -11,7 +11,7 @@ import logging
 import os
 from collections.abc import Mapping
 
-from ragkv.indexer.cli import ENV_NAMES as INDEX_ENV_NAMES
+from ragkv.cli.index import ENV_NAMES as INDEX_ENV_NAMES
 
 log = logging.getLogger("ragkv.cli")
 

@@ -49,11 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=48, help="answer length cap")
     demo.set_defaults(func=_run_demo)
 
-    from ragkv.indexer.cli import add_index_parser
+    from ragkv.cli.index import add_index_parser
 
     add_index_parser(sub)
     from ragkv.cli.query import add_query_parser
-    from ragkv.server.cli import add_serve_parser
+    from ragkv.cli.serve import add_serve_parser
 
     add_serve_parser(sub)
     add_query_parser(sub)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ragkv.errors import IndexMismatchError
-from ragkv.indexer.cli import read_system_prompt
+from ragkv.cli.index import read_system_prompt
 from tests.indexer.helpers import write_corpus
 
 

@@ -134,7 +134,7 @@ def test_validation_of_search_options() -> None:
 def test_serve_flags_reach_the_retriever(tmp_path: Path) -> None:
     import argparse
 
-    from ragkv.server.cli import add_serve_parser, settings_from_args
+    from ragkv.cli.serve import add_serve_parser, settings_from_args
     from ragkv.server.search_config import retriever_options
 
     parser = argparse.ArgumentParser()

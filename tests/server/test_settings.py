@@ -63,7 +63,7 @@ def test_unknown_file_key(tmp_path: Path) -> None:
 
 def test_serve_flags_map_to_settings(tmp_path: Path) -> None:
     from ragkv.cli.main import build_parser
-    from ragkv.server.cli import settings_from_args
+    from ragkv.cli.serve import settings_from_args
 
     args = build_parser().parse_args([
         "serve", "--index", "/idx/a", "--index", "b=/idx/b", "--port", "0", "--metrics-port", "off",

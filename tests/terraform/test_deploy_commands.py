@@ -131,7 +131,7 @@ def test_deploy_command_parses(where: str, argv: list[str]) -> None:
         if args.shard:
             assert resolve_shard(args.shard) is not None
     if args.command == "serve":
-        from ragkv.server.cli import settings_from_args
+        from ragkv.cli.serve import settings_from_args
 
         settings_from_args(args, env={})  # every value converts to its setting
 

@@ -36,7 +36,7 @@ import torch
 from ragkv.types import Mode
 from ragkv.engine.focus import chunk_relevance, focus_layers, pick_chunks
 from ragkv.engine.forward import layer_forward, project_kv, span
-from ragkv.engine.kv import ChunkKV, KVCache
+from ragkv.engine.kv import ChunkKV, KVCache, layers_pending
 from ragkv.engine.loading import LoadedModel
 from ragkv.engine.rope import RopeTables
 from ragkv.engine.select import Budget, question_attention, select_tokens, tokens_for_mass
@@ -318,8 +318,7 @@ def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chu
     timer = _PhaseTimer(lm.device)
     layers = lm.adapter.scoring_layers(focus_layers(lm.num_layers, options.focus_band))
     top = max(layers)  # the scoring pass reads every chunk's layers [0, top]: wait for them off the scheduler
-    w = wait_for([c.ready.when_ready(min(top, c.k.shape[0] - 1)) for c in chunks if hasattr(c.ready, "when_ready")])
-    if w is not None:
+    if (w := wait_for(layers_pending(chunks, top))) is not None:
         yield w
     relevance = chunk_relevance(lm, prefix, chunks, q_ids, layers)
     kept = pick_chunks(relevance, options.focus_keep)

@@ -120,10 +120,15 @@ class DecodeStream(Iterator[str]):
         stripped in both); a token that ends inside a UTF-8 character adds nothing until
         the token that completes it comes.
         """
+        self._take_window(final=False)
+
+    def _take_window(self, final: bool) -> None:
+        """Append the text of token_ids[_read:] to `_text` and slide the window past it; unless
+        `final`, only once it is not empty and ends on a whole character."""
         tok, ids = self.lm.tokenizer, self.token_ids
         before = tok.decode(ids[self._prefix:self._read], skip_special_tokens=True)
         now = tok.decode(ids[self._prefix:], skip_special_tokens=True)
-        if len(now) > len(before) and not now.endswith("\ufffd"):
+        if final or (len(now) > len(before) and not now.endswith("\ufffd")):
             self._text += now[len(before):]
             self._prefix, self._read = self._read, len(ids)
 
@@ -171,10 +176,7 @@ class DecodeStream(Iterator[str]):
         """The rest of the text, at the end: a character left incomplete by the last token
         comes out as U+FFFD, as a whole decode gives it (unless a stop string cut the text)."""
         if not self._cut and self._read < len(self.token_ids):
-            tok, ids = self.lm.tokenizer, self.token_ids
-            before = tok.decode(ids[self._prefix:self._read], skip_special_tokens=True)
-            self._text += tok.decode(ids[self._prefix:], skip_special_tokens=True)[len(before):]
-            self._prefix = self._read = len(ids)
+            self._take_window(final=True)
         piece = self._text[self._emitted:]
         self._emitted = len(self._text)
         return piece

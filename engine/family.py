@@ -16,14 +16,15 @@ differs between architectures is said here, once per family, and read through an
 - the embedding and the logits (Granite's multipliers, Cohere's logit scale, Gemma's
   final soft-capping).
 
-To add a family: a `Family` entry in `FAMILIES` and its row in the tests'
-family list (tests/engine/test_families.py), nothing else; docs/models.md says more.
+To add a family: a `Family` entry in `FAMILIES` and its tiny test config in
+`engine.testing.FAMILY_CONFIGS` (tests/engine/test_families.py runs every one), nothing
+else; docs/models.md says more.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,7 +60,6 @@ class Family:
     attn_softcap: bool = False  # scores are soft-capped by attn_logit_softcapping (Gemma 2; Gemma 3
     # keeps the setting but transformers never applies it, so neither do we)
     notes: str = ""  # what the adapter handles, for docs/models.md
-    config_notes: tuple[str, ...] = field(default_factory=tuple)
 
 
 _SANDWICH = dict(attn_out="post_attention_layernorm", mlp_in="pre_feedforward_layernorm",
@@ -119,7 +119,7 @@ class Adapter:
     def __init__(self, model: Any, family: Family) -> None:
         self.family = family
         self.model = model
-        self.config = cfg = model.config
+        cfg = model.config
         self.base = model.model  # the decoder stack: embed_tokens, layers, norm
         self.layers = list(self.base.layers)
         attn0 = self.layers[0].self_attn

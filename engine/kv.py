@@ -77,6 +77,13 @@ class ChunkKV:
         return dataclasses.replace(self, k=self.k[:n], v=self.v[:n])
 
 
+def layers_pending(segments: Sequence[ChunkKV], layer: int) -> list[Future[None]]:
+    """Futures of the segments still loading whose layers [0, layer] are not all there (a
+    segment with fewer layers is asked for its last one)."""
+    return [f for seg in segments if hasattr(seg.ready, "when_ready")
+            and (f := seg.ready.when_ready(min(layer, seg.k.shape[0] - 1))) is not None]
+
+
 class KVCache:
     """A preallocated decode cache; K after RoPE. Grows by doubling, never per token."""
 
@@ -148,8 +155,7 @@ class KVCache:
         st = self._staged
         if st is None or layer < st.next_layer:
             return []
-        return [f for seg in st.segments if hasattr(seg.ready, "when_ready")
-                and (f := seg.ready.when_ready(min(layer, seg.k.shape[0] - 1))) is not None]
+        return layers_pending(st.segments, layer)
 
     def _divide_k(self, layers: slice | int, n: int, divide_k: tuple[int, float] | None) -> None:
         """K of slots [divide_k[0], n) at `layers`, divided by divide_k[1] (context temperature)."""

@@ -31,7 +31,7 @@ An exception raised by a job is handed to `emit` too; `emit(END)` always comes l
 Each request has a status (`RequestStatus`), and every transition is made here:
 QUEUED (submitted) -> PROMPT (its prompt pass runs, layer by layer) <-> WAITING_KV
 (parked on a `WaitFor`) -> DECODING (batched decode steps) -> FINISHED, with
-`finish_reason` set; a cancelled, expired or failed request goes to FINISHED from any
+`end_reason` set; a cancelled, expired or failed request goes to FINISHED from any
 status.
 
 When it goes idle, and every `heap_trim_s` seconds under load, it hands the host heap's
@@ -140,7 +140,6 @@ class _Job:
     end_reason: str = ""  # FINISHED: "done", "cancelled", "deadline", "error" or "stopped"
     wait: WaitFor | None = None  # WAITING_KV: what it waits for
     wake_at: float | None = None  # WAITING_KV: time.monotonic() when it resumes whatever its futures do
-    waited_s: float = 0.0  # seconds parked on KV reads (not prompt time)
 
 
 @dataclass(slots=True)
@@ -256,7 +255,6 @@ class Scheduler:
         """PROMPT -> WAITING_KV until every future of `wait` is done, or its timeout."""
         job.status, job.wait = RequestStatus.WAITING_KV, wait
         job.wake_at = None if wait.timeout_s is None else time.monotonic() + wait.timeout_s
-        job.waited_s -= time.monotonic()
         self._parked.append(job)
         for fut in wait.futures:
             fut.add_done_callback(self._on_done)  # runs at once if already done
@@ -291,7 +289,6 @@ class Scheduler:
             if all(f.done() for f in job.wait.futures) or (job.wake_at is not None and job.wake_at <= now):
                 self._parked.remove(job)
                 job.status, job.wait, job.wake_at = RequestStatus.PROMPT, None, None
-                job.waited_s += now
                 out.append(job)
         return out
 

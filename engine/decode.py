@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ragkv.engine.blend import BlendResult
+from ragkv.engine.constrain import Constraint
 from ragkv.engine.forward import layer_forward, span
 from ragkv.engine.kv import KVCache
 from ragkv.engine.loading import LoadedModel
@@ -46,11 +47,14 @@ class SamplingParams:
 class DecodeStream(Iterator[str]):
     """Yields text pieces of the answer; one forward step per generated token."""
 
-    def __init__(self, lm: LoadedModel, prompt: BlendResult, params: SamplingParams) -> None:
+    def __init__(self, lm: LoadedModel, prompt: BlendResult, params: SamplingParams,
+                 constraint: Constraint | None = None) -> None:
         self.lm, self.params = lm, params
         self.cache = prompt.cache
         self.cache.ensure(self.cache.length + params.max_new_tokens)
+        self.constraint = constraint  # the grammar the answer must follow; None = free text
         self.logits = prompt.logits  # [V]
+        self.receive(self.logits)
         self.token_ids: list[int] = []  # generated so far
         self.finish_reason: FinishReason | None = None  # STOP (EOS or a stop string) or LENGTH
         self._cut = False  # a stop string cut the text
@@ -79,8 +83,15 @@ class DecodeStream(Iterator[str]):
     def _step(self) -> str:
         piece, token = self.advance()
         if token is not None:
-            self.logits = self._forward(token)
+            self.receive(self._forward(token))
         return piece
+
+    def receive(self, logits: torch.Tensor) -> None:
+        """Take the next-token logits [V] of a forward step; a constrained stream masks them,
+        in place, with the tokens its grammar admits (in a batch: before the batch's argmax)."""
+        if self.constraint is not None:
+            self.constraint.apply(logits)
+        self.logits = logits
 
     @property
     def greedy(self) -> bool:
@@ -93,8 +104,8 @@ class DecodeStream(Iterator[str]):
 
         Returns:
             The text that became final, and the token to run the model on next (None when
-            generation has finished: then `finish_reason` says why). The caller sets
-            `logits` from that forward step, alone (`_step`) or batched (`decode_batch`).
+            generation has finished: then `finish_reason` says why). The caller hands the
+            logits of that forward step to `receive`, alone (`_step`) or batched (`decode_batch`).
         """
         token = self._pick(self.logits) if token is None else token
         if token in self._eos:
@@ -102,6 +113,12 @@ class DecodeStream(Iterator[str]):
             return self._flush(), None
         self.token_ids.append(token)
         self._detokenize()
+        if self.constraint is not None:
+            self.constraint.consume(token)
+            if self.constraint.complete:  # the grammar admits nothing more: the answer is whole
+                self.finish_reason = FinishReason.STOP
+                return self._flush(), None
+            self.constraint.start()  # the next mask, computed while the forward step runs
         stop_at = self._find_stop()
         if stop_at is not None:
             self._text = self._text[:stop_at]

@@ -53,16 +53,19 @@ class PromptFormat:
             raise ValueError("chunk text is empty")
         return self._ids(text.strip() + "\n\n")
 
-    def question_ids(self, question: str, history: Sequence[tuple[str, str]] = ()) -> list[int]:
+    def question_ids(self, question: str, history: Sequence[tuple[str, str]] = (), before: str = "",
+                     after: str = "") -> list[int]:
         """The earlier turns, the question and everything up to where the answer starts.
 
         Args:
             question: The question.
-            history: Earlier turns, oldest first, as (role, text) with role "user" or "assistant".
+            history: Earlier turns, oldest first, as (role, text) with role "user", "assistant" or "tool".
+            before: Text between the earlier turns and the question (tools, the answer's format).
+            after: Text between the question and the answer (tool calls made for it, their results).
         """
         if not question.strip():
             raise ValueError("question is empty")
-        return self._ids(f"{history_text(history)}Question: {question.strip()}{self.tail}")
+        return self._ids(f"{history_text(history)}{before}Question: {question.strip()}{after}{self.tail}")
 
     def prompt_ids(self, chunks: list[str], question: str, history: Sequence[tuple[str, str]] = ()) -> list[int]:
         """The whole prompt as `full` mode sees it: exactly the concatenated segments."""
@@ -90,7 +93,7 @@ def render_around_slot(tokenizer: Any, system_prompt: str) -> tuple[str, str]:
     return head, tail
 
 
-_SPEAKER = {"user": "User", "assistant": "Assistant"}
+_SPEAKER = {"user": "User", "assistant": "Assistant", "tool": "Tool"}
 
 
 def history_text(history: Sequence[tuple[str, str]]) -> str:
@@ -100,6 +103,6 @@ def history_text(history: Sequence[tuple[str, str]]) -> str:
     lines = []
     for role, text in history:
         if role not in _SPEAKER:
-            raise ValueError(f"history role must be user or assistant, got {role!r}")
+            raise ValueError(f"history role must be user, assistant or tool, got {role!r}")
         lines.append(f"{_SPEAKER[role]}: {text.strip()}")
     return "Earlier in this conversation:\n" + "\n".join(lines) + "\n\n"

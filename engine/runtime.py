@@ -11,6 +11,7 @@ from collections.abc import Generator, Sequence
 import torch
 
 from ragkv.types import Mode
+from ragkv.engine.constrain import Constraint, ConstraintCompiler
 from ragkv.engine.blend import BlendOptions, BlendResult, PromptSteps, prompt_steps, run_prompt
 from ragkv.engine.decode import DecodeStream, SamplingParams
 from ragkv.engine.kv import ChunkKV
@@ -47,6 +48,8 @@ class Engine:
         self.lm = lm
         self.prompt = PromptFormat.for_tokenizer(lm.tokenizer, system_prompt)
         self._prefixes: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()
+        vocab = lm.model.get_output_embeddings().weight.shape[0]  # V, the logits' width
+        self.grammars = ConstraintCompiler(lm.tokenizer, vocab, lm.eos_token_ids)  # constrained decoding
 
     def prefix_kv(self, prefix_ids: Sequence[int]) -> ChunkKV:
         """The prefix's own KV (positions 0..P-1), computed once and reused."""
@@ -173,6 +176,11 @@ class Engine:
         res.cached_tokens = len(prefix_ids) + sum(chunks[i].num_tokens for i in used if not chunks[i].fresh)
         return res
 
-    def decode(self, prompt: BlendResult, params: SamplingParams | None = None) -> DecodeStream:
-        """Stream the answer's text pieces; the stream reports finish_reason and token_ids."""
-        return DecodeStream(self.lm, prompt, params or SamplingParams())
+    def decode(self, prompt: BlendResult, params: SamplingParams | None = None,
+               constraint: Constraint | None = None) -> DecodeStream:
+        """Stream the answer's text pieces; the stream reports finish_reason and token_ids.
+
+        Args:
+            constraint: A grammar the answer must follow (`self.grammars.compile`); None = free text.
+        """
+        return DecodeStream(self.lm, prompt, params or SamplingParams(), constraint)

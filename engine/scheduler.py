@@ -427,7 +427,7 @@ class Scheduler:
                 self._end(job, "error")
             return
         for j, stream in enumerate(streams):
-            stream.logits = logits[j]
+            stream.receive(logits[j])  # a constrained stream masks its row in place
         greedy = [j for j, s in enumerate(streams) if s.greedy]
         if greedy:  # one argmax over the batch's greedy rows; sampled rows pick per request (own seeds)
             for j, token in zip(greedy, pick_greedy(logits[greedy])):

@@ -35,9 +35,15 @@ from ragkv.types import (
     Mode,
     QueryOptions,
     QueryStats,
+    ResponseFormat,
+    ResponseFormatKind,
     RetrievedChunk,
     RetrieveResult,
     SearchMode,
+    Tool,
+    ToolCallDelta,
+    ToolChoice,
+    ToolChoiceMode,
 )
 from ragkv.v1 import ragkv_pb2 as pb
 from ragkv.v1 import ragkv_pb2_grpc as pb_grpc
@@ -82,6 +88,73 @@ def _filters(filters: Filters) -> tuple[MetadataFilter, ...]:
     return out
 
 
+ToolLike = Tool | Mapping[str, Any]  # a Tool, or OpenAI's {"type": "function", "function": {...}}
+ToolChoiceLike = ToolChoice | str | None  # "auto", "none", "required" ("any"), or a tool's name
+ResponseFormatLike = ResponseFormat | Mapping[str, Any] | str | None  # "json_object", OpenAI's dict, or a JSON schema
+
+
+def tool_from(tool: ToolLike) -> Tool:
+    """A Tool from itself, OpenAI's function-tool dict, or `{name, description, parameters}`."""
+    if isinstance(tool, Tool):
+        return tool
+    if not isinstance(tool, Mapping):
+        raise TypeError(f"a tool must be a Tool or a dict, got {type(tool).__name__}")
+    fn = tool.get("function", tool) if tool.get("type", "function") == "function" else None
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+        raise ValueError(f"a tool dict must be {{type: function, function: {{name, description, parameters}}}}, "
+                         f"got {tool!r}")
+    return Tool(fn["name"], str(fn.get("description") or ""),
+                dict(fn.get("parameters") or {"type": "object", "properties": {}}))
+
+
+def tool_choice_from(choice: ToolChoiceLike, tools: Sequence[Tool] = ()) -> ToolChoice:
+    """A ToolChoice from itself, "auto"/"none"/"required" ("any" too, as LangChain says it),
+    a tool's name, or OpenAI's `{"type": "function", "function": {"name": ...}}`."""
+    if choice is None:
+        return ToolChoice()
+    if isinstance(choice, ToolChoice):
+        return choice
+    if isinstance(choice, Mapping) and isinstance(choice.get("function"), Mapping):
+        return ToolChoice(ToolChoiceMode.FUNCTION, str(choice["function"].get("name")))
+    if not isinstance(choice, str):
+        raise TypeError(f"tool_choice must be a ToolChoice, a str or OpenAI's dict, got {type(choice).__name__}")
+    if choice == "any":
+        return ToolChoice(ToolChoiceMode.REQUIRED)
+    if choice in ("auto", "none", "required"):
+        return ToolChoice(ToolChoiceMode(choice))
+    return ToolChoice(ToolChoiceMode.FUNCTION, choice)
+
+
+def response_format_from(fmt: ResponseFormatLike) -> ResponseFormat:
+    """A ResponseFormat from itself, "json_object", OpenAI's `response_format` dict, or a bare
+    JSON schema."""
+    if fmt is None or fmt == "text":
+        return ResponseFormat()
+    if isinstance(fmt, ResponseFormat):
+        return fmt
+    if fmt == "json_object":
+        return ResponseFormat(ResponseFormatKind.JSON_OBJECT)
+    if not isinstance(fmt, Mapping):
+        raise TypeError(f"response_format must be a ResponseFormat, 'json_object' or a dict, got {fmt!r}")
+    kind = fmt.get("type")
+    if kind == "json_schema" and isinstance(fmt.get("json_schema"), Mapping):
+        spec = fmt["json_schema"]
+        return ResponseFormat(ResponseFormatKind.JSON_SCHEMA, dict(spec.get("schema") or {}),
+                              str(spec.get("name") or ""), bool(spec.get("strict")))
+    if kind in ("json_object", "text"):
+        return ResponseFormat(ResponseFormatKind(kind))
+    return ResponseFormat(ResponseFormatKind.JSON_SCHEMA, dict(fmt))  # a JSON schema itself
+
+
+def _answer_shape(agent_turns: Sequence[ChatTurn], tools: Sequence[ToolLike], tool_choice: ToolChoiceLike,
+                  parallel_tool_calls: bool, response_format: ResponseFormatLike, citations: bool) -> dict[str, Any]:
+    """QueryOptions' answer-shape fields from the SDK's friendlier arguments."""
+    typed = tuple(tool_from(t) for t in tools)
+    return dict(agent_turns=tuple(agent_turns), tools=typed, tool_choice=tool_choice_from(tool_choice, typed),
+                parallel_tool_calls=parallel_tool_calls, response_format=response_format_from(response_format),
+                citations=citations)
+
+
 def _options(
     collection: str | None,
     top_k: int | None,
@@ -97,8 +170,10 @@ def _options(
     filters: Filters = None,
     history: Sequence[ChatTurn] = (),
     system_prompt: str | None = None,
+    shape: Mapping[str, Any] | None = None,
 ) -> QueryOptions:
     return QueryOptions(
+        **(shape or {}),
         history=tuple(history),
         system_prompt=system_prompt,
         collection=collection,
@@ -124,11 +199,13 @@ class _StreamState:
         self.stats: QueryStats | None = None  # last message
         self.pieces: list[str] = []  # token pieces received
 
-    def absorb(self, msg: pb.QueryResponse) -> str | None:
-        """Record one message; return its token piece, if it is one."""
+    def absorb(self, msg: pb.QueryResponse) -> str | ToolCallDelta | None:
+        """Record one message; return its token piece or tool-call piece, if it is one."""
         event = convert.query_event_from_proto(msg)
         if isinstance(event, str):
             self.pieces.append(event)
+            return event
+        if isinstance(event, ToolCallDelta):
             return event
         if isinstance(event, QueryStats):
             self.stats = event
@@ -142,19 +219,22 @@ class _StreamState:
 
 
 class QueryStream:
-    """A running Query: iterate for token pieces; `chunks` and `stats` fill in as they arrive."""
+    """A running Query: iterate for token pieces; `chunks` and `stats` fill in as they arrive.
+
+    An answer that calls tools yields `ToolCallDelta`s instead of text; `stats.tool_calls`
+    holds the whole calls at the end."""
 
     def __init__(self, start: Callable[[float], grpc.Call], retry: RetryPolicy, timeout: float) -> None:
         self._start = start
         self._retry = retry
         self._deadline = time.monotonic() + timeout
         self._state = _StreamState()
-        self._buffer: deque[str] = deque()
+        self._buffer: deque[str | ToolCallDelta] = deque()
         # The call starts now, not at the first read: the server queues it at once.
         self._call: grpc.Call = start(timeout)
         self._events = self._run()
 
-    def _run(self) -> Iterator[str | None]:
+    def _run(self) -> Iterator[str | ToolCallDelta | None]:
         delays = self._retry.delays()
         first = True
         while True:
@@ -183,7 +263,7 @@ class QueryStream:
             self._buffer.append(piece)
         return True
 
-    def __iter__(self) -> Iterator[str]:
+    def __iter__(self) -> Iterator[str | ToolCallDelta]:
         while True:
             while self._buffer:
                 yield self._buffer.popleft()
@@ -298,6 +378,12 @@ class RagClient:
         filters: Filters = None,
         history: Sequence[ChatTurn] = (),
         system_prompt: str | None = None,
+        agent_turns: Sequence[ChatTurn] = (),
+        tools: Sequence[ToolLike] = (),
+        tool_choice: ToolChoiceLike = None,
+        parallel_tool_calls: bool = True,
+        response_format: ResponseFormatLike = None,
+        citations: bool = False,
         timeout: float | None = None,
     ) -> QueryStream:
         """Start a Query; None options take the server's defaults.
@@ -308,12 +394,20 @@ class RagClient:
         ``history`` holds earlier turns (``ChatTurn``), placed after the chunks, before the
         question; ``system_prompt``, when given, must equal the collection's (INVALID_ARGUMENT).
 
+        Agents: ``tools`` (``Tool`` or OpenAI's function-tool dicts) with ``tool_choice``
+        ("auto", "none", "required", or a tool's name) and ``parallel_tool_calls``; the
+        calls made so far and the tools' results go in ``agent_turns`` (after the
+        question). ``response_format`` ("json_object", a JSON schema, or OpenAI's dict)
+        holds the answer to JSON; ``citations`` marks sources as [n], naming only
+        retrieved chunks. All are enforced by constrained decoding.
+
         Returns:
             A QueryStream; iterating it yields the answer's text pieces.
         """
         options = _options(
             collection, top_k, mode, recompute_ratio, temperature, top_p, seed, max_new_tokens, stop, snippet_chars,
             search_mode, filters, history, system_prompt,
+            _answer_shape(agent_turns, tools, tool_choice, parallel_tool_calls, response_format, citations),
         )
         request = convert.query_request_to_proto(question, options)
 
@@ -361,7 +455,7 @@ class AsyncQueryStream:
         self._call: grpc.aio.UnaryStreamCall | None = None
         self._consumed = False
 
-    async def __aiter__(self) -> AsyncIterator[str]:
+    async def __aiter__(self) -> AsyncIterator[str | ToolCallDelta]:
         if self._consumed:
             raise RuntimeError("an AsyncQueryStream can be iterated once")
         self._consumed = True
@@ -480,12 +574,19 @@ class AsyncRagClient:
         filters: Filters = None,
         history: Sequence[ChatTurn] = (),
         system_prompt: str | None = None,
+        agent_turns: Sequence[ChatTurn] = (),
+        tools: Sequence[ToolLike] = (),
+        tool_choice: ToolChoiceLike = None,
+        parallel_tool_calls: bool = True,
+        response_format: ResponseFormatLike = None,
+        citations: bool = False,
         timeout: float | None = None,
     ) -> AsyncQueryStream:
         """Start a Query (the call begins when the stream is iterated)."""
         options = _options(
             collection, top_k, mode, recompute_ratio, temperature, top_p, seed, max_new_tokens, stop, snippet_chars,
             search_mode, filters, history, system_prompt,
+            _answer_shape(agent_turns, tools, tool_choice, parallel_tool_calls, response_format, citations),
         )
         request = convert.query_request_to_proto(question, options)
 

@@ -15,6 +15,7 @@ from typing import Any
 from ragkv.types import (
     ChatRole,
     ChatTurn,
+    Citation,
     CollectionInfo,
     CollectionStats,
     FilterOp,
@@ -24,11 +25,18 @@ from ragkv.types import (
     Mode,
     QueryOptions,
     QueryStats,
+    ResponseFormat,
+    ResponseFormatKind,
     RetrievedChunk,
     RetrieveResult,
     SearchMode,
     Tier,
     TierStats,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    ToolChoice,
+    ToolChoiceMode,
     Usage,
 )
 from ragkv.v1 import ragkv_pb2 as pb
@@ -71,7 +79,8 @@ _SEARCH_TO_PB = {
 _SEARCH_FROM_PB = {v: k for k, v in _SEARCH_TO_PB.items()}
 _OP_TO_PB = {FilterOp.EQUALS: pb.FILTER_OP_EQUALS, FilterOp.PREFIX: pb.FILTER_OP_PREFIX}
 _OP_FROM_PB = {v: k for k, v in _OP_TO_PB.items()}
-_FINISH_TO_PB = {FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.STOP: pb.FINISH_REASON_STOP}
+_FINISH_TO_PB = {FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.STOP: pb.FINISH_REASON_STOP,
+                 FinishReason.TOOL_CALLS: pb.FINISH_REASON_TOOL_CALLS}
 _FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
 
 
@@ -183,18 +192,54 @@ def query_request_to_proto(question: str, options: QueryOptions) -> pb.QueryRequ
         msg.recompute_ratio = options.recompute_ratio
     if options.seed is not None:
         msg.sampling.seed = options.seed
-    msg.history.extend(pb.ChatTurn(role=_CHAT_ROLE_TO_PROTO[ChatRole(t.role)], content=t.content)
-                       for t in options.history)
+    msg.history.extend(_turns_to_proto(options.history))
+    msg.agent_turns.extend(_turns_to_proto(options.agent_turns))
     if options.system_prompt is not None:
         msg.system_prompt = options.system_prompt
+    fmt = options.response_format
+    if fmt.kind is not ResponseFormatKind.TEXT:
+        msg.response_format.CopyFrom(pb.ResponseFormat(
+            type=_FORMAT_TO_PB[fmt.kind], schema_json="" if fmt.schema is None else json.dumps(fmt.schema),
+            name=fmt.name, strict=fmt.strict))
+    msg.tools.extend(pb.Tool(name=t.name, description=t.description, parameters_json=json.dumps(t.parameters))
+                     for t in options.tools)
+    msg.tool_choice.CopyFrom(pb.ToolChoice(mode=_CHOICE_TO_PB[options.tool_choice.mode],
+                                           name=options.tool_choice.name or ""))
+    if not options.parallel_tool_calls:
+        msg.parallel_tool_calls = False
+    msg.citations = options.citations
     return msg
 
 
-_CHAT_ROLE_TO_PROTO = {ChatRole.USER: pb.CHAT_ROLE_USER, ChatRole.ASSISTANT: pb.CHAT_ROLE_ASSISTANT}
+_CHAT_ROLE_TO_PROTO = {ChatRole.USER: pb.CHAT_ROLE_USER, ChatRole.ASSISTANT: pb.CHAT_ROLE_ASSISTANT,
+                       ChatRole.TOOL: pb.CHAT_ROLE_TOOL}
 _CHAT_ROLE_FROM_PROTO = {v: k for k, v in _CHAT_ROLE_TO_PROTO.items()}
+_FORMAT_TO_PB = {ResponseFormatKind.JSON_OBJECT: pb.RESPONSE_FORMAT_TYPE_JSON_OBJECT,
+                 ResponseFormatKind.JSON_SCHEMA: pb.RESPONSE_FORMAT_TYPE_JSON_SCHEMA}
+_FORMAT_FROM_PB = {v: k for k, v in _FORMAT_TO_PB.items()} | {pb.RESPONSE_FORMAT_TYPE_UNSPECIFIED: ResponseFormatKind.TEXT}
+_CHOICE_TO_PB = {ToolChoiceMode.AUTO: pb.TOOL_CHOICE_MODE_AUTO, ToolChoiceMode.NONE: pb.TOOL_CHOICE_MODE_NONE,
+                 ToolChoiceMode.REQUIRED: pb.TOOL_CHOICE_MODE_REQUIRED,
+                 ToolChoiceMode.FUNCTION: pb.TOOL_CHOICE_MODE_FUNCTION}
+_CHOICE_FROM_PB = {v: k for k, v in _CHOICE_TO_PB.items()} | {pb.TOOL_CHOICE_MODE_UNSPECIFIED: ToolChoiceMode.AUTO}
 
 
-def history_from_proto(turns: Sequence[pb.ChatTurn]) -> tuple[ChatTurn, ...]:
+def _turns_to_proto(turns: Sequence[ChatTurn]) -> list[pb.ChatTurn]:
+    return [pb.ChatTurn(role=_CHAT_ROLE_TO_PROTO[ChatRole(t.role)], content=t.content,
+                        tool_calls=[tool_call_to_proto(c) for c in t.tool_calls], tool_call_id=t.tool_call_id or "")
+            for t in turns]
+
+
+def tool_call_to_proto(call: ToolCall) -> pb.ToolCall:
+    """ToolCall -> ToolCall message."""
+    return pb.ToolCall(id=call.id, name=call.name, arguments=call.arguments)
+
+
+def tool_call_from_proto(msg: pb.ToolCall) -> ToolCall:
+    """ToolCall message -> ToolCall."""
+    return ToolCall(msg.id, msg.name, msg.arguments)
+
+
+def history_from_proto(turns: Sequence[pb.ChatTurn], field: str = "history") -> tuple[ChatTurn, ...]:
     """Wire chat turns -> ChatTurn.
 
     Raises:
@@ -204,10 +249,45 @@ def history_from_proto(turns: Sequence[pb.ChatTurn]) -> tuple[ChatTurn, ...]:
     for i, t in enumerate(turns):
         role = _CHAT_ROLE_FROM_PROTO.get(t.role)
         if role is None:
-            raise WireValueError(f"history[{i}].role",
-                                 f"history[{i}].role: must be CHAT_ROLE_USER or CHAT_ROLE_ASSISTANT, got {t.role}")
-        out.append(ChatTurn(role, t.content))
+            raise WireValueError(f"{field}[{i}].role", f"{field}[{i}].role: must be CHAT_ROLE_USER, "
+                                                       f"CHAT_ROLE_ASSISTANT or CHAT_ROLE_TOOL, got {t.role}")
+        out.append(ChatTurn(role, t.content, tuple(tool_call_from_proto(c) for c in t.tool_calls),
+                            t.tool_call_id or None))
     return tuple(out)
+
+
+def _json_field(text: str, field: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise WireValueError(field, f"{field}: is not valid JSON ({exc})") from None
+
+
+def output_options_from_proto(msg: pb.QueryRequest) -> dict[str, Any]:
+    """The answer-shape fields of a Query request, as QueryOptions keyword arguments.
+
+    Raises:
+        WireValueError: A schema is not JSON, or an enum number is unknown.
+    """
+    fmt = msg.response_format
+    kind = _FORMAT_FROM_PB.get(fmt.type)
+    if kind is None:
+        raise WireValueError("response_format.type", f"response_format.type: unknown value {fmt.type}")
+    schema = _json_field(fmt.schema_json, "response_format.schema_json") if fmt.schema_json else None
+    tools = tuple(Tool(t.name, t.description, _json_field(t.parameters_json, f"tools[{i}].parameters_json")
+                       if t.parameters_json else {"type": "object", "properties": {}})
+                  for i, t in enumerate(msg.tools))
+    mode = _CHOICE_FROM_PB.get(msg.tool_choice.mode)
+    if mode is None:
+        raise WireValueError("tool_choice.mode", f"tool_choice.mode: unknown value {msg.tool_choice.mode}")
+    return dict(
+        agent_turns=history_from_proto(msg.agent_turns, "agent_turns"),
+        response_format=ResponseFormat(kind, schema, fmt.name, fmt.strict),
+        tools=tools,
+        tool_choice=ToolChoice(mode, msg.tool_choice.name or None),
+        parallel_tool_calls=msg.parallel_tool_calls if msg.HasField("parallel_tool_calls") else True,
+        citations=msg.citations,
+    )
 
 
 def query_request_from_proto(msg: pb.QueryRequest) -> tuple[str, QueryOptions]:
@@ -232,6 +312,7 @@ def query_request_from_proto(msg: pb.QueryRequest) -> tuple[str, QueryOptions]:
         filters=filters_from_proto(msg.filters),
         history=history_from_proto(msg.history),
         system_prompt=msg.system_prompt if msg.HasField("system_prompt") else None,
+        **output_options_from_proto(msg),
     )
     return msg.question, options
 
@@ -323,6 +404,9 @@ def query_stats_to_proto(stats: QueryStats) -> pb.QueryStats:
         text=stats.text,
         used_chunk_ids=list(stats.used_chunk_ids),
         kv_sources={k.value: v for k, v in stats.kv_sources.items()},
+        tool_calls=[tool_call_to_proto(c) for c in stats.tool_calls],
+        citations=[pb.Citation(number=c.number, chunk_id=c.chunk_id, start=c.start, end=c.end,
+                               sentence_start=c.sentence_start) for c in stats.citations],
     )
 
 
@@ -344,6 +428,8 @@ def query_stats_from_proto(msg: pb.QueryStats) -> QueryStats:
         text=msg.text,
         used_chunk_ids=tuple(msg.used_chunk_ids),
         kv_sources=_kv_sources_from_proto(msg.kv_sources),
+        tool_calls=tuple(tool_call_from_proto(c) for c in msg.tool_calls),
+        citations=tuple(Citation(c.number, c.chunk_id, c.start, c.end, c.sentence_start) for c in msg.citations),
     )
 
 
@@ -363,16 +449,22 @@ def token_response(text: str, index: int) -> pb.QueryResponse:
     return pb.QueryResponse(token=pb.TokenDelta(text=text, index=index))
 
 
+def tool_call_response(delta: ToolCallDelta) -> pb.QueryResponse:
+    """One tool-call piece of a Query stream."""
+    return pb.QueryResponse(tool_call=pb.ToolCallDelta(index=delta.index, id=delta.id or "", name=delta.name or "",
+                                                       arguments=delta.arguments))
+
+
 def stats_response(stats: QueryStats) -> pb.QueryResponse:
     """The last message of a Query stream."""
     return pb.QueryResponse(stats=query_stats_to_proto(stats))
 
 
-QueryEvent = tuple[RetrievedChunk, ...] | str | QueryStats
+QueryEvent = tuple[RetrievedChunk, ...] | str | ToolCallDelta | QueryStats
 
 
 def query_event_from_proto(msg: pb.QueryResponse) -> QueryEvent:
-    """A Query stream message -> chunks tuple, token text, or QueryStats.
+    """A Query stream message -> chunks tuple, token text, tool-call piece, or QueryStats.
 
     Raises:
         WireValueError: The message carries none of the known events.
@@ -384,6 +476,9 @@ def query_event_from_proto(msg: pb.QueryResponse) -> QueryEvent:
         return msg.token.text
     if which == "stats":
         return query_stats_from_proto(msg.stats)
+    if which == "tool_call":
+        d = msg.tool_call
+        return ToolCallDelta(d.index, d.id or None, d.name or None, d.arguments)
     raise WireValueError("event", f"event: QueryResponse carries no known event ({which!r})")
 
 

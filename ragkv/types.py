@@ -123,29 +123,108 @@ class FinishReason(enum.Enum):
     """Why decoding stopped."""
 
     LENGTH = "length"  # max_new_tokens reached
-    STOP = "stop"  # end-of-sequence token or a stop string
+    STOP = "stop"  # end-of-sequence token, a stop string, or the end of the answer's grammar
+    TOOL_CALLS = "tool_calls"  # the answer is one or more tool calls
 
 
 class ChatRole(str, enum.Enum):
-    """Who said an earlier turn of a conversation."""
+    """Who said a turn of a conversation."""
 
     USER = "user"
     ASSISTANT = "assistant"
+    TOOL = "tool"  # a tool's result, answering one of the assistant's tool calls
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One call of a tool, as the model made it (OpenAI's `tool_calls` item)."""
+
+    id: str  # names the call; the tool's result turn carries it back
+    name: str  # the tool's name
+    arguments: str  # the arguments, a JSON object as text (valid against the tool's schema)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A piece of a streamed tool call, as OpenAI streams them: the first piece of a call
+    carries its id and name, the later ones pieces of its arguments."""
+
+    index: int  # which call of the answer, from 0
+    id: str | None  # on the call's first piece
+    name: str | None  # on the call's first piece
+    arguments: str  # the next piece of the arguments' JSON text
 
 
 @dataclass(frozen=True, slots=True)
 class ChatTurn:
-    """One earlier turn of a conversation; it goes after the chunks, before the question."""
+    """One turn of a conversation besides the question; it goes after the chunks."""
 
-    role: ChatRole  # user or assistant
-    content: str  # what was said
+    role: ChatRole  # user, assistant, or tool
+    content: str  # what was said (a tool's result, for TOOL)
+    tool_calls: tuple[ToolCall, ...] = ()  # ASSISTANT: the calls it made
+    tool_call_id: str | None = None  # TOOL: the call this result answers
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, ChatRole):
             try:
                 object.__setattr__(self, "role", ChatRole(self.role))
             except ValueError:
-                raise ValueError(f"chat turn role must be user or assistant, got {self.role!r}") from None
+                raise ValueError(f"chat turn role must be user, assistant or tool, got {self.role!r}") from None
+
+
+class ResponseFormatKind(str, enum.Enum):
+    """What the answer must be (OpenAI's `response_format.type`)."""
+
+    TEXT = "text"  # free text
+    JSON_OBJECT = "json_object"  # any JSON object
+    JSON_SCHEMA = "json_schema"  # JSON valid against a schema
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseFormat:
+    """The answer's required shape, enforced by constrained decoding."""
+
+    kind: ResponseFormatKind = ResponseFormatKind.TEXT
+    schema: Mapping[str, Any] | None = None  # JSON_SCHEMA: the JSON schema
+    name: str = ""  # JSON_SCHEMA: the schema's name
+    strict: bool = False  # JSON_SCHEMA: no properties beyond the schema's (always enforced for required ones)
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    """A function the model may call (OpenAI's `tools` item of type function)."""
+
+    name: str  # [A-Za-z0-9_-]{1,64}
+    description: str = ""  # what it does, for the model
+    parameters: Mapping[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})  # JSON schema
+
+
+class ToolChoiceMode(str, enum.Enum):
+    """Whether the model must, may, or must not call tools (OpenAI's `tool_choice`)."""
+
+    AUTO = "auto"  # answer in text or call tools, the model decides
+    NONE = "none"  # answer in text
+    REQUIRED = "required"  # call one or more tools
+    FUNCTION = "function"  # call the one tool named by `ToolChoice.name`
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    """`tool_choice`: a mode, and the tool's name for FUNCTION."""
+
+    mode: ToolChoiceMode = ToolChoiceMode.AUTO
+    name: str | None = None  # FUNCTION: the tool to call
+
+
+@dataclass(frozen=True, slots=True)
+class Citation:
+    """One `[n]` marker of a cited answer (`QueryOptions.citations`)."""
+
+    number: int  # n: the chunk's 1-based place among the retrieved chunks
+    chunk_id: str  # the chunk it names (always one retrieved for this answer)
+    start: int  # the marker's span in the answer text, [start, end)
+    end: int
+    sentence_start: int  # where the text it marks begins (the sentence, or the previous marker's end)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +245,12 @@ class QueryOptions:
     filters: tuple[MetadataFilter, ...] = ()  # metadata conditions, all must hold, applied before top_k
     history: tuple[ChatTurn, ...] = ()  # earlier turns, oldest first (after the chunks, before the question)
     system_prompt: str | None = None  # must equal the collection's own (set at index time); None = the index's
+    agent_turns: tuple[ChatTurn, ...] = ()  # since the question: the assistant's tool calls and their results
+    response_format: ResponseFormat = ResponseFormat()  # the answer's shape (constrained decoding)
+    tools: tuple[Tool, ...] = ()  # functions the model may call
+    tool_choice: ToolChoice = ToolChoice()  # whether it must call them
+    parallel_tool_calls: bool = True  # several calls in one answer allowed
+    citations: bool = False  # mark sources as [n]; only retrieved chunks can be named
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +289,8 @@ class QueryStats:
     text: str  # the whole answer
     used_chunk_ids: tuple[str, ...] = ()  # chunks the answer was computed over (FOCUS keeps a subset)
     kv_sources: Mapping[KVSource, int] = field(default_factory=dict)  # chunks by where their KV came from
+    tool_calls: tuple[ToolCall, ...] = ()  # the calls the answer makes (finish_reason TOOL_CALLS); text is then ""
+    citations: tuple[Citation, ...] = ()  # the answer's [n] markers, when citations were asked for
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,9 +20,10 @@ from ragkv.engine.scheduler import END, Scheduler, Started
 from ragkv.server.admission import Admission
 from ragkv.server.backend import ChunksEvent, DoneEvent, QueryBackend, QueryParams, TokenEvent
 from ragkv.server.metrics import ServerMetrics
-from ragkv.types import QueryStats, RetrievedChunk, Usage
+from ragkv.server.structured import ToolCallReader, find_citations
+from ragkv.types import FinishReason, QueryStats, RetrievedChunk, ToolCallDelta, Usage
 
-RunEvent = ChunksEvent | TokenEvent | QueryStats
+RunEvent = ChunksEvent | TokenEvent | ToolCallDelta | QueryStats
 
 
 class QueryRunner:
@@ -54,6 +55,9 @@ class QueryRunner:
     ) -> AsyncIterator[RunEvent]:
         """Answer one Query: yields one ChunksEvent, TokenEvents, then the QueryStats.
 
+        An answer that calls tools yields ToolCallDeltas instead of TokenEvents (read from the
+        model's text here, off the scheduler thread); its stats carry the parsed calls.
+
         Args:
             backend: The loaded backend.
             params: The validated request.
@@ -84,6 +88,7 @@ class QueryRunner:
                 phases = dict(prepared.phase_seconds)
                 chunks: tuple[RetrievedChunk, ...] | None = None
                 pieces: list[str] = []
+                reader = ToolCallReader() if prepared.reads_tool_calls else None
                 first_token_at: float | None = None
                 done: DoneEvent | None = None
                 while (event := await events.get()) is not END:
@@ -100,16 +105,33 @@ class QueryRunner:
                             raise RuntimeError("backend yielded a token before the chunks: a backend bug")
                         if first_token_at is None:
                             first_token_at = time.perf_counter()
-                        pieces.append(event.text)
-                        yield event
+                        if reader is None:
+                            pieces.append(event.text)
+                            yield event
+                            continue
+                        for out in reader.feed(event.text):
+                            if isinstance(out, str):
+                                pieces.append(out)
+                                yield TokenEvent(out)
+                            else:
+                                yield out
                     elif isinstance(event, DoneEvent):
                         done = event
+                        for out in reader.finish() if reader is not None else ():
+                            if isinstance(out, str):
+                                pieces.append(out)
+                                yield TokenEvent(out)
+                            else:
+                                yield out
                 if done is None or chunks is None:
                     if cancel.is_set():
                         raise TimeoutError("deadline exceeded while answering")
                     raise RuntimeError("backend ended without chunks or stats: a backend bug")
                 finished = time.perf_counter()
                 phases.update(done.phase_seconds)
+                text = "".join(pieces)
+                calls = tuple(reader.calls) if reader is not None else ()
+                finish = FinishReason.TOOL_CALLS if calls and done.finish_reason is FinishReason.STOP else done.finish_reason
                 stats = QueryStats(
                     usage=Usage(done.prompt_tokens, done.completion_tokens, done.cached_prompt_tokens),
                     ttft_seconds=(first_token_at or finished) - arrived,
@@ -117,10 +139,12 @@ class QueryRunner:
                     phase_seconds=phases,
                     recompute_fraction=done.recompute_fraction,
                     mode=params.mode,
-                    finish_reason=done.finish_reason,
-                    text="".join(pieces),
+                    finish_reason=finish,
+                    text=text,
                     used_chunk_ids=done.used_chunk_ids or tuple(c.chunk_id for c in chunks),
                     kv_sources=dict(done.kv_sources),
+                    tool_calls=calls,
+                    citations=find_citations(text, chunks) if params.citations else (),
                 )
                 self._metrics.observe_answer(
                     params.mode,

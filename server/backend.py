@@ -19,7 +19,21 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from ragkv.types import ChatTurn, CollectionInfo, CollectionStats, FinishReason, KVSource, MetadataFilter, Mode, RetrievedChunk, SearchMode, Tier
+from ragkv.types import (
+    ChatTurn,
+    CollectionInfo,
+    CollectionStats,
+    FinishReason,
+    KVSource,
+    MetadataFilter,
+    Mode,
+    ResponseFormat,
+    RetrievedChunk,
+    SearchMode,
+    Tier,
+    Tool,
+    ToolChoice,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +61,12 @@ class QueryParams:
     search: SearchParams = SearchParams()  # search mode and metadata filters
     history: tuple[ChatTurn, ...] = ()  # earlier turns, oldest first: after the chunks, before the question
     system_prompt: str | None = None  # the client's system message; must equal the index's (None = not given)
+    agent_turns: tuple[ChatTurn, ...] = ()  # since the question: the assistant's tool calls and their results
+    response_format: ResponseFormat = ResponseFormat()  # the answer's shape (constrained decoding)
+    tools: tuple[Tool, ...] = ()  # functions the model may call
+    tool_choice: ToolChoice = ToolChoice()  # whether it must call them
+    parallel_tool_calls: bool = True  # several calls in one answer allowed
+    citations: bool = False  # mark sources as [n], naming only retrieved chunks
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +79,7 @@ class PreparedQuery:
     state: object = None  # backend-private (prefetch handles, hits)
     kv_bytes: int = 0  # KV cache bytes the answer holds at most (admission by memory)
     prompt_cost: int = 0  # about how much work its prompt pass is (Engine.prompt_cost): cheapest runs first
+    reads_tool_calls: bool = False  # the answer may be tool calls (server.structured.ToolCallReader reads them)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,9 @@ A Starlette app served by uvicorn on the gRPC server's own event loop (server/ap
 over the same backend, admission queue and scheduler: a chat completion is answered by
 `QueryRunner.run` exactly as a gRPC Query is. `model` names the collection; ragkv's
 own options (mode, top_k, recompute_ratio, search_mode, filters, snippet_chars) ride as
-extra body fields (the `openai` client's `extra_body`). Sources, KV tiers and timings
+extra body fields (the `openai` client's `extra_body`), `citations` among them. `tools`,
+`tool_choice`, `parallel_tool_calls` and `response_format` are OpenAI's, served by
+constrained decoding (server/structured.py). Sources, KV tiers and timings
 come back in a `ragkv` field of the response (streaming: of the final chunk); usage
 counts KV-cached prompt tokens as `prompt_tokens_details.cached_tokens`.
 
@@ -46,8 +48,15 @@ from ragkv.types import (
     Mode,
     QueryOptions,
     QueryStats,
+    ResponseFormat,
+    ResponseFormatKind,
     RetrievedChunk,
     SearchMode,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    ToolChoice,
+    ToolChoiceMode,
 )
 
 log = logging.getLogger(__name__)
@@ -64,7 +73,7 @@ _HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
 }
 _SYSTEM_ROLES = ("system", "developer")
-_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.TOOL_CALLS: "tool_calls"}
 
 
 class UnauthenticatedError(Exception):
@@ -98,8 +107,31 @@ def _text(content: object, where: str) -> str:
     raise InvalidArgumentError(f"{where}.content", f"must be a string or a list of text parts, got {content!r}")
 
 
-def _split_messages(messages: object) -> tuple[str | None, tuple[ChatTurn, ...], str]:
-    """(system prompt or None, earlier turns, question) from OpenAI `messages`."""
+def _tool_calls(value: object, where: str) -> tuple[ToolCall, ...]:
+    """An assistant message's `tool_calls`."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise InvalidArgumentError(f"{where}.tool_calls", f"must be a list, got {value!r}")
+    calls = []
+    for j, c in enumerate(value):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(c.get("id"), str):
+            raise InvalidArgumentError(f"{where}.tool_calls[{j}]",
+                                       "must be {id, type: function, function: {name, arguments}}")
+        args = fn.get("arguments") or "{}"
+        if not isinstance(args, str):
+            raise InvalidArgumentError(f"{where}.tool_calls[{j}].function.arguments", "must be a JSON string")
+        calls.append(ToolCall(c["id"], fn["name"], args))
+    return tuple(calls)
+
+
+def _split_messages(messages: object) -> tuple[str | None, tuple[ChatTurn, ...], str, tuple[ChatTurn, ...]]:
+    """(system prompt or None, earlier turns, question, agent turns) from OpenAI `messages`.
+
+    The question is the last user message; the assistant's tool calls and the tools'
+    results after it are the agent's turns on it so far.
+    """
     if not isinstance(messages, list) or not messages:
         raise InvalidArgumentError("messages", "must be a non-empty list of {role, content} objects")
     system: list[str] = []
@@ -113,13 +145,79 @@ def _split_messages(messages: object) -> tuple[str | None, tuple[ChatTurn, ...],
             if turns:
                 raise InvalidArgumentError(where, "a system message must come before every user/assistant message")
             system.append(_text(m.get("content"), where))
-        elif role in ("user", "assistant"):
-            turns.append(ChatTurn(ChatRole(role), _text(m.get("content"), where)))
+        elif role == "user":
+            turns.append(ChatTurn(ChatRole.USER, _text(m.get("content"), where)))
+        elif role == "assistant":
+            calls = _tool_calls(m.get("tool_calls"), where)
+            content = "" if m.get("content") is None and calls else _text(m.get("content"), where)
+            turns.append(ChatTurn(ChatRole.ASSISTANT, content, calls))
+        elif role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise InvalidArgumentError(f"{where}.tool_call_id", "a tool message must name the call it answers")
+            turns.append(ChatTurn(ChatRole.TOOL, _text(m.get("content"), where), tool_call_id=call_id))
         else:
-            raise InvalidArgumentError(f"{where}.role", f"must be system, developer, user or assistant, got {role!r}")
-    if not turns or turns[-1].role is not ChatRole.USER:
-        raise InvalidArgumentError("messages", "the last message must be the user's question")
-    return ("\n\n".join(system) if system else None), tuple(turns[:-1]), turns[-1].content
+            raise InvalidArgumentError(f"{where}.role",
+                                       f"must be system, developer, user, assistant or tool, got {role!r}")
+    users = [i for i, t in enumerate(turns) if t.role is ChatRole.USER]
+    if not users:
+        raise InvalidArgumentError("messages", "there must be a user message: the question")
+    q = users[-1]
+    after = tuple(turns[q + 1:])
+    if after and after[-1].role is ChatRole.ASSISTANT and not after[-1].tool_calls:
+        raise InvalidArgumentError("messages", "the last message must be the user's question or a tool's result")
+    return ("\n\n".join(system) if system else None), tuple(turns[:q]), turns[q].content, after
+
+
+def _tools(body: Mapping[str, Any]) -> tuple[tuple[Tool, ...], ToolChoice, bool]:
+    """`tools`, `tool_choice` and `parallel_tool_calls`."""
+    for legacy in ("functions", "function_call"):
+        if body.get(legacy) is not None:
+            raise InvalidArgumentError(legacy, "is OpenAI's deprecated form; send tools and tool_choice instead")
+    raw = body.get("tools") or []
+    if not isinstance(raw, list):
+        raise InvalidArgumentError("tools", f"must be a list of function tools, got {raw!r}")
+    tools = []
+    for i, t in enumerate(raw):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidArgumentError(f"tools[{i}]", "must be {type: function, function: {name, description, "
+                                                      "parameters}}")
+        params = fn.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}}
+        if not isinstance(params, dict):
+            raise InvalidArgumentError(f"tools[{i}].function.parameters", f"must be a JSON schema object, got {params!r}")
+        tools.append(Tool(fn["name"], str(fn.get("description") or ""), params))
+    choice = body.get("tool_choice")
+    if choice is None:
+        tool_choice = ToolChoice(ToolChoiceMode.AUTO)
+    elif isinstance(choice, str) and choice in ("auto", "none", "required"):
+        tool_choice = ToolChoice(ToolChoiceMode(choice))
+    elif (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+          and isinstance(choice["function"].get("name"), str)):
+        tool_choice = ToolChoice(ToolChoiceMode.FUNCTION, choice["function"]["name"])
+    else:
+        raise InvalidArgumentError("tool_choice", 'must be "auto", "none", "required" or '
+                                                  f'{{"type": "function", "function": {{"name": ...}}}}, got {choice!r}')
+    parallel = _field(body, "parallel_tool_calls", (bool,), "a boolean")
+    return tuple(tools), tool_choice, True if parallel is None else parallel
+
+
+def _response_format(body: Mapping[str, Any]) -> ResponseFormat:
+    fmt = _field(body, "response_format", (dict,), "an object with a type")
+    if fmt is None:
+        return ResponseFormat()
+    kind = fmt.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise InvalidArgumentError("response_format.type", f"must be text, json_object or json_schema, got {kind!r}")
+    if kind != "json_schema":
+        return ResponseFormat(ResponseFormatKind(kind))
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise InvalidArgumentError("response_format.json_schema", "must be {name, schema: <JSON schema object>, strict}")
+    return ResponseFormat(ResponseFormatKind.JSON_SCHEMA, spec["schema"], str(spec.get("name") or ""),
+                          bool(spec.get("strict")))
 
 
 def _field(body: Mapping[str, Any], name: str, kinds: tuple[type, ...], what: str) -> Any:
@@ -156,9 +254,8 @@ def options_from_body(body: object) -> tuple[str, QueryOptions, bool, bool]:
     n = _field(body, "n", (int,), "an integer")
     if n not in (None, 1):
         raise InvalidArgumentError("n", f"only n=1 is supported, got {n}")
-    if body.get("tools"):
-        raise InvalidArgumentError("tools", "tool calls are not supported")
-    system, history, question = _split_messages(body.get("messages"))
+    system, history, question, agent_turns = _split_messages(body.get("messages"))
+    tools, tool_choice, parallel = _tools(body)
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -188,6 +285,12 @@ def options_from_body(body: object) -> tuple[str, QueryOptions, bool, bool]:
         filters=tuple(MetadataFilter(str(k), v) for k, v in (filters or {}).items()),
         history=history,
         system_prompt=system,
+        agent_turns=agent_turns,
+        response_format=_response_format(body),
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel,
+        citations=bool(_field(body, "citations", (bool,), "a boolean")),
     )
     return question, options, stream, bool(stream_options.get("include_usage"))
 
@@ -216,7 +319,25 @@ def ragkv_extra(chunks: tuple[RetrievedChunk, ...], stats: QueryStats, snippet_c
         "ttft_seconds": stats.ttft_seconds,
         "total_seconds": stats.total_seconds,
         "phase_seconds": dict(stats.phase_seconds),
+        "citations": [{"number": c.number, "chunk_id": c.chunk_id, "start": c.start, "end": c.end,
+                       "sentence_start": c.sentence_start} for c in stats.citations],
     }
+
+
+def message_body(stats: QueryStats) -> dict[str, Any]:
+    """The assistant's message: its text, or its tool calls (content null, as OpenAI sends it)."""
+    if not stats.tool_calls:
+        return {"role": "assistant", "content": stats.text}
+    return {"role": "assistant", "content": stats.text or None,
+            "tool_calls": [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                           for c in stats.tool_calls]}
+
+
+def tool_call_delta(d: ToolCallDelta) -> dict[str, Any]:
+    """A streamed tool-call piece as OpenAI's `delta.tool_calls` item."""
+    if d.id is not None:
+        return {"index": d.index, "id": d.id, "type": "function", "function": {"name": d.name, "arguments": d.arguments}}
+    return {"index": d.index, "function": {"arguments": d.arguments}}
 
 
 def usage_body(stats: QueryStats) -> dict[str, Any]:
@@ -360,7 +481,7 @@ class OpenAIApi:
             raise RuntimeError("the answer ended without stats: a bug")
         return JSONResponse({
             "id": reply_id, "object": "chat.completion", "created": created, "model": params.collection,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": stats.text},
+            "choices": [{"index": 0, "message": message_body(stats),
                          "finish_reason": _FINISH.get(stats.finish_reason, "stop"), "logprobs": None}],
             "usage": usage_body(stats),
             "ragkv": ragkv_extra(first.chunks, stats, snippet),
@@ -380,6 +501,8 @@ class OpenAIApi:
             async for event in events:
                 if isinstance(event, TokenEvent):
                     yield chunk({"content": event.text})
+                elif isinstance(event, ToolCallDelta):
+                    yield chunk({"tool_calls": [tool_call_delta(event)]})
                 elif isinstance(event, QueryStats):
                     extra = ragkv_extra(chunks, event, snippet)
                     if include_usage:  # as OpenAI does: a last chunk with no choices carries the usage

@@ -26,6 +26,7 @@ import torch
 
 from ragkv.engine import BlendOptions, ChunkKV, Engine, LoadedModel, SamplingParams, load_model
 from ragkv.engine.check import gate_model
+from ragkv.engine.constrain import Constraint, GrammarError
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT
 from ragkv.engine.scheduler import Decode
 from ragkv.engine.work import WaitFor, wait_for
@@ -40,6 +41,7 @@ from ragkv.server.backend import AnswerEvent, ChunksEvent, DoneEvent, PreparedQu
 from ragkv.server.search_config import retriever_options
 from ragkv.server.settings import ServerSettings
 from ragkv.server.status import InvalidArgumentError, UnknownCollectionError
+from ragkv.server.structured import OutputSpec, output_spec, turn_text
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,8 @@ class _Plan:
     handles: tuple[PrefetchHandle | None, ...] | None  # KV loads in flight (None: computed instead);
     # None when the mode reads no chunk KV
     decisions: tuple[ChunkDecision, ...] = ()  # the loading controller's choice per hit
+    output: OutputSpec | None = None  # the answer's prompt text and grammar (server.structured)
+    constraint: Constraint | None = None  # the grammar compiled for this request; None = free text
 
 
 def _store_config(settings: ServerSettings, index_dir: Path, kv_uris: Sequence[str], device: torch.device,
@@ -252,6 +256,15 @@ class Pipeline:
         started = time.perf_counter()
         hits = self._search(c, params.question, params.top_k, params.search)
         retrieved = time.perf_counter()
+        chunks = tuple(
+            RetrievedChunk(h.chunk_id, h.score, h.text, h.metadata, None, len(h.token_ids), h.found_by)
+            for h in hits
+        )
+        output = output_spec(params, chunks)
+        try:  # compiled here, on the retrieval pool: the scheduler thread only applies masks
+            constraint = None if output.grammar is None else self.engine.grammars.compile(output.grammar)
+        except GrammarError as exc:
+            raise InvalidArgumentError("response_format" if params.response_format.schema else "tools", str(exc)) from None
         kv_keys = tuple(c.kv_key(h, params.mode, self.lm.fingerprint, self.lm.tokenizer_fingerprint) for h in hits)
         handles, decisions = None, ()
         if self.engine.reads_chunk_kv(params.mode):  # start loading the moment the ids are known
@@ -259,19 +272,19 @@ class Pipeline:
             reads = iter(c.store.prefetch([k for k, d in zip(kv_keys, decisions) if d.load],
                                           layered=self._kv_layered))
             handles = tuple(next(reads) if d.load else None for d in decisions)
-        chunks = tuple(
-            RetrievedChunk(h.chunk_id, h.score, h.text, h.metadata, None, len(h.token_ids), h.found_by)
-            for h in hits
-        )
-        plan = _Plan(c, tuple(tuple(h.token_ids) for h in hits), kv_keys, handles, decisions)
+        plan = _Plan(c, tuple(tuple(h.token_ids) for h in hits), kv_keys, handles, decisions, output, constraint)
         chunk_tokens = sum(len(h.token_ids) for h in hits)
-        max_tokens = (len(c.prefix_ids) + chunk_tokens + len(params.question) // 2 + 64
+        # the question segment: earlier turns, the answer's instructions, the question, the agent's turns
+        q_chars = (len(params.question) + len(output.before) + len(output.after)
+                   + sum(len(turn_text(t)) + 16 for t in params.history))
+        max_tokens = (len(c.prefix_ids) + chunk_tokens + q_chars // 2 + 64
                       + params.max_new_tokens)  # a question takes fewer tokens than chars/2, plus the template
         kv_bytes = max_tokens * self.engine.kv_bytes_per_token
         # the order of work needs a typical question (a token per 4 chars), not the bound above
-        cost = self.engine.prompt_cost(params.mode, len(c.prefix_ids), chunk_tokens, len(params.question) // 4 + 16,
+        cost = self.engine.prompt_cost(params.mode, len(c.prefix_ids), chunk_tokens, q_chars // 4 + 16,
                                        BlendOptions(recompute_ratio=params.recompute_ratio))
-        return PreparedQuery(params, chunks, {"retrieve": retrieved - started}, plan, kv_bytes, cost)
+        return PreparedQuery(params, chunks, {"retrieve": retrieved - started}, plan, kv_bytes, cost,
+                             output.reads_tool_calls)
 
     def _load_chunks(
         self, prepared: PreparedQuery, plan: _Plan, cancel: threading.Event, phases: dict[str, float],
@@ -400,7 +413,9 @@ class Pipeline:
         if cancel.is_set():
             return
 
-        question_ids = engine.prompt.question_ids(params.question, [(t.role.value, t.content) for t in params.history])
+        output = plan.output or output_spec(params, prepared.chunks)
+        question_ids = engine.prompt.question_ids(params.question, [(t.role.value, turn_text(t)) for t in params.history],
+                                                  output.before, output.after)
         options = BlendOptions(recompute_ratio=params.recompute_ratio, focus_keep=self._focus_keep)
         t0 = time.perf_counter()
 
@@ -421,7 +436,7 @@ class Pipeline:
         stream = engine.decode(res, SamplingParams(
             max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
             seed=params.seed, stop=params.stop,
-        ))
+        ), plan.constraint)
         t0 = time.perf_counter()
         yield Decode(stream, TokenEvent)  # the scheduler decodes it, batched with the others
         phases["decode"] = time.perf_counter() - t0

@@ -22,7 +22,7 @@ import grpc
 import grpc.aio
 
 from ragkv import convert
-from ragkv.types import RetrieveResult
+from ragkv.types import RetrieveResult, ToolCallDelta
 from ragkv.v1 import ragkv_pb2 as pb
 from ragkv.v1 import ragkv_pb2_grpc as pb_grpc
 from ragkv.engine.scheduler import Scheduler
@@ -98,6 +98,8 @@ class RagService(pb_grpc.RagServiceServicer):
                     elif isinstance(event, TokenEvent):
                         yield convert.token_response(event.text, index)
                         index += 1
+                    elif isinstance(event, ToolCallDelta):
+                        yield convert.tool_call_response(event)
                     else:
                         yield convert.stats_response(event)
         except asyncio.CancelledError:

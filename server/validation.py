@@ -8,9 +8,21 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ragkv.types import DEFAULT_COLLECTION, ChatTurn, FilterOp, Mode, QueryOptions, SearchMode
+from ragkv.types import (
+    DEFAULT_COLLECTION,
+    ChatRole,
+    ChatTurn,
+    FilterOp,
+    Mode,
+    QueryOptions,
+    ResponseFormatKind,
+    SearchMode,
+    ToolChoiceMode,
+)
 from ragkv.server.backend import QueryParams, SearchParams
 from ragkv.server.status import InvalidArgumentError
 
@@ -34,6 +46,52 @@ class RequestLimits:
     max_history_turns: int = 32  # earlier conversation turns per request
     max_history_chars: int = 16384  # characters of all earlier turns together
     max_system_prompt_chars: int = 16384  # characters of a request's system message
+    max_tools: int = 64  # tools per request
+    max_tools_chars: int = 65536  # characters of all tool definitions and the response schema, as JSON
+
+
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _turns(turns: Sequence[ChatTurn], where: str) -> None:
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, ChatTurn):
+            raise InvalidArgumentError(f"{where}[{i}]", f"must be a chat turn, got {turn!r}")
+        if turn.role is ChatRole.TOOL and not turn.tool_call_id:
+            raise InvalidArgumentError(f"{where}[{i}].tool_call_id", "a tool turn must name the call it answers")
+        if not turn.content.strip() and not turn.tool_calls and turn.role is not ChatRole.TOOL:
+            raise InvalidArgumentError(f"{where}[{i}]", "must have text or tool calls")
+
+
+def _output(options: QueryOptions, limits: RequestLimits) -> None:
+    """Tools, tool_choice, response_format and citations: each well formed, and together possible."""
+    tools = tuple(options.tools)
+    if len(tools) > limits.max_tools:
+        raise InvalidArgumentError("tools", f"at most {limits.max_tools} tools, got {len(tools)}")
+    names = set()
+    for i, t in enumerate(tools):
+        if not _TOOL_NAME.fullmatch(t.name or ""):
+            raise InvalidArgumentError(f"tools[{i}].function.name", f"must match [A-Za-z0-9_-]{{1,64}}, got {t.name!r}")
+        if t.name in names:
+            raise InvalidArgumentError(f"tools[{i}].function.name", f"{t.name!r} is defined twice")
+        names.add(t.name)
+        if not isinstance(t.parameters, dict):
+            raise InvalidArgumentError(f"tools[{i}].function.parameters", "must be a JSON schema object")
+    fmt = options.response_format
+    size = len(json.dumps([t.parameters for t in tools] + [fmt.schema], default=str))
+    if size > limits.max_tools_chars:
+        raise InvalidArgumentError("tools", f"tool and response schemas are {size} characters as JSON, the limit is "
+                                            f"{limits.max_tools_chars}")
+    choice = options.tool_choice
+    if choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.FUNCTION) and not tools:
+        raise InvalidArgumentError("tool_choice", f"{choice.mode.value!r} needs tools to call; none were given")
+    if choice.mode is ToolChoiceMode.FUNCTION and choice.name not in names:
+        raise InvalidArgumentError("tool_choice", f"names {choice.name!r}, which is not among the tools "
+                                                  f"({', '.join(sorted(names))})")
+    if fmt.kind is ResponseFormatKind.JSON_SCHEMA and not isinstance(fmt.schema, dict):
+        raise InvalidArgumentError("response_format.json_schema.schema", "must be a JSON schema object")
+    if options.citations and fmt.kind is not ResponseFormatKind.TEXT:
+        raise InvalidArgumentError("citations", "apply to text answers, not to a JSON response_format")
 
 
 def _question(question: str, limits: RequestLimits) -> str:
@@ -132,13 +190,16 @@ def validate_query(
     for s in options.stop:
         if not s or len(s) > limits.max_stop_chars:
             raise InvalidArgumentError("stop", f"each must have 1..{limits.max_stop_chars} characters, got {s!r}")
-    history = tuple(options.history)
-    if len(history) > limits.max_history_turns:
-        raise InvalidArgumentError("history", f"at most {limits.max_history_turns} turns, got {len(history)}")
-    for i, turn in enumerate(history):
-        if not isinstance(turn, ChatTurn) or not turn.content.strip():
-            raise InvalidArgumentError(f"history[{i}]", f"must be a user or assistant turn with text, got {turn!r}")
-    history_chars = sum(len(t.content) for t in history)
+    history, agent = tuple(options.history), tuple(options.agent_turns)
+    if len(history) + len(agent) > limits.max_history_turns:
+        raise InvalidArgumentError("history", f"at most {limits.max_history_turns} turns, got {len(history) + len(agent)}")
+    _turns(history, "history")
+    _turns(agent, "agent_turns")
+    for i, turn in enumerate(agent):
+        if turn.role is ChatRole.USER:
+            raise InvalidArgumentError(f"agent_turns[{i}]", "turns after the question are the assistant's or tools'")
+    _output(options, limits)
+    history_chars = sum(len(t.content) + sum(len(c.arguments) for c in t.tool_calls) for t in history + agent)
     if history_chars > limits.max_history_chars:
         raise InvalidArgumentError("history", f"is {history_chars} characters, the limit is {limits.max_history_chars}")
     system = options.system_prompt
@@ -159,4 +220,10 @@ def validate_query(
         search=search,
         history=history,
         system_prompt=system,
+        agent_turns=agent,
+        response_format=options.response_format,
+        tools=tuple(options.tools),
+        tool_choice=options.tool_choice,
+        parallel_tool_calls=options.parallel_tool_calls,
+        citations=options.citations,
     )

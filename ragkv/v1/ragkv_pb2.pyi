@@ -33,6 +33,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_TOOL_CALLS: _ClassVar[FinishReason]
 
 class SearchMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -52,6 +53,21 @@ class ChatRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CHAT_ROLE_UNSPECIFIED: _ClassVar[ChatRole]
     CHAT_ROLE_USER: _ClassVar[ChatRole]
     CHAT_ROLE_ASSISTANT: _ClassVar[ChatRole]
+    CHAT_ROLE_TOOL: _ClassVar[ChatRole]
+
+class ToolChoiceMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOOL_CHOICE_MODE_UNSPECIFIED: _ClassVar[ToolChoiceMode]
+    TOOL_CHOICE_MODE_AUTO: _ClassVar[ToolChoiceMode]
+    TOOL_CHOICE_MODE_NONE: _ClassVar[ToolChoiceMode]
+    TOOL_CHOICE_MODE_REQUIRED: _ClassVar[ToolChoiceMode]
+    TOOL_CHOICE_MODE_FUNCTION: _ClassVar[ToolChoiceMode]
+
+class ResponseFormatType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RESPONSE_FORMAT_TYPE_UNSPECIFIED: _ClassVar[ResponseFormatType]
+    RESPONSE_FORMAT_TYPE_JSON_OBJECT: _ClassVar[ResponseFormatType]
+    RESPONSE_FORMAT_TYPE_JSON_SCHEMA: _ClassVar[ResponseFormatType]
 MODE_UNSPECIFIED: Mode
 MODE_FULL: Mode
 MODE_PREFIX: Mode
@@ -68,6 +84,7 @@ TIER_NOT_LOADED: Tier
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
+FINISH_REASON_TOOL_CALLS: FinishReason
 SEARCH_MODE_UNSPECIFIED: SearchMode
 SEARCH_MODE_DENSE: SearchMode
 SEARCH_MODE_LEXICAL: SearchMode
@@ -78,6 +95,15 @@ FILTER_OP_PREFIX: FilterOp
 CHAT_ROLE_UNSPECIFIED: ChatRole
 CHAT_ROLE_USER: ChatRole
 CHAT_ROLE_ASSISTANT: ChatRole
+CHAT_ROLE_TOOL: ChatRole
+TOOL_CHOICE_MODE_UNSPECIFIED: ToolChoiceMode
+TOOL_CHOICE_MODE_AUTO: ToolChoiceMode
+TOOL_CHOICE_MODE_NONE: ToolChoiceMode
+TOOL_CHOICE_MODE_REQUIRED: ToolChoiceMode
+TOOL_CHOICE_MODE_FUNCTION: ToolChoiceMode
+RESPONSE_FORMAT_TYPE_UNSPECIFIED: ResponseFormatType
+RESPONSE_FORMAT_TYPE_JSON_OBJECT: ResponseFormatType
+RESPONSE_FORMAT_TYPE_JSON_SCHEMA: ResponseFormatType
 
 class MetadataFilter(_message.Message):
     __slots__ = ("key", "op", "value_json")
@@ -90,12 +116,70 @@ class MetadataFilter(_message.Message):
     def __init__(self, key: _Optional[str] = ..., op: _Optional[_Union[FilterOp, str]] = ..., value_json: _Optional[str] = ...) -> None: ...
 
 class ChatTurn(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     role: ChatRole
     content: str
-    def __init__(self, role: _Optional[_Union[ChatRole, str]] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    def __init__(self, role: _Optional[_Union[ChatRole, str]] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+
+class Tool(_message.Message):
+    __slots__ = ("name", "description", "parameters_json")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters_json: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters_json: _Optional[str] = ...) -> None: ...
+
+class ToolChoice(_message.Message):
+    __slots__ = ("mode", "name")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    mode: ToolChoiceMode
+    name: str
+    def __init__(self, mode: _Optional[_Union[ToolChoiceMode, str]] = ..., name: _Optional[str] = ...) -> None: ...
+
+class ResponseFormat(_message.Message):
+    __slots__ = ("type", "schema_json", "name", "strict")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_JSON_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STRICT_FIELD_NUMBER: _ClassVar[int]
+    type: ResponseFormatType
+    schema_json: str
+    name: str
+    strict: bool
+    def __init__(self, type: _Optional[_Union[ResponseFormatType, str]] = ..., schema_json: _Optional[str] = ..., name: _Optional[str] = ..., strict: _Optional[bool] = ...) -> None: ...
+
+class Citation(_message.Message):
+    __slots__ = ("number", "chunk_id", "start", "end", "sentence_start")
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    SENTENCE_START_FIELD_NUMBER: _ClassVar[int]
+    number: int
+    chunk_id: str
+    start: int
+    end: int
+    sentence_start: int
+    def __init__(self, number: _Optional[int] = ..., chunk_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., sentence_start: _Optional[int] = ...) -> None: ...
 
 class SamplingOptions(_message.Message):
     __slots__ = ("temperature", "top_p", "seed")
@@ -108,7 +192,7 @@ class SamplingOptions(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class QueryRequest(_message.Message):
-    __slots__ = ("question", "collection", "top_k", "mode", "recompute_ratio", "sampling", "max_new_tokens", "stop", "snippet_chars", "search_mode", "filters", "history", "system_prompt")
+    __slots__ = ("question", "collection", "top_k", "mode", "recompute_ratio", "sampling", "max_new_tokens", "stop", "snippet_chars", "search_mode", "filters", "history", "system_prompt", "agent_turns", "response_format", "tools", "tool_choice", "parallel_tool_calls", "citations")
     QUESTION_FIELD_NUMBER: _ClassVar[int]
     COLLECTION_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +206,12 @@ class QueryRequest(_message.Message):
     FILTERS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     SYSTEM_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    AGENT_TURNS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    CITATIONS_FIELD_NUMBER: _ClassVar[int]
     question: str
     collection: str
     top_k: int
@@ -135,17 +225,37 @@ class QueryRequest(_message.Message):
     filters: _containers.RepeatedCompositeFieldContainer[MetadataFilter]
     history: _containers.RepeatedCompositeFieldContainer[ChatTurn]
     system_prompt: str
-    def __init__(self, question: _Optional[str] = ..., collection: _Optional[str] = ..., top_k: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., recompute_ratio: _Optional[float] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., snippet_chars: _Optional[int] = ..., search_mode: _Optional[_Union[SearchMode, str]] = ..., filters: _Optional[_Iterable[_Union[MetadataFilter, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[ChatTurn, _Mapping]]] = ..., system_prompt: _Optional[str] = ...) -> None: ...
+    agent_turns: _containers.RepeatedCompositeFieldContainer[ChatTurn]
+    response_format: ResponseFormat
+    tools: _containers.RepeatedCompositeFieldContainer[Tool]
+    tool_choice: ToolChoice
+    parallel_tool_calls: bool
+    citations: bool
+    def __init__(self, question: _Optional[str] = ..., collection: _Optional[str] = ..., top_k: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., recompute_ratio: _Optional[float] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., snippet_chars: _Optional[int] = ..., search_mode: _Optional[_Union[SearchMode, str]] = ..., filters: _Optional[_Iterable[_Union[MetadataFilter, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[ChatTurn, _Mapping]]] = ..., system_prompt: _Optional[str] = ..., agent_turns: _Optional[_Iterable[_Union[ChatTurn, _Mapping]]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., citations: _Optional[bool] = ...) -> None: ...
 
 class QueryResponse(_message.Message):
-    __slots__ = ("chunks", "token", "stats")
+    __slots__ = ("chunks", "token", "stats", "tool_call")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
     chunks: RetrievedChunks
     token: TokenDelta
     stats: QueryStats
-    def __init__(self, chunks: _Optional[_Union[RetrievedChunks, _Mapping]] = ..., token: _Optional[_Union[TokenDelta, _Mapping]] = ..., stats: _Optional[_Union[QueryStats, _Mapping]] = ...) -> None: ...
+    tool_call: ToolCallDelta
+    def __init__(self, chunks: _Optional[_Union[RetrievedChunks, _Mapping]] = ..., token: _Optional[_Union[TokenDelta, _Mapping]] = ..., stats: _Optional[_Union[QueryStats, _Mapping]] = ..., tool_call: _Optional[_Union[ToolCallDelta, _Mapping]] = ...) -> None: ...
+
+class ToolCallDelta(_message.Message):
+    __slots__ = ("index", "id", "name", "arguments")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, index: _Optional[int] = ..., id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class RetrievedChunks(_message.Message):
     __slots__ = ("chunks",)
@@ -199,7 +309,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class QueryStats(_message.Message):
-    __slots__ = ("usage", "ttft_seconds", "total_seconds", "phase_seconds", "recompute_fraction", "mode", "finish_reason", "text", "used_chunk_ids", "kv_sources")
+    __slots__ = ("usage", "ttft_seconds", "total_seconds", "phase_seconds", "recompute_fraction", "mode", "finish_reason", "text", "used_chunk_ids", "kv_sources", "tool_calls", "citations")
     class PhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +334,8 @@ class QueryStats(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     USED_CHUNK_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_SOURCES_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    CITATIONS_FIELD_NUMBER: _ClassVar[int]
     usage: Usage
     ttft_seconds: float
     total_seconds: float
@@ -234,7 +346,9 @@ class QueryStats(_message.Message):
     text: str
     used_chunk_ids: _containers.RepeatedScalarFieldContainer[str]
     kv_sources: _containers.ScalarMap[str, int]
-    def __init__(self, usage: _Optional[_Union[Usage, _Mapping]] = ..., ttft_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., recompute_fraction: _Optional[float] = ..., mode: _Optional[_Union[Mode, str]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., text: _Optional[str] = ..., used_chunk_ids: _Optional[_Iterable[str]] = ..., kv_sources: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    citations: _containers.RepeatedCompositeFieldContainer[Citation]
+    def __init__(self, usage: _Optional[_Union[Usage, _Mapping]] = ..., ttft_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., recompute_fraction: _Optional[float] = ..., mode: _Optional[_Union[Mode, str]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., text: _Optional[str] = ..., used_chunk_ids: _Optional[_Iterable[str]] = ..., kv_sources: _Optional[_Mapping[str, int]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., citations: _Optional[_Iterable[_Union[Citation, _Mapping]]] = ...) -> None: ...
 
 class RetrieveRequest(_message.Message):
     __slots__ = ("question", "collection", "top_k", "snippet_chars", "search_mode", "filters")

@@ -7,8 +7,9 @@ from google.protobuf.message import Message
 
 from ragkv import convert
 from ragkv.types import (
-    ChatRole, ChatTurn, CollectionInfo, CollectionStats, FilterOp, FinishReason, KVSource, MetadataFilter, Mode, QueryOptions, QueryStats,
-    RetrievedChunk, RetrieveResult, SearchMode, Tier, TierStats, Usage,
+    ChatRole, ChatTurn, Citation, CollectionInfo, CollectionStats, FilterOp, FinishReason, KVSource, MetadataFilter, Mode,
+    QueryOptions, QueryStats, ResponseFormat, ResponseFormatKind, RetrievedChunk, RetrieveResult, SearchMode, Tier,
+    TierStats, Tool, ToolCall, ToolCallDelta, ToolChoice, ToolChoiceMode, Usage,
 )
 from ragkv.v1 import ragkv_pb2 as pb
 
@@ -18,7 +19,9 @@ FILTERS = (MetadataFilter("year", 2024), MetadataFilter("source", "docs/", Filte
            MetadataFilter("ok", True), MetadataFilter("tag", None))
 STATS = QueryStats(Usage(100, 5, 80), 0.25, 1.5, {"retrieve": 0.01, "decode": 1.0}, 0.15, Mode.FOCUS,
                    FinishReason.LENGTH, "an answer", ("c1", "c3"),
-                   {KVSource.LOADED: 3, KVSource.COMPUTED_CHEAPER: 1})
+                   {KVSource.LOADED: 3, KVSource.COMPUTED_CHEAPER: 1},
+                   (ToolCall("call_1", "lookup", '{"q":"x"}'),), (Citation(2, "c3", 10, 13, 0),))
+CALL = ToolCall("call_0", "lookup", '{"q": "earlier"}')
 
 
 def _all_fields_set(msg: Message) -> list[str]:
@@ -37,7 +40,13 @@ def _all_fields_set(msg: Message) -> list[str]:
 
 def test_query_request_round_trip() -> None:
     options = QueryOptions("docs", 3, Mode.REUSE, 0.0, 0.75, 0.5, 42, 16, ("\n\n",), 100, SearchMode.LEXICAL,
-                           FILTERS, (ChatTurn(ChatRole.USER, "hi"), ChatTurn(ChatRole.ASSISTANT, "hello")), "Be brief.")
+                           FILTERS, (ChatTurn(ChatRole.USER, "hi"), ChatTurn(ChatRole.ASSISTANT, "hello")), "Be brief.",
+                           agent_turns=(ChatTurn(ChatRole.ASSISTANT, "", (CALL,)),
+                                        ChatTurn(ChatRole.TOOL, "42", tool_call_id="call_0")),
+                           response_format=ResponseFormat(ResponseFormatKind.JSON_SCHEMA, {"type": "object"}, "out", True),
+                           tools=(Tool("lookup", "Look it up", {"type": "object", "properties": {"q": {"type": "string"}}}),),
+                           tool_choice=ToolChoice(ToolChoiceMode.FUNCTION, "lookup"), parallel_tool_calls=False,
+                           citations=True)
     msg = convert.query_request_to_proto("why?", options)
     assert _all_fields_set(msg) == []
     assert msg.HasField("recompute_ratio")  # 0.0 is an explicit value, not "unset"
@@ -74,6 +83,18 @@ def test_collection_round_trip() -> None:
     msg = convert.collection_stats_to_proto(stats)
     assert _all_fields_set(msg) == []
     assert convert.collection_stats_from_proto(msg) == stats
+
+
+def test_bad_schema_json_is_a_wire_error() -> None:
+    msg = pb.QueryRequest(question="q", tools=[pb.Tool(name="t", parameters_json="{not json")])
+    with pytest.raises(convert.WireValueError, match=r"tools\[0\]\.parameters_json"):
+        convert.query_request_from_proto(msg)
+
+
+def test_tool_call_delta_event() -> None:
+    first, later = ToolCallDelta(1, "call_9", "lookup", ""), ToolCallDelta(1, None, None, '{"q":')
+    assert convert.query_event_from_proto(convert.tool_call_response(first)) == first
+    assert convert.query_event_from_proto(convert.tool_call_response(later)) == later
 
 
 def test_stream_events() -> None:

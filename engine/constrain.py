@@ -41,16 +41,30 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
     import llguidance
 
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
     except (ValueError, TypeError) as exc:
         raise GrammarError(f"JSON schema cannot be compiled: {exc}") from None
+    return _validated(grammar, "JSON schema")
 
 
 def lark_grammar(lark: str) -> str:
-    """A grammar from Lark text (llguidance's dialect: `%json {...}` terminals allowed)."""
+    """A grammar from Lark text (llguidance's dialect: `%json {...}` terminals allowed).
+
+    Raises:
+        GrammarError: The grammar (or a JSON schema inside it) is not one the library can compile.
+    """
     import llguidance
 
-    return llguidance.LLMatcher.grammar_from_lark(lark)
+    return _validated(llguidance.LLMatcher.grammar_from_lark(lark), "grammar")
+
+
+def _validated(grammar: str, what: str) -> str:
+    import llguidance
+
+    error = llguidance.LLMatcher.validate_grammar(grammar, None)  # "" when it compiles
+    if error:
+        raise GrammarError(f"{what} cannot be compiled: {error.strip()}")
+    return grammar
 
 
 class ConstraintCompiler:
@@ -78,14 +92,6 @@ class ConstraintCompiler:
                 self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size,
                                                                eos_token=self._eos)
             return self._tokenizer
-
-    def check(self, grammar: str) -> None:
-        """Raise GrammarError, naming the problem, unless `grammar` compiles."""
-        import llguidance
-
-        bad, messages = llguidance.LLMatcher.validate_grammar(grammar, self._llg_tokenizer())
-        if bad:
-            raise GrammarError(f"grammar cannot be compiled: {messages}")
 
     def compile(self, grammar: str) -> Constraint:
         """A fresh constraint (one per request) over `grammar`.

@@ -8,24 +8,30 @@
 
 This module needs the `langchain` extra (langchain-core only); `import ragkv` never
 imports it. It talks to a server through `ragkv.client` alone and knows nothing of
-the engine, the KV store or the retriever behind it. No tool calling: the server
-answers one question from retrieved context, it does not pick tools.
+the engine, the KV store or the retriever behind it.
 
 Which text is sent as the question: the last human message's text (it is also what the
-server embeds for retrieval). `history_messages` > 0 sends that many earlier human/AI
-messages as the request's chat history, which the server places after the chunks and
-before the question. System messages are sent as the request's system prompt: an index
-has its own (`ragkv index --system-prompt`, the shared KV prefix every chunk was
+server embeds for retrieval). `history_messages` > 0 sends that many earlier messages
+as the request's chat history, which the server places after the chunks and before the
+question. The AI tool calls and tool results after the question are always sent (an
+agent's loop needs them). System messages are sent as the request's system prompt: an
+index has its own (`ragkv index --system-prompt`, the shared KV prefix every chunk was
 prefilled after), and a different one is refused with INVALID_ARGUMENT naming both
-rather than silently dropped. Tool messages are never sent.
+rather than silently dropped.
+
+Agents: `bind_tools` (tool_choice "auto", "none", "any"/"required", a tool's name) and
+`with_structured_output` (methods json_schema, function_calling, json_mode) are served
+by the server's constrained decoding, so a call always parses against its schema.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import weakref
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from operator import itemgetter
 from typing import Any
 
 import grpc
@@ -34,17 +40,33 @@ from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, Callba
 from langchain_core.documents import Document
 from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, SystemMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.tool import tool_call_chunk
+from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticOutputParser
+from langchain_core.output_parsers.openai_tools import PydanticToolsParser
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.retrievers import BaseRetriever
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
 from langchain_core.utils import from_env, secret_from_env
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
 
 from ragkv.client import AsyncRagClient, RagClient
 from ragkv.errors import RagKVError
 from ragkv.retry import RetryPolicy
-from ragkv.types import ChatRole, ChatTurn, MetadataFilter, Mode, QueryStats, RetrievedChunk, SearchMode
+from ragkv.types import (
+    ChatRole,
+    ChatTurn,
+    MetadataFilter,
+    Mode,
+    QueryStats,
+    RetrievedChunk,
+    SearchMode,
+    ToolCall,
+    ToolCallDelta,
+)
 
 __all__ = ["RagKVChatModel", "RagKVRetriever", "RagKVServerError"]
 
@@ -52,8 +74,9 @@ _PROVIDER = "ragkv"
 # Per-call keyword arguments `invoke`/`bind` may override, by field name.
 _QUERY_OVERRIDES = frozenset(
     {"collection", "top_k", "mode", "recompute_ratio", "temperature", "top_p", "seed", "max_tokens",
-     "search_mode", "filters"}
+     "search_mode", "filters", "citations", "tools", "tool_choice", "parallel_tool_calls", "response_format"}
 )
+_NOT_FIELDS = {"tools": (), "tool_choice": None, "parallel_tool_calls": True, "response_format": None}  # bind-only
 # Keywords LangChain itself may pass down to _stream; they are not ours to act on.
 _LANGCHAIN_KWARGS = frozenset({"model", "stream", "ls_structured_output_format"})
 
@@ -168,14 +191,31 @@ def question_from_messages(messages: Sequence[BaseMessage]) -> str:
     return question
 
 
+def _turn(m: BaseMessage) -> ChatTurn | None:
+    """A human, AI (text and tool calls) or tool message as a chat turn; None for others and empty ones."""
+    if isinstance(m, ToolMessage):
+        return ChatTurn(ChatRole.TOOL, m.text.strip() or "(no output)", tool_call_id=m.tool_call_id)
+    if isinstance(m, AIMessage):
+        calls = tuple(ToolCall(c.get("id") or f"call_{i}", c["name"], json.dumps(c.get("args") or {}))
+                      for i, c in enumerate(m.tool_calls))
+        return ChatTurn(ChatRole.ASSISTANT, m.text.strip(), calls) if m.text.strip() or calls else None
+    if isinstance(m, HumanMessage) and m.text.strip():
+        return ChatTurn(ChatRole.USER, m.text.strip())
+    return None
+
+
 def history_from_messages(messages: Sequence[BaseMessage], history_messages: int) -> tuple[ChatTurn, ...]:
-    """The last `history_messages` human/AI messages before the question, as the request's history."""
+    """The last `history_messages` human/AI/tool messages before the question, as the request's history."""
     if history_messages <= 0:
         return ()
-    earlier = [m for m in messages[:_last_human(messages)] if isinstance(m, (HumanMessage, AIMessage))
-               and m.text.strip()]
-    return tuple(ChatTurn(ChatRole.USER if m.type == "human" else ChatRole.ASSISTANT, m.text.strip())
-                 for m in earlier[-history_messages:])
+    earlier = [t for m in messages[:_last_human(messages)] if (t := _turn(m)) is not None]
+    return tuple(earlier[-history_messages:])
+
+
+def agent_turns_from_messages(messages: Sequence[BaseMessage]) -> tuple[ChatTurn, ...]:
+    """The AI tool calls and tool results after the question (an agent's loop so far)."""
+    return tuple(t for m in messages[_last_human(messages) + 1:] if (t := _turn(m)) is not None
+                 and t.role is not ChatRole.USER)
 
 
 def system_prompt_from_messages(messages: Sequence[BaseMessage]) -> str | None:
@@ -255,6 +295,8 @@ class RagKVChatModel(_Connection, BaseChatModel):
     """Earlier human/AI messages sent as chat history (after the chunks, before the question); 0 = none."""
     chunk_text_chars: int = Field(default=0, ge=0)
     """Characters of each chunk's text to put in response_metadata; 0 = no text."""
+    citations: bool = False
+    """Mark sources as [n] (only retrieved chunks can be named); response_metadata["citations"] lists them."""
 
     @property
     def _llm_type(self) -> str:
@@ -297,10 +339,16 @@ class RagKVChatModel(_Connection, BaseChatModel):
                 f"per-call overrides are {sorted(_QUERY_OVERRIDES)}"
             )
         # Bad values (an unknown mode, top_k 0...) fail in the SDK or as the server's INVALID_ARGUMENT.
-        values = {k: kwargs.get(k, getattr(self, k)) for k in _QUERY_OVERRIDES}
+        values = {k: kwargs.get(k, _NOT_FIELDS[k] if k in _NOT_FIELDS else getattr(self, k)) for k in _QUERY_OVERRIDES}
         return {
             "question": question_from_messages(messages),
             "history": history_from_messages(messages, self.history_messages),
+            "agent_turns": agent_turns_from_messages(messages),
+            "tools": values["tools"] or (),
+            "tool_choice": values["tool_choice"],
+            "parallel_tool_calls": values["parallel_tool_calls"],
+            "response_format": values["response_format"],
+            "citations": values["citations"],
             "system_prompt": system_prompt_from_messages(messages),
             "collection": values["collection"],
             "top_k": values["top_k"],
@@ -317,8 +365,12 @@ class RagKVChatModel(_Connection, BaseChatModel):
             "snippet_chars": self.chunk_text_chars or 1,
         }
 
-    def _token_chunk(self, piece: str, chunks: Sequence[RetrievedChunk] | None) -> ChatGenerationChunk:
+    def _token_chunk(self, piece: str | ToolCallDelta, chunks: Sequence[RetrievedChunk] | None) -> ChatGenerationChunk:
         metadata = _chunk_metadata(chunks, self.chunk_text_chars) if chunks is not None else {}
+        if isinstance(piece, ToolCallDelta):
+            part = tool_call_chunk(name=piece.name, args=piece.arguments, id=piece.id, index=piece.index)
+            return ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[part],
+                                                              response_metadata=metadata))
         return ChatGenerationChunk(message=AIMessageChunk(content=piece, response_metadata=metadata))
 
     def _last_chunk(
@@ -338,6 +390,9 @@ class RagKVChatModel(_Connection, BaseChatModel):
             total_seconds=stats.total_seconds,
             phase_seconds=dict(stats.phase_seconds),
         )
+        if stats.citations:
+            metadata["citations"] = [{"number": c.number, "chunk_id": c.chunk_id, "start": c.start, "end": c.end,
+                                      "sentence_start": c.sentence_start} for c in stats.citations]
         u = stats.usage
         usage = UsageMetadata(
             input_tokens=u.prompt_tokens,
@@ -347,6 +402,79 @@ class RagKVChatModel(_Connection, BaseChatModel):
         )
         message = AIMessageChunk(content="", response_metadata=metadata, usage_metadata=usage, chunk_position="last")
         return ChatGenerationChunk(message=message, generation_info={"finish_reason": stats.finish_reason.value})
+
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable | Any],
+        *,
+        tool_choice: dict | str | bool | None = None,
+        parallel_tool_calls: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable:
+        """This model with `tools` the server may call (OpenAI's semantics).
+
+        Args:
+            tools: LangChain tools, functions, pydantic models or OpenAI tool dicts.
+            tool_choice: "auto" (the default), "none", "any"/"required" or True (call one or
+                more), a tool's name or OpenAI's `{"type": "function", ...}` (call that one).
+            parallel_tool_calls: False allows one call per answer.
+        """
+        formatted = [convert_to_openai_tool(t) for t in tools]
+        if tool_choice is True:
+            tool_choice = "required"
+        elif tool_choice is False:
+            tool_choice = None
+        if parallel_tool_calls is not None:
+            kwargs["parallel_tool_calls"] = parallel_tool_calls
+        return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: dict | type | None = None,
+        *,
+        method: str = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable:
+        """This model answering as `schema` (a pydantic class, TypedDict or JSON schema).
+
+        Args:
+            method: "json_schema" (the answer is JSON held to the schema), "function_calling"
+                (one forced call of a tool whose parameters are the schema), or "json_mode"
+                (any JSON object; the schema only parses it).
+            include_raw: Return {"raw", "parsed", "parsing_error"} instead of the parsed value.
+        """
+        if kwargs:
+            raise TypeError(f"with_structured_output got unknown keyword argument(s) {sorted(kwargs)}")
+        pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        if method == "function_calling":
+            if schema is None:
+                raise ValueError("with_structured_output(method='function_calling') needs a schema")
+            name = convert_to_openai_tool(schema)["function"]["name"]
+            llm = self.bind_tools([schema], tool_choice=name, parallel_tool_calls=False,
+                                  ls_structured_output_format={"kwargs": {"method": method}, "schema": schema})
+            parser: Runnable = (PydanticToolsParser(tools=[schema], first_tool_only=True) if pydantic
+                                else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
+        elif method in ("json_schema", "json_mode"):
+            if method == "json_schema":
+                if schema is None:
+                    raise ValueError("with_structured_output(method='json_schema') needs a schema")
+                json_schema = convert_to_json_schema(schema)
+                fmt: dict[str, Any] = {"type": "json_schema", "json_schema": {
+                    "name": json_schema.get("title", "output"), "schema": json_schema, "strict": bool(strict)}}
+            else:
+                fmt = {"type": "json_object"}
+            llm = self.bind(response_format=fmt,
+                            ls_structured_output_format={"kwargs": {"method": method}, "schema": schema})
+            parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()
+        else:
+            raise ValueError(f"method must be json_schema, function_calling or json_mode, got {method!r}")
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        fallback = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
 
     def _stream(
         self,

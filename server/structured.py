@@ -95,7 +95,10 @@ def output_spec(params: Any, chunks: Sequence[RetrievedChunk]) -> OutputSpec:
         rules.append("start: answer")
     if answer is not None and not must_call:
         rules.append(f"answer: {answer}")
-    grammar = lark_grammar("\n".join(rules) + "\n") if rules else None
+    try:
+        grammar = lark_grammar("\n".join(rules) + "\n") if rules else None
+    except GrammarError as exc:  # each schema compiled alone: this is ours, not the request's
+        raise RuntimeError(f"the answer's grammar does not compile: {exc} (a bug)") from exc
     after = agent_turns_text(params.agent_turns)
     return OutputSpec(grammar, "\n\n".join(before) + ("\n\n" if before else ""), after, calls_allowed)
 

@@ -1,0 +1,70 @@
+"""Fixtures: a ragkv server answering with the shipped SmolLM2-135M, gRPC and HTTP.
+
+The agent tests hold the interface to the real model: what constrained decoding
+guarantees (a call parses against its tool's schema, JSON against its response
+format, a citation names a retrieved chunk) must hold whatever a weak model would
+write unconstrained.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests.server.fakes import ServerThread, settings  # noqa: E402
+from tests.server.test_pipeline import CORPUS, tiny_index  # noqa: E402, F401  (session fixture, reused)
+
+AGENT_CORPUS = {
+    **CORPUS,
+    "weather.txt": "Weather reports for cities come from the get_weather tool, not from documents.",
+    "magic.txt": "The magic function is a tool; nobody knows its value without calling it.",
+}
+
+
+@pytest.fixture(scope="session")
+def smol_index(tmp_path_factory: pytest.TempPathFactory, smollm2) -> Path:  # noqa: ANN001
+    from ragkv.indexer.chunking import ChunkingConfig
+    from ragkv.indexer.job import IndexJobConfig, run_index
+
+    root = tmp_path_factory.mktemp("smol-index")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for name, text in AGENT_CORPUS.items():
+        (corpus / name).write_text(text)
+    run_index(IndexJobConfig(corpus=corpus, out=root / "index", chunking=ChunkingConfig(size=64, overlap=0),
+                             progress=False), lm=smollm2)
+    return root / "index"
+
+
+@pytest.fixture(scope="session")
+def smol_server(smol_index: Path, smollm2):  # noqa: ANN001
+    """SmolLM2 behind gRPC and the OpenAI HTTP API (mode blend, top_k 2 by default)."""
+    from ragkv.engine import Engine
+    from ragkv.retriever import Retriever
+    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.settings import CollectionSpec
+
+    retriever = Retriever.open(smol_index)
+
+    def factory(s):  # noqa: ANN001, ANN202 - share the session's loaded model
+        return Pipeline.from_parts(Engine(smollm2), {"default": (smol_index, retriever)}, s)
+
+    st = ServerThread(settings(indexes=(CollectionSpec("default", smol_index),), http_port=0), factory)
+    yield st
+    st.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_index: Path):  # noqa: F811
+    """The tiny random Llama behind both APIs: the harshest writer a grammar can hold."""
+    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.settings import CollectionSpec
+
+    st = ServerThread(settings(indexes=(CollectionSpec("default", tiny_index),), http_port=0), Pipeline.from_settings)
+    yield st
+    st.stop()

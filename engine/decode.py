@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ragkv.engine.blend import BlendResult
-from ragkv.engine.constrain import Constraint
+from ragkv.engine.constrain import Constraint, closing_window
 from ragkv.engine.forward import layer_forward, span
 from ragkv.engine.kv import KVCache
 from ragkv.engine.loading import LoadedModel
@@ -53,8 +53,9 @@ class DecodeStream(Iterator[str]):
         self.cache = prompt.cache
         self.cache.ensure(self.cache.length + params.max_new_tokens)
         self.constraint = constraint  # the grammar the answer must follow; None = free text
+        if constraint is not None:
+            constraint.window = closing_window(params.max_new_tokens)
         self.logits = prompt.logits  # [V]
-        self.receive(self.logits)
         self.token_ids: list[int] = []  # generated so far
         self.finish_reason: FinishReason | None = None  # STOP (EOS or a stop string) or LENGTH
         self._cut = False  # a stop string cut the text
@@ -68,6 +69,7 @@ class DecodeStream(Iterator[str]):
         if params.temperature > 0:
             self._gen = torch.Generator(device=lm.device)
             self._gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+        self.receive(self.logits)  # a constrained stream masks its first token's logits too
 
     def __iter__(self) -> DecodeStream:
         return self
@@ -90,7 +92,7 @@ class DecodeStream(Iterator[str]):
         """Take the next-token logits [V] of a forward step; a constrained stream masks them,
         in place, with the tokens its grammar admits (in a batch: before the batch's argmax)."""
         if self.constraint is not None:
-            self.constraint.apply(logits)
+            self.constraint.apply(logits, remaining=self.params.max_new_tokens - len(self.token_ids))
         self.logits = logits
 
     @property

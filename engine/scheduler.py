@@ -426,9 +426,16 @@ class Scheduler:
                 decoding.remove(job)
                 self._end(job, "error")
             return
+        ok = []  # rows whose logits were taken
         for j, stream in enumerate(streams):
-            stream.receive(logits[j])  # a constrained stream masks its row in place
-        greedy = [j for j, s in enumerate(streams) if s.greedy]
+            try:
+                stream.receive(logits[j])  # a constrained stream masks its row in place
+                ok.append(j)
+            except Exception as exc:  # a bug in one request's constraint fails that request alone
+                live[j].emit(exc)
+                decoding.remove(live[j])
+                self._end(live[j], "error")
+        greedy = [j for j in ok if streams[j].greedy]
         if greedy:  # one argmax over the batch's greedy rows; sampled rows pick per request (own seeds)
             for j, token in zip(greedy, pick_greedy(logits[greedy])):
                 live[j].next_pick = token

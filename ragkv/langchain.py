@@ -68,7 +68,7 @@ from ragkv.types import (
     ToolCallDelta,
 )
 
-__all__ = ["RagKVChatModel", "RagKVRetriever", "RagKVServerError"]
+__all__ = ["RagKVChatModel", "RagKVRetriever", "RagKVServerError", "call_tools_first"]
 
 _PROVIDER = "ragkv"
 # Per-call keyword arguments `invoke`/`bind` may override, by field name.
@@ -442,7 +442,7 @@ class RagKVChatModel(_Connection, BaseChatModel):
         Args:
             method: "json_schema" (the answer is JSON held to the schema), "function_calling"
                 (one forced call of a tool whose parameters are the schema), or "json_mode"
-                (any JSON object; the schema only parses it).
+                (a JSON object; held to the schema too when one is given, since the server can).
             include_raw: Return {"raw", "parsed", "parsing_error"} instead of the parsed value.
         """
         if kwargs:
@@ -463,6 +463,8 @@ class RagKVChatModel(_Connection, BaseChatModel):
                 json_schema = convert_to_json_schema(schema)
                 fmt: dict[str, Any] = {"type": "json_schema", "json_schema": {
                     "name": json_schema.get("title", "output"), "schema": json_schema, "strict": bool(strict)}}
+            elif schema is not None:  # JSON mode with a schema to parse by: hold the JSON to it too
+                fmt = {"type": "json_schema", "json_schema": {"name": "output", "schema": convert_to_json_schema(schema)}}
             else:
                 fmt = {"type": "json_object"}
             llm = self.bind(response_format=fmt,
@@ -547,6 +549,24 @@ class RagKVChatModel(_Connection, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         return await agenerate_from_stream(self._astream(messages, stop, run_manager, **kwargs))
+
+
+def call_tools_first(model: BaseChatModel, tools: Sequence[Any]) -> Callable[..., Runnable]:
+    """A dynamic model for LangGraph's `create_react_agent(model=..., tools=...)`: a new
+    question's first step must call one of `tools` (tool_choice "required"); after a tool's
+    result the model decides (tool_choice "auto"): answer, or call again.
+
+    For models too weak to decide on their own that a question needs a tool (SmolLM2-135M
+    answers from its context instead); any chat model with `bind_tools` works.
+    """
+    first = model.bind_tools(tools, tool_choice="required")
+    then = model.bind_tools(tools)
+
+    def pick(state: Any, runtime: Any = None) -> Runnable:
+        messages = state["messages"] if isinstance(state, dict) else state.messages
+        return then if messages and isinstance(messages[-1], ToolMessage) else first
+
+    return pick
 
 
 class RagKVRetriever(_Connection, BaseRetriever):

@@ -262,7 +262,7 @@ class Pipeline:
         )
         output = output_spec(params, chunks)
         try:  # compiled here, on the retrieval pool: the scheduler thread only applies masks
-            constraint = None if output.grammar is None else self.engine.grammars.compile(output.grammar)
+            constraint = None if output.grammar is None else self.engine.grammars.compile(output.grammar, output.closing)
         except GrammarError as exc:
             raise InvalidArgumentError("response_format" if params.response_format.schema else "tools", str(exc)) from None
         kv_keys = tuple(c.kv_key(h, params.mode, self.lm.fingerprint, self.lm.tokenizer_fingerprint) for h in hits)

@@ -55,6 +55,7 @@ class OutputSpec:
     before: str  # prompt text before the question (tools, output format, sources)
     after: str  # prompt text after the question (the agent's tool calls and results so far)
     reads_tool_calls: bool  # the answer may hold tool calls (ToolCallReader reads them)
+    closing: bool = False  # the answer is always structured (JSON or calls): close it before the budget ends
 
 
 def output_spec(params: Any, chunks: Sequence[RetrievedChunk]) -> OutputSpec:
@@ -100,7 +101,8 @@ def output_spec(params: Any, chunks: Sequence[RetrievedChunk]) -> OutputSpec:
     except GrammarError as exc:  # each schema compiled alone: this is ours, not the request's
         raise RuntimeError(f"the answer's grammar does not compile: {exc} (a bug)") from exc
     after = agent_turns_text(params.agent_turns)
-    return OutputSpec(grammar, "\n\n".join(before) + ("\n\n" if before else ""), after, calls_allowed)
+    closing = must_call or fmt.kind is not ResponseFormatKind.TEXT  # no free-text alternative
+    return OutputSpec(grammar, "\n\n".join(before) + ("\n\n" if before else ""), after, calls_allowed, closing)
 
 
 def tools_text(tools: Sequence[Tool], choice: Any) -> str:

@@ -1,9 +1,10 @@
 """langchain-tests' standard suites: chat model unit tests, and the integration suites run
 against a real gRPC server on loopback (fake backend), so they cost no model time.
 
-Skipped by the suites' own flags: tool calling, structured output, JSON mode, multimodal
-inputs (the server answers text questions from retrieved chunks), serialization (not
-lc-serializable), VCR timing.
+Skipped by the suites' own flags: multimodal inputs (the server answers text questions
+from retrieved chunks), serialization (not lc-serializable), VCR timing; and, here only,
+tool calling, tool choice and structured output: the fake backend answers with the
+question's words, so those run against SmolLM2 in tests/agents/test_standard_agents.py.
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ class TestRagKVChatModelUnit(ChatModelUnitTests):
 
 
 class TestRagKVChatModelIntegration(ChatModelIntegrationTests):
+    @property
+    def has_tool_calling(self) -> bool:
+        return False  # on the fake backend; tests/agents/test_standard_agents.py runs them on SmolLM2
+
+    @property
+    def has_structured_output(self) -> bool:
+        return False  # likewise
     @pytest.fixture(autouse=True)
     def _server(self, fake_server: ServerThread) -> None:
         self.addr = fake_server.addr

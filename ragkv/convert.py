@@ -506,18 +506,21 @@ def collection_stats_to_proto(stats: CollectionStats) -> pb.GetCollectionStatsRe
     """CollectionStats -> GetCollectionStatsResponse."""
     return pb.GetCollectionStatsResponse(
         collection=collection_to_proto(stats.collection),
-        tiers=[
-            pb.TierStats(
-                tier=tier_to_proto(t.tier),
-                entries=t.entries,
-                bytes=t.bytes,
-                hits=t.hits,
-                misses=t.misses,
-                bytes_loaded=t.bytes_loaded,
-            )
-            for t in stats.tiers
-        ],
+        tiers=[tier_stats_to_proto(t) for t in stats.tiers],
     )
+
+
+def tier_stats_to_proto(t: TierStats) -> pb.TierStats:
+    """TierStats -> TierStats message (bytes_used and bytes_read go by their wire names)."""
+    msg = pb.TierStats(
+        tier=tier_to_proto(t.tier), entries=t.entries, bytes=t.bytes_used, hits=t.hits, misses=t.misses,
+        bytes_loaded=t.bytes_read, rejected=t.rejected, errors=t.errors, puts=t.puts, refused=t.refused,
+        evictions=t.evictions, bytes_written=t.bytes_written, get_seconds=t.get_seconds,
+        put_seconds=t.put_seconds, max_get_seconds=t.max_get_seconds,
+    )
+    if t.budget_bytes is not None:
+        msg.budget_bytes = t.budget_bytes
+    return msg
 
 
 def collection_stats_from_proto(msg: pb.GetCollectionStatsResponse) -> CollectionStats:
@@ -527,7 +530,11 @@ def collection_stats_from_proto(msg: pb.GetCollectionStatsResponse) -> Collectio
         tier = tier_from_proto(t.tier, field="tiers.tier")
         if tier is None:
             raise WireValueError("tiers.tier", "tiers.tier: TIER_UNSPECIFIED in collection stats")
-        tiers.append(TierStats(tier, t.entries, t.bytes, t.hits, t.misses, t.bytes_loaded))
+        tiers.append(TierStats(
+            tier, hits=t.hits, misses=t.misses, rejected=t.rejected, errors=t.errors, puts=t.puts, refused=t.refused,
+            evictions=t.evictions, bytes_read=t.bytes_loaded, bytes_written=t.bytes_written, entries=t.entries,
+            bytes_used=t.bytes, budget_bytes=t.budget_bytes if t.HasField("budget_bytes") else None,
+            get_seconds=t.get_seconds, put_seconds=t.put_seconds, max_get_seconds=t.max_get_seconds))
     return CollectionStats(collection=collection_from_proto(msg.collection), tiers=tuple(tiers))
 
 

@@ -313,14 +313,31 @@ class CollectionInfo:
 
 @dataclass(frozen=True, slots=True)
 class TierStats:
-    """KV-store counters of one tier."""
+    """A snapshot of one KV-store tier's counters since it was opened: the one type, from
+    kvstore's tiers (`StorageTier.stats`) to GetCollectionStats on the wire."""
 
     tier: Tier  # which tier
-    entries: int  # KV entries held
-    bytes: int  # bytes held
-    hits: int  # lookups answered by this tier
-    misses: int  # lookups this tier could not answer
-    bytes_loaded: int  # bytes read from this tier since start
+    hits: int = 0  # gets that returned an entry
+    misses: int = 0  # gets that found nothing usable (rejected ones included)
+    rejected: int = 0  # stored copies refused on read: corrupt, truncated, another model's or key's
+    errors: int = 0  # I/O failures (e.g. S3 endpoint down), each also a miss or a raised StoreError
+    puts: int = 0  # entries stored
+    refused: int = 0  # puts not stored because one entry exceeds the whole byte budget
+    evictions: int = 0  # entries dropped to stay under the byte budget
+    bytes_read: int = 0  # bytes moved out of the tier by hits (file bytes for disk/S3)
+    bytes_written: int = 0  # bytes moved into the tier by puts
+    entries: int = 0  # entries held now, as far as this process knows
+    bytes_used: int = 0  # bytes held now, as far as this process knows
+    budget_bytes: int | None = None  # byte budget; None is unbounded
+    get_seconds: float = 0.0  # total wall time spent in get, hits and misses
+    put_seconds: float = 0.0  # total wall time spent in put
+    max_get_seconds: float = 0.0  # slowest single get
+
+    @property
+    def mean_get_seconds(self) -> float:
+        """Mean wall time of a get (0 before the first)."""
+        n = self.hits + self.misses
+        return self.get_seconds / n if n else 0.0
 
 
 @dataclass(frozen=True, slots=True)

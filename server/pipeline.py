@@ -35,7 +35,7 @@ from ragkv.indexer.kv_bridge import chunk_kv_to_entry, entry_to_chunk_kv
 from ragkv.indexer.neighbours import NeighbourContext, NeighbourOptions
 from ragkv.kvstore import ChunkKey, LayerGate, PrefetchHandle, PrefixHash, StoreConfig, TieredStore, hash_prefix
 from ragkv.errors import IndexMismatchError, KVFormatError, StoreError
-from ragkv.types import CollectionInfo, CollectionStats, FinishReason, KVSource, Mode, RetrievedChunk, Tier, TierStats
+from ragkv.types import CollectionInfo, CollectionStats, FinishReason, KVSource, Mode, RetrievedChunk, Tier
 from ragkv.retriever import Retriever
 from ragkv.server.backend import AnswerEvent, ChunksEvent, DoneEvent, PreparedQuery, QueryParams, SearchParams, TokenEvent
 from ragkv.server.search_config import retriever_options
@@ -229,11 +229,7 @@ class Pipeline:
         c = self._collection(name)
         info = CollectionInfo(c.name, len(c.retriever), c.retriever.manifest.model_fp,
                               c.retriever.manifest.tokenizer_fp)
-        tiers = tuple(
-            TierStats(t.tier, t.entries, t.bytes_used, t.hits, t.misses, t.bytes_read)
-            for t in c.store.stats().tiers
-        )
-        return CollectionStats(info, tiers)
+        return CollectionStats(info, c.store.stats().tiers)
 
     def _search(self, c: Collection, question: str, top_k: int, search: SearchParams) -> list:  # list[retriever.Hit]
         return c.retriever.search(str(question), min(top_k, len(c.retriever)), mode=search.mode,

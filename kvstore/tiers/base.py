@@ -17,39 +17,11 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ragkv.types import Tier  # noqa: F401  (re-exported: the one tier enum)
+from ragkv.types import Tier, TierStats  # noqa: F401  (re-exported: the one tier enum, the one TierStats)
 from ragkv.kvstore.entry import KVEntry
 from ragkv.kvstore.keys import ChunkKey, check_fingerprint
 
 
-
-
-@dataclass(frozen=True, slots=True)
-class TierStats:
-    """A snapshot of one tier's counters since it was opened."""
-
-    tier: Tier  # which tier
-    hits: int  # gets that returned an entry
-    misses: int  # gets that found nothing usable (rejected ones included)
-    rejected: int  # stored copies refused on read: corrupt, truncated, another model's or key's
-    errors: int  # I/O failures (e.g. S3 endpoint down), each also a miss or a raised StoreError
-    puts: int  # entries stored
-    refused: int  # puts not stored because one entry exceeds the whole byte budget
-    evictions: int  # entries dropped to stay under the byte budget
-    bytes_read: int  # bytes moved out of the tier by hits (file bytes for disk/S3)
-    bytes_written: int  # bytes moved into the tier by puts
-    entries: int  # entries held now, as far as this process knows
-    bytes_used: int  # bytes held now, as far as this process knows
-    budget_bytes: int | None  # byte budget; None is unbounded
-    get_seconds: float  # total wall time spent in get, hits and misses
-    put_seconds: float  # total wall time spent in put
-    max_get_seconds: float  # slowest single get
-
-    @property
-    def mean_get_seconds(self) -> float:
-        """Mean wall time of a get (0 before the first)."""
-        n = self.hits + self.misses
-        return self.get_seconds / n if n else 0.0
 
 
 class _Counters:

@@ -403,20 +403,40 @@ class GetCollectionStatsRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "entries", "bytes", "hits", "misses", "bytes_loaded")
+    __slots__ = ("tier", "entries", "bytes", "hits", "misses", "bytes_loaded", "rejected", "errors", "puts", "refused", "evictions", "bytes_written", "budget_bytes", "get_seconds", "put_seconds", "max_get_seconds")
     TIER_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
     BYTES_LOADED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    PUTS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GET_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_GET_SECONDS_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     entries: int
     bytes: int
     hits: int
     misses: int
     bytes_loaded: int
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_loaded: _Optional[int] = ...) -> None: ...
+    rejected: int
+    errors: int
+    puts: int
+    refused: int
+    evictions: int
+    bytes_written: int
+    budget_bytes: int
+    get_seconds: float
+    put_seconds: float
+    max_get_seconds: float
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., rejected: _Optional[int] = ..., errors: _Optional[int] = ..., puts: _Optional[int] = ..., refused: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_written: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., get_seconds: _Optional[float] = ..., put_seconds: _Optional[float] = ..., max_get_seconds: _Optional[float] = ...) -> None: ...
 
 class GetCollectionStatsResponse(_message.Message):
     __slots__ = ("collection", "tiers")

@@ -79,7 +79,7 @@ def test_chunk_stats_and_retrieve_round_trip() -> None:
 
 
 def test_collection_round_trip() -> None:
-    stats = CollectionStats(CollectionInfo("docs", 10, "m", "t"), (TierStats(Tier.CPU, 1, 2, 3, 4, 5),))
+    stats = CollectionStats(CollectionInfo("docs", 10, "m", "t"), (TierStats(Tier.CPU, *range(1, 12), 1 << 30, 0.5, 0.25, 0.125),))
     msg = convert.collection_stats_to_proto(stats)
     assert _all_fields_set(msg) == []
     assert convert.collection_stats_from_proto(msg) == stats

@@ -63,7 +63,8 @@ class FakeBackend:
 
     def collection_stats(self, name: str) -> CollectionStats:
         info = self._info(name)
-        return CollectionStats(info, (TierStats(Tier.CPU, 3, 300, 5, 2, 1500), TierStats(Tier.DISK, 8, 800, 2, 0, 1600)))
+        return CollectionStats(info, (TierStats(Tier.CPU, entries=3, bytes_used=300, hits=5, misses=2, bytes_read=1500),
+                                      TierStats(Tier.DISK, entries=8, bytes_used=800, hits=2, misses=0, bytes_read=1600)))
 
     def _info(self, name: str) -> CollectionInfo:
         for info in self.collections():

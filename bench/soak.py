@@ -348,7 +348,7 @@ def rss_growth(samples: list[float]) -> tuple[float, float, float, int]:
 
 def build_tiny(work: Path) -> tuple[Path, list[str]]:
     """A tiny random Llama, a 12-document corpus and its index under `work`."""
-    from ragkv.engine.testing import tiny_model_dir
+    from ragkv.evals.testing import tiny_model_dir
     from ragkv.indexer.chunking import ChunkingConfig
     from ragkv.indexer.job import IndexJobConfig, run_index
 

@@ -84,7 +84,7 @@ def run_bench(args: argparse.Namespace) -> int:
     import torch
 
     from ragkv.engine import BlendOptions, Engine, SamplingParams, load_model
-    from ragkv.engine.synthetic import haystack_paragraphs
+    from ragkv.evals.synthetic import haystack_paragraphs
     from ragkv.kvstore import ChunkKey, StoreConfig, TieredStore, hash_prefix
     from ragkv.indexer.kv_bridge import chunk_kv_to_entry, entry_to_chunk_kv
 

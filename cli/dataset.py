@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ragkv.engine.synthetic import EvalCase
+from ragkv.evals.synthetic import EvalCase
 
 # CacheBlend's MuSiQue harness asks for a short answer before the passages and after the question
 DEFAULT_INSTRUCTION = ("You will be asked a question after reading several passages. Answer the question "

@@ -99,7 +99,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
 
 def _methods(args: argparse.Namespace):
     from ragkv.engine import BlendOptions
-    from ragkv.engine.evaluate import Method
+    from ragkv.evals.evaluate import Method
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     ratios = [float(r) for r in args.ratio.split(",")]
@@ -138,7 +138,7 @@ def _cases(args: argparse.Namespace, engine):
     """The cases and the pool of chunk texts neighbours are chosen from (None: the index's)."""
     from dataclasses import replace
 
-    from ragkv.engine.synthetic import make_cases
+    from ragkv.evals.synthetic import make_cases
 
     if args.dataset:
         from ragkv.cli.dataset import DEFAULT_QUESTION_SUFFIX, load_dataset
@@ -164,7 +164,7 @@ def neighbour_variants(args: argparse.Namespace, engine, cases, pool):  # noqa: 
     """One evaluate.KVVariant per m of --neighbours: plain KV for 0, else neighbour-conditioned."""
     from dataclasses import replace
 
-    from ragkv.engine.evaluate import PLAIN, KVVariant
+    from ragkv.evals.evaluate import PLAIN, KVVariant
     from ragkv.engine.prefill import context_segments, prefill_segment
     from ragkv.indexer.neighbours import NeighbourContext, NeighbourOptions, context_ids, select_neighbours
 
@@ -254,7 +254,7 @@ def _neighbour_pool(args: argparse.Namespace, cases, pool):  # noqa: ANN001, ANN
 def index_cases(engine, index: Path, questions: Path, top_k: int):  # noqa: ANN001, ANN201
     """One EvalCase per line of `questions` ({"id", "question", "answer"}), its chunks the
     top_k that the index retrieves for the question."""
-    from ragkv.engine.synthetic import EvalCase
+    from ragkv.evals.synthetic import EvalCase
     from ragkv.retriever import Retriever
 
     r = Retriever.open(index)
@@ -290,7 +290,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from ragkv.engine import Engine, load_model, tune_host_allocator
 
     tune_host_allocator()  # before torch's first large allocation
-    from ragkv.engine.evaluate import evaluate
+    from ragkv.evals.evaluate import evaluate
 
     if args.instruction is not None:
         instruction = args.instruction

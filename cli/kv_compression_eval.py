@@ -45,8 +45,8 @@ def run_compression_eval(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
     from ragkv.engine import BlendOptions, Engine, SamplingParams, load_model, tune_host_allocator
-    from ragkv.engine.evaluate import best_f1, first_sentence, kl_divergence, normalize
-    from ragkv.engine.synthetic import make_cases
+    from ragkv.evals.evaluate import best_f1, first_sentence, kl_divergence, normalize
+    from ragkv.evals.synthetic import make_cases
     from ragkv.indexer.kv_bridge import chunk_kv_to_entry, entry_to_chunk_kv
     from ragkv.kvstore import ChunkKey, hash_prefix
     from ragkv.kvstore.compression import Compression, check_supported

@@ -40,7 +40,7 @@ class _Done:
 
 def _build_index(out: Path, model: str, device: str | None, dtype: str | None) -> Path:
     """A 40-document index of standard-library documentation, KV precomputed on disk."""
-    from ragkv.engine.synthetic import haystack_paragraphs
+    from ragkv.evals.synthetic import haystack_paragraphs
     from ragkv.indexer.chunking import ChunkingConfig
     from ragkv.indexer.job import IndexJobConfig, run_index
 

@@ -17,7 +17,7 @@ differs between architectures is said here, once per family, and read through an
   final soft-capping).
 
 To add a family: a `Family` entry in `FAMILIES` and its tiny test config in
-`engine.testing.FAMILY_CONFIGS` (tests/engine/test_families.py runs every one), nothing
+`evals.testing.FAMILY_CONFIGS` (tests/engine/test_families.py runs every one), nothing
 else; docs/models.md says more.
 """
 

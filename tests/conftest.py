@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
-    from ragkv.engine.testing import tiny_model_dir
+    from ragkv.evals.testing import tiny_model_dir
 
     return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), "llama")
 

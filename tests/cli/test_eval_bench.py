@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ragkv.engine.synthetic import TASKS, make_cases
+from ragkv.evals.synthetic import TASKS, make_cases
 from ragkv.cli.main import main
 
 

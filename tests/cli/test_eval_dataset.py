@@ -10,7 +10,7 @@ import pytest
 
 from ragkv.cli.dataset import DEFAULT_QUESTION_SUFFIX, load_dataset, passage_text
 from ragkv.cli.main import main
-from ragkv.engine.evaluate import best_f1, squad_normalize, token_f1
+from ragkv.evals.evaluate import best_f1, squad_normalize, token_f1
 
 SHARED_MUSIQUE = Path(__file__).resolve().parents[3] / "shared" / "data" / "musique_dev.json"
 

@@ -7,7 +7,7 @@ import torch
 
 from ragkv.types import Mode
 from ragkv.engine import BlendOptions, Engine, load_model
-from ragkv.engine.testing import tiny_model_dir
+from ragkv.evals.testing import tiny_model_dir
 
 CHUNKS = [
     "Paris is the capital of France. The secret number is 4721.",

@@ -27,7 +27,7 @@ from ragkv.engine.check import check_model
 from ragkv.engine.decode import decode_batch
 from ragkv.engine.family import FAMILIES, Adapter
 from ragkv.engine.runtime import Engine
-from ragkv.engine.testing import FAMILY_CONFIGS, tiny_model_dir
+from ragkv.evals.testing import FAMILY_CONFIGS, tiny_model_dir
 from ragkv.types import Mode
 
 NAMES = sorted(FAMILY_CONFIGS)

@@ -7,8 +7,8 @@ import torch
 
 from ragkv.engine import BlendOptions, Engine, load_model
 from ragkv.engine.focus import chunk_relevance, focus_layers, pick_chunks
-from ragkv.engine.synthetic import make_cases
-from ragkv.engine.testing import tiny_model_dir
+from ragkv.evals.synthetic import make_cases
+from ragkv.evals.testing import tiny_model_dir
 
 CHUNKS = ["alpha beta gamma delta epsilon " * 8, "one two three four five six " * 9, "red green blue cyan " * 7]
 QUESTION = "what comes after alpha?"

@@ -12,7 +12,7 @@ import torch
 from ragkv.types import Mode
 from ragkv.engine import BlendOptions, Engine, load_model
 from ragkv.engine.kv import KVCache
-from ragkv.engine.testing import tiny_model_dir
+from ragkv.evals.testing import tiny_model_dir
 from ragkv.errors import KVFormatError
 from tests.engine.test_blend import _parts
 

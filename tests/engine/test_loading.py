@@ -10,7 +10,7 @@ import pytest
 
 from ragkv.engine import load_model
 from ragkv.engine import loading
-from ragkv.engine.testing import tiny_model_dir
+from ragkv.evals.testing import tiny_model_dir
 from ragkv.errors import ModelLoadError, UnsupportedModelError
 
 

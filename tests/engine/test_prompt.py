@@ -62,7 +62,7 @@ def test_segments_render_what_the_chat_template_renders(template) -> None:  # no
     """[prefix][chunks][question] decodes to the template's own rendering of the conversation; a
     template without a system role gets the system prompt folded into the user turn."""
     from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT, PromptFormat
-    from ragkv.engine.testing import _tokenizer
+    from ragkv.evals.testing import _tokenizer
 
     tok = _tokenizer()
     tok.chat_template = template

@@ -11,7 +11,7 @@ import torch
 
 from ragkv.engine import Engine, SamplingParams, load_model
 from ragkv.engine.scheduler import END, Decode, Scheduler, SchedulerConfig, SchedulerFullError, Started
-from ragkv.engine.testing import tiny_model_dir
+from ragkv.evals.testing import tiny_model_dir
 from ragkv.types import FinishReason, Mode
 
 PASSAGES = [

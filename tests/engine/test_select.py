@@ -57,7 +57,7 @@ def test_chunk_budget_blend_recomputes_every_chunk(tiny_llama_engine):
 @pytest.fixture(scope="module")
 def tiny_llama_engine(tmp_path_factory):
     from ragkv.engine import Engine, load_model
-    from ragkv.engine.testing import tiny_model_dir
+    from ragkv.evals.testing import tiny_model_dir
 
     d = tiny_model_dir(tmp_path_factory.mktemp("llama"), "llama", seed=7)
     return Engine(load_model(str(d), device="cpu", dtype="float32"))

@@ -56,7 +56,7 @@ def test_incremental_reindex_touches_only_changes(job_config, tiny_lm, embedder)
 
 def test_other_model_in_same_folder_is_refused(job_config, tiny_lm, embedder, tmp_path):
     from ragkv.engine import load_model
-    from ragkv.engine.testing import tiny_model_dir
+    from ragkv.evals.testing import tiny_model_dir
 
     run_index(dataclasses.replace(job_config, precompute_kv=False), lm=tiny_lm, embedder=embedder)
     other = load_model(str(tiny_model_dir(tmp_path / "other", seed=1)), device="cpu", dtype="float32")

@@ -33,7 +33,7 @@ from ragkv.engine.decode import SamplingParams
 from ragkv.engine.kv import ChunkKV
 from ragkv.engine.prefill import prefill_segment
 from ragkv.engine.runtime import Engine
-from ragkv.engine.synthetic import EvalCase
+from ragkv.evals.synthetic import EvalCase
 
 
 @dataclass(frozen=True, slots=True)

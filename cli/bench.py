@@ -83,10 +83,9 @@ def run_bench(args: argparse.Namespace) -> int:
     tune_host_allocator()  # before torch's first large allocation
     import torch
 
-    from ragkv.engine import BlendOptions, Engine, SamplingParams, load_model
+    from ragkv.engine import BlendOptions, ChunkKV, Engine, SamplingParams, load_model
     from ragkv.evals.synthetic import haystack_paragraphs
-    from ragkv.kvstore import ChunkKey, StoreConfig, TieredStore, hash_prefix
-    from ragkv.indexer.kv_bridge import chunk_kv_to_entry, entry_to_chunk_kv
+    from ragkv.kvstore import ChunkKey, KVEntry, StoreConfig, TieredStore, hash_prefix
 
     if args.repeats < 1 or args.chunks < 1 or args.chunk_tokens < 1 or args.decode_tokens < 0:
         raise ValueError("--repeats, --chunks and --chunk-tokens must be >= 1, --decode-tokens >= 0")
@@ -108,7 +107,7 @@ def run_bench(args: argparse.Namespace) -> int:
     keys = []
     for cids, kv in zip(chunk_ids, eng.prefill_chunks(prefix_ids, chunk_ids)):
         key = ChunkKey.build(lm.fingerprint, lm.tokenizer_fingerprint, prefix_ids, cids)
-        store.put(chunk_kv_to_entry(kv, key, lm.fingerprint, lm.tokenizer_fingerprint, hash_prefix(prefix_ids)))
+        store.put(KVEntry.of(kv, key, lm.fingerprint, lm.tokenizer_fingerprint, hash_prefix(prefix_ids)))
         keys.append(key)
     kv_bytes = sum(e.k.nbytes + e.v.nbytes for e in (store.get(k) for k in keys[:1])) * len(keys)
 
@@ -116,7 +115,7 @@ def run_bench(args: argparse.Namespace) -> int:
         hits = [h.hit() for h in store.prefetch(keys, layered=layered)]
         if any(h is None for h in hits):
             raise RuntimeError("a chunk stored by this bench is missing from its tier: this is a bug")
-        return [entry_to_chunk_kv(h.entry, lm.device, lm.dtype, h.layers) for h in hits]
+        return [ChunkKV.from_stored(h.entry, lm.device, lm.dtype, h.layers) for h in hits]
 
     loads = [x.strip() for x in args.load.split(",") if x.strip()]
     if not loads or set(loads) - {"whole", "layered"}:

@@ -44,11 +44,10 @@ def run_compression_eval(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from tqdm import tqdm
 
-    from ragkv.engine import BlendOptions, Engine, SamplingParams, load_model, tune_host_allocator
+    from ragkv.engine import BlendOptions, ChunkKV, Engine, SamplingParams, load_model, tune_host_allocator
     from ragkv.evals.evaluate import best_f1, first_sentence, kl_divergence, normalize
     from ragkv.evals.synthetic import make_cases
-    from ragkv.indexer.kv_bridge import chunk_kv_to_entry, entry_to_chunk_kv
-    from ragkv.kvstore import ChunkKey, hash_prefix
+    from ragkv.kvstore import ChunkKey, KVEntry, hash_prefix
     from ragkv.kvstore.compression import Compression, check_supported
     from ragkv.kvstore.fileformat import decode, encode
     from ragkv.types import Mode
@@ -79,13 +78,13 @@ def run_compression_eval(args: argparse.Namespace) -> dict[str, Any]:
         out = []
         for kv in kvs:
             key = ChunkKey.build(lm.fingerprint, lm.tokenizer_fingerprint, prefix_ids, kv.token_ids.tolist())
-            data = encode(chunk_kv_to_entry(kv, key, lm.fingerprint, lm.tokenizer_fingerprint, prefix_hash),
+            data = encode(KVEntry.of(kv, key, lm.fingerprint, lm.tokenizer_fingerprint, prefix_hash),
                           compression)
             sizes[compression.value].append(len(data))
             t = time.perf_counter()
             entry = decode(bytearray(data), expected_key=key, model_fp=lm.fingerprint,
                            tokenizer_fp=lm.tokenizer_fingerprint)
-            back = entry_to_chunk_kv(entry, lm.device, lm.dtype)
+            back = ChunkKV.from_stored(entry, lm.device, lm.dtype)
             reads[compression.value].append(time.perf_counter() - t)
             out.append(back)
         return out

@@ -33,6 +33,17 @@ class LayerReady(Protocol):
     # request's work parks until its layers arrive (`KVCache.pending`); without, `fill` blocks.
 
 
+class StoredKV(Protocol):
+    """A chunk's KV as a store holds it (kvstore's KVEntry is one): what `ChunkKV.from_stored`
+    reads, so the engine needs no import of the store."""
+
+    token_ids: torch.Tensor  # [T] int64
+    k: torch.Tensor  # [L, Hkv, T, D], before RoPE
+    v: torch.Tensor  # [L, Hkv, T, D]
+    positions: torch.Tensor  # [T] int64
+    context_hash: object | None  # set for neighbour-conditioned KV
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkKV:
     """One segment's KV as computed after the shared prefix (the prefix itself is one too)."""
@@ -57,6 +68,28 @@ class ChunkKV:
         if self.token_ids.shape != (t,) or self.positions.shape != (t,):
             raise ValueError(f"token_ids and positions must be [T={t}]; got "
                              f"{tuple(self.token_ids.shape)} and {tuple(self.positions.shape)}")
+
+    @classmethod
+    def from_stored(cls, stored: StoredKV, device: torch.device, dtype: torch.dtype,
+                    ready: LayerReady | None = None) -> ChunkKV:
+        """A stored chunk's KV for the engine, on `device` in `dtype`.
+
+        Args:
+            ready: the layer gate of an entry still being read (`kvstore.Hit.layers`): its k
+                and v stay where they are, in the stored dtype, and the engine's cache copies
+                each layer to `device` once the gate has it.
+        """
+        after_context = stored.context_hash is not None  # neighbour-conditioned KV
+        if ready is not None:
+            return cls(stored.token_ids.to(device), stored.k, stored.v, stored.positions.to(device), ready,
+                       after_context=after_context)
+        return cls(
+            token_ids=stored.token_ids.to(device),  # [T]
+            k=stored.k.to(device, dtype),  # [L, Hkv, T, D]
+            v=stored.v.to(device, dtype),  # [L, Hkv, T, D]
+            positions=stored.positions.to(device),  # [T]
+            after_context=after_context,
+        )
 
     @property
     def num_tokens(self) -> int:

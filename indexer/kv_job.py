@@ -101,14 +101,14 @@ class KVWriter:
     def _plain(self, prefix: Any, key: str, token_ids: Sequence[int]) -> Any:
         """A neighbour's plain KV as an ``engine.ChunkKV``: from the store (the plain pass wrote
         it), or computed again if no tier has it whole (deleted or corrupted since)."""
+        from ragkv.engine import ChunkKV
         from ragkv.engine.prefill import prefill_segment
-        from ragkv.indexer.kv_bridge import entry_to_chunk_kv
         from ragkv.kvstore import ChunkKey
 
         entry = self.store.get(ChunkKey.from_str(key))
         if entry is None:
             return prefill_segment(self._lm, prefix, token_ids)
-        return entry_to_chunk_kv(entry, self._lm.device, self._lm.dtype)
+        return ChunkKV.from_stored(entry, self._lm.device, self._lm.dtype)
 
     def write(self, batch: Sequence[KVItem], kvs: Sequence[Any]) -> int:
         """Put one computed batch into the store; returns the KV bytes written.
@@ -172,11 +172,8 @@ class KVWriter:
             raise StoreError(f"writing chunk KV to the store failed: {exc}") from exc
 
     def _entry(self, item: KVItem, kv: Any) -> Any:
-        from ragkv.indexer.kv_bridge import chunk_kv_to_entry
-        from ragkv.kvstore import ChunkKey
-
-        from ragkv.kvstore import ChunkContext
+        from ragkv.kvstore import ChunkContext, ChunkKey, KVEntry
 
         context = ChunkContext(item.context_tag, item.context_ids).hash() if item.context_tag else None
-        return chunk_kv_to_entry(kv, ChunkKey.from_str(item.kv_key), self._lm.fingerprint,
-                                 self._lm.tokenizer_fingerprint, self._prefix_hash, context)
+        return KVEntry.of(kv, ChunkKey.from_str(item.kv_key), self._lm.fingerprint,
+                          self._lm.tokenizer_fingerprint, self._prefix_hash, context)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 import torch
 
@@ -22,6 +23,16 @@ class RopeMode(str, Enum):
 
     PRE_ROPE = "pre_rope"  # K before RoPE; the engine rotates at the final positions
     POST_ROPE = "post_rope"  # K already rotated at `positions`
+
+
+class ComputedKV(Protocol):
+    """A chunk's KV as a model computed it (the engine's ChunkKV is one): what
+    `KVEntry.of` stores, so the store needs no import of the engine."""
+
+    token_ids: torch.Tensor  # [T] int64
+    k: torch.Tensor  # [L, Hkv, T, D], before RoPE
+    v: torch.Tensor  # [L, Hkv, T, D]
+    positions: torch.Tensor  # [T] int64
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +56,13 @@ class KVEntry:
     rope_mode: RopeMode = RopeMode.PRE_ROPE  # whether k carries RoPE
     # the context prefilled between prefix and chunk (neighbour-conditioned KV); None = none
     context_hash: ContextHash | None = None
+
+    @classmethod
+    def of(cls, kv: ComputedKV, key: ChunkKey, model_fp: str, tokenizer_fp: str, prefix_hash: PrefixHash,
+           context_hash: ContextHash | None = None) -> KVEntry:
+        """A computed chunk KV as a store entry under `key` (`context_hash`: neighbour-conditioned KV)."""
+        return cls(key=key, k=kv.k, v=kv.v, token_ids=kv.token_ids.cpu(), positions=kv.positions.cpu(),
+                   model_fp=model_fp, tokenizer_fp=tokenizer_fp, prefix_hash=prefix_hash, context_hash=context_hash)
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, ChunkKey):

@@ -31,9 +31,8 @@ from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT
 from ragkv.engine.scheduler import Decode
 from ragkv.engine.work import WaitFor, wait_for
 from ragkv.server.loading import ChunkDecision, ControllerConfig, LoadingController
-from ragkv.indexer.kv_bridge import chunk_kv_to_entry, entry_to_chunk_kv
 from ragkv.indexer.neighbours import NeighbourContext, NeighbourOptions
-from ragkv.kvstore import ChunkKey, LayerGate, PrefetchHandle, PrefixHash, StoreConfig, TieredStore, hash_prefix
+from ragkv.kvstore import ChunkKey, KVEntry, LayerGate, PrefetchHandle, PrefixHash, StoreConfig, TieredStore, hash_prefix
 from ragkv.errors import IndexMismatchError, KVFormatError, StoreError
 from ragkv.types import CollectionInfo, CollectionStats, FinishReason, KVSource, Mode, RetrievedChunk, Tier
 from ragkv.retriever import Retriever
@@ -320,7 +319,7 @@ class Pipeline:
             if hit is not None:
                 tier = hit.tier
                 loaded[tier] = loaded.get(tier, 0) + hit.entry.nbytes
-                kvs.append(entry_to_chunk_kv(hit.entry, lm.device, lm.dtype, hit.layers))
+                kvs.append(ChunkKV.from_stored(hit.entry, lm.device, lm.dtype, hit.layers))
                 tiers.append(tier)
                 continue
             kv = yield from self._compute_chunk(c, ids, compute_s)
@@ -372,7 +371,7 @@ class Pipeline:
 
     def _persist(self, c: Collection, key: ChunkKey, kv: ChunkKV) -> None:
         try:
-            entry = chunk_kv_to_entry(kv, key, self.lm.fingerprint, self.lm.tokenizer_fingerprint, c.prefix_hash)
+            entry = KVEntry.of(kv, key, self.lm.fingerprint, self.lm.tokenizer_fingerprint, c.prefix_hash)
         except ValueError:  # the key names neighbour-conditioned KV (ragkv index --neighbours): the
             return  # plain KV computed here serves this request but is not that entry
         c.store.put(entry, durable=False)  # the next request finds it in memory

@@ -67,7 +67,7 @@ def gated_server(tiny_index: Path, tmp_path_factory: pytest.TempPathFactory):  #
     """A server whose layered hits pass through `arm`'s gates while it holds a plan."""
     import ragkv.server.pipeline as sp
 
-    real = sp.entry_to_chunk_kv
+    real = sp.ChunkKV.from_stored
     plan: list = []  # one gate factory per layered chunk, consumed in order; empty = real gates
     used: list[LayerGate] = []
 
@@ -81,7 +81,7 @@ def gated_server(tiny_index: Path, tmp_path_factory: pytest.TempPathFactory):  #
         return dataclasses.replace(kv, ready=gate)
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(sp, "entry_to_chunk_kv", gated)
+    mp.setattr(sp.ChunkKV, "from_stored", gated)
     index = _copy(tiny_index, tmp_path_factory.mktemp("gated") / "index")
     # no CPU tier to speak of: every request reads layered from disk
     st = ServerThread(settings(indexes=(CollectionSpec("default", index),), kv_cpu_bytes=1), sp.Pipeline.from_settings)

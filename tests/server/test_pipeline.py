@@ -232,7 +232,7 @@ def test_a_layered_read_that_fails_mid_prompt_is_recomputed(
     from ragkv.kvstore import LayerGate
     from ragkv.errors import KVFormatError
 
-    real = sp.entry_to_chunk_kv
+    real = sp.ChunkKV.from_stored
     failed = []
 
     def first_chunk_fails_at_layer_1(entry, device, dtype, ready=None):
@@ -246,7 +246,7 @@ def test_a_layered_read_that_fails_mid_prompt_is_recomputed(
         failed.append(gate)
         return dataclasses.replace(kv, ready=gate)
 
-    monkeypatch.setattr(sp, "entry_to_chunk_kv", first_chunk_fails_at_layer_1)
+    monkeypatch.setattr(sp.ChunkKV, "from_stored", first_chunk_fails_at_layer_1)
     index = _copy(tiny_index, tmp_path / "index")
     st = ServerThread(settings(indexes=(CollectionSpec("default", index),)), sp.Pipeline.from_settings)
     try:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ragkv.errors import IndexMismatchError
 from ragkv.indexer.chunking import ChunkingConfig, chunk_document
@@ -42,6 +42,9 @@ from ragkv.retriever.manifest import (
     KV_DIR_NAME, IndexState, Manifest, ShardSpec, portable_kv_uris, read_manifest, resolve_kv_uris, write_manifest,
 )
 from ragkv.retriever.records import ChunkRecord, DocId, DocumentRecord, Fingerprint
+
+if TYPE_CHECKING:
+    from ragkv.kvstore import ChunkKey
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -326,7 +329,7 @@ class _Context:
     """What a chunk is computed after (neighbour-conditioned KV)."""
 
     ids: tuple[int, ...]  # its neighbours' tokens, cut to the budget (named in the key)
-    neighbours: tuple[tuple[str, tuple[int, ...]], ...]  # (plain key, token ids), most similar first
+    neighbours: tuple[tuple[ChunkKey, tuple[int, ...]], ...]  # (plain key, token ids), most similar first
 
 
 def _neighbour_contexts(db: ChunkDB, manifest: Manifest, options: NeighbourOptions) -> dict[int, _Context]:
@@ -340,7 +343,7 @@ def _neighbour_contexts(db: ChunkDB, manifest: Manifest, options: NeighbourOptio
     records = db.chunks_by_rows([int(r) for r in rows])
     ids_of = [records[int(r)].token_ids for r in rows]
 
-    def plain_key(ids: Sequence[int]) -> str:
+    def plain_key(ids: Sequence[int]) -> ChunkKey:
         return kv_key(manifest.model_fp, manifest.tokenizer_fp, manifest.prefix_ids, ids)
 
     contexts, keys = {}, {}

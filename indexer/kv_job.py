@@ -14,9 +14,12 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ragkv.errors import StoreError
+
+if TYPE_CHECKING:
+    from ragkv.kvstore import ChunkKey
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +27,7 @@ class KVItem:
     """One chunk whose KV is to be computed."""
 
     row: int  # the chunk's row in the chunk database
-    kv_key: str  # its kvstore ChunkKey string
+    kv_key: ChunkKey  # names its KV in the store
     token_ids: tuple[int, ...]  # its token ids (no prefix)
     # tokens prefilled between the prefix and the chunk (its neighbours: indexer.neighbours); () = none
     context_ids: tuple[int, ...] = ()
@@ -32,20 +35,20 @@ class KVItem:
     # the context as the neighbours' own plain KV instead (NeighbourContext.KV): (plain key,
     # token ids) of each, most similar first, cut to context_budget tokens; context_ids then
     # only name the context (in the key)
-    context_neighbours: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    context_neighbours: tuple[tuple[ChunkKey, tuple[int, ...]], ...] = ()
     context_budget: int = 0
 
 
 def kv_key(model_fp: str, tokenizer_fp: str, prefix_ids: Sequence[int], chunk_ids: Sequence[int],
-           context: Any = None) -> str:
-    """The kvstore ChunkKey string of a chunk (one place builds it for the whole indexer).
+           context: Any = None) -> ChunkKey:
+    """The key of a chunk's KV (one place builds it for the whole indexer).
 
     Args:
         context: a ``kvstore.ChunkContext`` when the chunk is prefilled after context tokens.
     """
     from ragkv.kvstore import ChunkKey
 
-    return ChunkKey.build(model_fp, tokenizer_fp, list(prefix_ids), list(chunk_ids), context).to_str()
+    return ChunkKey.build(model_fp, tokenizer_fp, list(prefix_ids), list(chunk_ids), context)
 
 
 def open_store(uris: Sequence[str], model_fp: str, tokenizer_fp: str, compression: str = "none") -> Any:
@@ -77,9 +80,7 @@ class KVWriter:
 
     def missing(self, items: Sequence[KVItem]) -> list[KVItem]:
         """The items whose KV is not in the store yet (a resumed run skips the rest)."""
-        from ragkv.kvstore import ChunkKey
-
-        return [it for it in items if not self.store.contains(ChunkKey.from_str(it.kv_key))]
+        return [it for it in items if not self.store.contains(it.kv_key)]
 
     def compute(self, batch: Sequence[KVItem]) -> list[Any]:
         """Prefill one batch after the prefix (and each item's context): one ``engine.ChunkKV`` per item."""
@@ -98,14 +99,13 @@ class KVWriter:
                 out.append(prefill_segment(self._lm, prefix, it.token_ids, it.context_ids))
         return out
 
-    def _plain(self, prefix: Any, key: str, token_ids: Sequence[int]) -> Any:
+    def _plain(self, prefix: Any, key: ChunkKey, token_ids: Sequence[int]) -> Any:
         """A neighbour's plain KV as an ``engine.ChunkKV``: from the store (the plain pass wrote
         it), or computed again if no tier has it whole (deleted or corrupted since)."""
         from ragkv.engine import ChunkKV
         from ragkv.engine.prefill import prefill_segment
-        from ragkv.kvstore import ChunkKey
 
-        entry = self.store.get(ChunkKey.from_str(key))
+        entry = self.store.get(key)
         if entry is None:
             return prefill_segment(self._lm, prefix, token_ids)
         return ChunkKV.from_stored(entry, self._lm.device, self._lm.dtype)
@@ -172,8 +172,8 @@ class KVWriter:
             raise StoreError(f"writing chunk KV to the store failed: {exc}") from exc
 
     def _entry(self, item: KVItem, kv: Any) -> Any:
-        from ragkv.kvstore import ChunkContext, ChunkKey, KVEntry
+        from ragkv.kvstore import ChunkContext, KVEntry
 
         context = ChunkContext(item.context_tag, item.context_ids).hash() if item.context_tag else None
-        return KVEntry.of(kv, ChunkKey.from_str(item.kv_key), self._lm.fingerprint,
+        return KVEntry.of(kv, item.kv_key, self._lm.fingerprint,
                           self._lm.tokenizer_fingerprint, self._prefix_hash, context)

@@ -13,10 +13,14 @@ import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ragkv.retriever.records import ChunkId, ChunkRecord, ContentHash, DocId, DocumentRecord
+
+if TYPE_CHECKING:  # kvstore pulls torch in; `ragkv index --help` must not
+    from ragkv.kvstore import ChunkKey
 
 DB_NAME = "chunks.sqlite"
 
@@ -173,7 +177,7 @@ class ChunkDB:
                             json.dumps(dict(c.metadata), sort_keys=True, ensure_ascii=False),
                             _ids_blob(c.token_ids),
                             len(c.token_ids),
-                            c.kv_key,
+                            c.kv_key.to_str(),
                         )
                         for c in chunks
                     ],
@@ -210,13 +214,13 @@ class ChunkDB:
             )
             self._bump_vectors()
 
-    def pending_kv(self) -> list[tuple[int, str, tuple[int, ...]]]:
+    def pending_kv(self) -> list[tuple[int, ChunkKey, tuple[int, ...]]]:
         """(row, kv_key, token_ids) of every chunk whose KV is not written yet, in row order."""
         with self._lock:
             rows = self._conn.execute(
                 "SELECT row, kv_key, token_ids FROM chunks WHERE kv_done=0 ORDER BY row"
             ).fetchall()
-        return [(int(r), k, _ids_from_blob(b)) for r, k, b in rows]
+        return [(int(r), _key(k), _ids_from_blob(b)) for r, k, b in rows]
 
     def set_kv_done(self, rows: Sequence[int]) -> None:
         with self._lock, self._tx():
@@ -229,7 +233,7 @@ class ChunkDB:
         with self._lock, self._tx():
             self._conn.execute("UPDATE chunks SET kv_done=0")
 
-    def rekey(self, key_of: Callable[[tuple[int, ...]], str]) -> int:
+    def rekey(self, key_of: Callable[[tuple[int, ...]], ChunkKey]) -> int:
         """Give every chunk the KV key `key_of(token_ids)` names now; a chunk whose key changed
         (a new kvstore format version) is marked as having no KV. Returns how many changed.
 
@@ -238,21 +242,21 @@ class ChunkDB:
         pays one key, not one per chunk."""
         with self._lock:
             first = self._conn.execute("SELECT kv_key, token_ids FROM chunks ORDER BY row LIMIT 1").fetchone()
-            if first is None or key_of(_ids_from_blob(first[1])) == first[0]:
+            if first is None or key_of(_ids_from_blob(first[1])).to_str() == first[0]:
                 return 0
             rows = self._conn.execute("SELECT row, kv_key, token_ids FROM chunks").fetchall()
-        changed = [(key, int(r)) for r, old, b in rows if (key := key_of(_ids_from_blob(b))) != old]
+        changed = [(key, int(r)) for r, old, b in rows if (key := key_of(_ids_from_blob(b)).to_str()) != old]
         if changed:
             with self._lock, self._tx():
                 self._conn.executemany("UPDATE chunks SET kv_key=?, kv_done=0 WHERE row=?", changed)
         return len(changed)
 
-    def set_kv_keys(self, keys: dict[int, str]) -> int:
+    def set_kv_keys(self, keys: dict[int, ChunkKey]) -> int:
         """Give each row its KV key; a row whose key changed is marked as having no KV.
         Returns how many changed (neighbour-conditioned KV: a chunk's key names its context)."""
         with self._lock:
             rows = self._conn.execute("SELECT row, kv_key FROM chunks").fetchall()
-        changed = [(keys[int(r)], int(r)) for r, old in rows if int(r) in keys and keys[int(r)] != old]
+        changed = [(keys[int(r)].to_str(), int(r)) for r, old in rows if int(r) in keys and keys[int(r)].to_str() != old]
         if changed:
             with self._lock, self._tx():
                 self._conn.executemany("UPDATE chunks SET kv_key=?, kv_done=0 WHERE row=?", changed)
@@ -381,6 +385,13 @@ class ChunkDB:
         return ChunkDB._Tx(self._conn)
 
 
+def _key(text: str) -> ChunkKey:
+    """A stored key column as a ChunkKey (kvstore is imported on first use: it pulls torch in)."""
+    from ragkv.kvstore import ChunkKey
+
+    return ChunkKey.from_str(text)
+
+
 def _record(r: Sequence[object]) -> ChunkRecord:
     cid, doc_id, ordinal, text, metadata, token_ids, kv_key = r
     return ChunkRecord(
@@ -390,5 +401,5 @@ def _record(r: Sequence[object]) -> ChunkRecord:
         text=str(text),
         metadata=json.loads(str(metadata)),
         token_ids=_ids_from_blob(token_ids),  # type: ignore[arg-type]
-        kv_key=str(kv_key),
+        kv_key=_key(str(kv_key)),
     )

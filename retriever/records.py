@@ -10,12 +10,15 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NewType
+from typing import TYPE_CHECKING, Any, NewType
 
 DocId = NewType("DocId", str)  # a document's id: its relative path, or the "id" of a JSONL line
 ChunkId = NewType("ChunkId", str)  # 32 hex chars, sha256 over (doc id, occurrence, chunk text)
 ContentHash = NewType("ContentHash", str)  # 64 hex chars, sha256 of a document's text + metadata
 from ragkv.types import Fingerprint
+
+if TYPE_CHECKING:  # kvstore pulls torch in; `ragkv index --help` must not
+    from ragkv.kvstore import ChunkKey
 
 CHUNK_ID_HEX = 32  # hex characters kept from the sha256 of a chunk id (128 bits)
 
@@ -62,4 +65,4 @@ class ChunkRecord:
     text: str  # the chunk's text, an exact substring of the document (stripped)
     metadata: Mapping[str, Any]  # the document's metadata (JSON-serializable)
     token_ids: tuple[int, ...]  # the LLM's token ids of `text`, no special tokens
-    kv_key: str  # kvstore ChunkKey string of (model, tokenizer, prefix, token_ids)
+    kv_key: ChunkKey  # names its KV in the store: (model, tokenizer, prefix, token_ids[, context])

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from ragkv.retriever.fusion import DEFAULT_SEARCH_MODE, FusionConfig, Ranked, al
 from ragkv.retriever.lexical import LexicalIndex
 from ragkv.retriever.manifest import IndexState, Manifest, read_manifest
 from ragkv.types import MetadataFilter, SearchMode
+
+if TYPE_CHECKING:
+    from ragkv.kvstore import ChunkKey
 
 log = logging.getLogger(__name__)
 _FILTER_CACHE = 64  # filter sets whose allowed rows are remembered
@@ -42,7 +45,7 @@ class Hit:
     text: str  # the chunk's text
     metadata: Mapping[str, Any]  # its document's metadata, JSON types kept
     token_ids: list[int]  # the LLM's token ids of `text` (no special tokens)
-    kv_key: str  # the kvstore ChunkKey string of this chunk's KV
+    kv_key: ChunkKey  # names this chunk's KV in the store
     doc_id: str  # the document it came from
     ordinal: int  # its position in that document, from 0
     found_by: tuple[SearchMode, ...] = ()  # the searches whose candidate lists held it

@@ -73,7 +73,7 @@ class Collection:
         plain = not n.enabled or (mode is Mode.FOCUS and n.context is NeighbourContext.KV)
         if plain:
             return ChunkKey.from_prefix_hash(model_fp, tokenizer_fp, self.prefix_hash, hit.token_ids)
-        return ChunkKey.from_str(hit.kv_key)
+        return hit.kv_key
 
 
 @dataclass(frozen=True, slots=True)

@@ -289,7 +289,6 @@ def test_a_neighbour_index_is_served_from_its_own_kv(tiny_llama_dir: Path, tmp_p
     from ragkv.indexer.job import IndexJobConfig, run_index
     from ragkv.indexer.kv_job import kv_key
     from ragkv.indexer.neighbours import NeighbourOptions
-    from ragkv.kvstore import ChunkKey
     from ragkv.retriever.chunk_db import ChunkDB
     from ragkv.retriever.manifest import read_manifest
     from ragkv.server.pipeline import Pipeline
@@ -308,10 +307,10 @@ def test_a_neighbour_index_is_served_from_its_own_kv(tiny_llama_dir: Path, tmp_p
         chunks = list(db.iter_chunks())
     finally:
         db.close()
-    plain_files = {ChunkKey.from_str(kv_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids)).hex
+    plain_files = {kv_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids).to_str()
                    for c in chunks}
     stored = {f.stem for f in (index / "kv").rglob("*.safetensors")}
-    assert {c.kv_key for c in chunks} <= stored  # the neighbour KV of every chunk
+    assert {c.kv_key.to_str() for c in chunks} <= stored  # the neighbour KV of every chunk
     assert bool(plain_files & stored) == (context == "kv")  # and the plain KV only with kv contexts
     st = ServerThread(settings(indexes=(CollectionSpec("default", index),), kv_cpu_bytes=1), Pipeline.from_settings)
     try:
@@ -327,7 +326,7 @@ def test_a_neighbour_index_is_served_from_its_own_kv(tiny_llama_dir: Path, tmp_p
         st.stop()
     if context == "kv":  # focus read plain KV: without it, focus computes while blend still reads
         for f in (index / "kv").rglob("*.safetensors"):
-            if f.stem in plain_files and f.stem not in {c.kv_key for c in chunks}:
+            if f.stem in plain_files and f.stem not in {c.kv_key.to_str() for c in chunks}:
                 f.unlink()
         st = ServerThread(settings(indexes=(CollectionSpec("default", index),), kv_cpu_bytes=1), Pipeline.from_settings)
         try:

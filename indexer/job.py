@@ -42,6 +42,7 @@ from ragkv.retriever.manifest import (
     KV_DIR_NAME, IndexState, Manifest, ShardSpec, portable_kv_uris, read_manifest, resolve_kv_uris, write_manifest,
 )
 from ragkv.retriever.records import ChunkRecord, DocId, DocumentRecord, Fingerprint
+from ragkv.types import DType
 
 if TYPE_CHECKING:
     from ragkv.kvstore import ChunkKey
@@ -75,7 +76,7 @@ class IndexJobConfig:
     embed_batch: int = 64  # chunks embedded per transaction
     kv_batch: int = 4  # chunks prefilled per batch (per checkpoint)
     device: str = "cpu"  # torch device for the LLM and embedder
-    dtype: str = "float32"  # LLM dtype: float32, bfloat16, float16
+    dtype: DType = DType.FLOAT32  # LLM dtype
     model_check: bool = True  # run the quick correctness gate (engine.check) before indexing
     hnsw_threshold: int = vector_index.HNSW_THRESHOLD  # chunks at which FAISS switches to HNSW
     runner: Runner = Runner.LOCAL  # where the KV batches are computed

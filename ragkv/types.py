@@ -27,6 +27,21 @@ class Mode(str, enum.Enum):
     FOCUS = "focus"  # only the chunks the question attends to (engine.focus)
 
 
+class DType(str, enum.Enum):
+    """What a model's weights and KV compute in: the one dtype spelling, from the command
+    line and settings to the engine (`ragkv.engine.loading.resolve_dtype` maps it to torch)."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    AUTO = "auto"  # bfloat16 on CUDA, float32 elsewhere (CPUs are slow at 16-bit)
+
+    @classmethod
+    def concrete(cls) -> tuple[DType, ...]:
+        """The dtypes a model runs in (all but AUTO)."""
+        return (cls.FLOAT32, cls.BFLOAT16, cls.FLOAT16)
+
+
 class SearchMode(str, enum.Enum):
     """Which index a request searches: the one search-mode enum, wire to retriever."""
 

@@ -16,20 +16,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ragkv.types import DEFAULT_COLLECTION, Mode, SearchMode
+from ragkv.types import DEFAULT_COLLECTION, DType, Mode, SearchMode  # noqa: F401  (DType re-exported for settings users)
 from ragkv.server.validation import RequestLimits
 
 ENV_PREFIX = "RAGKV_"
 S3_SCHEME = "s3://"
-
-
-class DType(enum.Enum):
-    """Model weight and KV dtype."""
-
-    FLOAT32 = "float32"
-    BFLOAT16 = "bfloat16"
-    FLOAT16 = "float16"
-    AUTO = "auto"  # bfloat16 on CUDA, float32 elsewhere (ServerSettings.resolved)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +136,7 @@ class ServerSettings:
         from ragkv.indexer.device import resolve_device, resolve_dtype
 
         device = resolve_device(self.device)
-        return dataclasses.replace(self, device=device, dtype=DType(resolve_dtype(self.dtype.value, device)))
+        return dataclasses.replace(self, device=device, dtype=resolve_dtype(self.dtype, device))
 
     def limits(self) -> RequestLimits:
         """The request bounds these settings imply."""

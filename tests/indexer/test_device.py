@@ -22,9 +22,9 @@ def test_auto_follows_what_torch_sees(monkeypatch: pytest.MonkeyPatch, cuda: boo
 def test_explicit_choices_win(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert resolve_device("cpu") == "cpu"
-    assert resolve_dtype("float32", "cuda") == "float32"  # told otherwise: no bf16
+    assert resolve_dtype("float32", "cuda") is DType.FLOAT32  # told otherwise: no bf16
     assert ServerSettings(device="cuda:1", dtype=DType.FLOAT16).resolved().dtype is DType.FLOAT16
-    with pytest.raises(ValueError, match="dtype 'fp8' is not one of auto, float32, bfloat16, float16"):
+    with pytest.raises(ValueError, match="dtype 'fp8' is not one of float32, bfloat16, float16, auto"):
         resolve_dtype("fp8", "cpu")
 
 

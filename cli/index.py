@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 
 from ragkv.indexer.chunking import DEFAULT_CHUNK_TOKENS, DEFAULT_OVERLAP_TOKENS
-from ragkv.indexer.device import AUTO, resolve_device, resolve_dtype
 from ragkv.types import DType
 from ragkv.indexer.spot import DEFAULT_IMDS_ENDPOINT, EXIT_INTERRUPTED, IndexInterrupted
 
@@ -83,11 +82,11 @@ def add_index_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                         "3.0x at m = 2; docs/quality.md)")
     p.add_argument("--shard", metavar="i/N",
                    help="index only shard i of N (default: AWS_BATCH_JOB_ARRAY_INDEX/_SIZE when set)")
-    p.add_argument("--device", default=AUTO, help="torch device; auto = cuda when torch sees a GPU, else cpu")
+    p.add_argument("--device", default=DType.AUTO.value, help="torch device; auto = cuda when torch sees a GPU, else cpu")
     p.add_argument("--skip-model-check", action="store_true",
                    help="index without the start-up correctness gate (ragkv check-model); logged as a warning: "
                         "KV of a model the engine computes wrongly is wrong")
-    p.add_argument("--dtype", default=AUTO, choices=[d.value for d in DType],
+    p.add_argument("--dtype", default=DType.AUTO.value, choices=[d.value for d in DType],
                    help="LLM dtype; auto = bfloat16 on cuda, float32 on cpu")
     p.add_argument("--kv-batch", type=int, default=4, help="chunks prefilled per checkpoint")
     p.add_argument("--runner", choices=["local", "ray"], default="local",
@@ -183,6 +182,8 @@ def run_index_command(args: argparse.Namespace) -> int:
     if remote is not None:  # resume from what an interrupted run uploaded
         download(remote, out, lambda rel: mine(rel) and not rel.startswith(f"{KV_DIR_NAME}/"), missing_ok=True)
     kv = tuple(args.kv_stores or [u for u in os.environ.get(ENV_KV_URIS, "").split(",") if u.strip()])
+    from ragkv.engine.device import resolve_device, resolve_dtype  # imports torch: not for --help
+
     device = resolve_device(args.device)
     config = IndexJobConfig(
         corpus=corpus, out=out, model=args.model, embedder=args.embedder,

@@ -133,7 +133,7 @@ class ServerSettings:
 
     def resolved(self) -> ServerSettings:
         """These settings with `auto` device and dtype made concrete (imports torch when auto)."""
-        from ragkv.indexer.device import resolve_device, resolve_dtype
+        from ragkv.engine.device import resolve_device, resolve_dtype
 
         device = resolve_device(self.device)
         return dataclasses.replace(self, device=device, dtype=resolve_dtype(self.dtype, device))

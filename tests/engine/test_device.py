@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ragkv.cli.main import build_parser
-from ragkv.indexer.device import resolve_device, resolve_dtype
+from ragkv.engine.device import resolve_device, resolve_dtype
 from ragkv.server.settings import DType, ServerSettings
 
 

@@ -4,10 +4,11 @@
 
 Builds the `ragkv bench --concurrency` index (40 documents, 256-token chunks, KV on disk),
 then serves it from an in-process server (gRPC on loopback, nothing kept in the CPU tier,
-so every request reads its chunks' KV) in four configurations: the disk tier as it is, and
-the disk tier throttled (each read waits `--latency-ms` at open, and its bytes come at
-`--mbps` MB/s: a remote tier over a slow link, such as S3 from another region), each with
-the loading controller on and off. For each, N clients (N in `--clients`) ask with the
+so every request reads its chunks' KV) with each tier of `--tiers`, the loading controller
+on and off: `disk` (the disk tier as it is), `throttled` (the disk tier, each read waiting
+`--latency-ms` at open and its bytes coming at `--mbps` MB/s: a remote tier over a slow
+link) and `s3_throttled` (the KV in S3, a moto server on loopback reached over real HTTP
+by boto3, throttled the same way: the index's only KV tier is the bucket). For each, N clients (N in `--clients`) ask with the
 modes in rotation for `--duration` seconds; per mode it reports the client-side time to
 first token and inter-token latency, p50 and p95, and how the chunks' KV came (loaded,
 computed because cheaper, computed after an overrun). Ratios: throttled over disk, and
@@ -20,6 +21,7 @@ so layer-wise reading, verification and promotion run as they do in production.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -44,11 +46,13 @@ class _Run:
 
 
 @contextmanager
-def throttled(latency_s: float, bytes_per_s: float):
-    """Every disk-tier read waits `latency_s` at open; its bytes arrive at `bytes_per_s`."""
-    from ragkv.kvstore.tiers import disk
+def throttled(latency_s: float, bytes_per_s: float, tier: str = "disk"):
+    """Every read of the disk (or "s3") tier waits `latency_s` at open; its bytes arrive at `bytes_per_s`."""
+    from ragkv.kvstore.tiers.disk import DiskTier
+    from ragkv.kvstore.tiers.s3 import S3Tier
 
-    real_source, real_read = disk.DiskTier._source, disk.DiskTier._read
+    cls = {"disk": DiskTier, "s3": S3Tier}[tier]
+    real_source, real_read = cls._source, cls._read
 
     class _SlowReader:
         def __init__(self, inner) -> None:  # noqa: ANN001
@@ -81,14 +85,51 @@ def throttled(latency_s: float, bytes_per_s: float):
         time.sleep(latency_s)
         got = real_read(self, key)
         if got is not None:
-            time.sleep(len(got[0]) / bytes_per_s)
+            time.sleep(len(got[0] if isinstance(got, tuple) else got) / bytes_per_s)
         return got
 
-    disk.DiskTier._source, disk.DiskTier._read = source, read
+    cls._source, cls._read = source, read
     try:
         yield
     finally:
-        disk.DiskTier._source, disk.DiskTier._read = real_source, real_read
+        cls._source, cls._read = real_source, real_read
+
+
+@contextmanager
+def s3_index(index: Path, root: Path):
+    """A copy of `index` whose only KV tier is a bucket on a moto S3 server on loopback,
+    holding the index's KV files (boto3 reaches it over real HTTP)."""
+    import dataclasses
+    import os
+    import shutil
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from ragkv.retriever.manifest import KV_DIR_NAME, read_manifest, write_manifest
+
+    env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in [*env, "AWS_ENDPOINT_URL_S3"]}
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    os.environ.update(env, AWS_ENDPOINT_URL_S3=f"http://{host}:{port}")
+    try:
+        client = boto3.client("s3", region_name="us-east-1")
+        client.create_bucket(Bucket="ragkv-bench")
+        copy = root / "s3-index"
+        shutil.copytree(index, copy, ignore=shutil.ignore_patterns(KV_DIR_NAME))
+        for f in (index / KV_DIR_NAME).rglob("*.safetensors"):
+            client.upload_file(str(f), "ragkv-bench", f"kv/{f.relative_to(index / KV_DIR_NAME).as_posix()}")
+        write_manifest(copy, dataclasses.replace(read_manifest(copy), kv_uris=("s3://ragkv-bench/kv",)))
+        yield copy
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _client(addr: str, questions: list[str], offset: int, stop_at: float, max_new: int, run: _Run,
@@ -172,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency-ms", type=float, default=300.0, help="throttled tier: wait at each read's open")
     ap.add_argument("--mbps", type=float, default=40.0, help="throttled tier: MB/s of each read")
     ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--tiers", default="disk,throttled,s3_throttled",
+                    help="configurations, comma-separated: disk, throttled (disk), s3_throttled (moto S3 on loopback)")
     ap.add_argument("--index", type=Path, default=None, help="an existing index (default: build the bench's)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
@@ -182,22 +225,34 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ragkv-slow-tier-") as tmp:
         index = args.index or _build_index(Path(tmp), args.model, None, None)
         questions = _questions(index, 64, seed=0)
-        for tier in ("disk", "throttled"):
+        tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
+        unknown = set(tiers) - {"disk", "throttled", "s3_throttled"}
+        if unknown:
+            ap.error(f"--tiers: unknown {sorted(unknown)}; use disk, throttled, s3_throttled")
+        for tier in tiers:
             for controller in (False, True):
                 name = f"{tier}/controller_{'on' if controller else 'off'}"
                 print(f"running {name} ...", file=sys.stderr, flush=True)
-                if tier == "throttled":
-                    with throttled(args.latency_ms / 1000, args.mbps * 1e6):
-                        report[name] = _serve(index, controller, levels, args.duration, questions,
-                                              args.max_new_tokens)
-                else:
-                    report[name] = _serve(index, controller, levels, args.duration, questions, args.max_new_tokens)
+                with contextlib.ExitStack() as stack:
+                    served = index
+                    if tier == "s3_throttled":
+                        served = stack.enter_context(s3_index(index, Path(tmp) / name.replace("/", "-")))
+                    if tier != "disk":
+                        stack.enter_context(throttled(args.latency_ms / 1000, args.mbps * 1e6,
+                                                      "s3" if tier == "s3_throttled" else "disk"))
+                    report[name] = _serve(served, controller, levels, args.duration, questions, args.max_new_tokens)
     ratios = {}
     for n in map(str, levels):
         for m in MODES:
             def get(cfg: str, what: str) -> float | None:
-                return report[cfg][n][what].get(m)
+                return report[cfg][n][what].get(m) if cfg in report else None
             ratios[f"{n} clients/{m}"] = {
+                "ttft_p50 s3_throttled/disk (off)": _ratio(get("s3_throttled/controller_off", "ttft_p50_s"),
+                                                           get("disk/controller_off", "ttft_p50_s")),
+                "ttft_p50 on/off (s3_throttled)": _ratio(get("s3_throttled/controller_on", "ttft_p50_s"),
+                                                         get("s3_throttled/controller_off", "ttft_p50_s")),
+                "itl_p95 on/off (s3_throttled)": _ratio(get("s3_throttled/controller_on", "itl_p95_s"),
+                                                        get("s3_throttled/controller_off", "itl_p95_s")),
                 "ttft_p50 throttled/disk (off)": _ratio(get("throttled/controller_off", "ttft_p50_s"),
                                                         get("disk/controller_off", "ttft_p50_s")),
                 "ttft_p50 throttled/disk (on)": _ratio(get("throttled/controller_on", "ttft_p50_s"),
@@ -208,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                                                      get("throttled/controller_off", "itl_p95_s")),
             }
     out = {"runs": report, "ratios": ratios,
-           "config": {"clients": levels, "duration_s": args.duration, "latency_ms": args.latency_ms,
+           "config": {"clients": levels, "tiers": tiers, "duration_s": args.duration, "latency_ms": args.latency_ms,
                       "mbps": args.mbps, "max_new_tokens": args.max_new_tokens, "model": args.model,
                       "modes": list(MODES), "baseline": "the same run's disk tier / controller off"}}
     if args.json:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import statistics
 import sys
 import tempfile
@@ -108,6 +109,7 @@ def s3_index(index: Path, root: Path):
 
     from ragkv.retriever.manifest import KV_DIR_NAME, read_manifest, write_manifest
 
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server would log every GET
     env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
     saved = {k: os.environ.get(k) for k in [*env, "AWS_ENDPOINT_URL_S3"]}
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)

@@ -248,22 +248,16 @@ def main(argv: list[str] | None = None) -> int:
         for m in MODES:
             def get(cfg: str, what: str) -> float | None:
                 return report[cfg][n][what].get(m) if cfg in report else None
-            ratios[f"{n} clients/{m}"] = {
-                "ttft_p50 s3_throttled/disk (off)": _ratio(get("s3_throttled/controller_off", "ttft_p50_s"),
-                                                           get("disk/controller_off", "ttft_p50_s")),
-                "ttft_p50 on/off (s3_throttled)": _ratio(get("s3_throttled/controller_on", "ttft_p50_s"),
-                                                         get("s3_throttled/controller_off", "ttft_p50_s")),
-                "itl_p95 on/off (s3_throttled)": _ratio(get("s3_throttled/controller_on", "itl_p95_s"),
-                                                        get("s3_throttled/controller_off", "itl_p95_s")),
-                "ttft_p50 throttled/disk (off)": _ratio(get("throttled/controller_off", "ttft_p50_s"),
-                                                        get("disk/controller_off", "ttft_p50_s")),
-                "ttft_p50 throttled/disk (on)": _ratio(get("throttled/controller_on", "ttft_p50_s"),
-                                                       get("disk/controller_on", "ttft_p50_s")),
-                "ttft_p50 on/off (throttled)": _ratio(get("throttled/controller_on", "ttft_p50_s"),
-                                                      get("throttled/controller_off", "ttft_p50_s")),
-                "itl_p95 on/off (throttled)": _ratio(get("throttled/controller_on", "itl_p95_s"),
-                                                     get("throttled/controller_off", "itl_p95_s")),
-            }
+            ratios[f"{n} clients/{m}"] = {k: v for slow in ("throttled", "s3_throttled") for k, v in {
+                f"ttft_p50 {slow}/disk (off)": _ratio(get(f"{slow}/controller_off", "ttft_p50_s"),
+                                                      get("disk/controller_off", "ttft_p50_s")),
+                f"ttft_p50 {slow}/disk (on)": _ratio(get(f"{slow}/controller_on", "ttft_p50_s"),
+                                                     get("disk/controller_on", "ttft_p50_s")),
+                f"ttft_p50 on/off ({slow})": _ratio(get(f"{slow}/controller_on", "ttft_p50_s"),
+                                                    get(f"{slow}/controller_off", "ttft_p50_s")),
+                f"itl_p95 on/off ({slow})": _ratio(get(f"{slow}/controller_on", "itl_p95_s"),
+                                                   get(f"{slow}/controller_off", "itl_p95_s")),
+            }.items()}
     out = {"runs": report, "ratios": ratios,
            "config": {"clients": levels, "tiers": tiers, "duration_s": args.duration, "latency_ms": args.latency_ms,
                       "mbps": args.mbps, "max_new_tokens": args.max_new_tokens, "model": args.model,

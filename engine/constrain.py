@@ -172,7 +172,6 @@ class Constraint:
         self._in_string = self._escaped = False  # where the output stands in JSON's lexical terms
         self.window = CLOSING_WINDOW  # the closing window, in tokens (the decode sets it from its budget)
         self._llt = llt
-        self.vocab_size = vocab_size
         self._bitmask = llt.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V/32)] int32
         self._pending: Future[None] | None = None
         self.mask_seconds = 0.0  # time the decode waited for masks (not the time computing them)
@@ -229,8 +228,3 @@ class Constraint:
     def complete(self) -> bool:
         """Whether the grammar admits no further token (generation must end)."""
         return bool(self._matcher.is_stopped())
-
-    @property
-    def accepting(self) -> bool:
-        """Whether the output so far is a complete sentence of the grammar."""
-        return bool(self._matcher.is_accepting())

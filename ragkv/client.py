@@ -107,7 +107,7 @@ def tool_from(tool: ToolLike) -> Tool:
                 dict(fn.get("parameters") or {"type": "object", "properties": {}}))
 
 
-def tool_choice_from(choice: ToolChoiceLike, tools: Sequence[Tool] = ()) -> ToolChoice:
+def tool_choice_from(choice: ToolChoiceLike) -> ToolChoice:
     """A ToolChoice from itself, "auto"/"none"/"required" ("any" too, as LangChain says it),
     a tool's name, or OpenAI's `{"type": "function", "function": {"name": ...}}`."""
     if choice is None:
@@ -150,7 +150,7 @@ def _answer_shape(agent_turns: Sequence[ChatTurn], tools: Sequence[ToolLike], to
                   parallel_tool_calls: bool, response_format: ResponseFormatLike, citations: bool) -> dict[str, Any]:
     """QueryOptions' answer-shape fields from the SDK's friendlier arguments."""
     typed = tuple(tool_from(t) for t in tools)
-    return dict(agent_turns=tuple(agent_turns), tools=typed, tool_choice=tool_choice_from(tool_choice, typed),
+    return dict(agent_turns=tuple(agent_turns), tools=typed, tool_choice=tool_choice_from(tool_choice),
                 parallel_tool_calls=parallel_tool_calls, response_format=response_format_from(response_format),
                 citations=citations)
 

@@ -92,6 +92,7 @@ class QueryRunner:
                 first_token_at: float | None = None
                 done: DoneEvent | None = None
                 while (event := await events.get()) is not END:
+                    text: list[str | ToolCallDelta] = []  # what the answer's text makes: pieces, tool-call deltas
                     if isinstance(event, Exception):
                         raise event
                     if isinstance(event, Started):
@@ -105,24 +106,16 @@ class QueryRunner:
                             raise RuntimeError("backend yielded a token before the chunks: a backend bug")
                         if first_token_at is None:
                             first_token_at = time.perf_counter()
-                        if reader is None:
-                            pieces.append(event.text)
-                            yield event
-                            continue
-                        for out in reader.feed(event.text):
-                            if isinstance(out, str):
-                                pieces.append(out)
-                                yield TokenEvent(out)
-                            else:
-                                yield out
+                        text = [event.text] if reader is None else reader.feed(event.text)
                     elif isinstance(event, DoneEvent):
                         done = event
-                        for out in reader.finish() if reader is not None else ():
-                            if isinstance(out, str):
-                                pieces.append(out)
-                                yield TokenEvent(out)
-                            else:
-                                yield out
+                        text = reader.finish() if reader is not None else []
+                    for out in text:
+                        if isinstance(out, str):
+                            pieces.append(out)
+                            yield TokenEvent(out)
+                        else:
+                            yield out
                 if done is None or chunks is None:
                     if cancel.is_set():
                         raise TimeoutError("deadline exceeded while answering")

@@ -66,7 +66,8 @@ def output_spec(params: Any, chunks: Sequence[RetrievedChunk]) -> OutputSpec:
     beginning with "<" (only when it must be told apart from calls).
 
     Raises:
-        InvalidArgumentError: A schema (the response format's or a tool's) does not compile.
+        InvalidArgumentError: A schema (the response format's or a tool's) does not compile;
+            the grammar is validated once, and a schema is blamed only when it fails.
     """
     before: list[str] = []
     choice, fmt = params.tool_choice, params.response_format
@@ -77,7 +78,6 @@ def output_spec(params: Any, chunks: Sequence[RetrievedChunk]) -> OutputSpec:
     answer: str | None = None  # the lark rule of an answer that is not tool calls; None = free text
     if fmt.kind is not ResponseFormatKind.TEXT:
         schema = dict(fmt.schema or {}) if fmt.kind is ResponseFormatKind.JSON_SCHEMA else {"type": "object"}
-        _check_schema(schema, "response_format.json_schema")
         shown = "" if fmt.kind is ResponseFormatKind.JSON_OBJECT else f" valid against this JSON schema: {json.dumps(schema)}"
         before.append(f"Reply with only a JSON object{shown}.")
         answer = f"%json {json.dumps(_compact(schema))}"
@@ -98,7 +98,8 @@ def output_spec(params: Any, chunks: Sequence[RetrievedChunk]) -> OutputSpec:
         rules.append(f"answer: {answer}")
     try:
         grammar = lark_grammar("\n".join(rules) + "\n") if rules else None
-    except GrammarError as exc:  # each schema compiled alone: this is ours, not the request's
+    except GrammarError as exc:
+        _blame_schema(params)  # a schema of the request's: INVALID_ARGUMENT naming it
         raise RuntimeError(f"the answer's grammar does not compile: {exc} (a bug)") from exc
     after = agent_turns_text(params.agent_turns)
     closing = must_call or fmt.kind is not ResponseFormatKind.TEXT  # no free-text alternative
@@ -169,11 +170,19 @@ def _call_schema(tools: Sequence[Tool]) -> dict[str, Any]:
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def _check_schema(schema: dict[str, Any], where: str) -> None:
-    try:
-        json_schema_grammar(schema)
-    except GrammarError as exc:
-        raise InvalidArgumentError(where, str(exc)) from None
+def _blame_schema(params: Any) -> None:
+    """Raise InvalidArgumentError naming the request's first schema that does not compile
+    alone (the response format's, or a tool's); return if each one does."""
+    fmt = params.response_format
+    named = [(f"tools[{i}].function.parameters", dict(t.parameters) or {"type": "object"})
+             for i, t in enumerate(params.tools)]
+    if fmt.kind is ResponseFormatKind.JSON_SCHEMA:
+        named.insert(0, ("response_format.json_schema", dict(fmt.schema or {})))
+    for where, schema in named:
+        try:
+            json_schema_grammar(schema)
+        except GrammarError as exc:
+            raise InvalidArgumentError(where, str(exc)) from None
 
 
 def _compact(schema: dict[str, Any]) -> dict[str, Any]:
@@ -200,8 +209,6 @@ def _call_rules(tools: Sequence[Tool], choice: Any, parallel: bool) -> list[str]
     """Lark rules of `calls`: one call, or several separated by a newline."""
     if choice.mode is ToolChoiceMode.FUNCTION:
         tools, parallel = [t for t in tools if t.name == choice.name], False
-    for i, t in enumerate(tools):
-        _check_schema(dict(t.parameters) or {"type": "object"}, f"tools[{i}].function.parameters")
     return ["calls: call+" if parallel else "calls: call",
             f"call: {json.dumps(TOOL_OPEN)} %json {json.dumps(_compact(_call_schema(tools)))} {json.dumps(TOOL_CLOSE)}"]
 

@@ -15,7 +15,6 @@ import abc
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from ragkv.types import Tier, TierStats  # noqa: F401  (re-exported: the one tier enum, the one TierStats)
 from ragkv.kvstore.entry import KVEntry

@@ -56,7 +56,7 @@ def _engine_run(engine: Any, batch: int, tokens: int, constrained: bool) -> dict
         stream = engine.decode(res, SamplingParams(max_new_tokens=tokens), constraint)
         streams.append(stream)
         decode_started.append(time.perf_counter())
-        yield Decode(stream, str)
+        yield Decode(stream, int)
 
     sched = Scheduler()
     ends = [threading.Event() for _ in range(batch)]

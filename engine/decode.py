@@ -1,8 +1,8 @@
-"""Streaming decode over a preallocated cache: greedy or sampled, EOS and stop strings.
+"""Streaming decode over a preallocated cache: greedy or sampled, EOS, grammar and length.
 
-`DecodeStream` is an iterator of text pieces; after it ends, `finish_reason` and
-`token_ids` tell what happened. Text is detokenized incrementally: a piece is
-emitted only once it cannot change (no dangling UTF-8, no partial stop string).
+`DecodeStream` picks tokens; iterated alone it is an iterator of text pieces (detokenized
+by `engine.detokenize`, which also cuts at stop strings); after it ends, `finish_reason`
+and `token_ids` tell what happened. `decode_batch` runs one step for many streams.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 
 from ragkv.engine.blend import BlendResult
 from ragkv.engine.constrain import Constraint, closing_window
+from ragkv.engine.detokenize import Detokenizer
 from ragkv.engine.forward import layer_forward, span
 from ragkv.engine.kv import KVCache
 from ragkv.engine.loading import LoadedModel
@@ -45,7 +46,12 @@ class SamplingParams:
 
 
 class DecodeStream(Iterator[str]):
-    """Yields text pieces of the answer; one forward step per generated token."""
+    """One answer's decode state: picks each next token; EOS, the grammar's end and the length
+    end it. Iterated alone it yields text pieces (one forward step per token, detokenized
+    and cut at stop strings here: evals, tests, the demo); in the scheduler it only picks
+    tokens (`advance`), and the consumer detokenizes them (`engine.detokenize`) and calls
+    `stop_after` when a stop string ends the text.
+    """
 
     def __init__(self, lm: LoadedModel, prompt: BlendResult, params: SamplingParams,
                  constraint: Constraint | None = None) -> None:
@@ -57,36 +63,47 @@ class DecodeStream(Iterator[str]):
             constraint.window = closing_window(params.max_new_tokens)
         self.logits = prompt.logits  # [V]
         self.token_ids: list[int] = []  # generated so far
-        self.finish_reason: FinishReason | None = None  # STOP (EOS or a stop string) or LENGTH
-        self._cut = False  # a stop string cut the text
+        self.finish_reason: FinishReason | None = None  # STOP (EOS, grammar, stop string) or LENGTH
         self._eos = set(lm.eos_token_ids)
-        self._text = ""  # detokenized so far
-        self._emitted = 0  # characters of _text already yielded
-        # incremental detokenization: token_ids[_prefix:_read] were decoded last time; the newest
-        # tokens' text is decode(token_ids[_prefix:]) less decode(token_ids[_prefix:_read])
-        self._prefix = self._read = 0
+        self._stop_after: int | None = None  # set by the consumer (any thread): a stop string ended the text
+        self._text: Detokenizer | None = None  # the iterator's own detokenizer
         self._gen = None
         if params.temperature > 0:
             self._gen = torch.Generator(device=lm.device)
             self._gen.manual_seed(params.seed if params.seed is not None else torch.seed())
         self.receive(self.logits)  # a constrained stream masks its first token's logits too
 
+    def detokenizer(self) -> Detokenizer:
+        """A detokenizer of this stream's tokens with its stop strings, which stops the stream
+        (`stop_after`) when one is found; for the consumer of the tokens."""
+        return Detokenizer(self.lm.tokenizer, self.params.stop, self.stop_after)
+
+    def stop_after(self, n_tokens: int) -> None:
+        """A stop string ended the text after `n_tokens` tokens (called by the consumer, from any
+        thread): the next `advance` ends the stream, its tokens past the stop dropped."""
+        self._stop_after = n_tokens
+
     def __iter__(self) -> DecodeStream:
+        if self._text is None:
+            self._text = self.detokenizer()
         return self
 
+    @torch.inference_mode()
     def __next__(self) -> str:
+        text = self._text if self._text is not None else iter(self)._text
         while self.finish_reason is None:
-            piece = self._step()
+            token = self.advance()
+            piece = "" if token is None else text.push(token)
+            if text.stopped:  # the text ends with this token (its token_ids end there too)
+                self.finish_reason = FinishReason.STOP
+            elif self.finish_reason is None:
+                self.receive(self._forward(token))
             if piece:
                 return piece
+        piece = text.finish()
+        if piece:
+            return piece
         raise StopIteration
-
-    @torch.inference_mode()
-    def _step(self) -> str:
-        piece, token = self.advance()
-        if token is not None:
-            self.receive(self._forward(token))
-        return piece
 
     def receive(self, logits: torch.Tensor) -> None:
         """Take the next-token logits [V] of a forward step; a constrained stream masks them,
@@ -100,56 +117,36 @@ class DecodeStream(Iterator[str]):
         """Whether the next token is the argmax (a batch picks those together: `pick_greedy`)."""
         return self.params.temperature == 0
 
-    def advance(self, token: int | None = None) -> tuple[str, int | None]:
+    def advance(self, token: int | None = None) -> int | None:
         """Take the next token: `token` when the caller picked it (greedy rows of a batch,
         `pick_greedy`), else picked here from the current logits.
 
         Returns:
-            The text that became final, and the token to run the model on next (None when
-            generation has finished: then `finish_reason` says why). The caller hands the
-            logits of that forward step to `receive`, alone (`_step`) or batched (`decode_batch`).
+            The token taken (None for EOS, or once the stream has ended). While
+            `finish_reason` is None the caller runs the model on it and hands the step's
+            logits to `receive`, alone (`__next__`) or batched (`decode_batch`); once set,
+            the stream has ended (the returned token, if any, is its last).
         """
+        if self.finish_reason is not None:
+            return None
+        if self._stop_after is not None:  # the consumer found a stop string
+            del self.token_ids[self._stop_after:]
+            self.finish_reason = FinishReason.STOP
+            return None
         token = self._pick(self.logits) if token is None else token
         if token in self._eos:
             self.finish_reason = FinishReason.STOP
-            return self._flush(), None
+            return None
         self.token_ids.append(token)
-        self._detokenize()
         if self.constraint is not None:
             self.constraint.consume(token)
             if self.constraint.complete:  # the grammar admits nothing more: the answer is whole
                 self.finish_reason = FinishReason.STOP
-                return self._flush(), None
+                return token
             self.constraint.start()  # the next mask, computed while the forward step runs
-        stop_at = self._find_stop()
-        if stop_at is not None:
-            self._text = self._text[:stop_at]
-            self.finish_reason, self._cut = FinishReason.STOP, True
-            return self._flush(), None
         if len(self.token_ids) >= self.params.max_new_tokens:
             self.finish_reason = FinishReason.LENGTH
-            return self._flush(), None
-        return self._ready_piece(), token
-
-    def _detokenize(self) -> None:
-        """Append the newest token's text to `_text`, decoding only the last few tokens.
-
-        Decoding a window with and without the newest token and keeping the difference is
-        what a whole decode gives (a word-start space stripped at the window's start is
-        stripped in both); a token that ends inside a UTF-8 character adds nothing until
-        the token that completes it comes.
-        """
-        self._take_window(final=False)
-
-    def _take_window(self, final: bool) -> None:
-        """Append the text of token_ids[_read:] to `_text` and slide the window past it; unless
-        `final`, only once it is not empty and ends on a whole character."""
-        tok, ids = self.lm.tokenizer, self.token_ids
-        before = tok.decode(ids[self._prefix:self._read], skip_special_tokens=True)
-        now = tok.decode(ids[self._prefix:], skip_special_tokens=True)
-        if final or (len(now) > len(before) and not now.endswith("\ufffd")):
-            self._text += now[len(before):]
-            self._prefix, self._read = self._read, len(ids)
+        return token
 
     def _pick(self, logits: torch.Tensor) -> int:
         p = self.params
@@ -169,37 +166,6 @@ class DecodeStream(Iterator[str]):
 
     def _forward(self, token: int) -> torch.Tensor:
         return decode_batch(self.lm, [self.cache], [token])[0]  # [V]: a batch of one
-
-    def _find_stop(self) -> int | None:
-        if not self.params.stop:
-            return None
-        start = max(0, self._emitted - max(len(s) for s in self.params.stop))
-        hits = [i for s in self.params.stop if (i := self._text.find(s, start)) >= 0]
-        return min(hits) if hits else None
-
-    def _ready_piece(self) -> str:
-        """Text that can no longer change: not a dangling byte, not a possible stop prefix."""
-        end = len(self._text)
-        if self._text.endswith("\ufffd"):
-            return ""
-        for s in self.params.stop:
-            for k in range(min(len(s) - 1, end - self._emitted), 0, -1):
-                if self._text.endswith(s[:k]):
-                    end = min(end, len(self._text) - k)
-                    break
-        piece = self._text[self._emitted:end]
-        self._emitted = max(self._emitted, end)
-        return piece
-
-    def _flush(self) -> str:
-        """The rest of the text, at the end: a character left incomplete by the last token
-        comes out as U+FFFD, as a whole decode gives it (unless a stop string cut the text)."""
-        if not self._cut and self._read < len(self.token_ids):
-            self._take_window(final=True)
-        piece = self._text[self._emitted:]
-        self._emitted = len(self._text)
-        return piece
-
 
 
 @torch.inference_mode()

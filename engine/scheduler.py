@@ -1,21 +1,24 @@
-"""The scheduler: one thread owns every admitted request and runs them in iterations.
+"""The scheduler: one thread owns every admitted request and runs them step by step.
 
-Each iteration:
-1. drops requests whose client cancelled or whose deadline passed (their generator is
-   closed, their cache freed with it);
-2. runs prompt work of admitted requests, one decoder layer per step
-   (`engine.blend.prompt_steps`), the pass with the least work left first (the
-   `prompt_cost` it was submitted with, less what it has done, aged by its wait: shortest
-   remaining first, without starving a long one), for
-   at most `prompt_slice_s` seconds while others are decoding (with nobody decoding,
-   prompt work goes on). A pass still within its first `prompt_first_s` seconds of prompt
-   time is not cut by decode steps: short passes (reuse, focus, blend) finish in one go,
-   which keeps their time to first token near what it is alone, and only long ones
-   (full prefill of long prompts) share the engine with decode steps slice by slice. A
-   request submitted meanwhile joins at the next step, and a pass that ends has its
-   first token picked and emitted at once, not after the rest of the slice;
-3. runs one batched decode step (`engine.decode.decode_batch`) for every request that is
-   decoding: the weights are read once per step for all of them.
+Each iteration is schedule, execute, update:
+1. **schedule** (`_schedule`) decides, without running anything, a typed `Plan`: which
+   requests are dropped (client cancelled, deadline passed) and the one step that runs
+   next: a `PromptStep` (one decoder layer of one request's prompt pass) or a
+   `DecodeStep` (one batched forward for every decoding request). Prompt work goes to
+   the pass with the least work left (the `prompt_cost` it was submitted with, less what
+   it has done, aged by its wait: shortest remaining first, without starving a long
+   one). While others decode, a decode step comes due every `prompt_slice_s` seconds of
+   prompt work, except that a pass still within its first `prompt_first_s` seconds of
+   prompt time is not cut: short passes (reuse, focus, blend) finish in one go, which
+   keeps their time to first token near what it is alone, and only long ones (full
+   prefill of long prompts) share the engine with decode steps slice by slice. With
+   nobody decoding, prompt work goes on;
+2. **execute** runs that step: the request's work generator for a prompt step,
+   `engine.decode.decode_batch` for a decode step (the weights are read once per step
+   for all of them);
+3. **update** moves the requests on from what the step returned (below). A request
+   submitted meanwhile, or whose KV has arrived, is admitted before the next schedule:
+   it can take the very next step.
 
 A request is a job: a generator (the server's answer) that yields
 - an `int`: one step of prompt work done (the scheduler may switch to other work here);
@@ -24,15 +27,17 @@ A request is a job: a generator (the server's answer) that yields
   `timeout_s` has passed. A parked job costs nothing: the scheduler never polls, sleeps
   on I/O or counts the wait as prompt time, so a slow read stalls nobody's decode;
 - `Decode(stream, wrap)`: the prompt is ready; the scheduler decodes `stream` in batches,
-  emitting `wrap(piece)` for each text piece, and resumes the job when the stream ends;
+  emitting `wrap(token_id)` for each token (the consumer detokenizes them and applies
+  stop strings, off this thread: `engine.detokenize`), and resumes the job when the
+  stream ends;
 - anything else: an event handed to the job's `emit`.
 An exception raised by a job is handed to `emit` too; `emit(END)` always comes last.
 
-Each request has a status (`RequestStatus`), and every transition is made here:
+Each request has a status (`RequestStatus`), and every transition is made in this module:
 QUEUED (submitted) -> PROMPT (its prompt pass runs, layer by layer) <-> WAITING_KV
 (parked on a `WaitFor`) -> DECODING (batched decode steps) -> FINISHED, with
-`end_reason` set; a cancelled, expired or failed request goes to FINISHED from any
-status.
+`end_reason` (`EndReason`) set; a cancelled, expired or failed request goes to FINISHED
+from any status.
 
 When it goes idle, and every `heap_trim_s` seconds under load, it hands the host heap's
 free pages back to the OS (`engine.memory.trim_host_heap`).
@@ -80,8 +85,8 @@ class SchedulerStoppedError(RagKVError):
 class Decode:
     """Yielded by a job once its prompt is ready: decode `stream`, batched with the others."""
 
-    stream: DecodeStream  # the request's decode state (cache, sampling, detokenizer)
-    wrap: Callable[[str], object]  # a text piece -> the event the job's emit takes
+    stream: DecodeStream  # the request's decode state (cache, sampling, grammar)
+    wrap: Callable[[int], object]  # a generated token id -> the event the job's emit takes
 
 
 class RequestStatus(str, enum.Enum):
@@ -92,6 +97,16 @@ class RequestStatus(str, enum.Enum):
     WAITING_KV = "waiting_kv"  # parked until its KV reads are done (WaitFor)
     DECODING = "decoding"  # in the batched decode steps
     FINISHED = "finished"  # ended: see _Job.end_reason
+
+
+class EndReason(str, enum.Enum):
+    """Why a request is FINISHED."""
+
+    DONE = "done"  # its work ran to the end (the answer's own finish reason says how it ended)
+    CANCELLED = "cancelled"  # the client left
+    DEADLINE = "deadline"  # its deadline passed
+    ERROR = "error"  # its work raised (handed to its emit)
+    STOPPED = "stopped"  # the scheduler closed (the server is stopping)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +137,7 @@ class SchedulerConfig:
             raise ValueError(f"scheduler budgets must be positive, got {self}")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: a job is itself, whatever its fields
 class _Job:
     gen: Generator[Any, None, None]  # the request's answer
     emit: Callable[[object], None]  # where its events go
@@ -137,9 +152,31 @@ class _Job:
     next_token: int | None = None  # picked, not yet run through the model (the next decode step does)
     next_pick: int | None = None  # greedy: the token its last decode step's batched argmax chose
     status: RequestStatus = RequestStatus.QUEUED
-    end_reason: str = ""  # FINISHED: "done", "cancelled", "deadline", "error" or "stopped"
+    end_reason: EndReason | None = None  # set when FINISHED
     wait: WaitFor | None = None  # WAITING_KV: what it waits for
     wake_at: float | None = None  # WAITING_KV: time.monotonic() when it resumes whatever its futures do
+
+
+@dataclass(frozen=True, slots=True)
+class PromptStep:
+    """Run one step (a decoder layer, or a wait) of this request's prompt pass."""
+
+    job: _Job
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeStep:
+    """Pick these decoding requests' next tokens, then run them through the model in one batch."""
+
+    jobs: tuple[_Job, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What one iteration does, decided before anything runs (`Scheduler._schedule`)."""
+
+    dropped: tuple[tuple[_Job, EndReason], ...]  # cancelled or expired: FINISHED without running
+    step: PromptStep | DecodeStep | None  # the one step that runs; None = nothing can run now
 
 
 @dataclass(slots=True)
@@ -155,17 +192,22 @@ class SchedulerStats:
 
 
 class Scheduler:
-    """Runs jobs on one thread in iterations (see the module docstring)."""
+    """Runs jobs on one thread, one planned step at a time (see the module docstring)."""
 
     def __init__(self, config: SchedulerConfig = SchedulerConfig()) -> None:
         self.config = config
         self.stats = SchedulerStats()
         self._lock = threading.Condition()
-        self._incoming: collections.deque[_Job] = collections.deque()
-        self._parked: list[_Job] = []  # WAITING_KV (scheduler thread only)
+        self._incoming: collections.deque[_Job] = collections.deque()  # QUEUED, under _lock
         self._wake = False  # a parked job's future is done (set by its callback, under _lock)
         self._kv_bytes = 0  # admitted, under _lock
         self._stopping = False
+        # the requests by status, scheduler thread only
+        self._prompting: list[_Job] = []  # PROMPT
+        self._parked: list[_Job] = []  # WAITING_KV
+        self._decoding: list[_Job] = []  # DECODING
+        self._slice_t0 = time.perf_counter()  # when the current slice of prompt work began
+        self._slice_steps = 0  # prompt steps in it (a slice has one at least: no pass starves)
         self._trimmed = time.monotonic()  # last heap trim
         self._cost_per_s: float | None = None  # prompt_cost units per second of prompt work, as measured
         self._thread = threading.Thread(target=self._loop, name="ragkv-scheduler", daemon=True)
@@ -202,7 +244,7 @@ class Scheduler:
             self._lock.notify()
 
     def close(self, timeout: float | None = 5.0) -> None:
-        """Stop after the current iteration; jobs still running are closed (their emit gets END)."""
+        """Stop after the current step; jobs still running are closed (their emit gets END)."""
         with self._lock:
             self._stopping = True
             self._lock.notify()
@@ -211,43 +253,196 @@ class Scheduler:
     # ---- the loop (scheduler thread only)
 
     def _loop(self) -> None:
-        prompting: collections.deque[_Job] = collections.deque()
-        decoding: list[_Job] = []
-        while True:
-            self._trim_when_due()
-            with self._lock:
-                if not (self._incoming or self._wake or prompting or decoding or self._parked
-                        or self._stopping) and self.config.heap_trim_s:
-                    self._trim()  # going idle: nothing in flight needs the free pages
-                while not (self._incoming or self._wake or prompting or decoding or self._stopping
-                           or self._due()):
-                    self._lock.wait(self._park_timeout())  # parked jobs wake us from their futures
-                if self._stopping:
-                    leftover = [*self._incoming, *prompting, *decoding, *self._parked]
-                    self._incoming.clear()
-                    break
-                prompting.extend(self._take_incoming())
-            prompting.extend(self._unpark())
-            prompting = collections.deque(j for j in prompting if self._alive(j))
-            decoding = [j for j in decoding if self._alive(j)]
-            self._parked = [j for j in self._parked if self._alive(j)]
-            self._prompt_work(prompting, decoding)
-            if decoding:
-                self._decode_step(decoding)
-            self.stats.running = len(prompting) + len(decoding)
+        while self._admit():
+            plan = self._schedule()
+            self._execute(plan)
+            self.stats.running = len(self._prompting) + len(self._decoding)
             self.stats.waiting_kv = len(self._parked)
-        for job in leftover:
+        for job in [*self._prompting, *self._decoding, *self._parked]:
             job.emit(SchedulerStoppedError("the server stopped before this request finished: retry on another replica"))
-            self._end(job, "stopped")
+            self._end(job, EndReason.STOPPED)
 
-    def _take_incoming(self) -> list[_Job]:
-        """QUEUED -> PROMPT for every newcomer (under _lock)."""
-        jobs = list(self._incoming)
-        self._incoming.clear()
-        self.stats.waiting = 0
-        for job in jobs:
-            job.status = RequestStatus.PROMPT
-        return jobs
+    def _admit(self) -> bool:
+        """Sleep until there is something to do; then QUEUED -> PROMPT for every newcomer and
+        WAITING_KV -> PROMPT for every parked job whose KV is in. False once stopping."""
+        self._trim_when_due()
+        with self._lock:
+            busy = self._prompting or self._decoding
+            if not (self._incoming or self._wake or busy or self._parked or self._stopping) and self.config.heap_trim_s:
+                self._trim()  # going idle: nothing in flight needs the free pages
+            while not (self._incoming or self._wake or self._prompting or self._decoding or self._stopping
+                       or self._due()):
+                self._lock.wait(self._park_timeout())  # parked jobs wake us from their futures
+            if self._stopping:
+                self._prompting.extend(self._incoming)  # ended with the others
+                self._incoming.clear()
+                return False
+            for job in self._incoming:
+                job.status = RequestStatus.PROMPT
+            self._prompting.extend(self._incoming)
+            self._incoming.clear()
+            self.stats.waiting = 0
+        if self._wake or self._parked:
+            self._unpark()
+        return True
+
+    # ---- schedule: decide the iteration's step, change nothing
+
+    def _schedule(self) -> Plan:
+        now = time.monotonic()
+        dropped = tuple((job, reason) for job in (*self._prompting, *self._decoding, *self._parked)
+                        if (reason := self._dropped(job, now)) is not None)
+        gone = {job for job, _ in dropped}
+        prompting = [j for j in self._prompting if j not in gone]
+        decoding = tuple(j for j in self._decoding if j not in gone)
+        return Plan(dropped, self._next_step(prompting, decoding))
+
+    @staticmethod
+    def _dropped(job: _Job, now: float) -> EndReason | None:
+        if job.deadline is not None and now > job.deadline:
+            return EndReason.DEADLINE
+        return EndReason.CANCELLED if job.cancel.is_set() else None
+
+    def _next_step(self, prompting: list[_Job], decoding: tuple[_Job, ...]) -> PromptStep | DecodeStep | None:
+        """The pass with the least work left gets the next layer step, unless a decode step is
+        due: others decode, this slice of prompt work (one step at least) is spent, and that
+        pass is past its first quantum. A full batch takes no new pass."""
+        cfg = self.config
+        if prompting and len(decoding) < cfg.max_batch:
+            job = min(prompting, key=self._priority)  # stable: the oldest of equals
+            sliced = decoding and job.prompt_s >= cfg.prompt_first_s
+            spent = self._slice_steps and time.perf_counter() - self._slice_t0 >= cfg.prompt_slice_s
+            if not (sliced and spent):
+                return PromptStep(job)
+        return DecodeStep(decoding) if decoding else None
+
+    def _priority(self, job: _Job) -> float:
+        """Seconds of prompt work the pass has left, less `aging` x the seconds it has waited;
+        the lowest goes next (shortest remaining first). A pass of unknown cost: 0 left.
+
+        A cheap pass (reuse, blend, focus) that arrives while a full prefill runs takes over
+        at the next layer and finishes in its own few steps, which keeps the mean time to
+        first token low; the aging term bounds how long a full prefill can be passed over."""
+        if not job.cost:
+            return 0.0
+        rate = self._cost_per_s
+        left = job.cost / rate - job.prompt_s if rate else job.cost  # no pass measured yet: by cost
+        return max(left, 0.0) - self.config.aging * (time.monotonic() - job.submitted)
+
+    # ---- execute and update
+
+    def _execute(self, plan: Plan) -> None:
+        for job, reason in plan.dropped:
+            job.cancel.set()
+            self._leave(job)
+            self._end(job, reason)
+        match plan.step:
+            case PromptStep(job):
+                if not self._decoding:  # nobody waits on this prompt work: the slice starts anew
+                    self._slice_t0, self._slice_steps = time.perf_counter(), 0
+                self._slice_steps += 1
+                self._prompt_step(job)
+            case DecodeStep(jobs):
+                self._decode_step(list(jobs))
+                self._slice_t0, self._slice_steps = time.perf_counter(), 0
+
+    def _prompt_step(self, job: _Job) -> None:
+        """Run one step of a prompt pass; a pass that ends has its first token picked and sent
+        at once (then DECODING), one that waits is parked (WAITING_KV)."""
+        now = time.perf_counter()
+        if not job.started:
+            job.started = True
+            job.emit(Started(now))
+        item = self._resume(job)
+        job.prompt_s += time.perf_counter() - now
+        if isinstance(item, WaitFor):  # waiting for its KV: parked, off the prompt work
+            self._prompting.remove(job)
+            self._park(job, item)
+        elif job.decode is not None or item is None:  # decoding now, or ended
+            if job in self._prompting:
+                self._prompting.remove(job)
+            self._learn_rate(job)
+            if job.decode is not None:
+                job.status = RequestStatus.DECODING
+                self._decoding.append(job)
+                self._pick(job)  # its first token goes out now
+
+    def _decode_step(self, jobs: list[_Job]) -> None:
+        """Pick each decoding request's next token, then one batched forward for those that go on."""
+        t0 = time.perf_counter()
+        live = [j for j in jobs if j.next_token is not None or self._pick(j)]
+        if not live:
+            return
+        streams = [j.decode.stream for j in live]
+        tokens = [j.next_token for j in live]
+        for job in live:
+            job.next_token = None
+        try:
+            logits = decode_batch(streams[0].lm, [s.cache for s in streams], tokens)  # [B, V]
+        except Exception as exc:  # a bug or out of memory: every request of the step fails
+            for job in live:
+                self._fail(job, exc)
+            return
+        ok = []  # rows whose logits were taken
+        for j, stream in enumerate(streams):
+            try:
+                stream.receive(logits[j])  # a constrained stream masks its row in place
+                ok.append(j)
+            except Exception as exc:  # a bug in one request's constraint fails that request alone
+                self._fail(live[j], exc)
+        greedy = [j for j in ok if streams[j].greedy]
+        if greedy:  # one argmax over the batch's greedy rows; sampled rows pick per request (own seeds)
+            for j, token in zip(greedy, pick_greedy(logits[greedy])):
+                live[j].next_pick = token
+        st = self.stats
+        st.steps += 1
+        dt = time.perf_counter() - t0
+        for hook in st.on_step:
+            hook(len(live), dt)
+
+    def _pick(self, job: _Job) -> bool:
+        """Take a decoding job's next token and emit it; False once the job has left
+        (its stream ended, or failed)."""
+        stream = job.decode.stream
+        try:
+            token = stream.advance(job.next_pick)
+            job.next_pick = None
+        except Exception as exc:
+            self._fail(job, exc)
+            return False
+        if token is not None:
+            job.emit(job.decode.wrap(token))
+        if stream.finish_reason is not None:  # finished: the job reports its end
+            self._decoding.remove(job)
+            job.decode = None
+            self._finish(job)
+            return False
+        job.next_token = token
+        return True
+
+    def _resume(self, job: _Job) -> object | None:
+        """Run the job to its next step; returns None once it has ended (END emitted)."""
+        try:
+            while True:
+                item = next(job.gen)
+                if isinstance(item, (int, WaitFor)):
+                    return item
+                if isinstance(item, Decode):
+                    job.decode = item
+                    return item
+                job.emit(item)
+        except StopIteration:
+            self._end(job, EndReason.DONE)
+        except Exception as exc:  # handed to the job's owner, which maps it to a status
+            job.emit(exc)
+            self._end(job, EndReason.ERROR)
+        return None
+
+    def _learn_rate(self, job: _Job) -> None:
+        """Cost units per second of prompt work, a moving average over finished passes."""
+        if job.cost and job.prompt_s > 0:
+            r = job.cost / job.prompt_s
+            self._cost_per_s = r if self._cost_per_s is None else 0.8 * self._cost_per_s + 0.2 * r
 
     # ---- WAITING_KV: parked on futures, woken by their callbacks or a timeout
 
@@ -276,188 +471,47 @@ class Scheduler:
     def _due(self) -> bool:
         """A parked job must be looked at: its timeout passed, or it was cancelled or expired."""
         now = time.monotonic()
-        return any((j.wake_at is not None and j.wake_at <= now) or j.cancel.is_set()
-                   or (j.deadline is not None and now > j.deadline) for j in self._parked)
+        return any((j.wake_at is not None and j.wake_at <= now) or self._dropped(j, now) is not None
+                   for j in self._parked)
 
-    def _unpark(self) -> list[_Job]:
+    def _unpark(self) -> None:
         """WAITING_KV -> PROMPT for the parked jobs whose futures are all done or whose timeout passed."""
         with self._lock:
             self._wake = False
         now = time.monotonic()
-        out = []
         for job in list(self._parked):
             if all(f.done() for f in job.wait.futures) or (job.wake_at is not None and job.wake_at <= now):
                 self._parked.remove(job)
                 job.status, job.wait, job.wake_at = RequestStatus.PROMPT, None, None
-                out.append(job)
-        return out
+                self._prompting.append(job)
 
-    def _trim_when_due(self) -> None:
-        if self.config.heap_trim_s and time.monotonic() - self._trimmed >= self.config.heap_trim_s:
-            self._trim()
-
-    def _trim(self) -> None:
-        trim_host_heap()  # the holes requests of different sizes leave (engine/memory.py)
-        self._trimmed = time.monotonic()
-
-    def _alive(self, job: _Job) -> bool:
-        expired = job.deadline is not None and time.monotonic() > job.deadline
-        if job.cancel.is_set() or expired:
-            job.cancel.set()
-            self._end(job, "deadline" if expired else "cancelled")
-            return False
-        return True
-
-    def _prompt_work(self, prompting: collections.deque[_Job], decoding: list[_Job]) -> None:
-        """Advance prompt passes one step at a time until the slice is spent (while nobody
-        decodes, the slice does not end; nor while the pass up next is in its first quantum).
-
-        Each step goes to the pass with the least work left (`_priority`: its `prompt_cost`
-        in seconds at the rate measured over finished passes, less the prompt time it has
-        had, less `aging` x its wait). A cheap pass (reuse, blend, focus) that arrives
-        while a full prefill runs takes over at the next layer and finishes in its own few
-        steps: shortest remaining first, which keeps the mean time to first token low; the
-        aging term bounds how long a full prefill can be passed over.
-        """
-        t0 = time.perf_counter()
-        while prompting and len(decoding) < self.config.max_batch:
-            now = time.perf_counter()
-            self._trim_when_due()  # a long prompt pass alone never leaves this loop
-            if self._incoming:  # a newcomer starts at the next step, not after the next decode step
-                with self._lock:
-                    prompting.extend(self._take_incoming())
-            if self._wake:  # so does a request whose KV has arrived
-                prompting.extend(self._unpark())
-            if not prompting:
-                return
-            job = min(prompting, key=self._priority)  # stable: the oldest of equals
-            if (self._stopping or (decoding and job.prompt_s >= self.config.prompt_first_s)) \
-                    and now - t0 >= self.config.prompt_slice_s:
-                return
-            if not self._alive(job):
-                prompting.remove(job)
-                continue
-            if not job.started:
-                job.started = True
-                job.emit(Started(now))
-            item = self._resume(job)
-            job.prompt_s += time.perf_counter() - now
-            if isinstance(item, WaitFor):  # waiting for its KV: parked, off the prompt work
-                prompting.remove(job)
-                self._park(job, item)
-            elif job.decode is not None or item is None:  # decoding now, or ended
-                prompting.remove(job)
-                self._learn_rate(job)
-                if job.decode is not None and self._pick(job, decoding):  # its first token goes out now
-                    job.status = RequestStatus.DECODING
-                    decoding.append(job)
-
-    def _priority(self, job: _Job) -> float:
-        """Seconds of prompt work the pass has left, less `aging` x the seconds it has waited;
-        the lowest goes next (shortest remaining first). A pass of unknown cost: 0 left."""
-        if not job.cost:
-            return 0.0
-        rate = self._cost_per_s
-        left = job.cost / rate - job.prompt_s if rate else job.cost  # no pass measured yet: by cost
-        return max(left, 0.0) - self.config.aging * (time.monotonic() - job.submitted)
-
-    def _learn_rate(self, job: _Job) -> None:
-        """Cost units per second of prompt work, a moving average over finished passes."""
-        if job.cost and job.prompt_s > 0:
-            r = job.cost / job.prompt_s
-            self._cost_per_s = r if self._cost_per_s is None else 0.8 * self._cost_per_s + 0.2 * r
-
-    def _resume(self, job: _Job) -> object | None:
-        """Run the job to its next step; returns None once it has ended (END emitted)."""
-        try:
-            while True:
-                item = next(job.gen)
-                if isinstance(item, (int, WaitFor)):
-                    return item
-                if isinstance(item, Decode):
-                    job.decode = item
-                    return item
-                job.emit(item)
-        except StopIteration:
-            self._end(job, "done")
-        except Exception as exc:  # handed to the job's owner, which maps it to a status
-            job.emit(exc)
-            self._end(job, "error")
-        return None
-
-    def _pick(self, job: _Job, decoding: list[_Job]) -> bool:
-        """Pick a decoding job's next token from its logits and emit the text it completes;
-        False once the job has left (finished, or failed)."""
-        try:
-            piece, token = job.decode.stream.advance(job.next_pick)
-            job.next_pick = None
-        except Exception as exc:
-            job.emit(exc)
-            if job in decoding:
-                decoding.remove(job)
-            self._end(job, "error")
-            return False
-        if piece:
-            job.emit(job.decode.wrap(piece))
-        if token is None:  # finished: the job reports its end
-            if job in decoding:
-                decoding.remove(job)
-            job.decode = None
-            self._finish(job)
-            return False
-        job.next_token = token
-        return True
-
-    def _decode_step(self, decoding: list[_Job]) -> None:
-        """Pick each decoding request's next token, then one batched forward for those that go on."""
-        t0 = time.perf_counter()
-        live = [j for j in list(decoding) if j.next_token is not None or self._pick(j, decoding)]
-        if not live:
-            return
-        streams = [j.decode.stream for j in live]
-        tokens = [j.next_token for j in live]
-        for job in live:
-            job.next_token = None
-        try:
-            logits = decode_batch(streams[0].lm, [s.cache for s in streams], tokens)  # [B, V]
-        except Exception as exc:  # a bug or out of memory: every request of the step fails
-            for job in live:
-                job.emit(exc)
-                decoding.remove(job)
-                self._end(job, "error")
-            return
-        ok = []  # rows whose logits were taken
-        for j, stream in enumerate(streams):
-            try:
-                stream.receive(logits[j])  # a constrained stream masks its row in place
-                ok.append(j)
-            except Exception as exc:  # a bug in one request's constraint fails that request alone
-                live[j].emit(exc)
-                decoding.remove(live[j])
-                self._end(live[j], "error")
-        greedy = [j for j in ok if streams[j].greedy]
-        if greedy:  # one argmax over the batch's greedy rows; sampled rows pick per request (own seeds)
-            for j, token in zip(greedy, pick_greedy(logits[greedy])):
-                live[j].next_pick = token
-        st = self.stats
-        st.steps += 1
-        dt = time.perf_counter() - t0
-        for hook in st.on_step:
-            hook(len(live), dt)
+    # ---- FINISHED
 
     def _finish(self, job: _Job) -> None:
         """Resume a job whose stream ended, so it emits its last events, then end it."""
-        reason = "done"
+        reason = EndReason.DONE
         try:
             for item in job.gen:
                 if not isinstance(item, (int, WaitFor)):
                     job.emit(item)
         except Exception as exc:
             job.emit(exc)
-            reason = "error"
+            reason = EndReason.ERROR
         self._end(job, reason)
 
-    def _end(self, job: _Job, reason: str) -> None:
+    def _fail(self, job: _Job, exc: Exception) -> None:
+        """A step of this job raised: the error goes to its owner and the job ends."""
+        job.emit(exc)
+        self._leave(job)
+        self._end(job, EndReason.ERROR)
+
+    def _leave(self, job: _Job) -> None:
+        """Take the job off whichever list holds it."""
+        for jobs in (self._prompting, self._decoding, self._parked):
+            if job in jobs:
+                jobs.remove(job)
+
+    def _end(self, job: _Job, reason: EndReason) -> None:
         """Any status -> FINISHED: the job's generator closes, its KV budget goes back, END goes out."""
         job.status, job.end_reason, job.wait = RequestStatus.FINISHED, reason, None
         job.gen.close()
@@ -467,3 +521,13 @@ class Scheduler:
             job.kv_bytes = 0
         self.stats.kv_bytes = self._kv_bytes
         job.emit(END)
+
+    # ---- host memory
+
+    def _trim_when_due(self) -> None:
+        if self.config.heap_trim_s and time.monotonic() - self._trimmed >= self.config.heap_trim_s:
+            self._trim()
+
+    def _trim(self) -> None:
+        trim_host_heap()  # the holes requests of different sizes leave (engine/memory.py)
+        self._trimmed = time.monotonic()

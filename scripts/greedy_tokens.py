@@ -70,8 +70,8 @@ def record(model: str, max_new_tokens: int) -> dict[str, list[int]]:
     while live:
         step = {}
         for name, s in list(live.items()):
-            _, token = s.advance()
-            if token is None:
+            token = s.advance()
+            if s.finish_reason is not None:
                 del live[name]
             else:
                 step[name] = token

@@ -3,7 +3,9 @@
 The gRPC service (server/service.py) and the OpenAI-compatible HTTP API
 (server/openai_api.py) both answer through `QueryRunner.run`: take a queue slot,
 `backend.prepare` on the retrieval pool, `scheduler.submit(backend.answer(...))`, then
-relay the answer's events from the scheduler thread to the event loop. Each API only
+relay the answer's events from the scheduler thread to the event loop, where the
+answer's token ids become text (`engine.detokenize`: incremental, stop strings applied, a
+found stop string stops the decode). Each API only
 turns the events into its own wire format. This module knows nothing of gRPC status
 codes or HTTP; it records metrics and raises the backend's exceptions as they are.
 """
@@ -18,7 +20,7 @@ from concurrent.futures import Executor
 
 from ragkv.engine.scheduler import END, Scheduler, Started
 from ragkv.server.admission import Admission
-from ragkv.server.backend import ChunksEvent, DoneEvent, QueryBackend, QueryParams, TokenEvent
+from ragkv.server.backend import AnswerText, ChunksEvent, DoneEvent, QueryBackend, QueryParams, TokenEvent, TokenIdEvent
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.structured import ToolCallReader, find_citations
 from ragkv.types import FinishReason, QueryStats, RetrievedChunk, ToolCallDelta, Usage
@@ -90,6 +92,7 @@ class QueryRunner:
                 pieces: list[str] = []
                 reader = ToolCallReader() if prepared.reads_tool_calls else None
                 first_token_at: float | None = None
+                answer: AnswerText | None = None  # the detokenizer of an answer that streams token ids
                 done: DoneEvent | None = None
                 while (event := await events.get()) is not END:
                     text: list[str | ToolCallDelta] = []  # what the answer's text makes: pieces, tool-call deltas
@@ -101,15 +104,24 @@ class QueryRunner:
                         chunks = event.chunks
                         self._metrics.observe_chunks(chunks, params.collection)
                         yield event
-                    elif isinstance(event, TokenEvent):
+                    elif isinstance(event, (TokenEvent, TokenIdEvent)):
                         if chunks is None:
                             raise RuntimeError("backend yielded a token before the chunks: a backend bug")
                         if first_token_at is None:
                             first_token_at = time.perf_counter()
-                        text = [event.text] if reader is None else reader.feed(event.text)
+                        if isinstance(event, TokenIdEvent):  # detokenized here, off the scheduler thread
+                            answer = event.text
+                            piece = answer.push(event.token_id)  # a stop string stops the decode from here
+                        else:
+                            piece = event.text
+                        text = [] if not piece else [piece] if reader is None else reader.feed(piece)
                     elif isinstance(event, DoneEvent):
                         done = event
-                        text = reader.finish() if reader is not None else []
+                        tail = answer.finish() if answer is not None else ""  # a character the last token left open
+                        if reader is None:
+                            text = [tail] if tail else []
+                        else:
+                            text = [*(reader.feed(tail) if tail else ()), *reader.finish()]
                     for out in text:
                         if isinstance(out, str):
                             pieces.append(out)
@@ -124,9 +136,13 @@ class QueryRunner:
                 phases.update(done.phase_seconds)
                 text = "".join(pieces)
                 calls = tuple(reader.calls) if reader is not None else ()
-                finish = FinishReason.TOOL_CALLS if calls and done.finish_reason is FinishReason.STOP else done.finish_reason
+                completion, finish = done.completion_tokens, done.finish_reason
+                if answer is not None and answer.stopped:  # the decode may have run past the stop string
+                    completion, finish = answer.token_count, FinishReason.STOP
+                if calls and finish is FinishReason.STOP:
+                    finish = FinishReason.TOOL_CALLS
                 stats = QueryStats(
-                    usage=Usage(done.prompt_tokens, done.completion_tokens, done.cached_prompt_tokens),
+                    usage=Usage(done.prompt_tokens, completion, done.cached_prompt_tokens),
                     ttft_seconds=(first_token_at or finished) - arrived,
                     total_seconds=finished - arrived,
                     phase_seconds=phases,
@@ -148,7 +164,7 @@ class QueryRunner:
                     done.kv_sources,
                 )
                 self._metrics.e2e.labels(method).observe(finished - arrived)
-                self._metrics.observe_usage(done.prompt_tokens, done.cached_prompt_tokens, done.completion_tokens,
+                self._metrics.observe_usage(done.prompt_tokens, done.cached_prompt_tokens, completion,
                                             params.collection)
                 self._metrics.requests.labels("OK").inc()
                 yield stats

@@ -96,6 +96,28 @@ class TokenEvent:
     text: str  # non-empty piece of the answer
 
 
+class AnswerText(Protocol):
+    """An answer's detokenizer (`engine.detokenize.Detokenizer`): token ids in, final text out,
+    stop strings applied (finding one tells the decode to stop)."""
+
+    stopped: bool  # a stop string ended the text
+
+    @property
+    def token_count(self) -> int: ...  # the answer's tokens (none past a stop string)
+
+    def push(self, token: int) -> str: ...  # the text that became final
+
+    def finish(self) -> str: ...  # the rest, at the end
+
+
+@dataclass(frozen=True, slots=True)
+class TokenIdEvent:
+    """One generated token, not yet text: the consumer detokenizes it (off the scheduler thread)."""
+
+    token_id: int
+    text: AnswerText  # the answer's detokenizer, the same for all its tokens
+
+
 @dataclass(frozen=True, slots=True)
 class DoneEvent:
     """Last event of an answer."""
@@ -111,7 +133,7 @@ class DoneEvent:
     kv_sources: Mapping[KVSource, int] = field(default_factory=dict)  # chunks by where their KV came from
 
 
-AnswerEvent = ChunksEvent | TokenEvent | DoneEvent
+AnswerEvent = ChunksEvent | TokenEvent | TokenIdEvent | DoneEvent
 
 
 @runtime_checkable
@@ -154,7 +176,7 @@ class QueryBackend(Protocol):
         ...
 
     def answer(self, prepared: PreparedQuery, cancel: threading.Event) -> Iterator[AnswerEvent]:
-        """Blend and decode: yields one ChunksEvent, TokenEvents, then one DoneEvent.
+        """Blend and decode: yields one ChunksEvent, TokenEvents (or TokenIdEvents), then one DoneEvent.
 
         Runs on the engine thread. Stops early (without DoneEvent) once `cancel` is set.
         """

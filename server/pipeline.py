@@ -36,7 +36,7 @@ from ragkv.kvstore import ChunkKey, KVEntry, LayerGate, PrefetchHandle, PrefixHa
 from ragkv.errors import IndexMismatchError, KVFormatError, StoreError
 from ragkv.types import CollectionInfo, CollectionStats, FinishReason, KVSource, Mode, RetrievedChunk, Tier
 from ragkv.retriever import Retriever
-from ragkv.server.backend import AnswerEvent, ChunksEvent, DoneEvent, PreparedQuery, QueryParams, SearchParams, TokenEvent
+from ragkv.server.backend import AnswerEvent, ChunksEvent, DoneEvent, PreparedQuery, QueryParams, SearchParams, TokenIdEvent
 from ragkv.server.search_config import retriever_options
 from ragkv.server.settings import ServerSettings
 from ragkv.server.status import InvalidArgumentError, UnknownCollectionError
@@ -433,7 +433,8 @@ class Pipeline:
             seed=params.seed, stop=params.stop,
         ), plan.constraint)
         t0 = time.perf_counter()
-        yield Decode(stream, TokenEvent)  # the scheduler decodes it, batched with the others
+        text = stream.detokenizer()  # runs on the consumer's side: stop strings stop the stream from there
+        yield Decode(stream, lambda token: TokenIdEvent(token, text))  # decoded batched with the others
         phases["decode"] = time.perf_counter() - t0
 
         used = res.used_chunks if res.used_chunks is not None else range(len(prepared.chunks))

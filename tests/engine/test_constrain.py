@@ -14,7 +14,7 @@ from ragkv.engine import Engine, SamplingParams
 from ragkv.engine.constrain import CLOSING_WINDOW, GrammarError, json_schema_grammar, lark_grammar
 from ragkv.engine.scheduler import Decode, Scheduler, SchedulerConfig
 from ragkv.types import FinishReason, Mode
-from tests.engine.test_scheduler import PASSAGES, REQUESTS, _alone, _job, _Piece, _Sink
+from tests.engine.test_scheduler import PASSAGES, REQUESTS, _alone, _job, _Sink, _Token
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "year": {"type": "integer"},
@@ -32,7 +32,7 @@ def _constrained_job(engine: Engine, grammar: str, out: dict, params: SamplingPa
                                       Mode.BLEND, reserve_tokens=params.max_new_tokens)
     stream = engine.decode(res, params, engine.grammars.compile(grammar, closing))
     out["stream"] = stream
-    yield Decode(stream, _Piece)
+    yield Decode(stream, _Token)
 
 
 def _text(engine: Engine, stream) -> str:  # noqa: ANN001
@@ -81,7 +81,7 @@ def test_sampled_random_model_output_always_validates(tiny_lm, seed: int) -> Non
     stream = out["stream"]
     assert stream.finish_reason is FinishReason.STOP and len(stream.token_ids) <= 128
     jsonschema.validate(json.loads(_text(engine, stream)), SCHEMA)
-    assert "".join(sink.pieces) == _text(engine, stream)
+    assert sink.tokens == stream.token_ids
 
 
 def test_without_the_closing_window_a_budget_can_cut_the_json(tiny_lm) -> None:

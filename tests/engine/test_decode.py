@@ -63,6 +63,39 @@ def test_stop_string_ends_generation_and_is_not_emitted(tiny):
     assert got == text[: text.find(stop)]
 
 
+def test_a_stop_found_by_the_consumer_ends_the_stream_at_its_token(tiny):
+    """As in the server: the scheduler's side only picks tokens (`advance`), the consumer
+    detokenizes them and finds the stop string some tokens later; the stream then ends with
+    its token_ids cut back to the stop's token, and the text is the same as decoding alone."""
+    ids = tiny.prompt.prompt_ids(CHUNKS, "Who?")
+    free = tiny.decode(tiny.full_prefill(ids), SamplingParams(max_new_tokens=30))
+    text = "".join(free)
+    stop = text[3:6]
+    alone = tiny.decode(tiny.full_prefill(ids), SamplingParams(max_new_tokens=30, stop=(stop,)))
+    alone_text = "".join(alone)
+
+    stream = tiny.decode(tiny.full_prefill(ids), SamplingParams(max_new_tokens=30, stop=(stop,)))
+    consumer, stops = stream.detokenizer(), []
+    consumer._on_stop = lambda n: (stops.append(n), stream.stop_after(n))
+    picked, pieces, lag = [], [], 3  # the consumer reads 3 tokens behind the decode
+    while stream.finish_reason is None:
+        token = stream.advance()
+        if token is not None:
+            picked.append(token)
+            if stream.finish_reason is None:
+                stream.receive(stream._forward(token))
+        if len(picked) > lag:
+            pieces.append(consumer.push(picked[-1 - lag]))
+    for token in picked[len(picked) - lag:]:
+        pieces.append(consumer.push(token))
+    pieces.append(consumer.finish())
+    assert "".join(pieces) == alone_text == text[: text.find(stop)]
+    assert stops == [len(alone.token_ids)] and consumer.token_count == len(alone.token_ids)
+    assert stream.finish_reason is FinishReason.STOP and stream.token_ids == alone.token_ids
+    assert len(picked) > len(alone.token_ids)  # it had decoded past the stop, and took those back
+    assert consumer.push(picked[0]) == ""  # nothing after a stop
+
+
 def test_eos_ends_generation(tiny):
     ids = tiny.prompt.prompt_ids(CHUNKS, "Who?")
     first = int(torch.argmax(tiny.full_prefill(ids).logits))
@@ -104,18 +137,14 @@ def test_bad_sampling_params(bad):
 
 
 def _incremental_text(lm, ids: list[int]) -> tuple[str, list[str]]:
-    """Feed `ids` to a stream one token at a time (as decode does) and return its text and pieces."""
-    from ragkv.engine.blend import BlendResult
-    from ragkv.engine.decode import DecodeStream
+    """Feed `ids` to a detokenizer one token at a time (as a decode's consumer does) and
+    return its text and pieces."""
+    from ragkv.engine.detokenize import Detokenizer
 
-    prompt = BlendResult(Mode.FULL, torch.tensor([1]), torch.zeros(8), KVCache(1, 1, 1, 1, torch.float32,
-                                                                             torch.device("cpu")),
-                         torch.tensor([], dtype=torch.long), 0)
-    stream = DecodeStream(lm, prompt, SamplingParams(max_new_tokens=len(ids) + 1))
-    stream._eos = set()  # every id is text here
-    pieces = [stream.advance(t)[0] for t in ids]
-    pieces.append(stream._flush())
-    return stream._text, pieces
+    text = Detokenizer(lm.tokenizer)
+    pieces = [text.push(t) for t in ids]
+    pieces.append(text.finish())
+    return text._text, pieces  # everything it decoded, and what it gave out
 
 
 @pytest.mark.parametrize("seed", range(5))

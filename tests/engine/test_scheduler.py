@@ -29,8 +29,8 @@ REQUESTS = [
 ]
 
 
-class _Piece(str):
-    """A decoded text piece, as the job wraps it (apart from the job's other events)."""
+class _Token(int):
+    """A generated token id, as the job wraps it (apart from the job's other events)."""
 
 
 class _Sink:
@@ -47,8 +47,8 @@ class _Sink:
             self.events.append(event)
 
     @property
-    def pieces(self) -> list[str]:
-        return [e for e in self.events if isinstance(e, _Piece)]
+    def tokens(self) -> list[int]:
+        return [int(e) for e in self.events if isinstance(e, _Token)]
 
 
 def _job(engine: Engine, mode: Mode, n_chunks: int, question: str, max_new: int, out: dict):
@@ -60,7 +60,7 @@ def _job(engine: Engine, mode: Mode, n_chunks: int, question: str, max_new: int,
                                       reserve_tokens=max_new)
     stream = engine.decode(res, SamplingParams(max_new_tokens=max_new))
     out["stream"] = stream
-    yield Decode(stream, _Piece)
+    yield Decode(stream, _Token)
     yield "done"
 
 
@@ -101,7 +101,7 @@ def test_greedy_in_a_batch_equals_alone_tiny(arch: str, tmp_path) -> None:
     assert sched.stats.steps > 0
     for s, ids in zip(sinks, together):
         assert isinstance(s.events[0], Started) and s.events[-1] == "done"
-        assert "".join(s.pieces) == engine.lm.tokenizer.decode(ids, skip_special_tokens=True)
+        assert s.tokens == ids  # every token went out, in order, as it was picked
 
 
 @pytest.mark.real_model
@@ -194,7 +194,7 @@ def test_a_long_prompt_does_not_stall_decoding(tiny_lm, first_s: float) -> None:
         prefix_ids = engine.prompt.prefix_ids()
         res = yield from engine.run_steps(prefix_ids, [], [], engine.prompt.question_ids("Hi?"), Mode.FULL)
         stream = engine.decode(res, SamplingParams(max_new_tokens=200))
-        yield Decode(stream, lambda piece: order.append("piece"))
+        yield Decode(stream, lambda token: order.append("piece"))
 
     def long_prompt():
         ids = [engine.prompt.chunk_ids(p) for p in PASSAGES] * 4
@@ -320,7 +320,7 @@ def test_sampling_is_per_request_in_a_batch(tiny_lm) -> None:
         res = yield from engine.run_steps(engine.prompt.prefix_ids(), [], [], engine.prompt.question_ids("Why?"),
                                           Mode.FULL, reserve_tokens=16)
         out["stream"] = engine.decode(res, params)
-        yield Decode(out["stream"], _Piece)
+        yield Decode(out["stream"], _Token)
 
     alone: dict = {}
     sched = Scheduler()
@@ -445,7 +445,7 @@ def test_a_request_waiting_for_its_kv_stalls_nobody(tiny_lm) -> None:
         stream = engine.decode(res, SamplingParams(max_new_tokens=3000))
         stream._eos = set()  # a random model may pick EOS at any step: this one must go on
         started.set()
-        yield Decode(stream, _Piece)
+        yield Decode(stream, _Token)
 
     def run(delay_s: float) -> tuple[list[int], list[float], float]:
         sched = Scheduler(SchedulerConfig(prompt_slice_s=1e-4))

@@ -87,6 +87,22 @@ def test_every_mode_streams(pipeline_server: ServerThread, mode: Mode) -> None:
     assert stats.used_chunk_ids == tuple(c.chunk_id for c in chunks)  # every retrieved chunk is used
 
 
+def test_a_stop_string_ends_the_answer_before_it(pipeline_server: ServerThread) -> None:
+    """Stop strings are applied where the tokens become text (the answer's relay, off the
+    scheduler thread): the answer ends before the stop string, the decode stops there, and
+    the usage counts the tokens up to the one that completed it, not those decoded after."""
+    with RagClient(pipeline_server.addr, timeout=60) as client:
+        base = client.query(QUESTION, mode=Mode.REUSE, top_k=2, max_new_tokens=24).result()
+        words = base.text.split()
+        assert base.finish_reason is FinishReason.LENGTH and len(words) > 4, base.text  # a random model rambles
+        stop = words[3][:3]
+        cut = base.text.index(stop)
+        stopped = client.query(QUESTION, mode=Mode.REUSE, top_k=2, max_new_tokens=24, stop=[stop]).result()
+    assert stopped.text == base.text[:cut]
+    assert stopped.finish_reason is FinishReason.STOP
+    assert 1 <= stopped.usage.completion_tokens < base.usage.completion_tokens
+
+
 def test_focus_mode_names_the_chunks_it_kept(pipeline_server: ServerThread) -> None:
     with RagClient(pipeline_server.addr, timeout=60) as client:
         stream = client.query(QUESTION, mode=Mode.FOCUS, top_k=3, max_new_tokens=6)

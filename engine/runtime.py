@@ -103,6 +103,20 @@ class Engine:
         lm = self.lm
         return 2 * lm.num_layers * lm.num_kv_heads * lm.head_dim * lm.dtype.itemsize
 
+    def kv_bytes_bound(self, prefix_tokens: int, chunk_tokens: int, question_chars: int, max_new_tokens: int) -> int:
+        """KV cache bytes a request can hold at most (admission counts these before its question
+        is tokenized): prefix, chunks, answer, and the question segment bounded by its characters
+        (a token of text takes 2 characters or more) plus 64 tokens of chat template."""
+        tokens = prefix_tokens + chunk_tokens + question_chars // 2 + 64 + max_new_tokens
+        return tokens * self.kv_bytes_per_token
+
+    @staticmethod
+    def question_tokens(question_chars: int) -> int:
+        """About how many tokens a question segment of this many characters takes (a token per
+        4 characters of English, plus the template's 16): what `prompt_cost` needs to order
+        the passes, not a bound."""
+        return question_chars // 4 + 16
+
     @staticmethod
     def reads_chunk_kv(mode: Mode) -> bool:
         """Whether `mode` reads the chunks' cached KV (FULL and PREFIX recompute every chunk token)."""

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ragkv.types import Mode
+
 _BLOCK = 1024  # rows whose similarities to every chunk are held at once
 _DUPLICATE = 1.0 - 1e-6  # cosine similarity at which two chunks count as the same text
 
@@ -62,6 +64,16 @@ class NeighbourOptions:
     @property
     def enabled(self) -> bool:
         return self.m > 0
+
+    def serves_plain(self, mode: Mode) -> bool:
+        """Whether a query in `mode` reads the plain KV (after the prefix only) of an index built
+        with these options, rather than the neighbour KV the index recorded for each chunk.
+
+        Plain when there are no neighbours, and for focus over an index that also stores the
+        plain KV (`NeighbourContext.KV`): focus keeps some chunks and drops the others, which
+        a neighbour KV has attended to, so the plain KV is its exact input (docs/quality.md).
+        """
+        return not self.enabled or (Mode(mode) is Mode.FOCUS and self.context is NeighbourContext.KV)
 
     def tag(self) -> str:
         """The options as one string: the ChunkKey context tag and the manifest's record."""

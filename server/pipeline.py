@@ -31,8 +31,9 @@ from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT
 from ragkv.engine.scheduler import Decode
 from ragkv.engine.work import WaitFor, wait_for
 from ragkv.server.loading import ChunkDecision, ControllerConfig, LoadingController
-from ragkv.indexer.neighbours import NeighbourContext, NeighbourOptions
-from ragkv.kvstore import ChunkKey, KVEntry, LayerGate, PrefetchHandle, PrefixHash, StoreConfig, TieredStore, hash_prefix
+from ragkv.indexer.neighbours import NeighbourOptions
+from ragkv.kvstore import (ChunkKey, Compression, KVEntry, LayerGate, PrefetchHandle, PrefixHash, StoreConfig, TieredStore,
+                           TierSpec, hash_prefix)
 from ragkv.errors import IndexMismatchError, KVFormatError, StoreError
 from ragkv.types import CollectionInfo, CollectionStats, FinishReason, KVSource, Mode, RetrievedChunk, Tier
 from ragkv.retriever import Retriever
@@ -63,15 +64,12 @@ class Collection:
     neighbours: NeighbourOptions = field(default_factory=NeighbourOptions)
 
     def kv_key(self, hit, mode: Mode, model_fp: str, tokenizer_fp: str) -> ChunkKey:  # noqa: ANN001 - retriever.Hit
-        """The KV a hit is served from in `mode`. Plain KV: the key is built here, not read from
-        the index, so it names this build's file format and this model (an index written by an
+        """The KV a hit is served from in `mode` (which one, the index's options say:
+        `NeighbourOptions.serves_plain`). Plain KV: the key is built here, not read from the
+        index, so it names this build's file format and this model (an index written by an
         older format just misses). Neighbour KV: the key the index recorded (it names the
-        neighbours' context, which only the indexer knows), except for focus where the index
-        also stores the plain KV (`--neighbour-context kv`): focus keeps some chunks and drops
-        the others, which a neighbour KV has attended to, so plain KV is its exact input."""
-        n = self.neighbours
-        plain = not n.enabled or (mode is Mode.FOCUS and n.context is NeighbourContext.KV)
-        if plain:
+        neighbours' context, which only the indexer knows)."""
+        if self.neighbours.serves_plain(mode):
             return ChunkKey.from_prefix_hash(model_fp, tokenizer_fp, self.prefix_hash, hit.token_ids)
         return hit.kv_key
 
@@ -92,28 +90,24 @@ class _Plan:
 
 def _store_config(settings: ServerSettings, index_dir: Path, kv_uris: Sequence[str], device: torch.device,
                   kv_compression: str = "none") -> StoreConfig:
+    """The serving store of one index: memory tiers from the settings, then the index's own
+    durable tiers, except where the settings name a disk or S3 tier of their own."""
     from ragkv.retriever.manifest import resolve_kv_uris
 
-    uris: list[str] = ["cpu"]
-    budgets: dict[str, int] = {"cpu": settings.kv_cpu_bytes}
+    memory = [TierSpec(Tier.CPU, budget_bytes=settings.kv_cpu_bytes)]
     if device.type == "cuda" and settings.kv_gpu_bytes > 0:
-        uris.insert(0, "gpu")
-        budgets["gpu"] = settings.kv_gpu_bytes
-    for uri in resolve_kv_uris(kv_uris, index_dir):  # relative disk tiers live in the index folder
-        if uri.startswith("disk:") and settings.kv_disk_dir is not None:
-            continue
-        if uri.startswith("s3://") and settings.kv_s3_uri is not None:
-            continue
-        uris.append(uri)
-    if settings.kv_disk_dir is not None:
-        uris.append(f"disk:{settings.kv_disk_dir}")
-    if settings.kv_s3_uri is not None:
-        uris.append(settings.kv_s3_uri)
-    if not any(u.startswith(("disk:", "s3://")) for u in uris):
-        uris.append(f"disk:{(index_dir / 'kv').resolve()}")
+        memory.insert(0, TierSpec(Tier.GPU, budget_bytes=settings.kv_gpu_bytes))
+    overrides = {spec.tier: spec for spec in (
+        TierSpec.parse(f"disk:{settings.kv_disk_dir}") if settings.kv_disk_dir is not None else None,
+        TierSpec.parse(settings.kv_s3_uri) if settings.kv_s3_uri is not None else None) if spec is not None}
+    # the index's tiers (a relative disk tier lives in the index folder), then the settings' own
+    durable = {spec.tier: spec for spec in map(TierSpec.parse, resolve_kv_uris(kv_uris, index_dir))}
+    durable.update(overrides)
+    if not durable:
+        durable[Tier.DISK] = TierSpec(Tier.DISK, path=str((index_dir / "kv").resolve()))
     # computed KV written back is stored as the index's own files are, unless --kv-compression says otherwise
     compression = kv_compression if settings.kv_compression == "auto" else settings.kv_compression
-    return StoreConfig.from_uris(uris, budgets=budgets, compression=compression)
+    return StoreConfig(tiers=(*memory, *durable.values()), compression=Compression(compression))
 
 
 def check_system_prompt(params: QueryParams, index_prompt: str) -> None:
@@ -272,11 +266,8 @@ class Pipeline:
         # the question segment: earlier turns, the answer's instructions, the question, the agent's turns
         q_chars = (len(params.question) + len(output.before) + len(output.after)
                    + sum(len(turn_text(t)) + 16 for t in params.history))
-        max_tokens = (len(c.prefix_ids) + chunk_tokens + q_chars // 2 + 64
-                      + params.max_new_tokens)  # a question takes fewer tokens than chars/2, plus the template
-        kv_bytes = max_tokens * self.engine.kv_bytes_per_token
-        # the order of work needs a typical question (a token per 4 chars), not the bound above
-        cost = self.engine.prompt_cost(params.mode, len(c.prefix_ids), chunk_tokens, q_chars // 4 + 16,
+        kv_bytes = self.engine.kv_bytes_bound(len(c.prefix_ids), chunk_tokens, q_chars, params.max_new_tokens)
+        cost = self.engine.prompt_cost(params.mode, len(c.prefix_ids), chunk_tokens, self.engine.question_tokens(q_chars),
                                        BlendOptions(recompute_ratio=params.recompute_ratio))
         return PreparedQuery(params, chunks, {"retrieve": retrieved - started}, plan, kv_bytes, cost,
                              output.reads_tool_calls)

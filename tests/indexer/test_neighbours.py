@@ -254,3 +254,18 @@ def test_one_neighbour_as_its_plain_kv_gives_the_kv_of_its_tokens(tiny_lm):
     assert cut[0].positions.tolist() == [5]  # computed at the end of the far neighbour, re-rotated when placed
     with pytest.raises(ValueError, match="not both"):
         prefill_segment(tiny_lm, prefix, own, near, context_kv=[near_kv])
+
+
+def test_which_kv_each_mode_is_served_from() -> None:
+    """The index's options decide which KV a mode reads: plain without neighbours; the
+    neighbour KV for every chunk-KV mode of a neighbour index, except focus over an index that
+    also stored the plain KV (`--neighbour-context kv`)."""
+    from ragkv.indexer.neighbours import NeighbourContext, NeighbourOptions
+    from ragkv.types import Mode
+
+    plain, tokens, kv = (NeighbourOptions(), NeighbourOptions(m=1),
+                         NeighbourOptions(m=1, context=NeighbourContext.KV))
+    assert all(plain.serves_plain(m) for m in Mode)
+    assert not any(tokens.serves_plain(m) for m in (Mode.REUSE, Mode.BLEND, Mode.FOCUS))
+    assert not kv.serves_plain(Mode.BLEND) and not kv.serves_plain(Mode.REUSE)
+    assert kv.serves_plain(Mode.FOCUS)

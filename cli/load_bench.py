@@ -27,6 +27,7 @@ from ragkv.types import Mode
 
 MODES = (Mode.FULL, Mode.BLEND, Mode.FOCUS, Mode.REUSE)
 _DOCS = 40  # documents of the built index, one chunk each (about 200 tokens)
+_BEFORE_FIRST = ("retrieve", "queue", "kv_wait", "kv_compute", "prompt")  # the phases a first token waits on
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +124,21 @@ def _level(addr: str, n: int, duration: float, questions: list[str], max_new: in
         "phase_p50_s": {m.value: {ph: round(statistics.median(d.phases.get(ph, 0.0) for d in ds), 3)
                                   for ph in sorted({ph for d in ds for ph in d.phases})}
                         for m in MODES if (ds := [d for d in done if d.mode is m])},
+        # the tail: the phases before the first token of each mode's slowest request (its TTFT
+        # is the p95's neighbourhood): which wait made it slow
+        "slowest_ttft_phases_s": {m.value: {"ttft": round(d.ttft_s, 3),
+                                            **{ph: round(d.phases[ph], 3) for ph in _BEFORE_FIRST if ph in d.phases}}
+                                  for m in MODES if (d := max((d for d in done if d.mode is m),
+                                                              key=lambda d: d.ttft_s, default=None))},
     }
+
+
+def _ttft_ratios(results: dict[str, dict], baseline: str) -> dict[str, dict[str, dict[str, float]]]:
+    """Each level's TTFT p50 and p95 per mode over the baseline level's, from the same run."""
+    base = results[baseline]
+    return {level: {m: {q: round(r[f"ttft_{q}_s"][m] / base[f"ttft_{q}_s"][m], 2) for q in ("p50", "p95")}
+                    for m in r["ttft_p50_s"] if base["ttft_p50_s"].get(m) and base["ttft_p95_s"].get(m)}
+            for level, r in results.items() if level != baseline}
 
 
 def run_concurrency_bench(args) -> int:  # noqa: ANN001 - argparse.Namespace from cli.bench
@@ -158,6 +173,7 @@ def run_concurrency_bench(args) -> int:  # noqa: ANN001 - argparse.Namespace fro
         "concurrency": results,
         "speedup_tokens_per_s": {k: round(v["tokens_per_s"] / base, 2) if base else None
                                  for k, v in results.items() if k != str(levels[0])},
+        "ttft_vs_baseline": _ttft_ratios(results, str(levels[0])),
         "config": {"levels": levels, "duration_s": args.duration, "max_new_tokens": args.max_new_tokens,
                    "top_k": args.top_k, "modes": [m.value for m in MODES], "model": args.model,
                    "index": str(args.index) if args.index else f"built: {_DOCS} docs x 256-token chunks",
@@ -171,6 +187,9 @@ def run_concurrency_bench(args) -> int:  # noqa: ANN001 - argparse.Namespace fro
             print(f"{n:>3} clients: {r['requests']:4d} requests, {r['tokens_per_s']:7.2f} tokens/s, "
                   f"TTFT p50 {r['ttft_p50_s']}, errors {r['errors']}")
         print(f"tokens/s vs {levels[0]} client(s): {report['speedup_tokens_per_s']}")
+        for n, by_mode in report["ttft_vs_baseline"].items():
+            print(f"TTFT at {n} clients / at {levels[0]}: " + ", ".join(
+                f"{m} p50 {r['p50']:.2f}x p95 {r['p95']:.2f}x" for m, r in by_mode.items()))
     return 1 if any(r["errors"] for r in results.values()) else 0
 
 

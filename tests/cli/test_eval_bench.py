@@ -102,3 +102,19 @@ def test_bench_compares_whole_and_layered_loads_in_one_run(tiny_llama_dir, capsy
     assert out["config"]["budget"] == "chunk"
     assert main(["bench", "--model", str(tiny_llama_dir), "--load", "sideways"]) != 0
     assert "--load takes whole, layered or both" in capsys.readouterr().err
+
+
+def test_concurrency_bench_prints_ttft_ratios_and_the_tail(tiny_llama_dir, capsys):
+    """`ragkv bench --concurrency`: every level's TTFT over the first level's, per mode, from
+    the same run, and the phases the slowest first token of each mode waited on."""
+    rc = main(["bench", "--model", str(tiny_llama_dir), "--concurrency", "1,2", "--duration", "2",
+               "--max-new-tokens", "4", "--json"])
+    out = _json(capsys)
+    assert rc == 0 and all(level["errors"] == 0 for level in out["concurrency"].values())
+    ratios = out["ttft_vs_baseline"]["2"]
+    assert ratios and set(ratios) <= {"full", "blend", "focus", "reuse"}
+    for mode, r in ratios.items():
+        level, base = out["concurrency"]["2"], out["concurrency"]["1"]
+        assert r["p50"] == pytest.approx(level["ttft_p50_s"][mode] / base["ttft_p50_s"][mode], abs=0.01)
+    for mode, tail in out["concurrency"]["2"]["slowest_ttft_phases_s"].items():
+        assert tail["ttft"] >= out["concurrency"]["2"]["ttft_p50_s"][mode] and "queue" in tail and "retrieve" in tail

@@ -76,6 +76,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                         "prefill when holding that mass needs more than --ratio")
     p.add_argument("--focus-keep", default="0.5",
                    help="focus: keep chunks scoring at least this x the best; comma list (default 0.5)")
+    p.add_argument("--focus-handover", default="off", metavar="on,off",
+                   help="focus: when several chunks are kept, blend over all of them instead (on), or over "
+                        "the kept ones (off); on,off compares both in one run (default off)")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
@@ -97,6 +100,12 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_eval)
 
 
+def _on_off(value: str, option: str) -> bool:
+    if value.strip() not in ("on", "off"):
+        raise ValueError(f"{option} takes on, off or on,off; got {value!r}")
+    return value.strip() == "on"
+
+
 def _methods(args: argparse.Namespace):
     from ragkv.engine import BlendOptions
     from ragkv.evals.evaluate import Method
@@ -112,11 +121,15 @@ def _methods(args: argparse.Namespace):
             raise ValueError(f"unknown mode {mode!r} in --modes; use full, prefix, reuse, blend, focus") from None
         if bm is Mode.FOCUS:  # several chunks kept: blended at each ratio, first selector
             keeps = [float(k) for k in args.focus_keep.split(",")]
-            for keep in keeps:
-                for r in ratios:
-                    opts = BlendOptions(recompute_ratio=r, selector=selectors[0], focus_keep=keep)
-                    name = "focus" + (f"-{keep:g}" if len(keeps) > 1 else "") + (f"-r{r:g}" if len(ratios) > 1 else "")
-                    methods.append(Method(name, bm, opts))
+            handovers = [_on_off(h, "--focus-handover") for h in args.focus_handover.split(",")]
+            for handover in handovers:
+                for keep in keeps:
+                    for r in ratios:
+                        opts = BlendOptions(recompute_ratio=r, selector=selectors[0], focus_keep=keep,
+                                            focus_handover=handover)
+                        name = ("focus" + ("-handover" if handover and len(handovers) > 1 else "")
+                                + (f"-{keep:g}" if len(keeps) > 1 else "") + (f"-r{r:g}" if len(ratios) > 1 else ""))
+                        methods.append(Method(name, bm, opts))
             continue
         if bm is not Mode.BLEND:
             methods.append(Method(mode, bm))

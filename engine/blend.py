@@ -7,8 +7,10 @@ Modes (all return the same BlendResult, so they compare like with like):
 - focus:  a pass of the question over the reused cache scores each chunk by its
           attention (engine.focus); chunks below `focus_keep` x the best are dropped,
           and the prompt runs over the kept ones: exact reuse when one is kept (its KV
-          was computed right after the prefix), blend when several are. It answers a
-          shorter prompt than full prefill, by design.
+          was computed right after the prefix; a neighbour-conditioned one is
+          recomputed), blend when several are. It answers a shorter prompt than full
+          prefill, by design. With `focus_handover`, several kept chunks mean the
+          question needs several passages: none is dropped, and all are blended.
 - blend:  selective recompute. With the `deviation` selector (CacheBlend), layers
           [0, check_layer) run for every chunk token; at the check layer the K/V of
           every token are recomputed and the chunk tokens whose K/V deviate most from
@@ -26,10 +28,11 @@ Nothing here knows about tokenization, storage or gRPC: token ids and tensors on
 
 from __future__ import annotations
 
+
 import enum
 import time
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -70,6 +73,10 @@ class BlendOptions:
     context_temperature: float = 1.0  # APE-style: reused chunk keys are divided by this (<1 sharpens)
     focus_keep: float = 0.5  # focus: keep chunks scoring at least this x the best (docs/quality.md)
     focus_band: tuple[int, int] | None = None  # focus: scoring layers [start, stop); None = engine.focus default
+    # focus: when several chunks score within focus_keep of the best, the question needs more
+    # than one passage: drop none and blend over them all (multi-passage questions lose most
+    # to full prefill when chunks are dropped; docs/quality.md)
+    focus_handover: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.recompute_ratio <= 1.0:
@@ -323,9 +330,18 @@ def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chu
     relevance = chunk_relevance(lm, prefix, chunks, q_ids, layers)
     kept = pick_chunks(relevance, options.focus_keep)
     timer.lap("focus")
-    inner = Mode.REUSE if len(kept) == 1 else Mode.BLEND  # one kept chunk's KV is exact
     yield q_ids.numel()  # the scoring pass
-    res = yield from prompt_steps(lm, prefix, [chunks[i] for i in kept], q_ids, inner, options, reserve_tokens)
+    if len(kept) > 1 and options.focus_handover:  # several passages matter: keep them all, blended
+        kept = list(range(len(chunks)))
+        res = yield from prompt_steps(lm, prefix, chunks, q_ids, Mode.BLEND, options, reserve_tokens)
+    elif len(kept) == 1 and chunks[kept[0]].after_context:
+        # one chunk, whose KV was computed after neighbours this prompt does not hold: recompute
+        # it (the prompt is then the prefix, that chunk and the question, exactly as full prefill)
+        exact = replace(options, recompute_ratio=1.0)
+        res = yield from prompt_steps(lm, prefix, [chunks[kept[0]]], q_ids, Mode.BLEND, exact, reserve_tokens)
+    else:  # one kept chunk's plain KV is exact: reused; several: blended
+        inner = Mode.REUSE if len(kept) == 1 else Mode.BLEND
+        res = yield from prompt_steps(lm, prefix, [chunks[i] for i in kept], q_ids, inner, options, reserve_tokens)
     res.mode, res.used_chunks = Mode.FOCUS, tuple(kept)
     res.n_chunk_tokens = sum(ch.num_tokens for ch in chunks)
     res.timings = {**timer.phases, **res.timings}

@@ -121,3 +121,41 @@ def test_question_attention_never_reads_unwritten_cache_slots(tiny, garbage):
     clean, dirty = scores(0.0), scores(garbage)
     assert torch.isfinite(dirty).all()
     torch.testing.assert_close(dirty, clean)
+
+
+def test_handover_blends_every_chunk_when_several_are_kept(tiny):
+    """With focus_handover, keeping several chunks means the question needs several passages:
+    none is dropped, and the prompt is blend's over them all (at ratio 1.0: full prefill of
+    the whole prompt); keeping one chunk is unchanged."""
+    prefix, kvs, q = _parts(tiny)
+    several = BlendOptions(focus_keep=1e-9, recompute_ratio=1.0, focus_handover=True)
+    res = tiny.blend(prefix, kvs, q, mode="focus", options=several)
+    assert res.used_chunks == (0, 1, 2)
+    blend = tiny.blend(prefix, kvs, q, mode="blend", options=BlendOptions(recompute_ratio=1.0))
+    full = tiny.full_prefill(tiny.prompt.prompt_ids(CHUNKS, QUESTION))
+    assert torch.equal(res.logits, blend.logits)
+    assert (res.logits - full.logits).abs().max() <= 1e-4
+    one = BlendOptions(focus_keep=1.0, focus_handover=True)
+    alone, before = (tiny.blend(prefix, kvs, q, mode="focus", options=o) for o in (one, BlendOptions(focus_keep=1.0)))
+    assert len(alone.used_chunks) == 1 and alone.used_chunks == before.used_chunks
+    assert torch.equal(alone.logits, before.logits)
+
+
+def test_one_kept_neighbour_chunk_is_recomputed_exactly(tiny):
+    """A chunk whose KV was computed after neighbours that the prompt does not hold is not
+    reused as exact: focus keeping only it recomputes it, which is full prefill of the
+    prefix, that chunk and the question."""
+    from ragkv.engine.prefill import prefill_segment
+
+    p = tiny.prompt
+    prefix, plain, q = _parts(tiny)
+    ids = [p.chunk_ids(c) for c in CHUNKS]
+    # each chunk after the next one's tokens: KV that has attended to a neighbour
+    nb = [prefill_segment(tiny.lm, prefix, ids[i], context_ids=ids[(i + 1) % 3]) for i in range(3)]
+    assert all(kv.after_context for kv in nb)
+    res = tiny.blend(prefix, nb, q, mode="focus", options=BlendOptions(focus_keep=1.0))
+    assert res.used_chunks is not None and len(res.used_chunks) == 1  # keep 1.0: the best alone
+    kept = [CHUNKS[res.used_chunks[0]]]
+    ref = tiny.full_prefill(p.prompt_ids(kept, QUESTION))
+    assert (res.logits - ref.logits).abs().max() <= 1e-4
+    assert res.recompute_fraction > 0

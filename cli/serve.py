@@ -44,6 +44,8 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("default_mode", str, "mode when a request leaves it unspecified (default focus)"),
     ("default_recompute_ratio", float, "recompute ratio of blend (and of focus over several chunks) by default (default 0.15)"),
     ("focus_keep", float, "focus mode keeps chunks scoring at least this x the best, (0, 1] (default 0.5)"),
+    ("focus_handover", str, "on: focus keeping several chunks blends over all of them instead (and reads a "
+                            "neighbour index's neighbour KV); off: it blends over the kept ones (default off)"),
     ("default_top_k", int, "chunks retrieved by default (default 4)"),
     ("max_top_k", int, "largest top_k accepted (default 32)"),
     ("default_max_new_tokens", int, "answer length by default (default 64)"),

@@ -65,15 +65,19 @@ class NeighbourOptions:
     def enabled(self) -> bool:
         return self.m > 0
 
-    def serves_plain(self, mode: Mode) -> bool:
+    def serves_plain(self, mode: Mode, focus_handover: bool = False) -> bool:
         """Whether a query in `mode` reads the plain KV (after the prefix only) of an index built
         with these options, rather than the neighbour KV the index recorded for each chunk.
 
-        Plain when there are no neighbours, and for focus over an index that also stores the
-        plain KV (`NeighbourContext.KV`): focus keeps some chunks and drops the others, which
-        a neighbour KV has attended to, so the plain KV is its exact input (docs/quality.md).
+        Plain when there are no neighbours, and for focus without handover over an index that
+        also stores the plain KV (`NeighbourContext.KV`): such a focus blends the chunks it
+        keeps and drops the others, which a neighbour KV has attended to, so the plain KV is
+        its exact input. Focus with handover drops nothing when several chunks matter and
+        recomputes a lone kept chunk whose KV came after neighbours, so the neighbour KV
+        serves it (docs/quality.md).
         """
-        return not self.enabled or (Mode(mode) is Mode.FOCUS and self.context is NeighbourContext.KV)
+        focus_plain = Mode(mode) is Mode.FOCUS and not focus_handover and self.context is NeighbourContext.KV
+        return not self.enabled or focus_plain
 
     def tag(self) -> str:
         """The options as one string: the ChunkKey context tag and the manifest's record."""

@@ -63,13 +63,14 @@ class Collection:
     # how its chunk KV was computed after neighbours (ragkv index --neighbours); m = 0: plain
     neighbours: NeighbourOptions = field(default_factory=NeighbourOptions)
 
-    def kv_key(self, hit, mode: Mode, model_fp: str, tokenizer_fp: str) -> ChunkKey:  # noqa: ANN001 - retriever.Hit
+    def kv_key(self, hit, mode: Mode, model_fp: str, tokenizer_fp: str,  # noqa: ANN001 - retriever.Hit
+               focus_handover: bool = False) -> ChunkKey:
         """The KV a hit is served from in `mode` (which one, the index's options say:
         `NeighbourOptions.serves_plain`). Plain KV: the key is built here, not read from the
         index, so it names this build's file format and this model (an index written by an
         older format just misses). Neighbour KV: the key the index recorded (it names the
         neighbours' context, which only the indexer knows)."""
-        if self.neighbours.serves_plain(mode):
+        if self.neighbours.serves_plain(mode, focus_handover):
             return ChunkKey.from_prefix_hash(model_fp, tokenizer_fp, self.prefix_hash, hit.token_ids)
         return hit.kv_key
 
@@ -136,12 +137,14 @@ class Pipeline:
         collections: The served collections by name.
         focus_keep: FOCUS keeps chunks scoring at least this x the best (BlendOptions.focus_keep).
         kv_layered: hand disk/S3 hits to the engine layer by layer (ServerSettings.kv_layered).
+        focus_handover: FOCUS keeping several chunks blends them all (BlendOptions.focus_handover).
     """
 
     def __init__(self, engine: Engine, collections: dict[str, Collection], focus_keep: float = 0.5,
-                 kv_layered: bool = True, controller: LoadingController | None = None) -> None:
+                 kv_layered: bool = True, controller: LoadingController | None = None,
+                 focus_handover: bool = False) -> None:
         self.engine = engine
-        self._focus_keep = focus_keep
+        self._focus_keep, self._focus_handover = focus_keep, focus_handover
         self._kv_layered = kv_layered
         self.controller = controller or LoadingController()
         self.lm: LoadedModel = engine.lm
@@ -199,7 +202,7 @@ class Pipeline:
             t0 = time.perf_counter()
             engine.prefill_chunk(list(first.prefix_ids), ids)
             controller.observe_compute(len(ids), time.perf_counter() - t0)
-        return cls(engine, collections, settings.focus_keep, settings.kv_layered, controller)
+        return cls(engine, collections, settings.focus_keep, settings.kv_layered, controller, settings.focus_handover)
 
     @property
     def modes(self) -> frozenset[Mode]:
@@ -254,7 +257,8 @@ class Pipeline:
             constraint = None if output.grammar is None else self.engine.grammars.compile(output.grammar, output.closing)
         except GrammarError as exc:
             raise InvalidArgumentError("response_format" if params.response_format.schema else "tools", str(exc)) from None
-        kv_keys = tuple(c.kv_key(h, params.mode, self.lm.fingerprint, self.lm.tokenizer_fingerprint) for h in hits)
+        kv_keys = tuple(c.kv_key(h, params.mode, self.lm.fingerprint, self.lm.tokenizer_fingerprint,
+                                 self._focus_handover) for h in hits)
         handles, decisions = None, ()
         if self.engine.reads_chunk_kv(params.mode):  # start loading the moment the ids are known
             decisions = tuple(self.controller.decide(c.store, kv_keys, [len(h.token_ids) for h in hits]))
@@ -402,7 +406,8 @@ class Pipeline:
         output = plan.output or output_spec(params, prepared.chunks)
         question_ids = engine.prompt.question_ids(params.question, [(t.role.value, turn_text(t)) for t in params.history],
                                                   output.before, output.after)
-        options = BlendOptions(recompute_ratio=params.recompute_ratio, focus_keep=self._focus_keep)
+        options = BlendOptions(recompute_ratio=params.recompute_ratio, focus_keep=self._focus_keep,
+                               focus_handover=self._focus_handover)
         t0 = time.perf_counter()
 
         def run(kvs: list[ChunkKV] | None):  # -> engine.blend.PromptSteps

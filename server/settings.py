@@ -95,6 +95,9 @@ class ServerSettings:
     default_mode: Mode = Mode.FOCUS  # mode when a request leaves it unspecified: the best measured (docs/quality.md)
     default_recompute_ratio: float = 0.15  # fraction of context tokens
     focus_keep: float = 0.5  # FOCUS keeps chunks scoring at least this x the best (docs/quality.md)
+    # FOCUS keeping several chunks hands over to blend over all of them (BlendOptions.focus_handover);
+    # on a neighbour index it then reads the neighbour KV (NeighbourOptions.serves_plain)
+    focus_handover: bool = False
     default_max_new_tokens: int = 64  # tokens
     max_new_tokens: int = 1024  # tokens
     log_level: str = "INFO"  # logging level name

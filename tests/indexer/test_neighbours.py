@@ -269,3 +269,5 @@ def test_which_kv_each_mode_is_served_from() -> None:
     assert not any(tokens.serves_plain(m) for m in (Mode.REUSE, Mode.BLEND, Mode.FOCUS))
     assert not kv.serves_plain(Mode.BLEND) and not kv.serves_plain(Mode.REUSE)
     assert kv.serves_plain(Mode.FOCUS)
+    # focus handing over to blend drops nothing it blends: the neighbour KV serves it
+    assert not kv.serves_plain(Mode.FOCUS, focus_handover=True) and plain.serves_plain(Mode.FOCUS, True)

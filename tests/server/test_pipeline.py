@@ -15,7 +15,7 @@ import pytest
 
 from ragkv.client import RagClient
 from ragkv.retry import NO_RETRY
-from ragkv.types import FinishReason, Mode, Tier
+from ragkv.types import FinishReason, KVSource, Mode, Tier
 from ragkv.server.settings import CollectionSpec
 from tests.server.fakes import ServerThread, settings
 
@@ -353,5 +353,20 @@ def test_a_neighbour_index_is_served_from_its_own_kv(tiny_llama_dir: Path, tmp_p
                 focus = client.query(QUESTION, mode="focus", top_k=2, max_new_tokens=3)
                 focus.result()
                 assert Tier.COMPUTED in {c.kv_tier for c in focus.chunks}
+        finally:
+            st.stop()
+        # focus with handover drops no chunk it blends and recomputes a lone one: it reads the
+        # neighbour KV, so an index without the plain copies serves it from disk
+        for f in (index / "kv").rglob("*.safetensors"):
+            if f.stem in plain_files and f.stem not in {c.kv_key.to_str() for c in chunks}:
+                f.unlink()  # the write-backs of the run above
+        st = ServerThread(settings(indexes=(CollectionSpec("default", index),), kv_cpu_bytes=1, focus_handover=True),
+                          Pipeline.from_settings)
+        try:
+            with RagClient(st.addr, timeout=60) as client:
+                focus = client.query(QUESTION, mode="focus", top_k=2, max_new_tokens=3)
+                stats = focus.result()
+                assert {c.kv_tier for c in focus.chunks} == {Tier.DISK}
+                assert stats.kv_sources == {KVSource.LOADED: 2}
         finally:
             st.stop()

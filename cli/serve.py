@@ -46,6 +46,9 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("focus_keep", float, "focus mode keeps chunks scoring at least this x the best, (0, 1] (default 0.5)"),
     ("focus_handover", str, "on: focus keeping several chunks blends over all of them instead (and reads a "
                             "neighbour index's neighbour KV); off: it blends over the kept ones (default off)"),
+    ("quality_guard_mass", float, "quality guard: blend runs a request as full prefill when holding this share of "
+                                  "the question's attention needs more tokens than its recompute ratio, (0, 1] "
+                                  "(default off; the fallbacks are the ragkv_quality_fallbacks_total metric)"),
     ("default_top_k", int, "chunks retrieved by default (default 4)"),
     ("max_top_k", int, "largest top_k accepted (default 32)"),
     ("default_max_new_tokens", int, "answer length by default (default 64)"),

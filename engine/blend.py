@@ -118,6 +118,7 @@ class BlendResult:
     timings: dict[str, float] = field(default_factory=dict)  # phase -> seconds
     used_chunks: tuple[int, ...] | None = None  # focus: indices of the chunks kept; None = all
     cached_tokens: int = 0  # prompt tokens whose KV was read from a cache, not computed here
+    fell_back: bool = False  # the quality guard ran it as full prefill (BlendOptions.fallback_full)
 
     @property
     def n_prompt_tokens(self) -> int:
@@ -247,7 +248,7 @@ def _query_blend_steps(lm: LoadedModel, a: _Assembled, prefix: ChunkKV | None, c
         phases = a.timer.phases
         del a  # the guard: this request's attention is too spread for the budget
         res = yield from prompt_steps(lm, prefix, chunks, q_ids, Mode.FULL, options, reserve_tokens)
-        res.timings = {**phases, **res.timings}
+        res.timings, res.fell_back = {**phases, **res.timings}, True
         return res
     picked = select_tokens(scores, [ch.num_tokens for ch in chunks], options)
     if picked.numel() == c - p:  # every chunk token: recompute the prefix too and run as full

@@ -162,6 +162,7 @@ class QueryRunner:
                     done.bytes_loaded,
                     params.collection,
                     done.kv_sources,
+                    done.fell_back,
                 )
                 self._metrics.e2e.labels(method).observe(finished - arrived)
                 self._metrics.observe_usage(done.prompt_tokens, done.cached_prompt_tokens, completion,

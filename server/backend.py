@@ -131,6 +131,7 @@ class DoneEvent:
     bytes_loaded: Mapping[Tier, int] = field(default_factory=dict)  # KV bytes read per tier
     used_chunk_ids: tuple[str, ...] = ()  # chunks the answer was computed over, prompt order; () = all
     kv_sources: Mapping[KVSource, int] = field(default_factory=dict)  # chunks by where their KV came from
+    fell_back: bool = False  # the quality guard ran the prompt as full prefill
 
 
 AnswerEvent = ChunksEvent | TokenEvent | TokenIdEvent | DoneEvent

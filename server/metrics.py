@@ -57,6 +57,12 @@ class ServerMetrics:
             "ragkv_chunk_kv", "Chunk KVs by where they came from, as the loading controller decided: loaded, "
             "computed_missing, computed_cheaper, computed_overrun, computed_failed (exported as _total).",
             ["source", "collection"], registry=r)
+        self.fallbacks = Counter(
+            "ragkv_quality_fallbacks", "Answers the quality guard ran as full prefill (--quality-guard-mass), by "
+            "the mode asked for; over ragkv_answers_total that is the fallback rate (exported as _total).",
+            ["mode", "collection"], registry=r)
+        self.answers = Counter("ragkv_answers", "Answers completed, by mode (exported as _total).",
+                               ["mode", "collection"], registry=r)
         self.queue_depth = Gauge("ragkv_queue_depth", "Queries admitted and not finished.", registry=r)
         self.errors = Counter("ragkv_rpc_errors", "RPCs that ended with a non-OK status.", ["method", "code"], registry=r)
         # the scheduler (engine.scheduler): batching and throughput
@@ -108,8 +114,12 @@ class ServerMetrics:
     def observe_answer(
         self, mode: Mode, ttft: float | None, recompute_fraction: float, bytes_loaded: Mapping[Tier, int],
         collection: str = DEFAULT_COLLECTION, kv_sources: Mapping[KVSource, int] | None = None,
+        fell_back: bool = False,
     ) -> None:
         """Record one finished answer."""
+        self.answers.labels(mode.value, collection).inc()
+        if fell_back:
+            self.fallbacks.labels(mode.value, collection).inc()
         if ttft is not None:
             self.ttft.labels(mode.value, collection).observe(ttft)
         self.recompute.labels(mode.value, collection).observe(recompute_fraction)

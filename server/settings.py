@@ -98,6 +98,11 @@ class ServerSettings:
     # FOCUS keeping several chunks hands over to blend over all of them (BlendOptions.focus_handover);
     # on a neighbour index it then reads the neighbour KV (NeighbourOptions.serves_plain)
     focus_handover: bool = False
+    # the quality guard: blend (and focus blending several chunks) runs a request as full prefill
+    # when holding this share of the question's attention needs more chunk tokens than its
+    # recompute ratio allows (BlendOptions.fallback_full); None = off. Counted in
+    # ragkv_quality_fallbacks_total
+    quality_guard_mass: float | None = None
     default_max_new_tokens: int = 64  # tokens
     max_new_tokens: int = 1024  # tokens
     log_level: str = "INFO"  # logging level name
@@ -124,6 +129,8 @@ class ServerSettings:
             raise ValueError(f"retrieve_workers must be >= 1, got {self.retrieve_workers}")
         if self.kv_compression not in ("auto", "none", "int8", "fp8"):
             raise ValueError(f"kv_compression must be auto, none, int8 or fp8, got {self.kv_compression!r}")
+        if self.quality_guard_mass is not None and not 0.0 < self.quality_guard_mass <= 1.0:
+            raise ValueError(f"quality_guard_mass must be in (0, 1], got {self.quality_guard_mass}")
         if not 0.0 < self.focus_keep <= 1.0:
             raise ValueError(f"focus_keep must be in (0, 1], got {self.focus_keep}")
         if self.grace_seconds < 0:

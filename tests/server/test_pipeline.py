@@ -370,3 +370,36 @@ def test_a_neighbour_index_is_served_from_its_own_kv(tiny_llama_dir: Path, tmp_p
                 assert stats.kv_sources == {KVSource.LOADED: 2}
         finally:
             st.stop()
+
+
+def test_the_quality_guard_falls_back_to_full_prefill_and_counts_it(tiny_index: Path) -> None:
+    """--quality-guard-mass: a blend whose budget cannot hold that share of the question's
+    attention runs as full prefill (its answer is full's), and ragkv_quality_fallbacks_total
+    counts it beside ragkv_answers_total; a mass the budget holds changes nothing."""
+    from ragkv.server.pipeline import Pipeline
+
+    full: list[str] = []
+
+    def ask(mass: float | None) -> tuple[object, float, float]:
+        st = ServerThread(settings(indexes=(CollectionSpec("default", tiny_index),), quality_guard_mass=mass),
+                          Pipeline.from_settings)
+        try:
+            with RagClient(st.addr, timeout=60) as client:
+                stats = client.query(QUESTION, mode=Mode.BLEND, top_k=3, max_new_tokens=6,
+                                     recompute_ratio=0.15).result()
+                if not full:
+                    full.append(client.query(QUESTION, mode=Mode.FULL, top_k=3, max_new_tokens=6).result().text)
+            reg = st.server.metrics.registry
+            labels = {"mode": "blend", "collection": "default"}
+            return (stats, reg.get_sample_value("ragkv_quality_fallbacks_total", labels) or 0.0,
+                    reg.get_sample_value("ragkv_answers_total", labels) or 0.0)
+        finally:
+            st.stop()
+
+    off, off_fallbacks, off_answers = ask(None)
+    short, fallbacks, answers = ask(1.0)  # all of the attention: more than 15% of the tokens hold it
+    held, held_fallbacks, _ = ask(1e-6)  # a sliver: the budget always holds it
+    assert (off_fallbacks, off_answers) == (0.0, 1.0) and off.recompute_fraction == pytest.approx(0.15, abs=0.05)
+    assert (fallbacks, answers) == (1.0, 1.0) and short.recompute_fraction == 1.0
+    assert short.text == full[0]  # run as full prefill
+    assert held_fallbacks == 0.0 and held.text == off.text

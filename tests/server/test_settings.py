@@ -15,6 +15,14 @@ def test_defaults() -> None:
     s = load_settings({}, env={})
     assert s == ServerSettings()
     assert s.limits().default_mode is Mode.FOCUS
+    # the defaults measured on MuSiQue and the needle tasks (docs/quality.md, issue 28): focus
+    # hands over to blend when several chunks matter; the quality guard is off unless asked
+    assert s.focus_handover is True and s.quality_guard_mass is None and s.default_recompute_ratio == 0.2
+    assert s.limits().default_recompute_ratio == 0.2
+    assert load_settings({"focus_handover": "off"}, env={}).focus_handover is False
+    assert load_settings({}, env={"RAGKV_QUALITY_GUARD_MASS": "0.8"}).quality_guard_mass == 0.8
+    with pytest.raises(ValueError, match="quality_guard_mass"):
+        ServerSettings(quality_guard_mass=1.5)
 
 
 def test_precedence_flags_env_file(tmp_path: Path) -> None:

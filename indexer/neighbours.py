@@ -17,12 +17,9 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from typing import TYPE_CHECKING
+import numpy as np
 
 from ragkv.types import Mode
-
-if TYPE_CHECKING:
-    import numpy as np
 
 _BLOCK = 1024  # rows whose similarities to every chunk are held at once
 _DUPLICATE = 1.0 - 1e-6  # cosine similarity at which two chunks count as the same text
@@ -98,14 +95,6 @@ class NeighbourOptions:
                                        int(d.get("seed", 0)), NeighbourContext(d.get("context", "tokens")))
 
 
-# what `ragkv index` builds unless told otherwise: each chunk's KV computed after the last 256
-# tokens of its most similar chunk, prefilled with it. On MuSiQue it brings blend and focus
-# within KL 0.02 of full prefill for 1.4x the indexing time of plain KV and no more storage
-# (no plain copy is kept: nothing serves one; docs/quality.md, issue 28). The library's own
-# default (`NeighbourOptions()`, IndexJobConfig) stays plain KV.
-INDEX_DEFAULT = NeighbourOptions(m=1, budget_tokens=256, context=NeighbourContext.TOKENS)
-
-
 def select_neighbours(xb: np.ndarray, options: NeighbourOptions,
                       rows: Sequence[int] | None = None) -> list[list[int]]:
     """For each row of `xb` (or each of `rows`), its neighbours: row numbers, most similar first.
@@ -117,8 +106,6 @@ def select_neighbours(xb: np.ndarray, options: NeighbourOptions,
         xb: [n, d] embeddings (normalized or not: cosine similarity is used).
         rows: the rows to find neighbours for; None = all.
     """
-    import numpy as np  # here, not at import: `ragkv index --help` reads this module's defaults
-
     xb = np.asarray(xb, dtype=np.float32)
     if xb.ndim != 2:
         raise ValueError(f"xb must be [n, d], got shape {xb.shape}")

@@ -28,7 +28,6 @@ Nothing here knows about tokenization, storage or gRPC: token ids and tensors on
 
 from __future__ import annotations
 
-
 import enum
 import time
 from collections.abc import Generator, Sequence

@@ -84,13 +84,13 @@ class DecodeStream(Iterator[str]):
         self._stop_after = n_tokens
 
     def __iter__(self) -> DecodeStream:
-        if self._text is None:
-            self._text = self.detokenizer()
         return self
 
     @torch.inference_mode()
     def __next__(self) -> str:
-        text = self._text if self._text is not None else iter(self)._text
+        if self._text is None:
+            self._text = self.detokenizer()
+        text = self._text
         while self.finish_reason is None:
             token = self.advance()
             piece = "" if token is None else text.push(token)

@@ -20,14 +20,12 @@ class Detokenizer:
 
     Args:
         tokenizer: Anything with `decode(ids, skip_special_tokens=True)` (a transformers tokenizer).
-        stop: The answer ends before the first of these strings.
+        stop: The answer ends before the first of these (non-empty: `SamplingParams` checks them).
         on_stop: Called once, with `token_count`, when a stop string is found (the producer
             stops decoding: `DecodeStream.stop_after`).
     """
 
     def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), on_stop: Callable[[int], None] | None = None) -> None:
-        if any(not s for s in stop):
-            raise ValueError("stop strings must be non-empty")
         self._tok, self._stop, self._on_stop = tokenizer, stop, on_stop
         self.token_ids: list[int] = []  # taken so far (none past a stop string)
         self.stopped = False  # a stop string ended the text

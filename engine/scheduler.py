@@ -359,8 +359,7 @@ class Scheduler:
             self._prompting.remove(job)
             self._park(job, item)
         elif job.decode is not None or item is None:  # decoding now, or ended
-            if job in self._prompting:
-                self._prompting.remove(job)
+            self._prompting.remove(job)
             self._learn_rate(job)
             if job.decode is not None:
                 job.status = RequestStatus.DECODING

@@ -94,6 +94,10 @@ class QueryRunner:
                 first_token_at: float | None = None
                 answer: AnswerText | None = None  # the detokenizer of an answer that streams token ids
                 done: DoneEvent | None = None
+
+                def read(piece: str) -> list[str | ToolCallDelta]:  # a piece of text -> what it makes
+                    return [] if not piece else [piece] if reader is None else reader.feed(piece)
+
                 while (event := await events.get()) is not END:
                     text: list[str | ToolCallDelta] = []  # what the answer's text makes: pieces, tool-call deltas
                     if isinstance(event, Exception):
@@ -114,14 +118,12 @@ class QueryRunner:
                             piece = answer.push(event.token_id)  # a stop string stops the decode from here
                         else:
                             piece = event.text
-                        text = [] if not piece else [piece] if reader is None else reader.feed(piece)
+                        text = read(piece)
                     elif isinstance(event, DoneEvent):
                         done = event
-                        tail = answer.finish() if answer is not None else ""  # a character the last token left open
-                        if reader is None:
-                            text = [tail] if tail else []
-                        else:
-                            text = [*(reader.feed(tail) if tail else ()), *reader.finish()]
+                        # the text the last tokens left pending (a character left open), then the calls'
+                        text = read(answer.finish() if answer is not None else "") + (
+                            reader.finish() if reader is not None else [])
                     for out in text:
                         if isinstance(out, str):
                             pieces.append(out)

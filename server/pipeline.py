@@ -98,12 +98,12 @@ def _store_config(settings: ServerSettings, index_dir: Path, kv_uris: Sequence[s
     memory = [TierSpec(Tier.CPU, budget_bytes=settings.kv_cpu_bytes)]
     if device.type == "cuda" and settings.kv_gpu_bytes > 0:
         memory.insert(0, TierSpec(Tier.GPU, budget_bytes=settings.kv_gpu_bytes))
-    overrides = {spec.tier: spec for spec in (
-        TierSpec.parse(f"disk:{settings.kv_disk_dir}") if settings.kv_disk_dir is not None else None,
-        TierSpec.parse(settings.kv_s3_uri) if settings.kv_s3_uri is not None else None) if spec is not None}
-    # the index's tiers (a relative disk tier lives in the index folder), then the settings' own
+    # the index's tiers (a relative disk tier lives in the index folder), replaced by the settings' own
     durable = {spec.tier: spec for spec in map(TierSpec.parse, resolve_kv_uris(kv_uris, index_dir))}
-    durable.update(overrides)
+    if settings.kv_disk_dir is not None:
+        durable[Tier.DISK] = TierSpec(Tier.DISK, path=str(settings.kv_disk_dir))
+    if settings.kv_s3_uri is not None:
+        durable[Tier.S3] = TierSpec.parse(settings.kv_s3_uri)
     if not durable:
         durable[Tier.DISK] = TierSpec(Tier.DISK, path=str((index_dir / "kv").resolve()))
     # computed KV written back is stored as the index's own files are, unless --kv-compression says otherwise

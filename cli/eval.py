@@ -79,6 +79,12 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--focus-handover", default="off", metavar="on,off",
                    help="focus: when several chunks are kept, blend over all of them instead (on), or over "
                         "the kept ones (off); on,off compares both in one run (default off)")
+    p.add_argument("--focus-spread", default="0", metavar="S[,S]",
+                   help="focus handover: hand over only when the other chunks score on average at least S x "
+                        "the best (0 = whenever several are kept); comma list (default 0)")
+    p.add_argument("--cases-out", type=Path, metavar="FILE.jsonl",
+                   help="write one JSON line per case: each method's answer, scores, TTFT and, for focus, "
+                        "the chunks kept and every chunk's relevance")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
@@ -122,12 +128,16 @@ def _methods(args: argparse.Namespace):
         if bm is Mode.FOCUS:  # several chunks kept: blended at each ratio, first selector
             keeps = [float(k) for k in args.focus_keep.split(",")]
             handovers = [_on_off(h, "--focus-handover") for h in args.focus_handover.split(",")]
-            for handover in handovers:
+            spreads = [float(x) for x in args.focus_spread.split(",")]
+            variants = [(False, 0.0)] if handovers == [False] else [
+                (h, sp) for h in handovers for sp in (spreads if h else [0.0])]
+            for handover, sp in variants:
                 for keep in keeps:
                     for r in ratios:
                         opts = BlendOptions(recompute_ratio=r, selector=selectors[0], focus_keep=keep,
-                                            focus_handover=handover)
+                                            focus_handover=handover, focus_spread=sp)
                         name = ("focus" + ("-handover" if handover and len(handovers) > 1 else "")
+                                + (f"-s{sp:g}" if handover and len(spreads) > 1 else "")
                                 + (f"-{keep:g}" if len(keeps) > 1 else "") + (f"-r{r:g}" if len(ratios) > 1 else ""))
                         methods.append(Method(name, bm, opts))
             continue
@@ -326,9 +336,20 @@ def run_eval(args: argparse.Namespace) -> int:
         tmp.write_text(json.dumps(result(reports)) + "\n")
         tmp.replace(args.partial)
 
-    reports = evaluate(engine, cases, methods, args.max_new_tokens,
-                       progress=lambda xs: tqdm(xs, desc="eval", unit="case", file=sys.stderr), variants=variants,
-                       after_case=partial if args.partial else None)
+    cases_out = args.cases_out.open("w") if args.cases_out else None
+
+    def write_case(row: dict) -> None:
+        cases_out.write(json.dumps(row) + "\n")
+        cases_out.flush()
+
+    try:
+        reports = evaluate(engine, cases, methods, args.max_new_tokens,
+                           progress=lambda xs: tqdm(xs, desc="eval", unit="case", file=sys.stderr),
+                           variants=variants, after_case=partial if args.partial else None,
+                           on_case=write_case if cases_out else None)
+    finally:
+        if cases_out:
+            cases_out.close()
     out = result(reports)
     if args.json:
         print(json.dumps(out))

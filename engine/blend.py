@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ragkv.types import Mode
-from ragkv.engine.focus import chunk_relevance, focus_layers, pick_chunks
+from ragkv.engine.focus import chunk_relevance, focus_layers, pick_chunks, spread
 from ragkv.engine.forward import layer_forward, project_kv, span
 from ragkv.engine.kv import ChunkKV, KVCache, layers_pending
 from ragkv.engine.loading import LoadedModel
@@ -76,6 +76,10 @@ class BlendOptions:
     # than one passage: drop none and blend over them all (multi-passage questions lose most
     # to full prefill when chunks are dropped; docs/quality.md)
     focus_handover: bool = False
+    # focus handover: hand over only when the chunks other than the best score on average at
+    # least this x the best (their spread: a lookup has one chunk far above the rest, a
+    # multi-passage question several close to it); 0 = whenever several are kept
+    focus_spread: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.recompute_ratio <= 1.0:
@@ -94,6 +98,8 @@ class BlendOptions:
                              f"got {self.check_layer}")
         if not 0.0 < self.focus_keep <= 1.0:
             raise ValueError(f"focus_keep must be in (0, 1], got {self.focus_keep}")
+        if not 0.0 <= self.focus_spread <= 1.0:
+            raise ValueError(f"focus_spread must be in [0, 1], got {self.focus_spread}")
         if self.focus_band is not None and not 0 <= self.focus_band[0] < self.focus_band[1]:
             raise ValueError(f"focus_band must be (start, stop) with 0 <= start < stop, got {self.focus_band}")
         if self.fallback_full and (self.adaptive_mass is None or self.selector is not Selector.QUERY):
@@ -116,6 +122,7 @@ class BlendResult:
     n_chunk_tokens: int  # chunk tokens (the candidates for recompute)
     timings: dict[str, float] = field(default_factory=dict)  # phase -> seconds
     used_chunks: tuple[int, ...] | None = None  # focus: indices of the chunks kept; None = all
+    chunk_scores: tuple[float, ...] | None = None  # focus: each chunk's relevance, the best near 1
     cached_tokens: int = 0  # prompt tokens whose KV was read from a cache, not computed here
     fell_back: bool = False  # the quality guard ran it as full prefill (BlendOptions.fallback_full)
 
@@ -331,18 +338,21 @@ def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chu
     kept = pick_chunks(relevance, options.focus_keep)
     timer.lap("focus")
     yield q_ids.numel()  # the scoring pass
-    if len(kept) > 1 and options.focus_handover:  # several passages matter: keep them all, blended
+    if options.focus_handover and len(kept) > 1 and spread(relevance) >= options.focus_spread:
+        # several passages matter: keep them all, blended
         kept = list(range(len(chunks)))
         res = yield from prompt_steps(lm, prefix, chunks, q_ids, Mode.BLEND, options, reserve_tokens)
-    elif len(kept) == 1 and chunks[kept[0]].after_context:
-        # one chunk, whose KV was computed after neighbours this prompt does not hold: recompute
-        # it (the prompt is then the prefix, that chunk and the question, exactly as full prefill)
+    elif any(chunks[i].after_context for i in kept):
+        # KV computed after neighbours this prompt does not hold: recompute the kept chunks (the
+        # prompt is then the prefix, those chunks and the question, exactly as full prefill)
         exact = replace(options, recompute_ratio=1.0)
-        res = yield from prompt_steps(lm, prefix, [chunks[kept[0]]], q_ids, Mode.BLEND, exact, reserve_tokens)
+        res = yield from prompt_steps(lm, prefix, [chunks[i] for i in kept], q_ids, Mode.BLEND, exact,
+                                      reserve_tokens)
     else:  # one kept chunk's plain KV is exact: reused; several: blended
         inner = Mode.REUSE if len(kept) == 1 else Mode.BLEND
         res = yield from prompt_steps(lm, prefix, [chunks[i] for i in kept], q_ids, inner, options, reserve_tokens)
     res.mode, res.used_chunks = Mode.FOCUS, tuple(kept)
+    res.chunk_scores = tuple(round(float(r), 4) for r in relevance)
     res.n_chunk_tokens = sum(ch.num_tokens for ch in chunks)
     res.timings = {**timer.phases, **res.timings}
     return res

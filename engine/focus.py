@@ -78,3 +78,15 @@ def pick_chunks(relevance: torch.Tensor, keep: float) -> list[int]:
     best = float(relevance.max())
     return [i for i, r in enumerate(relevance.tolist()) if r >= keep * best]
 
+
+
+def spread(relevance: torch.Tensor) -> float:
+    """How close the other chunks score to the best, on average: the mean of all but the
+    best over the best, in [0, 1]. A lookup has one chunk far above the rest (needle tasks:
+    0.12-0.59); a question over several passages, chunks near the best (MuSiQue: 0.47-0.93,
+    most above 0.6; docs/quality.md). 0.0 for a lone chunk."""
+    if relevance.numel() < 2:
+        return 0.0
+    best, i = relevance.max(0)
+    others = torch.cat([relevance[:i], relevance[i + 1:]])  # [n_chunks - 1]
+    return float(others.mean() / best.clamp_min(1e-12))

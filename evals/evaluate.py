@@ -125,11 +125,14 @@ def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
 def evaluate(engine: Engine, cases: Iterable[EvalCase], methods: Sequence[Method],
              max_new_tokens: int = 24, progress: Callable[[Iterable], Iterable] = lambda x: x,
              variants: Sequence[KVVariant] = (PLAIN,),
-             after_case: Callable[[dict[str, MethodReport]], None] | None = None) -> dict[str, MethodReport]:
+             after_case: Callable[[dict[str, MethodReport]], None] | None = None,
+             on_case: Callable[[dict], None] | None = None) -> dict[str, MethodReport]:
     """Run every method on every case over each KV variant's chunks; `full` is always run as
     the reference (once a case: it reads no chunk KV). Reports are named `method` for the
     plain variant and `method+variant` for the others; `after_case` gets the reports over the
-    cases so far after each case (a long run's partial results)."""
+    cases so far after each case (a long run's partial results); `on_case` one JSON-ready row
+    per case: its id and, per method, the answer, its scores and, for focus, the chunks kept
+    and every chunk's relevance (to study a rule offline)."""
     p = engine.prompt
     params = SamplingParams(max_new_tokens=max_new_tokens)
     names = {(m.name, v.name): m.name if m.mode is Mode.FULL or not v.name else f"{m.name}+{v.name}"
@@ -154,6 +157,7 @@ def evaluate(engine: Engine, cases: Iterable[EvalCase], methods: Sequence[Method
         ref_answer = "".join(engine.decode(ref, params))
         ref_first = int(ref.logits.argmax())
         done: set[str] = set()
+        row: dict = {"id": case.id, "answers": list(case.answers), "full_answer": ref_answer, "methods": {}}
         for v in variants:
             t = time.perf_counter()
             if v.context_kv is not None:
@@ -170,18 +174,23 @@ def evaluate(engine: Engine, cases: Iterable[EvalCase], methods: Sequence[Method
                 done.add(name)
                 res, secs = (ref, ref_s) if m.mode is Mode.FULL else run(m, kvs)
                 answer = ref_answer if res is ref else "".join(engine.decode(res, params))
-                s, r = sums[name], reports[name]
                 head = first_sentence(answer)
-                s["acc"] += any(normalize(a) in normalize(head) for a in case.answers)
-                s["f1"] += best_f1(head, case.answers)
-                s["agr"] += normalize(answer) == normalize(ref_answer)
-                s["f1_full"] += token_f1(answer, ref_answer)
-                s["first"] += int(res.logits.argmax()) == ref_first
-                s["kl"] += kl_divergence(ref.logits, res.logits)
-                s["rf"] += res.recompute_fraction
+                one = row["methods"][name] = {
+                    "answer": answer, "acc": any(normalize(a) in normalize(head) for a in case.answers),
+                    "f1": best_f1(head, case.answers), "agree": normalize(answer) == normalize(ref_answer),
+                    "f1_vs_full": token_f1(answer, ref_answer), "first": int(res.logits.argmax()) == ref_first,
+                    "kl": kl_divergence(ref.logits, res.logits), "ttft_s": secs,
+                    "kv_prefill_s": 0.0 if m.mode is Mode.FULL else prefill_s,
+                    "recompute_fraction": res.recompute_fraction,
+                    "used_chunks": res.used_chunks, "chunk_scores": res.chunk_scores}
+                s, r = sums[name], reports[name]
+                for key in ("acc", "f1", "agree", "f1_vs_full", "first", "kl", "recompute_fraction"):
+                    s[key] += one[key]
                 r.n += 1
                 r._ttfts.append(secs)
-                r._prefills.append(0.0 if m.mode is Mode.FULL else prefill_s)
+                r._prefills.append(one["kv_prefill_s"])
+        if on_case is not None:
+            on_case(row)
         if after_case is not None:
             after_case(_finish(reports, sums))
     return _finish(reports, sums)
@@ -192,9 +201,9 @@ def _finish(reports: dict[str, MethodReport], sums: dict[str, Counter]) -> dict[
     for name, r in reports.items():
         s = sums[name]
         if r.n:
-            r.accuracy, r.f1, r.agreement = s["acc"] / r.n, s["f1"] / r.n, s["agr"] / r.n
-            r.f1_vs_full, r.first_token_agreement = s["f1_full"] / r.n, s["first"] / r.n
-            r.kl_mean, r.recompute_fraction = s["kl"] / r.n, s["rf"] / r.n
+            r.accuracy, r.f1, r.agreement = s["acc"] / r.n, s["f1"] / r.n, s["agree"] / r.n
+            r.f1_vs_full, r.first_token_agreement = s["f1_vs_full"] / r.n, s["first"] / r.n
+            r.kl_mean, r.recompute_fraction = s["kl"] / r.n, s["recompute_fraction"] / r.n
             r.ttft_median_s = statistics.median(r._ttfts)
             r.kv_prefill_median_s = statistics.median(r._prefills)
     return reports

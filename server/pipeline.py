@@ -138,15 +138,17 @@ class Pipeline:
         focus_keep: FOCUS keeps chunks scoring at least this x the best (BlendOptions.focus_keep).
         kv_layered: hand disk/S3 hits to the engine layer by layer (ServerSettings.kv_layered).
         focus_handover: FOCUS keeping several chunks blends them all (BlendOptions.focus_handover).
+        focus_spread: ... when the others score on average this x the best (BlendOptions.focus_spread).
         quality_guard_mass: blend falls back to full prefill when holding this share of the
             question's attention needs more than its ratio (BlendOptions.fallback_full); None = off.
     """
 
     def __init__(self, engine: Engine, collections: dict[str, Collection], focus_keep: float = 0.5,
                  kv_layered: bool = True, controller: LoadingController | None = None,
-                 focus_handover: bool = False, quality_guard_mass: float | None = None) -> None:
+                 focus_handover: bool = False, quality_guard_mass: float | None = None,
+                 focus_spread: float = 0.0) -> None:
         self.engine = engine
-        self._focus_keep, self._focus_handover = focus_keep, focus_handover
+        self._focus_keep, self._focus_handover, self._focus_spread = focus_keep, focus_handover, focus_spread
         self._guard_mass = quality_guard_mass
         self._kv_layered = kv_layered
         self.controller = controller or LoadingController()
@@ -206,7 +208,7 @@ class Pipeline:
             engine.prefill_chunk(list(first.prefix_ids), ids)
             controller.observe_compute(len(ids), time.perf_counter() - t0)
         return cls(engine, collections, settings.focus_keep, settings.kv_layered, controller, settings.focus_handover,
-                   settings.quality_guard_mass)
+                   settings.quality_guard_mass, settings.focus_spread)
 
     @property
     def modes(self) -> frozenset[Mode]:
@@ -413,7 +415,7 @@ class Pipeline:
         guard = {} if self._guard_mass is None else {  # exactly the ratio's tokens, or full prefill
             "adaptive_mass": self._guard_mass, "min_ratio": params.recompute_ratio, "fallback_full": True}
         options = BlendOptions(recompute_ratio=params.recompute_ratio, focus_keep=self._focus_keep,
-                               focus_handover=self._focus_handover, **guard)
+                               focus_handover=self._focus_handover, focus_spread=self._focus_spread, **guard)
         t0 = time.perf_counter()
 
         def run(kvs: list[ChunkKV] | None):  # -> engine.blend.PromptSteps

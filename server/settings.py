@@ -98,6 +98,8 @@ class ServerSettings:
     # FOCUS keeping several chunks hands over to blend over all of them (BlendOptions.focus_handover);
     # on a neighbour index it then reads the neighbour KV (NeighbourOptions.serves_plain)
     focus_handover: bool = False
+    # ... only when the other chunks score on average at least this x the best (BlendOptions.focus_spread)
+    focus_spread: float = 0.0
     # the quality guard: blend (and focus blending several chunks) runs a request as full prefill
     # when holding this share of the question's attention needs more chunk tokens than its
     # recompute ratio allows (BlendOptions.fallback_full); None = off. Counted in
@@ -133,6 +135,8 @@ class ServerSettings:
             raise ValueError(f"quality_guard_mass must be in (0, 1], got {self.quality_guard_mass}")
         if not 0.0 < self.focus_keep <= 1.0:
             raise ValueError(f"focus_keep must be in (0, 1], got {self.focus_keep}")
+        if not 0.0 <= self.focus_spread <= 1.0:
+            raise ValueError(f"focus_spread must be in [0, 1], got {self.focus_spread}")
         if self.grace_seconds < 0:
             raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -58,6 +58,31 @@ def test_eval_focus_modes_and_plot(tiny_llama_dir, capsys, tmp_path):
     assert "not a `ragkv eval --json` result" in capsys.readouterr().err
 
 
+def test_eval_cases_out_rows_add_up_to_the_report(tiny_llama_dir, capsys, tmp_path):
+    """--cases-out: one line per case with each method's scores and focus's chunk relevance;
+    their means are the report's, and the spread variants are named apart."""
+    rows_file = tmp_path / "cases.jsonl"
+    rc = main(["eval", "--synthetic", "niah", "--model", str(tiny_llama_dir), "--n", "3", "--context", "192",
+               "--chunk-tokens", "64", "--modes", "full,focus", "--focus-handover", "on", "--focus-spread", "0,1",
+               "--focus-keep", "1e-9", "--max-new-tokens", "4", "--json", "--cases-out", str(rows_file)])
+    assert rc == 0
+    out = _json(capsys)
+    assert set(out["modes"]) == {"full", "focus-s0", "focus-s1"}
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["niah-0", "niah-1", "niah-2"]
+    for name, report in out["modes"].items():
+        got = [r["methods"][name] for r in rows]
+        assert sum(g["kl"] for g in got) / 3 == pytest.approx(report["kl_mean"])
+        assert sum(g["acc"] for g in got) / 3 == pytest.approx(report["accuracy"])
+    for r in rows:
+        assert r["methods"]["full"]["answer"] == r["full_answer"] and r["methods"]["full"]["chunk_scores"] is None
+        spread0, spread1 = r["methods"]["focus-s0"], r["methods"]["focus-s1"]
+        n = len(spread0["chunk_scores"])
+        assert n == 3 and max(spread0["chunk_scores"]) > 0.99
+        # keep ~0: every chunk is kept; spread 0 hands over to blend, spread 1 never does
+        assert spread0["used_chunks"] == spread1["used_chunks"] == list(range(n))
+
+
 def test_eval_rejects_unknown_mode(tiny_llama_dir, capsys):
     rc = main(["eval", "--synthetic", "niah", "--model", str(tiny_llama_dir), "--modes", "full,sideways"])
     assert rc != 0

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ragkv.engine import BlendOptions, Engine, load_model
-from ragkv.engine.focus import chunk_relevance, focus_layers, pick_chunks
+from ragkv.engine.focus import chunk_relevance, focus_layers, pick_chunks, spread
 from ragkv.evals.synthetic import make_cases
 from ragkv.evals.testing import tiny_model_dir
 
@@ -41,9 +41,18 @@ def test_pick_chunks_keeps_prompt_order_and_threshold():
     assert pick_chunks(rel, 0.1) == [0, 1, 2, 3]
 
 
+def test_spread_is_the_others_mean_over_the_best():
+    assert spread(torch.tensor([0.2, 1.0, 0.6])) == pytest.approx(0.4)
+    assert spread(torch.tensor([0.5, 0.25])) == pytest.approx(0.5)  # the best need not be 1
+    assert spread(torch.tensor([1.0, 1.0, 1.0])) == pytest.approx(1.0)
+    assert spread(torch.tensor([0.7])) == 0.0  # a lone chunk has no others
+
+
 def test_bad_focus_options_are_refused():
     with pytest.raises(ValueError, match="focus_keep"):
         BlendOptions(focus_keep=0.0)
+    with pytest.raises(ValueError, match="focus_spread"):
+        BlendOptions(focus_spread=1.5)
     with pytest.raises(ValueError, match="focus_band"):
         BlendOptions(focus_band=(5, 5))
 
@@ -135,6 +144,7 @@ def test_handover_blends_every_chunk_when_several_are_kept(tiny):
     full = tiny.full_prefill(tiny.prompt.prompt_ids(CHUNKS, QUESTION))
     assert torch.equal(res.logits, blend.logits)
     assert (res.logits - full.logits).abs().max() <= 1e-4
+    assert res.chunk_scores is not None and len(res.chunk_scores) == 3 and max(res.chunk_scores) > 0.99
     one = BlendOptions(focus_keep=1.0, focus_handover=True)
     alone, before = (tiny.blend(prefix, kvs, q, mode="focus", options=o) for o in (one, BlendOptions(focus_keep=1.0)))
     assert len(alone.used_chunks) == 1 and alone.used_chunks == before.used_chunks
@@ -159,3 +169,38 @@ def test_one_kept_neighbour_chunk_is_recomputed_exactly(tiny):
     ref = tiny.full_prefill(p.prompt_ids(kept, QUESTION))
     assert (res.logits - ref.logits).abs().max() <= 1e-4
     assert res.recompute_fraction > 0
+
+
+def test_handover_waits_for_the_spread(tiny):
+    """focus_spread: several kept chunks hand over only when the others score on average at
+    least that share of the best; below it, focus answers over the kept chunks alone."""
+    prefix, kvs, q = _parts(tiny)
+    base = tiny.blend(prefix, kvs, q, mode="focus", options=BlendOptions(focus_keep=1e-9))
+    scores = sorted(base.chunk_scores, reverse=True)
+    assert scores[0] > scores[1] > scores[2], base.chunk_scores
+    keep = (scores[1] + scores[2]) / 2 / scores[0]  # the best two kept, the third dropped
+    s = spread(torch.tensor(base.chunk_scores))
+    below = BlendOptions(focus_keep=keep, focus_handover=True, focus_spread=min(1.0, s + 1e-3))
+    above = BlendOptions(focus_keep=keep, focus_handover=True, focus_spread=max(0.0, s - 1e-3))
+    kept = tiny.blend(prefix, kvs, q, mode="focus", options=below)
+    assert kept.used_chunks is not None and len(kept.used_chunks) == 2
+    handed = tiny.blend(prefix, kvs, q, mode="focus", options=above)
+    blend = tiny.blend(prefix, kvs, q, mode="blend", options=BlendOptions())
+    assert handed.used_chunks == (0, 1, 2) and torch.equal(handed.logits, blend.logits)
+
+
+def test_several_kept_neighbour_chunks_are_recomputed_exactly(tiny):
+    """Several kept chunks whose KV attended to neighbours the prompt does not hold, with no
+    handover (or a spread it does not reach): recomputed, so the answer is full prefill of
+    the prefix, the kept chunks and the question."""
+    from ragkv.engine.prefill import prefill_segment
+
+    p = tiny.prompt
+    prefix, _, q = _parts(tiny)
+    ids = [p.chunk_ids(c) for c in CHUNKS]
+    nb = [prefill_segment(tiny.lm, prefix, ids[i], context_ids=ids[(i + 1) % 3]) for i in range(3)]
+    for opts in (BlendOptions(focus_keep=1e-9), BlendOptions(focus_keep=1e-9, focus_handover=True, focus_spread=1.0)):
+        res = tiny.blend(prefix, nb, q, mode="focus", options=opts)
+        assert res.used_chunks == (0, 1, 2)
+        ref = tiny.full_prefill(p.prompt_ids(CHUNKS, QUESTION))
+        assert (res.logits - ref.logits).abs().max() <= 1e-4

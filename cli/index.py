@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from ragkv.indexer.chunking import DEFAULT_CHUNK_TOKENS, DEFAULT_OVERLAP_TOKENS
+from ragkv.indexer.neighbours import INDEX_DEFAULT
 from ragkv.types import DType
 from ragkv.indexer.spot import DEFAULT_IMDS_ENDPOINT, EXIT_INTERRUPTED, IndexInterrupted
 
@@ -68,18 +69,20 @@ def add_index_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--kv-compression", choices=["none", "int8", "fp8"], default="none",
                    help="how KV files store K and V: int8/fp8 per-channel quantization halves the bytes of 16-bit "
                         "KV (quarters float32) at a small quality cost, see docs/kv-compression.md (default none)")
-    p.add_argument("--neighbours", type=int, default=0, metavar="M",
+    p.add_argument("--neighbours", type=int, default=INDEX_DEFAULT.m, metavar="M",
                    help="neighbour-conditioned KV: prefill each chunk after its M most similar chunks (by the "
-                        "index's embeddings) and store only its own KV; 0 = plain KV (default 0; docs/quality.md)")
-    p.add_argument("--neighbour-budget", type=int, default=1024, metavar="TOKENS",
-                   help="most neighbour tokens before a chunk (default 1024)")
+                        "index's embeddings) and store only its own KV; 0 = plain KV (one neighbour brings blend "
+                        "and focus closest to full prefill on MuSiQue: docs/quality.md)")
+    p.add_argument("--neighbour-budget", type=int, default=INDEX_DEFAULT.budget_tokens, metavar="TOKENS",
+                   help="most neighbour tokens before a chunk, the nearest kept")
     p.add_argument("--neighbour-choice", choices=["nearest", "random"], default="nearest",
                    help="neighbours by similarity, or at random (a control); default nearest")
-    p.add_argument("--neighbour-context", choices=["tokens", "kv"], default="kv",
-                   help="kv (default): each chunk is computed after its neighbours' own plain KV (also stored), so "
-                        "only its own tokens run (MuSiQue passages: 2.2x plain indexing at m = 1, 2.4x at m = 2); "
-                        "tokens: the neighbours' tokens are prefilled with every chunk (2.2x at m = 1, the same KV; "
-                        "3.0x at m = 2; docs/quality.md)")
+    p.add_argument("--neighbour-context", choices=["tokens", "kv"], default=INDEX_DEFAULT.context.value,
+                   help="tokens: the neighbours' tokens, cut to the budget, are prefilled with every "
+                        "chunk (MuSiQue passages at m = 1, budget 256: 1.4x plain indexing, no more storage); "
+                        "kv: each chunk is computed after its neighbours' own plain KV (also stored, for focus "
+                        "without --focus-handover), so only its own tokens run (2.2x at m = 1 with a 1024 budget, "
+                        "2.4x at m = 2; twice the storage; docs/quality.md)")
     p.add_argument("--shard", metavar="i/N",
                    help="index only shard i of N (default: AWS_BATCH_JOB_ARRAY_INDEX/_SIZE when set)")
     p.add_argument("--device", default=DType.AUTO.value, help="torch device; auto = cuda when torch sees a GPU, else cpu")

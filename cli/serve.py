@@ -42,12 +42,12 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
                            "and the prefill rate say is cheaper, abandoning a read that overruns; off: always "
                            "read what a tier holds (default on)"),
     ("default_mode", str, "mode when a request leaves it unspecified (default focus)"),
-    ("default_recompute_ratio", float, "recompute ratio of blend (and of focus over several chunks) by default (default 0.15)"),
+    ("default_recompute_ratio", float, "recompute ratio of blend (and of focus over several chunks) by default (default 0.2)"),
     ("focus_keep", float, "focus mode keeps chunks scoring at least this x the best, (0, 1] (default 0.5)"),
     ("focus_handover", str, "on: focus keeping several chunks blends over all of them instead (and reads a "
-                            "neighbour index's neighbour KV); off: it blends over the kept ones (default off)"),
+                            "neighbour index's neighbour KV); off: it blends over the kept ones (default on)"),
     ("focus_spread", float, "with --focus-handover on: hand over only when the other chunks score on average at "
-                            "least this x the best, [0, 1] (default 0: whenever several are kept)"),
+                            "least this x the best, [0, 1]; 0 = whenever several are kept (default 0.6)"),
     ("quality_guard_mass", float, "quality guard: blend runs a request as full prefill when holding this share of "
                                   "the question's attention needs more tokens than its recompute ratio, (0, 1] "
                                   "(default off; the fallbacks are the ragkv_quality_fallbacks_total metric)"),

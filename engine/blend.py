@@ -7,10 +7,12 @@ Modes (all return the same BlendResult, so they compare like with like):
 - focus:  a pass of the question over the reused cache scores each chunk by its
           attention (engine.focus); chunks below `focus_keep` x the best are dropped,
           and the prompt runs over the kept ones: exact reuse when one is kept (its KV
-          was computed right after the prefix; a neighbour-conditioned one is
-          recomputed), blend when several are. It answers a shorter prompt than full
-          prefill, by design. With `focus_handover`, several kept chunks mean the
-          question needs several passages: none is dropped, and all are blended.
+          was computed right after the prefix), blend when several are; kept chunks
+          whose KV was computed after neighbours are recomputed. It answers a shorter
+          prompt than full prefill, by design. With `focus_handover`, several kept
+          chunks whose spread reaches `focus_spread` (the others score close to the
+          best) mean the question needs several passages: none is dropped, and all
+          are blended.
 - blend:  selective recompute. With the `deviation` selector (CacheBlend), layers
           [0, check_layer) run for every chunk token; at the check layer the K/V of
           every token are recomputed and the chunk tokens whose K/V deviate most from
@@ -72,14 +74,14 @@ class BlendOptions:
     context_temperature: float = 1.0  # APE-style: reused chunk keys are divided by this (<1 sharpens)
     focus_keep: float = 0.5  # focus: keep chunks scoring at least this x the best (docs/quality.md)
     focus_band: tuple[int, int] | None = None  # focus: scoring layers [start, stop); None = engine.focus default
-    # focus: when several chunks score within focus_keep of the best, the question needs more
-    # than one passage: drop none and blend over them all (multi-passage questions lose most
-    # to full prefill when chunks are dropped; docs/quality.md)
+    # focus: when several chunks score within focus_keep of the best (and their spread reaches
+    # focus_spread), the question needs more than one passage: drop none and blend over them
+    # all (multi-passage questions lose most to full prefill when chunks are dropped; docs/quality.md)
     focus_handover: bool = False
     # focus handover: hand over only when the chunks other than the best score on average at
     # least this x the best (their spread: a lookup has one chunk far above the rest, a
-    # multi-passage question several close to it); 0 = whenever several are kept
-    focus_spread: float = 0.0
+    # multi-passage question several close to it; 0.6: docs/quality.md); 0 = whenever several are kept
+    focus_spread: float = 0.6
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.recompute_ratio <= 1.0:

@@ -145,8 +145,8 @@ class Pipeline:
 
     def __init__(self, engine: Engine, collections: dict[str, Collection], focus_keep: float = 0.5,
                  kv_layered: bool = True, controller: LoadingController | None = None,
-                 focus_handover: bool = False, quality_guard_mass: float | None = None,
-                 focus_spread: float = 0.0) -> None:
+                 focus_handover: bool = True, quality_guard_mass: float | None = None,
+                 focus_spread: float = 0.6) -> None:
         self.engine = engine
         self._focus_keep, self._focus_handover, self._focus_spread = focus_keep, focus_handover, focus_spread
         self._guard_mass = quality_guard_mass

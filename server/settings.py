@@ -93,13 +93,15 @@ class ServerSettings:
     default_top_k: int = 4  # chunks
     max_top_k: int = 32  # chunks
     default_mode: Mode = Mode.FOCUS  # mode when a request leaves it unspecified: the best measured (docs/quality.md)
-    default_recompute_ratio: float = 0.15  # fraction of context tokens
+    default_recompute_ratio: float = 0.2  # fraction of chunk tokens (docs/quality.md, issue 28)
     focus_keep: float = 0.5  # FOCUS keeps chunks scoring at least this x the best (docs/quality.md)
     # FOCUS keeping several chunks hands over to blend over all of them (BlendOptions.focus_handover);
-    # on a neighbour index it then reads the neighbour KV (NeighbourOptions.serves_plain)
-    focus_handover: bool = False
-    # ... only when the other chunks score on average at least this x the best (BlendOptions.focus_spread)
-    focus_spread: float = 0.0
+    # on a neighbour index it then reads the neighbour KV (NeighbourOptions.serves_plain). On:
+    # multi-passage questions lose most to full prefill when chunks are dropped (docs/quality.md)
+    focus_handover: bool = True
+    # ... only when the other chunks score on average at least this x the best: a lookup has one
+    # chunk far above the rest, and answers over it (BlendOptions.focus_spread, docs/quality.md)
+    focus_spread: float = 0.6
     # the quality guard: blend (and focus blending several chunks) runs a request as full prefill
     # when holding this share of the question's attention needs more chunk tokens than its
     # recompute ratio allows (BlendOptions.fallback_full); None = off. Counted in

@@ -35,7 +35,7 @@ class RequestLimits:
     default_top_k: int = 4  # chunks
     max_top_k: int = 32  # chunks
     default_mode: Mode = Mode.FOCUS  # mode when the request leaves it unspecified
-    default_recompute_ratio: float = 0.15  # fraction of context tokens
+    default_recompute_ratio: float = 0.2  # fraction of chunk tokens (docs/quality.md, issue 28)
     default_max_new_tokens: int = 64  # tokens
     max_new_tokens: int = 1024  # tokens
     max_stop_strings: int = 8  # stop strings per request

@@ -137,7 +137,7 @@ def test_handover_blends_every_chunk_when_several_are_kept(tiny):
     none is dropped, and the prompt is blend's over them all (at ratio 1.0: full prefill of
     the whole prompt); keeping one chunk is unchanged."""
     prefix, kvs, q = _parts(tiny)
-    several = BlendOptions(focus_keep=1e-9, recompute_ratio=1.0, focus_handover=True)
+    several = BlendOptions(focus_keep=1e-9, recompute_ratio=1.0, focus_handover=True, focus_spread=0.0)
     res = tiny.blend(prefix, kvs, q, mode="focus", options=several)
     assert res.used_chunks == (0, 1, 2)
     blend = tiny.blend(prefix, kvs, q, mode="blend", options=BlendOptions(recompute_ratio=1.0))
@@ -145,7 +145,7 @@ def test_handover_blends_every_chunk_when_several_are_kept(tiny):
     assert torch.equal(res.logits, blend.logits)
     assert (res.logits - full.logits).abs().max() <= 1e-4
     assert res.chunk_scores is not None and len(res.chunk_scores) == 3 and max(res.chunk_scores) > 0.99
-    one = BlendOptions(focus_keep=1.0, focus_handover=True)
+    one = BlendOptions(focus_keep=1.0, focus_handover=True, focus_spread=0.0)
     alone, before = (tiny.blend(prefix, kvs, q, mode="focus", options=o) for o in (one, BlendOptions(focus_keep=1.0)))
     assert len(alone.used_chunks) == 1 and alone.used_chunks == before.used_chunks
     assert torch.equal(alone.logits, before.logits)

@@ -30,11 +30,13 @@ def test_bad_shard_is_a_clear_error(tmp_path, capsys):
     assert "shard 4/4 is invalid" in capsys.readouterr().err
 
 
-def test_the_default_index_stores_plain_kv(tmp_path, tiny_llama_dir):
-    """`ragkv index` with no options stores plain chunk KV, the defaults kept after measuring
-    the neighbour schemes (docs/quality.md, issue 28): the manifest records no neighbours,
-    every key is the plain key, one file a chunk."""
+def test_the_default_index_is_one_neighbour_by_tokens(tmp_path, tiny_llama_dir):
+    """`ragkv index` with no options builds what the server's defaults were measured on
+    (docs/quality.md, issue 28): each chunk's KV after the last 256 tokens of its most similar
+    chunk. The manifest records it, every key names that context (not the plain key), and no
+    plain copy is stored (nothing serves one)."""
     from ragkv.indexer.kv_job import kv_key
+    from ragkv.indexer.neighbours import INDEX_DEFAULT, NeighbourContext, NeighbourOptions
     from ragkv.retriever.chunk_db import ChunkDB
     from ragkv.retriever.manifest import read_manifest
 
@@ -42,19 +44,22 @@ def test_the_default_index_stores_plain_kv(tmp_path, tiny_llama_dir):
     corpus.mkdir()
     for i, text in enumerate(["Paris is the capital of France. The secret number is 4721.",
                               "The quick brown fox jumps over the lazy dog. Alice met Bob.",
-                              "ragkv stores the KV cache of every chunk and blends them at query time."]):
+                              "ragkv stores the KV cache of every chunk and blends them at query time.",
+                              "Alice met Bob in Paris. The fox is quick. 0123456789 is not a secret."]):
         (corpus / f"d{i}.txt").write_text(text)
     out = tmp_path / "ix"
     assert main(["index", str(corpus), "--out", str(out), "--model", str(tiny_llama_dir), "--no-progress",
                  "--skip-model-check", "--device", "cpu"]) == 0
     m = read_manifest(out)
-    assert m.neighbours is None
+    assert INDEX_DEFAULT == NeighbourOptions(m=1, budget_tokens=256, context=NeighbourContext.TOKENS)
+    assert NeighbourOptions.from_dict(m.neighbours) == INDEX_DEFAULT
     db = ChunkDB.open(out, readonly=True)
     try:
         chunks = list(db.iter_chunks())
     finally:
         db.close()
-    assert len(chunks) == 3
-    assert all(c.kv_key == kv_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids) for c in chunks)
+    assert len(chunks) == 4
+    plain = {kv_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids) for c in chunks}
+    assert not plain & {c.kv_key for c in chunks}  # every key names its neighbour context
     stored = sorted(f.stem for f in (out / "kv").rglob("*.safetensors"))
-    assert stored == sorted(c.kv_key.to_str() for c in chunks)
+    assert stored == sorted(c.kv_key.to_str() for c in chunks)  # one file a chunk: no plain copies

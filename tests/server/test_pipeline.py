@@ -300,7 +300,8 @@ def test_layered_and_whole_reads_give_the_same_answer(tiny_index: Path, tmp_path
 @pytest.mark.parametrize("context", ["tokens", "kv"])
 def test_a_neighbour_index_is_served_from_its_own_kv(tiny_llama_dir: Path, tmp_path: Path, context: str) -> None:
     """Blend and reuse read the neighbour-conditioned KV the index stored (the index's keys);
-    focus reads the plain KV where the index stores it too (--neighbour-context kv)."""
+    focus without handover reads the plain KV where the index stores it too (--neighbour-context
+    kv); focus with handover (the default) reads the neighbour KV."""
     from ragkv.indexer.chunking import ChunkingConfig
     from ragkv.indexer.job import IndexJobConfig, run_index
     from ragkv.indexer.kv_job import kv_key
@@ -328,7 +329,8 @@ def test_a_neighbour_index_is_served_from_its_own_kv(tiny_llama_dir: Path, tmp_p
     stored = {f.stem for f in (index / "kv").rglob("*.safetensors")}
     assert {c.kv_key.to_str() for c in chunks} <= stored  # the neighbour KV of every chunk
     assert bool(plain_files & stored) == (context == "kv")  # and the plain KV only with kv contexts
-    st = ServerThread(settings(indexes=(CollectionSpec("default", index),), kv_cpu_bytes=1), Pipeline.from_settings)
+    st = ServerThread(settings(indexes=(CollectionSpec("default", index),), kv_cpu_bytes=1, focus_handover=False),
+                      Pipeline.from_settings)
     try:
         with RagClient(st.addr, timeout=60) as client:
             for mode in ("blend", "reuse"):
@@ -344,7 +346,8 @@ def test_a_neighbour_index_is_served_from_its_own_kv(tiny_llama_dir: Path, tmp_p
         for f in (index / "kv").rglob("*.safetensors"):
             if f.stem in plain_files and f.stem not in {c.kv_key.to_str() for c in chunks}:
                 f.unlink()
-        st = ServerThread(settings(indexes=(CollectionSpec("default", index),), kv_cpu_bytes=1), Pipeline.from_settings)
+        st = ServerThread(settings(indexes=(CollectionSpec("default", index),), kv_cpu_bytes=1, focus_handover=False),
+                          Pipeline.from_settings)
         try:
             with RagClient(st.addr, timeout=60) as client:
                 blend = client.query(QUESTION, mode="blend", top_k=2, max_new_tokens=3)
@@ -360,7 +363,7 @@ def test_a_neighbour_index_is_served_from_its_own_kv(tiny_llama_dir: Path, tmp_p
         for f in (index / "kv").rglob("*.safetensors"):
             if f.stem in plain_files and f.stem not in {c.kv_key.to_str() for c in chunks}:
                 f.unlink()  # the write-backs of the run above
-        st = ServerThread(settings(indexes=(CollectionSpec("default", index),), kv_cpu_bytes=1, focus_handover=True),
+        st = ServerThread(settings(indexes=(CollectionSpec("default", index),), kv_cpu_bytes=1),  # handover: default
                           Pipeline.from_settings)
         try:
             with RagClient(st.addr, timeout=60) as client:

@@ -79,9 +79,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--focus-handover", default="off", metavar="on,off",
                    help="focus: when several chunks are kept, blend over all of them instead (on), or over "
                         "the kept ones (off); on,off compares both in one run (default off)")
-    p.add_argument("--focus-spread", default="0.6", metavar="S[,S]",
-                   help="focus handover: hand over only when the other chunks score on average at least S x "
-                        "the best (0 = whenever several are kept); comma list (default 0.6)")
+    p.add_argument("--focus-spread", default="0.7", metavar="S[,S]",
+                   help="focus handover: hand over only when the two runners-up score on average at least S "
+                        "x the best (0 = whenever several are kept); comma list (default 0.7)")
     p.add_argument("--cases-out", type=Path, metavar="FILE.jsonl",
                    help="write one JSON line per case: each method's answer, scores, TTFT and, for focus, "
                         "the chunks kept and every chunk's relevance")

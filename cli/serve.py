@@ -46,8 +46,8 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("focus_keep", float, "focus mode keeps chunks scoring at least this x the best, (0, 1] (default 0.5)"),
     ("focus_handover", str, "on: focus keeping several chunks blends over all of them instead (and reads a "
                             "neighbour index's neighbour KV); off: it blends over the kept ones (default on)"),
-    ("focus_spread", float, "with --focus-handover on: hand over only when the other chunks score on average at "
-                            "least this x the best, [0, 1]; 0 = whenever several are kept (default 0.6)"),
+    ("focus_spread", float, "with --focus-handover on: hand over only when the two runners-up score on average at "
+                            "least this x the best, [0, 1]; 0 = whenever several are kept (default 0.7)"),
     ("quality_guard_mass", float, "quality guard: blend runs a request as full prefill when holding this share of "
                                   "the question's attention needs more tokens than its recompute ratio, (0, 1] "
                                   "(default off; the fallbacks are the ragkv_quality_fallbacks_total metric)"),

@@ -10,8 +10,8 @@ Modes (all return the same BlendResult, so they compare like with like):
           was computed right after the prefix), blend when several are; kept chunks
           whose KV was computed after neighbours are recomputed. It answers a shorter
           prompt than full prefill, by design. With `focus_handover`, several kept
-          chunks whose spread reaches `focus_spread` (the others score close to the
-          best) mean the question needs several passages: none is dropped, and all
+          chunks whose spread reaches `focus_spread` (the runners-up score close to
+          the best) mean the question needs several passages: none is dropped, and all
           are blended.
 - blend:  selective recompute. With the `deviation` selector (CacheBlend), layers
           [0, check_layer) run for every chunk token; at the check layer the K/V of
@@ -78,10 +78,10 @@ class BlendOptions:
     # focus_spread), the question needs more than one passage: drop none and blend over them
     # all (multi-passage questions lose most to full prefill when chunks are dropped; docs/quality.md)
     focus_handover: bool = False
-    # focus handover: hand over only when the chunks other than the best score on average at
-    # least this x the best (their spread: a lookup has one chunk far above the rest, a
-    # multi-passage question several close to it; 0.6: docs/quality.md); 0 = whenever several are kept
-    focus_spread: float = 0.6
+    # focus handover: hand over only when the two runners-up score on average at least this x
+    # the best (engine.focus.spread: a lookup has one chunk far above the rest, a multi-passage
+    # question several close to it; 0.7: docs/quality.md); 0 = whenever several are kept
+    focus_spread: float = 0.7
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.recompute_ratio <= 1.0:

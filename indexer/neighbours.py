@@ -100,7 +100,7 @@ class NeighbourOptions:
 
 # what `ragkv index` builds unless told otherwise: each chunk's KV computed after the last 256
 # tokens of its most similar chunk, prefilled with it. On MuSiQue 30x5, with the server's
-# default focus (handover at spread 0.6, ratio 0.2), it brings the answer within KL 0.027 of
+# default focus (handover at spread 0.7, ratio 0.2), it brings the answer within KL 0.026 of
 # full prefill (plain KV: 0.056) for 1.4x the indexing time of plain KV and no more storage:
 # no plain copy is kept, as nothing serves one (docs/quality.md, issue 28). The library's
 # own default (`NeighbourOptions()`, IndexJobConfig) stays plain KV.

@@ -138,7 +138,7 @@ class Pipeline:
         focus_keep: FOCUS keeps chunks scoring at least this x the best (BlendOptions.focus_keep).
         kv_layered: hand disk/S3 hits to the engine layer by layer (ServerSettings.kv_layered).
         focus_handover: FOCUS keeping several chunks blends them all (BlendOptions.focus_handover).
-        focus_spread: ... when the others score on average this x the best (BlendOptions.focus_spread).
+        focus_spread: ... when the two runners-up score on average this x the best (BlendOptions.focus_spread).
         quality_guard_mass: blend falls back to full prefill when holding this share of the
             question's attention needs more than its ratio (BlendOptions.fallback_full); None = off.
     """
@@ -146,7 +146,7 @@ class Pipeline:
     def __init__(self, engine: Engine, collections: dict[str, Collection], focus_keep: float = 0.5,
                  kv_layered: bool = True, controller: LoadingController | None = None,
                  focus_handover: bool = True, quality_guard_mass: float | None = None,
-                 focus_spread: float = 0.6) -> None:
+                 focus_spread: float = 0.7) -> None:
         self.engine = engine
         self._focus_keep, self._focus_handover, self._focus_spread = focus_keep, focus_handover, focus_spread
         self._guard_mass = quality_guard_mass

@@ -99,9 +99,9 @@ class ServerSettings:
     # on a neighbour index it then reads the neighbour KV (NeighbourOptions.serves_plain). On:
     # multi-passage questions lose most to full prefill when chunks are dropped (docs/quality.md)
     focus_handover: bool = True
-    # ... only when the other chunks score on average at least this x the best: a lookup has one
+    # ... only when the two runners-up score on average at least this x the best: a lookup has one
     # chunk far above the rest, and answers over it (BlendOptions.focus_spread, docs/quality.md)
-    focus_spread: float = 0.6
+    focus_spread: float = 0.7
     # the quality guard: blend (and focus blending several chunks) runs a request as full prefill
     # when holding this share of the question's attention needs more chunk tokens than its
     # recompute ratio allows (BlendOptions.fallback_full); None = off. Counted in

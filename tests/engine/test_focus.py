@@ -41,11 +41,13 @@ def test_pick_chunks_keeps_prompt_order_and_threshold():
     assert pick_chunks(rel, 0.1) == [0, 1, 2, 3]
 
 
-def test_spread_is_the_others_mean_over_the_best():
+def test_spread_is_the_runners_up_mean_over_the_best():
     assert spread(torch.tensor([0.2, 1.0, 0.6])) == pytest.approx(0.4)
-    assert spread(torch.tensor([0.5, 0.25])) == pytest.approx(0.5)  # the best need not be 1
-    assert spread(torch.tensor([1.0, 1.0, 1.0])) == pytest.approx(1.0)
-    assert spread(torch.tensor([0.7])) == 0.0  # a lone chunk has no others
+    assert spread(torch.tensor([0.5, 0.25])) == pytest.approx(0.5)  # the best need not be 1; one runner-up
+    # the two runners-up alone: more distractors below them do not lower it
+    assert spread(torch.tensor([0.9, 1.0, 0.1, 0.7, 0.1, 0.1])) == pytest.approx(0.8)
+    assert spread(torch.tensor([0.9, 1.0, 0.7])) == pytest.approx(0.8)
+    assert spread(torch.tensor([0.7])) == 0.0  # a lone chunk has no runner-up
 
 
 def test_bad_focus_options_are_refused():

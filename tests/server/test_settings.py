@@ -21,7 +21,7 @@ def test_defaults() -> None:
     assert s.limits().default_recompute_ratio == 0.2
     assert load_settings({"focus_handover": "off"}, env={}).focus_handover is False
     # a lookup (one chunk far above the others) stays focused: handover waits for the spread
-    assert s.focus_spread == 0.6 and load_settings({"focus_spread": "0.7"}, env={}).focus_spread == 0.7
+    assert s.focus_spread == 0.7 and load_settings({"focus_spread": "0.5"}, env={}).focus_spread == 0.5
     with pytest.raises(ValueError, match="focus_spread"):
         ServerSettings(focus_spread=-0.1)
     assert load_settings({}, env={"RAGKV_QUALITY_GUARD_MASS": "0.8"}).quality_guard_mass == 0.8

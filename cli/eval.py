@@ -129,8 +129,7 @@ def _methods(args: argparse.Namespace):
             keeps = [float(k) for k in args.focus_keep.split(",")]
             handovers = [_on_off(h, "--focus-handover") for h in args.focus_handover.split(",")]
             spreads = [float(x) for x in args.focus_spread.split(",")]
-            variants = [(False, 0.0)] if handovers == [False] else [
-                (h, sp) for h in handovers for sp in (spreads if h else [0.0])]
+            variants = [(h, sp) for h in handovers for sp in (spreads if h else [0.0])]  # spread: handover only
             for handover, sp in variants:
                 for keep in keeps:
                     for r in ratios:

@@ -127,6 +127,7 @@ class BlendResult:
     chunk_scores: tuple[float, ...] | None = None  # focus: each chunk's relevance, the best near 1
     cached_tokens: int = 0  # prompt tokens whose KV was read from a cache, not computed here
     fell_back: bool = False  # the quality guard ran it as full prefill (BlendOptions.fallback_full)
+    handed_over: bool = False  # focus handed over to blend over every chunk (BlendOptions.focus_handover)
 
     @property
     def n_prompt_tokens(self) -> int:
@@ -340,8 +341,8 @@ def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chu
     kept = pick_chunks(relevance, options.focus_keep)
     timer.lap("focus")
     yield q_ids.numel()  # the scoring pass
-    if options.focus_handover and len(kept) > 1 and spread(relevance) >= options.focus_spread:
-        # several passages matter: keep them all, blended
+    handover = options.focus_handover and len(kept) > 1 and spread(relevance) >= options.focus_spread
+    if handover:  # several passages matter: keep them all, blended
         kept = list(range(len(chunks)))
         res = yield from prompt_steps(lm, prefix, chunks, q_ids, Mode.BLEND, options, reserve_tokens)
     elif any(chunks[i].after_context for i in kept):
@@ -353,7 +354,7 @@ def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chu
     else:  # one kept chunk's plain KV is exact: reused; several: blended
         inner = Mode.REUSE if len(kept) == 1 else Mode.BLEND
         res = yield from prompt_steps(lm, prefix, [chunks[i] for i in kept], q_ids, inner, options, reserve_tokens)
-    res.mode, res.used_chunks = Mode.FOCUS, tuple(kept)
+    res.mode, res.used_chunks, res.handed_over = Mode.FOCUS, tuple(kept), handover
     res.chunk_scores = tuple(round(float(r), 4) for r in relevance)
     res.n_chunk_tokens = sum(ch.num_tokens for ch in chunks)
     res.timings = {**timer.phases, **res.timings}

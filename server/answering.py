@@ -165,6 +165,7 @@ class QueryRunner:
                     params.collection,
                     done.kv_sources,
                     done.fell_back,
+                    done.handed_over,
                 )
                 self._metrics.e2e.labels(method).observe(finished - arrived)
                 self._metrics.observe_usage(done.prompt_tokens, done.cached_prompt_tokens, completion,

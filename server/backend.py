@@ -132,6 +132,7 @@ class DoneEvent:
     used_chunk_ids: tuple[str, ...] = ()  # chunks the answer was computed over, prompt order; () = all
     kv_sources: Mapping[KVSource, int] = field(default_factory=dict)  # chunks by where their KV came from
     fell_back: bool = False  # the quality guard ran the prompt as full prefill
+    handed_over: bool = False  # focus found several passages mattering and blended every chunk
 
 
 AnswerEvent = ChunksEvent | TokenEvent | TokenIdEvent | DoneEvent

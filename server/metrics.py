@@ -61,6 +61,10 @@ class ServerMetrics:
             "ragkv_quality_fallbacks", "Answers the quality guard ran as full prefill (--quality-guard-mass), by "
             "the mode asked for; over ragkv_answers_total that is the fallback rate (exported as _total).",
             ["mode", "collection"], registry=r)
+        self.handovers = Counter(
+            "ragkv_focus_handovers", "Focus answers that blended every chunk because several mattered "
+            "(--focus-handover, --focus-spread); the rest of focus's answers were lookups over the chunks "
+            "it kept (exported as _total).", ["collection"], registry=r)
         self.answers = Counter("ragkv_answers", "Answers completed, by mode (exported as _total).",
                                ["mode", "collection"], registry=r)
         self.queue_depth = Gauge("ragkv_queue_depth", "Queries admitted and not finished.", registry=r)
@@ -114,12 +118,14 @@ class ServerMetrics:
     def observe_answer(
         self, mode: Mode, ttft: float | None, recompute_fraction: float, bytes_loaded: Mapping[Tier, int],
         collection: str = DEFAULT_COLLECTION, kv_sources: Mapping[KVSource, int] | None = None,
-        fell_back: bool = False,
+        fell_back: bool = False, handed_over: bool = False,
     ) -> None:
         """Record one finished answer."""
         self.answers.labels(mode.value, collection).inc()
         if fell_back:
             self.fallbacks.labels(mode.value, collection).inc()
+        if handed_over:
+            self.handovers.labels(collection).inc()
         if ttft is not None:
             self.ttft.labels(mode.value, collection).observe(ttft)
         self.recompute.labels(mode.value, collection).observe(recompute_fraction)

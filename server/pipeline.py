@@ -453,6 +453,7 @@ class Pipeline:
             used_chunk_ids=tuple(prepared.chunks[i].chunk_id for i in used),
             kv_sources=dict(sources),
             fell_back=res.fell_back,
+            handed_over=res.handed_over,
         )
 
     def close(self) -> None:

@@ -406,3 +406,28 @@ def test_the_quality_guard_falls_back_to_full_prefill_and_counts_it(tiny_index: 
     assert (fallbacks, answers) == (1.0, 1.0) and short.recompute_fraction == 1.0
     assert short.text == full[0]  # run as full prefill
     assert held_fallbacks == 0.0 and held.text == off.text
+
+
+def test_focus_handovers_are_counted_and_answer_over_every_chunk(tiny_index: Path) -> None:
+    """ragkv_focus_handovers_total counts the focus answers that blended every chunk: at
+    spread 0 (and keep ~0) every focus answer hands over and is computed over all the
+    chunks retrieved; at spread 1 none does, and the answer is focus's own."""
+    from ragkv.server.pipeline import Pipeline
+
+    def ask(spread: float) -> tuple[object, int, float]:
+        st = ServerThread(settings(indexes=(CollectionSpec("default", tiny_index),), focus_keep=1e-9,
+                                   focus_spread=spread), Pipeline.from_settings)
+        try:
+            with RagClient(st.addr, timeout=60) as client:
+                stream = client.query(QUESTION, mode=Mode.FOCUS, top_k=3, max_new_tokens=4)
+                stats = stream.result()
+            reg = st.server.metrics.registry
+            return (stats, len(stream.chunks),
+                    reg.get_sample_value("ragkv_focus_handovers_total", {"collection": "default"}) or 0.0)
+        finally:
+            st.stop()
+
+    handed, n, count = ask(0.0)
+    assert n == 3 and count == 1.0 and len(handed.used_chunk_ids) == 3
+    _, _, none = ask(1.0)
+    assert none == 0.0

@@ -80,7 +80,9 @@ def _case(task: str, case_id: str, rng: random.Random, paras: list[str], n_chunk
         needles = [f"The secret code of the {key} vault is {value}."]
         question, answers = f"What is the secret code of the {key} vault?", (value,)
     elif task == "multikey":
-        others = {_key(rng) for _ in range(4)} - {key}
+        # the other keys in drawing order: a set's order follows the process's string hashing,
+        # which would place the needles (and draw their codes) differently in every process
+        others = [k for k in dict.fromkeys(_key(rng) for _ in range(4)) if k != key]
         needles = [f"The secret code of the {k} vault is {_value(rng)}." for k in others]
         needles.append(f"The secret code of the {key} vault is {value}.")
         question, answers = f"What is the secret code of the {key} vault?", (value,)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -115,6 +116,21 @@ def test_synthetic_cases_hold_their_needles(task):
         text = " ".join(c.chunks)
         assert all(a in text for a in c.answers), "the answer must be in the context"
     assert make_cases(task, 3, 4, 100, lambda s: len(s.split()), seed=1) == cases  # deterministic
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_synthetic_cases_are_the_same_in_every_process(task):
+    """Runs of `ragkv eval` compare over the same cases: nothing in their making may follow
+    the process's string hashing (multikey's other keys once were a set, and each process
+    placed their needles differently)."""
+    import subprocess
+    import sys
+
+    code = ("import json; from ragkv.evals.synthetic import make_cases; "
+            f"print(json.dumps([c.chunks for c in make_cases({task!r}, 3, 4, 100, lambda s: len(s.split()), 1)]))")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2", "3")}
+    assert len(outs) == 1
 
 
 def test_bench_compares_whole_and_layered_loads_in_one_run(tiny_llama_dir, capsys):

@@ -22,7 +22,7 @@ class SlowGate:
 
     def __init__(self, num_layers: int, delay: float = 0.002, fail_at: int | None = None) -> None:
         self.num_layers, self.waits = num_layers, []
-        self._ready, self._fail_at = 0, fail_at
+        self._ready, self._fail_at, self._failed = 0, fail_at, False
         self._cond = threading.Condition()
         threading.Thread(target=self._arrive, args=(delay,), daemon=True).start()
 
@@ -31,7 +31,7 @@ class SlowGate:
             time.sleep(delay)
             with self._cond:
                 if layer == self._fail_at:
-                    self._ready = -1
+                    self._failed = True  # the layers before it stay readable, as in kvstore's LayerGate
                     self._cond.notify_all()
                     return
                 self._ready = layer + 1
@@ -41,7 +41,7 @@ class SlowGate:
         self.waits.append(layer)
         with self._cond:
             while self._ready <= layer:
-                if self._ready < 0 and layer >= self._fail_at:
+                if self._failed:
                     raise KVFormatError(f"checksum mismatch in layer {self._fail_at} (test)")
                 self._cond.wait()
 

@@ -44,6 +44,7 @@ from ragkv.engine.kv import ChunkKV, KVCache, layers_pending
 from ragkv.engine.loading import LoadedModel
 from ragkv.engine.rope import RopeTables
 from ragkv.engine.select import Budget, question_attention, select_tokens, tokens_for_mass
+from ragkv.engine.tree import TreeContext, TreeLease
 from ragkv.engine.work import WaitFor, drain, wait_for
 
 
@@ -169,6 +170,7 @@ def prompt_steps(
     mode: Mode,
     options: BlendOptions = BlendOptions(),
     reserve_tokens: int = 256,
+    select_ids: Sequence[int] | torch.Tensor | None = None,
 ) -> PromptSteps:
     """Run a prompt in `mode`, one decoder layer per step. For FULL, `prefix` and `chunks`
     give only their token ids.
@@ -183,14 +185,18 @@ def prompt_steps(
             context tokens too: neighbour-conditioned KV, positions[0] > P).
         question_ids: the question's token ids, always recomputed.
         reserve_tokens: decode room preallocated after the prompt.
+        select_ids: the tokens whose attention chooses the chunk tokens (query selector, the
+            quality guard) and the chunks (focus), in place of `question_ids`: a conversation's
+            later calls choose by its question, so their chunk KV is the first call's (the KV
+            tree reuses it exactly); None = `question_ids`.
     """
     mode = Mode(mode)
     if mode is Mode.FOCUS:
-        return (yield from _focused_steps(lm, prefix, chunks, question_ids, options, reserve_tokens))
+        return (yield from _focused_steps(lm, prefix, chunks, question_ids, options, reserve_tokens, select_ids))
     if mode is Mode.BLEND and options.selector is Selector.QUERY:  # (no name here holds the cache:
         # the guard's fallback frees it before running full)
-        return (yield from _query_blend_steps(lm, _assemble(lm, prefix, chunks, question_ids, mode, options,
-                                                            reserve_tokens), prefix, chunks, options, reserve_tokens))
+        a = _assemble(lm, prefix, chunks, question_ids, mode, options, reserve_tokens)
+        return (yield from _query_blend_steps(lm, a, prefix, chunks, options, reserve_tokens, select_ids))
     a = _assemble(lm, prefix, chunks, question_ids, mode, options, reserve_tokens)
     if mode is Mode.BLEND:  # deviation: every token through the check layer, then the picked ones
         check = min(options.check_layer, lm.num_layers - 1)
@@ -242,21 +248,28 @@ def _assemble(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV]
 
 
 def _query_blend_steps(lm: LoadedModel, a: _Assembled, prefix: ChunkKV | None, chunks: Sequence[ChunkKV],
-                       options: BlendOptions, reserve_tokens: int) -> PromptSteps:
+                       options: BlendOptions, reserve_tokens: int,
+                       select_ids: Sequence[int] | torch.Tensor | None = None) -> PromptSteps:
     """BLEND with the query selector: the question's attention picks the tokens first."""
     p, c, n = a.p, a.c, a.n
     score_layer = lm.adapter.scoring_layers([lm.num_layers // 2])[0] if options.score_layer is None \
         else options.score_layer % lm.num_layers
     if (w := wait_for(a.cache.pending(score_layer))) is not None:  # the scoring pass reads layers up to it
         yield w
-    scores = question_attention(lm, a.ids, a.cache, a.rope_all, c, [score_layer])[0, p:]  # [C-P]
+    if select_ids is None:
+        scores = question_attention(lm, a.ids, a.cache, a.rope_all, c, [score_layer])[0, p:]  # [C-P]
+    else:  # the choosing tokens' K/V go where the question's will (the pass below overwrites them)
+        ids = torch.cat([a.ids[:c], torch.as_tensor(select_ids, dtype=torch.long).to(lm.device)])  # [C + A]
+        a.cache.ensure(ids.shape[0])
+        rope = lm.adapter.rotary(torch.arange(ids.shape[0], device=lm.device), _like(lm))
+        scores = question_attention(lm, ids, a.cache, rope, c, [score_layer])[0, p:]  # [C-P]
     a.timer.lap("score")
     if options.fallback_full and tokens_for_mass(scores, options.adaptive_mass) > round(
             options.recompute_ratio * (c - p)):
         q_ids = a.ids[c:]
         phases = a.timer.phases
         del a  # the guard: this request's attention is too spread for the budget
-        res = yield from prompt_steps(lm, prefix, chunks, q_ids, Mode.FULL, options, reserve_tokens)
+        res = yield from prompt_steps(lm, prefix, chunks, q_ids, Mode.FULL, options, reserve_tokens, select_ids)
         res.timings, res.fell_back = {**phases, **res.timings}, True
         return res
     picked = select_tokens(scores, [ch.num_tokens for ch in chunks], options)
@@ -286,7 +299,7 @@ def _layers(lm: LoadedModel, a: _Assembled, chunks: Sequence[ChunkKV], options: 
     rope = a.rope_all[pos]  # S rows
     # contiguous active tokens from first_active on recompute every chunk token past it (none
     # for reuse); deviation blend replaces this with its pick at the check layer
-    recomputed = pos[pos < c] if first_active < 0 else torch.arange(max(first_active, p), c, device=dev)
+    recomputed = pos[pos < c] if first_active < 0 else torch.arange(min(max(first_active, p), c), c, device=dev)
     last = lm.num_layers - 1
     for i in range(lm.num_layers):
         if (w := wait_for(cache.pending(i))) is not None:  # a chunk's layer i is still arriving: park
@@ -324,9 +337,52 @@ def _layers(lm: LoadedModel, a: _Assembled, chunks: Sequence[ChunkKV], options: 
     return BlendResult(a.mode, a.ids, logits, cache, recomputed, c - p, timer.phases)
 
 
+def resume_steps(lm: LoadedModel, lease: TreeLease, ids: Sequence[int], mode: Mode,
+                 layout: TreeContext | None = None, reserve_tokens: int = 256) -> PromptSteps:
+    """Run a prompt whose first tokens' KV the KV tree holds: only the rest is computed.
+
+    The cache takes the lease's KV (the context, blended as its first request's pass left
+    it, and the matched tokens after it), the lease is released, and every later token runs
+    through every layer, as the question does in any mode.
+
+    Args:
+        lease: the matched path (`KVTree.match`): context tokens and `matched` tokens of `ids`.
+        ids: the tokens after the context (the path the tree matched against).
+        layout: where the prefix and the chunks lie in this prompt, and what the pass decided
+            (FULL and PREFIX, whose contexts many prompts share); None = the context's own.
+    """
+    dev = lm.device
+    timer = _PhaseTimer(dev)
+    ctx = layout or lease.context
+    prompt = torch.tensor([*lease.context_ids, *ids], dtype=torch.long, device=dev)  # [N]
+    n = int(prompt.shape[0])
+    cache = KVCache(lm.num_layers, lm.num_kv_heads, lm.head_dim, n + reserve_tokens, lm.dtype, dev)
+    try:
+        first = lease.write_into(cache)  # positions [0, first) are the tree's
+    finally:
+        lease.release()
+    cache.length = n
+    rope_all = lm.adapter.rotary(torch.arange(n, device=dev), _like(lm))  # N rows
+    timer.lap("tree")
+    a = _Assembled(Mode(mode), prompt, ctx.prefix_tokens, ctx.chunk_end, cache, rope_all, timer)
+    res = yield from _layers(lm, a, [], BlendOptions(), first_active=first)
+    res.n_chunk_tokens = ctx.chunk_tokens
+    res.used_chunks, res.chunk_scores = ctx.used_chunks, ctx.chunk_scores
+    res.handed_over, res.fell_back = ctx.handed_over, ctx.fell_back
+    res.cached_tokens = first
+    return res
+
+
+def tree_context(res: BlendResult, question_tokens: int, prefix_tokens: int) -> TreeContext:
+    """What a finished prompt pass decided, for the KV tree to replay."""
+    return TreeContext(prefix_tokens=prefix_tokens, chunk_end=res.n_prompt_tokens - question_tokens,
+                       chunk_tokens=res.n_chunk_tokens, used_chunks=res.used_chunks,
+                       chunk_scores=res.chunk_scores, handed_over=res.handed_over, fell_back=res.fell_back)
+
+
 def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV],
                    question_ids: Sequence[int] | torch.Tensor, options: BlendOptions,
-                   reserve_tokens: int) -> PromptSteps:
+                   reserve_tokens: int, select_ids: Sequence[int] | torch.Tensor | None = None) -> PromptSteps:
     """FOCUS: score the chunks, then run the prompt over the kept ones."""
     _check_segments(lm, prefix, chunks)
     q_ids = torch.as_tensor(question_ids, dtype=torch.long)  # [Q]
@@ -337,23 +393,25 @@ def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chu
     top = max(layers)  # the scoring pass reads every chunk's layers [0, top]: wait for them off the scheduler
     if (w := wait_for(layers_pending(chunks, top))) is not None:
         yield w
-    relevance = chunk_relevance(lm, prefix, chunks, q_ids, layers)
+    choosing = q_ids if select_ids is None else torch.as_tensor(select_ids, dtype=torch.long)  # [A]
+    relevance = chunk_relevance(lm, prefix, chunks, choosing, layers)
     kept = pick_chunks(relevance, options.focus_keep)
     timer.lap("focus")
     yield q_ids.numel()  # the scoring pass
     handover = options.focus_handover and len(kept) > 1 and spread(relevance) >= options.focus_spread
     if handover:  # several passages matter: keep them all, blended
         kept = list(range(len(chunks)))
-        res = yield from prompt_steps(lm, prefix, chunks, q_ids, Mode.BLEND, options, reserve_tokens)
+        res = yield from prompt_steps(lm, prefix, chunks, q_ids, Mode.BLEND, options, reserve_tokens, select_ids)
     elif any(chunks[i].after_context for i in kept):
         # KV computed after neighbours this prompt does not hold: recompute the kept chunks (the
         # prompt is then the prefix, those chunks and the question, exactly as full prefill)
         exact = replace(options, recompute_ratio=1.0)
         res = yield from prompt_steps(lm, prefix, [chunks[i] for i in kept], q_ids, Mode.BLEND, exact,
-                                      reserve_tokens)
+                                      reserve_tokens, select_ids)
     else:  # one kept chunk's plain KV is exact: reused; several: blended
         inner = Mode.REUSE if len(kept) == 1 else Mode.BLEND
-        res = yield from prompt_steps(lm, prefix, [chunks[i] for i in kept], q_ids, inner, options, reserve_tokens)
+        res = yield from prompt_steps(lm, prefix, [chunks[i] for i in kept], q_ids, inner, options, reserve_tokens,
+                                      select_ids)
     res.mode, res.used_chunks, res.handed_over = Mode.FOCUS, tuple(kept), handover
     res.chunk_scores = tuple(round(float(r), 4) for r in relevance)
     res.n_chunk_tokens = sum(ch.num_tokens for ch in chunks)

@@ -12,12 +12,14 @@ import torch
 
 from ragkv.types import Mode
 from ragkv.engine.constrain import Constraint, ConstraintCompiler
-from ragkv.engine.blend import BlendOptions, BlendResult, PromptSteps, prompt_steps, run_prompt
+from ragkv.engine.blend import (BlendOptions, BlendResult, PromptSteps, Selector, prompt_steps, resume_steps,
+                                run_prompt, tree_context)
 from ragkv.engine.decode import DecodeStream, SamplingParams
 from ragkv.engine.kv import ChunkKV
 from ragkv.engine.loading import LoadedModel
 from ragkv.engine.prefill import prefill_segment, prefill_steps
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT, PromptFormat
+from ragkv.engine.tree import KVTree, TreeContext, TreeKey, TreeLease
 from ragkv.engine.work import drain
 
 _PREFIX_MEMO_SIZE = 8  # distinct prefixes kept computed
@@ -42,10 +44,15 @@ def placeholder_kv(token_ids: Sequence[int], start: int, lm: LoadedModel) -> Chu
 
 
 class Engine:
-    """The model runtime: prefill chunks, blend a prompt, decode."""
+    """The model runtime: prefill chunks, blend a prompt, decode.
 
-    def __init__(self, lm: LoadedModel, system_prompt: str = DEFAULT_SYSTEM_PROMPT) -> None:
+    Args:
+        tree_bytes: the KV tree's budget on the engine's device (engine.tree); 0 = no tree.
+    """
+
+    def __init__(self, lm: LoadedModel, system_prompt: str = DEFAULT_SYSTEM_PROMPT, tree_bytes: int = 0) -> None:
         self.lm = lm
+        self.tree = KVTree(tree_bytes)  # served prompts' KV, so a conversation's next call computes only what is new
         self.prompt = PromptFormat.for_tokenizer(lm.tokenizer, system_prompt)
         self._prefixes: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()
         vocab = lm.model.get_output_embeddings().weight.shape[0]  # V, the logits' width
@@ -142,9 +149,62 @@ class Engine:
 
     def run(self, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]], chunks: Sequence[ChunkKV] | None,
             question_ids: Sequence[int], mode: Mode, options: BlendOptions | None = None,
-            reserve_tokens: int = 256) -> BlendResult:
+            reserve_tokens: int = 256, select_ids: Sequence[int] | None = None,
+            resume: TreeLease | None = None) -> BlendResult:
         """`run_steps` to its end."""
-        return drain(self.run_steps(prefix_ids, chunk_ids, chunks, question_ids, mode, options, reserve_tokens))
+        return drain(self.run_steps(prefix_ids, chunk_ids, chunks, question_ids, mode, options, reserve_tokens,
+                                    select_ids, resume))
+
+    # -- the KV tree: what a context is in each mode, and the path after it --
+
+    @staticmethod
+    def chooses_by_question(mode: Mode, options: BlendOptions | None = None) -> bool:
+        """Whether `mode` picks chunk tokens or chunks by the question's attention (so the
+        chunks' KV after the pass depends on the tokens that chose)."""
+        opts = options or BlendOptions()
+        return Mode(mode) is Mode.FOCUS or (Mode(mode) is Mode.BLEND and opts.selector is Selector.QUERY)
+
+    def tree_key(self, mode: Mode, prefix_ids: Sequence[int], chunk_keys: Sequence[object],
+                 options: BlendOptions | None = None, select_ids: Sequence[int] = ()) -> TreeKey:
+        """The context a prompt's KV hangs under in the tree.
+
+        FULL: the model alone (every token is on the path: automatic prefix caching).
+        PREFIX: the model and the prefix. The chunk modes: the model, the mode, the prefix, the
+        chunks' KV keys in order (model, tokenizer, prefix and neighbour context are in each),
+        the options, and for the modes that choose by the question, the tokens that chose.
+        """
+        mode, lm = Mode(mode), self.lm
+        if mode is Mode.FULL:
+            return TreeKey.of(lm.fingerprint, lm.dtype, mode.value)
+        prefix = tuple(int(i) for i in prefix_ids)
+        if mode is Mode.PREFIX:
+            return TreeKey.of(lm.fingerprint, lm.dtype, mode.value, prefix)
+        opts = options or BlendOptions()
+        chose = tuple(int(i) for i in select_ids) if self.chooses_by_question(mode, opts) else ()
+        return TreeKey.of(lm.fingerprint, lm.dtype, mode.value, prefix, tuple(repr(k) for k in chunk_keys), opts, chose)
+
+    @staticmethod
+    def tree_path(mode: Mode, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]],
+                  question_ids: Sequence[int]) -> list[int]:
+        """The tokens after the context, which the tree matches (see `tree_key`)."""
+        mode = Mode(mode)
+        chunks = [t for ids in chunk_ids for t in ids]
+        if mode is Mode.FULL:
+            return [*prefix_ids, *chunks, *question_ids]
+        if mode is Mode.PREFIX:
+            return [*chunks, *question_ids]
+        return list(question_ids)
+
+    def remember(self, key: TreeKey, mode: Mode, res: BlendResult, question_tokens: int, prefix_tokens: int,
+                 answer_ids: Sequence[int] = ()) -> int:
+        """Keep a prompt's KV served in `mode` (and its answer's, as far as the cache holds it)
+        in the tree, under `tree_key`'s key, after its decode. Returns the tokens newly stored."""
+        if not self.tree.enabled:
+            return 0
+        ids = [*res.token_ids.tolist(), *answer_ids][:res.cache.length]
+        start = {Mode.FULL: 0, Mode.PREFIX: prefix_tokens}.get(Mode(mode), res.n_prompt_tokens - question_tokens)
+        return self.tree.insert(key, ids[:start], tree_context(res, question_tokens, prefix_tokens),
+                                ids[start:], res.cache)
 
     @torch.inference_mode()
     def run_steps(
@@ -156,6 +216,8 @@ class Engine:
         mode: Mode,
         options: BlendOptions | None = None,
         reserve_tokens: int = 256,
+        select_ids: Sequence[int] | None = None,
+        resume: TreeLease | None = None,
     ) -> PromptSteps:
         """Run `[prefix][chunks][question]` in any mode; the one entry point for serving.
 
@@ -167,12 +229,26 @@ class Engine:
             chunk_ids: each chunk's token ids.
             chunks: each chunk's KV, when `reads_chunk_kv(mode)`; ignored otherwise. A chunk
                 computed for this request (`ChunkKV.fresh`) does not count as cached.
+            select_ids: the tokens that choose chunk tokens and chunks (engine.blend.prompt_steps).
+            resume: a KV-tree lease on this prompt's context and first tokens (`tree_key`,
+                `tree_path`): only the rest is computed, and `chunks` are not read.
 
         Returns:
             The prompt ready for decoding; `cached_tokens` counts the prompt tokens whose KV
             was read from a cache (the prefix, and the used chunks that were not fresh).
         """
         mode, opts = Mode(mode), options or BlendOptions()
+        if resume is not None:
+            path = self.tree_path(mode, prefix_ids, chunk_ids, question_ids)
+            layout = None
+            if mode in (Mode.FULL, Mode.PREFIX):  # a context many prompts share: this one's layout
+                p = len(prefix_ids)
+                c = p + sum(len(ids) for ids in chunk_ids)
+                layout = TreeContext(prefix_tokens=p, chunk_end=c, chunk_tokens=c - p)
+            res = yield from resume_steps(self.lm, resume, path, mode, layout, reserve_tokens)
+            if mode is Mode.PREFIX:  # the prefix is always cached in PREFIX mode
+                res.cached_tokens = max(res.cached_tokens, len(prefix_ids))
+            return res
         if mode is Mode.FULL:
             ids = [*prefix_ids, *(t for ids in chunk_ids for t in ids), *question_ids]
             return (yield from prompt_steps(self.lm, None, [], ids, Mode.FULL, reserve_tokens=reserve_tokens))
@@ -180,12 +256,12 @@ class Engine:
         if mode is Mode.PREFIX:  # every chunk token is recomputed: its KV is never read
             placeholders = [placeholder_kv(ids, len(prefix_ids), self.lm) for ids in chunk_ids]
             res = yield from prompt_steps(self.lm, prefix, placeholders, question_ids, mode, opts, reserve_tokens)
-            res.cached_tokens = len(prefix_ids)
+            res.cached_tokens = len(prefix_ids)  # (PREFIX chooses nothing: no select_ids)
             return res
         if chunks is None or len(chunks) != len(chunk_ids):
             raise ValueError(f"mode {mode.value} reads each chunk's KV: got "
                              f"{'none' if chunks is None else len(chunks)} for {len(chunk_ids)} chunks")
-        res = yield from prompt_steps(self.lm, prefix, chunks, question_ids, mode, opts, reserve_tokens)
+        res = yield from prompt_steps(self.lm, prefix, chunks, question_ids, mode, opts, reserve_tokens, select_ids)
         used = res.used_chunks if res.used_chunks is not None else range(len(chunks))
         res.cached_tokens = len(prefix_ids) + sum(chunks[i].num_tokens for i in used if not chunks[i].fresh)
         return res

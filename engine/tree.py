@@ -1,0 +1,346 @@
+"""The KV tree: a radix tree of served prompts' KV, so a conversation's next call computes
+only what is new (SGLang's RadixAttention, arXiv 2312.07104, over blended chunk KV).
+
+Each root is one *context*: what made the KV before the tokens the tree matches. Its key
+(`TreeKey`) names the model, the mode, the prefix, the chunk keys in order and the options
+that changed the chunks' KV (and, where the mode chooses chunk tokens by the question, the
+question those choices were made by: `Engine.select_ids`). The root holds the context's KV
+as the prompt pass left it (prefix and chunks, blended); below it, edges of token ids hold
+the KV of the question, the conversation and the answers, K after RoPE at their final
+positions. FULL mode's context is empty (automatic prefix caching over every token);
+PREFIX's is the prefix.
+
+Lifetime: a request leases the path it matched (`KVTree.match`, reference counts on every
+node of it) and releases it when its prompt pass has copied it (`TreeLease.release`, also
+on garbage collection of a lease never released). After the answer, the request's whole
+sequence is inserted (`KVTree.insert`). The tree holds at most `budget_bytes`: an insert
+evicts least-recently-used leaves that no lease holds, and inserts nothing when the
+budget cannot hold it. A leased node is never split or evicted, so a lease's tensors stay
+as they were matched.
+
+Thread-safe: leases are taken on the server's retrieval threads, inserts run on the
+scheduler thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ragkv.engine.kv import KVCache
+
+
+@dataclass(frozen=True, slots=True)
+class TreeKey:
+    """What made a context's KV: a digest over its parts (model, mode, prefix, chunk keys,
+    options, the question the mode's choices were made by)."""
+
+    digest: str
+
+    @classmethod
+    def of(cls, *parts: object) -> TreeKey:
+        h = hashlib.sha256()
+        for part in parts:
+            data = repr(part).encode()
+            h.update(len(data).to_bytes(8, "little") + data)
+        return cls(h.hexdigest())
+
+    def __str__(self) -> str:
+        return self.digest[:12]
+
+
+@dataclass(frozen=True, slots=True)
+class TreeContext:
+    """What a context's prompt pass decided, replayed by every request that reuses it."""
+
+    prefix_tokens: int  # P: tokens of the shared prefix at the start of the prompt
+    chunk_end: int  # C: the chunks lie at prompt positions [P, C), the question from C on
+    chunk_tokens: int  # chunk tokens the mode's pass counted (every retrieved chunk's, in focus)
+    used_chunks: tuple[int, ...] | None = None  # focus: the chunks kept; None = all
+    chunk_scores: tuple[float, ...] | None = None  # focus: each chunk's relevance
+    handed_over: bool = False  # focus handed over to blend
+    fell_back: bool = False  # the quality guard ran the pass as full prefill
+
+
+class _Node:
+    """One edge of the tree: a run of tokens and their KV."""
+
+    __slots__ = ("ids", "k", "v", "start", "children", "parent", "refs", "used", "key", "context")
+
+    def __init__(self, ids: tuple[int, ...], k: torch.Tensor, v: torch.Tensor, start: int,
+                 parent: _Node | None, key: TreeKey, context: TreeContext | None = None) -> None:
+        self.ids = ids  # the tokens of this edge (a root: the whole context)
+        self.k = k  # [L, Hkv, T, D], after RoPE
+        self.v = v  # [L, Hkv, T, D]
+        self.start = start  # position of the first token
+        self.children: dict[int, _Node] = {}  # first token -> child
+        self.parent = parent
+        self.refs = 0  # leases holding this node
+        self.used = 0  # LRU clock of its last match or insert
+        self.key = key  # the context it hangs under
+        self.context = context  # roots only
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.ids)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+
+@dataclass(slots=True)
+class TreeLease:
+    """A matched path, held until the prompt pass has copied it into its own cache."""
+
+    tree: KVTree
+    context_ids: tuple[int, ...]  # the context's tokens (the root's)
+    context: TreeContext
+    matched: int  # tokens matched past the context
+    _parts: list[tuple[_Node, int]] = field(default_factory=list)  # (node, its tokens used)
+    _held: bool = True
+
+    @property
+    def tokens(self) -> int:
+        """Prompt positions whose KV the lease supplies: the context and the matched tokens."""
+        return len(self.context_ids) + self.matched
+
+    def write_into(self, cache: KVCache) -> int:
+        """Copy the leased KV into slots [0, tokens) of `cache`; returns the tokens written."""
+        if not self._held:
+            raise RuntimeError("TreeLease.write_into after release: a bug")
+        for node, n in self._parts:
+            cache.k[:, :, node.start:node.start + n] = node.k[:, :, :n]
+            cache.v[:, :, node.start:node.start + n] = node.v[:, :, :n]
+        return self.tokens
+
+    def release(self) -> None:
+        """Let the path be evicted again (idempotent)."""
+        if self._held:
+            self._held = False
+            self.tree._release(self._parts)
+
+    def __del__(self) -> None:  # a lease dropped unreleased (a request refused after prepare)
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to release
+            pass
+
+
+@dataclass(frozen=True, slots=True)
+class TreeStats:
+    """What the tree holds and has done since it was made."""
+
+    nbytes: int  # KV bytes held
+    budget_bytes: int
+    nodes: int
+    contexts: int  # roots
+    hits: int  # matches that supplied at least the context
+    hit_tokens: int  # prompt tokens supplied by matches
+    misses: int
+    evictions: int  # nodes evicted
+    evicted_bytes: int
+
+
+class KVTree:
+    """Radix tree of served prompts' KV under a byte budget; see the module docstring.
+
+    Args:
+        budget_bytes: KV bytes the tree may hold; 0 turns it off (nothing matches or is kept).
+    """
+
+    def __init__(self, budget_bytes: int) -> None:
+        if budget_bytes < 0:
+            raise ValueError(f"the KV tree's budget must be >= 0 bytes, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self._roots: dict[TreeKey, _Node] = {}
+        self._lock = threading.Lock()
+        self._clock = itertools.count(1)
+        self._bytes = self._nodes = 0
+        self._hits = self._hit_tokens = self._misses = self._evictions = self._evicted_bytes = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget_bytes > 0
+
+    def stats(self) -> TreeStats:
+        with self._lock:
+            return TreeStats(self._bytes, self.budget_bytes, self._nodes, len(self._roots), self._hits,
+                             self._hit_tokens, self._misses, self._evictions, self._evicted_bytes)
+
+    def match(self, key: TreeKey, ids: Sequence[int]) -> TreeLease | None:
+        """The longest path under `key` that `ids` (the tokens after the context) starts with,
+        leased; None when the context itself is not held.
+
+        At least the last token of `ids` is left to compute: a prompt pass needs its logits.
+        """
+        ids = tuple(int(i) for i in ids)
+        with self._lock:
+            root = self._roots.get(key)
+            if root is None or not ids:
+                self._misses += root is None
+                return None
+            now = next(self._clock)
+            parts: list[tuple[_Node, int]] = [(root, len(root.ids))]
+            node, pos, limit = root, 0, len(ids) - 1
+            while pos < limit:
+                child = node.children.get(ids[pos])
+                if child is None:
+                    break
+                n = _common(child.ids, ids[pos:limit])
+                parts.append((child, n))
+                pos += n
+                if n < len(child.ids):
+                    break
+                node = child
+            if not root.ids and pos == 0:  # an empty context and no token matched: nothing to supply
+                self._misses += 1
+                return None
+            for node, _ in parts:
+                node.refs += 1
+                node.used = now
+            self._hits += 1
+            self._hit_tokens += len(root.ids) + pos
+            return TreeLease(self, root.ids, root.context, pos, parts)
+
+    def _release(self, parts: Iterable[tuple[_Node, int]]) -> None:
+        with self._lock:
+            for node, _ in parts:
+                node.refs -= 1
+
+    def insert(self, key: TreeKey, context_ids: Sequence[int], context: TreeContext, ids: Sequence[int],
+               cache: KVCache) -> int:
+        """Keep the KV of a served sequence: `cache` slots [0, C) hold the context
+        (`context_ids`), slots [C, C + len(ids)) the tokens after it.
+
+        Returns:
+            The tokens newly stored (0 when all were held, or the budget cannot hold them).
+        """
+        if not self.enabled:
+            return 0
+        context_ids = tuple(int(i) for i in context_ids)
+        ids = tuple(int(i) for i in ids)
+        c = len(context_ids)
+        if cache.length < c + len(ids):
+            raise ValueError(f"the cache holds {cache.length} tokens, fewer than the {c + len(ids)} to insert")
+        with self._lock:
+            now = next(self._clock)
+            root = self._roots.get(key)
+            if root is None:
+                if not self._make_room(_bytes_of(cache, c)):
+                    return 0
+                root = _Node(context_ids, *_slice(cache, 0, c), 0, None, key, context)
+                self._add(root)
+                self._roots[key] = root
+            elif root.ids != context_ids:  # the key names another context: a digest collision or a bug
+                raise ValueError(f"KV tree context {key} holds other tokens than the ones inserted under it")
+            root.used = now
+            node, pos, added = root, 0, 0
+            while pos < len(ids):
+                child = node.children.get(ids[pos])
+                if child is None:  # a new leaf for the rest
+                    if not self._make_room(_bytes_of(cache, len(ids) - pos), keep=node):
+                        break
+                    leaf = _Node(ids[pos:], *_slice(cache, c + pos, c + len(ids)), c + pos, node, key)
+                    leaf.used = now
+                    node.children[ids[pos]] = leaf
+                    self._add(leaf)
+                    added += len(ids) - pos
+                    break
+                n = _common(child.ids, ids[pos:])
+                child.used = now
+                if n < len(child.ids):
+                    if child.refs or n == len(ids) - pos:  # leased (its tensors must stay), or nothing new
+                        break
+                    self._split(child, n)
+                node, pos = child, pos + n
+            return added
+
+    def clear(self) -> None:
+        """Drop every node no lease holds."""
+        with self._lock:
+            while leaves := [n for n in self._leaves() if n.refs == 0]:
+                for node in leaves:
+                    self._evict(node)
+
+    def _add(self, node: _Node) -> None:
+        self._bytes += node.nbytes
+        self._nodes += 1
+
+    def _split(self, node: _Node, n: int) -> None:
+        """Cut `node` after its first n tokens: it keeps those, a new child takes the rest."""
+        lower = _Node(node.ids[n:], node.k[:, :, n:].clone(), node.v[:, :, n:].clone(), node.start + n, node,
+                      node.key)
+        lower.children, lower.used = node.children, node.used
+        for ch in lower.children.values():
+            ch.parent = lower
+        self._bytes -= node.nbytes
+        node.ids, node.k, node.v = node.ids[:n], node.k[:, :, :n].clone(), node.v[:, :, :n].clone()
+        node.children = {lower.ids[0]: lower}
+        self._bytes += node.nbytes + lower.nbytes
+        self._nodes += 1
+
+    def _make_room(self, need: int, keep: _Node | None = None) -> bool:
+        """Evict least-recently-used unleased leaves until `need` more bytes fit (never `keep`
+        or its ancestors, where the new node hangs); False when they cannot."""
+        if self._bytes + need <= self.budget_bytes:
+            return True
+        if need > self.budget_bytes:
+            return False
+        kept = set()
+        while keep is not None:
+            kept.add(id(keep))
+            keep = keep.parent
+        heap = [(n.used, id(n), n) for n in self._leaves() if n.refs == 0 and id(n) not in kept]
+        heapq.heapify(heap)
+        while heap and self._bytes + need > self.budget_bytes:
+            _, _, node = heapq.heappop(heap)
+            self._evict(node)
+            parent = node.parent
+            if parent is not None and not parent.children and parent.refs == 0 and id(parent) not in kept:
+                heapq.heappush(heap, (parent.used, id(parent), parent))
+        return self._bytes + need <= self.budget_bytes
+
+    def _leaves(self) -> Iterable[_Node]:
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            else:
+                yield node
+
+    def _evict(self, node: _Node) -> None:
+        if node.parent is None:
+            del self._roots[node.key]
+        else:
+            del node.parent.children[node.ids[0]]
+        self._bytes -= node.nbytes
+        self._nodes -= 1
+        self._evictions += 1
+        self._evicted_bytes += node.nbytes
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of a and b."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _slice(cache: KVCache, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of slots [start, stop) of the cache: K [L, Hkv, T, D] after RoPE, V."""
+    return cache.k[:, :, start:stop].clone(), cache.v[:, :, start:stop].clone()
+
+
+def _bytes_of(cache: KVCache, tokens: int) -> int:
+    L, H, _, D = cache.k.shape
+    return 2 * L * H * tokens * D * cache.k.element_size()

@@ -1,0 +1,167 @@
+"""The KV tree: the radix tree itself, and reuse that changes no answer in any mode."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from ragkv.types import Mode
+from ragkv.engine import BlendOptions, Engine, SamplingParams, load_model
+from ragkv.engine.kv import KVCache
+from ragkv.engine.tree import KVTree, TreeContext, TreeKey
+from ragkv.evals.testing import tiny_model_dir
+
+CHUNKS = [
+    "Paris is the capital of France. The secret number is 4721.",
+    "Alice met Bob by the river. The quick brown fox jumps over the lazy dog.",
+    "ragkv stores the KV cache of every chunk and blends them at query time.",
+]
+QUESTION = "What is the secret number?"
+TOOL_TURN = "\nTool: the archive says 4721, chosen by Alice in Paris.\n"
+CTX = TreeContext(prefix_tokens=0, chunk_end=0, chunk_tokens=0)
+
+
+def _cache(n: int, fill: float = 0.0) -> KVCache:
+    """A cache of n tokens whose K/V at slot j hold j + fill (so copies can be checked)."""
+    cache = KVCache(2, 1, 3, n + 4, torch.float32, torch.device("cpu"))
+    cache.k[:, :, :n] = torch.arange(n, dtype=torch.float32)[None, None, :, None] + fill
+    cache.v[:, :, :n] = -cache.k[:, :, :n]
+    cache.length = n
+    return cache
+
+
+def _bytes(tokens: int) -> int:
+    return 2 * 2 * 1 * tokens * 3 * 4  # K and V, [L=2, Hkv=1, T, D=3], float32
+
+
+def test_match_returns_the_longest_path_and_leaves_a_token_to_compute():
+    tree, key = KVTree(10**6), TreeKey.of("ctx")
+    assert tree.match(key, [1, 2, 3]) is None  # no context yet
+    tree.insert(key, [7, 8], CTX, [1, 2, 3, 4], _cache(6))
+    lease = tree.match(key, [1, 2, 3, 9])
+    assert (lease.context_ids, lease.matched, lease.tokens) == ((7, 8), 3, 5)
+    out = KVCache(2, 1, 3, 8, torch.float32, torch.device("cpu"))
+    lease.write_into(out)
+    assert torch.equal(out.k[:, :, :5], _cache(6).k[:, :, :5])
+    lease.release()
+    whole = tree.match(key, [1, 2, 3, 4])  # everything held: the last token is still computed
+    assert whole.matched == 3
+    whole.release()
+
+
+def test_a_diverging_insert_splits_the_edge_and_keeps_both_branches():
+    tree, key = KVTree(10**6), TreeKey.of("ctx")
+    tree.insert(key, [], CTX, [1, 2, 3, 4], _cache(4))
+    assert tree.insert(key, [], CTX, [1, 2, 5, 6], _cache(4, fill=100)) == 2
+    for ids, want in (([1, 2, 3, 4, 0], 0.0), ([1, 2, 5, 6, 0], 100.0)):
+        lease = tree.match(key, ids)
+        assert lease.matched == 4
+        out = KVCache(2, 1, 3, 8, torch.float32, torch.device("cpu"))
+        lease.write_into(out)
+        assert out.k[0, 0, 3, 0].item() == 3 + want  # the branch's own KV, past the split
+        assert out.k[0, 0, 1, 0].item() == 1  # the shared part: the first insert's
+        lease.release()
+    assert tree.stats().nbytes == _bytes(6)
+
+
+def test_eviction_is_lru_over_unleased_leaves_within_the_budget():
+    tree = KVTree(_bytes(8))
+    a, b, c = TreeKey.of("a"), TreeKey.of("b"), TreeKey.of("c")
+    tree.insert(a, [], CTX, [1, 2, 3], _cache(3))
+    tree.insert(b, [], CTX, [4, 5, 6], _cache(3))
+    held = tree.match(a, [1, 2, 3, 0])  # a is older, but leased
+    tree.insert(c, [], CTX, [7, 8, 9], _cache(3))  # needs room: b goes, not the leased a
+    assert tree.match(b, [4, 5, 6]) is None
+    assert tree.stats().nbytes <= _bytes(8) and tree.stats().evictions == 1
+    held.release()
+    tree.match(c, [7, 8, 9]).release()  # c is now the most recent
+    tree.insert(b, [], CTX, [4, 5, 6], _cache(3))
+    assert tree.match(a, [1, 2]) is None  # a, least recently used and no longer leased, went
+    assert tree.stats().nbytes <= _bytes(8)
+
+
+def test_an_insert_beyond_the_budget_stores_nothing_and_a_zero_budget_is_off():
+    tree = KVTree(_bytes(2))
+    assert tree.insert(TreeKey.of("x"), [], CTX, [1, 2, 3], _cache(3)) == 0
+    assert tree.stats().nbytes == 0
+    off = KVTree(0)
+    assert not off.enabled and off.insert(TreeKey.of("x"), [], CTX, [1], _cache(1)) == 0
+    with pytest.raises(ValueError, match="budget"):
+        KVTree(-1)
+
+
+def test_a_lease_dropped_unreleased_is_released_and_a_leased_edge_is_not_split():
+    tree, key = KVTree(10**6), TreeKey.of("ctx")
+    tree.insert(key, [], CTX, [1, 2, 3, 4], _cache(4))
+    lease = tree.match(key, [1, 2, 3, 4, 5])
+    assert tree.insert(key, [], CTX, [1, 2, 9], _cache(3)) == 0  # would split a leased edge
+    del lease
+    gc.collect()
+    assert tree.insert(key, [], CTX, [1, 2, 9], _cache(3)) == 1
+    tree.clear()
+    assert tree.stats().nbytes == 0
+
+
+# -- reuse through the engine: equal to computing the same request without the tree --
+
+RUNS = [(Mode.FULL, "query", 1.0), (Mode.PREFIX, "query", 1.0), (Mode.REUSE, "query", 0.2),
+        (Mode.BLEND, "query", 0.2), (Mode.BLEND, "query", 1.0), (Mode.BLEND, "deviation", 0.2),
+        (Mode.FOCUS, "query", 0.2)]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gemma2"])
+def engine(request, tmp_path_factory):
+    family = request.param != "llama"  # qwen2 and gemma2 with sliding windows and their features on
+    d = tiny_model_dir(tmp_path_factory.mktemp(request.param), request.param, family=family, seed=11)
+    return Engine(load_model(str(d), device="cpu", dtype="float32"), tree_bytes=256 << 20)
+
+
+@pytest.mark.parametrize("mode,selector,ratio", RUNS, ids=[f"{m.value}-{s}-{r}" for m, s, r in RUNS])
+def test_a_conversations_next_call_reuses_the_tree_and_equals_computing_it(engine, mode, selector, ratio):
+    fmt, eng = engine.prompt, engine
+    prefix_ids = fmt.prefix_ids()
+    chunk_ids = [fmt.chunk_ids(c) for c in CHUNKS]
+    opts = BlendOptions(recompute_ratio=ratio, selector=selector, focus_handover=True, focus_spread=0.0)
+    kvs = eng.prefill_chunks(prefix_ids, chunk_ids)
+    first_q = fmt.question_ids(QUESTION)
+    key = eng.tree_key(mode, prefix_ids, CHUNKS, opts, first_q)
+
+    # call 1: computed, answered, remembered
+    res = eng.run(prefix_ids, chunk_ids, kvs, first_q, mode, opts, reserve_tokens=16)
+    stream = eng.decode(res, SamplingParams(max_new_tokens=5))
+    list(stream)
+    assert eng.remember(key, mode, res, len(first_q), len(prefix_ids), stream.token_ids) > 0
+
+    # call 2: call 1's prompt, its answer, then a tool turn; choosing by call 1's question
+    second_q = [*first_q, *stream.token_ids[:4], *fmt.chunk_ids(TOOL_TURN)]
+    alone = eng.run(prefix_ids, chunk_ids, kvs, second_q, mode, opts, reserve_tokens=16, select_ids=first_q)
+    lease = eng.tree.match(key, eng.tree_path(mode, prefix_ids, chunk_ids, second_q))
+    assert lease is not None
+    context = res.n_prompt_tokens - len(first_q) if mode not in (Mode.FULL, Mode.PREFIX) else 0
+    assert lease.tokens >= context + len(first_q) + len(stream.token_ids[:4]) - 1 - (
+        len(prefix_ids) if mode is Mode.PREFIX else 0)
+    reused = eng.run(prefix_ids, chunk_ids, None, second_q, mode, opts, reserve_tokens=16, resume=lease)
+
+    assert torch.equal(reused.token_ids, alone.token_ids)
+    diff = (reused.logits - alone.logits).abs().max().item()
+    assert diff <= 1e-4, f"{mode.value}: logits with the tree differ by {diff:.3g}"
+    n = alone.n_prompt_tokens
+    assert (reused.cache.k[:, :, :n] - alone.cache.k[:, :, :n]).abs().max().item() <= 1e-4
+    assert reused.used_chunks == alone.used_chunks and reused.handed_over == alone.handed_over
+    assert reused.cached_tokens >= lease.tokens > alone.cached_tokens
+    a, b = eng.decode(reused, SamplingParams(max_new_tokens=6)), eng.decode(alone, SamplingParams(max_new_tokens=6))
+    assert "".join(a) == "".join(b)
+
+
+def test_select_ids_equal_to_the_question_change_nothing(engine):
+    """A single call chooses by its own question: passing it as select_ids is today's pass."""
+    fmt = engine.prompt
+    prefix_ids, chunk_ids = fmt.prefix_ids(), [fmt.chunk_ids(c) for c in CHUNKS]
+    kvs, q = engine.prefill_chunks(prefix_ids, chunk_ids), fmt.question_ids(QUESTION)
+    for mode in (Mode.BLEND, Mode.FOCUS):
+        opts = BlendOptions(recompute_ratio=0.2)
+        base = engine.run(prefix_ids, chunk_ids, kvs, q, mode, opts)
+        same = engine.run(prefix_ids, chunk_ids, kvs, q, mode, opts, select_ids=q)
+        assert torch.equal(base.logits, same.logits) and torch.equal(base.recomputed, same.recomputed)

@@ -58,6 +58,13 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]  # any of these ends generation
     adapter: Adapter  # how each layer of this model's family computes (engine.family)
 
+    @property
+    def context_length(self) -> int | None:
+        """Positions the model was trained to attend over (its config's max_position_embeddings):
+        the longest prompt plus answer a request may have; None when the config names none."""
+        n = getattr(self.model.config, "max_position_embeddings", None)
+        return int(n) if n else None
+
 
 def cache_dir() -> Path:
     """Root of ragkv's caches: `$RAGKV_CACHE_DIR`, else `~/.cache/ragkv`."""

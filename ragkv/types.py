@@ -287,7 +287,8 @@ class Usage:
 
     prompt_tokens: int  # prefix + chunks + question
     completion_tokens: int  # text pieces generated
-    cached_prompt_tokens: int  # prompt tokens whose KV came from a cache tier
+    cached_prompt_tokens: int  # prompt tokens whose KV came from a cache (a tier or the KV tree)
+    tree_prompt_tokens: int = 0  # of those, the ones the KV tree held: an earlier call's prompt and answer
 
 
 @dataclass(frozen=True, slots=True)

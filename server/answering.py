@@ -144,7 +144,7 @@ class QueryRunner:
                 if calls and finish is FinishReason.STOP:
                     finish = FinishReason.TOOL_CALLS
                 stats = QueryStats(
-                    usage=Usage(done.prompt_tokens, completion, done.cached_prompt_tokens),
+                    usage=Usage(done.prompt_tokens, completion, done.cached_prompt_tokens, done.tree_prompt_tokens),
                     ttft_seconds=(first_token_at or finished) - arrived,
                     total_seconds=finished - arrived,
                     phase_seconds=phases,

@@ -163,6 +163,9 @@ class RagServer:
         tier_errors = getattr(backend, "tier_errors", None)  # a backend with KV tiers (the pipeline)
         if tier_errors is not None:
             self.metrics.watch_tier_errors(tier_errors)
+        engine = getattr(backend, "engine", None)  # a backend with an engine has its KV tree
+        if engine is not None:
+            self.metrics.watch_kv_tree(engine.tree.stats)
         await self._set_health(_SERVING)
         log.info("backend loaded: %d collection(s)", len(backend.collections()))
 

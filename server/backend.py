@@ -133,6 +133,7 @@ class DoneEvent:
     kv_sources: Mapping[KVSource, int] = field(default_factory=dict)  # chunks by where their KV came from
     fell_back: bool = False  # the quality guard ran the prompt as full prefill
     handed_over: bool = False  # focus found several passages mattering and blended every chunk
+    tree_prompt_tokens: int = 0  # prompt tokens whose KV came from the KV tree (in cached_prompt_tokens too)
 
 
 AnswerEvent = ChunksEvent | TokenEvent | TokenIdEvent | DoneEvent

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ragkv.types import DEFAULT_COLLECTION, KVSource, Mode, RetrievedChunk, Tier
 
@@ -139,6 +139,12 @@ class ServerMetrics:
         (an S3 endpoint down, a disk that cannot be read); read at each scrape."""
         self.registry.register(_TierErrors(read))
 
+    def watch_kv_tree(self, read: Callable[[], object]) -> None:
+        """Export the KV tree's counters (`read()` -> engine.tree.TreeStats) at each scrape:
+        ragkv_kv_tree_hits_total, _hit_tokens_total, _misses_total, _evictions_total,
+        _evicted_bytes_total, and the gauges ragkv_kv_tree_bytes, _budget_bytes, _nodes."""
+        self.registry.register(_KVTree(read))
+
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """Start the /metrics HTTP endpoint in a daemon thread; returns the bound port."""
         self._httpd, _ = start_http_server(port, addr=host, registry=self.registry)
@@ -166,3 +172,26 @@ class _TierErrors:
         for (collection, tier), n in sorted(self._read().items(), key=lambda kv: (kv[0][0], kv[0][1].value)):
             family.add_metric([tier.value, collection], n)
         yield family
+
+
+class _KVTree:
+    """A collector of the KV tree's own counts (kept by the engine, read at scrape time)."""
+
+    _COUNTERS = (("hits", "Requests whose prompt began with a context the KV tree held."),
+                 ("hit_tokens", "Prompt tokens whose KV came from the KV tree."),
+                 ("misses", "Requests whose context the KV tree did not hold."),
+                 ("evictions", "KV tree nodes evicted to keep its byte budget."),
+                 ("evicted_bytes", "KV bytes evicted from the KV tree."))
+    _GAUGES = (("nbytes", "bytes", "KV bytes the KV tree holds."),
+               ("budget_bytes", "budget_bytes", "The KV tree's byte budget (--kv-tree-bytes)."),
+               ("nodes", "nodes", "Nodes of the KV tree."))
+
+    def __init__(self, read: Callable[[], object]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        stats = self._read()
+        for name, doc in self._COUNTERS:
+            yield CounterMetricFamily(f"ragkv_kv_tree_{name}", doc, value=getattr(stats, name))
+        for attr, name, doc in self._GAUGES:
+            yield GaugeMetricFamily(f"ragkv_kv_tree_{name}", doc, value=getattr(stats, attr))

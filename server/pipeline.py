@@ -29,6 +29,7 @@ from ragkv.engine.check import gate_model
 from ragkv.engine.constrain import Constraint, GrammarError
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT
 from ragkv.engine.scheduler import Decode
+from ragkv.engine.tree import KVTree, TreeKey, TreeLease
 from ragkv.engine.work import WaitFor, wait_for
 from ragkv.server.loading import ChunkDecision, ControllerConfig, LoadingController
 from ragkv.indexer.neighbours import NeighbourOptions
@@ -87,6 +88,13 @@ class _Plan:
     decisions: tuple[ChunkDecision, ...] = ()  # the loading controller's choice per hit
     output: OutputSpec | None = None  # the answer's prompt text and grammar (server.structured)
     constraint: Constraint | None = None  # the grammar compiled for this request; None = free text
+    question_ids: tuple[int, ...] = ()  # the question segment: earlier turns, the question, the agent's turns
+    # the tokens that choose chunk tokens and chunks: the question segment without the agent's
+    # turns, so every call of a tool loop chooses as its first did (None: the question segment)
+    select_ids: tuple[int, ...] | None = None
+    options: BlendOptions = BlendOptions()  # how the mode blends
+    tree_key: TreeKey | None = None  # the context the answer's KV goes under in the KV tree; None = no tree
+    lease: TreeLease | None = None  # the tree's KV of this prompt's first tokens, when it holds them
 
 
 def _store_config(settings: ServerSettings, index_dir: Path, kv_uris: Sequence[str], device: torch.device,
@@ -175,14 +183,16 @@ class Pipeline:
         lm = load_model(settings.model or first.manifest.model_spec, device=settings.device,
                         dtype=settings.dtype.value)
         gate_model(lm, skip=not settings.model_check)
-        return cls.from_parts(Engine(lm), retrievers, settings)
+        return cls.from_parts(Engine(lm, tree_bytes=settings.kv_tree_bytes), retrievers, settings)
 
     @classmethod
     def from_parts(
         cls, engine: Engine, retrievers: dict[str, tuple[Path, Retriever]], settings: ServerSettings
     ) -> Pipeline:
-        """Assemble from an engine and opened retrievers (tests share one loaded engine)."""
+        """Assemble from an engine and opened retrievers (tests share one loaded engine: each
+        pipeline gives it a KV tree of its settings' budget)."""
         lm = engine.lm
+        engine.tree = KVTree(settings.kv_tree_bytes)
         collections = {}
         for name, (index_dir, retriever) in retrievers.items():
             manifest = retriever.manifest
@@ -265,22 +275,63 @@ class Pipeline:
             raise InvalidArgumentError("response_format" if params.response_format.schema else "tools", str(exc)) from None
         kv_keys = tuple(c.kv_key(h, params.mode, self.lm.fingerprint, self.lm.tokenizer_fingerprint,
                                  self._focus_handover) for h in hits)
+        token_ids = tuple(tuple(h.token_ids) for h in hits)
+        question_ids, select_ids = self._question_ids(params, output)
+        chunk_tokens = sum(len(ids) for ids in token_ids)
+        self._check_context(params, len(c.prefix_ids) + chunk_tokens + len(question_ids))
+        options = self._options(params)
+        tree_key, lease = None, None
+        if self.engine.tree.enabled:  # the tree may hold this prompt's context and first tokens
+            chose = select_ids if select_ids is not None else question_ids
+            tree_key = self.engine.tree_key(params.mode, c.prefix_ids, (*kv_keys, c.retriever.manifest.kv_compression),
+                                            options, chose)
+            lease = self.engine.tree.match(tree_key, self.engine.tree_path(params.mode, c.prefix_ids, token_ids,
+                                                                          question_ids))
         handles, decisions = None, ()
-        if self.engine.reads_chunk_kv(params.mode):  # start loading the moment the ids are known
+        if self.engine.reads_chunk_kv(params.mode) and lease is None:  # start loading the moment the ids are known
             decisions = tuple(self.controller.decide(c.store, kv_keys, [len(h.token_ids) for h in hits]))
             reads = iter(c.store.prefetch([k for k, d in zip(kv_keys, decisions) if d.load],
                                           layered=self._kv_layered))
             handles = tuple(next(reads) if d.load else None for d in decisions)
-        plan = _Plan(c, tuple(tuple(h.token_ids) for h in hits), kv_keys, handles, decisions, output, constraint)
-        chunk_tokens = sum(len(h.token_ids) for h in hits)
-        # the question segment: earlier turns, the answer's instructions, the question, the agent's turns
-        q_chars = (len(params.question) + len(output.before) + len(output.after)
-                   + sum(len(turn_text(t)) + 16 for t in params.history))
-        kv_bytes = self.engine.kv_bytes_bound(len(c.prefix_ids), chunk_tokens, q_chars, params.max_new_tokens)
-        cost = self.engine.prompt_cost(params.mode, len(c.prefix_ids), chunk_tokens, self.engine.question_tokens(q_chars),
-                                       BlendOptions(recompute_ratio=params.recompute_ratio))
+        plan = _Plan(c, token_ids, kv_keys, handles, decisions, output, constraint, tuple(question_ids),
+                     None if select_ids is None else tuple(select_ids), options, tree_key, lease)
+        prompt_tokens = len(c.prefix_ids) + chunk_tokens + len(question_ids)
+        kv_bytes = (prompt_tokens + params.max_new_tokens) * self.engine.kv_bytes_per_token
+        done = 0 if lease is None else lease.tokens  # a tree hit computes only the rest
+        cost = self.engine.prompt_cost(params.mode, len(c.prefix_ids), chunk_tokens, len(question_ids), options)
+        cost = max(1, cost * (prompt_tokens - done) // max(prompt_tokens, 1))
         return PreparedQuery(params, chunks, {"retrieve": retrieved - started}, plan, kv_bytes, cost,
                              output.reads_tool_calls)
+
+    def _question_ids(self, params: QueryParams, output: OutputSpec) -> tuple[list[int], list[int] | None]:
+        """The question segment's tokens, and the tokens that choose (None: the same)."""
+        history = [(t.role.value, turn_text(t)) for t in params.history]
+        question_ids = self.engine.prompt.question_ids(params.question, history, output.before, output.after)
+        if not output.after:
+            return question_ids, None
+        return question_ids, self.engine.prompt.question_ids(params.question, history, output.before, "")
+
+    def _check_context(self, params: QueryParams, prompt_tokens: int) -> None:
+        """Refuse a prompt that with its answer's budget exceeds the model's context.
+
+        Raises:
+            InvalidArgumentError: It does, naming the tokens and the limit.
+        """
+        limit = self.lm.context_length
+        if limit is None or prompt_tokens + params.max_new_tokens <= limit:
+            return
+        field_ = "history" if params.history or params.agent_turns else "question"
+        raise InvalidArgumentError(
+            field_, f"the prompt is {prompt_tokens} tokens and the answer may take {params.max_new_tokens} "
+                    f"(max_tokens): {prompt_tokens + params.max_new_tokens} tokens, more than the model's context "
+                    f"of {limit}; send fewer or shorter turns, fewer chunks (top_k), or a smaller max_tokens")
+
+    def _options(self, params: QueryParams) -> BlendOptions:
+        """How this request's mode blends, from its ratio and the server's focus and guard settings."""
+        guard = {} if self._guard_mass is None else {  # exactly the ratio's tokens, or full prefill
+            "adaptive_mass": self._guard_mass, "min_ratio": params.recompute_ratio, "fallback_full": True}
+        return BlendOptions(recompute_ratio=params.recompute_ratio, focus_keep=self._focus_keep,
+                            focus_handover=self._focus_handover, focus_spread=self._focus_spread, **guard)
 
     def _load_chunks(
         self, prepared: PreparedQuery, plan: _Plan, cancel: threading.Event, phases: dict[str, float],
@@ -391,14 +442,24 @@ class Pipeline:
                 for t in c.store.stats().tiers}
 
     def answer(self, prepared: PreparedQuery, cancel: threading.Event) -> Iterator[AnswerEvent]:
-        params, plan = prepared.params, prepared.state
+        plan = prepared.state
         if not isinstance(plan, _Plan):
             raise RuntimeError(f"prepared query carries {type(plan).__name__}, not this pipeline's plan: a bug")
+        try:
+            yield from self._answer(prepared, plan, cancel)
+        finally:  # a tree lease not used (cancelled, failed) lets its path go
+            if plan.lease is not None:
+                plan.lease.release()
+
+    def _answer(self, prepared: PreparedQuery, plan: _Plan, cancel: threading.Event) -> Iterator[AnswerEvent]:
+        params = prepared.params
         engine, c = self.engine, plan.collection
         phases: dict[str, float] = {}
         loaded: dict[Tier, int] = {}
         sources: Counter[KVSource] = Counter()
-        if engine.reads_chunk_kv(params.mode):
+        if plan.lease is not None and engine.reads_chunk_kv(params.mode):  # the context is the tree's
+            kvs, tiers = None, [Tier.GPU if self.lm.device.type == "cuda" else Tier.CPU] * len(plan.token_ids)
+        elif engine.reads_chunk_kv(params.mode):
             result = yield from self._load_chunks(prepared, plan, cancel, phases, sources)
             if result is None:
                 return
@@ -409,18 +470,13 @@ class Pipeline:
         if cancel.is_set():
             return
 
-        output = plan.output or output_spec(params, prepared.chunks)
-        question_ids = engine.prompt.question_ids(params.question, [(t.role.value, turn_text(t)) for t in params.history],
-                                                  output.before, output.after)
-        guard = {} if self._guard_mass is None else {  # exactly the ratio's tokens, or full prefill
-            "adaptive_mass": self._guard_mass, "min_ratio": params.recompute_ratio, "fallback_full": True}
-        options = BlendOptions(recompute_ratio=params.recompute_ratio, focus_keep=self._focus_keep,
-                               focus_handover=self._focus_handover, focus_spread=self._focus_spread, **guard)
+        question_ids = list(plan.question_ids)
         t0 = time.perf_counter()
 
         def run(kvs: list[ChunkKV] | None):  # -> engine.blend.PromptSteps
-            return engine.run_steps(c.prefix_ids, plan.token_ids, kvs, question_ids, params.mode, options,
-                              reserve_tokens=params.max_new_tokens)
+            return engine.run_steps(c.prefix_ids, plan.token_ids, kvs, question_ids, params.mode, plan.options,
+                                    reserve_tokens=params.max_new_tokens, select_ids=plan.select_ids,
+                                    resume=plan.lease)
 
         res = None
         while res is None:  # each retry computes at least one chunk anew, so this ends
@@ -431,6 +487,7 @@ class Pipeline:
                 kvs = yield from self._recompute_failed(c, plan, kvs or [], tiers, exc)
         phases["prompt"] = time.perf_counter() - t0
         phases.update({f"prompt.{k}": v for k, v in res.timings.items()})
+        tree_tokens = plan.lease.tokens if plan.lease is not None else 0
 
         stream = engine.decode(res, SamplingParams(
             max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
@@ -440,6 +497,8 @@ class Pipeline:
         text = stream.detokenizer()  # runs on the consumer's side: stop strings stop the stream from there
         yield Decode(stream, lambda token: TokenIdEvent(token, text))  # decoded batched with the others
         phases["decode"] = time.perf_counter() - t0
+        if plan.tree_key is not None and not cancel.is_set():  # the next call of this conversation starts here
+            engine.remember(plan.tree_key, params.mode, res, len(question_ids), len(c.prefix_ids), stream.token_ids)
 
         used = res.used_chunks if res.used_chunks is not None else range(len(prepared.chunks))
         yield DoneEvent(
@@ -454,6 +513,7 @@ class Pipeline:
             kv_sources=dict(sources),
             fell_back=res.fell_back,
             handed_over=res.handed_over,
+            tree_prompt_tokens=tree_tokens,
         )
 
     def close(self) -> None:

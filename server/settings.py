@@ -80,6 +80,9 @@ class ServerSettings:
     tls_key: Path | None = None  # PEM private key
     kv_cpu_bytes: int = 2 * 1024**3  # bytes of KV kept in the CPU tier
     kv_gpu_bytes: int = 0  # bytes of KV kept in the GPU tier (CUDA only)
+    # the KV tree (engine.tree): served prompts' KV on the engine's device, so a conversation's
+    # next call computes only what is new; on top of kv_budget_bytes; 0 = off
+    kv_tree_bytes: int = 1024**3
     kv_disk_dir: Path | None = None  # disk tier directory; None = the index's own
     kv_s3_uri: str | None = None  # s3://bucket/prefix of the S3 tier; None = off
     kv_compression: str = "auto"  # how KV computed at serve time is written back: none, int8, fp8; auto = as the index
@@ -129,6 +132,8 @@ class ServerSettings:
                              f"{self.kv_budget_bytes}, {self.max_batch}, {self.prompt_slice_s}")
         if self.prompt_first_s < 0:
             raise ValueError(f"prompt_first_s must be >= 0, got {self.prompt_first_s}")
+        if self.kv_tree_bytes < 0:
+            raise ValueError(f"kv_tree_bytes must be >= 0 (0 turns the KV tree off), got {self.kv_tree_bytes}")
         if self.retrieve_workers < 1:
             raise ValueError(f"retrieve_workers must be >= 1, got {self.retrieve_workers}")
         if self.kv_compression not in ("auto", "none", "int8", "fp8"):

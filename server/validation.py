@@ -43,8 +43,10 @@ class RequestLimits:
     max_snippet_chars: int = 1_000_000  # characters
     max_filters: int = 16  # metadata filters per request
     max_filter_chars: int = 1024  # characters of one filter's key or value (as JSON)
-    max_history_turns: int = 32  # earlier conversation turns per request
-    max_history_chars: int = 16384  # characters of all earlier turns together
+    max_history_turns: int = 1024  # earlier conversation turns per request
+    # characters of all earlier turns together: a guard on request size only; the limit that
+    # counts is the model's context in tokens, checked once the prompt is tokenized (Pipeline.prepare)
+    max_history_chars: int = 2_000_000
     max_system_prompt_chars: int = 16384  # characters of a request's system message
     max_tools: int = 64  # tools per request
     max_tools_chars: int = 65536  # characters of all tool definitions and the response schema, as JSON

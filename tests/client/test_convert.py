@@ -17,7 +17,7 @@ CHUNK = RetrievedChunk("c1", 0.5, "some text", {"source": "a.txt", "page": 3, "o
                        Tier.DISK, 7, (SearchMode.DENSE, SearchMode.LEXICAL))
 FILTERS = (MetadataFilter("year", 2024), MetadataFilter("source", "docs/", FilterOp.PREFIX),
            MetadataFilter("ok", True), MetadataFilter("tag", None))
-STATS = QueryStats(Usage(100, 5, 80), 0.25, 1.5, {"retrieve": 0.01, "decode": 1.0}, 0.15, Mode.FOCUS,
+STATS = QueryStats(Usage(100, 5, 80, 60), 0.25, 1.5, {"retrieve": 0.01, "decode": 1.0}, 0.15, Mode.FOCUS,
                    FinishReason.LENGTH, "an answer", ("c1", "c3"),
                    {KVSource.LOADED: 3, KVSource.COMPUTED_CHEAPER: 1},
                    (ToolCall("call_1", "lookup", '{"q":"x"}'),), (Citation(2, "c3", 10, 13, 0),))

@@ -135,7 +135,11 @@ def settings(**overrides: object) -> ServerSettings:
 
     The loading controller is off unless asked: a tiny model computes a chunk faster than
     any tier reads it, so with it on these tests' reads (the paths they test) would be
-    replaced by recomputes. tests/server/test_loading_controller.py tests it on."""
-    base = {"host": "127.0.0.1", "port": 0, "metrics_port": None, "kv_controller": False}
+    replaced by recomputes. tests/server/test_loading_controller.py tests it on.
+
+    The KV tree is off unless asked, for the same reason: a test repeating a question would
+    be served its prompt's KV from the tree, not by the tiers it tests.
+    tests/server/test_kv_tree.py tests it on."""
+    base = {"host": "127.0.0.1", "port": 0, "metrics_port": None, "kv_controller": False, "kv_tree_bytes": 0}
     base.update(overrides)
     return ServerSettings(**base)

@@ -1,0 +1,119 @@
+"""The KV tree behind the server: an agent's tool loop reuses its earlier calls' KV, and every
+answer is the one a server without the tree gives (tiny random Llama, gRPC and HTTP)."""
+
+from __future__ import annotations
+
+import urllib.request
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+
+from ragkv.client import RagClient
+from ragkv.server.settings import CollectionSpec
+from ragkv.types import ChatRole, ChatTurn, ToolCall
+from tests.server.fakes import ServerThread, settings
+
+CORPUS = {
+    "paris.txt": "Paris is the capital of France. The secret number is 4721. It was chosen by Alice.",
+    "fox.txt": "The quick brown fox jumps over the lazy dog. Alice met Bob by the river in spring.",
+    "ragkv.txt": "ragkv stores the KV cache of every chunk and blends them at query time, fast.",
+}
+QUESTION = "What is the secret number, and who chose it?"
+RESULT = "The archive lists 4721 as the secret number. " * 6  # a tool result of a few dozen tokens
+
+
+@pytest.fixture(scope="module")
+def tree_index(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Path:
+    from ragkv.indexer.chunking import ChunkingConfig
+    from ragkv.indexer.job import IndexJobConfig, run_index
+
+    root = tmp_path_factory.mktemp("tree-index")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for name, text in CORPUS.items():
+        (corpus / name).write_text(text)
+    run_index(IndexJobConfig(corpus=corpus, out=root / "index", model=str(tiny_llama_dir), progress=False,
+                             chunking=ChunkingConfig(size=32, overlap=0)))
+    return root / "index"
+
+
+@pytest.fixture(scope="module")
+def servers(tree_index: Path):
+    """The same index served with the KV tree and without it."""
+    from ragkv.server.pipeline import Pipeline
+
+    spec = (CollectionSpec("docs", tree_index),)
+    with_tree = ServerThread(settings(indexes=spec, http_port=0, metrics_port=0, kv_tree_bytes=64 << 20),
+                             Pipeline.from_settings)
+    without = ServerThread(settings(indexes=spec), Pipeline.from_settings)
+    yield with_tree, without
+    with_tree.stop()
+    without.stop()
+
+
+def _loop_turns(step: int) -> list[ChatTurn]:
+    """The agent's turns after the question at a tool loop's step: a call and its result each."""
+    turns: list[ChatTurn] = []
+    for i in range(step):
+        call = ToolCall(f"call_{i}", "lookup", f'{{"page": {i}}}')
+        turns += [ChatTurn(ChatRole.ASSISTANT, "", (call,)), ChatTurn(ChatRole.TOOL, f"page {i}: {RESULT}",
+                                                                      tool_call_id=call.id)]
+    return turns
+
+
+@pytest.mark.parametrize("mode", ["full", "reuse", "blend", "focus"])
+def test_a_tool_loop_reuses_its_earlier_calls_and_answers_as_without_the_tree(servers, mode: str) -> None:
+    with_tree, without = servers
+    with RagClient(with_tree.addr) as tree_client, RagClient(without.addr) as plain_client:
+        for step in range(4):
+            kwargs = dict(collection="docs", mode=mode, top_k=3, max_new_tokens=6, recompute_ratio=0.2,
+                          agent_turns=_loop_turns(step))
+            a, b = tree_client.query(QUESTION, **kwargs), plain_client.query(QUESTION, **kwargs)
+            text_a, text_b = "".join(a), "".join(b)
+            usage_a, usage_b = a.result().usage, b.result().usage
+            assert text_a == text_b, f"{mode} step {step}: the tree changed the answer"
+            assert usage_a.prompt_tokens == usage_b.prompt_tokens
+            assert usage_b.tree_prompt_tokens == 0
+            if step == 0:
+                prev_prompt = usage_a.prompt_tokens
+                continue
+            # every earlier call's prompt is held: only the newest call and result are computed
+            new_tokens = usage_a.prompt_tokens - usage_a.tree_prompt_tokens
+            assert usage_a.tree_prompt_tokens >= prev_prompt - 16, (step, usage_a, prev_prompt)  # all but its tail
+            assert new_tokens <= usage_a.prompt_tokens - prev_prompt + 16, (step, usage_a, prev_prompt)
+            assert usage_a.cached_prompt_tokens >= usage_a.tree_prompt_tokens
+            prev_prompt = usage_a.prompt_tokens
+
+
+def test_openai_usage_reports_tree_tokens_as_cached_and_metrics_count_them(servers) -> None:
+    with_tree, _ = servers
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{with_tree.server.http_port}/v1", api_key="none",
+                           max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": "Who met Bob by the river?"}]
+    first = client.chat.completions.create(model="docs", messages=messages, max_tokens=4,
+                                           extra_body={"mode": "blend", "top_k": 2})
+    messages += [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": RESULT}]
+    second = client.chat.completions.create(model="docs", messages=messages, max_tokens=4,
+                                            extra_body={"mode": "blend", "top_k": 2})
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 8
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{with_tree.server.metrics_port}/metrics",
+                                     timeout=10).read().decode()
+    hits = next(float(line.split()[-1]) for line in metrics.splitlines()
+                if line.startswith("ragkv_kv_tree_hits_total"))
+    held = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("ragkv_kv_tree_bytes "))
+    assert hits >= 1 and held > 0
+
+
+def test_a_prompt_past_the_models_context_is_refused_naming_tokens(servers) -> None:
+    with_tree, _ = servers
+    long_turns = _loop_turns(1)[:1] + [ChatTurn(ChatRole.TOOL, "word " * 5000, tool_call_id="call_0")]
+    with RagClient(with_tree.addr) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            "".join(client.query(QUESTION, collection="docs", mode="reuse", max_new_tokens=8, agent_turns=long_turns))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "tokens" in err.value.details() and "context of 4096" in err.value.details()

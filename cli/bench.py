@@ -64,6 +64,17 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     load.add_argument("--prompt-first-s", type=float, default=None, metavar="S",
                       help="the server's --prompt-first-s: prompt time a pass gets before decode steps may cut it "
                            "(default: the server's)")
+    agent = p.add_argument_group(
+        "agent loop", "instead: an agent's tool loop (the question, then a tool call and its result per step) "
+        "against two in-process servers on one index, with the KV tree and without it; prints each step's TTFT "
+        "over step 0's and the loop's total. Example: ragkv bench --agent-loop --agent-steps 9 "
+        "--tool-result-chars 1200 --json")
+    agent.add_argument("--agent-loop", action="store_true", help="run the agent loop bench")
+    agent.add_argument("--agent-steps", type=int, default=9, help="calls in the loop (default 9)")
+    agent.add_argument("--tool-result-chars", type=int, default=1200,
+                       help="characters of each tool result (default 1200)")
+    agent.add_argument("--kv-tree-bytes", type=int, default=1024**3,
+                       help="the tree server's --kv-tree-bytes (default 1 GiB)")
     p.set_defaults(func=run_bench)
 
 
@@ -73,6 +84,12 @@ def run_bench(args: argparse.Namespace) -> int:
 
         print(plot_accuracy_vs_ttft(args.plot, args.plot_out))
         return 0
+    if args.agent_loop:
+        from ragkv.cli.agent_bench import run_agent_bench
+        from ragkv.engine.memory import tune_host_allocator
+
+        tune_host_allocator()
+        return run_agent_bench(args)
     if args.concurrency:
         from ragkv.cli.load_bench import run_concurrency_bench
         from ragkv.engine.memory import tune_host_allocator

@@ -385,6 +385,7 @@ class RagKVChatModel(_Connection, BaseChatModel):
             mode=stats.mode.value,
             finish_reason=stats.finish_reason.value,
             recompute_fraction=stats.recompute_fraction,
+            tree_prompt_tokens=stats.usage.tree_prompt_tokens,  # prompt tokens the server's KV tree held
             used_chunk_ids=list(stats.used_chunk_ids),
             ttft_seconds=stats.ttft_seconds,
             total_seconds=stats.total_seconds,

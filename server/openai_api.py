@@ -316,6 +316,7 @@ def ragkv_extra(chunks: tuple[RetrievedChunk, ...], stats: QueryStats, snippet_c
         "kv_sources": {k.value: v for k, v in stats.kv_sources.items()},
         "mode": stats.mode.value,
         "recompute_fraction": stats.recompute_fraction,
+        "tree_prompt_tokens": stats.usage.tree_prompt_tokens,  # of cached_tokens, the KV tree's
         "ttft_seconds": stats.ttft_seconds,
         "total_seconds": stats.total_seconds,
         "phase_seconds": dict(stats.phase_seconds),

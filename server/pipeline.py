@@ -89,8 +89,9 @@ class _Plan:
     output: OutputSpec | None = None  # the answer's prompt text and grammar (server.structured)
     constraint: Constraint | None = None  # the grammar compiled for this request; None = free text
     question_ids: tuple[int, ...] = ()  # the question segment: earlier turns, the question, the agent's turns
-    # the tokens that choose chunk tokens and chunks: the question segment without the agent's
-    # turns, so every call of a tool loop chooses as its first did (None: the question segment)
+    # the tokens that choose chunk tokens and chunks: the question segment without the answer's
+    # instructions and the agent's turns, so every call of a tool loop chooses as its first did
+    # (None: the question segment)
     select_ids: tuple[int, ...] | None = None
     options: BlendOptions = BlendOptions()  # how the mode blends
     tree_key: TreeKey | None = None  # the context the answer's KV goes under in the KV tree; None = no tree
@@ -304,12 +305,16 @@ class Pipeline:
                              output.reads_tool_calls)
 
     def _question_ids(self, params: QueryParams, output: OutputSpec) -> tuple[list[int], list[int] | None]:
-        """The question segment's tokens, and the tokens that choose (None: the same)."""
+        """The question segment's tokens, and the tokens that choose chunk tokens and chunks
+        (None: the same): the conversation's question, its earlier turns and the question,
+        without the answer's instructions (tools, format) or the agent's turns since the
+        question. So every call of a tool loop chooses as its first did, whatever its
+        tool_choice, and the KV tree's context of the first call is exactly the later calls'."""
         history = [(t.role.value, turn_text(t)) for t in params.history]
         question_ids = self.engine.prompt.question_ids(params.question, history, output.before, output.after)
-        if not output.after:
+        if not output.before and not output.after:
             return question_ids, None
-        return question_ids, self.engine.prompt.question_ids(params.question, history, output.before, "")
+        return question_ids, self.engine.prompt.question_ids(params.question, history)
 
     def _check_context(self, params: QueryParams, prompt_tokens: int) -> None:
         """Refuse a prompt that with its answer's budget exceeds the model's context.

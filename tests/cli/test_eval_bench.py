@@ -159,3 +159,20 @@ def test_concurrency_bench_prints_ttft_ratios_and_the_tail(tiny_llama_dir, capsy
         assert r["p50"] == pytest.approx(level["ttft_p50_s"][mode] / base["ttft_p50_s"][mode], abs=0.01)
     for mode, tail in out["concurrency"]["2"]["slowest_ttft_phases_s"].items():
         assert tail["ttft"] >= out["concurrency"]["2"]["ttft_p50_s"][mode] and "queue" in tail and "retrieve" in tail
+
+
+def test_agent_loop_bench_runs_the_loop_with_and_without_the_tree(tiny_llama_dir, capsys):
+    """`ragkv bench --agent-loop`: the same tool loop against a server with the KV tree and one
+    without, step by step; the tree supplies each later call's earlier prompt, and the ratios
+    and the total come from the rows of the same run."""
+    rc = main(["bench", "--model", str(tiny_llama_dir), "--agent-loop", "--agent-steps", "3",
+               "--tool-result-chars", "300", "--max-new-tokens", "4", "--json"])
+    out = _json(capsys)["agent_loop"]
+    steps = out["steps"]
+    assert rc == 0 and [s["step"] for s in steps] == [0, 1, 2]
+    assert steps[0]["tree_tokens"] == 0
+    for prev, s in zip(steps, steps[1:]):
+        assert s["prompt_tokens"] > prev["prompt_tokens"] and s["tree_tokens"] >= prev["prompt_tokens"] - 16
+        assert s["tree_over_step0"] == pytest.approx(s["ttft_tree_s"] / steps[0]["ttft_tree_s"], abs=0.01)
+    assert out["total_ttft_tree_s"] == pytest.approx(sum(s["ttft_tree_s"] for s in steps), abs=0.01)
+    assert out["total_speedup"] == pytest.approx(out["total_ttft_no_tree_s"] / out["total_ttft_tree_s"], abs=0.01)

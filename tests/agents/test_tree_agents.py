@@ -1,0 +1,82 @@
+"""LangGraph ReAct agents against a SmolLM2 server with the KV tree on (the server's default):
+the loop runs as it does without the tree, and its second call is served from the tree."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.server.fakes import ServerThread, settings
+
+pytest.importorskip("langgraph")
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture(scope="module")
+def tree_server(smol_index: Path, smollm2):  # noqa: ANN001
+    from ragkv.engine import Engine
+    from ragkv.retriever import Retriever
+    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.settings import CollectionSpec
+
+    retriever = Retriever.open(smol_index)
+
+    def factory(s):  # noqa: ANN001, ANN202 - share the session's loaded model
+        return Pipeline.from_parts(Engine(smollm2), {"default": (smol_index, retriever)}, s)
+
+    st = ServerThread(settings(indexes=(CollectionSpec("default", smol_index),), http_port=0,
+                               kv_tree_bytes=256 << 20), factory)
+    yield st
+    st.stop()
+
+
+def _weather_tool(seen: list):  # noqa: ANN202 - a langchain tool
+    from langchain_core.tools import tool
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        seen.append(city)
+        return f"It is sunny and 21 degrees in {city}."
+
+    return get_weather
+
+
+def test_react_agent_over_grpc_hits_the_tree_from_its_second_call(tree_server: ServerThread) -> None:
+    from langgraph.prebuilt import create_react_agent
+
+    from ragkv.langchain import RagKVChatModel, call_tools_first
+
+    seen: list[str] = []
+    weather = _weather_tool(seen)
+    llm = RagKVChatModel(target=tree_server.addr, max_tokens=32, mode="blend", top_k=2)
+    agent = create_react_agent(call_tools_first(llm, [weather]), [weather])
+    messages = agent.invoke({"messages": [("user", "What is the weather in Lisbon?")]})["messages"]
+    assert [m.type for m in messages] == ["human", "ai", "tool", "ai"] and len(seen) == 1
+    first, second = messages[1], messages[3]
+    assert first.response_metadata["tree_prompt_tokens"] == 0
+    # the second call's context (prefix and chunks, blended) and its question came from the tree
+    assert second.response_metadata["tree_prompt_tokens"] > 0
+    assert second.usage_metadata["input_token_details"]["cache_read"] > \
+        first.usage_metadata["input_token_details"]["cache_read"]
+
+
+def test_react_agent_over_http_hits_the_tree_from_its_second_call(tree_server: ServerThread) -> None:
+    from langchain_openai import ChatOpenAI
+    from langgraph.prebuilt import create_react_agent
+
+    from ragkv.langchain import call_tools_first
+
+    seen: list[str] = []
+    weather = _weather_tool(seen)
+    llm = ChatOpenAI(model="default", base_url=f"http://127.0.0.1:{tree_server.server.http_port}/v1",
+                     api_key="none", max_tokens=32, temperature=0, max_retries=0, timeout=120,
+                     extra_body={"mode": "focus", "top_k": 2})
+    agent = create_react_agent(call_tools_first(llm, [weather]), [weather])
+    messages = agent.invoke({"messages": [("user", "What is the weather in Oslo?")]})["messages"]
+    assert [m.type for m in messages] == ["human", "ai", "tool", "ai"] and len(seen) == 1
+    first, second = messages[1].usage_metadata, messages[3].usage_metadata
+    assert second["input_tokens"] > first["input_tokens"]
+    assert second["input_token_details"]["cache_read"] > first["input_token_details"]["cache_read"]

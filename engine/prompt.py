@@ -31,12 +31,15 @@ class PromptFormat:
     head: str  # text before the first chunk (system turn, start of the user turn)
     tail: str  # text after the question (end of the user turn, start of the assistant's)
     add_bos: bool  # prepend the tokenizer's BOS id to the prefix
+    system_prompt: str | None = None  # the chat template's system prompt (None: no template)
+    system_in_user: bool = False  # the template has no system role: the prompt opens the first user turn
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, system_prompt: str = DEFAULT_SYSTEM_PROMPT) -> PromptFormat:
         if getattr(tokenizer, "chat_template", None):
-            head, tail = render_around_slot(tokenizer, system_prompt)
-            return cls(tokenizer, head + "Context:\n", tail, add_bos=False)
+            head, tail, in_user = render_around_slot(tokenizer, system_prompt)
+            return cls(tokenizer, head + "Context:\n", tail, add_bos=False, system_prompt=system_prompt,
+                       system_in_user=in_user)
         return cls(tokenizer, f"{system_prompt}\n\nContext:\n", "\nAnswer:", add_bos=True)
 
     def _ids(self, text: str) -> list[int]:
@@ -67,6 +70,86 @@ class PromptFormat:
             raise ValueError("question is empty")
         return self._ids(f"{history_text(history)}{before}Question: {question.strip()}{after}{self.tail}")
 
+    def turn_ids(self, question: str, history: Sequence[tuple[str, str]] = (), before: str = "",
+                 agent: Sequence[tuple[str, str]] = ()) -> list[int] | None:
+        """The question segment of a conversation in the chat template's own turns.
+
+        The first user turn holds the context (the prefix ends inside it, the chunks follow),
+        then its first message; the earlier turns, the question (after `before`) and the
+        agent's turns since it (assistant calls, tool results) follow as the template renders
+        them, and the segment ends where the answer starts. Each turn is tokenized on its
+        own, and an assistant turn's header apart from its text, so a call's prompt followed
+        by its answer is a token prefix of the next call's (the KV tree reuses it).
+
+        Args:
+            history: earlier turns, oldest first, (role, text), role user, assistant or tool;
+                the first is the user's.
+            before: text before the question in its turn (tools, the answer's format).
+            agent: the turns since the question: the assistant's calls and the tools' results.
+
+        Returns:
+            The tokens; None for a single question (`question_ids` lays it out), a tokenizer
+            without a chat template, or a template that cannot render these turns (the caller
+            falls back to `question_ids`).
+        """
+        if not question.strip():
+            raise ValueError("question is empty")
+        if (not history and not agent) or not getattr(self.tokenizer, "chat_template", None):
+            return None
+        turns = [*history, ("user", f"{before}Question: {question.strip()}"), *agent]
+        if turns[0][0] != "user":
+            return None
+        for tool_role in ("tool", "user"):  # a template without a tool role shows results as the user's
+            texts = self._render_turns([(tool_role if r == "tool" else r, t.strip()) for r, t in turns])
+            if texts is not None:
+                break
+        else:
+            return None
+        ids: list[int] = []
+        for text in texts:
+            ids += self._ids(text)
+        return ids
+
+    def _render_turns(self, turns: list[tuple[str, str]]) -> list[str] | None:
+        """The text of each turn after the context slot, and of each assistant turn's header
+        apart, and the answer's header last; None when the template refuses the turns or
+        renders a conversation as other than its earlier turns followed by the new one."""
+        def render(n: int, generation: bool) -> str:
+            msgs = [{"role": r, "content": (_SLOT + t) if i == 0 else t} for i, (r, t) in enumerate(turns[:n])]
+            if self.system_prompt is not None:
+                msgs = self._with_system(msgs)
+            return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation)
+
+        try:
+            full = [render(n, False) for n in range(1, len(turns) + 1)]
+            headed = [render(n, True) for n in range(1, len(turns) + 1)]
+        except Exception:  # noqa: BLE001 - jinja2's TemplateError and the template's own raise_exception
+            return None
+        if _SLOT not in full[0] or full[0].split(_SLOT)[0] + "Context:\n" != self.head:
+            return None
+        texts = [full[0].split(_SLOT, 1)[1]]
+        for n in range(1, len(turns)):
+            prev, cur, header = full[n - 1], full[n], headed[n - 1]
+            if not cur.startswith(prev):
+                return None
+            new = cur[len(prev):]
+            gp = header[len(prev):] if header.startswith(prev) else ""
+            if turns[n][0] == "assistant" and gp and new.startswith(gp):
+                texts += [gp, new[len(gp):]]  # the answer's header, then what the answer was
+            else:
+                texts.append(new)
+        if not headed[-1].startswith(full[-1]):
+            return None
+        texts.append(headed[-1][len(full[-1]):])
+        return texts
+
+    def _with_system(self, msgs: list[dict[str, str]]) -> list[dict[str, str]]:
+        """The messages under the index's system prompt, as `render_around_slot` placed it."""
+        if self.system_in_user:
+            first = dict(msgs[0], content=f"{self.system_prompt}\n\n{msgs[0]['content']}")
+            return [first, *msgs[1:]]
+        return [{"role": "system", "content": self.system_prompt}, *msgs]
+
     def prompt_ids(self, chunks: list[str], question: str, history: Sequence[tuple[str, str]] = ()) -> list[int]:
         """The whole prompt as `full` mode sees it: exactly the concatenated segments."""
         ids = self.prefix_ids()
@@ -75,13 +158,15 @@ class PromptFormat:
         return ids + self.question_ids(question, history)
 
 
-def render_around_slot(tokenizer: Any, system_prompt: str) -> tuple[str, str]:
-    """The chat template's text before and after the user turn's content.
+def render_around_slot(tokenizer: Any, system_prompt: str) -> tuple[str, str, bool]:
+    """The chat template's text before and after the user turn's content, and whether the
+    system prompt went into the user turn.
 
     A template without a system role (Gemma 1 and 2 raise on one) gets the system prompt
     folded into the first user turn, as Gemma 3's own template does.
     """
     turns = [{"role": "system", "content": system_prompt}, {"role": "user", "content": _SLOT}]
+    in_user = False
     try:
         text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # jinja2's TemplateError, raised by the template itself
@@ -89,8 +174,9 @@ def render_around_slot(tokenizer: Any, system_prompt: str) -> tuple[str, str]:
             raise
         text = tokenizer.apply_chat_template([{"role": "user", "content": f"{system_prompt}\n\n{_SLOT}"}],
                                              tokenize=False, add_generation_prompt=True)
+        in_user = True
     head, tail = text.split(_SLOT)
-    return head, tail
+    return head, tail, in_user
 
 
 _SPEAKER = {"user": "User", "assistant": "Assistant", "tool": "Tool"}

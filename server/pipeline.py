@@ -310,11 +310,17 @@ class Pipeline:
         without the answer's instructions (tools, format) or the agent's turns since the
         question. So every call of a tool loop chooses as its first did, whatever its
         tool_choice, and the KV tree's context of the first call is exactly the later calls'."""
+        fmt = self.engine.prompt
         history = [(t.role.value, turn_text(t)) for t in params.history]
-        question_ids = self.engine.prompt.question_ids(params.question, history, output.before, output.after)
+        agent = [(t.role.value, turn_text(t)) for t in params.agent_turns]
+        # a conversation in the chat template's own turns; a single question, or a tokenizer
+        # without a template, as one segment of text
+        question_ids = fmt.turn_ids(params.question, history, output.before, agent)
+        if question_ids is None:
+            question_ids = fmt.question_ids(params.question, history, output.before, output.after)
         if not output.before and not output.after:
             return question_ids, None
-        return question_ids, self.engine.prompt.question_ids(params.question, history)
+        return question_ids, fmt.turn_ids(params.question, history) or fmt.question_ids(params.question, history)
 
     def _check_context(self, params: QueryParams, prompt_tokens: int) -> None:
         """Refuse a prompt that with its answer's budget exceeds the model's context.

@@ -33,7 +33,8 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("kv_cpu_bytes", int, "bytes of KV kept in the CPU tier (default 2 GiB)"),
     ("kv_gpu_bytes", int, "bytes of KV kept in the GPU tier (default 0)"),
     ("kv_tree_bytes", int, "bytes of the KV tree: served prompts' KV kept on the engine's device, so a "
-                           "conversation's next call computes only its new tokens; 0 = off (default 1 GiB)"),
+                           "conversation's next call computes only its new tokens; counted in --kv-budget-bytes (admission "
+                           "evicts what no request holds); 0 = off (default 1 GiB)"),
     ("kv_disk_dir", Path, "disk tier directory (default: the index's own)"),
     ("kv_s3_uri", str, "s3://bucket/prefix of the S3 tier (default off)"),
     ("kv_compression", str, "how KV computed at serve time is written back: auto (as the index was built, "

@@ -60,7 +60,7 @@ import time
 from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ragkv.engine.decode import DecodeStream, decode_batch, pick_greedy
 from ragkv.engine.memory import trim_host_heap
@@ -114,6 +114,15 @@ class Started:
     """Emitted when the scheduler first runs a job."""
 
     at: float  # time.perf_counter() seconds
+
+
+class SharedKV(Protocol):
+    """Device KV kept beside the requests' under the same budget (engine.tree.KVTree is one)."""
+
+    @property
+    def nbytes(self) -> int: ...  # bytes held now
+
+    def shrink(self, limit_bytes: int) -> int: ...  # give up what no request holds; bytes held after
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +210,7 @@ class Scheduler:
         self._incoming: collections.deque[_Job] = collections.deque()  # QUEUED, under _lock
         self._wake = False  # a parked job's future is done (set by its callback, under _lock)
         self._kv_bytes = 0  # admitted, under _lock
+        self._shared: SharedKV | None = None  # device KV kept beside the requests' (the engine's KV tree)
         self._stopping = False
         # the requests by status, scheduler thread only
         self._prompting: list[_Job] = []  # PROMPT
@@ -212,6 +222,13 @@ class Scheduler:
         self._cost_per_s: float | None = None  # prompt_cost units per second of prompt work, as measured
         self._thread = threading.Thread(target=self._loop, name="ragkv-scheduler", daemon=True)
         self._thread.start()
+
+    def share_budget(self, shared: SharedKV) -> None:
+        """Count `shared`'s bytes (the engine's KV tree) in the KV budget: a request is admitted
+        when its KV, the requests' in flight and what `shared` holds fit, `shared` first giving
+        up what no request holds to make room."""
+        with self._lock:
+            self._shared = shared
 
     def submit(self, gen: Generator[Any, None, None], emit: Callable[[object], None], cancel: threading.Event,
                deadline: float | None = None, kv_bytes: int = 0, prompt_cost: float = 0.0) -> None:
@@ -232,11 +249,15 @@ class Scheduler:
                 raise SchedulerFullError(
                     f"this request needs {kv_bytes / 2**20:.0f} MiB of KV cache, more than the whole "
                     f"budget of {budget / 2**20:.0f} MiB (--kv-budget-bytes): ask for fewer chunks or tokens")
-            if self._kv_bytes + kv_bytes > budget:
+            shared = 0 if self._shared is None else self._shared.nbytes
+            if self._kv_bytes + kv_bytes + shared > budget and self._shared is not None:
+                shared = self._shared.shrink(budget - self._kv_bytes - kv_bytes)
+            if self._kv_bytes + kv_bytes + shared > budget:
                 gen.close()
                 raise SchedulerFullError(
                     f"KV memory budget full: {self._kv_bytes / 2**20:.0f} MiB of {budget / 2**20:.0f} MiB "
-                    f"(--kv-budget-bytes) in flight, this request needs {kv_bytes / 2**20:.0f} MiB: retry later")
+                    f"(--kv-budget-bytes) in flight and {shared / 2**20:.0f} MiB of the KV tree held by them, "
+                    f"this request needs {kv_bytes / 2**20:.0f} MiB: retry later")
             self._kv_bytes += kv_bytes
             self._incoming.append(_Job(gen, emit, cancel, deadline, kv_bytes, cost=prompt_cost,
                                        submitted=time.monotonic()))

@@ -262,6 +262,18 @@ class KVTree:
                 node, pos = child, pos + n
             return added
 
+    @property
+    def nbytes(self) -> int:
+        """KV bytes held now."""
+        return self._bytes
+
+    def shrink(self, limit_bytes: int) -> int:
+        """Evict least-recently-used leaves no lease holds until at most `limit_bytes` are held
+        (admission makes room for a request this way); returns the bytes held after."""
+        with self._lock:
+            self._make_room(0, budget=max(limit_bytes, 0))
+            return self._bytes
+
     def clear(self) -> None:
         """Drop every node no lease holds."""
         with self._lock:
@@ -286,12 +298,14 @@ class KVTree:
         self._bytes += node.nbytes + lower.nbytes
         self._nodes += 1
 
-    def _make_room(self, need: int, keep: _Node | None = None) -> bool:
-        """Evict least-recently-used unleased leaves until `need` more bytes fit (never `keep`
-        or its ancestors, where the new node hangs); False when they cannot."""
-        if self._bytes + need <= self.budget_bytes:
+    def _make_room(self, need: int, keep: _Node | None = None, budget: int | None = None) -> bool:
+        """Evict least-recently-used unleased leaves until `need` more bytes fit in `budget`
+        (default the tree's; never `keep` or its ancestors, where the new node hangs); False
+        when they cannot."""
+        budget = self.budget_bytes if budget is None else budget
+        if self._bytes + need <= budget:
             return True
-        if need > self.budget_bytes:
+        if need > budget:
             return False
         kept = set()
         while keep is not None:
@@ -299,13 +313,13 @@ class KVTree:
             keep = keep.parent
         heap = [(n.used, id(n), n) for n in self._leaves() if n.refs == 0 and id(n) not in kept]
         heapq.heapify(heap)
-        while heap and self._bytes + need > self.budget_bytes:
+        while heap and self._bytes + need > budget:
             _, _, node = heapq.heappop(heap)
             self._evict(node)
             parent = node.parent
             if parent is not None and not parent.children and parent.refs == 0 and id(parent) not in kept:
                 heapq.heappush(heap, (parent.used, id(parent), parent))
-        return self._bytes + need <= self.budget_bytes
+        return self._bytes + need <= budget
 
     def _leaves(self) -> Iterable[_Node]:
         stack = list(self._roots.values())

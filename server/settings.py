@@ -81,7 +81,8 @@ class ServerSettings:
     kv_cpu_bytes: int = 2 * 1024**3  # bytes of KV kept in the CPU tier
     kv_gpu_bytes: int = 0  # bytes of KV kept in the GPU tier (CUDA only)
     # the KV tree (engine.tree): served prompts' KV on the engine's device, so a conversation's
-    # next call computes only what is new; on top of kv_budget_bytes; 0 = off
+    # next call computes only what is new; at most this, and counted in kv_budget_bytes (admission
+    # evicts what no request holds to make room); 0 = off
     kv_tree_bytes: int = 1024**3
     kv_disk_dir: Path | None = None  # disk tier directory; None = the index's own
     kv_s3_uri: str | None = None  # s3://bucket/prefix of the S3 tier; None = off

@@ -158,6 +158,42 @@ def test_kv_budget_refuses_with_a_message_naming_it() -> None:
     sched.close()
 
 
+def test_the_kv_trees_bytes_count_in_the_budget_and_it_shrinks_to_admit() -> None:
+    """The tree (here a stand-in holding `held` bytes, of which `pinned` leased) shares the KV
+    budget: admission shrinks it to make room, and refuses only what even that cannot fit."""
+
+    class Tree:
+        def __init__(self) -> None:
+            self.held, self.pinned, self.asked = 700, 300, []
+
+        @property
+        def nbytes(self) -> int:
+            return self.held
+
+        def shrink(self, limit_bytes: int) -> int:
+            self.asked.append(limit_bytes)
+            self.held = max(self.pinned, min(self.held, limit_bytes))
+            return self.held
+
+    sched = Scheduler(SchedulerConfig(kv_budget_bytes=1000))
+    tree = Tree()
+    sched.share_budget(tree)
+    hold = threading.Event()
+
+    def waiting_job():
+        while not hold.is_set():
+            yield 0
+            time.sleep(0.01)
+
+    sched.submit(waiting_job(), _Sink(), threading.Event(), kv_bytes=500)  # 700 + 500 > 1000: the tree gives 200
+    assert tree.asked == [500] and tree.held == 500
+    with pytest.raises(SchedulerFullError, match="KV tree"):  # 500 in flight + 300 leased + 300 > 1000
+        sched.submit(waiting_job(), _Sink(), threading.Event(), kv_bytes=300)
+    assert tree.held == 300
+    hold.set()
+    sched.close()
+
+
 def test_cancel_and_deadline_end_a_request_and_free_its_budget() -> None:
     sched = Scheduler(SchedulerConfig(kv_budget_bytes=1000))
     closed = []

@@ -104,6 +104,18 @@ def test_a_lease_dropped_unreleased_is_released_and_a_leased_edge_is_not_split()
     assert tree.stats().nbytes == 0
 
 
+def test_shrink_evicts_down_to_a_limit_but_keeps_leased_paths():
+    tree = KVTree(10**6)
+    a, b = TreeKey.of("a"), TreeKey.of("b")
+    tree.insert(a, [], CTX, [1, 2, 3], _cache(3))
+    tree.insert(b, [], CTX, [4, 5, 6], _cache(3))
+    held = tree.match(b, [4, 5, 6, 0])
+    assert tree.shrink(0) == _bytes(3) == tree.nbytes  # a went; the leased b stays
+    assert tree.match(a, [1, 2, 3]) is None
+    held.release()
+    assert tree.shrink(0) == 0
+
+
 # -- reuse through the engine: equal to computing the same request without the tree --
 
 RUNS = [(Mode.FULL, "query", 1.0), (Mode.PREFIX, "query", 1.0), (Mode.REUSE, "query", 0.2),

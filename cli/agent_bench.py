@@ -6,7 +6,8 @@ and result. This bench builds (or opens) an index, starts two in-process servers
 one with the KV tree (`--kv-tree-bytes`, the default) and one without (`0`), and runs the
 same loop against both, step by step in turn (so drift on the machine hits both alike):
 step k sends the question, the tools, and k calls with their results of
-`--tool-result-chars` characters each, in the server's default mode, streamed.
+`--tool-result-chars` characters each, in the server's default mode, streamed. Last, the
+user asks a follow-up question that retrieves other chunks (a new path in the tree).
 
 It prints, per step, the prompt tokens, each server's TTFT (server-side) over its own
 step 0's, and the tokens the tree supplied; then both loops' total first-token time and
@@ -24,6 +25,7 @@ from ragkv.types import ChatRole, ChatTurn, Tool, ToolCall
 
 QUESTION = "Which module of the standard library parses command-line arguments, and how is it used?"
 WARM_UP = "What does the json module's dumps function do?"
+FOLLOW_UP = "And which module makes temporary files and directories?"
 LOOKUP = Tool("lookup", "Look a page of the documentation up by its number.",
               {"type": "object", "properties": {"page": {"type": "integer"}}, "required": ["page"]})
 
@@ -44,8 +46,10 @@ def _turns(results: list[str], step: int) -> list[ChatTurn]:
     return turns
 
 
-def _call(client, step_turns: list[ChatTurn], max_new: int, top_k: int) -> dict:  # noqa: ANN001 - RagClient
-    stream = client.query(QUESTION, top_k=top_k, max_new_tokens=max_new, agent_turns=step_turns, tools=[LOOKUP])
+def _call(client, step_turns: list[ChatTurn], max_new: int, top_k: int,  # noqa: ANN001 - RagClient
+          question: str = QUESTION, history: list[ChatTurn] | None = None) -> dict:
+    stream = client.query(question, top_k=top_k, max_new_tokens=max_new, agent_turns=step_turns, tools=[LOOKUP],
+                          history=history or [])
     for _ in stream:
         pass
     stats = stream.result()
@@ -88,10 +92,14 @@ def run_agent_bench(args) -> int:  # noqa: ANN001 - argparse.Namespace from cli.
                     print(f"step {step}: {row['tree']['prompt_tokens']} prompt tokens, TTFT tree "  # progress
                           f"{row['tree']['ttft_s']:.3f} s ({row['tree']['tree_tokens']} from the tree), "
                           f"without {row['no_tree']['ttft_s']:.3f} s", file=sys.stderr, flush=True)
+                # then the user asks another question, which retrieves other chunks: a new path
+                history = [ChatTurn(ChatRole.USER, QUESTION), ChatTurn(ChatRole.ASSISTANT, "It is argparse.")]
+                follow_up = {name: _call(client, [], args.max_new_tokens, args.top_k, FOLLOW_UP, history)
+                             for name, client in (("tree", tree), ("no_tree", plain))}
         finally:
             for server in servers.values():
                 server.stop()
-    report = {"agent_loop": _summary(rows), "config": {
+    report = {"agent_loop": {**_summary(rows), "follow_up": follow_up}, "config": {
         "steps": steps, "tool_result_chars": chars, "max_new_tokens": args.max_new_tokens, "top_k": args.top_k,
         "model": args.model, "kv_tree_bytes": args.kv_tree_bytes, "mode": "the server's default",
         "index": str(args.index) if args.index else "built: 40 docs x 256-token chunks",
@@ -124,6 +132,9 @@ def _print(s: dict) -> None:
               f"({r['tree_over_step0']:.2f}x)  {r['ttft_no_tree_s']:>10.3f} s ({r['no_tree_over_step0']:.2f}x)")
     print(f"total first-token time: {s['total_ttft_tree_s']:.3f} s with the tree, {s['total_ttft_no_tree_s']:.3f} s "
           f"without: {s['total_speedup']}x")
+    f = s["follow_up"]
+    print(f"a follow-up question (other chunks, a new path): TTFT {f['tree']['ttft_s']:.3f} s with the tree "
+          f"({f['tree']['tree_tokens']} tokens from it), {f['no_tree']['ttft_s']:.3f} s without")
 
 
 if __name__ == "__main__":  # pragma: no cover

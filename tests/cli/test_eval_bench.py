@@ -176,3 +176,5 @@ def test_agent_loop_bench_runs_the_loop_with_and_without_the_tree(tiny_llama_dir
         assert s["tree_over_step0"] == pytest.approx(s["ttft_tree_s"] / steps[0]["ttft_tree_s"], abs=0.01)
     assert out["total_ttft_tree_s"] == pytest.approx(sum(s["ttft_tree_s"] for s in steps), abs=0.01)
     assert out["total_speedup"] == pytest.approx(out["total_ttft_no_tree_s"] / out["total_ttft_tree_s"], abs=0.01)
+    follow = out["follow_up"]
+    assert follow["tree"]["prompt_tokens"] == follow["no_tree"]["prompt_tokens"] and follow["no_tree"]["tree_tokens"] == 0

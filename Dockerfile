@@ -1,9 +1,9 @@
-# ragkv image for the AWS Batch indexing jobs and, optionally, the serving hosts.
+# ragkv image for the AWS Batch indexing jobs and the serving hosts (terraform/ pulls it from its ECR repository).
 #
 #   docker build -t ragkv:0.1.0 .                       # GPU build (CUDA wheels from PyPI)
 #   docker build --build-arg EXTRAS=server -t ragkv:cpu .
 #
-# The NVIDIA driver comes from the host (Batch's ECS_AL2_NVIDIA AMI, the Deep
+# The NVIDIA driver comes from the host (Batch's ECS_AL2023_NVIDIA AMI, the Deep
 # Learning AMI with the NVIDIA container toolkit); torch's wheels bring CUDA.
 # No ENTRYPOINT: Batch runs `sh -c "exec ragkv index ..."` (see
 # terraform/modules/indexing), and the default CMD serves an index mounted at

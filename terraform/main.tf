@@ -1,8 +1,21 @@
-# ragkv on AWS: the KV bucket (durable tier), the serving tier on EC2 g5, and
-# optional Spot Batch indexing. See README.md for the inputs and outputs.
+# ragkv on AWS: the KV bucket (durable tier), the ECR repository of the image,
+# the serving tier on EC2 g5, and optional Spot Batch indexing. See README.md
+# for the inputs and outputs.
 
 locals {
   tags = merge({ Project = "ragkv", ManagedBy = "terraform" }, var.tags)
+
+  # The one image both tiers run: built from the Dockerfile, pushed to the
+  # repository below under image_tag.
+  container_image = "${module.registry.repository_url}:${var.image_tag}"
+}
+
+module "registry" {
+  source = "./modules/registry"
+
+  name         = var.name
+  force_delete = var.force_destroy
+  tags         = local.tags
 }
 
 module "kv_bucket" {
@@ -29,13 +42,15 @@ module "serving" {
   instance_type                     = var.instance_type
   ami_ssm_parameter                 = var.ami_ssm_parameter
   ami_id                            = var.ami_id
+  container_image                   = local.container_image
+  ecr_repository_arn                = module.registry.repository_arn
+  detailed_monitoring               = var.detailed_monitoring
   kv_bucket_arn                     = module.kv_bucket.bucket_arn
   kv_bucket_name                    = module.kv_bucket.bucket_name
   kms_key_arn                       = module.kv_bucket.kms_key_arn
   kv_prefix                         = module.kv_bucket.kv_prefix
   index_prefix                      = module.kv_bucket.index_prefix
   index_version                     = var.index_version
-  ragkv_pip_spec                    = var.ragkv_pip_spec
   environment                       = var.serving_environment
   grpc_port                         = var.grpc_port
   metrics_port                      = var.metrics_port
@@ -57,19 +72,20 @@ module "indexing" {
   source = "./modules/indexing"
   count  = var.enable_indexing ? 1 : 0
 
-  name            = var.name
-  vpc_id          = var.vpc_id
-  subnet_ids      = var.subnet_ids
-  container_image = var.container_image
-  instance_types  = var.index_instance_types
-  max_vcpus       = var.index_max_vcpus
-  corpus_s3_uri   = var.corpus_s3_uri
-  retry_attempts  = var.index_retry_attempts
-  kv_bucket_arn   = module.kv_bucket.bucket_arn
-  kv_bucket_name  = module.kv_bucket.bucket_name
-  kms_key_arn     = module.kv_bucket.kms_key_arn
-  kv_prefix       = module.kv_bucket.kv_prefix
-  index_prefix    = module.kv_bucket.index_prefix
-  index_version   = var.index_version
-  tags            = local.tags
+  name             = var.name
+  vpc_id           = var.vpc_id
+  subnet_ids       = var.subnet_ids
+  container_image  = local.container_image
+  service_role_arn = var.batch_service_role_arn
+  instance_types   = var.index_instance_types
+  max_vcpus        = var.index_max_vcpus
+  corpus_s3_uri    = var.corpus_s3_uri
+  retry_attempts   = var.index_retry_attempts
+  kv_bucket_arn    = module.kv_bucket.bucket_arn
+  kv_bucket_name   = module.kv_bucket.bucket_name
+  kms_key_arn      = module.kv_bucket.kms_key_arn
+  kv_prefix        = module.kv_bucket.kv_prefix
+  index_prefix     = module.kv_bucket.index_prefix
+  index_version    = var.index_version
+  tags             = local.tags
 }

@@ -23,6 +23,16 @@ output "index_s3_uri" {
   value       = module.kv_bucket.index_s3_uri
 }
 
+output "image_repository_url" {
+  description = "ECR repository the image is pushed to (`docker push <this>:<image_tag>`)."
+  value       = module.registry.repository_url
+}
+
+output "container_image" {
+  description = "Image the serving hosts and the Batch jobs run (<image_repository_url>:<image_tag>)."
+  value       = local.container_image
+}
+
 output "serving_security_group_id" {
   description = "Security group of the serving instances, or null when serving is disabled."
   value       = one(module.serving[*].security_group_id)

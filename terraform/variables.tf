@@ -70,9 +70,22 @@ variable "access_log_bucket" {
 }
 
 variable "force_destroy" {
-  description = "Allow destroy to delete a non-empty KV bucket (for short-lived environments)."
+  description = "Allow destroy to delete a non-empty KV bucket and an ECR repository that holds images (for short-lived environments)."
   type        = bool
   default     = false
+}
+
+# --- Image ---
+
+variable "image_tag" {
+  description = "Tag of the image (built from the repository's Dockerfile) in the ECR repository this module creates; the serving hosts and the Batch jobs run it."
+  type        = string
+  default     = "0.1.0"
+
+  validation {
+    condition     = can(regex("^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$", var.image_tag))
+    error_message = "image_tag must be a Docker tag: up to 128 letters, digits, '_', '.' or '-', not starting with '.' or '-'."
+  }
 }
 
 # --- Serving ---
@@ -101,10 +114,10 @@ variable "ami_id" {
   default     = null
 }
 
-variable "ragkv_pip_spec" {
-  description = "pip requirement the serving instances install, e.g. \"ragkv[gpu]==0.1.0\"."
-  type        = string
-  default     = "ragkv[gpu]"
+variable "detailed_monitoring" {
+  description = "Enable EC2 detailed (1-minute) monitoring on the serving instances."
+  type        = bool
+  default     = true
 }
 
 variable "serving_environment" {
@@ -191,7 +204,7 @@ variable "load_balancer_internal" {
 }
 
 variable "load_balancer_deletion_protection" {
-  description = "Protect the load balancer from deletion."
+  description = "Protect the load balancer from deletion. While true, terraform destroy fails: apply with false first."
   type        = bool
   default     = true
 }
@@ -204,15 +217,10 @@ variable "enable_indexing" {
   default     = false
 }
 
-variable "container_image" {
-  description = "Image for the Batch jobs (built from the repository's Dockerfile). Required when enable_indexing is true."
+variable "batch_service_role_arn" {
+  description = "IAM role AWS Batch uses to manage the compute environment. Null uses the AWSServiceRoleForBatch service-linked role."
   type        = string
   default     = null
-
-  validation {
-    condition     = !var.enable_indexing || var.container_image != null
-    error_message = "container_image is required when enable_indexing is true."
-  }
 }
 
 variable "index_instance_types" {

@@ -53,8 +53,8 @@ run "compute_environment_is_spot_across_gpu_types" {
   }
 
   assert {
-    condition     = endswith(aws_batch_compute_environment.spot.compute_resources[0].ec2_configuration[0].image_type, "_NVIDIA")
-    error_message = "The instances need the GPU (NVIDIA) Batch AMI."
+    condition     = aws_batch_compute_environment.spot.compute_resources[0].ec2_configuration[0].image_type == "ECS_AL2023_NVIDIA"
+    error_message = "The instances need the GPU (NVIDIA) Batch AMI on Amazon Linux 2023 (Amazon Linux 2 reached end of support on 2026-06-30)."
   }
 }
 
@@ -190,6 +190,22 @@ run "job_role_reads_corpus_and_writes_only_its_prefixes" {
       !contains(flatten([s.Resource]), "*") && !contains(flatten([s.Action]), "s3:*")
     ])
     error_message = "No statement may use Resource \"*\" or s3:*."
+  }
+
+  assert {
+    condition = anytrue([
+      for s in jsondecode(aws_iam_role_policy.job.policy).Statement :
+      s.Action == ["s3:ListBucket"] && s.Resource == "arn:aws:s3:::ragkv-test-kv" && !can(s.Condition)
+    ])
+    error_message = "ListBucket must be granted on the KV bucket without a prefix condition, so a missing KV object is a 404, not a 403."
+  }
+
+  assert {
+    condition = anytrue([
+      for s in jsondecode(aws_iam_role_policy.job.policy).Statement :
+      s.Action == ["s3:DeleteObject"] && s.Resource == "arn:aws:s3:::ragkv-test-kv/kv/*"
+    ])
+    error_message = "The S3 tier deletes a KV object that fails verification: the job needs s3:DeleteObject under the KV prefix."
   }
 }
 

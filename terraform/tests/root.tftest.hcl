@@ -13,6 +13,14 @@ mock_provider "aws" {
   mock_data "aws_ssm_parameter" {
     defaults = { insecure_value = "ami-0dlami0000000000", value = "ami-0dlami0000000000" }
   }
+  # Known at plan time so the image name can be checked.
+  mock_resource "aws_ecr_repository" {
+    override_during = plan
+    defaults = {
+      repository_url = "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv"
+      arn            = "arn:aws:ecr:us-east-1:123456789012:repository/ragkv"
+    }
+  }
 }
 
 variables {
@@ -45,7 +53,7 @@ run "everything_on" {
 
   variables {
     enable_indexing          = true
-    container_image          = "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv:0.1.0"
+    image_tag                = "0.2.0"
     create_autoscaling_group = true
     create_load_balancer     = true
   }
@@ -61,14 +69,28 @@ run "everything_on" {
   }
 }
 
-run "indexing_needs_an_image" {
+run "both_tiers_run_the_image_from_the_deployments_repository" {
   command = plan
 
   variables {
     enable_indexing = true
+    image_tag       = "0.2.0"
   }
 
-  expect_failures = [var.container_image]
+  assert {
+    condition     = module.registry.repository_url == "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv" && output.container_image == "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv:0.2.0"
+    error_message = "The image is the created ECR repository at image_tag."
+  }
+}
+
+run "image_tag_must_be_a_docker_tag" {
+  command = plan
+
+  variables {
+    image_tag = "-bad tag"
+  }
+
+  expect_failures = [var.image_tag]
 }
 
 run "public_ingress_is_refused_at_the_root" {

@@ -21,6 +21,9 @@ variables {
   kms_key_arn    = "arn:aws:kms:us-east-1:123456789012:key/11111111-2222-3333-4444-555555555555"
   allowed_cidrs  = ["10.0.0.0/16", "192.168.10.0/24"]
   tags           = { Project = "ragkv" }
+
+  container_image    = "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv-test:0.1.0"
+  ecr_repository_arn = "arn:aws:ecr:us-east-1:123456789012:repository/ragkv-test"
 }
 
 run "instance_defaults_are_hardened" {
@@ -125,25 +128,33 @@ run "iam_is_limited_to_the_kv_prefix_and_key" {
   assert {
     condition = alltrue([
       for s in jsondecode(aws_iam_role_policy.kv_access.policy).Statement :
-      !contains(flatten([s.Resource]), "*") && !contains(flatten([s.Action]), "s3:*")
+      (!contains(flatten([s.Resource]), "*") || s.Action == ["ecr:GetAuthorizationToken"]) && !contains(flatten([s.Action]), "s3:*")
     ])
-    error_message = "No statement may use Resource \"*\" or s3:*."
+    error_message = "No statement may use Resource \"*\" (but ECR's login, which takes no other) or s3:*."
   }
 
   assert {
     condition = anytrue([
       for s in jsondecode(aws_iam_role_policy.kv_access.policy).Statement :
-      s.Resource == "arn:aws:s3:::ragkv-test-kv/kv/*" && contains(s.Action, "s3:PutObject")
+      s.Resource == "arn:aws:s3:::ragkv-test-kv/kv/*" && contains(s.Action, "s3:PutObject") && contains(s.Action, "s3:DeleteObject")
     ])
-    error_message = "Get/put must be scoped to the KV prefix."
+    error_message = "Get/put/delete must be scoped to the KV prefix (the S3 tier deletes an object that fails verification)."
+  }
+
+  assert {
+    condition = anytrue([
+      for s in jsondecode(aws_iam_role_policy.kv_access.policy).Statement :
+      s.Action == ["s3:ListBucket"] && s.Resource == "arn:aws:s3:::ragkv-test-kv" && !can(s.Condition)
+    ])
+    error_message = "ListBucket must be granted on the bucket without a prefix condition, so S3 answers a missing KV object with 404, not 403."
   }
 
   assert {
     condition = alltrue([
       for s in jsondecode(aws_iam_role_policy.kv_access.policy).Statement :
-      can(s.Condition.StringLike["s3:prefix"]) if contains(flatten([s.Action]), "s3:ListBucket")
+      s.Resource == "arn:aws:ecr:us-east-1:123456789012:repository/ragkv-test" if contains(flatten([s.Action]), "ecr:BatchGetImage")
     ])
-    error_message = "ListBucket must be limited by an s3:prefix condition."
+    error_message = "Image pulls must be limited to the deployment's repository."
   }
 }
 
@@ -155,8 +166,8 @@ run "user_data_runs_ragkv_serve_under_systemd" {
   }
 
   assert {
-    condition     = strcontains(output.user_data, "ragkv serve --index s3://ragkv-test-kv/index/latest --port 50051 --metrics-port 9464")
-    error_message = "The unit must run `ragkv serve` on the configured ports."
+    condition     = strcontains(output.user_data, "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv-test:0.1.0 ragkv serve --index s3://ragkv-test-kv/index/latest --port 50051 --metrics-port 9464")
+    error_message = "The unit must run `ragkv serve` in the deployment's image on the configured ports."
   }
 
   assert {
@@ -170,9 +181,33 @@ run "user_data_runs_ragkv_serve_under_systemd" {
   }
 
   assert {
-    condition     = strcontains(output.user_data, "pip install --quiet 'ragkv[gpu]'")
-    error_message = "User data must install ragkv."
+    condition     = strcontains(output.user_data, "docker login --username AWS --password-stdin 123456789012.dkr.ecr.us-east-1.amazonaws.com") && !strcontains(output.user_data, "pip install")
+    error_message = "User data must pull the image from the deployment's registry and install nothing by name."
   }
+
+  assert {
+    condition     = strcontains(output.user_data, "/opt/dlami/nvme") && strcontains(output.user_data, "Wants=network-online.target ragkv-ssd.service")
+    error_message = "The SSD tier must use the DLAMI's own NVMe mount, and ragkv must serve without it."
+  }
+
+  assert {
+    condition     = aws_instance.serving[0].user_data_replace_on_change == true && aws_instance.serving[0].monitoring == true
+    error_message = "A new image or index version must replace the instance (user data runs on first boot only); detailed monitoring is on by default."
+  }
+}
+
+run "image_must_come_from_ecr" {
+  command = plan
+
+  module {
+    source = "./modules/serving"
+  }
+
+  variables {
+    container_image = "ragkv:latest"
+  }
+
+  expect_failures = [var.container_image]
 }
 
 run "autoscaling_group_behind_nlb" {

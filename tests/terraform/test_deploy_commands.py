@@ -3,7 +3,9 @@ RAGKV_ variable the deploy sets is one ragkv reads.
 
 Collected from: the Dockerfile's CMD, the serving user data (systemd ExecStart), the
 Batch job definitions' commands (the indexing module's variables), and every `ragkv ...`
-step of terraform/README.md's walk-through. Runs without terraform (python-hcl2 only).
+step of terraform/README.md's walk-through. The user data and the scripts it writes
+pass `bash -n`, and its `docker run` lines mount what the image reads where the
+Dockerfile says it reads it. Runs without terraform (python-hcl2 only).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import json
 import logging
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -24,15 +28,16 @@ hcl2 = pytest.importorskip("hcl2", reason="python-hcl2 is a dev dependency: pip 
 
 USER_DATA = TERRAFORM_DIR / "modules" / "serving" / "templates" / "user_data.sh.tftpl"
 # What Terraform and Batch put into the commands, as the modules' defaults would.
+IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv:0.1.0"
 TEMPLATE_VARS = {
-    "pip_spec": "ragkv[gpu]", "grpc_port": "50051", "metrics_port": "9464", "health_port": "8080",
+    "image": IMAGE, "registry": IMAGE.split("/")[0], "grpc_port": "50051", "metrics_port": "9464", "health_port": "8080",
     "region": "us-east-1", "kv_s3_uri": "s3://ragkv-kv/kv", "index_s3_uri": "s3://ragkv-kv/index/latest",
     "health_bridge": "", "environment": "",
 }
 SHELL_ENV = {
     "CORPUS_URI": "s3://ragkv-kv/corpus", "INDEX_OUT_URI": "s3://ragkv-kv/index/latest",
     "RAGKV_KV_S3_URI": "s3://ragkv-kv/kv", "SHARD_COUNT": "4", "AWS_BATCH_JOB_ARRAY_INDEX": "2",
-    "IMAGE": "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv:0.1.0", "BUCKET": "ragkv-kv",
+    "IMAGE": IMAGE, "BUCKET": "ragkv-kv",
     "REGION": "us-east-1", "ENDPOINT": "internal-ragkv-123.elb.us-east-1.amazonaws.com:50051",
 }
 SUBCOMMANDS = {"index", "serve", "query", "eval", "bench", "demo", "check-model"}
@@ -152,6 +157,61 @@ def test_serving_unit_serves_the_s3_index_on_the_one_metrics_port() -> None:
     docker = collected()["Dockerfile CMD"]
     assert docker[docker.index("--metrics-port") + 1] == "9464"
     assert "EXPOSE 50051 9464" in (REPO_ROOT / "Dockerfile").read_text()
+
+
+def _scripts(user_data: str) -> dict[str, str]:
+    """The scripts the user data writes with `cat > PATH <<'SH'`, by path."""
+    return dict(re.findall(r"^cat > (\S+) <<'SH'\n(.*?)^SH$", user_data, re.S | re.M))
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash to check the user data's syntax")
+def test_user_data_and_its_scripts_are_valid_bash() -> None:
+    user_data = render_user_data()
+    scripts = _scripts(user_data)
+    assert set(scripts) == {"/usr/local/sbin/ragkv-pull", "/usr/local/sbin/ragkv-ssd-setup"}, sorted(scripts)
+    for name, text in {"user data": user_data, **scripts}.items():
+        p = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True, timeout=30)
+        assert p.returncode == 0, f"{name} is not valid bash:\n{p.stderr}"
+
+
+def _docker_runs(user_data: str) -> dict[str, tuple[list[str], list[str]]]:
+    """container name -> (docker run options, command after the image) of each unit's ExecStart."""
+    out = {}
+    for line in user_data.replace("\\\n", " ").splitlines():
+        if line.startswith("ExecStart=/usr/bin/docker run "):
+            words = shlex.split(line.removeprefix("ExecStart="))
+            at = words.index(IMAGE)
+            opts = words[2:at]
+            out[opts[opts.index("--name") + 1]] = (opts, words[at + 1:])
+    return out
+
+
+def _dockerfile_env() -> dict[str, str]:
+    text = (REPO_ROOT / "Dockerfile").read_text()
+    block = re.search(r"^ENV (.*?)(?<!\\)\n", text, re.S | re.M).group(1)
+    return dict(w.split("=", 1) for w in shlex.split(block.replace("\\\n", " ")))
+
+
+def test_units_run_the_image_with_its_own_paths_and_user() -> None:
+    user_data = render_user_data()
+    runs = _docker_runs(user_data)
+    assert set(runs) == {"ragkv", "ragkv-health"}, runs
+    opts, command = runs["ragkv"]
+    assert command[:2] == ["ragkv", "serve"]
+    volumes = dict(v.split(":")[1::-1] for v in (opts[i + 1] for i, o in enumerate(opts) if o == "--volume"))
+    env = _dockerfile_env()
+    # The SSD tier and the cache land where the image's ragkv looks for them.
+    assert volumes[env["RAGKV_KV_DISK_DIR"]] == "/mnt/ragkv-ssd/kv"
+    assert volumes[env["RAGKV_CACHE_DIR"]] == "/var/lib/ragkv/cache"
+    assert f"RAGKV_KV_DISK_DIR={env['RAGKV_KV_DISK_DIR']}" in user_data
+    uid = re.search(r"useradd .*--uid (\d+)", (REPO_ROOT / "Dockerfile").read_text()).group(1)
+    for name, (o, _) in runs.items():
+        # The image's own user, and the host's network: one hop to IMDSv2 (hop limit 1).
+        assert o[o.index("--user") + 1] == uid and o[o.index("--network") + 1] == "host", name
+    assert "--gpus" in opts and f"install -d -o {uid} -m 0750 /mnt/ragkv-ssd/kv" in user_data
+    health_opts, health_cmd = runs["ragkv-health"]
+    assert health_cmd[:2] == ["python", "/opt/ragkv/grpc_health_http.py"]
+    assert "/opt/ragkv/grpc_health_http.py:/opt/ragkv/grpc_health_http.py:ro" in health_opts
 
 
 def _set_vars() -> dict[str, set[str]]:

@@ -27,6 +27,7 @@ hcl2 = pytest.importorskip("hcl2", reason="python-hcl2 is a dev dependency: pip 
 NOT_TAGGABLE = {
     "aws_iam_role_policy",
     "aws_iam_role_policy_attachment",
+    "aws_ecr_lifecycle_policy",
     "aws_kms_alias",
     "aws_lb_target_group_attachment",
     "aws_s3_bucket_lifecycle_configuration",

@@ -3,6 +3,8 @@
 #
 #   terraform init
 #   terraform apply -var vpc_id=vpc-... -var subnet_id=subnet-... -var client_cidr=10.0.0.0/16
+#   # push the image: docker build/push to $(terraform output -raw image_repository_url):0.1.0;
+#   # the instance pulls it (and retries until it is there), then serves.
 
 terraform {
   required_version = ">= 1.9"
@@ -39,6 +41,12 @@ variable "subnet_id" {
   type        = string
 }
 
+variable "image_tag" {
+  description = "Tag of the image (built from the repository's Dockerfile) pushed to the ECR repository this deployment creates."
+  type        = string
+  default     = "0.1.0"
+}
+
 variable "client_cidr" {
   description = "CIDR block of the clients allowed to reach gRPC and metrics, e.g. the VPC's CIDR."
   type        = string
@@ -53,9 +61,15 @@ module "ragkv" {
   instance_type = "g5.xlarge"
   allowed_cidrs = [var.client_cidr]
   index_version = "latest"
+  image_tag     = var.image_tag
   force_destroy = true
 
   tags = { Example = "single-g5" }
+}
+
+output "image_repository_url" {
+  description = "Push the image built from the Dockerfile here, as <this>:<image_tag>."
+  value       = module.ragkv.image_repository_url
 }
 
 output "grpc_endpoints" {

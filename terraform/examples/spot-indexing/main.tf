@@ -3,8 +3,8 @@
 # followed by the merge step. No serving tier: add one with enable_serving.
 #
 #   terraform init
-#   terraform apply -var vpc_id=vpc-... -var 'subnet_ids=["subnet-a","subnet-b"]' \
-#     -var container_image=123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv:0.1.0
+#   terraform apply -var vpc_id=vpc-... -var 'subnet_ids=["subnet-a","subnet-b"]'
+#   # push the image: docker build/push to $(terraform output -raw image_repository_url):0.1.0
 #   terraform output -raw batch_submit_commands   # then run them
 
 terraform {
@@ -42,9 +42,10 @@ variable "subnet_ids" {
   type        = list(string)
 }
 
-variable "container_image" {
-  description = "Image built from the repository's Dockerfile and pushed to a registry the instances can pull from."
+variable "image_tag" {
+  description = "Tag of the image (built from the repository's Dockerfile) pushed to the ECR repository this deployment creates."
   type        = string
+  default     = "0.1.0"
 }
 
 variable "corpus_s3_uri" {
@@ -61,12 +62,18 @@ module "ragkv" {
   subnet_ids      = var.subnet_ids
   enable_serving  = false
   enable_indexing = true
-  container_image = var.container_image
+  image_tag       = var.image_tag
   corpus_s3_uri   = var.corpus_s3_uri
   index_version   = "v1"
   index_max_vcpus = 32
+  force_destroy   = true
 
   tags = { Example = "spot-indexing" }
+}
+
+output "image_repository_url" {
+  description = "Push the image built from the Dockerfile here, as <this>:<image_tag>."
+  value       = module.ragkv.image_repository_url
 }
 
 output "batch_job_queue_arn" {

@@ -145,13 +145,19 @@ resource "aws_iam_role_policy" "job" {
           Resource = ["${var.kv_bucket_arn}/${var.kv_prefix}/*", "${var.kv_bucket_arn}/${var.index_prefix}/*"]
         },
         {
-          Sid      = "ListKVAndIndex"
+          # The S3 tier deletes an object that fails verification, so a later put can replace it.
+          Sid      = "DeleteBadKV"
+          Effect   = "Allow"
+          Action   = ["s3:DeleteObject"]
+          Resource = "${var.kv_bucket_arn}/${var.kv_prefix}/*"
+        },
+        {
+          # Unconditional: without s3:ListBucket S3 answers a missing key with 403,
+          # not 404, and every KV miss would be logged and counted as an error.
+          Sid      = "ListKVBucket"
           Effect   = "Allow"
           Action   = ["s3:ListBucket"]
           Resource = var.kv_bucket_arn
-          Condition = {
-            StringLike = { "s3:prefix" = ["${var.kv_prefix}/*", "${var.index_prefix}/*"] }
-          }
         },
         {
           Sid      = "UseBucketKey"
@@ -231,6 +237,7 @@ resource "aws_launch_template" "batch" {
 resource "aws_batch_compute_environment" "spot" {
   compute_environment_name_prefix = "${var.name}-spot-"
   type                            = "MANAGED"
+  service_role                    = var.service_role_arn
 
   compute_resources {
     type                = "SPOT"

@@ -29,6 +29,12 @@ variable "container_image" {
   type        = string
 }
 
+variable "service_role_arn" {
+  description = "IAM role AWS Batch uses to manage the compute environment. Null uses the AWSServiceRoleForBatch service-linked role."
+  type        = string
+  default     = null
+}
+
 variable "instance_types" {
   description = "GPU instance types the Spot compute environment may launch. More types mean more Spot pools and fewer interruptions."
   type        = list(string)
@@ -47,9 +53,9 @@ variable "max_vcpus" {
 }
 
 variable "ec2_image_type" {
-  description = "Batch AMI family for the instances; it must be a GPU variant (ECS_AL2_NVIDIA or ECS_AL2023_NVIDIA)."
+  description = "Batch AMI family for the instances; it must be a GPU variant. ECS_AL2023_NVIDIA by default: Amazon Linux 2 reached end of support on 2026-06-30."
   type        = string
-  default     = "ECS_AL2_NVIDIA"
+  default     = "ECS_AL2023_NVIDIA"
 
   validation {
     condition     = contains(["ECS_AL2_NVIDIA", "ECS_AL2023_NVIDIA"], var.ec2_image_type)

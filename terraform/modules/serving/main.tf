@@ -18,7 +18,8 @@ locals {
   index_s3_uri = "s3://${var.kv_bucket_name}/${var.index_prefix}/${var.index_version}"
 
   user_data = templatefile("${path.module}/templates/user_data.sh.tftpl", {
-    pip_spec      = var.ragkv_pip_spec
+    image         = var.container_image
+    registry      = split("/", var.container_image)[0]
     grpc_port     = var.grpc_port
     metrics_port  = var.metrics_port
     health_port   = var.health_port
@@ -74,9 +75,11 @@ resource "aws_iam_role_policy" "kv_access" {
     Version = "2012-10-17"
     Statement = [
       {
+        # DeleteObject: the S3 tier deletes an object that fails verification
+        # (and `delete` removes one), so a later put can replace it.
         Sid      = "ReadWriteKV"
         Effect   = "Allow"
-        Action   = ["s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload"]
+        Action   = ["s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload", "s3:DeleteObject"]
         Resource = "${var.kv_bucket_arn}/${var.kv_prefix}/*"
       },
       {
@@ -86,19 +89,31 @@ resource "aws_iam_role_policy" "kv_access" {
         Resource = "${var.kv_bucket_arn}/${var.index_prefix}/*"
       },
       {
-        Sid      = "ListOwnPrefixes"
+        # Unconditional: without s3:ListBucket S3 answers a missing key with 403,
+        # not 404, and every KV miss would be logged and counted as an error.
+        Sid      = "ListBucket"
         Effect   = "Allow"
         Action   = ["s3:ListBucket"]
         Resource = var.kv_bucket_arn
-        Condition = {
-          StringLike = { "s3:prefix" = ["${var.kv_prefix}/*", "${var.index_prefix}/*"] }
-        }
       },
       {
         Sid      = "UseBucketKey"
         Effect   = "Allow"
         Action   = ["kms:Decrypt", "kms:GenerateDataKey"]
         Resource = var.kms_key_arn
+      },
+      {
+        Sid      = "PullImage"
+        Effect   = "Allow"
+        Action   = ["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"]
+        Resource = var.ecr_repository_arn
+      },
+      {
+        # `docker login` to ECR; this action takes no resource but "*".
+        Sid      = "RegistryLogin"
+        Effect   = "Allow"
+        Action   = ["ecr:GetAuthorizationToken"]
+        Resource = "*"
       },
     ]
   })
@@ -194,8 +209,12 @@ resource "aws_instance" "serving" {
   vpc_security_group_ids = [aws_security_group.serving.id]
   iam_instance_profile   = aws_iam_instance_profile.serving.name
   ebs_optimized          = true
-  monitoring             = true
+  monitoring             = var.detailed_monitoring
   user_data_base64       = base64gzip(local.user_data)
+  # User data runs on first boot only: a new image or index_version needs a
+  # new instance (a stop and start would keep the old settings and wipe the
+  # NVMe tier anyway).
+  user_data_replace_on_change = true
 
   metadata_options {
     http_endpoint               = "enabled"
@@ -246,7 +265,7 @@ resource "aws_launch_template" "serving" {
   }
 
   monitoring {
-    enabled = true
+    enabled = var.detailed_monitoring
   }
 
   block_device_mappings {

@@ -37,9 +37,15 @@ variable "ami_ssm_parameter" {
 }
 
 variable "ami_id" {
-  description = "Explicit AMI id, overriding the SSM lookup. The AMI needs the NVIDIA driver, Python 3.10+ and the AWS CLI."
+  description = "Explicit AMI id, overriding the SSM lookup. The AMI needs the NVIDIA driver, Docker with the NVIDIA container toolkit, and the AWS CLI (the Deep Learning AMI has all three)."
   type        = string
   default     = null
+}
+
+variable "detailed_monitoring" {
+  description = "Enable EC2 detailed (1-minute) monitoring."
+  type        = bool
+  default     = true
 }
 
 variable "root_device_name" {
@@ -103,10 +109,19 @@ variable "index_version" {
   }
 }
 
-variable "ragkv_pip_spec" {
-  description = "pip requirement installed on the instances, e.g. \"ragkv[gpu]==0.1.0\"."
+variable "container_image" {
+  description = "Image the instances run under systemd, REGISTRY/NAME:TAG (built from the repository's Dockerfile and pushed to the deployment's ECR repository)."
   type        = string
-  default     = "ragkv[gpu]"
+
+  validation {
+    condition     = can(regex("^[0-9]{12}\\.dkr\\.ecr\\.[a-z0-9-]+\\.amazonaws\\.com(\\.cn)?/[a-z0-9._/-]+:[A-Za-z0-9_][A-Za-z0-9._-]*$", var.container_image))
+    error_message = "container_image must be an ECR image with a tag, ACCOUNT.dkr.ecr.REGION.amazonaws.com/NAME:TAG: the hosts pull only what was built and pushed."
+  }
+}
+
+variable "ecr_repository_arn" {
+  description = "ARN of the ECR repository that holds container_image; the instances may pull only from it."
+  type        = string
 }
 
 variable "environment" {
@@ -167,7 +182,7 @@ variable "allowed_security_group_ids" {
 }
 
 variable "egress_cidrs" {
-  description = "CIDR blocks the instances may reach on TCP 80/443 (S3, PyPI, SSM, package mirrors)."
+  description = "CIDR blocks the instances may reach on TCP 80/443 (S3, ECR, SSM, package mirrors)."
   type        = list(string)
   default     = ["0.0.0.0/0"]
 }
@@ -208,7 +223,7 @@ variable "asg_desired_capacity" {
 }
 
 variable "health_check_grace_period" {
-  description = "Seconds a new instance has to install ragkv, fetch the index and load the model before health checks count."
+  description = "Seconds a new instance has to pull the image, fetch the index and load the model before health checks count."
   type        = number
   default     = 1800
 }

@@ -1,9 +1,12 @@
-"""S3 tier against moto's server on loopback: layout, multipart, no overwrite, damage, a dead endpoint."""
+"""S3 tier against moto's server on loopback: layout, multipart, no overwrite, damage, a dead
+endpoint, and what a 403 and a 404 mean."""
 
 from __future__ import annotations
 
+import json
 import socket
 
+import boto3
 import pytest
 
 from ragkv.kvstore import Compression, S3Settings, S3Tier
@@ -110,3 +113,40 @@ def test_bad_bucket_names_are_refused(bucket_name, s3_settings):
 def test_path_traversal_in_prefixes_is_refused(prefix, s3_settings):
     with pytest.raises(ValueError, match="prefix"):
         S3Tier("good-bucket", prefix, MODEL_FP, TOKENIZER_FP, s3_settings)
+
+
+def _user_tier(s3_endpoint, bucket, iam, actions):
+    """A tier signed by a new IAM user of moto's that may do only `actions` on the bucket."""
+    name = f"kv-user-{len(actions)}-{bucket}"
+    iam.create_user(UserName=name)
+    iam.put_user_policy(UserName=name, PolicyName="kv", PolicyDocument=json.dumps({
+        "Version": "2012-10-17",
+        "Statement": [{"Effect": "Allow", "Action": actions,
+                       "Resource": [f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"]}],
+    }))
+    key = iam.create_access_key(UserName=name)["AccessKey"]
+    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1",
+                          aws_access_key_id=key["AccessKeyId"], aws_secret_access_key=key["SecretAccessKey"])
+    return S3Tier(bucket, "p/q", MODEL_FP, TOKENIZER_FP, S3Settings(endpoint_url=s3_endpoint), client=client)
+
+
+def test_access_denied_is_an_error_and_not_found_a_miss(s3_endpoint, bucket, monkeypatch):
+    # S3 answers a missing key with 403 to a caller without s3:ListBucket (terraform/ grants it
+    # unconditionally for that reason): a 403 must stay visible as an error, a 404 is a miss.
+    from moto import settings as moto_settings
+
+    iam = boto3.client("iam", endpoint_url=s3_endpoint, region_name="us-east-1")
+    reader = _user_tier(s3_endpoint, bucket, iam, ["s3:GetObject", "s3:ListBucket"])
+    denied = _user_tier(s3_endpoint, bucket, iam, ["s3:ListBucket"])
+    monkeypatch.setattr(moto_settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # moto checks IAM from here on
+    key = make_entry(1).key
+
+    assert reader.get(key) is None
+    assert (reader.stats().misses, reader.stats().errors) == (1, 0)  # 404: a plain miss
+
+    assert denied.get(key) is None
+    assert (denied.stats().misses, denied.stats().errors) == (1, 1)  # 403: counted and logged
+    with pytest.raises(StoreError, match="AccessDenied"):
+        reader.delete(key)  # no s3:DeleteObject: the tier's delete fails loudly
+    for t in (reader, denied):
+        t.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -20,7 +20,6 @@ from ragkv.engine.kv import KVCache
 from ragkv.engine.rope import RopeTables
 
 if TYPE_CHECKING:
-    from ragkv.engine.blend import BlendOptions
     from ragkv.engine.loading import LoadedModel
 
 
@@ -40,7 +39,19 @@ class Budget(str, enum.Enum):
     CHUNK = "chunk"  # each chunk gets its length's share of the budget and picks its own best
 
 
-def select_tokens(score: torch.Tensor, chunk_lens: Sequence[int], options: BlendOptions) -> torch.Tensor:
+class Picking(Protocol):
+    """What picking needs to know (engine.blend.BlendOptions has it): this module names no
+    blend type, so blend -> select is the only way the import goes."""
+
+    recompute_ratio: float  # fraction of chunk tokens (the most, when adaptive)
+    adaptive_mass: float | None  # pick the fewest tokens holding this share of the score
+    min_ratio: float  # adaptive: never fewer than this fraction
+    budget: Budget  # spread over the whole context, or per chunk
+    sink_tokens: int  # the first tokens of every chunk are always picked
+    window: int  # pick whole windows of this many tokens
+
+
+def select_tokens(score: torch.Tensor, chunk_lens: Sequence[int], options: Picking) -> torch.Tensor:
     """Pick chunk tokens to recompute: sinks first, then by score, within the budget.
 
     The budget is round(recompute_ratio * n) tokens; with `adaptive_mass` it is the fewest
@@ -79,7 +90,7 @@ def _split_budget(budget: int, chunk_lens: Sequence[int]) -> list[int]:
     return shares
 
 
-def _pick(score: torch.Tensor, budget: int, chunk_lens: Sequence[int], options: BlendOptions) -> torch.Tensor:
+def _pick(score: torch.Tensor, budget: int, chunk_lens: Sequence[int], options: Picking) -> torch.Tensor:
     """The `budget` best of score: [n] (sinks of each chunk first, whole windows) as sorted offsets."""
     n = score.shape[0]
     if budget >= n:

@@ -15,12 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ragkv.errors import RagKVError
+from ragkv.errors import CorpusError
 from ragkv.retriever.records import ContentHash, DocId, content_hash
-
-
-class CorpusError(RagKVError):
-    """The corpus is missing, empty, or holds a malformed document."""
 
 
 class DocFormat(enum.Enum):

@@ -21,7 +21,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ragkv.indexer.corpus import CorpusError
+from ragkv.errors import CorpusError
 
 EXTRA_HINT = "pip install 'ragkv[ingest]'"
 _HEADINGS = ("h1", "h2", "h3")

@@ -24,6 +24,10 @@ class ModelCheckError(UnsupportedModelError):
     """A model's forward through ragkv does not match transformers' (the correctness gate)."""
 
 
+class CorpusError(RagKVError):
+    """The corpus to index is missing, empty, or holds a malformed document."""
+
+
 class KVFormatError(RagKVError):
     """A KV file is malformed, truncated, or belongs to another model or layout."""
 

@@ -1,4 +1,5 @@
-"""The house: one import namespace in the wheel, and the import contract of shared/DESIGN.md.
+"""The house: one import namespace in the wheel, the import contract of docs/architecture.md,
+and no import circle between modules.
 
 Both run on the wheel itself (built here, unpacked into a folder): the repository's folders
 (engine/, server/, ...) install as ragkv.*, which only a built tree shows as it is installed.
@@ -72,3 +73,60 @@ def test_the_contract_catches_a_wrong_way_import(wheel_tree: Path, tmp_path: Pat
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "ragkv.kvstore.entry -> ragkv.engine.kv" in proc.stdout
+
+
+def _import_cycles(tree: Path) -> list[list[str]]:
+    """Circles of module imports in an installed `ragkv` tree: every import counts, at any
+    level (inside functions, under TYPE_CHECKING); `from pkg import sub` counts the submodule."""
+    import ast
+
+    mods: dict[str, Path] = {}
+    for f in (tree / "ragkv").rglob("*.py"):
+        parts = [p for p in f.relative_to(tree).with_suffix("").parts if p != "__init__"]
+        mods[".".join(parts)] = f
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for m, f in mods.items():
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in mods]
+                graph[m].update(subs or ([node.module] if node.module in mods else []))
+            elif isinstance(node, ast.Import):
+                graph[m].update(a.name for a in node.names if a.name in mods)
+        graph[m].discard(m)
+    cycles, done = [], set()
+    for start in sorted(graph):  # a path back to `start` through modules not yet done
+        path, seen, stack = {start: None}, {start}, [start]
+        while stack:
+            v = stack.pop()
+            for w in sorted(graph[v]):
+                if w == start:
+                    loop, u = [start], v
+                    while u != start:
+                        loop.insert(1, u)
+                        u = path[u]
+                    cycles.append(loop)
+                    stack.clear()
+                    break
+                if w not in seen and w not in done:
+                    seen.add(w)
+                    path[w] = v
+                    stack.append(w)
+        done.add(start)
+    return cycles
+
+
+def test_no_module_imports_itself_back(wheel_tree: Path) -> None:
+    """One way per pair: blend -> focus -> select once named blend back (a type under
+    TYPE_CHECKING), indexer.corpus and indexer.documents each other (a lazy import)."""
+    assert _import_cycles(wheel_tree) == []
+
+
+def test_the_circle_check_catches_one(wheel_tree: Path, tmp_path: Path) -> None:
+    import shutil
+
+    tree = tmp_path / "tree"
+    shutil.copytree(wheel_tree, tree)
+    select = tree / "ragkv" / "engine" / "select.py"
+    select.write_text(select.read_text() + "\n\ndef _back():\n    from ragkv.engine.blend import BlendOptions\n")
+    cycles = _import_cycles(tree)
+    assert any({"ragkv.engine.blend", "ragkv.engine.select"} <= set(c) for c in cycles), cycles

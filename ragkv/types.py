@@ -101,6 +101,7 @@ class Tier(str, enum.Enum):
     S3 = "s3"  # objects in an S3-compatible bucket
     COMPUTED = "computed"  # missing from every tier: computed on the spot, written back
     NOT_LOADED = "not_loaded"  # the mode does not use cached chunk KV
+    TREE = "tree"  # the server's KV tree held it, in an earlier call's context (engine.tree)
 
     @property
     def rank(self) -> int:

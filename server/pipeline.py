@@ -469,7 +469,7 @@ class Pipeline:
         loaded: dict[Tier, int] = {}
         sources: Counter[KVSource] = Counter()
         if plan.lease is not None and engine.reads_chunk_kv(params.mode):  # the context is the tree's
-            kvs, tiers = None, [Tier.GPU if self.lm.device.type == "cuda" else Tier.CPU] * len(plan.token_ids)
+            kvs, tiers = None, [Tier.TREE] * len(plan.token_ids)
         elif engine.reads_chunk_kv(params.mode):
             result = yield from self._load_chunks(prepared, plan, cancel, phases, sources)
             if result is None:

@@ -12,7 +12,7 @@ import pytest
 
 from ragkv.client import RagClient
 from ragkv.server.settings import CollectionSpec
-from ragkv.types import ChatRole, ChatTurn, ToolCall
+from ragkv.types import ChatRole, ChatTurn, Tier, ToolCall
 from tests.server.fakes import ServerThread, settings
 
 CORPUS = {
@@ -77,6 +77,7 @@ def test_a_tool_loop_reuses_its_earlier_calls_and_answers_as_without_the_tree(se
             assert usage_a.prompt_tokens == usage_b.prompt_tokens
             assert usage_b.tree_prompt_tokens == 0
             if step == 0:
+                assert Tier.TREE not in {c.kv_tier for c in a.chunks}
                 prev_prompt = usage_a.prompt_tokens
                 continue
             # every earlier call's prompt is held: only the newest call and result are computed
@@ -84,6 +85,8 @@ def test_a_tool_loop_reuses_its_earlier_calls_and_answers_as_without_the_tree(se
             assert usage_a.tree_prompt_tokens >= prev_prompt - 16, (step, usage_a, prev_prompt)  # all but its tail
             assert new_tokens <= usage_a.prompt_tokens - prev_prompt + 16, (step, usage_a, prev_prompt)
             assert usage_a.cached_prompt_tokens >= usage_a.tree_prompt_tokens
+            if mode != "full":  # the chunks came with the context, from the tree, not from a tier
+                assert {c.kv_tier for c in a.chunks} == {Tier.TREE}, a.chunks
             prev_prompt = usage_a.prompt_tokens
 
 

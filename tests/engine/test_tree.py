@@ -11,7 +11,7 @@ from ragkv.types import Mode
 from ragkv.engine import BlendOptions, Engine, SamplingParams, load_model
 from ragkv.engine.kv import KVCache
 from ragkv.engine.tree import KVTree, TreeContext, TreeKey
-from ragkv.evals.testing import tiny_model_dir
+from ragkv.evals.testing import FAMILY_CONFIGS, tiny_model_dir
 
 CHUNKS = [
     "Paris is the capital of France. The secret number is 4721.",
@@ -132,7 +132,21 @@ def engine(request, tmp_path_factory):
 
 @pytest.mark.parametrize("mode,selector,ratio", RUNS, ids=[f"{m.value}-{s}-{r}" for m, s, r in RUNS])
 def test_a_conversations_next_call_reuses_the_tree_and_equals_computing_it(engine, mode, selector, ratio):
-    fmt, eng = engine.prompt, engine
+    _next_call_equals_computing_it(engine, mode, selector, ratio)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_CONFIGS))
+def test_the_tree_is_exact_for_every_family(tmp_path_factory, name):
+    """Every served family, its features on (tests/engine/test_families.py's configs), blend 0.2."""
+    d = tiny_model_dir(tmp_path_factory.mktemp(f"tree-{name}"), name, family=True, initializer_range=0.2, seed=5)
+    eng = Engine(load_model(str(d), device="cpu", dtype="float32"), tree_bytes=64 << 20)
+    _next_call_equals_computing_it(eng, Mode.BLEND, "query", 0.2)
+
+
+def _next_call_equals_computing_it(eng: Engine, mode: Mode, selector: str, ratio: float) -> None:
+    """Call 1 is computed, answered and remembered; call 2 (call 1's prompt, its answer, a
+    tool turn, choosing by call 1's question) from the tree equals call 2 computed whole."""
+    fmt = eng.prompt
     prefix_ids = fmt.prefix_ids()
     chunk_ids = [fmt.chunk_ids(c) for c in CHUNKS]
     opts = BlendOptions(recompute_ratio=ratio, selector=selector, focus_handover=True, focus_spread=0.0)
@@ -140,13 +154,11 @@ def test_a_conversations_next_call_reuses_the_tree_and_equals_computing_it(engin
     first_q = fmt.question_ids(QUESTION)
     key = eng.tree_key(mode, prefix_ids, CHUNKS, opts, first_q)
 
-    # call 1: computed, answered, remembered
     res = eng.run(prefix_ids, chunk_ids, kvs, first_q, mode, opts, reserve_tokens=16)
     stream = eng.decode(res, SamplingParams(max_new_tokens=5))
     list(stream)
     assert eng.remember(key, mode, res, len(first_q), len(prefix_ids), stream.token_ids) > 0
 
-    # call 2: call 1's prompt, its answer, then a tool turn; choosing by call 1's question
     second_q = [*first_q, *stream.token_ids[:4], *fmt.chunk_ids(TOOL_TURN)]
     alone = eng.run(prefix_ids, chunk_ids, kvs, second_q, mode, opts, reserve_tokens=16, select_ids=first_q)
     lease = eng.tree.match(key, eng.tree_path(mode, prefix_ids, chunk_ids, second_q))

@@ -57,6 +57,7 @@ class Family:
     rope_interleaved: bool = False  # RoPE rotates pairs (0, 1), (2, 3)... (Cohere)
     rope_per_layer_type: bool = False  # the rotary module takes the layer type (Gemma 3)
     rope_half_table: bool = False  # the rotary module returns D/2-wide tables for the halves (gpt-oss)
+    nope_global: bool = False  # layers without a window take no RoPE when others have one (EXAONE 4)
     attn_softcap: bool = False  # scores are soft-capped by attn_logit_softcapping (Gemma 2; Gemma 3
     # keeps the setting but transformers never applies it, so neither do we)
     notes: str = ""  # what the adapter handles, for docs/models.md
@@ -64,6 +65,7 @@ class Family:
 
 _SANDWICH = dict(attn_out="post_attention_layernorm", mlp_in="pre_feedforward_layernorm",
                  mlp_out="post_feedforward_layernorm")
+_POST_NORM = dict(attn_in=None, attn_out="post_attention_layernorm", mlp_in=None, mlp_out="post_feedforward_layernorm")
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", notes="pre-norm; Llama 3 rope scaling through the model's rotary module"),
@@ -80,8 +82,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            notes="sandwich norms; per-head q/k norm; local (sliding) and global layers with their own "
            "rotary tables"),
     Family("phi3", fused_qkv=True, notes="fused qkv_proj; partial rotary when configured"),
-    Family("olmo2", attn_in=None, attn_out="post_attention_layernorm", mlp_in=None,
-           mlp_out="post_feedforward_layernorm", qk_norm=QKNorm.PROJECTION,
+    Family("olmo2", **_POST_NORM, qk_norm=QKNorm.PROJECTION,
            notes="post-norm residual; q/k RMSNorm over the whole projection"),
     Family("granite", notes="embedding, attention, residual and logit multipliers"),
     Family("smollm3", notes="no RoPE on the layers no_rope_layers marks 0"),
@@ -91,6 +92,14 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            notes="parallel attention and MLP from one LayerNorm; interleaved RoPE; logit scale; "
            "optional per-head q/k LayerNorm"),
     Family("starcoder2", notes="LayerNorm with biases; biased projections; sliding window when configured"),
+    Family("ministral", notes="sliding window on the layers its layer_types name"),
+    Family("olmo3", **_POST_NORM, qk_norm=QKNorm.PROJECTION, rope_per_layer_type=True,
+           notes="OLMo 2's post-norm and q/k norm; sliding window on the layers its layer_types name, "
+           "rope scaling on the global layers only (their own rotary table)"),
+    Family("exaone4", **_POST_NORM, qk_norm=QKNorm.HEAD, nope_global=True,
+           notes="post-norm residual; per-head q/k RMSNorm; sliding window on the layers its layer_types name, "
+           "no RoPE on the global layers when it has windowed ones"),
+    Family("seed_oss", notes="q/k/v biases, output projection and MLP biases when configured"),
 )}
 
 # Refused by name, with what serving it would take (docs/models.md).
@@ -131,6 +140,8 @@ class Adapter:
                                                   ["full_attention"] * len(self.layers))
         self.rope_kinds = sorted(set(self.layer_types)) if family.rope_per_layer_type else ["*"]
         no_rope = getattr(cfg, "no_rope_layers", None)  # SmolLM3: 1 = uses RoPE, 0 = none
+        if family.nope_global and any(a.window for a in self.attention):
+            no_rope = [a.window is not None for a in self.attention]
         self.rope_kind = tuple(-1 if no_rope is not None and not no_rope[i] else
                                (self.rope_kinds.index(self.layer_types[i]) if family.rope_per_layer_type else 0)
                                for i in range(len(self.layers)))
@@ -143,8 +154,11 @@ class Adapter:
 
     @staticmethod
     def _layer_attention(attn: Any, cfg: Any, family: Family) -> LayerAttention:
-        # per-layer families set the window on the module; the others window every layer by config
+        # per-layer families set the window on the module (EXAONE 4 keeps it on every layer and
+        # says is_sliding); the others window every layer by config
         window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(cfg, "sliding_window", None)
+        if not getattr(attn, "is_sliding", True):
+            window = None
         sinks = getattr(attn, "sinks", None)
         softcap = getattr(attn, "attn_logit_softcapping", None) if family.attn_softcap else None
         return LayerAttention(float(attn.scaling), int(window) if window else None, softcap or None,

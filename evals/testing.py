@@ -58,6 +58,14 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
                                  "intermediate_size": 64}),
     "cohere": ("CohereConfig", {"use_qk_norm": True, "logit_scale": 2.0}),
     "starcoder2": ("Starcoder2Config", {"sliding_window": _WINDOW}),
+    "ministral": ("MinistralConfig", {"sliding_window": _WINDOW, "layer_types": _LOCAL_GLOBAL}),
+    "olmo3": ("Olmo3Config", {"sliding_window": _WINDOW, "layer_types": _LOCAL_GLOBAL, "rope_parameters": {
+        "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                           "original_max_position_embeddings": 64},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}),
+    "exaone4": ("Exaone4Config", {"sliding_window": _WINDOW, "layer_types": _LOCAL_GLOBAL}),
+    "seed_oss": ("SeedOssConfig", {"attention_bias": True, "attention_out_bias": True, "mlp_bias": True,
+                                   "attention_dropout": 0.0, "residual_dropout": 0.0}),
 }
 
 

@@ -57,6 +57,8 @@ class Family:
     rope_interleaved: bool = False  # RoPE rotates pairs (0, 1), (2, 3)... (Cohere)
     rope_per_layer_type: bool = False  # the rotary module takes the layer type (Gemma 3)
     rope_half_table: bool = False  # the rotary module returns D/2-wide tables for the halves (gpt-oss)
+    rope_table_to_pairs: bool = False  # the rotary module's table is for halves, the rotation is interleaved:
+    # the adapter spreads each frequency over its pair (ERNIE 4.5)
     nope_global: bool = False  # layers without a window take no RoPE when others have one (EXAONE 4)
     attn_softcap: bool = False  # scores are soft-capped by attn_logit_softcapping (Gemma 2; Gemma 3
     # keeps the setting but transformers never applies it, so neither do we)
@@ -100,6 +102,15 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            notes="post-norm residual; per-head q/k RMSNorm; sliding window on the layers its layer_types name, "
            "no RoPE on the global layers when it has windowed ones"),
     Family("seed_oss", notes="q/k/v biases, output projection and MLP biases when configured"),
+    Family("apertus", attn_in="attention_layernorm", mlp_in="feedforward_layernorm", qk_norm=QKNorm.HEAD,
+           notes="per-head q/k RMSNorm; the model's own xIELU MLP; Llama 3 rope scaling"),
+    Family("glm4_moe", qk_norm=QKNorm.HEAD, notes="partial rotary; q/k/v biases; optional per-head q/k norm; "
+           "MoE with shared experts and grouped top-k routing (the model's own block) after dense first layers"),
+    Family("ernie4_5_moe", rope_interleaved=True, rope_table_to_pairs=True,
+           notes="interleaved RoPE from the halves' table; biases; MoE with shared experts and its own router "
+           "on the layers its config names"),
+    Family("minimax_m2", qk_norm=QKNorm.PROJECTION, notes="q/k RMSNorm over the whole projection; partial "
+           "rotary; MoE with sigmoid routing and a score-correction bias (the model's own block)"),
 )}
 
 # Refused by name, with what serving it would take (docs/models.md).
@@ -109,6 +120,8 @@ REFUSED: dict[str, str] = {
     "deepseek_v2": "multi-head latent attention (MLA) caches a compressed latent and a decoupled RoPE key; "
                    "chunk KV would have to be stored as the latent and re-rotated only on its rope part",
     "deepseek_v3": "multi-head latent attention (MLA), as deepseek_v2",
+    "hunyuan_v1_dense": "its q/k RMSNorm comes after RoPE; the norm's per-dimension weight does not commute with "
+                        "the rotation, so a key stored before RoPE cannot be re-rotated to another position exactly",
 }
 
 
@@ -257,6 +270,8 @@ class Adapter:
             c, s = emb(like, positions[None, :], kind) if self.family.rope_per_layer_type else \
                 emb(like, positions[None, :])  # [1, S, R]
             c, s = c[0].to(like.dtype), s[0].to(like.dtype)  # [S, R] (OLMo 2's come in float32)
+            if self.family.rope_table_to_pairs:  # [f0..fR/2, f0..fR/2] -> [f0, f0, f1, f1...]
+                c, s = c[:, : c.shape[-1] // 2].repeat_interleave(2, -1), s[:, : s.shape[-1] // 2].repeat_interleave(2, -1)
             if self.family.rope_half_table:  # one table per half: the same rotation as rotate_half's
                 c, s = torch.cat([c, c], -1), torch.cat([s, s], -1)
             cos.append(c)

@@ -66,6 +66,18 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
     "exaone4": ("Exaone4Config", {"sliding_window": _WINDOW, "layer_types": _LOCAL_GLOBAL}),
     "seed_oss": ("SeedOssConfig", {"attention_bias": True, "attention_out_bias": True, "mlp_bias": True,
                                    "attention_dropout": 0.0, "residual_dropout": 0.0}),
+    "apertus": ("ApertusConfig", {"rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 1.2e7, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "glm4_moe": ("Glm4MoeConfig", {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                   "n_shared_experts": 1, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
+                                   "routed_scaling_factor": 2.5, "use_qk_norm": True, "attention_bias": True,
+                                   "partial_rotary_factor": 0.5}),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", {"moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 32,
+                                            "moe_num_shared_experts": 1, "moe_layer_start_index": 1,
+                                            "moe_layer_end_index": 3, "use_bias": True}),
+    "minimax_m2": ("MiniMaxM2Config", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+                                       "rotary_dim": 8}),
 }
 
 

@@ -195,3 +195,16 @@ def test_every_mode_serves_every_family(tmp_path_factory, name):
         assert isinstance(next(iter(stream), ""), str)
         if mode is Mode.FOCUS:
             assert res.used_chunks
+
+
+def test_norm_after_rope_is_refused_with_the_reason():
+    """Hunyuan's q/k norm follows RoPE: a stored pre-RoPE key could not be re-rotated exactly."""
+    import transformers
+
+    from ragkv.engine.loading import check_supported
+    from ragkv.errors import UnsupportedModelError
+
+    config = transformers.HunYuanDenseV1Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                               head_dim=16, num_hidden_layers=2)
+    with pytest.raises(UnsupportedModelError, match="'hunyuan_v1_dense' is not supported: its q/k RMSNorm comes after"):
+        check_supported(config)

@@ -120,9 +120,13 @@ REFUSED: dict[str, str] = {
     "deepseek_v2": "multi-head latent attention (MLA) caches a compressed latent and a decoupled RoPE key; "
                    "chunk KV would have to be stored as the latent and re-rotated only on its rope part",
     "deepseek_v3": "multi-head latent attention (MLA), as deepseek_v2",
+    "gemma4_text": "its global layers have their own head dim (global_head_dim) and KV heads, so a model's K and V "
+                   "are not one [L, Hkv, T, D] cache; its last layers reuse earlier layers' KV (num_kv_shared_layers) "
+                   "and each layer adds a per-layer input embedding (hidden_size_per_layer_input)",
     "hunyuan_v1_dense": "its q/k RMSNorm comes after RoPE; the norm's per-dimension weight does not commute with "
                         "the rotation, so a key stored before RoPE cannot be re-rotated to another position exactly",
 }
+REFUSED["gemma4"] = "the multimodal Gemma 4 wraps its text model (gemma4_text), which is refused: " + REFUSED["gemma4_text"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -197,14 +197,19 @@ def test_every_mode_serves_every_family(tmp_path_factory, name):
             assert res.used_chunks
 
 
-def test_norm_after_rope_is_refused_with_the_reason():
-    """Hunyuan's q/k norm follows RoPE: a stored pre-RoPE key could not be re-rotated exactly."""
+@pytest.mark.parametrize("config_cls, reason", [
+    ("HunYuanDenseV1Config", "'hunyuan_v1_dense' is not supported: its q/k RMSNorm comes after RoPE"),
+    ("Gemma4TextConfig", "'gemma4_text' is not supported: its global layers have their own head dim"),
+])
+def test_families_the_layer_function_cannot_express_are_refused_with_the_reason(config_cls, reason):
+    """Hunyuan's q/k norm follows RoPE (a stored pre-RoPE key could not be re-rotated exactly);
+    Gemma 4's layers differ in head dim and share KV (not one [L, Hkv, T, D] cache)."""
     import transformers
 
     from ragkv.engine.loading import check_supported
     from ragkv.errors import UnsupportedModelError
 
-    config = transformers.HunYuanDenseV1Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+    config = getattr(transformers, config_cls)(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                                                head_dim=16, num_hidden_layers=2)
-    with pytest.raises(UnsupportedModelError, match="'hunyuan_v1_dense' is not supported: its q/k RMSNorm comes after"):
+    with pytest.raises(UnsupportedModelError, match=reason):
         check_supported(config)

@@ -126,7 +126,7 @@ REFUSED: dict[str, str] = {
     "hunyuan_v1_dense": "its q/k RMSNorm comes after RoPE; the norm's per-dimension weight does not commute with "
                         "the rotation, so a key stored before RoPE cannot be re-rotated to another position exactly",
 }
-REFUSED["gemma4"] = "the multimodal Gemma 4 wraps its text model (gemma4_text), which is refused: " + REFUSED["gemma4_text"]
+REFUSED["gemma4"] = "the multimodal Gemma 4 wraps gemma4_text, which is refused: " + REFUSED["gemma4_text"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,7 +275,8 @@ class Adapter:
                 emb(like, positions[None, :])  # [1, S, R]
             c, s = c[0].to(like.dtype), s[0].to(like.dtype)  # [S, R] (OLMo 2's come in float32)
             if self.family.rope_table_to_pairs:  # [f0..fR/2, f0..fR/2] -> [f0, f0, f1, f1...]
-                c, s = c[:, : c.shape[-1] // 2].repeat_interleave(2, -1), s[:, : s.shape[-1] // 2].repeat_interleave(2, -1)
+                half = c.shape[-1] // 2
+                c, s = c[:, :half].repeat_interleave(2, -1), s[:, :half].repeat_interleave(2, -1)
             if self.family.rope_half_table:  # one table per half: the same rotation as rotate_half's
                 c, s = torch.cat([c, c], -1), torch.cat([s, s], -1)
             cos.append(c)

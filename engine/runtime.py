@@ -110,20 +110,6 @@ class Engine:
         lm = self.lm
         return 2 * lm.num_layers * lm.num_kv_heads * lm.head_dim * lm.dtype.itemsize
 
-    def kv_bytes_bound(self, prefix_tokens: int, chunk_tokens: int, question_chars: int, max_new_tokens: int) -> int:
-        """KV cache bytes a request can hold at most (admission counts these before its question
-        is tokenized): prefix, chunks, answer, and the question segment bounded by its characters
-        (a token of text takes 2 characters or more) plus 64 tokens of chat template."""
-        tokens = prefix_tokens + chunk_tokens + question_chars // 2 + 64 + max_new_tokens
-        return tokens * self.kv_bytes_per_token
-
-    @staticmethod
-    def question_tokens(question_chars: int) -> int:
-        """About how many tokens a question segment of this many characters takes (a token per
-        4 characters of English, plus the template's 16): what `prompt_cost` needs to order
-        the passes, not a bound."""
-        return question_chars // 4 + 16
-
     @staticmethod
     def reads_chunk_kv(mode: Mode) -> bool:
         """Whether `mode` reads the chunks' cached KV (FULL and PREFIX recompute every chunk token)."""
@@ -245,10 +231,7 @@ class Engine:
                 p = len(prefix_ids)
                 c = p + sum(len(ids) for ids in chunk_ids)
                 layout = TreeContext(prefix_tokens=p, chunk_end=c, chunk_tokens=c - p)
-            res = yield from resume_steps(self.lm, resume, path, mode, layout, reserve_tokens)
-            if mode is Mode.PREFIX:  # the prefix is always cached in PREFIX mode
-                res.cached_tokens = max(res.cached_tokens, len(prefix_ids))
-            return res
+            return (yield from resume_steps(self.lm, resume, path, mode, layout, reserve_tokens))
         if mode is Mode.FULL:
             ids = [*prefix_ids, *(t for ids in chunk_ids for t in ids), *question_ids]
             return (yield from prompt_steps(self.lm, None, [], ids, Mode.FULL, reserve_tokens=reserve_tokens))

@@ -184,7 +184,7 @@ class Pipeline:
         lm = load_model(settings.model or first.manifest.model_spec, device=settings.device,
                         dtype=settings.dtype.value)
         gate_model(lm, skip=not settings.model_check)
-        return cls.from_parts(Engine(lm, tree_bytes=settings.kv_tree_bytes), retrievers, settings)
+        return cls.from_parts(Engine(lm), retrievers, settings)  # from_parts gives it its KV tree
 
     @classmethod
     def from_parts(

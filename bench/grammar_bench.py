@@ -39,39 +39,45 @@ QUESTIONS = ["Who built the observatory? Describe her as JSON.", "Give the teles
 def _engine_run(engine: Any, batch: int, tokens: int, constrained: bool) -> dict[str, float]:
     from ragkv.engine import SamplingParams
     from ragkv.engine.constrain import json_schema_grammar
-    from ragkv.engine.scheduler import END, Decode, Scheduler
-    from ragkv.types import Mode
+    from ragkv.engine.request import Finished, LoadedKV, PromptChunk, Request, TokenOut
+    from ragkv.engine.scheduler import Scheduler
+    from ragkv.types import Mode, Tier
 
     grammar = json_schema_grammar(SCHEMA)
     prefix = engine.prompt.prefix_ids()
     chunks = [engine.prompt.chunk_ids(p) for p in PASSAGES]
     kvs = [engine.prefill_chunk(prefix, ids) for ids in chunks]
-    streams: list[Any] = []
-    decode_started: list[float] = []
+    requests = [Request(mode=Mode.REUSE, prefix_ids=tuple(prefix), sampling=SamplingParams(max_new_tokens=tokens),
+                        chunks=tuple(PromptChunk(tuple(ids), LoadedKV(kv, Tier.CPU, kv.nbytes))
+                                     for ids, kv in zip(chunks, kvs)),
+                        question_ids=tuple(engine.prompt.question_ids(QUESTIONS[i % len(QUESTIONS)])),
+                        constraint=engine.grammars.compile(grammar, closing=True) if constrained else None)
+                for i in range(batch)]
+    generated = [0] * batch
+    first_token: list[float] = []
+    ends = [threading.Event() for _ in range(batch)]
 
-    def job(question: str):  # noqa: ANN202
-        res = yield from engine.run_steps(prefix, chunks, kvs, engine.prompt.question_ids(question), Mode.REUSE,
-                                          reserve_tokens=tokens)
-        constraint = engine.grammars.compile(grammar, closing=True) if constrained else None
-        stream = engine.decode(res, SamplingParams(max_new_tokens=tokens), constraint)
-        streams.append(stream)
-        decode_started.append(time.perf_counter())
-        yield Decode(stream, int)
+    def sink(i: int):  # noqa: ANN202
+        def take(out: object) -> None:
+            if isinstance(out, TokenOut):
+                generated[i] += 1
+                if generated[i] == 1:
+                    first_token.append(time.perf_counter())
+            elif isinstance(out, Finished):
+                ends[i].set()
+        return take
 
     sched = Scheduler()
-    ends = [threading.Event() for _ in range(batch)]
-    for i in range(batch):
-        sched.submit(job(QUESTIONS[i % len(QUESTIONS)]), lambda e, d=ends[i]: d.set() if e is END else None,
-                     threading.Event())
+    for i, req in enumerate(requests):
+        sched.submit(req, engine.work(req), sink(i))
     for d in ends:
         d.wait(600)
     t_end = time.perf_counter()
     sched.close()
-    generated = sum(len(s.token_ids) for s in streams)
-    wall = t_end - min(decode_started)
-    wait = sum(s.constraint.mask_seconds for s in streams if s.constraint is not None)
+    wall = t_end - min(first_token)
+    wait = sum(r.constraint.mask_seconds for r in requests if r.constraint is not None)
     steps = sched.stats.steps
-    return {"tokens": generated, "seconds": wall, "tokens_per_s": generated / wall, "mask_wait_s": wait,
+    return {"tokens": sum(generated), "seconds": wall, "tokens_per_s": sum(generated) / wall, "mask_wait_s": wait,
             "steps": steps, "step_ms": 1e3 * wall / max(1, steps)}
 
 

@@ -28,6 +28,10 @@ class LayerReady(Protocol):
     def wait(self, layer: int) -> None:
         """Block until layers [0, layer] are filled; raise if they never will be."""
 
+    @property
+    def error(self) -> BaseException | None:
+        """Why the layers will never all be filled (the read failed); None = none failed."""
+
     # Optional: `when_ready(layer) -> Future | None`, None when layers [0, layer] may be read
     # now (or never will: `wait` raises), else a future done once they may be. With it, a
     # request's work parks until its layers arrive (`KVCache.pending`); without, `fill` blocks.

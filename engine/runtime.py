@@ -11,6 +11,7 @@ from collections.abc import Generator, Sequence
 import torch
 
 from ragkv.types import Mode
+from ragkv.engine.answer import answer_steps
 from ragkv.engine.constrain import Constraint, ConstraintCompiler
 from ragkv.engine.blend import (BlendOptions, BlendResult, PromptSteps, Selector, prompt_steps, resume_steps,
                                 run_prompt, tree_context)
@@ -19,6 +20,8 @@ from ragkv.engine.kv import ChunkKV
 from ragkv.engine.loading import LoadedModel
 from ragkv.engine.prefill import prefill_segment, prefill_steps
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT, PromptFormat
+from ragkv.engine.request import Request, Work
+from ragkv.engine.speed import PrefillSpeed
 from ragkv.engine.tree import KVTree, TreeContext, TreeKey, TreeLease
 from ragkv.engine.work import drain
 
@@ -53,10 +56,16 @@ class Engine:
     def __init__(self, lm: LoadedModel, system_prompt: str = DEFAULT_SYSTEM_PROMPT, tree_bytes: int = 0) -> None:
         self.lm = lm
         self.tree = KVTree(tree_bytes)  # served prompts' KV, so a conversation's next call computes only what is new
+        self.speed = PrefillSpeed()  # chunk prefill tokens per second, learned from every chunk computed
         self.prompt = PromptFormat.for_tokenizer(lm.tokenizer, system_prompt)
         self._prefixes: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()
         vocab = lm.model.get_output_embeddings().weight.shape[0]  # V, the logits' width
         self.grammars = ConstraintCompiler(lm.tokenizer, vocab, lm.eos_token_ids)  # constrained decoding
+
+    def work(self, request: Request) -> Work:
+        """A prepared request's work, for the scheduler to run step by step (`engine.answer`):
+        its chunks' KV, its prompt pass, its decode, the KV tree."""
+        return answer_steps(self, request)
 
     def prefix_kv(self, prefix_ids: Sequence[int]) -> ChunkKV:
         """The prefix's own KV (positions 0..P-1), computed once and reused."""

@@ -20,20 +20,23 @@ Each iteration is schedule, execute, update:
    submitted meanwhile, or whose KV has arrived, is admitted before the next schedule:
    it can take the very next step.
 
-A request is a job: a generator (the server's answer) that yields
+A request is an `engine.request.Request`, submitted with its work (`Engine.work`), a
+generator that yields
 - an `int`: one step of prompt work done (the scheduler may switch to other work here);
-- `WaitFor(futures, timeout_s)`: the job cannot go on until these are done (its chunks' KV
+- `WaitFor(futures, timeout_s)`: the work cannot go on until these are done (its chunks' KV
   reads): the scheduler parks it and resumes it from a future's done-callback, or once
-  `timeout_s` has passed. A parked job costs nothing: the scheduler never polls, sleeps
+  `timeout_s` has passed. A parked request costs nothing: the scheduler never polls, sleeps
   on I/O or counts the wait as prompt time, so a slow read stalls nobody's decode;
-- `Decode(stream, wrap)`: the prompt is ready; the scheduler decodes `stream` in batches,
-  emitting `wrap(token_id)` for each token (the consumer detokenizes them and applies
-  stop strings, off this thread: `engine.detokenize`), and resumes the job when the
-  stream ends;
-- anything else: an event handed to the job's `emit`.
-An exception raised by a job is handed to `emit` too; `emit(END)` always comes last.
+- `Decode(stream)`: the prompt is ready; the scheduler decodes `stream` in batches,
+  sending each token id out as `TokenOut` (the consumer detokenizes them and applies stop
+  strings off this thread, telling the request `stop_after`), and resumes the work when
+  the stream ends;
+- `ChunksReady`, `ChunkComputed`, `TokenOut`: outputs, handed to the request's sink as
+  they come.
+Its return value (`Answered`) goes out in `Finished`, the last output of every request,
+which also carries the error of a work that raised.
 
-Each request has a status (`RequestStatus`), and every transition is made in this module:
+Each request has a status (`Request.status`), and every transition is made in this module:
 QUEUED (submitted) -> PROMPT (its prompt pass runs, layer by layer) <-> WAITING_KV
 (parked on a `WaitFor`) -> DECODING (batched decode steps) -> FINISHED, with
 `end_reason` (`EndReason`) set; a cancelled, expired or failed request goes to FINISHED
@@ -47,7 +50,8 @@ Admission counts KV bytes in flight as well as requests: `submit` refuses, with
 Sampling is per request (each stream has its own generator); greedy decoding gives the
 same tokens in a batch as alone (tests/engine/test_scheduler.py).
 
-Knows nothing of gRPC or storage: token ids, tensors and callbacks.
+Knows nothing of gRPC, storage or the server: requests, token ids and tensors. The
+scheduler holds only typed work (tests/engine/test_scheduler.py checks it holds no `Any`).
 """
 
 from __future__ import annotations
@@ -57,19 +61,20 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from ragkv.engine.decode import DecodeStream, decode_batch, pick_greedy
 from ragkv.engine.memory import trim_host_heap
+from ragkv.engine.request import (Answered, ChunkComputed, ChunksReady, Decode, EndReason, Finished, Output, Request,
+                                  RequestStatus, TokenOut, Work)
 from ragkv.engine.work import WaitFor
 from ragkv.errors import RagKVError
 
 log = logging.getLogger(__name__)
 
-END = object()  # the last thing a job's `emit` receives
 _PARKED_CHECK_S = 0.1  # while jobs wait for KV, the idle loop looks for their cancels this often
 
 
@@ -79,41 +84,6 @@ class SchedulerFullError(RagKVError):
 
 class SchedulerStoppedError(RagKVError):
     """The scheduler stopped (the server is shutting down) before the request finished."""
-
-
-@dataclass(frozen=True, slots=True)
-class Decode:
-    """Yielded by a job once its prompt is ready: decode `stream`, batched with the others."""
-
-    stream: DecodeStream  # the request's decode state (cache, sampling, grammar)
-    wrap: Callable[[int], object]  # a generated token id -> the event the job's emit takes
-
-
-class RequestStatus(str, enum.Enum):
-    """Where a request is in its life; the scheduler makes every transition."""
-
-    QUEUED = "queued"  # submitted, not run yet
-    PROMPT = "prompt"  # its prompt pass runs, one layer per step
-    WAITING_KV = "waiting_kv"  # parked until its KV reads are done (WaitFor)
-    DECODING = "decoding"  # in the batched decode steps
-    FINISHED = "finished"  # ended: see _Job.end_reason
-
-
-class EndReason(str, enum.Enum):
-    """Why a request is FINISHED."""
-
-    DONE = "done"  # its work ran to the end (the answer's own finish reason says how it ended)
-    CANCELLED = "cancelled"  # the client left
-    DEADLINE = "deadline"  # its deadline passed
-    ERROR = "error"  # its work raised (handed to its emit)
-    STOPPED = "stopped"  # the scheduler closed (the server is stopping)
-
-
-@dataclass(frozen=True, slots=True)
-class Started:
-    """Emitted when the scheduler first runs a job."""
-
-    at: float  # time.perf_counter() seconds
 
 
 class SharedKV(Protocol):
@@ -146,22 +116,20 @@ class SchedulerConfig:
             raise ValueError(f"scheduler budgets must be positive, got {self}")
 
 
+Sink = Callable[[Output], None]  # where a request's outputs go (called on the scheduler thread)
+
+
 @dataclass(slots=True, eq=False)  # identity: a job is itself, whatever its fields
 class _Job:
-    gen: Generator[Any, None, None]  # the request's answer
-    emit: Callable[[object], None]  # where its events go
-    cancel: threading.Event  # set by the client side; checked every iteration
-    deadline: float | None  # time.monotonic() seconds; None = none
-    kv_bytes: int  # admitted KV bytes
-    decode: Decode | None = None  # set once the job decodes
-    started: bool = False
-    prompt_s: float = 0.0  # seconds of prompt work it has had
-    cost: float = 0.0  # its prompt pass's estimated work (submit's prompt_cost); 0 = unknown
+    """A submitted request with what only the scheduler keeps of it."""
+
+    request: Request  # status, budgets and timings live there
+    work: Work  # the request's work (Engine.work)
+    sink: Sink  # where its outputs go
+    decode: DecodeStream | None = None  # set once it decodes
     submitted: float = 0.0  # time.monotonic()
     next_token: int | None = None  # picked, not yet run through the model (the next decode step does)
     next_pick: int | None = None  # greedy: the token its last decode step's batched argmax chose
-    status: RequestStatus = RequestStatus.QUEUED
-    end_reason: EndReason | None = None  # set when FINISHED
     wait: WaitFor | None = None  # WAITING_KV: what it waits for
     wake_at: float | None = None  # WAITING_KV: time.monotonic() when it resumes whatever its futures do
 
@@ -230,22 +198,22 @@ class Scheduler:
         with self._lock:
             self._shared = shared
 
-    def submit(self, gen: Generator[Any, None, None], emit: Callable[[object], None], cancel: threading.Event,
-               deadline: float | None = None, kv_bytes: int = 0, prompt_cost: float = 0.0) -> None:
-        """Admit a job, or raise SchedulerFullError naming the budget it would exceed.
+    def submit(self, request: Request, work: Work, sink: Sink) -> None:
+        """Admit a request with its work (`Engine.work`), or raise SchedulerFullError naming the
+        budget it would exceed. Its outputs go to `sink`, `Finished` last.
 
-        Args:
-            prompt_cost: about how much work its prompt pass is (`Engine.prompt_cost`); the
-                pass with the least work left gets the prompt work first. 0 = unknown: such
-                passes go first, oldest first.
+        The request's `kv_bytes` count against the budget; its `prompt_cost` (about how much
+        work its prompt pass is) orders prompt work, the pass with the least work left first
+        (0 = unknown: such passes go first, oldest first); its `cancel` and `deadline` end it.
         """
         budget = self.config.kv_budget_bytes
+        kv_bytes = request.kv_bytes
         with self._lock:
             if self._stopping:
-                gen.close()
+                work.close()
                 raise SchedulerStoppedError("the server is stopping: no new requests")
             if kv_bytes > budget:
-                gen.close()
+                work.close()
                 raise SchedulerFullError(
                     f"this request needs {kv_bytes / 2**20:.0f} MiB of KV cache, more than the whole "
                     f"budget of {budget / 2**20:.0f} MiB (--kv-budget-bytes): ask for fewer chunks or tokens")
@@ -253,19 +221,19 @@ class Scheduler:
             if self._kv_bytes + kv_bytes + shared > budget and self._shared is not None:
                 shared = self._shared.shrink(budget - self._kv_bytes - kv_bytes)
             if self._kv_bytes + kv_bytes + shared > budget:
-                gen.close()
+                work.close()
                 raise SchedulerFullError(
                     f"KV memory budget full: {self._kv_bytes / 2**20:.0f} MiB of {budget / 2**20:.0f} MiB "
                     f"(--kv-budget-bytes) in flight and {shared / 2**20:.0f} MiB of the KV tree held by them, "
                     f"this request needs {kv_bytes / 2**20:.0f} MiB: retry later")
             self._kv_bytes += kv_bytes
-            self._incoming.append(_Job(gen, emit, cancel, deadline, kv_bytes, cost=prompt_cost,
-                                       submitted=time.monotonic()))
+            request.status, request.submitted_at = RequestStatus.QUEUED, time.perf_counter()
+            self._incoming.append(_Job(request, work, sink, submitted=time.monotonic()))
             self.stats.waiting = len(self._incoming)
             self._lock.notify()
 
     def close(self, timeout: float | None = 5.0) -> None:
-        """Stop after the current step; jobs still running are closed (their emit gets END)."""
+        """Stop after the current step; requests still running end STOPPED (their sink gets Finished)."""
         with self._lock:
             self._stopping = True
             self._lock.notify()
@@ -280,8 +248,8 @@ class Scheduler:
             self.stats.running = len(self._prompting) + len(self._decoding)
             self.stats.waiting_kv = len(self._parked)
         for job in [*self._prompting, *self._decoding, *self._parked]:
-            job.emit(SchedulerStoppedError("the server stopped before this request finished: retry on another replica"))
-            self._end(job, EndReason.STOPPED)
+            self._end(job, EndReason.STOPPED,
+                      error=SchedulerStoppedError("the server stopped before this request finished: retry on another replica"))
 
     def _admit(self) -> bool:
         """Sleep until there is something to do; then QUEUED -> PROMPT for every newcomer and
@@ -299,7 +267,7 @@ class Scheduler:
                 self._incoming.clear()
                 return False
             for job in self._incoming:
-                job.status = RequestStatus.PROMPT
+                job.request.status = RequestStatus.PROMPT
             self._prompting.extend(self._incoming)
             self._incoming.clear()
             self.stats.waiting = 0
@@ -320,9 +288,10 @@ class Scheduler:
 
     @staticmethod
     def _dropped(job: _Job, now: float) -> EndReason | None:
-        if job.deadline is not None and now > job.deadline:
+        req = job.request
+        if req.deadline is not None and now > req.deadline:
             return EndReason.DEADLINE
-        return EndReason.CANCELLED if job.cancel.is_set() else None
+        return EndReason.CANCELLED if req.cancel.is_set() else None
 
     def _next_step(self, prompting: list[_Job], decoding: tuple[_Job, ...]) -> PromptStep | DecodeStep | None:
         """The pass with the least work left gets the next layer step, unless a decode step is
@@ -331,7 +300,7 @@ class Scheduler:
         cfg = self.config
         if prompting and len(decoding) < cfg.max_batch:
             job = min(prompting, key=self._priority)  # stable: the oldest of equals
-            sliced = decoding and job.prompt_s >= cfg.prompt_first_s
+            sliced = decoding and job.request.prompt_s >= cfg.prompt_first_s
             spent = self._slice_steps and time.perf_counter() - self._slice_t0 >= cfg.prompt_slice_s
             if not (sliced and spent):
                 return PromptStep(job)
@@ -344,17 +313,18 @@ class Scheduler:
         A cheap pass (reuse, blend, focus) that arrives while a full prefill runs takes over
         at the next layer and finishes in its own few steps, which keeps the mean time to
         first token low; the aging term bounds how long a full prefill can be passed over."""
-        if not job.cost:
+        cost = job.request.prompt_cost
+        if not cost:
             return 0.0
         rate = self._cost_per_s
-        left = job.cost / rate - job.prompt_s if rate else job.cost  # no pass measured yet: by cost
+        left = cost / rate - job.request.prompt_s if rate else cost  # no pass measured yet: by cost
         return max(left, 0.0) - self.config.aging * (time.monotonic() - job.submitted)
 
     # ---- execute and update
 
     def _execute(self, plan: Plan) -> None:
         for job, reason in plan.dropped:
-            job.cancel.set()
+            job.request.cancel.set()
             self._leave(job)
             self._end(job, reason)
         match plan.step:
@@ -371,11 +341,11 @@ class Scheduler:
         """Run one step of a prompt pass; a pass that ends has its first token picked and sent
         at once (then DECODING), one that waits is parked (WAITING_KV)."""
         now = time.perf_counter()
-        if not job.started:
-            job.started = True
-            job.emit(Started(now))
+        req = job.request
+        if req.started_at is None:
+            req.started_at = now
         item = self._resume(job)
-        job.prompt_s += time.perf_counter() - now
+        req.prompt_s += time.perf_counter() - now
         if isinstance(item, WaitFor):  # waiting for its KV: parked, off the prompt work
             self._prompting.remove(job)
             self._park(job, item)
@@ -383,7 +353,7 @@ class Scheduler:
             self._prompting.remove(job)
             self._learn_rate(job)
             if job.decode is not None:
-                job.status = RequestStatus.DECODING
+                job.request.status = RequestStatus.DECODING
                 self._decoding.append(job)
                 self._pick(job)  # its first token goes out now
 
@@ -393,7 +363,7 @@ class Scheduler:
         live = [j for j in jobs if j.next_token is not None or self._pick(j)]
         if not live:
             return
-        streams = [j.decode.stream for j in live]
+        streams = [j.decode for j in live]
         tokens = [j.next_token for j in live]
         for job in live:
             job.next_token = None
@@ -423,7 +393,9 @@ class Scheduler:
     def _pick(self, job: _Job) -> bool:
         """Take a decoding job's next token and emit it; False once the job has left
         (its stream ended, or failed)."""
-        stream = job.decode.stream
+        stream = job.decode
+        if job.request.stopped_after is not None:  # the consumer found a stop string
+            stream.stop_after(job.request.stopped_after)
         try:
             token = stream.advance(job.next_pick)
             job.next_pick = None
@@ -431,7 +403,7 @@ class Scheduler:
             self._fail(job, exc)
             return False
         if token is not None:
-            job.emit(job.decode.wrap(token))
+            job.sink(TokenOut(token))
         if stream.finish_reason is not None:  # finished: the job reports its end
             self._decoding.remove(job)
             job.decode = None
@@ -440,35 +412,37 @@ class Scheduler:
         job.next_token = token
         return True
 
-    def _resume(self, job: _Job) -> object | None:
-        """Run the job to its next step; returns None once it has ended (END emitted)."""
+    def _resume(self, job: _Job) -> int | WaitFor | Decode | None:
+        """Run the job's work to its next step, its outputs to its sink; None once it has
+        ended (Finished sent)."""
         try:
             while True:
-                item = next(job.gen)
-                if isinstance(item, (int, WaitFor)):
-                    return item
-                if isinstance(item, Decode):
-                    job.decode = item
-                    return item
-                job.emit(item)
-        except StopIteration:
-            self._end(job, EndReason.DONE)
-        except Exception as exc:  # handed to the job's owner, which maps it to a status
-            job.emit(exc)
-            self._end(job, EndReason.ERROR)
+                match next(job.work):
+                    case int() | WaitFor() as step:
+                        return step
+                    case Decode(stream) as decode:
+                        job.decode = stream
+                        return decode
+                    case ChunksReady() | ChunkComputed() | TokenOut() as out:
+                        job.sink(out)
+        except StopIteration as done:
+            self._end(job, EndReason.DONE, answered=done.value)
+        except Exception as exc:  # handed to the request's owner, which maps it to a status
+            self._end(job, EndReason.ERROR, error=exc)
         return None
 
     def _learn_rate(self, job: _Job) -> None:
         """Cost units per second of prompt work, a moving average over finished passes."""
-        if job.cost and job.prompt_s > 0:
-            r = job.cost / job.prompt_s
+        cost, spent = job.request.prompt_cost, job.request.prompt_s
+        if cost and spent > 0:
+            r = cost / spent
             self._cost_per_s = r if self._cost_per_s is None else 0.8 * self._cost_per_s + 0.2 * r
 
     # ---- WAITING_KV: parked on futures, woken by their callbacks or a timeout
 
     def _park(self, job: _Job, wait: WaitFor) -> None:
         """PROMPT -> WAITING_KV until every future of `wait` is done, or its timeout."""
-        job.status, job.wait = RequestStatus.WAITING_KV, wait
+        job.request.status, job.wait = RequestStatus.WAITING_KV, wait
         job.wake_at = None if wait.timeout_s is None else time.monotonic() + wait.timeout_s
         self._parked.append(job)
         for fut in wait.futures:
@@ -502,28 +476,22 @@ class Scheduler:
         for job in list(self._parked):
             if all(f.done() for f in job.wait.futures) or (job.wake_at is not None and job.wake_at <= now):
                 self._parked.remove(job)
-                job.status, job.wait, job.wake_at = RequestStatus.PROMPT, None, None
+                job.request.status = RequestStatus.PROMPT
+                job.wait, job.wake_at = None, None
                 self._prompting.append(job)
 
     # ---- FINISHED
 
     def _finish(self, job: _Job) -> None:
-        """Resume a job whose stream ended, so it emits its last events, then end it."""
-        reason = EndReason.DONE
-        try:
-            for item in job.gen:
-                if not isinstance(item, (int, WaitFor)):
-                    job.emit(item)
-        except Exception as exc:
-            job.emit(exc)
-            reason = EndReason.ERROR
-        self._end(job, reason)
+        """Resume a job whose stream ended, so its work returns its counts, then end it."""
+        self._resume(job)  # a work that yields a step after its decode ends with it unfinished
+        if job.request.status is not RequestStatus.FINISHED:
+            self._end(job, EndReason.ERROR, error=RuntimeError("a request's work went on after its decode: a bug"))
 
     def _fail(self, job: _Job, exc: Exception) -> None:
         """A step of this job raised: the error goes to its owner and the job ends."""
-        job.emit(exc)
         self._leave(job)
-        self._end(job, EndReason.ERROR)
+        self._end(job, EndReason.ERROR, error=exc)
 
     def _leave(self, job: _Job) -> None:
         """Take the job off whichever list holds it."""
@@ -531,16 +499,19 @@ class Scheduler:
             if job in jobs:
                 jobs.remove(job)
 
-    def _end(self, job: _Job, reason: EndReason) -> None:
-        """Any status -> FINISHED: the job's generator closes, its KV budget goes back, END goes out."""
-        job.status, job.end_reason, job.wait = RequestStatus.FINISHED, reason, None
-        job.gen.close()
+    def _end(self, job: _Job, reason: EndReason, answered: Answered | None = None,
+             error: Exception | None = None) -> None:
+        """Any status -> FINISHED: the work closes, the KV budget goes back, `Finished` goes out."""
+        req = job.request
+        if req.status is RequestStatus.FINISHED:
+            return
+        req.status, req.end_reason, job.wait = RequestStatus.FINISHED, reason, None
+        job.work.close()
         job.decode = None  # the cache goes with the stream
         with self._lock:
-            self._kv_bytes -= job.kv_bytes
-            job.kv_bytes = 0
+            self._kv_bytes -= req.kv_bytes
         self.stats.kv_bytes = self._kv_bytes
-        job.emit(END)
+        job.sink(Finished(reason, answered, error))
 
     # ---- host memory
 

@@ -2,12 +2,13 @@
 
 The gRPC service (server/service.py) and the OpenAI-compatible HTTP API
 (server/openai_api.py) both answer through `QueryRunner.run`: take a queue slot,
-`backend.prepare` on the retrieval pool, `scheduler.submit(backend.answer(...))`, then
-relay the answer's events from the scheduler thread to the event loop, where the
-answer's token ids become text (`engine.detokenize`: incremental, stop strings applied, a
-found stop string stops the decode). Each API only
-turns the events into its own wire format. This module knows nothing of gRPC status
-codes or HTTP; it records metrics and raises the backend's exceptions as they are.
+`backend.prepare` on the retrieval pool, `scheduler.submit(request, backend.work(request))`,
+then relay the request's outputs (`engine.request.Output`) from the scheduler thread to
+the event loop. There the token ids become text (`engine.detokenize`: incremental, stop
+strings applied; a found stop string stops the request), tool calls are read from it, and
+chunk KV the answer computed is handed to the backend to keep. Each API only turns the
+events into its own wire format. This module knows nothing of gRPC status codes or HTTP;
+it records metrics and raises the backend's exceptions as they are.
 """
 
 from __future__ import annotations
@@ -17,15 +18,25 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor
+from dataclasses import dataclass
 
-from ragkv.engine.scheduler import END, Scheduler, Started
+from ragkv.engine.request import ChunkComputed, ChunksReady, EndReason, Finished, Output, Request, TokenOut
+from ragkv.engine.scheduler import Scheduler
 from ragkv.server.admission import Admission
-from ragkv.server.backend import AnswerText, ChunksEvent, DoneEvent, QueryBackend, QueryParams, TokenEvent, TokenIdEvent
+from ragkv.server.backend import QueryBackend
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.structured import ToolCallReader, find_citations
 from ragkv.types import FinishReason, QueryStats, RetrievedChunk, ToolCallDelta, Usage
 
-RunEvent = ChunksEvent | TokenEvent | ToolCallDelta | QueryStats
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One piece of the answer's text, final (no dangling character, no stop string's start)."""
+
+    text: str  # non-empty
+
+
+RunEvent = ChunksReady | TokenEvent | ToolCallDelta | QueryStats  # what each API turns into its wire format
 
 
 class QueryRunner:
@@ -48,21 +59,21 @@ class QueryRunner:
     async def run(
         self,
         backend: QueryBackend,
-        params: QueryParams,
+        request: Request,
         *,
         arrived: float,
         cancel: threading.Event,
         deadline: float | None = None,
         method: str = "Query",
     ) -> AsyncIterator[RunEvent]:
-        """Answer one Query: yields one ChunksEvent, TokenEvents, then the QueryStats.
+        """Answer one Query: yields one ChunksReady, TokenEvents, then the QueryStats.
 
         An answer that calls tools yields ToolCallDeltas instead of TokenEvents (read from the
         model's text here, off the scheduler thread); its stats carry the parsed calls.
 
         Args:
             backend: The loaded backend.
-            params: The validated request.
+            request: The validated request (`validate_query`); prepared here.
             arrived: `time.perf_counter()` when the request arrived (TTFT counts from it).
             cancel: Set by the caller when the client leaves; set here on any exit.
             deadline: `time.monotonic()` by which the answer must end; None = no deadline.
@@ -70,76 +81,76 @@ class QueryRunner:
 
         Raises:
             OverloadedError: The queue is full. Anything `prepare`, the scheduler or
-            `answer` raise, unchanged; TimeoutError when the deadline cut the answer short.
+            the request's work raise, unchanged; TimeoutError when the deadline cut the answer short.
         """
         loop = asyncio.get_running_loop()
+        request.cancel, request.deadline = cancel, deadline
         try:
             with self._admission.query_slot():
-                prepared = await loop.run_in_executor(self._retrieve_pool, backend.prepare, params)
+                await loop.run_in_executor(self._retrieve_pool, backend.prepare, request)
                 prepared_at = time.perf_counter()
-                events: asyncio.Queue[object] = asyncio.Queue()
+                outputs: asyncio.Queue[Output] = asyncio.Queue()
 
-                def emit(event: object) -> None:
+                def sink(out: Output) -> None:  # on the scheduler thread
                     try:
-                        loop.call_soon_threadsafe(events.put_nowait, event)
+                        loop.call_soon_threadsafe(outputs.put_nowait, out)
                     except RuntimeError:  # the loop closed under us: nobody is listening
                         cancel.set()
 
-                self._scheduler.submit(backend.answer(prepared, cancel), emit, cancel, deadline, prepared.kv_bytes,
-                                       prepared.prompt_cost)
-                phases = dict(prepared.phase_seconds)
+                self._scheduler.submit(request, backend.work(request), sink)
+                phases = dict(request.phase_seconds)
                 chunks: tuple[RetrievedChunk, ...] | None = None
                 pieces: list[str] = []
-                reader = ToolCallReader() if prepared.reads_tool_calls else None
+                reader = ToolCallReader() if request.reads_tool_calls else None
+                answer = backend.detokenizer(request)  # a stop string found here stops the request
                 first_token_at: float | None = None
-                answer: AnswerText | None = None  # the detokenizer of an answer that streams token ids
-                done: DoneEvent | None = None
 
                 def read(piece: str) -> list[str | ToolCallDelta]:  # a piece of text -> what it makes
                     return [] if not piece else [piece] if reader is None else reader.feed(piece)
 
-                while (event := await events.get()) is not END:
+                while not isinstance(out := await outputs.get(), Finished):
                     text: list[str | ToolCallDelta] = []  # what the answer's text makes: pieces, tool-call deltas
-                    if isinstance(event, Exception):
-                        raise event
-                    if isinstance(event, Started):
-                        phases["queue"] = event.at - prepared_at
-                    elif isinstance(event, ChunksEvent):
-                        chunks = event.chunks
-                        self._metrics.observe_chunks(chunks, params.collection)
-                        yield event
-                    elif isinstance(event, (TokenEvent, TokenIdEvent)):
-                        if chunks is None:
-                            raise RuntimeError("backend yielded a token before the chunks: a backend bug")
-                        if first_token_at is None:
-                            first_token_at = time.perf_counter()
-                        if isinstance(event, TokenIdEvent):  # detokenized here, off the scheduler thread
-                            answer = event.text
-                            piece = answer.push(event.token_id)  # a stop string stops the decode from here
-                        else:
-                            piece = event.text
-                        text = read(piece)
-                    elif isinstance(event, DoneEvent):
-                        done = event
-                        # the text the last tokens left pending (a character left open), then the calls'
-                        text = read(answer.finish() if answer is not None else "") + (
-                            reader.finish() if reader is not None else [])
-                    for out in text:
-                        if isinstance(out, str):
-                            pieces.append(out)
-                            yield TokenEvent(out)
-                        else:
+                    match out:
+                        case ChunksReady(ready):
+                            chunks = ready
+                            self._metrics.observe_chunks(chunks, request.collection)
                             yield out
+                        case ChunkComputed():
+                            backend.keep(request, out)
+                        case TokenOut(token_id):
+                            if chunks is None:
+                                raise RuntimeError("a token came before the chunks: a bug in the request's work")
+                            if first_token_at is None:
+                                first_token_at = time.perf_counter()
+                            text = read(answer.push(token_id))
+                    for piece in text:
+                        if isinstance(piece, str):
+                            pieces.append(piece)
+                            yield TokenEvent(piece)
+                        else:
+                            yield piece
+                if out.error is not None:
+                    raise out.error
+                done = out.answered
+                if request.started_at is not None:
+                    phases["queue"] = request.started_at - prepared_at
+                if done is not None:  # the text the last tokens left pending (a character left open), then the calls'
+                    for piece in read(answer.finish()) + (reader.finish() if reader is not None else []):
+                        if isinstance(piece, str):
+                            pieces.append(piece)
+                            yield TokenEvent(piece)
+                        else:
+                            yield piece
                 if done is None or chunks is None:
-                    if cancel.is_set():
+                    if out.reason in (EndReason.DEADLINE, EndReason.CANCELLED) or cancel.is_set():
                         raise TimeoutError("deadline exceeded while answering")
-                    raise RuntimeError("backend ended without chunks or stats: a backend bug")
+                    raise RuntimeError(f"the request ended {out.reason.value} without chunks or counts: a bug")
                 finished = time.perf_counter()
                 phases.update(done.phase_seconds)
                 text = "".join(pieces)
                 calls = tuple(reader.calls) if reader is not None else ()
                 completion, finish = done.completion_tokens, done.finish_reason
-                if answer is not None and answer.stopped:  # the decode may have run past the stop string
+                if answer.stopped:  # the decode may have run past the stop string
                     completion, finish = answer.token_count, FinishReason.STOP
                 if calls and finish is FinishReason.STOP:
                     finish = FinishReason.TOOL_CALLS
@@ -149,27 +160,27 @@ class QueryRunner:
                     total_seconds=finished - arrived,
                     phase_seconds=phases,
                     recompute_fraction=done.recompute_fraction,
-                    mode=params.mode,
+                    mode=request.mode,
                     finish_reason=finish,
                     text=text,
                     used_chunk_ids=done.used_chunk_ids or tuple(c.chunk_id for c in chunks),
                     kv_sources=dict(done.kv_sources),
                     tool_calls=calls,
-                    citations=find_citations(text, chunks) if params.citations else (),
+                    citations=find_citations(text, chunks) if request.citations else (),
                 )
                 self._metrics.observe_answer(
-                    params.mode,
+                    request.mode,
                     None if first_token_at is None else first_token_at - arrived,
                     done.recompute_fraction,
                     done.bytes_loaded,
-                    params.collection,
+                    request.collection,
                     done.kv_sources,
                     done.fell_back,
                     done.handed_over,
                 )
                 self._metrics.e2e.labels(method).observe(finished - arrived)
                 self._metrics.observe_usage(done.prompt_tokens, done.cached_prompt_tokens, completion,
-                                            params.collection)
+                                            request.collection)
                 self._metrics.requests.labels("OK").inc()
                 yield stats
         finally:

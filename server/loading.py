@@ -4,9 +4,9 @@ request's KV ready sooner.
 CacheBlend's loading controller, in our words: a chunk's KV is worth reading only if reading
 it does not make the request wait longer than computing it would. The read time comes from
 the tier the chunk sits in, as measured on the reads that tier served (kvstore.timing:
-latency plus size over throughput); the compute time from the engine's measured prefill
-rate (tokens per second, seeded at start and learned from the chunks computed while
-serving). Reads run in parallel, `store.prefetch_workers` at a time, off the engine; the
+latency plus size over throughput); the compute time from the engine's prefill rate
+(`Engine.speed`: tokens per second, seeded at start and learned from every chunk the
+engine computes). Reads run in parallel, `store.prefetch_workers` at a time, off the engine; the
 chunks to compute run one after another on the engine (which every other request needs
 too, so compute counts `margin` times its time). The request's KV is ready when both are
 done, so the controller computes the chunks whose reads are slowest for as long as that
@@ -19,13 +19,11 @@ first reads measure it.
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ragkv.engine.speed import PrefillSpeed
 from ragkv.types import KVSource, Tier
-
-_ALPHA = 0.3  # weight of the newest measurement in the prefill rate's moving average
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,26 +48,16 @@ class ControllerConfig:
 
 
 class LoadingController:
-    """Decides per request which chunks to read and which to compute; learns the prefill rate."""
+    """Decides per request which chunks to read and which to compute, by the engine's prefill
+    rate (`speed`, which the engine learns; a controller of its own when not given)."""
 
-    def __init__(self, config: ControllerConfig = ControllerConfig()) -> None:
+    def __init__(self, config: ControllerConfig = ControllerConfig(), speed: PrefillSpeed | None = None) -> None:
         self.config = config
-        self._lock = threading.Lock()
-        self._tokens_per_s: float | None = None
-
-    def observe_compute(self, tokens: int, seconds: float) -> None:
-        """A chunk of `tokens` tokens was computed in `seconds` of engine time."""
-        if tokens <= 0 or seconds <= 0:
-            return
-        rate = tokens / seconds
-        with self._lock:
-            old = self._tokens_per_s
-            self._tokens_per_s = rate if old is None else (1 - _ALPHA) * old + _ALPHA * rate
+        self.speed = speed if speed is not None else PrefillSpeed()
 
     @property
     def tokens_per_s(self) -> float | None:
-        with self._lock:
-            return self._tokens_per_s
+        return self.speed.tokens_per_s
 
     def decide(self, store, keys: Sequence, tokens: Sequence[int]) -> list[ChunkDecision]:  # noqa: ANN001
         """Read or compute each chunk (`keys[i]` of `tokens[i]` tokens) of one request.

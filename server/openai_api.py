@@ -36,7 +36,10 @@ from starlette.routing import Route
 
 from ragkv.server.admission import Admission
 from ragkv.server.answering import QueryRunner
-from ragkv.server.backend import ChunksEvent, QueryBackend, QueryParams, TokenEvent
+from ragkv.engine.request import ChunksReady
+from ragkv.engine.request import Request as QueryRequest  # (Request here is Starlette's)
+from ragkv.server.answering import TokenEvent
+from ragkv.server.backend import QueryBackend
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.status import InvalidArgumentError, NotServingError, UnknownCollectionError, status_for
 from ragkv.server.validation import RequestLimits, validate_query
@@ -461,7 +464,7 @@ class OpenAIApi:
             if events is not None:
                 await events.aclose()  # type: ignore[attr-defined]
             return self._error(exc, METHOD)
-        if not isinstance(first, ChunksEvent):
+        if not isinstance(first, ChunksReady):
             raise RuntimeError(f"the answer began with {type(first).__name__}, not the chunks: a bug")
         reply_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -488,7 +491,7 @@ class OpenAIApi:
             "ragkv": ragkv_extra(first.chunks, stats, snippet),
         })
 
-    async def _sse(self, events: AsyncIterator[object], chunks: tuple[RetrievedChunk, ...], params: QueryParams,
+    async def _sse(self, events: AsyncIterator[object], chunks: tuple[RetrievedChunk, ...], params: QueryRequest,
                    snippet: int | None, include_usage: bool, reply_id: str, created: int,
                    cancel: threading.Event) -> AsyncIterator[str]:
         def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:

@@ -27,8 +27,9 @@ from ragkv.v1 import ragkv_pb2 as pb
 from ragkv.v1 import ragkv_pb2_grpc as pb_grpc
 from ragkv.engine.scheduler import Scheduler
 from ragkv.server.admission import Admission
-from ragkv.server.answering import QueryRunner
-from ragkv.server.backend import ChunksEvent, QueryBackend, TokenEvent
+from ragkv.engine.request import ChunksReady
+from ragkv.server.answering import QueryRunner, TokenEvent
+from ragkv.server.backend import QueryBackend
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.status import NotServingError, status_for
 from ragkv.server.validation import RequestLimits, validate_query, validate_retrieve
@@ -93,7 +94,7 @@ class RagService(pb_grpc.RagServiceServicer):
                 index = 0
                 async for event in self._runner.run(backend, params, arrived=arrived, cancel=cancel,
                                                     deadline=deadline):
-                    if isinstance(event, ChunksEvent):
+                    if isinstance(event, ChunksReady):
                         yield convert.chunks_response(event.chunks, options.snippet_chars)
                     elif isinstance(event, TokenEvent):
                         yield convert.token_response(event.text, index)
@@ -120,10 +121,10 @@ class RagService(pb_grpc.RagServiceServicer):
             with self._admission.rpc():
                 backend = self._ready_backend()
                 question, options = convert.retrieve_request_from_proto(request)
-                question, collection, top_k, search = validate_retrieve(question, options, self._limits)
+                question, collection, top_k, search_mode, filters = validate_retrieve(question, options, self._limits)
                 loop = asyncio.get_running_loop()
                 chunks = await loop.run_in_executor(
-                    self._retrieve_pool, backend.retrieve, collection, question, top_k, search
+                    self._retrieve_pool, backend.retrieve, collection, question, top_k, search_mode, filters
                 )
                 elapsed = time.perf_counter() - arrived
                 self._metrics.e2e.labels("Retrieve").observe(elapsed)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ragkv.engine.constrain import GrammarError, json_schema_grammar, lark_grammar
+from ragkv.engine.request import Request
 from ragkv.server.status import InvalidArgumentError
 from ragkv.types import (
     ChatRole,
@@ -58,8 +59,8 @@ class OutputSpec:
     closing: bool = False  # the answer is always structured (JSON or calls): close it before the budget ends
 
 
-def output_spec(params: Any, chunks: Sequence[RetrievedChunk]) -> OutputSpec:
-    """The prompt text and grammar for a request (params: server.backend.QueryParams).
+def output_spec(params: Request, chunks: Sequence[RetrievedChunk]) -> OutputSpec:
+    """The prompt text and grammar for a request.
 
     The grammar is `start: calls | answer`: tool calls (when tools may be called), or an
     answer that is JSON (a response format), cited text (citations), or any text not

@@ -1,4 +1,8 @@
-"""Request validation: wire options -> QueryParams, or InvalidArgumentError naming the field.
+"""Request validation: wire options -> the engine's `Request`, or InvalidArgumentError naming the field.
+
+The one place a query's shapes meet: the wire's message (or the HTTP API's body), read
+into `ragkv.types.QueryOptions`, becomes an `engine.request.Request` with every default
+resolved.
 
 Runs on the event loop before any queueing, so bad input costs nothing and every
 rejection says which field was wrong and what is allowed.
@@ -17,13 +21,15 @@ from ragkv.types import (
     ChatRole,
     ChatTurn,
     FilterOp,
+    MetadataFilter,
     Mode,
     QueryOptions,
     ResponseFormatKind,
     SearchMode,
     ToolChoiceMode,
 )
-from ragkv.server.backend import QueryParams, SearchParams
+from ragkv.engine.decode import SamplingParams
+from ragkv.engine.request import Request
 from ragkv.server.status import InvalidArgumentError
 
 
@@ -120,7 +126,7 @@ def _snippet(snippet_chars: int | None, limits: RequestLimits) -> None:
         )
 
 
-def _search(options: QueryOptions, limits: RequestLimits) -> SearchParams:
+def _search(options: QueryOptions, limits: RequestLimits) -> tuple[SearchMode | None, tuple[MetadataFilter, ...]]:
     mode = options.search_mode
     if mode is not None and not isinstance(mode, SearchMode):
         allowed = ", ".join(m.value for m in SearchMode)
@@ -135,28 +141,28 @@ def _search(options: QueryOptions, limits: RequestLimits) -> SearchParams:
                                                         f"{limits.max_filter_chars}")
         if f.op is FilterOp.PREFIX and not f.value:
             raise InvalidArgumentError(f"filters[{i}]", f"prefix filter on {f.key!r} needs a non-empty prefix")
-    return SearchParams(mode, filters)
+    return mode, filters
 
 
 def validate_retrieve(question: str, options: QueryOptions, limits: RequestLimits
-                      ) -> tuple[str, str, int, SearchParams]:
+                      ) -> tuple[str, str, int, SearchMode | None, tuple[MetadataFilter, ...]]:
     """Check a Retrieve request.
 
     Returns:
-        (question, collection, top_k, search mode and filters).
+        (question, collection, top_k, search mode, filters).
 
     Raises:
         InvalidArgumentError: A field is out of range.
     """
     _snippet(options.snippet_chars, limits)
     return (_question(question, limits), options.collection or DEFAULT_COLLECTION, _top_k(options.top_k, limits),
-            _search(options, limits))
+            *_search(options, limits))
 
 
 def validate_query(
     question: str, options: QueryOptions, limits: RequestLimits, modes: frozenset[Mode]
-) -> QueryParams:
-    """Check a Query request and resolve its defaults.
+) -> Request:
+    """Check a Query request and resolve its defaults: the request the server prepares.
 
     Args:
         question: The question text.
@@ -170,7 +176,7 @@ def validate_query(
     question = _question(question, limits)
     top_k = _top_k(options.top_k, limits)
     _snippet(options.snippet_chars, limits)
-    search = _search(options, limits)
+    search_mode, filters = _search(options, limits)
     mode = options.mode or limits.default_mode
     if mode not in modes:
         allowed = ", ".join(sorted(m.value for m in modes))
@@ -208,18 +214,16 @@ def validate_query(
     if system is not None and len(system) > limits.max_system_prompt_chars:
         raise InvalidArgumentError("system_prompt", f"is {len(system)} characters, the limit is "
                                                     f"{limits.max_system_prompt_chars}")
-    return QueryParams(
+    return Request(
         question=question,
         collection=options.collection or DEFAULT_COLLECTION,
         top_k=top_k,
         mode=mode,
         recompute_ratio=float(ratio),
-        temperature=float(temperature),
-        top_p=float(top_p),
-        seed=options.seed,
-        max_new_tokens=max_new,
-        stop=options.stop,
-        search=search,
+        sampling=SamplingParams(max_new_tokens=max_new, temperature=float(temperature), top_p=float(top_p),
+                                seed=options.seed, stop=tuple(options.stop)),
+        search_mode=search_mode,
+        filters=filters,
         history=history,
         system_prompt=system,
         agent_turns=agent,

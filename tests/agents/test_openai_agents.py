@@ -175,18 +175,24 @@ def test_streamed_tool_calls_reassemble_to_the_unstreamed_calls(smol_server: Ser
 def test_tools_leave_the_chunk_keys_and_the_context_unchanged(smol_server: ServerThread) -> None:
     """Tools and their results go after the chunks: the same chunks, the same KV keys, and
     the same token ids before the question segment."""
-    from ragkv.server.backend import QueryParams
+    import dataclasses
+
+    from ragkv.engine.decode import SamplingParams
+    from ragkv.engine.request import Request
     from ragkv.types import ChatRole, ChatTurn, Mode, Tool, ToolCall, ToolChoice, ToolChoiceMode
 
     backend = smol_server.server.service.backend
-    base = QueryParams("What is the weather in Paris?", "default", 2, Mode.BLEND, 0.15, 0.0, 1.0, None, 16, ())
+    base = Request("What is the weather in Paris?", "default", 2, Mode.BLEND, 0.15, SamplingParams(max_new_tokens=16))
     tool = Tool("get_weather", "weather", SCHEMAS["get_weather"])
-    with_tools = QueryParams(**{**{f: getattr(base, f) for f in base.__dataclass_fields__},
-                                "tools": (tool,), "tool_choice": ToolChoice(ToolChoiceMode.REQUIRED),
-                                "agent_turns": (ChatTurn(ChatRole.ASSISTANT, "", (ToolCall("c1", "get_weather", "{}"),)),
-                                                ChatTurn(ChatRole.TOOL, "sunny", tool_call_id="c1"))})
-    a, b = backend.prepare(base), backend.prepare(with_tools)
-    assert [c.chunk_id for c in a.chunks] == [c.chunk_id for c in b.chunks]
-    assert a.state.kv_keys == b.state.kv_keys and a.state.token_ids == b.state.token_ids
-    assert a.state.collection.prefix_ids == b.state.collection.prefix_ids
-    assert a.state.constraint is None and b.state.constraint is not None
+    with_tools = dataclasses.replace(
+        base, tools=(tool,), tool_choice=ToolChoice(ToolChoiceMode.REQUIRED),
+        agent_turns=(ChatTurn(ChatRole.ASSISTANT, "", (ToolCall("c1", "get_weather", "{}"),)),
+                     ChatTurn(ChatRole.TOOL, "sunny", tool_call_id="c1")))
+    a, b = base, with_tools
+    backend.prepare(a)
+    backend.prepare(b)
+    assert [c.chunk_id for c in a.retrieved] == [c.chunk_id for c in b.retrieved]
+    assert [c.key for c in a.chunks] == [c.key for c in b.chunks]
+    assert [c.token_ids for c in a.chunks] == [c.token_ids for c in b.chunks]
+    assert a.prefix_ids == b.prefix_ids
+    assert a.constraint is None and b.constraint is not None

@@ -37,6 +37,10 @@ class SlowGate:
                 self._ready = layer + 1
                 self._cond.notify_all()
 
+    @property
+    def error(self) -> BaseException | None:
+        return KVFormatError(f"checksum mismatch in layer {self._fail_at} (test)") if self._failed else None
+
     def wait(self, layer: int) -> None:
         self.waits.append(layer)
         with self._cond:
@@ -59,6 +63,10 @@ class PoisonedUntilReady:
         self.gate = SlowGate(self.num_layers, delay)
         self._filled = 0
         self._lock = threading.Lock()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.gate.error
 
     def wait(self, layer: int) -> None:
         self.gate.wait(layer)

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from ragkv.engine import Engine, SamplingParams, load_model
-from ragkv.engine.scheduler import END, Decode, Scheduler, SchedulerConfig, SchedulerFullError, Started
+from ragkv.engine.request import Decode, Finished, EndReason, LoadedKV, PromptChunk, Request, TokenOut, Work
+from ragkv.engine.scheduler import Scheduler, SchedulerConfig, SchedulerFullError
 from ragkv.evals.testing import tiny_model_dir
-from ragkv.types import FinishReason, Mode
+from ragkv.types import FinishReason, Mode, Tier
 
 PASSAGES = [
     "The observatory on Mount Kerr was built in 1931 by the astronomer Ada Lind.",
@@ -29,67 +30,78 @@ REQUESTS = [
 ]
 
 
-class _Token(int):
-    """A generated token id, as the job wraps it (apart from the job's other events)."""
-
-
 class _Sink:
-    """A job's emit: records events, and when END came."""
+    """A request's sink: records its outputs, and when Finished came."""
 
     def __init__(self) -> None:
         self.events: list[object] = []
         self.ended = threading.Event()
 
-    def __call__(self, event: object) -> None:
-        if event is END:
+    def __call__(self, out: object) -> None:
+        self.events.append(out)
+        if isinstance(out, Finished):
             self.ended.set()
-        else:
-            self.events.append(event)
 
     @property
     def tokens(self) -> list[int]:
-        return [int(e) for e in self.events if isinstance(e, _Token)]
+        return [e.token_id for e in self.events if isinstance(e, TokenOut)]
+
+    @property
+    def finished(self) -> Finished:
+        assert isinstance(self.events[-1], Finished), self.events[-1:]
+        return self.events[-1]
 
 
-def _job(engine: Engine, mode: Mode, n_chunks: int, question: str, max_new: int, out: dict):
-    """A server-like answer: the prompt pass in steps, then Decode; records the stream."""
+def _submit(sched: Scheduler, work: Work, sink: _Sink, cancel: threading.Event | None = None,
+            deadline: float | None = None, kv_bytes: int = 0, prompt_cost: float = 0.0) -> Request:
+    """Submit scripted work under a request with these budgets."""
+    req = Request(cancel=cancel or threading.Event(), deadline=deadline, kv_bytes=kv_bytes, prompt_cost=prompt_cost)
+    sched.submit(req, work, sink)
+    return req
+
+
+def _request(engine: Engine, mode: Mode, n_chunks: int, question: str, max_new: int,
+             sampling: SamplingParams | None = None) -> Request:
+    """A server-like request: its chunks' KV ready, the question's tokens."""
     prefix_ids = engine.prompt.prefix_ids()
     chunk_ids = [engine.prompt.chunk_ids(p) for p in PASSAGES[:n_chunks]]
     kvs = [engine.prefill_chunk(prefix_ids, ids) for ids in chunk_ids]
-    res = yield from engine.run_steps(prefix_ids, chunk_ids, kvs, engine.prompt.question_ids(question), mode,
-                                      reserve_tokens=max_new)
-    stream = engine.decode(res, SamplingParams(max_new_tokens=max_new))
-    out["stream"] = stream
-    yield Decode(stream, _Token)
-    yield "done"
+    return Request(mode=mode, prefix_ids=tuple(prefix_ids), question_ids=tuple(engine.prompt.question_ids(question)),
+                   chunks=tuple(PromptChunk(tuple(ids), LoadedKV(kv, Tier.CPU, kv.nbytes))
+                                for ids, kv in zip(chunk_ids, kvs)),
+                   sampling=sampling or SamplingParams(max_new_tokens=max_new))
+
+
+def _job(engine: Engine, sched: Scheduler, mode: Mode, n_chunks: int, question: str, max_new: int,
+         sink: _Sink, sampling: SamplingParams | None = None) -> Request:
+    req = _request(engine, mode, n_chunks, question, max_new, sampling)
+    sched.submit(req, engine.work(req), sink)
+    return req
 
 
 def _alone(engine: Engine) -> list[list[int]]:
     outs = []
     for mode, n, q, m in REQUESTS:
-        out: dict = {}
         sched = Scheduler()
         sink = _Sink()
-        sched.submit(_job(engine, mode, n, q, m, out), sink, threading.Event())
+        _job(engine, sched, mode, n, q, m, sink)
         assert sink.ended.wait(120)
         sched.close()
-        outs.append(out["stream"].token_ids)
+        outs.append(sink.tokens)
     return outs
 
 
 def _together(engine: Engine, slice_s: float = 0.05) -> tuple[list[list[int]], list[_Sink], Scheduler]:
     sched = Scheduler(SchedulerConfig(prompt_slice_s=slice_s))
-    sinks, outs = [], []
+    sinks = []
     for mode, n, q, m in REQUESTS:
-        out: dict = {}
         sink = _Sink()
-        sched.submit(_job(engine, mode, n, q, m, out), sink, threading.Event())
+        _job(engine, sched, mode, n, q, m, sink)
         sinks.append(sink)
-        outs.append(out)
     for s in sinks:
         assert s.ended.wait(300)
     sched.close()
-    return [o["stream"].token_ids for o in outs], sinks, sched
+    return [s.tokens for s in sinks], sinks, sched
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
@@ -100,8 +112,9 @@ def test_greedy_in_a_batch_equals_alone_tiny(arch: str, tmp_path) -> None:
     assert together == alone
     assert sched.stats.steps > 0
     for s, ids in zip(sinks, together):
-        assert isinstance(s.events[0], Started) and s.events[-1] == "done"
-        assert s.tokens == ids  # every token went out, in order, as it was picked
+        done = s.finished
+        assert done.reason is EndReason.DONE and done.answered is not None
+        assert done.answered.completion_tokens == len(ids) > 0  # every token went out, in order, as it was picked
 
 
 @pytest.mark.real_model
@@ -144,17 +157,17 @@ def test_kv_budget_refuses_with_a_message_naming_it() -> None:
             time.sleep(0.01)
 
     sink = _Sink()
-    sched.submit(waiting_job(), sink, threading.Event(), kv_bytes=600)
+    _submit(sched, waiting_job(), sink, kv_bytes=600)
     with pytest.raises(SchedulerFullError, match="budget"):
-        sched.submit(waiting_job(), _Sink(), threading.Event(), kv_bytes=600)
+        _submit(sched, waiting_job(), _Sink(), kv_bytes=600)
     with pytest.raises(SchedulerFullError, match="more than the whole budget"):
-        sched.submit(waiting_job(), _Sink(), threading.Event(), kv_bytes=5000)
+        _submit(sched, waiting_job(), _Sink(), kv_bytes=5000)
     hold.set()
     assert sink.ended.wait(10)
     deadline = time.monotonic() + 5
     while sched.stats.kv_bytes and time.monotonic() < deadline:
         time.sleep(0.01)
-    sched.submit(waiting_job(), _Sink(), threading.Event(), kv_bytes=600)  # the budget came back
+    _submit(sched, waiting_job(), _Sink(), kv_bytes=600)  # the budget came back
     sched.close()
 
 
@@ -185,10 +198,10 @@ def test_the_kv_trees_bytes_count_in_the_budget_and_it_shrinks_to_admit() -> Non
             yield 0
             time.sleep(0.01)
 
-    sched.submit(waiting_job(), _Sink(), threading.Event(), kv_bytes=500)  # 700 + 500 > 1000: the tree gives 200
+    _submit(sched, waiting_job(), _Sink(), kv_bytes=500)  # 700 + 500 > 1000: the tree gives 200
     assert tree.asked == [500] and tree.held == 500
     with pytest.raises(SchedulerFullError, match="KV tree"):  # 500 in flight + 300 leased + 300 > 1000
-        sched.submit(waiting_job(), _Sink(), threading.Event(), kv_bytes=300)
+        _submit(sched, waiting_job(), _Sink(), kv_bytes=300)
     assert tree.held == 300
     hold.set()
     sched.close()
@@ -207,14 +220,15 @@ def test_cancel_and_deadline_end_a_request_and_free_its_budget() -> None:
             closed.append(True)
 
     cancel, sink = threading.Event(), _Sink()
-    sched.submit(endless(), sink, cancel, kv_bytes=1000)
+    _submit(sched, endless(), sink, cancel, kv_bytes=1000)
     time.sleep(0.05)
     cancel.set()
     assert sink.ended.wait(5)
     late = _Sink()
-    sched.submit(endless(), late, threading.Event(), deadline=time.monotonic() + 0.05, kv_bytes=1000)
+    _submit(sched, endless(), late, deadline=time.monotonic() + 0.05, kv_bytes=1000)
     assert late.ended.wait(5)
     assert closed == [True, True]
+    assert (sink.finished.reason, late.finished.reason) == (EndReason.CANCELLED, EndReason.DEADLINE)
     sched.close()
 
 
@@ -229,8 +243,13 @@ def test_a_long_prompt_does_not_stall_decoding(tiny_lm, first_s: float) -> None:
     def decoder():
         prefix_ids = engine.prompt.prefix_ids()
         res = yield from engine.run_steps(prefix_ids, [], [], engine.prompt.question_ids("Hi?"), Mode.FULL)
-        stream = engine.decode(res, SamplingParams(max_new_tokens=200))
-        yield Decode(stream, lambda token: order.append("piece"))
+        yield Decode(engine.decode(res, SamplingParams(max_new_tokens=200)))
+
+    class Pieces(_Sink):
+        def __call__(self, out: object) -> None:
+            if isinstance(out, TokenOut):
+                order.append("piece")
+            super().__call__(out)
 
     def long_prompt():
         ids = [engine.prompt.chunk_ids(p) for p in PASSAGES] * 4
@@ -241,14 +260,14 @@ def test_a_long_prompt_does_not_stall_decoding(tiny_lm, first_s: float) -> None:
                 order.append("layer")
                 yield 0
         except StopIteration:
-            return
+            return None
 
-    a, b = _Sink(), _Sink()
-    sched.submit(decoder(), a, threading.Event())  # a short prompt: it decodes while the next one runs
+    a, b = Pieces(), _Sink()
+    _submit(sched, decoder(), a)  # a short prompt: it decodes while the next one runs
     deadline = time.monotonic() + 30
     while "piece" not in order and time.monotonic() < deadline:  # the long one arrives once the first decodes
         time.sleep(0.001)
-    sched.submit(long_prompt(), b, threading.Event())
+    _submit(sched, long_prompt(), b)
     assert b.ended.wait(60) and a.ended.wait(60)
     sched.close()
     first, last = order.index("layer"), len(order) - 1 - order[::-1].index("layer")
@@ -267,13 +286,13 @@ def test_a_job_error_reaches_its_emit_and_spares_the_others(tiny_lm) -> None:
         raise ValueError("bad request")
 
     bad, good = _Sink(), _Sink()
-    out: dict = {}
-    sched.submit(broken(), bad, threading.Event())
-    sched.submit(_job(engine, Mode.REUSE, 2, "What does the village grow?", 5, out), good, threading.Event())
+    _submit(sched, broken(), bad)
+    _job(engine, sched, Mode.REUSE, 2, "What does the village grow?", 5, good)
     assert bad.ended.wait(30) and good.ended.wait(60)
     sched.close()
-    assert any(isinstance(e, ValueError) for e in bad.events)
-    assert good.events[-1] == "done" and out["stream"].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    assert bad.finished.reason is EndReason.ERROR and isinstance(bad.finished.error, ValueError)
+    assert good.finished.reason is EndReason.DONE
+    assert good.finished.answered.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
 
 
 def test_a_short_prompt_overtakes_a_long_one() -> None:
@@ -289,9 +308,9 @@ def test_a_short_prompt_overtakes_a_long_one() -> None:
         finished.append(name)
 
     long_sink, short_sink = _Sink(), _Sink()
-    sched.submit(work("long", 40, 0.01), long_sink, threading.Event(), prompt_cost=1000)
+    _submit(sched, work("long", 40, 0.01), long_sink, prompt_cost=1000)
     time.sleep(0.05)
-    sched.submit(work("short", 3, 0.001), short_sink, threading.Event(), prompt_cost=100)
+    _submit(sched, work("short", 3, 0.001), short_sink, prompt_cost=100)
     assert long_sink.ended.wait(30) and short_sink.ended.wait(30)
     sched.close()
     assert finished == ["short", "long"]
@@ -314,10 +333,10 @@ def test_aging_keeps_a_long_pass_from_starving() -> None:
         finished.append(name)
 
     sinks = [_Sink() for _ in range(3)]
-    sched.submit(blocker(), sinks[0], threading.Event(), prompt_cost=0)  # unknown cost: it goes first
-    sched.submit(work("long"), sinks[1], threading.Event(), prompt_cost=0.5)
+    _submit(sched, blocker(), sinks[0], prompt_cost=0)  # unknown cost: it goes first
+    _submit(sched, work("long"), sinks[1], prompt_cost=0.5)
     time.sleep(0.7)  # 0.7 s of waiting at aging 1.0: the long one now has the least work left
-    sched.submit(work("short"), sinks[2], threading.Event(), prompt_cost=0.1)
+    _submit(sched, work("short"), sinks[2], prompt_cost=0.1)
     hold.set()
     assert all(s.ended.wait(30) for s in sinks)
     sched.close()
@@ -337,11 +356,11 @@ def test_work_left_falls_as_a_pass_runs() -> None:
         finished.append(name)
 
     warm, a, b = _Sink(), _Sink(), _Sink()
-    sched.submit(work("warm", 10), warm, threading.Event(), prompt_cost=10)  # the rate: 10 units per ~0.1 s
+    _submit(sched, work("warm", 10), warm, prompt_cost=10)  # the rate: 10 units per ~0.1 s
     assert warm.ended.wait(30)
-    sched.submit(work("long", 40), a, threading.Event(), prompt_cost=40)
+    _submit(sched, work("long", 40), a, prompt_cost=40)
     time.sleep(0.3)  # about 3/4 done: about 10 units left
-    sched.submit(work("middle", 30), b, threading.Event(), prompt_cost=30)
+    _submit(sched, work("middle", 30), b, prompt_cost=30)
     assert a.ended.wait(30) and b.ended.wait(30)
     sched.close()
     assert finished == ["warm", "long", "middle"]
@@ -352,25 +371,17 @@ def test_sampling_is_per_request_in_a_batch(tiny_lm) -> None:
     engine = Engine(tiny_lm)
     params = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=1234)
 
-    def sampled(out: dict):
-        res = yield from engine.run_steps(engine.prompt.prefix_ids(), [], [], engine.prompt.question_ids("Why?"),
-                                          Mode.FULL, reserve_tokens=16)
-        out["stream"] = engine.decode(res, params)
-        yield Decode(out["stream"], _Token)
-
-    alone: dict = {}
+    alone = _Sink()
     sched = Scheduler()
-    sink = _Sink()
-    sched.submit(sampled(alone), sink, threading.Event())
-    assert sink.ended.wait(60)
-    batched: dict = {}
+    _job(engine, sched, Mode.FULL, 0, "Why?", 12, alone, params)
+    assert alone.ended.wait(60)
     sinks = [_Sink() for _ in range(3)]
-    sched.submit(_job(engine, Mode.FULL, 4, "Who built it?", 12, {}), sinks[0], threading.Event())
-    sched.submit(sampled(batched), sinks[1], threading.Event())
-    sched.submit(_job(engine, Mode.REUSE, 2, "What grows there?", 12, {}), sinks[2], threading.Event())
+    _job(engine, sched, Mode.FULL, 4, "Who built it?", 12, sinks[0])
+    _job(engine, sched, Mode.FULL, 0, "Why?", 12, sinks[1], params)
+    _job(engine, sched, Mode.REUSE, 2, "What grows there?", 12, sinks[2])
     assert all(s.ended.wait(60) for s in sinks)
     sched.close()
-    assert batched["stream"].token_ids == alone["stream"].token_ids
+    assert sinks[1].tokens == alone.tokens and len(alone.tokens) > 0
 
 
 @pytest.mark.gpu
@@ -392,13 +403,13 @@ def test_close_ends_running_requests_with_a_stopped_error() -> None:
             time.sleep(0.005)
 
     sink = _Sink()
-    sched.submit(endless(), sink, threading.Event(), kv_bytes=10)
+    _submit(sched, endless(), sink, kv_bytes=10)
     time.sleep(0.05)
     sched.close()
     assert sink.ended.wait(5)
-    assert any(isinstance(e, SchedulerStoppedError) for e in sink.events)
+    assert sink.finished.reason is EndReason.STOPPED and isinstance(sink.finished.error, SchedulerStoppedError)
     with pytest.raises(SchedulerStoppedError):
-        sched.submit(endless(), _Sink(), threading.Event())
+        _submit(sched, endless(), _Sink())
 
 
 def test_heap_is_trimmed_when_idle_and_periodically_under_load(monkeypatch) -> None:
@@ -418,7 +429,7 @@ def test_heap_is_trimmed_when_idle_and_periodically_under_load(monkeypatch) -> N
         ended.append(time.monotonic())
 
     sink = _Sink()
-    sched.submit(busy(), sink, threading.Event())
+    _submit(sched, busy(), sink)
     time.sleep(0.2)
     under_load = len(trims)
     time.sleep(0.3)
@@ -435,7 +446,7 @@ def test_heap_is_trimmed_when_idle_and_periodically_under_load(monkeypatch) -> N
     sched.close()
     never = Scheduler(SchedulerConfig(heap_trim_s=0))
     trims.clear()
-    never.submit(busy(), _Sink(), threading.Event())  # hold is set: ends at once
+    _submit(never, busy(), _Sink())  # hold is set: ends at once
     time.sleep(0.1)
     never.close()
     assert trims == []
@@ -459,8 +470,10 @@ def test_a_request_waiting_for_its_kv_stalls_nobody(tiny_lm, tmp_path, monkeypat
     read's second, and the 4th's answer is the answer it gets without the wait."""
     import numpy as np
 
+    from concurrent.futures import Future
+
     from ragkv.engine.kv import ChunkKV
-    from ragkv.engine.scheduler import RequestStatus, WaitFor
+    from ragkv.engine.request import RequestStatus
     from ragkv.kvstore import ChunkKey, KVEntry, StoreConfig, TieredStore, hash_prefix
     from ragkv.kvstore.tiers.disk import DiskTier
 
@@ -485,14 +498,22 @@ def test_a_request_waiting_for_its_kv_stalls_nobody(tiny_lm, tmp_path, monkeypat
     states: list[RequestStatus] = []
     window_s = 1.3
 
-    def slow_job(out: dict):
-        handles = store.prefetch(keys)
-        yield WaitFor(tuple(h.future for h in handles))
-        kvs = [ChunkKV.from_stored(h.result(timeout=0), lm.device, lm.dtype) for h in handles]
-        res = yield from engine.run_steps(prefix_ids, slow_ids, kvs, engine.prompt.question_ids("What does the village grow?"),
-                                          Mode.REUSE, reserve_tokens=8)
-        out["stream"] = stream = engine.decode(res, SamplingParams(max_new_tokens=8))
-        yield Decode(stream, _Token)
+    def slow_request() -> Request:
+        """Served as the pipeline serves it: the reads start, and land on the store's threads."""
+        reads = []
+        for handle in store.prefetch(keys):
+            read: Future = Future()
+
+            def landed(f: Future, read: Future = read) -> None:
+                hit = f.result()
+                read.set_result(LoadedKV(ChunkKV.from_stored(hit.entry, lm.device, lm.dtype), hit.tier,
+                                         hit.entry.nbytes))
+
+            handle.future.add_done_callback(landed)
+            reads.append(read)
+        return Request(mode=Mode.REUSE, prefix_ids=tuple(prefix_ids), sampling=SamplingParams(max_new_tokens=8),
+                       question_ids=tuple(engine.prompt.question_ids("What does the village grow?")),
+                       chunks=tuple(PromptChunk(tuple(ids), r) for ids, r in zip(slow_ids, reads)))
 
     def bystander(mode: Mode, n: int, q: str, started: threading.Event):
         """Decodes until cancelled: no EOS, a length past the test's end."""
@@ -503,7 +524,7 @@ def test_a_request_waiting_for_its_kv_stalls_nobody(tiny_lm, tmp_path, monkeypat
         stream = engine.decode(res, SamplingParams(max_new_tokens=3000))
         stream._eos = set()  # a random model may pick EOS at any step: this one must go on
         started.set()
-        yield Decode(stream, _Token)
+        yield Decode(stream)
 
     def run(delay_s: float) -> tuple[list[int], np.ndarray]:
         sched = Scheduler(SchedulerConfig(prompt_slice_s=1e-4))
@@ -514,13 +535,13 @@ def test_a_request_waiting_for_its_kv_stalls_nobody(tiny_lm, tmp_path, monkeypat
             sinks.append(_Sink())
             cancels.append(threading.Event())
             started.append(threading.Event())
-            sched.submit(bystander(mode, n, q, started[-1]), sinks[-1], cancels[-1])
+            _submit(sched, bystander(mode, n, q, started[-1]), sinks[-1], cancels[-1])
         assert all(s.wait(60) for s in started)  # all three decoding before the slow one comes
         delay[0] = delay_s
-        slow_out: dict = {}
         slow = _Sink()
         t0 = time.monotonic()
-        sched.submit(slow_job(slow_out), slow, threading.Event())
+        req = slow_request()
+        sched.submit(req, engine.work(req), slow)
         if delay_s:
             deadline = time.monotonic() + delay_s / 2
             while sched.stats.waiting_kv != 1 and time.monotonic() < deadline:
@@ -535,7 +556,7 @@ def test_a_request_waiting_for_its_kv_stalls_nobody(tiny_lm, tmp_path, monkeypat
         assert all(s.ended.wait(60) for s in sinks)
         sched.close()
         shared = np.array([t for t, batch in step_times if t0 <= t <= t0 + window_s and batch >= 3])
-        return slow_out["stream"].token_ids, np.diff(shared)
+        return slow.tokens, np.diff(shared)
 
     base_ids, base_gaps = run(0.0)
     ids, gaps = run(1.0)
@@ -551,7 +572,7 @@ def test_a_request_waiting_for_its_kv_stalls_nobody(tiny_lm, tmp_path, monkeypat
 def test_parked_request_is_cancelled_and_times_out(tiny_lm) -> None:
     import concurrent.futures
 
-    from ragkv.engine.scheduler import WaitFor
+    from ragkv.engine.work import WaitFor
 
     sched = Scheduler()
     never: concurrent.futures.Future = concurrent.futures.Future()
@@ -560,16 +581,38 @@ def test_parked_request_is_cancelled_and_times_out(tiny_lm) -> None:
     def job(timeout):
         yield WaitFor((never,), timeout)
         resumed.append(never.done())
-        yield "after"
 
     timed = _Sink()
-    sched.submit(job(0.2), timed, threading.Event())
-    assert timed.ended.wait(10) and resumed == [False] and timed.events[-1] == "after"
+    _submit(sched, job(0.2), timed)
+    assert timed.ended.wait(10) and resumed == [False] and timed.finished.reason is EndReason.DONE
     cancel = threading.Event()
     cancelled = _Sink()
-    sched.submit(job(None), cancelled, cancel)
+    _submit(sched, job(None), cancelled, cancel)
     time.sleep(0.1)
     assert not cancelled.ended.is_set()
     cancel.set()  # seen within the parked check interval, with nothing else to wake the loop
-    assert cancelled.ended.wait(2) and "after" not in cancelled.events
+    assert cancelled.ended.wait(2) and resumed == [False]
+    assert cancelled.finished.reason is EndReason.CANCELLED
     sched.close()
+
+
+def test_the_scheduler_holds_only_typed_work() -> None:
+    """The scheduler advances engine Requests and their typed work: no annotation in it is
+    `Any` (or unannotated), and what it keeps of a request resolves to engine types."""
+    import ast
+    import inspect
+    import typing
+
+    import ragkv.engine.scheduler as scheduler
+    from ragkv.engine.decode import DecodeStream
+
+    tree = ast.parse(inspect.getsource(scheduler))
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    assert "Any" not in names and "object" not in names
+    for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+        args = [a for a in fn.args.args + fn.args.kwonlyargs if a.arg not in ("self", "cls")]
+        assert all(a.annotation is not None for a in args), f"{fn.name} has an unannotated argument"
+    hints = typing.get_type_hints(scheduler._Job)
+    assert hints["request"] is Request and hints["work"] == Work
+    assert hints["decode"] == DecodeStream | None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from ragkv.errors import IndexMismatchError
 from ragkv.types import (
@@ -18,7 +18,7 @@ from ragkv.types import (
     TierStats,
 )
 from ragkv.server.inprocess import InProcessServer
-from ragkv.server.backend import ChunksEvent, DoneEvent, PreparedQuery, QueryParams, TokenEvent
+from ragkv.engine.request import Answered, ChunkComputed, ChunksReady, Request, TokenOut, Work
 from ragkv.server.settings import ServerSettings
 from ragkv.server.status import UnknownCollectionError
 
@@ -33,6 +33,20 @@ CORPUS = tuple(
     )
     for i in range(8)
 )
+
+
+class _Words:
+    """The fake's detokenizer: token i is the answer's word i."""
+
+    def __init__(self, words: list[str]) -> None:
+        self.words, self.stopped, self.token_count = words, False, 0
+
+    def push(self, token: int) -> str:
+        self.token_count += 1
+        return self.words[token]
+
+    def finish(self) -> str:
+        return ""
 
 
 class FakeBackend:
@@ -72,39 +86,52 @@ class FakeBackend:
                 return info
         raise UnknownCollectionError(f"collection {name!r} is not served here (served: default, mismatch)")
 
-    def retrieve(self, collection: str, question: str, top_k: int, search: object = None) -> tuple[RetrievedChunk, ...]:
+    def retrieve(self, collection: str, question: str, top_k: int, search_mode: object = None,
+                 filters: object = ()) -> tuple[RetrievedChunk, ...]:
         self._info(collection)
         return CORPUS[:top_k]
 
-    def prepare(self, params: QueryParams) -> PreparedQuery:
-        if self._info(params.collection).name == "mismatch":
+    def prepare(self, request: Request) -> None:
+        if self._info(request.collection).name == "mismatch":
             raise IndexMismatchError("index built with model other-model-fp, server runs model-fp")
-        return PreparedQuery(params, self.retrieve(params.collection, params.question, params.top_k), {"retrieve": 0.001})
+        request.retrieved = self.retrieve(request.collection, request.question, request.top_k)
+        request.phase_seconds["retrieve"] = 0.001
 
-    def answer(self, prepared: PreparedQuery, cancel: threading.Event) -> Iterator[object]:
-        q = prepared.params.question
+    def detokenizer(self, request: Request) -> _Words:
+        return _Words(self._words(request))
+
+    def keep(self, request: Request, computed: ChunkComputed) -> None:
+        raise AssertionError("the fake computes no chunk KV")
+
+    def _words(self, request: Request) -> list[str]:
+        words = request.question.split() if self.n_pieces is None else [f"w{i}" for i in range(self.n_pieces)]
+        return [w + " " for w in words][:request.sampling.max_new_tokens]
+
+    def work(self, request: Request) -> Work:
+        q = request.question
+        cancel = request.cancel
         self.started.append(q)
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         try:
             chunks = tuple(
-                dataclasses.replace(c, kv_tier=TIERS[i % len(TIERS)]) for i, c in enumerate(prepared.chunks)
+                dataclasses.replace(c, kv_tier=TIERS[i % len(TIERS)]) for i, c in enumerate(request.retrieved)
             )
-            yield ChunksEvent(chunks)
+            yield ChunksReady(chunks)
             if "boom" in q:
                 raise RuntimeError("engine exploded")
-            words = q.split() if self.n_pieces is None else [f"w{i}" for i in range(self.n_pieces)]
-            pieces = [w + " " for w in words][: prepared.params.max_new_tokens]
-            for piece in pieces:
+            pieces = self._words(request)
+            for token, _ in enumerate(pieces):  # token i is the answer's word i (_Words)
                 if self.token_delay:
                     time.sleep(self.token_delay)
                 if cancel.is_set():
                     self.cancelled.append(q)
-                    return
-                yield TokenEvent(piece)
-            finish = FinishReason.LENGTH if len(pieces) == prepared.params.max_new_tokens else FinishReason.STOP
-            recompute = 1.0 if prepared.params.mode is Mode.FULL else prepared.params.recompute_ratio
-            yield DoneEvent(
+                    yield 0  # a step: the scheduler drops the cancelled request here
+                yield TokenOut(token)
+            finish = FinishReason.LENGTH if len(pieces) == request.sampling.max_new_tokens else FinishReason.STOP
+            recompute = 1.0 if request.mode is Mode.FULL else request.recompute_ratio
+            self.finished.append(q)
+            return Answered(
                 prompt_tokens=10 + 12 * len(chunks),
                 cached_prompt_tokens=12 * len(chunks),
                 completion_tokens=len(pieces),
@@ -113,7 +140,6 @@ class FakeBackend:
                 phase_seconds={"kv_load": 0.002, "decode": 0.003},
                 bytes_loaded={Tier.CPU: 1000, Tier.DISK: 2000},
             )
-            self.finished.append(q)
         finally:
             if cancel.is_set() and q not in self.cancelled and q not in self.finished:
                 self.cancelled.append(q)

@@ -46,7 +46,7 @@ def _sources(decisions) -> list[KVSource]:  # noqa: ANN001
 
 def test_decisions_follow_the_measured_costs() -> None:
     c = LoadingController()
-    c.observe_compute(1000, 1.0)  # 1000 tokens/s: 500 tokens take 0.5 s to compute
+    c.speed.observe(1000, 1.0)  # 1000 tokens/s: 500 tokens take 0.5 s to compute
     slow, fast = _Store({"a": Tier.S3}, {Tier.S3: _SLOW}), _Store({"a": Tier.DISK}, {Tier.DISK: _FAST})
     assert _sources(c.decide(slow, ["a"], [500])) == [KVSource.COMPUTED_CHEAPER]
     (d,) = c.decide(fast, ["a"], [500])
@@ -64,7 +64,7 @@ def test_reads_run_in_parallel_computes_in_series() -> None:
     the margin). Computing all eight (4.8 s) would be slower than reading them: the controller
     computes the slowest reads only while that brings the request's ready time down."""
     c = LoadingController()
-    c.observe_compute(1000, 1.0)
+    c.speed.observe(1000, 1.0)
     keys = list("abcdefgh")
     store = _Store({k: Tier.S3 for k in keys}, {Tier.S3: _SLOW}, workers=4)
     out = c.decide(store, keys, [500] * 8)
@@ -130,7 +130,7 @@ def test_a_tier_slower_than_recompute_is_not_read(server: ServerThread, slow_dis
 def test_a_tier_faster_than_recompute_is_read(server: ServerThread, slow_disk: list[float]) -> None:
     controller = _pipeline(server).controller
     for _ in range(20):  # an engine computing 20 tokens a second: any disk read is cheaper
-        controller.observe_compute(20, 1.0)
+        controller.speed.observe(20, 1.0)
     _, first = _ask(server.addr)
     _, second = _ask(server.addr)
     assert first.kv_sources == second.kv_sources == {KVSource.LOADED: TOP_K}
@@ -142,7 +142,7 @@ def test_a_read_that_overruns_is_abandoned_and_the_answer_unchanged(server: Serv
                                                                       slow_disk: list[float]) -> None:
     controller = _pipeline(server).controller
     for _ in range(20):  # recompute looks slow, so the (fast, measured) tier is chosen...
-        controller.observe_compute(20, 1.0)
+        controller.speed.observe(20, 1.0)
     _, clean = _ask(server.addr)
     _, again = _ask(server.addr)
     assert clean.kv_sources == again.kv_sources == {KVSource.LOADED: TOP_K}

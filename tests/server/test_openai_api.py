@@ -18,7 +18,7 @@ from langchain_openai import ChatOpenAI
 from langgraph.graph import END, START, MessagesState, StateGraph
 
 from ragkv.client import RagClient
-from ragkv.server.backend import PreparedQuery, QueryParams
+from ragkv.engine.request import Request
 from ragkv.server.status import InvalidArgumentError
 from ragkv.types import ChatRole, ChatTurn, Mode, SearchMode
 from tests.server.fakes import FakeBackend, ServerThread, settings
@@ -32,15 +32,15 @@ class ChatBackend(FakeBackend):
 
     def __init__(self, **kw: object) -> None:
         super().__init__(**kw)
-        self.params: list[QueryParams] = []
+        self.params: list[Request] = []
 
-    def prepare(self, params: QueryParams) -> PreparedQuery:
+    def prepare(self, params: Request) -> None:
         if params.system_prompt is not None and params.system_prompt.strip() != SYSTEM:
             raise InvalidArgumentError(
                 "system_prompt", f"the request's system message {params.system_prompt!r} differs from the system "
                                  f"prompt collection {params.collection!r} was indexed with: {SYSTEM!r}")
         self.params.append(params)
-        return super().prepare(params)
+        super().prepare(params)
 
 
 @pytest.fixture
@@ -88,8 +88,11 @@ def test_sync_non_streaming_with_sources_usage_and_options(http_server: ServerTh
     assert 0 < extra["ttft_seconds"] <= extra["total_seconds"]
     assert {"retrieve", "queue", "decode"} <= set(extra["phase_seconds"])
     p = chat_backend.params[-1]
-    assert (p.mode, p.top_k, p.search.mode, p.seed, p.stop) == (Mode.BLEND, 3, SearchMode.LEXICAL, 7, ("zzz",))
-    assert p.temperature == pytest.approx(0.5) and p.top_p == pytest.approx(0.9) and p.max_new_tokens == 2
+    sampling = p.sampling
+    assert (p.mode, p.top_k, p.search_mode, sampling.seed, sampling.stop) == (Mode.BLEND, 3, SearchMode.LEXICAL, 7,
+                                                                              ("zzz",))
+    assert sampling.temperature == pytest.approx(0.5) and sampling.top_p == pytest.approx(0.9)
+    assert sampling.max_new_tokens == 2
     assert p.system_prompt == SYSTEM and p.question == "alpha beta gamma"
     assert p.history == (ChatTurn(ChatRole.USER, "who wrote it"), ChatTurn(ChatRole.ASSISTANT, "Nobody knows."))
 

@@ -121,10 +121,11 @@ def test_reranker_scores_come_back(server) -> None:
 
 def test_validation_of_search_options() -> None:
     limits = RequestLimits(max_filters=2)
-    q, collection, top_k, search = validate_retrieve("q", QueryOptions(search_mode=SearchMode.LEXICAL), limits)
-    assert q == "q" and search.mode is SearchMode.LEXICAL and collection == "default" and top_k == 4
+    q, collection, top_k, search_mode, filters = validate_retrieve("q", QueryOptions(search_mode=SearchMode.LEXICAL),
+                                                                   limits)
+    assert q == "q" and search_mode is SearchMode.LEXICAL and collection == "default" and top_k == 4 and not filters
     params = validate_query("q", QueryOptions(filters=(MetadataFilter("a", 1),)), limits, frozenset(Mode))
-    assert params.search.filters == (MetadataFilter("a", 1),) and params.search.mode is None
+    assert params.filters == (MetadataFilter("a", 1),) and params.search_mode is None
     with pytest.raises(InvalidArgumentError, match="at most 2 filters"):
         validate_retrieve("q", QueryOptions(filters=(MetadataFilter("a", 1),) * 3), limits)
     with pytest.raises(InvalidArgumentError, match="search_mode"):

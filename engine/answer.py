@@ -1,0 +1,204 @@
+"""A request's work: its chunks' KV, its prompt pass, its decode, the KV tree (`Engine.work`).
+
+The scheduler runs this on its thread, one step at a time, and nothing in it is the
+server's: the chunks' reads were started by the server and complete on the store's
+threads (`PromptChunk.kv` futures), a chunk computed here goes out as `ChunkComputed`
+(the server keeps it, off this thread), and the tokens go out as ids.
+
+1. **KV.** The request parks on its reads (`WaitFor`, at most `kv_wait_s`). Each chunk is
+   then its read's KV, or computed, one layer per step: missing from every tier, chosen
+   by the loading controller, failed (a damaged or unreachable copy), or overrun (its
+   read still pending). A tree lease on the context skips this: the tree holds it.
+2. **Prompt.** `Engine.run_steps` in the request's mode. A layer-wise read that fails in
+   the middle of the pass has its chunk computed, and the pass runs again.
+3. **Decode.** `Decode(stream)`: the scheduler decodes it batched with the others.
+4. **Tree.** The prompt and the answer go into the KV tree, for the conversation's next call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import Counter
+from collections.abc import Generator, Sequence
+from concurrent.futures import Future
+from typing import Protocol
+
+from ragkv.engine.blend import BlendOptions, BlendResult, PromptSteps
+from ragkv.engine.constrain import Constraint
+from ragkv.engine.decode import DecodeStream, SamplingParams
+from ragkv.engine.kv import ChunkKV
+from ragkv.engine.request import (Answered, ChunkComputed, ChunksReady, Decode, LoadedKV, PromptChunk, Request,
+                                  Work)
+from ragkv.engine.speed import PrefillSpeed
+from ragkv.engine.tree import TreeKey, TreeLease
+from ragkv.engine.work import WaitFor, wait_for
+from ragkv.errors import KVFormatError, RagKVError, StoreError
+from ragkv.types import FinishReason, KVSource, Mode, Tier
+
+log = logging.getLogger(__name__)
+
+
+class PromptEngine(Protocol):
+    """What a request's work needs of the engine (`engine.runtime.Engine` is it)."""
+
+    speed: PrefillSpeed
+
+    def reads_chunk_kv(self, mode: Mode) -> bool: ...
+
+    def prefill_chunk_steps(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int]
+                            ) -> Generator[int, None, ChunkKV]: ...
+
+    def run_steps(self, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]],
+                  chunks: Sequence[ChunkKV] | None, question_ids: Sequence[int], mode: Mode,
+                  options: BlendOptions | None = None, reserve_tokens: int = 256,
+                  select_ids: Sequence[int] | None = None, resume: TreeLease | None = None) -> PromptSteps: ...
+
+    def decode(self, prompt: BlendResult, params: SamplingParams | None = None,
+               constraint: Constraint | None = None) -> DecodeStream: ...
+
+    def remember(self, key: TreeKey, mode: Mode, res: BlendResult, question_tokens: int, prefix_tokens: int,
+                 answer_ids: Sequence[int] = ()) -> int: ...
+
+
+def answer_steps(engine: PromptEngine, req: Request) -> Work:
+    """The request's work to its end (see the module docstring); the lease is released on any exit."""
+    try:
+        return (yield from _answer(engine, req))
+    finally:  # a tree lease not used (cancelled, failed) lets its path go
+        if req.lease is not None:
+            req.lease.release()
+
+
+def _answer(engine: PromptEngine, req: Request) -> Work:
+    phases: dict[str, float] = {}
+    sources: Counter[KVSource] = Counter()
+    loaded: dict[Tier, int] = {}
+    kvs: list[ChunkKV] | None = None
+    if not engine.reads_chunk_kv(req.mode):
+        tiers = [Tier.NOT_LOADED] * len(req.chunks)
+    elif req.lease is not None:  # the context is the tree's
+        tiers = [Tier.TREE] * len(req.chunks)
+    else:
+        kvs, tiers = yield from _chunk_kv(engine, req, phases, sources, loaded)
+    yield ChunksReady(tuple(dataclasses.replace(ch, kv_tier=t) for ch, t in zip(req.retrieved, tiers)))
+
+    t0 = time.perf_counter()
+    chunk_ids = [ch.token_ids for ch in req.chunks]
+    res = None
+    while res is None:  # each retry computes at least one chunk anew, so this ends
+        try:
+            res = yield from engine.run_steps(req.prefix_ids, chunk_ids, kvs, req.question_ids, req.mode, req.options,
+                                              reserve_tokens=req.sampling.max_new_tokens, select_ids=req.select_ids,
+                                              resume=req.lease)
+        except (KVFormatError, StoreError) as exc:  # a layered read failed mid-prompt
+            # a chunk whose read fails later (during the retry) fails that pass in turn
+            kvs = yield from _recompute_failed(engine, req, kvs or [], tiers, exc)
+    phases["prompt"] = time.perf_counter() - t0
+    phases.update({f"prompt.{k}": v for k, v in res.timings.items()})
+
+    stream = engine.decode(res, req.sampling, req.constraint)
+    t0 = time.perf_counter()
+    yield Decode(stream)  # decoded batched with the others; back here when it ends
+    phases["decode"] = time.perf_counter() - t0
+    if req.tree_key is not None and not req.cancel.is_set():  # the conversation's next call starts here
+        engine.remember(req.tree_key, req.mode, res, len(req.question_ids), len(req.prefix_ids), stream.token_ids)
+
+    used = res.used_chunks if res.used_chunks is not None else range(len(req.retrieved))
+    return Answered(
+        prompt_tokens=res.n_prompt_tokens,
+        cached_prompt_tokens=res.cached_tokens,
+        completion_tokens=len(stream.token_ids),
+        recompute_fraction=float(res.recompute_fraction),
+        finish_reason=stream.finish_reason or FinishReason.STOP,
+        phase_seconds=phases,
+        bytes_loaded=loaded,
+        used_chunk_ids=tuple(req.retrieved[i].chunk_id for i in used if i < len(req.retrieved)),
+        kv_sources=dict(sources),
+        fell_back=res.fell_back,
+        handed_over=res.handed_over,
+        tree_prompt_tokens=req.lease.tokens if req.lease is not None else 0,
+    )
+
+
+def _chunk_kv(engine: PromptEngine, req: Request, phases: dict[str, float], sources: Counter[KVSource],
+              loaded: dict[Tier, int]):  # -> Generator[..., None, tuple[list[ChunkKV], list[Tier]]]
+    """Each chunk's KV: its read's, or computed one layer per step (and handed out to be
+    kept). The request waits for its reads parked (`WaitFor`), never polling; a read still
+    pending after `kv_wait_s` is abandoned and its chunk computed."""
+    reads = [ch.kv for ch in req.chunks if isinstance(ch.kv, Future)]
+    t0 = time.perf_counter()
+    if (w := wait_for(reads)) is not None:
+        yield WaitFor(w.futures, req.kv_wait_s)
+    phases["kv_wait"] = time.perf_counter() - t0
+    compute_s = 0.0
+    kvs: list[ChunkKV] = []
+    tiers: list[Tier] = []
+    for i, ch in enumerate(req.chunks):
+        got, source = _read(ch)
+        sources[source] += 1
+        if got is not None:
+            loaded[got.tier] = loaded.get(got.tier, 0) + got.nbytes
+            kvs.append(got.kv)
+            tiers.append(got.tier)
+            continue
+        t0 = time.perf_counter()
+        kv = yield from _compute(engine, req, ch)
+        compute_s += time.perf_counter() - t0
+        yield ChunkComputed(i, kv)
+        kvs.append(kv)
+        tiers.append(Tier.COMPUTED)
+    phases["kv_compute"] = compute_s
+    return kvs, tiers
+
+
+def _read(ch: PromptChunk) -> tuple[LoadedKV | None, KVSource]:
+    """A chunk's KV as its read left it, or None with why it must be computed."""
+    if isinstance(ch.kv, LoadedKV):  # handed over ready
+        return ch.kv, KVSource.LOADED
+    if ch.kv is None:
+        return None, ch.source
+    if not ch.kv.done():
+        log.info("loading KV of %s overran its estimate (%s s); computing it", ch.key,
+                 f"{ch.load_s:.3f}" if ch.load_s is not None else "?")
+        return None, KVSource.COMPUTED_OVERRUN
+    try:
+        got = ch.kv.result(timeout=0)
+    except (RagKVError, OSError) as exc:  # the tiers could not serve it: compute it
+        log.warning("loading KV of %s failed (%s); computing it", ch.key, exc)
+        return None, KVSource.COMPUTED_FAILED
+    return (got, KVSource.LOADED) if got is not None else (None, KVSource.COMPUTED_MISSING)
+
+
+def _compute(engine: PromptEngine, req: Request, ch: PromptChunk):  # -> Generator[int, None, ChunkKV]
+    """A chunk's KV computed one layer per step; its own compute seconds (not the time other
+    requests ran between its steps) teach the engine its prefill rate (`Engine.speed`)."""
+    steps = engine.prefill_chunk_steps(req.prefix_ids, ch.token_ids)
+    own = 0.0
+    while True:
+        t0 = time.perf_counter()
+        try:
+            item = next(steps)
+        except StopIteration as done:
+            own += time.perf_counter() - t0
+            engine.speed.observe(len(ch.token_ids), own)
+            return done.value
+        own += time.perf_counter() - t0
+        yield item
+
+
+def _recompute_failed(engine: PromptEngine, req: Request, kvs: list[ChunkKV], tiers: list[Tier], exc: Exception):
+    # -> Generator[int | ChunkComputed, None, list[ChunkKV]]
+    """`kvs` with every chunk whose layered read failed computed anew (layer by layer) and
+    handed out to be kept (a damaged copy is already out of its tier). `tiers` is updated in place."""
+    failed = [i for i, kv in enumerate(kvs) if kv.ready is not None and kv.ready.error is not None]
+    if not failed:  # the error came from elsewhere (no chunk still loading has failed): not ours to absorb
+        raise exc
+    log.warning("layered KV read of %d chunk(s) failed mid-prompt (%s); recomputing them", len(failed), exc)
+    kvs = list(kvs)
+    for i in failed:
+        kvs[i] = yield from _compute(engine, req, req.chunks[i])
+        tiers[i] = Tier.COMPUTED
+        yield ChunkComputed(i, kvs[i])
+    return kvs

@@ -1,0 +1,214 @@
+"""A request the engine owns: what it asks, where it stands, and what comes out of it.
+
+One type from validation to the last token (vLLM v1's `Request` is the model):
+1. the server's validation maps the wire's message (or the HTTP API's body, both read into
+   `ragkv.types.QueryOptions`) into a `Request`, every default resolved;
+2. the server prepares it (`QueryBackend.prepare`): retrieval, the chunks' KV reads
+   started (`PromptChunk.kv`: a ready KV, a read the store's threads complete, or None =
+   compute it), the question's tokens, the tree's lease, the budgets;
+3. the scheduler (`engine.scheduler`) owns it from `submit` on and advances its work
+   (`Engine.work`, `engine.answer`): every status transition is made there;
+4. what comes out is one typed stream, `Output`: the chunks with the tier their KV came
+   from, each chunk KV computed on the spot (the server keeps it), each token id, and
+   `Finished` last, with the answer's counts or the error that ended it.
+
+Text is not the engine's: the consumer detokenizes the token ids off the engine thread,
+and when a stop string ends the text it calls `Request.stop_after` (any thread).
+
+Nothing here imports the server, kvstore or gRPC.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Generator, Hashable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from ragkv.engine.blend import BlendOptions
+from ragkv.engine.constrain import Constraint
+from ragkv.engine.decode import DecodeStream, SamplingParams
+from ragkv.engine.kv import ChunkKV
+from ragkv.engine.tree import TreeKey, TreeLease
+from ragkv.engine.work import WaitFor
+from ragkv.types import (
+    DEFAULT_COLLECTION,
+    ChatTurn,
+    FinishReason,
+    KVSource,
+    MetadataFilter,
+    Mode,
+    ResponseFormat,
+    RetrievedChunk,
+    SearchMode,
+    Tier,
+    Tool,
+    ToolChoice,
+)
+
+
+class RequestStatus(str, enum.Enum):
+    """Where a request is in its life; the scheduler makes every transition after NEW."""
+
+    NEW = "new"  # validated; the server prepares it
+    QUEUED = "queued"  # submitted, not run yet
+    PROMPT = "prompt"  # its prompt work runs, one layer per step
+    WAITING_KV = "waiting_kv"  # parked until its KV reads are done (WaitFor)
+    DECODING = "decoding"  # in the batched decode steps
+    FINISHED = "finished"  # ended: see Request.end_reason
+
+
+class EndReason(str, enum.Enum):
+    """Why a request is FINISHED."""
+
+    DONE = "done"  # its work ran to the end (the answer's own finish reason says how it ended)
+    CANCELLED = "cancelled"  # the client left
+    DEADLINE = "deadline"  # its deadline passed
+    ERROR = "error"  # its work raised (the error is in Finished)
+    STOPPED = "stopped"  # the scheduler closed (the server is stopping)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedKV:
+    """A chunk's KV as its read delivered it (the value of a `PromptChunk.kv` future)."""
+
+    kv: ChunkKV  # on the engine's device, layers still arriving for a layer-wise read (kv.ready)
+    tier: Tier  # the tier that served it
+    nbytes: int  # bytes read
+
+
+@dataclass(frozen=True, slots=True)
+class PromptChunk:
+    """One retrieved chunk of the prompt, and where its KV comes from."""
+
+    token_ids: tuple[int, ...]  # the chunk's tokens
+    # its KV: ready; a read in flight that the store's threads complete (None inside: missing
+    # from every tier; an exception: the read failed); None: compute it (or the mode reads none)
+    kv: LoadedKV | Future[LoadedKV | None] | None = None
+    source: KVSource = KVSource.LOADED  # for a chunk computed, why (the loading controller's choice)
+    key: Hashable = None  # its name in the store (`kvstore.ChunkKey`), opaque here: the KV tree's key uses it
+    load_s: float | None = None  # the read's estimated seconds (logged when it overruns)
+
+
+@dataclass(eq=False, slots=True)  # identity: a request is itself, whatever its fields
+class Request:
+    """One query, from validation to its last token (see the module docstring)."""
+
+    # -- what it asks (validation resolves every default)
+    question: str = ""
+    collection: str = DEFAULT_COLLECTION
+    top_k: int = 4  # chunks to retrieve
+    mode: Mode = Mode.FULL
+    recompute_ratio: float = 0.2  # BLEND's (and FOCUS's blends') share of chunk tokens recomputed
+    sampling: SamplingParams = SamplingParams()  # temperature, top_p, seed, max_new_tokens, stop
+    search_mode: SearchMode | None = None  # None = the collection's default
+    filters: tuple[MetadataFilter, ...] = ()  # metadata conditions, all must hold
+    history: tuple[ChatTurn, ...] = ()  # earlier turns, oldest first: after the chunks, before the question
+    system_prompt: str | None = None  # the client's system message; must equal the index's (None = not given)
+    agent_turns: tuple[ChatTurn, ...] = ()  # since the question: the assistant's tool calls and their results
+    response_format: ResponseFormat = ResponseFormat()  # the answer's shape (constrained decoding)
+    tools: tuple[Tool, ...] = ()  # functions the model may call
+    tool_choice: ToolChoice = ToolChoice()
+    parallel_tool_calls: bool = True
+    citations: bool = False  # mark sources as [n], naming only retrieved chunks
+    deadline: float | None = None  # time.monotonic() by which it must end; None = none
+    cancel: threading.Event = field(default_factory=threading.Event)  # set when the client leaves
+
+    # -- what the server prepared (QueryBackend.prepare)
+    retrieved: tuple[RetrievedChunk, ...] = ()  # best first; the provenance the answer reports
+    prefix_ids: tuple[int, ...] = ()  # the shared prefix the chunks' KV was computed after
+    chunks: tuple[PromptChunk, ...] = ()  # each retrieved chunk's tokens and KV source
+    question_ids: tuple[int, ...] = ()  # the question segment: earlier turns, the question, the agent's turns
+    # the tokens that choose chunk tokens and chunks (query selector, focus): the conversation's
+    # question without the answer's instructions or the agent's turns; None = question_ids
+    select_ids: tuple[int, ...] | None = None
+    options: BlendOptions = BlendOptions()  # how the mode blends
+    constraint: Constraint | None = None  # the grammar the answer follows; None = free text
+    reads_tool_calls: bool = False  # the answer may be tool calls (the consumer parses them)
+    tree_key: TreeKey | None = None  # where its KV goes in the KV tree; None = no tree
+    lease: TreeLease | None = None  # the tree's KV of its first tokens, when the tree holds them
+    kv_wait_s: float = 120.0  # its reads may take this long; then their chunks are computed instead
+    kv_bytes: int = 0  # KV cache bytes it holds at most (admission)
+    prompt_cost: float = 0.0  # about how much work its prompt pass is (Engine.prompt_cost); 0 = unknown
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # seconds per phase so far (retrieve...)
+
+    # -- where it stands (the scheduler's thread writes these, but `stopped_after`)
+    status: RequestStatus = RequestStatus.NEW
+    end_reason: EndReason | None = None  # set when FINISHED
+    submitted_at: float = 0.0  # time.perf_counter() at submit
+    started_at: float | None = None  # time.perf_counter() when its work first ran
+    prompt_s: float = 0.0  # seconds of prompt work it has had
+    stopped_after: int | None = None  # the consumer found a stop string after this many tokens
+
+    def stop_after(self, n_tokens: int) -> None:
+        """A stop string ended the answer's text after `n_tokens` tokens (the consumer, any
+        thread): the next decode step ends the stream, its tokens past the stop dropped."""
+        self.stopped_after = n_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ChunksReady:
+    """The prompt's chunks, each with the tier its KV came from (first output of an answer)."""
+
+    chunks: tuple[RetrievedChunk, ...]  # best first, kv_tier set
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkComputed:
+    """A chunk's KV the answer computed (missing, cheaper, failed or overrun): the server keeps it."""
+
+    index: int  # into Request.chunks
+    kv: ChunkKV
+
+
+@dataclass(frozen=True, slots=True)
+class TokenOut:
+    """One generated token id (the consumer detokenizes it)."""
+
+    token_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """What an answer that ran to its end counted."""
+
+    prompt_tokens: int  # prefix + chunks + question
+    cached_prompt_tokens: int  # prompt tokens whose KV came from a cache tier or the KV tree
+    completion_tokens: int  # tokens generated (a stop string's cut is the consumer's to apply)
+    recompute_fraction: float  # fraction of chunk tokens recomputed, [0, 1]
+    finish_reason: FinishReason  # why decoding stopped
+    phase_seconds: Mapping[str, float]  # seconds per phase (kv_wait, prompt..., decode)
+    bytes_loaded: Mapping[Tier, int] = field(default_factory=dict)  # KV bytes read per tier
+    used_chunk_ids: tuple[str, ...] = ()  # chunks the answer was computed over, prompt order; () = all
+    kv_sources: Mapping[KVSource, int] = field(default_factory=dict)  # chunks by where their KV came from
+    fell_back: bool = False  # the quality guard ran the prompt as full prefill
+    handed_over: bool = False  # focus found several passages mattering and blended every chunk
+    tree_prompt_tokens: int = 0  # prompt tokens whose KV came from the KV tree (in cached_prompt_tokens too)
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The last output of every request."""
+
+    reason: EndReason
+    answered: Answered | None = None  # DONE: the answer's counts
+    error: Exception | None = None  # ERROR, STOPPED: what ended it
+
+
+Output = ChunksReady | ChunkComputed | TokenOut | Finished
+
+
+@dataclass(frozen=True, slots=True)
+class Decode:
+    """Yielded by a request's work once its prompt is ready: decode `stream`, batched with
+    the others; the work resumes when the stream ends."""
+
+    stream: DecodeStream  # the request's decode state (cache, sampling, grammar)
+
+
+# A request's work (`Engine.work`): each `int` is a step of prompt work done, a `WaitFor`
+# parks it on its reads, `Decode` hands its stream to the batched decode (whose tokens the
+# scheduler sends out), and outputs go to its consumer as they come; it returns the
+# answer's counts.
+Work = Generator[int | WaitFor | Decode | ChunksReady | ChunkComputed | TokenOut, None, Answered]

@@ -39,7 +39,7 @@ import torch
 
 from ragkv.types import Mode
 from ragkv.engine.focus import chunk_relevance, focus_layers, pick_chunks, spread
-from ragkv.engine.forward import layer_forward, project_kv, span
+from ragkv.engine.forward import Keep, layer_steps, project_kv, span
 from ragkv.engine.kv import ChunkKV, KVCache, layers_pending
 from ragkv.engine.loading import LoadedModel
 from ragkv.engine.rope import RopeTables
@@ -295,41 +295,31 @@ def _layers(lm: LoadedModel, a: _Assembled, chunks: Sequence[ChunkKV], options: 
         pos = torch.arange(first_active, n, device=dev)  # [S] positions of the active tokens
     h = ad.embed(a.ids[pos])  # [S, hidden]
     slots: slice | torch.Tensor = slice(first_active, n) if first_active >= 0 else pos
-    spans = span(cache, slots, pos, n, lm)
     rope = a.rope_all[pos]  # S rows
     # contiguous active tokens from first_active on recompute every chunk token past it (none
     # for reuse); deviation blend replaces this with its pick at the check layer
     recomputed = pos[pos < c] if first_active < 0 else torch.arange(min(max(first_active, p), c), c, device=dev)
-    last = lm.num_layers - 1
-    for i in range(lm.num_layers):
-        if (w := wait_for(cache.pending(i))) is not None:  # a chunk's layer i is still arriving: park
+    if check >= 0:  # every active token through the layers before the check layer
+        h = yield from layer_steps(lm, h, rope, span(cache, slots, pos, n, lm), range(check))
+        timer.lap("layers_full")
+        if (w := wait_for(cache.pending(check))) is not None:
             yield w
-        cache.fill(i)
-        if i == check:  # score chunk tokens by how far their fresh K/V moved from the cached ones
-            timer.lap("layers_full")
-            k, v = project_kv(ad, i, h)  # [Hkv, S, D], every active token
-            k = rope.apply(k, i)
-            rows = slice(p - first_active, c - first_active)  # chunk tokens among the active rows
-            deviation = ((k[:, rows] - cache.k[i, :, p:c]).float().pow(2).sum((0, 2))
-                         + (v[:, rows] - cache.v[i, :, p:c]).float().pow(2).sum((0, 2)))  # [C-P]
-            cache.k[i, :, slots], cache.v[i, :, slots] = k, v  # fresh beats stale, for every token
-            picked = select_tokens(deviation, [ch.num_tokens for ch in chunks], options)  # [R] chunk offsets
-            recomputed = picked + p  # [R] prompt positions
-            keep = torch.cat([recomputed, torch.arange(c, n, device=dev)]) - first_active  # rows of h
-            h = h[keep]
-            pos = torch.cat([recomputed, torch.arange(c, n, device=dev)])  # [S']
-            slots = pos
-            spans = span(cache, slots, pos, n, lm)
-            rope = a.rope_all[pos]
-            timer.lap("select")
-        if i == last and h.shape[0] > 1:  # only the last position's output is ever read
-            k, v = project_kv(ad, i, h)  # [Hkv, S, D]
-            cache.k[i, :, slots], cache.v[i, :, slots] = rope.apply(k, i), v
-            h, pos, rope = h[-1:], pos[-1:], rope[-1:]
-            slots = pos
-            spans = span(cache, slots, pos, n, lm)
-        h, _, _ = layer_forward(ad, i, h, rope, spans)
-        yield h.shape[0]
+        cache.fill(check)
+        # score chunk tokens by how far their fresh K/V moved from the cached ones
+        k, v = project_kv(ad, check, h)  # [Hkv, S, D], every active token
+        k = rope.apply(k, check)
+        rows = slice(p - first_active, c - first_active)  # chunk tokens among the active rows
+        deviation = ((k[:, rows] - cache.k[check, :, p:c]).float().pow(2).sum((0, 2))
+                     + (v[:, rows] - cache.v[check, :, p:c]).float().pow(2).sum((0, 2)))  # [C-P]
+        cache.k[check, :, slots], cache.v[check, :, slots] = k, v  # fresh beats stale, for every token
+        picked = select_tokens(deviation, [ch.num_tokens for ch in chunks], options)  # [R] chunk offsets
+        recomputed = picked + p  # [R] prompt positions
+        h = h[torch.cat([recomputed, torch.arange(c, n, device=dev)]) - first_active]  # the picked rows
+        pos = slots = torch.cat([recomputed, torch.arange(c, n, device=dev)])  # [S']
+        rope = a.rope_all[pos]
+        timer.lap("select")
+    h = yield from layer_steps(lm, h, rope, span(cache, slots, pos, n, lm), range(max(check, 0), lm.num_layers),
+                               Keep.LAST, pos=pos, n_keys=n)
     timer.lap("layers_partial" if check >= 0 else "layers")
 
     logits = ad.logits(h[-1:])[0]  # [V]

@@ -15,9 +15,10 @@ import torch
 from ragkv.engine.blend import BlendResult
 from ragkv.engine.constrain import Constraint, closing_window
 from ragkv.engine.detokenize import Detokenizer
-from ragkv.engine.forward import layer_forward, span
+from ragkv.engine.forward import layer_steps, span
 from ragkv.engine.kv import KVCache
 from ragkv.engine.loading import LoadedModel
+from ragkv.engine.work import drain
 from ragkv.types import FinishReason
 
 
@@ -194,9 +195,8 @@ def decode_batch(lm: LoadedModel, caches: Sequence[KVCache], tokens: Sequence[in
     rope = ad.rotary(pos, torch.empty(0, dtype=lm.dtype, device=dev))  # B rows
     spans = [s for j, (c, n) in enumerate(zip(caches, lens))
              for s in span(c, slice(n, n + 1), pos[j:j + 1], n + 1, lm, rows=slice(j, j + 1))]
-    h = ad.embed(torch.tensor(list(tokens), device=dev))  # [B, hidden]
-    for i in range(lm.num_layers):
-        h, _, _ = layer_forward(ad, i, h, rope, spans)
+    h = drain(layer_steps(lm, ad.embed(torch.tensor(list(tokens), device=dev)), rope, spans,  # [B, hidden]
+                          range(lm.num_layers)))
     for c, n in zip(caches, lens):
         c.length = n + 1
     return ad.logits(h)  # [B, V]

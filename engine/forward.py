@@ -1,9 +1,11 @@
 """One decoder layer over a subset of tokens, reading and writing KV caches.
 
-This is the one layer function of every mode and every model family: full prefill
-(all tokens), chunk prefill (the chunk after a cached prefix), selective recompute (a
-few tokens against the whole blended cache) and batched decode (one token for each of
-B requests, each with its own cache: a ragged batch). What differs between
+This is the one layer function of every mode and every model family, and `layer_steps`
+the one loop over the layers that every pass runs: full prefill (all tokens), chunk
+prefill (the chunk after a cached prefix), selective recompute (a few tokens against the
+whole blended cache), the question's scoring pass (its attention onto the context, read
+from this function's own attention, windows included) and batched decode (one token for
+each of B requests, each with its own cache: a ragged batch). What differs between
 architectures (norms, fused projections, q/k norms, MoE blocks, multipliers, windows,
 soft-capping, sinks, per-layer rotary) comes from the model's `engine.family.Adapter`;
 the numerics are the model's own modules (norms, projections, MLP). Only attention is
@@ -15,7 +17,8 @@ selected tokens.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import enum
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 from ragkv.engine.family import Adapter, LayerAttention
 from ragkv.engine.kv import KVCache
 from ragkv.engine.rope import RopeTables
+from ragkv.engine.work import WaitFor, wait_for
 
 if TYPE_CHECKING:
     from ragkv.engine.loading import LoadedModel
@@ -144,7 +148,64 @@ def project_kv(ad: Adapter, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torc
     return k, v
 
 
+class Keep(str, enum.Enum):
+    """Which rows' output a pass's last layer computes (its K/V are written for every row)."""
+
+    ALL = "all"  # every active row: decode (each row is a request's next token), the scoring pass
+    LAST = "last"  # the last row: a prompt pass, whose next-token logits are all that is read
+    NONE = "none"  # none: the last layer only projects K/V (a chunk's prefill)
+
+
+def layer_steps(lm: LoadedModel, h: torch.Tensor, rope: RopeTables, spans: Sequence[Span], layers: range,
+                keep: Keep = Keep.ALL, *, pos: torch.Tensor | None = None, n_keys: int = 0,
+                kv_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                mass: Mapping[int, torch.Tensor] | None = None) -> Generator[int | WaitFor, None, torch.Tensor]:
+    """The one layer loop: `layers` of the model for the active rows, one layer per step.
+
+    Before each layer a staged cache's layer is made present (a chunk still loading parks
+    the pass on its read: `WaitFor`); after it, the step yields the rows it computed. The
+    last layer of the range computes output for the rows `keep` says, K/V for all.
+
+    Args:
+        h: [S, hidden] the active rows' hidden states.
+        rope: rotary tables at their positions (S rows).
+        spans: where their K/V go and which keys they see (`span`; one per request in decode).
+        keep: LAST needs `pos` [S] and `n_keys` (one span) to plan the last row's attention.
+        kv_out: (k [L, Hkv, S, D] before RoPE, v [L, Hkv, S, D]): each layer's K/V of the rows.
+        mass: layer -> [n_keys] float32 accumulator: that layer's attention weights, summed
+            over heads and rows, are added in (the scoring pass).
+
+    Returns:
+        [S', hidden] the output of the last layer's kept rows (h unchanged with Keep.NONE).
+    """
+    ad = lm.adapter
+    staged = spans[0].cache if len(spans) == 1 else None  # a prompt pass: its chunks may still be loading
+    last = layers[-1] if len(layers) else -1
+    for i in layers:
+        if staged is not None:
+            if (w := wait_for(staged.pending(i))) is not None:  # a chunk's layer i is still arriving: park
+                yield w
+            staged.fill(i)
+        if i == last and keep is not Keep.ALL and (keep is Keep.NONE or h.shape[0] > 1):
+            k, v = project_kv(ad, i, h)  # [Hkv, S, D]: only the kept rows' output is ever read
+            k_rot = rope.apply(k, i)
+            for sp in spans:
+                sp.cache.k[i, :, sp.slots], sp.cache.v[i, :, sp.slots] = k_rot[:, sp.rows], v[:, sp.rows]
+            if kv_out is not None:
+                kv_out[0][i], kv_out[1][i] = k, v
+            if keep is Keep.NONE:
+                return h
+            h, pos, rope = h[-1:], pos[-1:], rope[-1:]
+            spans = span(spans[0].cache, pos, pos, n_keys, lm)
+        h, k, v = layer_forward(ad, i, h, rope, spans, mass)
+        if kv_out is not None:
+            kv_out[0][i], kv_out[1][i] = k, v
+        yield h.shape[0]
+    return h
+
+
 def layer_forward(ad: Adapter, i: int, h: torch.Tensor, rope: RopeTables, spans: Sequence[Span],
+                  mass: Mapping[int, torch.Tensor] | None = None,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run decoder layer i for the active tokens.
 
@@ -153,6 +214,8 @@ def layer_forward(ad: Adapter, i: int, h: torch.Tensor, rope: RopeTables, spans:
         rope: rotary tables at the active tokens' positions (S rows).
         spans: where the active tokens' K/V go and which keys they attend to: one span
             for a prompt pass, one per request for batched decode (rows in order).
+        mass: when it holds layer i ([n_keys] float32): the attention weights this layer
+            applies, summed over heads and rows, are added to it (the scoring pass).
 
     Returns:
         h_out [S, hidden], k before RoPE [Hkv, S, D], v [Hkv, S, D].
@@ -170,6 +233,10 @@ def layer_forward(ad: Adapter, i: int, h: torch.Tensor, rope: RopeTables, spans:
         plan = sp.plans[la.window]
         outs.extend(attention(q_sp[:, a.rows] if len(plan) > 1 else q_sp, k_cache, v_cache, a, ad, la)
                     for a in plan)  # each [H, S_g, D]
+        if mass is not None and i in mass:  # the weights that attention applied, with its mask and windows
+            for a in plan:
+                mass[i][:a.n_keys] += attention_weights(q_sp[:, a.rows] if len(plan) > 1 else q_sp, k_cache, a,
+                                                        ad, la).sum((0, 1))  # [n_keys]
     out = torch.cat(outs, 1) if len(outs) > 1 else outs[0]  # [H, S, D]
     a_out = ad.attn_output(i, out.transpose(0, 1).reshape(s, ad.num_heads * ad.head_dim))  # [S, hidden]
     return ad.residual(i, h, x, a_out), k, v
@@ -208,9 +275,17 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: 
 def _explicit_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: Attend,
                         heads: Heads | Adapter, la: LayerAttention) -> torch.Tensor:
     """Attention with what SDPA cannot express: logit soft-capping (Gemma 2), sinks (gpt-oss)."""
+    v = v_cache[:, : a.n_keys].repeat_interleave(heads.num_heads // heads.num_kv_heads, 0)  # [H, n_keys, D]
+    return attention_weights(q, k_cache, a, heads, la).to(v.dtype) @ v  # [H, S_g, D]
+
+
+def attention_weights(q: torch.Tensor, k_cache: torch.Tensor, a: Attend, heads: Heads | Adapter,
+                      la: LayerAttention) -> torch.Tensor:
+    """The softmax weights of q: [H, S_g, D] over cache keys [0, a.n_keys) -> [H, S_g, n_keys]
+    float32, as the layer's attention applies them: its scale, soft-capping, mask (windows
+    included) and sinks."""
     g = heads.num_heads // heads.num_kv_heads
     k = k_cache[:, : a.n_keys].repeat_interleave(g, 0)  # [H, n_keys, D]
-    v = v_cache[:, : a.n_keys].repeat_interleave(g, 0)
     scores = (q @ k.transpose(1, 2)).float() * la.scaling  # [H, S_g, n_keys]
     if la.softcap is not None:
         scores = torch.tanh(scores / la.softcap) * la.softcap
@@ -222,10 +297,8 @@ def _explicit_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                                     float("-inf"))
     if la.sinks is not None:  # one more logit per head in the denominator, dropped after the softmax
         sink = la.sinks.float().to(q.device)[:, None, None].expand(-1, s_g, 1)  # [H, S_g, 1]
-        probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
-    else:
-        probs = torch.softmax(scores, -1)
-    return (probs.to(v.dtype) @ v)  # [H, S_g, D]
+        return torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+    return torch.softmax(scores, -1)
 
 
 # CPU: a masked group is split where its mask starts to matter. Keys every query sees run

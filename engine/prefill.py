@@ -16,10 +16,10 @@ from collections.abc import Generator, Sequence
 
 import torch
 
-from ragkv.engine.forward import layer_forward, project_kv, span
+from ragkv.engine.forward import Keep, layer_steps, span
 from ragkv.engine.kv import ChunkKV, KVCache
 from ragkv.engine.loading import LoadedModel
-from ragkv.engine.work import drain
+from ragkv.engine.work import WaitFor, drain
 
 
 def prefill_segment(lm: LoadedModel, prefix: ChunkKV | None, token_ids: Sequence[int] | torch.Tensor,
@@ -31,7 +31,7 @@ def prefill_segment(lm: LoadedModel, prefix: ChunkKV | None, token_ids: Sequence
 @torch.inference_mode()
 def prefill_steps(lm: LoadedModel, prefix: ChunkKV | None, token_ids: Sequence[int] | torch.Tensor,
                   context_ids: Sequence[int] = (), context_kv: Sequence[ChunkKV] = (),
-                  ) -> Generator[int, None, ChunkKV]:
+                  ) -> Generator[int | WaitFor, None, ChunkKV]:
     """KV of `token_ids` computed after `prefix` (positions P..P+T-1), K before RoPE, one
     decoder layer per step (it yields the tokens each layer computed, so a chunk computed
     while serving is prompt work the scheduler slices like any other).
@@ -63,18 +63,11 @@ def prefill_steps(lm: LoadedModel, prefix: ChunkKV | None, token_ids: Sequence[i
     rope_all = ad.rotary(torch.arange(n, device=dev), torch.empty(0, dtype=lm.dtype, device=dev))
     if prefix is not None:
         cache.write_segments([prefix, *context_kv], rope_all)
-    rope = rope_all[p:]  # the segment's T positions
-    spans = span(cache, slice(p, n), pos, n, lm)
     k_out = torch.empty(lm.num_layers, lm.num_kv_heads, t, lm.head_dim, dtype=lm.dtype, device=dev)  # [L, Hkv, T, D]
     v_out = torch.empty_like(k_out)
-    h = ad.embed(ids)  # [T, hidden]
-    last = lm.num_layers - 1
-    for i in range(lm.num_layers):
-        if i == last:  # the last layer's output is never needed, only its K/V
-            k_out[i], v_out[i] = project_kv(ad, i, h)
-            break
-        h, k_out[i], v_out[i] = layer_forward(ad, i, h, rope, spans)
-        yield t
+    # the last layer's output is never needed, only its K/V
+    yield from layer_steps(lm, ad.embed(ids), rope_all[p:], span(cache, slice(p, n), pos, n, lm), range(lm.num_layers),
+                           Keep.NONE, kv_out=(k_out, v_out))
     x = ctx.shape[0]
     if x == 0:
         return ChunkKV(ids, k_out, v_out, pos, fresh=True, after_context=bool(context_kv))

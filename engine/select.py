@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ragkv.engine.forward import layer_forward, project_kv, span
+from ragkv.engine.forward import layer_steps, span
 from ragkv.engine.kv import KVCache
 from ragkv.engine.rope import RopeTables
+from ragkv.engine.work import drain
 
 if TYPE_CHECKING:
     from ragkv.engine.loading import LoadedModel
@@ -119,37 +120,18 @@ def question_attention(lm: LoadedModel, ids: torch.Tensor, cache: KVCache, rope_
     """Attention of the question tokens onto every context token at each of `layers`.
 
     Runs only the question (prompt positions [c, N)) through layers [0, max(layers)] over
-    the reused cache, writing the question's K/V into the cache as it goes (a later pass
-    overwrites them), and sums the softmax weights over heads and question tokens.
-    The cache needs only layers [0, max(layers)].
+    the reused cache (the one layer loop, `layer_steps`), writing the question's K/V into
+    the cache as it goes (a later pass overwrites them); at each of `layers` the weights
+    the layer's own attention applied (its mask and windows) are summed over heads and
+    question tokens. The cache needs only layers [0, max(layers)].
 
     Returns:
         [len(layers), c] float32 attention mass per context token, one row per layer.
     """
-
-    ad, n = lm.adapter, ids.shape[0]
+    n = ids.shape[0]
     pos = torch.arange(c, n, device=ids.device)  # [Q]
-    rope = rope_all[c:]  # Q rows
-    spans = span(cache, pos, pos, n, lm)
-    k_pos = torch.arange(n, device=ids.device)
-    future = k_pos[None, None, :] > pos[None, :, None]  # [1, Q, N]
     want = sorted({int(i) for i in layers})
-    rows: dict[int, torch.Tensor] = {}
-    h = ad.embed(ids[c:])  # [Q, hidden]
-    for i in range(want[-1] + 1):
-        cache.fill(i)
-        q = rope.apply(ad.qkv(i, ad.attn_input(i, h))[0], i) if i in want else None  # [H, Q, D]
-        # the question's own K must be in cache[i] before the keys are read (its slots are
-        # uninitialized until written); past the last scored layer nothing reads h
-        if i == want[-1]:
-            k, v = project_kv(ad, i, h)  # [Hkv, Q, D]
-            cache.k[i, :, c:n], cache.v[i, :, c:n] = rope.apply(k, i), v
-        else:
-            h, _, _ = layer_forward(ad, i, h, rope, spans)
-        if q is not None:
-            k = cache.k[i, :, :n].repeat_interleave(ad.num_heads // ad.num_kv_heads, 0)  # [H, N, D]
-            logits = (q @ k.transpose(1, 2)).float() * ad.attention[i].scaling  # [H, Q, N]
-            window = ad.attention[i].window
-            hidden = future if window is None else future | (k_pos[None, None, :] <= pos[None, :, None] - window)
-            rows[i] = torch.softmax(logits.masked_fill(hidden, float("-inf")), -1).sum((0, 1))[:c]  # [c]
-    return torch.stack([rows[int(i)] for i in layers])  # [len(layers), c]
+    mass = {i: torch.zeros(n, dtype=torch.float32, device=ids.device) for i in want}  # [N] per layer
+    drain(layer_steps(lm, lm.adapter.embed(ids[c:]), rope_all[c:], span(cache, pos, pos, n, lm), range(want[-1] + 1),
+                      mass=mass))
+    return torch.stack([mass[int(i)][:c] for i in layers])  # [len(layers), c]

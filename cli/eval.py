@@ -113,7 +113,7 @@ def _on_off(value: str, option: str) -> bool:
 
 
 def _methods(args: argparse.Namespace):
-    from ragkv.engine import BlendOptions
+    from ragkv.engine import BlendOptions, FocusOptions
     from ragkv.evals.evaluate import Method
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -133,8 +133,8 @@ def _methods(args: argparse.Namespace):
             for handover, sp in variants:
                 for keep in keeps:
                     for r in ratios:
-                        opts = BlendOptions(recompute_ratio=r, selector=selectors[0], focus_keep=keep,
-                                            focus_handover=handover, focus_spread=sp)
+                        opts = BlendOptions(recompute_ratio=r, selector=selectors[0],
+                                            focus=FocusOptions(keep=keep, handover=handover, spread=sp))
                         name = ("focus" + ("-handover" if handover and len(handovers) > 1 else "")
                                 + (f"-s{sp:g}" if handover and len(spreads) > 1 else "")
                                 + (f"-{keep:g}" if len(keeps) > 1 else "") + (f"-r{r:g}" if len(ratios) > 1 else ""))

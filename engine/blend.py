@@ -5,12 +5,12 @@ Modes (all return the same BlendResult, so they compare like with like):
 - prefix: reuse only the shared prefix's KV; recompute chunks and question.
 - reuse:  concatenate cached KV; recompute only the question.
 - focus:  a pass of the question over the reused cache scores each chunk by its
-          attention (engine.focus); chunks below `focus_keep` x the best are dropped,
+          attention (engine.focus); chunks below `FocusOptions.keep` x the best are dropped,
           and the prompt runs over the kept ones: exact reuse when one is kept (its KV
           was computed right after the prefix), blend when several are; kept chunks
           whose KV was computed after neighbours are recomputed. It answers a shorter
-          prompt than full prefill, by design. With `focus_handover`, several kept
-          chunks whose spread reaches `focus_spread` (the runners-up score close to
+          prompt than full prefill, by design. With `FocusOptions.handover`, several kept
+          chunks whose spread reaches `FocusOptions.spread` (the runners-up score close to
           the best) mean the question needs several passages: none is dropped, and all
           are blended.
 - blend:  selective recompute. With the `deviation` selector (CacheBlend), layers
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ragkv.types import Mode
-from ragkv.engine.focus import chunk_relevance, focus_layers, pick_chunks, spread
+from ragkv.engine.focus import FocusOptions, chunk_relevance, focus_layers, pick_chunks, spread
 from ragkv.engine.forward import Keep, layer_steps, project_kv, span
 from ragkv.engine.kv import ChunkKV, KVCache, layers_pending
 from ragkv.engine.loading import LoadedModel
@@ -73,16 +73,7 @@ class BlendOptions:
     # unsafe for this request: run it as full prefill instead of a starved blend
     fallback_full: bool = False
     context_temperature: float = 1.0  # APE-style: reused chunk keys are divided by this (<1 sharpens)
-    focus_keep: float = 0.5  # focus: keep chunks scoring at least this x the best (docs/quality.md)
-    focus_band: tuple[int, int] | None = None  # focus: scoring layers [start, stop); None = engine.focus default
-    # focus: when several chunks score within focus_keep of the best (and their spread reaches
-    # focus_spread), the question needs more than one passage: drop none and blend over them
-    # all (multi-passage questions lose most to full prefill when chunks are dropped; docs/quality.md)
-    focus_handover: bool = False
-    # focus handover: hand over only when the two runners-up score on average at least this x
-    # the best (engine.focus.spread: a lookup has one chunk far above the rest, a multi-passage
-    # question several close to it; 0.7: docs/quality.md); 0 = whenever several are kept
-    focus_spread: float = 0.7
+    focus: FocusOptions = FocusOptions()  # how FOCUS picks its chunks
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.recompute_ratio <= 1.0:
@@ -99,12 +90,6 @@ class BlendOptions:
         if self.check_layer < 1:  # layer 0's K/V depend on the token alone: nothing to score there
             raise ValueError(f"check_layer must be >= 1 (layer 0's K/V do not depend on context), "
                              f"got {self.check_layer}")
-        if not 0.0 < self.focus_keep <= 1.0:
-            raise ValueError(f"focus_keep must be in (0, 1], got {self.focus_keep}")
-        if not 0.0 <= self.focus_spread <= 1.0:
-            raise ValueError(f"focus_spread must be in [0, 1], got {self.focus_spread}")
-        if self.focus_band is not None and not 0 <= self.focus_band[0] < self.focus_band[1]:
-            raise ValueError(f"focus_band must be (start, stop) with 0 <= start < stop, got {self.focus_band}")
         if self.fallback_full and (self.adaptive_mass is None or self.selector is not Selector.QUERY):
             raise ValueError("fallback_full needs adaptive_mass and the query selector: the guard reads "
                              "how much of the question's attention the budget holds")
@@ -128,7 +113,7 @@ class BlendResult:
     chunk_scores: tuple[float, ...] | None = None  # focus: each chunk's relevance, the best near 1
     cached_tokens: int = 0  # prompt tokens whose KV was read from a cache, not computed here
     fell_back: bool = False  # the quality guard ran it as full prefill (BlendOptions.fallback_full)
-    handed_over: bool = False  # focus handed over to blend over every chunk (BlendOptions.focus_handover)
+    handed_over: bool = False  # focus handed over to blend over every chunk (FocusOptions.handover)
 
     @property
     def n_prompt_tokens(self) -> int:
@@ -379,16 +364,16 @@ def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chu
     if q_ids.numel() == 0:
         raise ValueError("question_ids is empty: the last prompt position must be a question token")
     timer = _PhaseTimer(lm.device)
-    layers = lm.adapter.scoring_layers(focus_layers(lm.num_layers, options.focus_band))
+    layers = lm.adapter.scoring_layers(focus_layers(lm.num_layers, options.focus.band))
     top = max(layers)  # the scoring pass reads every chunk's layers [0, top]: wait for them off the scheduler
     if (w := wait_for(layers_pending(chunks, top))) is not None:
         yield w
     choosing = q_ids if select_ids is None else torch.as_tensor(select_ids, dtype=torch.long)  # [A]
     relevance = chunk_relevance(lm, prefix, chunks, choosing, layers)
-    kept = pick_chunks(relevance, options.focus_keep)
+    kept = pick_chunks(relevance, options.focus.keep)
     timer.lap("focus")
     yield q_ids.numel()  # the scoring pass
-    handover = options.focus_handover and len(kept) > 1 and spread(relevance) >= options.focus_spread
+    handover = options.focus.handover and len(kept) > 1 and spread(relevance) >= options.focus.spread
     if handover:  # several passages matter: keep them all, blended
         kept = list(range(len(chunks)))
         res = yield from prompt_steps(lm, prefix, chunks, q_ids, Mode.BLEND, options, reserve_tokens, select_ids)

@@ -12,6 +12,7 @@ answer chunk's, that loses accuracy under reuse: docs/quality.md).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,6 +24,30 @@ if TYPE_CHECKING:
     from ragkv.engine.loading import LoadedModel
 
 _SKIP_TOKENS = 4  # each chunk's first tokens collect sink-like attention under reuse: not relevance
+
+
+@dataclass(frozen=True, slots=True)
+class FocusOptions:
+    """How `focus` mode picks the chunks it answers over (`BlendOptions.focus`)."""
+
+    keep: float = 0.5  # keep chunks scoring at least this x the best (docs/quality.md)
+    band: tuple[int, int] | None = None  # scoring layers [start, stop); None = `focus_layers`' default
+    # when several chunks score within `keep` of the best (and their spread reaches `spread`),
+    # the question needs more than one passage: drop none and blend over them all
+    # (multi-passage questions lose most to full prefill when chunks are dropped; docs/quality.md)
+    handover: bool = False
+    # hand over only when the two runners-up score on average at least this x the best
+    # (`spread`: a lookup has one chunk far above the rest, a multi-passage question several
+    # close to it; 0.7: docs/quality.md); 0 = whenever several are kept
+    spread: float = 0.7
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.keep <= 1.0:
+            raise ValueError(f"focus_keep must be in (0, 1], got {self.keep}")
+        if not 0.0 <= self.spread <= 1.0:
+            raise ValueError(f"focus_spread must be in [0, 1], got {self.spread}")
+        if self.band is not None and not 0 <= self.band[0] < self.band[1]:
+            raise ValueError(f"focus_band must be (start, stop) with 0 <= start < stop, got {self.band}")
 
 
 def focus_layers(num_layers: int, band: tuple[int, int] | None = None) -> range:

@@ -27,11 +27,11 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     args = ap.parse_args()
 
-    from ragkv.engine import BlendOptions, Engine, load_model
+    from ragkv.engine import BlendOptions, Engine, FocusOptions, load_model
     from ragkv.cli.eval import index_cases
 
     eng = Engine(load_model(args.model))
-    p, opts = eng.prompt, BlendOptions(focus_keep=args.focus_keep)
+    p, opts = eng.prompt, BlendOptions(focus=FocusOptions(keep=args.focus_keep))
     cases = index_cases(eng, args.index, args.questions, args.top_k)
     retrieved = kept = last = n_kept = 0
     for case in cases:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ragkv.engine import BlendOptions, ChunkKV, Engine, LoadedModel, load_model
+from ragkv.engine import BlendOptions, ChunkKV, Engine, FocusOptions, LoadedModel, load_model
 from ragkv.engine.check import gate_model
 from ragkv.engine.constrain import GrammarError
 from ragkv.engine.detokenize import Detokenizer
@@ -123,20 +123,17 @@ class Pipeline:
     Args:
         engine: The engine (one model) serving every collection.
         collections: The served collections by name.
-        focus_keep: FOCUS keeps chunks scoring at least this x the best (BlendOptions.focus_keep).
+        focus: how FOCUS picks its chunks (the server's --focus-* settings).
         kv_layered: hand disk/S3 hits to the engine layer by layer (ServerSettings.kv_layered).
-        focus_handover: FOCUS keeping several chunks blends them all (BlendOptions.focus_handover).
-        focus_spread: ... when the two runners-up score on average this x the best (BlendOptions.focus_spread).
         quality_guard_mass: blend falls back to full prefill when holding this share of the
             question's attention needs more than its ratio (BlendOptions.fallback_full); None = off.
     """
 
-    def __init__(self, engine: Engine, collections: dict[str, Collection], focus_keep: float = 0.5,
-                 kv_layered: bool = True, controller: LoadingController | None = None,
-                 focus_handover: bool = True, quality_guard_mass: float | None = None,
-                 focus_spread: float = 0.7) -> None:
+    def __init__(self, engine: Engine, collections: dict[str, Collection],
+                 focus: FocusOptions = FocusOptions(handover=True), kv_layered: bool = True,
+                 controller: LoadingController | None = None, quality_guard_mass: float | None = None) -> None:
         self.engine = engine
-        self._focus_keep, self._focus_handover, self._focus_spread = focus_keep, focus_handover, focus_spread
+        self._focus = focus
         self._guard_mass = quality_guard_mass
         self._kv_layered = kv_layered
         self.controller = controller or LoadingController(speed=engine.speed)
@@ -197,8 +194,7 @@ class Pipeline:
             t0 = time.perf_counter()
             engine.prefill_chunk(list(first.prefix_ids), ids)
             engine.speed.observe(len(ids), time.perf_counter() - t0)
-        return cls(engine, collections, settings.focus_keep, settings.kv_layered, controller, settings.focus_handover,
-                   settings.quality_guard_mass, settings.focus_spread)
+        return cls(engine, collections, settings.focus(), settings.kv_layered, controller, settings.quality_guard_mass)
 
     @property
     def modes(self) -> frozenset[Mode]:
@@ -264,7 +260,7 @@ class Pipeline:
             raise InvalidArgumentError("response_format" if req.response_format.schema else "tools", str(exc)) from None
         req.reads_tool_calls = output.reads_tool_calls
         kv_keys = tuple(c.kv_key(h, req.mode, self.lm.fingerprint, self.lm.tokenizer_fingerprint,
-                                 self._focus_handover) for h in hits)
+                                 self._focus.handover) for h in hits)
         token_ids = tuple(tuple(h.token_ids) for h in hits)
         question_ids, select_ids = self._question_ids(req, output)
         chunk_tokens = sum(len(ids) for ids in token_ids)
@@ -364,8 +360,7 @@ class Pipeline:
         """How this request's mode blends, from its ratio and the server's focus and guard settings."""
         guard = {} if self._guard_mass is None else {  # exactly the ratio's tokens, or full prefill
             "adaptive_mass": self._guard_mass, "min_ratio": params.recompute_ratio, "fallback_full": True}
-        return BlendOptions(recompute_ratio=params.recompute_ratio, focus_keep=self._focus_keep,
-                            focus_handover=self._focus_handover, focus_spread=self._focus_spread, **guard)
+        return BlendOptions(recompute_ratio=params.recompute_ratio, focus=self._focus, **guard)
 
     def _persist(self, c: Collection, key: ChunkKey, kv: ChunkKV) -> None:
         try:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ragkv.types import DEFAULT_COLLECTION, DType, Mode, SearchMode  # noqa: F401  (DType re-exported for settings users)
+from ragkv.engine.focus import FocusOptions
 from ragkv.server.validation import RequestLimits
 
 ENV_PREFIX = "RAGKV_"
@@ -99,12 +100,12 @@ class ServerSettings:
     default_mode: Mode = Mode.FOCUS  # mode when a request leaves it unspecified: the best measured (docs/quality.md)
     default_recompute_ratio: float = 0.2  # fraction of chunk tokens (docs/quality.md, issue 28)
     focus_keep: float = 0.5  # FOCUS keeps chunks scoring at least this x the best (docs/quality.md)
-    # FOCUS keeping several chunks hands over to blend over all of them (BlendOptions.focus_handover);
+    # FOCUS keeping several chunks hands over to blend over all of them (FocusOptions.handover);
     # on a neighbour index it then reads the neighbour KV (NeighbourOptions.serves_plain). On:
     # multi-passage questions lose most to full prefill when chunks are dropped (docs/quality.md)
     focus_handover: bool = True
     # ... only when the two runners-up score on average at least this x the best: a lookup has one
-    # chunk far above the rest, and answers over it (BlendOptions.focus_spread, docs/quality.md)
+    # chunk far above the rest, and answers over it (FocusOptions.spread, docs/quality.md)
     focus_spread: float = 0.7
     # the quality guard: blend (and focus blending several chunks) runs a request as full prefill
     # when holding this share of the question's attention needs more chunk tokens than its
@@ -141,10 +142,7 @@ class ServerSettings:
             raise ValueError(f"kv_compression must be auto, none, int8 or fp8, got {self.kv_compression!r}")
         if self.quality_guard_mass is not None and not 0.0 < self.quality_guard_mass <= 1.0:
             raise ValueError(f"quality_guard_mass must be in (0, 1], got {self.quality_guard_mass}")
-        if not 0.0 < self.focus_keep <= 1.0:
-            raise ValueError(f"focus_keep must be in (0, 1], got {self.focus_keep}")
-        if not 0.0 <= self.focus_spread <= 1.0:
-            raise ValueError(f"focus_spread must be in [0, 1], got {self.focus_spread}")
+        self.focus()  # FocusOptions checks its fields, naming them
         if self.grace_seconds < 0:
             raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -159,6 +157,10 @@ class ServerSettings:
 
         device = resolve_device(self.device)
         return dataclasses.replace(self, device=device, dtype=resolve_dtype(self.dtype, device))
+
+    def focus(self) -> FocusOptions:
+        """How FOCUS picks its chunks, from the --focus-* settings."""
+        return FocusOptions(keep=self.focus_keep, handover=self.focus_handover, spread=self.focus_spread)
 
     def limits(self) -> RequestLimits:
         """The request bounds these settings imply."""

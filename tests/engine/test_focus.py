@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragkv.engine import BlendOptions, Engine, load_model
+from ragkv.engine import BlendOptions, Engine, FocusOptions, load_model
 from ragkv.engine.focus import chunk_relevance, focus_layers, pick_chunks, spread
 from ragkv.evals.synthetic import make_cases
 from ragkv.evals.testing import tiny_model_dir
@@ -52,17 +52,17 @@ def test_spread_is_the_runners_up_mean_over_the_best():
 
 def test_bad_focus_options_are_refused():
     with pytest.raises(ValueError, match="focus_keep"):
-        BlendOptions(focus_keep=0.0)
+        FocusOptions(keep=0.0)
     with pytest.raises(ValueError, match="focus_spread"):
-        BlendOptions(focus_spread=1.5)
+        FocusOptions(spread=1.5)
     with pytest.raises(ValueError, match="focus_band"):
-        BlendOptions(focus_band=(5, 5))
+        FocusOptions(band=(5, 5))
 
 
 def test_one_kept_chunk_is_exact_prefill_of_the_focused_prompt(tiny):
     prefix, kvs, q = _parts(tiny)
     # ratio 1.0: should scores ever tie at the top, the kept chunks are recomputed exactly too
-    res = tiny.blend(prefix, kvs, q, mode="focus", options=BlendOptions(focus_keep=1.0, recompute_ratio=1.0))
+    res = tiny.blend(prefix, kvs, q, mode="focus", options=BlendOptions(recompute_ratio=1.0, focus=FocusOptions(keep=1.0)))
     assert res.mode.value == "focus" and res.used_chunks is not None
     assert 1 <= len(res.used_chunks) < len(CHUNKS), f"keep 1.0 kept {res.used_chunks}"
     kept = [CHUNKS[i] for i in res.used_chunks]
@@ -76,8 +76,8 @@ def test_one_kept_chunk_is_exact_prefill_of_the_focused_prompt(tiny):
 
 def test_low_keep_at_ratio_one_equals_full_prefill_of_what_it_kept(tiny):
     prefix, kvs, q = _parts(tiny)
-    res = tiny.blend(prefix, kvs, q, mode="focus", options=BlendOptions(focus_keep=1e-9, recompute_ratio=1.0))
-    top = tiny.blend(prefix, kvs, q, mode="focus", options=BlendOptions(focus_keep=1.0))
+    res = tiny.blend(prefix, kvs, q, mode="focus", options=BlendOptions(recompute_ratio=1.0, focus=FocusOptions(keep=1e-9)))
+    top = tiny.blend(prefix, kvs, q, mode="focus", options=BlendOptions(focus=FocusOptions(keep=1.0)))
     assert set(top.used_chunks) <= set(res.used_chunks)
     ref = tiny.full_prefill(tiny.prompt.prompt_ids([CHUNKS[i] for i in res.used_chunks], QUESTION))
     assert (res.logits - ref.logits).abs().max() <= 1e-4
@@ -139,7 +139,7 @@ def test_handover_blends_every_chunk_when_several_are_kept(tiny):
     none is dropped, and the prompt is blend's over them all (at ratio 1.0: full prefill of
     the whole prompt); keeping one chunk is unchanged."""
     prefix, kvs, q = _parts(tiny)
-    several = BlendOptions(focus_keep=1e-9, recompute_ratio=1.0, focus_handover=True, focus_spread=0.0)
+    several = BlendOptions(recompute_ratio=1.0, focus=FocusOptions(keep=1e-9, handover=True, spread=0.0))
     res = tiny.blend(prefix, kvs, q, mode="focus", options=several)
     assert res.used_chunks == (0, 1, 2)
     blend = tiny.blend(prefix, kvs, q, mode="blend", options=BlendOptions(recompute_ratio=1.0))
@@ -147,8 +147,8 @@ def test_handover_blends_every_chunk_when_several_are_kept(tiny):
     assert torch.equal(res.logits, blend.logits)
     assert (res.logits - full.logits).abs().max() <= 1e-4
     assert res.chunk_scores is not None and len(res.chunk_scores) == 3 and max(res.chunk_scores) > 0.99
-    one = BlendOptions(focus_keep=1.0, focus_handover=True, focus_spread=0.0)
-    alone, before = (tiny.blend(prefix, kvs, q, mode="focus", options=o) for o in (one, BlendOptions(focus_keep=1.0)))
+    one = BlendOptions(focus=FocusOptions(keep=1.0, handover=True, spread=0.0))
+    alone, before = (tiny.blend(prefix, kvs, q, mode="focus", options=o) for o in (one, BlendOptions(focus=FocusOptions(keep=1.0))))
     assert len(alone.used_chunks) == 1 and alone.used_chunks == before.used_chunks
     assert torch.equal(alone.logits, before.logits)
 
@@ -165,7 +165,7 @@ def test_one_kept_neighbour_chunk_is_recomputed_exactly(tiny):
     # each chunk after the next one's tokens: KV that has attended to a neighbour
     nb = [prefill_segment(tiny.lm, prefix, ids[i], context_ids=ids[(i + 1) % 3]) for i in range(3)]
     assert all(kv.after_context for kv in nb)
-    res = tiny.blend(prefix, nb, q, mode="focus", options=BlendOptions(focus_keep=1.0))
+    res = tiny.blend(prefix, nb, q, mode="focus", options=BlendOptions(focus=FocusOptions(keep=1.0)))
     assert res.used_chunks is not None and len(res.used_chunks) == 1  # keep 1.0: the best alone
     kept = [CHUNKS[res.used_chunks[0]]]
     ref = tiny.full_prefill(p.prompt_ids(kept, QUESTION))
@@ -177,13 +177,13 @@ def test_handover_waits_for_the_spread(tiny):
     """focus_spread: several kept chunks hand over only when the others score on average at
     least that share of the best; below it, focus answers over the kept chunks alone."""
     prefix, kvs, q = _parts(tiny)
-    base = tiny.blend(prefix, kvs, q, mode="focus", options=BlendOptions(focus_keep=1e-9))
+    base = tiny.blend(prefix, kvs, q, mode="focus", options=BlendOptions(focus=FocusOptions(keep=1e-9)))
     scores = sorted(base.chunk_scores, reverse=True)
     assert scores[0] > scores[1] > scores[2], base.chunk_scores
     keep = (scores[1] + scores[2]) / 2 / scores[0]  # the best two kept, the third dropped
     s = spread(torch.tensor(base.chunk_scores))
-    below = BlendOptions(focus_keep=keep, focus_handover=True, focus_spread=min(1.0, s + 1e-3))
-    above = BlendOptions(focus_keep=keep, focus_handover=True, focus_spread=max(0.0, s - 1e-3))
+    below = BlendOptions(focus=FocusOptions(keep=keep, handover=True, spread=min(1.0, s + 1e-3)))
+    above = BlendOptions(focus=FocusOptions(keep=keep, handover=True, spread=max(0.0, s - 1e-3)))
     kept = tiny.blend(prefix, kvs, q, mode="focus", options=below)
     assert kept.used_chunks is not None and len(kept.used_chunks) == 2
     handed = tiny.blend(prefix, kvs, q, mode="focus", options=above)
@@ -201,7 +201,7 @@ def test_several_kept_neighbour_chunks_are_recomputed_exactly(tiny):
     prefix, _, q = _parts(tiny)
     ids = [p.chunk_ids(c) for c in CHUNKS]
     nb = [prefill_segment(tiny.lm, prefix, ids[i], context_ids=ids[(i + 1) % 3]) for i in range(3)]
-    for opts in (BlendOptions(focus_keep=1e-9), BlendOptions(focus_keep=1e-9, focus_handover=True, focus_spread=1.0)):
+    for opts in (BlendOptions(focus=FocusOptions(keep=1e-9)), BlendOptions(focus=FocusOptions(keep=1e-9, handover=True, spread=1.0))):
         res = tiny.blend(prefix, nb, q, mode="focus", options=opts)
         assert res.used_chunks == (0, 1, 2)
         ref = tiny.full_prefill(p.prompt_ids(CHUNKS, QUESTION))

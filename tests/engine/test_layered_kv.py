@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ragkv.types import Mode
-from ragkv.engine import BlendOptions, Engine, load_model
+from ragkv.engine import BlendOptions, Engine, FocusOptions, load_model
 from ragkv.engine.kv import KVCache
 from ragkv.evals.testing import tiny_model_dir
 from ragkv.errors import KVFormatError
@@ -97,7 +97,7 @@ def _loading(kvs):
     (Mode.BLEND, BlendOptions(0.3, selector="query")),
     (Mode.BLEND, BlendOptions(0.3, selector="deviation", check_layer=1)),
     (Mode.BLEND, BlendOptions(0.3, context_temperature=1.5)),
-    (Mode.FOCUS, BlendOptions(0.3, focus_keep=0.01)),
+    (Mode.FOCUS, BlendOptions(0.3, focus=FocusOptions(keep=0.01))),
 ])
 def test_chunks_still_loading_give_the_same_bits_as_whole_ones(tiny_engine, mode, options):
     prefix, kvs, q, _ = _parts(tiny_engine)

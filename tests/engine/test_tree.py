@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ragkv.types import Mode
-from ragkv.engine import BlendOptions, Engine, SamplingParams, load_model
+from ragkv.engine import BlendOptions, Engine, FocusOptions, SamplingParams, load_model
 from ragkv.engine.kv import KVCache
 from ragkv.engine.tree import KVTree, TreeContext, TreeKey
 from ragkv.evals.testing import FAMILY_CONFIGS, tiny_model_dir
@@ -149,7 +149,7 @@ def _next_call_equals_computing_it(eng: Engine, mode: Mode, selector: str, ratio
     fmt = eng.prompt
     prefix_ids = fmt.prefix_ids()
     chunk_ids = [fmt.chunk_ids(c) for c in CHUNKS]
-    opts = BlendOptions(recompute_ratio=ratio, selector=selector, focus_handover=True, focus_spread=0.0)
+    opts = BlendOptions(recompute_ratio=ratio, selector=selector, focus=FocusOptions(handover=True, spread=0.0))
     kvs = eng.prefill_chunks(prefix_ids, chunk_ids)
     first_q = fmt.question_ids(QUESTION)
     key = eng.tree_key(mode, prefix_ids, CHUNKS, opts, first_q)

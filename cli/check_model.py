@@ -21,7 +21,8 @@ def add_check_model_parser(sub: argparse._SubParsersAction) -> argparse.Argument
         "Prints PASS or FAIL per check; exit code 1 when any fails. `ragkv serve` and `ragkv index` "
         "run the quick form at start.",
     )
-    p.add_argument("model", help="HF model directory, .gguf file, hub id, or smollm2-135m-instruct")
+    p.add_argument("model", help="HF model directory, .gguf file, hub id, or a shipped model: "
+                                 "smollm2-135m-instruct, gemma3-270m (the gemma extra)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--dtype", default=None, choices=[d.value for d in DType], help="float32, bfloat16 or float16 (default: float32 on cpu, "
                                                  "bfloat16 on cuda)")

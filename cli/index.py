@@ -53,7 +53,7 @@ def add_index_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--staging", type=Path, default=None,
                    help="local folder an s3:// --out is built in (default: $RAGKV_CACHE_DIR/staging/BUCKET/PREFIX)"),
     p.add_argument("--model", default="smollm2-135m-instruct",
-                   help="LLM: HF directory, hub id, .gguf file, or the shipped default")
+                   help="LLM: HF directory, hub id, .gguf file, or a shipped model (gemma3-270m with the gemma extra)")
     p.add_argument("--embedder", default="all-MiniLM-L6-v2",
                    help="sentence-transformers model directory, or the shipped default")
     p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_TOKENS, help="tokens per chunk at most")

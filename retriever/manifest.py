@@ -40,6 +40,7 @@ class VectorIndexKind(enum.Enum):
 
     FLAT_IP = "flat_ip"  # exact inner product
     HNSW_IP = "hnsw_ip"  # HNSW graph over inner product
+    IVF_FLAT_IP = "ivf_flat_ip"  # inverted lists over inner product, trained on a GPU (vector_index.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,7 +77,7 @@ class Retriever:
     @classmethod
     def open(cls, index_dir: str | Path, *, embedder: Embedder | None = None, device: str = "cpu",
              default_mode: SearchMode = DEFAULT_SEARCH_MODE, fusion: FusionConfig | None = None,
-             reranker=None) -> Retriever:
+             reranker=None, faiss_device: str = "cpu") -> Retriever:
         """Open a complete index for search.
 
         Args:
@@ -87,11 +87,13 @@ class Retriever:
             default_mode: search mode of requests that name none.
             fusion: hybrid fusion settings; None = reciprocal rank fusion, equal weights.
             reranker: a loaded ``retriever.rerank.Reranker`` applied to the candidates, or None.
+            faiss_device: where the FAISS index searches: cpu, or cuda (needs faiss-gpu).
 
         Raises:
             FileNotFoundError: ``index_dir`` holds no index.
             RagKVError: the index is not complete (an interrupted run).
             IndexMismatchError: ``embedder`` is not the one the index was built with.
+            ValueError: ``faiss_device`` is not cpu or cuda, or is cuda where FAISS sees no GPU.
         """
         index_dir = Path(index_dir)
         manifest = read_manifest(index_dir)
@@ -113,8 +115,8 @@ class Retriever:
                 f"(fingerprint {manifest.embedder_fp[:16]}), but embedder {embedder.spec!r} has "
                 f"fingerprint {embedder.fingerprint[:16]}: use the same embedder or re-index"
             )
+        index = vector_index.load(index_dir, device=faiss_device)
         db = ChunkDB.open(index_dir, readonly=True)
-        index = vector_index.load(index_dir)
         if index.ntotal != db.count():
             db.close()
             raise RagKVError(

@@ -9,6 +9,13 @@ time): exact search costs 0.9 ms at 10k vectors, 5.3 ms at 50k and 15.7 ms at
 100k, growing linearly, while HNSW (M=32) stays under 1 ms. Past
 ``HNSW_THRESHOLD`` = 50k chunks exact search would dominate the retrieval part
 of time to first token, so larger indexes use HNSW with a high ``efSearch``.
+
+On a machine where FAISS sees a GPU (the ``gpu`` extra's ``faiss-gpu``), a large
+corpus gets an inverted-file index instead (IVF: ``4 sqrt(N)`` k-means lists, trained
+on the GPU, ``IVF_NPROBE`` lists searched): HNSW has no GPU build, and k-means is the
+part of IVF a GPU makes cheap. The file written is always a CPU index, so any server
+can load it; ``load(..., device="cuda")`` moves it to the GPU only when asked
+(``ragkv serve --faiss-device cuda``).
 """
 
 from __future__ import annotations
@@ -24,37 +31,71 @@ HNSW_THRESHOLD = 50_000  # chunks; at or past this, HNSW instead of exact search
 HNSW_M = 32  # graph neighbours per node
 HNSW_EF_CONSTRUCTION = 200  # build-time beam width (recall over build speed)
 HNSW_EF_SEARCH = 256  # query-time beam width
+IVF_NPROBE = 32  # inverted lists searched per query (of 4 sqrt(N): 894 at 50k vectors)
+FAISS_DEVICES = ("cpu", "cuda")  # where a loaded index searches
 
 
-def choose_kind(n_vectors: int, threshold: int = HNSW_THRESHOLD) -> VectorIndexKind:
-    """Exact inner product for small corpora, HNSW at or past ``threshold`` vectors."""
-    return VectorIndexKind.FLAT_IP if n_vectors < threshold else VectorIndexKind.HNSW_IP
+def gpu_count() -> int:
+    """GPUs FAISS can use: 0 with faiss-cpu, or with faiss-gpu on a machine without CUDA."""
+    import faiss
+
+    return int(faiss.get_num_gpus()) if hasattr(faiss, "get_num_gpus") else 0
 
 
-def build(ids: np.ndarray, xb: np.ndarray, kind: VectorIndexKind):  # -> faiss.IndexIDMap2
+def choose_kind(n_vectors: int, threshold: int = HNSW_THRESHOLD, gpu: bool = False) -> VectorIndexKind:
+    """Exact inner product for small corpora; at or past ``threshold`` vectors, IVF trained on
+    the GPU when ``gpu`` (FAISS sees one: ``gpu_count() > 0``), else HNSW."""
+    if n_vectors < threshold:
+        return VectorIndexKind.FLAT_IP
+    return VectorIndexKind.IVF_FLAT_IP if gpu else VectorIndexKind.HNSW_IP
+
+
+def ivf_lists(n_vectors: int) -> int:
+    """k-means lists of an IVF index over ``n_vectors``: FAISS's 4 sqrt(N), at most N / 39 (the
+    fewest training points per list k-means accepts without a warning), at least 1."""
+    return max(1, min(int(4 * np.sqrt(n_vectors)), n_vectors // 39))
+
+
+def build(ids: np.ndarray, xb: np.ndarray, kind: VectorIndexKind, gpu: bool | None = None):  # -> faiss.IndexIDMap2
     """Build a FAISS index of ``kind`` over ``xb: [N, d]`` float32 with ids ``[N]`` int64.
 
     Args:
         ids: FAISS id of each vector (chunk rows).
         xb: normalized embeddings, one per id.
         kind: which index to build.
+        gpu: train IVF's k-means on the GPUs; None = when FAISS sees one. The index returned
+            is a CPU index either way.
     """
     import faiss
 
     nb, d = xb.shape
     if ids.shape != (nb,):
         raise ValueError(f"ids has shape {ids.shape}, expected ({nb},) to match xb {xb.shape}")
+    xb = np.ascontiguousarray(xb, dtype=np.float32)
     if kind is VectorIndexKind.FLAT_IP:
         base = faiss.IndexFlatIP(d)
     elif kind is VectorIndexKind.HNSW_IP:
         base = faiss.IndexHNSWFlat(d, HNSW_M, faiss.METRIC_INNER_PRODUCT)
         base.hnsw.efConstruction = HNSW_EF_CONSTRUCTION
         base.hnsw.efSearch = HNSW_EF_SEARCH
+    elif kind is VectorIndexKind.IVF_FLAT_IP:
+        base = faiss.IndexIVFFlat(faiss.IndexFlatIP(d), d, ivf_lists(nb), faiss.METRIC_INNER_PRODUCT)
+        base.nprobe = IVF_NPROBE
+        if gpu if gpu is not None else gpu_count() > 0:
+            if gpu_count() == 0:
+                raise ValueError("gpu=True but FAISS sees no GPU: install the gpu extra's faiss-gpu "
+                                 "(pip install 'ragkv[gpu]') on a machine with CUDA, or pass gpu=False")
+            # k-means on the GPUs: FAISS's own way to train a CPU IVF there (its clustering index)
+            clustering = faiss.index_cpu_to_all_gpus(faiss.IndexFlatIP(d))
+            base.clustering_index = clustering
+        if nb:
+            base.train(xb)
+        base.clustering_index = None  # SWIG holds no reference to it: never leave it dangling
     else:  # pragma: no cover - enum is closed
         raise RuntimeError(f"unhandled vector index kind {kind}: a bug")
     index = faiss.IndexIDMap2(base)
     if nb:
-        index.add_with_ids(np.ascontiguousarray(xb, dtype=np.float32), ids.astype(np.int64))
+        index.add_with_ids(xb, ids.astype(np.int64))
     return index
 
 
@@ -66,10 +107,20 @@ def save(index, index_dir: Path) -> None:  # index: faiss.Index
     atomic_write_bytes(Path(index_dir) / FAISS_NAME, data.tobytes())
 
 
-def load(index_dir: Path):  # -> faiss.Index
-    """Read the FAISS index of ``index_dir``."""
+def load(index_dir: Path, device: str = "cpu"):  # -> faiss.Index
+    """Read the FAISS index of ``index_dir``, on the CPU or moved to every GPU FAISS sees.
+
+    Raises:
+        FileNotFoundError: ``index_dir`` holds no FAISS index.
+        ValueError: ``device`` is not one of FAISS_DEVICES, or is cuda where FAISS sees no GPU.
+    """
     import faiss
 
+    if device not in FAISS_DEVICES:
+        raise ValueError(f"FAISS device must be one of {', '.join(FAISS_DEVICES)}, got {device!r}")
+    if device == "cuda" and gpu_count() == 0:
+        raise ValueError("FAISS device cuda, but FAISS sees no GPU: install the gpu extra's faiss-gpu "
+                         "(pip install 'ragkv[gpu]') on a machine with CUDA, or search on the cpu")
     path = Path(index_dir) / FAISS_NAME
     if not path.exists():
         raise FileNotFoundError(f"no FAISS index at {path}: finish the index with `ragkv index`")
@@ -77,6 +128,10 @@ def load(index_dir: Path):  # -> faiss.Index
     base = faiss.downcast_index(index.index) if hasattr(index, "index") else index
     if isinstance(base, faiss.IndexHNSW):
         base.hnsw.efSearch = HNSW_EF_SEARCH
+    elif isinstance(base, faiss.IndexIVF):
+        base.nprobe = IVF_NPROBE
+    if device == "cuda":
+        index = faiss.index_cpu_to_all_gpus(index)  # HNSW has no GPU form: FAISS raises naming it
     return index
 
 
@@ -89,6 +144,8 @@ def search_params(index, allowed: np.ndarray):  # index: faiss.IndexIDMap2 -> fa
     base = faiss.downcast_index(index.index) if hasattr(index, "index") else index
     if isinstance(base, faiss.IndexHNSW):
         params = faiss.SearchParametersHNSW(sel=sel, efSearch=HNSW_EF_SEARCH)
+    elif isinstance(base, faiss.IndexIVF):
+        params = faiss.SearchParametersIVF(sel=sel, nprobe=IVF_NPROBE)
     else:
         params = faiss.SearchParameters(sel=sel)
     params._ragkv_sel = sel  # the selector must outlive the search: SWIG does not hold it

@@ -27,4 +27,5 @@ def retriever_options(settings: ServerSettings) -> dict[str, Any]:
 
         device = settings.device if settings.device != "auto" else "cpu"
         reranker = Reranker.load(settings.reranker, device=device)
-    return {"default_mode": settings.default_search_mode, "fusion": fusion, "reranker": reranker}
+    return {"default_mode": settings.default_search_mode, "fusion": fusion, "reranker": reranker,
+            "faiss_device": settings.faiss_device}

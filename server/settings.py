@@ -121,6 +121,9 @@ class ServerSettings:
     lexical_weight: float = 1.0  # hybrid: weight of the lexical (BM25) list, >= 0
     search_candidates: int = 50  # chunks each search hands to fusion and to the reranker
     reranker: Path | None = None  # cross-encoder folder reordering the candidates; None = no reranking
+    # where the FAISS index searches: cpu (a search is far below the prefill), or cuda (the gpu
+    # extra's faiss-gpu; the index file is a CPU index, moved at start)
+    faiss_device: str = "cpu"
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port", "http_port"):
@@ -140,6 +143,8 @@ class ServerSettings:
             raise ValueError(f"retrieve_workers must be >= 1, got {self.retrieve_workers}")
         if self.kv_compression not in ("auto", "none", "int8", "fp8"):
             raise ValueError(f"kv_compression must be auto, none, int8 or fp8, got {self.kv_compression!r}")
+        if self.faiss_device not in ("cpu", "cuda"):
+            raise ValueError(f"faiss_device must be cpu or cuda, got {self.faiss_device!r}")
         if self.quality_guard_mass is not None and not 0.0 < self.quality_guard_mass <= 1.0:
             raise ValueError(f"quality_guard_mass must be in (0, 1], got {self.quality_guard_mass}")
         self.focus()  # FocusOptions checks its fields, naming them

@@ -109,3 +109,14 @@ def test_kv_layered_reads_on_and_off_words_and_refuses_others() -> None:
     assert load_settings({"kv_layered": "ON"}, env={"RAGKV_KV_LAYERED": "0"}).kv_layered is True
     with pytest.raises(ValueError, match="kv_layered must be one of 1, true, yes, on, 0, false, no, off, got 'maybe'"):
         load_settings({"kv_layered": "maybe"}, env={})
+
+
+def test_the_server_keeps_the_cpu_faiss_index_unless_told() -> None:
+    from ragkv.cli.main import build_parser
+    from ragkv.cli.serve import settings_from_args
+
+    assert ServerSettings().faiss_device == "cpu"
+    args = build_parser().parse_args(["serve", "--index", "x", "--faiss-device", "cuda"])
+    assert settings_from_args(args, env={}).faiss_device == "cuda"
+    with pytest.raises(ValueError, match="faiss_device must be cpu or cuda, got 'gpu'"):
+        load_settings({"faiss_device": "gpu"}, env={})

@@ -1,0 +1,75 @@
+"""The FAISS index past the size threshold: IVF trained on the GPU where FAISS sees one,
+HNSW elsewhere; the file is a CPU index, moved to the GPU only when asked."""
+
+from __future__ import annotations
+
+import faiss
+import numpy as np
+import pytest
+import torch
+
+from ragkv.retriever import vector_index
+from ragkv.retriever.manifest import VectorIndexKind
+
+
+def _vectors(n: int, d: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    xb = rng.standard_normal((n, d)).astype(np.float32)  # [N, d]
+    return xb / np.linalg.norm(xb, axis=1, keepdims=True)
+
+
+def test_large_corpora_get_ivf_on_a_gpu_and_hnsw_without() -> None:
+    assert vector_index.choose_kind(49_999, gpu=True) is VectorIndexKind.FLAT_IP
+    assert vector_index.choose_kind(50_000, gpu=True) is VectorIndexKind.IVF_FLAT_IP
+    assert vector_index.choose_kind(50_000, gpu=False) is VectorIndexKind.HNSW_IP
+    assert vector_index.ivf_lists(50_000) == 894 and vector_index.ivf_lists(1_000) == 25
+
+
+def test_ivf_finds_what_exact_search_finds_and_round_trips(tmp_path) -> None:  # noqa: ANN001
+    xb, ids = _vectors(4000, 16), np.arange(10, 4010, dtype=np.int64)
+    xq = _vectors(50, 16, seed=1)
+    ivf = vector_index.build(ids, xb, VectorIndexKind.IVF_FLAT_IP, gpu=False)
+    base = faiss.downcast_index(ivf.index)
+    assert base.nlist == 102 and base.nprobe == vector_index.IVF_NPROBE < 102  # not every list is searched
+    _, exact = vector_index.build(ids, xb, VectorIndexKind.FLAT_IP).search(xq, 10)
+    _, found = ivf.search(xq, 10)
+    recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(exact, found)])
+    assert recall >= 0.9, f"IVF recall@10 {recall:.2f} against exact search"
+    vector_index.save(ivf, tmp_path)
+    again = vector_index.load(tmp_path)
+    assert np.array_equal(again.search(xq, 10)[1], found)  # nprobe kept: the same lists searched
+    allowed = ids[::3]
+    _, kept = again.search(xq, 10, params=vector_index.search_params(again, allowed))
+    assert set(kept[kept >= 0].tolist()) <= set(allowed.tolist())  # a filter holds inside IVF too
+
+
+def test_asking_for_a_gpu_faiss_does_not_see_is_one_clear_error(tmp_path) -> None:  # noqa: ANN001
+    if vector_index.gpu_count():
+        pytest.skip("FAISS sees a GPU here: the error is for machines without one")
+    xb, ids = _vectors(200, 8), np.arange(200, dtype=np.int64)
+    with pytest.raises(ValueError, match=r"faiss-gpu.*ragkv\[gpu\]"):
+        vector_index.build(ids, xb, VectorIndexKind.IVF_FLAT_IP, gpu=True)
+    vector_index.save(vector_index.build(ids, xb, VectorIndexKind.FLAT_IP), tmp_path)
+    with pytest.raises(ValueError, match=r"sees no GPU.*ragkv\[gpu\]"):
+        vector_index.load(tmp_path, device="cuda")
+    with pytest.raises(ValueError, match="cpu, cuda, got 'tpu'"):
+        vector_index.load(tmp_path, device="tpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (and the gpu extra's faiss-gpu)")
+def test_ivf_trained_on_the_gpu_searches_on_either_device(tmp_path) -> None:  # noqa: ANN001
+    assert vector_index.gpu_count() > 0, "CUDA is here but FAISS sees no GPU: pip install 'ragkv[gpu]'"
+    xb, ids = _vectors(60_000, 64), np.arange(60_000, dtype=np.int64)
+    xq = _vectors(100, 64, seed=1)
+    kind = vector_index.choose_kind(len(xb), gpu=True)
+    assert kind is VectorIndexKind.IVF_FLAT_IP
+    vector_index.save(vector_index.build(ids, xb, kind), tmp_path)  # k-means on the GPU
+    cpu, gpu = vector_index.load(tmp_path), vector_index.load(tmp_path, device="cuda")
+    _, exact = vector_index.build(ids, xb, VectorIndexKind.FLAT_IP).search(xq, 10)
+    _, on_cpu = cpu.search(xq, 10)
+    _, on_gpu = gpu.search(xq, 10)
+    agree = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(on_cpu, on_gpu)])
+    assert agree >= 0.99, f"the GPU copy finds {agree:.2f} of what the CPU index finds"
+    recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(exact, on_cpu)])
+    assert recall >= 0.5, f"IVF trained on the GPU: recall@10 {recall:.2f}"  # 64-d noise is IVF's worst case

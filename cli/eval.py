@@ -61,7 +61,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n", type=int, default=20, help="synthetic, dataset: number of cases (default 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", default="full,reuse,blend", help="comma list of full, prefix, reuse, blend, focus")
-    p.add_argument("--ratio", default="0.15", help="blend recompute ratio(s), comma list")
+    p.add_argument("--ratio", default=None,
+                   help="blend recompute ratio(s), comma list (default: ragkv serve's --default-recompute-ratio)")
     p.add_argument("--selector", default="query", help="blend selector(s): query (default), deviation")
     p.add_argument("--budget", default="global",
                    help="blend: how the recompute budget spreads: global (the best tokens anywhere) or chunk "
@@ -74,14 +75,17 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fallback-full", action="store_true",
                    help="blend quality guard (with --adaptive-mass, query selector): run a request as full "
                         "prefill when holding that mass needs more than --ratio")
-    p.add_argument("--focus-keep", default="0.5",
-                   help="focus: keep chunks scoring at least this x the best; comma list (default 0.5)")
-    p.add_argument("--focus-handover", default="off", metavar="on,off",
+    p.add_argument("--focus-keep", default=None,
+                   help="focus: keep chunks scoring at least this x the best; comma list (default: ragkv "
+                        "serve's --focus-keep)")
+    p.add_argument("--focus-handover", default=None, metavar="on,off",
                    help="focus: when several chunks are kept, blend over all of them instead (on), or over "
-                        "the kept ones (off); on,off compares both in one run (default off)")
-    p.add_argument("--focus-spread", default="0.7", metavar="S[,S]",
+                        "the kept ones (off); on,off compares both in one run (default: ragkv serve's "
+                        "--focus-handover)")
+    p.add_argument("--focus-spread", default=None, metavar="S[,S]",
                    help="focus handover: hand over only when the two runners-up score on average at least S "
-                        "x the best (0 = whenever several are kept); comma list (default 0.7)")
+                        "x the best (0 = whenever several are kept); comma list (default: ragkv serve's "
+                        "--focus-spread)")
     p.add_argument("--cases-out", type=Path, metavar="FILE.jsonl",
                    help="write one JSON line per case: each method's answer, scores, TTFT and, for focus, "
                         "the chunks kept and every chunk's relevance")
@@ -104,6 +108,21 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--dense-weight", type=float, default=1.0, help="hybrid: weight of dense results")
     r.add_argument("--lexical-weight", type=float, default=1.0, help="hybrid: weight of lexical results")
     p.set_defaults(func=run_eval)
+
+
+def served_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with what the command line left out taken from `ragkv serve`'s defaults, so the
+    eval a user runs is the path they are served. ServerSettings is the one source: its
+    default ratio and its focus settings (ServerSettings.focus)."""
+    from ragkv.server.settings import ServerSettings
+
+    served = ServerSettings()
+    focus = served.focus()
+    for dest, value in (("ratio", f"{served.default_recompute_ratio:g}"), ("focus_keep", f"{focus.keep:g}"),
+                        ("focus_handover", "on" if focus.handover else "off"), ("focus_spread", f"{focus.spread:g}")):
+        if getattr(args, dest, None) is None:
+            setattr(args, dest, value)
+    return args
 
 
 def _on_off(value: str, option: str) -> bool:
@@ -296,6 +315,7 @@ def index_cases(engine, index: Path, questions: Path, top_k: int):  # noqa: ANN0
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    served_defaults(args)
     if args.kv_compression:
         from ragkv.cli.kv_compression_eval import print_report, run_compression_eval
 

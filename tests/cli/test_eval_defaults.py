@@ -1,0 +1,35 @@
+"""`ragkv eval` runs the path `ragkv serve` serves by default (issue 39): one source of
+defaults, ServerSettings, read by both."""
+
+from __future__ import annotations
+
+from ragkv.cli.eval import _methods, served_defaults
+from ragkv.cli.main import build_parser
+from ragkv.engine import BlendOptions
+from ragkv.server.settings import ServerSettings
+from ragkv.types import Mode
+
+
+def _eval_methods(*flags: str) -> dict:
+    args = served_defaults(build_parser().parse_args(["eval", "--synthetic", "niah", "--modes", "blend,focus", *flags]))
+    return {m.name: m for m in _methods(args)}
+
+
+def test_the_evals_default_focus_is_the_servers() -> None:
+    served = ServerSettings()
+    methods = _eval_methods()
+    focus = methods["focus"]
+    assert focus.mode is Mode.FOCUS
+    assert focus.options.focus == served.focus(), (focus.options.focus, served.focus())
+    assert focus.options.recompute_ratio == served.default_recompute_ratio == served.limits().default_recompute_ratio
+    assert focus.options == BlendOptions(recompute_ratio=served.default_recompute_ratio, focus=served.focus())
+    assert methods["blend"].options.recompute_ratio == served.default_recompute_ratio
+    assert served.default_mode is Mode.FOCUS  # the served mode is the one compared above
+
+
+def test_flags_still_override_the_served_defaults() -> None:
+    opts = _eval_methods("--ratio", "0.15", "--focus-spread", "0.5", "--focus-keep", "0.4")["focus"].options
+    assert (opts.recompute_ratio, opts.focus.spread, opts.focus.keep) == (0.15, 0.5, 0.4)
+    assert opts.focus.handover is ServerSettings().focus().handover is True  # not given: the server's
+    off = _eval_methods("--focus-handover", "off")["focus"].options.focus
+    assert off.handover is False

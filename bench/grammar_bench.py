@@ -46,7 +46,7 @@ def _engine_run(engine: Any, batch: int, tokens: int, constrained: bool) -> dict
     grammar = json_schema_grammar(SCHEMA)
     prefix = engine.prompt.prefix_ids()
     chunks = [engine.prompt.chunk_ids(p) for p in PASSAGES]
-    kvs = [engine.prefill_chunk(prefix, ids) for ids in chunks]
+    kvs = [engine.prefill(prefix, ids) for ids in chunks]
     requests = [Request(mode=Mode.REUSE, prefix_ids=tuple(prefix), sampling=SamplingParams(max_new_tokens=tokens),
                         chunks=tuple(PromptChunk(tuple(ids), LoadedKV(kv, Tier.CPU, kv.nbytes))
                                      for ids, kv in zip(chunks, kvs)),

@@ -101,7 +101,7 @@ def run_bench(args: argparse.Namespace) -> int:
     tune_host_allocator()  # before torch's first large allocation
     import torch
 
-    from ragkv.engine import BlendOptions, ChunkKV, Engine, SamplingParams, load_model
+    from ragkv.engine import BlendOptions, ChunkKV, Engine, Prompt, SamplingParams, load_model
     from ragkv.evals.synthetic import haystack_paragraphs
     from ragkv.kvstore import ChunkKey, KVEntry, StoreConfig, TieredStore, hash_prefix
 
@@ -121,9 +121,8 @@ def run_bench(args: argparse.Namespace) -> int:
     tmp = tempfile.TemporaryDirectory(prefix="ragkv-bench-")
     uri = f"disk:{tmp.name}" if args.tier == "disk" else args.tier
     store = TieredStore(StoreConfig.from_uris([uri]), lm.fingerprint, lm.tokenizer_fingerprint)
-    prefix = eng.prefix_kv(prefix_ids)
     keys = []
-    for cids, kv in zip(chunk_ids, eng.prefill_chunks(prefix_ids, chunk_ids)):
+    for cids, kv in zip(chunk_ids, [eng.prefill(prefix_ids, ids) for ids in chunk_ids]):
         key = ChunkKey.build(lm.fingerprint, lm.tokenizer_fingerprint, prefix_ids, cids)
         store.put(KVEntry.of(kv, key, lm.fingerprint, lm.tokenizer_fingerprint, hash_prefix(prefix_ids)))
         keys.append(key)
@@ -151,11 +150,11 @@ def run_bench(args: argparse.Namespace) -> int:
             mode, how = run
             t = time.perf_counter()
             if mode is Mode.FULL:
-                res = eng.full_prefill(full_ids)
+                res = eng.run(Prompt(full_ids), Mode.FULL)
             else:
                 kvs = load(how == "layered")
                 kv_load[how].append(time.perf_counter() - t)
-                res = eng.blend(prefix, kvs, question, mode=mode, options=opts)
+                res = eng.run(Prompt.of(prefix_ids, kvs, question), mode, options=opts)
             res.logits.cpu()
             ttft[label[run]].append(time.perf_counter() - t)
             for name, sec in res.timings.items():

@@ -206,7 +206,7 @@ def neighbour_variants(args: argparse.Namespace, engine, cases, pool):  # noqa: 
     from dataclasses import replace
 
     from ragkv.evals.evaluate import PLAIN, KVVariant
-    from ragkv.engine.prefill import context_segments, prefill_segment
+    from ragkv.engine.prefill import context_segments
     from ragkv.indexer.neighbours import NeighbourContext, NeighbourOptions, context_ids, select_neighbours
 
     ms = [int(m) for m in args.neighbours.split(",") if m.strip()]
@@ -227,9 +227,9 @@ def neighbour_variants(args: argparse.Namespace, engine, cases, pool):  # noqa: 
     # case's KV prefill time then includes its neighbours' plain prefill once, and memory stays flat
     plain_kv: dict[int, object] = {}
 
-    def neighbour_kv(j: int, prefix):  # noqa: ANN001, ANN202
+    def neighbour_kv(j: int, prefix_ids):  # noqa: ANN001, ANN202
         if j not in plain_kv:
-            plain_kv[j] = prefill_segment(engine.lm, prefix, p.chunk_ids(texts[j]))
+            plain_kv[j] = engine.prefill(prefix_ids, p.chunk_ids(texts[j]))
         return plain_kv[j]
 
     wanted = sorted({row_of[c] for case in cases for c in case.chunks})
@@ -243,9 +243,9 @@ def neighbour_variants(args: argparse.Namespace, engine, cases, pool):  # noqa: 
         for how in contexts:
             opts = replace(choice, context=how)
             if how is NeighbourContext.KV:
-                def context_kv(case, prefix, nbrs=nbrs, opts=opts):  # noqa: ANN001, ANN202
+                def context_kv(case, prefix_ids, nbrs=nbrs, opts=opts):  # noqa: ANN001, ANN202
                     plain_kv.clear()
-                    return [context_segments([neighbour_kv(j, prefix) for j in nbrs[row_of[c]]], opts.budget_tokens)
+                    return [context_segments([neighbour_kv(j, prefix_ids) for j in nbrs[row_of[c]]], opts.budget_tokens)
                             for c in case.chunks]
 
                 variants.append(KVVariant(f"nb{m}kv", context_kv=context_kv))

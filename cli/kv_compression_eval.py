@@ -44,7 +44,7 @@ def run_compression_eval(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from tqdm import tqdm
 
-    from ragkv.engine import BlendOptions, ChunkKV, Engine, SamplingParams, load_model, tune_host_allocator
+    from ragkv.engine import BlendOptions, ChunkKV, Engine, Prompt, SamplingParams, load_model, tune_host_allocator
     from ragkv.evals.evaluate import best_f1, first_sentence, kl_divergence, normalize
     from ragkv.evals.synthetic import make_cases
     from ragkv.kvstore import ChunkKey, KVEntry, hash_prefix
@@ -67,7 +67,6 @@ def run_compression_eval(args: argparse.Namespace) -> dict[str, Any]:
     options = BlendOptions(recompute_ratio=ratio, selector=args.selector.split(",")[0].strip())
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     prefix_ids = p.prefix_ids()
-    prefix = engine.prefix_kv(prefix_ids)
     prefix_hash = hash_prefix(prefix_ids)
     sums: dict[tuple[str, str], Counter] = {}
     sizes: dict[str, list[int]] = {c: [] for c in ["none", *[c.value for c in compressions]]}
@@ -92,18 +91,18 @@ def run_compression_eval(args: argparse.Namespace) -> dict[str, Any]:
     for case in tqdm(cases, desc="kv-compression eval", unit="case", file=sys.stderr):
         chunk_ids = [p.chunk_ids(c) for c in case.chunks]
         tokens += sum(len(ids) for ids in chunk_ids)
-        kvs = engine.prefill_chunks(prefix_ids, chunk_ids)
+        kvs = [engine.prefill(prefix_ids, ids) for ids in chunk_ids]
         q = p.question_ids(case.question)
         plain = read_back(kvs, Compression.NONE)  # bit-exact: the reference
         refs = {}
         for mode in modes:
-            res = engine.blend(prefix, plain, q, mode=mode, options=options)
+            res = engine.run(Prompt.of(prefix_ids, plain, q), mode, options=options)
             refs[mode] = (res, "".join(engine.decode(res, params)))
         for compression in compressions:
             packed = read_back(kvs, compression)
             for mode in modes:
                 ref, ref_answer = refs[mode]
-                res = engine.blend(prefix, packed, q, mode=mode, options=options)
+                res = engine.run(Prompt.of(prefix_ids, packed, q), mode, options=options)
                 answer = "".join(engine.decode(res, params))
                 s = sums.setdefault((compression.value, mode.value), Counter())
                 s["n"] += 1

@@ -15,7 +15,7 @@ index, eval, bench) call `tune_host_allocator()` first (engine/memory.py).
 """
 
 from ragkv.engine.memory import tune_host_allocator
-from ragkv.engine.blend import BlendOptions, BlendResult, Selector
+from ragkv.engine.blend import BlendOptions, BlendResult, Prompt, Selector
 from ragkv.engine.select import Budget
 from ragkv.engine.focus import FocusOptions
 from ragkv.engine.decode import DecodeStream, SamplingParams
@@ -26,5 +26,5 @@ from ragkv.engine.runtime import Engine
 
 __all__ = [
     "DEFAULT_MODEL", "Budget", "BlendOptions", "BlendResult", "ChunkKV", "DecodeStream",
-    "Engine", "FocusOptions", "KVCache", "LayerReady", "LoadedModel", "PromptFormat", "SamplingParams", "Selector", "load_model", "tune_host_allocator",
+    "Engine", "FocusOptions", "Prompt", "KVCache", "LayerReady", "LoadedModel", "PromptFormat", "SamplingParams", "Selector", "load_model", "tune_host_allocator",
 ]

@@ -25,7 +25,7 @@ from collections.abc import Generator, Sequence
 from concurrent.futures import Future
 from typing import Protocol
 
-from ragkv.engine.blend import BlendOptions, BlendResult, PromptSteps
+from ragkv.engine.blend import BlendOptions, BlendResult, Prompt, PromptSteps
 from ragkv.engine.constrain import Constraint
 from ragkv.engine.decode import DecodeStream, SamplingParams
 from ragkv.engine.kv import ChunkKV
@@ -47,13 +47,11 @@ class PromptEngine(Protocol):
 
     def reads_chunk_kv(self, mode: Mode) -> bool: ...
 
-    def prefill_chunk_steps(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int]
-                            ) -> Generator[int, None, ChunkKV]: ...
+    def prefill_steps(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int]
+                      ) -> Generator[int | WaitFor, None, ChunkKV]: ...
 
-    def run_steps(self, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]],
-                  chunks: Sequence[ChunkKV] | None, question_ids: Sequence[int], mode: Mode,
-                  options: BlendOptions | None = None, reserve_tokens: int = 256,
-                  select_ids: Sequence[int] | None = None, resume: TreeLease | None = None) -> PromptSteps: ...
+    def run_steps(self, prompt: Prompt, mode: Mode, options: BlendOptions | None = None, reserve_tokens: int = 256,
+                  resume: TreeLease | None = None) -> PromptSteps: ...
 
     def decode(self, prompt: BlendResult, params: SamplingParams | None = None,
                constraint: Constraint | None = None) -> DecodeStream: ...
@@ -89,9 +87,8 @@ def _answer(engine: PromptEngine, req: Request) -> Work:
     res = None
     while res is None:  # each retry computes at least one chunk anew, so this ends
         try:
-            res = yield from engine.run_steps(req.prefix_ids, chunk_ids, kvs, req.question_ids, req.mode, req.options,
-                                              reserve_tokens=req.sampling.max_new_tokens, select_ids=req.select_ids,
-                                              resume=req.lease)
+            prompt = Prompt(req.question_ids, req.prefix_ids, chunk_ids, kvs, req.select_ids)
+            res = yield from engine.run_steps(prompt, req.mode, req.options, req.sampling.max_new_tokens, req.lease)
         except (KVFormatError, StoreError) as exc:  # a layered read failed mid-prompt
             # a chunk whose read fails later (during the retry) fails that pass in turn
             kvs = yield from _recompute_failed(engine, req, kvs or [], tiers, exc)
@@ -174,7 +171,7 @@ def _read(ch: PromptChunk) -> tuple[LoadedKV | None, KVSource]:
 def _compute(engine: PromptEngine, req: Request, ch: PromptChunk):  # -> Generator[int, None, ChunkKV]
     """A chunk's KV computed one layer per step; its own compute seconds (not the time other
     requests ran between its steps) teach the engine its prefill rate (`Engine.speed`)."""
-    steps = engine.prefill_chunk_steps(req.prefix_ids, ch.token_ids)
+    steps = engine.prefill_steps(req.prefix_ids, ch.token_ids)
     own = 0.0
     while True:
         t0 = time.perf_counter()

@@ -45,7 +45,7 @@ from ragkv.engine.loading import LoadedModel
 from ragkv.engine.rope import RopeTables
 from ragkv.engine.select import Budget, question_attention, select_tokens, tokens_for_mass
 from ragkv.engine.tree import TreeContext, TreeLease
-from ragkv.engine.work import WaitFor, drain, wait_for
+from ragkv.engine.work import WaitFor, wait_for
 
 
 class Selector(str, enum.Enum):
@@ -134,17 +134,25 @@ class BlendResult:
 PromptSteps = Generator[int | WaitFor, None, BlendResult]
 
 
-def run_prompt(
-    lm: LoadedModel,
-    prefix: ChunkKV | None,
-    chunks: Sequence[ChunkKV],
-    question_ids: Sequence[int] | torch.Tensor,
-    mode: Mode,
-    options: BlendOptions = BlendOptions(),
-    reserve_tokens: int = 256,
-) -> BlendResult:
-    """Run a prompt in `mode` to its end; see `prompt_steps`."""
-    return drain(prompt_steps(lm, prefix, chunks, question_ids, mode, options, reserve_tokens))
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """`[prefix][chunk 1]...[chunk k][question]`: what a prompt pass runs (`Engine.run_steps`)."""
+
+    question_ids: Sequence[int]  # always computed; the last prompt position is its last token
+    prefix_ids: Sequence[int] = ()  # the shared prefix the chunks' KV was computed after
+    chunk_ids: Sequence[Sequence[int]] = ()  # each chunk's tokens
+    # each chunk's KV, as computed after the prefix (the chunk modes read it; FULL and PREFIX
+    # recompute every chunk token); a chunk computed for this prompt (`fresh`) is not a cache hit
+    chunks: Sequence[ChunkKV] | None = None
+    # the tokens that choose chunk tokens (query selector, the quality guard) and chunks (focus),
+    # in place of the question: a conversation's later calls choose by its question; None = question_ids
+    select_ids: Sequence[int] | None = None
+
+    @classmethod
+    def of(cls, prefix_ids: Sequence[int], chunks: Sequence[ChunkKV], question_ids: Sequence[int],
+           select_ids: Sequence[int] | None = None) -> Prompt:
+        """A prompt over chunks' computed KV, their tokens read from it."""
+        return cls(question_ids, prefix_ids, [ch.token_ids.tolist() for ch in chunks], chunks, select_ids)
 
 
 def prompt_steps(

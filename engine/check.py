@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ragkv.engine.blend import Prompt
 from ragkv.errors import ModelCheckError
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ def check_model(lm: LoadedModel, quick: bool = False, decode_tokens: int | None 
     n_new = decode_tokens or (4 if quick else 16)
     tol_ref, tol_self = tolerances(lm.dtype)
 
-    full = engine.run(prefix_ids, chunk_ids, None, q_ids, Mode.FULL, reserve_tokens=n_new + 1)
+    full = engine.run(Prompt(q_ids, prefix_ids, chunk_ids, None), Mode.FULL, reserve_tokens=n_new + 1)
     ref = lm.model(torch.tensor([ids], device=dev)).logits[0, -1].float()  # [V]
     scale = max(1.0, float(ref.abs().max()))
     checks = []
@@ -87,14 +88,14 @@ def check_model(lm: LoadedModel, quick: bool = False, decode_tokens: int | None 
                         f"max abs diff {diff:.2e} (limit {tol_ref * scale:.1e}), top-1 "
                         f"{'agrees' if same_top else 'differs'}, {len(ids)} tokens"))
 
-    chunks = engine.prefill_chunks(prefix_ids, chunk_ids)
-    blend = engine.run(prefix_ids, chunk_ids, chunks, q_ids, Mode.BLEND, BlendOptions(recompute_ratio=1.0))
+    chunks = [engine.prefill(prefix_ids, ids) for ids in chunk_ids]
+    blend = engine.run(Prompt(q_ids, prefix_ids, chunk_ids, chunks), Mode.BLEND, BlendOptions(recompute_ratio=1.0))
     diff = float((blend.logits - full.logits).abs().max())
     checks.append(Check("blend at 1.0 vs full", diff <= tol_self * scale, diff,
                         f"max abs diff {diff:.2e} (limit {tol_self * scale:.1e})"))
 
-    one = engine.run(prefix_ids, chunk_ids[:1], chunks[:1], q_ids, Mode.REUSE)
-    one_full = engine.run(prefix_ids, chunk_ids[:1], None, q_ids, Mode.FULL)
+    one = engine.run(Prompt(q_ids, prefix_ids, chunk_ids[:1], chunks[:1]), Mode.REUSE)
+    one_full = engine.run(Prompt(q_ids, prefix_ids, chunk_ids[:1], None), Mode.FULL)
     diff = float((one.logits - one_full.logits).abs().max())
     checks.append(Check("reused chunk vs full", diff <= tol_self * scale, diff,
                         f"max abs diff {diff:.2e} (limit {tol_self * scale:.1e})"))

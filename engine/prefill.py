@@ -19,13 +19,7 @@ import torch
 from ragkv.engine.forward import Keep, layer_steps, span
 from ragkv.engine.kv import ChunkKV, KVCache
 from ragkv.engine.loading import LoadedModel
-from ragkv.engine.work import WaitFor, drain
-
-
-def prefill_segment(lm: LoadedModel, prefix: ChunkKV | None, token_ids: Sequence[int] | torch.Tensor,
-                    context_ids: Sequence[int] = (), context_kv: Sequence[ChunkKV] = ()) -> ChunkKV:
-    """`prefill_steps` in one go."""
-    return drain(prefill_steps(lm, prefix, token_ids, context_ids, context_kv))
+from ragkv.engine.work import WaitFor
 
 
 @torch.inference_mode()

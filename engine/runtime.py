@@ -1,5 +1,12 @@
 """Engine: one loaded model and the operations the indexer and server call.
 
+Prompt work has one way in for each thing it makes: `run_steps` runs a prompt in any
+mode (full prefill, prefix, reuse, blend, focus, a KV-tree resume) to its next-token
+logits; `prefill_steps` computes a chunk's KV after the prefix (the indexer's precompute,
+a chunk computed while serving). Both yield between decoder layers, so the scheduler runs
+them step by step; `run` and `prefill` run them to the end. A served request's whole work
+(reads, prompt, decode, KV tree) is `work`.
+
 Not thread-safe: one thread runs an Engine (the server's scheduler thread, engine.scheduler).
 """
 
@@ -13,17 +20,17 @@ import torch
 from ragkv.types import Mode
 from ragkv.engine.answer import answer_steps
 from ragkv.engine.constrain import Constraint, ConstraintCompiler
-from ragkv.engine.blend import (BlendOptions, BlendResult, PromptSteps, Selector, prompt_steps, resume_steps,
-                                run_prompt, tree_context)
+from ragkv.engine.blend import (BlendOptions, BlendResult, Prompt, PromptSteps, Selector, prompt_steps, resume_steps,
+                                tree_context)
 from ragkv.engine.decode import DecodeStream, SamplingParams
 from ragkv.engine.kv import ChunkKV
 from ragkv.engine.loading import LoadedModel
-from ragkv.engine.prefill import prefill_segment, prefill_steps
+from ragkv.engine.prefill import prefill_steps
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT, PromptFormat
 from ragkv.engine.request import Request, Work
 from ragkv.engine.speed import PrefillSpeed
 from ragkv.engine.tree import KVTree, TreeContext, TreeKey, TreeLease
-from ragkv.engine.work import drain
+from ragkv.engine.work import WaitFor, drain
 
 _PREFIX_MEMO_SIZE = 8  # distinct prefixes kept computed
 _CHUNK_KV_MODES = frozenset({Mode.REUSE, Mode.BLEND, Mode.FOCUS})
@@ -73,45 +80,24 @@ class Engine:
         if key in self._prefixes:
             self._prefixes.move_to_end(key)
             return self._prefixes[key]
-        kv = prefill_segment(self.lm, None, key)
+        kv = drain(prefill_steps(self.lm, None, key))
         self._prefixes[key] = kv
         if len(self._prefixes) > _PREFIX_MEMO_SIZE:
             self._prefixes.popitem(last=False)
         return kv
 
-    def prefill_chunk(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int]) -> ChunkKV:
-        """A chunk's KV computed after the shared prefix: K before RoPE, V, both [L, Hkv, T, D]."""
+    def prefill_steps(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int], context_ids: Sequence[int] = (),
+                      context_kv: Sequence[ChunkKV] = ()) -> Generator[int | WaitFor, None, ChunkKV]:
+        """A chunk's KV computed after the shared prefix (and its context: neighbour-conditioned
+        KV, `engine.prefill.prefill_steps`), one decoder layer per step: K before RoPE, V,
+        both [L, Hkv, T, D]."""
         prefix = self.prefix_kv(prefix_ids) if len(prefix_ids) else None
-        return prefill_segment(self.lm, prefix, chunk_ids)
+        return (yield from prefill_steps(self.lm, prefix, chunk_ids, context_ids, context_kv))
 
-    def prefill_chunk_steps(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int]) -> Generator[int, None, ChunkKV]:
-        """`prefill_chunk` one decoder layer per step (engine.prefill.prefill_steps)."""
-        prefix = self.prefix_kv(prefix_ids) if len(prefix_ids) else None
-        return (yield from prefill_steps(self.lm, prefix, chunk_ids))
-
-    def prefill_chunks(self, prefix_ids: Sequence[int], chunks: Sequence[Sequence[int]]) -> list[ChunkKV]:
-        """`prefill_chunk` for many chunks sharing one prefix."""
-        return [self.prefill_chunk(prefix_ids, ids) for ids in chunks]
-
-    @torch.inference_mode()
-    def full_prefill(self, ids: Sequence[int], reserve_tokens: int = 256) -> BlendResult:
-        """Plain prefill of the whole prompt: the baseline every mode is measured against."""
-        return run_prompt(self.lm, None, [], ids, Mode.FULL, reserve_tokens=reserve_tokens)
-
-    @torch.inference_mode()
-    def blend(
-        self,
-        prefix: ChunkKV,
-        chunks: Sequence[ChunkKV],
-        question_ids: Sequence[int],
-        mode: Mode | str = Mode.BLEND,
-        recompute_ratio: float = 0.15,
-        options: BlendOptions | None = None,
-        reserve_tokens: int = 256,
-    ) -> BlendResult:
-        """Run `[prefix][chunks][question]` in `mode`; see engine.blend for the modes."""
-        opts = options or BlendOptions(recompute_ratio=recompute_ratio)
-        return run_prompt(self.lm, prefix, chunks, question_ids, Mode(mode), opts, reserve_tokens)
+    def prefill(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int], context_ids: Sequence[int] = (),
+                context_kv: Sequence[ChunkKV] = ()) -> ChunkKV:
+        """`prefill_steps` to its end."""
+        return drain(self.prefill_steps(prefix_ids, chunk_ids, context_ids, context_kv))
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -142,13 +128,10 @@ class Engine:
                     Mode.FOCUS: round(0.2 * chunk_tokens) + question_tokens}.get(mode, total)
         return computed + total // 8
 
-    def run(self, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]], chunks: Sequence[ChunkKV] | None,
-            question_ids: Sequence[int], mode: Mode, options: BlendOptions | None = None,
-            reserve_tokens: int = 256, select_ids: Sequence[int] | None = None,
+    def run(self, prompt: Prompt, mode: Mode, options: BlendOptions | None = None, reserve_tokens: int = 256,
             resume: TreeLease | None = None) -> BlendResult:
         """`run_steps` to its end."""
-        return drain(self.run_steps(prefix_ids, chunk_ids, chunks, question_ids, mode, options, reserve_tokens,
-                                    select_ids, resume))
+        return drain(self.run_steps(prompt, mode, options, reserve_tokens, resume))
 
     # -- the KV tree: what a context is in each mode, and the path after it --
 
@@ -202,37 +185,26 @@ class Engine:
                                 ids[start:], res.cache)
 
     @torch.inference_mode()
-    def run_steps(
-        self,
-        prefix_ids: Sequence[int],
-        chunk_ids: Sequence[Sequence[int]],
-        chunks: Sequence[ChunkKV] | None,
-        question_ids: Sequence[int],
-        mode: Mode,
-        options: BlendOptions | None = None,
-        reserve_tokens: int = 256,
-        select_ids: Sequence[int] | None = None,
-        resume: TreeLease | None = None,
-    ) -> PromptSteps:
-        """Run `[prefix][chunks][question]` in any mode; the one entry point for serving.
+    def run_steps(self, prompt: Prompt, mode: Mode, options: BlendOptions | None = None, reserve_tokens: int = 256,
+                  resume: TreeLease | None = None) -> PromptSteps:
+        """Run `[prefix][chunks][question]` in any mode: the one way into the engine for a prompt.
 
         A generator that yields between decoder layers (`engine.blend.prompt_steps`), so the
         scheduler can interleave other requests' decode steps; it returns the BlendResult.
 
         Args:
-            prefix_ids: the shared prefix the chunks' KV was computed after.
-            chunk_ids: each chunk's token ids.
-            chunks: each chunk's KV, when `reads_chunk_kv(mode)`; ignored otherwise. A chunk
-                computed for this request (`ChunkKV.fresh`) does not count as cached.
-            select_ids: the tokens that choose chunk tokens and chunks (engine.blend.prompt_steps).
+            prompt: the prompt's tokens, and each chunk's KV when `reads_chunk_kv(mode)`.
+            reserve_tokens: decode room preallocated after the prompt.
             resume: a KV-tree lease on this prompt's context and first tokens (`tree_key`,
-                `tree_path`): only the rest is computed, and `chunks` are not read.
+                `tree_path`): only the rest is computed, and the chunks' KV is not read.
 
         Returns:
             The prompt ready for decoding; `cached_tokens` counts the prompt tokens whose KV
             was read from a cache (the prefix, and the used chunks that were not fresh).
         """
         mode, opts = Mode(mode), options or BlendOptions()
+        prefix_ids, chunk_ids, chunks, question_ids = prompt.prefix_ids, prompt.chunk_ids, prompt.chunks, \
+            prompt.question_ids
         if resume is not None:
             path = self.tree_path(mode, prefix_ids, chunk_ids, question_ids)
             layout = None
@@ -253,7 +225,8 @@ class Engine:
         if chunks is None or len(chunks) != len(chunk_ids):
             raise ValueError(f"mode {mode.value} reads each chunk's KV: got "
                              f"{'none' if chunks is None else len(chunks)} for {len(chunk_ids)} chunks")
-        res = yield from prompt_steps(self.lm, prefix, chunks, question_ids, mode, opts, reserve_tokens, select_ids)
+        res = yield from prompt_steps(self.lm, prefix, chunks, question_ids, mode, opts, reserve_tokens,
+                                      prompt.select_ids)
         used = res.used_chunks if res.used_chunks is not None else range(len(chunks))
         res.cached_tokens = len(prefix_ids) + sum(chunks[i].num_tokens for i in used if not chunks[i].fresh)
         return res

@@ -28,10 +28,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ragkv.types import Mode
-from ragkv.engine.blend import BlendOptions, BlendResult
+from ragkv.engine.blend import BlendOptions, BlendResult, Prompt
 from ragkv.engine.decode import SamplingParams
 from ragkv.engine.kv import ChunkKV
-from ragkv.engine.prefill import prefill_segment
 from ragkv.engine.runtime import Engine
 from ragkv.evals.synthetic import EvalCase
 
@@ -52,9 +51,9 @@ class KVVariant:
     name: str  # suffix of the method names in reports ("" = plain KV, no suffix)
     # each chunk's context token ids (between prefix and chunk), given the case; None = plain KV
     context: Callable[[EvalCase], Sequence[Sequence[int]]] | None = None
-    # or each chunk's context as computed KV (its neighbours' plain KV: `prefill_segment(context_kv=)`),
-    # given the case and the prefix; the time it takes counts as the variant's KV prefill
-    context_kv: Callable[[EvalCase, ChunkKV], Sequence[Sequence[ChunkKV]]] | None = None
+    # or each chunk's context as computed KV (its neighbours' plain KV: `Engine.prefill(context_kv=)`),
+    # given the case and the prefix's tokens; the time it takes counts as the variant's KV prefill
+    context_kv: Callable[[EvalCase, Sequence[int]], Sequence[Sequence[ChunkKV]]] | None = None
 
 
 PLAIN = KVVariant("")
@@ -141,15 +140,14 @@ def evaluate(engine: Engine, cases: Iterable[EvalCase], methods: Sequence[Method
     sums = {name: Counter() for name in reports}
     for case in progress(list(cases)):
         prefix_ids = p.prefix_ids()
-        prefix = engine.prefix_kv(prefix_ids)
         chunk_ids = [p.chunk_ids(c) for c in case.chunks]
         q = p.question_ids(case.question)
         full_ids = p.prompt_ids(list(case.chunks), case.question)
 
         def run(m: Method, kvs: Sequence[ChunkKV]) -> tuple[BlendResult, float]:
             t = time.perf_counter()
-            res = engine.full_prefill(full_ids) if m.mode is Mode.FULL else \
-                engine.blend(prefix, kvs, q, mode=m.mode, options=m.options)
+            res = engine.run(Prompt(full_ids), Mode.FULL) if m.mode is Mode.FULL else \
+                engine.run(Prompt.of(prefix_ids, kvs, q), m.mode, options=m.options)
             res.logits.cpu()
             return res, time.perf_counter() - t
 
@@ -161,11 +159,11 @@ def evaluate(engine: Engine, cases: Iterable[EvalCase], methods: Sequence[Method
         for v in variants:
             t = time.perf_counter()
             if v.context_kv is not None:
-                kvs = [prefill_segment(engine.lm, prefix, ids, context_kv=ctx)
-                       for ids, ctx in zip(chunk_ids, v.context_kv(case, prefix))]
+                kvs = [engine.prefill(prefix_ids, ids, context_kv=ctx)
+                       for ids, ctx in zip(chunk_ids, v.context_kv(case, prefix_ids))]
             else:
                 contexts = v.context(case) if v.context is not None else [()] * len(chunk_ids)
-                kvs = [prefill_segment(engine.lm, prefix, ids, ctx) for ids, ctx in zip(chunk_ids, contexts)]
+                kvs = [engine.prefill(prefix_ids, ids, ctx) for ids, ctx in zip(chunk_ids, contexts)]
             prefill_s = time.perf_counter() - t
             for m in methods:
                 name = names[(m.name, v.name)]

@@ -85,29 +85,27 @@ class KVWriter:
     def compute(self, batch: Sequence[KVItem]) -> list[Any]:
         """Prefill one batch after the prefix (and each item's context): one ``engine.ChunkKV`` per item."""
         if not any(it.context_ids for it in batch):
-            return self.engine.prefill_chunks(self.prefix_ids, [it.token_ids for it in batch])
-        from ragkv.engine.prefill import context_segments, prefill_segment
+            return [self.engine.prefill(self.prefix_ids, ids) for ids in [it.token_ids for it in batch]]
+        from ragkv.engine.prefill import context_segments
 
-        prefix = self.engine.prefix_kv(self.prefix_ids) if self.prefix_ids else None
         out = []
         for it in batch:
             if it.context_neighbours:  # the neighbours' stored plain KV: only the chunk's tokens run
-                plain = [self._plain(prefix, k, ids) for k, ids in it.context_neighbours]
+                plain = [self._plain(k, ids) for k, ids in it.context_neighbours]
                 context = context_segments(plain, it.context_budget)
-                out.append(prefill_segment(self._lm, prefix, it.token_ids, context_kv=context))
+                out.append(self.engine.prefill(self.prefix_ids, it.token_ids, context_kv=context))
             else:
-                out.append(prefill_segment(self._lm, prefix, it.token_ids, it.context_ids))
+                out.append(self.engine.prefill(self.prefix_ids, it.token_ids, it.context_ids))
         return out
 
-    def _plain(self, prefix: Any, key: ChunkKey, token_ids: Sequence[int]) -> Any:
+    def _plain(self, key: ChunkKey, token_ids: Sequence[int]) -> Any:
         """A neighbour's plain KV as an ``engine.ChunkKV``: from the store (the plain pass wrote
         it), or computed again if no tier has it whole (deleted or corrupted since)."""
         from ragkv.engine import ChunkKV
-        from ragkv.engine.prefill import prefill_segment
 
         entry = self.store.get(key)
         if entry is None:
-            return prefill_segment(self._lm, prefix, token_ids)
+            return self.engine.prefill(self.prefix_ids, token_ids)
         return ChunkKV.from_stored(entry, self._lm.device, self._lm.dtype)
 
     def write(self, batch: Sequence[KVItem], kvs: Sequence[Any]) -> int:

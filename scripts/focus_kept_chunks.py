@@ -27,7 +27,7 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     args = ap.parse_args()
 
-    from ragkv.engine import BlendOptions, Engine, FocusOptions, load_model
+    from ragkv.engine import BlendOptions, Engine, FocusOptions, Prompt, load_model
     from ragkv.cli.eval import index_cases
 
     eng = Engine(load_model(args.model))
@@ -36,8 +36,8 @@ def main() -> int:
     retrieved = kept = last = n_kept = 0
     for case in cases:
         prefix_ids = p.prefix_ids()
-        kvs = eng.prefill_chunks(prefix_ids, [p.chunk_ids(c) for c in case.chunks])
-        res = eng.blend(eng.prefix_kv(prefix_ids), kvs, p.question_ids(case.question), mode="focus", options=opts)
+        kvs = [eng.prefill(prefix_ids, ids) for ids in [p.chunk_ids(c) for c in case.chunks]]
+        res = eng.run(Prompt.of(prefix_ids, kvs, p.question_ids(case.question)), "focus", options=opts)
         has = [any(a in c for a in case.answers) for c in case.chunks]
         retrieved += any(has)
         kept += any(has[i] for i in res.used_chunks)

@@ -36,7 +36,7 @@ RUNS = (("full", "query"), ("prefix", "query"), ("reuse", "query"), ("blend", "q
 def record(model: str, max_new_tokens: int) -> dict[str, list[int]]:
     import torch
 
-    from ragkv.engine import load_model
+    from ragkv.engine import Prompt, load_model
     from ragkv.engine.blend import BlendOptions
     from ragkv.engine.decode import SamplingParams, decode_batch
     from ragkv.engine.runtime import Engine
@@ -46,14 +46,14 @@ def record(model: str, max_new_tokens: int) -> dict[str, list[int]]:
     fmt = engine.prompt
     prefix_ids = fmt.prefix_ids()
     chunk_ids = [fmt.chunk_ids(p) for p in PASSAGES]
-    chunks = engine.prefill_chunks(prefix_ids, chunk_ids)
+    chunks = [engine.prefill(prefix_ids, ids) for ids in chunk_ids]
     out: dict[str, list[int]] = {}
     prompts = {}
     for q_i, question in enumerate(QUESTIONS):
         q_ids = fmt.question_ids(question)
         for mode, selector in RUNS:
             opts = BlendOptions(recompute_ratio=0.15, selector=selector)
-            res = engine.run(prefix_ids, chunk_ids, chunks, q_ids, mode, opts, reserve_tokens=max_new_tokens + 1)
+            res = engine.run(Prompt(q_ids, prefix_ids, chunk_ids, chunks), mode, opts, reserve_tokens=max_new_tokens + 1)
             name = f"q{q_i}/{mode}/{selector}"
             prompts[name] = res
     # alone: each prompt decoded by itself (its cache is cloned so the batch gets a fresh one)

@@ -31,7 +31,7 @@ def main() -> None:
 
     from ragkv.cli.dataset import DEFAULT_INSTRUCTION, load_dataset
     from ragkv.engine import Engine, load_model, tune_host_allocator
-    from ragkv.engine.prefill import context_segments, prefill_segment
+    from ragkv.engine.prefill import context_segments
     from ragkv.indexer.neighbours import NeighbourOptions, context_ids, select_neighbours
 
     tune_host_allocator()
@@ -41,7 +41,7 @@ def main() -> None:
         raise SystemExit(f"{args.pool_embeddings} has {xb.shape[0]} rows, the file {len(pool)} passages")
     eng = Engine(load_model("smollm2-135m-instruct"), system_prompt=DEFAULT_INSTRUCTION)
     p = eng.prompt
-    prefix = eng.prefix_kv(p.prefix_ids())
+    prefix = p.prefix_ids()
     row = {t: i for i, t in enumerate(pool)}
     chunks = [c for case in cases for c in case.chunks]
     ms = [int(m) for m in args.m.split(",")]
@@ -53,22 +53,22 @@ def main() -> None:
 
     def plain(j: int):  # noqa: ANN202
         if j not in plain_kv:
-            plain_kv[j] = prefill_segment(eng.lm, prefix, p.chunk_ids(pool[j]))
+            plain_kv[j] = eng.prefill(prefix, p.chunk_ids(pool[j]))
         return plain_kv[j]
 
-    prefill_segment(eng.lm, prefix, p.chunk_ids(chunks[0]))  # warm-up
+    eng.prefill(prefix, p.chunk_ids(chunks[0]))  # warm-up
     for i, c in enumerate(chunks):
         ids = p.chunk_ids(c)
         for m in [0, *ms]:
             ctx = [] if m == 0 else context_ids([p.chunk_ids(pool[j]) for j in nbrs[m][i]], args.budget)
             t = time.perf_counter()
-            prefill_segment(eng.lm, prefix, ids, ctx)
+            eng.prefill(prefix, ids, ctx)
             secs[m] += time.perf_counter() - t
             if m:
                 ctx_tokens[m] += len(ctx)
                 context = context_segments([plain(j) for j in nbrs[m][i]], args.budget)
                 t = time.perf_counter()
-                prefill_segment(eng.lm, prefix, ids, context_kv=context)
+                eng.prefill(prefix, ids, context_kv=context)
                 kv_secs[m] += time.perf_counter() - t
     out = {"chunks": len(chunks), "plain_s": round(secs[0], 2),
            **{f"m{m}": {"s": round(secs[m], 2), "x_plain": round(secs[m] / secs[0], 2),

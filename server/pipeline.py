@@ -15,9 +15,7 @@ computes what is missing, blends and decodes. A chunk computed there comes back 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -190,9 +188,9 @@ class Pipeline:
         first = next(iter(collections.values()), None)
         if first is not None:  # seed the prefill rate: a chunk of ~100 tokens after the prefix
             ids = engine.prompt.chunk_ids(" ".join([_SEED_TEXT] * 4))
-            engine.prefill_chunk(list(first.prefix_ids), ids)  # warm-up: the first call allocates
+            engine.prefill(list(first.prefix_ids), ids)  # warm-up: the first call allocates
             t0 = time.perf_counter()
-            engine.prefill_chunk(list(first.prefix_ids), ids)
+            engine.prefill(list(first.prefix_ids), ids)
             engine.speed.observe(len(ids), time.perf_counter() - t0)
         return cls(engine, collections, settings.focus(), settings.kv_layered, controller, settings.quality_guard_mass)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ragkv.types import Mode
-from ragkv.engine import BlendOptions, Engine, load_model
+from ragkv.engine import BlendOptions, Engine, Prompt, load_model
 from ragkv.evals.testing import tiny_model_dir
 
 CHUNKS = [
@@ -26,8 +26,8 @@ def assert_close(a: torch.Tensor, b: torch.Tensor, atol: float, what: str) -> No
 def _parts(eng: Engine, chunks=CHUNKS, question=QUESTION):
     p = eng.prompt
     prefix_ids = p.prefix_ids()
-    prefix = eng.prefix_kv(prefix_ids)
-    kvs = eng.prefill_chunks(prefix_ids, [p.chunk_ids(c) for c in chunks])
+    prefix = prefix_ids
+    kvs = [eng.prefill(prefix_ids, ids) for ids in [p.chunk_ids(c) for c in chunks]]
     return prefix, kvs, p.question_ids(question), p.prompt_ids(chunks, question)
 
 
@@ -41,15 +41,15 @@ def test_full_prefill_matches_transformers(tiny_engine):
     _, _, _, ids = _parts(tiny_engine)
     with torch.no_grad():
         ref = tiny_engine.lm.model(torch.tensor([ids])).logits[0, -1]
-    assert_close(tiny_engine.full_prefill(ids).logits, ref, 1e-4, "full vs transformers")
+    assert_close(tiny_engine.run(Prompt(ids), Mode.FULL).logits, ref, 1e-4, "full vs transformers")
 
 
 @pytest.mark.parametrize("mode,selector", [(Mode.BLEND, "deviation"), (Mode.BLEND, "query"),
                                            (Mode.PREFIX, "query")])
 def test_ratio_one_equals_full(tiny_engine, mode, selector):
     prefix, kvs, q, ids = _parts(tiny_engine)
-    full = tiny_engine.full_prefill(ids)
-    res = tiny_engine.blend(prefix, kvs, q, mode=mode, options=BlendOptions(recompute_ratio=1.0, selector=selector))
+    full = tiny_engine.run(Prompt(ids), Mode.FULL)
+    res = tiny_engine.run(Prompt.of(prefix, kvs, q), mode, options=BlendOptions(recompute_ratio=1.0, selector=selector))
     assert torch.equal(res.token_ids, full.token_ids)
     assert_close(res.logits, full.logits, 1e-4, f"{mode.value}@1.0 vs full")
     n = full.n_prompt_tokens
@@ -63,39 +63,39 @@ def test_reuse_of_one_chunk_equals_full(tiny_engine):
     re-rotated KV must reproduce it (this checks RoPE at final positions end to end)."""
     prefix, kvs, q, _ = _parts(tiny_engine, CHUNKS[:1])
     ids = tiny_engine.prompt.prompt_ids(CHUNKS[:1], QUESTION)
-    res = tiny_engine.blend(prefix, kvs, q, mode="reuse")
-    assert_close(res.logits, tiny_engine.full_prefill(ids).logits, 1e-4, "reuse of one chunk vs full")
+    res = tiny_engine.run(Prompt.of(prefix, kvs, q), "reuse")
+    assert_close(res.logits, tiny_engine.run(Prompt(ids), Mode.FULL).logits, 1e-4, "reuse of one chunk vs full")
     assert res.recomputed.numel() == 0
 
 
 def test_reuse_of_many_chunks_differs_from_full(tiny_engine):
     """The test above could pass with a no-op: cross-chunk attention must be missing here."""
     prefix, kvs, q, ids = _parts(tiny_engine)
-    res = tiny_engine.blend(prefix, kvs, q, mode="reuse")
-    assert (res.logits - tiny_engine.full_prefill(ids).logits).abs().max() > 1e-3
+    res = tiny_engine.run(Prompt.of(prefix, kvs, q), "reuse")
+    assert (res.logits - tiny_engine.run(Prompt(ids), Mode.FULL).logits).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("selector", ["deviation", "query"])
 @pytest.mark.parametrize("ratio", [0.0, 0.15, 0.5])
 def test_recomputes_exactly_the_tokens_asked(tiny_engine, ratio, selector):
     prefix, kvs, q, _ = _parts(tiny_engine)
-    res = tiny_engine.blend(prefix, kvs, q, options=BlendOptions(recompute_ratio=ratio, selector=selector))
+    res = tiny_engine.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=BlendOptions(recompute_ratio=ratio, selector=selector))
     n_chunk = sum(k.num_tokens for k in kvs)
     assert res.n_chunk_tokens == n_chunk
     assert res.recomputed.numel() == round(ratio * n_chunk)
     assert res.recomputed.unique().numel() == res.recomputed.numel()
-    p = prefix.num_tokens
+    p = len(prefix)
     assert bool(((res.recomputed >= p) & (res.recomputed < p + n_chunk)).all())
 
 
 @pytest.mark.parametrize("selector", ["deviation", "query"])
 def test_blend_error_falls_as_ratio_grows(tiny_engine, selector):
     prefix, kvs, q, ids = _parts(tiny_engine)
-    ref = torch.log_softmax(tiny_engine.full_prefill(ids).logits, -1)
+    ref = torch.log_softmax(tiny_engine.run(Prompt(ids), Mode.FULL).logits, -1)
 
     def kl(ratio):
         opts = BlendOptions(recompute_ratio=ratio, selector=selector)
-        out = torch.log_softmax(tiny_engine.blend(prefix, kvs, q, options=opts).logits, -1)
+        out = torch.log_softmax(tiny_engine.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=opts).logits, -1)
         return torch.sum(ref.exp() * (ref - out)).item()
 
     assert kl(0.0) > kl(0.5) > kl(1.0) - 1e-6
@@ -106,9 +106,9 @@ def test_sink_and_window_options_keep_the_budget(tiny_engine):
     prefix, kvs, q, _ = _parts(tiny_engine)
     n_chunk = sum(k.num_tokens for k in kvs)
     opts = BlendOptions(recompute_ratio=0.3, sink_tokens=2, window=4)
-    res = tiny_engine.blend(prefix, kvs, q, options=opts)
+    res = tiny_engine.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=opts)
     assert res.recomputed.numel() == round(0.3 * n_chunk)
-    starts, off = [], prefix.num_tokens
+    starts, off = [], len(prefix)
     for k in kvs:
         starts += [off, off + 1]
         off += k.num_tokens
@@ -118,16 +118,16 @@ def test_sink_and_window_options_keep_the_budget(tiny_engine):
 def test_bad_inputs_are_refused(tiny_engine, tiny_llama_dir):
     prefix, kvs, q, _ = _parts(tiny_engine)
     with pytest.raises(ValueError, match="recompute_ratio"):
-        tiny_engine.blend(prefix, kvs, q, recompute_ratio=1.5)
+        tiny_engine.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=BlendOptions(recompute_ratio=1.5))
     with pytest.raises(ValueError, match="question_ids is empty"):
-        tiny_engine.blend(prefix, kvs, [], mode="reuse")
+        tiny_engine.run(Prompt.of(prefix, kvs, []), "reuse")
     with pytest.raises(ValueError, match="prefix of"):
-        tiny_engine.blend(kvs[0], kvs[1:], q, mode="reuse")  # chunks were computed after `prefix`
+        tiny_engine.run(Prompt.of(kvs[0].token_ids.tolist(), kvs[1:], q), "reuse")  # chunks were computed after `prefix`
     with pytest.raises(ValueError):
-        tiny_engine.blend(prefix, kvs, q, mode="sideways")
+        tiny_engine.run(Prompt.of(prefix, kvs, q), "sideways")
     other = Engine(load_model(str(tiny_model_dir(tiny_llama_dir.parent / "l2", num_layers=2))))
     with pytest.raises(ValueError, match="another model"):
-        other.blend(other.prefix_kv(other.prompt.prefix_ids()), kvs, q, mode="reuse")
+        other.run(Prompt.of(other.prompt.prefix_ids(), kvs, q), "reuse")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -136,8 +136,8 @@ def test_half_precision_ratio_one_tracks_full(tmp_path_factory, dtype):
     eng = Engine(load_model(str(d), device="cpu", dtype=dtype))
     prefix, kvs, q, ids = _parts(eng)
     assert kvs[0].k.dtype == getattr(torch, dtype)
-    full = eng.full_prefill(ids)
-    res = eng.blend(prefix, kvs, q, recompute_ratio=1.0)
+    full = eng.run(Prompt(ids), Mode.FULL)
+    res = eng.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=BlendOptions(recompute_ratio=1.0))
     assert_close(res.logits, full.logits, 0.1, f"{dtype} blend@1.0 vs full")
 
 
@@ -146,13 +146,13 @@ def test_smollm2_ratio_one_equals_full(smollm2):
     eng = Engine(smollm2)
     chunks = [c * 6 for c in CHUNKS]
     prefix, kvs, q, ids = _parts(eng, chunks)
-    full = eng.full_prefill(ids)
+    full = eng.run(Prompt(ids), Mode.FULL)
     with torch.no_grad():
         ref = smollm2.model(torch.tensor([ids])).logits[0, -1]
     assert_close(full.logits, ref, 1e-4, "SmolLM2 full vs transformers")
-    res = eng.blend(prefix, kvs, q, recompute_ratio=1.0)
+    res = eng.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=BlendOptions(recompute_ratio=1.0))
     assert_close(res.logits, full.logits, 1e-4, "SmolLM2 blend@1.0 vs full")
-    part = eng.blend(prefix, kvs, q, recompute_ratio=0.15)
+    part = eng.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=BlendOptions(recompute_ratio=0.15))
     assert part.recomputed.numel() == round(0.15 * part.n_chunk_tokens)
 
 
@@ -162,8 +162,8 @@ def test_smollm2_ratio_one_equals_full(smollm2):
 def test_cuda_ratio_one_equals_full(tiny_llama_dir, dtype):
     eng = Engine(load_model(str(tiny_llama_dir), device="cuda", dtype=dtype))
     prefix, kvs, q, ids = _parts(eng)
-    full = eng.full_prefill(ids)
-    res = eng.blend(prefix, kvs, q, recompute_ratio=1.0)
+    full = eng.run(Prompt(ids), Mode.FULL)
+    res = eng.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=BlendOptions(recompute_ratio=1.0))
     assert_close(res.logits, full.logits, 1e-4 if dtype == "float32" else 0.1, f"cuda {dtype}")
 
 
@@ -171,19 +171,19 @@ def test_cuda_ratio_one_equals_full(tiny_llama_dir, dtype):
 def test_query_selector_budget_and_exactness(tiny_engine, ratio):
     prefix, kvs, q, ids = _parts(tiny_engine)
     opts = BlendOptions(recompute_ratio=ratio, selector="query")
-    res = tiny_engine.blend(prefix, kvs, q, options=opts)
+    res = tiny_engine.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=opts)
     assert res.recomputed.numel() == round(ratio * res.n_chunk_tokens)
     assert "score" in res.timings
     if ratio == 1.0:
-        assert_close(res.logits, tiny_engine.full_prefill(ids).logits, 1e-4, "query@1.0 vs full")
+        assert_close(res.logits, tiny_engine.run(Prompt(ids), Mode.FULL).logits, 1e-4, "query@1.0 vs full")
 
 
 def test_query_selector_prefers_what_the_question_attends(tiny_engine):
     from ragkv.engine.select import question_attention  # noqa: F401  (the scores come from there)
 
     prefix, kvs, q, ids = _parts(tiny_engine)
-    a = tiny_engine.blend(prefix, kvs, q, options=BlendOptions(recompute_ratio=0.3, selector="query"))
-    b = tiny_engine.blend(prefix, kvs, q, options=BlendOptions(recompute_ratio=0.3, selector="deviation"))
+    a = tiny_engine.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=BlendOptions(recompute_ratio=0.3, selector="query"))
+    b = tiny_engine.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=BlendOptions(recompute_ratio=0.3, selector="deviation"))
     assert not torch.equal(a.recomputed, b.recomputed), "query and deviation picked the same tokens"
 
 
@@ -192,26 +192,26 @@ def test_adaptive_budget_stays_within_bounds(tiny_engine):
     n = sum(k.num_tokens for k in kvs)
     for mass in (0.05, 0.5, 0.99):
         opts = BlendOptions(recompute_ratio=0.6, min_ratio=0.1, adaptive_mass=mass, selector="query")
-        r = tiny_engine.blend(prefix, kvs, q, options=opts).recomputed.numel()
+        r = tiny_engine.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=opts).recomputed.numel()
         assert round(0.1 * n) <= r <= round(0.6 * n)
-    small = tiny_engine.blend(prefix, kvs, q, options=BlendOptions(
+    small = tiny_engine.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=BlendOptions(
         recompute_ratio=0.6, adaptive_mass=0.05, selector="query")).recomputed.numel()
-    large = tiny_engine.blend(prefix, kvs, q, options=BlendOptions(
+    large = tiny_engine.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=BlendOptions(
         recompute_ratio=0.6, adaptive_mass=0.99, selector="query")).recomputed.numel()
     assert small < large
 
 
 def test_quality_guard_falls_back_to_full_only_when_the_budget_is_short(tiny_engine):
     prefix, kvs, q, ids = _parts(tiny_engine)
-    full = tiny_engine.full_prefill(ids)
+    full = tiny_engine.run(Prompt(ids), Mode.FULL)
     # holding all of the attention needs every scored token: more than a 0.2 budget
-    guarded = tiny_engine.blend(prefix, kvs, q, options=BlendOptions(
+    guarded = tiny_engine.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=BlendOptions(
         recompute_ratio=0.2, adaptive_mass=1.0, selector="query", fallback_full=True))
     assert guarded.mode.value == "full" and guarded.recompute_fraction == 1.0
     assert "score" in guarded.timings  # the scores were read, then the guard fired
     assert_close(guarded.logits, full.logits, 1e-4, "guarded request vs full prefill")
     # a tiny share of the attention fits the budget: the request blends as usual
-    kept = tiny_engine.blend(prefix, kvs, q, options=BlendOptions(
+    kept = tiny_engine.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=BlendOptions(
         recompute_ratio=0.2, adaptive_mass=1e-6, selector="query", fallback_full=True))
     assert kept.mode.value == "blend" and 0 < kept.recompute_fraction < 0.2
     with pytest.raises(ValueError, match="fallback_full"):
@@ -222,11 +222,11 @@ def test_quality_guard_falls_back_to_full_only_when_the_budget_is_short(tiny_eng
 
 def test_context_temperature_changes_only_reused_keys(tiny_engine):
     prefix, kvs, q, ids = _parts(tiny_engine)
-    full = tiny_engine.full_prefill(ids).logits
-    hot = tiny_engine.blend(prefix, kvs, q, mode="reuse", options=BlendOptions(0.0, context_temperature=1.5))
-    plain = tiny_engine.blend(prefix, kvs, q, mode="reuse")
+    full = tiny_engine.run(Prompt(ids), Mode.FULL).logits
+    hot = tiny_engine.run(Prompt.of(prefix, kvs, q), "reuse", options=BlendOptions(0.0, context_temperature=1.5))
+    plain = tiny_engine.run(Prompt.of(prefix, kvs, q), "reuse")
     assert (hot.logits - plain.logits).abs().max() > 1e-4
-    exact = tiny_engine.blend(prefix, kvs, q, options=BlendOptions(1.0, context_temperature=1.5))
+    exact = tiny_engine.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=BlendOptions(1.0, context_temperature=1.5))
     assert_close(exact.logits, full, 1e-4, "every token recomputed: the temperature is gone")
     with pytest.raises(ValueError, match="context_temperature"):
         BlendOptions(context_temperature=0.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragkv.engine import Engine, KVCache, SamplingParams, load_model
+from ragkv.engine import Engine, KVCache, Prompt, SamplingParams, load_model
 from ragkv.types import FinishReason, Mode
 
 CHUNKS = [
@@ -27,7 +27,7 @@ def _greedy_hf(lm, ids, n):
 
 def test_greedy_equals_generate_tiny(tiny):
     ids = tiny.prompt.prompt_ids(CHUNKS, "Who built it?")
-    stream = tiny.decode(tiny.full_prefill(ids), SamplingParams(max_new_tokens=20))
+    stream = tiny.decode(tiny.run(Prompt(ids), Mode.FULL), SamplingParams(max_new_tokens=20))
     pieces = list(stream)
     ref = _greedy_hf(tiny.lm, ids, 20)
     n = len(stream.token_ids)
@@ -42,7 +42,7 @@ def test_greedy_equals_generate_tiny(tiny):
 def test_greedy_equals_generate_smollm2(smollm2):
     eng = Engine(smollm2)
     ids = eng.prompt.prompt_ids(CHUNKS, "Who built the observatory on Mount Kerr?")
-    stream = eng.decode(eng.full_prefill(ids), SamplingParams(max_new_tokens=24))
+    stream = eng.decode(eng.run(Prompt(ids), Mode.FULL), SamplingParams(max_new_tokens=24))
     text = "".join(stream)
     ref = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
     if ref and ref[-1] in smollm2.eos_token_ids:
@@ -53,11 +53,11 @@ def test_greedy_equals_generate_smollm2(smollm2):
 
 def test_stop_string_ends_generation_and_is_not_emitted(tiny):
     ids = tiny.prompt.prompt_ids(CHUNKS, "Who?")
-    free = tiny.decode(tiny.full_prefill(ids), SamplingParams(max_new_tokens=30))
+    free = tiny.decode(tiny.run(Prompt(ids), Mode.FULL), SamplingParams(max_new_tokens=30))
     text = "".join(free)
     assert len(text) > 6
     stop = text[3:6]
-    stream = tiny.decode(tiny.full_prefill(ids), SamplingParams(max_new_tokens=30, stop=(stop,)))
+    stream = tiny.decode(tiny.run(Prompt(ids), Mode.FULL), SamplingParams(max_new_tokens=30, stop=(stop,)))
     got = "".join(stream)
     assert stream.finish_reason is FinishReason.STOP
     assert got == text[: text.find(stop)]
@@ -68,13 +68,13 @@ def test_a_stop_found_by_the_consumer_ends_the_stream_at_its_token(tiny):
     detokenizes them and finds the stop string some tokens later; the stream then ends with
     its token_ids cut back to the stop's token, and the text is the same as decoding alone."""
     ids = tiny.prompt.prompt_ids(CHUNKS, "Who?")
-    free = tiny.decode(tiny.full_prefill(ids), SamplingParams(max_new_tokens=30))
+    free = tiny.decode(tiny.run(Prompt(ids), Mode.FULL), SamplingParams(max_new_tokens=30))
     text = "".join(free)
     stop = text[3:6]
-    alone = tiny.decode(tiny.full_prefill(ids), SamplingParams(max_new_tokens=30, stop=(stop,)))
+    alone = tiny.decode(tiny.run(Prompt(ids), Mode.FULL), SamplingParams(max_new_tokens=30, stop=(stop,)))
     alone_text = "".join(alone)
 
-    stream = tiny.decode(tiny.full_prefill(ids), SamplingParams(max_new_tokens=30, stop=(stop,)))
+    stream = tiny.decode(tiny.run(Prompt(ids), Mode.FULL), SamplingParams(max_new_tokens=30, stop=(stop,)))
     consumer, stops = stream.detokenizer(), []
     consumer._on_stop = lambda n: (stops.append(n), stream.stop_after(n))
     picked, pieces, lag = [], [], 3  # the consumer reads 3 tokens behind the decode
@@ -98,11 +98,11 @@ def test_a_stop_found_by_the_consumer_ends_the_stream_at_its_token(tiny):
 
 def test_eos_ends_generation(tiny):
     ids = tiny.prompt.prompt_ids(CHUNKS, "Who?")
-    first = int(torch.argmax(tiny.full_prefill(ids).logits))
+    first = int(torch.argmax(tiny.run(Prompt(ids), Mode.FULL).logits))
     lm = tiny.lm
     object.__setattr__(lm, "eos_token_ids", (first,))  # make the first greedy token an EOS
     try:
-        stream = tiny.decode(tiny.full_prefill(ids), SamplingParams(max_new_tokens=10))
+        stream = tiny.decode(tiny.run(Prompt(ids), Mode.FULL), SamplingParams(max_new_tokens=10))
         assert list(stream) == [] and stream.finish_reason is FinishReason.STOP and stream.token_ids == []
     finally:
         object.__setattr__(lm, "eos_token_ids", (lm.tokenizer.eos_token_id,))
@@ -112,7 +112,7 @@ def test_sampling_is_seeded(tiny):
     ids = tiny.prompt.prompt_ids(CHUNKS, "Who?")
 
     def run(seed):
-        s = tiny.decode(tiny.full_prefill(ids), SamplingParams(max_new_tokens=12, temperature=1.0,
+        s = tiny.decode(tiny.run(Prompt(ids), Mode.FULL), SamplingParams(max_new_tokens=12, temperature=1.0,
                                                                top_p=0.9, top_k=50, seed=seed))
         list(s)
         return s.token_ids
@@ -123,7 +123,7 @@ def test_sampling_is_seeded(tiny):
 
 def test_decode_grows_the_cache_past_its_reserve(tiny):
     ids = tiny.prompt.prompt_ids(CHUNKS, "Who?")
-    prompt = tiny.full_prefill(ids, reserve_tokens=2)
+    prompt = tiny.run(Prompt(ids), Mode.FULL, reserve_tokens=2)
     stream = tiny.decode(prompt, SamplingParams(max_new_tokens=16))
     list(stream)
     assert stream.token_ids == _greedy_hf(tiny.lm, ids, 16)[: len(stream.token_ids)]

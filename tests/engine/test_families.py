@@ -21,7 +21,7 @@ import dataclasses
 import pytest
 import torch
 
-from ragkv.engine import load_model
+from ragkv.engine import Prompt, load_model
 from ragkv.engine.blend import BlendOptions
 from ragkv.engine.check import check_model
 from ragkv.engine.decode import decode_batch
@@ -73,8 +73,8 @@ def test_batched_decode_equals_alone(tmp_path_factory, name):
     engine = Engine(lm)
     fmt = engine.prompt
     prompts = [[*fmt.prefix_ids(), *fmt.chunk_ids(t), *fmt.question_ids(q)] for t, q in zip(TEXTS, QUESTIONS)]
-    res = [engine.full_prefill(ids, reserve_tokens=8) for ids in prompts]  # lengths differ: a ragged batch
-    alone = [engine.full_prefill(ids, reserve_tokens=8) for ids in prompts]
+    res = [engine.run(Prompt(ids), Mode.FULL, reserve_tokens=8) for ids in prompts]  # lengths differ: a ragged batch
+    alone = [engine.run(Prompt(ids), Mode.FULL, reserve_tokens=8) for ids in prompts]
     tokens = [int(r.logits.argmax()) for r in res]
     for _ in range(6):
         batched = decode_batch(lm, [r.cache for r in res], tokens)  # [B, V]
@@ -102,7 +102,7 @@ def test_bfloat16_is_as_close_to_float32_as_transformers(tmp_path_factory, name)
     ids = [*fmt.prefix_ids(), *(t for x in TEXTS for t in fmt.chunk_ids(x)), *fmt.question_ids(QUESTIONS[0])]
     ref = lm32.model(torch.tensor([ids])).logits[0, -1].float()  # [V]
     theirs = lm16.model(torch.tensor([ids])).logits[0, -1].float()
-    ours = Engine(lm16).full_prefill(ids).logits
+    ours = Engine(lm16).run(Prompt(ids), Mode.FULL).logits
     err_theirs, err_ours = float((theirs - ref).abs().max()), float((ours - ref).abs().max())
     assert ours.dtype == torch.float32 and lm16.model.dtype == torch.bfloat16
     assert err_ours <= 1.5 * err_theirs + 1e-3, (err_ours, err_theirs)
@@ -124,14 +124,14 @@ def test_blend_tracks_full_closer_than_reuse(tmp_path_factory, name):
     engine = Engine(lm)
     fmt = engine.prompt
     prefix, chunk_ids = fmt.prefix_ids(), [fmt.chunk_ids(t) for t in TEXTS]
-    chunks = engine.prefill_chunks(prefix, chunk_ids)
+    chunks = [engine.prefill(prefix, ids) for ids in chunk_ids]
     reuse = blend = 0.0
     for q in QUESTIONS:
         q_ids = fmt.question_ids(q)
-        full = engine.run(prefix, chunk_ids, None, q_ids, Mode.FULL).logits
-        reuse += _kl(full, engine.run(prefix, chunk_ids, chunks, q_ids, Mode.REUSE).logits)
+        full = engine.run(Prompt(q_ids, prefix, chunk_ids, None), Mode.FULL).logits
+        reuse += _kl(full, engine.run(Prompt(q_ids, prefix, chunk_ids, chunks), Mode.REUSE).logits)
         opts = BlendOptions(recompute_ratio=0.15, selector="deviation")
-        blend += _kl(full, engine.run(prefix, chunk_ids, chunks, q_ids, Mode.BLEND, opts).logits)
+        blend += _kl(full, engine.run(Prompt(q_ids, prefix, chunk_ids, chunks), Mode.BLEND, opts).logits)
     assert blend < reuse, (blend, reuse)
 
 
@@ -140,14 +140,14 @@ def test_moe_experts_run_only_the_recomputed_tokens(tmp_path_factory):
     engine = Engine(lm)
     fmt = engine.prompt
     prefix, chunk_ids = fmt.prefix_ids(), [fmt.chunk_ids(t) for t in TEXTS]
-    chunks = engine.prefill_chunks(prefix, chunk_ids)
+    chunks = [engine.prefill(prefix, ids) for ids in chunk_ids]
     q_ids = fmt.question_ids(QUESTIONS[0])
     seen: list[int] = []
     moe = lm.model.model.layers[0].mlp  # a sparse block (layer 1 is the dense one in this config)
     assert hasattr(moe, "experts")
     hook = moe.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[1]))
     try:
-        res = engine.run(prefix, chunk_ids, chunks, q_ids, Mode.BLEND, BlendOptions(recompute_ratio=0.15))
+        res = engine.run(Prompt(q_ids, prefix, chunk_ids, chunks), Mode.BLEND, BlendOptions(recompute_ratio=0.15))
     finally:
         hook.remove()
     n_chunk = sum(map(len, chunk_ids))
@@ -186,10 +186,10 @@ def test_every_mode_serves_every_family(tmp_path_factory, name):
     engine = Engine(lm)
     fmt = engine.prompt
     prefix, chunk_ids = fmt.prefix_ids(), [fmt.chunk_ids(t) for t in TEXTS]
-    chunks = engine.prefill_chunks(prefix, chunk_ids)
+    chunks = [engine.prefill(prefix, ids) for ids in chunk_ids]
     q_ids = fmt.question_ids(QUESTIONS[0])
     for mode in Mode:
-        res = engine.run(prefix, chunk_ids, chunks, q_ids, mode, BlendOptions(recompute_ratio=0.15))
+        res = engine.run(Prompt(q_ids, prefix, chunk_ids, chunks), mode, BlendOptions(recompute_ratio=0.15))
         assert torch.isfinite(res.logits).all(), mode
         stream = engine.decode(res)
         assert isinstance(next(iter(stream), ""), str)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragkv.engine import BlendOptions, Engine, FocusOptions, load_model
+from ragkv.engine import BlendOptions, Engine, FocusOptions, Prompt, load_model
 from ragkv.engine.focus import chunk_relevance, focus_layers, pick_chunks, spread
 from ragkv.evals.synthetic import make_cases
 from ragkv.evals.testing import tiny_model_dir
+from ragkv.types import Mode
 
 CHUNKS = ["alpha beta gamma delta epsilon " * 8, "one two three four five six " * 9, "red green blue cyan " * 7]
 QUESTION = "what comes after alpha?"
@@ -23,8 +24,8 @@ def tiny(tmp_path_factory, request):
 def _parts(eng: Engine, chunks=CHUNKS, question=QUESTION):
     p = eng.prompt
     prefix_ids = p.prefix_ids()
-    kvs = eng.prefill_chunks(prefix_ids, [p.chunk_ids(c) for c in chunks])
-    return eng.prefix_kv(prefix_ids), kvs, p.question_ids(question)
+    kvs = [eng.prefill(prefix_ids, ids) for ids in [p.chunk_ids(c) for c in chunks]]
+    return prefix_ids, kvs, p.question_ids(question)
 
 
 def test_focus_layers_default_band_and_clamping():
@@ -62,11 +63,11 @@ def test_bad_focus_options_are_refused():
 def test_one_kept_chunk_is_exact_prefill_of_the_focused_prompt(tiny):
     prefix, kvs, q = _parts(tiny)
     # ratio 1.0: should scores ever tie at the top, the kept chunks are recomputed exactly too
-    res = tiny.blend(prefix, kvs, q, mode="focus", options=BlendOptions(recompute_ratio=1.0, focus=FocusOptions(keep=1.0)))
+    res = tiny.run(Prompt.of(prefix, kvs, q), "focus", options=BlendOptions(recompute_ratio=1.0, focus=FocusOptions(keep=1.0)))
     assert res.mode.value == "focus" and res.used_chunks is not None
     assert 1 <= len(res.used_chunks) < len(CHUNKS), f"keep 1.0 kept {res.used_chunks}"
     kept = [CHUNKS[i] for i in res.used_chunks]
-    ref = tiny.full_prefill(tiny.prompt.prompt_ids(kept, QUESTION))
+    ref = tiny.run(Prompt(tiny.prompt.prompt_ids(kept, QUESTION)), Mode.FULL)
     assert torch.equal(res.token_ids, torch.tensor(tiny.prompt.prompt_ids(kept, QUESTION)))
     assert (res.logits - ref.logits).abs().max() <= 1e-4, f"kept {res.used_chunks}"
     if len(kept) == 1:  # one kept chunk is plain reuse: nothing recomputed
@@ -76,10 +77,10 @@ def test_one_kept_chunk_is_exact_prefill_of_the_focused_prompt(tiny):
 
 def test_low_keep_at_ratio_one_equals_full_prefill_of_what_it_kept(tiny):
     prefix, kvs, q = _parts(tiny)
-    res = tiny.blend(prefix, kvs, q, mode="focus", options=BlendOptions(recompute_ratio=1.0, focus=FocusOptions(keep=1e-9)))
-    top = tiny.blend(prefix, kvs, q, mode="focus", options=BlendOptions(focus=FocusOptions(keep=1.0)))
+    res = tiny.run(Prompt.of(prefix, kvs, q), "focus", options=BlendOptions(recompute_ratio=1.0, focus=FocusOptions(keep=1e-9)))
+    top = tiny.run(Prompt.of(prefix, kvs, q), "focus", options=BlendOptions(focus=FocusOptions(keep=1.0)))
     assert set(top.used_chunks) <= set(res.used_chunks)
-    ref = tiny.full_prefill(tiny.prompt.prompt_ids([CHUNKS[i] for i in res.used_chunks], QUESTION))
+    ref = tiny.run(Prompt(tiny.prompt.prompt_ids([CHUNKS[i] for i in res.used_chunks], QUESTION)), Mode.FULL)
     assert (res.logits - ref.logits).abs().max() <= 1e-4
     # decoding continues from the focused cache like from any other mode
     assert len(list(tiny.decode(res))) > 0
@@ -87,7 +88,7 @@ def test_low_keep_at_ratio_one_equals_full_prefill_of_what_it_kept(tiny):
 
 def test_relevance_is_normalized_and_the_best_chunk_is_one(tiny):
     prefix, kvs, q = _parts(tiny)
-    rel = chunk_relevance(tiny.lm, prefix, kvs, torch.tensor(q), focus_layers(tiny.lm.num_layers))
+    rel = chunk_relevance(tiny.lm, tiny.prefix_kv(prefix), kvs, torch.tensor(q), focus_layers(tiny.lm.num_layers))
     assert rel.shape == (3,)
     assert float(rel.max()) == pytest.approx(1.0) and float(rel.min()) > 0
 
@@ -101,7 +102,7 @@ def test_smollm2_focus_finds_the_needle_chunk(smollm2):
     for case in cases:
         prefix, kvs, q = _parts(eng, list(case.chunks), case.question)
         needle = next(i for i, c in enumerate(case.chunks) if case.answers[0] in c)
-        rel = chunk_relevance(smollm2, prefix, kvs, torch.tensor(q), focus_layers(smollm2.num_layers))
+        rel = chunk_relevance(smollm2, eng.prefix_kv(prefix), kvs, torch.tensor(q), focus_layers(smollm2.num_layers))
         found += int(rel.argmax()) == needle
     assert found >= 3, f"the needle chunk scored highest in only {found} of 4 cases"
 
@@ -115,7 +116,7 @@ def test_question_attention_never_reads_unwritten_cache_slots(tiny, garbage):
 
     lm = tiny.lm
     prefix, kvs, q = _parts(tiny)
-    segments = [prefix, *kvs]
+    segments = [tiny.prefix_kv(prefix), *kvs]
     ids = torch.cat([s.token_ids for s in segments] + [torch.tensor(q)])  # [N]
     n, c = ids.shape[0], ids.shape[0] - len(q)
     rope = lm.adapter.rotary(torch.arange(n), torch.empty(0, dtype=lm.dtype))
@@ -140,15 +141,15 @@ def test_handover_blends_every_chunk_when_several_are_kept(tiny):
     the whole prompt); keeping one chunk is unchanged."""
     prefix, kvs, q = _parts(tiny)
     several = BlendOptions(recompute_ratio=1.0, focus=FocusOptions(keep=1e-9, handover=True, spread=0.0))
-    res = tiny.blend(prefix, kvs, q, mode="focus", options=several)
+    res = tiny.run(Prompt.of(prefix, kvs, q), "focus", options=several)
     assert res.used_chunks == (0, 1, 2)
-    blend = tiny.blend(prefix, kvs, q, mode="blend", options=BlendOptions(recompute_ratio=1.0))
-    full = tiny.full_prefill(tiny.prompt.prompt_ids(CHUNKS, QUESTION))
+    blend = tiny.run(Prompt.of(prefix, kvs, q), "blend", options=BlendOptions(recompute_ratio=1.0))
+    full = tiny.run(Prompt(tiny.prompt.prompt_ids(CHUNKS, QUESTION)), Mode.FULL)
     assert torch.equal(res.logits, blend.logits)
     assert (res.logits - full.logits).abs().max() <= 1e-4
     assert res.chunk_scores is not None and len(res.chunk_scores) == 3 and max(res.chunk_scores) > 0.99
     one = BlendOptions(focus=FocusOptions(keep=1.0, handover=True, spread=0.0))
-    alone, before = (tiny.blend(prefix, kvs, q, mode="focus", options=o) for o in (one, BlendOptions(focus=FocusOptions(keep=1.0))))
+    alone, before = (tiny.run(Prompt.of(prefix, kvs, q), "focus", options=o) for o in (one, BlendOptions(focus=FocusOptions(keep=1.0))))
     assert len(alone.used_chunks) == 1 and alone.used_chunks == before.used_chunks
     assert torch.equal(alone.logits, before.logits)
 
@@ -157,18 +158,16 @@ def test_one_kept_neighbour_chunk_is_recomputed_exactly(tiny):
     """A chunk whose KV was computed after neighbours that the prompt does not hold is not
     reused as exact: focus keeping only it recomputes it, which is full prefill of the
     prefix, that chunk and the question."""
-    from ragkv.engine.prefill import prefill_segment
-
     p = tiny.prompt
     prefix, plain, q = _parts(tiny)
     ids = [p.chunk_ids(c) for c in CHUNKS]
     # each chunk after the next one's tokens: KV that has attended to a neighbour
-    nb = [prefill_segment(tiny.lm, prefix, ids[i], context_ids=ids[(i + 1) % 3]) for i in range(3)]
+    nb = [tiny.prefill(prefix, ids[i], context_ids=ids[(i + 1) % 3]) for i in range(3)]
     assert all(kv.after_context for kv in nb)
-    res = tiny.blend(prefix, nb, q, mode="focus", options=BlendOptions(focus=FocusOptions(keep=1.0)))
+    res = tiny.run(Prompt.of(prefix, nb, q), "focus", options=BlendOptions(focus=FocusOptions(keep=1.0)))
     assert res.used_chunks is not None and len(res.used_chunks) == 1  # keep 1.0: the best alone
     kept = [CHUNKS[res.used_chunks[0]]]
-    ref = tiny.full_prefill(p.prompt_ids(kept, QUESTION))
+    ref = tiny.run(Prompt(p.prompt_ids(kept, QUESTION)), Mode.FULL)
     assert (res.logits - ref.logits).abs().max() <= 1e-4
     assert res.recompute_fraction > 0
 
@@ -177,17 +176,17 @@ def test_handover_waits_for_the_spread(tiny):
     """focus_spread: several kept chunks hand over only when the others score on average at
     least that share of the best; below it, focus answers over the kept chunks alone."""
     prefix, kvs, q = _parts(tiny)
-    base = tiny.blend(prefix, kvs, q, mode="focus", options=BlendOptions(focus=FocusOptions(keep=1e-9)))
+    base = tiny.run(Prompt.of(prefix, kvs, q), "focus", options=BlendOptions(focus=FocusOptions(keep=1e-9)))
     scores = sorted(base.chunk_scores, reverse=True)
     assert scores[0] > scores[1] > scores[2], base.chunk_scores
     keep = (scores[1] + scores[2]) / 2 / scores[0]  # the best two kept, the third dropped
     s = spread(torch.tensor(base.chunk_scores))
     below = BlendOptions(focus=FocusOptions(keep=keep, handover=True, spread=min(1.0, s + 1e-3)))
     above = BlendOptions(focus=FocusOptions(keep=keep, handover=True, spread=max(0.0, s - 1e-3)))
-    kept = tiny.blend(prefix, kvs, q, mode="focus", options=below)
+    kept = tiny.run(Prompt.of(prefix, kvs, q), "focus", options=below)
     assert kept.used_chunks is not None and len(kept.used_chunks) == 2
-    handed = tiny.blend(prefix, kvs, q, mode="focus", options=above)
-    blend = tiny.blend(prefix, kvs, q, mode="blend", options=BlendOptions())
+    handed = tiny.run(Prompt.of(prefix, kvs, q), "focus", options=above)
+    blend = tiny.run(Prompt.of(prefix, kvs, q), "blend", options=BlendOptions())
     assert handed.used_chunks == (0, 1, 2) and torch.equal(handed.logits, blend.logits)
 
 
@@ -195,14 +194,12 @@ def test_several_kept_neighbour_chunks_are_recomputed_exactly(tiny):
     """Several kept chunks whose KV attended to neighbours the prompt does not hold, with no
     handover (or a spread it does not reach): recomputed, so the answer is full prefill of
     the prefix, the kept chunks and the question."""
-    from ragkv.engine.prefill import prefill_segment
-
     p = tiny.prompt
     prefix, _, q = _parts(tiny)
     ids = [p.chunk_ids(c) for c in CHUNKS]
-    nb = [prefill_segment(tiny.lm, prefix, ids[i], context_ids=ids[(i + 1) % 3]) for i in range(3)]
+    nb = [tiny.prefill(prefix, ids[i], context_ids=ids[(i + 1) % 3]) for i in range(3)]
     for opts in (BlendOptions(focus=FocusOptions(keep=1e-9)), BlendOptions(focus=FocusOptions(keep=1e-9, handover=True, spread=1.0))):
-        res = tiny.blend(prefix, nb, q, mode="focus", options=opts)
+        res = tiny.run(Prompt.of(prefix, nb, q), "focus", options=opts)
         assert res.used_chunks == (0, 1, 2)
-        ref = tiny.full_prefill(p.prompt_ids(CHUNKS, QUESTION))
+        ref = tiny.run(Prompt(p.prompt_ids(CHUNKS, QUESTION)), Mode.FULL)
         assert (res.logits - ref.logits).abs().max() <= 1e-4

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ragkv.types import Mode
-from ragkv.engine import BlendOptions, Engine, FocusOptions, load_model
+from ragkv.engine import BlendOptions, Engine, FocusOptions, Prompt, load_model
 from ragkv.engine.kv import KVCache
 from ragkv.evals.testing import tiny_model_dir
 from ragkv.errors import KVFormatError
@@ -101,9 +101,9 @@ def _loading(kvs):
 ])
 def test_chunks_still_loading_give_the_same_bits_as_whole_ones(tiny_engine, mode, options):
     prefix, kvs, q, _ = _parts(tiny_engine)
-    whole = tiny_engine.blend(prefix, kvs, q, mode=mode, options=options)
+    whole = tiny_engine.run(Prompt.of(prefix, kvs, q), mode, options=options)
     loading = _loading(kvs)
-    res = tiny_engine.blend(prefix, loading, q, mode=mode, options=options)
+    res = tiny_engine.run(Prompt.of(prefix, loading, q), mode, options=options)
     assert torch.equal(res.logits, whole.logits), "layered logits differ from whole-chunk logits"
     n = whole.n_prompt_tokens
     assert torch.equal(res.cache.k[:, :, :n], whole.cache.k[:, :, :n])
@@ -120,7 +120,8 @@ def test_chunks_still_loading_give_the_same_bits_as_whole_ones(tiny_engine, mode
 
 def test_fill_takes_each_layer_only_when_the_pass_reaches_it(tiny_engine):
     lm = tiny_engine.lm
-    prefix, kvs, _, _ = _parts(tiny_engine)
+    prefix_ids, kvs, _, _ = _parts(tiny_engine)
+    prefix = tiny_engine.prefix_kv(prefix_ids)
     loading = _loading(kvs)
     n = sum(kv.num_tokens for kv in [prefix, *kvs])
     rope = lm.adapter.rotary(torch.arange(n), torch.empty(0))
@@ -139,7 +140,7 @@ def test_a_layer_that_fails_to_load_fails_the_prompt(tiny_engine):
     prefix, kvs, q, _ = _parts(tiny_engine)
     broken = dataclasses.replace(kvs[1], ready=SlowGate(tiny_engine.lm.num_layers, fail_at=1))
     with pytest.raises(KVFormatError, match="layer 1"):
-        tiny_engine.blend(prefix, [kvs[0], broken, *kvs[2:]], q, mode="blend", options=BlendOptions(0.3))
+        tiny_engine.run(Prompt.of(prefix, [kvs[0], broken, *kvs[2:]], q), "blend", options=BlendOptions(0.3))
 
 
 def test_a_chunk_still_loading_cannot_be_copied_whole(tiny_engine):

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from ragkv.engine import Engine, SamplingParams, load_model
+from ragkv.engine import Engine, Prompt, SamplingParams, load_model
 from ragkv.engine.request import Decode, Finished, EndReason, LoadedKV, PromptChunk, Request, TokenOut, Work
 from ragkv.engine.scheduler import Scheduler, SchedulerConfig, SchedulerFullError
 from ragkv.evals.testing import tiny_model_dir
@@ -65,7 +65,7 @@ def _request(engine: Engine, mode: Mode, n_chunks: int, question: str, max_new: 
     """A server-like request: its chunks' KV ready, the question's tokens."""
     prefix_ids = engine.prompt.prefix_ids()
     chunk_ids = [engine.prompt.chunk_ids(p) for p in PASSAGES[:n_chunks]]
-    kvs = [engine.prefill_chunk(prefix_ids, ids) for ids in chunk_ids]
+    kvs = [engine.prefill(prefix_ids, ids) for ids in chunk_ids]
     return Request(mode=mode, prefix_ids=tuple(prefix_ids), question_ids=tuple(engine.prompt.question_ids(question)),
                    chunks=tuple(PromptChunk(tuple(ids), LoadedKV(kv, Tier.CPU, kv.nbytes))
                                 for ids, kv in zip(chunk_ids, kvs)),
@@ -132,14 +132,14 @@ def test_decode_batch_equals_single_steps(tiny_lm) -> None:
     from ragkv.engine.decode import decode_batch
 
     engine = Engine(tiny_lm)
-    prompts = [engine.full_prefill(engine.prompt.prompt_ids(PASSAGES[:n], "Who?")) for n in (1, 3, 2)]
+    prompts = [engine.run(Prompt(engine.prompt.prompt_ids(PASSAGES[:n], "Who?")), Mode.FULL) for n in (1, 3, 2)]
     tokens = [int(p.logits.argmax()) for p in prompts]
     singles = []
     for p, t in zip(prompts, tokens):
         stream = engine.decode(p, SamplingParams(max_new_tokens=4))
         with torch.inference_mode():
             singles.append(stream._forward(t))
-    prompts = [engine.full_prefill(engine.prompt.prompt_ids(PASSAGES[:n], "Who?")) for n in (1, 3, 2)]
+    prompts = [engine.run(Prompt(engine.prompt.prompt_ids(PASSAGES[:n], "Who?")), Mode.FULL) for n in (1, 3, 2)]
     lens = [p.cache.length for p in prompts]
     batched = decode_batch(engine.lm, [p.cache for p in prompts], tokens)  # [B, V]
     assert [p.cache.length for p in prompts] == [n + 1 for n in lens]
@@ -242,7 +242,7 @@ def test_a_long_prompt_does_not_stall_decoding(tiny_lm, first_s: float) -> None:
 
     def decoder():
         prefix_ids = engine.prompt.prefix_ids()
-        res = yield from engine.run_steps(prefix_ids, [], [], engine.prompt.question_ids("Hi?"), Mode.FULL)
+        res = yield from engine.run_steps(Prompt(engine.prompt.question_ids("Hi?"), prefix_ids), Mode.FULL)
         yield Decode(engine.decode(res, SamplingParams(max_new_tokens=200)))
 
     class Pieces(_Sink):
@@ -253,7 +253,7 @@ def test_a_long_prompt_does_not_stall_decoding(tiny_lm, first_s: float) -> None:
 
     def long_prompt():
         ids = [engine.prompt.chunk_ids(p) for p in PASSAGES] * 4
-        steps = engine.run_steps(engine.prompt.prefix_ids(), ids, None, engine.prompt.question_ids("Why?"), Mode.FULL)
+        steps = engine.run_steps(Prompt(engine.prompt.question_ids("Why?"), engine.prompt.prefix_ids(), ids), Mode.FULL)
         try:
             while True:
                 next(steps)
@@ -484,7 +484,7 @@ def test_a_request_waiting_for_its_kv_stalls_nobody(tiny_lm, tmp_path, monkeypat
     store = TieredStore(StoreConfig.from_uris([f"disk:{tmp_path / 'kv'}"]), lm.fingerprint, lm.tokenizer_fingerprint)
     keys = [ChunkKey.build(lm.fingerprint, lm.tokenizer_fingerprint, prefix_ids, ids) for ids in slow_ids]
     for key, ids in zip(keys, slow_ids):
-        store.put(KVEntry.of(engine.prefill_chunk(prefix_ids, ids), key, lm.fingerprint, lm.tokenizer_fingerprint,
+        store.put(KVEntry.of(engine.prefill(prefix_ids, ids), key, lm.fingerprint, lm.tokenizer_fingerprint,
                              hash_prefix(prefix_ids)))
     delay = [0.0]
     real_fetch = DiskTier.fetch
@@ -518,8 +518,8 @@ def test_a_request_waiting_for_its_kv_stalls_nobody(tiny_lm, tmp_path, monkeypat
     def bystander(mode: Mode, n: int, q: str, started: threading.Event):
         """Decodes until cancelled: no EOS, a length past the test's end."""
         chunk_ids = [engine.prompt.chunk_ids(p) for p in PASSAGES[:n]]
-        kvs = [engine.prefill_chunk(prefix_ids, ids) for ids in chunk_ids]
-        res = yield from engine.run_steps(prefix_ids, chunk_ids, kvs, engine.prompt.question_ids(q), mode,
+        kvs = [engine.prefill(prefix_ids, ids) for ids in chunk_ids]
+        res = yield from engine.run_steps(Prompt(engine.prompt.question_ids(q), prefix_ids, chunk_ids, kvs), mode,
                                           reserve_tokens=3000)
         stream = engine.decode(res, SamplingParams(max_new_tokens=3000))
         stream._eos = set()  # a random model may pick EOS at any step: this one must go on

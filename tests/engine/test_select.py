@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ragkv.types import Mode
-from ragkv.engine import BlendOptions, Budget
+from ragkv.engine import BlendOptions, Budget, Prompt
 from ragkv.engine.select import select_tokens
 
 
@@ -45,9 +45,8 @@ def test_chunk_budget_blend_recomputes_every_chunk(tiny_llama_engine):
     from tests.engine.test_blend import _parts
 
     prefix, kvs, q, _ = _parts(tiny_llama_engine)
-    res = tiny_llama_engine.blend(prefix, kvs, q, mode=Mode.BLEND,
-                                  options=BlendOptions(0.3, budget="chunk", selector="query"))
-    starts = torch.tensor([prefix.num_tokens + sum(k.num_tokens for k in kvs[:i]) for i in range(len(kvs) + 1)])
+    res = tiny_llama_engine.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=BlendOptions(0.3, budget="chunk", selector="query"))
+    starts = torch.tensor([len(prefix) + sum(k.num_tokens for k in kvs[:i]) for i in range(len(kvs) + 1)])
     per_chunk = torch.bucketize(res.recomputed, starts[1:], right=True).bincount(minlength=len(kvs))
     assert per_chunk.tolist() == [round(0.3 * k.num_tokens) for k in kvs] or per_chunk.sum() == round(
         0.3 * sum(k.num_tokens for k in kvs))

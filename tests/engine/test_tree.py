@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ragkv.types import Mode
-from ragkv.engine import BlendOptions, Engine, FocusOptions, SamplingParams, load_model
+from ragkv.engine import BlendOptions, Engine, FocusOptions, Prompt, SamplingParams, load_model
 from ragkv.engine.kv import KVCache
 from ragkv.engine.tree import KVTree, TreeContext, TreeKey
 from ragkv.evals.testing import FAMILY_CONFIGS, tiny_model_dir
@@ -150,23 +150,23 @@ def _next_call_equals_computing_it(eng: Engine, mode: Mode, selector: str, ratio
     prefix_ids = fmt.prefix_ids()
     chunk_ids = [fmt.chunk_ids(c) for c in CHUNKS]
     opts = BlendOptions(recompute_ratio=ratio, selector=selector, focus=FocusOptions(handover=True, spread=0.0))
-    kvs = eng.prefill_chunks(prefix_ids, chunk_ids)
+    kvs = [eng.prefill(prefix_ids, ids) for ids in chunk_ids]
     first_q = fmt.question_ids(QUESTION)
     key = eng.tree_key(mode, prefix_ids, CHUNKS, opts, first_q)
 
-    res = eng.run(prefix_ids, chunk_ids, kvs, first_q, mode, opts, reserve_tokens=16)
+    res = eng.run(Prompt(first_q, prefix_ids, chunk_ids, kvs), mode, opts, reserve_tokens=16)
     stream = eng.decode(res, SamplingParams(max_new_tokens=5))
     list(stream)
     assert eng.remember(key, mode, res, len(first_q), len(prefix_ids), stream.token_ids) > 0
 
     second_q = [*first_q, *stream.token_ids[:4], *fmt.chunk_ids(TOOL_TURN)]
-    alone = eng.run(prefix_ids, chunk_ids, kvs, second_q, mode, opts, reserve_tokens=16, select_ids=first_q)
+    alone = eng.run(Prompt(second_q, prefix_ids, chunk_ids, kvs, first_q), mode, opts, reserve_tokens=16)
     lease = eng.tree.match(key, eng.tree_path(mode, prefix_ids, chunk_ids, second_q))
     assert lease is not None
     context = res.n_prompt_tokens - len(first_q) if mode not in (Mode.FULL, Mode.PREFIX) else 0
     assert lease.tokens >= context + len(first_q) + len(stream.token_ids[:4]) - 1 - (
         len(prefix_ids) if mode is Mode.PREFIX else 0)
-    reused = eng.run(prefix_ids, chunk_ids, None, second_q, mode, opts, reserve_tokens=16, resume=lease)
+    reused = eng.run(Prompt(second_q, prefix_ids, chunk_ids, None), mode, opts, reserve_tokens=16, resume=lease)
 
     assert torch.equal(reused.token_ids, alone.token_ids)
     diff = (reused.logits - alone.logits).abs().max().item()
@@ -183,9 +183,9 @@ def test_select_ids_equal_to_the_question_change_nothing(engine):
     """A single call chooses by its own question: passing it as select_ids is today's pass."""
     fmt = engine.prompt
     prefix_ids, chunk_ids = fmt.prefix_ids(), [fmt.chunk_ids(c) for c in CHUNKS]
-    kvs, q = engine.prefill_chunks(prefix_ids, chunk_ids), fmt.question_ids(QUESTION)
+    kvs, q = [engine.prefill(prefix_ids, ids) for ids in chunk_ids], fmt.question_ids(QUESTION)
     for mode in (Mode.BLEND, Mode.FOCUS):
         opts = BlendOptions(recompute_ratio=0.2)
-        base = engine.run(prefix_ids, chunk_ids, kvs, q, mode, opts)
-        same = engine.run(prefix_ids, chunk_ids, kvs, q, mode, opts, select_ids=q)
+        base = engine.run(Prompt(q, prefix_ids, chunk_ids, kvs), mode, opts)
+        same = engine.run(Prompt(q, prefix_ids, chunk_ids, kvs, q), mode, opts)
         assert torch.equal(base.logits, same.logits) and torch.equal(base.recomputed, same.recomputed)

@@ -91,43 +91,42 @@ def test_keys_differ_with_context_and_options_and_plain_keys_keep_their_meaning(
 
 
 def test_prefill_with_context_is_the_chunk_slice_of_one_pass(tiny_lm):
-    from ragkv.engine.prefill import prefill_segment
+    from ragkv.engine import Engine
 
-    prefix = prefill_segment(tiny_lm, None, [1, 5, 9])
+    eng, prefix = Engine(tiny_lm), [1, 5, 9]
     ctx, own = [20, 21, 22, 23], [30, 31, 32]
-    whole = prefill_segment(tiny_lm, prefix, ctx + own)
-    kv = prefill_segment(tiny_lm, prefix, own, ctx)
+    whole = eng.prefill(prefix, ctx + own)
+    kv = eng.prefill(prefix, own, ctx)
     assert kv.token_ids.tolist() == own and kv.positions.tolist() == [7, 8, 9]
     torch.testing.assert_close(kv.k, whole.k[:, :, 4:])
     torch.testing.assert_close(kv.v, whole.v[:, :, 4:])
-    plain = prefill_segment(tiny_lm, prefix, own)
+    plain = eng.prefill(prefix, own)
     assert not torch.allclose(plain.v[1:], kv.v[1:])  # layer 0's V sees no context; later ones do
 
 
 def test_serving_neighbour_kv_every_mode_and_blend_1_equals_full(tiny_lm):
-    from ragkv.engine import BlendOptions, Engine
-    from ragkv.engine.prefill import prefill_segment
+    from ragkv.engine import BlendOptions, Engine, Prompt
     from ragkv.types import Mode
 
     eng = Engine(tiny_lm)
     p = eng.prompt
     prefix_ids = p.prefix_ids()
-    prefix = eng.prefix_kv(prefix_ids)
+    prefix = prefix_ids
     texts = ["Paris is the capital of France.", "The secret number is 4721.", "Alice met Bob."]
     ids = [p.chunk_ids(t) for t in texts]
-    kvs = [prefill_segment(tiny_lm, prefix, c, ids[(i + 1) % 3]) for i, c in enumerate(ids)]
+    kvs = [eng.prefill(prefix, c, ids[(i + 1) % 3]) for i, c in enumerate(ids)]
     assert all(int(kv.positions[0]) > len(prefix_ids) for kv in kvs)
     q = p.question_ids("What is the secret number?")
-    full = eng.full_prefill(p.prompt_ids(texts, "What is the secret number?"))
+    full = eng.run(Prompt(p.prompt_ids(texts, "What is the secret number?")), Mode.FULL)
     for mode in (Mode.REUSE, Mode.BLEND, Mode.FOCUS, Mode.PREFIX):
-        res = eng.run(prefix_ids, ids, kvs, q, mode)
+        res = eng.run(Prompt(q, prefix_ids, ids, kvs), mode)
         assert torch.isfinite(res.logits).all()
     for sel in ("query", "deviation"):
-        res = eng.blend(prefix, kvs, q, Mode.BLEND, options=BlendOptions(recompute_ratio=1.0, selector=sel))
+        res = eng.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=BlendOptions(recompute_ratio=1.0, selector=sel))
         torch.testing.assert_close(res.logits, full.logits, atol=1e-4, rtol=1e-4)
     early = dataclasses.replace(kvs[0], positions=kvs[0].positions - kvs[0].positions[0])  # before the prefix
     with pytest.raises(ValueError, match="prefix of 0 tokens"):
-        eng.blend(prefix, [early], q, Mode.REUSE)
+        eng.run(Prompt.of(prefix, [early], q), Mode.REUSE)
 
 
 def test_index_with_neighbours_records_options_keys_and_stores_context_kv(job_config, tiny_lm, embedder):
@@ -234,26 +233,27 @@ def test_eval_on_an_index_takes_neighbours_from_its_embeddings(job_config, tiny_
 def test_one_neighbour_as_its_plain_kv_gives_the_kv_of_its_tokens(tiny_lm):
     """A neighbour's plain KV is what its tokens give after the prefix, so for one neighbour
     within the budget the cheap context (no forward of the neighbour) is the same KV."""
-    from ragkv.engine.prefill import context_segments, prefill_segment
+    from ragkv.engine import Engine
+    from ragkv.engine.prefill import context_segments
 
-    prefix = prefill_segment(tiny_lm, None, [1, 5, 9])
+    eng, prefix = Engine(tiny_lm), [1, 5, 9]
     near, far, own = [20, 21, 22, 23], [40, 41, 42], [30, 31, 32]
-    near_kv, far_kv = prefill_segment(tiny_lm, prefix, near), prefill_segment(tiny_lm, prefix, far)
-    by_tokens = prefill_segment(tiny_lm, prefix, own, near)
-    by_kv = prefill_segment(tiny_lm, prefix, own, context_kv=context_segments([near_kv], 100))
+    near_kv, far_kv = eng.prefill(prefix, near), eng.prefill(prefix, far)
+    by_tokens = eng.prefill(prefix, own, near)
+    by_kv = eng.prefill(prefix, own, context_kv=context_segments([near_kv], 100))
     assert by_kv.after_context and by_kv.positions.tolist() == by_tokens.positions.tolist() == [7, 8, 9]
     torch.testing.assert_close(by_kv.k, by_tokens.k, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(by_kv.v, by_tokens.v, atol=1e-5, rtol=1e-4)
     # two neighbours: the nearer one's tokens no longer see the farther one, a different KV
-    two = prefill_segment(tiny_lm, prefix, own, context_kv=context_segments([near_kv, far_kv], 100))
+    two = eng.prefill(prefix, own, context_kv=context_segments([near_kv, far_kv], 100))
     assert two.positions.tolist() == [10, 11, 12]
-    assert not torch.allclose(two.v[1:], prefill_segment(tiny_lm, prefix, own, far + near).v[1:], atol=1e-5)
+    assert not torch.allclose(two.v[1:], eng.prefill(prefix, own, far + near).v[1:], atol=1e-5)
     # the budget cuts the farthest neighbour's first tokens, as with tokens
     cut = context_segments([near_kv, far_kv], 5)
     assert [c.token_ids.tolist() for c in cut] == [[42], near]
     assert cut[0].positions.tolist() == [5]  # computed at the end of the far neighbour, re-rotated when placed
     with pytest.raises(ValueError, match="not both"):
-        prefill_segment(tiny_lm, prefix, own, near, context_kv=[near_kv])
+        eng.prefill(prefix, own, near, context_kv=[near_kv])
 
 
 def test_which_kv_each_mode_is_served_from() -> None:

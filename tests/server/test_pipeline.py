@@ -138,7 +138,7 @@ def test_focus_keep_setting_reaches_the_engine(tiny_index: Path) -> None:
 def test_full_mode_equals_engine_full_prefill_and_greedy_decode(
     pipeline_server: ServerThread, tiny_index: Path, tiny_llama_dir: Path
 ) -> None:
-    from ragkv.engine import Engine, SamplingParams, load_model
+    from ragkv.engine import Engine, Prompt, SamplingParams, load_model
     from ragkv.retriever import Retriever
 
     with RagClient(pipeline_server.addr, timeout=60) as client:
@@ -152,7 +152,7 @@ def test_full_mode_equals_engine_full_prefill_and_greedy_decode(
         prefix = list(retriever.manifest.prefix_ids)
     assert [h.chunk_id for h in hits] == chunk_ids
     ids = prefix + [t for h in hits for t in h.token_ids] + engine.prompt.question_ids(QUESTION)
-    decode = engine.decode(engine.full_prefill(ids), SamplingParams(max_new_tokens=12))
+    decode = engine.decode(engine.run(Prompt(ids), Mode.FULL), SamplingParams(max_new_tokens=12))
     expected = "".join(decode)
     assert served.text == expected
     assert served.usage.prompt_tokens == len(ids)

@@ -18,7 +18,7 @@ QUESTION = "What is the secret number?"
 
 @pytest.mark.real_model
 def test_smollm2_full_equals_engine_and_blend_serves(smollm2, tmp_path: Path) -> None:  # noqa: ANN001
-    from ragkv.engine import Engine, SamplingParams
+    from ragkv.engine import Engine, Prompt, SamplingParams
     from ragkv.indexer.chunking import ChunkingConfig
     from ragkv.indexer.job import IndexJobConfig, run_index
     from ragkv.retriever import Retriever
@@ -47,7 +47,7 @@ def test_smollm2_full_equals_engine_and_blend_serves(smollm2, tmp_path: Path) ->
         engine = Engine(smollm2)
         ids = list(retriever.manifest.prefix_ids) + [t for h in hits for t in h.token_ids] \
             + engine.prompt.question_ids(QUESTION)
-        expected = "".join(engine.decode(engine.full_prefill(ids), SamplingParams(max_new_tokens=16)))
+        expected = "".join(engine.decode(engine.run(Prompt(ids), Mode.FULL), SamplingParams(max_new_tokens=16)))
     finally:
         st.stop()
     assert [c.chunk_id for c in full.chunks] == [h.chunk_id for h in hits]

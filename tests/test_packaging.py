@@ -8,6 +8,7 @@ Both run on the wheel itself (built here, unpacked into a folder): the repositor
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -130,3 +131,14 @@ def test_the_circle_check_catches_one(wheel_tree: Path, tmp_path: Path) -> None:
     select.write_text(select.read_text() + "\n\ndef _back():\n    from ragkv.engine.blend import BlendOptions\n")
     cycles = _import_cycles(tree)
     assert any({"ragkv.engine.blend", "ragkv.engine.select"} <= set(c) for c in cycles), cycles
+
+
+def test_the_project_docs_never_point_into_shared() -> None:
+    """The docs and the files they name must exist in a checkout of the project alone: no
+    path into the workplace's shared/ folder (its data is a test and eval input, not ours)."""
+    root = Path(__file__).resolve().parents[1]
+    docs = [root / "README.md", *sorted((root / "docs").glob("*.md")), *sorted((root / "terraform").rglob("*.md"))]
+    assert len(docs) > 3
+    found = [f"{d.relative_to(root)}:{n}" for d in docs for n, line in enumerate(d.read_text().splitlines(), 1)
+             if re.search(r"(^|[\s`(/])shared/", line)]
+    assert not found, f"docs point into shared/: {found}"

@@ -126,7 +126,7 @@ def run_bench(args: argparse.Namespace) -> int:
         key = ChunkKey.build(lm.fingerprint, lm.tokenizer_fingerprint, prefix_ids, cids)
         store.put(KVEntry.of(kv, key, lm.fingerprint, lm.tokenizer_fingerprint, hash_prefix(prefix_ids)))
         keys.append(key)
-    kv_bytes = sum(e.k.nbytes + e.v.nbytes for e in (store.get(k) for k in keys[:1])) * len(keys)
+    kv_bytes = sum(e.k.nbytes + e.v.nbytes for e in (store.read(k).entry for k in keys[:1])) * len(keys)
 
     def load(layered: bool):
         hits = [h.hit() for h in store.prefetch(keys, layered=layered)]

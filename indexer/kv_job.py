@@ -103,10 +103,10 @@ class KVWriter:
         it), or computed again if no tier has it whole (deleted or corrupted since)."""
         from ragkv.engine import ChunkKV
 
-        entry = self.store.get(key)
-        if entry is None:
+        hit = self.store.read(key)
+        if hit is None:
             return self.engine.prefill(self.prefix_ids, token_ids)
-        return ChunkKV.from_stored(entry, self._lm.device, self._lm.dtype)
+        return ChunkKV.from_stored(hit.entry, self._lm.device, self._lm.dtype)
 
     def write(self, batch: Sequence[KVItem], kvs: Sequence[Any]) -> int:
         """Put one computed batch into the store; returns the KV bytes written.

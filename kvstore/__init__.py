@@ -10,9 +10,9 @@ Shapes: `[L, Hkv, T, D]` = layers, KV heads, tokens, head dim (legend in engine/
 
     store = TieredStore(StoreConfig.from_uris(["cpu", "disk:/x"]), model_fp, tokenizer_fp)
     store.put(entry)
-    hit = store.fetch(key)            # Hit(entry, tier, seconds) or None
-    handles = store.prefetch(keys)    # handle.result(timeout=None) -> KVEntry | None
-    hit = store.fetch_layered(key)    # hit.layers.wait(l) before reading layer l (filled behind compute)
+    handles = store.prefetch(keys)    # the one read: handle.future, handle.hit(timeout) -> Hit | None
+    hit = store.read(key)             # the same lookup on this thread: Hit(entry, tier, seconds) or None
+    hit = store.read(key, layered=True)  # hit.layers.wait(l) before reading layer l (filled behind compute)
 """
 
 from ragkv.kvstore.compression import Compression
@@ -21,8 +21,8 @@ from ragkv.kvstore.entry import KVEntry, RopeMode
 from ragkv.kvstore.eviction import Policy
 from ragkv.kvstore.keys import FORMAT_VERSION, ChunkContext, ChunkKey, ContextHash, PrefixHash, hash_prefix
 from ragkv.kvstore.layered import LayerGate
-from ragkv.kvstore.store import Hit, PrefetchHandle, StoreStats, TieredStore
-from ragkv.kvstore.tiers.base import StorageTier, Tier, TierStats
+from ragkv.kvstore.store import PrefetchHandle, StoreStats, TieredStore
+from ragkv.kvstore.tiers.base import Hit, StorageTier, Tier, TierStats
 from ragkv.kvstore.tiers.disk import DiskTier
 from ragkv.kvstore.tiers.memory import CpuTier, GpuTier, MemoryTier
 from ragkv.kvstore.tiers.s3 import S3Settings, S3Tier

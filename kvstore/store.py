@@ -1,16 +1,21 @@
 """TieredStore: one store over the tiers, looked at top-down (GPU, CPU, disk, S3).
 
-- `fetch(key)` returns a `Hit` (entry, the tier it was found in, seconds) or None;
-  `get(key)` is its entry. A hit is promoted into every tier above the one that held
-  it (memory tiers get the entry, a disk above S3 gets the verified file bytes).
-- `put(entry)` is inclusive: the entry goes into every memory tier (each under its
-  budget) and is written through to the durable tiers the config names.
-- `prefetch(keys)` starts loading in background threads and returns one
-  `PrefetchHandle` per key; concurrent prefetches of one key share one load.
-- `prefetch(keys, layered=True)` (and `fetch_layered`) hand a durable tier's hit out
-  as soon as its header is verified: `Hit.layers` says how many of the entry's layers
-  are filled and verified so far (kvstore.layered), so compute on layer l overlaps the
-  read of layer l+1. The hit is promoted once the whole file has passed.
+One read API: `prefetch(keys, layered=False)` starts loading in background threads and
+returns one `PrefetchHandle` per key (its `future`, `done()`, `hit(timeout)`);
+concurrent prefetches of one key share one load. `read(key, layered=False)` is the
+same lookup on the caller's thread. Either way:
+- a read gives the one `Hit` (entry, the tier it was found in, seconds) or None, and a
+  hit is promoted into every tier above the one that held it (`StorageTier.take`:
+  memory tiers hold the entry, a disk above S3 the verified file bytes);
+- `layered=True` hands a durable tier's hit out as soon as its header is verified:
+  `Hit.layers` says how many of the entry's layers are filled and verified so far
+  (kvstore.layered), so compute on layer l overlaps the read of layer l+1. The hit is
+  promoted once the whole file has passed.
+`put(entry)` is inclusive: the entry goes into every memory tier (each under its budget)
+and is written through to the durable tiers the config names (`StorageTier.write`).
+
+The store asks each tier only what `StorageTier` says (`read`, `take`, `write`,
+`contains`, `delete`, `stats`); whether a tier is durable is its `Tier`'s.
 
 A store serves one (model_fp, tokenizer_fp) pair: a file of another model is a miss,
 and putting another model's entry is a ValueError. All methods are thread-safe.
@@ -25,16 +30,13 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ragkv.kvstore.compression import Compression
 from ragkv.kvstore.config import StoreConfig, TierSpec
 from ragkv.kvstore.entry import KVEntry
-from ragkv.kvstore.fileformat import encode
 from ragkv.kvstore.keys import ChunkKey, check_fingerprint
 from ragkv.kvstore.layered import LayerGate
-from ragkv.kvstore.tiers.base import StorageTier, Tier, TierStats
+from ragkv.kvstore.tiers.base import Hit, StorageTier, Tier, TierStats
 from ragkv.kvstore.tiers.disk import DiskTier
-from ragkv.kvstore.tiers.durable import DurableTier
-from ragkv.kvstore.tiers.memory import CpuTier, GpuTier, MemoryTier
+from ragkv.kvstore.tiers.memory import CpuTier, GpuTier
 from ragkv.kvstore.tiers.s3 import S3Tier
 from ragkv.kvstore.timing import ReadEstimate, ReadTiming
 from ragkv.errors import StoreError
@@ -45,22 +47,11 @@ _STREAM_WORKERS = 16  # concurrent layered reads (a prompt has 3-10 chunks)
 
 
 @dataclass(frozen=True, slots=True)
-class Hit:
-    """A successful lookup."""
-
-    entry: KVEntry  # the KV, as held by the topmost tier it now sits in
-    tier: Tier  # the tier it was found in (before promotion)
-    seconds: float  # wall time of the lookup, promotion included
-    # layered reads: wait on this before reading a layer of entry.k / entry.v; None = all filled
-    layers: LayerGate | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class StoreStats:
     """A snapshot of a store's counters."""
 
     tiers: tuple[TierStats, ...]  # per tier, top-down
-    lookups: int  # fetch/get/prefetch lookups
+    lookups: int  # read/prefetch lookups
     misses: int  # lookups that missed every tier
     promotions: int  # copies made into upper tiers on hits
     promotion_failures: int  # promotions that failed (logged; the hit still returned)
@@ -96,11 +87,6 @@ class PrefetchHandle:
     def future(self) -> Future[Hit | None]:
         """The load itself: done once `hit` returns without waiting (a scheduler parks on it)."""
         return self._future
-
-    def result(self, timeout: float | None = None) -> KVEntry | None:
-        """Wait for the load; the entry, or None on a miss (same errors as `hit`)."""
-        hit = self.hit(timeout)
-        return None if hit is None else hit.entry
 
     def done(self) -> bool:
         """Whether the load has finished."""
@@ -143,11 +129,6 @@ class TieredStore:
                 t.close()
             raise
         self._setup(built, config.durable_writes, config.prefetch_workers)
-
-    @classmethod
-    def open(cls, config: StoreConfig, model_fp: str, tokenizer_fp: str) -> TieredStore:
-        """Same as the constructor."""
-        return cls(config, model_fp, tokenizer_fp)
 
     @classmethod
     def from_tiers(
@@ -219,50 +200,30 @@ class TieredStore:
             for name, delta in deltas.items():
                 setattr(self, f"_{name}", getattr(self, f"_{name}") + delta)
 
-    def fetch(self, key: ChunkKey) -> Hit | None:
-        """Look `key` up top-down; promote a hit into the tiers above; None if every tier misses."""
-        return self._lookup(key, layered=False)
+    def read(self, key: ChunkKey, layered: bool = False) -> Hit | None:
+        """Look `key` up top-down on this thread (`prefetch` does it on the store's); promote a
+        hit into the tiers above; None if every tier misses.
 
-    def fetch_layered(self, key: ChunkKey) -> Hit | None:
-        """`fetch`, but a durable tier's hit comes back before its data is all read.
-
-        The hit's `layers` gate says how far k and v are filled; the read goes on in the
-        background and the entry is promoted once every block has passed. A memory tier's
-        hit is whole (`layers` None).
+        layered: a durable tier's hit comes back before its data is all read; its `layers`
+        gate says how far k and v are filled, the read goes on in the background and the
+        entry is promoted once every block has passed. A memory tier's hit is whole.
         """
-        return self._lookup(key, layered=True)
-
-    def _lookup(self, key: ChunkKey, layered: bool) -> Hit | None:
         if not isinstance(key, ChunkKey):
             raise TypeError(f"key must be a ChunkKey, got {type(key).__name__}")
         started = time.perf_counter()
         self._count(lookups=1)
         for depth, tier in enumerate(self._tiers):
             upper = self._tiers[:depth]
-            if isinstance(tier, DurableTier) and layered:
-                def promote(data: memoryview | bytearray, entry: KVEntry, upper=upper) -> None:
-                    self._promote(entry, data, upper, from_file=True)
-
-                streamed = tier.fetch_layered(key, self._stream_pool.submit, promote)
-                if streamed is None:
-                    continue
+            hit = tier.read(key, layered, self._stream_pool.submit, lambda whole, upper=upper: self._promote(whole, upper))
+            if hit is None:
+                continue
+            if hit.layers is not None:  # promoted once whole (on_done)
                 header_s = time.perf_counter() - started
-                self._time_layered(tier.tier, streamed.entry, streamed.layers, header_s)
-                return Hit(streamed.entry, tier.tier, header_s, streamed.layers)
-            data = None
-            if isinstance(tier, DurableTier):
-                file_hit = tier.fetch(key)
-                if file_hit is None:
-                    continue
-                entry, data = file_hit.entry, file_hit.data
-            else:
-                found = tier.get(key)
-                if found is None:
-                    continue
-                entry = found
+                self._time_layered(tier.tier, hit.entry, hit.layers, header_s)
+                return Hit(hit.entry, tier.tier, header_s, hit.layers)
             read_s = time.perf_counter() - started  # a whole read: all of it counts as transfer
-            self._timing[tier.tier].observe(0.0, entry.nbytes, entry.k.shape[2], read_s)
-            top = self._promote(entry, data, upper, from_file=data is not None)
+            self._timing[tier.tier].observe(0.0, hit.entry.nbytes, hit.entry.k.shape[2], read_s)
+            top = self._promote(hit, upper)
             return Hit(top, tier.tier, time.perf_counter() - started)
         self._count(misses=1)
         return None
@@ -298,38 +259,19 @@ class TieredStore:
                 return t.tier
         return None
 
-    def _promote(
-        self,
-        entry: KVEntry,
-        data: memoryview | bytearray | None,
-        upper: Sequence[StorageTier],
-        from_file: bool,
-    ) -> KVEntry:
-        """Copy a hit into `upper` (top-down); the entry as held by the topmost that took it.
-
-        Memory tiers get their own copy of an entry read from a file (it views the file's bytes).
-        """
-        top = entry
+    def _promote(self, hit: Hit, upper: Sequence[StorageTier]) -> KVEntry:
+        """Copy a hit into `upper` (top-down); the entry as held by the topmost that took it."""
+        top = hit.entry
         for tier in reversed(upper):  # nearest first, so a failure high up still fills the rest
             try:
-                if isinstance(tier, MemoryTier):
-                    placed = tier.admit(entry, copy=from_file)
-                    if placed is not None:
-                        top = placed
-                elif isinstance(tier, DurableTier) and data is not None:
-                    tier.put_file(entry.key, data)
-                else:
-                    tier.put(entry)
+                placed = tier.take(hit)
+                if placed is not None:
+                    top = placed
                 self._count(promotions=1)
             except (StoreError, OSError, RuntimeError) as e:
                 self._count(promotion_failures=1)
-                logger.warning("promotion of %s into %s failed: %s", entry.key.hex, tier.tier.value, e)
+                logger.warning("promotion of %s into %s failed: %s", hit.entry.key.hex, tier.tier.value, e)
         return top
-
-    def get(self, key: ChunkKey) -> KVEntry | None:
-        """The entry under `key` from the highest tier that has it, or None. Use `fetch` for its tier."""
-        hit = self.fetch(key)
-        return None if hit is None else hit.entry
 
     def contains(self, key: ChunkKey) -> bool:
         """Whether any tier holds a copy (unverified; a get may still miss)."""
@@ -351,20 +293,18 @@ class TieredStore:
                 f"entry {entry.key.hex} is for model {entry.model_fp!r} / tokenizer {entry.tokenizer_fp!r}; "
                 f"this store serves {self.model_fp!r} / {self.tokenizer_fp!r}"
             )
-        encoded: dict[Compression, bytes] = {}
+        encoded: dict[object, bytes] = {}  # by compression, shared by the durable tiers
         failures: list[str] = []
         for tier in self._tiers:
-            if isinstance(tier, DurableTier):
+            if tier.tier.durable:
                 if not durable or tier.tier not in self.write_through:
                     continue
-                if tier.compression not in encoded:
-                    encoded[tier.compression] = encode(entry, tier.compression)
                 try:
-                    tier.put_file(entry.key, encoded[tier.compression])
+                    tier.write(entry, encoded)
                 except StoreError as e:
                     failures.append(f"{tier.tier.value}: {e}")
             elif memory:
-                tier.put(entry)
+                tier.write(entry, encoded)
         if failures:
             raise StoreError(f"put of key {entry.key.hex} failed in {len(failures)} tier(s): {'; '.join(failures)}")
 
@@ -381,7 +321,7 @@ class TieredStore:
         """Start loading `keys` in the background; one handle per key, in order.
 
         layered: hits come back once their headers are verified, with `Hit.layers` to wait
-        on per layer (`fetch_layered`); otherwise once the whole entry is verified.
+        on per layer (`read`); otherwise once the whole entry is verified.
         """
         handles = []
         for key in keys:
@@ -391,7 +331,7 @@ class TieredStore:
                 self._prefetches += 1
                 future = self._inflight.get((key, layered))
                 if future is None:
-                    future = self._pool.submit(self.fetch_layered if layered else self.fetch, key)
+                    future = self._pool.submit(self.read, key, layered)
                     self._inflight[(key, layered)] = future
                     future.add_done_callback(lambda f, k=(key, layered): self._landed(k, f))
                 else:
@@ -403,10 +343,6 @@ class TieredStore:
         with self._lock:
             if self._inflight.get(key) is future:
                 del self._inflight[key]
-
-    def get_many(self, keys: Sequence[ChunkKey]) -> list[KVEntry | None]:
-        """Entries for `keys` in order (None for misses), loaded concurrently."""
-        return [h.result() for h in self.prefetch(keys)]
 
     def stats(self) -> StoreStats:
         """A snapshot of the store's and every tier's counters."""

@@ -14,11 +14,27 @@ from __future__ import annotations
 import abc
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from ragkv.types import Tier, TierStats  # noqa: F401  (re-exported: the one tier enum, the one TierStats)
 from ragkv.kvstore.entry import KVEntry
 from ragkv.kvstore.keys import ChunkKey, check_fingerprint
+from ragkv.kvstore.layered import LayerGate
+
+Spawn = Callable[[Callable[[], None]], object]  # runs the rest of a layer-wise read (a thread pool's submit)
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """A read that found its key: the one hit of kvstore, from a tier or from the store."""
+
+    entry: KVEntry  # the KV (as held by the topmost tier it now sits in, once the store promoted it)
+    tier: Tier  # the tier it was found in
+    seconds: float = 0.0  # the store's wall time of the lookup, promotion included
+    # layer-wise reads: wait on this before reading a layer of entry.k / entry.v; None = all filled
+    layers: LayerGate | None = None
+    data: memoryview | bytearray | None = None  # a durable tier's verified file bytes (a disk above copies them)
 
 
 
@@ -88,6 +104,28 @@ class StorageTier(abc.ABC):
     @abc.abstractmethod
     def _usage(self) -> tuple[int, int]:
         """(entries, bytes) held now."""
+
+    def read(self, key: ChunkKey, layered: bool = False, spawn: Spawn | None = None,
+             on_done: Callable[[Hit], None] | None = None) -> Hit | None:
+        """Read `key` for the store; None on a miss (or a rejected copy).
+
+        A tier that can hand a read out before it is whole does so when `layered` (and
+        `spawn` is given): the hit's `layers` gate says how far its KV is filled, `spawn`
+        runs the rest, and `on_done(hit)` is called with the whole, verified read. Others
+        read whole, and their hit has no gate.
+        """
+        entry = self.get(key)
+        return None if entry is None else Hit(entry, self.tier)
+
+    def take(self, hit: Hit) -> KVEntry | None:
+        """Hold a copy of a hit found in a tier below (the store's promotion); the entry as
+        held here when the caller should read that one (a memory tier's), else None."""
+        self.put(hit.entry)
+        return None
+
+    def write(self, entry: KVEntry, encoded: dict[object, bytes]) -> bool:
+        """`put`, sharing encodings with the other tiers of one store put (`encoded`: by compression)."""
+        return self.put(entry)
 
     def get_many(self, keys: Sequence[ChunkKey]) -> list[KVEntry | None]:
         """`get` for each key, in order."""

@@ -4,9 +4,9 @@ Entries are encoded once (with the store's compression) and written as bytes;
 reads are verified by `fileformat.decode` before an entry leaves the tier. A copy
 that fails verification is a counted, logged miss and is handed to `_discard`
 (quarantine on disk, delete on S3). Verified bytes can move between durable tiers
-unchanged (`fetch` then `put_file`), so promotion never re-quantizes.
+unchanged (`read` then `take`: `put_file`), so promotion never re-quantizes.
 A tier that can read byte ranges (`_source`) also serves layer-ordered reads
-(`fetch_layered`, kvstore.layered): the entry is handed out once its header is checked,
+(`read(layered=True)`, kvstore.layered): the entry is handed out once its header is checked,
 and its layers fill behind compute.
 """
 
@@ -16,33 +16,16 @@ import abc
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ragkv.kvstore.compression import Compression, check_supported
 from ragkv.kvstore.entry import KVEntry
 from ragkv.kvstore.fileformat import BlockCrcs, decode, encode
 from ragkv.kvstore.keys import ChunkKey
 from ragkv.kvstore.layered import ByteSource, LayerGate, read_layered
-from ragkv.kvstore.tiers.base import StorageTier
+from ragkv.kvstore.tiers.base import Hit, Spawn, StorageTier
 from ragkv.errors import KVFormatError, StoreError
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class FileHit:
-    """A verified read from a durable tier."""
-
-    entry: KVEntry  # the decoded entry (views of `data` when uncompressed)
-    data: memoryview | bytearray  # the file's bytes, verified
-
-
-@dataclass(frozen=True, slots=True)
-class LayeredFileHit:
-    """A layer-ordered read from a durable tier."""
-
-    entry: KVEntry  # k and v are filled layer by layer: wait on `layers` before reading one
-    layers: LayerGate
 
 
 class DurableTier(StorageTier):
@@ -102,7 +85,15 @@ class DurableTier(StorageTier):
             self._counters.add(errors=1)
             logger.warning("%s tier read of key %s failed: %s", self.tier.value, key.hex, error)
 
-    def fetch(self, key: ChunkKey) -> FileHit | None:
+    def read(self, key: ChunkKey, layered: bool = False, spawn: Spawn | None = None,
+             on_done: Callable[[Hit], None] | None = None) -> Hit | None:
+        """Read and verify `key`'s file (the hit carries its bytes, `Hit.data`); with `layered`
+        and `spawn`, layer by layer (`_read_layered`). None on a miss or a rejected copy."""
+        if layered and spawn is not None:
+            return self._read_layered(key, spawn, on_done or (lambda hit: None))
+        return self._read_whole(key)
+
+    def _read_whole(self, key: ChunkKey) -> Hit | None:
         """Read and verify `key`'s file; None on a miss or a rejected copy."""
         started = time.perf_counter()
         got = self._read(key)
@@ -119,27 +110,22 @@ class DurableTier(StorageTier):
             self._rejected(key, e)
             return None
         self._counters.got(started, len(data))
-        return FileHit(entry, data)
+        return Hit(entry, self.tier, data=data)
 
-    def fetch_layered(
-        self,
-        key: ChunkKey,
-        spawn: Callable[[Callable[[], None]], object],
-        on_done: Callable[[memoryview | bytearray, KVEntry], None],
-    ) -> LayeredFileHit | None:
+    def _read_layered(self, key: ChunkKey, spawn: Spawn, on_done: Callable[[Hit], None]) -> Hit | None:
         """Start a layer-ordered read of `key`; None on a miss or a rejected header.
 
         The hit comes back once the header, token ids and positions are verified; `spawn`
-        runs the rest of the read, which calls `on_done(file bytes, entry)` when every
-        block has passed. A block that fails later fails the gate and discards the file.
-        A tier without byte-range reads reads whole (its gate is complete at once).
+        runs the rest of the read, which calls `on_done(whole hit)` when every block has
+        passed. A block that fails later fails the gate and discards the file. A tier
+        without byte-range reads reads whole (its gate is complete at once).
         """
         if not self.streams_layers:
-            hit = self.fetch(key)
+            hit = self._read_whole(key)
             if hit is None:
                 return None
-            on_done(hit.data, hit.entry)
-            return LayeredFileHit(hit.entry, LayerGate.complete(hit.entry.k.shape[0]))
+            on_done(hit)
+            return Hit(hit.entry, self.tier, layers=LayerGate.complete(hit.entry.k.shape[0]))
         started = time.perf_counter()
         try:
             source = self._source(key)
@@ -153,22 +139,38 @@ class DurableTier(StorageTier):
         size = source.size
         try:
             entry, gate = read_layered(source, expected_key=key, model_fp=self.model_fp,
-                                       tokenizer_fp=self.tokenizer_fp, spawn=spawn, on_done=on_done,
+                                       tokenizer_fp=self.tokenizer_fp, spawn=spawn,
+                                       on_done=lambda data, whole: on_done(Hit(whole, self.tier, data=data)),
                                        on_fail=lambda e: self._read_failed(key, e, source))
         except (KVFormatError, OSError, StoreError) as e:
             self._counters.got(started, None)
             self._read_failed(key, e, source)
             return None
         self._counters.got(started, size)
-        return LayeredFileHit(entry, gate)
+        return Hit(entry, self.tier, layers=gate)
 
     def get(self, key: ChunkKey) -> KVEntry | None:
-        hit = self.fetch(key)
+        hit = self._read_whole(key)
         return None if hit is None else hit.entry
 
     def put(self, entry: KVEntry) -> bool:
         self._check_entry(entry)
         return self.put_file(entry.key, encode(entry, self.compression))
+
+    def take(self, hit: Hit) -> KVEntry | None:
+        """Hold a hit from below: its verified file bytes as they are, else its entry encoded."""
+        if hit.data is not None:
+            self.put_file(hit.entry.key, hit.data)
+        else:
+            self.put(hit.entry)
+        return None
+
+    def write(self, entry: KVEntry, encoded: dict[object, bytes]) -> bool:
+        """`put`, encoding once per compression across one store put's durable tiers."""
+        self._check_entry(entry)
+        if self.compression not in encoded:
+            encoded[self.compression] = encode(entry, self.compression)
+        return self.put_file(entry.key, encoded[self.compression])
 
     def put_file(self, key: ChunkKey, data: bytes | bytearray | memoryview) -> bool:
         """Store already encoded (or verified) file bytes under `key`."""

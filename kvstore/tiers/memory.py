@@ -16,7 +16,7 @@ import torch
 from ragkv.kvstore.entry import KVEntry
 from ragkv.kvstore.eviction import EvictionTracker, Policy
 from ragkv.kvstore.keys import ChunkKey
-from ragkv.kvstore.tiers.base import StorageTier, Tier
+from ragkv.kvstore.tiers.base import Hit, StorageTier, Tier
 from ragkv.errors import StoreError
 
 
@@ -83,6 +83,10 @@ class MemoryTier(StorageTier):
 
     def put(self, entry: KVEntry) -> bool:
         return self.admit(entry) is not None
+
+    def take(self, hit: Hit) -> KVEntry | None:
+        """Hold a hit from below: a copy of one read from a file (its tensors view the file's bytes)."""
+        return self.admit(hit.entry, copy=hit.data is not None)
 
     def admit(self, entry: KVEntry, copy: bool = False) -> KVEntry | None:
         """Like `put`, returning the entry as held here (on this tier's device), or None if refused.

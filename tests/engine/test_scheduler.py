@@ -487,13 +487,13 @@ def test_a_request_waiting_for_its_kv_stalls_nobody(tiny_lm, tmp_path, monkeypat
         store.put(KVEntry.of(engine.prefill(prefix_ids, ids), key, lm.fingerprint, lm.tokenizer_fingerprint,
                              hash_prefix(prefix_ids)))
     delay = [0.0]
-    real_fetch = DiskTier.fetch
+    real_read = DiskTier.read
 
-    def slow_fetch(self, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def slow_read(self, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
         time.sleep(delay[0])  # the tier's latency, on the prefetch thread
-        return real_fetch(self, *args, **kw)
+        return real_read(self, *args, **kw)
 
-    monkeypatch.setattr(DiskTier, "fetch", slow_fetch)
+    monkeypatch.setattr(DiskTier, "read", slow_read)
     step_times: list[tuple[float, int]] = []
     states: list[RequestStatus] = []
     window_s = 1.3

@@ -153,8 +153,7 @@ def test_index_with_neighbours_records_options_keys_and_stores_context_kv(job_co
     assert s.kv_chunks == len(chunks)
     store = open_store([f"disk:{cfg.out / 'kv'}"], m.model_fp, m.tokenizer_fp)
     try:
-        entry = store.get(chunks[0].kv_key)
-        entry = getattr(entry, "entry", entry)
+        entry = store.read(chunks[0].kv_key).entry
         assert int(entry.positions[0]) > len(m.prefix_ids)  # stored at the positions it was computed at
     finally:
         getattr(store, "close", lambda: None)()
@@ -201,8 +200,8 @@ def test_index_with_kv_context_stores_plain_kv_and_the_same_kv_as_tokens_for_one
         assert stored_plain  # the neighbours' plain KV is in the store too
         assert s.kv_chunks == len(mine) + len(stored_plain)
         for cid, c in mine.items():
-            a = store.get(c.kv_key)
-            b = other.get(theirs[cid].kv_key)
+            a = store.read(c.kv_key).entry
+            b = other.read(theirs[cid].kv_key).entry
             assert a.positions.tolist() == b.positions.tolist()
             torch.testing.assert_close(a.k, b.k, atol=1e-4, rtol=1e-3)
             torch.testing.assert_close(a.v, b.v, atol=1e-4, rtol=1e-3)

@@ -169,7 +169,7 @@ def test_store_layered_read_of_a_damaged_file_fails_and_takes_the_copy_out(tier,
         raw = bytearray(s3_client.get_object(Bucket=lower.bucket, Key=name)["Body"].read())
         raw[-10] ^= 0xFF
         s3_client.put_object(Bucket=lower.bucket, Key=name, Body=bytes(raw))
-    hit = store.fetch_layered(e.key)
+    hit = store.read(e.key, layered=True)
     assert hit is not None
     with pytest.raises(KVFormatError):
         hit.layers.wait_all(timeout=30)
@@ -181,9 +181,9 @@ def test_store_layered_read_of_a_damaged_file_fails_and_takes_the_copy_out(tier,
 def test_store_layered_miss_and_memory_hit(make_tier, tmp_path):
     store = TieredStore(StoreConfig.from_uris(["cpu", f"disk:{tmp_path}/kv"]), MODEL_FP, TOKENIZER_FP)
     e = make_entry(9)
-    assert store.fetch_layered(e.key) is None
+    assert store.read(e.key, layered=True) is None
     store.put(e)
-    hit = store.fetch_layered(e.key)
+    hit = store.read(e.key, layered=True)
     assert hit.tier is Tier.CPU and hit.layers is None
     assert_same(hit.entry, e)
     store.close()

@@ -91,13 +91,13 @@ def test_hit_is_promoted_into_every_tier_above(tmp_path, s3_settings, bucket):
         e = make_entry(1)
         s3 = store.tier(Tier.S3)
         s3.put(e)  # as if another machine had indexed it
-        hit = store.fetch(e.key)
+        hit = store.read(e.key)
         assert hit is not None and hit.tier is Tier.S3 and hit.seconds > 0
         assert store.tier(Tier.CPU).contains(e.key) and store.tier(Tier.DISK).contains(e.key)
         # The disk copy is the S3 object's verified bytes, not a second quantization.
         disk_bytes = store.tier(Tier.DISK).path(e.key).read_bytes()
-        assert disk_bytes == bytes(s3.fetch(e.key).data)
-        again = store.fetch(e.key)
+        assert disk_bytes == bytes(s3.read(e.key).data)
+        again = store.read(e.key)
         assert again.tier is Tier.CPU
         assert_same(again.entry, hit.entry)
         st = store.stats()
@@ -113,7 +113,7 @@ def test_memory_tier_owns_what_it_promotes_from_disk(tmp_path):
         store.tier(Tier.DISK).put(e)
         from_disk = store.tier(Tier.DISK).get(e.key)
         assert not from_disk.k.untyped_storage().resizable()  # a view of the file's bytes
-        hit = store.fetch(e.key)
+        hit = store.read(e.key)
         held = store.tier(Tier.CPU).get(e.key)
         for name in ("k", "v", "token_ids", "positions"):
             assert getattr(held, name).untyped_storage().resizable(), name  # memory of its own
@@ -123,7 +123,7 @@ def test_memory_tier_owns_what_it_promotes_from_disk(tmp_path):
 
 def test_miss_everywhere_is_none_and_counted(tmp_path, s3_settings, bucket):
     with _store(tmp_path, s3_settings, bucket) as store:
-        assert store.get(make_entry(1).key) is None
+        assert store.read(make_entry(1).key) is None
         st = store.stats()
         assert st.misses == 1 and all(t.misses == 1 for t in st.tiers)
 
@@ -140,7 +140,7 @@ def test_another_models_store_on_the_same_root_sees_nothing(tmp_path):
     e = make_entry(1)
     a.put(e)
     b = TieredStore(StoreConfig.from_uris([f"disk:{root}"]), "model-b", TOKENIZER_FP)
-    assert b.get(e.key) is None and b.stats().tier(Tier.DISK).entries == 0
+    assert b.read(e.key) is None and b.stats().tier(Tier.DISK).entries == 0
     a.close(), b.close()
 
 
@@ -152,7 +152,7 @@ def test_prefetch_handles_and_shared_loads(tmp_path, s3_settings, bucket):
         missing = make_entry(99)
         handles = store.prefetch([entries[0].key, missing.key, entries[0].key, *[e.key for e in entries[1:]]])
         assert [h.key for h in handles][:3] == [entries[0].key, missing.key, entries[0].key]
-        results = [h.result(timeout=30) for h in handles]
+        results = [None if (hit := h.hit(timeout=30)) is None else hit.entry for h in handles]
         assert results[1] is None
         assert_same(results[0], entries[0])
         assert_same(results[2], entries[0])
@@ -179,7 +179,8 @@ def test_concurrent_gets_and_puts_from_threads(tmp_path):
                 i = (worker * 7 + round_) % len(entries)
                 if worker % 4 == 0 and round_ % 5 == 0:
                     store.put(entries[8 + (worker + round_) % 8])
-                got = store.get(entries[i].key)
+                hit = store.read(entries[i].key)
+                got = None if hit is None else hit.entry
                 if got is not None:
                     assert_same(got, entries[i])
                     found += 1
@@ -199,7 +200,7 @@ def test_budget_smaller_than_a_chunk_still_serves_from_below(tmp_path):
     with TieredStore(cfg, MODEL_FP, TOKENIZER_FP) as store:
         e = make_entry(1)
         store.put(e)
-        hit = store.fetch(e.key)
+        hit = store.read(e.key)
         assert hit.tier is Tier.DISK
         assert_same(hit.entry, e)
         assert store.stats().tier(Tier.CPU).refused == 2  # the put and the promotion
@@ -221,10 +222,10 @@ def test_s3_down_loses_nothing_stored_elsewhere(tmp_path):
         with pytest.raises(StoreError, match="s3"):
             store.put(e)
         assert cpu.contains(e.key) and disk.contains(e.key)
-        assert store.get(make_entry(2).key) is None  # S3 unreachable: a miss, not a crash
+        assert store.read(make_entry(2).key) is None  # S3 unreachable: a miss, not a crash
         assert store.stats().tier(Tier.S3).errors == 2
         cpu.delete(e.key)
-        assert store.fetch(e.key).tier is Tier.DISK
+        assert store.read(e.key).tier is Tier.DISK
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
@@ -239,3 +240,49 @@ def test_from_tiers_rejects_mixed_models(tmp_path):
     with pytest.raises(ValueError, match="once"):
         TieredStore.from_tiers([CpuTier(MODEL_FP, TOKENIZER_FP), CpuTier(MODEL_FP, TOKENIZER_FP)])
     assert TierSpec.parse("disk:///abs").path == "/abs"
+
+
+def test_a_tier_built_from_the_interface_alone_serves_the_store(tmp_path):
+    """The store asks a tier only what StorageTier says (read, take, write, contains, delete,
+    stats): a tier written from that interface, of no class the store knows, is read,
+    promoted into and written through like a built-in one."""
+    from ragkv.kvstore import StorageTier
+
+    class DictDurable(StorageTier):  # a durable tier of its own: a dict, whole reads only
+        tier = Tier.S3
+
+        def __init__(self) -> None:
+            super().__init__(MODEL_FP, TOKENIZER_FP, None)
+            self.held: dict = {}
+
+        def get(self, key):  # noqa: ANN001, ANN202
+            return self.held.get(key)
+
+        def put(self, entry):  # noqa: ANN001, ANN202
+            self.held[entry.key] = entry
+            return True
+
+        def contains(self, key):  # noqa: ANN001, ANN202
+            return key in self.held
+
+        def delete(self, key):  # noqa: ANN001, ANN202
+            return self.held.pop(key, None) is not None
+
+        def _usage(self):  # noqa: ANN202
+            return len(self.held), 0
+
+    own = DictDurable()
+    store = TieredStore.from_tiers([CpuTier(MODEL_FP, TOKENIZER_FP, None), own])
+    try:
+        a, b = make_entry(1), make_entry(2)
+        own.put(a)
+        hit = store.read(a.key, layered=True)  # a tier that cannot stream reads whole
+        assert hit is not None and hit.tier is Tier.S3 and hit.layers is None
+        assert_same(hit.entry, a)
+        assert store.read(a.key).tier is Tier.CPU  # promoted into the memory tier above
+        store.put(b)  # written through to it, a durable tier by its Tier
+        assert own.contains(b.key)
+        [handle] = store.prefetch([b.key])
+        assert handle.hit(timeout=10).tier is Tier.CPU
+    finally:
+        store.close()

@@ -84,14 +84,13 @@ def test_reads_run_in_parallel_computes_in_series() -> None:
 def slow_disk(monkeypatch: pytest.MonkeyPatch):
     """Every disk read sleeps `delay[0]` seconds first (its latency), on the prefetch thread."""
     delay = [0.0]
-    for name in ("fetch", "fetch_layered"):
-        real = getattr(DiskTier, name)
+    real = DiskTier.read
 
-        def slow(self, *args, _real=real, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
-            time.sleep(delay[0])
-            return _real(self, *args, **kw)
+    def slow(self, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        time.sleep(delay[0])
+        return real(self, *args, **kw)
 
-        monkeypatch.setattr(DiskTier, name, slow)
+    monkeypatch.setattr(DiskTier, "read", slow)
     return delay
 
 

@@ -196,7 +196,7 @@ def read_layered(
         head = check_head(buf[:head_len], expected_key=expected_key, model_fp=model_fp,
                           tokenizer_fp=tokenizer_fp, file_size=source.size)
         block, crcs = stored_block_crcs(head.meta, source.size - base, expected_key)
-        plan = _plan(head, block)
+        plan = _block_layout(head, block)
         if plan is None:  # not streamable: read the rest and verify it whole
             _fill(source, buf, head_len, source.size)
             entry = decode(buf, expected_key=expected_key, model_fp=model_fp, tokenizer_fp=tokenizer_fp)
@@ -239,7 +239,7 @@ def read_layered(
 
 
 @dataclass(frozen=True, slots=True)
-class _Plan:
+class _BlockLayout:
     """Which checksum block each layer's last K and V bytes sit in."""
 
     num_layers: int
@@ -249,7 +249,7 @@ class _Plan:
     prelude_block: int  # the last block holding token_ids / positions (-1: none)
 
 
-def _plan(head: FileHead, block: int) -> _Plan | None:
+def _block_layout(head: FileHead, block: int) -> _BlockLayout | None:
     """The layer plan of an uncompressed file laid out as we write it, else None (read it whole)."""
     layout = head.layout
     if head.header.compression is not Compression.NONE or "k" not in layout or "v" not in layout:
@@ -266,7 +266,7 @@ def _plan(head: FileHead, block: int) -> _Plan | None:
     prelude = (others_end - 1) // block if others_end else -1
     if prelude >= v_first:
         return None
-    return _Plan(num_layers, k_blocks, v_blocks, v_first, prelude)
+    return _BlockLayout(num_layers, k_blocks, v_blocks, v_first, prelude)
 
 
 def _fill(source: ByteSource, buf: memoryview, start: int, end: int) -> int:

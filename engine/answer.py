@@ -31,7 +31,7 @@ from ragkv.engine.decode import DecodeStream, SamplingParams
 from ragkv.engine.kv import ChunkKV
 from ragkv.engine.request import (Answered, ChunkComputed, ChunksReady, Decode, LoadedKV, PromptChunk, Request,
                                   Work)
-from ragkv.engine.speed import PrefillSpeed
+from ragkv.engine.speed import EngineSpeed
 from ragkv.engine.tree import TreeKey, TreeLease
 from ragkv.engine.work import WaitFor, wait_for
 from ragkv.errors import KVFormatError, RagKVError, StoreError
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 class PromptEngine(Protocol):
     """What a request's work needs of the engine (`engine.runtime.Engine` is it)."""
 
-    speed: PrefillSpeed
+    speed: EngineSpeed
 
     def reads_chunk_kv(self, mode: Mode) -> bool: ...
 

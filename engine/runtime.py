@@ -28,7 +28,7 @@ from ragkv.engine.loading import LoadedModel
 from ragkv.engine.prefill import prefill_steps
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT, PromptFormat
 from ragkv.engine.request import Request, Work
-from ragkv.engine.speed import PrefillSpeed
+from ragkv.engine.speed import EngineSpeed
 from ragkv.engine.tree import KVTree, TreeContext, TreeKey, TreeLease
 from ragkv.engine.work import WaitFor, drain
 
@@ -63,7 +63,7 @@ class Engine:
     def __init__(self, lm: LoadedModel, system_prompt: str = DEFAULT_SYSTEM_PROMPT, tree_bytes: int = 0) -> None:
         self.lm = lm
         self.tree = KVTree(tree_bytes)  # served prompts' KV, so a conversation's next call computes only what is new
-        self.speed = PrefillSpeed()  # chunk prefill tokens per second, learned from every chunk computed
+        self.speed = EngineSpeed()  # its measured rates: chunk prefill, prompt work (engine.speed)
         self.prompt = PromptFormat.for_tokenizer(lm.tokenizer, system_prompt)
         self._prefixes: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()
         vocab = lm.model.get_output_embeddings().weight.shape[0]  # V, the logits' width

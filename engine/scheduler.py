@@ -70,6 +70,7 @@ from ragkv.engine.decode import DecodeStream, decode_batch, pick_greedy
 from ragkv.engine.memory import trim_host_heap
 from ragkv.engine.request import (Answered, ChunkComputed, ChunksReady, Decode, EndReason, Finished, Output, Request,
                                   RequestStatus, TokenOut, Work)
+from ragkv.engine.speed import EngineSpeed
 from ragkv.engine.work import WaitFor
 from ragkv.errors import RagKVError
 
@@ -187,16 +188,18 @@ class Scheduler:
         self._slice_t0 = time.perf_counter()  # when the current slice of prompt work began
         self._slice_steps = 0  # prompt steps in it (a slice has one at least: no pass starves)
         self._trimmed = time.monotonic()  # last heap trim
-        self._cost_per_s: float | None = None  # prompt_cost units per second of prompt work, as measured
+        self._speed = EngineSpeed()  # prompt work's measured rate; the engine's own once shared (share_engine)
         self._thread = threading.Thread(target=self._loop, name="ragkv-scheduler", daemon=True)
         self._thread.start()
 
-    def share_budget(self, shared: SharedKV) -> None:
-        """Count `shared`'s bytes (the engine's KV tree) in the KV budget: a request is admitted
-        when its KV, the requests' in flight and what `shared` holds fit, `shared` first giving
-        up what no request holds to make room."""
+    def share_engine(self, shared: SharedKV, speed: EngineSpeed) -> None:
+        """Run the engine's requests with what the engine keeps: count `shared`'s bytes (its KV
+        tree) in the KV budget (a request is admitted when its KV, the requests' in flight and
+        what `shared` holds fit, `shared` first giving up what no request holds to make room),
+        and learn prompt work's rate into the engine's `speed`, where the rest of its rates are."""
         with self._lock:
             self._shared = shared
+            self._speed = speed
 
     def submit(self, request: Request, work: Work, sink: Sink) -> None:
         """Admit a request with its work (`Engine.work`), or raise SchedulerFullError naming the
@@ -316,7 +319,7 @@ class Scheduler:
         cost = job.request.prompt_cost
         if not cost:
             return 0.0
-        rate = self._cost_per_s
+        rate = self._speed.cost_per_s
         left = cost / rate - job.request.prompt_s if rate else cost  # no pass measured yet: by cost
         return max(left, 0.0) - self.config.aging * (time.monotonic() - job.submitted)
 
@@ -432,11 +435,8 @@ class Scheduler:
         return None
 
     def _learn_rate(self, job: _Job) -> None:
-        """Cost units per second of prompt work, a moving average over finished passes."""
-        cost, spent = job.request.prompt_cost, job.request.prompt_s
-        if cost and spent > 0:
-            r = cost / spent
-            self._cost_per_s = r if self._cost_per_s is None else 0.8 * self._cost_per_s + 0.2 * r
+        """Cost units per second of prompt work, from every finished pass (`EngineSpeed`)."""
+        self._speed.observe_pass(job.request.prompt_cost, job.request.prompt_s)
 
     # ---- WAITING_KV: parked on futures, woken by their callbacks or a timeout
 

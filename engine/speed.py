@@ -1,38 +1,66 @@
-"""How fast this engine computes a chunk: learned once, read by whoever plans around it.
+"""How fast this engine works: measured where the work runs, kept in one place, read by
+whoever plans around it.
 
-The engine measures every chunk it computes (`engine.answer`, and the server's warm-up at
-start); the loading controller (`server/loading.py`) reads the rate to decide whether a
-chunk's KV is read or computed.
+Two rates, each learned once, as moving averages:
+- **chunk prefill**, tokens per second: every chunk the engine computes (`engine.answer`,
+  and the server's warm-up at start). The loading controller (`server/loading.py`) reads
+  it to decide whether a chunk's KV is read or computed.
+- **prompt work**, `Engine.prompt_cost` units per second of a whole prompt pass: every pass
+  the scheduler finishes. The scheduler reads it to order prompt work by the seconds each
+  pass has left (`engine/scheduler.py`).
+
+They differ on purpose: a pass's cost model is about the order of passes (reuse, blend,
+focus, full), a chunk's prefill rate about one kind of work.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
-_ALPHA = 0.3  # weight of the newest measurement in the moving average
+_PREFILL_ALPHA = 0.3  # weight of the newest chunk in the prefill rate's moving average
+_PASS_ALPHA = 0.2  # weight of the newest pass in the prompt-work rate's moving average
 
 
-class PrefillSpeed:
-    """Tokens per second of chunk prefill, a moving average over the chunks computed.
+@dataclass(slots=True)
+class _Rate:
+    alpha: float
+    value: float | None = None
 
-    Written on the engine's thread, read from any (the loading controller runs on the
-    retrieval pool)."""
+    def observe(self, amount: float, seconds: float) -> None:
+        if amount <= 0 or seconds <= 0:
+            return
+        r = amount / seconds
+        self.value = r if self.value is None else (1 - self.alpha) * self.value + self.alpha * r
+
+
+class EngineSpeed:
+    """The engine's measured rates (see the module docstring). Written from the engine's
+    thread, read from any (the loading controller runs on the retrieval pool)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._tokens_per_s: float | None = None
+        self._prefill = _Rate(_PREFILL_ALPHA)
+        self._passes = _Rate(_PASS_ALPHA)
 
     def observe(self, tokens: int, seconds: float) -> None:
-        """A chunk of `tokens` tokens took `seconds` of engine time."""
-        if tokens <= 0 or seconds <= 0:
-            return
-        rate = tokens / seconds
+        """A chunk of `tokens` tokens took `seconds` of engine time to prefill."""
         with self._lock:
-            old = self._tokens_per_s
-            self._tokens_per_s = rate if old is None else (1 - _ALPHA) * old + _ALPHA * rate
+            self._prefill.observe(tokens, seconds)
 
     @property
     def tokens_per_s(self) -> float | None:
-        """The rate; None until a chunk was measured."""
+        """Chunk prefill tokens per second; None until a chunk was measured."""
         with self._lock:
-            return self._tokens_per_s
+            return self._prefill.value
+
+    def observe_pass(self, cost: float, seconds: float) -> None:
+        """A prompt pass of `cost` (`Engine.prompt_cost` units) took `seconds` of prompt work."""
+        with self._lock:
+            self._passes.observe(cost, seconds)
+
+    @property
+    def cost_per_s(self) -> float | None:
+        """Prompt-work cost units per second; None until a pass was measured."""
+        with self._lock:
+            return self._passes.value

@@ -166,7 +166,7 @@ class RagServer:
         engine = getattr(backend, "engine", None)  # a backend with an engine has its KV tree
         if engine is not None:
             self.metrics.watch_kv_tree(engine.tree.stats)
-            self._scheduler.share_budget(engine.tree)  # the tree's bytes count in --kv-budget-bytes
+            self._scheduler.share_engine(engine.tree, engine.speed)  # its tree counts in --kv-budget-bytes
         await self._set_health(_SERVING)
         log.info("backend loaded: %d collection(s)", len(backend.collections()))
 

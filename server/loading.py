@@ -5,7 +5,7 @@ CacheBlend's loading controller, in our words: a chunk's KV is worth reading onl
 it does not make the request wait longer than computing it would. The read time comes from
 the tier the chunk sits in, as measured on the reads that tier served (kvstore.timing:
 latency plus size over throughput); the compute time from the engine's prefill rate
-(`Engine.speed`: tokens per second, seeded at start and learned from every chunk the
+(`Engine.speed`, `engine/speed.py`: tokens per second, seeded at start and learned from every chunk the
 engine computes). Reads run in parallel, `store.prefetch_workers` at a time, off the engine; the
 chunks to compute run one after another on the engine (which every other request needs
 too, so compute counts `margin` times its time). The request's KV is ready when both are
@@ -22,7 +22,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ragkv.engine.speed import PrefillSpeed
+from ragkv.engine.speed import EngineSpeed
 from ragkv.types import KVSource, Tier
 
 
@@ -51,9 +51,9 @@ class LoadingController:
     """Decides per request which chunks to read and which to compute, by the engine's prefill
     rate (`speed`, which the engine learns; a controller of its own when not given)."""
 
-    def __init__(self, config: ControllerConfig = ControllerConfig(), speed: PrefillSpeed | None = None) -> None:
+    def __init__(self, config: ControllerConfig = ControllerConfig(), speed: EngineSpeed | None = None) -> None:
         self.config = config
-        self.speed = speed if speed is not None else PrefillSpeed()
+        self.speed = speed if speed is not None else EngineSpeed()
 
     @property
     def tokens_per_s(self) -> float | None:

@@ -12,6 +12,7 @@ import torch
 from ragkv.engine import Engine, Prompt, SamplingParams, load_model
 from ragkv.engine.request import Decode, Finished, EndReason, LoadedKV, PromptChunk, Request, TokenOut, Work
 from ragkv.engine.scheduler import Scheduler, SchedulerConfig, SchedulerFullError
+from ragkv.engine.speed import EngineSpeed
 from ragkv.evals.testing import tiny_model_dir
 from ragkv.types import FinishReason, Mode, Tier
 
@@ -190,7 +191,7 @@ def test_the_kv_trees_bytes_count_in_the_budget_and_it_shrinks_to_admit() -> Non
 
     sched = Scheduler(SchedulerConfig(kv_budget_bytes=1000))
     tree = Tree()
-    sched.share_budget(tree)
+    sched.share_engine(tree, EngineSpeed())
     hold = threading.Event()
 
     def waiting_job():
@@ -616,3 +617,33 @@ def test_the_scheduler_holds_only_typed_work() -> None:
     hints = typing.get_type_hints(scheduler._Job)
     assert hints["request"] is Request and hints["work"] == Work
     assert hints["decode"] == DecodeStream | None
+
+
+def test_prompt_work_is_learned_into_the_engines_speed() -> None:
+    """The engine's rates live in one place: a scheduler sharing an engine learns prompt
+    work's rate into the engine's EngineSpeed (beside the chunk prefill rate the loading
+    controller reads), and orders passes by it."""
+    sched = Scheduler()
+    speed = EngineSpeed()
+    speed.observe(100, 0.5)  # a chunk's prefill, as the engine measures it
+    sched.share_engine(_NoTree(), speed)
+
+    def work(steps: int):
+        for _ in range(steps):
+            time.sleep(0.01)
+            yield 1
+
+    sink = _Sink()
+    _submit(sched, work(5), sink, prompt_cost=50)
+    assert sink.ended.wait(30)
+    sched.close()
+    # 50 units over at least 0.05 s of prompt work (its steps sleep 5 x 10 ms)
+    assert speed.cost_per_s is not None and 0 < speed.cost_per_s <= 50 / 0.05
+    assert speed.tokens_per_s == 200.0  # the other rate is its own
+
+
+class _NoTree:
+    nbytes = 0
+
+    def shrink(self, limit_bytes: int) -> int:
+        return 0

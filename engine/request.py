@@ -86,7 +86,9 @@ class PromptChunk:
     # its KV: ready; a read in flight that the store's threads complete (None inside: missing
     # from every tier; an exception: the read failed); None: compute it (or the mode reads none)
     kv: LoadedKV | Future[LoadedKV | None] | None = None
-    source: KVSource = KVSource.LOADED  # for a chunk computed, why (the loading controller's choice)
+    # why it is computed when `kv` is None (the loading controller's choice: missing, or cheaper);
+    # a read's own outcome (loaded, failed, overrun) is counted when it lands
+    source: KVSource = KVSource.COMPUTED_MISSING
     key: Hashable = None  # its name in the store (`kvstore.ChunkKey`), opaque here: the KV tree's key uses it
     load_s: float | None = None  # the read's estimated seconds (logged when it overruns)
 

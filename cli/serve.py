@@ -90,6 +90,21 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                         "as a warning: answers of a model the engine computes wrongly are wrong")
     for dest, kind, text in _FLAGS:
         p.add_argument("--" + dest.replace("_", "-"), dest=dest, type=kind, default=None, help=text)
+    cluster = p.add_argument_group(
+        "many replicas (the ray extra: pip install 'ragkv[ray]')",
+        "With --replicas the same server runs as Ray Serve deployments: an ingress (gRPC through Ray "
+        "Serve's gRPC proxy on --port, the OpenAI HTTP API on --http-port, default 8000) that retrieves "
+        "and routes each request to the engine replica holding most of its chunks (docs/architecture.md). "
+        "Without it, one process and no Ray.")
+    cluster.add_argument("--replicas", type=int, default=None, metavar="N",
+                         help="engine replicas: one per GPU (per process on a CPU host)")
+    cluster.add_argument("--ray-address", default=None, metavar="ADDR",
+                         help="join this Ray cluster ('auto' on a node started with `ray start`); "
+                              "default: start a local one")
+    cluster.add_argument("--routing", default="chunk", choices=("chunk", "pow2"),
+                         help="chunk: to the replica whose tiers hold the request's chunks (and its "
+                              "conversation), power-of-two choices when queues are imbalanced; "
+                              "pow2: power-of-two choices only (default chunk)")
     p.set_defaults(func=run_serve)
     return p
 
@@ -138,6 +153,34 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     fetch_indexes(settings)
 
+    if args.replicas is not None:
+        return _run_cluster(settings, args)
+
     from ragkv.server.pipeline import Pipeline
 
     return asyncio.run(run(settings, Pipeline.from_settings))
+
+
+def _run_cluster(settings, args: argparse.Namespace) -> int:  # settings: ServerSettings
+    """`ragkv serve --replicas N`: deploy on Ray Serve, then wait until SIGTERM/SIGINT."""
+    import logging
+    import signal
+    import threading
+
+    try:
+        from ragkv.server import cluster
+    except ImportError as exc:
+        raise SystemExit(f"ragkv serve --replicas needs Ray Serve ({exc}): pip install 'ragkv[ray]'") from None
+    from ragkv.server.routing import Policy
+
+    plan = cluster.ClusterSettings(args.replicas, args.ray_address, Policy(args.routing))
+    cluster.start(settings, plan)
+    logging.getLogger(__name__).info(
+        "ragkv serving %d replica(s) on Ray Serve: gRPC :%d, HTTP :%d, routing %s", plan.replicas, settings.port,
+        settings.http_port or 8000, plan.routing.value)
+    stopped = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopped.set())
+    stopped.wait()
+    cluster.stop()
+    return 0

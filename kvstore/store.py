@@ -344,6 +344,12 @@ class TieredStore:
             if self._inflight.get(key) is future:
                 del self._inflight[key]
 
+    def held_keys(self) -> dict[Tier, list[ChunkKey]]:
+        """The keys each tier of this host holds (GPU, CPU, disk), for a cluster's router; a
+        tier shared by every host (S3) is left out."""
+        held = {t.tier: t.held_keys() for t in self._tiers}
+        return {tier: keys for tier, keys in held.items() if keys is not None}
+
     def stats(self) -> StoreStats:
         """A snapshot of the store's and every tier's counters."""
         tier_stats = tuple(t.stats() for t in self._tiers)

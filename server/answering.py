@@ -16,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from ragkv.engine.request import ChunkComputed, ChunksReady, EndReason, Finished, Output, Request, TokenOut
 from ragkv.engine.scheduler import Scheduler
@@ -26,6 +27,9 @@ from ragkv.server.admission import Admission
 from ragkv.server.backend import QueryBackend
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.structured import ToolCallReader, find_citations
+
+if TYPE_CHECKING:
+    from ragkv.retriever import Hit
 from ragkv.types import FinishReason, QueryStats, RetrievedChunk, ToolCallDelta, Usage
 
 
@@ -37,6 +41,15 @@ class TokenEvent:
 
 
 RunEvent = ChunksReady | TokenEvent | ToolCallDelta | QueryStats  # what each API turns into its wire format
+
+
+class Answerer(Protocol):
+    """What the gRPC service and the HTTP API answer a validated Query with: `QueryRunner` on
+    this host, or the cluster ingress's `RoutedRunner`, which hands it to a replica
+    (`server/cluster.py`)."""
+
+    def run(self, backend: QueryBackend, request: Request, *, arrived: float, cancel: threading.Event,
+            deadline: float | None = None, method: str = "Query") -> AsyncIterator[RunEvent]: ...
 
 
 class QueryRunner:
@@ -65,6 +78,7 @@ class QueryRunner:
         cancel: threading.Event,
         deadline: float | None = None,
         method: str = "Query",
+        hits: Sequence[Hit] | None = None,
     ) -> AsyncIterator[RunEvent]:
         """Answer one Query: yields one ChunksReady, TokenEvents, then the QueryStats.
 
@@ -78,6 +92,8 @@ class QueryRunner:
             cancel: Set by the caller when the client leaves; set here on any exit.
             deadline: `time.monotonic()` by which the answer must end; None = no deadline.
             method: The `method` label of the end-to-end latency histogram.
+            hits: The request's chunks, when the cluster's ingress retrieved them (the
+                replica's backend then does not search again); None = retrieve here.
 
         Raises:
             OverloadedError: The queue is full. Anything `prepare`, the scheduler or
@@ -87,7 +103,10 @@ class QueryRunner:
         request.cancel, request.deadline = cancel, deadline
         try:
             with self._admission.query_slot():
-                await loop.run_in_executor(self._retrieve_pool, backend.prepare, request)
+                if hits is None:
+                    await loop.run_in_executor(self._retrieve_pool, backend.prepare, request)
+                else:
+                    await loop.run_in_executor(self._retrieve_pool, backend.prepare, request, hits)
                 prepared_at = time.perf_counter()
                 outputs: asyncio.Queue[Output] = asyncio.Queue()
 

@@ -64,12 +64,14 @@ class RagServer:
         self._scheduler = Scheduler(SchedulerConfig(settings.kv_budget_bytes, settings.max_batch,
                                                     settings.prompt_slice_s, settings.prompt_first_s))
         self.metrics.watch_scheduler(self._scheduler.stats)
+        self._runner = QueryRunner(admission=self._admission, metrics=self.metrics,
+                                   retrieve_pool=self._retrieve_pool, scheduler=self._scheduler)
         self.service = RagService(
             limits=settings.limits(),
             admission=self._admission,
             metrics=self.metrics,
             retrieve_pool=self._retrieve_pool,
-            scheduler=self._scheduler,
+            runner=self._runner,
         )
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
@@ -141,9 +143,7 @@ class RagServer:
         from ragkv.server.openai_api import HttpServer, OpenAIApi  # starlette/uvicorn only when asked for
 
         s = self.settings
-        runner = QueryRunner(admission=self._admission, metrics=self.metrics, retrieve_pool=self._retrieve_pool,
-                             scheduler=self._scheduler)
-        api = OpenAIApi(runner=runner, admission=self._admission, limits=s.limits(), metrics=self.metrics,
+        api = OpenAIApi(runner=self._runner, admission=self._admission, limits=s.limits(), metrics=self.metrics,
                         backend=lambda: self.service.backend, token=token)
         self._http = HttpServer(api.app, s.host, s.http_port, s.tls_cert, s.tls_key)
         port = await self._http.start()

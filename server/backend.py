@@ -14,10 +14,13 @@ run on any worker thread; the request's `work` runs on the single scheduler thre
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ragkv.engine.request import ChunkComputed, Request, Work
 from ragkv.types import CollectionInfo, CollectionStats, MetadataFilter, Mode, RetrievedChunk, SearchMode
+
+if TYPE_CHECKING:
+    from ragkv.retriever import Hit
 
 
 class AnswerText(Protocol):
@@ -64,9 +67,10 @@ class QueryBackend(Protocol):
         """
         ...
 
-    def prepare(self, request: Request) -> None:
+    def prepare(self, request: Request, hits: Sequence[Hit] | None = None) -> None:
         """Retrieve and fill in the request: its tokens, its chunks with their KV reads started
-        (non-blocking), its budgets. Then it can be submitted with its `work`.
+        (non-blocking), its budgets. Then it can be submitted with its `work`. `hits`: the
+        chunks a cluster's ingress retrieved for it (None: search here).
 
         Raises:
             UnknownCollectionError: No collection of that name.

@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ragkv.server.admission import Admission
-from ragkv.server.answering import QueryRunner
+from ragkv.server.answering import Answerer
 from ragkv.engine.request import ChunksReady
 from ragkv.engine.request import Request as QueryRequest  # (Request here is Starlette's)
 from ragkv.server.answering import TokenEvent
@@ -367,7 +367,7 @@ class OpenAIApi:
         token: The bearer token every route but /health needs; None = no auth.
     """
 
-    def __init__(self, *, runner: QueryRunner, admission: Admission, limits: RequestLimits, metrics: ServerMetrics,
+    def __init__(self, *, runner: Answerer, admission: Admission, limits: RequestLimits, metrics: ServerMetrics,
                  backend: Callable[[], QueryBackend | None], token: str | None) -> None:
         self._runner = runner
         self._admission = admission

@@ -37,7 +37,7 @@ from ragkv.kvstore import (ChunkKey, Compression, KVEntry, PrefetchHandle, Prefi
                            TierSpec, hash_prefix)
 from ragkv.errors import IndexMismatchError, StoreError
 from ragkv.types import (CollectionInfo, CollectionStats, MetadataFilter, Mode, RetrievedChunk, SearchMode, Tier)
-from ragkv.retriever import Retriever
+from ragkv.retriever import Hit, Retriever
 from ragkv.server.search_config import retriever_options
 from ragkv.server.settings import ServerSettings
 from ragkv.server.status import InvalidArgumentError, UnknownCollectionError
@@ -70,9 +70,16 @@ class Collection:
         index, so it names this build's file format and this model (an index written by an
         older format just misses). Neighbour KV: the key the index recorded (it names the
         neighbours' context, which only the indexer knows)."""
-        if self.neighbours.serves_plain(mode, focus_handover):
-            return ChunkKey.from_prefix_hash(model_fp, tokenizer_fp, self.prefix_hash, hit.token_ids)
-        return hit.kv_key
+        return serving_key(hit, mode, self.neighbours, self.prefix_hash, model_fp, tokenizer_fp, focus_handover)
+
+
+def serving_key(hit: Hit, mode: Mode, neighbours: NeighbourOptions, prefix_hash: PrefixHash, model_fp: str,
+                tokenizer_fp: str, focus_handover: bool = False) -> ChunkKey:
+    """The key of the KV a hit is served from in `mode` (`Collection.kv_key`; the cluster's
+    ingress routes on it before any replica has the request)."""
+    if neighbours.serves_plain(mode, focus_handover):
+        return ChunkKey.from_prefix_hash(model_fp, tokenizer_fp, prefix_hash, hit.token_ids)
+    return hit.kv_key
 
 
 def _store_config(settings: ServerSettings, index_dir: Path, kv_uris: Sequence[str], device: torch.device,
@@ -230,9 +237,10 @@ class Pipeline:
             for h in self._search(c, question, top_k, search_mode, filters)
         )
 
-    def prepare(self, request: Request) -> None:
+    def prepare(self, request: Request, hits: Sequence[Hit] | None = None) -> None:
         """Retrieve, tokenize, lease the KV tree and start the chunks' KV reads: the request is
-        ready to submit (`work`). Runs on the retrieval pool.
+        ready to submit (`work`). Runs on the retrieval pool. `hits`: its chunks when the
+        cluster's ingress retrieved them already (`server/cluster.py`); None = search here.
 
         Raises:
             UnknownCollectionError, IndexMismatchError, InvalidArgumentError (the system prompt,
@@ -244,7 +252,8 @@ class Pipeline:
             raise IndexMismatchError(c.mismatch)
         check_system_prompt(req, c.system_prompt)
         started = time.perf_counter()
-        hits = self._search(c, req.question, req.top_k, req.search_mode, req.filters)
+        if hits is None:
+            hits = self._search(c, req.question, req.top_k, req.search_mode, req.filters)
         retrieved = time.perf_counter()
         req.retrieved = tuple(
             RetrievedChunk(h.chunk_id, h.score, h.text, h.metadata, None, len(h.token_ids), h.found_by)
@@ -370,6 +379,15 @@ class Pipeline:
             c.store.put(entry, memory=False)
         except StoreError as exc:
             log.warning("writing back computed KV of %s failed: %s", entry.key, exc)
+
+    def held_keys(self) -> dict[Tier, set[str]]:
+        """The chunk keys (hex) this host's tiers hold, over every collection (the cluster's
+        routing summary); the shared S3 tier is left out."""
+        held: dict[Tier, set[str]] = {}
+        for c in self._collections.values():
+            for tier, keys in c.store.held_keys().items():
+                held.setdefault(tier, set()).update(k.hex for k in keys)
+        return held
 
     def flush_writes(self, timeout: float | None = None) -> None:
         """Wait until every write-back submitted so far has reached its durable tiers (or failed)."""

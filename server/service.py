@@ -25,10 +25,9 @@ from ragkv import convert
 from ragkv.types import RetrieveResult, ToolCallDelta
 from ragkv.v1 import ragkv_pb2 as pb
 from ragkv.v1 import ragkv_pb2_grpc as pb_grpc
-from ragkv.engine.scheduler import Scheduler
 from ragkv.server.admission import Admission
 from ragkv.engine.request import ChunksReady
-from ragkv.server.answering import QueryRunner, TokenEvent
+from ragkv.server.answering import Answerer, TokenEvent
 from ragkv.server.backend import QueryBackend
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.status import NotServingError, status_for
@@ -45,7 +44,8 @@ class RagService(pb_grpc.RagServiceServicer):
         admission: Queue slots and in-flight count.
         metrics: Where to record latencies, tiers and errors.
         retrieve_pool: Runs retrieval and KV prefetch starts.
-        scheduler: Runs every `answer`, batching their decode steps (engine.scheduler).
+        runner: Answers a validated Query (`QueryRunner` on this host's scheduler, or the
+            cluster's ingress runner that routes it to a replica: `server/cluster.py`).
     """
 
     def __init__(
@@ -55,14 +55,13 @@ class RagService(pb_grpc.RagServiceServicer):
         admission: Admission,
         metrics: ServerMetrics,
         retrieve_pool: Executor,
-        scheduler: Scheduler,
+        runner: Answerer,
     ) -> None:
         self._limits = limits
         self._admission = admission
         self._metrics = metrics
         self._retrieve_pool = retrieve_pool
-        self._runner = QueryRunner(admission=admission, metrics=metrics, retrieve_pool=retrieve_pool,
-                                   scheduler=scheduler)
+        self._runner = runner
         self.backend: QueryBackend | None = None  # set once indexes and model are loaded
 
     def _ready_backend(self) -> QueryBackend:

@@ -45,6 +45,11 @@ class NotServingError(RagKVError):
     """The server is still loading, or draining before it stops."""
 
 
+class ReplicaLostError(RagKVError):
+    """The cluster replica answering a request stopped after its answer began (UNAVAILABLE:
+    ask again; a request that had not begun is retried on another replica)."""
+
+
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
     (WireValueError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -55,6 +60,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (SchedulerFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (SchedulerStoppedError, grpc.StatusCode.UNAVAILABLE),
     (NotServingError, grpc.StatusCode.UNAVAILABLE),
+    (ReplicaLostError, grpc.StatusCode.UNAVAILABLE),
     (StoreError, grpc.StatusCode.UNAVAILABLE),
     (KVFormatError, grpc.StatusCode.DATA_LOSS),
     (ModelLoadError, grpc.StatusCode.INTERNAL),

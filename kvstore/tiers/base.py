@@ -127,6 +127,11 @@ class StorageTier(abc.ABC):
         """`put`, sharing encodings with the other tiers of one store put (`encoded`: by compression)."""
         return self.put(entry)
 
+    def held_keys(self) -> list[ChunkKey] | None:
+        """The keys this tier holds, for a cluster's router; None: a tier shared by every host
+        (S3), whose holdings say nothing about this one. Local tiers list their index."""
+        return None
+
     def get_many(self, keys: Sequence[ChunkKey]) -> list[KVEntry | None]:
         """`get` for each key, in order."""
         return [self.get(k) for k in keys]

@@ -362,6 +362,9 @@ class DiskTier(DurableTier):
         with self._lock:
             return self._tracker.keys_oldest_first()
 
+    def held_keys(self) -> list[ChunkKey]:
+        return self.keys_by_eviction_order()
+
     def _usage(self) -> tuple[int, int]:
         with self._lock:
             return len(self._sizes), self._bytes

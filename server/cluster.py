@@ -1,0 +1,471 @@
+"""`ragkv serve --replicas N`: the same server as Ray Serve deployments, routed by chunks.
+
+    clients ──gRPC──► Ray Serve gRPC proxy ─┐
+    clients ──HTTP──► Ray Serve HTTP proxy ─┴─► Ingress (retrieve, route keys)
+                                                   │ handle.answer (streamed), ChunkRouter
+                                 ┌─────────────────┼─────────────────┐
+                             EngineReplica     EngineReplica     EngineReplica
+                             GPU/CPU/disk tiers, KV tree, scheduler (one per GPU)
+                                 └────────── shared S3 (or disk) tier ─┘
+
+- `Ingress` serves today's gRPC service (through Ray Serve's gRPC proxy: the methods of
+  `ragkv.v1.RagService` and `grpc.health.v1.Health`) and the OpenAI HTTP API (its ASGI app,
+  through the HTTP proxy). It validates and retrieves, so the chunk keys are known before
+  routing, then streams the answer from a replica (`RoutedRunner`).
+- `EngineReplica` is one engine with its own tiers over the shared durable ones: the same
+  `Pipeline`, scheduler and `QueryRunner` as one process, given the ingress's hits. It
+  publishes what its tiers and KV tree hold (`record_routing_stats`: Bloom filters, never
+  key lists) and its queue.
+- `ChunkRouter` is Ray Serve's `RequestRouter` over `server/routing.py`'s pure scoring.
+
+Faults: a request whose replica dies before its first token is sent to another replica
+(its chunks are held back until then, so the client sees one answer); one that dies
+mid-answer ends UNAVAILABLE (`ReplicaLostError`). Ray Serve restarts the replica.
+
+Only `ragkv serve --replicas` imports this module (the `ray` extra); one process never does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2
+from ray import serve
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.config import RequestRouterConfig, gRPCOptions
+from ray.serve.handle import DeploymentHandle
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from ragkv import convert
+from ragkv.engine.request import ChunksReady, Request
+from ragkv.engine.scheduler import Scheduler, SchedulerConfig
+from ragkv.server.admission import Admission
+from ragkv.server.answering import QueryRunner, RunEvent, TokenEvent
+from ragkv.server.metrics import ServerMetrics
+from ragkv.server.routing import (ConversationId, KeyFilter, KeyHex, Policy, ReplicaSummary, ReplicaView, RouteKeys,
+                                  conversation_id, note_routed, rank)
+from ragkv.server.service import RagService
+from ragkv.server.settings import ServerSettings
+from ragkv.server.status import NotServingError, ReplicaLostError, UnknownCollectionError
+from ragkv.types import ChatRole, CollectionInfo, CollectionStats, MetadataFilter, Mode, QueryStats, RetrievedChunk, SearchMode
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "ragkv"
+_SERVICER_FUNCTIONS = (
+    "ragkv.v1.ragkv_pb2_grpc.add_RagServiceServicer_to_server",
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+)
+_CONVERSATIONS_KEPT = 4096  # conversation ids a replica remembers serving (published as a Bloom filter)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSettings:
+    """How `ragkv serve --replicas` lays the server out on Ray."""
+
+    replicas: int  # engine replicas (one per GPU; per process on a CPU host)
+    ray_address: str | None = None  # an existing cluster ("auto", "ray://host:10001"); None = a local one
+    routing: Policy = Policy.CHUNK  # how the ingress picks a replica
+    max_skew: int = 4  # requests a replica's queue may exceed the shortest's before routing passes it over
+    stats_period_s: float = 1.0  # seconds between a replica's routing summaries
+    retries: int = 2  # replicas a request that has not begun is sent to after its first one fails
+    cpus_per_replica: float = 1.0  # Ray CPUs each engine replica takes (CPU hosts)
+    gpus_per_replica: float = 0.0  # Ray GPUs each engine replica takes (1 on GPU hosts)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ValueError(f"replicas must be an int >= 1, got {self.replicas!r}")
+        if self.max_skew < 0:
+            raise ValueError(f"max_skew must be >= 0, got {self.max_skew!r}")
+        if self.retries < 0:
+            raise ValueError(f"retries must be >= 0, got {self.retries!r}")
+
+
+# -- what crosses from the ingress to a replica ---------------------------------------------
+
+# The fields of `Request` that validation fills (what the request asks); everything after
+# them is prepared on the replica. `tests/server/test_cluster.py` holds this list to the type.
+ASKED_FIELDS = ("question", "collection", "top_k", "mode", "recompute_ratio", "sampling", "search_mode", "filters",
+                "history", "system_prompt", "agent_turns", "response_format", "tools", "tool_choice",
+                "parallel_tool_calls", "citations")
+
+
+@dataclass(frozen=True, slots=True)
+class Asked:
+    """A validated request as it travels to a replica: what it asks, and its time left."""
+
+    fields: Mapping[str, Any]  # ASKED_FIELDS' values
+    seconds_left: float | None  # until its deadline (a monotonic clock is per host); None = none
+
+    @classmethod
+    def of(cls, request: Request, deadline: float | None) -> Asked:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return cls({name: getattr(request, name) for name in ASKED_FIELDS}, left)
+
+    def request(self) -> Request:
+        """The request again, on the replica (a fresh cancel event, its deadline on this host)."""
+        return Request(**self.fields)
+
+    def deadline(self) -> float | None:
+        return None if self.seconds_left is None else time.monotonic() + self.seconds_left
+
+
+def route_keys(request: Request, keys: Sequence[str]) -> RouteKeys:
+    """What routing looks for: the chunks' KV keys and the conversation the request continues."""
+    first_user = next((t.content for t in request.history if t.role is ChatRole.USER), request.question)
+    conversation = conversation_id(request.collection, first_user, request.system_prompt)
+    return RouteKeys(tuple(KeyHex(k) for k in keys), ConversationId(conversation))
+
+
+# -- the engine replica ---------------------------------------------------------------------
+
+
+class EngineReplica:
+    """One engine with its own tiers: the one-process server's parts without its gRPC server."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        from ragkv.server.pipeline import Pipeline  # torch and the model, on the replica only
+
+        logging.basicConfig(level=settings.log_level)
+        self.settings = settings
+        self.metrics = ServerMetrics()
+        self._admission = Admission(settings.max_queue, self.metrics.queue_depth.set)
+        self._pool = ThreadPoolExecutor(settings.retrieve_workers, thread_name_prefix="ragkv-retrieve")
+        self._scheduler = Scheduler(SchedulerConfig(settings.kv_budget_bytes, settings.max_batch,
+                                                    settings.prompt_slice_s, settings.prompt_first_s))
+        self.pipeline = Pipeline.from_settings(settings)
+        engine = self.pipeline.engine
+        self._scheduler.share_engine(engine.tree, engine.speed)
+        self._runner = QueryRunner(admission=self._admission, metrics=self.metrics, retrieve_pool=self._pool,
+                                   scheduler=self._scheduler)
+        self._limits = settings.limits()
+        self._conversations: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    async def answer(self, asked: Asked, hits: Sequence[Any], route: RouteKeys) -> AsyncIterator[RunEvent]:
+        """Answer a request the ingress validated and retrieved for (`route` is the router's)."""
+        request = asked.request()
+        if route.conversation is not None:
+            with self._lock:
+                self._conversations[route.conversation] = None
+                self._conversations.move_to_end(route.conversation)
+                while len(self._conversations) > _CONVERSATIONS_KEPT:
+                    self._conversations.popitem(last=False)
+        cancel = threading.Event()
+        try:
+            async for event in self._runner.run(self.pipeline, request, arrived=time.perf_counter(), cancel=cancel,
+                                                deadline=asked.deadline(), hits=hits):
+                yield event
+        finally:
+            cancel.set()
+
+    def collection_stats(self, name: str) -> CollectionStats:
+        return self.pipeline.collection_stats(name)
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What this replica holds, for the router (Ray Serve calls it every stats period)."""
+        held: dict[Any, set[str]] = {}
+        for tier, keys in self.pipeline.held_keys().items():
+            held.setdefault(tier, set()).update(keys)
+        with self._lock:
+            conversations = list(self._conversations)
+        summary = ReplicaSummary({tier: KeyFilter.of(keys) for tier, keys in held.items()},
+                                 KeyFilter.of(conversations), self._admission.in_flight)
+        return {**summary.to_dict(), "at": time.time()}
+
+
+# -- the router ------------------------------------------------------------------------------
+
+
+class ChunkRouter(FIFOMixin, RequestRouter):
+    """Ray Serve's request router for engine replicas: `server/routing.py`'s ranking over the
+    replicas' published summaries, updated by what it routes until their next summary."""
+
+    def initialize_state(self, policy: str = Policy.CHUNK.value, max_skew: int = 4) -> None:
+        self._policy = Policy(policy)
+        self._max_skew = max_skew
+        self._views: dict[ReplicaID, ReplicaView] = {}
+        self._published: dict[ReplicaID, float] = {}
+
+    def _view(self, replica: RunningReplica) -> ReplicaView:
+        stats = replica.routing_stats or {}
+        view = self._views.get(replica.replica_id)
+        at = float(stats.get("at", 0.0))
+        if view is None or self._published.get(replica.replica_id) != at:  # a new summary replaces the overlay
+            view = ReplicaView(replica.replica_id.unique_id, ReplicaSummary.from_dict(stats))
+            self._views[replica.replica_id] = view
+            self._published[replica.replica_id] = at
+        cached = self.replica_queue_len_cache.get(replica.replica_id)
+        view.queue = view.summary.queue if cached is None else cached
+        return view
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        keys = _keys_of(pending_request)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        ranked = rank([self._view(r) for r in candidate_replicas], keys, self._policy, max_skew=self._max_skew)
+        return [[by_id[v.replica_id]] for v in ranked]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        super().on_request_routed(pending_request, replica_id, result)
+        view = self._views.get(replica_id)
+        if view is not None:
+            note_routed(view, _keys_of(pending_request))
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._views.pop(replica_id, None)  # a restarted replica holds nothing of its own
+        self._published.pop(replica_id, None)
+
+
+def _keys_of(pending: PendingRequest | None) -> RouteKeys:
+    route = None if pending is None else pending.kwargs.get("route")
+    return route if isinstance(route, RouteKeys) else RouteKeys()
+
+
+# -- the ingress ----------------------------------------------------------------------------
+
+
+class IngressBackend:
+    """The ingress's side of `QueryBackend`: the indexes for search, the replicas for the rest."""
+
+    def __init__(self, settings: ServerSettings, engines: DeploymentHandle) -> None:
+        from ragkv.kvstore import hash_prefix
+        from ragkv.indexer.neighbours import NeighbourOptions
+        from ragkv.retriever import Retriever
+        from ragkv.server.search_config import retriever_options
+
+        search = retriever_options(settings)
+        self._retrievers = {spec.name: Retriever.open(spec.index_dir, **search) for spec in settings.indexes}
+        self._prefix_hash = {n: hash_prefix(r.manifest.prefix_ids) for n, r in self._retrievers.items()}
+        self._neighbours = {n: NeighbourOptions.from_dict(r.manifest.neighbours) for n, r in self._retrievers.items()}
+        self._focus_handover = settings.focus_handover
+        self._engines = engines
+
+    @property
+    def modes(self) -> frozenset[Mode]:
+        return frozenset(Mode)
+
+    def _retriever(self, name: str) -> Any:
+        try:
+            return self._retrievers[name]
+        except KeyError:
+            served = ", ".join(sorted(self._retrievers))
+            raise UnknownCollectionError(f"collection {name!r} is not served here (served: {served})") from None
+
+    def collections(self) -> Sequence[CollectionInfo]:
+        return [CollectionInfo(n, len(r), r.manifest.model_fp, r.manifest.tokenizer_fp)
+                for n, r in self._retrievers.items()]
+
+    def collection_stats(self, name: str) -> CollectionStats:
+        self._retriever(name)
+        return self._engines.collection_stats.remote(name).result()  # one replica's tiers
+
+    def retrieve(self, collection: str, question: str, top_k: int, search_mode: SearchMode | None = None,
+                 filters: Sequence[MetadataFilter] = ()) -> tuple[RetrievedChunk, ...]:
+        r = self._retriever(collection)
+        return tuple(RetrievedChunk(h.chunk_id, h.score, h.text, h.metadata, None, len(h.token_ids), h.found_by)
+                     for h in r.search(question, min(top_k, len(r)), mode=search_mode, filters=tuple(filters)))
+
+    def search(self, request: Request) -> tuple[list[Any], RouteKeys]:
+        """The request's chunks and what routing looks for (the keys the replica will read)."""
+        from ragkv.server.pipeline import serving_key
+
+        r = self._retriever(request.collection)
+        hits = r.search(request.question, min(request.top_k, len(r)), mode=request.search_mode,
+                        filters=tuple(request.filters))
+        m = r.manifest
+        keys = [serving_key(h, request.mode, self._neighbours[request.collection],
+                            self._prefix_hash[request.collection], m.model_fp, m.tokenizer_fp,
+                            self._focus_handover).hex for h in hits]
+        return hits, route_keys(request, keys)
+
+
+class RoutedRunner:
+    """The ingress's `Answerer`: retrieve here, answer on the replica the router picks."""
+
+    def __init__(self, *, engines: DeploymentHandle, admission: Admission, metrics: ServerMetrics,
+                 pool: ThreadPoolExecutor, retries: int) -> None:
+        self._engines = engines
+        self._admission = admission
+        self._metrics = metrics
+        self._pool = pool
+        self._retries = retries
+
+    async def run(self, backend: IngressBackend, request: Request, *, arrived: float, cancel: threading.Event,
+                  deadline: float | None = None, method: str = "Query") -> AsyncIterator[RunEvent]:
+        loop = asyncio.get_running_loop()
+        with self._admission.query_slot():
+            searched = time.perf_counter()
+            hits, route = await loop.run_in_executor(self._pool, backend.search, request)
+            retrieve_s = time.perf_counter() - searched
+            asked = Asked.of(request, deadline)
+            for attempt in range(self._retries + 1):
+                held: list[RunEvent] = []  # ChunksReady, until the answer has begun
+                begun = False
+                first_token_at: float | None = None
+                stream = self._engines.options(stream=True).answer.remote(asked, hits, route=route)
+                try:
+                    async for event in stream:
+                        if cancel.is_set():
+                            stream.cancel()
+                            return
+                        if isinstance(event, ChunksReady) and not begun:
+                            held.append(event)
+                            continue
+                        if not begun:
+                            begun = True
+                            for h in held:
+                                yield h
+                        if isinstance(event, QueryStats):
+                            end = time.perf_counter()
+                            event = dataclasses.replace(
+                                event, ttft_seconds=(first_token_at or end) - arrived, total_seconds=end - arrived,
+                                phase_seconds={**event.phase_seconds, "retrieve": retrieve_s})
+                        elif first_token_at is None:
+                            first_token_at = time.perf_counter()
+                        yield event
+                    return
+                except RayActorError as exc:
+                    if begun:
+                        raise ReplicaLostError(
+                            "the replica answering this request stopped mid-answer (its process died); the "
+                            "answer is incomplete: send the request again") from exc
+                    log.warning("replica lost before the answer began (attempt %d): %s", attempt + 1, exc)
+                    if attempt == self._retries:
+                        raise NotServingError(
+                            f"{attempt + 1} replicas stopped before answering this request; the cluster is "
+                            "restarting them: try again shortly") from exc
+                except RayTaskError as exc:  # the replica raised: the error as it raised it
+                    cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+                    raise cause from None
+
+
+class _ServeContext:
+    """grpc.aio's ServicerContext, as far as `RagService` uses it, over Ray Serve's gRPC context:
+    `abort` sets the status (Ray Serve's proxy sends what the method set) and ends the call."""
+
+    def __init__(self, grpc_context: Any) -> None:
+        self._context = grpc_context
+
+    def time_remaining(self) -> float | None:
+        return None  # Ray Serve's proxy does not pass the client's deadline on
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self._context.set_code(code)
+        self._context.set_details(details)
+        raise _Aborted(details)
+
+
+class _Aborted(Exception):
+    """Ends a gRPC method after `_ServeContext.abort` set its status."""
+
+
+class Ingress:
+    """The cluster's front: the gRPC methods (`ragkv.v1.RagService`, `grpc.health.v1.Health`),
+    the OpenAI HTTP API as its ASGI app, each answer routed to an engine replica."""
+
+    def __init__(self, settings: ServerSettings, engines: DeploymentHandle, retries: int = 2) -> None:
+        logging.basicConfig(level=settings.log_level)
+        self.settings = settings
+        self.metrics = ServerMetrics()
+        self._admission = Admission(settings.max_queue * 4, self.metrics.queue_depth.set)
+        self._pool = ThreadPoolExecutor(max(2, settings.retrieve_workers), thread_name_prefix="ragkv-ingress")
+        self.backend = IngressBackend(settings, engines)
+        self._runner = RoutedRunner(engines=engines, admission=self._admission, metrics=self.metrics,
+                                    pool=self._pool, retries=retries)
+        self.service = RagService(limits=settings.limits(), admission=self._admission, metrics=self.metrics,
+                                  retrieve_pool=self._pool, runner=self._runner)
+        self.service.backend = self.backend  # type: ignore[assignment]  # retrieval here, answers on replicas
+        if settings.metrics_port is not None:  # the ingress's own: requests, errors, end-to-end latency
+            self.metrics.serve(settings.metrics_port, settings.host)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        from ragkv.server.auth import read_token
+        from ragkv.server.openai_api import OpenAIApi
+
+        api = OpenAIApi(runner=self._runner, admission=self._admission, limits=self.settings.limits(),
+                        metrics=self.metrics, backend=lambda: self.backend,
+                        token=read_token(self.settings.auth_token_file))
+        return api.app
+
+    async def Query(self, request: Any, grpc_context: Any = None) -> AsyncIterator[Any]:  # noqa: N802
+        async for message in self.service.Query(request, _ServeContext(grpc_context)):
+            yield message
+
+    async def Retrieve(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
+        return await self.service.Retrieve(request, _ServeContext(grpc_context))
+
+    async def ListCollections(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
+        return await self.service.ListCollections(request, _ServeContext(grpc_context))
+
+    async def GetCollectionStats(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
+        return await self.service.GetCollectionStats(request, _ServeContext(grpc_context))
+
+    def Check(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802 - grpc.health.v1
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+# -- assembling and running it --------------------------------------------------------------
+
+
+def build_app(settings: ServerSettings, cluster: ClusterSettings) -> Any:
+    """The Ray Serve application: the ingress bound to the engine replicas' deployment."""
+    router = RequestRouterConfig(
+        request_router_class=ChunkRouter,
+        request_router_kwargs={"policy": cluster.routing.value, "max_skew": cluster.max_skew},
+        request_routing_stats_period_s=cluster.stats_period_s,
+        request_routing_stats_timeout_s=max(5.0, 5 * cluster.stats_period_s),
+    )
+    engines = serve.deployment(
+        EngineReplica, name="EngineReplica", num_replicas=cluster.replicas,
+        max_ongoing_requests=max(settings.max_queue, 1), request_router_config=router,
+        ray_actor_options={"num_cpus": cluster.cpus_per_replica, "num_gpus": cluster.gpus_per_replica},
+        health_check_period_s=2.0, health_check_timeout_s=30.0,
+    )
+    ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", num_replicas=1,
+                               max_ongoing_requests=settings.max_queue * 4,
+                               ray_actor_options={"num_cpus": 0})
+    return ingress.bind(settings, engines.bind(settings), cluster.retries)
+
+
+def start(settings: ServerSettings, cluster: ClusterSettings, *, blocking: bool = False) -> DeploymentHandle:
+    """Connect to (or start) Ray, start Serve's proxies on the settings' ports, deploy.
+
+    gRPC on `settings.port`, the OpenAI HTTP API on `settings.http_port` (8000 when unset).
+    """
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=cluster.ray_address, include_dashboard=False, log_to_driver=False,
+                 **({} if cluster.ray_address else {"num_cpus": max(os.cpu_count() or 1, cluster.replicas + 1)}))
+    serve.start(
+        http_options={"host": settings.host, "port": settings.http_port or 8000},
+        grpc_options=gRPCOptions(port=settings.port, grpc_servicer_functions=list(_SERVICER_FUNCTIONS)),
+    )
+    return serve.run(build_app(settings, cluster), name=APP_NAME, route_prefix="/", blocking=blocking)
+
+
+def stop() -> None:
+    """Take the application down and shut Serve and Ray (when this process started it)."""
+    import ray
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+__all__ = ["ASKED_FIELDS", "Asked", "ChunkRouter", "ClusterSettings", "EngineReplica", "Ingress", "build_app",
+           "route_keys", "start", "stop"]

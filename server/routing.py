@@ -1,0 +1,224 @@
+"""Which replica answers a request: chunk-aware scoring over what each replica's tiers hold.
+
+Pure functions and small value types, no Ray: `server/cluster.py`'s `ChunkRouter` feeds them
+the replicas' published summaries and the request's chunk keys, and hands Ray Serve the
+ranking. Tested on their own (`tests/server/test_routing.py`).
+
+A chunk's KV in a replica's GPU or CPU tier costs nothing to load; on its disk it costs a
+read; in S3 it costs everyone the same read, so S3 scores nothing. A replica scores the
+tier-weighted share of the request's chunks it holds, plus an affinity bonus when it
+served the request's conversation last (its KV tree holds the conversation). Locality
+must not pile every request onto one replica: when the best replica's queue is longer
+than the shortest by more than `max_skew`, it is passed over; when no replica holding
+anything is within that skew, the choice falls back to power-of-two choices.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NewType
+
+from ragkv.types import Tier
+
+KeyHex = NewType("KeyHex", str)  # a ChunkKey's hex digest (64 lowercase hex characters)
+ConversationId = NewType("ConversationId", str)  # names one agent conversation (conversation_id)
+
+# What holding a chunk is worth, by tier: free (GPU), a host-to-device copy (CPU), a read (disk).
+# S3 is everyone's: holding a chunk there says nothing about a replica.
+TIER_WEIGHTS: Mapping[Tier, float] = {Tier.GPU: 1.0, Tier.CPU: 0.8, Tier.DISK: 0.3}
+AFFINITY_BONUS = 2.0  # above any chunk score (at most 1.0): a conversation goes back to its tree
+
+
+class Policy(str, enum.Enum):
+    """How the router picks a replica (`ragkv serve --routing`, `ragkv bench --routing`)."""
+
+    CHUNK = "chunk"  # by the chunks and conversation each replica holds, guarded against load skew
+    POW2 = "pow2"  # power of two choices: the shorter queue of two replicas drawn at random
+
+
+@dataclass(frozen=True, slots=True)
+class KeyFilter:
+    """A Bloom filter of chunk keys (or conversation ids): a few bits per key, no key lists.
+
+    The keys are sha256 digests already, so the k bit positions come from the digest itself
+    (double hashing over two 64-bit words); other strings are hashed first.
+    """
+
+    bits: bytes  # m bits, little-endian within each byte
+    k: int  # bits set per key
+
+    @classmethod
+    def of(cls, keys: Iterable[str], fp_rate: float = 0.01, min_bits: int = 64) -> KeyFilter:
+        """A filter holding `keys`, sized for a false-positive rate of `fp_rate`.
+
+        Raises:
+            ValueError: `fp_rate` is not in (0, 1).
+        """
+        if not 0.0 < fp_rate < 1.0:
+            raise ValueError(f"fp_rate must be in (0, 1), got {fp_rate!r}")
+        keys = list(keys)
+        n = max(len(keys), 1)
+        m = max(min_bits, math.ceil(-n * math.log(fp_rate) / math.log(2) ** 2))
+        m = (m + 7) // 8 * 8
+        k = max(1, round(m / n * math.log(2)))
+        bits = bytearray(m // 8)
+        for key in keys:
+            for pos in _positions(key, k, m):
+                bits[pos >> 3] |= 1 << (pos & 7)
+        return cls(bytes(bits), k)
+
+    def __contains__(self, key: str) -> bool:
+        m = len(self.bits) * 8
+        return m > 0 and all(self.bits[p >> 3] >> (p & 7) & 1 for p in _positions(key, self.k, m))
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.bits)
+
+
+EMPTY = KeyFilter(b"", 1)
+
+
+def _positions(key: str, k: int, m: int) -> Iterable[int]:
+    raw = bytes.fromhex(key) if len(key) == 64 and _is_hex(key) else hashlib.sha256(key.encode()).digest()
+    h1 = int.from_bytes(raw[:8], "little")
+    h2 = int.from_bytes(raw[8:16], "little") | 1
+    return ((h1 + i * h2) % m for i in range(k))
+
+
+def _is_hex(s: str) -> bool:
+    try:
+        int(s, 16)
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSummary:
+    """What one replica publishes for routing (`record_routing_stats`): compact, seconds old."""
+
+    tiers: Mapping[Tier, KeyFilter] = field(default_factory=dict)  # the chunk keys each local tier holds
+    conversations: KeyFilter = EMPTY  # the conversations its KV tree served lately
+    queue: int = 0  # requests it holds now (queued, prompt, decoding)
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain types for Ray Serve's routing stats (a dict it passes to the router)."""
+        return {"tiers": {t.value: (f.bits, f.k) for t, f in self.tiers.items()},
+                "conversations": (self.conversations.bits, self.conversations.k), "queue": self.queue}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, object] | None) -> ReplicaSummary:
+        """Read `to_dict`'s form back; a replica that has published nothing yet holds nothing."""
+        if not d:
+            return cls()
+        tiers = {Tier(t): KeyFilter(bits, k) for t, (bits, k) in d.get("tiers", {}).items()}  # type: ignore[union-attr]
+        bits, k = d.get("conversations", (b"", 1))  # type: ignore[misc]
+        return cls(tiers, KeyFilter(bits, k), int(d.get("queue", 0)))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class RouteKeys:
+    """What a request asks of a replica's caches: known after retrieval, before routing."""
+
+    chunks: tuple[KeyHex, ...] = ()  # the retrieved chunks' KV keys, best first
+    conversation: ConversationId | None = None  # the agent conversation it continues; None = none
+
+
+@dataclass(slots=True)
+class ReplicaView:
+    """The router's view of one replica: its last summary, plus what the router sent it since."""
+
+    replica_id: str
+    summary: ReplicaSummary = field(default_factory=ReplicaSummary)
+    queue: int = 0  # the router's count (Ray's queue-length probe, or the summary's)
+    routed_keys: set[str] = field(default_factory=set)  # chunks routed here since the summary (now in its CPU tier)
+    routed_conversations: set[str] = field(default_factory=set)  # conversations routed here since the summary
+
+    def tier_of(self, key: str) -> Tier | None:
+        """The fastest tier this replica is believed to hold `key` in (None: none of its own)."""
+        for tier in (Tier.GPU, Tier.CPU, Tier.DISK):
+            f = self.summary.tiers.get(tier)
+            if f is not None and key in f:
+                return tier
+        return Tier.CPU if key in self.routed_keys else None
+
+    def holds_conversation(self, conversation: str) -> bool:
+        return conversation in self.routed_conversations or conversation in self.summary.conversations
+
+
+def chunk_score(view: ReplicaView, keys: RouteKeys) -> float:
+    """The tier-weighted share of the request's chunks `view` holds, plus the affinity bonus.
+
+    In [0, 1] without affinity: 1.0 when every chunk is in its GPU tier.
+    """
+    score = 0.0
+    if keys.chunks:
+        score = sum(TIER_WEIGHTS.get(t, 0.0) for t in map(view.tier_of, keys.chunks) if t is not None)
+        score /= len(keys.chunks)
+    if keys.conversation is not None and view.holds_conversation(keys.conversation):
+        score += AFFINITY_BONUS
+    return score
+
+
+def rank(views: Sequence[ReplicaView], keys: RouteKeys, policy: Policy, *, max_skew: int = 4,
+         rng: random.Random | None = None) -> list[ReplicaView]:
+    """The replicas in the order to try them, best first.
+
+    CHUNK: by `chunk_score`, ties to the shorter queue; a replica whose queue is more than
+    `max_skew` longer than the shortest is ranked after every one within it. When no replica
+    within the skew holds anything of the request, power-of-two choices decide.
+    POW2: two replicas drawn at random, the shorter queue first, then the rest.
+
+    Raises:
+        ValueError: No replica to rank, or `max_skew` negative.
+    """
+    if not views:
+        raise ValueError("no replica to route to")
+    if max_skew < 0:
+        raise ValueError(f"max_skew must be >= 0, got {max_skew!r}")
+    rng = rng or random.Random()
+    if policy is Policy.POW2:
+        return _pow2(views, rng)
+    shortest = min(v.queue for v in views)
+    within = [v for v in views if v.queue <= shortest + max_skew]
+    beyond = [v for v in views if v.queue > shortest + max_skew]
+    scores = {v.replica_id: chunk_score(v, keys) for v in views}
+    if all(scores[v.replica_id] == 0.0 for v in within):
+        return _pow2(within, rng) + sorted(beyond, key=lambda v: v.queue)
+    by_score = sorted(within, key=lambda v: (-scores[v.replica_id], v.queue))
+    return by_score + sorted(beyond, key=lambda v: (-scores[v.replica_id], v.queue))
+
+
+def _pow2(views: Sequence[ReplicaView], rng: random.Random) -> list[ReplicaView]:
+    if len(views) <= 1:
+        return list(views)
+    a, b = rng.sample(range(len(views)), 2)
+    pair = sorted((views[a], views[b]), key=lambda v: v.queue)
+    rest = [v for i, v in enumerate(views) if i not in (a, b)]
+    return pair + sorted(rest, key=lambda v: v.queue)
+
+
+def note_routed(view: ReplicaView, keys: RouteKeys) -> None:
+    """The router sent `keys` to `view`: until its next summary, believe its CPU tier and KV
+    tree hold them (stats are seconds old; the next request of the same topic must not
+    scatter meanwhile)."""
+    view.routed_keys.update(keys.chunks)
+    if keys.conversation is not None:
+        view.routed_conversations.add(keys.conversation)
+    view.queue += 1
+
+
+def conversation_id(collection: str, first_user_message: str, system_prompt: str | None = None) -> ConversationId:
+    """Name an agent conversation by what every one of its calls repeats: the collection, the
+    system message and the first user message. A client may send its own id instead."""
+    h = hashlib.sha256()
+    for part in (collection, system_prompt or "", first_user_message):
+        h.update(part.encode())
+        h.update(b"\0")
+    return ConversationId(h.hexdigest()[:32])

@@ -75,10 +75,35 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                        help="characters of each tool result (default 1200)")
     agent.add_argument("--kv-tree-bytes", type=int, default=1024**3,
                        help="the tree server's --kv-tree-bytes (default 1 GiB)")
+    cluster = p.add_argument_group(
+        "many replicas (--replicas N; the ray extra)",
+        "Deploy N engine replicas on a local Ray (ragkv serve --replicas) once per routing policy, fresh each "
+        "time, and run the same workload against each: Zipf-popular topics and agent loops from several "
+        "clients. Prints per policy the fast-tier hit rate (chunk KV from a replica's GPU/CPU tier), TTFT "
+        "p50/p95 and KV-tree hits, then kills a replica under load and counts hung requests.")
+    cluster.add_argument("--replicas", type=int, default=None, metavar="N", help="engine replicas (>= 2)")
+    cluster.add_argument("--routing", default="chunk,pow2", help="policies to compare: chunk, pow2 (default both)")
+    cluster.add_argument("--requests", type=int, default=80, help="work items per policy (default 80)")
+    cluster.add_argument("--topics", type=int, default=24,
+                         help="documents of the built index, four 256-token chunks each (default 24)")
+    cluster.add_argument("--clients", type=int, default=4, help="client threads (default 4)")
+    cluster.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of topic popularity (default 1.0)")
+    cluster.add_argument("--agent-every", type=int, default=5,
+                         help="every Nth work item is an agent loop, 0 = none (default 5)")
+    cluster.add_argument("--loop-steps", type=int, default=3, help="calls per agent loop (default 3)")
+    cluster.add_argument("--cpu-share", type=float, default=0.25,
+                         help="each replica's CPU tier as a share of the corpus's KV bytes (default 0.25)")
+    cluster.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs per replica (default 1)")
+    cluster.add_argument("--fault", type=int, default=8, metavar="N",
+                         help="requests in flight when a replica is killed, 0 = skip (default 8)")
     p.set_defaults(func=run_bench)
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.replicas is not None:
+        from ragkv.cli.cluster_bench import run_cluster_bench
+
+        return run_cluster_bench(args)
     if args.plot:
         from ragkv.cli.plot import plot_accuracy_vs_ttft
 

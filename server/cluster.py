@@ -459,6 +459,11 @@ def start(settings: ServerSettings, cluster: ClusterSettings, *, blocking: bool 
     return serve.run(build_app(settings, cluster), name=APP_NAME, route_prefix="/", blocking=blocking)
 
 
+def undeploy() -> None:
+    """Take the application down (its replicas stop); Serve and Ray stay up for the next one."""
+    serve.delete(APP_NAME)
+
+
 def stop() -> None:
     """Take the application down and shut Serve and Ray (when this process started it)."""
     import ray

@@ -9,8 +9,8 @@ read; in S3 it costs everyone the same read, so S3 scores nothing. A replica sco
 tier-weighted share of the request's chunks it holds, plus an affinity bonus when it
 served the request's conversation last (its KV tree holds the conversation). Locality
 must not pile every request onto one replica: when the best replica's queue is longer
-than the shortest by more than `max_skew`, it is passed over; when no replica holding
-anything is within that skew, the choice falls back to power-of-two choices.
+than the shortest by more than `max_skew`, it is passed over; when nothing tells the
+replicas within that skew apart, the choice falls back to power-of-two choices.
 """
 
 from __future__ import annotations
@@ -171,8 +171,9 @@ def rank(views: Sequence[ReplicaView], keys: RouteKeys, policy: Policy, *, max_s
     """The replicas in the order to try them, best first.
 
     CHUNK: by `chunk_score`, ties to the shorter queue; a replica whose queue is more than
-    `max_skew` longer than the shortest is ranked after every one within it. When no replica
-    within the skew holds anything of the request, power-of-two choices decide.
+    `max_skew` longer than the shortest is ranked after every one within it. When the replicas
+    within the skew all score the same (none holds anything of the request, or all hold it
+    alike), power-of-two choices decide.
     POW2: two replicas drawn at random, the shorter queue first, then the rest.
 
     Raises:
@@ -189,10 +190,11 @@ def rank(views: Sequence[ReplicaView], keys: RouteKeys, policy: Policy, *, max_s
     within = [v for v in views if v.queue <= shortest + max_skew]
     beyond = [v for v in views if v.queue > shortest + max_skew]
     scores = {v.replica_id: chunk_score(v, keys) for v in views}
-    if all(scores[v.replica_id] == 0.0 for v in within):
+    if len({scores[v.replica_id] for v in within}) == 1:  # nothing tells them apart (say, a cold start)
         return _pow2(within, rng) + sorted(beyond, key=lambda v: v.queue)
-    by_score = sorted(within, key=lambda v: (-scores[v.replica_id], v.queue))
-    return by_score + sorted(beyond, key=lambda v: (-scores[v.replica_id], v.queue))
+    tie = {v.replica_id: rng.random() for v in views}  # equal scores and queues: no replica is everyone's first
+    by_score = sorted(within, key=lambda v: (-scores[v.replica_id], v.queue, tie[v.replica_id]))
+    return by_score + sorted(beyond, key=lambda v: (-scores[v.replica_id], v.queue, tie[v.replica_id]))
 
 
 def _pow2(views: Sequence[ReplicaView], rng: random.Random) -> list[ReplicaView]:

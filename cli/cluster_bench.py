@@ -1,0 +1,285 @@
+"""`ragkv bench --replicas 2 --routing chunk,pow2`: where requests land, and what it costs.
+
+One run on one machine (local Ray, CPU): build an index whose chunk KV lives on a disk tier
+every replica shares, then for each routing policy deploy `--replicas` engine replicas
+(fresh, cold tiers) with a CPU tier that holds a quarter of the corpus's KV
+(`--cpu-share`), and run the same workload against each:
+
+- questions with locality: a Zipf over topics (each topic is one document of four chunks,
+  `--topics` of them; a question is a few words of one of its chunks), from several client
+  threads at once;
+- agent loops among them: a question, then tool calls with their results, in one conversation.
+
+Per policy it prints the fast-tier hit rate (chunks whose KV came from a replica's GPU or
+CPU tier, over every chunk not served by the KV tree: disk reads and computes count as
+slow), server-side TTFT p50/p95, the calls the KV tree served (`kv_tree_hits`) and the
+share of agent calls after the first that found their conversation's tree. Then, with
+the chunk policy deployed again, one replica is killed while requests run: every request
+must end (answered, or UNAVAILABLE), none hangs.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ragkv.types import ChatRole, ChatTurn, Tier, ToolCall
+
+_FAST = (Tier.GPU, Tier.CPU)
+
+
+@dataclass(slots=True)
+class _Tally:
+    ttft: list[float] = field(default_factory=list)  # server-side seconds
+    fast: int = 0  # chunks from a GPU or CPU tier
+    slow: int = 0  # chunks read from disk/S3 or computed
+    by_tier: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # chunks by where their KV came from
+    tree_hits: int = 0  # calls with prompt tokens from the KV tree
+    agent_later: int = 0  # agent calls after a loop's first
+    agent_later_on_tree: int = 0  # ... that found their conversation's KV tree
+    errors: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _build_index(out: Path, model: str, device: str | None, dtype: str | None, topics: int) -> Path:
+    """`topics` documents of about 1,000 tokens of standard-library documentation each (four
+    256-token chunks: a stretch of one module's docs, so a topic's chunks are retrieved together),
+    KV precomputed on the index's disk tier."""
+    from ragkv.evals.synthetic import haystack_paragraphs
+    from ragkv.indexer.chunking import ChunkingConfig
+    from ragkv.indexer.job import IndexJobConfig, run_index
+
+    text = " ".join(haystack_paragraphs())
+    size = min(4000, len(text) // topics)
+    corpus = out / "corpus"
+    corpus.mkdir(parents=True, exist_ok=True)
+    for i in range(topics):
+        (corpus / f"topic{i:02d}.txt").write_text(text[i * size:(i + 1) * size])
+    index = out / "index"
+    run_index(IndexJobConfig(corpus, index, model=model, chunking=ChunkingConfig(size=256, overlap=0),
+                             **({"device": device} if device else {}), **({"dtype": dtype} if dtype else {})))
+    return index
+
+
+def _topics(index: Path) -> list[list[str]]:
+    """Each document's chunk texts: a topic."""
+    from ragkv.retriever.chunk_db import ChunkDB
+
+    db = ChunkDB.open(index, readonly=True)
+    try:
+        by_doc: dict[str, list[str]] = defaultdict(list)
+        for rec in db.iter_chunks():
+            by_doc[rec.doc_id].append(rec.text)
+    finally:
+        db.close()
+    return [by_doc[d] for d in sorted(by_doc)]
+
+
+def _workload(topics: list[list[str]], n: int, agent_every: int, zipf_s: float, seed: int) -> list[tuple]:
+    """n work items: ("ask", question) or ("loop", question), topics drawn by Zipf."""
+    rng = random.Random(seed)
+    order = list(range(len(topics)))
+    rng.shuffle(order)  # which topic is popular is arbitrary
+    weights = [1.0 / (rank + 1) ** zipf_s for rank in range(len(order))]
+    items = []
+    for i in range(n):
+        topic = topics[rng.choices(order, weights)[0]]
+        words = rng.choice(topic).split()
+        start = rng.randrange(max(1, len(words) - 12))
+        question = f"Question {i}: what does this say: " + " ".join(words[start:start + 12]) + "?"
+        items.append(("loop" if agent_every and i % agent_every == agent_every - 1 else "ask", question))
+    return items
+
+
+def _loop_turns(step: int) -> list[ChatTurn]:
+    turns: list[ChatTurn] = []
+    for i in range(step):
+        call = ToolCall(f"call_{i}", "lookup", json.dumps({"page": i + 1}))
+        turns += [ChatTurn(ChatRole.ASSISTANT, "", (call,)),
+                  ChatTurn(ChatRole.TOOL, f"Page {i + 1} of the documentation says the same.", tool_call_id=call.id)]
+    return turns
+
+
+def _ask(client, question: str, tally: _Tally, max_new: int, top_k: int, step: int | None = None) -> None:  # noqa: ANN001
+    try:
+        stream = client.query(question, top_k=top_k, max_new_tokens=max_new,
+                              agent_turns=_loop_turns(step or 0))
+        for _ in stream:
+            pass
+        stats = stream.result()
+    except Exception:  # noqa: BLE001 - counted; the bench goes on
+        with tally.lock:
+            tally.errors += 1
+        return
+    tiers = [c.kv_tier for c in stream.chunks if c.kv_tier is not Tier.TREE]
+    with tally.lock:
+        tally.ttft.append(stats.ttft_seconds)
+        tally.fast += sum(t in _FAST for t in tiers)
+        tally.slow += sum(t not in _FAST for t in tiers)
+        for t in tiers:
+            tally.by_tier["computed" if t is None else t.value] += 1
+        tally.tree_hits += stats.usage.tree_prompt_tokens > 0
+        if step:
+            tally.agent_later += 1
+            tally.agent_later_on_tree += stats.usage.tree_prompt_tokens > 0
+
+
+def _run_workload(addr: str, items: list[tuple], clients: int, steps: int, max_new: int, top_k: int) -> _Tally:
+    from ragkv.client import RagClient
+
+    tally, todo, lock = _Tally(), list(reversed(items)), threading.Lock()
+
+    def worker() -> None:
+        with RagClient(addr, timeout=600) as client:
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    kind, question = todo.pop()
+                if kind == "ask":
+                    _ask(client, question, tally, max_new, top_k)
+                else:
+                    for step in range(steps):
+                        _ask(client, question, tally, max_new, top_k, step)
+
+    threads = [threading.Thread(target=worker) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return tally
+
+
+def _quantile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    return round(statistics.quantiles(xs, n=100, method="inclusive")[int(q * 100) - 1], 4) if len(xs) > 1 \
+        else round(xs[0], 4)
+
+
+def _summary(t: _Tally) -> dict:
+    loads = t.fast + t.slow
+    return {"fast_tier_hit_rate": round(t.fast / loads, 3) if loads else None,
+            "ttft_p50_s": _quantile(t.ttft, 0.5), "ttft_p95_s": _quantile(t.ttft, 0.95),
+            "kv_tree_hits": t.tree_hits,
+            "agent_calls_on_tree": round(t.agent_later_on_tree / t.agent_later, 3) if t.agent_later else None,
+            "chunk_loads": loads, "chunks_by_source": dict(t.by_tier), "requests": len(t.ttft), "errors": t.errors}
+
+
+def _fault(addr: str, items: list[tuple], max_new: int, top_k: int, app: str) -> dict:
+    """Kill one engine replica while requests run: count answered, UNAVAILABLE and hung."""
+    import ray
+
+    from ragkv.client import RagClient
+
+    outcomes: dict[str, int] = defaultdict(int)
+    lock = threading.Lock()
+
+    def one(question: str) -> None:
+        try:
+            with RagClient(addr, timeout=120) as client:
+                stream = client.query(question, top_k=top_k, max_new_tokens=max_new)
+                for _ in stream:
+                    pass
+                stream.result()
+            outcome = "answered"
+        except Exception as exc:  # noqa: BLE001 - sorted by status
+            code = getattr(exc, "code", None)
+            outcome = code().name.lower() if callable(code) else type(exc).__name__
+        with lock:
+            outcomes[outcome] += 1
+
+    threads = [threading.Thread(target=one, args=(q,), daemon=True) for _, q in items]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(f"SERVE_REPLICA::{app}#EngineReplica#")]
+    if names:
+        ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+    deadline = time.monotonic() + 180
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    hung = sum(t.is_alive() for t in threads)
+    return {"requests": len(items), "hung": hung, **dict(outcomes)}
+
+
+def run_cluster_bench(args) -> int:  # noqa: ANN001 - argparse.Namespace from cli.bench
+    from ragkv.server import cluster
+    from ragkv.server.routing import Policy
+    from ragkv.server.settings import CollectionSpec, ServerSettings
+
+    policies = [Policy(p) for p in args.routing.split(",")]
+    if args.replicas < 2:
+        raise ValueError(f"--replicas must be >= 2 for a routing bench, got {args.replicas}")
+    if not 0.0 < args.cpu_share <= 1.0:
+        raise ValueError(f"--cpu-share must be in (0, 1], got {args.cpu_share}")
+    with tempfile.TemporaryDirectory(prefix="ragkv-cluster-") as tmp:
+        index = args.index or _build_index(Path(tmp), args.model, args.device, args.dtype, args.topics)
+        kv_bytes = sum(f.stat().st_size for f in (index / "kv").rglob("*") if f.is_file())
+        topics = _topics(index)
+        items = _workload(topics, args.requests, args.agent_every, args.zipf, seed=0)
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        settings = ServerSettings(
+            indexes=(CollectionSpec("default", index),), host="127.0.0.1", port=port, http_port=None,
+            metrics_port=None, model=None if args.index else args.model, kv_cpu_bytes=int(kv_bytes * args.cpu_share),
+            **({"device": args.device} if args.device else {}), **({"dtype": args.dtype} if args.dtype else {}))
+        addr = f"127.0.0.1:{port}"
+        report: dict = {"routing": {}}
+        try:
+            for policy in policies:
+                print(f"routing {policy.value}: deploying {args.replicas} replicas ...", file=sys.stderr, flush=True)
+                cluster.start(settings, cluster.ClusterSettings(args.replicas, routing=policy,
+                                                                cpus_per_replica=args.cpus_per_replica))
+                t0 = time.perf_counter()
+                tally = _run_workload(addr, items, args.clients, args.loop_steps, args.max_new_tokens,
+                                      args.top_k)
+                report["routing"][policy.value] = {**_summary(tally), "seconds": round(time.perf_counter() - t0, 1)}
+                print(f"routing {policy.value}: {report['routing'][policy.value]}", file=sys.stderr, flush=True)
+                cluster.undeploy()
+            if args.fault:
+                cluster.start(settings, cluster.ClusterSettings(args.replicas, routing=Policy.CHUNK,
+                                                                cpus_per_replica=args.cpus_per_replica))
+                report["fault"] = _fault(addr, items[:args.fault], args.max_new_tokens, args.top_k, cluster.APP_NAME)
+                print(f"fault: {report['fault']}", file=sys.stderr, flush=True)
+        finally:
+            cluster.stop()
+    r = report["routing"]
+    if "chunk" in r and "pow2" in r and r["pow2"]["fast_tier_hit_rate"]:
+        report["chunk_over_pow2"] = {
+            "fast_tier_hit_rate": round(r["chunk"]["fast_tier_hit_rate"] / r["pow2"]["fast_tier_hit_rate"], 2),
+            "ttft_p50": round(r["chunk"]["ttft_p50_s"] / r["pow2"]["ttft_p50_s"], 2)}
+    report["config"] = {"replicas": args.replicas, "requests": args.requests, "clients": args.clients,
+                        "topics": len(topics), "top_k": args.top_k, "zipf_s": args.zipf, "agent_every": args.agent_every,
+                        "agent_steps": args.loop_steps, "cpu_tier_share_of_corpus": args.cpu_share,
+                        "corpus_kv_bytes": kv_bytes, "model": args.model, "shared_tier": "disk (the index's own)",
+                        "baseline": "pow2 (Ray Serve's default power of two choices), same workload, same run"}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print(report)
+    return 0
+
+
+def _print(report: dict) -> None:
+    print("routing  fast-tier hit rate  TTFT p50   TTFT p95   tree hits  agent calls on tree  errors")
+    for name, r in report["routing"].items():
+        print(f"{name:<8} {r['fast_tier_hit_rate']!s:>18}  {r['ttft_p50_s']!s:>8} s {r['ttft_p95_s']!s:>8} s "
+              f"{r['kv_tree_hits']:>9}  {r['agent_calls_on_tree']!s:>19}  {r['errors']:>6}")
+    if "chunk_over_pow2" in report:
+        c = report["chunk_over_pow2"]
+        print(f"chunk over pow2: fast-tier hit rate {c['fast_tier_hit_rate']}x, TTFT p50 {c['ttft_p50']}x")
+    if "fault" in report:
+        print(f"a replica killed under load: {report['fault']}")

@@ -1,0 +1,284 @@
+"""`ragkv serve --replicas`: the server as Ray Serve deployments on a local Ray (server/cluster.py).
+
+One cluster of two engine replicas over a tiny random Llama's index serves every test here:
+the same answers as one process over gRPC (Ray Serve's gRPC proxy) and HTTP, client errors
+with their own status, an agent's tool loop kept on one replica (its KV tree), and a replica
+killed mid-answer (UNAVAILABLE, nothing hangs, the replica comes back). The retry of a request
+whose replica died before its answer began is tested on the ingress's runner directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import socket
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+pytest.importorskip("ray.serve", reason="the ray extra (ray[serve]) is not installed: pip install 'ragkv[ray]'")
+
+from ray.exceptions import ActorDiedError  # noqa: E402
+
+from ragkv.client import RagClient  # noqa: E402
+from ragkv.engine.request import ChunksReady, Request  # noqa: E402
+from ragkv.server import cluster  # noqa: E402
+from ragkv.server.admission import Admission  # noqa: E402
+from ragkv.server.answering import TokenEvent  # noqa: E402
+from ragkv.server.metrics import ServerMetrics  # noqa: E402
+from ragkv.server.routing import Policy, RouteKeys  # noqa: E402
+from ragkv.server.settings import CollectionSpec  # noqa: E402
+from ragkv.server.status import ReplicaLostError, status_for  # noqa: E402
+from ragkv.types import (ChatRole, ChatTurn, FinishReason, Mode, QueryStats, RetrievedChunk, ToolCall,  # noqa: E402
+                         Usage)
+from tests.server.fakes import ServerThread, settings  # noqa: E402
+
+CORPUS = {f"topic{i}.txt": f"Topic {i}: the secret number of topic {i} is {4700 + i}, chosen by player {i}. " * 2
+          for i in range(8)}
+QUESTION = "What is the secret number of topic 3, and who chose it?"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Path:
+    from ragkv.indexer.chunking import ChunkingConfig
+    from ragkv.indexer.job import IndexJobConfig, run_index
+
+    root = tmp_path_factory.mktemp("cluster-index")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for name, text in CORPUS.items():
+        (corpus / name).write_text(text)
+    run_index(IndexJobConfig(corpus=corpus, out=root / "index", model=str(tiny_llama_dir), progress=False,
+                             chunking=ChunkingConfig(size=32, overlap=0)))
+    return root / "index"
+
+
+def _settings(index: Path, **overrides: object):  # -> ServerSettings
+    return settings(indexes=(CollectionSpec("docs", index),), kv_tree_bytes=64 << 20, **overrides)
+
+
+@pytest.fixture(scope="module")
+def served(index: Path):
+    """The cluster (two replicas, chunk routing) and one process over the same index."""
+    grpc_port, http_port = _free_port(), _free_port()
+    s = _settings(index, port=grpc_port, http_port=http_port)
+    cluster.start(s, cluster.ClusterSettings(2, routing=Policy.CHUNK, cpus_per_replica=0.5, stats_period_s=0.5))
+    single = ServerThread(_settings(index), _pipeline_factory())
+    yield f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}", single
+    single.stop()
+    cluster.stop()
+
+
+def _pipeline_factory():  # noqa: ANN202
+    from ragkv.server.pipeline import Pipeline
+
+    return Pipeline.from_settings
+
+
+def test_the_asked_fields_are_every_field_validation_fills() -> None:
+    names = [f.name for f in dataclasses.fields(Request)]
+    asked = names[:names.index("retrieved")]
+    # the cancel event and the deadline are per host: the deadline travels as time left
+    assert sorted(cluster.ASKED_FIELDS) == sorted(n for n in asked if n not in ("cancel", "deadline"))
+
+
+@pytest.mark.parametrize("mode", ["full", "blend", "focus"])
+def test_the_cluster_answers_as_one_process_over_grpc(served, mode: str) -> None:
+    addr, _, single = served
+    with RagClient(addr) as routed, RagClient(single.addr) as alone:
+        kwargs = dict(collection="docs", mode=mode, top_k=3, max_new_tokens=8, recompute_ratio=0.2)
+        a, b = routed.query(QUESTION, **kwargs), alone.query(QUESTION, **kwargs)
+        assert "".join(a) == "".join(b)
+        ra, rb = a.result(), b.result()
+        assert [c.chunk_id for c in a.chunks] == [c.chunk_id for c in b.chunks]
+        assert ra.usage.prompt_tokens == rb.usage.prompt_tokens
+        assert ra.ttft_seconds > 0 and ra.total_seconds >= ra.ttft_seconds
+        assert ra.finish_reason is FinishReason.LENGTH
+
+
+def test_the_cluster_serves_the_openai_http_api(served) -> None:
+    addr, http, single = served
+    body = {"model": "docs", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8, "mode": "blend"}
+    req = urllib.request.Request(f"{http}/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        answer = json.loads(resp.read())
+    with RagClient(single.addr) as alone:
+        expected = "".join(alone.query(QUESTION, collection="docs", mode="blend", max_new_tokens=8))
+    assert answer["choices"][0]["message"]["content"] == expected
+    assert answer["usage"]["completion_tokens"] == 8
+
+
+def test_health_collections_and_client_errors_keep_their_status(served) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    addr, _, _ = served
+    with grpc.insecure_channel(addr) as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+    with RagClient(addr) as client:
+        assert [c.name for c in client.list_collections()] == ["docs"]
+        with pytest.raises(Exception) as err:
+            "".join(client.query(QUESTION, collection="nope"))
+        assert _code(err.value) is grpc.StatusCode.NOT_FOUND
+        with pytest.raises(Exception) as err:
+            "".join(client.query(QUESTION, collection="docs", recompute_ratio=2.0))
+        assert _code(err.value) is grpc.StatusCode.INVALID_ARGUMENT
+        assert "recompute_ratio" in str(err.value)
+
+
+def _code(exc: BaseException) -> grpc.StatusCode | None:
+    code = getattr(exc, "code", None)
+    return code() if callable(code) else code
+
+
+def _loop_turns(step: int) -> list[ChatTurn]:
+    turns: list[ChatTurn] = []
+    for i in range(step):
+        call = ToolCall(f"call_{i}", "lookup", f'{{"page": {i}}}')
+        turns += [ChatTurn(ChatRole.ASSISTANT, "", (call,)),
+                  ChatTurn(ChatRole.TOOL, f"page {i}: the archive lists 4703.", tool_call_id=call.id)]
+    return turns
+
+
+def test_an_agent_loop_stays_on_one_replica_and_reuses_its_kv_tree(served) -> None:
+    addr, _, _ = served
+    question = "Which player chose the secret number of topic 5?"
+    with RagClient(addr) as client:
+        for step in range(4):
+            answer = client.query(question, collection="docs", mode="blend", top_k=3, max_new_tokens=4,
+                                  agent_turns=_loop_turns(step))
+            "".join(answer)
+            usage = answer.result().usage
+            if step > 0:  # every later call lands where the conversation's KV is
+                assert usage.tree_prompt_tokens > 0, f"step {step} computed its whole prompt again"
+
+
+def test_a_replica_killed_mid_answer_ends_it_unavailable_and_comes_back(served) -> None:
+    import ray
+
+    addr, _, _ = served
+    with RagClient(addr) as client:
+        answer = client.query(QUESTION, collection="docs", mode="full", max_new_tokens=1000)
+        stream = iter(answer)
+        next(stream)  # the answer has begun
+        replicas = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a["name"].startswith(f"SERVE_REPLICA::{cluster.APP_NAME}#EngineReplica#")]
+        assert len(replicas) == 2
+        for name in replicas:
+            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        started = time.monotonic()
+        with pytest.raises(Exception) as err:
+            for _ in stream:
+                pass
+        assert time.monotonic() - started < 60, "the client waited on a dead replica"
+        assert _code(err.value) is grpc.StatusCode.UNAVAILABLE
+        assert "mid-answer" in str(err.value)
+        # Ray Serve starts new replicas; the cluster answers again
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                text = "".join(client.query(QUESTION, collection="docs", mode="blend", max_new_tokens=4))
+                break
+            except grpc.RpcError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
+        assert text
+
+
+# -- the ingress's runner, on its own: retries before the answer begins ------------------------
+
+
+class _Stream:
+    def __init__(self, events: list[object], fail_after: int | None) -> None:
+        self._events, self._fail_after, self.cancelled = events, fail_after, False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    async def __aiter__(self):  # noqa: ANN204
+        for i, event in enumerate(self._events):
+            if i == self._fail_after:
+                raise ActorDiedError()
+            yield event
+            await asyncio.sleep(0)
+
+
+class _Engines:
+    """A deployment handle whose replicas die as the test says, one stream per call."""
+
+    def __init__(self, streams: list[_Stream]) -> None:
+        self.streams, self.calls = streams, []
+
+    def options(self, **_: object) -> _Engines:
+        return self
+
+    @property
+    def answer(self) -> _Engines:
+        return self
+
+    def remote(self, asked: cluster.Asked, hits: object, route: RouteKeys) -> _Stream:
+        self.calls.append(route)
+        return self.streams[len(self.calls) - 1]
+
+
+class _Backend:
+    def search(self, request: Request) -> tuple[list[object], RouteKeys]:
+        return [], RouteKeys()
+
+
+def _events() -> list[object]:
+    chunk = RetrievedChunk("c1", 1.0, "text", {}, None, 3)
+    stats = QueryStats(Usage(10, 2), ttft_seconds=9.0, total_seconds=9.0, phase_seconds={}, recompute_fraction=0.2,
+                       mode=Mode.BLEND, finish_reason=FinishReason.LENGTH, text="ab")
+    return [ChunksReady((chunk,)), TokenEvent("a"), TokenEvent("b"), stats]
+
+
+def _run(engines: _Engines, retries: int = 2) -> list[object]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    runner = cluster.RoutedRunner(engines=engines, admission=Admission(4), metrics=ServerMetrics(),
+                                  pool=ThreadPoolExecutor(1), retries=retries)
+
+    async def collect() -> list[object]:
+        return [e async for e in runner.run(_Backend(), Request(question="q"), arrived=time.perf_counter(),
+                                            cancel=threading.Event())]
+
+    return asyncio.run(collect())
+
+
+def test_a_request_whose_replica_dies_before_its_first_token_is_answered_by_another() -> None:
+    engines = _Engines([_Stream(_events(), fail_after=1), _Stream(_events(), fail_after=None)])
+    events = _run(engines)
+    assert len(engines.calls) == 2
+    # the client sees one answer: the lost replica's chunks were held back, never sent
+    assert [type(e).__name__ for e in events] == ["ChunksReady", "TokenEvent", "TokenEvent", "QueryStats"]
+    assert events[-1].ttft_seconds < 9.0  # timed by the ingress, from the request's arrival
+
+
+def test_a_request_whose_replica_dies_mid_answer_is_unavailable_not_retried() -> None:
+    engines = _Engines([_Stream(_events(), fail_after=2), _Stream(_events(), fail_after=None)])
+    with pytest.raises(ReplicaLostError, match="mid-answer") as err:
+        _run(engines)
+    assert len(engines.calls) == 1
+    assert status_for(err.value)[0] is grpc.StatusCode.UNAVAILABLE
+
+
+def test_retries_end_unavailable_when_every_replica_dies() -> None:
+    engines = _Engines([_Stream(_events(), fail_after=0) for _ in range(3)])
+    with pytest.raises(Exception) as err:
+        _run(engines, retries=2)
+    assert len(engines.calls) == 3
+    assert status_for(err.value)[0] is grpc.StatusCode.UNAVAILABLE

@@ -1,0 +1,128 @@
+"""The cluster's routing, as pure functions (server/routing.py): Bloom filters of chunk keys,
+the tier-weighted chunk score, conversation affinity, the load-skew guard, power-of-two."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import Counter
+
+import pytest
+
+from ragkv.server.routing import (AFFINITY_BONUS, TIER_WEIGHTS, KeyFilter, Policy, ReplicaSummary, ReplicaView,
+                                  RouteKeys, chunk_score, conversation_id, note_routed, rank)
+from ragkv.types import Tier
+
+
+def _key(i: int) -> str:
+    return hashlib.sha256(f"chunk {i}".encode()).hexdigest()
+
+
+def _view(name: str, queue: int = 0, **tiers: list[int]) -> ReplicaView:
+    summary = ReplicaSummary({Tier(t): KeyFilter.of(_key(i) for i in ids) for t, ids in tiers.items()})
+    return ReplicaView(name, summary, queue=queue)
+
+
+def test_a_key_filter_holds_every_key_and_few_others() -> None:
+    held = [_key(i) for i in range(2000)]
+    f = KeyFilter.of(held, fp_rate=0.01)
+    assert all(k in f for k in held)  # no false negatives
+    false_positives = sum(_key(i) in f for i in range(2000, 22000))
+    assert false_positives / 20000 < 0.03
+    assert f.nbytes < 2000 * 2  # about 1.2 bytes per key at 1%: compact, not a key list
+    assert "conversation-1" in KeyFilter.of(["conversation-1"])  # any string, hashed first
+
+
+def test_an_empty_filter_holds_nothing_and_a_bad_rate_is_refused() -> None:
+    assert _key(1) not in KeyFilter.of([])
+    with pytest.raises(ValueError, match="fp_rate"):
+        KeyFilter.of([_key(1)], fp_rate=1.5)
+
+
+def test_the_summary_survives_ray_serves_plain_dict() -> None:
+    s = ReplicaSummary({Tier.CPU: KeyFilter.of([_key(1)]), Tier.DISK: KeyFilter.of([_key(2)])},
+                       KeyFilter.of(["c1"]), queue=3)
+    back = ReplicaSummary.from_dict(s.to_dict())
+    assert back == s
+    assert ReplicaSummary.from_dict(None) == ReplicaSummary()
+
+
+def test_the_score_weighs_each_chunk_by_the_fastest_tier_holding_it() -> None:
+    view = _view("a", gpu=[0], cpu=[0, 1], disk=[2])
+    keys = RouteKeys((_key(0), _key(1), _key(2), _key(3)))
+    expected = (TIER_WEIGHTS[Tier.GPU] + TIER_WEIGHTS[Tier.CPU] + TIER_WEIGHTS[Tier.DISK]) / 4
+    assert chunk_score(view, keys) == pytest.approx(expected)
+    assert chunk_score(_view("b"), keys) == 0.0
+    assert TIER_WEIGHTS[Tier.GPU] > TIER_WEIGHTS[Tier.CPU] > TIER_WEIGHTS[Tier.DISK] > 0
+    assert Tier.S3 not in TIER_WEIGHTS  # S3 is everyone's
+
+
+def test_chunk_routing_picks_the_replica_holding_the_chunks_in_its_fastest_tiers() -> None:
+    keys = RouteKeys(tuple(_key(i) for i in range(4)))
+    views = [_view("disk", disk=[0, 1, 2, 3]), _view("cpu", cpu=[0, 1, 2, 3]), _view("none")]
+    assert [v.replica_id for v in rank(views, keys, Policy.CHUNK)] == ["cpu", "disk", "none"]
+
+
+def test_a_conversation_goes_back_to_its_replica_over_chunk_locality() -> None:
+    conv = conversation_id("docs", "What is the secret number?")
+    views = [_view("chunks", gpu=[0, 1]), _view("tree")]
+    views[1].summary = ReplicaSummary(conversations=KeyFilter.of([conv]))
+    keys = RouteKeys((_key(0), _key(1)), conv)
+    assert rank(views, keys, Policy.CHUNK)[0].replica_id == "tree"
+    assert chunk_score(views[1], keys) == AFFINITY_BONUS
+
+
+def test_an_overloaded_replica_is_passed_over_whatever_it_holds() -> None:
+    keys = RouteKeys((_key(0),))
+    views = [_view("busy", queue=9, gpu=[0]), _view("idle", queue=0), _view("idle2", queue=1)]
+    ranked = rank(views, keys, Policy.CHUNK, max_skew=4, rng=random.Random(0))
+    assert ranked[-1].replica_id == "busy"  # beyond the skew: last
+    assert {v.replica_id for v in ranked[:2]} == {"idle", "idle2"}
+    # within the skew, locality wins over a shorter queue
+    assert rank(views, keys, Policy.CHUNK, max_skew=10)[0].replica_id == "busy"
+
+
+def test_without_locality_chunk_routing_is_power_of_two_choices() -> None:
+    rng = random.Random(1)
+    views = [_view(f"r{i}", queue=q) for i, q in enumerate([0, 5, 5, 5])]
+    firsts = Counter(rank(views, RouteKeys((_key(0),)), Policy.CHUNK, max_skew=10, rng=rng)[0].replica_id
+                     for _ in range(300))
+    # r0 wins whenever it is drawn (half the draws), the others split the rest
+    assert 0.35 < firsts["r0"] / 300 < 0.65
+    assert set(firsts) == {"r0", "r1", "r2", "r3"}
+
+
+def test_pow2_ignores_what_replicas_hold_and_prefers_the_shorter_queue() -> None:
+    views = [_view("holds", queue=3, gpu=[0]), _view("empty", queue=1)]
+    for seed in range(5):
+        assert rank(views, RouteKeys((_key(0),)), Policy.POW2, rng=random.Random(seed))[0].replica_id == "empty"
+
+
+def test_what_the_router_routed_counts_until_the_next_summary() -> None:
+    keys = RouteKeys((_key(7), _key(8)), conversation_id("docs", "q"))
+    a, b = _view("a"), _view("b")
+    note_routed(b, keys)
+    assert b.queue == 1
+    assert b.tier_of(_key(7)) is Tier.CPU
+    assert rank([a, b], keys, Policy.CHUNK)[0].replica_id == "b"
+
+
+def test_a_conversation_is_named_by_what_every_call_repeats() -> None:
+    one = conversation_id("docs", "first question", "system")
+    assert one == conversation_id("docs", "first question", "system")
+    assert one != conversation_id("docs", "another question", "system")
+    assert one != conversation_id("other", "first question", "system")
+
+
+def test_ranking_refuses_nothing_to_rank_and_a_negative_skew() -> None:
+    with pytest.raises(ValueError, match="no replica"):
+        rank([], RouteKeys(), Policy.CHUNK)
+    with pytest.raises(ValueError, match="max_skew"):
+        rank([_view("a")], RouteKeys(), Policy.CHUNK, max_skew=-1)
+
+
+def test_replicas_holding_a_request_alike_are_chosen_by_power_of_two_not_by_order() -> None:
+    keys = RouteKeys((_key(0),))
+    views = [_view(f"r{i}", disk=[0]) for i in range(3)]  # a disk every replica shares: it tells nothing
+    firsts = Counter(rank(views, keys, Policy.CHUNK, rng=random.Random(seed))[0].replica_id for seed in range(60))
+    assert set(firsts) == {"r0", "r1", "r2"}

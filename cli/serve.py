@@ -101,6 +101,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     cluster.add_argument("--ray-address", default=None, metavar="ADDR",
                          help="join this Ray cluster ('auto' on a node started with `ray start`); "
                               "default: start a local one")
+    cluster.add_argument("--gpus-per-replica", type=float, default=0.0, metavar="G",
+                         help="GPUs Ray gives each replica: 1 on GPU workers (one replica per GPU); 0 runs "
+                              "them on CPUs (default 0)")
+    cluster.add_argument("--cpus-per-replica", type=float, default=1.0, metavar="C",
+                         help="CPUs Ray gives each replica (default 1)")
     cluster.add_argument("--routing", default="chunk", choices=("chunk", "pow2"),
                          help="chunk: to the replica whose tiers hold the request's chunks (and its "
                               "conversation), power-of-two choices when queues are imbalanced; "
@@ -119,24 +124,6 @@ def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = No
     return load_settings(flags, env=env, config_file=args.config)
 
 
-def fetch_indexes(settings) -> None:  # settings: ServerSettings
-    """Sync every s3:// collection into its local folder (files already there and current are
-    kept, so a restart copies only what changed). The shard folders of a merged index stay in S3.
-
-    Raises:
-        RagKVError: a bucket cannot be read, or holds no index.
-    """
-    from ragkv.indexer.merge import SHARD_DIR
-    from ragkv.retriever.remote import S3Location, download
-
-    def wanted(rel: str) -> bool:
-        return SHARD_DIR.fullmatch(rel.partition("/")[0]) is None
-
-    for spec in settings.indexes:
-        if spec.source is not None:
-            download(S3Location.parse(spec.source), spec.index_dir, wanted)
-
-
 def run_serve(args: argparse.Namespace) -> int:
     """Load settings, then serve until SIGTERM; returns the exit status."""
     import asyncio
@@ -151,6 +138,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if not settings.indexes:
         raise ValueError("no index to serve: pass --index [NAME=]DIR (or set RAGKV_INDEXES)")
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from ragkv.server.pipeline import fetch_indexes
+
     fetch_indexes(settings)
 
     if args.replicas is not None:
@@ -173,7 +162,8 @@ def _run_cluster(settings, args: argparse.Namespace) -> int:  # settings: Server
         raise SystemExit(f"ragkv serve --replicas needs Ray Serve ({exc}): pip install 'ragkv[ray]'") from None
     from ragkv.server.routing import Policy
 
-    plan = cluster.ClusterSettings(args.replicas, args.ray_address, Policy(args.routing))
+    plan = cluster.ClusterSettings(args.replicas, args.ray_address, Policy(args.routing),
+                                   cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica)
     cluster.start(settings, plan)
     logging.getLogger(__name__).info(
         "ragkv serving %d replica(s) on Ray Serve: gRPC :%d, HTTP :%d, routing %s", plan.replicas, settings.port,

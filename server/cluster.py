@@ -135,9 +135,10 @@ class EngineReplica:
     """One engine with its own tiers: the one-process server's parts without its gRPC server."""
 
     def __init__(self, settings: ServerSettings) -> None:
-        from ragkv.server.pipeline import Pipeline  # torch and the model, on the replica only
+        from ragkv.server.pipeline import Pipeline, fetch_indexes  # torch and the model, on the replica only
 
         logging.basicConfig(level=settings.log_level)
+        fetch_indexes(settings)  # an s3:// index, synced onto this replica's host
         self.settings = settings
         self.metrics = ServerMetrics()
         self._admission = Admission(settings.max_queue, self.metrics.queue_depth.set)
@@ -379,7 +380,10 @@ class Ingress:
     the OpenAI HTTP API as its ASGI app, each answer routed to an engine replica."""
 
     def __init__(self, settings: ServerSettings, engines: DeploymentHandle, retries: int = 2) -> None:
+        from ragkv.server.pipeline import fetch_indexes
+
         logging.basicConfig(level=settings.log_level)
+        fetch_indexes(settings)  # an s3:// index, synced onto the ingress's host
         self.settings = settings
         self.metrics = ServerMetrics()
         self._admission = Admission(settings.max_queue * 4, self.metrics.queue_depth.set)
@@ -452,7 +456,8 @@ def start(settings: ServerSettings, cluster: ClusterSettings, *, blocking: bool 
     if not ray.is_initialized():
         ray.init(address=cluster.ray_address, include_dashboard=False, log_to_driver=False,
                  **({} if cluster.ray_address else {"num_cpus": max(os.cpu_count() or 1, cluster.replicas + 1)}))
-    serve.start(
+    serve.start(  # a proxy on every node: a load balancer may send a request to any of them
+        proxy_location="EveryNode",
         http_options={"host": settings.host, "port": settings.http_port or 8000},
         grpc_options=gRPCOptions(port=settings.port, grpc_servicer_functions=list(_SERVICER_FUNCTIONS)),
     )

@@ -122,6 +122,26 @@ def check_system_prompt(params: Request, index_prompt: str) -> None:
         f"again with `ragkv index --system-prompt`)")
 
 
+def fetch_indexes(settings: ServerSettings) -> None:
+    """Sync every s3:// collection into its local folder (files already there and current are
+    kept, so a restart copies only what changed). The shard folders of a merged index stay in S3.
+    `ragkv serve` runs it before loading; in a cluster every replica and the ingress do, on
+    their own hosts.
+
+    Raises:
+        RagKVError: a bucket cannot be read, or holds no index.
+    """
+    from ragkv.indexer.merge import SHARD_DIR
+    from ragkv.retriever.remote import S3Location, download
+
+    def wanted(rel: str) -> bool:
+        return SHARD_DIR.fullmatch(rel.partition("/")[0]) is None
+
+    for spec in settings.indexes:
+        if spec.source is not None:
+            download(S3Location.parse(spec.source), spec.index_dir, wanted)
+
+
 class Pipeline:
     """QueryBackend over retriever + kvstore + engine.
 

@@ -65,6 +65,11 @@ module "serving" {
   create_load_balancer              = var.create_load_balancer
   load_balancer_internal            = var.load_balancer_internal
   load_balancer_deletion_protection = var.load_balancer_deletion_protection
+  ray_cluster                       = var.ray_cluster
+  head_instance_type                = var.head_instance_type
+  ray_replicas                      = var.ray_replicas
+  ray_routing                       = var.ray_routing
+  http_port                         = var.http_port
   tags                              = local.tags
 }
 

@@ -72,3 +72,8 @@ output "batch_submit_commands" {
   description = "Shell commands that run a sharded index build and then the merge step, or null."
   value       = one(module.indexing[*].submit_commands)
 }
+
+output "http_endpoint" {
+  description = "host:port of the OpenAI-compatible HTTP API of a Ray cluster (ray_cluster), or null."
+  value       = one(module.serving[*].http_endpoint)
+}

@@ -209,6 +209,36 @@ variable "load_balancer_deletion_protection" {
   default     = true
 }
 
+variable "ray_cluster" {
+  description = "Serve as a Ray cluster: a head node (on demand) runs `ragkv serve --replicas` on Ray Serve, the Auto Scaling group's g5 instances are its workers (one engine replica per GPU), and each request goes to the replica holding its chunks. The load balancer, when created, forwards gRPC and HTTP to Ray Serve's proxies."
+  type        = bool
+  default     = false
+}
+
+variable "head_instance_type" {
+  description = "Instance type of the Ray head node (ray_cluster); it needs no GPU."
+  type        = string
+  default     = "m6i.2xlarge"
+}
+
+variable "ray_replicas" {
+  description = "Engine replicas of the Ray cluster: one per worker GPU (asg_desired_capacity on g5.xlarge)."
+  type        = number
+  default     = 2
+}
+
+variable "ray_routing" {
+  description = "How the Ray cluster routes requests: chunk (by the chunks each replica holds) or pow2."
+  type        = string
+  default     = "chunk"
+}
+
+variable "http_port" {
+  description = "Port of the OpenAI-compatible HTTP API in a Ray cluster (Ray Serve's HTTP proxy)."
+  type        = number
+  default     = 8000
+}
+
 # --- Indexing ---
 
 variable "enable_indexing" {

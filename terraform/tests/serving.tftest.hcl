@@ -7,6 +7,9 @@ mock_provider "aws" {
   mock_data "aws_region" {
     defaults = { name = "us-east-1" }
   }
+  mock_data "aws_caller_identity" {
+    defaults = { account_id = "123456789012" }
+  }
   mock_data "aws_ssm_parameter" {
     defaults = { insecure_value = "ami-0dlami0000000000", value = "ami-0dlami0000000000" }
   }
@@ -278,5 +281,100 @@ run "explicit_ami_skips_the_lookup" {
   assert {
     condition     = length(data.aws_ssm_parameter.ami) == 0 && aws_instance.serving[0].ami == "ami-0123456789abcdef0"
     error_message = "ami_id must override the SSM lookup."
+  }
+}
+
+run "ray_cluster_head_workers_and_ports" {
+  # apply (against the mock provider): the workers' user data names the head's private IP
+  command = apply
+
+  module {
+    source = "./modules/serving"
+  }
+
+  variables {
+    ray_cluster          = true
+    create_load_balancer = true
+    asg_desired_capacity = 2
+    asg_max_size         = 4
+    ray_replicas         = 2
+  }
+
+  # the mock provider's random ids are no ARNs; the resources that take one get real-looking values
+  override_resource {
+    target = aws_lb.serving
+    values = { arn = "arn:aws:elasticloadbalancing:us-east-1:123456789012:loadbalancer/net/rkv/0123456789abcdef" }
+  }
+  override_resource {
+    target = aws_lb_target_group.grpc
+    values = { arn = "arn:aws:elasticloadbalancing:us-east-1:123456789012:targetgroup/rkv/0123456789abcdef" }
+  }
+  override_resource {
+    target = aws_lb_target_group.http
+    values = { arn = "arn:aws:elasticloadbalancing:us-east-1:123456789012:targetgroup/rkvh/0123456789abcdef" }
+  }
+  override_resource {
+    target = aws_iam_instance_profile.serving
+    values = { arn = "arn:aws:iam::123456789012:instance-profile/ragkv-test-serving" }
+  }
+  override_resource {
+    target = aws_launch_template.serving
+    values = { id = "lt-0123456789abcdef0", latest_version = 1 }
+  }
+  override_resource {
+    target = aws_instance.ray_head
+    values = { id = "i-0123456789abcdef0", private_ip = "10.0.1.10" }
+  }
+
+  assert {
+    condition     = length(aws_instance.ray_head) == 1 && aws_instance.ray_head[0].instance_type == "m6i.2xlarge" && length(aws_instance.serving) == 0
+    error_message = "A Ray cluster has one on-demand head node and no standalone hosts."
+  }
+
+  assert {
+    condition     = length(aws_autoscaling_group.serving) == 1 && aws_launch_template.serving[0].instance_type == "g5.xlarge"
+    error_message = "The workers are the Auto Scaling group's g5 instances."
+  }
+
+  assert {
+    condition     = strcontains(output.ray_user_data.head, "ray start --head --port 6379 --dashboard-agent-grpc-port 6382") && strcontains(output.ray_user_data.head, "--node-manager-port 6380 --object-manager-port 6381") && strcontains(output.ray_user_data.head, "ragkv serve --index s3://ragkv-test-kv/index/latest --replicas 2 --ray-address auto --gpus-per-replica 1")
+    error_message = "The head starts Ray's head and deploys `ragkv serve --replicas` on it."
+  }
+
+  assert {
+    condition     = strcontains(output.ray_user_data.worker, "ray start --address 10.0.1.10:6379 --dashboard-agent-grpc-port 6382") && !strcontains(output.ray_user_data.worker, "exec ragkv serve")
+    error_message = "A worker joins the head's Ray with its GPU and runs nothing else."
+  }
+
+  assert {
+    condition = length(aws_vpc_security_group_ingress_rule.ray_internal) == 2 && alltrue([
+      for r in aws_vpc_security_group_ingress_rule.ray_internal : r.referenced_security_group_id == aws_security_group.serving.id && r.to_port < 20000
+    ])
+    error_message = "Ray's ports (named, not every port) are open only inside the cluster's security group."
+  }
+
+  assert {
+    condition = alltrue([
+      for r in aws_vpc_security_group_ingress_rule.cidr : contains([50051, 9464, 8000], r.from_port) && r.from_port == r.to_port
+    ])
+    error_message = "Clients reach only gRPC, metrics and the HTTP API, one port each: never a Ray port."
+  }
+
+  assert {
+    condition     = length(aws_lb_listener.http) == 1 && aws_lb_listener.http[0].port == 8000 && aws_lb_target_group.grpc[0].health_check[0].path == "/-/healthz"
+    error_message = "The load balancer forwards gRPC and HTTP to Ray Serve's proxies, checked at /-/healthz."
+  }
+
+  assert {
+    condition     = length(aws_lb_target_group_attachment.head) == 2
+    error_message = "The head node's proxies are targets too."
+  }
+
+  assert {
+    condition = anytrue([
+      for s in jsondecode(aws_iam_role_policy.kv_access.policy).Statement :
+      s.Sid == "RayToken" && s.Resource == "arn:aws:ssm:us-east-1:123456789012:parameter/ragkv-test/ray-auth-token"
+    ])
+    error_message = "The nodes may read and write only their own cluster's Ray token parameter."
   }
 }

@@ -16,7 +16,7 @@ import pytest
 
 from ragkv.cli.main import main
 from ragkv.client import RagClient
-from ragkv.cli.serve import fetch_indexes
+from ragkv.server.pipeline import fetch_indexes
 from ragkv.server.settings import CollectionSpec
 from ragkv.types import Mode, Tier
 from tests.kvstore.conftest import s3_endpoint  # noqa: F401  (the moto server fixture)

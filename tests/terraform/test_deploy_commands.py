@@ -98,12 +98,45 @@ def readme_steps() -> list[list[str]]:
     return [argv for b in blocks for argv in ragkv_argvs(b)]
 
 
+RAY_NODE = TERRAFORM_DIR / "modules" / "serving" / "templates" / "ray_node.sh.tftpl"
+RAY_VARS = {**TEMPLATE_VARS, "token_parameter": "/ragkv/ray-auth-token", "ray_port": "6379", "replicas": "2",
+            "routing": "chunk", "http_port": "8000", "head_address": "10.0.1.10",
+            "ray_ports": "--node-manager-port 6380 --object-manager-port 6381 --min-worker-port 10002 --max-worker-port 19999"}
+
+
+def render_ray_node(role: str) -> str:
+    """ray_node.sh.tftpl as Terraform renders it for `role` (head or worker), var.environment empty."""
+    text = re.sub(r"%\{ for .*?%\{ endfor ~\}\n", "", RAY_NODE.read_text(), flags=re.S)
+    head, worker = re.search(r'%\{ if role == "head" ~\}\n(.*?)%\{ else ~\}\n(.*?)%\{ endif ~\}\n', text, re.S).groups()
+    text = re.sub(r'%\{ if role == "head" ~\}\n.*?%\{ endif ~\}\n', lambda _: head if role == "head" else worker,
+                  text, flags=re.S)
+    text = re.sub(r"(?<!\$)\$\{(\w+)\}", lambda m: {**RAY_VARS, "role": role}[m.group(1)], text)
+    return text.replace("$${", "${")
+
+
+def ray_node_commands(role: str) -> list[list[str]]:
+    """The commands the node's container runs (ExecStart's, a `bash -c` split at &&), as argv lists."""
+    out = []
+    for line in render_ray_node(role).replace("\\\n", " ").splitlines():
+        if line.startswith("ExecStart=/usr/bin/docker run "):
+            words = shlex.split(line.removeprefix("ExecStart="))
+            command = words[words.index(IMAGE) + 1:]
+            if command[:2] == ["bash", "-c"]:
+                out += [shlex.split(part) for part in command[2].split("&&")]
+            else:
+                out.append(command)
+    return out
+
+
 def collected() -> dict[str, list[str]]:
     cmd = re.search(r"^CMD (\[.*\])$", (REPO_ROOT / "Dockerfile").read_text(), re.M)
     assert cmd, "the Dockerfile has no CMD [...]"
     found = {"Dockerfile CMD": json.loads(cmd.group(1))[1:]}
     for i, argv in enumerate(ragkv_argvs(render_user_data())):
         found[f"user_data #{i}"] = argv
+    for role in ("head", "worker"):
+        for i, argv in enumerate(c for c in ray_node_commands(role) if c[0] == "exec" or c[0] == "ragkv"):
+            found[f"ray {role} #{i}"] = argv[argv.index("ragkv") + 1:]
     for name, command in batch_commands().items():
         (argv,) = ragkv_argvs(command)
         found[f"Batch {name}"] = argv
@@ -215,7 +248,7 @@ def test_units_run_the_image_with_its_own_paths_and_user() -> None:
 
 
 def _set_vars() -> dict[str, set[str]]:
-    files = [REPO_ROOT / "Dockerfile", USER_DATA, TERRAFORM_DIR / "README.md",
+    files = [REPO_ROOT / "Dockerfile", USER_DATA, RAY_NODE, TERRAFORM_DIR / "README.md",
              *TERRAFORM_DIR.rglob("*.tf"), *TERRAFORM_DIR.rglob("*.hcl")]
     return {str(p.relative_to(REPO_ROOT)): set(_RAGKV_VAR.findall(p.read_text())) for p in files}
 
@@ -248,3 +281,31 @@ def test_index_command_warns_at_start(tmp_path: Path, monkeypatch: pytest.Monkey
     with caplog.at_level(logging.WARNING, logger="ragkv.cli"):
         assert main(["index", "merge", "--out", str(tmp_path)]) == 1  # no shards there: an error, after the warning
     assert "RAGKV_DISK_DIR is not a ragkv setting" in caplog.text
+
+
+@pytest.mark.parametrize("role", ["head", "worker"])
+def test_ray_nodes_run_ray_start_as_ray_parses_it_and_are_valid_bash(role: str) -> None:
+    pytest.importorskip("ray.scripts.scripts", reason="the ray extra is not installed: pip install 'ragkv[ray]'")
+    from ray.scripts.scripts import start
+
+    commands = ray_node_commands(role)
+    starts = [c for c in commands if c[:2] == ["ray", "start"]]
+    assert len(starts) == 1, commands
+    ctx = start.make_context("start", starts[0][2:])  # parses, runs nothing
+    if role == "head":
+        assert ctx.params["head"] and ctx.params["port"] == 6379 and ctx.params["node_manager_port"] == 6380
+        (serve,) = [c[c.index("ragkv") + 1:] for c in commands if "ragkv" in c]
+        args = build_parser().parse_args(serve)
+        assert args.replicas == 2 and args.ray_address == "auto" and args.gpus_per_replica == 1.0
+        assert args.port == 50051 and args.http_port == "8000" and args.routing == "chunk"
+    else:
+        assert ctx.params["address"] == "10.0.1.10:6379" and ctx.params["num_gpus"] == 1 and ctx.params["block"]
+        assert ctx.params["max_worker_port"] == 19999
+        assert not [c for c in commands if "ragkv" in c]
+    user_data = render_ray_node(role)
+    scripts = _scripts(user_data)
+    assert set(scripts) == {"/usr/local/sbin/ragkv-pull", "/usr/local/sbin/ragkv-ray-token"}, sorted(scripts)
+    for name, text in {"user data": user_data, **scripts}.items():
+        p = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True, timeout=30)
+        assert p.returncode == 0, f"{role} {name} is not valid bash:\n{p.stderr}"
+    assert "RAY_AUTH_MODE=token" in user_data  # the nodes share a token; Ray's ports see no client

@@ -1,7 +1,16 @@
 # Optional Network Load Balancer. NLB health checks cannot speak gRPC, so
 # each instance runs a small HTTP bridge (templates/grpc_health_http.py) that
 # calls grpc.health.v1.Health/Check on the local server and answers 200 only
-# while it reports SERVING; the target group checks that bridge.
+# while it reports SERVING; the target group checks that bridge. In a Ray
+# cluster the targets are Ray Serve's proxies on every node (gRPC and HTTP),
+# checked at the HTTP proxy's /-/healthz.
+
+locals {
+  lb_client_ports = merge({ grpc = var.grpc_port }, var.ray_cluster ? { http = var.http_port } : {})
+  health_check = var.ray_cluster ? { port = var.http_port, path = "/-/healthz" } : {
+    port = var.health_port, path = "/grpc.health.v1.Health/Check"
+  }
+}
 
 resource "aws_security_group" "lb" {
   count = var.create_load_balancer ? 1 : 0
@@ -18,27 +27,35 @@ resource "aws_security_group" "lb" {
 }
 
 resource "aws_vpc_security_group_ingress_rule" "lb_cidr" {
-  for_each = var.create_load_balancer ? { for i, cidr in var.allowed_cidrs : "grpc-cidr-${i}" => cidr } : {}
+  for_each = !var.create_load_balancer ? {} : merge([
+    for port_name, port in local.lb_client_ports : {
+      for i, cidr in var.allowed_cidrs : "${port_name}-cidr-${i}" => { port = port, cidr = cidr, what = port_name }
+    }
+  ]...)
 
   security_group_id = aws_security_group.lb[0].id
-  description       = "ragkv gRPC from ${each.value}"
+  description       = "ragkv ${each.value.what} from ${each.value.cidr}"
   ip_protocol       = "tcp"
-  from_port         = var.grpc_port
-  to_port           = var.grpc_port
-  cidr_ipv4         = each.value
+  from_port         = each.value.port
+  to_port           = each.value.port
+  cidr_ipv4         = each.value.cidr
 
   tags = var.tags
 }
 
 resource "aws_vpc_security_group_ingress_rule" "lb_sg" {
-  for_each = var.create_load_balancer ? { for i, sg in var.allowed_security_group_ids : "grpc-sg-${i}" => sg } : {}
+  for_each = !var.create_load_balancer ? {} : merge([
+    for port_name, port in local.lb_client_ports : {
+      for i, sg in var.allowed_security_group_ids : "${port_name}-sg-${i}" => { port = port, sg = sg, what = port_name }
+    }
+  ]...)
 
   security_group_id            = aws_security_group.lb[0].id
-  description                  = "ragkv gRPC from a client security group"
+  description                  = "ragkv ${each.value.what} from a client security group"
   ip_protocol                  = "tcp"
-  from_port                    = var.grpc_port
-  to_port                      = var.grpc_port
-  referenced_security_group_id = each.value
+  from_port                    = each.value.port
+  to_port                      = each.value.port
+  referenced_security_group_id = each.value.sg
 
   tags = var.tags
 }
@@ -93,8 +110,8 @@ resource "aws_lb_target_group" "grpc" {
   health_check {
     enabled             = true
     protocol            = "HTTP"
-    port                = tostring(var.health_port)
-    path                = "/grpc.health.v1.Health/Check"
+    port                = tostring(local.health_check.port)
+    path                = local.health_check.path
     matcher             = "200"
     interval            = 10
     healthy_threshold   = 2
@@ -125,4 +142,56 @@ resource "aws_lb_target_group_attachment" "standalone" {
   target_group_arn = aws_lb_target_group.grpc[0].arn
   target_id        = aws_instance.serving[count.index].id
   port             = var.grpc_port
+}
+
+# A Ray cluster's OpenAI-compatible HTTP API, through Ray Serve's HTTP proxies.
+resource "aws_lb_target_group" "http" {
+  count = var.create_load_balancer && var.ray_cluster ? 1 : 0
+
+  name_prefix          = "rkvh-"
+  vpc_id               = var.vpc_id
+  port                 = var.http_port
+  protocol             = "TCP"
+  target_type          = "instance"
+  deregistration_delay = 60
+
+  health_check {
+    enabled             = true
+    protocol            = "HTTP"
+    port                = tostring(var.http_port)
+    path                = "/-/healthz"
+    matcher             = "200"
+    interval            = 10
+    healthy_threshold   = 2
+    unhealthy_threshold = 2
+  }
+
+  tags = var.tags
+}
+
+resource "aws_lb_listener" "http" {
+  count = var.create_load_balancer && var.ray_cluster ? 1 : 0
+
+  load_balancer_arn = aws_lb.serving[0].arn
+  port              = var.http_port
+  protocol          = "TCP"
+
+  default_action {
+    type             = "forward"
+    target_group_arn = aws_lb_target_group.http[0].arn
+  }
+
+  tags = var.tags
+}
+
+# The head node's proxies serve too (the workers join through the Auto Scaling group).
+resource "aws_lb_target_group_attachment" "head" {
+  for_each = var.create_load_balancer && var.ray_cluster ? {
+    grpc = { arn = aws_lb_target_group.grpc[0].arn, port = var.grpc_port }
+    http = { arn = aws_lb_target_group.http[0].arn, port = var.http_port }
+  } : {}
+
+  target_group_arn = each.value.arn
+  target_id        = aws_instance.ray_head[0].id
+  port             = each.value.port
 }

@@ -1,10 +1,14 @@
 # The serving tier: GPU instances that run `ragkv serve` under systemd, with
 # the local NVMe instance store as the disk tier and the KV bucket as the
 # durable tier. Standalone instances by default; an Auto Scaling group and a
-# Network Load Balancer for several replicas are optional.
+# Network Load Balancer for several replicas are optional. With ray_cluster the
+# same instances form a Ray cluster instead: a head node runs `ragkv serve
+# --replicas` (Ray Serve), the Auto Scaling group's GPU instances are its workers,
+# and requests are routed by the chunks each replica holds.
 
 data "aws_partition" "current" {}
 data "aws_region" "current" {}
+data "aws_caller_identity" "current" {}
 
 data "aws_ssm_parameter" "ami" {
   count = var.ami_id == null ? 1 : 0
@@ -30,12 +34,53 @@ locals {
     health_bridge = file("${path.module}/templates/grpc_health_http.py")
   })
 
-  standalone_count = var.create_autoscaling_group ? 0 : var.instance_count
+  # A Ray cluster: the head's and the workers' user data (templates/ray_node.sh.tftpl).
+  token_parameter = "/${var.name}/ray-auth-token"
+  ray_node = {
+    image           = var.container_image
+    registry        = split("/", var.container_image)[0]
+    region          = data.aws_region.current.name
+    kv_s3_uri       = local.kv_s3_uri
+    index_s3_uri    = local.index_s3_uri
+    environment     = var.environment
+    token_parameter = local.token_parameter
+    ray_port        = var.ray_port
+    replicas        = var.ray_replicas
+    routing         = var.ray_routing
+    grpc_port       = var.grpc_port
+    http_port       = var.http_port
+    metrics_port    = var.metrics_port
+    ray_ports       = local.ray_ports_flags
+  }
+  # Ray's ports, fixed on every node so the security group names them (not every port):
+  # GCS, node manager, object manager, dashboard agent (gRPC, HTTP), metrics, runtime env
+  # agent, then the workers' range.
+  ray_fixed_ports = {
+    node_manager           = var.ray_port + 1, object_manager = var.ray_port + 2, dashboard_agent_grpc = var.ray_port + 3,
+    dashboard_agent_listen = var.ray_port + 4, metrics_export = var.ray_port + 5, runtime_env_agent = var.ray_port + 6,
+  }
+  ray_port_ranges = {
+    gcs_and_agents = { from = var.ray_port, to = var.ray_port + 6 }
+    workers        = { from = 10002, to = 19999 }
+  }
+  ray_ports_flags = join(" ", concat(
+    [for name, port in local.ray_fixed_ports : "--${replace(name, "_", "-")}-port ${port}"],
+    ["--min-worker-port 10002", "--max-worker-port 19999"],
+  ))
+  head_user_data = templatefile("${path.module}/templates/ray_node.sh.tftpl", merge(local.ray_node, {
+    role = "head", head_address = ""
+  }))
+  worker_user_data = var.ray_cluster ? templatefile("${path.module}/templates/ray_node.sh.tftpl", merge(local.ray_node, {
+    role = "worker", head_address = aws_instance.ray_head[0].private_ip
+  })) : ""
+
+  use_asg          = var.create_autoscaling_group || var.ray_cluster
+  standalone_count = local.use_asg ? 0 : var.instance_count
 
   # Ingress to the instances: gRPC and metrics from the named CIDRs and
   # security groups; gRPC and the health bridge from the load balancer.
   # Keys are indexes, not values, so ids unknown at plan time still work.
-  client_ports = { grpc = var.grpc_port, metrics = var.metrics_port }
+  client_ports = merge({ grpc = var.grpc_port, metrics = var.metrics_port }, var.ray_cluster ? { http = var.http_port } : {})
   cidr_ingress = merge([
     for port_name, port in local.client_ports : {
       for i, cidr in var.allowed_cidrs : "${port_name}-cidr-${i}" => { port = port, cidr = cidr, what = port_name }
@@ -46,7 +91,9 @@ locals {
       for i, sg in var.allowed_security_group_ids : "${port_name}-sg-${i}" => { port = port, sg = sg, what = port_name }
     }
   ]...)
-  lb_ports = var.create_load_balancer ? { grpc = var.grpc_port, health = var.health_port } : {}
+  lb_ports = !var.create_load_balancer ? {} : (
+    var.ray_cluster ? { grpc = var.grpc_port, http = var.http_port } : { grpc = var.grpc_port, health = var.health_port }
+  )
 }
 
 # --- IAM: least privilege on the KV prefix, read-only on the index prefix ---
@@ -73,7 +120,7 @@ resource "aws_iam_role_policy" "kv_access" {
 
   policy = jsonencode({
     Version = "2012-10-17"
-    Statement = [
+    Statement = concat([
       {
         # DeleteObject: the S3 tier deletes an object that fails verification
         # (and `delete` removes one), so a later put can replace it.
@@ -115,7 +162,13 @@ resource "aws_iam_role_policy" "kv_access" {
         Action   = ["ecr:GetAuthorizationToken"]
         Resource = "*"
       },
-    ]
+      ], var.ray_cluster ? [{
+        # The Ray cluster's token: the head writes it once, every node reads it.
+        Sid      = "RayToken"
+        Effect   = "Allow"
+        Action   = ["ssm:GetParameter", "ssm:PutParameter"]
+        Resource = "arn:${data.aws_partition.current.partition}:ssm:${data.aws_region.current.name}:${data.aws_caller_identity.current.account_id}:parameter${local.token_parameter}"
+    }] : [])
   })
 }
 
@@ -185,6 +238,34 @@ resource "aws_vpc_security_group_ingress_rule" "from_lb" {
   tags = var.tags
 }
 
+# A Ray cluster's nodes talk to each other on Ray's ports (GCS, node and object managers,
+# agents, workers): only inside this security group, never from a client CIDR.
+resource "aws_vpc_security_group_ingress_rule" "ray_internal" {
+  for_each = var.ray_cluster ? local.ray_port_ranges : {}
+
+  security_group_id            = aws_security_group.serving.id
+  description                  = "Ray ${each.key} between the cluster's nodes"
+  ip_protocol                  = "tcp"
+  from_port                    = each.value.from
+  to_port                      = each.value.to
+  referenced_security_group_id = aws_security_group.serving.id
+
+  tags = var.tags
+}
+
+resource "aws_vpc_security_group_egress_rule" "ray_internal" {
+  for_each = var.ray_cluster ? local.ray_port_ranges : {}
+
+  security_group_id            = aws_security_group.serving.id
+  description                  = "Ray ${each.key} between the cluster's nodes"
+  ip_protocol                  = "tcp"
+  from_port                    = each.value.from
+  to_port                      = each.value.to
+  referenced_security_group_id = aws_security_group.serving.id
+
+  tags = var.tags
+}
+
 resource "aws_vpc_security_group_egress_rule" "serving" {
   for_each = { for pair in setproduct([80, 443], var.egress_cidrs) : "${pair[0]}-${pair[1]}" => { port = pair[0], cidr = pair[1] } }
 
@@ -241,8 +322,44 @@ resource "aws_instance" "serving" {
   }
 }
 
+resource "aws_instance" "ray_head" {
+  count = var.ray_cluster ? 1 : 0
+
+  ami                         = local.ami_id
+  instance_type               = var.head_instance_type
+  subnet_id                   = var.subnet_ids[0]
+  vpc_security_group_ids      = [aws_security_group.serving.id]
+  iam_instance_profile        = aws_iam_instance_profile.serving.name
+  ebs_optimized               = true
+  monitoring                  = var.detailed_monitoring
+  user_data_base64            = base64gzip(local.head_user_data)
+  user_data_replace_on_change = true
+
+  metadata_options {
+    http_endpoint               = "enabled"
+    http_tokens                 = "required"
+    http_put_response_hop_limit = 1
+    instance_metadata_tags      = "disabled"
+  }
+
+  root_block_device {
+    volume_type           = "gp3"
+    volume_size           = var.root_volume_size_gb
+    encrypted             = true
+    kms_key_id            = var.root_volume_kms_key_id
+    delete_on_termination = true
+    tags                  = var.tags
+  }
+
+  tags = merge(var.tags, { Name = "${var.name}-ray-head" })
+
+  lifecycle {
+    ignore_changes = [ami]
+  }
+}
+
 resource "aws_launch_template" "serving" {
-  count = var.create_autoscaling_group ? 1 : 0
+  count = local.use_asg ? 1 : 0
 
   name_prefix            = "${var.name}-serving-"
   description            = "ragkv serving replicas"
@@ -250,7 +367,7 @@ resource "aws_launch_template" "serving" {
   instance_type          = var.instance_type
   vpc_security_group_ids = [aws_security_group.serving.id]
   ebs_optimized          = true
-  user_data              = base64gzip(local.user_data)
+  user_data              = base64gzip(var.ray_cluster ? local.worker_user_data : local.user_data)
   update_default_version = true
 
   iam_instance_profile {
@@ -293,7 +410,7 @@ resource "aws_launch_template" "serving" {
 }
 
 resource "aws_autoscaling_group" "serving" {
-  count = var.create_autoscaling_group ? 1 : 0
+  count = local.use_asg ? 1 : 0
 
   name_prefix               = "${var.name}-serving-"
   vpc_zone_identifier       = var.subnet_ids
@@ -302,7 +419,7 @@ resource "aws_autoscaling_group" "serving" {
   desired_capacity          = var.asg_desired_capacity
   health_check_type         = var.create_load_balancer ? "ELB" : "EC2"
   health_check_grace_period = var.health_check_grace_period
-  target_group_arns         = var.create_load_balancer ? [aws_lb_target_group.grpc[0].arn] : []
+  target_group_arns         = concat(aws_lb_target_group.grpc[*].arn, aws_lb_target_group.http[*].arn)
 
   launch_template {
     id      = aws_launch_template.serving[0].id

@@ -43,6 +43,7 @@ output "grpc_endpoints" {
   value = (
     var.create_load_balancer
     ? ["${one(aws_lb.serving[*].dns_name)}:${var.grpc_port}"]
+    : var.ray_cluster ? ["${one(aws_instance.ray_head[*].private_ip)}:${var.grpc_port}"]
     : [for ip in aws_instance.serving[*].private_ip : "${ip}:${var.grpc_port}"]
   )
 }
@@ -50,4 +51,21 @@ output "grpc_endpoints" {
 output "user_data" {
   description = "Rendered cloud-init script (for review; it holds no secrets)."
   value       = local.user_data
+}
+
+output "ray_head_private_ip" {
+  description = "Private IP of the Ray head node (ray_cluster), or null."
+  value       = one(aws_instance.ray_head[*].private_ip)
+}
+
+output "http_endpoint" {
+  description = "host:port of the OpenAI-compatible HTTP API in a Ray cluster (the load balancer, else the head node), or null."
+  value = !var.ray_cluster ? null : (
+    var.create_load_balancer ? "${one(aws_lb.serving[*].dns_name)}:${var.http_port}" : "${one(aws_instance.ray_head[*].private_ip)}:${var.http_port}"
+  )
+}
+
+output "ray_user_data" {
+  description = "Rendered cloud-init scripts of the Ray head and workers (ray_cluster; for review, no secrets: the Ray token lives in SSM)."
+  value       = var.ray_cluster ? { head = local.head_user_data, worker = local.worker_user_data } : null
 }

@@ -257,3 +257,49 @@ variable "enable_ssm" {
   type        = bool
   default     = true
 }
+
+variable "ray_cluster" {
+  description = "Serve as a Ray cluster instead of independent hosts: a head node (on demand, head_instance_type) runs Ray's head and `ragkv serve --replicas`, and the Auto Scaling group's GPU instances are Ray workers, one engine replica per GPU, routed by the chunks each holds. The load balancer forwards gRPC and HTTP to Ray Serve's proxies on every node."
+  type        = bool
+  default     = false
+}
+
+variable "head_instance_type" {
+  description = "Instance type of the Ray head node (ray_cluster): Ray's control plane, the Serve ingress (retrieval and routing) and proxies. It needs no GPU."
+  type        = string
+  default     = "m6i.2xlarge"
+}
+
+variable "ray_replicas" {
+  description = "Engine replicas `ragkv serve --replicas` deploys (ray_cluster): one per worker GPU, so at most the workers' GPUs (asg_desired_capacity on g5.xlarge)."
+  type        = number
+  default     = 2
+
+  validation {
+    condition     = var.ray_replicas >= 1
+    error_message = "ray_replicas must be at least 1."
+  }
+}
+
+variable "ray_routing" {
+  description = "How the ingress routes requests to replicas (ray_cluster): chunk (by the chunks each replica's tiers hold, power-of-two choices when queues are imbalanced) or pow2."
+  type        = string
+  default     = "chunk"
+
+  validation {
+    condition     = contains(["chunk", "pow2"], var.ray_routing)
+    error_message = "ray_routing must be chunk or pow2."
+  }
+}
+
+variable "ray_port" {
+  description = "Port of Ray's GCS on the head node (ray_cluster); like every Ray port, open only inside the cluster's security group."
+  type        = number
+  default     = 6379
+}
+
+variable "http_port" {
+  description = "Port of the OpenAI-compatible HTTP API (ray_cluster: Ray Serve's HTTP proxy, whose /-/healthz the load balancer checks)."
+  type        = number
+  default     = 8000
+}

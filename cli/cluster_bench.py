@@ -108,7 +108,8 @@ def _loop_turns(step: int) -> list[ChatTurn]:
     return turns
 
 
-def _ask(client, question: str, tally: _Tally, max_new: int, top_k: int, step: int | None = None) -> None:  # noqa: ANN001
+def _ask(client, question: str, tally: _Tally, max_new: int, top_k: int,  # noqa: ANN001 - RagClient
+         step: int | None = None) -> None:
     try:
         stream = client.query(question, top_k=top_k, max_new_tokens=max_new,
                               agent_turns=_loop_turns(step or 0))
@@ -241,7 +242,7 @@ def run_cluster_bench(args) -> int:  # noqa: ANN001 - argparse.Namespace from cl
         try:
             for policy in policies:
                 print(f"routing {policy.value}: deploying {args.replicas} replicas ...", file=sys.stderr, flush=True)
-                cluster.start(settings, cluster.ClusterSettings(args.replicas, routing=policy,
+                cluster.start(settings, cluster.ClusterSettings(args.replicas, routing=policy, max_skew=args.max_skew,
                                                                 cpus_per_replica=args.cpus_per_replica))
                 t0 = time.perf_counter()
                 tally = _run_workload(addr, items, args.clients, args.loop_steps, args.max_new_tokens,
@@ -262,8 +263,9 @@ def run_cluster_bench(args) -> int:  # noqa: ANN001 - argparse.Namespace from cl
             "fast_tier_hit_rate": round(r["chunk"]["fast_tier_hit_rate"] / r["pow2"]["fast_tier_hit_rate"], 2),
             "ttft_p50": round(r["chunk"]["ttft_p50_s"] / r["pow2"]["ttft_p50_s"], 2)}
     report["config"] = {"replicas": args.replicas, "requests": args.requests, "clients": args.clients,
-                        "topics": len(topics), "top_k": args.top_k, "zipf_s": args.zipf, "agent_every": args.agent_every,
-                        "agent_steps": args.loop_steps, "cpu_tier_share_of_corpus": args.cpu_share,
+                        "topics": len(topics), "top_k": args.top_k, "zipf_s": args.zipf,
+                        "agent_every": args.agent_every, "agent_steps": args.loop_steps,
+                        "cpu_tier_share_of_corpus": args.cpu_share, "max_skew": args.max_skew,
                         "corpus_kv_bytes": kv_bytes, "model": args.model, "shared_tier": "disk (the index's own)",
                         "baseline": "pow2 (Ray Serve's default power of two choices), same workload, same run"}
     if args.json:

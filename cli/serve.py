@@ -106,6 +106,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                               "them on CPUs (default 0)")
     cluster.add_argument("--cpus-per-replica", type=float, default=1.0, metavar="C",
                          help="CPUs Ray gives each replica (default 1)")
+    cluster.add_argument("--max-skew", type=int, default=2, metavar="N",
+                         help="chunk routing passes over a replica whose queue is more than N requests longer "
+                              "than the shortest (default 2)")
     cluster.add_argument("--routing", default="chunk", choices=("chunk", "pow2"),
                          help="chunk: to the replica whose tiers hold the request's chunks (and its "
                               "conversation), power-of-two choices when queues are imbalanced; "
@@ -162,7 +165,7 @@ def _run_cluster(settings, args: argparse.Namespace) -> int:  # settings: Server
         raise SystemExit(f"ragkv serve --replicas needs Ray Serve ({exc}): pip install 'ragkv[ray]'") from None
     from ragkv.server.routing import Policy
 
-    plan = cluster.ClusterSettings(args.replicas, args.ray_address, Policy(args.routing),
+    plan = cluster.ClusterSettings(args.replicas, args.ray_address, Policy(args.routing), args.max_skew,
                                    cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica)
     cluster.start(settings, plan)
     logging.getLogger(__name__).info(

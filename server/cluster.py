@@ -47,18 +47,18 @@ from ray.serve.config import RequestRouterConfig, gRPCOptions
 from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from ragkv import convert
 from ragkv.engine.request import ChunksReady, Request
 from ragkv.engine.scheduler import Scheduler, SchedulerConfig
 from ragkv.server.admission import Admission
-from ragkv.server.answering import QueryRunner, RunEvent, TokenEvent
+from ragkv.server.answering import QueryRunner, RunEvent
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.routing import (ConversationId, KeyFilter, KeyHex, Policy, ReplicaSummary, ReplicaView, RouteKeys,
                                   conversation_id, note_routed, rank)
 from ragkv.server.service import RagService
 from ragkv.server.settings import ServerSettings
 from ragkv.server.status import NotServingError, ReplicaLostError, UnknownCollectionError
-from ragkv.types import ChatRole, CollectionInfo, CollectionStats, MetadataFilter, Mode, QueryStats, RetrievedChunk, SearchMode
+from ragkv.types import (ChatRole, CollectionInfo, CollectionStats, MetadataFilter, Mode, QueryStats, RetrievedChunk,
+                         SearchMode)
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class ClusterSettings:
     replicas: int  # engine replicas (one per GPU; per process on a CPU host)
     ray_address: str | None = None  # an existing cluster ("auto", "ray://host:10001"); None = a local one
     routing: Policy = Policy.CHUNK  # how the ingress picks a replica
-    max_skew: int = 4  # requests a replica's queue may exceed the shortest's before routing passes it over
+    max_skew: int = 2  # requests a replica's queue may exceed the shortest's before routing passes it over
     stats_period_s: float = 1.0  # seconds between a replica's routing summaries
     retries: int = 2  # replicas a request that has not begun is sent to after its first one fails
     cpus_per_replica: float = 1.0  # Ray CPUs each engine replica takes (CPU hosts)
@@ -150,7 +150,6 @@ class EngineReplica:
         self._scheduler.share_engine(engine.tree, engine.speed)
         self._runner = QueryRunner(admission=self._admission, metrics=self.metrics, retrieve_pool=self._pool,
                                    scheduler=self._scheduler)
-        self._limits = settings.limits()
         self._conversations: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -176,13 +175,10 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """What this replica holds, for the router (Ray Serve calls it every stats period)."""
-        held: dict[Any, set[str]] = {}
-        for tier, keys in self.pipeline.held_keys().items():
-            held.setdefault(tier, set()).update(keys)
         with self._lock:
             conversations = list(self._conversations)
-        summary = ReplicaSummary({tier: KeyFilter.of(keys) for tier, keys in held.items()},
-                                 KeyFilter.of(conversations), self._admission.in_flight)
+        summary = ReplicaSummary({tier: KeyFilter.of(keys) for tier, keys in self.pipeline.held_keys().items()},
+                                 KeyFilter.of(conversations), self._admission.depth)
         return {**summary.to_dict(), "at": time.time()}
 
 
@@ -193,20 +189,15 @@ class ChunkRouter(FIFOMixin, RequestRouter):
     """Ray Serve's request router for engine replicas: `server/routing.py`'s ranking over the
     replicas' published summaries, updated by what it routes until their next summary."""
 
-    def initialize_state(self, policy: str = Policy.CHUNK.value, max_skew: int = 4) -> None:
+    def initialize_state(self, policy: str = Policy.CHUNK.value, max_skew: int = 2) -> None:
         self._policy = Policy(policy)
         self._max_skew = max_skew
         self._views: dict[ReplicaID, ReplicaView] = {}
-        self._published: dict[ReplicaID, float] = {}
 
     def _view(self, replica: RunningReplica) -> ReplicaView:
         stats = replica.routing_stats or {}
-        view = self._views.get(replica.replica_id)
-        at = float(stats.get("at", 0.0))
-        if view is None or self._published.get(replica.replica_id) != at:  # a new summary replaces the overlay
-            view = ReplicaView(replica.replica_id.unique_id, ReplicaSummary.from_dict(stats))
-            self._views[replica.replica_id] = view
-            self._published[replica.replica_id] = at
+        view = self._views.setdefault(replica.replica_id, ReplicaView(replica.replica_id.unique_id))
+        view.absorb(ReplicaSummary.from_dict(stats), float(stats.get("at", 0.0)))
         cached = self.replica_queue_len_cache.get(replica.replica_id)
         view.queue = view.summary.queue if cached is None else cached
         return view
@@ -229,7 +220,6 @@ class ChunkRouter(FIFOMixin, RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._views.pop(replica_id, None)  # a restarted replica holds nothing of its own
-        self._published.pop(replica_id, None)
 
 
 def _keys_of(pending: PendingRequest | None) -> RouteKeys:

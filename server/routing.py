@@ -19,6 +19,7 @@ import enum
 import hashlib
 import math
 import random
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NewType
@@ -130,6 +131,12 @@ class RouteKeys:
     conversation: ConversationId | None = None  # the agent conversation it continues; None = none
 
 
+# A summary published this long after a request was routed holds what that request brought
+# (its conversation is recorded as its answer starts, its chunks land in the CPU tier as their
+# reads do); what was routed later stays the router's own belief until a later summary.
+SETTLE_S = 2.0  # seconds
+
+
 @dataclass(slots=True)
 class ReplicaView:
     """The router's view of one replica: its last summary, plus what the router sent it since."""
@@ -137,8 +144,20 @@ class ReplicaView:
     replica_id: str
     summary: ReplicaSummary = field(default_factory=ReplicaSummary)
     queue: int = 0  # the router's count (Ray's queue-length probe, or the summary's)
-    routed_keys: set[str] = field(default_factory=set)  # chunks routed here since the summary (now in its CPU tier)
-    routed_conversations: set[str] = field(default_factory=set)  # conversations routed here since the summary
+    published_at: float = 0.0  # time.time() the replica published `summary` at
+    # chunk -> time.time() it was routed here (so now in its CPU tier)
+    routed_keys: dict[str, float] = field(default_factory=dict)
+    routed_conversations: dict[str, float] = field(default_factory=dict)  # conversation -> time.time() routed here
+
+    def absorb(self, summary: ReplicaSummary, published_at: float) -> None:
+        """A newer summary: it replaces what the router believed of requests routed before it
+        had settled (`SETTLE_S`); later ones stay believed (stats arrive seconds old)."""
+        if published_at <= self.published_at:
+            return
+        self.summary, self.published_at = summary, published_at
+        settled = published_at - SETTLE_S
+        self.routed_keys = {k: t for k, t in self.routed_keys.items() if t > settled}
+        self.routed_conversations = {c: t for c, t in self.routed_conversations.items() if t > settled}
 
     def tier_of(self, key: str) -> Tier | None:
         """The fastest tier this replica is believed to hold `key` in (None: none of its own)."""
@@ -166,7 +185,7 @@ def chunk_score(view: ReplicaView, keys: RouteKeys) -> float:
     return score
 
 
-def rank(views: Sequence[ReplicaView], keys: RouteKeys, policy: Policy, *, max_skew: int = 4,
+def rank(views: Sequence[ReplicaView], keys: RouteKeys, policy: Policy, *, max_skew: int = 2,
          rng: random.Random | None = None) -> list[ReplicaView]:
     """The replicas in the order to try them, best first.
 
@@ -206,13 +225,14 @@ def _pow2(views: Sequence[ReplicaView], rng: random.Random) -> list[ReplicaView]
     return pair + sorted(rest, key=lambda v: v.queue)
 
 
-def note_routed(view: ReplicaView, keys: RouteKeys) -> None:
-    """The router sent `keys` to `view`: until its next summary, believe its CPU tier and KV
-    tree hold them (stats are seconds old; the next request of the same topic must not
-    scatter meanwhile)."""
-    view.routed_keys.update(keys.chunks)
+def note_routed(view: ReplicaView, keys: RouteKeys, now: float | None = None) -> None:
+    """The router sent `keys` to `view`: until a summary published after they settled, believe
+    its CPU tier and KV tree hold them (stats are seconds old; the next request of the same
+    topic or conversation must not scatter meanwhile)."""
+    now = time.time() if now is None else now
+    view.routed_keys.update(dict.fromkeys(keys.chunks, now))
     if keys.conversation is not None:
-        view.routed_conversations.add(keys.conversation)
+        view.routed_conversations[keys.conversation] = now
     view.queue += 1
 
 

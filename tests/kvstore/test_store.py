@@ -286,3 +286,18 @@ def test_a_tier_built_from_the_interface_alone_serves_the_store(tmp_path):
         assert handle.hit(timeout=10).tier is Tier.CPU
     finally:
         store.close()
+
+
+def test_held_keys_name_what_each_local_tier_holds_and_leave_s3_out(tmp_path, s3_settings, bucket):
+    """What a cluster replica publishes for routing (TieredStore.held_keys): its own tiers'
+    keys, never the S3 tier every replica shares."""
+    with _store(tmp_path, s3_settings, bucket, write_through=["disk"]) as store:
+        on_disk, in_s3 = make_entry(1), make_entry(2)
+        store.put(on_disk)  # CPU and disk
+        store.tier(Tier.CPU).delete(on_disk.key)  # evicted from memory since
+        store.tier(Tier.S3).put(in_s3)
+        store.read(in_s3.key)  # promoted into CPU and disk
+        held = store.held_keys()
+        assert set(held) == {Tier.CPU, Tier.DISK}
+        assert set(held[Tier.CPU]) == {in_s3.key}
+        assert set(held[Tier.DISK]) == {on_disk.key, in_s3.key}

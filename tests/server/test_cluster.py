@@ -118,6 +118,14 @@ def test_the_cluster_serves_the_openai_http_api(served) -> None:
         expected = "".join(alone.query(QUESTION, collection="docs", mode="blend", max_new_tokens=8))
     assert answer["choices"][0]["message"]["content"] == expected
     assert answer["usage"]["completion_tokens"] == 8
+    # streamed (server-sent events through Ray Serve's HTTP proxy): the same text, piece by piece
+    req = urllib.request.Request(f"{http}/v1/chat/completions", json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        events = [json.loads(line[6:]) for line in resp.read().decode().splitlines()
+                  if line.startswith("data: {")]
+    pieces = [e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices")]
+    assert "".join(pieces) == expected and len([p for p in pieces if p]) > 1
 
 
 def test_health_collections_and_client_errors_keep_their_status(served) -> None:

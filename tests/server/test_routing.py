@@ -9,8 +9,8 @@ from collections import Counter
 
 import pytest
 
-from ragkv.server.routing import (AFFINITY_BONUS, TIER_WEIGHTS, KeyFilter, Policy, ReplicaSummary, ReplicaView,
-                                  RouteKeys, chunk_score, conversation_id, note_routed, rank)
+from ragkv.server.routing import (AFFINITY_BONUS, SETTLE_S, TIER_WEIGHTS, KeyFilter, Policy, ReplicaSummary,
+                                  ReplicaView, RouteKeys, chunk_score, conversation_id, note_routed, rank)
 from ragkv.types import Tier
 
 
@@ -98,13 +98,22 @@ def test_pow2_ignores_what_replicas_hold_and_prefers_the_shorter_queue() -> None
         assert rank(views, RouteKeys((_key(0),)), Policy.POW2, rng=random.Random(seed))[0].replica_id == "empty"
 
 
-def test_what_the_router_routed_counts_until_the_next_summary() -> None:
+def test_what_the_router_routed_counts_until_a_summary_that_holds_it() -> None:
     keys = RouteKeys((_key(7), _key(8)), conversation_id("docs", "q"))
     a, b = _view("a"), _view("b")
-    note_routed(b, keys)
+    note_routed(b, keys, now=100.0)
     assert b.queue == 1
     assert b.tier_of(_key(7)) is Tier.CPU
     assert rank([a, b], keys, Policy.CHUNK)[0].replica_id == "b"
+    # a summary published before the request settled there (it crossed the routing) keeps the belief
+    b.absorb(ReplicaSummary(), published_at=100.0 + SETTLE_S / 2)
+    assert b.holds_conversation(keys.conversation) and b.tier_of(_key(7)) is Tier.CPU
+    # one published after it: the replica's own word replaces it (here: the chunks were evicted)
+    b.absorb(ReplicaSummary(conversations=KeyFilter.of([keys.conversation])), published_at=100.0 + 2 * SETTLE_S)
+    assert b.tier_of(_key(7)) is None and b.holds_conversation(keys.conversation)
+    # an older summary arriving late changes nothing
+    b.absorb(ReplicaSummary(), published_at=50.0)
+    assert b.holds_conversation(keys.conversation)
 
 
 def test_a_conversation_is_named_by_what_every_call_repeats() -> None:

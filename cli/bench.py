@@ -94,9 +94,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     cluster.add_argument("--cpu-share", type=float, default=0.25,
                          help="each replica's CPU tier as a share of the corpus's KV bytes (default 0.25)")
     cluster.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs per replica (default 1)")
-    cluster.add_argument("--max-skew", type=int, default=2,
+    cluster.add_argument("--max-skew", type=int, default=4,
                          help="chunk routing passes over a replica queued this many requests past the shortest "
-                              "(default 2, ragkv serve's)")
+                              "(default 4, ragkv serve's)")
     cluster.add_argument("--fault", type=int, default=8, metavar="N",
                          help="requests in flight when a replica is killed, 0 = skip (default 8)")
     p.set_defaults(func=run_bench)

@@ -21,6 +21,7 @@ must end (answered, or UNAVAILABLE), none hangs.
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
 import sys
@@ -239,6 +240,11 @@ def run_cluster_bench(args) -> int:  # noqa: ANN001 - argparse.Namespace from cl
             **({"device": args.device} if args.device else {}), **({"dtype": args.dtype} if args.dtype else {}))
         addr = f"127.0.0.1:{port}"
         report: dict = {"routing": {}}
+        # Ray's processes write to this process's stdout (a raylet's warnings): while they run,
+        # stdout is stderr, so the report stays the one thing on stdout (--json)
+        sys.stdout.flush()
+        stdout = os.dup(1)
+        os.dup2(2, 1)
         try:
             for policy in policies:
                 print(f"routing {policy.value}: deploying {args.replicas} replicas ...", file=sys.stderr, flush=True)
@@ -257,6 +263,9 @@ def run_cluster_bench(args) -> int:  # noqa: ANN001 - argparse.Namespace from cl
                 print(f"fault: {report['fault']}", file=sys.stderr, flush=True)
         finally:
             cluster.stop()
+            sys.stdout.flush()
+            os.dup2(stdout, 1)
+            os.close(stdout)
     r = report["routing"]
     if "chunk" in r and "pow2" in r and r["pow2"]["fast_tier_hit_rate"]:
         report["chunk_over_pow2"] = {

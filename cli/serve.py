@@ -106,9 +106,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                               "them on CPUs (default 0)")
     cluster.add_argument("--cpus-per-replica", type=float, default=1.0, metavar="C",
                          help="CPUs Ray gives each replica (default 1)")
-    cluster.add_argument("--max-skew", type=int, default=2, metavar="N",
+    cluster.add_argument("--max-skew", type=int, default=4, metavar="N",
                          help="chunk routing passes over a replica whose queue is more than N requests longer "
-                              "than the shortest (default 2)")
+                              "than the shortest: lower trades chunk locality for tail latency (default 4)")
     cluster.add_argument("--routing", default="chunk", choices=("chunk", "pow2"),
                          help="chunk: to the replica whose tiers hold the request's chunks (and its "
                               "conversation), power-of-two choices when queues are imbalanced; "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hmac
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
 import grpc
@@ -74,11 +74,20 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or method.startswith(EXEMPT_PREFIXES):
             return handler
-        got = dict(handler_call_details.invocation_metadata or ()).get("authorization")
-        if got is None:
+        refused = bearer_refusal(handler_call_details.invocation_metadata or (), self._expected)
+        if refused is not None:
             self._on_reject(method)
-            return _deny(handler, "missing 'authorization: Bearer <token>' metadata")
-        if not hmac.compare_digest(got.encode() if isinstance(got, str) else got, self._expected):
-            self._on_reject(method)
-            return _deny(handler, "invalid bearer token")
+            return _deny(handler, refused)
         return handler
+
+
+def bearer_refusal(metadata: Iterable[tuple[str, str | bytes]], expected: bytes) -> str | None:
+    """Why a call with this metadata is refused (UNAUTHENTICATED), or None when it carries
+    `expected` (b"Bearer <token>"); compared in constant time. The grpc.aio interceptor and the
+    cluster's ingress (Ray Serve's gRPC proxy takes no interceptor) both ask it."""
+    got = dict(metadata).get("authorization")
+    if got is None:
+        return "missing 'authorization: Bearer <token>' metadata"
+    if not hmac.compare_digest(got.encode() if isinstance(got, str) else got, expected):
+        return "invalid bearer token"
+    return None

@@ -51,6 +51,7 @@ from ragkv.engine.request import ChunksReady, Request
 from ragkv.engine.scheduler import Scheduler, SchedulerConfig
 from ragkv.server.admission import Admission
 from ragkv.server.answering import QueryRunner, RunEvent
+from ragkv.server.auth import bearer_refusal, read_token
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.routing import (ConversationId, KeyFilter, KeyHex, Policy, ReplicaSummary, ReplicaView, RouteKeys,
                                   conversation_id, note_routed, rank)
@@ -77,7 +78,7 @@ class ClusterSettings:
     replicas: int  # engine replicas (one per GPU; per process on a CPU host)
     ray_address: str | None = None  # an existing cluster ("auto", "ray://host:10001"); None = a local one
     routing: Policy = Policy.CHUNK  # how the ingress picks a replica
-    max_skew: int = 2  # requests a replica's queue may exceed the shortest's before routing passes it over
+    max_skew: int = 4  # requests a replica's queue may exceed the shortest's before routing passes it over
     stats_period_s: float = 1.0  # seconds between a replica's routing summaries
     retries: int = 2  # replicas a request that has not begun is sent to after its first one fails
     cpus_per_replica: float = 1.0  # Ray CPUs each engine replica takes (CPU hosts)
@@ -189,7 +190,7 @@ class ChunkRouter(FIFOMixin, RequestRouter):
     """Ray Serve's request router for engine replicas: `server/routing.py`'s ranking over the
     replicas' published summaries, updated by what it routes until their next summary."""
 
-    def initialize_state(self, policy: str = Policy.CHUNK.value, max_skew: int = 2) -> None:
+    def initialize_state(self, policy: str = Policy.CHUNK.value, max_skew: int = 4) -> None:
         self._policy = Policy(policy)
         self._max_skew = max_skew
         self._views: dict[ReplicaID, ReplicaView] = {}
@@ -384,30 +385,41 @@ class Ingress:
         self.service = RagService(limits=settings.limits(), admission=self._admission, metrics=self.metrics,
                                   retrieve_pool=self._pool, runner=self._runner)
         self.service.backend = self.backend  # type: ignore[assignment]  # retrieval here, answers on replicas
+        token = read_token(settings.auth_token_file)
+        self._expected = None if token is None else f"Bearer {token}".encode()
         if settings.metrics_port is not None:  # the ingress's own: requests, errors, end-to-end latency
             self.metrics.serve(settings.metrics_port, settings.host)
 
     def __serve_build_asgi_app__(self) -> Any:
-        from ragkv.server.auth import read_token
         from ragkv.server.openai_api import OpenAIApi
 
         api = OpenAIApi(runner=self._runner, admission=self._admission, limits=self.settings.limits(),
                         metrics=self.metrics, backend=lambda: self.backend,
-                        token=read_token(self.settings.auth_token_file))
+                        token=read_token(self.settings.auth_token_file))  # checked there, as in one process
         return api.app
 
+    async def _context(self, grpc_context: Any, method: str) -> _ServeContext:
+        """The call's context, once its bearer token (when the server has one) is checked."""
+        context = _ServeContext(grpc_context)
+        if self._expected is not None:
+            refused = bearer_refusal(grpc_context.invocation_metadata(), self._expected)
+            if refused is not None:
+                self.metrics.errors.labels(method, grpc.StatusCode.UNAUTHENTICATED.name).inc()
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, refused)
+        return context
+
     async def Query(self, request: Any, grpc_context: Any = None) -> AsyncIterator[Any]:  # noqa: N802
-        async for message in self.service.Query(request, _ServeContext(grpc_context)):
+        async for message in self.service.Query(request, await self._context(grpc_context, "Query")):
             yield message
 
     async def Retrieve(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
-        return await self.service.Retrieve(request, _ServeContext(grpc_context))
+        return await self.service.Retrieve(request, await self._context(grpc_context, "Retrieve"))
 
     async def ListCollections(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
-        return await self.service.ListCollections(request, _ServeContext(grpc_context))
+        return await self.service.ListCollections(request, await self._context(grpc_context, "ListCollections"))
 
     async def GetCollectionStats(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
-        return await self.service.GetCollectionStats(request, _ServeContext(grpc_context))
+        return await self.service.GetCollectionStats(request, await self._context(grpc_context, "GetCollectionStats"))
 
     def Check(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802 - grpc.health.v1
         return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)

@@ -185,7 +185,7 @@ def chunk_score(view: ReplicaView, keys: RouteKeys) -> float:
     return score
 
 
-def rank(views: Sequence[ReplicaView], keys: RouteKeys, policy: Policy, *, max_skew: int = 2,
+def rank(views: Sequence[ReplicaView], keys: RouteKeys, policy: Policy, *, max_skew: int = 4,
          rng: random.Random | None = None) -> list[ReplicaView]:
     """The replicas in the order to try them, best first.
 

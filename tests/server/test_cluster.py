@@ -15,6 +15,7 @@ import json
 import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -41,6 +42,8 @@ from tests.server.fakes import ServerThread, settings  # noqa: E402
 CORPUS = {f"topic{i}.txt": f"Topic {i}: the secret number of topic {i} is {4700 + i}, chosen by player {i}. " * 2
           for i in range(8)}
 QUESTION = "What is the secret number of topic 3, and who chose it?"
+TOKEN = "cluster-test-token"
+HEADERS = {"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"}
 
 
 def _free_port() -> int:
@@ -69,10 +72,12 @@ def _settings(index: Path, **overrides: object):  # -> ServerSettings
 
 
 @pytest.fixture(scope="module")
-def served(index: Path):
-    """The cluster (two replicas, chunk routing) and one process over the same index."""
+def served(index: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The cluster (two replicas, chunk routing, a bearer token) and one process over the same index."""
     grpc_port, http_port = _free_port(), _free_port()
-    s = _settings(index, port=grpc_port, http_port=http_port)
+    token_file = tmp_path_factory.mktemp("auth") / "token"
+    token_file.write_text(TOKEN)
+    s = _settings(index, port=grpc_port, http_port=http_port, auth_token_file=token_file)
     cluster.start(s, cluster.ClusterSettings(2, routing=Policy.CHUNK, cpus_per_replica=0.5, stats_period_s=0.5))
     single = ServerThread(_settings(index), _pipeline_factory())
     yield f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}", single
@@ -96,7 +101,7 @@ def test_the_asked_fields_are_every_field_validation_fills() -> None:
 @pytest.mark.parametrize("mode", ["full", "blend", "focus"])
 def test_the_cluster_answers_as_one_process_over_grpc(served, mode: str) -> None:
     addr, _, single = served
-    with RagClient(addr) as routed, RagClient(single.addr) as alone:
+    with RagClient(addr, token=TOKEN) as routed, RagClient(single.addr) as alone:
         kwargs = dict(collection="docs", mode=mode, top_k=3, max_new_tokens=8, recompute_ratio=0.2)
         a, b = routed.query(QUESTION, **kwargs), alone.query(QUESTION, **kwargs)
         assert "".join(a) == "".join(b)
@@ -110,8 +115,7 @@ def test_the_cluster_answers_as_one_process_over_grpc(served, mode: str) -> None
 def test_the_cluster_serves_the_openai_http_api(served) -> None:
     addr, http, single = served
     body = {"model": "docs", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8, "mode": "blend"}
-    req = urllib.request.Request(f"{http}/v1/chat/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+    req = urllib.request.Request(f"{http}/v1/chat/completions", json.dumps(body).encode(), HEADERS)
     with urllib.request.urlopen(req, timeout=60) as resp:
         answer = json.loads(resp.read())
     with RagClient(single.addr) as alone:
@@ -120,7 +124,7 @@ def test_the_cluster_serves_the_openai_http_api(served) -> None:
     assert answer["usage"]["completion_tokens"] == 8
     # streamed (server-sent events through Ray Serve's HTTP proxy): the same text, piece by piece
     req = urllib.request.Request(f"{http}/v1/chat/completions", json.dumps({**body, "stream": True}).encode(),
-                                 {"Content-Type": "application/json"})
+                                 HEADERS)
     with urllib.request.urlopen(req, timeout=60) as resp:
         events = [json.loads(line[6:]) for line in resp.read().decode().splitlines()
                   if line.startswith("data: {")]
@@ -135,7 +139,7 @@ def test_health_collections_and_client_errors_keep_their_status(served) -> None:
     with grpc.insecure_channel(addr) as channel:
         status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
         assert status.status == health_pb2.HealthCheckResponse.SERVING
-    with RagClient(addr) as client:
+    with RagClient(addr, token=TOKEN) as client:
         assert [c.name for c in client.list_collections()] == ["docs"]
         with pytest.raises(Exception) as err:
             "".join(client.query(QUESTION, collection="nope"))
@@ -144,6 +148,29 @@ def test_health_collections_and_client_errors_keep_their_status(served) -> None:
             "".join(client.query(QUESTION, collection="docs", recompute_ratio=2.0))
         assert _code(err.value) is grpc.StatusCode.INVALID_ARGUMENT
         assert "recompute_ratio" in str(err.value)
+
+
+def test_without_the_token_the_cluster_answers_only_health(served) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    addr, http, _ = served
+    with RagClient(addr) as client:
+        with pytest.raises(Exception) as err:
+            "".join(client.query(QUESTION, collection="docs"))
+        assert _code(err.value) is grpc.StatusCode.UNAUTHENTICATED
+    with RagClient(addr, token="wrong") as client:
+        with pytest.raises(Exception) as err:
+            client.list_collections()
+        assert _code(err.value) is grpc.StatusCode.UNAUTHENTICATED
+    with grpc.insecure_channel(addr) as channel:  # a load balancer probes without credentials
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+    body = {"model": "docs", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 2}
+    req = urllib.request.Request(f"{http}/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as http_err:
+        urllib.request.urlopen(req, timeout=60)
+    assert http_err.value.code == 401
 
 
 def _code(exc: BaseException) -> grpc.StatusCode | None:
@@ -163,7 +190,7 @@ def _loop_turns(step: int) -> list[ChatTurn]:
 def test_an_agent_loop_stays_on_one_replica_and_reuses_its_kv_tree(served) -> None:
     addr, _, _ = served
     question = "Which player chose the secret number of topic 5?"
-    with RagClient(addr) as client:
+    with RagClient(addr, token=TOKEN) as client:
         for step in range(4):
             answer = client.query(question, collection="docs", mode="blend", top_k=3, max_new_tokens=4,
                                   agent_turns=_loop_turns(step))
@@ -177,7 +204,7 @@ def test_a_replica_killed_mid_answer_ends_it_unavailable_and_comes_back(served) 
     import ray
 
     addr, _, _ = served
-    with RagClient(addr) as client:
+    with RagClient(addr, token=TOKEN) as client:
         answer = client.query(QUESTION, collection="docs", mode="full", max_new_tokens=1000)
         stream = iter(answer)
         next(stream)  # the answer has begun
@@ -249,7 +276,7 @@ class _Backend:
 
 def _events() -> list[object]:
     chunk = RetrievedChunk("c1", 1.0, "text", {}, None, 3)
-    stats = QueryStats(Usage(10, 2), ttft_seconds=9.0, total_seconds=9.0, phase_seconds={}, recompute_fraction=0.2,
+    stats = QueryStats(Usage(10, 2, 0), ttft_seconds=9.0, total_seconds=9.0, phase_seconds={}, recompute_fraction=0.2,
                        mode=Mode.BLEND, finish_reason=FinishReason.LENGTH, text="ab")
     return [ChunksReady((chunk,)), TokenEvent("a"), TokenEvent("b"), stats]
 

@@ -255,8 +255,7 @@ class IngressBackend:
         try:
             return self._retrievers[name]
         except KeyError:
-            served = ", ".join(sorted(self._retrievers))
-            raise UnknownCollectionError(f"collection {name!r} is not served here (served: {served})") from None
+            raise UnknownCollectionError.naming(name, self._retrievers) from None
 
     def collections(self) -> Sequence[CollectionInfo]:
         return [CollectionInfo(n, len(r), r.manifest.model_fp, r.manifest.tokenizer_fp)
@@ -268,9 +267,11 @@ class IngressBackend:
 
     def retrieve(self, collection: str, question: str, top_k: int, search_mode: SearchMode | None = None,
                  filters: Sequence[MetadataFilter] = ()) -> tuple[RetrievedChunk, ...]:
+        from ragkv.server.pipeline import retrieved_chunk
+
         r = self._retriever(collection)
-        return tuple(RetrievedChunk(h.chunk_id, h.score, h.text, h.metadata, None, len(h.token_ids), h.found_by)
-                     for h in r.search(question, min(top_k, len(r)), mode=search_mode, filters=tuple(filters)))
+        return tuple(map(retrieved_chunk, r.search(question, min(top_k, len(r)), mode=search_mode,
+                                                   filters=tuple(filters))))
 
     def search(self, request: Request) -> tuple[list[Any], RouteKeys]:
         """The request's chunks and what routing looks for (the keys the replica will read)."""

@@ -73,6 +73,11 @@ class Collection:
         return serving_key(hit, mode, self.neighbours, self.prefix_hash, model_fp, tokenizer_fp, focus_handover)
 
 
+def retrieved_chunk(hit: Hit) -> RetrievedChunk:
+    """A search hit as the client sees it (its KV tier is set when the answer reads it)."""
+    return RetrievedChunk(hit.chunk_id, hit.score, hit.text, hit.metadata, None, len(hit.token_ids), hit.found_by)
+
+
 def serving_key(hit: Hit, mode: Mode, neighbours: NeighbourOptions, prefix_hash: PrefixHash, model_fp: str,
                 tokenizer_fp: str, focus_handover: bool = False) -> ChunkKey:
     """The key of the KV a hit is served from in `mode` (`Collection.kv_key`; the cluster's
@@ -229,8 +234,7 @@ class Pipeline:
         try:
             return self._collections[name]
         except KeyError:
-            served = ", ".join(sorted(self._collections))
-            raise UnknownCollectionError(f"collection {name!r} is not served here (served: {served})") from None
+            raise UnknownCollectionError.naming(name, self._collections) from None
 
     def collections(self) -> Sequence[CollectionInfo]:
         return [
@@ -252,10 +256,7 @@ class Pipeline:
     def retrieve(self, collection: str, question: str, top_k: int, search_mode: SearchMode | None = None,
                  filters: Sequence[MetadataFilter] = ()) -> tuple[RetrievedChunk, ...]:
         c = self._collection(collection)
-        return tuple(
-            RetrievedChunk(h.chunk_id, h.score, h.text, h.metadata, None, len(h.token_ids), h.found_by)
-            for h in self._search(c, question, top_k, search_mode, filters)
-        )
+        return tuple(map(retrieved_chunk, self._search(c, question, top_k, search_mode, filters)))
 
     def prepare(self, request: Request, hits: Sequence[Hit] | None = None) -> None:
         """Retrieve, tokenize, lease the KV tree and start the chunks' KV reads: the request is
@@ -275,10 +276,7 @@ class Pipeline:
         if hits is None:
             hits = self._search(c, req.question, req.top_k, req.search_mode, req.filters)
         retrieved = time.perf_counter()
-        req.retrieved = tuple(
-            RetrievedChunk(h.chunk_id, h.score, h.text, h.metadata, None, len(h.token_ids), h.found_by)
-            for h in hits
-        )
+        req.retrieved = tuple(map(retrieved_chunk, hits))
         output = output_spec(req, req.retrieved)
         try:  # compiled here, on the retrieval pool: the scheduler thread only applies masks
             req.constraint = None if output.grammar is None else self.engine.grammars.compile(output.grammar,

@@ -7,6 +7,8 @@ a status code.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import grpc
 
 from ragkv.engine.scheduler import SchedulerFullError, SchedulerStoppedError
@@ -35,6 +37,11 @@ class InvalidArgumentError(RagKVError, ValueError):
 
 class UnknownCollectionError(RagKVError, LookupError):
     """A request names a collection this server does not serve."""
+
+    @classmethod
+    def naming(cls, name: str, served: Iterable[str]) -> UnknownCollectionError:
+        """The error for `name`, listing what is served."""
+        return cls(f"collection {name!r} is not served here (served: {', '.join(sorted(served))})")
 
 
 class OverloadedError(RagKVError):

@@ -6,6 +6,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from ragkv.errors import IndexMismatchError
 from ragkv.types import (
@@ -169,3 +170,17 @@ def settings(**overrides: object) -> ServerSettings:
     base = {"host": "127.0.0.1", "port": 0, "metrics_port": None, "kv_controller": False, "kv_tree_bytes": 0}
     base.update(overrides)
     return ServerSettings(**base)
+
+
+def build_index(root: Path, texts: dict[str, str], model_dir: Path, chunk_tokens: int = 32) -> Path:
+    """An index of `texts` (file name -> text) under `root`, chunk KV by the model in `model_dir`."""
+    from ragkv.indexer.chunking import ChunkingConfig
+    from ragkv.indexer.job import IndexJobConfig, run_index
+
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for name, text in texts.items():
+        (corpus / name).write_text(text)
+    run_index(IndexJobConfig(corpus=corpus, out=root / "index", model=str(model_dir), progress=False,
+                             chunking=ChunkingConfig(size=chunk_tokens, overlap=0)))
+    return root / "index"

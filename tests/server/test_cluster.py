@@ -37,7 +37,7 @@ from ragkv.server.settings import CollectionSpec  # noqa: E402
 from ragkv.server.status import ReplicaLostError, status_for  # noqa: E402
 from ragkv.types import (ChatRole, ChatTurn, FinishReason, Mode, QueryStats, RetrievedChunk, ToolCall,  # noqa: E402
                          Usage)
-from tests.server.fakes import ServerThread, settings  # noqa: E402
+from tests.server.fakes import ServerThread, build_index, settings  # noqa: E402
 
 CORPUS = {f"topic{i}.txt": f"Topic {i}: the secret number of topic {i} is {4700 + i}, chosen by player {i}. " * 2
           for i in range(8)}
@@ -54,17 +54,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def index(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Path:
-    from ragkv.indexer.chunking import ChunkingConfig
-    from ragkv.indexer.job import IndexJobConfig, run_index
-
-    root = tmp_path_factory.mktemp("cluster-index")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for name, text in CORPUS.items():
-        (corpus / name).write_text(text)
-    run_index(IndexJobConfig(corpus=corpus, out=root / "index", model=str(tiny_llama_dir), progress=False,
-                             chunking=ChunkingConfig(size=32, overlap=0)))
-    return root / "index"
+    return build_index(tmp_path_factory.mktemp("cluster-index"), CORPUS, tiny_llama_dir)
 
 
 def _settings(index: Path, **overrides: object):  # -> ServerSettings

@@ -13,7 +13,7 @@ import pytest
 from ragkv.client import RagClient
 from ragkv.server.settings import CollectionSpec
 from ragkv.types import ChatRole, ChatTurn, Tier, ToolCall
-from tests.server.fakes import ServerThread, settings
+from tests.server.fakes import ServerThread, build_index, settings
 
 CORPUS = {
     "paris.txt": "Paris is the capital of France. The secret number is 4721. It was chosen by Alice.",
@@ -26,17 +26,7 @@ RESULT = "The archive lists 4721 as the secret number. " * 6  # a tool result of
 
 @pytest.fixture(scope="module")
 def tree_index(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Path:
-    from ragkv.indexer.chunking import ChunkingConfig
-    from ragkv.indexer.job import IndexJobConfig, run_index
-
-    root = tmp_path_factory.mktemp("tree-index")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for name, text in CORPUS.items():
-        (corpus / name).write_text(text)
-    run_index(IndexJobConfig(corpus=corpus, out=root / "index", model=str(tiny_llama_dir), progress=False,
-                             chunking=ChunkingConfig(size=32, overlap=0)))
-    return root / "index"
+    return build_index(tmp_path_factory.mktemp("tree-index"), CORPUS, tiny_llama_dir)
 
 
 @pytest.fixture(scope="module")

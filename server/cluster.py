@@ -322,12 +322,14 @@ class RoutedRunner:
                         if not begun:
                             begun = True
                             for h in held:
+                                self._metrics.observe_chunks(h.chunks, request.collection)
                                 yield h
                         if isinstance(event, QueryStats):
                             end = time.perf_counter()
                             event = dataclasses.replace(
                                 event, ttft_seconds=(first_token_at or end) - arrived, total_seconds=end - arrived,
                                 phase_seconds={**event.phase_seconds, "retrieve": retrieve_s})
+                            self._observe(request, event, method)
                         elif first_token_at is None:
                             first_token_at = time.perf_counter()
                         yield event
@@ -345,6 +347,17 @@ class RoutedRunner:
                 except RayTaskError as exc:  # the replica raised: the error as it raised it
                     cause = exc.cause if isinstance(exc.cause, BaseException) else exc
                     raise cause from None
+
+
+    def _observe(self, request: Request, stats: QueryStats, method: str) -> None:
+        """The answer in the cluster's metrics (the ingress serves them): every replica's answers
+        in one place, timed from their arrival here. Bytes per tier stay the replicas' own."""
+        self._metrics.observe_answer(stats.mode, stats.ttft_seconds, stats.recompute_fraction, {},
+                                     request.collection, stats.kv_sources)
+        self._metrics.e2e.labels(method).observe(stats.total_seconds)
+        u = stats.usage
+        self._metrics.observe_usage(u.prompt_tokens, u.cached_prompt_tokens, u.completion_tokens, request.collection)
+        self._metrics.requests.labels("OK").inc()
 
 
 class _ServeContext:

@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import NamedTuple
 
 import grpc
 import pytest
@@ -64,15 +65,25 @@ def _settings(index: Path, **overrides: object):  # -> ServerSettings
 @pytest.fixture(scope="module")
 def served(index: Path, tmp_path_factory: pytest.TempPathFactory):
     """The cluster (two replicas, chunk routing, a bearer token) and one process over the same index."""
-    grpc_port, http_port = _free_port(), _free_port()
+    grpc_port, http_port, metrics_port = _free_port(), _free_port(), _free_port()
     token_file = tmp_path_factory.mktemp("auth") / "token"
     token_file.write_text(TOKEN)
-    s = _settings(index, port=grpc_port, http_port=http_port, auth_token_file=token_file)
+    s = _settings(index, port=grpc_port, http_port=http_port, metrics_port=metrics_port, auth_token_file=token_file)
     cluster.start(s, cluster.ClusterSettings(2, routing=Policy.CHUNK, cpus_per_replica=0.5, stats_period_s=0.5))
     single = ServerThread(_settings(index), _pipeline_factory())
-    yield f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}", single
+    yield Served(f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}", single,
+                 f"http://127.0.0.1:{metrics_port}/metrics")
     single.stop()
     cluster.stop()
+
+
+class Served(NamedTuple):
+    """The cluster's addresses, and the one-process server answers are compared with."""
+
+    addr: str  # gRPC, through Ray Serve's proxy
+    http: str  # the OpenAI API's base URL
+    single: ServerThread  # one process over the same index
+    metrics: str  # the ingress's /metrics URL
 
 
 def _pipeline_factory():  # noqa: ANN202
@@ -90,7 +101,7 @@ def test_the_asked_fields_are_every_field_validation_fills() -> None:
 
 @pytest.mark.parametrize("mode", ["full", "blend", "focus"])
 def test_the_cluster_answers_as_one_process_over_grpc(served, mode: str) -> None:
-    addr, _, single = served
+    addr, _, single, _ = served
     with RagClient(addr, token=TOKEN) as routed, RagClient(single.addr) as alone:
         kwargs = dict(collection="docs", mode=mode, top_k=3, max_new_tokens=8, recompute_ratio=0.2)
         a, b = routed.query(QUESTION, **kwargs), alone.query(QUESTION, **kwargs)
@@ -103,7 +114,7 @@ def test_the_cluster_answers_as_one_process_over_grpc(served, mode: str) -> None
 
 
 def test_the_cluster_serves_the_openai_http_api(served) -> None:
-    addr, http, single = served
+    addr, http, single, _ = served
     body = {"model": "docs", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8, "mode": "blend"}
     req = urllib.request.Request(f"{http}/v1/chat/completions", json.dumps(body).encode(), HEADERS)
     with urllib.request.urlopen(req, timeout=60) as resp:
@@ -122,10 +133,31 @@ def test_the_cluster_serves_the_openai_http_api(served) -> None:
     assert "".join(pieces) == expected and len([p for p in pieces if p]) > 1
 
 
+def test_the_ingress_metrics_count_every_replicas_answers(served) -> None:
+    addr = served.addr
+
+    def scrape() -> dict[str, float]:
+        with urllib.request.urlopen(served.metrics, timeout=30) as resp:
+            lines = resp.read().decode().splitlines()
+        return {k: float(v) for k, _, v in (line.rpartition(" ") for line in lines if line and line[0] != "#")}
+
+    def requests_ok(m: dict[str, float]) -> float:
+        return m.get('ragkv_requests_total{code="OK"}', 0.0)
+
+    before = scrape()
+    with RagClient(addr, token=TOKEN) as client:
+        for i in range(3):
+            "".join(client.query(f"{QUESTION} ({i})", collection="docs", mode="blend", max_new_tokens=2))
+    after = scrape()
+    assert requests_ok(after) - requests_ok(before) == 3
+    ttft = 'ragkv_ttft_seconds_count{collection="docs",mode="blend"}'
+    assert after.get(ttft, 0.0) - before.get(ttft, 0.0) == 3
+
+
 def test_health_collections_and_client_errors_keep_their_status(served) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    addr, _, _ = served
+    addr, _, _, _ = served
     with grpc.insecure_channel(addr) as channel:
         status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
         assert status.status == health_pb2.HealthCheckResponse.SERVING
@@ -143,7 +175,7 @@ def test_health_collections_and_client_errors_keep_their_status(served) -> None:
 def test_without_the_token_the_cluster_answers_only_health(served) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    addr, http, _ = served
+    addr, http, _, _ = served
     with RagClient(addr) as client:
         with pytest.raises(Exception) as err:
             "".join(client.query(QUESTION, collection="docs"))
@@ -178,7 +210,7 @@ def _loop_turns(step: int) -> list[ChatTurn]:
 
 
 def test_an_agent_loop_stays_on_one_replica_and_reuses_its_kv_tree(served) -> None:
-    addr, _, _ = served
+    addr, _, _, _ = served
     question = "Which player chose the secret number of topic 5?"
     with RagClient(addr, token=TOKEN) as client:
         for step in range(4):
@@ -193,7 +225,7 @@ def test_an_agent_loop_stays_on_one_replica_and_reuses_its_kv_tree(served) -> No
 def test_a_replica_killed_mid_answer_ends_it_unavailable_and_comes_back(served) -> None:
     import ray
 
-    addr, _, _ = served
+    addr, _, _, _ = served
     with RagClient(addr, token=TOKEN) as client:
         answer = client.query(QUESTION, collection="docs", mode="full", max_new_tokens=1000)
         stream = iter(answer)

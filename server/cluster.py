@@ -59,7 +59,7 @@ from ragkv.server.service import RagService
 from ragkv.server.settings import ServerSettings
 from ragkv.server.status import NotServingError, ReplicaLostError, UnknownCollectionError
 from ragkv.types import (ChatRole, CollectionInfo, CollectionStats, MetadataFilter, Mode, QueryStats, RetrievedChunk,
-                         SearchMode)
+                         SearchMode, Tier)
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +153,7 @@ class EngineReplica:
                                    scheduler=self._scheduler)
         self._conversations: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
+        self._filters: dict[Tier, tuple[frozenset[str], KeyFilter]] = {}  # per tier: the keys it was built from
 
     async def answer(self, asked: Asked, hits: Sequence[Any], route: RouteKeys) -> AsyncIterator[RunEvent]:
         """Answer a request the ingress validated and retrieved for (`route` is the router's)."""
@@ -174,11 +175,20 @@ class EngineReplica:
     def collection_stats(self, name: str) -> CollectionStats:
         return self.pipeline.collection_stats(name)
 
+    def _filter(self, tier: Tier, keys: set[str]) -> KeyFilter:
+        """A tier's Bloom filter, built again only when its keys changed (a disk tier holds many
+        and mostly keeps them: hashing each every stats period would cost the engine's CPU)."""
+        held = frozenset(keys)
+        cached = self._filters.get(tier)
+        if cached is None or cached[0] != held:
+            cached = self._filters[tier] = (held, KeyFilter.of(held))
+        return cached[1]
+
     def record_routing_stats(self) -> dict[str, Any]:
         """What this replica holds, for the router (Ray Serve calls it every stats period)."""
         with self._lock:
             conversations = list(self._conversations)
-        summary = ReplicaSummary({tier: KeyFilter.of(keys) for tier, keys in self.pipeline.held_keys().items()},
+        summary = ReplicaSummary({tier: self._filter(tier, keys) for tier, keys in self.pipeline.held_keys().items()},
                                  KeyFilter.of(conversations), self._admission.depth)
         return {**summary.to_dict(), "at": time.time()}
 
@@ -267,19 +277,17 @@ class IngressBackend:
 
     def retrieve(self, collection: str, question: str, top_k: int, search_mode: SearchMode | None = None,
                  filters: Sequence[MetadataFilter] = ()) -> tuple[RetrievedChunk, ...]:
-        from ragkv.server.pipeline import retrieved_chunk
+        from ragkv.server.pipeline import retrieved_chunk, search_hits
 
-        r = self._retriever(collection)
-        return tuple(map(retrieved_chunk, r.search(question, min(top_k, len(r)), mode=search_mode,
-                                                   filters=tuple(filters))))
+        return tuple(map(retrieved_chunk, search_hits(self._retriever(collection), question, top_k, search_mode,
+                                                      filters)))
 
     def search(self, request: Request) -> tuple[list[Any], RouteKeys]:
         """The request's chunks and what routing looks for (the keys the replica will read)."""
-        from ragkv.server.pipeline import serving_key
+        from ragkv.server.pipeline import search_hits, serving_key
 
         r = self._retriever(request.collection)
-        hits = r.search(request.question, min(request.top_k, len(r)), mode=request.search_mode,
-                        filters=tuple(request.filters))
+        hits = search_hits(r, request.question, request.top_k, request.search_mode, request.filters)
         m = r.manifest
         keys = [serving_key(h, request.mode, self._neighbours[request.collection],
                             self._prefix_hash[request.collection], m.model_fp, m.tokenizer_fp,

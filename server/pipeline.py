@@ -73,6 +73,12 @@ class Collection:
         return serving_key(hit, mode, self.neighbours, self.prefix_hash, model_fp, tokenizer_fp, focus_handover)
 
 
+def search_hits(retriever: Retriever, question: str, top_k: int, search_mode: SearchMode | None,
+                filters: Sequence[MetadataFilter]) -> list[Hit]:
+    """A collection's `top_k` best chunks for `question` (at most the index's size)."""
+    return retriever.search(str(question), min(top_k, len(retriever)), mode=search_mode, filters=tuple(filters))
+
+
 def retrieved_chunk(hit: Hit) -> RetrievedChunk:
     """A search hit as the client sees it (its KV tier is set when the answer reads it)."""
     return RetrievedChunk(hit.chunk_id, hit.score, hit.text, hit.metadata, None, len(hit.token_ids), hit.found_by)
@@ -249,9 +255,8 @@ class Pipeline:
         return CollectionStats(info, c.store.stats().tiers)
 
     def _search(self, c: Collection, question: str, top_k: int, search_mode: SearchMode | None,
-                filters: Sequence[MetadataFilter]) -> list:  # list[retriever.Hit]
-        return c.retriever.search(str(question), min(top_k, len(c.retriever)), mode=search_mode,
-                                  filters=tuple(filters))
+                filters: Sequence[MetadataFilter]) -> list[Hit]:
+        return search_hits(c.retriever, question, top_k, search_mode, filters)
 
     def retrieve(self, collection: str, question: str, top_k: int, search_mode: SearchMode | None = None,
                  filters: Sequence[MetadataFilter] = ()) -> tuple[RetrievedChunk, ...]:

@@ -85,7 +85,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     cluster.add_argument("--routing", default="chunk,pow2", help="policies to compare: chunk, pow2 (default both)")
     cluster.add_argument("--requests", type=int, default=80, help="work items per policy (default 80)")
     cluster.add_argument("--topics", type=int, default=24,
-                         help="documents of the built index, four 256-token chunks each (default 24)")
+                         help="documents of the built index: one stdlib module's docs each, about four 256-token chunks "
+                              "(default 24, at most 29)")
     cluster.add_argument("--clients", type=int, default=4, help="client threads (default 4)")
     cluster.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of topic popularity (default 1.0)")
     cluster.add_argument("--agent-every", type=int, default=5,

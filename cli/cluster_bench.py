@@ -5,15 +5,19 @@ every replica shares, then for each routing policy deploy `--replicas` engine re
 (fresh, cold tiers) with a CPU tier that holds a quarter of the corpus's KV
 (`--cpu-share`), and run the same workload against each:
 
-- questions with locality: a Zipf over topics (each topic is one document of four chunks,
-  `--topics` of them; a question is a few words of one of its chunks), from several client
-  threads at once;
+- questions with locality: a Zipf over topics (each topic is one stdlib module's documentation,
+  about four chunks, `--topics` of them; a question is a few words of one of its chunks), from
+  several client threads at once;
 - agent loops among them: a question, then tool calls with their results, in one conversation.
 
 Per policy it prints the fast-tier hit rate (chunks whose KV came from a replica's GPU or
 CPU tier, over every chunk not served by the KV tree: disk reads and computes count as
 slow), server-side TTFT p50/p95, the calls the KV tree served (`kv_tree_hits`) and the
-share of agent calls after the first that found their conversation's tree. Then, with
+share of agent calls after the first that found their conversation's tree. Beside each, the
+bounds placement alone sets on that policy's own loads (`one_tier_hit_rate`: one replica's
+CPU tier seeing every load; `pooled_tiers_hit_rate`: one tier as large as all replicas'
+together, i.e. perfect placement): on N replicas, no router beats pow2 by more than their
+ratio, whatever it scores. Then, with
 the chunk policy deployed again, one replica is killed while requests run: every request
 must end (answered, or UNAVAILABLE), none hangs.
 """
@@ -28,7 +32,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,23 +51,35 @@ class _Tally:
     agent_later: int = 0  # agent calls after a loop's first
     agent_later_on_tree: int = 0  # ... that found their conversation's KV tree
     errors: int = 0
+    loads: list[tuple[str, int]] = field(default_factory=list)  # (chunk id, tokens) of every counted load, in order
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+# Topics of their own vocabulary: one stdlib module's documentation each (about 4,000
+# characters of it, four 256-token chunks), so a question about one retrieves mostly its chunks.
+TOPIC_MODULES = ("argparse", "collections", "json", "inspect", "statistics", "itertools", "subprocess",
+                 "asyncio", "logging", "re", "shutil", "tempfile", "os", "socket", "unittest", "typing",
+                 "textwrap", "difflib", "pickle", "http.client", "urllib.request", "configparser", "ssl",
+                 "optparse", "uuid", "io", "traceback", "smtplib", "imaplib")
+
+
 def _build_index(out: Path, model: str, device: str | None, dtype: str | None, topics: int) -> Path:
-    """`topics` documents of about 1,000 tokens of standard-library documentation each (four
-    256-token chunks: a stretch of one module's docs, so a topic's chunks are retrieved together),
-    KV precomputed on the index's disk tier."""
-    from ragkv.evals.synthetic import haystack_paragraphs
+    """`topics` documents, each about 4,000 characters of one stdlib module's documentation
+    (four 256-token chunks), KV precomputed on the index's disk tier.
+
+    Raises:
+        ValueError: more topics asked for than `TOPIC_MODULES` has.
+    """
+    from ragkv.evals.synthetic import module_paragraphs
     from ragkv.indexer.chunking import ChunkingConfig
     from ragkv.indexer.job import IndexJobConfig, run_index
 
-    text = " ".join(haystack_paragraphs())
-    size = min(4000, len(text) // topics)
+    if not 2 <= topics <= len(TOPIC_MODULES):
+        raise ValueError(f"--topics must be in [2, {len(TOPIC_MODULES)}] (one stdlib module each), got {topics}")
     corpus = out / "corpus"
     corpus.mkdir(parents=True, exist_ok=True)
-    for i in range(topics):
-        (corpus / f"topic{i:02d}.txt").write_text(text[i * size:(i + 1) * size])
+    for i, name in enumerate(TOPIC_MODULES[:topics]):
+        (corpus / f"topic{i:02d}-{name}.txt").write_text(" ".join(module_paragraphs(name))[:4000])
     index = out / "index"
     run_index(IndexJobConfig(corpus, index, model=model, chunking=ChunkingConfig(size=256, overlap=0),
                              **({"device": device} if device else {}), **({"dtype": dtype} if dtype else {})))
@@ -82,6 +98,16 @@ def _topics(index: Path) -> list[list[str]]:
     finally:
         db.close()
     return [by_doc[d] for d in sorted(by_doc)]
+
+
+def _index_tokens(index: Path) -> int:
+    from ragkv.retriever.chunk_db import ChunkDB
+
+    db = ChunkDB.open(index, readonly=True)
+    try:
+        return sum(len(rec.token_ids) for rec in db.iter_chunks())
+    finally:
+        db.close()
 
 
 def _workload(topics: list[list[str]], n: int, agent_every: int, zipf_s: float, seed: int) -> list[tuple]:
@@ -121,8 +147,10 @@ def _ask(client, question: str, tally: _Tally, max_new: int, top_k: int,  # noqa
         with tally.lock:
             tally.errors += 1
         return
-    tiers = [c.kv_tier for c in stream.chunks if c.kv_tier is not Tier.TREE]
+    loaded = [c for c in stream.chunks if c.kv_tier is not Tier.TREE]
+    tiers = [c.kv_tier for c in loaded]
     with tally.lock:
+        tally.loads += [(c.chunk_id, c.num_tokens) for c in loaded]
         tally.ttft.append(stats.ttft_seconds)
         tally.fast += sum(t in _FAST for t in tiers)
         tally.slow += sum(t not in _FAST for t in tiers)
@@ -165,6 +193,33 @@ def _quantile(xs: list[float], q: float) -> float | None:
         return None
     return round(statistics.quantiles(xs, n=100, method="inclusive")[int(q * 100) - 1], 4) if len(xs) > 1 \
         else round(xs[0], 4)
+
+
+def lru_hit_rate(loads: list[tuple[str, int]], capacity_tokens: int) -> float | None:
+    """The hit rate of one LRU cache of `capacity_tokens` over `loads` ((chunk, tokens), in
+    order): what a CPU tier of that size, seeing every load, would have held."""
+    cache: OrderedDict[str, int] = OrderedDict()
+    held = hits = 0
+    for chunk, tokens in loads:
+        if chunk in cache:
+            hits += 1
+            cache.move_to_end(chunk)
+            continue
+        cache[chunk] = tokens
+        held += tokens
+        while held > capacity_tokens and cache:
+            held -= cache.popitem(last=False)[1]
+    return round(hits / len(loads), 3) if loads else None
+
+
+def _bounds(t: _Tally, replicas: int, cpu_tokens: int) -> dict:
+    """What placement alone can do, on this policy's own sequence of loads: one replica's CPU
+    tier seeing every load (a policy that does not place: each replica's tier caches the
+    whole stream), and one tier as large as all replicas' together (perfect placement, no
+    chunk held twice). Chunk routing can at best move the hit rate from the first to the
+    second; their ratio bounds its gain over power-of-two choices."""
+    return {"one_tier_hit_rate": lru_hit_rate(t.loads, cpu_tokens),
+            "pooled_tiers_hit_rate": lru_hit_rate(t.loads, cpu_tokens * replicas)}
 
 
 def _summary(t: _Tally) -> dict:
@@ -228,6 +283,7 @@ def run_cluster_bench(args) -> int:  # noqa: ANN001 - argparse.Namespace from cl
         index = args.index or _build_index(Path(tmp), args.model, args.device, args.dtype, args.topics)
         kv_bytes = sum(f.stat().st_size for f in (index / "kv").rglob("*") if f.is_file())
         topics = _topics(index)
+        cpu_tokens = int(_index_tokens(index) * args.cpu_share)  # one replica's CPU tier, in chunk tokens
         items = _workload(topics, args.requests, args.agent_every, args.zipf, seed=0)
         import socket
 
@@ -253,7 +309,8 @@ def run_cluster_bench(args) -> int:  # noqa: ANN001 - argparse.Namespace from cl
                 t0 = time.perf_counter()
                 tally = _run_workload(addr, items, args.clients, args.loop_steps, args.max_new_tokens,
                                       args.top_k)
-                report["routing"][policy.value] = {**_summary(tally), "seconds": round(time.perf_counter() - t0, 1)}
+                report["routing"][policy.value] = {**_summary(tally), **_bounds(tally, args.replicas, cpu_tokens),
+                                                   "seconds": round(time.perf_counter() - t0, 1)}
                 print(f"routing {policy.value}: {report['routing'][policy.value]}", file=sys.stderr, flush=True)
                 cluster.undeploy()
             if args.fault:
@@ -285,9 +342,11 @@ def run_cluster_bench(args) -> int:  # noqa: ANN001 - argparse.Namespace from cl
 
 
 def _print(report: dict) -> None:
-    print("routing  fast-tier hit rate  TTFT p50   TTFT p95   tree hits  agent calls on tree  errors")
+    print("routing  fast-tier hit rate  (one tier, pooled)  TTFT p50   TTFT p95   tree hits  agent calls on tree"
+          "  errors")
     for name, r in report["routing"].items():
-        print(f"{name:<8} {r['fast_tier_hit_rate']!s:>18}  {r['ttft_p50_s']!s:>8} s {r['ttft_p95_s']!s:>8} s "
+        print(f"{name:<8} {r['fast_tier_hit_rate']!s:>18}  ({r['one_tier_hit_rate']!s:>8}, {r['pooled_tiers_hit_rate']!s:>6})"
+              f"  {r['ttft_p50_s']!s:>8} s {r['ttft_p95_s']!s:>8} s "
               f"{r['kv_tree_hits']:>9}  {r['agent_calls_on_tree']!s:>19}  {r['errors']:>6}")
     if "chunk_over_pow2" in report:
         c = report["chunk_over_pow2"]

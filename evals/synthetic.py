@@ -38,18 +38,20 @@ class EvalCase:
 
 def haystack_paragraphs() -> list[str]:
     """Paragraphs of stdlib docstrings (module and public members), deterministic order."""
-    paras: list[str] = []
-    for name in _MODULES:
-        mod = importlib.import_module(name)
-        docs = [inspect.getdoc(mod) or ""]
-        for attr in sorted(dir(mod)):
-            if not attr.startswith("_"):
-                obj = getattr(mod, attr, None)
-                if inspect.isclass(obj) or inspect.isfunction(obj):
-                    docs.append(inspect.getdoc(obj) or "")
-        for doc in docs:
-            paras += [p.strip() for p in doc.split("\n\n") if len(p.strip()) > 80]
-    return paras
+    return [p for name in _MODULES for p in module_paragraphs(name)]
+
+
+def module_paragraphs(name: str) -> list[str]:
+    """One stdlib module's docstring paragraphs (the module's, then its public classes' and
+    functions'): one topic's text, in a vocabulary of its own."""
+    mod = importlib.import_module(name)
+    docs = [inspect.getdoc(mod) or ""]
+    for attr in sorted(dir(mod)):
+        if not attr.startswith("_"):
+            obj = getattr(mod, attr, None)
+            if inspect.isclass(obj) or inspect.isfunction(obj):
+                docs.append(inspect.getdoc(obj) or "")
+    return [p.strip() for doc in docs for p in doc.split("\n\n") if len(p.strip()) > 80]
 
 
 def make_cases(task: str, n: int, n_chunks: int, chunk_tokens: int,

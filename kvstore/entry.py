@@ -60,8 +60,10 @@ class KVEntry:
     @classmethod
     def of(cls, kv: ComputedKV, key: ChunkKey, model_fp: str, tokenizer_fp: str, prefix_hash: PrefixHash,
            context_hash: ContextHash | None = None) -> KVEntry:
-        """A computed chunk KV as a store entry under `key` (`context_hash`: neighbour-conditioned KV)."""
-        return cls(key=key, k=kv.k, v=kv.v, token_ids=kv.token_ids.cpu(), positions=kv.positions.cpu(),
+        """A computed chunk KV as a store entry under `key` (`context_hash`: neighbour-conditioned KV).
+        A V equal to K (multi-head latent attention's latent) is held once."""
+        v = kv.k if kv.v is not kv.k and torch.equal(kv.k, kv.v) else kv.v
+        return cls(key=key, k=kv.k, v=v, token_ids=kv.token_ids.cpu(), positions=kv.positions.cpu(),
                    model_fp=model_fp, tokenizer_fp=tokenizer_fp, prefix_hash=prefix_hash, context_hash=context_hash)
 
     def __post_init__(self) -> None:
@@ -113,6 +115,5 @@ class KVEntry:
     @property
     def nbytes(self) -> int:
         """Bytes the entry's tensors occupy (what memory tiers count against their budget)."""
-        return (
-            self.k.nbytes + self.v.nbytes + self.token_ids.nbytes + self.positions.nbytes
-        )
+        v_bytes = 0 if self.v is self.k else self.v.nbytes  # one latent as both (MLA, read back from a file)
+        return self.k.nbytes + v_bytes + self.token_ids.nbytes + self.positions.nbytes

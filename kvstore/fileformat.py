@@ -5,6 +5,8 @@ Tensors: `k`, `v` `[L, Hkv, T, D]` (or `k_q`/`k_scale`, `v_q`/`v_scale` when com
 format, format_version, key, model_fp, tokenizer_fp, prefix_hash (and context_hash, only for a chunk
 prefilled after context: neighbour-conditioned KV), rope_mode, dtype,
 compression, shape ("L,Hkv,T,D"), checksum_block, checksum and header_checksum.
+A chunk whose V equals its K bit for bit (multi-head latent attention caches one latent
+as both) is written with `k` only and `v_is_k` = "true"; reading gives v = k.
 
 `checksum` is "crc32c:" and a comma-separated list of CRC-32Cs, one per fixed block
 of `checksum_block` bytes of the data section (the tensor bytes, in file order;
@@ -187,7 +189,8 @@ def encode(entry: KVEntry, compression: Compression = Compression.NONE) -> bytes
         "token_ids": entry.token_ids.contiguous(),  # [T]
         "positions": entry.positions.contiguous(),  # [T]
     }
-    for name, x in (("k", entry.k), ("v", entry.v)):
+    v_is_k = entry.v is entry.k or torch.equal(entry.k, entry.v)  # MLA: the latent is both; store it once
+    for name, x in (("k", entry.k),) if v_is_k else (("k", entry.k), ("v", entry.v)):
         if compression is Compression.NONE:
             tensors[name] = x.detach().to("cpu").contiguous()  # [L, Hkv, T, D]
         else:
@@ -208,6 +211,8 @@ def encode(entry: KVEntry, compression: Compression = Compression.NONE) -> bytes
     }
     if entry.context_hash is not None:  # only context KV has it: plain files are byte-for-byte as before
         meta["context_hash"] = entry.context_hash
+    if v_is_k:  # only then: other files are byte-for-byte as before
+        meta["v_is_k"] = "true"
     # safetensors' own order: widest dtype first (keeps every tensor aligned), then name.
     order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
     layout: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
@@ -437,11 +442,13 @@ def entry_views(buf: memoryview, head: FileHead) -> KVEntry:
         flat = torch.frombuffer(buf, dtype=torch.uint8, count=e - s, offset=s)  # [nbytes]
         return flat.view(_ST_DTYPES[dt]).view(shape)
 
+    v_is_k = meta.get("v_is_k") == "true"
     if header.compression is Compression.NONE:
-        k, v = tensor("k"), tensor("v")  # [L, Hkv, T, D]
+        k = tensor("k")  # [L, Hkv, T, D]
+        v = k if v_is_k else tensor("v")
     else:
         k = dequantize(tensor("k_q"), tensor("k_scale"), header.dtype)  # [L, Hkv, T, D]
-        v = dequantize(tensor("v_q"), tensor("v_scale"), header.dtype)  # [L, Hkv, T, D]
+        v = k if v_is_k else dequantize(tensor("v_q"), tensor("v_scale"), header.dtype)  # [L, Hkv, T, D]
     if tuple(k.shape) != header.shape or k.dtype != header.dtype:
         raise KVFormatError(f"k is {k.dtype} {tuple(k.shape)}, metadata says {header.dtype} {header.shape}")
     try:

@@ -176,3 +176,29 @@ def test_old_format_file_is_a_clean_miss_not_corruption(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         assert disk.get(e.key) is None
     assert "format version" in caplog.text and "checksum mismatch" not in caplog.text
+
+
+@pytest.mark.parametrize("compression", [Compression.NONE, Compression.INT8])
+def test_a_latent_held_as_both_k_and_v_is_written_once(compression):
+    """Multi-head latent attention caches one latent as K and as V: the file holds it once
+    (V's bytes saved), says so in its checksummed header, and reads back v = k."""
+    import dataclasses
+
+    e = make_entry(3, dtype=torch.float16)
+    both = dataclasses.replace(e, v=e.k.clone())  # equal values, another tensor (as the engine computes them)
+    data, plain = encode(both, compression), encode(e, compression)
+    tensors = safetensors.torch.load(data)
+    assert "v" not in tensors and "v_q" not in tensors
+    v_bytes = e.v.numel() * (1 if compression is Compression.INT8 else e.v.element_size())
+    assert len(plain) - len(data) >= v_bytes
+    got = _decode(data, e.key)
+    assert got.v is got.k and torch.allclose(got.k.float(), e.k.float(), atol=0.05)
+    assert got.nbytes < e.nbytes
+    # the flag is under the header checksum: dropping it is corruption, not a silent v = k
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    header["__metadata__"].pop("v_is_k")
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with pytest.raises(KVFormatError):
+        _decode(struct.pack("<Q", len(blob)) + blob + data[8 + n:], e.key)

@@ -87,6 +87,26 @@ def test_layers_become_readable_in_order_before_the_file_is_whole():
     assert layout_k_end < len(data)
 
 
+def test_a_latent_stored_once_streams_by_layer_with_v_as_k():
+    """A file holding one latent as k and v (MLA, `v_is_k`) streams k's layers and hands v = k."""
+    import dataclasses
+
+    e = make_entry(4, shape=BIG)
+    e = dataclasses.replace(e, v=e.k)
+    data = encode(e)
+    assert len(data) < data_start(data) + e.k.nbytes + 2 * e.token_ids.nbytes + 1
+    src = _Source(data, hold_at=len(data) - 1000)  # stall in the last block: the last layer of k
+    entry, gate, done, failed, threads = _read(src, key=e.key)
+    gate.wait(2, timeout=10)
+    assert not done and gate.ready < BIG[0] and entry.v is entry.k
+    assert torch.equal(entry.k[:gate.ready], e.k[:gate.ready])
+    src.release.set()
+    gate.wait_all(timeout=10)
+    for t in threads:
+        t.join()
+    assert torch.equal(entry.k, e.k) and entry.v is entry.k and done == [data] and not failed
+
+
 def test_a_damaged_late_block_fails_its_layer_and_the_rest_but_not_the_earlier_ones():
     e = make_entry(2, shape=BIG)
     data = bytearray(encode(e))

@@ -39,6 +39,10 @@ class QKNorm(str, enum.Enum):
     NONE = "none"
     HEAD = "head"  # per head, after the projection is split into heads (Qwen3, Gemma 3, Cohere)
     PROJECTION = "projection"  # over the whole projection, before the split (OLMo 2)
+    # per head, after RoPE (Hunyuan). The norm's weight does not commute with the rotation, its
+    # division by the RMS does: keys are stored normalized without the weight (so a chunk's key
+    # re-rotates exactly) and both weights scale the rotated query, which leaves q . k unchanged
+    AFTER_ROPE = "after_rope"
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,12 +57,22 @@ class Family:
     mlp_out: str | None = None  # on the MLP's output, before the residual add (Gemma 2/3, OLMo 2)
     parallel: bool = False  # attention and MLP read the same normed input (Cohere)
     qk_norm: QKNorm = QKNorm.NONE
+    q_norm: str = "q_norm"  # the attention module's q/k norms, by attribute name
+    k_norm: str = "k_norm"
+    mlp: str = "mlp"  # the layer's MLP or MoE block, by attribute name (Llama 4: feed_forward)
     fused_qkv: bool = False  # one `qkv_proj` (Phi-3)
     rope_interleaved: bool = False  # RoPE rotates pairs (0, 1), (2, 3)... (Cohere)
     rope_per_layer_type: bool = False  # the rotary module takes the layer type (Gemma 3)
     rope_half_table: bool = False  # the rotary module returns D/2-wide tables for the halves (gpt-oss)
     rope_table_to_pairs: bool = False  # the rotary module's table is for halves, the rotation is interleaved:
     # the adapter spreads each frequency over its pair (ERNIE 4.5)
+    rope_complex: bool = False  # the rotary module returns complex frequencies [1, S, D/2] (Llama 4)
+    # multi-head latent attention (DeepSeek V3): the cache holds one latent head per token,
+    # [decoupled RoPE key; normed c_kv], and the key/value up-projections are absorbed into
+    # the query and the output (`Adapter.qkv`, `attn_output`)
+    mla: bool = False
+    temperature_tuning: bool = False  # no-RoPE layers scale queries by position when the config says so
+    # (Llama 4's attn_temperature_tuning: 1 + attn_scale * log(1 + floor((p + 1) / floor_scale)))
     nope_global: bool = False  # layers without a window take no RoPE when others have one (EXAONE 4)
     attn_softcap: bool = False  # scores are soft-capped by attn_logit_softcapping (Gemma 2; Gemma 3
     # keeps the setting but transformers never applies it, so neither do we)
@@ -111,22 +125,55 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            "on the layers its config names"),
     Family("minimax_m2", qk_norm=QKNorm.PROJECTION, notes="q/k RMSNorm over the whole projection; partial "
            "rotary; MoE with sigmoid routing and a score-correction bias (the model's own block)"),
+    Family("llama4_text", qk_norm=QKNorm.AFTER_ROPE, q_norm="qk_norm", k_norm="qk_norm", mlp="feed_forward",
+           rope_interleaved=True, rope_complex=True, temperature_tuning=True,
+           notes="chunked local attention (attention_chunk_size) on its RoPE layers, global no-RoPE layers with "
+           "position-scaled queries; L2 q/k norm after RoPE (it commutes with the rotation); interleaved RoPE "
+           "from complex frequencies; MoE with a shared expert and sigmoid routing on its moe_layers"),
+    Family("hunyuan_v1_dense", qk_norm=QKNorm.AFTER_ROPE, q_norm="query_layernorm", k_norm="key_layernorm",
+           notes="per-head q/k RMSNorm after RoPE: keys stored normalized without the norm's weight (exact "
+           "re-rotation), both weights folded into the rotated query; NTK-alpha rope scaling"),
 )}
+
+_MLA_NOTES = ("multi-head latent attention stored as its latent: one KV head of [RoPE key; normed c_kv] "
+              "(qk_rope_head_dim + kv_lora_rank per token, re-rotated on its RoPE part only), the key "
+              "up-projection absorbed into the query and the value up-projection into the output; "
+              "interleaved RoPE; yarn mscale; MoE with shared experts and grouped routing after dense first layers")
+FAMILIES.update({f.model_type: f for f in (
+    Family("deepseek_v3", mla=True, notes=_MLA_NOTES),
+    Family("deepseek_v2", mla=True, rope_interleaved=True, rope_complex=True,
+           notes=_MLA_NOTES.replace("interleaved RoPE; yarn mscale", "interleaved RoPE from complex frequencies")
+           .replace("grouped routing", "its own routing")),
+)})
 
 # Refused by name, with what serving it would take (docs/models.md).
 REFUSED: dict[str, str] = {
     "gemma3": "the multimodal Gemma 3 (4B and up) wraps its text model in a vision-language model; serve a "
               "text-only checkpoint (model_type gemma3_text, as gemma-3-1b-it) or its extracted language model",
-    "deepseek_v2": "multi-head latent attention (MLA) caches a compressed latent and a decoupled RoPE key; "
-                   "chunk KV would have to be stored as the latent and re-rotated only on its rope part",
-    "deepseek_v3": "multi-head latent attention (MLA), as deepseek_v2",
     "gemma4_text": "its global layers have their own head dim (global_head_dim) and KV heads, so a model's K and V "
                    "are not one [L, Hkv, T, D] cache; its last layers reuse earlier layers' KV (num_kv_shared_layers) "
                    "and each layer adds a per-layer input embedding (hidden_size_per_layer_input)",
-    "hunyuan_v1_dense": "its q/k RMSNorm comes after RoPE; the norm's per-dimension weight does not commute with "
-                        "the rotation, so a key stored before RoPE cannot be re-rotated to another position exactly",
 }
 REFUSED["gemma4"] = "the multimodal Gemma 4 wraps gemma4_text, which is refused: " + REFUSED["gemma4_text"]
+_HYBRID = ("its {layers} layers are recurrent: a layer's state after a chunk depends on every token before it, "
+           "so no chunk's KV can be reused there (blend, reuse and focus cannot be served exactly), and full or "
+           "prefix mode needs the layer's recurrent state carried through prefill, decode and the KV tree, which "
+           "the engine does not hold yet")
+for _t, _layers in (("qwen3_5_text", "Gated DeltaNet (linear attention)"), ("qwen3_5", "Gated DeltaNet"),
+                    ("qwen3_5_moe_text", "Gated DeltaNet"), ("qwen3_5_moe", "Gated DeltaNet"),
+                    ("qwen3_next", "Gated DeltaNet"), ("granitemoehybrid", "Mamba-2")):
+    REFUSED[_t] = _HYBRID.format(layers=_layers)
+
+
+@dataclass(frozen=True, slots=True)
+class _MlaDims:
+    """Multi-head latent attention's widths (DeepSeek V2/V3 config names)."""
+
+    nope: int  # qk_nope_head_dim: each head's key part without RoPE (from c_kv)
+    rope: int  # qk_rope_head_dim: the RoPE key, one for all heads
+    rank: int  # kv_lora_rank: c_kv, the compressed KV
+    v: int  # v_head_dim
+    interleaved: bool  # rope_interleave with a halves' table (V3): pairs (0, 1), (2, 3)... laid out as evens, odds
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,8 +182,18 @@ class LayerAttention:
 
     scaling: float  # softmax scale
     window: int | None  # key j is visible to query i iff i - window < j <= i; None = every earlier key
-    softcap: float | None  # scores pass through cap * tanh(score / cap) (Gemma 2)
-    sinks: torch.Tensor | None  # [H] per-head sink logits in the softmax's denominator (gpt-oss)
+    chunk: int | None = None  # chunked attention (Llama 4): key j is visible iff j // chunk == i // chunk
+    softcap: float | None = None  # scores pass through cap * tanh(score / cap) (Gemma 2)
+    sinks: torch.Tensor | None = None  # [H] per-head sink logits in the softmax's denominator (gpt-oss)
+
+    @property
+    def locality(self) -> tuple[int | None, int | None]:
+        """(window, chunk): which earlier keys a query sees; (None, None) = all of them."""
+        return self.window, self.chunk
+
+    @property
+    def is_global(self) -> bool:
+        return self.window is None and self.chunk is None
 
 
 class Adapter:
@@ -152,9 +209,14 @@ class Adapter:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.attention = tuple(self._layer_attention(layer.self_attn, cfg, family) for layer in self.layers)
+        if family.mla:  # one latent head: [RoPE key (rope), c_kv (rank)]
+            self.mla = _MlaDims(cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim,
+                                bool(getattr(cfg, "rope_interleave", False)) and not family.rope_interleaved)
+            self.num_kv_heads, self.head_dim = 1, self.mla.rope + self.mla.rank
         self.layer_types: tuple[str, ...] = tuple(getattr(cfg, "layer_types", None) or
                                                   ["full_attention"] * len(self.layers))
+        self.attention = tuple(self._layer_attention(layer.self_attn, cfg, family, kind)
+                               for layer, kind in zip(self.layers, self.layer_types, strict=True))
         self.rope_kinds = sorted(set(self.layer_types)) if family.rope_per_layer_type else ["*"]
         no_rope = getattr(cfg, "no_rope_layers", None)  # SmolLM3: 1 = uses RoPE, 0 = none
         if family.nope_global and any(a.window for a in self.attention):
@@ -167,10 +229,16 @@ class Adapter:
         self.logit_scale = float(getattr(cfg, "logit_scale", 1.0) or 1.0)
         self.logits_divisor = float(getattr(cfg, "logits_scaling", 1.0) or 1.0)
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
-        self._has_qk_norm = hasattr(attn0, "q_norm")
+        self._has_qk_norm = hasattr(attn0, family.q_norm)
+        # a weighted q/k norm after RoPE: its weights go onto the rotated query (fold_key_norm)
+        self.folds_key_norm = family.qk_norm is QKNorm.AFTER_ROPE and any(
+            hasattr(getattr(layer.self_attn, family.k_norm, None), "weight") for layer in self.layers)
+        # Llama 4: (attn_scale, floor_scale) of the no-RoPE layers' query temperature; None = none
+        self.temperature = (float(cfg.attn_scale), float(cfg.floor_scale)) if (
+            family.temperature_tuning and getattr(cfg, "attn_temperature_tuning", False)) else None
 
     @staticmethod
-    def _layer_attention(attn: Any, cfg: Any, family: Family) -> LayerAttention:
+    def _layer_attention(attn: Any, cfg: Any, family: Family, layer_type: str) -> LayerAttention:
         # per-layer families set the window on the module (EXAONE 4 keeps it on every layer and
         # says is_sliding); the others window every layer by config
         window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(cfg, "sliding_window", None)
@@ -178,24 +246,25 @@ class Adapter:
             window = None
         sinks = getattr(attn, "sinks", None)
         softcap = getattr(attn, "attn_logit_softcapping", None) if family.attn_softcap else None
-        return LayerAttention(float(attn.scaling), int(window) if window else None, softcap or None,
-                              sinks.detach() if sinks is not None else None)
+        chunk = getattr(cfg, "attention_chunk_size", None) if layer_type == "chunked_attention" else None
+        return LayerAttention(float(attn.scaling), int(window) if window else None, int(chunk) if chunk else None,
+                              softcap or None, sinks.detach() if sinks is not None else None)
 
     @property
-    def windows(self) -> frozenset[int | None]:
-        """The distinct sliding windows of the layers (None = global attention)."""
-        return frozenset(a.window for a in self.attention)
+    def localities(self) -> frozenset[tuple[int | None, int | None]]:
+        """The distinct (window, chunk) localities of the layers ((None, None) = global attention)."""
+        return frozenset(a.locality for a in self.attention)
 
     def scoring_layers(self, candidates: range | list[int]) -> list[int]:
         """The layers whose attention may score chunk tokens, among `candidates`.
 
-        A sliding-window layer's question sees only its last `window` keys, so it says
-        nothing about the chunks before them: where the model has global layers, only
-        those score (the candidates' global ones, else the global layer nearest them).
-        A model windowed everywhere scores on its windowed layers, as the model sees.
+        A sliding-window (or chunked) layer's question sees only its last `window` keys (its
+        own attention chunk), so it says nothing about the chunks before them: where the model
+        has global layers, only those score (the candidates' global ones, else the global layer
+        nearest them). A model windowed everywhere scores on its windowed layers, as the model sees.
         """
         cands = list(candidates)
-        glob = [i for i, a in enumerate(self.attention) if a.window is None]
+        glob = [i for i, a in enumerate(self.attention) if a.is_global]
         if not glob or len(glob) == len(self.attention):
             return cands
         inside = [i for i in cands if i in glob]
@@ -220,20 +289,63 @@ class Adapter:
         """Pre-RoPE q [H, S, D], k [Hkv, S, D] and v [Hkv, S, D] of layer i from its input x: [S, hidden]."""
         attn, fam, s = self.layers[i].self_attn, self.family, x.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if fam.mla:
+            return self._mla_qkv(attn, x)
         if fam.fused_qkv:
             q, k, v = attn.qkv_proj(x).split([hq * d, hk * d, hk * d], -1)  # [S, H*D], [S, Hkv*D] x 2
         else:
             q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
         if fam.qk_norm is QKNorm.PROJECTION:
-            q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = getattr(attn, fam.q_norm)(q), getattr(attn, fam.k_norm)(k)
         q, k, v = q.view(s, hq, d), k.view(s, hk, d), v.view(s, hk, d)  # [S, H, D], [S, Hkv, D] x 2
         if fam.qk_norm is QKNorm.HEAD and self._has_qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = getattr(attn, fam.q_norm)(q), getattr(attn, fam.k_norm)(k)
+        elif fam.qk_norm is QKNorm.AFTER_ROPE and hasattr(attn, fam.q_norm):  # weights after RoPE: fold_key_norm
+            q, k = _unit_rms(q, getattr(attn, fam.q_norm)), _unit_rms(k, getattr(attn, fam.k_norm))
         return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+
+    def _mla_qkv(self, attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Latent attention's q [H, S, rope + rank], k and v [1, S, rope + rank] (before RoPE).
+
+        The key is the latent itself: [k_pe; c_kv]. Head h's key would be [W_uk[h] c_kv; k_pe],
+        so q_nope . (W_uk[h] c_kv) = (W_uk[h]^T q_nope) . c_kv: the query carries the
+        up-projection instead (absorbed), and scores are the model's. The value is the same
+        latent; `attn_output` takes its c_kv part through W_uv. The RoPE parts come first
+        (RopeTables rotates the first R dims); an interleaved model's pairs are laid out as
+        evens then odds, which its own rotation does too.
+        """
+        m, s, h = self.mla, x.shape[0], self.num_heads
+        q = attn.q_proj(x) if getattr(attn, "q_proj", None) is not None else \
+            attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+        q_nope, q_pe = q.view(s, h, m.nope + m.rope).split([m.nope, m.rope], -1)  # [S, H, nope], [S, H, rope]
+        c_kv, k_pe = attn.kv_a_proj_with_mqa(x).split([m.rank, m.rope], -1)  # [S, rank], [S, rope]
+        c_kv = attn.kv_a_layernorm(c_kv)
+        w_uk = attn.kv_b_proj.weight.view(h, m.nope + m.v, m.rank)[:, : m.nope]  # [H, nope, rank]
+        q_abs = torch.einsum("shn,hnr->hsr", q_nope, w_uk)  # [H, S, rank]
+        if m.interleaved:
+            q_pe = torch.cat([q_pe[..., 0::2], q_pe[..., 1::2]], -1)
+            k_pe = torch.cat([k_pe[..., 0::2], k_pe[..., 1::2]], -1)
+        q = torch.cat([q_pe.transpose(0, 1), q_abs], -1)  # [H, S, rope + rank]
+        k = torch.cat([k_pe, c_kv], -1)[None]  # [1, S, rope + rank]
+        return q, k, k.clone()
+
+    def fold_key_norm(self, i: int, q: torch.Tensor) -> torch.Tensor:
+        """The rotated query [H, S, D] of a layer whose q/k norms follow RoPE, times both norms'
+        weights: its scores against keys stored without the key norm's weight are the model's."""
+        attn = self.layers[i].self_attn
+        if not hasattr(attn, self.family.k_norm):
+            return q
+        return q * (getattr(attn, self.family.q_norm).weight * getattr(attn, self.family.k_norm).weight)
 
     def attn_output(self, i: int, out: torch.Tensor) -> torch.Tensor:
         """Attention's heads [S, H*D] through the output projection: [S, hidden]."""
-        return self.layers[i].self_attn.o_proj(out)
+        attn = self.layers[i].self_attn
+        if self.family.mla:  # each head's weighted latent [S, H, rank] through its W_uv: [S, H, v]
+            m, s, h = self.mla, out.shape[0], self.num_heads
+            w_uv = attn.kv_b_proj.weight.view(h, m.nope + m.v, m.rank)[:, m.nope:]  # [H, v, rank]
+            lat = out.view(s, h, m.rope + m.rank)[..., m.rope:]  # [S, H, rank]
+            out = torch.einsum("shr,hvr->shv", lat, w_uv).reshape(s, h * m.v)
+        return attn.o_proj(out)
 
     def residual(self, i: int, h: torch.Tensor, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """The layer's output from its input h, attention's input x and attention's output a."""
@@ -250,7 +362,7 @@ class Adapter:
 
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Layer i's MLP or mixture of experts over x: [S, hidden] (the active tokens only)."""
-        y = self.layers[i].mlp(x[None])  # MoE blocks expect [B, S, hidden]
+        y = getattr(self.layers[i], self.family.mlp)(x[None])  # MoE blocks expect [B, S, hidden]
         if isinstance(y, tuple):  # MoE blocks also return their router scores
             y = y[0]
         return y.reshape(x.shape)
@@ -271,9 +383,13 @@ class Adapter:
         emb = self.base.rotary_emb
         cos, sin = [], []
         for kind in self.rope_kinds:
-            c, s = emb(like, positions[None, :], kind) if self.family.rope_per_layer_type else \
-                emb(like, positions[None, :])  # [1, S, R]
-            c, s = c[0].to(like.dtype), s[0].to(like.dtype)  # [S, R] (OLMo 2's come in float32)
+            if self.family.rope_complex:  # [1, S, R/2] complex -> each frequency over its pair
+                f = emb(like, positions[None, :])[0]
+                c, s = f.real.repeat_interleave(2, -1).to(like.dtype), f.imag.repeat_interleave(2, -1).to(like.dtype)
+            else:
+                c, s = emb(like, positions[None, :], kind) if self.family.rope_per_layer_type else \
+                    emb(like, positions[None, :])  # [1, S, R]
+                c, s = c[0].to(like.dtype), s[0].to(like.dtype)  # [S, R] (OLMo 2's come in float32)
             if self.family.rope_table_to_pairs:  # [f0..fR/2, f0..fR/2] -> [f0, f0, f1, f1...]
                 half = c.shape[-1] // 2
                 c, s = c[:, :half].repeat_interleave(2, -1), s[:, :half].repeat_interleave(2, -1)
@@ -281,7 +397,19 @@ class Adapter:
                 c, s = torch.cat([c, c], -1), torch.cat([s, s], -1)
             cos.append(c)
             sin.append(s)
-        return RopeTables(tuple(cos), tuple(sin), self.rope_kind, self.family.rope_interleaved)
+        q_scale = None
+        if self.temperature is not None:  # [S] float32, read on the no-RoPE layers
+            attn_scale, floor_scale = self.temperature
+            q_scale = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+        return RopeTables(tuple(cos), tuple(sin), self.rope_kind, self.family.rope_interleaved, q_scale)
+
+
+def _unit_rms(x: torch.Tensor, norm: Any) -> torch.Tensor:
+    """x [..., D] divided by its RMS as the RMSNorm module `norm` divides (float32, its eps),
+    without the weight. A rotation keeps the RMS, so this commutes with RoPE."""
+    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def family_of(config: Any) -> Family:

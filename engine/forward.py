@@ -43,6 +43,7 @@ class Heads:
     head_dim: int  # D
     scaling: float  # softmax scale, usually D ** -0.5
     sliding_window: int | None  # None = every earlier key is visible
+    attention_chunk: int | None = None  # chunked attention (Llama 4): only keys of the query's own chunk
 
 
 def heads_of(lm: LoadedModel) -> Heads:
@@ -72,14 +73,17 @@ class Span:
     cache: KVCache
     rows: slice  # their rows among the active tokens (of h)
     slots: slice | torch.Tensor  # where they live in the cache (a slice, or [S'] int64 indices)
-    plans: dict[int | None, list[Attend]]  # the attention groups per sliding window (None = global)
+    plans: dict[Locality, list[Attend]]  # the attention groups per layer locality ((None, None) = global)
 
 
-def plan_layers(q_pos: torch.Tensor, n_keys: int, lm: LoadedModel) -> dict[int | None, list[Attend]]:
-    """`plan_attention` for each distinct window among the model's layers."""
+Locality = tuple[int | None, int | None]  # a layer's (sliding window, attention chunk): LayerAttention.locality
+
+
+def plan_layers(q_pos: torch.Tensor, n_keys: int, lm: LoadedModel) -> dict[Locality, list[Attend]]:
+    """`plan_attention` for each distinct locality (window, chunk) among the model's layers."""
     base = heads_of(lm)
-    return {w: plan_attention(q_pos, n_keys, dataclasses.replace(base, sliding_window=w))
-            for w in lm.adapter.windows}
+    return {(w, c): plan_attention(q_pos, n_keys, dataclasses.replace(base, sliding_window=w, attention_chunk=c))
+            for w, c in lm.adapter.localities}
 
 
 def span(cache: KVCache, slots: slice | torch.Tensor, q_pos: torch.Tensor, n_keys: int, lm: LoadedModel,
@@ -95,29 +99,34 @@ def plan_attention(q_pos: torch.Tensor, n_keys: int, heads: Heads) -> list[Atten
     """The attention pattern for sorted queries at positions q_pos over cache keys [0, n_keys).
 
     Key j sits at position j (prompt positions are contiguous), so query i may see key j
-    iff j <= q_pos[i] (and j > q_pos[i] - window under a sliding window). Scattered
-    queries (selective recompute) are split into groups, each reading keys only up to
-    its last query: about half the work of one [S, n_keys] mask.
+    iff j <= q_pos[i] (and j > q_pos[i] - window under a sliding window, j // chunk ==
+    q_pos[i] // chunk under chunked attention). Scattered queries (selective recompute)
+    are split into groups, each reading keys only up to its last query: about half the
+    work of one [S, n_keys] mask.
     """
     s = q_pos.shape[0]
-    window = heads.sliding_window
+    window, chunk = heads.sliding_window, heads.attention_chunk
     windowed = window is not None and n_keys > window
-    if not windowed and s == n_keys and _is_arange(q_pos):
+    chunked = chunk is not None and n_keys > chunk
+    local = windowed or chunked  # some query misses some earlier key
+    if not local and s == n_keys and _is_arange(q_pos):
         return [Attend(slice(0, s), n_keys, True, None)]
-    if not windowed and s == 1 and int(q_pos[0]) == n_keys - 1:
+    if not local and s == 1 and int(q_pos[0]) == n_keys - 1:
         return [Attend(slice(0, 1), n_keys, False, None)]  # one query at the end sees everything
-    n_groups = 1 if windowed else max(1, min(8, s // _GROUP_MIN_QUERIES))
+    n_groups = 1 if local else max(1, min(8, s // _GROUP_MIN_QUERIES))
     bounds = [round(g * s / n_groups) for g in range(n_groups + 1)]
     ends = (q_pos[[b - 1 for b in bounds[1:]]] + 1).tolist()  # keys each group needs
     plans = []
     for g in range(n_groups):
         rows = slice(bounds[g], bounds[g + 1])
-        keys = n_keys if windowed else int(ends[g])
+        keys = n_keys if local else int(ends[g])
         k_pos = torch.arange(keys, device=q_pos.device)  # [keys]
         mask = k_pos[None, :] <= q_pos[rows, None]  # [S_g, keys]
         if windowed:
             mask &= k_pos[None, :] > q_pos[rows, None] - window
-        plans.append(_with_split(Attend(rows, keys, False, mask), q_pos, heads) if not windowed
+        if chunked:
+            mask &= k_pos[None, :] >= torch.div(q_pos[rows, None], chunk, rounding_mode="floor") * chunk
+        plans.append(_with_split(Attend(rows, keys, False, mask), q_pos, heads) if not local
                      else Attend(rows, keys, False, mask))
     return plans
 
@@ -223,14 +232,16 @@ def layer_forward(ad: Adapter, i: int, h: torch.Tensor, rope: RopeTables, spans:
     s = h.shape[0]
     x = ad.attn_input(i, h)
     q, k, v = ad.qkv(i, x)  # [H, S, D], [Hkv, S, D], [Hkv, S, D]
-    q, k_rot = rope.apply(q, i), rope.apply(k, i)
+    q, k_rot = rope.scale_query(rope.apply(q, i), i), rope.apply(k, i)
+    if ad.folds_key_norm:
+        q = ad.fold_key_norm(i, q)
     la = ad.attention[i]
     outs = []
     for sp in spans:
         k_cache, v_cache = sp.cache.k[i], sp.cache.v[i]  # [Hkv, cap, D]
         k_cache[:, sp.slots], v_cache[:, sp.slots] = k_rot[:, sp.rows], v[:, sp.rows]
         q_sp = q[:, sp.rows] if len(spans) > 1 else q
-        plan = sp.plans[la.window]
+        plan = sp.plans[la.locality]
         outs.extend(attention(q_sp[:, a.rows] if len(plan) > 1 else q_sp, k_cache, v_cache, a, ad, la)
                     for a in plan)  # each [H, S_g, D]
         if mass is not None and i in mass:  # the weights that attention applied, with its mask and windows

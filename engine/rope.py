@@ -23,11 +23,19 @@ class RopeTables:
     sin: tuple[torch.Tensor, ...]
     kind: tuple[int, ...]  # per layer: its index into cos/sin; -1 = the layer has no RoPE
     interleaved: bool = False  # rotate pairs (0, 1), (2, 3)... instead of halves
+    q_scale: torch.Tensor | None = None  # [S] float32: queries of no-RoPE layers are scaled (Llama 4)
 
     def __getitem__(self, rows: slice | torch.Tensor) -> RopeTables:
         """The tables at a subset of the positions (rows)."""
         return RopeTables(tuple(c[rows] for c in self.cos), tuple(s[rows] for s in self.sin), self.kind,
-                          self.interleaved)
+                          self.interleaved, None if self.q_scale is None else self.q_scale[rows])
+
+    def scale_query(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        """q: [H, S, D] as `layer` scales queries: by position on a no-RoPE layer when the
+        model tunes their temperature (Llama 4), else unchanged."""
+        if self.q_scale is None or self.kind[layer] >= 0:
+            return q
+        return (q * self.q_scale[:, None]).to(q.dtype)
 
     def apply(self, x: torch.Tensor, layer: int) -> torch.Tensor:
         """x: [..., S, D] rotated as `layer` rotates (a no-RoPE layer returns x itself)."""

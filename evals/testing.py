@@ -78,6 +78,24 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
                                             "moe_layer_end_index": 3, "use_bias": True}),
     "minimax_m2": ("MiniMaxM2Config", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
                                        "rotary_dim": 8}),
+    "llama4_text": ("Llama4TextConfig", {"attention_chunk_size": _WINDOW, "no_rope_layer_interval": 2,
+                                         "floor_scale": 4, "attn_scale": 0.5, "num_local_experts": 4,
+                                         "num_experts_per_tok": 2, "interleave_moe_layer_step": 2,
+                                         "intermediate_size": 32, "intermediate_size_mlp": 64}),
+    "deepseek_v3": ("DeepseekV3Config", {"num_key_value_heads": 4, "head_dim": 8, "q_lora_rank": 24, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+                                         "qk_nope_head_dim": 12, "v_head_dim": 10, "n_routed_experts": 4,
+                                         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+                                         "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
+                                         "routed_scaling_factor": 2.5, "rope_parameters": {
+                                             "rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                             "original_max_position_embeddings": 64, "mscale": 1.0,
+                                             "mscale_all_dim": 1.0}}),
+    "deepseek_v2": ("DeepseekV2Config", {"num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+                                         "qk_nope_head_dim": 12, "v_head_dim": 10, "n_routed_experts": 4,
+                                         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+                                         "first_k_dense_replace": 1}),
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", {"attention_bias": True, "rope_parameters": {
+        "rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 1e4}}),
 }
 
 

@@ -198,12 +198,14 @@ def test_every_mode_serves_every_family(tmp_path_factory, name):
 
 
 @pytest.mark.parametrize("config_cls, reason", [
-    ("HunYuanDenseV1Config", "'hunyuan_v1_dense' is not supported: its q/k RMSNorm comes after RoPE"),
     ("Gemma4TextConfig", "'gemma4_text' is not supported: its global layers have their own head dim"),
+    ("Qwen3NextConfig", "'qwen3_next' is not supported: its Gated DeltaNet layers are recurrent"),
+    ("GraniteMoeHybridConfig", "'granitemoehybrid' is not supported: its Mamba-2 layers are recurrent"),
+    ("Qwen3_5TextConfig", "'qwen3_5_text' is not supported: its Gated DeltaNet"),
 ])
 def test_families_the_layer_function_cannot_express_are_refused_with_the_reason(config_cls, reason):
-    """Hunyuan's q/k norm follows RoPE (a stored pre-RoPE key could not be re-rotated exactly);
-    Gemma 4's layers differ in head dim and share KV (not one [L, Hkv, T, D] cache)."""
+    """Hybrids' recurrent layers hold a state no stored chunk can stand in for; Gemma 4's
+    layers differ in head dim and share KV (not one [L, Hkv, T, D] cache)."""
     import transformers
 
     from ragkv.engine.loading import check_supported
@@ -213,3 +215,76 @@ def test_families_the_layer_function_cannot_express_are_refused_with_the_reason(
                                                head_dim=16, num_hidden_layers=2)
     with pytest.raises(UnsupportedModelError, match=reason):
         check_supported(config)
+
+
+def test_chunked_attention_layers_see_only_their_own_chunk(tmp_path_factory):
+    """Llama 4: RoPE layers attend within chunks of attention_chunk_size (8 here), the no-RoPE
+    layers globally with position-scaled queries; chunks are scored on the global layers."""
+    from ragkv.engine.forward import Heads, plan_attention
+
+    lm = _lm(tmp_path_factory, "llama4_text")
+    assert [a.locality for a in lm.adapter.attention] == [(None, 8), (None, None), (None, 8), (None, None)]
+    assert lm.adapter.scoring_layers(range(4)) == [1, 3]
+    rope = lm.adapter.rotary(torch.arange(20), torch.empty(0))
+    assert [k < 0 for k in rope.kind] == [False, True, False, True]
+    assert rope.q_scale is not None and rope.q_scale[0] == 1.0 and rope.q_scale[19] > 1.0  # floor_scale 4
+    q_pos = torch.arange(20)
+    plan = plan_attention(q_pos, 20, Heads(4, 2, 16, 0.25, None, attention_chunk=8))
+    mask = torch.cat([a.mask for a in plan])
+    i, j = q_pos[:, None], q_pos[None, :]
+    assert torch.equal(mask, (j <= i) & (j // 8 == i // 8))
+    # selective recompute: scattered queries over a longer cache keep to their own chunk
+    sel = torch.tensor([3, 9, 17, 18])
+    (a,) = plan_attention(sel, 19, Heads(4, 2, 16, 0.25, None, attention_chunk=8))
+    assert a.mask[1].nonzero().flatten().tolist() == [8, 9]
+    assert a.mask[2].nonzero().flatten().tolist() == [16, 17]
+
+
+@pytest.mark.parametrize("name", ["hunyuan_v1_dense", "llama4_text", "deepseek_v3", "deepseek_v2"])
+def test_attention_equals_the_models_own_module_away_from_position_zero(tmp_path_factory, name):
+    """The layer-0 attention of the model's own module, at positions 37.., against ours: q/k
+    norms after RoPE (Hunyuan: key stored without the norm's weight, the weights on the query;
+    Llama 4: L2 norm before RoPE) and latent attention with absorbed projections (DeepSeek)."""
+    lm = _lm(tmp_path_factory, name)
+    ad, attn = lm.adapter, lm.adapter.layers[0].self_attn
+    torch.manual_seed(0)
+    x = torch.randn(12, lm.model.config.hidden_size)  # [S, hidden]
+    pos = torch.arange(37, 49)
+    with torch.no_grad():
+        pe = ad.base.rotary_emb(x[None], pos[None])
+        want = attn(hidden_states=x[None], position_embeddings=pe, attention_mask=None)[0][0]  # [S, hidden]
+        q, k, v = ad.qkv(0, x)
+        rope = ad.rotary(pos, x)
+        q, k = rope.scale_query(rope.apply(q, 0), 0), rope.apply(k, 0)
+        if ad.folds_key_norm:
+            q = ad.fold_key_norm(0, q)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q[None], k[None], v[None], is_causal=True, scale=ad.attention[0].scaling,
+            enable_gqa=ad.num_heads != ad.num_kv_heads)[0]  # [H, S, D]
+        got = ad.attn_output(0, out.transpose(0, 1).reshape(12, ad.num_heads * ad.head_dim))
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_latent_attention_stores_the_latent_per_token(tmp_path_factory):
+    """DeepSeek: a chunk's stored KV is one head of [RoPE key; c_kv] (8 + 16 dims here), not
+    the per-head expanded K and V (4 heads x (20 + 10)), and its file holds that latent once."""
+    lm = _lm(tmp_path_factory, "deepseek_v3")
+    cfg = lm.model.config
+    assert (lm.num_kv_heads, lm.head_dim) == (1, cfg.qk_rope_head_dim + cfg.kv_lora_rank)
+    engine = Engine(lm)
+    ids = engine.prompt.chunk_ids(TEXTS[0])
+    kv = engine.prefill(engine.prompt.prefix_ids(), ids)
+    assert tuple(kv.k.shape) == (cfg.num_hidden_layers, 1, len(ids), 24) == tuple(kv.v.shape)
+    expanded = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+    assert lm.head_dim * 5 == expanded  # 24 numbers per layer and token, not 120
+    # the store holds the latent once (V is the same latent), and serves it back as both
+    from ragkv.kvstore import ChunkKey, KVEntry, hash_prefix
+    from ragkv.kvstore.fileformat import decode, encode
+
+    prefix = engine.prompt.prefix_ids()
+    key = ChunkKey.build(lm.fingerprint, lm.tokenizer_fingerprint, prefix, ids)
+    entry = KVEntry.of(kv, key, lm.fingerprint, lm.tokenizer_fingerprint, hash_prefix(prefix))
+    data = encode(entry)
+    assert len(data) < kv.k.nbytes + kv.v.nbytes * 0.1
+    back = decode(bytearray(data), expected_key=key, model_fp=lm.fingerprint, tokenizer_fp=lm.tokenizer_fingerprint)
+    assert back.v is back.k and torch.equal(back.k, kv.v)

@@ -59,11 +59,11 @@ def test_unsupported_architecture_is_refused(tmp_path):
         load_model(str(d))
 
 
-def test_latent_attention_is_refused_by_name_with_what_it_would_take(tmp_path):
-    d = tmp_path / "deepseek"
+def test_a_hybrid_is_refused_by_name_with_the_reason(tmp_path):
+    d = tmp_path / "qwen3-next"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "num_hidden_layers": 2}))
-    with pytest.raises(UnsupportedModelError, match="'deepseek_v3' is not supported: multi-head latent"):
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen3_next", "num_hidden_layers": 2}))
+    with pytest.raises(UnsupportedModelError, match="'qwen3_next' is not supported: its Gated DeltaNet .* recurrent"):
         load_model(str(d))
 
 

@@ -32,7 +32,9 @@ from ragkv.engine.blend import Prompt
 from ragkv.errors import ModelCheckError
 
 if TYPE_CHECKING:
+    from ragkv.engine.blend import BlendResult
     from ragkv.engine.loading import LoadedModel
+    from ragkv.engine.runtime import Engine
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,6 @@ def tolerances(dtype: torch.dtype) -> tuple[float, float]:
 @torch.inference_mode()
 def check_model(lm: LoadedModel, quick: bool = False, decode_tokens: int | None = None) -> list[Check]:
     """Run the gate's checks on a loaded model; `quick` = a shorter prompt and decode (start-up)."""
-    from ragkv.engine.blend import BlendOptions
     from ragkv.engine.decode import SamplingParams
     from ragkv.engine.runtime import Engine
     from ragkv.types import Mode
@@ -88,17 +89,8 @@ def check_model(lm: LoadedModel, quick: bool = False, decode_tokens: int | None 
                         f"max abs diff {diff:.2e} (limit {tol_ref * scale:.1e}), top-1 "
                         f"{'agrees' if same_top else 'differs'}, {len(ids)} tokens"))
 
-    chunks = [engine.prefill(prefix_ids, ids) for ids in chunk_ids]
-    blend = engine.run(Prompt(q_ids, prefix_ids, chunk_ids, chunks), Mode.BLEND, BlendOptions(recompute_ratio=1.0))
-    diff = float((blend.logits - full.logits).abs().max())
-    checks.append(Check("blend at 1.0 vs full", diff <= tol_self * scale, diff,
-                        f"max abs diff {diff:.2e} (limit {tol_self * scale:.1e})"))
-
-    one = engine.run(Prompt(q_ids, prefix_ids, chunk_ids[:1], chunks[:1]), Mode.REUSE)
-    one_full = engine.run(Prompt(q_ids, prefix_ids, chunk_ids[:1], None), Mode.FULL)
-    diff = float((one.logits - one_full.logits).abs().max())
-    checks.append(Check("reused chunk vs full", diff <= tol_self * scale, diff,
-                        f"max abs diff {diff:.2e} (limit {tol_self * scale:.1e})"))
+    if not engine.recurrent:  # a hybrid serves FULL only: no chunk KV to blend or reuse
+        checks += _chunk_checks(engine, prefix_ids, chunk_ids, q_ids, full, tol_self * scale)
 
     stream = engine.decode(full, SamplingParams(max_new_tokens=n_new))
     for _ in stream:
@@ -115,6 +107,27 @@ def check_model(lm: LoadedModel, quick: bool = False, decode_tokens: int | None 
     checks.append(Check("greedy decode vs generate", ours == theirs, agree,
                         f"{agree} of {max(len(ours), len(theirs))} tokens "
                         "agree" + ("" if ours == theirs else f" (ours {ours[:8]}..., theirs {theirs[:8]}...)")))
+    return checks
+
+
+def _chunk_checks(engine: Engine, prefix_ids: list[int], chunk_ids: list[list[int]], q_ids: list[int],
+                  full: BlendResult, limit: float) -> list[Check]:
+    """Blend at 1.0 against full, and a reused chunk against full (the chunk-KV modes)."""
+    from ragkv.engine.blend import BlendOptions
+    from ragkv.types import Mode
+
+    checks = []
+    chunks = [engine.prefill(prefix_ids, ids) for ids in chunk_ids]
+    blend = engine.run(Prompt(q_ids, prefix_ids, chunk_ids, chunks), Mode.BLEND, BlendOptions(recompute_ratio=1.0))
+    diff = float((blend.logits - full.logits).abs().max())
+    checks.append(Check("blend at 1.0 vs full", diff <= limit, diff,
+                        f"max abs diff {diff:.2e} (limit {limit:.1e})"))
+
+    one = engine.run(Prompt(q_ids, prefix_ids, chunk_ids[:1], chunks[:1]), Mode.REUSE)
+    one_full = engine.run(Prompt(q_ids, prefix_ids, chunk_ids[:1], None), Mode.FULL)
+    diff = float((one.logits - one_full.logits).abs().max())
+    checks.append(Check("reused chunk vs full", diff <= limit, diff,
+                        f"max abs diff {diff:.2e} (limit {limit:.1e})"))
     return checks
 
 

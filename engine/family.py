@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ragkv.engine.rope import RopeTables
 from ragkv.errors import UnsupportedModelError
@@ -60,6 +61,11 @@ class Family:
     q_norm: str = "q_norm"  # the attention module's q/k norms, by attribute name
     k_norm: str = "k_norm"
     mlp: str = "mlp"  # the layer's MLP or MoE block, by attribute name (Llama 4: feed_forward)
+    shared_mlp: str | None = None  # an MLP added to `mlp`'s output; a layer without `mlp` runs it alone (Granite 4)
+    # hybrids: the recurrent token mixer some layers have instead of attention, by attribute name
+    # (Gated DeltaNet's linear_attn, Mamba-2's mamba); only FULL mode serves them (docs/models.md)
+    recurrent: str | None = None
+    gated_attention: bool = False  # q_proj also yields a per-head output gate: out * sigmoid(gate) (Qwen3-Next)
     fused_qkv: bool = False  # one `qkv_proj` (Phi-3)
     rope_interleaved: bool = False  # RoPE rotates pairs (0, 1), (2, 3)... (Cohere)
     rope_per_layer_type: bool = False  # the rotary module takes the layer type (Gemma 3)
@@ -82,6 +88,10 @@ class Family:
 _SANDWICH = dict(attn_out="post_attention_layernorm", mlp_in="pre_feedforward_layernorm",
                  mlp_out="post_feedforward_layernorm")
 _POST_NORM = dict(attn_in=None, attn_out="post_attention_layernorm", mlp_in=None, mlp_out="post_feedforward_layernorm")
+
+_HYBRID_NOTES = ("hybrid: {mixer} layers, the model's own module with its conv and recurrent state per request, "
+                 "full attention {every} layer (gated output, per-head q/k norm, partial rotary); FULL mode only, "
+                 "no KV tree")
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", notes="pre-norm; Llama 3 rope scaling through the model's rotary module"),
@@ -130,6 +140,17 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            notes="chunked local attention (attention_chunk_size) on its RoPE layers, global no-RoPE layers with "
            "position-scaled queries; L2 q/k norm after RoPE (it commutes with the rotation); interleaved RoPE "
            "from complex frequencies; MoE with a shared expert and sigmoid routing on its moe_layers"),
+    Family("qwen3_next", recurrent="linear_attn", gated_attention=True, qk_norm=QKNorm.HEAD,
+           notes=_HYBRID_NOTES.format(mixer="Gated DeltaNet (linear attention)", every="every 4th")),
+    Family("qwen3_5_text", recurrent="linear_attn", gated_attention=True, qk_norm=QKNorm.HEAD,
+           notes=_HYBRID_NOTES.format(mixer="Gated DeltaNet (linear attention)", every="every 4th")
+           + "; multimodal RoPE, text positions"),
+    Family("qwen3_5_moe_text", recurrent="linear_attn", gated_attention=True, qk_norm=QKNorm.HEAD,
+           notes=_HYBRID_NOTES.format(mixer="Gated DeltaNet (linear attention)", every="every 4th")
+           + "; multimodal RoPE, text positions"),
+    Family("granitemoehybrid", recurrent="mamba", mlp="block_sparse_moe", shared_mlp="shared_mlp",
+           notes=_HYBRID_NOTES.format(mixer="Mamba-2", every="a few") + "; Granite's multipliers; "
+           "attention without RoPE unless the config names it; MoE plus a shared MLP"),
     Family("hunyuan_v1_dense", qk_norm=QKNorm.AFTER_ROPE, q_norm="query_layernorm", k_norm="key_layernorm",
            notes="per-head q/k RMSNorm after RoPE: keys stored normalized without the norm's weight (exact "
            "re-rotation), both weights folded into the rotated query; NTK-alpha rope scaling"),
@@ -155,14 +176,10 @@ REFUSED: dict[str, str] = {
                    "and each layer adds a per-layer input embedding (hidden_size_per_layer_input)",
 }
 REFUSED["gemma4"] = "the multimodal Gemma 4 wraps gemma4_text, which is refused: " + REFUSED["gemma4_text"]
-_HYBRID = ("its {layers} layers are recurrent: a layer's state after a chunk depends on every token before it, "
-           "so no chunk's KV can be reused there (blend, reuse and focus cannot be served exactly), and full or "
-           "prefix mode needs the layer's recurrent state carried through prefill, decode and the KV tree, which "
-           "the engine does not hold yet")
-for _t, _layers in (("qwen3_5_text", "Gated DeltaNet (linear attention)"), ("qwen3_5", "Gated DeltaNet"),
-                    ("qwen3_5_moe_text", "Gated DeltaNet"), ("qwen3_5_moe", "Gated DeltaNet"),
-                    ("qwen3_next", "Gated DeltaNet"), ("granitemoehybrid", "Mamba-2")):
-    REFUSED[_t] = _HYBRID.format(layers=_layers)
+for _vl in ("qwen3_5", "qwen3_5_moe"):
+    REFUSED[_vl] = (f"the multimodal {_vl} wraps a vision model around its language model; serve the language "
+                    f"model alone (model_type {_vl}_text)")
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +222,11 @@ class Adapter:
         cfg = model.config
         self.base = model.model  # the decoder stack: embed_tokens, layers, norm
         self.layers = list(self.base.layers)
-        attn0 = self.layers[0].self_attn
+        # hybrids: the layers whose token mixer is recurrent (no attention, no KV)
+        self.recurrent_layers = frozenset(
+            i for i, layer in enumerate(self.layers)
+            if family.recurrent and getattr(layer, family.recurrent, None) is not None)
+        attn0 = next(layer.self_attn for i, layer in enumerate(self.layers) if i not in self.recurrent_layers)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -215,12 +236,16 @@ class Adapter:
             self.num_kv_heads, self.head_dim = 1, self.mla.rope + self.mla.rank
         self.layer_types: tuple[str, ...] = tuple(getattr(cfg, "layer_types", None) or
                                                   ["full_attention"] * len(self.layers))
-        self.attention = tuple(self._layer_attention(layer.self_attn, cfg, family, kind)
-                               for layer, kind in zip(self.layers, self.layer_types, strict=True))
+        self.attention = tuple(
+            LayerAttention(1.0, None) if i in self.recurrent_layers else  # never read: no attention there
+            self._layer_attention(layer.self_attn, cfg, family, kind)
+            for i, (layer, kind) in enumerate(zip(self.layers, self.layer_types, strict=True)))
         self.rope_kinds = sorted(set(self.layer_types)) if family.rope_per_layer_type else ["*"]
         no_rope = getattr(cfg, "no_rope_layers", None)  # SmolLM3: 1 = uses RoPE, 0 = none
         if family.nope_global and any(a.window for a in self.attention):
             no_rope = [a.window is not None for a in self.attention]
+        if getattr(self.base, "rotary_emb", True) is None:  # Granite 4 without position_embedding_type "rope"
+            no_rope = [0] * len(self.layers)
         self.rope_kind = tuple(-1 if no_rope is not None and not no_rope[i] else
                                (self.rope_kinds.index(self.layer_types[i]) if family.rope_per_layer_type else 0)
                                for i in range(len(self.layers)))
@@ -232,7 +257,9 @@ class Adapter:
         self._has_qk_norm = hasattr(attn0, family.q_norm)
         # a weighted q/k norm after RoPE: its weights go onto the rotated query (fold_key_norm)
         self.folds_key_norm = family.qk_norm is QKNorm.AFTER_ROPE and any(
-            hasattr(getattr(layer.self_attn, family.k_norm, None), "weight") for layer in self.layers)
+            hasattr(getattr(getattr(layer, "self_attn", None), family.k_norm, None), "weight")
+            for layer in self.layers)
+        self._gate_split: dict[int, tuple[torch.Tensor, ...]] = {}  # gated attention: layer -> q and gate weights
         # Llama 4: (attn_scale, floor_scale) of the no-RoPE layers' query temperature; None = none
         self.temperature = (float(cfg.attn_scale), float(cfg.floor_scale)) if (
             family.temperature_tuning and getattr(cfg, "attn_temperature_tuning", False)) else None
@@ -293,6 +320,9 @@ class Adapter:
             return self._mla_qkv(attn, x)
         if fam.fused_qkv:
             q, k, v = attn.qkv_proj(x).split([hq * d, hk * d, hk * d], -1)  # [S, H*D], [S, Hkv*D] x 2
+        elif fam.gated_attention:
+            w_q, b_q, _, _ = self._gates(i)
+            q, k, v = F.linear(x, w_q, b_q), attn.k_proj(x), attn.v_proj(x)  # [S, H*D], [S, Hkv*D] x 2
         else:
             q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
         if fam.qk_norm is QKNorm.PROJECTION:
@@ -337,9 +367,24 @@ class Adapter:
             return q
         return q * (getattr(attn, self.family.q_norm).weight * getattr(attn, self.family.k_norm).weight)
 
-    def attn_output(self, i: int, out: torch.Tensor) -> torch.Tensor:
-        """Attention's heads [S, H*D] through the output projection: [S, hidden]."""
+    def _gates(self, i: int) -> tuple[torch.Tensor, ...]:
+        """Gated attention's q_proj split once into its query and gate halves: (w_q, b_q, w_g, b_g),
+        each head's [query; gate] rows apart (the model chunks its output per head)."""
+        if i not in self._gate_split:
+            proj, h, d = self.layers[i].self_attn.q_proj, self.num_heads, self.head_dim
+            w = proj.weight.view(h, 2, d, -1)  # [H, 2, D, hidden]
+            b = proj.bias.view(h, 2, d) if proj.bias is not None else None
+            self._gate_split[i] = (w[:, 0].reshape(h * d, -1), None if b is None else b[:, 0].reshape(-1),
+                                   w[:, 1].reshape(h * d, -1), None if b is None else b[:, 1].reshape(-1))
+        return self._gate_split[i]
+
+    def attn_output(self, i: int, out: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention's heads [S, H*D] through the output projection: [S, hidden]. `x` [S, hidden],
+        attention's input, is read by gated attention (its output gate)."""
         attn = self.layers[i].self_attn
+        if self.family.gated_attention:
+            _, _, w_g, b_g = self._gates(i)
+            out = out * torch.sigmoid(F.linear(x, w_g, b_g))
         if self.family.mla:  # each head's weighted latent [S, H, rank] through its W_uv: [S, H, v]
             m, s, h = self.mla, out.shape[0], self.num_heads
             w_uv = attn.kv_b_proj.weight.view(h, m.nope + m.v, m.rank)[:, m.nope:]  # [H, v, rank]
@@ -362,10 +407,28 @@ class Adapter:
 
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Layer i's MLP or mixture of experts over x: [S, hidden] (the active tokens only)."""
-        y = getattr(self.layers[i], self.family.mlp)(x[None])  # MoE blocks expect [B, S, hidden]
+        layer, fam = self.layers[i], self.family
+        block = getattr(layer, fam.mlp, None)
+        y = block(x[None]) if block is not None else None  # MoE blocks expect [B, S, hidden]
         if isinstance(y, tuple):  # MoE blocks also return their router scores
             y = y[0]
+        if fam.shared_mlp:
+            shared = getattr(layer, fam.shared_mlp)(x[None])
+            y = shared if y is None else y + shared
         return y.reshape(x.shape)
+
+    def recurrent(self, i: int, x: torch.Tensor, state: Any) -> torch.Tensor:
+        """Layer i's recurrent token mixer (the model's own module) over one request's next
+        tokens x: [S, hidden] -> [S, hidden], carrying its conv and recurrent state in `state`
+        (`new_recurrent_state`), which it updates."""
+        return getattr(self.layers[i], self.family.recurrent)(hidden_states=x[None], cache=state)[0]
+
+    def new_recurrent_state(self) -> Any:
+        """An empty state for one request's recurrent layers: transformers' own cache for the
+        model, of which those layers read and write their conv and recurrent states."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[S, hidden] -> [S, V] float32 next-token logits."""
@@ -381,6 +444,8 @@ class Adapter:
     def rotary(self, positions: torch.Tensor, like: torch.Tensor) -> RopeTables:
         """Rotary tables at positions [S] for every layer."""
         emb = self.base.rotary_emb
+        if emb is None:  # no layer rotates (Granite 4 without RoPE)
+            return RopeTables((), (), self.rope_kind, self.family.rope_interleaved)
         cos, sin = [], []
         for kind in self.rope_kinds:
             if self.family.rope_complex:  # [1, S, R/2] complex -> each frequency over its pair

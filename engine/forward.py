@@ -195,7 +195,8 @@ def layer_steps(lm: LoadedModel, h: torch.Tensor, rope: RopeTables, spans: Seque
             if (w := wait_for(staged.pending(i))) is not None:  # a chunk's layer i is still arriving: park
                 yield w
             staged.fill(i)
-        if i == last and keep is not Keep.ALL and (keep is Keep.NONE or h.shape[0] > 1):
+        if i == last and keep is not Keep.ALL and (keep is Keep.NONE or h.shape[0] > 1) \
+                and i not in ad.recurrent_layers:  # a recurrent layer's state needs every row
             k, v = project_kv(ad, i, h)  # [Hkv, S, D]: only the kept rows' output is ever read
             k_rot = rope.apply(k, i)
             for sp in spans:
@@ -231,6 +232,8 @@ def layer_forward(ad: Adapter, i: int, h: torch.Tensor, rope: RopeTables, spans:
     """
     s = h.shape[0]
     x = ad.attn_input(i, h)
+    if i in ad.recurrent_layers:  # a hybrid's recurrent layer: each request's state carries its past
+        return _recurrent_forward(ad, i, h, x, spans)
     q, k, v = ad.qkv(i, x)  # [H, S, D], [Hkv, S, D], [Hkv, S, D]
     q, k_rot = rope.scale_query(rope.apply(q, i), i), rope.apply(k, i)
     if ad.folds_key_norm:
@@ -249,8 +252,23 @@ def layer_forward(ad: Adapter, i: int, h: torch.Tensor, rope: RopeTables, spans:
                 mass[i][:a.n_keys] += attention_weights(q_sp[:, a.rows] if len(plan) > 1 else q_sp, k_cache, a,
                                                         ad, la).sum((0, 1))  # [n_keys]
     out = torch.cat(outs, 1) if len(outs) > 1 else outs[0]  # [H, S, D]
-    a_out = ad.attn_output(i, out.transpose(0, 1).reshape(s, ad.num_heads * ad.head_dim))  # [S, hidden]
+    a_out = ad.attn_output(i, out.transpose(0, 1).reshape(s, ad.num_heads * ad.head_dim), x)  # [S, hidden]
     return ad.residual(i, h, x, a_out), k, v
+
+
+def _recurrent_forward(ad: Adapter, i: int, h: torch.Tensor, x: torch.Tensor, spans: Sequence[Span],
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Layer i of a hybrid, recurrent (Gated DeltaNet, Mamba-2): each span's tokens, in order,
+    through the model's own module with that request's state. No K/V: zeros are returned for
+    the caller's bookkeeping and the cache's slots at this layer are never attended to."""
+    outs = []
+    for sp in spans:
+        if sp.cache.recurrent is None:
+            sp.cache.recurrent = ad.new_recurrent_state()
+        outs.append(ad.recurrent(i, x[sp.rows] if len(spans) > 1 else x, sp.cache.recurrent))  # [S_sp, hidden]
+    a_out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [S, hidden]
+    kv = h.new_zeros(ad.num_kv_heads, h.shape[0], ad.head_dim)  # [Hkv, S, D]
+    return ad.residual(i, h, x, a_out), kv, kv
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: Attend, heads: Heads | Adapter,

@@ -130,6 +130,9 @@ class KVCache:
         self.v = torch.empty_like(self.k)  # [L, Hkv, cap, D]
         self.length = 0  # tokens [0, length) hold valid K/V
         self._staged: _Staged | None = None  # segments whose layers fill as the pass reaches them
+        # a hybrid's recurrent layers: their conv and recurrent state after tokens [0, length)
+        # (`Adapter.new_recurrent_state`, made at the first pass); their K/V slots stay unused
+        self.recurrent: object | None = None
 
     def write_segments(self, segments: Sequence[ChunkKV], rope: RopeTables) -> int:
         """Write stored segments back to back from slot 0, rotating each K to its final positions.

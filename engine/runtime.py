@@ -31,6 +31,7 @@ from ragkv.engine.request import Request, Work
 from ragkv.engine.speed import EngineSpeed
 from ragkv.engine.tree import KVTree, TreeContext, TreeKey, TreeLease
 from ragkv.engine.work import WaitFor, drain
+from ragkv.errors import UnsupportedModelError
 
 _PREFIX_MEMO_SIZE = 8  # distinct prefixes kept computed
 _CHUNK_KV_MODES = frozenset({Mode.REUSE, Mode.BLEND, Mode.FOCUS})
@@ -62,12 +63,35 @@ class Engine:
 
     def __init__(self, lm: LoadedModel, system_prompt: str = DEFAULT_SYSTEM_PROMPT, tree_bytes: int = 0) -> None:
         self.lm = lm
-        self.tree = KVTree(tree_bytes)  # served prompts' KV, so a conversation's next call computes only what is new
+        self.tree = KVTree(0)
+        self.use_tree(tree_bytes)
         self.speed = EngineSpeed()  # its measured rates: chunk prefill, prompt work (engine.speed)
         self.prompt = PromptFormat.for_tokenizer(lm.tokenizer, system_prompt)
         self._prefixes: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()
         vocab = lm.model.get_output_embeddings().weight.shape[0]  # V, the logits' width
         self.grammars = ConstraintCompiler(lm.tokenizer, vocab, lm.eos_token_ids)  # constrained decoding
+
+    def use_tree(self, budget_bytes: int) -> None:
+        """A fresh KV tree of `budget_bytes` (served prompts' KV, so a conversation's next call
+        computes only what is new); none for a hybrid, whose recurrent state its nodes do not hold."""
+        self.tree = KVTree(0 if self.recurrent else budget_bytes)
+
+    @property
+    def recurrent(self) -> bool:
+        """The model is a hybrid: some layers are recurrent, so only FULL mode serves it."""
+        return bool(self.lm.adapter.recurrent_layers)
+
+    def modes(self) -> frozenset[Mode]:
+        """The modes this model can be served in."""
+        return frozenset({Mode.FULL}) if self.recurrent else frozenset(Mode)
+
+    def _check_mode(self, mode: Mode) -> None:
+        if mode not in self.modes():
+            fam = self.lm.adapter.family
+            raise UnsupportedModelError(
+                f"mode {Mode(mode).value!r} cannot serve {fam.model_type}: its {fam.recurrent} layers are recurrent, "
+                "so a layer's state after a chunk depends on every token before it and no stored chunk KV (or "
+                "prefix KV) can stand in for it; use mode 'full'")
 
     def work(self, request: Request) -> Work:
         """A prepared request's work, for the scheduler to run step by step (`engine.answer`):
@@ -76,6 +100,7 @@ class Engine:
 
     def prefix_kv(self, prefix_ids: Sequence[int]) -> ChunkKV:
         """The prefix's own KV (positions 0..P-1), computed once and reused."""
+        self._check_mode(Mode.PREFIX)
         key = tuple(int(i) for i in prefix_ids)
         if key in self._prefixes:
             self._prefixes.move_to_end(key)
@@ -91,6 +116,7 @@ class Engine:
         """A chunk's KV computed after the shared prefix (and its context: neighbour-conditioned
         KV, `engine.prefill.prefill_steps`), one decoder layer per step: K before RoPE, V,
         both [L, Hkv, T, D]."""
+        self._check_mode(Mode.REUSE)
         prefix = self.prefix_kv(prefix_ids) if len(prefix_ids) else None
         return (yield from prefill_steps(self.lm, prefix, chunk_ids, context_ids, context_kv))
 
@@ -203,6 +229,7 @@ class Engine:
             was read from a cache (the prefix, and the used chunks that were not fresh).
         """
         mode, opts = Mode(mode), options or BlendOptions()
+        self._check_mode(mode)
         prefix_ids, chunk_ids, chunks, question_ids = prompt.prefix_ids, prompt.chunk_ids, prompt.chunks, \
             prompt.question_ids
         if resume is not None:

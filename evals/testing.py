@@ -26,6 +26,14 @@ _ARCH = {
 _WINDOW = 8  # tiny sliding windows, so that the tests' prompts (40+ tokens) cross them
 _LOCAL_GLOBAL = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 
+# hybrids: recurrent (linear attention) layers between full-attention ones
+_HYBRID = {"layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+           "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+           "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4}
+
+# the FAMILY_CONFIGS of hybrids, which serve FULL only (tests of chunk KV run on the others)
+HYBRIDS = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "granitemoehybrid"})
+
 # One tiny config per served family (engine.family.FAMILIES), each with the features its
 # adapter handles switched on: windows, q/k norms, MoE, multipliers, soft-capping, sinks.
 FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
@@ -94,6 +102,17 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
                                          "qk_nope_head_dim": 12, "v_head_dim": 10, "n_routed_experts": 4,
                                          "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
                                          "first_k_dense_replace": 1}),
+    "qwen3_next": ("Qwen3NextConfig", {**_HYBRID, "num_experts": 4, "num_experts_per_tok": 2,
+                                       "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+                                       "mlp_only_layers": [2]}),
+    "qwen3_5_text": ("Qwen3_5TextConfig", _HYBRID),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", {**_HYBRID, "num_experts": 4, "num_experts_per_tok": 2,
+                                                  "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", {
+        "layer_types": _HYBRID["layer_types"], "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16,
+        "mamba_n_groups": 1, "mamba_chunk_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "shared_intermediate_size": 64, "embedding_multiplier": 4.0, "logits_scaling": 2.0,
+        "residual_multiplier": 0.5, "attention_multiplier": 0.125}),
     "hunyuan_v1_dense": ("HunYuanDenseV1Config", {"attention_bias": True, "rope_parameters": {
         "rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 1e4}}),
 }

@@ -172,6 +172,11 @@ def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Any
     from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT
 
     lm = lm or load_model(config.model, device=config.device, dtype=config.dtype)
+    if config.precompute_kv and lm.adapter.recurrent_layers:
+        log.info("%s is a hybrid (recurrent %s layers): no chunk KV can be reused on it, so none is "
+                 "precomputed; the index holds chunks and vectors, and queries are served in full mode",
+                 lm.adapter.family.model_type, lm.adapter.family.recurrent)
+        config = replace(config, precompute_kv=False)
     if config.precompute_kv:  # stored KV must be the model's own: refuse a model ragkv computes wrongly
         from ragkv.engine.check import gate_model
 

@@ -241,6 +241,23 @@ def _keys_of(pending: PendingRequest | None) -> RouteKeys:
 # -- the ingress ----------------------------------------------------------------------------
 
 
+def _served_modes(model_spec: str | None) -> frozenset[Mode]:
+    """The modes the replicas' model serves, known at the ingress without loading it: a
+    hybrid's (recurrent layers) is FULL only, read from an HF model directory's config.json."""
+    import json
+    from pathlib import Path
+
+    from ragkv.engine.family import FAMILIES
+
+    config = Path(model_spec).expanduser() / "config.json" if model_spec else None
+    if config is not None and config.is_file():
+        family = FAMILIES.get(json.loads(config.read_text()).get("model_type"))
+        if family is not None and family.recurrent:
+            return frozenset({Mode.FULL})
+    return frozenset(Mode)
+
+
+
 class IngressBackend:
     """The ingress's side of `QueryBackend`: the indexes for search, the replicas for the rest."""
 
@@ -256,10 +273,12 @@ class IngressBackend:
         self._neighbours = {n: NeighbourOptions.from_dict(r.manifest.neighbours) for n, r in self._retrievers.items()}
         self._focus_handover = settings.focus_handover
         self._engines = engines
+        first = next(iter(self._retrievers.values()), None)
+        self._modes = _served_modes(settings.model or (first.manifest.model_spec if first else None))
 
     @property
     def modes(self) -> frozenset[Mode]:
-        return frozenset(Mode)
+        return self._modes
 
     def _retriever(self, name: str) -> Any:
         try:

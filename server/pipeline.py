@@ -30,7 +30,6 @@ from ragkv.engine.constrain import GrammarError
 from ragkv.engine.detokenize import Detokenizer
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT
 from ragkv.engine.request import ChunkComputed, LoadedKV, PromptChunk, Request, Work
-from ragkv.engine.tree import KVTree
 from ragkv.server.loading import ControllerConfig, LoadingController
 from ragkv.indexer.neighbours import NeighbourOptions
 from ragkv.kvstore import (ChunkKey, Compression, KVEntry, PrefetchHandle, PrefixHash, StoreConfig, TieredStore,
@@ -205,7 +204,7 @@ class Pipeline:
         """Assemble from an engine and opened retrievers (tests share one loaded engine: each
         pipeline gives it a KV tree of its settings' budget)."""
         lm = engine.lm
-        engine.tree = KVTree(settings.kv_tree_bytes)
+        engine.use_tree(settings.kv_tree_bytes)
         collections = {}
         for name, (index_dir, retriever) in retrievers.items():
             manifest = retriever.manifest
@@ -224,7 +223,7 @@ class Pipeline:
                                            NeighbourOptions.from_dict(manifest.neighbours))
         controller = LoadingController(ControllerConfig(enabled=settings.kv_controller), engine.speed)
         first = next(iter(collections.values()), None)
-        if first is not None:  # seed the prefill rate: a chunk of ~100 tokens after the prefix
+        if first is not None and not engine.recurrent:  # seed the prefill rate: ~100 tokens after the prefix
             ids = engine.prompt.chunk_ids(" ".join([_SEED_TEXT] * 4))
             engine.prefill(list(first.prefix_ids), ids)  # warm-up: the first call allocates
             t0 = time.perf_counter()
@@ -234,7 +233,7 @@ class Pipeline:
 
     @property
     def modes(self) -> frozenset[Mode]:
-        return frozenset(Mode)
+        return self.engine.modes()
 
     def _collection(self, name: str) -> Collection:
         try:

@@ -178,6 +178,8 @@ def validate_query(
     _snippet(options.snippet_chars, limits)
     search_mode, filters = _search(options, limits)
     mode = options.mode or limits.default_mode
+    if options.mode is None and mode not in modes and Mode.FULL in modes:
+        mode = Mode.FULL  # the model serves fewer modes than the default (a hybrid: FULL only)
     if mode not in modes:
         allowed = ", ".join(sorted(m.value for m in modes))
         raise InvalidArgumentError("mode", f"{mode.value!r} is not served here (allowed: {allowed})")

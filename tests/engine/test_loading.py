@@ -59,11 +59,11 @@ def test_unsupported_architecture_is_refused(tmp_path):
         load_model(str(d))
 
 
-def test_a_hybrid_is_refused_by_name_with_the_reason(tmp_path):
-    d = tmp_path / "qwen3-next"
+def test_a_multimodal_wrapper_is_refused_by_name_with_what_to_serve_instead(tmp_path):
+    d = tmp_path / "qwen3.5"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"model_type": "qwen3_next", "num_hidden_layers": 2}))
-    with pytest.raises(UnsupportedModelError, match="'qwen3_next' is not supported: its Gated DeltaNet .* recurrent"):
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "num_hidden_layers": 2}))
+    with pytest.raises(UnsupportedModelError, match="'qwen3_5' is not supported: .*model_type qwen3_5_text"):
         load_model(str(d))
 
 

@@ -11,7 +11,7 @@ from ragkv.types import Mode
 from ragkv.engine import BlendOptions, Engine, FocusOptions, Prompt, SamplingParams, load_model
 from ragkv.engine.kv import KVCache
 from ragkv.engine.tree import KVTree, TreeContext, TreeKey
-from ragkv.evals.testing import FAMILY_CONFIGS, tiny_model_dir
+from ragkv.evals.testing import FAMILY_CONFIGS, HYBRIDS, tiny_model_dir
 
 CHUNKS = [
     "Paris is the capital of France. The secret number is 4721.",
@@ -135,9 +135,10 @@ def test_a_conversations_next_call_reuses_the_tree_and_equals_computing_it(engin
     _next_call_equals_computing_it(engine, mode, selector, ratio)
 
 
-@pytest.mark.parametrize("name", sorted(FAMILY_CONFIGS))
+@pytest.mark.parametrize("name", [n for n in sorted(FAMILY_CONFIGS) if n not in HYBRIDS])
 def test_the_tree_is_exact_for_every_family(tmp_path_factory, name):
-    """Every served family, its features on (tests/engine/test_families.py's configs), blend 0.2."""
+    """Every served family, its features on (tests/engine/test_families.py's configs), blend 0.2.
+    Not hybrids: their tree is off (tests/engine/test_families.py)."""
     d = tiny_model_dir(tmp_path_factory.mktemp(f"tree-{name}"), name, family=True, initializer_range=0.2, seed=5)
     eng = Engine(load_model(str(d), device="cpu", dtype="float32"), tree_bytes=64 << 20)
     _next_call_equals_computing_it(eng, Mode.BLEND, "query", 0.2)

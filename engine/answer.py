@@ -32,7 +32,7 @@ from ragkv.engine.kv import ChunkKV
 from ragkv.engine.request import (Answered, ChunkComputed, ChunksReady, Decode, LoadedKV, PromptChunk, Request,
                                   Work)
 from ragkv.engine.speed import EngineSpeed
-from ragkv.engine.tree import TreeKey, TreeLease
+from ragkv.engine.tree import RecurrentSnapshot, TreeKey, TreeLease
 from ragkv.engine.work import WaitFor, wait_for
 from ragkv.errors import KVFormatError, RagKVError, StoreError
 from ragkv.types import FinishReason, KVSource, Mode, Tier
@@ -56,8 +56,10 @@ class PromptEngine(Protocol):
     def decode(self, prompt: BlendResult, params: SamplingParams | None = None,
                constraint: Constraint | None = None) -> DecodeStream: ...
 
+    def snapshot(self, res: BlendResult) -> RecurrentSnapshot | None: ...
+
     def remember(self, key: TreeKey, mode: Mode, res: BlendResult, question_tokens: int, prefix_tokens: int,
-                 answer_ids: Sequence[int] = ()) -> int: ...
+                 answer_ids: Sequence[int] = (), snapshot: RecurrentSnapshot | None = None) -> int: ...
 
 
 def answer_steps(engine: PromptEngine, req: Request) -> Work:
@@ -87,7 +89,7 @@ def _answer(engine: PromptEngine, req: Request) -> Work:
     res = None
     while res is None:  # each retry computes at least one chunk anew, so this ends
         try:
-            prompt = Prompt(req.question_ids, req.prefix_ids, chunk_ids, kvs, req.select_ids)
+            prompt = Prompt(req.question_ids, req.prefix_ids, chunk_ids, kvs, req.select_ids, req.snapshot_at)
             res = yield from engine.run_steps(prompt, req.mode, req.options, req.sampling.max_new_tokens, req.lease)
         except (KVFormatError, StoreError) as exc:  # a layered read failed mid-prompt
             # a chunk whose read fails later (during the retry) fails that pass in turn
@@ -95,12 +97,14 @@ def _answer(engine: PromptEngine, req: Request) -> Work:
     phases["prompt"] = time.perf_counter() - t0
     phases.update({f"prompt.{k}": v for k, v in res.timings.items()})
 
+    snapshot = engine.snapshot(res) if req.tree_key is not None else None  # a hybrid's state, before decode
     stream = engine.decode(res, req.sampling, req.constraint)
     t0 = time.perf_counter()
     yield Decode(stream)  # decoded batched with the others; back here when it ends
     phases["decode"] = time.perf_counter() - t0
     if req.tree_key is not None and not req.cancel.is_set():  # the conversation's next call starts here
-        engine.remember(req.tree_key, req.mode, res, len(req.question_ids), len(req.prefix_ids), stream.token_ids)
+        engine.remember(req.tree_key, req.mode, res, len(req.question_ids), len(req.prefix_ids), stream.token_ids,
+                        snapshot)
 
     used = res.used_chunks if res.used_chunks is not None else range(len(req.retrieved))
     return Answered(

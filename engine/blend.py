@@ -147,6 +147,9 @@ class Prompt:
     # the tokens that choose chunk tokens (query selector, the quality guard) and chunks (focus),
     # in place of the question: a conversation's later calls choose by its question; None = question_ids
     select_ids: Sequence[int] | None = None
+    # a hybrid with a KV tree: also keep its recurrent state after this many prompt tokens
+    # (where the answer's header starts: the next call's prompt shares the tokens before it)
+    snapshot_at: int | None = None
 
     @classmethod
     def of(cls, prefix_ids: Sequence[int], chunks: Sequence[ChunkKV], question_ids: Sequence[int],
@@ -164,6 +167,7 @@ def prompt_steps(
     options: BlendOptions = BlendOptions(),
     reserve_tokens: int = 256,
     select_ids: Sequence[int] | torch.Tensor | None = None,
+    snapshot_at: int | None = None,
 ) -> PromptSteps:
     """Run a prompt in `mode`, one decoder layer per step. For FULL, `prefix` and `chunks`
     give only their token ids.
@@ -182,6 +186,7 @@ def prompt_steps(
             quality guard) and the chunks (focus), in place of `question_ids`: a conversation's
             later calls choose by its question, so their chunk KV is the first call's (the KV
             tree reuses it exactly); None = `question_ids`.
+        snapshot_at: a hybrid's prompt position whose recurrent state is kept too (`KVCache.mark`).
     """
     mode = Mode(mode)
     if mode is Mode.FOCUS:
@@ -191,6 +196,7 @@ def prompt_steps(
         a = _assemble(lm, prefix, chunks, question_ids, mode, options, reserve_tokens)
         return (yield from _query_blend_steps(lm, a, prefix, chunks, options, reserve_tokens, select_ids))
     a = _assemble(lm, prefix, chunks, question_ids, mode, options, reserve_tokens)
+    a.cache.mark = snapshot_at
     if mode is Mode.BLEND:  # deviation: every token through the check layer, then the picked ones
         check = min(options.check_layer, lm.num_layers - 1)
         return (yield from _layers(lm, a, chunks, options, first_active=0, check=check))
@@ -321,7 +327,8 @@ def _layers(lm: LoadedModel, a: _Assembled, chunks: Sequence[ChunkKV], options: 
 
 
 def resume_steps(lm: LoadedModel, lease: TreeLease, ids: Sequence[int], mode: Mode,
-                 layout: TreeContext | None = None, reserve_tokens: int = 256) -> PromptSteps:
+                 layout: TreeContext | None = None, reserve_tokens: int = 256,
+                 snapshot_at: int | None = None) -> PromptSteps:
     """Run a prompt whose first tokens' KV the KV tree holds: only the rest is computed.
 
     The cache takes the lease's KV (the context, blended as its first request's pass left
@@ -333,6 +340,7 @@ def resume_steps(lm: LoadedModel, lease: TreeLease, ids: Sequence[int], mode: Mo
         ids: the tokens after the context (the path the tree matched against).
         layout: where the prefix and the chunks lie in this prompt, and what the pass decided
             (FULL and PREFIX, whose contexts many prompts share); None = the context's own.
+        snapshot_at: a hybrid's prompt position whose recurrent state is kept too (`KVCache.mark`).
     """
     dev = lm.device
     timer = _PhaseTimer(dev)
@@ -342,8 +350,10 @@ def resume_steps(lm: LoadedModel, lease: TreeLease, ids: Sequence[int], mode: Mo
     cache = KVCache(lm.num_layers, lm.num_kv_heads, lm.head_dim, n + reserve_tokens, lm.dtype, dev)
     try:
         first = lease.write_into(cache)  # positions [0, first) are the tree's
+        cache.recurrent = lease.recurrent_state()  # a hybrid's state after them (a copy; None otherwise)
     finally:
         lease.release()
+    cache.mark = snapshot_at
     cache.length = n
     rope_all = lm.adapter.rotary(torch.arange(n, device=dev), _like(lm))  # N rows
     timer.lap("tree")

@@ -91,7 +91,7 @@ _POST_NORM = dict(attn_in=None, attn_out="post_attention_layernorm", mlp_in=None
 
 _HYBRID_NOTES = ("hybrid: {mixer} layers, the model's own module with its conv and recurrent state per request, "
                  "full attention {every} layer (gated output, per-head q/k norm, partial rotary); FULL mode only, "
-                 "no KV tree")
+                 "the KV tree holding the recurrent state where prompts end")
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", notes="pre-norm; Llama 3 rope scaling through the model's rotary module"),
@@ -422,6 +422,20 @@ class Adapter:
         tokens x: [S, hidden] -> [S, hidden], carrying its conv and recurrent state in `state`
         (`new_recurrent_state`), which it updates."""
         return getattr(self.layers[i], self.family.recurrent)(hidden_states=x[None], cache=state)[0]
+
+    @staticmethod
+    def recurrent_state_bytes(state: Any) -> int:
+        """Bytes a recurrent state holds (its layers' conv and recurrent state tensors)."""
+        return sum(t.numel() * t.element_size() for layer in getattr(state, "layers", ())
+                   for name in ("conv_states", "recurrent_states")
+                   for t in (getattr(layer, name, None) or {}).values() if isinstance(t, torch.Tensor))
+
+    @staticmethod
+    def copy_recurrent_layer(src: Any, dst: Any, i: int) -> None:
+        """Layer i's conv and recurrent state in `src`, copied into `dst` (both `new_recurrent_state`s)."""
+        import copy
+
+        dst.layers[i] = copy.deepcopy(src.layers[i])
 
     def new_recurrent_state(self) -> Any:
         """An empty state for one request's recurrent layers: transformers' own cache for the

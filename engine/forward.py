@@ -263,9 +263,19 @@ def _recurrent_forward(ad: Adapter, i: int, h: torch.Tensor, x: torch.Tensor, sp
     the caller's bookkeeping and the cache's slots at this layer are never attended to."""
     outs = []
     for sp in spans:
-        if sp.cache.recurrent is None:
-            sp.cache.recurrent = ad.new_recurrent_state()
-        outs.append(ad.recurrent(i, x[sp.rows] if len(spans) > 1 else x, sp.cache.recurrent))  # [S_sp, hidden]
+        cache = sp.cache
+        if cache.recurrent is None:
+            cache.recurrent = ad.new_recurrent_state()
+        xs = x[sp.rows] if len(spans) > 1 else x  # [S_sp, hidden]
+        cut = cache.mark - sp.slots.start if cache.mark is not None and isinstance(sp.slots, slice) else 0
+        if 0 < cut < xs.shape[0]:  # the state at the mark is wanted too: stop there, copy it, go on
+            if cache.marked is None:
+                cache.marked = ad.new_recurrent_state()
+            head = ad.recurrent(i, xs[:cut], cache.recurrent)
+            ad.copy_recurrent_layer(cache.recurrent, cache.marked, i)
+            outs.append(torch.cat([head, ad.recurrent(i, xs[cut:], cache.recurrent)]))
+        else:
+            outs.append(ad.recurrent(i, xs, cache.recurrent))
     a_out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [S, hidden]
     kv = h.new_zeros(ad.num_kv_heads, h.shape[0], ad.head_dim)  # [Hkv, S, D]
     return ad.residual(i, h, x, a_out), kv, kv

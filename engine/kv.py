@@ -133,6 +133,10 @@ class KVCache:
         # a hybrid's recurrent layers: their conv and recurrent state after tokens [0, length)
         # (`Adapter.new_recurrent_state`, made at the first pass); their K/V slots stay unused
         self.recurrent: object | None = None
+        # a position whose recurrent state is wanted too (the KV tree's snapshot): each recurrent
+        # layer's pass stops there, copies its state into `marked`, and goes on
+        self.mark: int | None = None
+        self.marked: object | None = None
 
     def write_segments(self, segments: Sequence[ChunkKV], rope: RopeTables) -> int:
         """Write stored segments back to back from slot 0, rotating each K to its final positions.

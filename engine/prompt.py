@@ -45,6 +45,14 @@ class PromptFormat:
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def answer_header_tokens(self, question_ids: Sequence[int]) -> int:
+        """How many of a question segment's last tokens are `tail` (the end of the user's turn
+        and the start of the answer's): the next call of a conversation shares the tokens
+        before them, not them. 0 when the segment does not end with `tail` tokenized alone."""
+        tail = self._ids(self.tail)
+        n = len(tail)
+        return n if 0 < n <= len(question_ids) and list(question_ids[-n:]) == tail else 0
+
     def prefix_ids(self) -> list[int]:
         """The shared prefix every chunk is prefilled after."""
         bos = self.tokenizer.bos_token_id

@@ -125,6 +125,8 @@ class Request:
     # the tokens that choose chunk tokens and chunks (query selector, focus): the conversation's
     # question without the answer's instructions or the agent's turns; None = question_ids
     select_ids: tuple[int, ...] | None = None
+    # a hybrid with a KV tree: the prompt position whose recurrent state the tree keeps (`Prompt.snapshot_at`)
+    snapshot_at: int | None = None
     options: BlendOptions = BlendOptions()  # how the mode blends
     constraint: Constraint | None = None  # the grammar the answer follows; None = free text
     reads_tool_calls: bool = False  # the answer may be tool calls (the consumer parses them)

@@ -12,6 +12,7 @@ Not thread-safe: one thread runs an Engine (the server's scheduler thread, engin
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from collections.abc import Generator, Sequence
 
@@ -29,7 +30,7 @@ from ragkv.engine.prefill import prefill_steps
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT, PromptFormat
 from ragkv.engine.request import Request, Work
 from ragkv.engine.speed import EngineSpeed
-from ragkv.engine.tree import KVTree, TreeContext, TreeKey, TreeLease
+from ragkv.engine.tree import KVTree, RecurrentSnapshot, TreeContext, TreeKey, TreeLease
 from ragkv.engine.work import WaitFor, drain
 from ragkv.errors import UnsupportedModelError
 
@@ -73,8 +74,8 @@ class Engine:
 
     def use_tree(self, budget_bytes: int) -> None:
         """A fresh KV tree of `budget_bytes` (served prompts' KV, so a conversation's next call
-        computes only what is new); none for a hybrid, whose recurrent state its nodes do not hold."""
-        self.tree = KVTree(0 if self.recurrent else budget_bytes)
+        computes only what is new); a hybrid's also holds its recurrent state where prompts end."""
+        self.tree = KVTree(budget_bytes, recurrent=self.recurrent)
 
     @property
     def recurrent(self) -> bool:
@@ -199,16 +200,30 @@ class Engine:
             return [*chunks, *question_ids]
         return list(question_ids)
 
+    def snapshot(self, res: BlendResult) -> RecurrentSnapshot | None:
+        """A hybrid's recurrent state after its prompt pass (taken before decode moves it on),
+        for `remember`; None for other models."""
+        cache = res.cache
+        if not self.tree.enabled or cache.recurrent is None:
+            return None
+        if cache.marked is not None:  # the state where the answer's header starts (Prompt.snapshot_at)
+            state, tokens = cache.marked, cache.mark
+            cache.marked = None
+        else:
+            state, tokens = copy.deepcopy(cache.recurrent), res.n_prompt_tokens
+        return RecurrentSnapshot(tokens, state, self.lm.adapter.recurrent_state_bytes(state))
+
     def remember(self, key: TreeKey, mode: Mode, res: BlendResult, question_tokens: int, prefix_tokens: int,
-                 answer_ids: Sequence[int] = ()) -> int:
+                 answer_ids: Sequence[int] = (), snapshot: RecurrentSnapshot | None = None) -> int:
         """Keep a prompt's KV served in `mode` (and its answer's, as far as the cache holds it)
-        in the tree, under `tree_key`'s key, after its decode. Returns the tokens newly stored."""
+        in the tree, under `tree_key`'s key, after its decode; a hybrid's `snapshot` (FULL mode:
+        its state after the prompt) with it. Returns the tokens newly stored."""
         if not self.tree.enabled:
             return 0
         ids = [*res.token_ids.tolist(), *answer_ids][:res.cache.length]
         start = {Mode.FULL: 0, Mode.PREFIX: prefix_tokens}.get(Mode(mode), res.n_prompt_tokens - question_tokens)
         return self.tree.insert(key, ids[:start], tree_context(res, question_tokens, prefix_tokens),
-                                ids[start:], res.cache)
+                                ids[start:], res.cache, snapshot)
 
     @torch.inference_mode()
     def run_steps(self, prompt: Prompt, mode: Mode, options: BlendOptions | None = None, reserve_tokens: int = 256,
@@ -239,10 +254,11 @@ class Engine:
                 p = len(prefix_ids)
                 c = p + sum(len(ids) for ids in chunk_ids)
                 layout = TreeContext(prefix_tokens=p, chunk_end=c, chunk_tokens=c - p)
-            return (yield from resume_steps(self.lm, resume, path, mode, layout, reserve_tokens))
+            return (yield from resume_steps(self.lm, resume, path, mode, layout, reserve_tokens, prompt.snapshot_at))
         if mode is Mode.FULL:
             ids = [*prefix_ids, *(t for ids in chunk_ids for t in ids), *question_ids]
-            return (yield from prompt_steps(self.lm, None, [], ids, Mode.FULL, reserve_tokens=reserve_tokens))
+            return (yield from prompt_steps(self.lm, None, [], ids, Mode.FULL, reserve_tokens=reserve_tokens,
+                                            snapshot_at=prompt.snapshot_at))
         prefix = self.prefix_kv(prefix_ids)
         if mode is Mode.PREFIX:  # every chunk token is recomputed: its KV is never read
             placeholders = [placeholder_kv(ids, len(prefix_ids), self.lm) for ids in chunk_ids]

@@ -18,12 +18,18 @@ evicts least-recently-used leaves that no lease holds, and inserts nothing when 
 budget cannot hold it. A leased node is never split or evicted, so a lease's tensors stay
 as they were matched.
 
+A hybrid's recurrent layers (`KVTree(recurrent=True)`) keep a state no K/V stands in for,
+so the tree also keeps that state where a prompt ended (`RecurrentSnapshot`, on the node
+that ends there, split to end there), as SGLang does for Mamba: a match then stops at the
+deepest node holding one, and the resumed pass starts from a copy of it.
+
 Thread-safe: leases are taken on the server's retrieval threads, inserts run on the
 scheduler thread.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import heapq
 import itertools
@@ -68,10 +74,20 @@ class TreeContext:
     fell_back: bool = False  # the quality guard ran the pass as full prefill
 
 
+@dataclass(frozen=True, slots=True)
+class RecurrentSnapshot:
+    """A hybrid's recurrent layers' state after the first `tokens` tokens past the context."""
+
+    tokens: int
+    state: object  # the layers' conv and recurrent states (Adapter.new_recurrent_state's kind), a copy
+    nbytes: int
+
+
 class _Node:
     """One edge of the tree: a run of tokens and their KV."""
 
-    __slots__ = ("ids", "k", "v", "start", "children", "parent", "refs", "used", "key", "context")
+    __slots__ = ("ids", "k", "v", "start", "children", "parent", "refs", "used", "key", "context", "state",
+                 "state_bytes")
 
     def __init__(self, ids: tuple[int, ...], k: torch.Tensor, v: torch.Tensor, start: int,
                  parent: _Node | None, key: TreeKey, context: TreeContext | None = None) -> None:
@@ -85,6 +101,8 @@ class _Node:
         self.used = 0  # LRU clock of its last match or insert
         self.key = key  # the context it hangs under
         self.context = context  # roots only
+        self.state: object | None = None  # hybrids: the recurrent state after this node's last token
+        self.state_bytes = 0
 
     @property
     def end(self) -> int:
@@ -92,7 +110,7 @@ class _Node:
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size() + self.state_bytes
 
 
 @dataclass(slots=True)
@@ -105,6 +123,11 @@ class TreeLease:
     matched: int  # tokens matched past the context
     _parts: list[tuple[_Node, int]] = field(default_factory=list)  # (node, its tokens used)
     _held: bool = True
+    _state: object | None = None  # hybrids: the recurrent state after the leased tokens
+
+    def recurrent_state(self) -> object | None:
+        """A copy of the recurrent state after the leased tokens (the pass updates it in place)."""
+        return copy.deepcopy(self._state) if self._state is not None else None
 
     @property
     def tokens(self) -> int:
@@ -153,12 +176,14 @@ class KVTree:
 
     Args:
         budget_bytes: KV bytes the tree may hold; 0 turns it off (nothing matches or is kept).
+        recurrent: the model is a hybrid: a match must end where a recurrent state is held.
     """
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, recurrent: bool = False) -> None:
         if budget_bytes < 0:
             raise ValueError(f"the KV tree's budget must be >= 0 bytes, got {budget_bytes}")
         self.budget_bytes = budget_bytes
+        self.recurrent = recurrent
         self._roots: dict[TreeKey, _Node] = {}
         self._lock = threading.Lock()
         self._clock = itertools.count(1)
@@ -199,6 +224,15 @@ class KVTree:
                 if n < len(child.ids):
                     break
                 node = child
+            state = None
+            if self.recurrent:  # stop at the deepest node whose recurrent state is held
+                last = max((j for j, (nd, n) in enumerate(parts) if n == len(nd.ids) and nd.state is not None),
+                           default=None)
+                parts = parts[:last + 1] if last is not None else [(root, len(root.ids))]
+                pos = sum(n for _, n in parts[1:])
+                state = parts[-1][0].state if last is not None else None
+                if state is None and (root.ids or pos):  # KV without the state the layers need: useless
+                    pos, parts = 0, [(root, len(root.ids))]
             if not root.ids and pos == 0:  # an empty context and no token matched: nothing to supply
                 self._misses += 1
                 return None
@@ -207,7 +241,7 @@ class KVTree:
                 node.used = now
             self._hits += 1
             self._hit_tokens += len(root.ids) + pos
-            return TreeLease(self, root.ids, root.context, pos, parts)
+            return TreeLease(self, root.ids, root.context, pos, parts, _state=state)
 
     def _release(self, parts: Iterable[tuple[_Node, int]]) -> None:
         with self._lock:
@@ -215,13 +249,44 @@ class KVTree:
                 node.refs -= 1
 
     def insert(self, key: TreeKey, context_ids: Sequence[int], context: TreeContext, ids: Sequence[int],
-               cache: KVCache) -> int:
+               cache: KVCache, snapshot: RecurrentSnapshot | None = None) -> int:
         """Keep the KV of a served sequence: `cache` slots [0, C) hold the context
-        (`context_ids`), slots [C, C + len(ids)) the tokens after it.
+        (`context_ids`), slots [C, C + len(ids)) the tokens after it. A hybrid's `snapshot`
+        (its recurrent state after `snapshot.tokens` of `ids`) goes on the node ending there.
 
         Returns:
             The tokens newly stored (0 when all were held, or the budget cannot hold them).
         """
+        added = self._insert(key, context_ids, context, ids, cache)
+        if snapshot is not None and 0 < snapshot.tokens <= len(ids):
+            with self._lock:
+                self._keep_state(key, tuple(int(i) for i in ids[:snapshot.tokens]), snapshot)
+        return added
+
+    def _keep_state(self, key: TreeKey, ids: tuple[int, ...], snapshot: RecurrentSnapshot) -> None:
+        """Put `snapshot` on the node ending after `ids` past `key`'s context, splitting the node
+        that spans that point (not when leased: then the state is not kept)."""
+        node, pos = self._roots.get(key), 0
+        while node is not None and pos < len(ids):
+            child = node.children.get(ids[pos])
+            if child is None:
+                return  # the insert stopped short (budget): nothing ends there
+            n = _common(child.ids, ids[pos:])
+            if pos + n == len(ids):
+                if n < len(child.ids):
+                    if child.refs:
+                        return
+                    self._split(child, n)
+                if child.state is None and self._make_room(snapshot.nbytes, keep=child):
+                    child.state, child.state_bytes = snapshot.state, snapshot.nbytes
+                    self._bytes += snapshot.nbytes
+                return
+            if n < len(child.ids):
+                return
+            node, pos = child, pos + n
+
+    def _insert(self, key: TreeKey, context_ids: Sequence[int], context: TreeContext, ids: Sequence[int],
+                cache: KVCache) -> int:
         if not self.enabled:
             return 0
         context_ids = tuple(int(i) for i in context_ids)
@@ -286,13 +351,15 @@ class KVTree:
         self._nodes += 1
 
     def _split(self, node: _Node, n: int) -> None:
-        """Cut `node` after its first n tokens: it keeps those, a new child takes the rest."""
+        """Cut `node` after its first n tokens: it keeps those, a new child takes the rest (and
+        the recurrent state after the rest, if held)."""
+        self._bytes -= node.nbytes
         lower = _Node(node.ids[n:], node.k[:, :, n:].clone(), node.v[:, :, n:].clone(), node.start + n, node,
                       node.key)
         lower.children, lower.used = node.children, node.used
+        lower.state, lower.state_bytes, node.state, node.state_bytes = node.state, node.state_bytes, None, 0
         for ch in lower.children.values():
             ch.parent = lower
-        self._bytes -= node.nbytes
         node.ids, node.k, node.v = node.ids[:n], node.k[:, :, :n].clone(), node.v[:, :, :n].clone()
         node.children = {lower.ids[0]: lower}
         self._bytes += node.nbytes + lower.nbytes

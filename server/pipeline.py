@@ -304,6 +304,8 @@ class Pipeline:
                                                 (*kv_keys, c.retriever.manifest.kv_compression), req.options, chose)
             req.lease = self.engine.tree.match(req.tree_key, self.engine.tree_path(req.mode, c.prefix_ids, token_ids,
                                                                                   question_ids))
+            if self.engine.recurrent:  # keep the state where the next call's prompt parts from this one's
+                req.snapshot_at = prompt_tokens - self.engine.prompt.answer_header_tokens(question_ids)
         if self.engine.reads_chunk_kv(req.mode) and req.lease is None:  # start loading the moment the ids are known
             decisions = self.controller.decide(c.store, kv_keys, [len(ids) for ids in token_ids])
             reads = iter(c.store.prefetch([k for k, d in zip(kv_keys, decisions) if d.load],

@@ -299,12 +299,12 @@ def test_latent_attention_stores_the_latent_per_token(tmp_path_factory):
 def test_hybrids_serve_full_and_refuse_chunk_kv_modes_by_name(tmp_path_factory, name):
     """A hybrid's recurrent layers hold a state no stored chunk can stand in for: FULL serves it
     (and decodes, state carried), every chunk-KV mode and chunk prefill are refused saying why,
-    and the KV tree is off (its nodes do not hold the recurrent state)."""
+    and its KV tree holds recurrent states too (tests/engine/test_tree.py)."""
     from ragkv.errors import UnsupportedModelError
 
     lm = _lm(tmp_path_factory, name)
     engine = Engine(lm, tree_bytes=1 << 20)
-    assert engine.modes() == {Mode.FULL} and not engine.tree.enabled
+    assert engine.modes() == {Mode.FULL} and engine.tree.enabled and engine.tree.recurrent
     fmt = engine.prompt
     prefix, chunk_ids, q_ids = fmt.prefix_ids(), [fmt.chunk_ids(t) for t in TEXTS[:2]], fmt.question_ids(QUESTIONS[0])
     res = engine.run(Prompt(q_ids, prefix, chunk_ids, None), Mode.FULL)

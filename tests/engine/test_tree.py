@@ -190,3 +190,52 @@ def test_select_ids_equal_to_the_question_change_nothing(engine):
         base = engine.run(Prompt(q, prefix_ids, chunk_ids, kvs), mode, opts)
         same = engine.run(Prompt(q, prefix_ids, chunk_ids, kvs, q), mode, opts)
         assert torch.equal(base.logits, same.logits) and torch.equal(base.recomputed, same.recomputed)
+
+
+@pytest.mark.parametrize("name, header", [*((n, 0) for n in sorted(HYBRIDS)), ("qwen3_next", 3)])
+def test_a_hybrids_next_call_resumes_from_the_state_where_its_prompt_ended(tmp_path_factory, name, header):
+    """A hybrid's tree keeps its recurrent state where call 1's prompt ended (or `header` tokens
+    before, where the answer's header starts: `Prompt.snapshot_at`, the pass stopping there
+    on each recurrent layer): call 2 (call 1's prompt, part of its answer, a tool turn)
+    resumes there, not at the deepest matched token (whose state is not held), and equals
+    call 2 computed whole."""
+    d = tiny_model_dir(tmp_path_factory.mktemp(f"tree-{name}"), name, family=True, initializer_range=0.2, seed=5)
+    eng = Engine(load_model(str(d), device="cpu", dtype="float32"), tree_bytes=64 << 20)
+    assert eng.tree.enabled and eng.tree.recurrent
+    fmt = eng.prompt
+    first = [*fmt.prefix_ids(), *fmt.chunk_ids(CHUNKS[0]), *fmt.question_ids(QUESTION)]
+    key = eng.tree_key(Mode.FULL, (), ())
+    mark = len(first) - header
+    res = eng.run(Prompt(first, snapshot_at=mark if header else None), Mode.FULL, reserve_tokens=16)
+    assert (res.logits - eng.run(Prompt(first), Mode.FULL).logits).abs().max().item() <= 1e-4  # the stop is exact
+    snapshot = eng.snapshot(res)
+    assert snapshot is not None and snapshot.tokens == mark and snapshot.nbytes > 0
+    stream = eng.decode(res, SamplingParams(max_new_tokens=5))
+    list(stream)
+    assert eng.remember(key, Mode.FULL, res, len(first), 0, stream.token_ids, snapshot) > 0
+
+    second = [*first, *stream.token_ids[:4], *fmt.chunk_ids(TOOL_TURN)]
+    alone = eng.run(Prompt(second), Mode.FULL, reserve_tokens=16)
+    lease = eng.tree.match(key, eng.tree_path(Mode.FULL, (), [], second))
+    assert lease is not None and lease.tokens == mark  # the answer's KV is held, its state is not
+    reused = eng.run(Prompt(second), Mode.FULL, reserve_tokens=16, resume=lease)
+    assert torch.equal(reused.token_ids, alone.token_ids) and reused.cached_tokens == mark
+    diff = (reused.logits - alone.logits).abs().max().item()
+    assert diff <= 1e-4, f"logits with the tree differ by {diff:.3g}"
+    a, b = eng.decode(reused, SamplingParams(max_new_tokens=6)), eng.decode(alone, SamplingParams(max_new_tokens=6))
+    assert "".join(a) == "".join(b)
+    # the snapshot was copied into the pass, not handed over: the tree's is untouched by it
+    again = eng.run(Prompt(second), Mode.FULL, reserve_tokens=16,
+                    resume=eng.tree.match(key, eng.tree_path(Mode.FULL, (), [], second)))
+    assert (again.logits - alone.logits).abs().max().item() <= 1e-4
+
+
+def test_a_hybrids_tree_without_a_held_state_matches_nothing(tmp_path_factory):
+    """KV without the recurrent state after it is of no use to a hybrid: no lease."""
+    d = tiny_model_dir(tmp_path_factory.mktemp("tree-qwen3-next"), "qwen3_next", family=True, seed=5)
+    eng = Engine(load_model(str(d), device="cpu", dtype="float32"), tree_bytes=64 << 20)
+    ids = [*eng.prompt.prefix_ids(), *eng.prompt.question_ids(QUESTION)]
+    res = eng.run(Prompt(ids), Mode.FULL, reserve_tokens=4)
+    key = eng.tree_key(Mode.FULL, (), ())
+    assert eng.remember(key, Mode.FULL, res, len(ids), 0) > 0  # no snapshot
+    assert eng.tree.match(key, [*ids, 7, 8]) is None

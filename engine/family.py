@@ -77,6 +77,10 @@ class Family:
     # [decoupled RoPE key; normed c_kv], and the key/value up-projections are absorbed into
     # the query and the output (`Adapter.qkv`, `attn_output`)
     mla: bool = False
+    # Gemma 4's layer: per-layer head dim and KV heads (the cache is padded to the widest),
+    # later layers reading an earlier layer's KV, a scale-free norm on V (V = the raw key where
+    # attention_k_eq_v), per-layer inputs riding after the hidden state, its MoE block, layer_scalar
+    gemma4: bool = False
     temperature_tuning: bool = False  # no-RoPE layers scale queries by position when the config says so
     # (Llama 4's attn_temperature_tuning: 1 + attn_scale * log(1 + floor((p + 1) / floor_scale)))
     nope_global: bool = False  # layers without a window take no RoPE when others have one (EXAONE 4)
@@ -151,6 +155,11 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("granitemoehybrid", recurrent="mamba", mlp="block_sparse_moe", shared_mlp="shared_mlp",
            notes=_HYBRID_NOTES.format(mixer="Mamba-2", every="a few") + "; Granite's multipliers; "
            "attention without RoPE unless the config names it; MoE plus a shared MLP"),
+    Family("gemma4_text", **_SANDWICH, qk_norm=QKNorm.HEAD, rope_per_layer_type=True, gemma4=True,
+           notes="sandwich norms; per-head q/k norm and a scale-free V norm; local and global layers with their "
+           "own head dims, KV heads and rotary tables (the cache padded to the widest, fewer KV heads repeated); "
+           "V = the raw key on global layers with attention_k_eq_v; the last layers read an earlier layer's KV "
+           "(num_kv_shared_layers); per-layer input embeddings; the MoE block beside the MLP; layer_scalar"),
     Family("hunyuan_v1_dense", qk_norm=QKNorm.AFTER_ROPE, q_norm="query_layernorm", k_norm="key_layernorm",
            notes="per-head q/k RMSNorm after RoPE: keys stored normalized without the norm's weight (exact "
            "re-rotation), both weights folded into the rotated query; NTK-alpha rope scaling"),
@@ -171,11 +180,9 @@ FAMILIES.update({f.model_type: f for f in (
 REFUSED: dict[str, str] = {
     "gemma3": "the multimodal Gemma 3 (4B and up) wraps its text model in a vision-language model; serve a "
               "text-only checkpoint (model_type gemma3_text, as gemma-3-1b-it) or its extracted language model",
-    "gemma4_text": "its global layers have their own head dim (global_head_dim) and KV heads, so a model's K and V "
-                   "are not one [L, Hkv, T, D] cache; its last layers reuse earlier layers' KV (num_kv_shared_layers) "
-                   "and each layer adds a per-layer input embedding (hidden_size_per_layer_input)",
 }
-REFUSED["gemma4"] = "the multimodal Gemma 4 wraps gemma4_text, which is refused: " + REFUSED["gemma4_text"]
+REFUSED["gemma4"] = ("the multimodal Gemma 4 wraps a vision and audio model around its language model; serve "
+                     "the language model alone (model_type gemma4_text)")
 for _vl in ("qwen3_5", "qwen3_5_moe"):
     REFUSED[_vl] = (f"the multimodal {_vl} wraps a vision model around its language model; serve the language "
                     f"model alone (model_type {_vl}_text)")
@@ -228,8 +235,13 @@ class Adapter:
             if family.recurrent and getattr(layer, family.recurrent, None) is not None)
         attn0 = next(layer.self_attn for i, layer in enumerate(self.layers) if i not in self.recurrent_layers)
         self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.num_kv_heads = config_value(cfg, "num_key_value_heads") or cfg.num_attention_heads
+        self.head_dim = config_value(cfg, "head_dim") or cfg.hidden_size // cfg.num_attention_heads
+        self.kv_source = tuple(range(len(self.layers)))  # the layer whose K/V each layer attends to
+        self.hidden = cfg.hidden_size
+        self.per_layer_input = 0  # Gemma 4: width of each layer's input riding after the hidden state
+        if family.gemma4:
+            self._gemma4_geometry(cfg)
         if family.mla:  # one latent head: [RoPE key (rope), c_kv (rank)]
             self.mla = _MlaDims(cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim,
                                 bool(getattr(cfg, "rope_interleave", False)) and not family.rope_interleaved)
@@ -263,6 +275,31 @@ class Adapter:
         # Llama 4: (attn_scale, floor_scale) of the no-RoPE layers' query temperature; None = none
         self.temperature = (float(cfg.attn_scale), float(cfg.floor_scale)) if (
             family.temperature_tuning and getattr(cfg, "attn_temperature_tuning", False)) else None
+
+    def _gemma4_geometry(self, cfg: Any) -> None:
+        """Gemma 4: each layer's (KV heads, head dim), its KV source, and the cache's widths (the widest)."""
+        geometry: list[tuple[int, int]] = []
+        sources: list[int] = []
+        store: dict[str, int] = {}  # layer type -> the last layer that stores KV for later ones
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            if attn.is_kv_shared_layer:
+                src = store[attn.layer_type]
+                geometry.append(geometry[src])
+                sources.append(src)
+            else:
+                geometry.append((attn.k_proj.out_features // attn.head_dim, attn.head_dim))
+                sources.append(i)
+            if attn.store_full_length_kv:
+                store[attn.layer_type] = i
+        self._geometry = tuple(geometry)
+        self.kv_source = tuple(sources)
+        self.num_kv_heads = max(h for h, _ in geometry)
+        self.head_dim = max(d for _, d in geometry)
+        if any(self.num_kv_heads % h for h, _ in geometry):
+            raise UnsupportedModelError(f"Gemma 4 layers' KV heads {sorted({h for h, _ in geometry})} do not divide "
+                                        f"the widest ({self.num_kv_heads}): one cache cannot hold them all")
+        self.per_layer_input = int(getattr(cfg, "hidden_size_per_layer_input", 0) or 0)
 
     @staticmethod
     def _layer_attention(attn: Any, cfg: Any, family: Family, layer_type: str) -> LayerAttention:
@@ -303,13 +340,19 @@ class Adapter:
     # -- the layer's pieces, in the order layer_forward calls them --------------------------------
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """[S] -> [S, hidden]."""
+        """[S] -> [S, hidden] (Gemma 4 with per-layer inputs: [S, hidden + L * per_layer_input],
+        each layer's input riding after the hidden state, sliced with it)."""
         h = self.base.embed_tokens(ids)
+        if self.per_layer_input:
+            per_layer = self.base.project_per_layer_inputs(h[None], self.base.get_per_layer_inputs(ids[None], h[None]))
+            return torch.cat([h, per_layer[0].reshape(h.shape[0], -1).to(h.dtype)], -1)  # [S, L, P] -> [S, L*P]
         return h * self.embedding_multiplier if self.embedding_multiplier != 1.0 else h
 
     def attn_input(self, i: int, h: torch.Tensor) -> torch.Tensor:
         """What layer i's attention reads: the normed residual (or the residual itself)."""
         norm = self.family.attn_in
+        if self.per_layer_input:
+            h = h[:, :self.hidden]
         return getattr(self.layers[i], norm)(h) if norm else h
 
     def qkv(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -318,6 +361,8 @@ class Adapter:
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         if fam.mla:
             return self._mla_qkv(attn, x)
+        if fam.gemma4:
+            return self._gemma4_qkv(i, attn, x)
         if fam.fused_qkv:
             q, k, v = attn.qkv_proj(x).split([hq * d, hk * d, hk * d], -1)  # [S, H*D], [S, Hkv*D] x 2
         elif fam.gated_attention:
@@ -359,6 +404,28 @@ class Adapter:
         k = torch.cat([k_pe, c_kv], -1)[None]  # [1, S, rope + rank]
         return q, k, k.clone()
 
+    def _gemma4_qkv(self, i: int, attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gemma 4's q [H, S, D], k and v [Hkv, S, D] in the cache's widths: the layer's own head
+        dim zero-padded to D (scores and outputs unchanged), its KV heads repeated to Hkv (each
+        query head still reads its own). A layer reading an earlier layer's KV has none: zeros."""
+        s, h = x.shape[0], self.num_heads
+        hk, d = self._geometry[i]
+        pad = self.head_dim - d
+        q = attn.q_norm(attn.q_proj(x).view(s, h, d))  # [S, H, d]
+        if attn.is_kv_shared_layer:
+            k = v = x.new_zeros(s, self.num_kv_heads, self.head_dim)
+        else:
+            raw = attn.k_proj(x).view(s, hk, d)  # [S, hk, d]
+            v = attn.v_norm(attn.v_proj(x).view(s, hk, d) if attn.v_proj is not None else raw)
+            k = attn.k_norm(raw)
+            if hk != self.num_kv_heads:
+                k, v = (t.repeat_interleave(self.num_kv_heads // hk, 1) for t in (k, v))
+            if pad:
+                k, v = F.pad(k, (0, pad)), F.pad(v, (0, pad))
+        if pad:
+            q = F.pad(q, (0, pad))
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+
     def fold_key_norm(self, i: int, q: torch.Tensor) -> torch.Tensor:
         """The rotated query [H, S, D] of a layer whose q/k norms follow RoPE, times both norms'
         weights: its scores against keys stored without the key norm's weight are the model's."""
@@ -390,11 +457,16 @@ class Adapter:
             w_uv = attn.kv_b_proj.weight.view(h, m.nope + m.v, m.rank)[:, m.nope:]  # [H, v, rank]
             lat = out.view(s, h, m.rope + m.rank)[..., m.rope:]  # [S, H, rank]
             out = torch.einsum("shr,hvr->shv", lat, w_uv).reshape(s, h * m.v)
+        elif self.family.gemma4 and self._geometry[i][1] != self.head_dim:  # drop the padding
+            s, d = out.shape[0], self._geometry[i][1]
+            out = out.view(s, self.num_heads, self.head_dim)[..., :d].reshape(s, self.num_heads * d)
         return attn.o_proj(out)
 
     def residual(self, i: int, h: torch.Tensor, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """The layer's output from its input h, attention's input x and attention's output a."""
         layer, fam, m = self.layers[i], self.family, self.residual_multiplier
+        if fam.gemma4:
+            return self._gemma4_residual(i, h, a)
         if fam.parallel:
             return h + a + self.mlp(i, x)
         if fam.attn_out:
@@ -404,6 +476,24 @@ class Adapter:
         if fam.mlp_out:
             y = getattr(layer, fam.mlp_out)(y)
         return h + y * m if m != 1.0 else h + y
+
+    def _gemma4_residual(self, i: int, h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """Gemma 4's layer after attention: sandwich norms, the MLP beside the MoE block (which
+        reads the residual, not the MLP's input), the layer's own input, layer_scalar."""
+        layer, hid = self.layers[i], self.hidden
+        hs = h[:, :hid] + layer.post_attention_layernorm(a)  # [S, hidden]
+        y = layer.mlp(layer.pre_feedforward_layernorm(hs))
+        if layer.enable_moe_block:
+            _, weights, index = layer.router(hs)
+            moe = layer.experts(layer.pre_feedforward_layernorm_2(hs), index, weights)
+            y = layer.post_feedforward_layernorm_1(y) + layer.post_feedforward_layernorm_2(moe)
+        hs = hs + layer.post_feedforward_layernorm(y)
+        if self.per_layer_input:
+            p = self.per_layer_input
+            gate = layer.act_fn(layer.per_layer_input_gate(hs)) * h[:, hid + i * p:hid + (i + 1) * p]
+            hs = hs + layer.post_per_layer_input_norm(layer.per_layer_projection(gate))
+        hs = hs * layer.layer_scalar
+        return torch.cat([hs, h[:, hid:]], -1) if self.per_layer_input else hs
 
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Layer i's MLP or mixture of experts over x: [S, hidden] (the active tokens only)."""
@@ -446,6 +536,8 @@ class Adapter:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[S, hidden] -> [S, V] float32 next-token logits."""
+        if self.per_layer_input:
+            h = h[:, :self.hidden]
         out = self.model.lm_head(self.base.norm(h))
         if self.logit_scale != 1.0:
             out = out * self.logit_scale
@@ -481,6 +573,15 @@ class Adapter:
             attn_scale, floor_scale = self.temperature
             q_scale = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
         return RopeTables(tuple(cos), tuple(sin), self.rope_kind, self.family.rope_interleaved, q_scale)
+
+
+def config_value(config: Any, name: str) -> Any:
+    """A config's model-wide `name`, or None when it has none, or has one per layer (Gemma 4's
+    head dim and KV heads: transformers refuses the model-wide read, the adapter reads each layer's)."""
+    try:
+        return getattr(config, name, None)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return None
 
 
 def _unit_rms(x: torch.Tensor, norm: Any) -> torch.Tensor:

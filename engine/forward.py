@@ -239,10 +239,11 @@ def layer_forward(ad: Adapter, i: int, h: torch.Tensor, rope: RopeTables, spans:
     if ad.folds_key_norm:
         q = ad.fold_key_norm(i, q)
     la = ad.attention[i]
+    src = ad.kv_source[i]  # Gemma 4's last layers attend to an earlier layer's KV (their own slots get zeros)
     outs = []
     for sp in spans:
-        k_cache, v_cache = sp.cache.k[i], sp.cache.v[i]  # [Hkv, cap, D]
-        k_cache[:, sp.slots], v_cache[:, sp.slots] = k_rot[:, sp.rows], v[:, sp.rows]
+        sp.cache.k[i][:, sp.slots], sp.cache.v[i][:, sp.slots] = k_rot[:, sp.rows], v[:, sp.rows]
+        k_cache, v_cache = sp.cache.k[src], sp.cache.v[src]  # [Hkv, cap, D]
         q_sp = q[:, sp.rows] if len(spans) > 1 else q
         plan = sp.plans[la.locality]
         outs.extend(attention(q_sp[:, a.rows] if len(plan) > 1 else q_sp, k_cache, v_cache, a, ad, la)

@@ -27,7 +27,7 @@ from ragkv.engine.fingerprint import (
     tokenizer_fingerprint,
     weights_digest,
 )
-from ragkv.engine.family import FAMILIES, Adapter, Family, family_of
+from ragkv.engine.family import FAMILIES, Adapter, Family, config_value, family_of
 from ragkv.errors import ModelLoadError, UnsupportedModelError
 from ragkv.types import DType
 
@@ -181,7 +181,7 @@ def check_supported(config: Any) -> Family:
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError("encoder-decoder models are not supported")
     heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    kv_heads = config_value(config, "num_key_value_heads") or heads
     if heads % kv_heads:
         raise UnsupportedModelError(
             f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")

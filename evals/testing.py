@@ -113,6 +113,14 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
         "mamba_n_groups": 1, "mamba_chunk_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
         "shared_intermediate_size": 64, "embedding_multiplier": 4.0, "logits_scaling": 2.0,
         "residual_multiplier": 0.5, "attention_multiplier": 0.125}),
+    "gemma4_text": ("Gemma4TextConfig", {
+        "sliding_window": _WINDOW, "layer_types": _LOCAL_GLOBAL, "global_head_dim": 32,
+        "num_global_key_value_heads": 1, "attention_k_eq_v": True, "num_kv_shared_layers": 2,
+        "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 512, "enable_moe_block": True,
+        "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32, "final_logit_softcapping": 3.0,
+        "rope_parameters": {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                               "rope_theta": 1e6},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}),
     "hunyuan_v1_dense": ("HunYuanDenseV1Config", {"attention_bias": True, "rope_parameters": {
         "rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 1e4}}),
 }

@@ -236,7 +236,7 @@ def _assemble(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV]
     ids = torch.cat([s.token_ids.to(dev) for s in segments] + [q_ids])  # [N]
     n = ids.shape[0]
     p = prefix.num_tokens if prefix is not None else 0
-    cache = KVCache(lm.num_layers, lm.num_kv_heads, lm.head_dim, n + reserve_tokens, lm.dtype, dev)
+    cache = KVCache(lm.kv_layers, lm.num_kv_heads, lm.head_dim, n + reserve_tokens, lm.dtype, dev)
     cache.length = n
     rope_all = lm.adapter.rotary(torch.arange(n, device=dev), _like(lm))  # N rows
     if mode is not Mode.FULL:  # layers of chunks still loading are written as the pass reaches them
@@ -347,7 +347,7 @@ def resume_steps(lm: LoadedModel, lease: TreeLease, ids: Sequence[int], mode: Mo
     ctx = layout or lease.context
     prompt = torch.tensor([*lease.context_ids, *ids], dtype=torch.long, device=dev)  # [N]
     n = int(prompt.shape[0])
-    cache = KVCache(lm.num_layers, lm.num_kv_heads, lm.head_dim, n + reserve_tokens, lm.dtype, dev)
+    cache = KVCache(lm.kv_layers, lm.num_kv_heads, lm.head_dim, n + reserve_tokens, lm.dtype, dev)
     try:
         first = lease.write_into(cache)  # positions [0, first) are the tree's
         cache.recurrent = lease.recurrent_state()  # a hybrid's state after them (a copy; None otherwise)

@@ -234,6 +234,11 @@ class Adapter:
             i for i, layer in enumerate(self.layers)
             if family.recurrent and getattr(layer, family.recurrent, None) is not None)
         attn0 = next(layer.self_attn for i, layer in enumerate(self.layers) if i not in self.recurrent_layers)
+        # each layer's place in a decode cache: a hybrid's recurrent layers have none (-1), so its
+        # cache holds its attention layers only
+        attending = [i for i in range(len(self.layers)) if i not in self.recurrent_layers]
+        self.cache_layer = tuple(attending.index(i) if i in attending else -1 for i in range(len(self.layers)))
+        self.kv_layers = len(attending)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = config_value(cfg, "num_key_value_heads") or cfg.num_attention_heads
         self.head_dim = config_value(cfg, "head_dim") or cfg.hidden_size // cfg.num_attention_heads

@@ -198,9 +198,9 @@ def layer_steps(lm: LoadedModel, h: torch.Tensor, rope: RopeTables, spans: Seque
         if i == last and keep is not Keep.ALL and (keep is Keep.NONE or h.shape[0] > 1) \
                 and i not in ad.recurrent_layers:  # a recurrent layer's state needs every row
             k, v = project_kv(ad, i, h)  # [Hkv, S, D]: only the kept rows' output is ever read
-            k_rot = rope.apply(k, i)
+            k_rot, c = rope.apply(k, i), ad.cache_layer[i]
             for sp in spans:
-                sp.cache.k[i, :, sp.slots], sp.cache.v[i, :, sp.slots] = k_rot[:, sp.rows], v[:, sp.rows]
+                sp.cache.k[c, :, sp.slots], sp.cache.v[c, :, sp.slots] = k_rot[:, sp.rows], v[:, sp.rows]
             if kv_out is not None:
                 kv_out[0][i], kv_out[1][i] = k, v
             if keep is Keep.NONE:
@@ -239,10 +239,12 @@ def layer_forward(ad: Adapter, i: int, h: torch.Tensor, rope: RopeTables, spans:
     if ad.folds_key_norm:
         q = ad.fold_key_norm(i, q)
     la = ad.attention[i]
-    src = ad.kv_source[i]  # Gemma 4's last layers attend to an earlier layer's KV (their own slots get zeros)
+    # the layer's place in the cache, and the place it attends to (Gemma 4's last layers attend to
+    # an earlier layer's KV; their own slots get zeros)
+    own, src = ad.cache_layer[i], ad.cache_layer[ad.kv_source[i]]
     outs = []
     for sp in spans:
-        sp.cache.k[i][:, sp.slots], sp.cache.v[i][:, sp.slots] = k_rot[:, sp.rows], v[:, sp.rows]
+        sp.cache.k[own][:, sp.slots], sp.cache.v[own][:, sp.slots] = k_rot[:, sp.rows], v[:, sp.rows]
         k_cache, v_cache = sp.cache.k[src], sp.cache.v[src]  # [Hkv, cap, D]
         q_sp = q[:, sp.rows] if len(spans) > 1 else q
         plan = sp.plans[la.locality]

@@ -83,6 +83,12 @@ class LoadedModel:
     adapter: Adapter  # how each layer of this model's family computes (engine.family)
 
     @property
+    def kv_layers(self) -> int:
+        """Layers a decode cache holds K/V for: all of them, but a hybrid's attention layers only
+        (`Adapter.cache_layer`)."""
+        return self.adapter.kv_layers
+
+    @property
     def context_length(self) -> int | None:
         """Positions the model was trained to attend over (its config's max_position_embeddings):
         the longest prompt plus answer a request may have; None when the config names none."""

@@ -130,7 +130,7 @@ class Engine:
     def kv_bytes_per_token(self) -> int:
         """Bytes of decode cache (K and V, every layer) one token takes at the model's dtype."""
         lm = self.lm
-        return 2 * lm.num_layers * lm.num_kv_heads * lm.head_dim * lm.dtype.itemsize
+        return 2 * lm.kv_layers * lm.num_kv_heads * lm.head_dim * lm.dtype.itemsize
 
     @staticmethod
     def reads_chunk_kv(mode: Mode) -> bool:

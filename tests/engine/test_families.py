@@ -308,6 +308,9 @@ def test_hybrids_serve_full_and_refuse_chunk_kv_modes_by_name(tmp_path_factory, 
     prefix, chunk_ids, q_ids = fmt.prefix_ids(), [fmt.chunk_ids(t) for t in TEXTS[:2]], fmt.question_ids(QUESTIONS[0])
     res = engine.run(Prompt(q_ids, prefix, chunk_ids, None), Mode.FULL)
     assert torch.isfinite(res.logits).all() and res.cache.recurrent is not None
+    attending = lm.num_layers - len(lm.adapter.recurrent_layers)  # the cache holds the attention layers only
+    assert res.cache.k.shape[0] == lm.kv_layers == attending == 2
+    assert engine.kv_bytes_per_token == 2 * attending * lm.num_kv_heads * lm.head_dim * 4
     for mode in set(Mode) - {Mode.FULL}:
         with pytest.raises(UnsupportedModelError, match=f"mode '{mode.value}' cannot serve .* recurrent"):
             engine.run(Prompt(q_ids, prefix, chunk_ids, None), mode)

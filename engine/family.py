@@ -176,17 +176,15 @@ FAMILIES.update({f.model_type: f for f in (
            .replace("grouped routing", "its own routing")),
 )})
 
-# Refused by name, with what serving it would take (docs/models.md).
-REFUSED: dict[str, str] = {
-    "gemma3": "the multimodal Gemma 3 (4B and up) wraps its text model in a vision-language model; serve a "
-              "text-only checkpoint (model_type gemma3_text, as gemma-3-1b-it) or its extracted language model",
+# Multimodal checkpoints (the model types people download: Gemma 3 from 4B up, Gemma 4,
+# Qwen3.5) are served as their language model: the text model's class, its weights read out of
+# the checkpoint (`engine.loading`), the vision and audio towers left on disk.
+LANGUAGE_MODELS: dict[str, str] = {
+    "gemma3": "Gemma3ForCausalLM",
+    "gemma4": "Gemma4ForCausalLM",
+    "qwen3_5": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
 }
-REFUSED["gemma4"] = ("the multimodal Gemma 4 wraps a vision and audio model around its language model; serve "
-                     "the language model alone (model_type gemma4_text)")
-for _vl in ("qwen3_5", "qwen3_5_moe"):
-    REFUSED[_vl] = (f"the multimodal {_vl} wraps a vision model around its language model; serve the language "
-                    f"model alone (model_type {_vl}_text)")
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -601,13 +599,13 @@ def family_of(config: Any) -> Family:
     """The family serving config's architecture.
 
     Raises:
-        UnsupportedModelError: naming the architecture (and, for a known one, what it would take).
+        UnsupportedModelError: naming the architecture and the ones served.
     """
     model_type = getattr(config, "model_type", None)
-    if model_type in REFUSED:
-        raise UnsupportedModelError(f"model type {model_type!r} is not supported: {REFUSED[model_type]}")
+    if model_type in LANGUAGE_MODELS:  # a multimodal checkpoint: its language model is what is served
+        return family_of(config.get_text_config())
     if model_type not in FAMILIES:
         raise UnsupportedModelError(
-            f"model type {model_type!r} is not supported; ragkv serves RoPE decoders of types "
+            f"model type {model_type!r} is not supported; ragkv serves decoders of types "
             f"{', '.join(sorted(FAMILIES))} (docs/models.md says how to add one)")
     return FAMILIES[model_type]

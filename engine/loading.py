@@ -27,7 +27,7 @@ from ragkv.engine.fingerprint import (
     tokenizer_fingerprint,
     weights_digest,
 )
-from ragkv.engine.family import FAMILIES, Adapter, Family, config_value, family_of
+from ragkv.engine.family import FAMILIES, LANGUAGE_MODELS, Adapter, Family, config_value, family_of
 from ragkv.errors import ModelLoadError, UnsupportedModelError
 from ragkv.types import DType
 
@@ -136,7 +136,7 @@ def load_model(spec: str = DEFAULT_MODEL, device: str | torch.device | None = No
     torch_dtype = resolve_dtype(dtype, dev)
     model_dir = resolve_model_dir(spec)
 
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     try:
         config = AutoConfig.from_pretrained(model_dir)
@@ -145,7 +145,7 @@ def load_model(spec: str = DEFAULT_MODEL, device: str | torch.device | None = No
     family = check_supported(config)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = _from_pretrained(AutoModelForCausalLM, model_dir, torch_dtype)
+        model = _from_pretrained(_causal_lm_class(config), model_dir, torch_dtype)
     except Exception as exc:
         raise ModelLoadError(f"cannot load model weights or tokenizer from {model_dir}: {exc}") from exc
     model = model.to(dev).eval()
@@ -157,24 +157,43 @@ def load_model(spec: str = DEFAULT_MODEL, device: str | torch.device | None = No
     return LoadedModel(
         spec=spec, model_dir=model_dir, model=model, tokenizer=tokenizer, fingerprint=fp,
         tokenizer_fingerprint=tok_fp, device=dev, dtype=torch_dtype,
-        num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
+        num_layers=model.config.num_hidden_layers, num_heads=model.config.num_attention_heads,
         num_kv_heads=adapter.num_kv_heads, head_dim=adapter.head_dim,
         eos_token_ids=_eos_ids(model, tokenizer), adapter=adapter,
     )
 
 
-def _from_pretrained(auto_cls: Any, model_dir: Path, dtype: torch.dtype) -> Any:
+def _causal_lm_class(config: Any) -> Any:
+    """The class that loads the served model: AutoModelForCausalLM, or for a multimodal
+    checkpoint its language model's class (`family.LANGUAGE_MODELS`)."""
+    import transformers
+
+    name = LANGUAGE_MODELS.get(getattr(config, "model_type", None))
+    return getattr(transformers, name) if name else transformers.AutoModelForCausalLM
+
+
+# a multimodal checkpoint holds its language model under model.language_model.* (or, as the
+# published Gemma 3 checkpoints do, language_model.model.* and language_model.lm_head.*); the
+# text model's class reads them as model.* and lm_head.*
+_LANGUAGE_MODEL_KEYS = {r"^model\.language_model\.": "model.", r"^language_model\.model\.": "model.",
+                        r"^language_model\.lm_head\.": "lm_head."}
+
+
+def _from_pretrained(model_cls: Any, model_dir: Path, dtype: torch.dtype) -> Any:
     """The model with SDPA attention where transformers has it, else eager (Gemma 2, gpt-oss).
 
     ragkv runs its own attention (engine.forward); transformers' own is only the reference
     that `ragkv check-model` compares against.
     """
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if model_cls.__name__ in LANGUAGE_MODELS.values():
+        kwargs["key_mapping"] = _LANGUAGE_MODEL_KEYS
     try:
-        return auto_cls.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+        return model_cls.from_pretrained(model_dir, attn_implementation="sdpa", **kwargs)
     except ValueError as exc:
         if "scaled_dot_product_attention" not in str(exc):
             raise
-        return auto_cls.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
+        return model_cls.from_pretrained(model_dir, attn_implementation="eager", **kwargs)
 
 
 def check_supported(config: Any) -> Family:
@@ -186,6 +205,7 @@ def check_supported(config: Any) -> Family:
     family = family_of(config)
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError("encoder-decoder models are not supported")
+    config = config.get_text_config()  # a multimodal checkpoint's language model (the config itself otherwise)
     heads = config.num_attention_heads
     kv_heads = config_value(config, "num_key_value_heads") or heads
     if heads % kv_heads:

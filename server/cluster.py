@@ -247,11 +247,14 @@ def _served_modes(model_spec: str | None) -> frozenset[Mode]:
     import json
     from pathlib import Path
 
-    from ragkv.engine.family import FAMILIES
+    from ragkv.engine.family import FAMILIES, LANGUAGE_MODELS
 
     config = Path(model_spec).expanduser() / "config.json" if model_spec else None
     if config is not None and config.is_file():
-        family = FAMILIES.get(json.loads(config.read_text()).get("model_type"))
+        data = json.loads(config.read_text())
+        if data.get("model_type") in LANGUAGE_MODELS:  # a multimodal checkpoint: its language model is served
+            data = data.get("text_config") or {}
+        family = FAMILIES.get(data.get("model_type"))
         if family is not None and family.recurrent:
             return frozenset({Mode.FULL})
     return frozenset(Mode)

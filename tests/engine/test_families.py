@@ -204,21 +204,36 @@ def test_every_mode_serves_every_family(tmp_path_factory, name):
             assert res.used_chunks
 
 
-@pytest.mark.parametrize("config_cls, reason", [
-    ("Gemma4Config", "'gemma4' is not supported: the multimodal Gemma 4 wraps .*model_type gemma4_text"),
-    ("Qwen3_5Config", "'qwen3_5' is not supported: the multimodal qwen3_5 wraps a vision model"),
+_SMALL_VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+
+
+@pytest.mark.parametrize("arch, text, extra", [
+    ("Gemma3", "gemma3_text", {"vision_config": {**_SMALL_VISION, "image_size": 32, "patch_size": 16},
+                               "mm_tokens_per_image": 4}),
+    ("Gemma4", "gemma4_text", {"vision_config": _SMALL_VISION, "audio_config": None}),
+    ("Qwen3_5", "qwen3_5_text", {"vision_config": {"depth": 1, "hidden_size": 32, "intermediate_size": 64,
+                                                   "num_heads": 2, "out_hidden_size": 64}}),
 ])
-def test_families_the_layer_function_cannot_express_are_refused_with_the_reason(config_cls, reason):
-    """The multimodal Gemma 4 and Qwen3.5 are served as their language models."""
+def test_a_multimodal_checkpoint_is_served_as_its_language_model(tmp_path, arch, text, extra):
+    """The checkpoints people download (Gemma 3 from 4B up, Gemma 4, Qwen3.5) are vision(-audio)
+    models: ragkv loads their language model's weights out of them (Gemma 3's in the published
+    layout, language_model.model.*), the towers left on disk, and serves it through the gate."""
     import transformers
 
-    from ragkv.engine.loading import check_supported
-    from ragkv.errors import UnsupportedModelError
+    text_dir = tiny_model_dir(tmp_path / "text", text, family=True, tie_word_embeddings=arch.startswith("Gemma"))
+    config = getattr(transformers, f"{arch}Config")(
+        text_config=transformers.AutoConfig.from_pretrained(text_dir).to_dict(), **extra)
+    torch.manual_seed(0)
+    vl = getattr(transformers, f"{arch}ForConditionalGeneration")(config).eval()
+    vl.save_pretrained(tmp_path / "vl")
+    transformers.AutoTokenizer.from_pretrained(text_dir).save_pretrained(tmp_path / "vl")
 
-    config = getattr(transformers, config_cls)(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                               head_dim=16, num_hidden_layers=2)
-    with pytest.raises(UnsupportedModelError, match=reason):
-        check_supported(config)
+    lm = load_model(str(tmp_path / "vl"), device="cpu", dtype="float32")
+    assert lm.adapter.family.model_type == text
+    theirs, ours = dict(vl.model.language_model.named_parameters()), dict(lm.model.model.named_parameters())
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
+    assert torch.equal(vl.lm_head.weight, lm.model.lm_head.weight)
+    assert all(c.passed for c in check_model(lm, quick=True))
 
 
 def test_chunked_attention_layers_see_only_their_own_chunk(tmp_path_factory):

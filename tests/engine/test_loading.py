@@ -59,14 +59,6 @@ def test_unsupported_architecture_is_refused(tmp_path):
         load_model(str(d))
 
 
-def test_a_multimodal_wrapper_is_refused_by_name_with_what_to_serve_instead(tmp_path):
-    d = tmp_path / "qwen3.5"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "num_hidden_layers": 2}))
-    with pytest.raises(UnsupportedModelError, match="'qwen3_5' is not supported: .*model_type qwen3_5_text"):
-        load_model(str(d))
-
-
 def test_bad_dtype_names_the_choices(tiny_llama_dir):
     with pytest.raises(ValueError, match="dtype 'float8'"):
         load_model(str(tiny_llama_dir), dtype="float8")

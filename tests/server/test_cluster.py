@@ -344,11 +344,14 @@ def test_retries_end_unavailable_when_every_replica_dies() -> None:
 def test_the_ingress_serves_a_hybrids_one_mode(tmp_path: Path) -> None:
     """The ingress never loads the model: it reads a model directory's type, and a hybrid's
     replicas serve FULL only (its default mode falls back to it, others are refused there)."""
-    hybrid, dense = tmp_path / "hybrid", tmp_path / "dense"
+    hybrid, dense, multimodal = tmp_path / "hybrid", tmp_path / "dense", tmp_path / "qwen3.5"
     for d, model_type in ((hybrid, "qwen3_next"), (dense, "llama")):
         d.mkdir()
         (d / "config.json").write_text(json.dumps({"model_type": model_type}))
-    assert cluster._served_modes(str(hybrid)) == {Mode.FULL}
+    multimodal.mkdir()
+    (multimodal / "config.json").write_text(json.dumps({"model_type": "qwen3_5",
+                                                        "text_config": {"model_type": "qwen3_5_text"}}))
+    assert cluster._served_modes(str(hybrid)) == {Mode.FULL} == cluster._served_modes(str(multimodal))
     assert cluster._served_modes(str(dense)) == set(Mode)
     assert cluster._served_modes("smollm2-135m-instruct") == set(Mode)  # a shipped name: not a hybrid
     assert cluster._served_modes(None) == set(Mode)

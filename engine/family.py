@@ -5,16 +5,20 @@ differs between architectures is said here, once per family, and read through an
 `Adapter` built for the loaded model:
 
 - how a layer computes pre-RoPE Q, K and V (separate or fused projections, q/k norms
-  per head or over the whole projection);
+  per head or over the whole projection, before RoPE or after it (Hunyuan: folded into
+  the query), gated attention (Qwen3-Next), latent attention stored as its latent
+  (DeepSeek), Gemma 4's layers of different widths in one cache);
 - how the residual stream goes: which norms sit before and after attention and the
   MLP (pre-norm, Gemma's sandwich, OLMo 2's post-norm, Cohere's parallel block), and
   Granite's multipliers;
 - the MLP or mixture-of-experts block (it runs on the active tokens only, so selective
   recompute never sends the other tokens through the experts);
-- per layer: its attention (scale, sliding window, logit soft-capping, sinks) and which
-  rotary table it uses (Gemma 3's local and global tables, SmolLM3's no-RoPE layers);
+- per layer: its attention (scale, sliding window or attention chunk, logit
+  soft-capping, sinks), which rotary table it uses (Gemma 3's local and global tables,
+  SmolLM3's and Llama 4's no-RoPE layers), whose KV it reads (Gemma 4's shared layers),
+  or the recurrent module it has instead (hybrids: Gated DeltaNet, Mamba-2);
 - the embedding and the logits (Granite's multipliers, Cohere's logit scale, Gemma's
-  final soft-capping).
+  final soft-capping, Gemma 4's per-layer inputs).
 
 To add a family: a `Family` entry in `FAMILIES` and its tiny test config in
 `evals.testing.FAMILY_CONFIGS` (tests/engine/test_families.py runs every one), nothing

@@ -86,28 +86,20 @@ def _build_index(out: Path, model: str, device: str | None, dtype: str | None, t
     return index
 
 
-def _topics(index: Path) -> list[list[str]]:
-    """Each document's chunk texts: a topic."""
+def _topics(index: Path) -> tuple[list[list[str]], int]:
+    """Each document's chunk texts (a topic), and the index's chunk tokens in all."""
     from ragkv.retriever.chunk_db import ChunkDB
 
     db = ChunkDB.open(index, readonly=True)
+    tokens = 0
     try:
         by_doc: dict[str, list[str]] = defaultdict(list)
         for rec in db.iter_chunks():
             by_doc[rec.doc_id].append(rec.text)
+            tokens += len(rec.token_ids)
     finally:
         db.close()
-    return [by_doc[d] for d in sorted(by_doc)]
-
-
-def _index_tokens(index: Path) -> int:
-    from ragkv.retriever.chunk_db import ChunkDB
-
-    db = ChunkDB.open(index, readonly=True)
-    try:
-        return sum(len(rec.token_ids) for rec in db.iter_chunks())
-    finally:
-        db.close()
+    return [by_doc[d] for d in sorted(by_doc)], tokens
 
 
 def _workload(topics: list[list[str]], n: int, agent_every: int, zipf_s: float, seed: int) -> list[tuple]:
@@ -282,8 +274,8 @@ def run_cluster_bench(args) -> int:  # noqa: ANN001 - argparse.Namespace from cl
     with tempfile.TemporaryDirectory(prefix="ragkv-cluster-") as tmp:
         index = args.index or _build_index(Path(tmp), args.model, args.device, args.dtype, args.topics)
         kv_bytes = sum(f.stat().st_size for f in (index / "kv").rglob("*") if f.is_file())
-        topics = _topics(index)
-        cpu_tokens = int(_index_tokens(index) * args.cpu_share)  # one replica's CPU tier, in chunk tokens
+        topics, index_tokens = _topics(index)
+        cpu_tokens = int(index_tokens * args.cpu_share)  # one replica's CPU tier, in chunk tokens
         items = _workload(topics, args.requests, args.agent_every, args.zipf, seed=0)
         import socket
 

@@ -101,6 +101,11 @@ _HYBRID_NOTES = ("hybrid: {mixer} layers, the model's own module with its conv a
                  "full attention {every} layer (gated output, per-head q/k norm, partial rotary); FULL mode only, "
                  "the KV tree holding the recurrent state where prompts end")
 
+_MLA_NOTES = ("multi-head latent attention stored as its latent: one KV head of [RoPE key; normed c_kv] "
+              "(qk_rope_head_dim + kv_lora_rank per token, re-rotated on its RoPE part only), the key "
+              "up-projection absorbed into the query and the value up-projection into the output; "
+              "interleaved RoPE; yarn mscale; MoE with shared experts and grouped routing after dense first layers")
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", notes="pre-norm; Llama 3 rope scaling through the model's rotary module"),
     Family("mistral", notes="sliding window on every layer when configured"),
@@ -167,18 +172,12 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("hunyuan_v1_dense", qk_norm=QKNorm.AFTER_ROPE, q_norm="query_layernorm", k_norm="key_layernorm",
            notes="per-head q/k RMSNorm after RoPE: keys stored normalized without the norm's weight (exact "
            "re-rotation), both weights folded into the rotated query; NTK-alpha rope scaling"),
-)}
-
-_MLA_NOTES = ("multi-head latent attention stored as its latent: one KV head of [RoPE key; normed c_kv] "
-              "(qk_rope_head_dim + kv_lora_rank per token, re-rotated on its RoPE part only), the key "
-              "up-projection absorbed into the query and the value up-projection into the output; "
-              "interleaved RoPE; yarn mscale; MoE with shared experts and grouped routing after dense first layers")
-FAMILIES.update({f.model_type: f for f in (
     Family("deepseek_v3", mla=True, notes=_MLA_NOTES),
     Family("deepseek_v2", mla=True, rope_interleaved=True, rope_complex=True,
            notes=_MLA_NOTES.replace("interleaved RoPE; yarn mscale", "interleaved RoPE from complex frequencies")
            .replace("grouped routing", "its own routing")),
-)})
+)}
+
 
 # Multimodal checkpoints (the model types people download: Gemma 3 from 4B up, Gemma 4,
 # Qwen3.5) are served as their language model: the text model's class, its weights read out of
@@ -239,7 +238,8 @@ class Adapter:
         # each layer's place in a decode cache: a hybrid's recurrent layers have none (-1), so its
         # cache holds its attention layers only
         attending = [i for i in range(len(self.layers)) if i not in self.recurrent_layers]
-        self.cache_layer = tuple(attending.index(i) if i in attending else -1 for i in range(len(self.layers)))
+        slot = {layer: n for n, layer in enumerate(attending)}
+        self.cache_layer = tuple(slot.get(i, -1) for i in range(len(self.layers)))
         self.kv_layers = len(attending)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = config_value(cfg, "num_key_value_heads") or cfg.num_attention_heads

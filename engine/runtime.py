@@ -64,7 +64,6 @@ class Engine:
 
     def __init__(self, lm: LoadedModel, system_prompt: str = DEFAULT_SYSTEM_PROMPT, tree_bytes: int = 0) -> None:
         self.lm = lm
-        self.tree = KVTree(0)
         self.use_tree(tree_bytes)
         self.speed = EngineSpeed()  # its measured rates: chunk prefill, prompt work (engine.speed)
         self.prompt = PromptFormat.for_tokenizer(lm.tokenizer, system_prompt)

@@ -255,17 +255,19 @@ def _block_layout(head: FileHead, block: int) -> _BlockLayout | None:
     v_is_k = "v" not in layout and head.meta.get("v_is_k") == "true"  # one latent as both (MLA): k's stream only
     if head.header.compression is not Compression.NONE or "k" not in layout or ("v" not in layout and not v_is_k):
         return None
-    (_, _, k_start, k_end) = layout["k"]
-    (_, _, v_start, v_end) = (None, None, k_end, k_end + 1) if v_is_k else layout["v"]
+    _, _, k_start, k_end = layout["k"]
     others_end = max((e for n, (_, _, _, e) in layout.items() if n not in ("k", "v")), default=0)
     num_layers = head.header.shape[0]
-    if not (others_end <= k_start < k_end <= v_start < v_end) or num_layers < 1:
+    if not others_end <= k_start < k_end or num_layers < 1:
         return None
     per_layer = (k_end - k_start) // num_layers
     k_blocks = [(k_start + (i + 1) * per_layer - 1) // block for i in range(num_layers)]
     if v_is_k:  # v's layers are k's blocks; the "v stream" starts past the last block and reads nothing
         v_blocks, v_first = k_blocks, (k_end - 1) // block + 1
     else:
+        _, _, v_start, v_end = layout["v"]
+        if not k_end <= v_start < v_end:
+            return None
         v_blocks = [(v_start + (i + 1) * per_layer - 1) // block for i in range(num_layers)]
         v_first = v_start // block
     prelude = (others_end - 1) // block if others_end else -1

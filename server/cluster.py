@@ -31,6 +31,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import signal
 import threading
 import time
 from collections import OrderedDict
@@ -243,21 +244,24 @@ def _keys_of(pending: PendingRequest | None) -> RouteKeys:
 
 def _served_modes(model_spec: str | None) -> frozenset[Mode]:
     """The modes the replicas' model serves, known at the ingress without loading it: a
-    hybrid's (recurrent layers) is FULL only, read from an HF model directory's config.json."""
-    import json
+    hybrid's (recurrent layers) is FULL only, read from an HF model directory's config.
+    Anything else (a shipped name, a GGUF, a model ragkv does not serve) gets every mode here;
+    the replicas load it, and refuse what they cannot serve."""
     from pathlib import Path
 
-    from ragkv.engine.family import FAMILIES, LANGUAGE_MODELS
+    from transformers import AutoConfig
 
-    config = Path(model_spec).expanduser() / "config.json" if model_spec else None
-    if config is not None and config.is_file():
-        data = json.loads(config.read_text())
-        if data.get("model_type") in LANGUAGE_MODELS:  # a multimodal checkpoint: its language model is served
-            data = data.get("text_config") or {}
-        family = FAMILIES.get(data.get("model_type"))
-        if family is not None and family.recurrent:
-            return frozenset({Mode.FULL})
-    return frozenset(Mode)
+    from ragkv.engine.family import family_of
+    from ragkv.errors import UnsupportedModelError
+
+    path = Path(model_spec).expanduser() if model_spec else None
+    if path is None or not (path / "config.json").is_file():
+        return frozenset(Mode)
+    try:
+        family = family_of(AutoConfig.from_pretrained(path))
+    except UnsupportedModelError:
+        return frozenset(Mode)
+    return frozenset({Mode.FULL}) if family.recurrent else frozenset(Mode)
 
 
 
@@ -500,6 +504,7 @@ def start(settings: ServerSettings, cluster: ClusterSettings, *, blocking: bool 
     import ray
 
     if not ray.is_initialized():
+        _signal_handlers.setdefault(signal.SIGTERM, signal.getsignal(signal.SIGTERM))  # ray.init installs its own
         ray.init(address=cluster.ray_address, include_dashboard=False, log_to_driver=False,
                  **({} if cluster.ray_address else {"num_cpus": max(os.cpu_count() or 1, cluster.replicas + 1)}))
     serve.start(  # a proxy on every node: a load balancer may send a request to any of them
@@ -521,6 +526,13 @@ def stop() -> None:
 
     serve.shutdown()
     ray.shutdown()
+    # what this process did on SIGTERM before Ray (a bench or a test goes on after); only the
+    # main thread may set a handler
+    while _signal_handlers and threading.current_thread() is threading.main_thread():
+        signal.signal(*_signal_handlers.popitem())
+
+
+_signal_handlers: dict[signal.Signals, Any] = {}  # signal -> this process's handler before `start`'s ray.init
 
 
 __all__ = ["ASKED_FIELDS", "Asked", "ChunkRouter", "ClusterSettings", "EngineReplica", "Ingress", "build_app",

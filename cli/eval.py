@@ -68,7 +68,11 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                    help="blend: how the recompute budget spreads: global (the best tokens anywhere) or chunk "
                         "(each chunk its length's share); comma list to compare")
     p.add_argument("--check-layer", type=int, default=1, help="deviation: check layer (default 1)")
-    p.add_argument("--sink-tokens", type=int, default=0, help="always recompute each chunk's first tokens")
+    p.add_argument("--sink-tokens", default="0",
+                   help="always recompute each chunk's first tokens (EPIC); comma list to compare (default 0)")
+    p.add_argument("--score-layers", default="mid", metavar="mid|L+L[,...]",
+                   help="query selector: the layers whose attention scores tokens, joined by + (negative: from "
+                        "the top), averaged; mid = the middle layer; comma list to compare (default mid)")
     p.add_argument("--window", type=int, default=1, help="recompute whole windows of this many tokens")
     p.add_argument("--adaptive-mass", type=float, default=None,
                    help="recompute the fewest tokens holding this share of the selector's score")
@@ -86,6 +90,10 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                    help="focus handover: hand over only when the two runners-up score on average at least S "
                         "x the best (0 = whenever several are kept); comma list (default: ragkv serve's "
                         "--focus-spread)")
+    p.add_argument("--focus-lookup-ratio", default=None, metavar="R[,R]",
+                   help="focus answering a lookup over neighbour KV: the share of its kept chunks' tokens "
+                        "recomputed (1 = all: exact over them; 'request' = the --ratio); comma list (default: "
+                        "ragkv serve's --focus-lookup-ratio)")
     p.add_argument("--cases-out", type=Path, metavar="FILE.jsonl",
                    help="write one JSON line per case: each method's answer, scores, TTFT and, for focus, "
                         "the chunks kept and every chunk's relevance")
@@ -119,10 +127,31 @@ def served_defaults(args: argparse.Namespace) -> argparse.Namespace:
     served = ServerSettings()
     focus = served.focus()
     for dest, value in (("ratio", f"{served.default_recompute_ratio:g}"), ("focus_keep", f"{focus.keep:g}"),
-                        ("focus_handover", "on" if focus.handover else "off"), ("focus_spread", f"{focus.spread:g}")):
+                        ("focus_handover", "on" if focus.handover else "off"), ("focus_spread", f"{focus.spread:g}"),
+                        ("focus_lookup_ratio", "request" if focus.lookup_ratio is None else f"{focus.lookup_ratio:g}")):
         if getattr(args, dest, None) is None:
             setattr(args, dest, value)
     return args
+
+
+def _score_layers(value: str) -> tuple[int, ...] | None:
+    """One --score-layers entry: `mid` (None: the middle layer) or layers joined by +."""
+    if value.strip() == "mid":
+        return None
+    try:
+        return tuple(int(x) for x in value.split("+"))
+    except ValueError:
+        raise ValueError(f"--score-layers takes 'mid' or layers joined by + (e.g. 8+15+22), got {value!r}") from None
+
+
+def _lookup_ratio(value: str) -> float | None:
+    """One --focus-lookup-ratio entry: a ratio in [0, 1], or `request` (the request's --ratio)."""
+    if value.strip() == "request":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"--focus-lookup-ratio takes ratios in [0, 1] or 'request', got {value!r}") from None
 
 
 def _on_off(value: str, option: str) -> bool:
@@ -137,6 +166,8 @@ def _methods(args: argparse.Namespace):
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     ratios = [float(r) for r in args.ratio.split(",")]
+    sink_list = [int(x) for x in str(args.sink_tokens).split(",")]
+    layer_sets = [_score_layers(x) for x in args.score_layers.split(",")]
     selectors = [s.strip() for s in args.selector.split(",")]
     methods = []
     for mode in modes:
@@ -148,16 +179,21 @@ def _methods(args: argparse.Namespace):
             keeps = [float(k) for k in args.focus_keep.split(",")]
             handovers = [_on_off(h, "--focus-handover") for h in args.focus_handover.split(",")]
             spreads = [float(x) for x in args.focus_spread.split(",")]
+            lookups = [_lookup_ratio(x) for x in args.focus_lookup_ratio.split(",")]
             variants = [(h, sp) for h in handovers for sp in (spreads if h else [0.0])]  # spread: handover only
             for handover, sp in variants:
                 for keep in keeps:
                     for r in ratios:
-                        opts = BlendOptions(recompute_ratio=r, selector=selectors[0],
-                                            focus=FocusOptions(keep=keep, handover=handover, spread=sp))
-                        name = ("focus" + ("-handover" if handover and len(handovers) > 1 else "")
-                                + (f"-s{sp:g}" if handover and len(spreads) > 1 else "")
-                                + (f"-{keep:g}" if len(keeps) > 1 else "") + (f"-r{r:g}" if len(ratios) > 1 else ""))
-                        methods.append(Method(name, bm, opts))
+                        for lk in lookups:
+                            opts = BlendOptions(recompute_ratio=r, selector=selectors[0], sink_tokens=sink_list[0],
+                                                score_layers=layer_sets[0],
+                                                focus=FocusOptions(keep=keep, handover=handover, spread=sp,
+                                                                   lookup_ratio=lk))
+                            name = ("focus" + ("-handover" if handover and len(handovers) > 1 else "")
+                                    + (f"-s{sp:g}" if handover and len(spreads) > 1 else "")
+                                    + (f"-{keep:g}" if len(keeps) > 1 else "") + (f"-r{r:g}" if len(ratios) > 1 else "")
+                                    + (f"-lookup{'r' if lk is None else f'{lk:g}'}" if len(lookups) > 1 else ""))
+                            methods.append(Method(name, bm, opts))
             continue
         if bm is not Mode.BLEND:
             methods.append(Method(mode, bm))
@@ -166,12 +202,17 @@ def _methods(args: argparse.Namespace):
         for sel in selectors:
             for budget in budgets:
                 for r in ratios:
-                    opts = BlendOptions(recompute_ratio=r, selector=sel, check_layer=args.check_layer,
-                                        sink_tokens=args.sink_tokens, window=args.window, budget=budget,
-                                        adaptive_mass=args.adaptive_mass, fallback_full=args.fallback_full)
-                    name = "blend" if len(selectors) == len(ratios) == len(budgets) == 1 else (
-                        f"blend-{sel}-{r:g}" + (f"-{budget}" if len(budgets) > 1 else ""))
-                    methods.append(Method(name, bm, opts))
+                    for sinks in sink_list:
+                        for layers in layer_sets:
+                            opts = BlendOptions(recompute_ratio=r, selector=sel, check_layer=args.check_layer,
+                                                sink_tokens=sinks, window=args.window, budget=budget,
+                                                adaptive_mass=args.adaptive_mass, fallback_full=args.fallback_full,
+                                                score_layers=layers)
+                            name = "blend" if len(selectors) == len(ratios) == len(budgets) == 1 else (
+                                f"blend-{sel}-{r:g}" + (f"-{budget}" if len(budgets) > 1 else ""))
+                            name += (f"-sink{sinks}" if len(sink_list) > 1 else "") + (
+                                f"-L{'+'.join(map(str, layers)) if layers else 'mid'}" if len(layer_sets) > 1 else "")
+                            methods.append(Method(name, bm, opts))
     return methods
 
 

@@ -51,6 +51,9 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
                             "neighbour index's neighbour KV); off: it blends over the kept ones (default on)"),
     ("focus_spread", float, "with --focus-handover on: hand over only when the two runners-up score on average at "
                             "least this x the best, [0, 1]; 0 = whenever several are kept (default 0.7)"),
+    ("focus_lookup_ratio", float, "focus answering a lookup over a neighbour index's KV (no handover): the share of "
+                                  "its kept chunks' tokens recomputed, [0, 1]; 1 = all of them, exact over those "
+                                  "chunks (default: the request's recompute ratio)"),
     ("quality_guard_mass", float, "quality guard: blend runs a request as full prefill when holding this share of "
                                   "the question's attention needs more tokens than its recompute ratio, (0, 1] "
                                   "(default off; the fallbacks are the ragkv_quality_fallbacks_total metric)"),

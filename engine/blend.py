@@ -38,12 +38,12 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ragkv.types import Mode
-from ragkv.engine.focus import FocusOptions, chunk_relevance, focus_layers, pick_chunks, spread
+from ragkv.engine.focus import FocusOptions, focus_layers, pick_chunks, score_chunks, spread
 from ragkv.engine.forward import Keep, layer_steps, project_kv, span
 from ragkv.engine.kv import ChunkKV, KVCache, layers_pending
 from ragkv.engine.loading import LoadedModel
 from ragkv.engine.rope import RopeTables
-from ragkv.engine.select import Budget, question_attention, select_tokens, tokens_for_mass
+from ragkv.engine.select import Budget, layer_mean, question_attention, select_tokens, tokens_for_mass
 from ragkv.engine.tree import TreeContext, TreeLease
 from ragkv.engine.work import WaitFor, wait_for
 
@@ -62,7 +62,9 @@ class BlendOptions:
     recompute_ratio: float = 0.15  # fraction of chunk tokens recomputed (the most, when adaptive)
     selector: Selector = Selector.QUERY  # lowest KL to full at every ratio measured (docs/quality.md)
     check_layer: int = 1  # deviation: layers [0, check_layer) run for every chunk token, scored here
-    score_layer: int | None = None  # query: the layer whose attention scores tokens (None = middle)
+    # query: the layers whose attention scores tokens (negative: from the top), each layer's
+    # normalized to sum 1 and averaged (`select.layer_mean`); None = the middle layer
+    score_layers: tuple[int, ...] | None = None
     sink_tokens: int = 0  # the first tokens of every chunk are always picked (within the budget)
     window: int = 1  # pick whole windows of this many tokens (CacheClip grouping); 1 = tokens
     budget: Budget = Budget.GLOBAL  # spread the picks over the whole context, or per chunk
@@ -93,6 +95,10 @@ class BlendOptions:
         if self.fallback_full and (self.adaptive_mass is None or self.selector is not Selector.QUERY):
             raise ValueError("fallback_full needs adaptive_mass and the query selector: the guard reads "
                              "how much of the question's attention the budget holds")
+        if self.score_layers is not None:
+            if not self.score_layers:
+                raise ValueError("score_layers is empty: name at least one layer, or None for the middle one")
+            object.__setattr__(self, "score_layers", tuple(int(i) for i in self.score_layers))
         if self.sink_tokens < 0 or self.window < 1:
             raise ValueError(f"sink_tokens must be >= 0 and window >= 1, got {self.sink_tokens}, "
                              f"{self.window}")
@@ -246,22 +252,26 @@ def _assemble(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV]
     return _Assembled(mode, ids, p, n - q_ids.shape[0], cache, rope_all, timer)
 
 
+def _score_layers(lm: LoadedModel, options: BlendOptions) -> list[int]:
+    """The layers whose attention the query selector reads (the middle global layer by default)."""
+    if options.score_layers is None:
+        return lm.adapter.scoring_layers([lm.num_layers // 2])
+    return sorted({i % lm.num_layers for i in options.score_layers})
+
+
 def _query_blend_steps(lm: LoadedModel, a: _Assembled, prefix: ChunkKV | None, chunks: Sequence[ChunkKV],
                        options: BlendOptions, reserve_tokens: int,
-                       select_ids: Sequence[int] | torch.Tensor | None = None) -> PromptSteps:
-    """BLEND with the query selector: the question's attention picks the tokens first."""
+                       select_ids: Sequence[int] | torch.Tensor | None = None,
+                       scores: torch.Tensor | None = None) -> PromptSteps:
+    """BLEND with the query selector: the question's attention picks the tokens first.
+
+    Args:
+        scores: [C-P] the question's attention onto the chunk tokens at the scoring layer, when
+            focus's scoring pass has read it already (no second pass); None = run the pass here.
+    """
     p, c, n = a.p, a.c, a.n
-    score_layer = lm.adapter.scoring_layers([lm.num_layers // 2])[0] if options.score_layer is None \
-        else options.score_layer % lm.num_layers
-    if (w := wait_for(a.cache.pending(score_layer))) is not None:  # the scoring pass reads layers up to it
-        yield w
-    if select_ids is None:
-        scores = question_attention(lm, a.ids, a.cache, a.rope_all, c, [score_layer])[0, p:]  # [C-P]
-    else:  # the choosing tokens' K/V go where the question's will (the pass below overwrites them)
-        ids = torch.cat([a.ids[:c], torch.as_tensor(select_ids, dtype=torch.long).to(lm.device)])  # [C + A]
-        a.cache.ensure(ids.shape[0])
-        rope = lm.adapter.rotary(torch.arange(ids.shape[0], device=lm.device), _like(lm))
-        scores = question_attention(lm, ids, a.cache, rope, c, [score_layer])[0, p:]  # [C-P]
+    if scores is None:
+        scores = yield from _token_scores(lm, a, _score_layers(lm, options), select_ids)  # [C-P]
     a.timer.lap("score")
     if options.fallback_full and tokens_for_mass(scores, options.adaptive_mass) > round(
             options.recompute_ratio * (c - p)):
@@ -276,6 +286,21 @@ def _query_blend_steps(lm: LoadedModel, a: _Assembled, prefix: ChunkKV | None, c
         return (yield from _layers(lm, a, chunks, options, first_active=0))  # prefill does (same sums)
     pos = torch.cat([picked + p, torch.arange(c, n, device=lm.device)])  # [S]
     return (yield from _layers(lm, a, chunks, options, first_active=-1, pos=pos))
+
+
+def _token_scores(lm: LoadedModel, a: _Assembled, layers: Sequence[int],
+                  select_ids: Sequence[int] | torch.Tensor | None) -> Generator[WaitFor, None, torch.Tensor]:
+    """The query selector's pass: the choosing tokens' attention onto every chunk token, [C-P]."""
+    p, c = a.p, a.c
+    if (w := wait_for(a.cache.pending(max(layers)))) is not None:  # the pass reads layers up to it
+        yield w
+    if select_ids is None:
+        return layer_mean(question_attention(lm, a.ids, a.cache, a.rope_all, c, layers)[:, p:])  # [C-P]
+    # the choosing tokens' K/V go where the question's will (the pass that follows overwrites them)
+    ids = torch.cat([a.ids[:c], torch.as_tensor(select_ids, dtype=torch.long).to(lm.device)])  # [C + A]
+    a.cache.ensure(ids.shape[0])
+    rope = lm.adapter.rotary(torch.arange(ids.shape[0], device=lm.device), _like(lm))
+    return layer_mean(question_attention(lm, ids, a.cache, rope, c, layers)[:, p:])  # [C-P]
 
 
 def _layers(lm: LoadedModel, a: _Assembled, chunks: Sequence[ChunkKV], options: BlendOptions,
@@ -383,33 +408,53 @@ def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chu
         raise ValueError("question_ids is empty: the last prompt position must be a question token")
     timer = _PhaseTimer(lm.device)
     layers = lm.adapter.scoring_layers(focus_layers(lm.num_layers, options.focus.band))
-    top = max(layers)  # the scoring pass reads every chunk's layers [0, top]: wait for them off the scheduler
-    if (w := wait_for(layers_pending(chunks, top))) is not None:
-        yield w
+    # the pass also reads the query selector's layer, so a handover or a lookup that blends picks
+    # its tokens from it (a tempered context would score otherwise: it runs its own pass)
+    token_layers = _score_layers(lm, options) if options.selector is Selector.QUERY \
+        and options.context_temperature == 1.0 else []
+    top = max([*layers, *token_layers])
+    if (w := wait_for(layers_pending(chunks, top))) is not None:  # the pass reads every chunk's layers [0, top]
+        yield w  # (waited for off the scheduler)
     choosing = q_ids if select_ids is None else torch.as_tensor(select_ids, dtype=torch.long)  # [A]
-    relevance = chunk_relevance(lm, prefix, chunks, choosing, layers)
+    scored = score_chunks(lm, prefix, chunks, choosing, layers, token_layers)
+    relevance = scored.relevance
     kept = pick_chunks(relevance, options.focus.keep)
     timer.lap("focus")
     yield q_ids.numel()  # the scoring pass
     handover = options.focus.handover and len(kept) > 1 and spread(relevance) >= options.focus.spread
+    inner, sub, tokens = Mode.BLEND, options, scored.tokens
     if handover:  # several passages matter: keep them all, blended
         kept = list(range(len(chunks)))
-        res = yield from prompt_steps(lm, prefix, chunks, q_ids, Mode.BLEND, options, reserve_tokens, select_ids)
     elif any(chunks[i].after_context for i in kept):
-        # KV computed after neighbours this prompt does not hold: recompute the kept chunks (the
-        # prompt is then the prefix, those chunks and the question, exactly as full prefill)
-        exact = replace(options, recompute_ratio=1.0)
-        res = yield from prompt_steps(lm, prefix, [chunks[i] for i in kept], q_ids, Mode.BLEND, exact,
-                                      reserve_tokens, select_ids)
-    else:  # one kept chunk's plain KV is exact: reused; several: blended
-        inner = Mode.REUSE if len(kept) == 1 else Mode.BLEND
-        res = yield from prompt_steps(lm, prefix, [chunks[i] for i in kept], q_ids, inner, options, reserve_tokens,
-                                      select_ids)
+        # a lookup over KV computed after neighbours this prompt does not hold: its kept chunks are
+        # blended at the lookup ratio (1.0: recomputed, the prompt then is full prefill of the
+        # prefix, those chunks and the question)
+        ratio = options.focus.lookup_ratio
+        sub = replace(options, recompute_ratio=options.recompute_ratio if ratio is None else ratio)
+    else:  # plain KV: one kept chunk's is exact, reused; several are blended, scored over themselves
+        inner, tokens = (Mode.REUSE if len(kept) == 1 else Mode.BLEND), None
+    res = yield from _run_kept(lm, prefix, chunks, kept, q_ids, inner, sub, reserve_tokens, select_ids, tokens)
     res.mode, res.used_chunks, res.handed_over = Mode.FOCUS, tuple(kept), handover
     res.chunk_scores = tuple(round(float(r), 4) for r in relevance)
     res.n_chunk_tokens = sum(ch.num_tokens for ch in chunks)
     res.timings = {**timer.phases, **res.timings}
     return res
+
+
+def _run_kept(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV], kept: Sequence[int],
+              q_ids: torch.Tensor, mode: Mode, options: BlendOptions, reserve_tokens: int,
+              select_ids: Sequence[int] | torch.Tensor | None, tokens: torch.Tensor | None) -> PromptSteps:
+    """The prompt over the kept chunks (in prompt order) in `mode`; a query blend picks its tokens from
+    `tokens` ([C-P] over every chunk, focus's pass), sliced to the kept chunks, when it is given."""
+    sub = [chunks[i] for i in kept]
+    if mode is not Mode.BLEND or options.selector is not Selector.QUERY or tokens is None:
+        return (yield from prompt_steps(lm, prefix, sub, q_ids, mode, options, reserve_tokens, select_ids))
+    starts = [0]
+    for ch in chunks:
+        starts.append(starts[-1] + ch.num_tokens)
+    scores = tokens if len(sub) == len(chunks) else torch.cat([tokens[starts[i]:starts[i + 1]] for i in kept])
+    a = _assemble(lm, prefix, sub, q_ids, mode, options, reserve_tokens)
+    return (yield from _query_blend_steps(lm, a, prefix, sub, options, reserve_tokens, select_ids, scores))
 
 
 def _check_segments(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV]) -> None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ragkv.engine.kv import ChunkKV, KVCache
-from ragkv.engine.select import question_attention
+from ragkv.engine.select import layer_mean, question_attention
 
 if TYPE_CHECKING:
     from ragkv.engine.loading import LoadedModel
@@ -40,8 +40,15 @@ class FocusOptions:
     # (`spread`: a lookup has one chunk far above the rest, a multi-passage question several
     # close to it; 0.7: docs/quality.md); 0 = whenever several are kept
     spread: float = 0.7
+    # a lookup (several kept without handover, or one) over neighbour-conditioned KV: the share of
+    # its kept chunks' tokens recomputed, picked by the question's attention (their KV attended to
+    # neighbours this prompt does not hold). None = the request's recompute ratio; 1.0 = every one,
+    # which is full prefill of the prefix, the kept chunks and the question (docs/quality.md)
+    lookup_ratio: float | None = None
 
     def __post_init__(self) -> None:
+        if self.lookup_ratio is not None and not 0.0 <= self.lookup_ratio <= 1.0:
+            raise ValueError(f"focus_lookup_ratio must be in [0, 1], got {self.lookup_ratio}")
         if not 0.0 < self.keep <= 1.0:
             raise ValueError(f"focus_keep must be in (0, 1], got {self.keep}")
         if not 0.0 <= self.spread <= 1.0:
@@ -60,30 +67,48 @@ def focus_layers(num_layers: int, band: tuple[int, int] | None = None) -> range:
     return range(start, stop)
 
 
+@dataclass(frozen=True, slots=True)
+class FocusScores:
+    """What focus's one scoring pass read."""
+
+    relevance: torch.Tensor  # [n_chunks] float32 in [0, 1]; the most relevant chunk scores near 1
+    # [C-P] float32: the question's attention onto every chunk token at `token_layers` (blend's query
+    # selector reads it: a handover or a lookup picks its tokens without a second pass); None if not asked
+    tokens: torch.Tensor | None = None
+
+
 def chunk_relevance(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV],
                     question_ids: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
+    """`score_chunks(...).relevance`: [n_chunks] float32 in [0, 1]."""
+    return score_chunks(lm, prefix, chunks, question_ids, layers).relevance
+
+
+def score_chunks(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV],
+                 question_ids: torch.Tensor, layers: Sequence[int], token_layers: Sequence[int] = ()) -> FocusScores:
     """How strongly the question attends to each chunk over the reused cache.
 
     Per layer in `layers`: the question's attention (summed over heads and question
     tokens) onto each chunk token; a chunk scores its strongest token past the first
     few, divided by its mean token (position-neutral: docs/quality.md); scores are
-    normalized by the layer's best chunk and averaged over the layers.
-
-    Returns:
-        [n_chunks] float32 in [0, 1]; the most relevant chunk scores near 1.
+    normalized by the layer's best chunk and averaged over the layers. The same pass
+    also reads the attention at `token_layers` onto every chunk token, when given (the
+    scores blend's query selector computes over the same cache: equal to its own pass).
     """
     dev = lm.device
     segments = ([prefix] if prefix is not None else []) + list(chunks)
     ids = torch.cat([s.token_ids.to(dev) for s in segments] + [question_ids.to(dev)])  # [N]
     n, c = ids.shape[0], ids.shape[0] - question_ids.shape[0]
     layers = lm.adapter.scoring_layers(layers)  # global layers only, where the model has windows
-    top = max(layers) + 1  # layers [0, top) are all the pass needs
+    read = list(layers) + list(token_layers)
+    top = max(read) + 1  # layers [0, top) are all the pass needs
     cache = KVCache(top, lm.num_kv_heads, lm.head_dim, n, lm.dtype, dev)
     cache.length = n
     rope = lm.adapter.rotary(torch.arange(n, device=dev), torch.empty(0, dtype=lm.dtype, device=dev))
     cache.stage([s.first_layers(top) for s in segments], rope)
-    attn = question_attention(lm, ids, cache, rope, c, list(layers))  # [len(layers), c]
+    attn = question_attention(lm, ids, cache, rope, c, read)  # [len(read), c]
     p = prefix.num_tokens if prefix is not None else 0
+    tokens = layer_mean(attn[len(layers):, p:]) if token_layers else None  # [C-P]
+    attn = attn[:len(layers)]  # [len(layers), c]
     per_chunk = []
     for ch in chunks:
         t = ch.num_tokens
@@ -95,7 +120,7 @@ def chunk_relevance(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Ch
         p += t
     scores = torch.stack(per_chunk, 1)  # [len(layers), n_chunks]
     scores = scores / scores.amax(1, keepdim=True).clamp_min(1e-12)
-    return scores.mean(0)  # [n_chunks]
+    return FocusScores(scores.mean(0), tokens)  # [n_chunks]
 
 
 def pick_chunks(relevance: torch.Tensor, keep: float) -> list[int]:

@@ -115,6 +115,21 @@ def _pick(score: torch.Tensor, budget: int, chunk_lens: Sequence[int], options: 
     return torch.sort(picked).values
 
 
+def layer_mean(attn: torch.Tensor) -> torch.Tensor:
+    """Per-token scores from several layers' attention: each layer's row normalized to sum 1, then
+    averaged (a layer of sharper attention does not outweigh the rest); one layer's row as it is.
+
+    Args:
+        attn: [L, n] attention mass per token, one row per layer.
+
+    Returns:
+        [n] float32.
+    """
+    if attn.shape[0] == 1:
+        return attn[0]
+    return (attn / attn.sum(1, keepdim=True).clamp_min(1e-12)).mean(0)
+
+
 def question_attention(lm: LoadedModel, ids: torch.Tensor, cache: KVCache, rope_all: RopeTables, c: int,
                        layers: Sequence[int]) -> torch.Tensor:
     """Attention of the question tokens onto every context token at each of `layers`.

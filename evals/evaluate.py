@@ -180,7 +180,8 @@ def evaluate(engine: Engine, cases: Iterable[EvalCase], methods: Sequence[Method
                     "kl": kl_divergence(ref.logits, res.logits), "ttft_s": secs,
                     "kv_prefill_s": 0.0 if m.mode is Mode.FULL else prefill_s,
                     "recompute_fraction": res.recompute_fraction,
-                    "used_chunks": res.used_chunks, "chunk_scores": res.chunk_scores}
+                    "phases_s": {k: round(v, 4) for k, v in res.timings.items()},
+                    "handed_over": res.handed_over, "used_chunks": res.used_chunks, "chunk_scores": res.chunk_scores}
                 s, r = sums[name], reports[name]
                 for key in ("acc", "f1", "agree", "f1_vs_full", "first", "kl", "recompute_fraction"):
                     s[key] += one[key]

@@ -107,6 +107,9 @@ class ServerSettings:
     # ... only when the two runners-up score on average at least this x the best: a lookup has one
     # chunk far above the rest, and answers over it (FocusOptions.spread, docs/quality.md)
     focus_spread: float = 0.7
+    # a lookup over neighbour KV blends its kept chunks at this recompute ratio; None = the request's
+    # ratio; 1.0 = recomputes them, exact over the kept chunks (FocusOptions.lookup_ratio, docs/quality.md)
+    focus_lookup_ratio: float | None = None
     # the quality guard: blend (and focus blending several chunks) runs a request as full prefill
     # when holding this share of the question's attention needs more chunk tokens than its
     # recompute ratio allows (BlendOptions.fallback_full); None = off. Counted in
@@ -165,7 +168,8 @@ class ServerSettings:
 
     def focus(self) -> FocusOptions:
         """How FOCUS picks its chunks, from the --focus-* settings."""
-        return FocusOptions(keep=self.focus_keep, handover=self.focus_handover, spread=self.focus_spread)
+        return FocusOptions(keep=self.focus_keep, handover=self.focus_handover, spread=self.focus_spread,
+                            lookup_ratio=self.focus_lookup_ratio)
 
     def limits(self) -> RequestLimits:
         """The request bounds these settings imply."""

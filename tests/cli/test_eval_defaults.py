@@ -3,6 +3,8 @@ defaults, ServerSettings, read by both."""
 
 from __future__ import annotations
 
+import pytest
+
 from ragkv.cli.eval import _methods, served_defaults
 from ragkv.cli.main import build_parser
 from ragkv.engine import BlendOptions
@@ -33,3 +35,12 @@ def test_flags_still_override_the_served_defaults() -> None:
     assert opts.focus.handover is ServerSettings().focus().handover is True  # not given: the server's
     off = _eval_methods("--focus-handover", "off")["focus"].options.focus
     assert off.handover is False
+
+
+def test_the_lookup_ratio_is_the_servers_and_compares_in_one_run() -> None:
+    assert _eval_methods()["focus"].options.focus.lookup_ratio == ServerSettings().focus_lookup_ratio
+    methods = _eval_methods("--focus-lookup-ratio", "1,request,0.1")
+    got = {name: m.options.focus.lookup_ratio for name, m in methods.items() if m.mode is Mode.FOCUS}
+    assert got == {"focus-lookup1": 1.0, "focus-lookupr": None, "focus-lookup0.1": 0.1}
+    with pytest.raises(ValueError, match="focus-lookup-ratio"):
+        _eval_methods("--focus-lookup-ratio", "most")

@@ -154,17 +154,18 @@ def test_handover_blends_every_chunk_when_several_are_kept(tiny):
     assert torch.equal(alone.logits, before.logits)
 
 
-def test_one_kept_neighbour_chunk_is_recomputed_exactly(tiny):
+def test_one_kept_neighbour_chunk_is_recomputed_exactly_at_lookup_ratio_one(tiny):
     """A chunk whose KV was computed after neighbours that the prompt does not hold is not
-    reused as exact: focus keeping only it recomputes it, which is full prefill of the
-    prefix, that chunk and the question."""
+    reused as exact: focus keeping only it at lookup ratio 1.0 recomputes it, which is full
+    prefill of the prefix, that chunk and the question."""
     p = tiny.prompt
     prefix, plain, q = _parts(tiny)
     ids = [p.chunk_ids(c) for c in CHUNKS]
     # each chunk after the next one's tokens: KV that has attended to a neighbour
     nb = [tiny.prefill(prefix, ids[i], context_ids=ids[(i + 1) % 3]) for i in range(3)]
     assert all(kv.after_context for kv in nb)
-    res = tiny.run(Prompt.of(prefix, nb, q), "focus", options=BlendOptions(focus=FocusOptions(keep=1.0)))
+    res = tiny.run(Prompt.of(prefix, nb, q), "focus",
+                   options=BlendOptions(focus=FocusOptions(keep=1.0, lookup_ratio=1.0)))
     assert res.used_chunks is not None and len(res.used_chunks) == 1  # keep 1.0: the best alone
     kept = [CHUNKS[res.used_chunks[0]]]
     ref = tiny.run(Prompt(p.prompt_ids(kept, QUESTION)), Mode.FULL)
@@ -192,14 +193,54 @@ def test_handover_waits_for_the_spread(tiny):
 
 def test_several_kept_neighbour_chunks_are_recomputed_exactly(tiny):
     """Several kept chunks whose KV attended to neighbours the prompt does not hold, with no
-    handover (or a spread it does not reach): recomputed, so the answer is full prefill of
+    handover (or a spread it does not reach), at lookup ratio 1.0: recomputed, so the answer is full prefill of
     the prefix, the kept chunks and the question."""
     p = tiny.prompt
     prefix, _, q = _parts(tiny)
     ids = [p.chunk_ids(c) for c in CHUNKS]
     nb = [tiny.prefill(prefix, ids[i], context_ids=ids[(i + 1) % 3]) for i in range(3)]
-    for opts in (BlendOptions(focus=FocusOptions(keep=1e-9)), BlendOptions(focus=FocusOptions(keep=1e-9, handover=True, spread=1.0))):
+    for opts in (BlendOptions(focus=FocusOptions(keep=1e-9, lookup_ratio=1.0)),
+                 BlendOptions(focus=FocusOptions(keep=1e-9, handover=True, spread=1.0, lookup_ratio=1.0))):
         res = tiny.run(Prompt.of(prefix, nb, q), "focus", options=opts)
         assert res.used_chunks == (0, 1, 2)
         ref = tiny.run(Prompt(p.prompt_ids(CHUNKS, QUESTION)), Mode.FULL)
         assert (res.logits - ref.logits).abs().max() <= 1e-4
+
+
+def test_a_lookup_over_neighbour_kv_blends_its_kept_chunks_at_the_lookup_ratio(tiny):
+    """A lookup over neighbour KV recomputes only the lookup ratio's share of its kept chunks,
+    picked by the question's attention that focus's pass read, and the request's ratio when no
+    lookup ratio is set; more recompute brings it closer to full prefill over the kept chunks."""
+    p = tiny.prompt
+    prefix, _, q = _parts(tiny)
+    ids = [p.chunk_ids(c) for c in CHUNKS]
+    nb = [tiny.prefill(prefix, ids[i], context_ids=ids[(i + 1) % 3]) for i in range(3)]
+    runs = {r: tiny.run(Prompt.of(prefix, nb, q), "focus",
+                        options=BlendOptions(recompute_ratio=0.3, focus=FocusOptions(keep=1.0, lookup_ratio=r)))
+            for r in (None, 0.1, 0.5, 1.0)}
+    kept = runs[1.0].used_chunks
+    assert kept is not None and len(kept) == 1 and all(r.used_chunks == kept for r in runs.values())
+    kept_tokens = nb[kept[0]].num_tokens
+    for r, res in runs.items():
+        assert res.recomputed.numel() == round((0.3 if r is None else r) * kept_tokens), r
+        assert not res.handed_over
+    ref = tiny.run(Prompt(p.prompt_ids([CHUNKS[kept[0]]], QUESTION)), Mode.FULL)
+    err = {r: float((res.logits - ref.logits).abs().max()) for r, res in runs.items()}
+    assert err[1.0] <= 1e-4 < err[0.1] and err[0.5] < err[0.1], err
+    with pytest.raises(ValueError, match="focus_lookup_ratio"):
+        FocusOptions(lookup_ratio=1.5)
+
+
+def test_focus_scoring_pass_reads_the_blend_selectors_scores(tiny):
+    """The attention focus's one pass reads at the query selector's layer equals the selector's
+    own pass over the same cache: a handover picks the same tokens a blend does, bit for bit."""
+    from ragkv.engine.focus import score_chunks
+
+    prefix, kvs, q = _parts(tiny)
+    lm = tiny.lm
+    mid = lm.adapter.scoring_layers([lm.num_layers // 2])
+    with_tokens = score_chunks(lm, tiny.prefix_kv(prefix), kvs, torch.tensor(q), focus_layers(lm.num_layers), mid)
+    alone = score_chunks(lm, tiny.prefix_kv(prefix), kvs, torch.tensor(q), focus_layers(lm.num_layers))
+    assert torch.equal(with_tokens.relevance, alone.relevance) and alone.tokens is None
+    assert with_tokens.tokens.shape == (sum(kv.num_tokens for kv in kvs),)
+    assert float(with_tokens.tokens.sum()) > 0

@@ -7,7 +7,7 @@ import torch
 
 from ragkv.types import Mode
 from ragkv.engine import BlendOptions, Budget, Prompt
-from ragkv.engine.select import select_tokens
+from ragkv.engine.select import layer_mean, select_tokens
 
 
 def test_chunk_budget_gives_each_chunk_its_share_of_its_own_best():
@@ -60,3 +60,29 @@ def tiny_llama_engine(tmp_path_factory):
 
     d = tiny_model_dir(tmp_path_factory.mktemp("llama"), "llama", seed=7)
     return Engine(load_model(str(d), device="cpu", dtype="float32"))
+
+
+def test_layer_mean_weighs_every_layer_alike():
+    attn = torch.tensor([[1.0, 3.0, 0.0, 0.0], [0.0, 0.0, 50.0, 50.0]])  # [L=2, n=4]: the second layer 25x louder
+    torch.testing.assert_close(layer_mean(attn), torch.tensor([0.125, 0.375, 0.25, 0.25]))
+    assert torch.equal(layer_mean(attn[:1]), attn[0])  # one layer: its row, unscaled (picks unchanged)
+
+
+def test_score_layers_choose_the_tokens_and_stay_exact_at_ratio_one(tiny_llama_engine):
+    from tests.engine.test_blend import _parts
+
+    eng = tiny_llama_engine
+    prefix, kvs, q, _ = _parts(eng)
+    prompt = Prompt.of(prefix, kvs, q)
+    mid = eng.lm.num_layers // 2
+    default = eng.run(prompt, Mode.BLEND, options=BlendOptions(0.3, selector="query"))
+    named = eng.run(prompt, Mode.BLEND, options=BlendOptions(0.3, selector="query", score_layers=(mid,)))
+    assert torch.equal(default.recomputed, named.recomputed) and torch.equal(default.logits, named.logits)
+    several = eng.run(prompt, Mode.BLEND, options=BlendOptions(0.3, selector="query", score_layers=(0, mid, -1)))
+    assert several.recomputed.numel() == default.recomputed.numel()
+    assert not torch.equal(several.recomputed, default.recomputed)  # other layers' attention picks others
+    full = eng.run(Prompt(list(prompt.prefix_ids) + [t for c in prompt.chunk_ids for t in c] + list(q)), Mode.FULL)
+    whole = eng.run(prompt, Mode.BLEND, options=BlendOptions(1.0, selector="query", score_layers=(0, -1)))
+    assert (whole.logits - full.logits).abs().max() <= 1e-4
+    with pytest.raises(ValueError, match="score_layers"):
+        BlendOptions(score_layers=())

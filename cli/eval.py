@@ -94,6 +94,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                    help="focus answering a lookup over neighbour KV: the share of its kept chunks' tokens "
                         "recomputed (1 = all: exact over them; 'request' = the --ratio); comma list (default: "
                         "ragkv serve's --focus-lookup-ratio)")
+    p.add_argument("--focus-lookup-keep", default=None, metavar="K[,K]",
+                   help="focus answering a lookup: keep chunks scoring at least K x the best (1 = the best "
+                        "alone; 'keep' = --focus-keep); comma list (default: ragkv serve's --focus-lookup-keep)")
     p.add_argument("--cases-out", type=Path, metavar="FILE.jsonl",
                    help="write one JSON line per case: each method's answer, scores, TTFT and, for focus, "
                         "the chunks kept and every chunk's relevance")
@@ -128,7 +131,8 @@ def served_defaults(args: argparse.Namespace) -> argparse.Namespace:
     focus = served.focus()
     for dest, value in (("ratio", f"{served.default_recompute_ratio:g}"), ("focus_keep", f"{focus.keep:g}"),
                         ("focus_handover", "on" if focus.handover else "off"), ("focus_spread", f"{focus.spread:g}"),
-                        ("focus_lookup_ratio", "request" if focus.lookup_ratio is None else f"{focus.lookup_ratio:g}")):
+                        ("focus_lookup_ratio", "request" if focus.lookup_ratio is None else f"{focus.lookup_ratio:g}"),
+                        ("focus_lookup_keep", "keep" if focus.lookup_keep is None else f"{focus.lookup_keep:g}")):
         if getattr(args, dest, None) is None:
             setattr(args, dest, value)
     return args
@@ -144,14 +148,14 @@ def _score_layers(value: str) -> tuple[int, ...] | None:
         raise ValueError(f"--score-layers takes 'mid' or layers joined by + (e.g. 8+15+22), got {value!r}") from None
 
 
-def _lookup_ratio(value: str) -> float | None:
-    """One --focus-lookup-ratio entry: a ratio in [0, 1], or `request` (the request's --ratio)."""
-    if value.strip() == "request":
+def _number_or(value: str, word: str, option: str) -> float | None:
+    """One entry of a comma list of numbers where `word` means None (the default it names)."""
+    if value.strip() == word:
         return None
     try:
         return float(value)
     except ValueError:
-        raise ValueError(f"--focus-lookup-ratio takes ratios in [0, 1] or 'request', got {value!r}") from None
+        raise ValueError(f"{option} takes numbers or '{word}', got {value!r}") from None
 
 
 def _on_off(value: str, option: str) -> bool:
@@ -179,20 +183,22 @@ def _methods(args: argparse.Namespace):
             keeps = [float(k) for k in args.focus_keep.split(",")]
             handovers = [_on_off(h, "--focus-handover") for h in args.focus_handover.split(",")]
             spreads = [float(x) for x in args.focus_spread.split(",")]
-            lookups = [_lookup_ratio(x) for x in args.focus_lookup_ratio.split(",")]
+            lookups = [_number_or(x, "request", "--focus-lookup-ratio") for x in args.focus_lookup_ratio.split(",")]
+            lookup_keeps = [_number_or(x, "keep", "--focus-lookup-keep") for x in args.focus_lookup_keep.split(",")]
             variants = [(h, sp) for h in handovers for sp in (spreads if h else [0.0])]  # spread: handover only
             for handover, sp in variants:
                 for keep in keeps:
                     for r in ratios:
-                        for lk in lookups:
+                        for lk, lkeep in ((lk, lkeep) for lk in lookups for lkeep in lookup_keeps):
                             opts = BlendOptions(recompute_ratio=r, selector=selectors[0], sink_tokens=sink_list[0],
                                                 score_layers=layer_sets[0],
                                                 focus=FocusOptions(keep=keep, handover=handover, spread=sp,
-                                                                   lookup_ratio=lk))
+                                                                   lookup_ratio=lk, lookup_keep=lkeep))
                             name = ("focus" + ("-handover" if handover and len(handovers) > 1 else "")
                                     + (f"-s{sp:g}" if handover and len(spreads) > 1 else "")
                                     + (f"-{keep:g}" if len(keeps) > 1 else "") + (f"-r{r:g}" if len(ratios) > 1 else "")
-                                    + (f"-lookup{'r' if lk is None else f'{lk:g}'}" if len(lookups) > 1 else ""))
+                                    + (f"-lookup{'r' if lk is None else f'{lk:g}'}" if len(lookups) > 1 else "")
+                                    + (f"-lkeep{'k' if lkeep is None else f'{lkeep:g}'}" if len(lookup_keeps) > 1 else ""))
                             methods.append(Method(name, bm, opts))
             continue
         if bm is not Mode.BLEND:

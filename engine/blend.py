@@ -253,10 +253,11 @@ def _assemble(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV]
 
 
 def _score_layers(lm: LoadedModel, options: BlendOptions) -> list[int]:
-    """The layers whose attention the query selector reads (the middle global layer by default)."""
+    """The layers whose attention the query selector reads (the middle layer by default): global
+    layers only, where the model has windows (`Adapter.scoring_layers`)."""
     if options.score_layers is None:
         return lm.adapter.scoring_layers([lm.num_layers // 2])
-    return sorted({i % lm.num_layers for i in options.score_layers})
+    return lm.adapter.scoring_layers(sorted({i % lm.num_layers for i in options.score_layers}))
 
 
 def _query_blend_steps(lm: LoadedModel, a: _Assembled, prefix: ChunkKV | None, chunks: Sequence[ChunkKV],
@@ -425,14 +426,17 @@ def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chu
     inner, sub, tokens = Mode.BLEND, options, scored.tokens
     if handover:  # several passages matter: keep them all, blended
         kept = list(range(len(chunks)))
-    elif any(chunks[i].after_context for i in kept):
-        # a lookup over KV computed after neighbours this prompt does not hold: its kept chunks are
-        # blended at the lookup ratio (1.0: recomputed, the prompt then is full prefill of the
-        # prefix, those chunks and the question)
-        ratio = options.focus.lookup_ratio
-        sub = replace(options, recompute_ratio=options.recompute_ratio if ratio is None else ratio)
-    else:  # plain KV: one kept chunk's is exact, reused; several are blended, scored over themselves
-        inner, tokens = (Mode.REUSE if len(kept) == 1 else Mode.BLEND), None
+    else:  # a lookup: the answer is over the chunks near the best
+        if options.focus.lookup_keep is not None:
+            kept = pick_chunks(relevance, options.focus.lookup_keep)
+        if any(chunks[i].after_context for i in kept):
+            # KV computed after neighbours this prompt does not hold: the kept chunks are blended at
+            # the lookup ratio (1.0: recomputed, the prompt then is full prefill of the prefix,
+            # those chunks and the question)
+            ratio = options.focus.lookup_ratio
+            sub = replace(options, recompute_ratio=options.recompute_ratio if ratio is None else ratio)
+        else:  # plain KV: one kept chunk's is exact, reused; several are blended, scored over themselves
+            inner, tokens = (Mode.REUSE if len(kept) == 1 else Mode.BLEND), None
     res = yield from _run_kept(lm, prefix, chunks, kept, q_ids, inner, sub, reserve_tokens, select_ids, tokens)
     res.mode, res.used_chunks, res.handed_over = Mode.FOCUS, tuple(kept), handover
     res.chunk_scores = tuple(round(float(r), 4) for r in relevance)

@@ -45,8 +45,13 @@ class FocusOptions:
     # neighbours this prompt does not hold). None = the request's recompute ratio; 1.0 = every one,
     # which is full prefill of the prefix, the kept chunks and the question (docs/quality.md)
     lookup_ratio: float | None = None
+    # a lookup (no handover) answers over the chunks scoring at least this x the best; None = `keep`;
+    # 1.0 = the best alone (neighbour KV lifts a distractor's score: docs/quality.md)
+    lookup_keep: float | None = None
 
     def __post_init__(self) -> None:
+        if self.lookup_keep is not None and not 0.0 < self.lookup_keep <= 1.0:
+            raise ValueError(f"focus_lookup_keep must be in (0, 1], got {self.lookup_keep}")
         if self.lookup_ratio is not None and not 0.0 <= self.lookup_ratio <= 1.0:
             raise ValueError(f"focus_lookup_ratio must be in [0, 1], got {self.lookup_ratio}")
         if not 0.0 < self.keep <= 1.0:

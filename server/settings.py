@@ -110,6 +110,9 @@ class ServerSettings:
     # a lookup over neighbour KV blends its kept chunks at this recompute ratio; None = the request's
     # ratio; 1.0 = recomputes them, exact over the kept chunks (FocusOptions.lookup_ratio, docs/quality.md)
     focus_lookup_ratio: float | None = None
+    # a lookup answers over the chunks scoring at least this x the best; None = focus_keep; 1.0 = the
+    # best alone (FocusOptions.lookup_keep, docs/quality.md)
+    focus_lookup_keep: float | None = None
     # the quality guard: blend (and focus blending several chunks) runs a request as full prefill
     # when holding this share of the question's attention needs more chunk tokens than its
     # recompute ratio allows (BlendOptions.fallback_full); None = off. Counted in
@@ -169,7 +172,7 @@ class ServerSettings:
     def focus(self) -> FocusOptions:
         """How FOCUS picks its chunks, from the --focus-* settings."""
         return FocusOptions(keep=self.focus_keep, handover=self.focus_handover, spread=self.focus_spread,
-                            lookup_ratio=self.focus_lookup_ratio)
+                            lookup_ratio=self.focus_lookup_ratio, lookup_keep=self.focus_lookup_keep)
 
     def limits(self) -> RequestLimits:
         """The request bounds these settings imply."""

@@ -44,3 +44,12 @@ def test_the_lookup_ratio_is_the_servers_and_compares_in_one_run() -> None:
     assert got == {"focus-lookup1": 1.0, "focus-lookupr": None, "focus-lookup0.1": 0.1}
     with pytest.raises(ValueError, match="focus-lookup-ratio"):
         _eval_methods("--focus-lookup-ratio", "most")
+
+
+def test_the_lookup_keep_is_the_servers_and_compares_in_one_run() -> None:
+    assert _eval_methods()["focus"].options.focus.lookup_keep == ServerSettings().focus_lookup_keep
+    methods = _eval_methods("--focus-lookup-keep", "keep,1")
+    got = {name: m.options.focus.lookup_keep for name, m in methods.items() if m.mode is Mode.FOCUS}
+    assert got == {"focus-lkeepk": None, "focus-lkeep1": 1.0}
+    with pytest.raises(ValueError, match="focus-lookup-keep"):
+        _eval_methods("--focus-lookup-keep", "best")

@@ -244,3 +244,22 @@ def test_focus_scoring_pass_reads_the_blend_selectors_scores(tiny):
     assert torch.equal(with_tokens.relevance, alone.relevance) and alone.tokens is None
     assert with_tokens.tokens.shape == (sum(kv.num_tokens for kv in kvs),)
     assert float(with_tokens.tokens.sum()) > 0
+
+
+def test_a_lookup_keeps_the_chunks_near_the_best_at_the_lookup_keep(tiny):
+    """lookup_keep: a lookup (no handover) answers over the chunks scoring at least that x the best
+    (1.0: the best alone), whatever `keep` kept; a handover still blends every chunk."""
+    prefix, kvs, q = _parts(tiny)
+    loose = BlendOptions(focus=FocusOptions(keep=1e-9))
+    base = tiny.run(Prompt.of(prefix, kvs, q), "focus", options=loose)
+    assert base.used_chunks == (0, 1, 2)
+    best = max(range(3), key=lambda i: base.chunk_scores[i])
+    alone = tiny.run(Prompt.of(prefix, kvs, q), "focus", options=BlendOptions(focus=FocusOptions(keep=1e-9, lookup_keep=1.0)))
+    assert alone.used_chunks == (best,)
+    ref = tiny.run(Prompt.of(prefix, kvs, q), "focus", options=BlendOptions(focus=FocusOptions(keep=1.0)))
+    assert torch.equal(alone.logits, ref.logits)  # the best alone, as keep 1.0 answers
+    handed = tiny.run(Prompt.of(prefix, kvs, q), "focus",
+                      options=BlendOptions(focus=FocusOptions(keep=1e-9, handover=True, spread=0.0, lookup_keep=1.0)))
+    assert handed.handed_over and handed.used_chunks == (0, 1, 2)
+    with pytest.raises(ValueError, match="focus_lookup_keep"):
+        FocusOptions(lookup_keep=0.0)

@@ -70,9 +70,10 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--check-layer", type=int, default=1, help="deviation: check layer (default 1)")
     p.add_argument("--sink-tokens", default="0",
                    help="always recompute each chunk's first tokens (EPIC); comma list to compare (default 0)")
-    p.add_argument("--score-layers", default="mid", metavar="mid|L+L[,...]",
-                   help="query selector: the layers whose attention scores tokens, joined by + (negative: from "
-                        "the top), averaged; mid = the middle layer; comma list to compare (default mid)")
+    p.add_argument("--score-depths", default=None, metavar="F+F[,...]",
+                   help="query selector: the layers whose attention scores tokens, as fractions of the depth "
+                        "joined by + (0.5 = the middle layer), averaged; comma list to compare (default: the "
+                        "engine's, which ragkv serve serves)")
     p.add_argument("--window", type=int, default=1, help="recompute whole windows of this many tokens")
     p.add_argument("--adaptive-mass", type=float, default=None,
                    help="recompute the fewest tokens holding this share of the selector's score")
@@ -124,7 +125,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
 def served_defaults(args: argparse.Namespace) -> argparse.Namespace:
     """`args` with what the command line left out taken from `ragkv serve`'s defaults, so the
     eval a user runs is the path they are served. ServerSettings is the one source: its
-    default ratio and its focus settings (ServerSettings.focus)."""
+    default ratio and its focus settings (ServerSettings.focus); the selector's layers are the
+    engine's (BlendOptions.score_depths), which the server serves as they are."""
+    from ragkv.engine.blend import BlendOptions
     from ragkv.server.settings import ServerSettings
 
     served = ServerSettings()
@@ -132,20 +135,20 @@ def served_defaults(args: argparse.Namespace) -> argparse.Namespace:
     for dest, value in (("ratio", f"{served.default_recompute_ratio:g}"), ("focus_keep", f"{focus.keep:g}"),
                         ("focus_handover", "on" if focus.handover else "off"), ("focus_spread", f"{focus.spread:g}"),
                         ("focus_lookup_ratio", "request" if focus.lookup_ratio is None else f"{focus.lookup_ratio:g}"),
-                        ("focus_lookup_keep", "keep" if focus.lookup_keep is None else f"{focus.lookup_keep:g}")):
+                        ("focus_lookup_keep", "keep" if focus.lookup_keep is None else f"{focus.lookup_keep:g}"),
+                        ("score_depths", "+".join(f"{f:g}" for f in BlendOptions().score_depths))):
         if getattr(args, dest, None) is None:
             setattr(args, dest, value)
     return args
 
 
-def _score_layers(value: str) -> tuple[int, ...] | None:
-    """One --score-layers entry: `mid` (None: the middle layer) or layers joined by +."""
-    if value.strip() == "mid":
-        return None
+def _score_depths(value: str) -> tuple[float, ...]:
+    """One --score-depths entry: fractions of the depth joined by + (e.g. 0.25+0.5+0.75)."""
     try:
-        return tuple(int(x) for x in value.split("+"))
+        return tuple(float(x) for x in value.split("+"))
     except ValueError:
-        raise ValueError(f"--score-layers takes 'mid' or layers joined by + (e.g. 8+15+22), got {value!r}") from None
+        raise ValueError(f"--score-depths takes fractions of the depth joined by + (e.g. 0.25+0.5+0.75), "
+                         f"got {value!r}") from None
 
 
 def _number_or(value: str, word: str, option: str) -> float | None:
@@ -171,7 +174,7 @@ def _methods(args: argparse.Namespace):
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     ratios = [float(r) for r in args.ratio.split(",")]
     sink_list = [int(x) for x in str(args.sink_tokens).split(",")]
-    layer_sets = [_score_layers(x) for x in args.score_layers.split(",")]
+    layer_sets = [_score_depths(x) for x in args.score_depths.split(",")]
     selectors = [s.strip() for s in args.selector.split(",")]
     methods = []
     for mode in modes:
@@ -191,7 +194,7 @@ def _methods(args: argparse.Namespace):
                     for r in ratios:
                         for lk, lkeep in ((lk, lkeep) for lk in lookups for lkeep in lookup_keeps):
                             opts = BlendOptions(recompute_ratio=r, selector=selectors[0], sink_tokens=sink_list[0],
-                                                score_layers=layer_sets[0],
+                                                score_depths=layer_sets[0],
                                                 focus=FocusOptions(keep=keep, handover=handover, spread=sp,
                                                                    lookup_ratio=lk, lookup_keep=lkeep))
                             name = ("focus" + ("-handover" if handover and len(handovers) > 1 else "")
@@ -213,11 +216,11 @@ def _methods(args: argparse.Namespace):
                             opts = BlendOptions(recompute_ratio=r, selector=sel, check_layer=args.check_layer,
                                                 sink_tokens=sinks, window=args.window, budget=budget,
                                                 adaptive_mass=args.adaptive_mass, fallback_full=args.fallback_full,
-                                                score_layers=layers)
+                                                score_depths=layers)
                             name = "blend" if len(selectors) == len(ratios) == len(budgets) == 1 else (
                                 f"blend-{sel}-{r:g}" + (f"-{budget}" if len(budgets) > 1 else ""))
                             name += (f"-sink{sinks}" if len(sink_list) > 1 else "") + (
-                                f"-L{'+'.join(map(str, layers)) if layers else 'mid'}" if len(layer_sets) > 1 else "")
+                                f"-L{'+'.join(f'{f:g}' for f in layers)}" if len(layer_sets) > 1 else "")
                             methods.append(Method(name, bm, opts))
     return methods
 

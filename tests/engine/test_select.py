@@ -68,21 +68,21 @@ def test_layer_mean_weighs_every_layer_alike():
     assert torch.equal(layer_mean(attn[:1]), attn[0])  # one layer: its row, unscaled (picks unchanged)
 
 
-def test_score_layers_choose_the_tokens_and_stay_exact_at_ratio_one(tiny_llama_engine):
+def test_score_depths_choose_the_tokens_and_stay_exact_at_ratio_one(tiny_llama_engine):
     from tests.engine.test_blend import _parts
 
     eng = tiny_llama_engine
     prefix, kvs, q, _ = _parts(eng)
     prompt = Prompt.of(prefix, kvs, q)
-    mid = eng.lm.num_layers // 2
     default = eng.run(prompt, Mode.BLEND, options=BlendOptions(0.3, selector="query"))
-    named = eng.run(prompt, Mode.BLEND, options=BlendOptions(0.3, selector="query", score_layers=(mid,)))
+    named = eng.run(prompt, Mode.BLEND, options=BlendOptions(0.3, selector="query", score_depths=(0.25, 0.5, 0.75)))
     assert torch.equal(default.recomputed, named.recomputed) and torch.equal(default.logits, named.logits)
-    several = eng.run(prompt, Mode.BLEND, options=BlendOptions(0.3, selector="query", score_layers=(0, mid, -1)))
-    assert several.recomputed.numel() == default.recomputed.numel()
-    assert not torch.equal(several.recomputed, default.recomputed)  # other layers' attention picks others
+    mid = eng.run(prompt, Mode.BLEND, options=BlendOptions(0.3, selector="query", score_depths=(0.5,)))
+    assert mid.recomputed.numel() == default.recomputed.numel()
+    assert not torch.equal(mid.recomputed, default.recomputed)  # other layers' attention picks others
     full = eng.run(Prompt(list(prompt.prefix_ids) + [t for c in prompt.chunk_ids for t in c] + list(q)), Mode.FULL)
-    whole = eng.run(prompt, Mode.BLEND, options=BlendOptions(1.0, selector="query", score_layers=(0, -1)))
+    whole = eng.run(prompt, Mode.BLEND, options=BlendOptions(1.0, selector="query", score_depths=(0.0, 0.9)))
     assert (whole.logits - full.logits).abs().max() <= 1e-4
-    with pytest.raises(ValueError, match="score_layers"):
-        BlendOptions(score_layers=())
+    for bad in ((), (1.0,), (-0.1, 0.5)):
+        with pytest.raises(ValueError, match="score_depths"):
+            BlendOptions(score_depths=bad)

@@ -8,11 +8,14 @@ Modes (all return the same BlendResult, so they compare like with like):
           attention (engine.focus); chunks below `FocusOptions.keep` x the best are dropped,
           and the prompt runs over the kept ones: exact reuse when one is kept (its KV
           was computed right after the prefix), blend when several are; kept chunks
-          whose KV was computed after neighbours are recomputed. It answers a shorter
-          prompt than full prefill, by design. With `FocusOptions.handover`, several kept
-          chunks whose spread reaches `FocusOptions.spread` (the runners-up score close to
-          the best) mean the question needs several passages: none is dropped, and all
-          are blended.
+          whose KV was computed after neighbours are blended at `FocusOptions.lookup_ratio`
+          (1.0: recomputed). It answers a shorter prompt than full prefill, by design. With
+          `FocusOptions.handover`, several kept chunks whose spread reaches
+          `FocusOptions.spread` (the runners-up score close to the best) mean the question
+          needs several passages: none is dropped, and all are blended; otherwise the
+          question is a lookup, over the chunks within `FocusOptions.lookup_keep` of the
+          best. The same pass reads the query selector's layers, so what follows it picks
+          its tokens without a second pass.
 - blend:  selective recompute. With the `deviation` selector (CacheBlend), layers
           [0, check_layer) run for every chunk token; at the check layer the K/V of
           every token are recomputed and the chunk tokens whose K/V deviate most from
@@ -432,9 +435,13 @@ def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chu
         if any(chunks[i].after_context for i in kept):
             # KV computed after neighbours this prompt does not hold: the kept chunks are blended at
             # the lookup ratio (1.0: recomputed, the prompt then is full prefill of the prefix,
-            # those chunks and the question)
+            # those chunks and the question); by default the request's budget, its ratio of every
+            # chunk's tokens, is spent on them
             ratio = options.focus.lookup_ratio
-            sub = replace(options, recompute_ratio=options.recompute_ratio if ratio is None else ratio)
+            if ratio is None:
+                kept_tokens = sum(chunks[i].num_tokens for i in kept)
+                ratio = min(1.0, options.recompute_ratio * sum(ch.num_tokens for ch in chunks) / kept_tokens)
+            sub = replace(options, recompute_ratio=ratio)
         else:  # plain KV: one kept chunk's is exact, reused; several are blended, scored over themselves
             inner, tokens = (Mode.REUSE if len(kept) == 1 else Mode.BLEND), None
     res = yield from _run_kept(lm, prefix, chunks, kept, q_ids, inner, sub, reserve_tokens, select_ids, tokens)

@@ -420,31 +420,46 @@ def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chu
     if (w := wait_for(layers_pending(chunks, top))) is not None:  # the pass reads every chunk's layers [0, top]
         yield w  # (waited for off the scheduler)
     choosing = q_ids if select_ids is None else torch.as_tensor(select_ids, dtype=torch.long)  # [A]
-    scored = score_chunks(lm, prefix, chunks, choosing, layers, token_layers)
+    # every chunk staged once, in the cache a handover blends over (the pass writes its question past them)
+    every = _assemble(lm, prefix, chunks, q_ids, Mode.BLEND, options, reserve_tokens) \
+        if options.focus.handover and token_layers else None
+    scored = score_chunks(lm, prefix, chunks, choosing, layers, token_layers,
+                          staged=every.cache if every is not None else None)
     relevance = scored.relevance
     kept = pick_chunks(relevance, options.focus.keep)
     timer.lap("focus")
     yield q_ids.numel()  # the scoring pass
     handover = options.focus.handover and len(kept) > 1 and spread(relevance) >= options.focus.spread
     inner, sub, tokens = Mode.BLEND, options, scored.tokens
-    if handover:  # several passages matter: keep them all, blended
-        kept = list(range(len(chunks)))
-    else:  # a lookup: the answer is over the chunks near the best
-        if options.focus.lookup_keep is not None:
-            kept = pick_chunks(relevance, options.focus.lookup_keep)
-        if any(chunks[i].after_context for i in kept):
-            # KV computed after neighbours this prompt does not hold: the kept chunks are blended at
-            # the lookup ratio (1.0: recomputed, the prompt then is full prefill of the prefix,
-            # those chunks and the question); by default the request's budget, its ratio of every
-            # chunk's tokens, is spent on them
-            ratio = options.focus.lookup_ratio
-            if ratio is None:
-                kept_tokens = sum(chunks[i].num_tokens for i in kept)
-                ratio = min(1.0, options.recompute_ratio * sum(ch.num_tokens for ch in chunks) / kept_tokens)
-            sub = replace(options, recompute_ratio=ratio)
-        else:  # plain KV: one kept chunk's is exact, reused; several are blended, scored over themselves
-            inner, tokens = (Mode.REUSE if len(kept) == 1 else Mode.BLEND), None
+    if handover and every is not None:  # several passages matter: all blended, over the cache the pass read
+        every.cache.length, every.timer = every.n, _PhaseTimer(lm.device)  # (its phases so far: focus's)
+        res = yield from _query_blend_steps(lm, every, prefix, chunks, options, reserve_tokens, select_ids, tokens)
+        return _focused(res, range(len(chunks)), relevance, chunks, True, timer)
+    if handover:  # a selector that runs its own pass (deviation, a tempered context)
+        res = yield from prompt_steps(lm, prefix, chunks, q_ids, Mode.BLEND, options, reserve_tokens, select_ids)
+        return _focused(res, range(len(chunks)), relevance, chunks, True, timer)
+    del every  # a lookup: the answer is over the chunks near the best, the prompt holds them alone
+    if options.focus.lookup_keep is not None:
+        kept = pick_chunks(relevance, options.focus.lookup_keep)
+    if any(chunks[i].after_context for i in kept):
+        # KV computed after neighbours this prompt does not hold: the kept chunks are blended at the
+        # lookup ratio (1.0: recomputed, the prompt then is full prefill of the prefix, those chunks
+        # and the question); by default the request's budget, its ratio of every chunk's tokens, is
+        # spent on them
+        ratio = options.focus.lookup_ratio
+        if ratio is None:
+            kept_tokens = sum(chunks[i].num_tokens for i in kept)
+            ratio = min(1.0, options.recompute_ratio * sum(ch.num_tokens for ch in chunks) / kept_tokens)
+        sub = replace(options, recompute_ratio=ratio)
+    else:  # plain KV: one kept chunk's is exact, reused; several are blended, scored over themselves
+        inner, tokens = (Mode.REUSE if len(kept) == 1 else Mode.BLEND), None
     res = yield from _run_kept(lm, prefix, chunks, kept, q_ids, inner, sub, reserve_tokens, select_ids, tokens)
+    return _focused(res, kept, relevance, chunks, False, timer)
+
+
+def _focused(res: BlendResult, kept: Sequence[int], relevance: torch.Tensor, chunks: Sequence[ChunkKV],
+             handover: bool, timer: _PhaseTimer) -> BlendResult:
+    """`res` as focus's result: the chunks it kept, every chunk's score, the scoring pass's time."""
     res.mode, res.used_chunks, res.handed_over = Mode.FOCUS, tuple(kept), handover
     res.chunk_scores = tuple(round(float(r), 4) for r in relevance)
     res.n_chunk_tokens = sum(ch.num_tokens for ch in chunks)

@@ -90,7 +90,8 @@ def chunk_relevance(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Ch
 
 
 def score_chunks(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV],
-                 question_ids: torch.Tensor, layers: Sequence[int], token_layers: Sequence[int] = ()) -> FocusScores:
+                 question_ids: torch.Tensor, layers: Sequence[int], token_layers: Sequence[int] = (),
+                 staged: KVCache | None = None) -> FocusScores:
     """How strongly the question attends to each chunk over the reused cache.
 
     Per layer in `layers`: the question's attention (summed over heads and question
@@ -99,6 +100,11 @@ def score_chunks(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chunk
     normalized by the layer's best chunk and averaged over the layers. The same pass
     also reads the attention at `token_layers` onto every chunk token, when given (the
     scores blend's query selector computes over the same cache: equal to its own pass).
+
+    Args:
+        staged: a cache holding the prefix and the chunks staged from slot 0 (every layer the
+            pass reads), which the pass then uses (a handover blends over it next: its chunks are
+            staged once); None = a cache of the layers the pass reads, made here.
     """
     dev = lm.device
     segments = ([prefix] if prefix is not None else []) + list(chunks)
@@ -107,10 +113,14 @@ def score_chunks(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chunk
     layers = lm.adapter.scoring_layers(layers)  # global layers only, where the model has windows
     read = list(layers) + list(token_layers)
     top = max(read) + 1  # layers [0, top) are all the pass needs
-    cache = KVCache(top, lm.num_kv_heads, lm.head_dim, n, lm.dtype, dev)
-    cache.length = n
     rope = lm.adapter.rotary(torch.arange(n, device=dev), torch.empty(0, dtype=lm.dtype, device=dev))
-    cache.stage([s.first_layers(top) for s in segments], rope)
+    if staged is None:
+        cache = KVCache(top, lm.num_kv_heads, lm.head_dim, n, lm.dtype, dev)
+        cache.stage([s.first_layers(top) for s in segments], rope)
+    else:  # the question's K/V go past the chunks, where the next pass writes its own
+        cache = staged
+        cache.ensure(n)
+    cache.length = n
     attn = question_attention(lm, ids, cache, rope, c, read)  # [len(read), c]
     p = prefix.num_tokens if prefix is not None else 0
     tokens = layer_mean(attn[len(layers):, p:]) if token_layers else None  # [C-P]

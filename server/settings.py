@@ -98,7 +98,9 @@ class ServerSettings:
     default_top_k: int = 4  # chunks
     max_top_k: int = 32  # chunks
     default_mode: Mode = Mode.FOCUS  # mode when a request leaves it unspecified: the best measured (docs/quality.md)
-    default_recompute_ratio: float = 0.2  # fraction of chunk tokens (docs/quality.md, issue 28)
+    # fraction of chunk tokens: with the selector over three layers, 0.15 is as close to full prefill as
+    # 0.2 over one was, at about 4x (docs/quality.md, issue 39)
+    default_recompute_ratio: float = 0.15
     focus_keep: float = 0.5  # FOCUS keeps chunks scoring at least this x the best (docs/quality.md)
     # FOCUS keeping several chunks hands over to blend over all of them (FocusOptions.handover);
     # on a neighbour index it then reads the neighbour KV (NeighbourOptions.serves_plain). On:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from ragkv.engine.focus import FocusOptions
 from ragkv.types import Mode
 from ragkv.server.settings import CollectionSpec, DType, ServerSettings, load_settings
 
@@ -15,10 +16,16 @@ def test_defaults() -> None:
     s = load_settings({}, env={})
     assert s == ServerSettings()
     assert s.limits().default_mode is Mode.FOCUS
-    # the defaults measured on MuSiQue and the needle tasks (docs/quality.md, issue 28): focus
+    # the defaults measured on MuSiQue and the needle tasks (docs/quality.md, issues 28 and 39): focus
     # hands over to blend when several chunks matter; the quality guard is off unless asked
-    assert s.focus_handover is True and s.quality_guard_mass is None and s.default_recompute_ratio == 0.2
-    assert s.limits().default_recompute_ratio == 0.2
+    assert s.focus_handover is True and s.quality_guard_mass is None and s.default_recompute_ratio == 0.15
+    assert s.limits().default_recompute_ratio == 0.15
+    # a lookup over neighbour KV spends the request's budget on the chunks near the best (issue 39)
+    assert s.focus().lookup_ratio is None and s.focus().lookup_keep is None
+    assert load_settings({"focus_lookup_ratio": "1", "focus_lookup_keep": "1"}, env={}).focus() == FocusOptions(
+        keep=0.5, handover=True, spread=0.7, lookup_ratio=1.0, lookup_keep=1.0)
+    with pytest.raises(ValueError, match="focus_lookup_ratio"):
+        ServerSettings(focus_lookup_ratio=2.0)
     assert load_settings({"focus_handover": "off"}, env={}).focus_handover is False
     # a lookup (one chunk far above the others) stays focused: handover waits for the spread
     assert s.focus_spread == 0.7 and load_settings({"focus_spread": "0.5"}, env={}).focus_spread == 0.5

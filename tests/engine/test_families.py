@@ -86,8 +86,10 @@ def test_batched_decode_equals_alone(tmp_path_factory, name):
     for _ in range(6):
         batched = decode_batch(lm, [r.cache for r in res], tokens)  # [B, V]
         single = torch.stack([decode_batch(lm, [a.cache], [t])[0] for a, t in zip(alone, tokens)])  # [B, V]
-        # B rows through one GEMM sum in another order than one row: float noise of the logits' scale
-        torch.testing.assert_close(batched, single, atol=1e-5 * max(1.0, float(single.abs().max())), rtol=0)
+        # B rows through one GEMM sum in another order than one row, and an MoE block gathers other
+        # rows per expert: float noise of the logits' scale (Qwen3.5 MoE's tiny config reaches 1.03e-5
+        # of it on torch 2.13 CPU, so the bound is 1e-4: float32 noise, far below any real difference)
+        torch.testing.assert_close(batched, single, atol=1e-4 * max(1.0, float(single.abs().max())), rtol=0)
         assert batched.argmax(-1).tolist() == single.argmax(-1).tolist()
         tokens = batched.argmax(-1).tolist()
 

@@ -93,8 +93,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                         "--focus-spread)")
     p.add_argument("--focus-lookup-ratio", default=None, metavar="R[,R]",
                    help="focus answering a lookup over neighbour KV: the share of its kept chunks' tokens "
-                        "recomputed (1 = all: exact over them; 'request' = the --ratio); comma list (default: "
-                        "ragkv serve's --focus-lookup-ratio)")
+                        "recomputed (1 = all: exact over them; 'request' = the request's budget, --ratio of every "
+                        "chunk's tokens, on them); comma list (default: ragkv serve's --focus-lookup-ratio)")
     p.add_argument("--focus-lookup-keep", default=None, metavar="K[,K]",
                    help="focus answering a lookup: keep chunks scoring at least K x the best (1 = the best "
                         "alone; 'keep' = --focus-keep); comma list (default: ragkv serve's --focus-lookup-keep)")

@@ -475,10 +475,8 @@ def _run_kept(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV]
     sub = [chunks[i] for i in kept]
     if mode is not Mode.BLEND or options.selector is not Selector.QUERY or tokens is None:
         return (yield from prompt_steps(lm, prefix, sub, q_ids, mode, options, reserve_tokens, select_ids))
-    starts = [0]
-    for ch in chunks:
-        starts.append(starts[-1] + ch.num_tokens)
-    scores = tokens if len(sub) == len(chunks) else torch.cat([tokens[starts[i]:starts[i + 1]] for i in kept])
+    per_chunk = tokens.split([ch.num_tokens for ch in chunks])  # each chunk's [T_i]
+    scores = torch.cat([per_chunk[i] for i in kept])  # [sum of the kept T_i]
     a = _assemble(lm, prefix, sub, q_ids, mode, options, reserve_tokens)
     return (yield from _query_blend_steps(lm, a, prefix, sub, options, reserve_tokens, select_ids, scores))
 

@@ -109,8 +109,9 @@ class ServerSettings:
     # ... only when the two runners-up score on average at least this x the best: a lookup has one
     # chunk far above the rest, and answers over it (FocusOptions.spread, docs/quality.md)
     focus_spread: float = 0.7
-    # a lookup over neighbour KV blends its kept chunks at this recompute ratio; None = the request's
-    # ratio; 1.0 = recomputes them, exact over the kept chunks (FocusOptions.lookup_ratio, docs/quality.md)
+    # a lookup over neighbour KV blends its kept chunks at this share of their tokens; None = the request's
+    # budget (its ratio of every chunk's tokens) spent on them; 1.0 = recomputes them, exact over the kept
+    # chunks (FocusOptions.lookup_ratio, docs/quality.md)
     focus_lookup_ratio: float | None = None
     # a lookup answers over the chunks scoring at least this x the best; None = focus_keep; 1.0 = the
     # best alone (FocusOptions.lookup_keep, docs/quality.md)

@@ -57,13 +57,16 @@ class Attend:
     """Which cached keys one group of queries sees."""
 
     rows: slice  # the queries of this group (rows of h)
-    n_keys: int  # keys [0, n_keys) of the cache take part
+    n_keys: int  # keys [first_key, n_keys) of the cache take part
     causal: bool  # queries are exactly keys [0, n_keys): use SDPA's causal kernel
-    mask: torch.Tensor | None  # [S_g, n_keys] bool, True = may attend; None with causal or all-visible
+    mask: torch.Tensor | None  # [S_g, n_keys - first_key] bool, True = may attend; None with causal or all-visible
     # CPU split path (`_split_attention`): keys [0, open_keys) are visible to every query of
     # the group; tail_bias is the additive mask of the rest, one row per folded query head
     open_keys: int = 0
     tail_bias: torch.Tensor | None = None  # [g*S_g, n_keys - open_keys] float32, 0 or -inf
+    # a local layer's group (window, attention chunk) reads only the keys its queries can see:
+    # those before first_key are outside every query's window or chunk
+    first_key: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +105,9 @@ def plan_attention(q_pos: torch.Tensor, n_keys: int, heads: Heads) -> list[Atten
     iff j <= q_pos[i] (and j > q_pos[i] - window under a sliding window, j // chunk ==
     q_pos[i] // chunk under chunked attention). Scattered queries (selective recompute)
     are split into groups, each reading keys only up to its last query: about half the
-    work of one [S, n_keys] mask.
+    work of one [S, n_keys] mask. On a local layer (window, attention chunk) every group
+    also starts at the first key its first query can see: a 512-token window reads about
+    its window, not every key before it, in full prefill, recompute and decode alike.
     """
     s = q_pos.shape[0]
     window, chunk = heads.sliding_window, heads.attention_chunk
@@ -113,21 +118,27 @@ def plan_attention(q_pos: torch.Tensor, n_keys: int, heads: Heads) -> list[Atten
         return [Attend(slice(0, s), n_keys, True, None)]
     if not local and s == 1 and int(q_pos[0]) == n_keys - 1:
         return [Attend(slice(0, 1), n_keys, False, None)]  # one query at the end sees everything
-    n_groups = 1 if local else max(1, min(8, s // _GROUP_MIN_QUERIES))
+    n_groups = max(1, min(8, s // _GROUP_MIN_QUERIES))
     bounds = [round(g * s / n_groups) for g in range(n_groups + 1)]
     ends = (q_pos[[b - 1 for b in bounds[1:]]] + 1).tolist()  # keys each group needs
+    firsts = q_pos[bounds[:-1]]  # [n_groups] each group's first query
+    starts = torch.zeros_like(firsts)  # the first key any of the group's queries can see
+    if windowed:
+        starts = torch.maximum(starts, firsts - window + 1)
+    if chunked:
+        starts = torch.maximum(starts, torch.div(firsts, chunk, rounding_mode="floor") * chunk)
     plans = []
-    for g in range(n_groups):
+    for g, first in enumerate(starts.tolist()):
         rows = slice(bounds[g], bounds[g + 1])
-        keys = n_keys if local else int(ends[g])
-        k_pos = torch.arange(keys, device=q_pos.device)  # [keys]
-        mask = k_pos[None, :] <= q_pos[rows, None]  # [S_g, keys]
+        keys = int(ends[g])
+        k_pos = torch.arange(first, keys, device=q_pos.device)  # [keys - first]
+        mask = k_pos[None, :] <= q_pos[rows, None]  # [S_g, keys - first]
         if windowed:
             mask &= k_pos[None, :] > q_pos[rows, None] - window
         if chunked:
             mask &= k_pos[None, :] >= torch.div(q_pos[rows, None], chunk, rounding_mode="floor") * chunk
         plans.append(_with_split(Attend(rows, keys, False, mask), q_pos, heads) if not local
-                     else Attend(rows, keys, False, mask))
+                     else Attend(rows, keys, False, mask, first_key=first))
     return plans
 
 
@@ -252,8 +263,8 @@ def layer_forward(ad: Adapter, i: int, h: torch.Tensor, rope: RopeTables, spans:
                     for a in plan)  # each [H, S_g, D]
         if mass is not None and i in mass:  # the weights that attention applied, with its mask and windows
             for a in plan:
-                mass[i][:a.n_keys] += attention_weights(q_sp[:, a.rows] if len(plan) > 1 else q_sp, k_cache, a,
-                                                        ad, la).sum((0, 1))  # [n_keys]
+                q_g = q_sp[:, a.rows] if len(plan) > 1 else q_sp
+                mass[i][a.first_key:a.n_keys] += attention_weights(q_g, k_cache, a, ad, la).sum((0, 1))  # [N_g]
     out = torch.cat(outs, 1) if len(outs) > 1 else outs[0]  # [H, S, D]
     a_out = ad.attn_output(i, out.transpose(0, 1).reshape(s, ad.num_heads * ad.head_dim), x)  # [S, hidden]
     return ad.residual(i, h, x, a_out), k, v
@@ -286,7 +297,7 @@ def _recurrent_forward(ad: Adapter, i: int, h: torch.Tensor, x: torch.Tensor, sp
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: Attend, heads: Heads | Adapter,
               la: LayerAttention | None = None) -> torch.Tensor:
-    """SDPA of q: [H, S_g, D] over cache keys [0, a.n_keys) -> [H, S_g, D].
+    """SDPA of q: [H, S_g, D] over cache keys [a.first_key, a.n_keys) -> [H, S_g, D].
 
     `la` is the layer's attention (scale, soft-capping, sinks); None = `heads.scaling`, plain softmax.
     """
@@ -299,14 +310,14 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: 
         # decode (queries that see every key): folded heads instead of SDPA's GQA path,
         # which repeats the whole K and V per call on CPU
         out = F.scaled_dot_product_attention(
-            _fold_heads(q, heads)[None], k_cache[None, :, : a.n_keys], v_cache[None, :, : a.n_keys],
+            _fold_heads(q, heads)[None], k_cache[None, :, a.first_key: a.n_keys], v_cache[None, :, a.first_key: a.n_keys],
             scale=scaling,
         )[0]  # [Hkv, g*S_g, D]
         return out.reshape(q.shape)
     return F.scaled_dot_product_attention(
         q[None],  # [1, H, S_g, D]
-        k_cache[None, :, : a.n_keys],  # [1, Hkv, n_keys, D]
-        v_cache[None, :, : a.n_keys],
+        k_cache[None, :, a.first_key: a.n_keys],  # [1, Hkv, n_keys - first_key, D]
+        v_cache[None, :, a.first_key: a.n_keys],
         attn_mask=a.mask,
         is_causal=a.causal,
         scale=scaling,
@@ -317,18 +328,18 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: 
 def _explicit_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: Attend,
                         heads: Heads | Adapter, la: LayerAttention) -> torch.Tensor:
     """Attention with what SDPA cannot express: logit soft-capping (Gemma 2), sinks (gpt-oss)."""
-    v = v_cache[:, : a.n_keys].repeat_interleave(heads.num_heads // heads.num_kv_heads, 0)  # [H, n_keys, D]
+    v = v_cache[:, a.first_key: a.n_keys].repeat_interleave(heads.num_heads // heads.num_kv_heads, 0)  # [H, N_g, D]
     return attention_weights(q, k_cache, a, heads, la).to(v.dtype) @ v  # [H, S_g, D]
 
 
 def attention_weights(q: torch.Tensor, k_cache: torch.Tensor, a: Attend, heads: Heads | Adapter,
                       la: LayerAttention) -> torch.Tensor:
-    """The softmax weights of q: [H, S_g, D] over cache keys [0, a.n_keys) -> [H, S_g, n_keys]
+    """The softmax weights of q: [H, S_g, D] over cache keys [a.first_key, a.n_keys) -> [H, S_g, N_g]
     float32, as the layer's attention applies them: its scale, soft-capping, mask (windows
     included) and sinks."""
     g = heads.num_heads // heads.num_kv_heads
-    k = k_cache[:, : a.n_keys].repeat_interleave(g, 0)  # [H, n_keys, D]
-    scores = (q @ k.transpose(1, 2)).float() * la.scaling  # [H, S_g, n_keys]
+    k = k_cache[:, a.first_key: a.n_keys].repeat_interleave(g, 0)  # [H, N_g, D] (N_g = n_keys - first_key)
+    scores = (q @ k.transpose(1, 2)).float() * la.scaling  # [H, S_g, N_g]
     if la.softcap is not None:
         scores = torch.tanh(scores / la.softcap) * la.softcap
     s_g = q.shape[1]

@@ -61,3 +61,29 @@ def test_decode_attention_folds_heads_and_matches_gqa_sdpa():
     ref = F.scaled_dot_product_attention(q[None], k[None, :, :n], v[None, :, :n], scale=HEADS.scaling,
                                          enable_gqa=True)[0]
     torch.testing.assert_close(attention(q, k, v, plan, HEADS), ref, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dense", [True, False])
+def test_window_groups_read_only_their_window_and_match_one_masked_call(dense):
+    """A sliding-window layer (window 512): each group of queries reads keys from its first
+    query's window on, not every key before it; the output is one masked call's over all keys
+    (full prefill's dense queries, and selective recompute's scattered ones)."""
+    heads = Heads(num_heads=9, num_kv_heads=3, head_dim=64, scaling=64 ** -0.5, sliding_window=512)
+    n_keys = 2600
+    g = torch.Generator().manual_seed(3)
+    q_pos = torch.arange(n_keys) if dense else torch.sort(torch.randperm(n_keys, generator=g)[:390]).values
+    q = torch.randn(9, q_pos.shape[0], 64, generator=g)
+    k, v = torch.randn(3, n_keys, 64, generator=g), torch.randn(3, n_keys, 64, generator=g)
+    plans = plan_attention(q_pos, n_keys, heads)
+    assert len(plans) > 1
+    for a in plans:
+        first = int(q_pos[a.rows.start])
+        assert a.first_key == max(0, first - 511) and a.mask.shape == (a.rows.stop - a.rows.start, a.n_keys - a.first_key)
+        assert a.mask.any(1).all()  # every query sees at least itself
+    assert sum(a.n_keys - a.first_key for a in plans) < 0.5 * len(plans) * n_keys  # the window, not every key
+    i, j = q_pos[:, None], torch.arange(n_keys)[None, :]
+    mask = (j <= i) & (j > i - 512)  # [S, N]
+    ref = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=heads.scaling,
+                                         enable_gqa=True)[0]
+    out = torch.cat([attention(q[:, a.rows], k, v, a, heads) for a in plans], 1)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)

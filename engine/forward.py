@@ -310,8 +310,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: 
         # decode (queries that see every key): folded heads instead of SDPA's GQA path,
         # which repeats the whole K and V per call on CPU
         out = F.scaled_dot_product_attention(
-            _fold_heads(q, heads)[None], k_cache[None, :, a.first_key: a.n_keys], v_cache[None, :, a.first_key: a.n_keys],
-            scale=scaling,
+            _fold_heads(q, heads)[None], k_cache[None, :, a.first_key: a.n_keys],
+            v_cache[None, :, a.first_key: a.n_keys], scale=scaling,
         )[0]  # [Hkv, g*S_g, D]
         return out.reshape(q.shape)
     return F.scaled_dot_product_attention(

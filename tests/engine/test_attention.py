@@ -78,7 +78,8 @@ def test_window_groups_read_only_their_window_and_match_one_masked_call(dense):
     assert len(plans) > 1
     for a in plans:
         first = int(q_pos[a.rows.start])
-        assert a.first_key == max(0, first - 511) and a.mask.shape == (a.rows.stop - a.rows.start, a.n_keys - a.first_key)
+        assert a.first_key == max(0, first - 511)
+        assert a.mask.shape == (a.rows.stop - a.rows.start, a.n_keys - a.first_key)
         assert a.mask.any(1).all()  # every query sees at least itself
     assert sum(a.n_keys - a.first_key for a in plans) < 0.5 * len(plans) * n_keys  # the window, not every key
     i, j = q_pos[:, None], torch.arange(n_keys)[None, :]

@@ -50,7 +50,7 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("focus_handover", str, "on: focus keeping several chunks blends over all of them instead (and reads a "
                             "neighbour index's neighbour KV); off: it blends over the kept ones (default on)"),
     ("focus_spread", float, "with --focus-handover on: hand over only when the two runners-up score on average at "
-                            "least this x the best, [0, 1]; 0 = whenever several are kept (default 0.7)"),
+                            "least this x the best, [0, 1]; 0 = whenever several are kept (default 0.66)"),
     ("focus_lookup_ratio", float, "focus answering a lookup over a neighbour index's KV (no handover): the share of "
                                   "its kept chunks' tokens recomputed, [0, 1]; 1 = all of them, exact over those "
                                   "chunks (default: the request's budget, its ratio of every chunk's tokens, spent on them)"),

@@ -38,8 +38,9 @@ class FocusOptions:
     handover: bool = False
     # hand over only when the two runners-up score on average at least this x the best
     # (`spread`: a lookup has one chunk far above the rest, a multi-passage question several
-    # close to it; 0.7: docs/quality.md); 0 = whenever several are kept
-    spread: float = 0.7
+    # close to it; 0.66, just above the needle lookups' highest, 0.65: docs/quality.md); 0 = whenever
+    # several are kept
+    spread: float = 0.66
     # a lookup (several kept without handover, or one) over neighbour-conditioned KV: the share of
     # its kept chunks' tokens recomputed, picked by the question's attention (their KV attended to
     # neighbours this prompt does not hold). None = the request's budget (its recompute ratio of
@@ -150,7 +151,7 @@ def spread(relevance: torch.Tensor, runners_up: int = 2) -> float:
     """How close the next chunks score to the best: the mean of the `runners_up` best
     after it, over the best, in [0, 1]. A lookup has one chunk far above the rest (needle
     tasks: at most 0.65); a question over several passages has runners-up close to the
-    best (MuSiQue: 23-27 of 30 at 0.7 or more, with 5 passages as with 10). Only the runners-up
+    best (MuSiQue: 26-29 of 30 reach 0.66, with 5 passages as with 10, on both models). Only the runners-up
     count, not every other chunk: the mean of all of them falls as more distractors are
     retrieved (docs/quality.md). 0.0 for a lone chunk."""
     if relevance.numel() < 2:

@@ -108,7 +108,7 @@ class ServerSettings:
     focus_handover: bool = True
     # ... only when the two runners-up score on average at least this x the best: a lookup has one
     # chunk far above the rest, and answers over it (FocusOptions.spread, docs/quality.md)
-    focus_spread: float = 0.7
+    focus_spread: float = 0.66
     # a lookup over neighbour KV blends its kept chunks at this share of their tokens; None = the request's
     # budget (its ratio of every chunk's tokens) spent on them; 1.0 = recomputes them, exact over the kept
     # chunks (FocusOptions.lookup_ratio, docs/quality.md)

@@ -23,12 +23,12 @@ def test_defaults() -> None:
     # a lookup over neighbour KV spends the request's budget on the chunks near the best (issue 39)
     assert s.focus().lookup_ratio is None and s.focus().lookup_keep is None
     assert load_settings({"focus_lookup_ratio": "1", "focus_lookup_keep": "1"}, env={}).focus() == FocusOptions(
-        keep=0.5, handover=True, spread=0.7, lookup_ratio=1.0, lookup_keep=1.0)
+        keep=0.5, handover=True, spread=0.66, lookup_ratio=1.0, lookup_keep=1.0)
     with pytest.raises(ValueError, match="focus_lookup_ratio"):
         ServerSettings(focus_lookup_ratio=2.0)
     assert load_settings({"focus_handover": "off"}, env={}).focus_handover is False
     # a lookup (one chunk far above the others) stays focused: handover waits for the spread
-    assert s.focus_spread == 0.7 and load_settings({"focus_spread": "0.5"}, env={}).focus_spread == 0.5
+    assert s.focus_spread == 0.66 and s.focus().spread == FocusOptions().spread and load_settings({"focus_spread": "0.5"}, env={}).focus_spread == 0.5
     with pytest.raises(ValueError, match="focus_spread"):
         ServerSettings(focus_spread=-0.1)
     assert load_settings({}, env={"RAGKV_QUALITY_GUARD_MASS": "0.8"}).quality_guard_mass == 0.8

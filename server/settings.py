@@ -20,6 +20,8 @@ from ragkv.types import DEFAULT_COLLECTION, DType, Mode, SearchMode  # noqa: F40
 from ragkv.engine.focus import FocusOptions
 from ragkv.server.validation import RequestLimits
 
+_FOCUS = FocusOptions()  # the engine's focus defaults: the settings below that it shares are read from it
+
 ENV_PREFIX = "RAGKV_"
 S3_SCHEME = "s3://"
 
@@ -101,21 +103,21 @@ class ServerSettings:
     # fraction of chunk tokens: with the selector over three layers, 0.15 is as close to full prefill as
     # 0.2 over one was, at about 4x (docs/quality.md, issue 39)
     default_recompute_ratio: float = 0.15
-    focus_keep: float = 0.5  # FOCUS keeps chunks scoring at least this x the best (docs/quality.md)
+    focus_keep: float = _FOCUS.keep  # FOCUS keeps chunks scoring at least this x the best (docs/quality.md)
     # FOCUS keeping several chunks hands over to blend over all of them (FocusOptions.handover);
     # on a neighbour index it then reads the neighbour KV (NeighbourOptions.serves_plain). On:
     # multi-passage questions lose most to full prefill when chunks are dropped (docs/quality.md)
     focus_handover: bool = True
     # ... only when the two runners-up score on average at least this x the best: a lookup has one
     # chunk far above the rest, and answers over it (FocusOptions.spread, docs/quality.md)
-    focus_spread: float = 0.66
+    focus_spread: float = _FOCUS.spread
     # a lookup over neighbour KV blends its kept chunks at this share of their tokens; None = the request's
     # budget (its ratio of every chunk's tokens) spent on them; 1.0 = recomputes them, exact over the kept
     # chunks (FocusOptions.lookup_ratio, docs/quality.md)
-    focus_lookup_ratio: float | None = None
+    focus_lookup_ratio: float | None = _FOCUS.lookup_ratio
     # a lookup answers over the chunks scoring at least this x the best; None = focus_keep; 1.0 = the
     # best alone (FocusOptions.lookup_keep, docs/quality.md)
-    focus_lookup_keep: float | None = None
+    focus_lookup_keep: float | None = _FOCUS.lookup_keep
     # the quality guard: blend (and focus blending several chunks) runs a request as full prefill
     # when holding this share of the question's attention needs more chunk tokens than its
     # recompute ratio allows (BlendOptions.fallback_full); None = off. Counted in

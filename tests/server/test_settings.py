@@ -28,7 +28,8 @@ def test_defaults() -> None:
         ServerSettings(focus_lookup_ratio=2.0)
     assert load_settings({"focus_handover": "off"}, env={}).focus_handover is False
     # a lookup (one chunk far above the others) stays focused: handover waits for the spread
-    assert s.focus_spread == 0.66 and s.focus().spread == FocusOptions().spread and load_settings({"focus_spread": "0.5"}, env={}).focus_spread == 0.5
+    assert s.focus_spread == 0.66 and s.focus().spread == FocusOptions().spread
+    assert load_settings({"focus_spread": "0.5"}, env={}).focus_spread == 0.5
     with pytest.raises(ValueError, match="focus_spread"):
         ServerSettings(focus_spread=-0.1)
     assert load_settings({}, env={"RAGKV_QUALITY_GUARD_MASS": "0.8"}).quality_guard_mass == 0.8

@@ -41,15 +41,16 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--question-suffix", default=None,
                    help="text appended to every question; default: a short-answer request with "
                         "--dataset, nothing otherwise")
-    p.add_argument("--neighbours", default="0",
+    p.add_argument("--neighbours", default=None,
                    help="neighbour-conditioned KV: comma list of m (neighbours each chunk is prefilled "
-                        "after; 0 = plain KV), each compared on the same cases (default 0)")
-    p.add_argument("--neighbour-budget", type=int, default=1024,
-                   help="most context tokens before a chunk (default 1024)")
-    p.add_argument("--neighbour-context", default="tokens", metavar="tokens,kv",
-                   help="neighbours before a chunk as their tokens (prefilled with it; default) or as their "
-                        "plain KV (only the chunk is computed: the same KV for m = 1, cheaper for m >= 2); "
-                        "tokens,kv compares both (rows +nbM and +nbMkv)")
+                        "after; 0 = plain KV), each compared on the same cases (default: what ragkv index "
+                        "builds, m = 1)")
+    p.add_argument("--neighbour-budget", type=int, default=None,
+                   help="most context tokens before a chunk (default: ragkv index's)")
+    p.add_argument("--neighbour-context", default=None, metavar="tokens,kv",
+                   help="neighbours before a chunk as their tokens (prefilled with it; ragkv index's "
+                        "default) or as their plain KV (only the chunk is computed: the same KV for m = 1, "
+                        "cheaper for m >= 2); tokens,kv compares both (rows +nbM and +nbMkv)")
     p.add_argument("--pool-embeddings", type=Path, metavar="FILE.npy",
                    help="neighbours: keep the pool's embeddings in FILE.npy and reuse them on the next run")
     p.add_argument("--neighbour-choice", default="nearest", choices=("nearest", "random"),
@@ -93,8 +94,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                         "--focus-spread)")
     p.add_argument("--focus-lookup-ratio", default=None, metavar="R[,R]",
                    help="focus answering a lookup over neighbour KV: the share of its kept chunks' tokens "
-                        "recomputed (1 = all: exact over them; 'request' = the request's budget, --ratio of every "
-                        "chunk's tokens, on them); comma list (default: ragkv serve's --focus-lookup-ratio)")
+                        "recomputed (1 = all: exact over them; 'request' = the request's --ratio); "
+                        "comma list (default: ragkv serve's --focus-lookup-ratio)")
     p.add_argument("--focus-lookup-keep", default=None, metavar="K[,K]",
                    help="focus answering a lookup: keep chunks scoring at least K x the best (1 = the best "
                         "alone; 'keep' = --focus-keep); comma list (default: ragkv serve's --focus-lookup-keep)")
@@ -123,20 +124,25 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def served_defaults(args: argparse.Namespace) -> argparse.Namespace:
-    """`args` with what the command line left out taken from `ragkv serve`'s defaults, so the
-    eval a user runs is the path they are served. ServerSettings is the one source: its
-    default ratio and its focus settings (ServerSettings.focus); the selector's layers are the
-    engine's (BlendOptions.score_depths), which the server serves as they are."""
+    """`args` with what the command line left out taken from `ragkv serve`'s and `ragkv index`'s
+    defaults, so the eval a user runs is the path they are served. ServerSettings is the one
+    source of the default ratio and the focus settings (ServerSettings.focus); the selector's
+    layers are the engine's (BlendOptions.score_depths), which the server serves as they are;
+    the chunk KV is what `ragkv index` builds (indexer.neighbours.INDEX_DEFAULT)."""
     from ragkv.engine.blend import BlendOptions
+    from ragkv.indexer.neighbours import INDEX_DEFAULT
     from ragkv.server.settings import ServerSettings
 
     served = ServerSettings()
     focus = served.focus()
+    built = INDEX_DEFAULT
     for dest, value in (("ratio", f"{served.default_recompute_ratio:g}"), ("focus_keep", f"{focus.keep:g}"),
                         ("focus_handover", "on" if focus.handover else "off"), ("focus_spread", f"{focus.spread:g}"),
                         ("focus_lookup_ratio", "request" if focus.lookup_ratio is None else f"{focus.lookup_ratio:g}"),
                         ("focus_lookup_keep", "keep" if focus.lookup_keep is None else f"{focus.lookup_keep:g}"),
-                        ("score_depths", "+".join(f"{f:g}" for f in BlendOptions().score_depths))):
+                        ("score_depths", "+".join(f"{f:g}" for f in BlendOptions().score_depths)),
+                        ("neighbours", str(built.m)), ("neighbour_budget", built.budget_tokens),
+                        ("neighbour_context", built.context.value)):
         if getattr(args, dest, None) is None:
             setattr(args, dest, value)
     return args

@@ -20,7 +20,7 @@ def _json(capsys) -> dict:
 def test_eval_synthetic_json(tiny_llama_dir, capsys):
     rc = main(["eval", "--synthetic", "niah", "--model", str(tiny_llama_dir), "--n", "2", "--context", "192",
                "--chunk-tokens", "64", "--modes", "full,reuse,blend", "--ratio", "0.2,1.0",
-               "--selector", "deviation,query", "--max-new-tokens", "4", "--json"])
+               "--selector", "deviation,query", "--neighbours", "0", "--max-new-tokens", "4", "--json"])
     assert rc == 0
     out = _json(capsys)
     assert set(out["modes"]) == {"full", "reuse", "blend-deviation-0.2", "blend-deviation-1",
@@ -40,7 +40,7 @@ def test_eval_synthetic_json(tiny_llama_dir, capsys):
 def test_eval_focus_modes_and_plot(tiny_llama_dir, capsys, tmp_path):
     rc = main(["eval", "--synthetic", "niah", "--model", str(tiny_llama_dir), "--n", "2", "--context", "192",
                "--chunk-tokens", "64", "--modes", "full,reuse,focus", "--focus-keep", "1.0,1e-9",
-               "--ratio", "1.0", "--max-new-tokens", "4", "--json"])
+               "--ratio", "1.0", "--neighbours", "0", "--max-new-tokens", "4", "--json"])
     assert rc == 0
     out = _json(capsys)
     assert set(out["modes"]) == {"full", "reuse", "focus-1", "focus-1e-09"}
@@ -65,7 +65,8 @@ def test_eval_cases_out_rows_add_up_to_the_report(tiny_llama_dir, capsys, tmp_pa
     rows_file = tmp_path / "cases.jsonl"
     rc = main(["eval", "--synthetic", "niah", "--model", str(tiny_llama_dir), "--n", "3", "--context", "192",
                "--chunk-tokens", "64", "--modes", "full,focus", "--focus-handover", "on", "--focus-spread", "0,1",
-               "--focus-keep", "1e-9", "--max-new-tokens", "4", "--json", "--cases-out", str(rows_file)])
+               "--focus-keep", "1e-9", "--neighbours", "0", "--max-new-tokens", "4", "--json",
+               "--cases-out", str(rows_file)])
     assert rc == 0
     out = _json(capsys)
     assert set(out["modes"]) == {"full", "focus-s0", "focus-s1"}

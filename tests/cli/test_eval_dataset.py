@@ -109,12 +109,19 @@ def test_eval_names_a_bad_neighbour_context(tiny_llama_dir, tmp_path, capsys):
     assert "--neighbour-context takes a comma list of tokens, kv, got 'text'" in capsys.readouterr().err
 
 
-def test_eval_synthetic_reports_fidelity(tiny_llama_dir, capsys):
+def test_eval_synthetic_reports_fidelity_on_the_kv_ragkv_index_builds(tiny_llama_dir, capsys):
+    """With no --neighbours, the chunk KV is what `ragkv index` builds by default."""
+    from ragkv.indexer.neighbours import INDEX_DEFAULT
+
     rc = main(["eval", "--synthetic", "niah", "--model", str(tiny_llama_dir), "--n", "1", "--context", "128",
                "--chunk-tokens", "64", "--modes", "full,reuse", "--max-new-tokens", "3", "--json"])
     assert rc == 0
-    m = json.loads(capsys.readouterr().out.strip())["modes"]["reuse"]
+    out = json.loads(capsys.readouterr().out.strip())
+    assert INDEX_DEFAULT.m == 1 and set(out["modes"]) == {"full", "reuse+nb1"}
+    assert out["config"]["neighbour_budget"] == INDEX_DEFAULT.budget_tokens
+    m = out["modes"]["reuse+nb1"]
     assert {"f1", "f1_vs_full", "first_token_agreement", "kl_mean", "agreement"} <= set(m)
+    assert m["kv_prefill_median_s"] > 0
 
 
 def test_shared_musique_file_parses():

@@ -53,3 +53,18 @@ def test_the_lookup_keep_is_the_servers_and_compares_in_one_run() -> None:
     assert got == {"focus-lkeepk": None, "focus-lkeep1": 1.0}
     with pytest.raises(ValueError, match="focus-lookup-keep"):
         _eval_methods("--focus-lookup-keep", "best")
+
+
+def test_the_evals_default_chunk_kv_is_what_ragkv_index_builds() -> None:
+    from ragkv.indexer.neighbours import INDEX_DEFAULT
+
+    def parsed(*flags: str):
+        return served_defaults(build_parser().parse_args(["eval", "--synthetic", "niah", *flags]))
+
+    args = parsed()
+    got = (args.neighbours, args.neighbour_budget, args.neighbour_context)
+    assert got == (str(INDEX_DEFAULT.m), INDEX_DEFAULT.budget_tokens, INDEX_DEFAULT.context.value)
+    index = build_parser().parse_args(["index", "docs", "--out", "idx"])
+    assert (str(index.neighbours), index.neighbour_budget) == (args.neighbours, args.neighbour_budget)
+    args = parsed("--neighbours", "0,2", "--neighbour-budget", "64", "--neighbour-context", "kv")
+    assert (args.neighbours, args.neighbour_budget, args.neighbour_context) == ("0,2", 64, "kv")

@@ -98,13 +98,14 @@ class NeighbourOptions:
                                        int(d.get("seed", 0)), NeighbourContext(d.get("context", "tokens")))
 
 
-# what `ragkv index` builds unless told otherwise: each chunk's KV computed after the last 256
-# tokens of its most similar chunk, prefilled with it. On MuSiQue 30x5, with the server's
-# default focus (handover at spread 0.7, ratio 0.2), it brings the answer within KL 0.026 of
-# full prefill (plain KV: 0.056) for 1.4x the indexing time of plain KV and no more storage:
-# no plain copy is kept, as nothing serves one (docs/quality.md, issue 28). The library's
-# own default (`NeighbourOptions()`, IndexJobConfig) stays plain KV.
-INDEX_DEFAULT = NeighbourOptions(m=1, budget_tokens=256, context=NeighbourContext.TOKENS)
+# what `ragkv index` builds unless told otherwise: each chunk's KV computed after the last 512
+# tokens of its most similar chunk, prefilled with it. 512 tokens, not 256: the chunk then sits
+# where a served chunk sits, past the prefix and out of a 512-token sliding window's sight of
+# it. On MuSiQue 30x5 with the served defaults that brought SmolLM2 from KL 0.0196 to 0.0165 of
+# full prefill and Gemma 3 270M from 0.0685 to about 0.05, at the same TTFT; indexing costs more
+# prefill (measured in docs/quality.md, issue 39) and no more storage: no plain copy is kept, as
+# nothing serves one. The library's own default (`NeighbourOptions()`, IndexJobConfig) stays plain KV.
+INDEX_DEFAULT = NeighbourOptions(m=1, budget_tokens=512, context=NeighbourContext.TOKENS)
 
 
 def select_neighbours(xb: np.ndarray, options: NeighbourOptions,

@@ -51,7 +51,7 @@ def test_the_default_index_is_one_neighbour_by_tokens(tmp_path, tiny_llama_dir):
     assert main(["index", str(corpus), "--out", str(out), "--model", str(tiny_llama_dir), "--no-progress",
                  "--skip-model-check", "--device", "cpu"]) == 0
     m = read_manifest(out)
-    assert INDEX_DEFAULT == NeighbourOptions(m=1, budget_tokens=256, context=NeighbourContext.TOKENS)
+    assert INDEX_DEFAULT == NeighbourOptions(m=1, budget_tokens=512, context=NeighbourContext.TOKENS)
     assert NeighbourOptions.from_dict(m.neighbours) == INDEX_DEFAULT
     db = ChunkDB.open(out, readonly=True)
     try:

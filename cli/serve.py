@@ -53,7 +53,7 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
                             "least this x the best, [0, 1]; 0 = whenever several are kept (default 0.66)"),
     ("focus_lookup_ratio", float, "focus answering a lookup over a neighbour index's KV (no handover): the share of "
                                   "its kept chunks' tokens recomputed, [0, 1]; 1 = all of them, exact over those "
-                                  "chunks (default: the request's budget, its ratio of every chunk's tokens, spent on them)"),
+                                  "chunks (default: the request's recompute ratio)"),
     ("focus_lookup_keep", float, "focus answering a lookup (no handover): keep the chunks scoring at least this x "
                                  "the best, (0, 1]; 1 = the best alone (default: --focus-keep)"),
     ("quality_guard_mass", float, "quality guard: blend runs a request as full prefill when holding this share of "

@@ -444,13 +444,9 @@ def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chu
     if any(chunks[i].after_context for i in kept):
         # KV computed after neighbours this prompt does not hold: the kept chunks are blended at the
         # lookup ratio (1.0: recomputed, the prompt then is full prefill of the prefix, those chunks
-        # and the question); by default the request's budget, its ratio of every chunk's tokens, is
-        # spent on them
+        # and the question); by default the request's ratio of the kept chunks' tokens
         ratio = options.focus.lookup_ratio
-        if ratio is None:
-            kept_tokens = sum(chunks[i].num_tokens for i in kept)
-            ratio = min(1.0, options.recompute_ratio * sum(ch.num_tokens for ch in chunks) / kept_tokens)
-        sub = replace(options, recompute_ratio=ratio)
+        sub = options if ratio is None else replace(options, recompute_ratio=ratio)
     else:  # plain KV: one kept chunk's is exact, reused; several are blended, scored over themselves
         inner, tokens = (Mode.REUSE if len(kept) == 1 else Mode.BLEND), None
     res = yield from _run_kept(lm, prefix, chunks, kept, q_ids, inner, sub, reserve_tokens, select_ids, tokens)

@@ -43,9 +43,10 @@ class FocusOptions:
     spread: float = 0.66
     # a lookup (several kept without handover, or one) over neighbour-conditioned KV: the share of
     # its kept chunks' tokens recomputed, picked by the question's attention (their KV attended to
-    # neighbours this prompt does not hold). None = the request's budget (its recompute ratio of
-    # every retrieved chunk's tokens) spent on the kept chunks, at most all of them; 1.0 = every
-    # one, which is full prefill of the prefix, the kept chunks and the question (docs/quality.md)
+    # neighbours this prompt does not hold). None = the request's recompute ratio, of the kept
+    # chunks' tokens (spending the whole request's budget on them was no closer to full prefill on
+    # MuSiQue and slowed the needle lookups to 4.5x: docs/quality.md); 1.0 = every one, which is
+    # full prefill of the prefix, the kept chunks and the question
     lookup_ratio: float | None = None
     # a lookup (no handover) answers over the chunks scoring at least this x the best; None = `keep`;
     # 1.0 = the best alone (neighbour KV lifts a distractor's score: docs/quality.md)

@@ -112,8 +112,8 @@ class ServerSettings:
     # chunk far above the rest, and answers over it (FocusOptions.spread, docs/quality.md)
     focus_spread: float = _FOCUS.spread
     # a lookup over neighbour KV blends its kept chunks at this share of their tokens; None = the request's
-    # budget (its ratio of every chunk's tokens) spent on them; 1.0 = recomputes them, exact over the kept
-    # chunks (FocusOptions.lookup_ratio, docs/quality.md)
+    # recompute ratio; 1.0 = recomputes them, exact over the kept chunks (FocusOptions.lookup_ratio,
+    # docs/quality.md)
     focus_lookup_ratio: float | None = _FOCUS.lookup_ratio
     # a lookup answers over the chunks scoring at least this x the best; None = focus_keep; 1.0 = the
     # best alone (FocusOptions.lookup_keep, docs/quality.md)

@@ -210,8 +210,7 @@ def test_several_kept_neighbour_chunks_are_recomputed_exactly(tiny):
 def test_a_lookup_over_neighbour_kv_blends_its_kept_chunks_at_the_lookup_ratio(tiny):
     """A lookup over neighbour KV recomputes only the lookup ratio's share of its kept chunks,
     picked by the question's attention that focus's pass read; with no lookup ratio, the request's
-    budget (its ratio of every chunk's tokens) on the kept chunks. More recompute brings it closer
-    to full prefill over the kept chunks."""
+    ratio of them. More recompute brings it closer to full prefill over the kept chunks."""
     p = tiny.prompt
     prefix, _, q = _parts(tiny)
     ids = [p.chunk_ids(c) for c in CHUNKS]
@@ -221,10 +220,9 @@ def test_a_lookup_over_neighbour_kv_blends_its_kept_chunks_at_the_lookup_ratio(t
             for r in (None, 0.1, 0.5, 1.0)}
     kept = runs[1.0].used_chunks
     assert kept is not None and len(kept) == 1 and all(r.used_chunks == kept for r in runs.values())
-    kept_tokens, all_tokens = nb[kept[0]].num_tokens, sum(kv.num_tokens for kv in nb)
-    assert round(0.3 * all_tokens) < kept_tokens  # the budget fits in the kept chunk: not all recomputed
+    kept_tokens = nb[kept[0]].num_tokens
     for r, res in runs.items():
-        share = 0.3 * all_tokens / kept_tokens if r is None else r
+        share = 0.3 if r is None else r
         assert res.recomputed.numel() == round(share * kept_tokens), r
         assert not res.handed_over
     ref = tiny.run(Prompt(p.prompt_ids([CHUNKS[kept[0]]], QUESTION)), Mode.FULL)

@@ -20,7 +20,7 @@ def test_defaults() -> None:
     # hands over to blend when several chunks matter; the quality guard is off unless asked
     assert s.focus_handover is True and s.quality_guard_mass is None and s.default_recompute_ratio == 0.15
     assert s.limits().default_recompute_ratio == 0.15
-    # a lookup over neighbour KV spends the request's budget on the chunks near the best (issue 39)
+    # a lookup over neighbour KV blends the chunks near the best at the request's ratio (issue 39)
     assert s.focus().lookup_ratio is None and s.focus().lookup_keep is None
     assert load_settings({"focus_lookup_ratio": "1", "focus_lookup_keep": "1"}, env={}).focus() == FocusOptions(
         keep=0.5, handover=True, spread=0.66, lookup_ratio=1.0, lookup_keep=1.0)

@@ -25,7 +25,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2)
     ap.add_argument("--ctxs", type=int, default=5)
     ap.add_argument("--m", default="1,2,4")
-    ap.add_argument("--budget", type=int, default=1024)
+    ap.add_argument("--budget", default="1024", help="context tokens before a chunk; comma list to compare")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--pool-embeddings", type=Path, required=True, help="from ragkv eval --pool-embeddings")
     args = ap.parse_args()
 
@@ -39,16 +40,18 @@ def main() -> None:
     xb = np.load(args.pool_embeddings)
     if xb.shape[0] != len(pool):
         raise SystemExit(f"{args.pool_embeddings} has {xb.shape[0]} rows, the file {len(pool)} passages")
-    eng = Engine(load_model("smollm2-135m-instruct"), system_prompt=DEFAULT_INSTRUCTION)
+    eng = Engine(load_model(args.model), system_prompt=DEFAULT_INSTRUCTION)
     p = eng.prompt
     prefix = p.prefix_ids()
     row = {t: i for i, t in enumerate(pool)}
     chunks = [c for case in cases for c in case.chunks]
-    ms = [int(m) for m in args.m.split(",")]
-    nbrs = {m: select_neighbours(xb, NeighbourOptions(m, args.budget), [row[c] for c in chunks]) for m in ms}
-    secs = {0: 0.0, **{m: 0.0 for m in ms}}
-    kv_secs = {m: 0.0 for m in ms}
-    ctx_tokens = {m: 0 for m in ms}
+    budgets = [int(b) for b in args.budget.split(",")]
+    variants = [(int(m), b) for m in args.m.split(",") for b in budgets]
+    name = {v: f"m{v[0]}" if len(budgets) == 1 else f"m{v[0]}-b{v[1]}" for v in variants}
+    nbrs = {m: select_neighbours(xb, NeighbourOptions(m), [row[c] for c in chunks]) for m, _ in variants}
+    secs = {None: 0.0, **{v: 0.0 for v in variants}}
+    kv_secs = {v: 0.0 for v in variants}
+    ctx_tokens = {v: 0 for v in variants}
     plain_kv: dict[int, object] = {}
 
     def plain(j: int):  # noqa: ANN202
@@ -59,21 +62,21 @@ def main() -> None:
     eng.prefill(prefix, p.chunk_ids(chunks[0]))  # warm-up
     for i, c in enumerate(chunks):
         ids = p.chunk_ids(c)
-        for m in [0, *ms]:
-            ctx = [] if m == 0 else context_ids([p.chunk_ids(pool[j]) for j in nbrs[m][i]], args.budget)
+        for v in [None, *variants]:
+            ctx = [] if v is None else context_ids([p.chunk_ids(pool[j]) for j in nbrs[v[0]][i]], v[1])
             t = time.perf_counter()
             eng.prefill(prefix, ids, ctx)
-            secs[m] += time.perf_counter() - t
-            if m:
-                ctx_tokens[m] += len(ctx)
-                context = context_segments([plain(j) for j in nbrs[m][i]], args.budget)
+            secs[v] += time.perf_counter() - t
+            if v is not None:
+                ctx_tokens[v] += len(ctx)
+                context = context_segments([plain(j) for j in nbrs[v[0]][i]], v[1])
                 t = time.perf_counter()
                 eng.prefill(prefix, ids, context_kv=context)
-                kv_secs[m] += time.perf_counter() - t
-    out = {"chunks": len(chunks), "plain_s": round(secs[0], 2),
-           **{f"m{m}": {"s": round(secs[m], 2), "x_plain": round(secs[m] / secs[0], 2),
-                        "kv_pass_s": round(kv_secs[m], 2), "kv_x_plain": round((secs[0] + kv_secs[m]) / secs[0], 2),
-                        "context_tokens_mean": round(ctx_tokens[m] / len(chunks))} for m in ms}}
+                kv_secs[v] += time.perf_counter() - t
+    out = {"model": args.model, "chunks": len(chunks), "plain_s": round(secs[None], 2),
+           **{name[v]: {"s": round(secs[v], 2), "x_plain": round(secs[v] / secs[None], 2),
+                        "kv_pass_s": round(kv_secs[v], 2), "kv_x_plain": round((secs[None] + kv_secs[v]) / secs[None], 2),
+                        "context_tokens_mean": round(ctx_tokens[v] / len(chunks))} for v in variants}}
     print(json.dumps(out))
 
 

@@ -79,7 +79,7 @@ def add_index_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    help="neighbours by similarity, or at random (a control); default nearest")
     p.add_argument("--neighbour-context", choices=["tokens", "kv"], default=INDEX_DEFAULT.context.value,
                    help="tokens: the neighbours' tokens, cut to the budget, are prefilled with every "
-                        "chunk (MuSiQue passages at m = 1, budget 512: about 1.8x plain indexing, no more storage); "
+                        "chunk (MuSiQue passages at m = 1, budget 512: 2.2x plain indexing, no more storage); "
                         "kv: each chunk is computed after its neighbours' own plain KV (also stored, for focus "
                         "without --focus-handover), so only its own tokens run (2.2x at m = 1 with a 1024 budget, "
                         "2.4x at m = 2; twice the storage; docs/quality.md)")

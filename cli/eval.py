@@ -135,14 +135,13 @@ def served_defaults(args: argparse.Namespace) -> argparse.Namespace:
 
     served = ServerSettings()
     focus = served.focus()
-    built = INDEX_DEFAULT
     for dest, value in (("ratio", f"{served.default_recompute_ratio:g}"), ("focus_keep", f"{focus.keep:g}"),
                         ("focus_handover", "on" if focus.handover else "off"), ("focus_spread", f"{focus.spread:g}"),
                         ("focus_lookup_ratio", "request" if focus.lookup_ratio is None else f"{focus.lookup_ratio:g}"),
                         ("focus_lookup_keep", "keep" if focus.lookup_keep is None else f"{focus.lookup_keep:g}"),
                         ("score_depths", "+".join(f"{f:g}" for f in BlendOptions().score_depths)),
-                        ("neighbours", str(built.m)), ("neighbour_budget", built.budget_tokens),
-                        ("neighbour_context", built.context.value)):
+                        ("neighbours", str(INDEX_DEFAULT.m)), ("neighbour_budget", INDEX_DEFAULT.budget_tokens),
+                        ("neighbour_context", INDEX_DEFAULT.context.value)):
         if getattr(args, dest, None) is None:
             setattr(args, dest, value)
     return args

@@ -103,8 +103,9 @@ class NeighbourOptions:
 # where a served chunk sits, past the prefix and out of a 512-token sliding window's sight of
 # it. On MuSiQue 30x5 with the served defaults that brought SmolLM2 from KL 0.0196 to 0.0165 of
 # full prefill and Gemma 3 270M from 0.0685 to about 0.05, at the same TTFT; indexing costs more
-# prefill (2.2x plain against 1.5x: docs/quality.md, issue 39) and no more storage: no plain copy is kept, as
-# nothing serves one. The library's own default (`NeighbourOptions()`, IndexJobConfig) stays plain KV.
+# prefill (2.2x plain against 1.5x: docs/quality.md, issue 39) and no more storage: no plain copy
+# is kept, as nothing serves one. The library's own default (`NeighbourOptions()`,
+# IndexJobConfig) stays plain KV.
 INDEX_DEFAULT = NeighbourOptions(m=1, budget_tokens=512, context=NeighbourContext.TOKENS)
 
 

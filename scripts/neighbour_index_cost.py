@@ -75,7 +75,8 @@ def main() -> None:
                 kv_secs[v] += time.perf_counter() - t
     out = {"model": args.model, "chunks": len(chunks), "plain_s": round(secs[None], 2),
            **{name[v]: {"s": round(secs[v], 2), "x_plain": round(secs[v] / secs[None], 2),
-                        "kv_pass_s": round(kv_secs[v], 2), "kv_x_plain": round((secs[None] + kv_secs[v]) / secs[None], 2),
+                        "kv_pass_s": round(kv_secs[v], 2),
+                        "kv_x_plain": round((secs[None] + kv_secs[v]) / secs[None], 2),
                         "context_tokens_mean": round(ctx_tokens[v] / len(chunks))} for v in variants}}
     print(json.dumps(out))
 

@@ -262,7 +262,9 @@ def neighbour_variants(args: argparse.Namespace, engine, cases, pool):  # noqa: 
 
     from ragkv.evals.evaluate import PLAIN, KVVariant
     from ragkv.engine.prefill import context_segments
-    from ragkv.indexer.neighbours import NeighbourContext, NeighbourOptions, context_ids, select_neighbours
+    from ragkv.indexer.neighbours import (PLAIN_COPY_COMPRESSION, NeighbourContext, NeighbourOptions, context_ids,
+                                          select_neighbours)
+    from ragkv.kvstore.compression import Compression, dequantize, quantize
 
     ms = [int(m) for m in args.neighbours.split(",") if m.strip()]
     if not ms or any(m < 0 for m in ms):
@@ -282,9 +284,15 @@ def neighbour_variants(args: argparse.Namespace, engine, cases, pool):  # noqa: 
     # case's KV prefill time then includes its neighbours' plain prefill once, and memory stays flat
     plain_kv: dict[int, object] = {}
 
+    def stored_plain(kv):  # noqa: ANN001, ANN202 - a plain KV as the index stores its plain copy
+        c = Compression(PLAIN_COPY_COMPRESSION)
+        if c is Compression.NONE:
+            return kv
+        return replace(kv, k=dequantize(*quantize(kv.k, c), kv.k.dtype), v=dequantize(*quantize(kv.v, c), kv.v.dtype))
+
     def neighbour_kv(j: int, prefix_ids):  # noqa: ANN001, ANN202
         if j not in plain_kv:
-            plain_kv[j] = engine.prefill(prefix_ids, p.chunk_ids(texts[j]))
+            plain_kv[j] = stored_plain(engine.prefill(prefix_ids, p.chunk_ids(texts[j])))
         return plain_kv[j]
 
     wanted = sorted({row_of[c] for case in cases for c in case.chunks})
@@ -297,13 +305,14 @@ def neighbour_variants(args: argparse.Namespace, engine, cases, pool):  # noqa: 
         nbrs = dict(zip(wanted, select_neighbours(xb, choice, wanted)))  # the same for either context
         for how in contexts:
             opts = replace(choice, context=how)
-            if how is NeighbourContext.KV:
+            if how is NeighbourContext.KV:  # the plain KV is stored too: the prompt's first chunk reads it
                 def context_kv(case, prefix_ids, nbrs=nbrs, opts=opts):  # noqa: ANN001, ANN202
                     plain_kv.clear()
-                    return [context_segments([neighbour_kv(j, prefix_ids) for j in nbrs[row_of[c]]], opts.budget_tokens)
-                            for c in case.chunks]
+                    return [None if i == 0 and opts.plain_first else
+                            context_segments([neighbour_kv(j, prefix_ids) for j in nbrs[row_of[c]]], opts.budget_tokens)
+                            for i, c in enumerate(case.chunks)]
 
-                variants.append(KVVariant(f"nb{m}kv", context_kv=context_kv))
+                variants.append(KVVariant(f"nb{m}kv", context_kv=context_kv, stored_plain=stored_plain))
                 continue
 
             def context(case, nbrs=nbrs, opts=opts):  # noqa: ANN001, ANN202

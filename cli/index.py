@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from ragkv.indexer.chunking import DEFAULT_CHUNK_TOKENS, DEFAULT_OVERLAP_TOKENS
-from ragkv.indexer.neighbours import INDEX_DEFAULT
+from ragkv.indexer.neighbours import INDEX_DEFAULT, PLAIN_COPY_COMPRESSION
 from ragkv.types import DType
 from ragkv.indexer.spot import DEFAULT_IMDS_ENDPOINT, EXIT_INTERRUPTED, IndexInterrupted
 
@@ -71,18 +71,22 @@ def add_index_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                         "KV (quarters float32) at a small quality cost, see docs/kv-compression.md (default none)")
     p.add_argument("--neighbours", type=int, default=INDEX_DEFAULT.m, metavar="M",
                    help="neighbour-conditioned KV: prefill each chunk after its M most similar chunks (by the "
-                        "index's embeddings) and store only its own KV; 0 = plain KV (one neighbour brings blend "
-                        "and focus closest to full prefill on MuSiQue: docs/quality.md)")
+                        "index's embeddings); 0 = plain KV (one neighbour brings blend and focus closest to full "
+                        "prefill on MuSiQue: docs/quality.md)")
     p.add_argument("--neighbour-budget", type=int, default=INDEX_DEFAULT.budget_tokens, metavar="TOKENS",
                    help="most neighbour tokens before a chunk, the nearest kept")
     p.add_argument("--neighbour-choice", choices=["nearest", "random"], default="nearest",
                    help="neighbours by similarity, or at random (a control); default nearest")
     p.add_argument("--neighbour-context", choices=["tokens", "kv"], default=INDEX_DEFAULT.context.value,
-                   help="tokens: the neighbours' tokens, cut to the budget, are prefilled with every "
-                        "chunk (MuSiQue passages at m = 1, budget 512: 2.2x plain indexing, no more storage); "
-                        "kv: each chunk is computed after its neighbours' own plain KV (also stored, for focus "
-                        "without --focus-handover), so only its own tokens run (2.2x at m = 1 with a 1024 budget, "
-                        "2.4x at m = 2; twice the storage; docs/quality.md)")
+                   help="kv (default): every chunk's plain KV is stored too (see --plain-kv-compression) and "
+                        "serves a prompt's first chunk, which follows the prefix alone, exactly; each chunk is "
+                        "computed after its neighbours' plain KV, so only its own tokens run (2.2x plain "
+                        "indexing at m = 1); tokens: the neighbours' tokens, cut to the budget, are prefilled "
+                        "with every chunk and only its neighbour KV is stored (2.2x at m = 1, budget 512; "
+                        "docs/quality.md)")
+    p.add_argument("--plain-kv-compression", choices=["none", "int8", "fp8"], default=PLAIN_COPY_COMPRESSION,
+                   help="with --neighbour-context kv: how the plain copies store K and V (default int8: the "
+                        "index then holds 1.25x the bytes of plain KV; none: 2x)")
     p.add_argument("--shard", metavar="i/N",
                    help="index only shard i of N (default: AWS_BATCH_JOB_ARRAY_INDEX/_SIZE when set)")
     p.add_argument("--device", default=DType.AUTO.value, help="torch device; auto = cuda when torch sees a GPU, else cpu")
@@ -195,7 +199,8 @@ def run_index_command(args: argparse.Namespace) -> int:
         dtype=resolve_dtype(args.dtype, device), kv_batch=args.kv_batch, embed_batch=args.embed_batch,
         progress=not args.no_progress, runner=Runner(args.runner), ray_address=args.ray_address,
         ray_workers=args.ray_workers, system_prompt=read_system_prompt(args.system_prompt),
-        kv_compression=args.kv_compression, model_check=not args.skip_model_check,
+        kv_compression=args.kv_compression, plain_kv_compression=args.plain_kv_compression,
+        model_check=not args.skip_model_check,
         neighbours=NeighbourOptions(args.neighbours, args.neighbour_budget, args.neighbour_choice,
                                     context=args.neighbour_context),
     )

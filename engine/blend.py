@@ -22,7 +22,9 @@ Modes (all return the same BlendResult, so they compare like with like):
           the cached ones are kept (top `recompute_ratio`); that layer and the later
           ones recompute only those and the question. With the `query` selector, a
           pass of the question over the reused cache scores the chunk tokens by its
-          attention first, and every layer recomputes only the picked tokens. Picked
+          attention first, and every layer recomputes only the picked tokens; a first
+          chunk whose KV was computed right after the prefix (plain KV) is exact in the
+          prompt, so none of its tokens is picked and the budget goes to the others. Picked
           tokens attend to the whole blended cache under a mask built from positions.
 The last layer computes its output for the last position only (K/V for all), in every
 mode: nothing else reads it.
@@ -285,11 +287,31 @@ def _query_blend_steps(lm: LoadedModel, a: _Assembled, prefix: ChunkKV | None, c
         res = yield from prompt_steps(lm, prefix, chunks, q_ids, Mode.FULL, options, reserve_tokens, select_ids)
         res.timings, res.fell_back = {**phases, **res.timings}, True
         return res
-    picked = select_tokens(scores, [ch.num_tokens for ch in chunks], options)
+    picked = _pick_inexact(scores, chunks, p, options)
     if picked.numel() == c - p:  # every chunk token: recompute the prefix too and run as full
         return (yield from _layers(lm, a, chunks, options, first_active=0))  # prefill does (same sums)
     pos = torch.cat([picked + p, torch.arange(c, n, device=lm.device)])  # [S]
     return (yield from _layers(lm, a, chunks, options, first_active=-1, pos=pos))
+
+
+def _pick_inexact(scores: torch.Tensor, chunks: Sequence[ChunkKV], p: int, options: BlendOptions) -> torch.Tensor:
+    """`select_tokens` over the chunks whose KV this prompt does not hold exactly: a first chunk
+    computed right after the prefix (plain KV) holds, in this prompt, the very KV full prefill
+    computes, so recomputing its tokens changes nothing. The budget stays the ratio of every
+    chunk token; it is spent on the others (scores: [C-P]; returns [R] sorted chunk offsets)."""
+    lens = [ch.num_tokens for ch in chunks]
+    lead = chunks[0] if chunks else None
+    if lead is None or lead.after_context or int(lead.positions[0]) != p or len(chunks) == 1:
+        return select_tokens(scores, lens, options)
+    n, exact = sum(lens), lens[0]
+    budget = round(options.recompute_ratio * n)
+    if budget >= n:  # every token: the pass is full prefill (ratio 1.0 equals it)
+        return select_tokens(scores, lens, options)
+    if budget >= n - exact:  # every inexact token
+        return torch.arange(exact, n, device=scores.device)
+    share = budget / (n - exact)  # of the inexact tokens: the same number of tokens recomputed
+    rest = replace(options, recompute_ratio=share, min_ratio=min(share, options.min_ratio * n / (n - exact)))
+    return select_tokens(scores[exact:], lens[1:], rest) + exact
 
 
 def _token_scores(lm: LoadedModel, a: _Assembled, layers: Sequence[int],

@@ -52,8 +52,11 @@ class KVVariant:
     # each chunk's context token ids (between prefix and chunk), given the case; None = plain KV
     context: Callable[[EvalCase], Sequence[Sequence[int]]] | None = None
     # or each chunk's context as computed KV (its neighbours' plain KV: `Engine.prefill(context_kv=)`),
-    # given the case and the prefix's tokens; the time it takes counts as the variant's KV prefill
-    context_kv: Callable[[EvalCase, Sequence[int]], Sequence[Sequence[ChunkKV]]] | None = None
+    # given the case and the prefix's tokens; the time it takes counts as the variant's KV prefill.
+    # None for a chunk: its plain KV as the index stores its plain copy (the prompt's first chunk:
+    # `NeighbourOptions.plain_first`), which `stored_plain` gives from the computed one
+    context_kv: Callable[[EvalCase, Sequence[int]], Sequence[Sequence[ChunkKV] | None]] | None = None
+    stored_plain: Callable[[ChunkKV], ChunkKV] | None = None  # None: the plain KV as computed
 
 
 PLAIN = KVVariant("")
@@ -159,7 +162,9 @@ def evaluate(engine: Engine, cases: Iterable[EvalCase], methods: Sequence[Method
         for v in variants:
             t = time.perf_counter()
             if v.context_kv is not None:
-                kvs = [engine.prefill(prefix_ids, ids, context_kv=ctx)
+                stored = v.stored_plain or (lambda kv: kv)
+                kvs = [stored(engine.prefill(prefix_ids, ids)) if ctx is None else
+                       engine.prefill(prefix_ids, ids, context_kv=ctx)
                        for ids, ctx in zip(chunk_ids, v.context_kv(case, prefix_ids))]
             else:
                 contexts = v.context(case) if v.context is not None else [()] * len(chunk_ids)

@@ -31,7 +31,8 @@ from ragkv.errors import IndexMismatchError
 from ragkv.indexer.chunking import ChunkingConfig, chunk_document
 from ragkv.indexer.corpus import Corpus, Document, load_corpus
 from ragkv.indexer.kv_job import KVItem, KVWriter, kv_key, open_store
-from ragkv.indexer.neighbours import NeighbourContext, NeighbourOptions, context_ids, select_neighbours
+from ragkv.indexer.neighbours import (PLAIN_COPY_COMPRESSION, NeighbourContext, NeighbourOptions, context_ids,
+                                      select_neighbours)
 from ragkv.indexer.sharding import shard_of
 from ragkv.indexer.spot import StopSignal
 from ragkv.retriever import vector_index
@@ -85,6 +86,9 @@ class IndexJobConfig:
     progress: bool = True  # tqdm bars on stderr
     system_prompt: str | None = None  # in the shared prefix, so in every chunk's KV and key; None = the default
     kv_compression: str = "none"  # how KV files store K and V: none, int8 or fp8 (kvstore.compression)
+    # how the plain copy of each chunk's KV is stored where a neighbour index keeps one
+    # (NeighbourContext.KV; it serves a prompt's first chunk): int8 by default (PLAIN_COPY_COMPRESSION)
+    plain_kv_compression: str = PLAIN_COPY_COMPRESSION
     # neighbour-conditioned KV: each chunk prefilled after its m most similar chunks (m = 0: plain)
     neighbours: NeighbourOptions = field(default_factory=NeighbourOptions)
 
@@ -337,6 +341,7 @@ class _Context:
 
     ids: tuple[int, ...]  # its neighbours' tokens, cut to the budget (named in the key)
     neighbours: tuple[tuple[ChunkKey, tuple[int, ...]], ...]  # (plain key, token ids), most similar first
+    own: tuple[ChunkKey, tuple[int, ...]]  # the chunk's own plain key and token ids
 
 
 def _neighbour_contexts(db: ChunkDB, manifest: Manifest, options: NeighbourOptions) -> dict[int, _Context]:
@@ -356,7 +361,8 @@ def _neighbour_contexts(db: ChunkDB, manifest: Manifest, options: NeighbourOptio
     contexts, keys = {}, {}
     for r, chunk_ids, nbrs in zip(rows, ids_of, select_neighbours(xb, options)):
         ctx = tuple(context_ids([ids_of[j] for j in nbrs], options.budget_tokens))
-        contexts[int(r)] = _Context(ctx, tuple((plain_key(ids_of[j]), tuple(ids_of[j])) for j in nbrs))
+        contexts[int(r)] = _Context(ctx, tuple((plain_key(ids_of[j]), tuple(ids_of[j])) for j in nbrs),
+                                    (plain_key(chunk_ids), tuple(chunk_ids)))
         keys[int(r)] = kv_key(manifest.model_fp, manifest.tokenizer_fp, manifest.prefix_ids, chunk_ids,
                               ChunkContext(options.tag(), ctx))
     changed = db.set_kv_keys(keys)
@@ -368,19 +374,20 @@ def _neighbour_contexts(db: ChunkDB, manifest: Manifest, options: NeighbourOptio
 def _precompute_plain_kv(engine: Any, lm: Any, prefix_ids: Sequence[int], kv_uris: Sequence[str],
                          contexts: Sequence[_Context], config: IndexJobConfig,
                          stop: StopSignal) -> tuple[int, int, int]:
-    """The plain KV of every neighbour in `contexts` (those of the chunks still to compute:
-    NeighbourContext.KV, the context the neighbour pass reads); resumes from what the store
-    holds. Returns (chunks, tokens, bytes)."""
-    wanted = dict(nb for c in contexts for nb in c.neighbours)  # plain key -> token ids
+    """The plain KV of every chunk in `contexts` (those still to compute: NeighbourContext.KV) and of
+    its neighbours (the context the neighbour pass reads), stored with `config.plain_kv_compression`
+    (a chunk's own serves it first in a prompt: `NeighbourOptions.plain_first`); resumes from what
+    the store holds. Returns (chunks, tokens, bytes)."""
+    wanted = dict(nb for c in contexts for nb in (c.own, *c.neighbours))  # plain key -> token ids
     items = [KVItem(-1, key, ids) for key, ids in wanted.items()]
     if not items:
         return 0, 0, 0
-    store = open_store(kv_uris, lm.fingerprint, lm.tokenizer_fingerprint, config.kv_compression)
+    store = open_store(kv_uris, lm.fingerprint, lm.tokenizer_fingerprint, config.plain_kv_compression)
     try:
         writer = KVWriter(engine, store, prefix_ids)
         todo = writer.missing(items)
         totals = [0, 0, 0]
-        with _bar(len(todo), "kv precompute (plain, the neighbours' context)", config.progress) as bar:
+        with _bar(len(todo), "kv precompute (plain: the first chunk's, the neighbours' context)", config.progress) as bar:
             def on_done(batch: Sequence[KVItem], nbytes: int) -> None:
                 totals[0] += len(batch)
                 totals[1] += sum(len(it.token_ids) for it in batch)

@@ -68,19 +68,28 @@ class NeighbourOptions:
     def enabled(self) -> bool:
         return self.m > 0
 
-    def serves_plain(self, mode: Mode, focus_handover: bool = False) -> bool:
+    @property
+    def plain_first(self) -> bool:
+        """Whether the prompt's first chunk is served from its plain KV: where the index stores the
+        plain KV too (`NeighbourContext.KV`). In the prompt the first chunk follows the prefix
+        alone, which is exactly the context its plain KV was computed in, so its KV is exact there
+        and no recompute has to correct it (its neighbour KV attended to a passage the prompt does
+        not hold; the first chunk's error reaches every later token: docs/quality.md, issue 39)."""
+        return self.enabled and self.context is NeighbourContext.KV
+
+    def serves_plain(self, mode: Mode, focus_handover: bool = False, first: bool = False) -> bool:
         """Whether a query in `mode` reads the plain KV (after the prefix only) of an index built
         with these options, rather than the neighbour KV the index recorded for each chunk.
 
-        Plain when there are no neighbours, and for focus without handover over an index that
-        also stores the plain KV (`NeighbourContext.KV`): such a focus blends the chunks it
-        keeps and drops the others, which a neighbour KV has attended to, so the plain KV is
-        its exact input. Focus with handover drops nothing when several chunks matter and,
-        in a lookup, recomputes the kept chunks whose KV came after neighbours, so the
-        neighbour KV serves it (docs/quality.md).
+        Plain when there are no neighbours; for the prompt's `first` chunk where the index stores
+        the plain KV too (`plain_first`); and for focus without handover over such an index: that
+        focus blends the chunks it keeps and drops the others, which a neighbour KV has attended
+        to, so the plain KV is its exact input. Focus with handover drops nothing when several
+        chunks matter and, in a lookup, blends the kept chunks whose KV came after neighbours, so
+        the neighbour KV serves its other chunks (docs/quality.md).
         """
         focus_plain = Mode(mode) is Mode.FOCUS and not focus_handover and self.context is NeighbourContext.KV
-        return not self.enabled or focus_plain
+        return not self.enabled or focus_plain or (first and self.plain_first)
 
     def tag(self) -> str:
         """The options as one string: the ChunkKey context tag and the manifest's record."""
@@ -99,14 +108,19 @@ class NeighbourOptions:
 
 
 # what `ragkv index` builds unless told otherwise: each chunk's KV computed after the last 512
-# tokens of its most similar chunk, prefilled with it. 512 tokens, not 256: the chunk then sits
-# where a served chunk sits, past the prefix and out of a 512-token sliding window's sight of
-# it. On MuSiQue 30x5 with the served defaults that brought SmolLM2 from KL 0.0196 to 0.0165 of
-# full prefill and Gemma 3 270M from 0.0685 to about 0.05, at the same TTFT; indexing costs more
-# prefill (2.2x plain against 1.5x: docs/quality.md, issue 39) and no more storage: no plain copy
-# is kept, as nothing serves one. The library's own default (`NeighbourOptions()`,
+# tokens of its most similar chunk (as that chunk's plain KV), and every chunk's plain KV too,
+# stored int8 (PLAIN_COPY_COMPRESSION: storage 1.25x plain), which serves the prompt's first
+# chunk (`plain_first`). 512 tokens, not 256: the chunk then sits where a served
+# chunk sits, past the prefix and out of a 512-token sliding window's sight of it (MuSiQue 30x5:
+# SmolLM2 KL to full prefill 0.0196 -> 0.0165, Gemma 3 270M 0.0685 -> about 0.05, same TTFT).
+# The first chunk's plain KV took Gemma's first 8 questions from KL 0.056 to 0.032 at the same
+# TTFT (docs/quality.md, issue 39). The library's own default (`NeighbourOptions()`,
 # IndexJobConfig) stays plain KV.
-INDEX_DEFAULT = NeighbourOptions(m=1, budget_tokens=512, context=NeighbourContext.TOKENS)
+# how an index stores the plain copy of each chunk's KV (NeighbourContext.KV): it serves a prompt's
+# first chunk, so int8 (a quarter of float32, KL 5e-5 to it: docs/kv-compression.md) keeps the
+# index within 1.25x the bytes of plain KV (`IndexJobConfig.plain_kv_compression`)
+PLAIN_COPY_COMPRESSION = "int8"
+INDEX_DEFAULT = NeighbourOptions(m=1, budget_tokens=512, context=NeighbourContext.KV)
 
 
 def select_neighbours(xb: np.ndarray, options: NeighbourOptions,

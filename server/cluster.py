@@ -317,7 +317,7 @@ class IngressBackend:
         m = r.manifest
         keys = [serving_key(h, request.mode, self._neighbours[request.collection],
                             self._prefix_hash[request.collection], m.model_fp, m.tokenizer_fp,
-                            self._focus_handover).hex for h in hits]
+                            self._focus_handover, first=i == 0).hex for i, h in enumerate(hits)]
         return hits, route_keys(request, keys)
 
 

@@ -63,13 +63,13 @@ class Collection:
     neighbours: NeighbourOptions = field(default_factory=NeighbourOptions)
 
     def kv_key(self, hit, mode: Mode, model_fp: str, tokenizer_fp: str,  # noqa: ANN001 - retriever.Hit
-               focus_handover: bool = False) -> ChunkKey:
-        """The KV a hit is served from in `mode` (which one, the index's options say:
-        `NeighbourOptions.serves_plain`). Plain KV: the key is built here, not read from the
+               focus_handover: bool = False, first: bool = False) -> ChunkKey:
+        """The KV a hit is served from in `mode`, `first` in the prompt or not (which one, the index's
+        options say: `NeighbourOptions.serves_plain`). Plain KV: the key is built here, not read from the
         index, so it names this build's file format and this model (an index written by an
         older format just misses). Neighbour KV: the key the index recorded (it names the
         neighbours' context, which only the indexer knows)."""
-        return serving_key(hit, mode, self.neighbours, self.prefix_hash, model_fp, tokenizer_fp, focus_handover)
+        return serving_key(hit, mode, self.neighbours, self.prefix_hash, model_fp, tokenizer_fp, focus_handover, first)
 
 
 def search_hits(retriever: Retriever, question: str, top_k: int, search_mode: SearchMode | None,
@@ -84,10 +84,10 @@ def retrieved_chunk(hit: Hit) -> RetrievedChunk:
 
 
 def serving_key(hit: Hit, mode: Mode, neighbours: NeighbourOptions, prefix_hash: PrefixHash, model_fp: str,
-                tokenizer_fp: str, focus_handover: bool = False) -> ChunkKey:
-    """The key of the KV a hit is served from in `mode` (`Collection.kv_key`; the cluster's
-    ingress routes on it before any replica has the request)."""
-    if neighbours.serves_plain(mode, focus_handover):
+                tokenizer_fp: str, focus_handover: bool = False, first: bool = False) -> ChunkKey:
+    """The key of the KV a hit is served from in `mode`, the prompt's `first` chunk or a later one
+    (`Collection.kv_key`; the cluster's ingress routes on it before any replica has the request)."""
+    if neighbours.serves_plain(mode, focus_handover, first):
         return ChunkKey.from_prefix_hash(model_fp, tokenizer_fp, prefix_hash, hit.token_ids)
     return hit.kv_key
 
@@ -289,7 +289,7 @@ class Pipeline:
             raise InvalidArgumentError("response_format" if req.response_format.schema else "tools", str(exc)) from None
         req.reads_tool_calls = output.reads_tool_calls
         kv_keys = tuple(c.kv_key(h, req.mode, self.lm.fingerprint, self.lm.tokenizer_fingerprint,
-                                 self._focus.handover) for h in hits)
+                                 self._focus.handover, first=i == 0) for i, h in enumerate(hits))
         token_ids = tuple(tuple(h.token_ids) for h in hits)
         question_ids, select_ids = self._question_ids(req, output)
         chunk_tokens = sum(len(ids) for ids in token_ids)

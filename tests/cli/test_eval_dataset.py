@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from ragkv.cli.dataset import DEFAULT_QUESTION_SUFFIX, load_dataset, passage_text
 from ragkv.cli.main import main
@@ -117,11 +118,40 @@ def test_eval_synthetic_reports_fidelity_on_the_kv_ragkv_index_builds(tiny_llama
                "--chunk-tokens", "64", "--modes", "full,reuse", "--max-new-tokens", "3", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out.strip())
-    assert INDEX_DEFAULT.m == 1 and set(out["modes"]) == {"full", "reuse+nb1"}
+    assert INDEX_DEFAULT.m == 1 and set(out["modes"]) == {"full", "reuse+nb1kv"}
     assert out["config"]["neighbour_budget"] == INDEX_DEFAULT.budget_tokens
-    m = out["modes"]["reuse+nb1"]
+    m = out["modes"]["reuse+nb1kv"]
     assert {"f1", "f1_vs_full", "first_token_agreement", "kl_mean", "agreement"} <= set(m)
     assert m["kv_prefill_median_s"] > 0
+
+
+def test_the_evals_default_kv_serves_the_first_chunk_from_its_stored_plain_copy(tiny_llama_dir, tmp_path,
+                                                                                capsys, monkeypatch):
+    """As a server does over the default index (`NeighbourOptions.plain_first`): the prompt's
+    first chunk reads its plain KV as the index stores it (int8), the later ones their neighbour KV."""
+    from ragkv.engine.runtime import Engine
+
+    seen: list[list[tuple[bool, int]]] = []
+    run = Engine.run
+
+    def spy(self, prompt, mode, *args, **kwargs):  # noqa: ANN001, ANN202
+        if prompt.chunks is not None:
+            seen.append([(bool(ch.after_context), int(ch.positions[0])) for ch in prompt.chunks])
+            exact = self.prefill(prompt.prefix_ids, prompt.chunk_ids[0])
+            assert not torch.equal(prompt.chunks[0].k, exact.k)  # the int8 copy, not the float KV
+            torch.testing.assert_close(prompt.chunks[0].k, exact.k, atol=0.05, rtol=0.05)
+        return run(self, prompt, mode, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "run", spy)
+    path = _write(tmp_path, [_row(i) for i in range(4)])
+    rc = main(["eval", "--dataset", str(path), "--n", "1", "--ctxs", "3", "--model", str(tiny_llama_dir),
+               "--modes", "full,reuse", "--max-new-tokens", "2", "--pool-embeddings", str(tmp_path / "pool.npy"),
+               "--json"])
+    assert rc == 0
+    assert set(json.loads(capsys.readouterr().out.strip())["modes"]) == {"full", "reuse+nb1kv"}
+    (first, *later), = seen
+    assert first[0] is False and all(after for after, _ in later)
+    assert all(start > first[1] for _, start in later)  # computed after a neighbour: past the prefix
 
 
 def test_shared_musique_file_parses():

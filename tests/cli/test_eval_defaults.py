@@ -66,5 +66,6 @@ def test_the_evals_default_chunk_kv_is_what_ragkv_index_builds() -> None:
     assert got == (str(INDEX_DEFAULT.m), INDEX_DEFAULT.budget_tokens, INDEX_DEFAULT.context.value)
     index = build_parser().parse_args(["index", "docs", "--out", "idx"])
     assert (str(index.neighbours), index.neighbour_budget) == (args.neighbours, args.neighbour_budget)
-    args = parsed("--neighbours", "0,2", "--neighbour-budget", "64", "--neighbour-context", "kv")
-    assert (args.neighbours, args.neighbour_budget, args.neighbour_context) == ("0,2", 64, "kv")
+    assert index.neighbour_context == args.neighbour_context
+    args = parsed("--neighbours", "0,2", "--neighbour-budget", "64", "--neighbour-context", "tokens")
+    assert (args.neighbours, args.neighbour_budget, args.neighbour_context) == ("0,2", 64, "tokens")

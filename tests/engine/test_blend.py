@@ -112,7 +112,29 @@ def test_sink_and_window_options_keep_the_budget(tiny_engine):
     for k in kvs:
         starts += [off, off + 1]
         off += k.num_tokens
-    assert set(starts) <= set(res.recomputed.tolist()), "sink tokens were not all recomputed"
+    first = len(prefix) + kvs[0].num_tokens  # the first chunk's plain KV is exact here: never picked
+    assert set(starts[2:]) <= set(res.recomputed.tolist()), "sink tokens were not all recomputed"
+    assert not set(starts[:2]) & set(res.recomputed.tolist()) and int(res.recomputed.min()) >= first
+
+
+@pytest.mark.parametrize("budget", ["global", "chunk"])
+def test_query_blend_spends_its_budget_past_an_exact_first_chunk(tiny_engine, budget):
+    """The first chunk's plain KV is, in the prompt, the KV full prefill computes (it follows the
+    prefix alone): its tokens are never recomputed, and the same number of tokens goes to the
+    others. A budget that covers every other token is then full prefill's answer."""
+    prefix, kvs, q, ids = _parts(tiny_engine)
+    n, first = sum(k.num_tokens for k in kvs), kvs[0].num_tokens
+    p = len(prefix)
+    res = tiny_engine.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=BlendOptions(0.3, budget=budget))
+    assert res.recomputed.numel() == round(0.3 * n) and int(res.recomputed.min()) >= p + first
+    rest = BlendOptions(recompute_ratio=(n - first) / n, budget=budget)
+    res = tiny_engine.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=rest)
+    assert res.recomputed.tolist() == list(range(p + first, p + n))
+    assert_close(res.logits, tiny_engine.run(Prompt(ids), Mode.FULL).logits, 1e-4, "every inexact token vs full")
+    # a first chunk computed after context (neighbour KV) is not exact: it is a candidate like the others
+    late = tiny_engine.prefill(prefix, kvs[0].token_ids.tolist(), [7, 8, 9])
+    res = tiny_engine.run(Prompt.of(prefix, [late, *kvs[1:]], q), Mode.BLEND, options=BlendOptions(0.9, budget=budget))
+    assert int(res.recomputed.min()) < p + first
 
 
 def test_bad_inputs_are_refused(tiny_engine, tiny_llama_dir):

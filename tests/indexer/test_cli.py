@@ -30,11 +30,11 @@ def test_bad_shard_is_a_clear_error(tmp_path, capsys):
     assert "shard 4/4 is invalid" in capsys.readouterr().err
 
 
-def test_the_default_index_is_one_neighbour_by_tokens(tmp_path, tiny_llama_dir):
+def test_the_default_index_is_one_neighbour_and_a_plain_copy(tmp_path, tiny_llama_dir):
     """`ragkv index` with no options builds what the server's defaults were measured on
-    (docs/quality.md, issue 28): each chunk's KV after the last 256 tokens of its most similar
-    chunk. The manifest records it, every key names that context (not the plain key), and no
-    plain copy is stored (nothing serves one)."""
+    (docs/quality.md, issue 39): each chunk's KV after the last 512 tokens of its most similar
+    chunk, and its plain KV, int8, for when it is a prompt's first chunk. The manifest records
+    it, every chunk's key names its context (not the plain key), and each chunk has two files."""
     from ragkv.indexer.kv_job import kv_key
     from ragkv.indexer.neighbours import INDEX_DEFAULT, NeighbourContext, NeighbourOptions
     from ragkv.retriever.chunk_db import ChunkDB
@@ -51,7 +51,7 @@ def test_the_default_index_is_one_neighbour_by_tokens(tmp_path, tiny_llama_dir):
     assert main(["index", str(corpus), "--out", str(out), "--model", str(tiny_llama_dir), "--no-progress",
                  "--skip-model-check", "--device", "cpu"]) == 0
     m = read_manifest(out)
-    assert INDEX_DEFAULT == NeighbourOptions(m=1, budget_tokens=512, context=NeighbourContext.TOKENS)
+    assert INDEX_DEFAULT == NeighbourOptions(m=1, budget_tokens=512, context=NeighbourContext.KV)
     assert NeighbourOptions.from_dict(m.neighbours) == INDEX_DEFAULT
     db = ChunkDB.open(out, readonly=True)
     try:
@@ -62,4 +62,4 @@ def test_the_default_index_is_one_neighbour_by_tokens(tmp_path, tiny_llama_dir):
     plain = {kv_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids) for c in chunks}
     assert not plain & {c.kv_key for c in chunks}  # every key names its neighbour context
     stored = sorted(f.stem for f in (out / "kv").rglob("*.safetensors"))
-    assert stored == sorted(c.kv_key.to_str() for c in chunks)  # one file a chunk: no plain copies
+    assert stored == sorted([c.kv_key.to_str() for c in chunks] + [k.to_str() for k in plain])  # two a chunk

@@ -166,8 +166,9 @@ def test_index_with_neighbours_records_options_keys_and_stores_context_kv(job_co
 
 def test_index_with_kv_context_stores_plain_kv_and_the_same_kv_as_tokens_for_one_neighbour(
         job_config, tiny_lm, embedder):
-    """--neighbour-context kv: a plain pass writes the neighbours' plain KV (under plain keys),
-    then each chunk runs after it; with m = 1 in budget that is the KV the tokens variant makes."""
+    """--neighbour-context kv: a plain pass writes every chunk's plain KV (under plain keys: it
+    serves a prompt's first chunk, and it is the neighbours' context), then each chunk runs after
+    its neighbour's; with m = 1 in budget that is the KV the tokens variant makes."""
     from ragkv.indexer.job import run_index
     from ragkv.indexer.kv_job import kv_key, open_store
     from ragkv.retriever.chunk_db import ChunkDB
@@ -178,7 +179,7 @@ def test_index_with_kv_context_stores_plain_kv_and_the_same_kv_as_tokens_for_one
                                     neighbours=NeighbourOptions(m=1, budget_tokens=big))
     run_index(by_tokens, lm=tiny_lm, embedder=embedder)
     opts = NeighbourOptions(m=1, budget_tokens=big, context="kv")
-    cfg = dataclasses.replace(job_config, neighbours=opts)
+    cfg = dataclasses.replace(job_config, neighbours=opts, plain_kv_compression="none")  # exact contexts
     s = run_index(cfg, lm=tiny_lm, embedder=embedder)
     m = read_manifest(cfg.out)
     assert m.neighbours == opts.as_dict()
@@ -197,7 +198,7 @@ def test_index_with_kv_context_stores_plain_kv_and_the_same_kv_as_tokens_for_one
     try:
         plain = [kv_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids) for c in mine.values()]
         stored_plain = [k for k in plain if store.contains(k)]
-        assert stored_plain  # the neighbours' plain KV is in the store too
+        assert len(stored_plain) == len(mine)  # every chunk's plain KV is in the store too
         assert s.kv_chunks == len(mine) + len(stored_plain)
         for cid, c in mine.items():
             a = store.read(c.kv_key).entry
@@ -209,6 +210,54 @@ def test_index_with_kv_context_stores_plain_kv_and_the_same_kv_as_tokens_for_one
         store.close()
         other.close()
     assert run_index(cfg, lm=tiny_lm, embedder=embedder).kv_chunks == 0  # resumed: nothing again
+
+
+def test_the_default_index_keeps_every_chunks_plain_kv_in_int8_within_1_5x_plain_bytes(
+        job_config, tiny_lm, embedder):
+    """`ragkv index`'s default (INDEX_DEFAULT: neighbour KV, plain copies for the prompt's first
+    chunk) stores every chunk's plain KV int8-compressed, so the index holds at most 1.5x the
+    bytes of a plain index (issue 39); the copies read back close to the plain KV."""
+    from ragkv.engine import Engine
+    from ragkv.indexer.job import run_index
+    from ragkv.indexer.kv_job import kv_key, open_store
+    from ragkv.indexer.neighbours import INDEX_DEFAULT, PLAIN_COPY_COMPRESSION
+    from ragkv.kvstore.fileformat import read_header
+    from ragkv.retriever.chunk_db import ChunkDB
+    from ragkv.retriever.manifest import read_manifest
+
+    assert INDEX_DEFAULT.plain_first and PLAIN_COPY_COMPRESSION == "int8"
+    plain_cfg = dataclasses.replace(job_config, out=job_config.out.parent / "plain")
+    run_index(plain_cfg, lm=tiny_lm, embedder=embedder)
+    cfg = dataclasses.replace(job_config, neighbours=INDEX_DEFAULT)
+    run_index(cfg, lm=tiny_lm, embedder=embedder)
+
+    def kv_bytes(out) -> int:  # noqa: ANN001
+        return sum(f.stat().st_size for f in (out / "kv").rglob("*.safetensors"))
+
+    m = read_manifest(cfg.out)
+    db = ChunkDB.open(cfg.out, readonly=True)
+    try:
+        chunks = list(db.iter_chunks())
+    finally:
+        db.close()
+    plain = {kv_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids): c for c in chunks}
+    files = {f.stem: f for f in (cfg.out / "kv").rglob("*.safetensors")}
+    assert {k.to_str() for k in plain} <= set(files)  # every chunk's plain copy
+    for k in plain:
+        assert read_header(files[k.to_str()].read_bytes()).compression.value == "int8"
+    for c in chunks:  # and its neighbour KV, uncompressed
+        assert read_header(files[c.kv_key.to_str()].read_bytes()).compression.value == "none"
+    assert kv_bytes(plain_cfg.out) < kv_bytes(cfg.out) <= 1.5 * kv_bytes(plain_cfg.out)
+    store = open_store([f"disk:{cfg.out / 'kv'}"], m.model_fp, m.tokenizer_fp)
+    try:
+        eng = Engine(tiny_lm)
+        key, c = next(iter(plain.items()))
+        exact = eng.prefill(m.prefix_ids, c.token_ids)
+        copy = store.read(key).entry
+        torch.testing.assert_close(copy.k.float(), exact.k.float(), atol=0.05, rtol=0.05)
+        assert not torch.equal(copy.k.float(), exact.k.float())  # int8, not the float values
+    finally:
+        store.close()
 
 
 def test_eval_on_an_index_takes_neighbours_from_its_embeddings(job_config, tiny_lm, embedder, tmp_path, capsys):
@@ -224,9 +273,9 @@ def test_eval_on_an_index_takes_neighbours_from_its_embeddings(job_config, tiny_
                "--top-k", "2", "--modes", "full,reuse", "--neighbours", "0,1", "--max-new-tokens", "2", "--json"])
     assert rc == 0
     modes = json.loads(capsys.readouterr().out.strip())["modes"]
-    assert set(modes) == {"full", "reuse", "reuse+nb1"}
-    assert {"f1", "f1_vs_full", "first_token_agreement"} <= set(modes["reuse+nb1"])
-    assert modes["reuse+nb1"]["kv_prefill_median_s"] > 0
+    assert set(modes) == {"full", "reuse", "reuse+nb1kv"}  # the index's default context: the neighbour's plain KV
+    assert {"f1", "f1_vs_full", "first_token_agreement"} <= set(modes["reuse+nb1kv"])
+    assert modes["reuse+nb1kv"]["kv_prefill_median_s"] > 0
 
 
 def test_one_neighbour_as_its_plain_kv_gives_the_kv_of_its_tokens(tiny_lm):
@@ -270,3 +319,9 @@ def test_which_kv_each_mode_is_served_from() -> None:
     assert kv.serves_plain(Mode.FOCUS)
     # focus handing over to blend drops nothing it blends: the neighbour KV serves it
     assert not kv.serves_plain(Mode.FOCUS, focus_handover=True) and plain.serves_plain(Mode.FOCUS, True)
+    # the prompt's first chunk follows the prefix alone: its plain KV, where the index stores one
+    assert kv.plain_first and not tokens.plain_first and not plain.plain_first
+    for m in (Mode.REUSE, Mode.BLEND, Mode.FOCUS):
+        assert kv.serves_plain(m, focus_handover=True, first=True)
+        assert not tokens.serves_plain(m, focus_handover=True, first=True)
+        assert not kv.serves_plain(m, focus_handover=True)  # the later chunks: their neighbour KV

@@ -14,7 +14,8 @@ Modes (all return the same BlendResult, so they compare like with like):
           `FocusOptions.spread` (the runners-up score close to the best) mean the question
           needs several passages: none is dropped, and all are blended; otherwise the
           question is a lookup, over the chunks within `FocusOptions.lookup_keep` of the
-          best. The same pass reads the query selector's layers, so what follows it picks
+          best (and a first chunk served from its plain KV beside the others' neighbour KV:
+          its KV is exact, its score not comparable). The same pass reads the query selector's layers, so what follows it picks
           its tokens without a second pass.
 - blend:  selective recompute. With the `deviation` selector (CacheBlend), layers
           [0, check_layer) run for every chunk token; at the check layer the K/V of
@@ -300,8 +301,7 @@ def _pick_inexact(scores: torch.Tensor, chunks: Sequence[ChunkKV], p: int, optio
     computes, so recomputing its tokens changes nothing. The budget stays the ratio of every
     chunk token; it is spent on the others (scores: [C-P]; returns [R] sorted chunk offsets)."""
     lens = [ch.num_tokens for ch in chunks]
-    lead = chunks[0] if chunks else None
-    if lead is None or lead.after_context or int(lead.positions[0]) != p or len(chunks) == 1:
+    if len(chunks) < 2 or not _exact_first(chunks, p):
         return select_tokens(scores, lens, options)
     n, exact = sum(lens), lens[0]
     budget = round(options.recompute_ratio * n)
@@ -312,6 +312,13 @@ def _pick_inexact(scores: torch.Tensor, chunks: Sequence[ChunkKV], p: int, optio
     share = budget / (n - exact)  # of the inexact tokens: the same number of tokens recomputed
     rest = replace(options, recompute_ratio=share, min_ratio=min(share, options.min_ratio * n / (n - exact)))
     return select_tokens(scores[exact:], lens[1:], rest) + exact
+
+
+def _exact_first(chunks: Sequence[ChunkKV], prefix: ChunkKV | int | None) -> bool:
+    """Whether the first chunk's KV is, in this prompt, full prefill's: computed right after the
+    prefix (`prefix`: its KV, or its length), with nothing between (plain KV)."""
+    p = prefix if isinstance(prefix, int) else (prefix.num_tokens if prefix is not None else 0)
+    return bool(chunks) and not chunks[0].after_context and int(chunks[0].positions[0]) == p
 
 
 def _token_scores(lm: LoadedModel, a: _Assembled, layers: Sequence[int],
@@ -452,6 +459,16 @@ def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chu
     timer.lap("focus")
     yield q_ids.numel()  # the scoring pass
     handover = options.focus.handover and len(kept) > 1 and spread(relevance) >= options.focus.spread
+    if not handover:  # a lookup: over the chunks near the best
+        if options.focus.lookup_keep is not None:
+            kept = pick_chunks(relevance, options.focus.lookup_keep)
+        if 0 not in kept and _exact_first(chunks, prefix) and any(ch.after_context for ch in chunks[1:]):
+            # a first chunk served from its plain KV beside the others' neighbour KV stays: its KV is
+            # exact, and its score, read over exact KV beside neighbour KV, runs low (docs/quality.md, stop 46)
+            kept = [0, *kept]
+        # one that keeps every chunk at the request's ratio is blend over them all: the handover's,
+        # over the cache the pass read (the same picks, without staging the chunks again)
+        handover = options.focus.handover and options.focus.lookup_ratio is None and len(kept) == len(chunks) > 1
     inner, sub, tokens = Mode.BLEND, options, scored.tokens
     if handover and every is not None:  # several passages matter: all blended, over the cache the pass read
         every.cache.length, every.timer = every.n, _PhaseTimer(lm.device)  # (its phases so far: focus's)
@@ -460,9 +477,7 @@ def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chu
     if handover:  # a selector that runs its own pass (deviation, a tempered context)
         res = yield from prompt_steps(lm, prefix, chunks, q_ids, Mode.BLEND, options, reserve_tokens, select_ids)
         return _focused(res, range(len(chunks)), relevance, chunks, True, timer)
-    del every  # a lookup: the answer is over the chunks near the best, the prompt holds them alone
-    if options.focus.lookup_keep is not None:
-        kept = pick_chunks(relevance, options.focus.lookup_keep)
+    del every  # a lookup: the answer is over the kept chunks, the prompt holds them alone
     if any(chunks[i].after_context for i in kept):
         # KV computed after neighbours this prompt does not hold: the kept chunks are blended at the
         # lookup ratio (1.0: recomputed, the prompt then is full prefill of the prefix, those chunks

@@ -110,11 +110,11 @@ class NeighbourOptions:
 # what `ragkv index` builds unless told otherwise: each chunk's KV computed after the last 512
 # tokens of its most similar chunk (as that chunk's plain KV), and every chunk's plain KV too,
 # stored int8 (PLAIN_COPY_COMPRESSION: storage 1.25x plain), which serves the prompt's first
-# chunk (`plain_first`). 512 tokens, not 256: the chunk then sits where a served
-# chunk sits, past the prefix and out of a 512-token sliding window's sight of it (MuSiQue 30x5:
-# SmolLM2 KL to full prefill 0.0196 -> 0.0165, Gemma 3 270M 0.0685 -> about 0.05, same TTFT).
-# The first chunk's plain KV took Gemma's first 8 questions from KL 0.056 to 0.032 at the same
-# TTFT (docs/quality.md, issue 39). The library's own default (`NeighbourOptions()`,
+# chunk (`plain_first`). 512 tokens, not 256: the chunk then sits where a served chunk sits,
+# past the prefix and out of a 512-token sliding window's sight of it (MuSiQue 30x5: SmolLM2
+# KL to full prefill 0.0196 -> 0.0165, Gemma 3 270M 0.0685 -> about 0.05, same TTFT). The
+# plain first chunk took blend to 0.0134 and 0.0203 at the same TTFT (docs/quality.md, issue
+# 39). Indexing is 2.2x plain prefill. The library's own default (`NeighbourOptions()`,
 # IndexJobConfig) stays plain KV.
 # how an index stores the plain copy of each chunk's KV (NeighbourContext.KV): it serves a prompt's
 # first chunk, so int8 (a quarter of float32, KL 5e-5 to it: docs/kv-compression.md) keeps the

@@ -264,3 +264,43 @@ def test_a_lookup_keeps_the_chunks_near_the_best_at_the_lookup_keep(tiny):
     assert handed.handed_over and handed.used_chunks == (0, 1, 2)
     with pytest.raises(ValueError, match="focus_lookup_keep"):
         FocusOptions(lookup_keep=0.0)
+
+
+def test_a_lookup_keeps_a_first_chunk_served_from_its_plain_kv(tiny):
+    """Over the default index the prompt's first chunk is served from its plain KV and the others
+    from their neighbour KV: a lookup keeps that first chunk whatever it scores (its KV is exact,
+    and its score, read over exact KV beside neighbour KV, is not comparable), spending none of its
+    budget on it; over plain KV alone (or neighbour KV alone) a lookup keeps only the chunks it picks."""
+    p = tiny.prompt
+    prefix, plain, q = _parts(tiny)
+    ids = [p.chunk_ids(c) for c in CHUNKS]
+    nb = [tiny.prefill(prefix, ids[i], context_ids=ids[(i + 1) % 3]) for i in range(3)]
+    lookup = BlendOptions(recompute_ratio=0.3, focus=FocusOptions(keep=1.0))  # the best alone
+    for kvs in (plain, nb):  # one kind of KV: the best alone
+        res = tiny.run(Prompt.of(prefix, kvs, q), "focus", options=lookup)
+        assert res.used_chunks is not None and len(res.used_chunks) == 1
+    mixed = [plain[0], *nb[1:]]
+    scores = tiny.run(Prompt.of(prefix, mixed, q), "focus", options=lookup).chunk_scores
+    best = max(range(3), key=lambda i: scores[i])
+    res = tiny.run(Prompt.of(prefix, mixed, q), "focus", options=lookup)
+    assert res.used_chunks == ((0,) if best == 0 else (0, best))
+    first = len(prefix) + plain[0].num_tokens
+    if best != 0:  # the best blended at the request's ratio of the kept tokens, none of them the first's
+        assert res.recomputed.numel() == round(0.3 * (plain[0].num_tokens + nb[best].num_tokens))
+        assert int(res.recomputed.min()) >= first
+
+
+def test_a_lookup_that_keeps_every_chunk_is_the_handovers_blend(tiny):
+    """A lookup keeping every chunk at the request's ratio is blend over them all: it runs as the
+    handover does, over the cache the scoring pass read, and answers as blend does."""
+    prefix, kvs, q = _parts(tiny)
+    never = FocusOptions(keep=1e-9, handover=True, spread=1.0)  # no spread reaches 1.0: a lookup of all 3
+    res = tiny.run(Prompt.of(prefix, kvs, q), "focus", options=BlendOptions(recompute_ratio=0.3, focus=never))
+    blend = tiny.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=BlendOptions(recompute_ratio=0.3))
+    assert res.handed_over and res.used_chunks == (0, 1, 2)
+    assert torch.equal(res.logits, blend.logits) and torch.equal(res.recomputed, blend.recomputed)
+    # at a lookup ratio of its own it stays a lookup
+    own = tiny.run(Prompt.of(prefix, kvs, q), "focus",
+                   options=BlendOptions(recompute_ratio=0.3, focus=FocusOptions(keep=1e-9, handover=True, spread=1.0,
+                                                                                 lookup_ratio=0.5)))
+    assert not own.handed_over and own.used_chunks == (0, 1, 2)

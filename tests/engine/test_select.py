@@ -41,16 +41,16 @@ def test_scores_must_match_the_chunks():
         BlendOptions(budget="sideways")
 
 
-def test_chunk_budget_blend_recomputes_every_chunk(tiny_llama_engine):
+def test_chunk_budget_blend_recomputes_every_inexact_chunk(tiny_llama_engine):
     from tests.engine.test_blend import _parts
 
     prefix, kvs, q, _ = _parts(tiny_llama_engine)
     res = tiny_llama_engine.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=BlendOptions(0.3, budget="chunk", selector="query"))
     starts = torch.tensor([len(prefix) + sum(k.num_tokens for k in kvs[:i]) for i in range(len(kvs) + 1)])
     per_chunk = torch.bucketize(res.recomputed, starts[1:], right=True).bincount(minlength=len(kvs))
-    assert per_chunk.tolist() == [round(0.3 * k.num_tokens) for k in kvs] or per_chunk.sum() == round(
-        0.3 * sum(k.num_tokens for k in kvs))
-    assert (per_chunk > 0).all()
+    # plain KV: the first chunk's is exact in the prompt, so the whole budget is shared by the others
+    assert per_chunk.sum() == round(0.3 * sum(k.num_tokens for k in kvs))
+    assert per_chunk[0] == 0 and (per_chunk[1:] > 0).all()
 
 
 @pytest.fixture(scope="module")

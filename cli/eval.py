@@ -48,9 +48,10 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--neighbour-budget", type=int, default=None,
                    help="most context tokens before a chunk (default: ragkv index's)")
     p.add_argument("--neighbour-context", default=None, metavar="tokens,kv",
-                   help="neighbours before a chunk as their tokens (prefilled with it; ragkv index's "
-                        "default) or as their plain KV (only the chunk is computed: the same KV for m = 1, "
-                        "cheaper for m >= 2); tokens,kv compares both (rows +nbM and +nbMkv)")
+                   help="neighbours before a chunk as their tokens (prefilled with it) or as their plain KV "
+                        "(ragkv index's default: only the chunk is computed, the same KV for m = 1; the "
+                        "prompt's first chunk then reads its own plain KV, int8 as the index stores it); "
+                        "tokens,kv compares both (rows +nbM and +nbMkv)")
     p.add_argument("--pool-embeddings", type=Path, metavar="FILE.npy",
                    help="neighbours: keep the pool's embeddings in FILE.npy and reuse them on the next run")
     p.add_argument("--neighbour-choice", default="nearest", choices=("nearest", "random"),

@@ -414,11 +414,12 @@ def test_the_quality_guard_falls_back_to_full_prefill_and_counts_it(tiny_index: 
 def test_focus_handovers_are_counted_and_answer_over_every_chunk(tiny_index: Path) -> None:
     """ragkv_focus_handovers_total counts the focus answers that blended every chunk: at
     spread 0 (and keep ~0) every focus answer hands over and is computed over all the
-    chunks retrieved; at spread 1 none does, and the answer is focus's own."""
+    chunks retrieved; at spread 1 none does, and the answer is focus's own, over the best
+    chunk (keep 1); a lookup that keeps every chunk (keep ~0) is blend over them all, counted."""
     from ragkv.server.pipeline import Pipeline
 
-    def ask(spread: float) -> tuple[object, int, float]:
-        st = ServerThread(settings(indexes=(CollectionSpec("default", tiny_index),), focus_keep=1e-9,
+    def ask(spread: float, keep: float = 1e-9) -> tuple[object, int, float]:
+        st = ServerThread(settings(indexes=(CollectionSpec("default", tiny_index),), focus_keep=keep,
                                    focus_spread=spread), Pipeline.from_settings)
         try:
             with RagClient(st.addr, timeout=60) as client:
@@ -432,5 +433,7 @@ def test_focus_handovers_are_counted_and_answer_over_every_chunk(tiny_index: Pat
 
     handed, n, count = ask(0.0)
     assert n == 3 and count == 1.0 and len(handed.used_chunk_ids) == 3
-    _, _, none = ask(1.0)
-    assert none == 0.0
+    alone, _, none = ask(1.0, keep=1.0)
+    assert none == 0.0 and len(alone.used_chunk_ids) == 1
+    every, _, count = ask(1.0)
+    assert count == 1.0 and len(every.used_chunk_ids) == 3

@@ -59,7 +59,8 @@ def test_sharded_index_to_s3_then_serve_from_s3(s3, tmp_path: Path, tiny_llama_d
     kv = {k for k in stored if k.startswith("kv/")}
     manifest = json.loads(client.get_object(Bucket=bucket, Key="index/v1/manifest.json")["Body"].read())
     assert manifest["kv_uris"] == ["disk:kv"] and manifest["state"] == "complete"
-    assert len(kv) == manifest["n_chunks"] > 0  # both shards' KV went up beside the index
+    # both shards' KV went up beside the index: each chunk's neighbour KV and its plain copy (the default)
+    assert len(kv) == 2 * manifest["n_chunks"] > 0
 
     spec = CollectionSpec.parse(out)
     assert spec.source == out and spec.index_dir == tmp_path / "cache" / "indexes" / bucket / "index" / "v1"

@@ -15,8 +15,9 @@ Modes (all return the same BlendResult, so they compare like with like):
           needs several passages: none is dropped, and all are blended; otherwise the
           question is a lookup, over the chunks within `FocusOptions.lookup_keep` of the
           best (and a first chunk served from its plain KV beside the others' neighbour KV:
-          its KV is exact, its score not comparable). The same pass reads the query selector's layers, so what follows it picks
-          its tokens without a second pass.
+          its KV is exact, its score not comparable; one keeping every chunk is the
+          handover's blend). The same pass reads the query selector's layers, so what
+          follows it picks its tokens without a second pass.
 - blend:  selective recompute. With the `deviation` selector (CacheBlend), layers
           [0, check_layer) run for every chunk token; at the check layer the K/V of
           every token are recomputed and the chunk tokens whose K/V deviate most from

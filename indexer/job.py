@@ -387,7 +387,8 @@ def _precompute_plain_kv(engine: Any, lm: Any, prefix_ids: Sequence[int], kv_uri
         writer = KVWriter(engine, store, prefix_ids)
         todo = writer.missing(items)
         totals = [0, 0, 0]
-        with _bar(len(todo), "kv precompute (plain: the first chunk's, the neighbours' context)", config.progress) as bar:
+        label = "kv precompute (plain: the first chunk's, the neighbours' context)"
+        with _bar(len(todo), label, config.progress) as bar:
             def on_done(batch: Sequence[KVItem], nbytes: int) -> None:
                 totals[0] += len(batch)
                 totals[1] += sum(len(it.token_ids) for it in batch)

@@ -52,10 +52,11 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("focus_spread", float, "with --focus-handover on: hand over only when the two runners-up score on average at "
                             "least this x the best, [0, 1]; 0 = whenever several are kept (default 0.66)"),
     ("focus_lookup_ratio", float, "focus answering a lookup over a neighbour index's KV (no handover): the share of "
-                                  "its kept chunks' tokens recomputed, [0, 1]; 1 = all of them, exact over those "
-                                  "chunks (default: the request's recompute ratio)"),
+                                  "its kept chunks' tokens recomputed, [0, 1]; 0 = none, their KV reused as stored; "
+                                  "1 = all of them, exact over those chunks (default 0)"),
     ("focus_lookup_keep", float, "focus answering a lookup (no handover): keep the chunks scoring at least this x "
-                                 "the best, (0, 1]; 1 = the best alone (default: --focus-keep)"),
+                                 "the best, (0, 1]; 1 = the best alone, beside a first chunk read from its plain KV "
+                                 "(default 1)"),
     ("quality_guard_mass", float, "quality guard: blend runs a request as full prefill when holding this share of "
                                   "the question's attention needs more tokens than its recompute ratio, (0, 1] "
                                   "(default off; the fallbacks are the ragkv_quality_fallbacks_total metric)"),

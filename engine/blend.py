@@ -9,14 +9,15 @@ Modes (all return the same BlendResult, so they compare like with like):
           and the prompt runs over the kept ones: exact reuse when one is kept (its KV
           was computed right after the prefix), blend when several are; kept chunks
           whose KV was computed after neighbours are blended at `FocusOptions.lookup_ratio`
-          (1.0: recomputed). It answers a shorter prompt than full prefill, by design. With
+          (0, the default: reused as stored; 1.0: recomputed). It answers a shorter prompt than full prefill, by design. With
           `FocusOptions.handover`, several kept chunks whose spread reaches
-          `FocusOptions.spread` (the runners-up score close to the best) mean the question
-          needs several passages: none is dropped, and all are blended; otherwise the
-          question is a lookup, over the chunks within `FocusOptions.lookup_keep` of the
-          best (and a first chunk served from its plain KV beside the others' neighbour KV:
-          its KV is exact, its score not comparable; one keeping every chunk is the
-          handover's blend). The same pass reads the query selector's layers, so what
+          `FocusOptions.spread` (the runners-up score close to the best), or more than
+          `FocusOptions.most` of the chunks kept, mean the question needs several passages:
+          none is dropped, and all are blended; otherwise the question is a lookup, over the
+          chunks within `FocusOptions.lookup_keep` of the best (by default the best alone;
+          and a first chunk served from its plain KV beside the others' neighbour KV: its KV
+          is exact, its score not comparable; one keeping every chunk is the handover's
+          blend), their KV by default reused as stored (`FocusOptions.lookup_ratio` 0). The same pass reads the query selector's layers, so what
           follows it picks its tokens without a second pass.
 - blend:  selective recompute. With the `deviation` selector (CacheBlend), layers
           [0, check_layer) run for every chunk token; at the check layer the K/V of
@@ -459,7 +460,9 @@ def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chu
     kept = pick_chunks(relevance, options.focus.keep)
     timer.lap("focus")
     yield q_ids.numel()  # the scoring pass
-    handover = options.focus.handover and len(kept) > 1 and spread(relevance) >= options.focus.spread
+    # several passages matter: the runners-up score close to the best, or most chunks are kept
+    handover = options.focus.handover and len(kept) > 1 and (
+        spread(relevance) >= options.focus.spread or len(kept) > options.focus.most * len(chunks))
     if not handover:  # a lookup: over the chunks near the best
         if options.focus.lookup_keep is not None:
             kept = pick_chunks(relevance, options.focus.lookup_keep)
@@ -467,9 +470,9 @@ def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chu
             # a first chunk served from its plain KV beside the others' neighbour KV stays: its KV is
             # exact, and its score, read over exact KV beside neighbour KV, runs low (docs/quality.md, stop 46)
             kept = [0, *kept]
-        # one that keeps every chunk at the request's ratio is blend over them all: the handover's,
-        # over the cache the pass read (the same picks, without staging the chunks again)
-        handover = options.focus.handover and options.focus.lookup_ratio is None and len(kept) == len(chunks) > 1
+        # one that keeps every chunk drops none: it is the handover's blend, over the cache the pass
+        # read (the same picks, without staging the chunks again)
+        handover = options.focus.handover and len(kept) == len(chunks) > 1
     inner, sub, tokens = Mode.BLEND, options, scored.tokens
     if handover and every is not None:  # several passages matter: all blended, over the cache the pass read
         every.cache.length, every.timer = every.n, _PhaseTimer(lm.device)  # (its phases so far: focus's)

@@ -41,16 +41,21 @@ class FocusOptions:
     # close to it; 0.66, just above the needle lookups' highest, 0.65: docs/quality.md); 0 = whenever
     # several are kept
     spread: float = 0.66
+    # ... or when more than this share of the chunks score within `keep` of the best: a lookup drops
+    # most of the chunks; a question that keeps most of them needs several passages (MuSiQue's lookups
+    # kept 3-4 of 5 passages and read 2-10x blend's KL to full prefill: docs/quality.md); 1.0 = never
+    most: float = 0.5
     # a lookup (several kept without handover, or one) over neighbour-conditioned KV: the share of
     # its kept chunks' tokens recomputed, picked by the question's attention (their KV attended to
-    # neighbours this prompt does not hold). None = the request's recompute ratio, of the kept
-    # chunks' tokens (spending the whole request's budget on them was no closer to full prefill on
-    # MuSiQue and slowed the needle lookups to 4.5x: docs/quality.md); 1.0 = every one, which is
-    # full prefill of the prefix, the kept chunks and the question
-    lookup_ratio: float | None = None
+    # neighbours this prompt does not hold). 0.0 = none: the kept chunks' KV is reused as stored (the
+    # needles answered 1.00 at 2K and 4K, against 0.92 and 0.88 blended at the request's ratio:
+    # docs/quality.md, issue 39); None = the request's recompute ratio, of the kept chunks' tokens;
+    # 1.0 = every one, which is full prefill of the prefix, the kept chunks and the question
+    lookup_ratio: float | None = 0.0
     # a lookup (no handover) answers over the chunks scoring at least this x the best; None = `keep`;
-    # 1.0 = the best alone (neighbour KV lifts a distractor's score: docs/quality.md)
-    lookup_keep: float | None = None
+    # 1.0 = the best alone (neighbour KV lifts a distractor's score: docs/quality.md), beside a first
+    # chunk served from its plain KV
+    lookup_keep: float | None = 1.0
 
     def __post_init__(self) -> None:
         if self.lookup_keep is not None and not 0.0 < self.lookup_keep <= 1.0:
@@ -61,6 +66,8 @@ class FocusOptions:
             raise ValueError(f"focus_keep must be in (0, 1], got {self.keep}")
         if not 0.0 <= self.spread <= 1.0:
             raise ValueError(f"focus_spread must be in [0, 1], got {self.spread}")
+        if not 0.0 <= self.most <= 1.0:
+            raise ValueError(f"focus_most must be in [0, 1], got {self.most}")
         if self.band is not None and not 0 <= self.band[0] < self.band[1]:
             raise ValueError(f"focus_band must be (start, stop) with 0 <= start < stop, got {self.band}")
 

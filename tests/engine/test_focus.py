@@ -182,8 +182,10 @@ def test_handover_waits_for_the_spread(tiny):
     assert scores[0] > scores[1] > scores[2], base.chunk_scores
     keep = (scores[1] + scores[2]) / 2 / scores[0]  # the best two kept, the third dropped
     s = spread(torch.tensor(base.chunk_scores))
-    below = BlendOptions(focus=FocusOptions(keep=keep, handover=True, spread=min(1.0, s + 1e-3)))
-    above = BlendOptions(focus=FocusOptions(keep=keep, handover=True, spread=max(0.0, s - 1e-3)))
+    # (the share of chunks kept never hands over here, most 1.0; a lookup keeps what `keep` kept)
+    rules = dict(keep=keep, handover=True, most=1.0, lookup_keep=None)
+    below = BlendOptions(focus=FocusOptions(spread=min(1.0, s + 1e-3), **rules))
+    above = BlendOptions(focus=FocusOptions(spread=max(0.0, s - 1e-3), **rules))
     kept = tiny.run(Prompt.of(prefix, kvs, q), "focus", options=below)
     assert kept.used_chunks is not None and len(kept.used_chunks) == 2
     handed = tiny.run(Prompt.of(prefix, kvs, q), "focus", options=above)
@@ -193,18 +195,17 @@ def test_handover_waits_for_the_spread(tiny):
 
 def test_several_kept_neighbour_chunks_are_recomputed_exactly(tiny):
     """Several kept chunks whose KV attended to neighbours the prompt does not hold, with no
-    handover (or a spread it does not reach), at lookup ratio 1.0: recomputed, so the answer is full prefill of
-    the prefix, the kept chunks and the question."""
+    handover, at lookup ratio 1.0: recomputed, so the answer is full prefill of the prefix, the kept
+    chunks and the question."""
     p = tiny.prompt
     prefix, _, q = _parts(tiny)
     ids = [p.chunk_ids(c) for c in CHUNKS]
     nb = [tiny.prefill(prefix, ids[i], context_ids=ids[(i + 1) % 3]) for i in range(3)]
-    for opts in (BlendOptions(focus=FocusOptions(keep=1e-9, lookup_ratio=1.0)),
-                 BlendOptions(focus=FocusOptions(keep=1e-9, handover=True, spread=1.0, lookup_ratio=1.0))):
-        res = tiny.run(Prompt.of(prefix, nb, q), "focus", options=opts)
-        assert res.used_chunks == (0, 1, 2)
-        ref = tiny.run(Prompt(p.prompt_ids(CHUNKS, QUESTION)), Mode.FULL)
-        assert (res.logits - ref.logits).abs().max() <= 1e-4
+    opts = BlendOptions(focus=FocusOptions(keep=1e-9, lookup_ratio=1.0, lookup_keep=None))
+    res = tiny.run(Prompt.of(prefix, nb, q), "focus", options=opts)
+    assert res.used_chunks == (0, 1, 2) and not res.handed_over
+    ref = tiny.run(Prompt(p.prompt_ids(CHUNKS, QUESTION)), Mode.FULL)
+    assert (res.logits - ref.logits).abs().max() <= 1e-4
 
 
 def test_a_lookup_over_neighbour_kv_blends_its_kept_chunks_at_the_lookup_ratio(tiny):
@@ -251,7 +252,7 @@ def test_a_lookup_keeps_the_chunks_near_the_best_at_the_lookup_keep(tiny):
     """lookup_keep: a lookup (no handover) answers over the chunks scoring at least that x the best
     (1.0: the best alone), whatever `keep` kept; a handover still blends every chunk."""
     prefix, kvs, q = _parts(tiny)
-    loose = BlendOptions(focus=FocusOptions(keep=1e-9))
+    loose = BlendOptions(focus=FocusOptions(keep=1e-9, lookup_keep=None))
     base = tiny.run(Prompt.of(prefix, kvs, q), "focus", options=loose)
     assert base.used_chunks == (0, 1, 2)
     best = max(range(3), key=lambda i: base.chunk_scores[i])
@@ -275,7 +276,8 @@ def test_a_lookup_keeps_a_first_chunk_served_from_its_plain_kv(tiny):
     prefix, plain, q = _parts(tiny)
     ids = [p.chunk_ids(c) for c in CHUNKS]
     nb = [tiny.prefill(prefix, ids[i], context_ids=ids[(i + 1) % 3]) for i in range(3)]
-    lookup = BlendOptions(recompute_ratio=0.3, focus=FocusOptions(keep=1.0))  # the best alone
+    # the best alone, blended at the request's ratio of the kept chunks' tokens
+    lookup = BlendOptions(recompute_ratio=0.3, focus=FocusOptions(keep=1.0, lookup_ratio=None))
     for kvs in (plain, nb):  # one kind of KV: the best alone
         res = tiny.run(Prompt.of(prefix, kvs, q), "focus", options=lookup)
         assert res.used_chunks is not None and len(res.used_chunks) == 1
@@ -299,8 +301,49 @@ def test_a_lookup_that_keeps_every_chunk_is_the_handovers_blend(tiny):
     blend = tiny.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=BlendOptions(recompute_ratio=0.3))
     assert res.handed_over and res.used_chunks == (0, 1, 2)
     assert torch.equal(res.logits, blend.logits) and torch.equal(res.recomputed, blend.recomputed)
-    # at a lookup ratio of its own it stays a lookup
-    own = tiny.run(Prompt.of(prefix, kvs, q), "focus",
-                   options=BlendOptions(recompute_ratio=0.3, focus=FocusOptions(keep=1e-9, handover=True, spread=1.0,
-                                                                                 lookup_ratio=0.5)))
-    assert not own.handed_over and own.used_chunks == (0, 1, 2)
+    # whatever its lookup ratio and lookup keep: it drops nothing, so it is no lookup
+    for focus in (FocusOptions(keep=1e-9, handover=True, spread=1.0, most=1.0, lookup_keep=None, lookup_ratio=0.5),
+                  FocusOptions(keep=1e-9, handover=True, spread=1.0, most=1.0, lookup_keep=None)):
+        own = tiny.run(Prompt.of(prefix, kvs, q), "focus", options=BlendOptions(recompute_ratio=0.3, focus=focus))
+        assert own.handed_over and torch.equal(own.logits, blend.logits)
+
+
+def test_a_question_keeping_most_chunks_hands_over_whatever_the_spread(tiny):
+    """FocusOptions.most: when more than that share of the chunks score within `keep` of the best,
+    several passages matter: focus hands over (blends every chunk) even below the spread; at most
+    that share, it is a lookup."""
+    prefix, kvs, q = _parts(tiny)
+    base = tiny.run(Prompt.of(prefix, kvs, q), "focus", options=BlendOptions(focus=FocusOptions(keep=1e-9)))
+    scores = sorted(base.chunk_scores, reverse=True)
+    assert scores[0] > scores[1] > scores[2], base.chunk_scores
+    keep = (scores[1] + scores[2]) / 2 / scores[0]  # two of the three kept
+    runs = {most: tiny.run(Prompt.of(prefix, kvs, q), "focus",
+                           options=BlendOptions(focus=FocusOptions(keep=keep, handover=True, spread=1.0, most=most)))
+            for most in (0.5, 0.7, 1.0)}  # 2 of 3 is more than half, not more than 0.7
+    blend = tiny.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=BlendOptions())
+    assert runs[0.5].handed_over and runs[0.5].used_chunks == (0, 1, 2)
+    assert torch.equal(runs[0.5].logits, blend.logits)
+    for most in (0.7, 1.0):
+        assert not runs[most].handed_over and len(runs[most].used_chunks) == 1  # the best alone (lookup_keep 1.0)
+    with pytest.raises(ValueError, match="focus_most"):
+        FocusOptions(most=1.5)
+
+
+def test_the_default_lookup_reuses_its_chunks_kv_as_stored(tiny):
+    """The default lookup over the default index (first chunk plain, the others neighbour KV): the
+    best chunk alone (lookup_keep 1.0) beside the first, their KV reused with no recompute
+    (lookup_ratio 0.0): only the question is computed, as reuse over those chunks computes it."""
+    p = tiny.prompt
+    prefix, plain, q = _parts(tiny)
+    ids = [p.chunk_ids(c) for c in CHUNKS]
+    nb = [tiny.prefill(prefix, ids[i], context_ids=ids[(i + 1) % 3]) for i in range(3)]
+    mixed = [plain[0], *nb[1:]]
+    defaults = FocusOptions()
+    assert defaults.lookup_ratio == 0.0 and defaults.lookup_keep == 1.0
+    lookup = BlendOptions(focus=FocusOptions(handover=True, spread=1.0, most=1.0))  # no handover: a lookup
+    res = tiny.run(Prompt.of(prefix, mixed, q), "focus", options=lookup)
+    best = max(range(3), key=lambda i: res.chunk_scores[i])
+    assert not res.handed_over and res.used_chunks == ((0,) if best == 0 else (0, best))
+    assert res.recomputed.numel() == 0 and res.recompute_fraction == 0.0
+    ref = tiny.run(Prompt.of(prefix, [mixed[i] for i in res.used_chunks], q), Mode.REUSE)
+    assert torch.allclose(res.logits, ref.logits, atol=1e-5), float((res.logits - ref.logits).abs().max())

@@ -20,8 +20,8 @@ def test_defaults() -> None:
     # hands over to blend when several chunks matter; the quality guard is off unless asked
     assert s.focus_handover is True and s.quality_guard_mass is None and s.default_recompute_ratio == 0.15
     assert s.limits().default_recompute_ratio == 0.15
-    # a lookup over neighbour KV blends the chunks near the best at the request's ratio (issue 39)
-    assert s.focus().lookup_ratio is None and s.focus().lookup_keep is None
+    # a lookup reuses the best chunk's KV as stored; more than half the chunks kept hands over (issue 39, stop 47)
+    assert s.focus().lookup_ratio == 0.0 and s.focus().lookup_keep == 1.0 and s.focus().most == 0.5
     assert load_settings({"focus_lookup_ratio": "1", "focus_lookup_keep": "1"}, env={}).focus() == FocusOptions(
         keep=0.5, handover=True, spread=0.66, lookup_ratio=1.0, lookup_keep=1.0)
     with pytest.raises(ValueError, match="focus_lookup_ratio"):

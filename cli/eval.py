@@ -93,6 +93,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                    help="focus handover: hand over only when the two runners-up score on average at least S "
                         "x the best (0 = whenever several are kept); comma list (default: ragkv serve's "
                         "--focus-spread)")
+    p.add_argument("--focus-several", default=None, metavar="N[,N]",
+                   help="focus handover: hand over also when at least N chunks score within --focus-keep of the "
+                        "best (0 = never); comma list (default: ragkv serve's --focus-several)")
     p.add_argument("--focus-lookup-ratio", default=None, metavar="R[,R]",
                    help="focus answering a lookup over neighbour KV: the share of its kept chunks' tokens "
                         "recomputed (1 = all: exact over them; 'request' = the request's --ratio); "
@@ -138,6 +141,7 @@ def served_defaults(args: argparse.Namespace) -> argparse.Namespace:
     focus = served.focus()
     for dest, value in (("ratio", f"{served.default_recompute_ratio:g}"), ("focus_keep", f"{focus.keep:g}"),
                         ("focus_handover", "on" if focus.handover else "off"), ("focus_spread", f"{focus.spread:g}"),
+                        ("focus_several", str(focus.several)),
                         ("focus_lookup_ratio", "request" if focus.lookup_ratio is None else f"{focus.lookup_ratio:g}"),
                         ("focus_lookup_keep", "keep" if focus.lookup_keep is None else f"{focus.lookup_keep:g}"),
                         ("score_depths", "+".join(f"{f:g}" for f in BlendOptions().score_depths)),
@@ -192,19 +196,22 @@ def _methods(args: argparse.Namespace):
             keeps = [float(k) for k in args.focus_keep.split(",")]
             handovers = [_on_off(h, "--focus-handover") for h in args.focus_handover.split(",")]
             spreads = [float(x) for x in args.focus_spread.split(",")]
+            severals = [int(x) for x in str(args.focus_several).split(",")]
             lookups = [_number_or(x, "request", "--focus-lookup-ratio") for x in args.focus_lookup_ratio.split(",")]
             lookup_keeps = [_number_or(x, "keep", "--focus-lookup-keep") for x in args.focus_lookup_keep.split(",")]
-            variants = [(h, sp) for h in handovers for sp in (spreads if h else [0.0])]  # spread: handover only
-            for handover, sp in variants:
+            variants = [(h, sp, mo) for h in handovers for sp in (spreads if h else [0.0])
+                        for mo in (severals if h else [0])]  # spread and several: handover only
+            for handover, sp, mo in variants:
                 for keep in keeps:
                     for r in ratios:
                         for lk, lkeep in ((lk, lkeep) for lk in lookups for lkeep in lookup_keeps):
                             opts = BlendOptions(recompute_ratio=r, selector=selectors[0], sink_tokens=sink_list[0],
                                                 score_depths=layer_sets[0],
-                                                focus=FocusOptions(keep=keep, handover=handover, spread=sp,
+                                                focus=FocusOptions(keep=keep, handover=handover, spread=sp, several=mo,
                                                                    lookup_ratio=lk, lookup_keep=lkeep))
                             name = ("focus" + ("-handover" if handover and len(handovers) > 1 else "")
                                     + (f"-s{sp:g}" if handover and len(spreads) > 1 else "")
+                                    + (f"-several{mo}" if handover and len(severals) > 1 else "")
                                     + (f"-{keep:g}" if len(keeps) > 1 else "") + (f"-r{r:g}" if len(ratios) > 1 else "")
                                     + (f"-lookup{'r' if lk is None else f'{lk:g}'}" if len(lookups) > 1 else "")
                                     + (f"-lkeep{'k' if lkeep is None else f'{lkeep:g}'}" if len(lookup_keeps) > 1 else ""))

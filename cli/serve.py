@@ -51,6 +51,8 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
                             "neighbour index's neighbour KV); off: it blends over the kept ones (default on)"),
     ("focus_spread", float, "with --focus-handover on: hand over only when the two runners-up score on average at "
                             "least this x the best, [0, 1]; 0 = whenever several are kept (default 0.66)"),
+    ("focus_several", int, "with --focus-handover on: hand over also when at least this many chunks score within "
+                           "--focus-keep of the best; 0 = never (default 3)"),
     ("focus_lookup_ratio", float, "focus answering a lookup over a neighbour index's KV (no handover): the share of "
                                   "its kept chunks' tokens recomputed, [0, 1]; 0 = none, their KV reused as stored; "
                                   "1 = all of them, exact over those chunks (default 0)"),

@@ -9,16 +9,17 @@ Modes (all return the same BlendResult, so they compare like with like):
           and the prompt runs over the kept ones: exact reuse when one is kept (its KV
           was computed right after the prefix), blend when several are; kept chunks
           whose KV was computed after neighbours are blended at `FocusOptions.lookup_ratio`
-          (0, the default: reused as stored; 1.0: recomputed). It answers a shorter prompt than full prefill, by design. With
-          `FocusOptions.handover`, several kept chunks whose spread reaches
-          `FocusOptions.spread` (the runners-up score close to the best), or more than
-          `FocusOptions.most` of the chunks kept, mean the question needs several passages:
-          none is dropped, and all are blended; otherwise the question is a lookup, over the
-          chunks within `FocusOptions.lookup_keep` of the best (by default the best alone;
-          and a first chunk served from its plain KV beside the others' neighbour KV: its KV
-          is exact, its score not comparable; one keeping every chunk is the handover's
-          blend), their KV by default reused as stored (`FocusOptions.lookup_ratio` 0). The same pass reads the query selector's layers, so what
-          follows it picks its tokens without a second pass.
+          (0, the default: reused as stored; 1.0: recomputed). It answers a shorter prompt
+          than full prefill, by design. With `FocusOptions.handover`, several kept chunks
+          whose spread reaches `FocusOptions.spread` (the runners-up score close to the
+          best), or `FocusOptions.several` chunks kept, mean the question
+          needs several passages: none is dropped, and all are blended; otherwise the
+          question is a lookup, over the chunks within `FocusOptions.lookup_keep` of the
+          best (by default the best alone; and a first chunk served from its plain KV beside
+          the others' neighbour KV: its KV is exact, its score not comparable; one keeping
+          every chunk is the handover's blend), their KV by default reused as stored. The
+          same pass reads the query selector's layers, so what follows it picks its tokens
+          without a second pass.
 - blend:  selective recompute. With the `deviation` selector (CacheBlend), layers
           [0, check_layer) run for every chunk token; at the check layer the K/V of
           every token are recomputed and the chunk tokens whose K/V deviate most from
@@ -460,9 +461,9 @@ def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chu
     kept = pick_chunks(relevance, options.focus.keep)
     timer.lap("focus")
     yield q_ids.numel()  # the scoring pass
-    # several passages matter: the runners-up score close to the best, or most chunks are kept
+    # several passages matter: the runners-up score close to the best, or several chunks are kept
     handover = options.focus.handover and len(kept) > 1 and (
-        spread(relevance) >= options.focus.spread or len(kept) > options.focus.most * len(chunks))
+        spread(relevance) >= options.focus.spread or 0 < options.focus.several <= len(kept))
     if not handover:  # a lookup: over the chunks near the best
         if options.focus.lookup_keep is not None:
             kept = pick_chunks(relevance, options.focus.lookup_keep)

@@ -41,10 +41,11 @@ class FocusOptions:
     # close to it; 0.66, just above the needle lookups' highest, 0.65: docs/quality.md); 0 = whenever
     # several are kept
     spread: float = 0.66
-    # ... or when more than this share of the chunks score within `keep` of the best: a lookup drops
-    # most of the chunks; a question that keeps most of them needs several passages (MuSiQue's lookups
-    # kept 3-4 of 5 passages and read 2-10x blend's KL to full prefill: docs/quality.md); 1.0 = never
-    most: float = 0.5
+    # ... or when at least this many chunks score within `keep` of the best: a lookup is over one
+    # passage (two with a near-duplicate); three near the best mean the question needs several (MuSiQue's
+    # lookups kept 3-5 passages and read 2-10x blend's KL to full prefill, the needles 1 or 2:
+    # docs/quality.md); 0 = never
+    several: int = 3
     # a lookup (several kept without handover, or one) over neighbour-conditioned KV: the share of
     # its kept chunks' tokens recomputed, picked by the question's attention (their KV attended to
     # neighbours this prompt does not hold). 0.0 = none: the kept chunks' KV is reused as stored (the
@@ -66,8 +67,8 @@ class FocusOptions:
             raise ValueError(f"focus_keep must be in (0, 1], got {self.keep}")
         if not 0.0 <= self.spread <= 1.0:
             raise ValueError(f"focus_spread must be in [0, 1], got {self.spread}")
-        if not 0.0 <= self.most <= 1.0:
-            raise ValueError(f"focus_most must be in [0, 1], got {self.most}")
+        if self.several < 0 or self.several == 1:
+            raise ValueError(f"focus_several must be 0 (never) or >= 2 chunks, got {self.several}")
         if self.band is not None and not 0 <= self.band[0] < self.band[1]:
             raise ValueError(f"focus_band must be (start, stop) with 0 <= start < stop, got {self.band}")
 

@@ -111,13 +111,15 @@ class ServerSettings:
     # ... only when the two runners-up score on average at least this x the best: a lookup has one
     # chunk far above the rest, and answers over it (FocusOptions.spread, docs/quality.md)
     focus_spread: float = _FOCUS.spread
+    # ... or when at least this many chunks score within focus_keep of the best: a lookup is over one
+    # passage (FocusOptions.several, docs/quality.md); 0 = never
+    focus_several: int = _FOCUS.several
     # a lookup over neighbour KV blends its kept chunks at this share of their tokens; 0.0 = reuses their
     # KV as stored; None = the request's recompute ratio; 1.0 = recomputes them, exact over the kept chunks
     # (FocusOptions.lookup_ratio, docs/quality.md)
     focus_lookup_ratio: float | None = _FOCUS.lookup_ratio
     # a lookup answers over the chunks scoring at least this x the best; None = focus_keep; 1.0 = the
-    # best alone (FocusOptions.lookup_keep, docs/quality.md); focus also hands over when more than half the
-    # chunks score within focus_keep of the best (FocusOptions.most)
+    # best alone (FocusOptions.lookup_keep, docs/quality.md)
     focus_lookup_keep: float | None = _FOCUS.lookup_keep
     # the quality guard: blend (and focus blending several chunks) runs a request as full prefill
     # when holding this share of the question's attention needs more chunk tokens than its
@@ -178,6 +180,7 @@ class ServerSettings:
     def focus(self) -> FocusOptions:
         """How FOCUS picks its chunks, from the --focus-* settings."""
         return FocusOptions(keep=self.focus_keep, handover=self.focus_handover, spread=self.focus_spread,
+                            several=self.focus_several,
                             lookup_ratio=self.focus_lookup_ratio, lookup_keep=self.focus_lookup_keep)
 
     def limits(self) -> RequestLimits:

@@ -55,6 +55,17 @@ def test_the_lookup_keep_is_the_servers_and_compares_in_one_run() -> None:
         _eval_methods("--focus-lookup-keep", "best")
 
 
+def test_the_chunk_count_that_hands_over_is_the_servers_and_compares_in_one_run() -> None:
+    assert _eval_methods()["focus"].options.focus.several == ServerSettings().focus_several == 3
+    methods = _eval_methods("--focus-several", "3,0")
+    got = {name: m.options.focus.several for name, m in methods.items() if m.mode is Mode.FOCUS}
+    assert got == {"focus-several3": 3, "focus-several0": 0}
+    off = _eval_methods("--focus-handover", "off", "--focus-several", "3,0")  # no handover: one method
+    assert [m.options.focus.several for m in off.values() if m.mode is Mode.FOCUS] == [0]
+    with pytest.raises(ValueError, match="focus_several"):
+        _eval_methods("--focus-several", "1")
+
+
 def test_the_evals_default_chunk_kv_is_what_ragkv_index_builds() -> None:
     from ragkv.indexer.neighbours import INDEX_DEFAULT
 

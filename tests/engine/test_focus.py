@@ -183,7 +183,7 @@ def test_handover_waits_for_the_spread(tiny):
     keep = (scores[1] + scores[2]) / 2 / scores[0]  # the best two kept, the third dropped
     s = spread(torch.tensor(base.chunk_scores))
     # (the share of chunks kept never hands over here, most 1.0; a lookup keeps what `keep` kept)
-    rules = dict(keep=keep, handover=True, most=1.0, lookup_keep=None)
+    rules = dict(keep=keep, handover=True, several=0, lookup_keep=None)
     below = BlendOptions(focus=FocusOptions(spread=min(1.0, s + 1e-3), **rules))
     above = BlendOptions(focus=FocusOptions(spread=max(0.0, s - 1e-3), **rules))
     kept = tiny.run(Prompt.of(prefix, kvs, q), "focus", options=below)
@@ -302,31 +302,31 @@ def test_a_lookup_that_keeps_every_chunk_is_the_handovers_blend(tiny):
     assert res.handed_over and res.used_chunks == (0, 1, 2)
     assert torch.equal(res.logits, blend.logits) and torch.equal(res.recomputed, blend.recomputed)
     # whatever its lookup ratio and lookup keep: it drops nothing, so it is no lookup
-    for focus in (FocusOptions(keep=1e-9, handover=True, spread=1.0, most=1.0, lookup_keep=None, lookup_ratio=0.5),
-                  FocusOptions(keep=1e-9, handover=True, spread=1.0, most=1.0, lookup_keep=None)):
+    for focus in (FocusOptions(keep=1e-9, handover=True, spread=1.0, several=0, lookup_keep=None, lookup_ratio=0.5),
+                  FocusOptions(keep=1e-9, handover=True, spread=1.0, several=0, lookup_keep=None)):
         own = tiny.run(Prompt.of(prefix, kvs, q), "focus", options=BlendOptions(recompute_ratio=0.3, focus=focus))
         assert own.handed_over and torch.equal(own.logits, blend.logits)
 
 
-def test_a_question_keeping_most_chunks_hands_over_whatever_the_spread(tiny):
-    """FocusOptions.most: when more than that share of the chunks score within `keep` of the best,
-    several passages matter: focus hands over (blends every chunk) even below the spread; at most
-    that share, it is a lookup."""
+def test_a_question_keeping_several_chunks_hands_over_whatever_the_spread(tiny):
+    """FocusOptions.several: when at least that many chunks score within `keep` of the best, several
+    passages matter: focus hands over (blends every chunk) even below the spread; fewer, it is a lookup."""
     prefix, kvs, q = _parts(tiny)
     base = tiny.run(Prompt.of(prefix, kvs, q), "focus", options=BlendOptions(focus=FocusOptions(keep=1e-9)))
     scores = sorted(base.chunk_scores, reverse=True)
     assert scores[0] > scores[1] > scores[2], base.chunk_scores
     keep = (scores[1] + scores[2]) / 2 / scores[0]  # two of the three kept
-    runs = {most: tiny.run(Prompt.of(prefix, kvs, q), "focus",
-                           options=BlendOptions(focus=FocusOptions(keep=keep, handover=True, spread=1.0, most=most)))
-            for most in (0.5, 0.7, 1.0)}  # 2 of 3 is more than half, not more than 0.7
+    runs = {n: tiny.run(Prompt.of(prefix, kvs, q), "focus",
+                        options=BlendOptions(focus=FocusOptions(keep=keep, handover=True, spread=1.0, several=n)))
+            for n in (2, 3, 0)}
     blend = tiny.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=BlendOptions())
-    assert runs[0.5].handed_over and runs[0.5].used_chunks == (0, 1, 2)
-    assert torch.equal(runs[0.5].logits, blend.logits)
-    for most in (0.7, 1.0):
-        assert not runs[most].handed_over and len(runs[most].used_chunks) == 1  # the best alone (lookup_keep 1.0)
-    with pytest.raises(ValueError, match="focus_most"):
-        FocusOptions(most=1.5)
+    assert runs[2].handed_over and runs[2].used_chunks == (0, 1, 2)
+    assert torch.equal(runs[2].logits, blend.logits)
+    for n in (3, 0):
+        assert not runs[n].handed_over and len(runs[n].used_chunks) == 1  # the best alone (lookup_keep 1.0)
+    for bad in (1, -1):
+        with pytest.raises(ValueError, match="focus_several"):
+            FocusOptions(several=bad)
 
 
 def test_the_default_lookup_reuses_its_chunks_kv_as_stored(tiny):
@@ -340,7 +340,7 @@ def test_the_default_lookup_reuses_its_chunks_kv_as_stored(tiny):
     mixed = [plain[0], *nb[1:]]
     defaults = FocusOptions()
     assert defaults.lookup_ratio == 0.0 and defaults.lookup_keep == 1.0
-    lookup = BlendOptions(focus=FocusOptions(handover=True, spread=1.0, most=1.0))  # no handover: a lookup
+    lookup = BlendOptions(focus=FocusOptions(handover=True, spread=1.0, several=0))  # no handover: a lookup
     res = tiny.run(Prompt.of(prefix, mixed, q), "focus", options=lookup)
     best = max(range(3), key=lambda i: res.chunk_scores[i])
     assert not res.handed_over and res.used_chunks == ((0,) if best == 0 else (0, best))

@@ -21,11 +21,14 @@ def test_defaults() -> None:
     assert s.focus_handover is True and s.quality_guard_mass is None and s.default_recompute_ratio == 0.15
     assert s.limits().default_recompute_ratio == 0.15
     # a lookup reuses the best chunk's KV as stored; more than half the chunks kept hands over (issue 39, stop 47)
-    assert s.focus().lookup_ratio == 0.0 and s.focus().lookup_keep == 1.0 and s.focus().most == 0.5
+    assert s.focus().lookup_ratio == 0.0 and s.focus().lookup_keep == 1.0 and s.focus().several == 3
     assert load_settings({"focus_lookup_ratio": "1", "focus_lookup_keep": "1"}, env={}).focus() == FocusOptions(
         keep=0.5, handover=True, spread=0.66, lookup_ratio=1.0, lookup_keep=1.0)
     with pytest.raises(ValueError, match="focus_lookup_ratio"):
         ServerSettings(focus_lookup_ratio=2.0)
+    assert load_settings({"focus_several": "0"}, env={}).focus().several == 0
+    with pytest.raises(ValueError, match="focus_several"):
+        ServerSettings(focus_several=1)
     assert load_settings({"focus_handover": "off"}, env={}).focus_handover is False
     # a lookup (one chunk far above the others) stays focused: handover waits for the spread
     assert s.focus_spread == 0.66 and s.focus().spread == FocusOptions().spread

@@ -199,19 +199,19 @@ def _methods(args: argparse.Namespace):
             severals = [int(x) for x in str(args.focus_several).split(",")]
             lookups = [_number_or(x, "request", "--focus-lookup-ratio") for x in args.focus_lookup_ratio.split(",")]
             lookup_keeps = [_number_or(x, "keep", "--focus-lookup-keep") for x in args.focus_lookup_keep.split(",")]
-            variants = [(h, sp, mo) for h in handovers for sp in (spreads if h else [0.0])
-                        for mo in (severals if h else [0])]  # spread and several: handover only
-            for handover, sp, mo in variants:
+            variants = [(h, sp, sev) for h in handovers for sp in (spreads if h else [0.0])
+                        for sev in (severals if h else [0])]  # spread and several: handover only
+            for handover, sp, sev in variants:
                 for keep in keeps:
                     for r in ratios:
                         for lk, lkeep in ((lk, lkeep) for lk in lookups for lkeep in lookup_keeps):
                             opts = BlendOptions(recompute_ratio=r, selector=selectors[0], sink_tokens=sink_list[0],
                                                 score_depths=layer_sets[0],
-                                                focus=FocusOptions(keep=keep, handover=handover, spread=sp, several=mo,
+                                                focus=FocusOptions(keep=keep, handover=handover, spread=sp, several=sev,
                                                                    lookup_ratio=lk, lookup_keep=lkeep))
                             name = ("focus" + ("-handover" if handover and len(handovers) > 1 else "")
                                     + (f"-s{sp:g}" if handover and len(spreads) > 1 else "")
-                                    + (f"-several{mo}" if handover and len(severals) > 1 else "")
+                                    + (f"-several{sev}" if handover and len(severals) > 1 else "")
                                     + (f"-{keep:g}" if len(keeps) > 1 else "") + (f"-r{r:g}" if len(ratios) > 1 else "")
                                     + (f"-lookup{'r' if lk is None else f'{lk:g}'}" if len(lookups) > 1 else "")
                                     + (f"-lkeep{'k' if lkeep is None else f'{lkeep:g}'}" if len(lookup_keeps) > 1 else ""))

@@ -317,10 +317,9 @@ def _pick_inexact(scores: torch.Tensor, chunks: Sequence[ChunkKV], p: int, optio
     return select_tokens(scores[exact:], lens[1:], rest) + exact
 
 
-def _exact_first(chunks: Sequence[ChunkKV], prefix: ChunkKV | int | None) -> bool:
+def _exact_first(chunks: Sequence[ChunkKV], p: int) -> bool:
     """Whether the first chunk's KV is, in this prompt, full prefill's: computed right after the
-    prefix (`prefix`: its KV, or its length), with nothing between (plain KV)."""
-    p = prefix if isinstance(prefix, int) else (prefix.num_tokens if prefix is not None else 0)
+    prefix (`p` tokens), with nothing between (plain KV)."""
     return bool(chunks) and not chunks[0].after_context and int(chunks[0].positions[0]) == p
 
 
@@ -467,7 +466,8 @@ def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chu
     if not handover:  # a lookup: over the chunks near the best
         if options.focus.lookup_keep is not None:
             kept = pick_chunks(relevance, options.focus.lookup_keep)
-        if 0 not in kept and _exact_first(chunks, prefix) and any(ch.after_context for ch in chunks[1:]):
+        p = prefix.num_tokens if prefix is not None else 0
+        if 0 not in kept and _exact_first(chunks, p) and any(ch.after_context for ch in chunks[1:]):
             # a first chunk served from its plain KV beside the others' neighbour KV stays: its KV is
             # exact, and its score, read over exact KV beside neighbour KV, runs low (docs/quality.md, stop 46)
             kept = [0, *kept]

@@ -114,7 +114,7 @@ class IndexSummary:
     chunks_embedded: int  # chunks embedded this run
     kv_chunks: int  # chunks whose KV was computed and written this run
     kv_tokens: int  # tokens prefilled this run
-    kv_bytes: int  # KV bytes written this run
+    kv_bytes: int  # KV bytes stored this run (as encoded: compressed copies count compressed)
     kv_seconds: float  # seconds in the KV phase
     seconds: float  # wall seconds of the whole run
     skipped_files: tuple[str, ...]  # corpus files that are not documents

@@ -109,15 +109,15 @@ class KVWriter:
         return ChunkKV.from_stored(hit.entry, self._lm.device, self._lm.dtype)
 
     def write(self, batch: Sequence[KVItem], kvs: Sequence[Any]) -> int:
-        """Put one computed batch into the store; returns the KV bytes written.
+        """Put one computed batch into the store; returns the bytes stored (as encoded: an int8
+        plain copy counts its int8 file, not the float KV it was computed as).
 
         ``compute`` then ``write`` is the per-batch function of every runner: ``run``
         overlaps the two on threads, ``indexer.ray_runner`` calls them in Ray actors.
         """
         nbytes = 0
         for item, kv in zip(batch, kvs):
-            self.store.put(self._entry(item, kv))
-            nbytes += kv.nbytes
+            nbytes += self.store.put(self._entry(item, kv))
         return nbytes
 
     def run(

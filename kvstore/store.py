@@ -277,7 +277,7 @@ class TieredStore:
         """Whether any tier holds a copy (unverified; a get may still miss)."""
         return any(t.contains(key) for t in self._tiers)
 
-    def put(self, entry: KVEntry, *, memory: bool = True, durable: bool = True) -> None:
+    def put(self, entry: KVEntry, *, memory: bool = True, durable: bool = True) -> int:
         """Store `entry` in every memory tier and write it through to the configured durable tiers.
 
         Every tier is tried; then, if any durable write failed, StoreError names them.
@@ -285,6 +285,10 @@ class TieredStore:
         Args:
             memory, durable: which kinds of tier to write (a caller may write the durable
                 ones later, off its hot path).
+
+        Returns:
+            The bytes one copy takes as kept: its encoded file in the durable tiers (the largest,
+            where they compress differently), else its tensors' bytes (memory tiers only).
         """
         if not isinstance(entry, KVEntry):
             raise TypeError(f"put needs a KVEntry, got {type(entry).__name__}")
@@ -307,6 +311,7 @@ class TieredStore:
                 tier.write(entry, encoded)
         if failures:
             raise StoreError(f"put of key {entry.key.hex} failed in {len(failures)} tier(s): {'; '.join(failures)}")
+        return max(map(len, encoded.values())) if encoded else entry.nbytes
 
     def put_many(self, entries: Iterable[KVEntry]) -> None:
         """`put` for each entry."""

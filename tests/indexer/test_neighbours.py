@@ -227,12 +227,15 @@ def test_the_default_index_keeps_every_chunks_plain_kv_in_int8_within_1_5x_plain
 
     assert INDEX_DEFAULT.plain_first and PLAIN_COPY_COMPRESSION == "int8"
     plain_cfg = dataclasses.replace(job_config, out=job_config.out.parent / "plain")
-    run_index(plain_cfg, lm=tiny_lm, embedder=embedder)
+    plain_run = run_index(plain_cfg, lm=tiny_lm, embedder=embedder)
     cfg = dataclasses.replace(job_config, neighbours=INDEX_DEFAULT)
-    run_index(cfg, lm=tiny_lm, embedder=embedder)
+    run = run_index(cfg, lm=tiny_lm, embedder=embedder)
 
     def kv_bytes(out) -> int:  # noqa: ANN001
         return sum(f.stat().st_size for f in (out / "kv").rglob("*.safetensors"))
+
+    # the run's summary counts the bytes stored, int8 copies as int8 (not the float KV computed)
+    assert (plain_run.kv_bytes, run.kv_bytes) == (kv_bytes(plain_cfg.out), kv_bytes(cfg.out))
 
     m = read_manifest(cfg.out)
     db = ChunkDB.open(cfg.out, readonly=True)

@@ -61,7 +61,8 @@ def add_index_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    help="tokens shared by consecutive chunks at most")
     p.add_argument("--kv-store", action="append", dest="kv_stores", metavar="URI",
                    help="kvstore tier to write, repeatable: disk:/path or s3://bucket/prefix "
-                        f"(default: ${ENV_KV_URIS}, else disk:OUT/kv)")
+                        f"(default: ${ENV_KV_URIS}, else disk:OUT/kv, which a rerun also clears of the KV "
+                        "no chunk reads any more: deleted and changed documents')")
     p.add_argument("--no-kv", action="store_true", help="skip KV precompute (chunks and vectors only)")
     p.add_argument("--system-prompt", default=None, metavar="TEXT|@FILE",
                    help="the system prompt answers from this index get (it is in every chunk's KV, so changing "

@@ -8,7 +8,9 @@ command resumes where it stopped:
    documents, chunk new and changed ones (one transaction per batch of documents,
    in document-id order, so rows are numbered as in an uninterrupted run);
 2. embed chunks that have no embedding;
-3. prefill and store the KV of chunks not marked done (skipping keys the store has);
+3. prefill and store the KV of chunks not marked done (skipping keys the store has); then,
+   in the index's own KV folder (not one named by ``--kv-store``, not one that shards
+   share), remove the files no chunk reads: deleted and changed documents' KV;
 4. rebuild the FAISS file and the lexical (BM25) index when the chunks changed, then
    mark the manifest complete. BM25 is rebuilt from the chunk database rather than
    patched: 10k chunks take well under a second (bench/retrieval_bench.py).
@@ -238,6 +240,11 @@ def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Any
             kv_chunks, kv_tokens, kv_bytes = (a + b for a, b in zip(plain, _precompute_kv(
                 db, pending, engine, lm, prefix_ids, kv_uris, config, stop, contexts)))
             kv_seconds = time.perf_counter() - t_kv
+            stop.check()
+            swept = _sweep_kv(db, manifest, kv_uris, lm) if not config.kv_uris and config.shard is None else 0
+            if swept:
+                log.info("%d KV files no chunk of this index reads (deleted or changed documents, "
+                         "older keys) were removed from %s", swept, kv_uris[0])
         stop.check()
         n_docs, n_chunks, n_tokens = db.stats()
         # IVF trained on the GPU when FAISS sees one (the gpu extra), else HNSW, past the threshold
@@ -369,6 +376,27 @@ def _neighbour_contexts(db: ChunkDB, manifest: Manifest, options: NeighbourOptio
     if changed:
         log.info("%d chunks have new neighbours or options: their KV is computed again", changed)
     return contexts
+
+
+def _sweep_kv(db: ChunkDB, manifest: Manifest, kv_uris: Sequence[str], lm: Any) -> int:
+    """Remove from the index's own KV folder every file no chunk of it reads: the KV of deleted and
+    changed documents' chunks, and of keys a rekey or new neighbours replaced. Only the default
+    store (``<out>/kv`` of an unsharded index) is swept: a store named by ``--kv`` or shared by
+    shards may hold KV that other indexes read. Returns the files removed."""
+    def plain_key(ids: Sequence[int]) -> ChunkKey:
+        return kv_key(manifest.model_fp, manifest.tokenizer_fp, manifest.prefix_ids, ids)
+
+    wanted = set()
+    for c in db.iter_chunks():
+        wanted.update((c.kv_key, plain_key(c.token_ids)))  # its KV, and its plain copy where one is kept
+    store = open_store(kv_uris, lm.fingerprint, lm.tokenizer_fingerprint)
+    try:
+        held = [k for keys in store.held_keys().values() for k in keys]
+        return sum(store.delete(k) for k in held if k not in wanted)
+    finally:
+        close = getattr(store, "close", None)
+        if close is not None:
+            close()
 
 
 def _precompute_plain_kv(engine: Any, lm: Any, prefix_ids: Sequence[int], kv_uris: Sequence[str],

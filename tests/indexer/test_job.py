@@ -185,3 +185,66 @@ def test_rerun_after_a_kvstore_format_change_rekeys_and_writes_the_kv_anew(job_c
     assert again.documents_added == 0 and again.kv_chunks == first.kv_chunks  # nothing re-chunked, all KV anew
     assert new_keys.isdisjoint(old_keys) and len(new_keys) == len(old_keys)
     assert (run_index(job_config, lm=tiny_lm, embedder=embedder).kv_chunks) == 0  # and then it is done
+
+
+def _wanted_kv_files(out: Path) -> set[str]:
+    """The KV files the index at `out` reads: every chunk's KV and its plain copy's key."""
+    from ragkv.indexer.kv_job import kv_key
+    from ragkv.retriever.chunk_db import ChunkDB
+    from ragkv.retriever.manifest import read_manifest
+
+    m = read_manifest(out)
+    db = ChunkDB.open(out, readonly=True)
+    try:
+        chunks = list(db.iter_chunks())
+    finally:
+        db.close()
+    keys = {c.kv_key for c in chunks} | {kv_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids) for c in chunks}
+    return {f"{k.to_str()}.safetensors" for k in keys}
+
+
+@pytest.mark.parametrize("neighbours", ["plain", "default"])
+def test_a_reindex_removes_the_kv_of_deleted_and_changed_documents(job_config, tiny_lm, embedder, neighbours):
+    """The index's own KV folder holds only what its chunks read: a changed or deleted document's
+    KV (neighbour KV and int8 plain copies alike) goes with its chunks; the rest stays untouched."""
+    from ragkv.indexer.neighbours import INDEX_DEFAULT
+
+    if neighbours == "default":
+        job_config = dataclasses.replace(job_config, neighbours=INDEX_DEFAULT)
+    kv_dir = job_config.out / "kv"
+    run_index(job_config, lm=tiny_lm, embedder=embedder)
+    first = kv_files(kv_dir)
+    assert first == _wanted_kv_files(job_config.out)
+    written = {p.name: p.stat().st_mtime_ns for p in kv_dir.rglob("*.safetensors")}
+    (job_config.corpus / "space.txt").write_text("Venus is the hottest planet. Its clouds are made of sulfuric acid.")
+    (job_config.corpus / "animals.txt").unlink()
+    run_index(job_config, lm=tiny_lm, embedder=embedder)
+    after, wanted = kv_files(kv_dir), _wanted_kv_files(job_config.out)
+    assert after == wanted  # every file a chunk reads is there, and nothing else
+    assert first - after, "the deleted and changed documents' KV should be gone"
+    kept = {p.name: p.stat().st_mtime_ns for p in kv_dir.rglob("*.safetensors") if p.name in first}
+    assert kept and all(written[f] == t for f, t in kept.items())  # the others' KV was not written again
+
+
+def test_a_store_named_by_kv_is_never_swept(job_config, tiny_lm, embedder, tmp_path):
+    """A store the user names (`--kv`) may be shared with other indexes: a reindex leaves the KV
+    of deleted documents there."""
+    shared = tmp_path / "shared-kv"
+    job_config = dataclasses.replace(job_config, kv_uris=(f"disk:{shared}",))
+    run_index(job_config, lm=tiny_lm, embedder=embedder)
+    first = kv_files(shared)
+    (job_config.corpus / "animals.txt").unlink()
+    run_index(job_config, lm=tiny_lm, embedder=embedder)
+    assert first <= kv_files(shared)
+
+
+def test_shards_sharing_their_kv_folder_never_sweep_each_other(job_config, tiny_lm, embedder):
+    """Shards of one --out write one KV folder (`<out>/kv`): a shard's rerun leaves the other's KV."""
+    from ragkv.retriever.manifest import ShardSpec
+
+    s1 = dataclasses.replace(job_config, shard=ShardSpec(1, 2))
+    run_index(s1, lm=tiny_lm, embedder=embedder)
+    theirs = kv_files(job_config.out / "kv")
+    assert theirs
+    run_index(dataclasses.replace(job_config, shard=ShardSpec(0, 2)), lm=tiny_lm, embedder=embedder)
+    assert theirs <= kv_files(job_config.out / "kv")

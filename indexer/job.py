@@ -351,6 +351,11 @@ class _Context:
     own: tuple[ChunkKey, tuple[int, ...]]  # the chunk's own plain key and token ids
 
 
+def _plain_key(manifest: Manifest, ids: Sequence[int]) -> ChunkKey:
+    """The key of a chunk's plain KV (computed after the prefix alone) in this index's store."""
+    return kv_key(manifest.model_fp, manifest.tokenizer_fp, manifest.prefix_ids, ids)
+
+
 def _neighbour_contexts(db: ChunkDB, manifest: Manifest, options: NeighbourOptions) -> dict[int, _Context]:
     """Every chunk's context (its neighbours, by the index's own embeddings), by row; each
     chunk gets the key of its KV computed after that context (a changed key: its KV is computed)."""
@@ -361,15 +366,11 @@ def _neighbour_contexts(db: ChunkDB, manifest: Manifest, options: NeighbourOptio
         return {}
     records = db.chunks_by_rows([int(r) for r in rows])
     ids_of = [records[int(r)].token_ids for r in rows]
-
-    def plain_key(ids: Sequence[int]) -> ChunkKey:
-        return kv_key(manifest.model_fp, manifest.tokenizer_fp, manifest.prefix_ids, ids)
-
     contexts, keys = {}, {}
     for r, chunk_ids, nbrs in zip(rows, ids_of, select_neighbours(xb, options)):
         ctx = tuple(context_ids([ids_of[j] for j in nbrs], options.budget_tokens))
-        contexts[int(r)] = _Context(ctx, tuple((plain_key(ids_of[j]), tuple(ids_of[j])) for j in nbrs),
-                                    (plain_key(chunk_ids), tuple(chunk_ids)))
+        contexts[int(r)] = _Context(ctx, tuple((_plain_key(manifest, ids_of[j]), tuple(ids_of[j])) for j in nbrs),
+                                    (_plain_key(manifest, chunk_ids), tuple(chunk_ids)))
         keys[int(r)] = kv_key(manifest.model_fp, manifest.tokenizer_fp, manifest.prefix_ids, chunk_ids,
                               ChunkContext(options.tag(), ctx))
     changed = db.set_kv_keys(keys)
@@ -381,14 +382,11 @@ def _neighbour_contexts(db: ChunkDB, manifest: Manifest, options: NeighbourOptio
 def _sweep_kv(db: ChunkDB, manifest: Manifest, kv_uris: Sequence[str], lm: Any) -> int:
     """Remove from the index's own KV folder every file no chunk of it reads: the KV of deleted and
     changed documents' chunks, and of keys a rekey or new neighbours replaced. Only the default
-    store (``<out>/kv`` of an unsharded index) is swept: a store named by ``--kv`` or shared by
-    shards may hold KV that other indexes read. Returns the files removed."""
-    def plain_key(ids: Sequence[int]) -> ChunkKey:
-        return kv_key(manifest.model_fp, manifest.tokenizer_fp, manifest.prefix_ids, ids)
-
+    store (``<out>/kv`` of an unsharded index) is swept: a store named by ``--kv-store`` or shared
+    by shards may hold KV that other indexes read. Returns the files removed."""
     wanted = set()
     for c in db.iter_chunks():
-        wanted.update((c.kv_key, plain_key(c.token_ids)))  # its KV, and its plain copy where one is kept
+        wanted.update((c.kv_key, _plain_key(manifest, c.token_ids)))  # its KV, and its plain copy where one is kept
     store = open_store(kv_uris, lm.fingerprint, lm.tokenizer_fingerprint)
     try:
         held = [k for keys in store.held_keys().values() for k in keys]

@@ -79,3 +79,14 @@ def assert_same_index(a: Path, b: Path) -> None:
 
 def kv_files(kv_dir: Path) -> set[str]:
     return {p.name for p in kv_dir.rglob("*.safetensors")}
+
+
+def index_chunks(index_dir: Path) -> list:
+    """Every chunk record (`ChunkRecord`) of the index at `index_dir`, read-only."""
+    from ragkv.retriever.chunk_db import ChunkDB
+
+    db = ChunkDB.open(index_dir, readonly=True)
+    try:
+        return list(db.iter_chunks())
+    finally:
+        db.close()

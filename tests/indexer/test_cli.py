@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ragkv.cli.main import main
+from tests.indexer.helpers import index_chunks
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,7 +38,6 @@ def test_the_default_index_is_one_neighbour_and_a_plain_copy(tmp_path, tiny_llam
     it, every chunk's key names its context (not the plain key), and each chunk has two files."""
     from ragkv.indexer.kv_job import kv_key
     from ragkv.indexer.neighbours import INDEX_DEFAULT, NeighbourContext, NeighbourOptions
-    from ragkv.retriever.chunk_db import ChunkDB
     from ragkv.retriever.manifest import read_manifest
 
     corpus = tmp_path / "corpus"
@@ -53,11 +53,7 @@ def test_the_default_index_is_one_neighbour_and_a_plain_copy(tmp_path, tiny_llam
     m = read_manifest(out)
     assert INDEX_DEFAULT == NeighbourOptions(m=1, budget_tokens=512, context=NeighbourContext.KV)
     assert NeighbourOptions.from_dict(m.neighbours) == INDEX_DEFAULT
-    db = ChunkDB.open(out, readonly=True)
-    try:
-        chunks = list(db.iter_chunks())
-    finally:
-        db.close()
+    chunks = index_chunks(out)
     assert len(chunks) == 4
     plain = {kv_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids) for c in chunks}
     assert not plain & {c.kv_key for c in chunks}  # every key names its neighbour context

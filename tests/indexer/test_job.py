@@ -15,7 +15,7 @@ import pytest
 from ragkv.indexer.job import run_index
 from ragkv.indexer.spot import EXIT_INTERRUPTED, IndexInterrupted, StopReason, StopSignal
 from ragkv.errors import IndexMismatchError
-from tests.indexer.helpers import CHUNK_SIZE, OVERLAP, assert_same_index, dump_index, kv_files
+from tests.indexer.helpers import CHUNK_SIZE, OVERLAP, assert_same_index, dump_index, index_chunks, kv_files
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -190,15 +190,10 @@ def test_rerun_after_a_kvstore_format_change_rekeys_and_writes_the_kv_anew(job_c
 def _wanted_kv_files(out: Path) -> set[str]:
     """The KV files the index at `out` reads: every chunk's KV and its plain copy's key."""
     from ragkv.indexer.kv_job import kv_key
-    from ragkv.retriever.chunk_db import ChunkDB
     from ragkv.retriever.manifest import read_manifest
 
     m = read_manifest(out)
-    db = ChunkDB.open(out, readonly=True)
-    try:
-        chunks = list(db.iter_chunks())
-    finally:
-        db.close()
+    chunks = index_chunks(out)
     keys = {c.kv_key for c in chunks} | {kv_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids) for c in chunks}
     return {f"{k.to_str()}.safetensors" for k in keys}
 
@@ -227,7 +222,7 @@ def test_a_reindex_removes_the_kv_of_deleted_and_changed_documents(job_config, t
 
 
 def test_a_store_named_by_kv_is_never_swept(job_config, tiny_lm, embedder, tmp_path):
-    """A store the user names (`--kv`) may be shared with other indexes: a reindex leaves the KV
+    """A store the user names (`--kv-store`) may be shared with other indexes: a reindex leaves the KV
     of deleted documents there."""
     shared = tmp_path / "shared-kv"
     job_config = dataclasses.replace(job_config, kv_uris=(f"disk:{shared}",))

@@ -12,6 +12,7 @@ import torch
 
 from ragkv.indexer.neighbours import NeighbourChoice, NeighbourOptions, context_ids, select_neighbours
 from ragkv.kvstore import FORMAT_VERSION, ChunkContext, ChunkKey, hash_prefix
+from tests.indexer.helpers import index_chunks
 
 MODEL, TOK = "model-a", "tok-a"
 
@@ -131,7 +132,6 @@ def test_serving_neighbour_kv_every_mode_and_blend_1_equals_full(tiny_lm):
 
 def test_index_with_neighbours_records_options_keys_and_stores_context_kv(job_config, tiny_lm, embedder):
     from ragkv.indexer.job import run_index
-    from ragkv.retriever.chunk_db import ChunkDB
     from ragkv.retriever.manifest import read_manifest
     from ragkv.kvstore import KVEntry  # noqa: F401  (the store's entry type)
     from ragkv.indexer.kv_job import kv_key, open_store
@@ -143,11 +143,7 @@ def test_index_with_neighbours_records_options_keys_and_stores_context_kv(job_co
     s = run_index(cfg, lm=tiny_lm, embedder=embedder)
     m = read_manifest(cfg.out)
     assert m.neighbours == opts.as_dict() and read_manifest(plain_cfg.out).neighbours is None
-    db = ChunkDB.open(cfg.out, readonly=True)
-    try:
-        chunks = list(db.iter_chunks())
-    finally:
-        db.close()
+    chunks = index_chunks(cfg.out)
     plain_keys = {kv_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids) for c in chunks}
     assert not plain_keys & {c.kv_key for c in chunks}  # every chunk was computed with context
     assert s.kv_chunks == len(chunks)
@@ -171,7 +167,6 @@ def test_index_with_kv_context_stores_plain_kv_and_the_same_kv_as_tokens_for_one
     its neighbour's; with m = 1 in budget that is the KV the tokens variant makes."""
     from ragkv.indexer.job import run_index
     from ragkv.indexer.kv_job import kv_key, open_store
-    from ragkv.retriever.chunk_db import ChunkDB
     from ragkv.retriever.manifest import read_manifest
 
     big = 10_000  # no neighbour is cut
@@ -184,14 +179,7 @@ def test_index_with_kv_context_stores_plain_kv_and_the_same_kv_as_tokens_for_one
     m = read_manifest(cfg.out)
     assert m.neighbours == opts.as_dict()
 
-    def chunks_of(out):  # noqa: ANN001, ANN202
-        db = ChunkDB.open(out, readonly=True)
-        try:
-            return {c.chunk_id: c for c in db.iter_chunks()}
-        finally:
-            db.close()
-
-    mine, theirs = chunks_of(cfg.out), chunks_of(by_tokens.out)
+    mine, theirs = ({c.chunk_id: c for c in index_chunks(out)} for out in (cfg.out, by_tokens.out))
     assert all(mine[c].kv_key != theirs[c].kv_key for c in mine)  # another context: other keys
     store = open_store([f"disk:{cfg.out / 'kv'}"], m.model_fp, m.tokenizer_fp)
     other = open_store([f"disk:{by_tokens.out / 'kv'}"], m.model_fp, m.tokenizer_fp)
@@ -222,7 +210,6 @@ def test_the_default_index_keeps_every_chunks_plain_kv_in_int8_within_1_5x_plain
     from ragkv.indexer.kv_job import kv_key, open_store
     from ragkv.indexer.neighbours import INDEX_DEFAULT, PLAIN_COPY_COMPRESSION
     from ragkv.kvstore.fileformat import read_header
-    from ragkv.retriever.chunk_db import ChunkDB
     from ragkv.retriever.manifest import read_manifest
 
     assert INDEX_DEFAULT.plain_first and PLAIN_COPY_COMPRESSION == "int8"
@@ -238,11 +225,7 @@ def test_the_default_index_keeps_every_chunks_plain_kv_in_int8_within_1_5x_plain
     assert (plain_run.kv_bytes, run.kv_bytes) == (kv_bytes(plain_cfg.out), kv_bytes(cfg.out))
 
     m = read_manifest(cfg.out)
-    db = ChunkDB.open(cfg.out, readonly=True)
-    try:
-        chunks = list(db.iter_chunks())
-    finally:
-        db.close()
+    chunks = index_chunks(cfg.out)
     plain = {kv_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids): c for c in chunks}
     files = {f.stem: f for f in (cfg.out / "kv").rglob("*.safetensors")}
     assert {k.to_str() for k in plain} <= set(files)  # every chunk's plain copy

@@ -17,6 +17,7 @@ from ragkv.client import RagClient
 from ragkv.retry import NO_RETRY
 from ragkv.types import FinishReason, KVSource, Mode, Tier
 from ragkv.server.settings import CollectionSpec
+from tests.indexer.helpers import index_chunks
 from tests.server.fakes import ServerThread, settings
 
 QUESTION = "What is the secret number?"
@@ -308,7 +309,6 @@ def test_a_neighbour_index_is_served_from_its_own_kv(tiny_llama_dir: Path, tmp_p
     from ragkv.indexer.job import IndexJobConfig, run_index
     from ragkv.indexer.kv_job import kv_key
     from ragkv.indexer.neighbours import NeighbourOptions
-    from ragkv.retriever.chunk_db import ChunkDB
     from ragkv.retriever.manifest import read_manifest
     from ragkv.server.pipeline import Pipeline
 
@@ -321,11 +321,7 @@ def test_a_neighbour_index_is_served_from_its_own_kv(tiny_llama_dir: Path, tmp_p
                              chunking=ChunkingConfig(size=32, overlap=0),
                              neighbours=NeighbourOptions(m=1, budget_tokens=256, context=context)))
     m = read_manifest(index)
-    db = ChunkDB.open(index, readonly=True)
-    try:
-        chunks = list(db.iter_chunks())
-    finally:
-        db.close()
+    chunks = index_chunks(index)
     plain_files = {kv_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids).to_str()
                    for c in chunks}
     stored = {f.stem for f in (index / "kv").rglob("*.safetensors")}

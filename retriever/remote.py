@@ -62,6 +62,44 @@ class S3Location:
         return Path(root) / self.bucket / (self.prefix or "_root")
 
 
+def safe_relative(rel: str, uri: str) -> PurePosixPath:
+    """``rel`` (an object key's remainder under a folder) as a relative path that stays inside it.
+
+    An object key is any string S3 accepts, so a key written by whoever can write the prefix
+    (`v1/../../x`, `/etc/x`, `a\\b`) must never pick where a local file lands.
+
+    Raises:
+        RagKVError: the key has an empty, ``.`` or ``..`` segment, a backslash, a NUL or a
+            drive/absolute root (the message names the object and why).
+    """
+    why = None
+    if not rel:
+        why = "is empty"
+    elif "\\" in rel or "\x00" in rel:
+        why = "holds a backslash or a NUL"
+    elif rel.startswith("/"):
+        why = "is absolute"
+    elif any(part in ("", ".", "..") for part in rel.split("/")):
+        why = "has an empty, '.' or '..' segment"
+    elif ":" in rel.split("/")[0] and len(rel.split("/")[0]) == 2:
+        why = "starts with a drive letter"
+    if why is not None:
+        raise RagKVError(f"refusing to sync {uri}/{rel}: the object's key {why}, so its local path could "
+                         f"escape the sync folder; nothing was written. Remove or rename the object "
+                         f"(whoever can write this prefix can plant such keys)")
+    return PurePosixPath(rel)
+
+
+def _inside(local: Path, rel: str, uri: str) -> Path:
+    """The local path of ``rel`` under ``local``, checked to resolve inside it (symlinks included)."""
+    path = local / safe_relative(rel, uri)
+    root = local.resolve()
+    if not path.resolve().is_relative_to(root):
+        raise RagKVError(f"refusing to sync {uri}/{rel}: it resolves to {path.resolve()}, outside {root} "
+                         f"(a symlink in the sync folder?); nothing was written")
+    return path
+
+
 def _everything(rel: str) -> bool:
     return True
 
@@ -127,13 +165,15 @@ def download(src: S3Location, local: Path, include: Include = _everything, *, mi
     client = make_client(settings or S3Settings.from_env())
     try:
         remote = {rel: v for rel, v in _list(client, src).items() if include(rel)}
+        # every key is checked before the first byte is written: a bad key stops the whole sync
+        paths = {rel: _inside(local, rel, src.uri) for rel in remote}
         if not remote and not missing_ok:
             raise RagKVError(f"{src.uri} holds no index files: build one with "
                              f"`ragkv index CORPUS --out {src.uri}`")
         got = 0
         for rel in _manifest_last(list(remote)):
             size, mtime = remote[rel]
-            path = local / rel
+            path = paths[rel]
             if path.is_file() and path.stat().st_size == size and path.stat().st_mtime >= mtime:
                 continue
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
-"""The README's Agents snippets, run as written against SmolLM2 (only the addresses
-change), and the same LangGraph ReAct agent over the OpenAI HTTP API with ChatOpenAI."""
+"""The Agents snippets of docs/agents.md (moved there from the README), run as written against
+SmolLM2 (only the addresses change), and the same LangGraph ReAct agent over the OpenAI HTTP API
+with ChatOpenAI."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ pytest.importorskip("langgraph")
 
 pytestmark = pytest.mark.real_model
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "agents.md"
 
 
 def _snippets() -> list[str]:
@@ -32,7 +33,7 @@ def _run(code: str, st: ServerThread) -> list[str]:
     code = code.replace("localhost:50051", st.addr)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code, str(README), "exec"), {"__name__": "readme_snippet"})  # noqa: S102 - our own README
+        exec(compile(code, str(README), "exec"), {"__name__": "readme_snippet"})  # noqa: S102 - our own docs
     return out.getvalue().splitlines()
 
 

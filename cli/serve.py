@@ -9,12 +9,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-# flag dest -> help; every dest is a ServerSettings field. Defaults are None so a
+# flag dest -> help; every dest is a ServerSettings field (or named in _SETTING). Defaults are None so a
 # missing flag leaves the value to the environment, the config file or the default.
 _FLAGS: tuple[tuple[str, type, str], ...] = (
-    ("host", str, "gRPC bind address (default 0.0.0.0)"),
+    ("host", str, "gRPC and HTTP bind address (default 127.0.0.1); any other address needs --api-keys or "
+                  "--auth-token-file, or --insecure-no-auth"),
     ("port", int, "gRPC port, 0 = any free port (default 50051)"),
     ("metrics_port", str, "Prometheus /metrics port, 'off' to disable (default 9464)"),
+    ("metrics_host", str, "/metrics bind address; it takes no credentials (default 127.0.0.1)"),
     ("http_port", str, "OpenAI-compatible HTTP API port (/v1/chat/completions, /v1/models, /health), "
                        "0 = any free port (default off)"),
     ("model", str, "model spec (HF dir, hub id, .gguf); default: the index's model"),
@@ -27,7 +29,13 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("prompt_first_s", float, "a prompt pass is not cut by decode steps before this much prompt time (default 0.5)"),
     ("retrieve_workers", int, "threads for retrieval and KV prefetch (default 1)"),
     ("grace_seconds", float, "seconds in-flight requests get on SIGTERM (default 30)"),
-    ("auth_token_file", Path, "bearer token file (else $RAGKV_AUTH_TOKEN; else no auth)"),
+    ("auth_token_file", Path, "one shared bearer token, in a file (else $RAGKV_AUTH_TOKEN)"),
+    ("api_keys", Path, "named API keys: a JSON list of {name, key or key_sha256, collections, requests_per_minute, "
+                       "prompt_tokens_per_minute} (docs/security.md)"),
+    ("max_request_bytes", int, "largest request (gRPC message or HTTP body) in bytes; larger ones are refused "
+                               "unparsed (default 8 MiB)"),
+    ("kv_tree_key_share", float, "the largest share of --kv-tree-bytes one API key's conversations may hold "
+                                 "while another key's need room, (0, 1] (default 0.5)"),
     ("tls_cert", Path, "PEM certificate chain (TLS with --tls-key)"),
     ("tls_key", Path, "PEM private key"),
     ("kv_cpu_bytes", int, "bytes of KV kept in the CPU tier (default 2 GiB)"),
@@ -78,6 +86,9 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
 )
 
 
+_SETTING = {"api_keys": "api_keys_file"}  # flag dest -> its ServerSettings field, where they differ
+
+
 def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `serve` on the `ragkv` subcommand parser."""
     p = sub.add_parser(
@@ -93,6 +104,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
              "serve as collection NAME (a bare DIR is 'default'); repeatable",
     )
     p.add_argument("--config", type=Path, default=None, help="TOML or JSON settings file")
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="serve a non-loopback --host with no credentials (logged as a warning); without it "
+                        "ragkv serve refuses to start there")
     p.add_argument("--skip-model-check", action="store_true",
                    help="serve the model without the start-up correctness gate (ragkv check-model); logged "
                         "as a warning: answers of a model the engine computes wrongly are wrong")
@@ -129,7 +143,8 @@ def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = No
     """The ServerSettings that parsed `serve` arguments, the environment and --config give."""
     from ragkv.server.settings import load_settings
 
-    flags = {dest: getattr(args, dest) for dest, _, _ in _FLAGS}
+    flags = {_SETTING.get(dest, dest): getattr(args, dest) for dest, _, _ in _FLAGS}
+    flags["insecure_no_auth"] = True if getattr(args, "insecure_no_auth", False) else None
     flags["indexes"] = tuple(args.indexes)
     flags["model_check"] = False if getattr(args, "skip_model_check", False) else None
     return load_settings(flags, env=env, config_file=args.config)
@@ -149,6 +164,14 @@ def run_serve(args: argparse.Namespace) -> int:
     if not settings.indexes:
         raise ValueError("no index to serve: pass --index [NAME=]DIR (or set RAGKV_INDEXES)")
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from ragkv.server.keys import check_exposure
+
+    # fail closed before anything is fetched or loaded: no credentials, no network listener
+    check_exposure(settings.host, settings.key_ring(), settings.insecure_no_auth)
+    if args.replicas is not None and settings.tls_cert is not None:
+        logging.getLogger(__name__).warning(
+            "--replicas with --tls-cert: Ray Serve's HTTP proxy serves HTTPS on --http-port; its gRPC proxy "
+            "speaks no TLS, so gRPC is not served (terminate TLS in front of it instead: docs/security.md)")
     from ragkv.server.pipeline import fetch_indexes
 
     fetch_indexes(settings)

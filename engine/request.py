@@ -114,6 +114,9 @@ class Request:
     tool_choice: ToolChoice = ToolChoice()
     parallel_tool_calls: bool = True
     citations: bool = False  # mark sources as [n], naming only retrieved chunks
+    # whose conversations its KV-tree path belongs to (the API key, and its cache salt): a tree
+    # path is read only by requests of the same tenant; chunk KV from the index is everyone's
+    tenant: str = ""
     deadline: float | None = None  # time.monotonic() by which it must end; None = none
     cancel: threading.Event = field(default_factory=threading.Event)  # set when the client leaves
 

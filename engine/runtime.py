@@ -71,10 +71,11 @@ class Engine:
         vocab = lm.model.get_output_embeddings().weight.shape[0]  # V, the logits' width
         self.grammars = ConstraintCompiler(lm.tokenizer, vocab, lm.eos_token_ids)  # constrained decoding
 
-    def use_tree(self, budget_bytes: int) -> None:
+    def use_tree(self, budget_bytes: int, tenant_share: float = 1.0) -> None:
         """A fresh KV tree of `budget_bytes` (served prompts' KV, so a conversation's next call
-        computes only what is new); a hybrid's also holds its recurrent state where prompts end."""
-        self.tree = KVTree(budget_bytes, recurrent=self.recurrent)
+        computes only what is new); a hybrid's also holds its recurrent state where prompts end.
+        A tenant past `tenant_share` of it makes room from its own paths (`KVTree`)."""
+        self.tree = KVTree(budget_bytes, recurrent=self.recurrent, tenant_share=tenant_share)
 
     @property
     def recurrent(self) -> bool:
@@ -169,8 +170,11 @@ class Engine:
         return Mode(mode) is Mode.FOCUS or (Mode(mode) is Mode.BLEND and opts.selector is Selector.QUERY)
 
     def tree_key(self, mode: Mode, prefix_ids: Sequence[int], chunk_keys: Sequence[object],
-                 options: BlendOptions | None = None, select_ids: Sequence[int] = ()) -> TreeKey:
+                 options: BlendOptions | None = None, select_ids: Sequence[int] = (), tenant: str = "") -> TreeKey:
         """The context a prompt's KV hangs under in the tree.
+
+        Every key starts with the `tenant` (`Request.tenant`): one tenant's paths never match
+        another's prompts, so nothing one tenant asked shows in another's cached tokens.
 
         FULL: the model alone (every token is on the path: automatic prefix caching).
         PREFIX: the model and the prefix. The chunk modes: the model, the mode, the prefix, the
@@ -179,13 +183,14 @@ class Engine:
         """
         mode, lm = Mode(mode), self.lm
         if mode is Mode.FULL:
-            return TreeKey.of(lm.fingerprint, lm.dtype, mode.value)
+            return TreeKey.of(lm.fingerprint, lm.dtype, mode.value, tenant=tenant)
         prefix = tuple(int(i) for i in prefix_ids)
         if mode is Mode.PREFIX:
-            return TreeKey.of(lm.fingerprint, lm.dtype, mode.value, prefix)
+            return TreeKey.of(lm.fingerprint, lm.dtype, mode.value, prefix, tenant=tenant)
         opts = options or BlendOptions()
         chose = tuple(int(i) for i in select_ids) if self.chooses_by_question(mode, opts) else ()
-        return TreeKey.of(lm.fingerprint, lm.dtype, mode.value, prefix, tuple(repr(k) for k in chunk_keys), opts, chose)
+        return TreeKey.of(lm.fingerprint, lm.dtype, mode.value, prefix, tuple(repr(k) for k in chunk_keys), opts,
+                          chose, tenant=tenant)
 
     @staticmethod
     def tree_path(mode: Mode, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]],

@@ -45,17 +45,18 @@ from ragkv.engine.kv import KVCache
 @dataclass(frozen=True, slots=True)
 class TreeKey:
     """What made a context's KV: a digest over its parts (model, mode, prefix, chunk keys,
-    options, the question the mode's choices were made by)."""
+    options, the question the mode's choices were made by), within one tenant."""
 
     digest: str
+    tenant: str = ""  # whose paths these are (Request.tenant); in the digest too
 
     @classmethod
-    def of(cls, *parts: object) -> TreeKey:
+    def of(cls, *parts: object, tenant: str = "") -> TreeKey:
         h = hashlib.sha256()
-        for part in parts:
+        for part in (tenant, *parts):
             data = repr(part).encode()
             h.update(len(data).to_bytes(8, "little") + data)
-        return cls(h.hexdigest())
+        return cls(h.hexdigest(), tenant)
 
     def __str__(self) -> str:
         return self.digest[:12]
@@ -177,13 +178,20 @@ class KVTree:
     Args:
         budget_bytes: KV bytes the tree may hold; 0 turns it off (nothing matches or is kept).
         recurrent: the model is a hybrid: a match must end where a recurrent state is held.
+        tenant_share: while other tenants hold KV here, a tenant past this share of the budget
+            makes room by evicting its own paths only, so one tenant's flood cannot evict every
+            other tenant's conversations (1.0 = one LRU for all).
     """
 
-    def __init__(self, budget_bytes: int, recurrent: bool = False) -> None:
+    def __init__(self, budget_bytes: int, recurrent: bool = False, tenant_share: float = 1.0) -> None:
         if budget_bytes < 0:
             raise ValueError(f"the KV tree's budget must be >= 0 bytes, got {budget_bytes}")
+        if not 0.0 < tenant_share <= 1.0:
+            raise ValueError(f"the KV tree's tenant share must be in (0, 1], got {tenant_share}")
         self.budget_bytes = budget_bytes
         self.recurrent = recurrent
+        self.tenant_share = tenant_share
+        self._tenant_bytes: dict[str, int] = {}  # KV bytes held per tenant
         self._roots: dict[TreeKey, _Node] = {}
         self._lock = threading.Lock()
         self._clock = itertools.count(1)
@@ -277,9 +285,9 @@ class KVTree:
                     if child.refs:
                         return
                     self._split(child, n)
-                if child.state is None and self._make_room(snapshot.nbytes, keep=child):
+                if child.state is None and self._make_room(snapshot.nbytes, keep=child, tenant=key.tenant):
                     child.state, child.state_bytes = snapshot.state, snapshot.nbytes
-                    self._bytes += snapshot.nbytes
+                    self._count(key.tenant, snapshot.nbytes)
                 return
             if n < len(child.ids):
                 return
@@ -298,7 +306,7 @@ class KVTree:
             now = next(self._clock)
             root = self._roots.get(key)
             if root is None:
-                if not self._make_room(_bytes_of(cache, c)):
+                if not self._make_room(_bytes_of(cache, c), tenant=key.tenant):
                     return 0
                 root = _Node(context_ids, *_slice(cache, 0, c), 0, None, key, context)
                 self._add(root)
@@ -310,7 +318,7 @@ class KVTree:
             while pos < len(ids):
                 child = node.children.get(ids[pos])
                 if child is None:  # a new leaf for the rest
-                    if not self._make_room(_bytes_of(cache, len(ids) - pos), keep=node):
+                    if not self._make_room(_bytes_of(cache, len(ids) - pos), keep=node, tenant=key.tenant):
                         break
                     leaf = _Node(ids[pos:], *_slice(cache, c + pos, c + len(ids)), c + pos, node, key)
                     leaf.used = now
@@ -346,14 +354,27 @@ class KVTree:
                 for node in leaves:
                     self._evict(node)
 
+    def tenant_bytes(self, tenant: str) -> int:
+        """KV bytes `tenant`'s paths hold now."""
+        with self._lock:
+            return self._tenant_bytes.get(tenant, 0)
+
+    def _count(self, tenant: str, nbytes: int) -> None:
+        self._bytes += nbytes
+        held = self._tenant_bytes.get(tenant, 0) + nbytes
+        if held:
+            self._tenant_bytes[tenant] = held
+        else:
+            self._tenant_bytes.pop(tenant, None)
+
     def _add(self, node: _Node) -> None:
-        self._bytes += node.nbytes
+        self._count(node.key.tenant, node.nbytes)
         self._nodes += 1
 
     def _split(self, node: _Node, n: int) -> None:
         """Cut `node` after its first n tokens: it keeps those, a new child takes the rest (and
         the recurrent state after the rest, if held)."""
-        self._bytes -= node.nbytes
+        self._count(node.key.tenant, -node.nbytes)
         lower = _Node(node.ids[n:], node.k[:, :, n:].clone(), node.v[:, :, n:].clone(), node.start + n, node,
                       node.key)
         lower.children, lower.used = node.children, node.used
@@ -362,13 +383,15 @@ class KVTree:
             ch.parent = lower
         node.ids, node.k, node.v = node.ids[:n], node.k[:, :, :n].clone(), node.v[:, :, :n].clone()
         node.children = {lower.ids[0]: lower}
-        self._bytes += node.nbytes + lower.nbytes
+        self._count(node.key.tenant, node.nbytes + lower.nbytes)
         self._nodes += 1
 
-    def _make_room(self, need: int, keep: _Node | None = None, budget: int | None = None) -> bool:
+    def _make_room(self, need: int, keep: _Node | None = None, budget: int | None = None,
+                   tenant: str | None = None) -> bool:
         """Evict least-recently-used unleased leaves until `need` more bytes fit in `budget`
         (default the tree's; never `keep` or its ancestors, where the new node hangs); False
-        when they cannot."""
+        when they cannot. Room for `tenant` past its share (`tenant_share`) while others hold
+        KV comes from its own leaves only."""
         budget = self.budget_bytes if budget is None else budget
         if self._bytes + need <= budget:
             return True
@@ -378,7 +401,11 @@ class KVTree:
         while keep is not None:
             kept.add(id(keep))
             keep = keep.parent
-        heap = [(n.used, id(n), n) for n in self._leaves() if n.refs == 0 and id(n) not in kept]
+        own_only = (tenant is not None and self.tenant_share < 1.0
+                    and self._tenant_bytes.get(tenant, 0) + need > self.tenant_share * budget
+                    and any(t != tenant for t in self._tenant_bytes))
+        heap = [(n.used, id(n), n) for n in self._leaves()
+                if n.refs == 0 and id(n) not in kept and (not own_only or n.key.tenant == tenant)]
         heapq.heapify(heap)
         while heap and self._bytes + need > budget:
             _, _, node = heapq.heappop(heap)
@@ -402,7 +429,7 @@ class KVTree:
             del self._roots[node.key]
         else:
             del node.parent.children[node.ids[0]]
-        self._bytes -= node.nbytes
+        self._count(node.key.tenant, -node.nbytes)
         self._nodes -= 1
         self._evictions += 1
         self._evicted_bytes += node.nbytes

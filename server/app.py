@@ -24,8 +24,9 @@ from ragkv.v1 import ragkv_pb2_grpc as pb_grpc
 from ragkv.engine.scheduler import Scheduler, SchedulerConfig
 from ragkv.server.admission import Admission
 from ragkv.server.answering import QueryRunner
-from ragkv.server.auth import BearerTokenInterceptor, read_token
+from ragkv.server.auth import AuthInterceptor
 from ragkv.server.backend import QueryBackend
+from ragkv.server.keys import KeyRing, check_exposure
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.service import RagService
 from ragkv.server.settings import ServerSettings
@@ -36,8 +37,9 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RagService"].full_name
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-# Answers carry whole chunk texts; allow messages well above gRPC's 4 MiB default.
-_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Answers carry whole chunk texts; allow sent messages well above gRPC's 4 MiB default.
+# What a client sends is capped by settings.max_request_bytes.
+_MAX_SEND_BYTES = 64 * 1024 * 1024
 
 BackendFactory = Callable[[ServerSettings], QueryBackend]
 
@@ -59,6 +61,7 @@ class RagServer:
         self.metrics = metrics or ServerMetrics()
         self._factory = backend_factory
         self._admission = Admission(settings.max_queue, self.metrics.queue_depth.set)
+        self.keys: KeyRing = settings.key_ring()  # who may call: named keys, the single token, or none
         self._retrieve_pool = ThreadPoolExecutor(settings.retrieve_workers, thread_name_prefix="ragkv-retrieve")
         # The engine is not thread-safe: one scheduler thread runs every answer, batched.
         self._scheduler = Scheduler(SchedulerConfig(settings.kv_budget_bytes, settings.max_batch,
@@ -67,6 +70,7 @@ class RagServer:
         self._runner = QueryRunner(admission=self._admission, metrics=self.metrics,
                                    retrieve_pool=self._retrieve_pool, scheduler=self._scheduler)
         self.service = RagService(
+            keys=self.keys,
             limits=settings.limits(),
             admission=self._admission,
             metrics=self.metrics,
@@ -94,22 +98,19 @@ class RagServer:
             The bound gRPC port.
         """
         s = self.settings
+        check_exposure(s.host, self.keys, s.insecure_no_auth)  # fail closed: no credentials, no network port
         interceptors = []
-        token = read_token(s.auth_token_file)
-        if token is not None:
-            interceptors.append(
-                BearerTokenInterceptor(
-                    token, on_reject=lambda m: self.metrics.errors.labels(m.rsplit("/", 1)[-1], "UNAUTHENTICATED").inc()
-                )
-            )
+        if self.keys.enabled:  # refuses a call without a key before its body is parsed
+            interceptors.append(AuthInterceptor(
+                self.keys, on_reject=lambda m: self.metrics.errors.labels(m.rsplit("/", 1)[-1], "UNAUTHENTICATED").inc()))
         # after auth, so a caller without the token hears UNAUTHENTICATED whatever it sent
         interceptors.append(UndecodableRequestInterceptor(
             on_reject=lambda m: self.metrics.errors.labels(m.rsplit("/", 1)[-1], "INVALID_ARGUMENT").inc()))
         server = grpc.aio.server(
             interceptors=interceptors,
             options=[
-                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", s.max_request_bytes),
+                ("grpc.max_send_message_length", _MAX_SEND_BYTES),
                 ("grpc.so_reuseport", 0),
             ],
         )
@@ -131,20 +132,21 @@ class RagServer:
         await server.start()
         self._server, self.port = server, port
         if s.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(s.metrics_port, s.host)
+            self.metrics_port = self.metrics.serve(s.metrics_port, s.metrics_host)
         if s.http_port is not None:
-            self.http_port = await self._start_http(token)
+            self.http_port = await self._start_http()
         self._load_task = asyncio.create_task(self._load())
-        log.info("ragkv serving on %s:%d (tls=%s, auth=%s)", s.host, port, s.tls_cert is not None, token is not None)
+        log.info("ragkv serving on %s:%d (tls=%s, keys=%s)", s.host, port, s.tls_cert is not None,
+                 ", ".join(self.keys.names) or "none: open")
         return port
 
-    async def _start_http(self, token: str | None) -> int:
+    async def _start_http(self) -> int:
         """Serve the OpenAI-compatible API on this loop, over the same backend and scheduler."""
         from ragkv.server.openai_api import HttpServer, OpenAIApi  # starlette/uvicorn only when asked for
 
         s = self.settings
         api = OpenAIApi(runner=self._runner, admission=self._admission, limits=s.limits(), metrics=self.metrics,
-                        backend=lambda: self.service.backend, token=token)
+                        backend=lambda: self.service.backend, keys=self.keys, max_body_bytes=s.max_request_bytes)
         self._http = HttpServer(api.app, s.host, s.http_port, s.tls_cert, s.tls_key)
         port = await self._http.start()
         log.info("OpenAI-compatible HTTP API on %s:%d (/v1/chat/completions, /v1/models, /health)", s.host, port)

@@ -52,7 +52,6 @@ from ragkv.engine.request import ChunksReady, Request
 from ragkv.engine.scheduler import Scheduler, SchedulerConfig
 from ragkv.server.admission import Admission
 from ragkv.server.answering import QueryRunner, RunEvent
-from ragkv.server.auth import bearer_refusal, read_token
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.routing import (ConversationId, KeyFilter, KeyHex, Policy, ReplicaSummary, ReplicaView, RouteKeys,
                                   conversation_id, note_routed, rank)
@@ -100,7 +99,7 @@ class ClusterSettings:
 # them is prepared on the replica. `tests/server/test_cluster.py` holds this list to the type.
 ASKED_FIELDS = ("question", "collection", "top_k", "mode", "recompute_ratio", "sampling", "search_mode", "filters",
                 "history", "system_prompt", "agent_turns", "response_format", "tools", "tool_choice",
-                "parallel_tool_calls", "citations")
+                "parallel_tool_calls", "citations", "tenant")
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +125,7 @@ class Asked:
 def route_keys(request: Request, keys: Sequence[str]) -> RouteKeys:
     """What routing looks for: the chunks' KV keys and the conversation the request continues."""
     first_user = next((t.content for t in request.history if t.role is ChatRole.USER), request.question)
-    conversation = conversation_id(request.collection, first_user, request.system_prompt)
+    conversation = conversation_id(request.collection, first_user, request.system_prompt, request.tenant)
     return RouteKeys(tuple(KeyHex(k) for k in keys), ConversationId(conversation))
 
 
@@ -404,6 +403,9 @@ class _ServeContext:
     def time_remaining(self) -> float | None:
         return None  # Ray Serve's proxy does not pass the client's deadline on
 
+    def invocation_metadata(self) -> Any:
+        return self._context.invocation_metadata()
+
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         self._context.set_code(code)
         self._context.set_details(details)
@@ -430,31 +432,25 @@ class Ingress:
         self.backend = IngressBackend(settings, engines)
         self._runner = RoutedRunner(engines=engines, admission=self._admission, metrics=self.metrics,
                                     pool=self._pool, retries=retries)
+        # Ray Serve's gRPC proxy takes no interceptor: RagService checks each call's key itself
+        self.keys = settings.key_ring()
         self.service = RagService(limits=settings.limits(), admission=self._admission, metrics=self.metrics,
-                                  retrieve_pool=self._pool, runner=self._runner)
+                                  retrieve_pool=self._pool, runner=self._runner, keys=self.keys)
         self.service.backend = self.backend  # type: ignore[assignment]  # retrieval here, answers on replicas
-        token = read_token(settings.auth_token_file)
-        self._expected = None if token is None else f"Bearer {token}".encode()
         if settings.metrics_port is not None:  # the ingress's own: requests, errors, end-to-end latency
-            self.metrics.serve(settings.metrics_port, settings.host)
+            self.metrics.serve(settings.metrics_port, settings.metrics_host)
 
     def __serve_build_asgi_app__(self) -> Any:
         from ragkv.server.openai_api import OpenAIApi
 
         api = OpenAIApi(runner=self._runner, admission=self._admission, limits=self.settings.limits(),
-                        metrics=self.metrics, backend=lambda: self.backend,
-                        token=read_token(self.settings.auth_token_file))  # checked there, as in one process
+                        metrics=self.metrics, backend=lambda: self.backend, keys=self.keys,
+                        max_body_bytes=self.settings.max_request_bytes)  # checked there, as in one process
         return api.app
 
     async def _context(self, grpc_context: Any, method: str) -> _ServeContext:
-        """The call's context, once its bearer token (when the server has one) is checked."""
-        context = _ServeContext(grpc_context)
-        if self._expected is not None:
-            refused = bearer_refusal(grpc_context.invocation_metadata(), self._expected)
-            if refused is not None:
-                self.metrics.errors.labels(method, grpc.StatusCode.UNAUTHENTICATED.name).inc()
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, refused)
-        return context
+        """The call's context (RagService checks its key from the metadata)."""
+        return _ServeContext(grpc_context)
 
     async def Query(self, request: Any, grpc_context: Any = None) -> AsyncIterator[Any]:  # noqa: N802
         async for message in self.service.Query(request, await self._context(grpc_context, "Query")):
@@ -507,12 +503,44 @@ def start(settings: ServerSettings, cluster: ClusterSettings, *, blocking: bool 
         _signal_handlers.setdefault(signal.SIGTERM, signal.getsignal(signal.SIGTERM))  # ray.init installs its own
         ray.init(address=cluster.ray_address, include_dashboard=False, log_to_driver=False,
                  **({} if cluster.ray_address else {"num_cpus": max(os.cpu_count() or 1, cluster.replicas + 1)}))
+    check_ray_auth(cluster.ray_address, settings.insecure_no_auth)
+    http = {"host": settings.host, "port": settings.http_port or 8000}
+    if settings.tls_cert is not None and settings.tls_key is not None:
+        http |= {"ssl_certfile": str(settings.tls_cert), "ssl_keyfile": str(settings.tls_key)}
     serve.start(  # a proxy on every node: a load balancer may send a request to any of them
         proxy_location="EveryNode",
-        http_options={"host": settings.host, "port": settings.http_port or 8000},
-        grpc_options=gRPCOptions(port=settings.port, grpc_servicer_functions=list(_SERVICER_FUNCTIONS)),
+        http_options=http,
+        # Ray Serve's gRPC proxy speaks no TLS: with --tls-cert only HTTPS is served (`check_tls`)
+        grpc_options=None if settings.tls_cert is not None else
+        gRPCOptions(port=settings.port, grpc_servicer_functions=list(_SERVICER_FUNCTIONS)),
     )
     return serve.run(build_app(settings, cluster), name=APP_NAME, route_prefix="/", blocking=blocking)
+
+
+def ray_token_auth_on() -> bool:
+    """Whether this process's Ray speaks token authentication (Ray >= 2.52, RAY_AUTH_MODE=token)."""
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    except ImportError:  # a Ray without token auth
+        return False
+    return bool(is_token_auth_enabled())
+
+
+def check_ray_auth(ray_address: str | None, insecure_no_auth: bool = False) -> None:
+    """Joining a Ray cluster over the network needs Ray's token authentication on: without it
+    anyone who reaches Ray's ports runs code on every node. A local Ray (no address) is exempt.
+
+    Raises:
+        ValueError: naming RAY_AUTH_MODE=token and the opt-out.
+    """
+    if ray_address is None or ray_token_auth_on():
+        return
+    if insecure_no_auth:
+        log.warning("joining Ray at %s WITHOUT Ray token authentication (--insecure-no-auth)", ray_address)
+        return
+    raise ValueError(f"refusing to join the Ray cluster at {ray_address} without Ray's token authentication: "
+                     f"set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) on every node (Ray >= "
+                     f"2.52), or pass --insecure-no-auth on a network you trust")
 
 
 def undeploy() -> None:

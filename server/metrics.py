@@ -83,6 +83,14 @@ class ServerMetrics:
                                      "(exported as _total).", ["cached", "collection"], registry=r)
         self.requests = Counter("ragkv_requests", "Query RPCs by final status code (exported as _total).",
                                 ["code"], registry=r)
+        # per API key (server.keys; "-" on an open server): who asks how much
+        self.key_requests = Counter("ragkv_key_requests", "Requests by API key name and method, counted when "
+                                    "authenticated (exported as _total).", ["key", "method"], registry=r)
+        self.key_refusals = Counter("ragkv_key_refusals", "Requests refused by API key name and status code: "
+                                    "PERMISSION_DENIED, RESOURCE_EXHAUSTED (exported as _total).", ["key", "code"],
+                                    registry=r)
+        self.key_prompt_tokens = Counter("ragkv_key_prompt_tokens", "Prompt tokens answered, by API key name "
+                                         "(exported as _total).", ["key"], registry=r)
 
     def observe_step(self, batch: int, seconds: float) -> None:
         """One batched decode step (engine.scheduler's hook)."""
@@ -145,7 +153,7 @@ class ServerMetrics:
         _evicted_bytes_total, and the gauges ragkv_kv_tree_bytes, _budget_bytes, _nodes."""
         self.registry.register(_KVTree(read))
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Start the /metrics HTTP endpoint in a daemon thread; returns the bound port."""
         self._httpd, _ = start_http_server(port, addr=host, registry=self.registry)
         return int(self._httpd.server_address[1])

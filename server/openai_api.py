@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import socket
@@ -40,8 +39,15 @@ from ragkv.engine.request import ChunksReady
 from ragkv.engine.request import Request as QueryRequest  # (Request here is Starlette's)
 from ragkv.server.answering import TokenEvent
 from ragkv.server.backend import QueryBackend
+from ragkv.server.keys import ANONYMOUS, Caller, KeyRing, PermissionDeniedError, RateLimitedError
 from ragkv.server.metrics import ServerMetrics
-from ragkv.server.status import InvalidArgumentError, NotServingError, UnknownCollectionError, status_for
+from ragkv.server.status import (
+    InvalidArgumentError,
+    NotServingError,
+    RequestTooLargeError,
+    UnknownCollectionError,
+    status_for,
+)
 from ragkv.server.validation import RequestLimits, validate_query
 from ragkv.types import (
     ChatRole,
@@ -70,6 +76,7 @@ _HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
@@ -79,17 +86,15 @@ _SYSTEM_ROLES = ("system", "developer")
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.TOOL_CALLS: "tool_calls"}
 
 
-class UnauthenticatedError(Exception):
-    """No or a wrong bearer token (401)."""
+_MAX_SALT_CHARS = 256  # characters of a request's cache_salt
 
 
 def error_body(exc: BaseException) -> tuple[int, dict[str, Any], grpc.StatusCode]:
     """(HTTP status, OpenAI error body, gRPC code) for an exception."""
-    if isinstance(exc, UnauthenticatedError):
-        code, message = grpc.StatusCode.UNAUTHENTICATED, str(exc)
-    else:
-        code, message = status_for(exc)
+    code, message = status_for(exc)
     status, kind = _HTTP.get(code, (500, "server_error"))
+    if isinstance(exc, RequestTooLargeError):
+        status, kind = 413, "invalid_request_error"
     param = getattr(exc, "field", None)
     err_code = "model_not_found" if isinstance(exc, UnknownCollectionError) else code.name.lower()
     return status, {"error": {"message": message, "type": kind, "param": param, "code": err_code}}, code
@@ -298,6 +303,15 @@ def options_from_body(body: object) -> tuple[str, QueryOptions, bool, bool]:
     return question, options, stream, bool(stream_options.get("include_usage"))
 
 
+def _cache_salt(body: object) -> str | None:
+    """The request's `cache_salt` (vLLM's field): its KV-tree paths are shared only with requests
+    of the same key giving the same salt."""
+    salt = _field(body, "cache_salt", (str,), "a string") if isinstance(body, dict) else None
+    if salt is not None and not 0 < len(salt) <= _MAX_SALT_CHARS:
+        raise InvalidArgumentError("cache_salt", f"must have 1..{_MAX_SALT_CHARS} characters, got {len(salt)}")
+    return salt
+
+
 def _source(chunk: RetrievedChunk, snippet_chars: int | None) -> dict[str, Any]:
     text = chunk.text if not snippet_chars else chunk.text[:snippet_chars]
     return {
@@ -364,17 +378,20 @@ class OpenAIApi:
         limits: Request bounds and defaults (the gRPC service's).
         metrics: Where errors are counted.
         backend: Returns the loaded backend, or None while loading.
-        token: The bearer token every route but /health needs; None = no auth.
+        keys: The keys every route but /health needs (server.keys); None or empty = open.
+        max_body_bytes: Larger request bodies are refused (413) before they are parsed.
     """
 
     def __init__(self, *, runner: Answerer, admission: Admission, limits: RequestLimits, metrics: ServerMetrics,
-                 backend: Callable[[], QueryBackend | None], token: str | None) -> None:
+                 backend: Callable[[], QueryBackend | None], keys: KeyRing | None = None,
+                 max_body_bytes: int = 8 * 1024**2) -> None:
         self._runner = runner
         self._admission = admission
         self._limits = limits
         self._metrics = metrics
         self._backend = backend
-        self._expected = None if token is None else f"Bearer {token}".encode()
+        self._keys = keys or KeyRing()
+        self._max_body = max_body_bytes
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.list_models, methods=["GET"]),
@@ -382,14 +399,29 @@ class OpenAIApi:
             Route("/health", self.health, methods=["GET"]),
         ])
 
-    def _check_auth(self, request: Request) -> None:
-        if self._expected is None:
-            return
-        got = request.headers.get("authorization")
-        if got is None:
-            raise UnauthenticatedError("missing 'Authorization: Bearer <token>' header")
-        if not hmac.compare_digest(got.encode(), self._expected):
-            raise UnauthenticatedError("invalid bearer token")
+    def _check_auth(self, request: Request, method: str = METHOD) -> Caller:
+        """The caller the request's `Authorization` header names (before its body is read)."""
+        caller = self._keys.authenticate(request.headers.get("authorization"))
+        self._metrics.key_requests.labels(caller.label, method).inc()
+        return caller
+
+    async def _body(self, request: Request) -> object:
+        """The request's JSON body, refused unparsed when it is larger than the cap."""
+        length = request.headers.get("content-length", "")
+        too_large = RequestTooLargeError(f"the request body is larger than {self._max_body} bytes "
+                                         f"(ragkv serve --max-request-bytes)")
+        if length.isdigit() and int(length) > self._max_body:
+            raise too_large
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > self._max_body:
+                raise too_large
+            parts.append(part)
+        try:
+            return json.loads(b"".join(parts))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InvalidArgumentError("body", f"is not valid JSON ({exc})") from None
 
     def _ready(self) -> QueryBackend:
         backend = self._backend()
@@ -397,8 +429,11 @@ class OpenAIApi:
             raise NotServingError("the server is still loading its indexes and model")
         return backend
 
-    def _error(self, exc: BaseException, method: str) -> JSONResponse:
+    def _error(self, exc: BaseException, method: str, caller: Caller = ANONYMOUS) -> JSONResponse:
         status, body, code = error_body(exc)
+        if isinstance(exc, (PermissionDeniedError, RateLimitedError)):
+            self._metrics.key_refusals.labels(caller.label, code.name).inc()
+            log.info("%s of key %s refused: %s", method, caller.label, exc)
         self._metrics.errors.labels(method, code.name).inc()
         if method == METHOD:
             self._metrics.requests.labels(code.name).inc()
@@ -417,53 +452,59 @@ class OpenAIApi:
 
     async def list_models(self, request: Request) -> Response:
         try:
-            self._check_auth(request)
+            caller = self._check_auth(request, "ListModels")
             with self._admission.rpc():
-                infos = self._ready().collections()
+                infos = [i for i in self._ready().collections() if caller.may_read(i.name)]
                 return JSONResponse({"object": "list", "data": [self._model(i) for i in infos]})
         except Exception as exc:
             return self._error(exc, "ListModels")
 
     async def get_model(self, request: Request) -> Response:
+        caller = ANONYMOUS
         try:
-            self._check_auth(request)
+            caller = self._check_auth(request, "ListModels")
             name = request.path_params["name"]
+            caller.check_collection(name)  # a key learns nothing of collections it may not read
             with self._admission.rpc():
                 for info in self._ready().collections():
                     if info.name == name:
                         return JSONResponse(self._model(info))
                 raise UnknownCollectionError(f"collection {name!r} is not served here")
         except Exception as exc:
-            return self._error(exc, "ListModels")
+            return self._error(exc, "ListModels", caller)
 
-    async def _events(self, body: object, arrived: float, cancel: threading.Event) -> AsyncIterator[object]:
+    async def _events(self, body: object, caller: Caller, arrived: float,
+                      cancel: threading.Event) -> AsyncIterator[object]:
         """Yields (params, snippet_chars, stream, include_usage) first, then the answer's events."""
         with self._admission.rpc():
             backend = self._ready()
             question, options, stream, include_usage = options_from_body(body)
             params = validate_query(question, options, self._limits, backend.modes)
+            self._keys.admit_query(caller, params.collection)
+            params.tenant = caller.tenant(_cache_salt(body))
             yield params, options.snippet_chars, stream, include_usage
             async for event in self._runner.run(backend, params, arrived=arrived, cancel=cancel, method=METHOD):
+                if isinstance(event, QueryStats):
+                    self._keys.charge_tokens(caller, event.usage.prompt_tokens)
+                    self._metrics.key_prompt_tokens.labels(caller.label).inc(event.usage.prompt_tokens)
                 yield event
 
     async def chat_completions(self, request: Request) -> Response:
         arrived = time.perf_counter()
         cancel = threading.Event()
         events: AsyncIterator[object] | None = None
+        caller = ANONYMOUS
         try:
-            self._check_auth(request)
-            try:
-                body = await request.json()
-            except ValueError as exc:
-                raise InvalidArgumentError("body", f"is not valid JSON ({exc})") from None
-            events = self._events(body, arrived, cancel)
+            caller = self._check_auth(request)  # before the body is read
+            body = await self._body(request)
+            events = self._events(body, caller, arrived, cancel)
             params, snippet, stream, include_usage = await anext(events)
             first = await anext(events)  # the chunks: retrieval and KV loads done, errors still map to a status
         except Exception as exc:
             cancel.set()
             if events is not None:
                 await events.aclose()  # type: ignore[attr-defined]
-            return self._error(exc, METHOD)
+            return self._error(exc, METHOD, caller)
         if not isinstance(first, ChunksReady):
             raise RuntimeError(f"the answer began with {type(first).__name__}, not the chunks: a bug")
         reply_id = f"chatcmpl-{uuid.uuid4().hex}"

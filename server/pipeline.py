@@ -204,7 +204,7 @@ class Pipeline:
         """Assemble from an engine and opened retrievers (tests share one loaded engine: each
         pipeline gives it a KV tree of its settings' budget)."""
         lm = engine.lm
-        engine.use_tree(settings.kv_tree_bytes)
+        engine.use_tree(settings.kv_tree_bytes, settings.kv_tree_key_share)
         collections = {}
         for name, (index_dir, retriever) in retrievers.items():
             manifest = retriever.manifest
@@ -301,7 +301,8 @@ class Pipeline:
         if self.engine.tree.enabled:  # the tree may hold this prompt's context and first tokens
             chose = select_ids if select_ids is not None else question_ids
             req.tree_key = self.engine.tree_key(req.mode, c.prefix_ids,
-                                                (*kv_keys, c.retriever.manifest.kv_compression), req.options, chose)
+                                                (*kv_keys, c.retriever.manifest.kv_compression), req.options, chose,
+                                                req.tenant)
             req.lease = self.engine.tree.match(req.tree_key, self.engine.tree_path(req.mode, c.prefix_ids, token_ids,
                                                                                   question_ids))
             if self.engine.recurrent:  # keep the state where the next call's prompt parts from this one's

@@ -236,11 +236,13 @@ def note_routed(view: ReplicaView, keys: RouteKeys, now: float | None = None) ->
     view.queue += 1
 
 
-def conversation_id(collection: str, first_user_message: str, system_prompt: str | None = None) -> ConversationId:
+def conversation_id(collection: str, first_user_message: str, system_prompt: str | None = None,
+                    tenant: str = "") -> ConversationId:
     """Name an agent conversation by what every one of its calls repeats: the collection, the
-    system message and the first user message. A client may send its own id instead."""
+    system message and the first user message, within its tenant (two API keys asking the same
+    never share one). A client may send its own id instead."""
     h = hashlib.sha256()
-    for part in (collection, system_prompt or "", first_user_message):
+    for part in (collection, system_prompt or "", first_user_message, *((tenant,) if tenant else ())):
         h.update(part.encode())
         h.update(b"\0")
     return ConversationId(h.hexdigest()[:32])

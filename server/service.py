@@ -29,6 +29,7 @@ from ragkv.server.admission import Admission
 from ragkv.engine.request import ChunksReady
 from ragkv.server.answering import Answerer, TokenEvent
 from ragkv.server.backend import QueryBackend
+from ragkv.server.keys import ANONYMOUS, Caller, KeyRing, PermissionDeniedError, RateLimitedError
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.status import NotServingError, status_for
 from ragkv.server.validation import RequestLimits, validate_query, validate_retrieve
@@ -46,6 +47,9 @@ class RagService(pb_grpc.RagServiceServicer):
         retrieve_pool: Runs retrieval and KV prefetch starts.
         runner: Answers a validated Query (`QueryRunner` on this host's scheduler, or the
             cluster's ingress runner that routes it to a replica: `server/cluster.py`).
+        keys: Who may call, and what each key may read (server.keys); None = open. The
+            interceptor refuses a call with no valid key before its body is parsed; here each
+            method learns which key called (the cluster's ingress has no interceptor).
     """
 
     def __init__(
@@ -56,7 +60,9 @@ class RagService(pb_grpc.RagServiceServicer):
         metrics: ServerMetrics,
         retrieve_pool: Executor,
         runner: Answerer,
+        keys: KeyRing | None = None,
     ) -> None:
+        self._keys = keys or KeyRing()
         self._limits = limits
         self._admission = admission
         self._metrics = metrics
@@ -69,8 +75,17 @@ class RagService(pb_grpc.RagServiceServicer):
             raise NotServingError("the server is still loading its indexes and model")
         return self.backend
 
-    async def _fail(self, context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
+    def _caller(self, context: grpc.aio.ServicerContext, method: str) -> Caller:
+        caller = self._keys.authenticate_metadata(context.invocation_metadata())
+        self._metrics.key_requests.labels(caller.label, method).inc()
+        return caller
+
+    async def _fail(self, context: grpc.aio.ServicerContext, method: str, exc: Exception,
+                    caller: Caller = ANONYMOUS) -> None:
         code, message = status_for(exc)
+        if isinstance(exc, (PermissionDeniedError, RateLimitedError)):
+            self._metrics.key_refusals.labels(caller.label, code.name).inc()
+            log.info("%s of key %s refused: %s", method, caller.label, exc)
         self._metrics.errors.labels(method, code.name).inc()
         if method == "Query":
             self._metrics.requests.labels(code.name).inc()
@@ -83,11 +98,15 @@ class RagService(pb_grpc.RagServiceServicer):
     ) -> AsyncIterator[pb.QueryResponse]:
         arrived = time.perf_counter()
         cancel = threading.Event()
+        caller = ANONYMOUS
         try:
+            caller = self._caller(context, "Query")
             with self._admission.rpc():
                 backend = self._ready_backend()
                 question, options = convert.query_request_from_proto(request)
                 params = validate_query(question, options, self._limits, backend.modes)
+                self._keys.admit_query(caller, params.collection)
+                params.tenant = caller.tenant()
                 remaining = context.time_remaining()
                 deadline = None if remaining is None else time.monotonic() + remaining
                 index = 0
@@ -101,6 +120,7 @@ class RagService(pb_grpc.RagServiceServicer):
                     elif isinstance(event, ToolCallDelta):
                         yield convert.tool_call_response(event)
                     else:
+                        self._charge(caller, event.usage.prompt_tokens)
                         yield convert.stats_response(event)
         except asyncio.CancelledError:
             cancel.set()
@@ -108,19 +128,26 @@ class RagService(pb_grpc.RagServiceServicer):
             raise
         except Exception as exc:
             cancel.set()
-            await self._fail(context, "Query", exc)
+            await self._fail(context, "Query", exc, caller)
         finally:
             cancel.set()
+
+    def _charge(self, caller: Caller, prompt_tokens: int) -> None:
+        self._keys.charge_tokens(caller, prompt_tokens)
+        self._metrics.key_prompt_tokens.labels(caller.label).inc(prompt_tokens)
 
     async def Retrieve(  # noqa: N802
         self, request: pb.RetrieveRequest, context: grpc.aio.ServicerContext
     ) -> pb.RetrieveResponse:
         arrived = time.perf_counter()
+        caller = ANONYMOUS
         try:
+            caller = self._caller(context, "Retrieve")
             with self._admission.rpc():
                 backend = self._ready_backend()
                 question, options = convert.retrieve_request_from_proto(request)
                 question, collection, top_k, search_mode, filters = validate_retrieve(question, options, self._limits)
+                self._keys.admit_query(caller, collection)
                 loop = asyncio.get_running_loop()
                 chunks = await loop.run_in_executor(
                     self._retrieve_pool, backend.retrieve, collection, question, top_k, search_mode, filters
@@ -129,15 +156,16 @@ class RagService(pb_grpc.RagServiceServicer):
                 self._metrics.e2e.labels("Retrieve").observe(elapsed)
                 return convert.retrieve_result_to_proto(RetrieveResult(chunks, elapsed), options.snippet_chars)
         except Exception as exc:
-            await self._fail(context, "Retrieve", exc)
+            await self._fail(context, "Retrieve", exc, caller)
             raise AssertionError("unreachable: abort raises") from exc
 
     async def ListCollections(  # noqa: N802
         self, request: pb.ListCollectionsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListCollectionsResponse:
         try:
+            caller = self._caller(context, "ListCollections")
             with self._admission.rpc():
-                infos = self._ready_backend().collections()
+                infos = [c for c in self._ready_backend().collections() if caller.may_read(c.name)]
                 return pb.ListCollectionsResponse(collections=[convert.collection_to_proto(c) for c in infos])
         except Exception as exc:
             await self._fail(context, "ListCollections", exc)
@@ -146,14 +174,16 @@ class RagService(pb_grpc.RagServiceServicer):
     async def GetCollectionStats(  # noqa: N802
         self, request: pb.GetCollectionStatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetCollectionStatsResponse:
+        caller = ANONYMOUS
         try:
+            caller = self._caller(context, "GetCollectionStats")
+            name = request.name or "default"
+            caller.check_collection(name)  # before the lookup: a key learns nothing of collections it may not read
             with self._admission.rpc():
                 backend = self._ready_backend()
                 loop = asyncio.get_running_loop()
-                stats = await loop.run_in_executor(
-                    self._retrieve_pool, backend.collection_stats, request.name or "default"
-                )
+                stats = await loop.run_in_executor(self._retrieve_pool, backend.collection_stats, name)
                 return convert.collection_stats_to_proto(stats)
         except Exception as exc:
-            await self._fail(context, "GetCollectionStats", exc)
+            await self._fail(context, "GetCollectionStats", exc, caller)
             raise AssertionError("unreachable: abort raises") from exc

@@ -63,9 +63,12 @@ class ServerSettings:
     """Everything `ragkv serve` can be told."""
 
     indexes: tuple[CollectionSpec, ...] = ()  # served collections (--index, repeatable)
-    host: str = "0.0.0.0"  # gRPC bind address
+    # gRPC (and HTTP) bind address: loopback by default; any other address needs credentials
+    # (api_keys_file, auth_token_file) or insecure_no_auth (server.keys.check_exposure)
+    host: str = "127.0.0.1"
     port: int = 50051  # gRPC port; 0 = any free port
     metrics_port: int | None = 9464  # Prometheus /metrics port; None = off
+    metrics_host: str = "127.0.0.1"  # /metrics bind address (no credentials: keep it on loopback or a private network)
     http_port: int | None = None  # OpenAI-compatible HTTP API port (server/openai_api.py); None = off
     model: str | None = None  # model spec; None = the one the index was built with
     device: str = "auto"  # torch device for the engine; auto = cuda when torch sees a GPU, else cpu
@@ -79,6 +82,12 @@ class ServerSettings:
     retrieve_workers: int = 1  # threads for retrieval and KV prefetch starts
     grace_seconds: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
     auth_token_file: Path | None = None  # bearer token file; else $RAGKV_AUTH_TOKEN; else no auth
+    api_keys_file: Path | None = None  # named API keys, JSON (server.keys: collections, per-minute limits)
+    insecure_no_auth: bool = False  # serve a non-loopback host with no credentials (logged as a warning)
+    # bytes of one request: gRPC messages and HTTP bodies past it are refused before they are parsed
+    max_request_bytes: int = 8 * 1024**2
+    # the largest share of kv_tree_bytes one key's conversations may hold while another key's need room
+    kv_tree_key_share: float = 0.5
     tls_cert: Path | None = None  # PEM certificate chain; TLS when set with tls_key
     tls_key: Path | None = None  # PEM private key
     kv_cpu_bytes: int = 2 * 1024**3  # bytes of KV kept in the CPU tier
@@ -151,6 +160,10 @@ class ServerSettings:
                              f"{self.kv_budget_bytes}, {self.max_batch}, {self.prompt_slice_s}")
         if self.prompt_first_s < 0:
             raise ValueError(f"prompt_first_s must be >= 0, got {self.prompt_first_s}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if not 0.0 < self.kv_tree_key_share <= 1.0:
+            raise ValueError(f"kv_tree_key_share must be in (0, 1], got {self.kv_tree_key_share}")
         if self.kv_tree_bytes < 0:
             raise ValueError(f"kv_tree_bytes must be >= 0 (0 turns the KV tree off), got {self.kv_tree_bytes}")
         if self.retrieve_workers < 1:
@@ -176,6 +189,16 @@ class ServerSettings:
 
         device = resolve_device(self.device)
         return dataclasses.replace(self, device=device, dtype=resolve_dtype(self.dtype, device))
+
+    def key_ring(self):  # -> server.keys.KeyRing
+        """The keys callers must present: the --api-keys file's and the single token's (none = open).
+
+        Raises:
+            ValueError: the keys file or the token file is unreadable or malformed.
+        """
+        from ragkv.server.keys import load_key_ring, read_token
+
+        return load_key_ring(self.api_keys_file, read_token(self.auth_token_file))
 
     def focus(self) -> FocusOptions:
         """How FOCUS picks its chunks, from the --focus-* settings."""

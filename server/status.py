@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import grpc
 
 from ragkv.engine.scheduler import SchedulerFullError, SchedulerStoppedError
+from ragkv.server.keys import PermissionDeniedError, RateLimitedError, UnauthenticatedError
 from ragkv.convert import WireValueError
 from ragkv.errors import (
     IndexMismatchError,
@@ -48,6 +49,11 @@ class OverloadedError(RagKVError):
     """The request queue is full."""
 
 
+class RequestTooLargeError(RagKVError):
+    """A request body is over the server's size cap (HTTP 413; gRPC refuses it itself as
+    RESOURCE_EXHAUSTED)."""
+
+
 class NotServingError(RagKVError):
     """The server is still loading, or draining before it stops."""
 
@@ -58,6 +64,10 @@ class ReplicaLostError(RagKVError):
 
 
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
+    (RateLimitedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (RequestTooLargeError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
     (WireValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (UnknownCollectionError, grpc.StatusCode.NOT_FOUND),

@@ -86,9 +86,12 @@ def _output(options: QueryOptions, limits: RequestLimits) -> None:
         if not isinstance(t.parameters, dict):
             raise InvalidArgumentError(f"tools[{i}].function.parameters", "must be a JSON schema object")
     fmt = options.response_format
-    size = len(json.dumps([t.parameters for t in tools] + [fmt.schema], default=str))
+    # everything of them that reaches the prompt counts: names, descriptions and schemas
+    size = len(json.dumps([[t.name, t.description, t.parameters] for t in tools] + [fmt.name, fmt.schema],
+                          default=str))
     if size > limits.max_tools_chars:
-        raise InvalidArgumentError("tools", f"tool and response schemas are {size} characters as JSON, the limit is "
+        raise InvalidArgumentError("tools", f"tool definitions (names, descriptions, schemas) and the response "
+                                            f"schema are {size} characters as JSON, the limit is "
                                             f"{limits.max_tools_chars}")
     choice = options.tool_choice
     if choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.FUNCTION) and not tools:

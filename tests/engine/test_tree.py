@@ -92,6 +92,34 @@ def test_an_insert_beyond_the_budget_stores_nothing_and_a_zero_budget_is_off():
         KVTree(-1)
 
 
+def test_one_tenants_flood_evicts_its_own_paths_not_every_other_tenants():
+    tree = KVTree(_bytes(12), tenant_share=0.5)
+    for i in range(2):  # bob's two conversations, then a flood of alice's
+        tree.insert(TreeKey.of("bob", i, tenant="bob"), [], CTX, [i, 1, 2], _cache(3))
+    for i in range(10):
+        tree.insert(TreeKey.of("alice", i, tenant="alice"), [], CTX, [i, 1, 2], _cache(3))
+    assert tree.tenant_bytes("alice") <= _bytes(6)  # past her share she makes room from her own paths
+    for i in range(2):
+        lease = tree.match(TreeKey.of("bob", i, tenant="bob"), [i, 1, 2, 3])
+        assert lease is not None and lease.matched == 3
+        lease.release()
+    assert tree.match(TreeKey.of("alice", 9, tenant="alice"), [9, 1, 2, 3]) is not None  # her newest is kept
+    # alone in the tree a tenant may use all of it
+    solo = KVTree(_bytes(12), tenant_share=0.5)
+    for i in range(4):
+        solo.insert(TreeKey.of("alice", i, tenant="alice"), [], CTX, [i, 1, 2], _cache(3))
+    assert solo.tenant_bytes("alice") == _bytes(12)
+    # without a share (1.0) the flood takes every byte, bob's included: what the share prevents
+    lru = KVTree(_bytes(12))
+    lru.insert(TreeKey.of("bob", 0, tenant="bob"), [], CTX, [0, 1, 2], _cache(3))
+    for i in range(10):
+        lru.insert(TreeKey.of("alice", i, tenant="alice"), [], CTX, [i, 1, 2], _cache(3))
+    assert lru.match(TreeKey.of("bob", 0, tenant="bob"), [0, 1, 2, 3]) is None
+    assert TreeKey.of("x", tenant="a") != TreeKey.of("x", tenant="b")
+    with pytest.raises(ValueError, match="tenant share"):
+        KVTree(10, tenant_share=0.0)
+
+
 def test_a_lease_dropped_unreleased_is_released_and_a_leased_edge_is_not_split():
     tree, key = KVTree(10**6), TreeKey.of("ctx")
     tree.insert(key, [], CTX, [1, 2, 3, 4], _cache(4))

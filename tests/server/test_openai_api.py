@@ -236,7 +236,7 @@ def test_bearer_auth_same_token_as_grpc(monkeypatch: pytest.MonkeyPatch, chat_ba
         msgs = [{"role": "user", "content": "hello there"}]
         with pytest.raises(openai.AuthenticationError) as info:
             _client(st, api_key="wrong").chat.completions.create(model="default", messages=msgs)
-        assert info.value.body["message"] == "invalid bearer token"
+        assert info.value.body["message"] == "invalid API key"
         with pytest.raises(openai.AuthenticationError):
             _client(st, api_key="wrong").models.list()
         reply = _client(st, api_key=TOKEN).chat.completions.create(model="default", messages=msgs)

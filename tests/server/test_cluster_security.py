@@ -1,0 +1,59 @@
+"""The cluster's security settings without starting Ray: TLS reaches Ray Serve's HTTP proxy (its
+gRPC proxy speaks none, so it is not started), joining a remote Ray needs Ray's token auth, and
+a request's tenant travels to the replica."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray.serve", reason="the ray extra (pip install 'ragkv[ray]') is not installed")
+
+from ragkv.engine.request import Request  # noqa: E402
+from ragkv.server import cluster  # noqa: E402
+from ragkv.server.routing import Policy  # noqa: E402
+from tests.server.fakes import settings  # noqa: E402
+
+
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """cluster.start with Ray and Serve replaced by recorders."""
+    calls: dict = {}
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(cluster.serve, "start", lambda **kw: calls.update(kw))
+    monkeypatch.setattr(cluster.serve, "run", lambda *a, **kw: None)
+    monkeypatch.setattr(cluster, "build_app", lambda s, c: None)
+    return calls
+
+
+def test_tls_reaches_ray_serves_http_proxy_and_no_plaintext_grpc_is_started(started: dict, tmp_path: Path) -> None:
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    cluster.start(settings(tls_cert=cert, tls_key=key, http_port=8443), cluster.ClusterSettings(2, None, Policy.CHUNK))
+    assert started["http_options"]["ssl_certfile"] == str(cert)
+    assert started["http_options"]["ssl_keyfile"] == str(key)
+    assert started["grpc_options"] is None
+    started.clear()
+    cluster.start(settings(), cluster.ClusterSettings(2, None, Policy.CHUNK))
+    assert "ssl_certfile" not in started["http_options"] and started["grpc_options"] is not None
+
+
+def test_joining_a_ray_cluster_without_token_auth_is_refused(started: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cluster, "ray_token_auth_on", lambda: False)
+    with pytest.raises(ValueError, match="RAY_AUTH_MODE=token"):
+        cluster.start(settings(), cluster.ClusterSettings(2, "10.0.0.5:6379", Policy.CHUNK))
+    assert started == {}  # refused before Serve started
+    cluster.check_ray_auth(None)  # a local Ray started by this process
+    cluster.check_ray_auth("10.0.0.5:6379", insecure_no_auth=True)  # warned, not refused
+    monkeypatch.setattr(cluster, "ray_token_auth_on", lambda: True)
+    cluster.check_ray_auth("10.0.0.5:6379")
+
+
+def test_the_tenant_travels_with_the_request_to_its_replica() -> None:
+    asked = cluster.Asked.of(Request(question="q", collection="docs", tenant="alice"), None)
+    assert asked.request().tenant == "alice"
+    a, b = (cluster.route_keys(Request(question="q", collection="docs", tenant=t), ()).conversation
+            for t in ("alice", "bob"))
+    assert a != b

@@ -1,11 +1,12 @@
 """A request the engine owns: what it asks, where it stands, and what comes out of it.
 
-One type from validation to the last token (vLLM v1's `Request` is the model):
-1. the server's validation maps the wire's message (or the HTTP API's body, both read into
-   `ragkv.types.QueryOptions`) into a `Request`, every default resolved;
-2. the server prepares it (`QueryBackend.prepare`): retrieval, the chunks' KV reads
-   started (`PromptChunk.kv`: a ready KV, a read the store's threads complete, or None =
-   compute it), the question's tokens, the tree's lease, the budgets;
+The engine's own type, from preparation to the last token (vLLM v1's `Request` is the model):
+1. the server validates what the client asked into a frozen `server.query.Query` (chat
+   turns, tools, retrieval options, tenant: none of it the engine's);
+2. the server's preparation (`QueryBackend.prepare`) builds the `Request` from it once:
+   retrieval, the chunks' KV reads started (`PromptChunk.kv`: a ready KV, a read the
+   store's threads complete, or None = compute it), the question's tokens, the tree's
+   lease, the budgets;
 3. the scheduler (`engine.scheduler`) owns it from `submit` on and advances its work
    (`Engine.work`, `engine.answer`): every status transition is made there;
 4. what comes out is one typed stream, `Output`: the chunks with the tier their KV came
@@ -33,18 +34,11 @@ from ragkv.engine.kv import ChunkKV
 from ragkv.engine.tree import TreeKey, TreeLease
 from ragkv.engine.work import WaitFor
 from ragkv.types import (
-    DEFAULT_COLLECTION,
-    ChatTurn,
     FinishReason,
     KVSource,
-    MetadataFilter,
     Mode,
-    ResponseFormat,
     RetrievedChunk,
-    SearchMode,
     Tier,
-    Tool,
-    ToolChoice,
 )
 
 
@@ -95,28 +89,11 @@ class PromptChunk:
 
 @dataclass(eq=False, slots=True)  # identity: a request is itself, whatever its fields
 class Request:
-    """One query, from validation to its last token (see the module docstring)."""
+    """One query as the engine runs it, from preparation to its last token (see the module docstring)."""
 
-    # -- what it asks (validation resolves every default)
-    question: str = ""
-    collection: str = DEFAULT_COLLECTION
-    top_k: int = 4  # chunks to retrieve
+    # -- what it runs as (the server's preparation builds it from the client's query)
     mode: Mode = Mode.FULL
-    recompute_ratio: float = 0.2  # BLEND's (and FOCUS's blends') share of chunk tokens recomputed
     sampling: SamplingParams = SamplingParams()  # temperature, top_p, seed, max_new_tokens, stop
-    search_mode: SearchMode | None = None  # None = the collection's default
-    filters: tuple[MetadataFilter, ...] = ()  # metadata conditions, all must hold
-    history: tuple[ChatTurn, ...] = ()  # earlier turns, oldest first: after the chunks, before the question
-    system_prompt: str | None = None  # the client's system message; must equal the index's (None = not given)
-    agent_turns: tuple[ChatTurn, ...] = ()  # since the question: the assistant's tool calls and their results
-    response_format: ResponseFormat = ResponseFormat()  # the answer's shape (constrained decoding)
-    tools: tuple[Tool, ...] = ()  # functions the model may call
-    tool_choice: ToolChoice = ToolChoice()
-    parallel_tool_calls: bool = True
-    citations: bool = False  # mark sources as [n], naming only retrieved chunks
-    # whose conversations its KV-tree path belongs to (the API key, and its cache salt): a tree
-    # path is read only by requests of the same tenant; chunk KV from the index is everyone's
-    tenant: str = ""
     deadline: float | None = None  # time.monotonic() by which it must end; None = none
     cancel: threading.Event = field(default_factory=threading.Event)  # set when the client leaves
 

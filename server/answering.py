@@ -1,8 +1,9 @@
 """QueryRunner: drives one validated Query from admission to its final stats, for every API.
 
 The gRPC service (server/service.py) and the OpenAI-compatible HTTP API
-(server/openai_api.py) both answer through `QueryRunner.run`: take a queue slot,
-`backend.prepare` on the retrieval pool, `scheduler.submit(request, backend.work(request))`,
+(server/openai_api.py) both answer a `Query` through `QueryRunner.run`: take a queue slot,
+`backend.prepare` on the retrieval pool (the query in, the engine's request out),
+`scheduler.submit(request, backend.work(request))`,
 then relay the request's outputs (`engine.request.Output`) from the scheduler thread to
 the event loop. There the token ids become text (`engine.detokenize`: incremental, stop
 strings applied; a found stop string stops the request), tool calls are read from it, and
@@ -26,6 +27,7 @@ from ragkv.engine.scheduler import Scheduler
 from ragkv.server.admission import Admission
 from ragkv.server.backend import QueryBackend
 from ragkv.server.metrics import ServerMetrics
+from ragkv.server.query import Query
 from ragkv.server.structured import ToolCallReader, find_citations
 
 if TYPE_CHECKING:
@@ -48,7 +50,7 @@ class Answerer(Protocol):
     this host, or the cluster ingress's `RoutedRunner`, which hands it to a replica
     (`server/cluster.py`)."""
 
-    def run(self, backend: QueryBackend, request: Request, *, arrived: float, cancel: threading.Event,
+    def run(self, backend: QueryBackend, query: Query, *, arrived: float, cancel: threading.Event,
             deadline: float | None = None, method: str = "Query") -> AsyncIterator[RunEvent]: ...
 
 
@@ -72,7 +74,7 @@ class QueryRunner:
     async def run(
         self,
         backend: QueryBackend,
-        request: Request,
+        query: Query,
         *,
         arrived: float,
         cancel: threading.Event,
@@ -87,7 +89,7 @@ class QueryRunner:
 
         Args:
             backend: The loaded backend.
-            request: The validated request (`validate_query`); prepared here.
+            query: The validated query (`validate_query`); its engine request is prepared here.
             arrived: `time.perf_counter()` when the request arrived (TTFT counts from it).
             cancel: Set by the caller when the client leaves; set here on any exit.
             deadline: `time.monotonic()` by which the answer must end; None = no deadline.
@@ -100,13 +102,10 @@ class QueryRunner:
             the request's work raise, unchanged; TimeoutError when the deadline cut the answer short.
         """
         loop = asyncio.get_running_loop()
-        request.cancel, request.deadline = cancel, deadline
         try:
             with self._admission.query_slot():
-                if hits is None:
-                    await loop.run_in_executor(self._retrieve_pool, backend.prepare, request)
-                else:
-                    await loop.run_in_executor(self._retrieve_pool, backend.prepare, request, hits)
+                request: Request = await loop.run_in_executor(self._retrieve_pool, backend.prepare, query, hits)
+                request.cancel, request.deadline = cancel, deadline
                 prepared_at = time.perf_counter()
                 outputs: asyncio.Queue[Output] = asyncio.Queue()
 
@@ -132,10 +131,10 @@ class QueryRunner:
                     match out:
                         case ChunksReady(ready):
                             chunks = ready
-                            self._metrics.observe_chunks(chunks, request.collection)
+                            self._metrics.observe_chunks(chunks, query.collection)
                             yield out
                         case ChunkComputed():
-                            backend.keep(request, out)
+                            backend.keep(query.collection, request, out)
                         case TokenOut(token_id):
                             if chunks is None:
                                 raise RuntimeError("a token came before the chunks: a bug in the request's work")
@@ -185,21 +184,21 @@ class QueryRunner:
                     used_chunk_ids=done.used_chunk_ids or tuple(c.chunk_id for c in chunks),
                     kv_sources=dict(done.kv_sources),
                     tool_calls=calls,
-                    citations=find_citations(text, chunks) if request.citations else (),
+                    citations=find_citations(text, chunks) if query.citations else (),
                 )
                 self._metrics.observe_answer(
                     request.mode,
                     None if first_token_at is None else first_token_at - arrived,
                     done.recompute_fraction,
                     done.bytes_loaded,
-                    request.collection,
+                    query.collection,
                     done.kv_sources,
                     done.fell_back,
                     done.handed_over,
                 )
                 self._metrics.e2e.labels(method).observe(finished - arrived)
                 self._metrics.observe_usage(done.prompt_tokens, done.cached_prompt_tokens, completion,
-                                            request.collection)
+                                            query.collection)
                 self._metrics.requests.labels("OK").inc()
                 yield stats
         finally:

@@ -21,6 +21,7 @@ from ragkv.types import CollectionInfo, CollectionStats, MetadataFilter, Mode, R
 
 if TYPE_CHECKING:
     from ragkv.retriever import Hit
+    from ragkv.server.query import Query
 
 
 class AnswerText(Protocol):
@@ -67,10 +68,10 @@ class QueryBackend(Protocol):
         """
         ...
 
-    def prepare(self, request: Request, hits: Sequence[Hit] | None = None) -> None:
-        """Retrieve and fill in the request: its tokens, its chunks with their KV reads started
-        (non-blocking), its budgets. Then it can be submitted with its `work`. `hits`: the
-        chunks a cluster's ingress retrieved for it (None: search here).
+    def prepare(self, query: Query, hits: Sequence[Hit] | None = None) -> Request:
+        """Retrieve, and build the engine's request for `query` once: its tokens, its chunks with
+        their KV reads started (non-blocking), its budgets. Then it can be submitted with its
+        `work`. `hits`: the chunks a cluster's ingress retrieved for it (None: search here).
 
         Raises:
             UnknownCollectionError: No collection of that name.
@@ -87,6 +88,6 @@ class QueryBackend(Protocol):
         """The answer's text from its token ids; a stop string stops the request."""
         ...
 
-    def keep(self, request: Request, computed: ChunkComputed) -> None:
+    def keep(self, collection: str, request: Request, computed: ChunkComputed) -> None:
         """A chunk KV the answer computed: store it for the next request (non-blocking)."""
         ...

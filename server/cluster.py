@@ -35,7 +35,7 @@ import signal
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -48,11 +48,12 @@ from ray.serve.config import RequestRouterConfig, gRPCOptions
 from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from ragkv.engine.request import ChunksReady, Request
+from ragkv.engine.request import ChunksReady
 from ragkv.engine.scheduler import Scheduler, SchedulerConfig
 from ragkv.server.admission import Admission
 from ragkv.server.answering import QueryRunner, RunEvent
 from ragkv.server.metrics import ServerMetrics
+from ragkv.server.query import Query
 from ragkv.server.routing import (ConversationId, KeyFilter, KeyHex, Policy, ReplicaSummary, ReplicaView, RouteKeys,
                                   conversation_id, note_routed, rank)
 from ragkv.server.service import RagService
@@ -95,37 +96,26 @@ class ClusterSettings:
 
 # -- what crosses from the ingress to a replica ---------------------------------------------
 
-# The fields of `Request` that validation fills (what the request asks); everything after
-# them is prepared on the replica. `tests/server/test_cluster.py` holds this list to the type.
-ASKED_FIELDS = ("question", "collection", "top_k", "mode", "recompute_ratio", "sampling", "search_mode", "filters",
-                "history", "system_prompt", "agent_turns", "response_format", "tools", "tool_choice",
-                "parallel_tool_calls", "citations", "tenant")
-
-
 @dataclass(frozen=True, slots=True)
 class Asked:
-    """A validated request as it travels to a replica: what it asks, and its time left."""
+    """A validated query as it travels to a replica: the query itself, and its time left."""
 
-    fields: Mapping[str, Any]  # ASKED_FIELDS' values
+    query: Query  # frozen and picklable: the replica prepares its engine request from it
     seconds_left: float | None  # until its deadline (a monotonic clock is per host); None = none
 
     @classmethod
-    def of(cls, request: Request, deadline: float | None) -> Asked:
+    def of(cls, query: Query, deadline: float | None) -> Asked:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        return cls({name: getattr(request, name) for name in ASKED_FIELDS}, left)
-
-    def request(self) -> Request:
-        """The request again, on the replica (a fresh cancel event, its deadline on this host)."""
-        return Request(**self.fields)
+        return cls(query, left)
 
     def deadline(self) -> float | None:
         return None if self.seconds_left is None else time.monotonic() + self.seconds_left
 
 
-def route_keys(request: Request, keys: Sequence[str]) -> RouteKeys:
-    """What routing looks for: the chunks' KV keys and the conversation the request continues."""
-    first_user = next((t.content for t in request.history if t.role is ChatRole.USER), request.question)
-    conversation = conversation_id(request.collection, first_user, request.system_prompt, request.tenant)
+def route_keys(query: Query, keys: Sequence[str]) -> RouteKeys:
+    """What routing looks for: the chunks' KV keys and the conversation the query continues."""
+    first_user = next((t.content for t in query.history if t.role is ChatRole.USER), query.question)
+    conversation = conversation_id(query.collection, first_user, query.system_prompt, query.tenant)
     return RouteKeys(tuple(KeyHex(k) for k in keys), ConversationId(conversation))
 
 
@@ -156,8 +146,7 @@ class EngineReplica:
         self._filters: dict[Tier, tuple[frozenset[str], KeyFilter]] = {}  # per tier: the keys it was built from
 
     async def answer(self, asked: Asked, hits: Sequence[Any], route: RouteKeys) -> AsyncIterator[RunEvent]:
-        """Answer a request the ingress validated and retrieved for (`route` is the router's)."""
-        request = asked.request()
+        """Answer a query the ingress validated and retrieved for (`route` is the router's)."""
         if route.conversation is not None:
             with self._lock:
                 self._conversations[route.conversation] = None
@@ -166,7 +155,7 @@ class EngineReplica:
                     self._conversations.popitem(last=False)
         cancel = threading.Event()
         try:
-            async for event in self._runner.run(self.pipeline, request, arrived=time.perf_counter(), cancel=cancel,
+            async for event in self._runner.run(self.pipeline, asked.query, arrived=time.perf_counter(), cancel=cancel,
                                                 deadline=asked.deadline(), hits=hits):
                 yield event
         finally:
@@ -307,17 +296,17 @@ class IngressBackend:
         return tuple(map(retrieved_chunk, search_hits(self._retriever(collection), question, top_k, search_mode,
                                                       filters)))
 
-    def search(self, request: Request) -> tuple[list[Any], RouteKeys]:
-        """The request's chunks and what routing looks for (the keys the replica will read)."""
+    def search(self, query: Query) -> tuple[list[Any], RouteKeys]:
+        """The query's chunks and what routing looks for (the keys the replica will read)."""
         from ragkv.server.pipeline import search_hits, serving_key
 
-        r = self._retriever(request.collection)
-        hits = search_hits(r, request.question, request.top_k, request.search_mode, request.filters)
+        r = self._retriever(query.collection)
+        hits = search_hits(r, query.question, query.top_k, query.search_mode, query.filters)
         m = r.manifest
-        keys = [serving_key(h, request.mode, self._neighbours[request.collection],
-                            self._prefix_hash[request.collection], m.model_fp, m.tokenizer_fp,
+        keys = [serving_key(h, query.mode, self._neighbours[query.collection],
+                            self._prefix_hash[query.collection], m.model_fp, m.tokenizer_fp,
                             self._focus_handover, first=i == 0).hex for i, h in enumerate(hits)]
-        return hits, route_keys(request, keys)
+        return hits, route_keys(query, keys)
 
 
 class RoutedRunner:
@@ -331,14 +320,14 @@ class RoutedRunner:
         self._pool = pool
         self._retries = retries
 
-    async def run(self, backend: IngressBackend, request: Request, *, arrived: float, cancel: threading.Event,
+    async def run(self, backend: IngressBackend, query: Query, *, arrived: float, cancel: threading.Event,
                   deadline: float | None = None, method: str = "Query") -> AsyncIterator[RunEvent]:
         loop = asyncio.get_running_loop()
         with self._admission.query_slot():
             searched = time.perf_counter()
-            hits, route = await loop.run_in_executor(self._pool, backend.search, request)
+            hits, route = await loop.run_in_executor(self._pool, backend.search, query)
             retrieve_s = time.perf_counter() - searched
-            asked = Asked.of(request, deadline)
+            asked = Asked.of(query, deadline)
             for attempt in range(self._retries + 1):
                 held: list[RunEvent] = []  # ChunksReady, until the answer has begun
                 begun = False
@@ -355,14 +344,14 @@ class RoutedRunner:
                         if not begun:
                             begun = True
                             for h in held:
-                                self._metrics.observe_chunks(h.chunks, request.collection)
+                                self._metrics.observe_chunks(h.chunks, query.collection)
                                 yield h
                         if isinstance(event, QueryStats):
                             end = time.perf_counter()
                             event = dataclasses.replace(
                                 event, ttft_seconds=(first_token_at or end) - arrived, total_seconds=end - arrived,
                                 phase_seconds={**event.phase_seconds, "retrieve": retrieve_s})
-                            self._observe(request, event, method)
+                            self._observe(query, event, method)
                         elif first_token_at is None:
                             first_token_at = time.perf_counter()
                         yield event
@@ -382,14 +371,14 @@ class RoutedRunner:
                     raise cause from None
 
 
-    def _observe(self, request: Request, stats: QueryStats, method: str) -> None:
+    def _observe(self, query: Query, stats: QueryStats, method: str) -> None:
         """The answer in the cluster's metrics (the ingress serves them): every replica's answers
         in one place, timed from their arrival here. Bytes per tier stay the replicas' own."""
         self._metrics.observe_answer(stats.mode, stats.ttft_seconds, stats.recompute_fraction, {},
-                                     request.collection, stats.kv_sources)
+                                     query.collection, stats.kv_sources)
         self._metrics.e2e.labels(method).observe(stats.total_seconds)
         u = stats.usage
-        self._metrics.observe_usage(u.prompt_tokens, u.cached_prompt_tokens, u.completion_tokens, request.collection)
+        self._metrics.observe_usage(u.prompt_tokens, u.cached_prompt_tokens, u.completion_tokens, query.collection)
         self._metrics.requests.labels("OK").inc()
 
 
@@ -563,5 +552,5 @@ def stop() -> None:
 _signal_handlers: dict[signal.Signals, Any] = {}  # signal -> this process's handler before `start`'s ray.init
 
 
-__all__ = ["ASKED_FIELDS", "Asked", "ChunkRouter", "ClusterSettings", "EngineReplica", "Ingress", "build_app",
+__all__ = ["Asked", "ChunkRouter", "ClusterSettings", "EngineReplica", "Ingress", "build_app",
            "route_keys", "start", "stop"]

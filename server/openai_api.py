@@ -36,11 +36,11 @@ from starlette.routing import Route
 from ragkv.server.admission import Admission
 from ragkv.server.answering import Answerer
 from ragkv.engine.request import ChunksReady
-from ragkv.engine.request import Request as QueryRequest  # (Request here is Starlette's)
 from ragkv.server.answering import TokenEvent
 from ragkv.server.backend import QueryBackend
 from ragkv.server.keys import ANONYMOUS, Caller, KeyRing, PermissionDeniedError, RateLimitedError
 from ragkv.server.metrics import ServerMetrics
+from ragkv.server.query import Query
 from ragkv.server.status import (
     InvalidArgumentError,
     NotServingError,
@@ -479,11 +479,10 @@ class OpenAIApi:
         with self._admission.rpc():
             backend = self._ready()
             question, options, stream, include_usage = options_from_body(body)
-            params = validate_query(question, options, self._limits, backend.modes)
-            self._keys.admit_query(caller, params.collection)
-            params.tenant = caller.tenant(_cache_salt(body))
-            yield params, options.snippet_chars, stream, include_usage
-            async for event in self._runner.run(backend, params, arrived=arrived, cancel=cancel, method=METHOD):
+            query = validate_query(question, options, self._limits, backend.modes, caller.tenant(_cache_salt(body)))
+            self._keys.admit_query(caller, query.collection)
+            yield query, options.snippet_chars, stream, include_usage
+            async for event in self._runner.run(backend, query, arrived=arrived, cancel=cancel, method=METHOD):
                 if isinstance(event, QueryStats):
                     self._keys.charge_tokens(caller, event.usage.prompt_tokens)
                     self._metrics.key_prompt_tokens.labels(caller.label).inc(event.usage.prompt_tokens)
@@ -532,7 +531,7 @@ class OpenAIApi:
             "ragkv": ragkv_extra(first.chunks, stats, snippet),
         })
 
-    async def _sse(self, events: AsyncIterator[object], chunks: tuple[RetrievedChunk, ...], params: QueryRequest,
+    async def _sse(self, events: AsyncIterator[object], chunks: tuple[RetrievedChunk, ...], params: Query,
                    snippet: int | None, include_usage: bool, reply_id: str, created: int,
                    cancel: threading.Event) -> AsyncIterator[str]:
         def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:

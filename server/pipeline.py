@@ -6,7 +6,7 @@ collection; a collection whose index was built with another model is still liste
 and searchable, but Query on it fails with IndexMismatchError (FAILED_PRECONDITION).
 
 Request path: `prepare` (retrieval pool) searches, tokenizes, leases the KV tree and
-starts each chunk's KV read at once, filling in the `engine.request.Request`; the
+starts each chunk's KV read at once, building the `engine.request.Request` from the `Query`; the
 engine's own work (`Engine.work`, on the scheduler thread) waits for the reads,
 computes what is missing, blends and decodes. A chunk computed there comes back out
 (`ChunkComputed`) and is kept in the tiers here (`keep`, on the writer thread).
@@ -30,6 +30,7 @@ from ragkv.engine.constrain import GrammarError
 from ragkv.engine.detokenize import Detokenizer
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT
 from ragkv.engine.request import ChunkComputed, LoadedKV, PromptChunk, Request, Work
+from ragkv.server.query import Query
 from ragkv.server.loading import ControllerConfig, LoadingController
 from ragkv.indexer.neighbours import NeighbourOptions
 from ragkv.kvstore import (ChunkKey, Compression, KVEntry, PrefetchHandle, PrefixHash, StoreConfig, TieredStore,
@@ -111,10 +112,11 @@ def _store_config(settings: ServerSettings, index_dir: Path, kv_uris: Sequence[s
         durable[Tier.DISK] = TierSpec(Tier.DISK, path=str((index_dir / "kv").resolve()))
     # computed KV written back is stored as the index's own files are, unless --kv-compression says otherwise
     compression = kv_compression if settings.kv_compression == "auto" else settings.kv_compression
-    return StoreConfig(tiers=(*memory, *durable.values()), compression=Compression(compression))
+    writes = None if settings.kv_s3_writeback else frozenset(t for t in durable if t is not Tier.S3)
+    return StoreConfig(tiers=(*memory, *durable.values()), compression=Compression(compression), write_through=writes)
 
 
-def check_system_prompt(params: Request, index_prompt: str) -> None:
+def check_system_prompt(params: Query, index_prompt: str) -> None:
     """Refuse a request whose system message is not the one its collection was indexed with.
 
     The system prompt is in the prefix every chunk's KV was computed after, so another one
@@ -262,47 +264,47 @@ class Pipeline:
         c = self._collection(collection)
         return tuple(map(retrieved_chunk, self._search(c, question, top_k, search_mode, filters)))
 
-    def prepare(self, request: Request, hits: Sequence[Hit] | None = None) -> None:
-        """Retrieve, tokenize, lease the KV tree and start the chunks' KV reads: the request is
-        ready to submit (`work`). Runs on the retrieval pool. `hits`: its chunks when the
-        cluster's ingress retrieved them already (`server/cluster.py`); None = search here.
+    def prepare(self, query: Query, hits: Sequence[Hit] | None = None) -> Request:
+        """Retrieve, tokenize, lease the KV tree and start the chunks' KV reads: the engine's
+        request for `query`, ready to submit (`work`). Runs on the retrieval pool. `hits`: its
+        chunks when the cluster's ingress retrieved them already (`server/cluster.py`); None =
+        search here.
 
         Raises:
             UnknownCollectionError, IndexMismatchError, InvalidArgumentError (the system prompt,
             a grammar, a prompt longer than the model's context).
         """
-        req = request
-        c = self._collection(req.collection)
+        c = self._collection(query.collection)
         if c.mismatch is not None:
             raise IndexMismatchError(c.mismatch)
-        check_system_prompt(req, c.system_prompt)
+        check_system_prompt(query, c.system_prompt)
         started = time.perf_counter()
         if hits is None:
-            hits = self._search(c, req.question, req.top_k, req.search_mode, req.filters)
+            hits = self._search(c, query.question, query.top_k, query.search_mode, query.filters)
         retrieved = time.perf_counter()
-        req.retrieved = tuple(map(retrieved_chunk, hits))
-        output = output_spec(req, req.retrieved)
+        req = Request(mode=query.mode, sampling=query.sampling, retrieved=tuple(map(retrieved_chunk, hits)))
+        output = output_spec(query, req.retrieved)
         try:  # compiled here, on the retrieval pool: the scheduler thread only applies masks
             req.constraint = None if output.grammar is None else self.engine.grammars.compile(output.grammar,
                                                                                                output.closing)
         except GrammarError as exc:
-            raise InvalidArgumentError("response_format" if req.response_format.schema else "tools", str(exc)) from None
+            raise InvalidArgumentError("response_format" if query.response_format.schema else "tools", str(exc)) from None
         req.reads_tool_calls = output.reads_tool_calls
         kv_keys = tuple(c.kv_key(h, req.mode, self.lm.fingerprint, self.lm.tokenizer_fingerprint,
                                  self._focus.handover, first=i == 0) for i, h in enumerate(hits))
         token_ids = tuple(tuple(h.token_ids) for h in hits)
-        question_ids, select_ids = self._question_ids(req, output)
+        question_ids, select_ids = self._question_ids(query, output)
         chunk_tokens = sum(len(ids) for ids in token_ids)
         prompt_tokens = len(c.prefix_ids) + chunk_tokens + len(question_ids)
-        self._check_context(req, prompt_tokens)
+        self._check_context(query, prompt_tokens)
         req.prefix_ids, req.question_ids = c.prefix_ids, tuple(question_ids)
         req.select_ids = None if select_ids is None else tuple(select_ids)
-        req.options = self._options(req)
+        req.options = self._options(query)
         if self.engine.tree.enabled:  # the tree may hold this prompt's context and first tokens
             chose = select_ids if select_ids is not None else question_ids
             req.tree_key = self.engine.tree_key(req.mode, c.prefix_ids,
                                                 (*kv_keys, c.retriever.manifest.kv_compression), req.options, chose,
-                                                req.tenant)
+                                                query.tenant)
             req.lease = self.engine.tree.match(req.tree_key, self.engine.tree_path(req.mode, c.prefix_ids, token_ids,
                                                                                   question_ids))
             if self.engine.recurrent:  # keep the state where the next call's prompt parts from this one's
@@ -321,6 +323,7 @@ class Pipeline:
         cost = self.engine.prompt_cost(req.mode, len(c.prefix_ids), chunk_tokens, len(question_ids), req.options)
         req.prompt_cost = max(1, cost * (prompt_tokens - done) // max(prompt_tokens, 1))
         req.phase_seconds["retrieve"] = retrieved - started
+        return req
 
     def _loaded(self, handle: PrefetchHandle) -> Future[LoadedKV | None]:
         """A read in flight as the engine takes it: the KV on the engine's device, converted on
@@ -347,14 +350,14 @@ class Pipeline:
         stops the decode (`Request.stop_after`)."""
         return Detokenizer(self.lm.tokenizer, request.sampling.stop, request.stop_after)
 
-    def keep(self, request: Request, computed: ChunkComputed) -> None:
+    def keep(self, collection: str, request: Request, computed: ChunkComputed) -> None:
         """Store a chunk KV the answer computed, on the writer thread (memory tiers first, then
         the durable ones); the answer does not depend on it."""
         key = request.chunks[computed.index].key
         if isinstance(key, ChunkKey):
-            self._writer.submit(self._persist, self._collection(request.collection), key, computed.kv)
+            self._writer.submit(self._persist, self._collection(collection), key, computed.kv)
 
-    def _question_ids(self, params: Request, output: OutputSpec) -> tuple[list[int], list[int] | None]:
+    def _question_ids(self, params: Query, output: OutputSpec) -> tuple[list[int], list[int] | None]:
         """The question segment's tokens, and the tokens that choose chunk tokens and chunks
         (None: the same): the conversation's question, its earlier turns and the question,
         without the answer's instructions (tools, format) or the agent's turns since the
@@ -372,7 +375,7 @@ class Pipeline:
             return question_ids, None
         return question_ids, fmt.turn_ids(params.question, history) or fmt.question_ids(params.question, history)
 
-    def _check_context(self, params: Request, prompt_tokens: int) -> None:
+    def _check_context(self, params: Query, prompt_tokens: int) -> None:
         """Refuse a prompt that with its answer's budget exceeds the model's context.
 
         Raises:
@@ -388,7 +391,7 @@ class Pipeline:
                     f"(max_tokens): {prompt_tokens + max_new} tokens, more than the model's context "
                     f"of {limit}; send fewer or shorter turns, fewer chunks (top_k), or a smaller max_tokens")
 
-    def _options(self, params: Request) -> BlendOptions:
+    def _options(self, params: Query) -> BlendOptions:
         """How this request's mode blends, from its ratio and the server's focus and guard settings."""
         guard = {} if self._guard_mass is None else {  # exactly the ratio's tokens, or full prefill
             "adaptive_mass": self._guard_mass, "min_ratio": params.recompute_ratio, "fallback_full": True}

@@ -104,13 +104,12 @@ class RagService(pb_grpc.RagServiceServicer):
             with self._admission.rpc():
                 backend = self._ready_backend()
                 question, options = convert.query_request_from_proto(request)
-                params = validate_query(question, options, self._limits, backend.modes)
-                self._keys.admit_query(caller, params.collection)
-                params.tenant = caller.tenant()
+                query = validate_query(question, options, self._limits, backend.modes, caller.tenant())
+                self._keys.admit_query(caller, query.collection)
                 remaining = context.time_remaining()
                 deadline = None if remaining is None else time.monotonic() + remaining
                 index = 0
-                async for event in self._runner.run(backend, params, arrived=arrived, cancel=cancel,
+                async for event in self._runner.run(backend, query, arrived=arrived, cancel=cancel,
                                                     deadline=deadline):
                     if isinstance(event, ChunksReady):
                         yield convert.chunks_response(event.chunks, options.snippet_chars)

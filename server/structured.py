@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ragkv.engine.constrain import GrammarError, json_schema_grammar, lark_grammar
-from ragkv.engine.request import Request
+from ragkv.engine.constrain import GrammarError, GrammarLimitError, json_schema_grammar, lark_grammar
+from ragkv.server.query import Query
 from ragkv.server.status import InvalidArgumentError
 from ragkv.types import (
     ChatRole,
@@ -59,7 +59,7 @@ class OutputSpec:
     closing: bool = False  # the answer is always structured (JSON or calls): close it before the budget ends
 
 
-def output_spec(params: Request, chunks: Sequence[RetrievedChunk]) -> OutputSpec:
+def output_spec(params: Query, chunks: Sequence[RetrievedChunk]) -> OutputSpec:
     """The prompt text and grammar for a request.
 
     The grammar is `start: calls | answer`: tool calls (when tools may be called), or an
@@ -99,6 +99,8 @@ def output_spec(params: Request, chunks: Sequence[RetrievedChunk]) -> OutputSpec
         rules.append(f"answer: {answer}")
     try:
         grammar = lark_grammar("\n".join(rules) + "\n") if rules else None
+    except GrammarLimitError as exc:  # each schema fits, their combination does not: the client's to shrink
+        raise InvalidArgumentError("tools" if params.tools else "response_format", str(exc)) from None
     except GrammarError as exc:
         _blame_schema(params)  # a schema of the request's: INVALID_ARGUMENT naming it
         raise RuntimeError(f"the answer's grammar does not compile: {exc} (a bug)") from exc

@@ -1,8 +1,8 @@
-"""Request validation: wire options -> the engine's `Request`, or InvalidArgumentError naming the field.
+"""Request validation: wire options -> a `Query`, or InvalidArgumentError naming the field.
 
 The one place a query's shapes meet: the wire's message (or the HTTP API's body), read
-into `ragkv.types.QueryOptions`, becomes an `engine.request.Request` with every default
-resolved.
+into `ragkv.types.QueryOptions`, becomes a frozen `server.query.Query` with every default
+resolved (the backend's preparation builds the engine's request from it).
 
 Runs on the event loop before any queueing, so bad input costs nothing and every
 rejection says which field was wrong and what is allowed.
@@ -29,7 +29,7 @@ from ragkv.types import (
     ToolChoiceMode,
 )
 from ragkv.engine.decode import SamplingParams
-from ragkv.engine.request import Request
+from ragkv.server.query import Query
 from ragkv.server.status import InvalidArgumentError
 
 
@@ -163,8 +163,8 @@ def validate_retrieve(question: str, options: QueryOptions, limits: RequestLimit
 
 
 def validate_query(
-    question: str, options: QueryOptions, limits: RequestLimits, modes: frozenset[Mode]
-) -> Request:
+    question: str, options: QueryOptions, limits: RequestLimits, modes: frozenset[Mode], tenant: str = ""
+) -> Query:
     """Check a Query request and resolve its defaults: the request the server prepares.
 
     Args:
@@ -172,6 +172,7 @@ def validate_query(
         options: The options as read from the wire (None = default).
         limits: Bounds and defaults.
         modes: Modes the backend can serve.
+        tenant: Whose KV-tree paths it reads and writes (`Caller.tenant`).
 
     Raises:
         InvalidArgumentError: A field is out of range or names an unsupported mode.
@@ -219,7 +220,7 @@ def validate_query(
     if system is not None and len(system) > limits.max_system_prompt_chars:
         raise InvalidArgumentError("system_prompt", f"is {len(system)} characters, the limit is "
                                                     f"{limits.max_system_prompt_chars}")
-    return Request(
+    return Query(
         question=question,
         collection=options.collection or DEFAULT_COLLECTION,
         top_k=top_k,
@@ -237,4 +238,5 @@ def validate_query(
         tool_choice=options.tool_choice,
         parallel_tool_calls=options.parallel_tool_calls,
         citations=options.citations,
+        tenant=tenant,
     )

@@ -178,19 +178,17 @@ def test_tools_leave_the_chunk_keys_and_the_context_unchanged(smol_server: Serve
     import dataclasses
 
     from ragkv.engine.decode import SamplingParams
-    from ragkv.engine.request import Request
+    from ragkv.server.query import Query
     from ragkv.types import ChatRole, ChatTurn, Mode, Tool, ToolCall, ToolChoice, ToolChoiceMode
 
     backend = smol_server.server.service.backend
-    base = Request("What is the weather in Paris?", "default", 2, Mode.BLEND, 0.15, SamplingParams(max_new_tokens=16))
+    base = Query("What is the weather in Paris?", "default", 2, Mode.BLEND, 0.15, SamplingParams(max_new_tokens=16))
     tool = Tool("get_weather", "weather", SCHEMAS["get_weather"])
     with_tools = dataclasses.replace(
         base, tools=(tool,), tool_choice=ToolChoice(ToolChoiceMode.REQUIRED),
         agent_turns=(ChatTurn(ChatRole.ASSISTANT, "", (ToolCall("c1", "get_weather", "{}"),)),
                      ChatTurn(ChatRole.TOOL, "sunny", tool_call_id="c1")))
-    a, b = base, with_tools
-    backend.prepare(a)
-    backend.prepare(b)
+    a, b = backend.prepare(base), backend.prepare(with_tools)
     assert [c.chunk_id for c in a.retrieved] == [c.chunk_id for c in b.retrieved]
     assert [c.key for c in a.chunks] == [c.key for c in b.chunks]
     assert [c.token_ids for c in a.chunks] == [c.token_ids for c in b.chunks]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +19,7 @@ from ragkv.types import (
 )
 from ragkv.server.inprocess import InProcessServer
 from ragkv.engine.request import Answered, ChunkComputed, ChunksReady, Request, TokenOut, Work
+from ragkv.server.query import Query
 from ragkv.server.settings import ServerSettings
 from ragkv.server.status import UnknownCollectionError
 
@@ -65,6 +65,7 @@ class FakeBackend:
         self.cancelled: list[str] = []  # stopped by the cancel flag
         self.active = 0  # answers running right now (must stay <= 1)
         self.max_active = 0
+        self.asked: dict[Request, Query] = {}  # each prepared request's query (a request hashes by identity)
 
     @property
     def modes(self) -> frozenset[Mode]:
@@ -92,24 +93,27 @@ class FakeBackend:
         self._info(collection)
         return CORPUS[:top_k]
 
-    def prepare(self, request: Request) -> None:
-        if self._info(request.collection).name == "mismatch":
+    def prepare(self, query: Query, hits: object = None) -> Request:
+        if self._info(query.collection).name == "mismatch":
             raise IndexMismatchError("index built with model other-model-fp, server runs model-fp")
-        request.retrieved = self.retrieve(request.collection, request.question, request.top_k)
+        request = Request(mode=query.mode, sampling=query.sampling,
+                          retrieved=self.retrieve(query.collection, query.question, query.top_k))
         request.phase_seconds["retrieve"] = 0.001
+        self.asked[request] = query  # the fake answers with the question's words
+        return request
 
     def detokenizer(self, request: Request) -> _Words:
         return _Words(self._words(request))
 
-    def keep(self, request: Request, computed: ChunkComputed) -> None:
+    def keep(self, collection: str, request: Request, computed: ChunkComputed) -> None:
         raise AssertionError("the fake computes no chunk KV")
 
     def _words(self, request: Request) -> list[str]:
-        words = request.question.split() if self.n_pieces is None else [f"w{i}" for i in range(self.n_pieces)]
+        words = self.asked[request].question.split() if self.n_pieces is None else [f"w{i}" for i in range(self.n_pieces)]
         return [w + " " for w in words][:request.sampling.max_new_tokens]
 
     def work(self, request: Request) -> Work:
-        q = request.question
+        q = self.asked[request].question
         cancel = request.cancel
         self.started.append(q)
         self.active += 1
@@ -130,7 +134,7 @@ class FakeBackend:
                     yield 0  # a step: the scheduler drops the cancelled request here
                 yield TokenOut(token)
             finish = FinishReason.LENGTH if len(pieces) == request.sampling.max_new_tokens else FinishReason.STOP
-            recompute = 1.0 if request.mode is Mode.FULL else request.recompute_ratio
+            recompute = 1.0 if request.mode is Mode.FULL else self.asked[request].recompute_ratio
             self.finished.append(q)
             return Answered(
                 prompt_tokens=10 + 12 * len(chunks),

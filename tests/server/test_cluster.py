@@ -33,10 +33,11 @@ from ragkv.server import cluster  # noqa: E402
 from ragkv.server.admission import Admission  # noqa: E402
 from ragkv.server.answering import TokenEvent  # noqa: E402
 from ragkv.server.metrics import ServerMetrics  # noqa: E402
+from ragkv.server.query import Query  # noqa: E402
 from ragkv.server.routing import Policy, RouteKeys  # noqa: E402
 from ragkv.server.settings import CollectionSpec  # noqa: E402
 from ragkv.server.status import ReplicaLostError, status_for  # noqa: E402
-from ragkv.types import (ChatRole, ChatTurn, FinishReason, Mode, QueryStats, RetrievedChunk, ToolCall,  # noqa: E402
+from ragkv.types import (ChatRole, ChatTurn, FinishReason, Mode, QueryStats, RetrievedChunk, Tool, ToolCall,  # noqa: E402
                          Usage)
 from tests.server.fakes import ServerThread, build_index, settings  # noqa: E402
 
@@ -92,11 +93,17 @@ def _pipeline_factory():  # noqa: ANN202
     return Pipeline.from_settings
 
 
-def test_the_asked_fields_are_every_field_validation_fills() -> None:
-    names = [f.name for f in dataclasses.fields(Request)]
-    asked = names[:names.index("retrieved")]
-    # the cancel event and the deadline are per host: the deadline travels as time left
-    assert sorted(cluster.ASKED_FIELDS) == sorted(n for n in asked if n not in ("cancel", "deadline"))
+def test_a_query_travels_whole_and_the_engine_request_holds_none_of_what_was_asked() -> None:
+    import pickle
+
+    from ragkv.server.query import Query
+
+    query = Query("q", collection="docs", tools=(Tool("f", "d"),), tenant="alice")
+    assert pickle.loads(pickle.dumps(cluster.Asked.of(query, None))).query == query
+    # the engine's request: what the engine reads; the client's question, collection, turns, tools,
+    # retrieval options and tenant stay in the Query
+    shared = {f.name for f in dataclasses.fields(Request)} & {f.name for f in dataclasses.fields(Query)}
+    assert shared == {"mode", "sampling"}
 
 
 @pytest.mark.parametrize("mode", ["full", "blend", "focus"])
@@ -292,7 +299,7 @@ class _Engines:
 
 
 class _Backend:
-    def search(self, request: Request) -> tuple[list[object], RouteKeys]:
+    def search(self, query: object) -> tuple[list[object], RouteKeys]:
         return [], RouteKeys()
 
 
@@ -310,7 +317,7 @@ def _run(engines: _Engines, retries: int = 2) -> list[object]:
                                   pool=ThreadPoolExecutor(1), retries=retries)
 
     async def collect() -> list[object]:
-        return [e async for e in runner.run(_Backend(), Request(question="q"), arrived=time.perf_counter(),
+        return [e async for e in runner.run(_Backend(), Query("q"), arrived=time.perf_counter(),
                                             cancel=threading.Event())]
 
     return asyncio.run(collect())

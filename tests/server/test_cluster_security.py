@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="the ray extra (pip install 'ragkv[ray]') is not installed")
 
-from ragkv.engine.request import Request  # noqa: E402
 from ragkv.server import cluster  # noqa: E402
+from ragkv.server.query import Query  # noqa: E402
 from ragkv.server.routing import Policy  # noqa: E402
 from tests.server.fakes import settings  # noqa: E402
 
@@ -52,8 +52,10 @@ def test_joining_a_ray_cluster_without_token_auth_is_refused(started: dict, monk
 
 
 def test_the_tenant_travels_with_the_request_to_its_replica() -> None:
-    asked = cluster.Asked.of(Request(question="q", collection="docs", tenant="alice"), None)
-    assert asked.request().tenant == "alice"
-    a, b = (cluster.route_keys(Request(question="q", collection="docs", tenant=t), ()).conversation
+    import pickle
+
+    asked = cluster.Asked.of(Query("q", collection="docs", tenant="alice"), None)
+    assert pickle.loads(pickle.dumps(asked)).query.tenant == "alice"
+    a, b = (cluster.route_keys(Query("q", collection="docs", tenant=t), ()).conversation
             for t in ("alice", "bob"))
     assert a != b

@@ -6,7 +6,6 @@ without the tree gives."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import grpc
 import pytest

@@ -22,7 +22,7 @@ import pytest
 from ragkv.client import RagClient
 from ragkv.errors import KVFormatError
 from ragkv.kvstore import ChunkKey, LayerGate
-from ragkv.types import Mode, Tier
+from ragkv.types import Tier
 from ragkv.server.settings import CollectionSpec
 from tests.server.fakes import ServerThread, settings
 from tests.server.test_pipeline import QUESTION, _copy, tiny_index  # noqa: F401 - the session fixture

@@ -19,6 +19,7 @@ from langgraph.graph import END, START, MessagesState, StateGraph
 
 from ragkv.client import RagClient
 from ragkv.engine.request import Request
+from ragkv.server.query import Query
 from ragkv.server.status import InvalidArgumentError
 from ragkv.types import ChatRole, ChatTurn, Mode, SearchMode
 from tests.server.fakes import FakeBackend, ServerThread, settings
@@ -32,15 +33,15 @@ class ChatBackend(FakeBackend):
 
     def __init__(self, **kw: object) -> None:
         super().__init__(**kw)
-        self.params: list[Request] = []
+        self.params: list[Query] = []
 
-    def prepare(self, params: Request) -> None:
+    def prepare(self, params: Query, hits: object = None) -> Request:
         if params.system_prompt is not None and params.system_prompt.strip() != SYSTEM:
             raise InvalidArgumentError(
                 "system_prompt", f"the request's system message {params.system_prompt!r} differs from the system "
                                  f"prompt collection {params.collection!r} was indexed with: {SYSTEM!r}")
         self.params.append(params)
-        super().prepare(params)
+        return super().prepare(params, hits)
 
 
 @pytest.fixture

@@ -1,0 +1,50 @@
+"""Query: what a client asked, validated, every default resolved.
+
+One frozen, serializable value from validation on: the gRPC service and the HTTP API build
+it (`server.validation.validate_query`), the cluster's ingress routes it and sends it to a
+replica as it is, and the backend's preparation (`QueryBackend.prepare`) builds the engine's
+`engine.request.Request` from it once. Chat turns, tools, retrieval and tenancy end here:
+the engine's request holds only what the engine reads (token ids, chunk KV sources,
+sampling, constraint, tree lease, status and timings).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ragkv.engine.decode import SamplingParams
+from ragkv.types import (
+    DEFAULT_COLLECTION,
+    ChatTurn,
+    MetadataFilter,
+    Mode,
+    ResponseFormat,
+    SearchMode,
+    Tool,
+    ToolChoice,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    """One validated query (see the module docstring)."""
+
+    question: str
+    collection: str = DEFAULT_COLLECTION
+    top_k: int = 4  # chunks to retrieve
+    mode: Mode = Mode.FULL
+    recompute_ratio: float = 0.2  # BLEND's (and FOCUS's blends') share of chunk tokens recomputed
+    sampling: SamplingParams = SamplingParams()  # temperature, top_p, seed, max_new_tokens, stop
+    search_mode: SearchMode | None = None  # None = the collection's default
+    filters: tuple[MetadataFilter, ...] = ()  # metadata conditions, all must hold
+    history: tuple[ChatTurn, ...] = ()  # earlier turns, oldest first: after the chunks, before the question
+    system_prompt: str | None = None  # the client's system message; must equal the index's (None = not given)
+    agent_turns: tuple[ChatTurn, ...] = ()  # since the question: the assistant's tool calls and their results
+    response_format: ResponseFormat = ResponseFormat()  # the answer's shape (constrained decoding)
+    tools: tuple[Tool, ...] = ()  # functions the model may call
+    tool_choice: ToolChoice = ToolChoice()
+    parallel_tool_calls: bool = True
+    citations: bool = False  # mark sources as [n], naming only retrieved chunks
+    # whose conversations its KV-tree path belongs to (the API key's name, and its cache salt):
+    # a tree path is read only by queries of the same tenant; chunk KV from the index is everyone's
+    tenant: str = ""

@@ -20,12 +20,25 @@ JSON-schema terminals (`%json {...}`), or a JSON schema directly. Why llguidance
 xgrammar: both compile our grammars in milliseconds and mask a step in well under a
 millisecond on this CPU (bench/grammar_bench.py), but xgrammar's wheel requires triton
 and pins torch, while llguidance has no Python dependencies.
+
+A request's grammar comes from the client (its JSON schema, its tools), so compiling it is
+bounded: a grammar's text may be at most `max_grammar_bytes()` (MAX_GRAMMAR_BYTES, or the
+RAGKV_MAX_GRAMMAR_BYTES environment variable), and llguidance compiles and steps it under
+`GRAMMAR_LIMITS` (grammar size, lexer fuel and states, Earley items per step). A grammar over
+a limit is a `GrammarError` (a ValueError) that names the limit; the server answers it with
+INVALID_ARGUMENT. Each grammar is compiled once and cached by its hash (bounded LRUs): its
+validation's result (`lark_grammar`, `json_schema_grammar`), and per tokenizer the compiled
+matcher that each request's constraint copies (`ConstraintCompiler.compile`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -57,20 +70,130 @@ class _Closing:
 
 
 class GrammarError(RagKVError, ValueError):
-    """A grammar or JSON schema that the grammar library cannot compile."""
+    """A grammar or JSON schema that the grammar library cannot compile, or one over a limit."""
+
+
+class GrammarLimitError(GrammarError):
+    """A grammar or JSON schema over a limit: MAX_GRAMMAR_BYTES, or one of GRAMMAR_LIMITS."""
+
+
+MAX_GRAMMAR_BYTES = 128 * 1024
+"""The longest grammar (or JSON schema) text compiled, in UTF-8 bytes: llguidance's JSON
+compiler is superlinear in some schemas (thousands of optional properties: about 1 s at this
+size on one core), so longer ones are refused before any compiling. RAGKV_MAX_GRAMMAR_BYTES
+overrides it."""
+
+GRAMMAR_LIMITS: dict[str, int | bool] = {
+    "max_grammar_size": 100_000,  # symbols in the grammar's productions (llguidance's default: 500,000)
+    "max_items_in_row": 2_000,  # branching of one production row
+    "initial_lexer_fuel": 1_000_000,  # building the lexer's regexes (~50k/ms: ~20 ms)
+    "step_lexer_fuel": 200_000,  # lexer work per token mask (~14k/ms: ~15 ms)
+    "step_max_items": 50_000,  # Earley items per token mask (~20k/ms: ~2.5 ms)
+    "max_lexer_states": 50_000,  # lexer states (1-2 kB each: <100 MB; llguidance's default: 250,000)
+    "verbose_errors": False,  # errors name the problem, not the parser's state and the whole grammar
+}
+"""llguidance's limits (`llguidance.LLParserLimits`) for compiling a grammar and computing each
+token's mask: a grammar past one fails to compile (or its request fails at that token) with an
+error naming it."""
+
+GRAMMAR_CACHE_SIZE = 256  # grammars whose validation result is kept (a hash and a short string each)
+MATCHER_CACHE_SIZE = 64  # compiled grammars kept per tokenizer (each holds its lexer: up to MBs)
+_LIMIT_WORDS = ("limit", "too large", "too big", "fuel", "too complex")
+
+
+def max_grammar_bytes() -> int:
+    """MAX_GRAMMAR_BYTES, or the RAGKV_MAX_GRAMMAR_BYTES environment variable when set."""
+    raw = os.environ.get("RAGKV_MAX_GRAMMAR_BYTES", "").strip()
+    if not raw:
+        return MAX_GRAMMAR_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        raise GrammarError(f"RAGKV_MAX_GRAMMAR_BYTES={raw!r} is not a whole number of bytes") from None
+    return value if value > 0 else MAX_GRAMMAR_BYTES
+
+
+def grammar_limits() -> Any:
+    """GRAMMAR_LIMITS as an `llguidance.LLParserLimits`."""
+    import llguidance
+
+    return llguidance.LLParserLimits(**GRAMMAR_LIMITS)
+
+
+def _check_size(text: str, what: str) -> None:
+    size, limit = len(text.encode("utf-8", "surrogatepass")), max_grammar_bytes()
+    if size > limit:
+        raise GrammarLimitError(
+            f"{what} is {size:,} bytes, over the limit of {limit:,} bytes on a grammar "
+            f"(MAX_GRAMMAR_BYTES; the server's RAGKV_MAX_GRAMMAR_BYTES raises it): send a smaller one")
+
+
+def _explained(error: str, what: str) -> GrammarError:
+    error = error.strip()
+    if any(w in error.lower() for w in _LIMIT_WORDS):
+        limits = ", ".join(f"{k}={v:,}" for k, v in GRAMMAR_LIMITS.items() if not isinstance(v, bool))
+        return GrammarLimitError(f"{what} is over a limit of the grammar compiler ({error}; "
+                            f"the limits: {limits}): send a simpler one")
+    return GrammarError(f"{what} cannot be compiled: {error}")
+
+
+def _key(grammar: str) -> str:
+    """A grammar's cache key: its hash under the limits it is compiled with."""
+    limits = json.dumps(GRAMMAR_LIMITS, sort_keys=True)
+    return hashlib.sha256(f"{limits}\n{grammar}".encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class _LRU:
+    """A bounded, thread-safe map from a grammar's hash to what compiling it gave."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._items: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def get(self, key: str) -> Any:
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                self.hits += 1
+                return self._items[key]
+            self.misses += 1
+            return None
+
+    def peek(self, key: str) -> Any:
+        """What `key` gave, without counting a hit or a miss; None when not kept."""
+        with self._lock:
+            return self._items.get(key)
+
+    def put(self, key: str, value: Any) -> None:
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+_VALIDATED = _LRU(GRAMMAR_CACHE_SIZE)  # grammar hash -> "" (it compiles) or its error
 
 
 def json_schema_grammar(schema: dict[str, Any]) -> str:
     """The grammar of compact JSON (no free whitespace) valid against `schema`.
 
     Raises:
-        GrammarError: The schema is not one the library can compile.
+        GrammarError: The schema is not one the library can compile, or is over a limit.
     """
     import llguidance
 
     try:
+        _check_size(json.dumps(schema), "JSON schema")
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
     except (ValueError, TypeError) as exc:
+        if isinstance(exc, GrammarError):
+            raise
         raise GrammarError(f"JSON schema cannot be compiled: {exc}") from None
     return _validated(grammar, "JSON schema")
 
@@ -79,19 +202,28 @@ def lark_grammar(lark: str) -> str:
     """A grammar from Lark text (llguidance's dialect: `%json {...}` terminals allowed).
 
     Raises:
-        GrammarError: The grammar (or a JSON schema inside it) is not one the library can compile.
+        GrammarError: The grammar (or a JSON schema inside it) is not one the library can
+            compile, or is over a limit.
     """
     import llguidance
 
+    _check_size(lark, "grammar")
     return _validated(llguidance.LLMatcher.grammar_from_lark(lark), "grammar")
 
 
 def _validated(grammar: str, what: str) -> str:
+    """`grammar` once it compiles under GRAMMAR_LIMITS; each grammar is compiled once (cached)."""
     import llguidance
 
-    error = llguidance.LLMatcher.validate_grammar(grammar, None)  # "" when it compiles
+    _check_size(grammar, what)
+    key = _key(grammar)
+    error = _VALIDATED.get(key)
+    if error is None:
+        error = llguidance.LLMatcher.validate_grammar(grammar, None, limits=grammar_limits())  # "" when it compiles
+        error = "" if error.startswith("WARNING") else error
+        _VALIDATED.put(key, error)
     if error:
-        raise GrammarError(f"{what} cannot be compiled: {error.strip()}")
+        raise _explained(error, what)
     return grammar
 
 
@@ -112,6 +244,8 @@ class ConstraintCompiler:
         self._lock = threading.Lock()
         self._tokenizer: Any = None
         self._closing: _Closing | None = None
+        self._matchers = _LRU(MATCHER_CACHE_SIZE)  # grammar hash -> compiled matcher (copied per request) or error
+        self._copy_lock = threading.Lock()
 
     def _llg_tokenizer(self) -> Any:
         with self._lock:
@@ -146,19 +280,42 @@ class ConstraintCompiler:
     def compile(self, grammar: str, closing: bool = False) -> Constraint:
         """A fresh constraint (one per request) over `grammar`.
 
+        A grammar is compiled once, under GRAMMAR_LIMITS, and kept (MATCHER_CACHE_SIZE
+        grammars, by hash): each request gets a copy of the compiled matcher in its start
+        state. A grammar that failed to compile fails again without compiling.
+
         Args:
             closing: Prefer closing tokens in the last CLOSING_WINDOW tokens of the budget
                 (for structured answers that must parse; not for free text).
 
         Raises:
-            GrammarError: The grammar does not compile.
+            GrammarError: The grammar does not compile, or is over a limit.
         """
-        import llguidance
+        return Constraint(self._matcher(grammar), self.vocab_size, self.closing() if closing else None)
 
-        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar)
-        if matcher.is_error():
-            raise GrammarError(f"grammar cannot be compiled: {matcher.get_error()}")
-        return Constraint(matcher, self.vocab_size, self.closing() if closing else None)
+    @property
+    def compiled(self) -> int:
+        """Grammars compiled for this tokenizer (not counting copies of cached ones)."""
+        return self._matchers.misses
+
+    def _matcher(self, grammar: str) -> Any:
+        _check_size(grammar, "grammar")
+        key = _key(grammar)
+        cached = _VALIDATED.peek(key)  # validated already (lark_grammar): only an error is of use here
+        if cached:
+            raise _explained(cached, "grammar")
+        template = self._matchers.get(key)
+        if template is None:
+            import llguidance
+
+            template = llguidance.LLMatcher(self._llg_tokenizer(), grammar, limits=grammar_limits())
+            if template.is_error():
+                template = template.get_error() or "unknown error"
+            self._matchers.put(key, template)
+        if isinstance(template, str):
+            raise _explained(template, "grammar")
+        with self._copy_lock:  # a copy of the start state; the cached matcher itself never steps
+            return template.deep_copy()
 
 
 class Constraint:

@@ -116,3 +116,118 @@ def test_greedy_constrained_alone_equals_in_a_batch(tiny_lm) -> None:
 def test_a_schema_the_library_cannot_compile_is_a_grammar_error_naming_it(schema: dict, needle: str) -> None:
     with pytest.raises(GrammarError, match=re.escape(needle)):
         json_schema_grammar(schema)
+
+
+class _Counting:
+    """llguidance.LLMatcher, counting what it compiles: matchers built, grammars validated."""
+
+    def __init__(self, real: type) -> None:
+        self.real, self.built, self.validated = real, 0, 0
+
+    def __call__(self, *args, **kwargs):
+        self.built += 1
+        return self.real(*args, **kwargs)
+
+    def validate_grammar(self, *args, **kwargs) -> str:
+        self.validated += 1
+        return self.real.validate_grammar(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.real, name)
+
+
+@pytest.fixture
+def counting(monkeypatch: pytest.MonkeyPatch) -> _Counting:
+    import llguidance
+
+    shim = _Counting(llguidance.LLMatcher)
+    monkeypatch.setattr(llguidance, "LLMatcher", shim)
+    return shim
+
+
+def _fresh_schema() -> dict:
+    """A schema no other test compiled (the caches are per process)."""
+    import uuid
+
+    return {**SCHEMA, "properties": {**SCHEMA["properties"], "id": {"const": uuid.uuid4().hex}}}
+
+
+def test_a_repeated_schema_is_compiled_once_per_tokenizer(tiny_lm, counting: _Counting) -> None:
+    """A client sending the same schema again (or the three steps of one request: the grammar's
+    validation, the request's matcher, a retry) costs no compile after the first."""
+    import torch
+
+    engine = Engine(tiny_lm)
+    schema = _fresh_schema()
+    lark = f"start: %json {json.dumps(schema)}\n"
+    first = [lark_grammar(lark) for _ in range(3)]
+    assert len(set(first)) == 1 and counting.validated == 1
+    constraints = [engine.grammars.compile(first[0], closing=True) for _ in range(3)]
+    assert counting.built == 1 and engine.grammars.compiled == 1
+    # each request has its own place in the grammar: one stepping leaves the others at the start
+    ids = engine.lm.tokenizer.encode('{"name"', add_special_tokens=False)
+
+    def step(c, token: int) -> None:  # as the decode does: wait for the mask, then advance
+        c.apply(torch.zeros(engine.grammars.vocab_size))
+        c.consume(token)
+        c.start()
+
+    for t in ids:
+        step(constraints[0], t)
+    for c in constraints[1:]:
+        step(c, ids[0])  # still admits the first token: nothing the first one consumed moved it
+    for c in constraints:
+        c.apply(torch.zeros(engine.grammars.vocab_size))  # no mask left computing
+
+
+def test_a_schema_the_compiler_refuses_is_not_compiled_again(tiny_lm, counting: _Counting) -> None:
+    bad = {"type": "object", "properties": {"a": {"type": "string", "pattern": "((" + "x" * 8}}}
+    for _ in range(3):
+        with pytest.raises(GrammarError, match="unclosed"):
+            json_schema_grammar(bad)
+    assert counting.validated == 1
+
+
+def test_a_huge_schema_is_refused_quickly_naming_the_limit(tiny_lm, counting: _Counting) -> None:
+    """Thousands of optional properties: llguidance's JSON compiler takes seconds on such a
+    schema (about 3.5 s for 8,000 on one core), and it ran up to three times per request."""
+    import time
+
+    from ragkv.engine.constrain import MAX_GRAMMAR_BYTES, GrammarLimitError
+
+    engine = Engine(tiny_lm)
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(8000)}}
+    t0 = time.perf_counter()
+    for attempt in (lambda: json_schema_grammar(schema),
+                    lambda: lark_grammar(f"start: %json {json.dumps(schema)}\n"),
+                    lambda: engine.grammars.compile(f"start: %json {json.dumps(schema)}\n")):
+        with pytest.raises(ValueError, match=f"limit of {MAX_GRAMMAR_BYTES:,} bytes") as info:
+            attempt()
+        assert isinstance(info.value, GrammarLimitError) and isinstance(info.value, GrammarError)
+        assert "RAGKV_MAX_GRAMMAR_BYTES" in str(info.value)
+    assert time.perf_counter() - t0 < 1.0
+    assert counting.validated == 0 and counting.built == 0  # refused before any compiling
+
+
+def test_the_byte_limit_can_be_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(40)}}
+    monkeypatch.setenv("RAGKV_MAX_GRAMMAR_BYTES", "100")
+    with pytest.raises(GrammarError, match="limit of 100 bytes"):
+        json_schema_grammar(schema)
+    monkeypatch.setenv("RAGKV_MAX_GRAMMAR_BYTES", "100000")
+    assert json_schema_grammar(schema)
+
+
+def test_the_compilers_limits_apply_and_are_named(tiny_lm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grammar compiler runs under explicit limits (GRAMMAR_LIMITS); a grammar past one is
+    refused with an error naming it, by the validation and by the tokenizer's compile alike."""
+    from ragkv.engine import constrain
+
+    monkeypatch.setitem(constrain.GRAMMAR_LIMITS, "max_grammar_size", 500)
+    schema = {"type": "object", "properties": {f"q{i}": {"type": "string"} for i in range(60)}}
+    lark = f"start: %json {json.dumps(schema)}\n"
+    with pytest.raises(constrain.GrammarLimitError, match="max_grammar_size=500"):
+        lark_grammar(lark)
+    engine = Engine(tiny_lm)
+    with pytest.raises(constrain.GrammarLimitError, match="max_grammar_size=500"):
+        engine.grammars.compile(lark + "\n")  # not validated first: the matcher's own compile

@@ -10,6 +10,16 @@
 # /var/lib/ragkv/index (or run `ragkv serve --index s3://bucket/prefix`). Neither
 # passes a device: `--device auto`, the default, takes the GPU when torch sees one
 # (bfloat16 there), so the same image indexes and serves on g5 hosts and on CPUs.
+#
+# The default CMD listens on every interface, so it needs credentials (`ragkv serve`
+# refuses a non-loopback --host without them): the API keys file (a JSON list of named
+# keys, see `ragkv serve --help`) is mounted as a secret at
+# /run/secrets/ragkv-api-keys.json and never baked into the image or passed in the
+# environment, e.g. `docker run --volume ./api-keys.json:/run/secrets/ragkv-api-keys.json:ro ...`,
+# a Docker/Compose secret named ragkv-api-keys.json, or a Kubernetes Secret volume.
+# It must be readable by uid 10001. Without the file the container exits at start.
+# /metrics (no credentials) stays on the container's loopback unless the command
+# adds `--metrics-host 0.0.0.0` where the network admits only the scraper.
 
 ARG PYTHON_VERSION=3.11
 
@@ -57,4 +67,4 @@ STOPSIGNAL SIGTERM
 # Health is judged outside: the NLB via grpc.health.v1, Batch by the exit code.
 # A Docker HEALTHCHECK would mark every indexing container unhealthy.
 HEALTHCHECK NONE
-CMD ["ragkv", "serve", "--index", "/var/lib/ragkv/index", "--port", "50051", "--metrics-port", "9464"]
+CMD ["ragkv", "serve", "--index", "/var/lib/ragkv/index", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9464", "--api-keys", "/run/secrets/ragkv-api-keys.json"]

@@ -45,6 +45,8 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
                            "evicts what no request holds); 0 = off (default 1 GiB)"),
     ("kv_disk_dir", Path, "disk tier directory (default: the index's own)"),
     ("kv_s3_uri", str, "s3://bucket/prefix of the S3 tier (default off)"),
+    ("kv_s3_writeback", str, "on: KV computed at serve time is written back to the S3 tier too; off: S3 is "
+                             "read only (default on)"),
     ("kv_compression", str, "how KV computed at serve time is written back: auto (as the index was built, "
                             "see ragkv index --kv-compression), none, int8 or fp8 (default auto)"),
     ("kv_layered", str, "on: blend starts once a disk/S3 file's header is checked and reads each layer as it "

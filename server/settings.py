@@ -98,6 +98,9 @@ class ServerSettings:
     kv_tree_bytes: int = 1024**3
     kv_disk_dir: Path | None = None  # disk tier directory; None = the index's own
     kv_s3_uri: str | None = None  # s3://bucket/prefix of the S3 tier; None = off
+    # write KV computed at serve time back to the S3 tier; off = read S3 only (the deploy's serving
+    # hosts may not write the index's KV: docs/security.md)
+    kv_s3_writeback: bool = True
     kv_compression: str = "auto"  # how KV computed at serve time is written back: none, int8, fp8; auto = as the index
     # disk and S3 hits go to the engine once their headers pass, each layer as its bytes are
     # verified, so reading overlaps compute (layer-wise pipelining); off = read whole first

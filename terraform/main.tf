@@ -6,16 +6,21 @@ locals {
   tags = merge({ Project = "ragkv", ManagedBy = "terraform" }, var.tags)
 
   # The one image both tiers run: built from the Dockerfile, pushed to the
-  # repository below under image_tag.
-  container_image = "${module.registry.repository_url}:${var.image_tag}"
+  # repository below under image_tag, and pulled by its digest (the tag only names it).
+  container_image = join("", [
+    "${module.registry.repository_url}:${var.image_tag}",
+    var.image_digest == null ? "" : "@${var.image_digest}",
+  ])
 }
 
 module "registry" {
   source = "./modules/registry"
 
-  name         = var.name
-  force_delete = var.force_destroy
-  tags         = local.tags
+  name = var.name
+  # The deployed tag never expires, so the digest the hosts pull stays in the repository.
+  protected_tags = [var.image_tag]
+  force_delete   = var.force_destroy
+  tags           = local.tags
 }
 
 module "kv_bucket" {
@@ -52,6 +57,7 @@ module "serving" {
   index_prefix                      = module.kv_bucket.index_prefix
   index_version                     = var.index_version
   environment                       = var.serving_environment
+  api_keys_json                     = var.api_keys_json
   grpc_port                         = var.grpc_port
   metrics_port                      = var.metrics_port
   allowed_cidrs                     = var.allowed_cidrs
@@ -65,6 +71,8 @@ module "serving" {
   create_load_balancer              = var.create_load_balancer
   load_balancer_internal            = var.load_balancer_internal
   load_balancer_deletion_protection = var.load_balancer_deletion_protection
+  certificate_arn                   = var.certificate_arn
+  allow_plaintext_listeners         = var.allow_plaintext_listeners
   ray_cluster                       = var.ray_cluster
   head_instance_type                = var.head_instance_type
   ray_replicas                      = var.ray_replicas

@@ -88,6 +88,17 @@ variable "image_tag" {
   }
 }
 
+variable "image_digest" {
+  description = "Digest (sha256:...) of the pushed image_tag: the serving hosts and the Batch jobs pull the image by it (REPOSITORY:TAG@DIGEST). The serving tier requires it: create the repository first (`terraform apply -target=module.registry`), push, then apply with the digest."
+  type        = string
+  default     = null
+
+  validation {
+    condition     = var.image_digest == null || can(regex("^sha256:[0-9a-f]{64}$", var.image_digest))
+    error_message = "image_digest must be sha256: followed by 64 lowercase hex digits (docker inspect --format '{{index .RepoDigests 0}}' IMAGE prints it after the @)."
+  }
+}
+
 # --- Serving ---
 
 variable "enable_serving" {
@@ -121,9 +132,21 @@ variable "detailed_monitoring" {
 }
 
 variable "serving_environment" {
-  description = "Extra RAGKV_... environment for `ragkv serve`."
+  description = "Extra RAGKV_... environment for `ragkv serve`, written into user data: no credentials (names like *TOKEN*, *SECRET*, *PASSWORD*, *API_KEY* are refused); the API keys go in api_keys_json."
   type        = map(string)
   default     = {}
+}
+
+variable "api_keys_json" {
+  description = "The serving tier's API keys file (`ragkv serve --api-keys`): a JSON list of named keys, each with key or key_sha256. Kept in an SSM SecureString under its own KMS key, read by the hosts at boot. Required with enable_serving."
+  type        = string
+  default     = null
+  sensitive   = true
+
+  validation {
+    condition     = !var.enable_serving || var.api_keys_json != null
+    error_message = "The serving tier refuses unauthenticated calls: set api_keys_json (e.g. export TF_VAR_api_keys_json='[{\"name\": \"ops\", \"key_sha256\": \"...\"}]')."
+  }
 }
 
 variable "grpc_port" {
@@ -201,6 +224,18 @@ variable "load_balancer_internal" {
   description = "Make the load balancer internal."
   type        = bool
   default     = true
+}
+
+variable "certificate_arn" {
+  description = "ACM certificate of the load balancer's TLS listeners (TLS 1.2/1.3). Required with create_load_balancer unless allow_plaintext_listeners is true."
+  type        = string
+  default     = null
+}
+
+variable "allow_plaintext_listeners" {
+  description = "Give the load balancer plaintext TCP listeners instead of TLS. Off by default; set it only where another layer encrypts the traffic."
+  type        = bool
+  default     = false
 }
 
 variable "load_balancer_deletion_protection" {

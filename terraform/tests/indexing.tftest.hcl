@@ -71,6 +71,11 @@ run "instances_are_hardened" {
   }
 
   assert {
+    condition     = aws_launch_template.batch.metadata_options[0].http_put_response_hop_limit == 1
+    error_message = "Hop limit 1: a job's container must not reach IMDS (the instance role); its credentials are the job role's."
+  }
+
+  assert {
     condition     = aws_launch_template.batch.block_device_mappings[0].ebs[0].encrypted == "true"
     error_message = "The Batch instances' root volume must be encrypted."
   }
@@ -221,4 +226,24 @@ run "single_instance_type_is_refused" {
   }
 
   expect_failures = [var.instance_types]
+}
+
+run "session_manager_without_account_wide_parameter_reads" {
+  command = plan
+
+  module {
+    source = "./modules/indexing"
+  }
+
+  variables {
+    enable_ssm = true
+  }
+
+  assert {
+    condition = length(aws_iam_role_policy.instance_ssm) == 1 && alltrue([
+      for s in jsondecode(aws_iam_role_policy.instance_ssm[0].policy).Statement :
+      alltrue([for a in flatten([s.Action]) : !startswith(a, "ssm:Get") && !strcontains(a, "*") && !startswith(a, "s3:") && !startswith(a, "kms:")])
+    ])
+    error_message = "Session Manager gets the agent's own actions only, not AmazonSSMManagedInstanceCore's account-wide ssm:GetParameter*."
+  }
 }

@@ -13,6 +13,12 @@ mock_provider "aws" {
   mock_data "aws_ssm_parameter" {
     defaults = { insecure_value = "ami-0dlami0000000000", value = "ami-0dlami0000000000" }
   }
+  mock_data "aws_vpc" {
+    defaults = {
+      cidr_block              = "10.0.0.0/16"
+      cidr_block_associations = [{ association_id = "vpc-cidr-assoc-0123", cidr_block = "10.0.0.0/16", state = "associated" }]
+    }
+  }
   # Known at plan time so the image name can be checked.
   mock_resource "aws_ecr_repository" {
     override_during = plan
@@ -27,6 +33,8 @@ variables {
   vpc_id        = "vpc-0123456789abcdef0"
   subnet_ids    = ["subnet-0aaaaaaaaaaaaaaaa"]
   allowed_cidrs = ["10.0.0.0/16"]
+  image_digest  = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
+  api_keys_json = "[{\"name\": \"ops\", \"key_sha256\": \"9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08\"}]"
 }
 
 run "defaults_create_bucket_and_one_serving_instance" {
@@ -56,6 +64,7 @@ run "everything_on" {
     image_tag                = "0.2.0"
     create_autoscaling_group = true
     create_load_balancer     = true
+    certificate_arn          = "arn:aws:acm:us-east-1:123456789012:certificate/11111111-2222-3333-4444-555555555555"
   }
 
   assert {
@@ -78,8 +87,16 @@ run "both_tiers_run_the_image_from_the_deployments_repository" {
   }
 
   assert {
-    condition     = module.registry.repository_url == "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv" && output.container_image == "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv:0.2.0"
-    error_message = "The image is the created ECR repository at image_tag."
+    condition     = module.registry.repository_url == "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv" && output.container_image == "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv:0.2.0@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
+    error_message = "The image is the created ECR repository at image_tag, pinned by image_digest."
+  }
+
+  assert {
+    condition = anytrue([
+      for r in jsondecode(module.registry.lifecycle_policy).rules :
+      r.rulePriority == 1 && contains(try(r.selection.tagPatternList, []), "0.2.0")
+    ])
+    error_message = "The deployed image_tag must be protected from the registry's lifecycle policy."
   }
 }
 
@@ -101,4 +118,40 @@ run "public_ingress_is_refused_at_the_root" {
   }
 
   expect_failures = [var.allowed_cidrs]
+}
+
+run "serving_needs_api_keys" {
+  command = plan
+
+  variables {
+    api_keys_json = null
+  }
+
+  expect_failures = [var.api_keys_json]
+}
+
+run "indexing_alone_needs_no_api_keys_or_digest" {
+  command = plan
+
+  variables {
+    enable_serving  = false
+    enable_indexing = true
+    api_keys_json   = null
+    image_digest    = null
+  }
+
+  assert {
+    condition     = length(module.serving) == 0 && output.container_image == "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv:0.1.0"
+    error_message = "Without serving, neither keys nor a digest are needed (the jobs run the tag)."
+  }
+}
+
+run "image_digest_must_be_a_sha256_digest" {
+  command = plan
+
+  variables {
+    image_digest = "latest"
+  }
+
+  expect_failures = [var.image_digest]
 }

@@ -13,6 +13,21 @@ mock_provider "aws" {
   mock_data "aws_ssm_parameter" {
     defaults = { insecure_value = "ami-0dlami0000000000", value = "ami-0dlami0000000000" }
   }
+  # Known at plan time so the instance policy (which names the secrets key) can be inspected.
+  mock_resource "aws_kms_key" {
+    override_during = plan
+    defaults = {
+      arn    = "arn:aws:kms:us-east-1:123456789012:key/99999999-8888-7777-6666-555555555555"
+      id     = "99999999-8888-7777-6666-555555555555"
+      key_id = "99999999-8888-7777-6666-555555555555"
+    }
+  }
+  mock_data "aws_vpc" {
+    defaults = {
+      cidr_block              = "10.0.0.0/16"
+      cidr_block_associations = [{ association_id = "vpc-cidr-assoc-0123", cidr_block = "10.0.0.0/16", state = "associated" }]
+    }
+  }
 }
 
 variables {
@@ -22,11 +37,13 @@ variables {
   kv_bucket_arn  = "arn:aws:s3:::ragkv-test-kv"
   kv_bucket_name = "ragkv-test-kv"
   kms_key_arn    = "arn:aws:kms:us-east-1:123456789012:key/11111111-2222-3333-4444-555555555555"
-  allowed_cidrs  = ["10.0.0.0/16", "192.168.10.0/24"]
+  allowed_cidrs  = ["10.0.0.0/17", "10.0.200.0/24"]
   tags           = { Project = "ragkv" }
 
-  container_image    = "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv-test:0.1.0"
+  container_image    = "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv-test:0.1.0@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
   ecr_repository_arn = "arn:aws:ecr:us-east-1:123456789012:repository/ragkv-test"
+  api_keys_json      = "[{\"name\": \"ci\", \"key\": \"test-secret-key-0123456789\"}]"
+  certificate_arn    = "arn:aws:acm:us-east-1:123456789012:certificate/11111111-2222-3333-4444-555555555555"
 }
 
 run "instance_defaults_are_hardened" {
@@ -88,6 +105,33 @@ run "ingress_only_from_named_clients" {
     condition     = alltrue([for r in aws_vpc_security_group_ingress_rule.cidr : r.from_port == r.to_port])
     error_message = "Ingress rules must open single ports, not ranges."
   }
+
+  assert {
+    condition     = output.metrics_host == "0.0.0.0" && strcontains(output.user_data, "--metrics-host 0.0.0.0 --metrics-port 9464")
+    error_message = "With every client CIDR inside the VPC, /metrics listens on every interface (the security group admits only those)."
+  }
+}
+
+run "metrics_stay_on_loopback_for_clients_outside_the_vpc" {
+  command = plan
+
+  module {
+    source = "./modules/serving"
+  }
+
+  variables {
+    allowed_cidrs = ["10.0.0.0/16", "192.168.10.0/24"]
+  }
+
+  assert {
+    condition     = output.metrics_host == "127.0.0.1" && strcontains(output.user_data, "--metrics-host 127.0.0.1 --metrics-port 9464")
+    error_message = "A client CIDR outside the VPC: /metrics (no credentials) must stay on loopback."
+  }
+
+  assert {
+    condition     = toset([for r in aws_vpc_security_group_ingress_rule.cidr : r.from_port]) == toset([50051])
+    error_message = "The metrics port gets no ingress rule while it listens on loopback."
+  }
 }
 
 run "no_ingress_at_all_by_default" {
@@ -139,9 +183,24 @@ run "iam_is_limited_to_the_kv_prefix_and_key" {
   assert {
     condition = anytrue([
       for s in jsondecode(aws_iam_role_policy.kv_access.policy).Statement :
-      s.Resource == "arn:aws:s3:::ragkv-test-kv/kv/*" && contains(s.Action, "s3:PutObject") && contains(s.Action, "s3:DeleteObject")
+      s.Resource == "arn:aws:s3:::ragkv-test-kv/kv/*" && s.Action == ["s3:GetObject"]
     ])
-    error_message = "Get/put/delete must be scoped to the KV prefix (the S3 tier deletes an object that fails verification)."
+    error_message = "The hosts read every KV file under the KV prefix."
+  }
+
+  assert {
+    condition = alltrue([
+      for s in jsondecode(aws_iam_role_policy.kv_access.policy).Statement :
+      s.Resource == "arn:aws:s3:::ragkv-test-kv/kv/serve-writeback/*" if contains(flatten([s.Action]), "s3:PutObject")
+    ])
+    error_message = "The hosts may write KV back only under their own serve-writeback prefix."
+  }
+
+  assert {
+    condition = alltrue([
+      for s in jsondecode(aws_iam_role_policy.kv_access.policy).Statement : !contains(flatten([s.Action]), "s3:DeleteObject")
+    ])
+    error_message = "A serving host may delete no object."
   }
 
   assert {
@@ -159,6 +218,86 @@ run "iam_is_limited_to_the_kv_prefix_and_key" {
     ])
     error_message = "Image pulls must be limited to the deployment's repository."
   }
+
+  assert {
+    condition = alltrue([
+      for s in jsondecode(aws_iam_role_policy.kv_access.policy).Statement :
+      s.Resource == "arn:aws:ssm:us-east-1:123456789012:parameter/ragkv-test/api-keys" if anytrue([for a in flatten([s.Action]) : startswith(a, "ssm:")])
+    ])
+    error_message = "A standalone host may read exactly one SSM parameter, its API keys file."
+  }
+
+  assert {
+    condition = length(aws_iam_role_policy.session_manager) == 1 && alltrue([
+      for s in jsondecode(aws_iam_role_policy.session_manager["serving"].policy).Statement :
+      alltrue([for a in flatten([s.Action]) : !startswith(a, "ssm:Get") && !strcontains(a, "*") && !startswith(a, "s3:") && !startswith(a, "kms:")])
+    ])
+    error_message = "Session Manager's policy grants the agent's own actions only: no SSM parameter reads (AmazonSSMManagedInstanceCore's account-wide ssm:GetParameter*), no wildcards."
+  }
+}
+
+run "api_keys_live_in_ssm_under_their_own_key" {
+  command = plan
+
+  module {
+    source = "./modules/serving"
+  }
+
+  assert {
+    condition     = aws_ssm_parameter.api_keys.type == "SecureString" && aws_ssm_parameter.api_keys.key_id == aws_kms_key.secrets.arn && aws_ssm_parameter.api_keys.name == "/ragkv-test/api-keys"
+    error_message = "The API keys file is an SSM SecureString under the tier's own KMS key."
+  }
+
+  assert {
+    condition     = aws_kms_key.secrets.enable_key_rotation == true
+    error_message = "The secrets key rotates."
+  }
+
+  assert {
+    condition     = !strcontains(output.user_data, "test-secret-key-0123456789") && strcontains(output.user_data, "aws ssm get-parameter --region us-east-1 --name /ragkv-test/api-keys --with-decryption")
+    error_message = "The keys never travel in user data: the host reads them from SSM at boot."
+  }
+
+  assert {
+    condition     = strcontains(output.user_data, "chmod 0400 \"$tmp\"") && strcontains(output.user_data, "--volume /etc/ragkv/api-keys.json:/etc/ragkv/api-keys.json:ro")
+    error_message = "The keys file is readable by the container's user only and mounted read-only."
+  }
+
+  assert {
+    condition = anytrue([
+      for s in jsondecode(aws_iam_role_policy.kv_access.policy).Statement :
+      s.Action == ["kms:Decrypt"] && s.Resource == aws_kms_key.secrets.arn && try(s.Condition.StringEquals["kms:ViaService"], "") == "ssm.us-east-1.amazonaws.com"
+    ])
+    error_message = "The hosts may decrypt with the secrets key only through SSM."
+  }
+}
+
+run "api_keys_must_be_a_list_of_named_keys" {
+  command = plan
+
+  module {
+    source = "./modules/serving"
+  }
+
+  variables {
+    api_keys_json = "{\"key\": \"no-name\"}"
+  }
+
+  expect_failures = [var.api_keys_json]
+}
+
+run "credentials_in_user_data_are_refused" {
+  command = plan
+
+  module {
+    source = "./modules/serving"
+  }
+
+  variables {
+    environment = { RAGKV_AUTH_TOKEN = "would-reach-every-host-in-clear" }
+  }
+
+  expect_failures = [var.environment]
 }
 
 run "user_data_runs_ragkv_serve_under_systemd" {
@@ -169,8 +308,8 @@ run "user_data_runs_ragkv_serve_under_systemd" {
   }
 
   assert {
-    condition     = strcontains(output.user_data, "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv-test:0.1.0 ragkv serve --index s3://ragkv-test-kv/index/latest --port 50051 --metrics-port 9464")
-    error_message = "The unit must run `ragkv serve` in the deployment's image on the configured ports."
+    condition     = strcontains(output.user_data, "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv-test:0.1.0@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef ragkv serve --index s3://ragkv-test-kv/index/latest --host 0.0.0.0 --port 50051 --metrics-host 0.0.0.0 --metrics-port 9464 --api-keys /etc/ragkv/api-keys.json")
+    error_message = "The unit must run `ragkv serve` in the deployment's image, pinned by digest, on every interface with the API keys file."
   }
 
   assert {
@@ -184,7 +323,7 @@ run "user_data_runs_ragkv_serve_under_systemd" {
   }
 
   assert {
-    condition     = strcontains(output.user_data, "docker login --username AWS --password-stdin 123456789012.dkr.ecr.us-east-1.amazonaws.com") && !strcontains(output.user_data, "pip install")
+    condition     = strcontains(output.user_data, "docker login --username AWS --password-stdin 123456789012.dkr.ecr.us-east-1.amazonaws.com") && strcontains(output.user_data, "docker pull --quiet 123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv-test:0.1.0@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef") && !strcontains(output.user_data, "pip install")
     error_message = "User data must pull the image from the deployment's registry and install nothing by name."
   }
 
@@ -208,6 +347,20 @@ run "image_must_come_from_ecr" {
 
   variables {
     container_image = "ragkv:latest"
+  }
+
+  expect_failures = [var.container_image]
+}
+
+run "image_must_be_pinned_by_digest" {
+  command = plan
+
+  module {
+    source = "./modules/serving"
+  }
+
+  variables {
+    container_image = "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv-test:0.1.0"
   }
 
   expect_failures = [var.container_image]
@@ -265,6 +418,66 @@ run "autoscaling_group_behind_nlb" {
     condition     = alltrue([for r in aws_vpc_security_group_ingress_rule.lb_cidr : r.cidr_ipv4 != "0.0.0.0/0"])
     error_message = "The load balancer must not admit the whole internet."
   }
+
+  assert {
+    condition = (
+      aws_lb_listener.grpc[0].protocol == "TLS"
+      && aws_lb_listener.grpc[0].certificate_arn == "arn:aws:acm:us-east-1:123456789012:certificate/11111111-2222-3333-4444-555555555555"
+      && aws_lb_listener.grpc[0].ssl_policy == "ELBSecurityPolicy-TLS13-1-2-2021-06"
+      && aws_lb_listener.grpc[0].alpn_policy == "HTTP2Preferred"
+    )
+    error_message = "The gRPC listener terminates TLS 1.2+ with the ACM certificate and offers h2 through ALPN."
+  }
+}
+
+run "load_balancer_needs_a_certificate" {
+  command = plan
+
+  module {
+    source = "./modules/serving"
+  }
+
+  variables {
+    create_autoscaling_group = true
+    create_load_balancer     = true
+    certificate_arn          = null
+  }
+
+  expect_failures = [var.certificate_arn]
+}
+
+run "plaintext_listeners_only_when_opted_in" {
+  command = plan
+
+  module {
+    source = "./modules/serving"
+  }
+
+  variables {
+    create_autoscaling_group  = true
+    create_load_balancer      = true
+    certificate_arn           = null
+    allow_plaintext_listeners = true
+  }
+
+  assert {
+    condition     = aws_lb_listener.grpc[0].protocol == "TCP" && aws_lb_listener.grpc[0].certificate_arn == null
+    error_message = "allow_plaintext_listeners gives a plaintext TCP listener."
+  }
+}
+
+run "weak_tls_policies_are_refused" {
+  command = plan
+
+  module {
+    source = "./modules/serving"
+  }
+
+  variables {
+    ssl_policy = "ELBSecurityPolicy-2016-08"
+  }
+
+  expect_failures = [var.ssl_policy]
 }
 
 run "explicit_ami_skips_the_lookup" {
@@ -373,8 +586,28 @@ run "ray_cluster_head_workers_and_ports" {
   assert {
     condition = anytrue([
       for s in jsondecode(aws_iam_role_policy.kv_access.policy).Statement :
-      s.Sid == "RayToken" && s.Resource == "arn:aws:ssm:us-east-1:123456789012:parameter/ragkv-test/ray-auth-token"
+      s.Action == ["ssm:GetParameter"] && s.Resource == "arn:aws:ssm:us-east-1:123456789012:parameter/ragkv-test/ray-auth-token"
+      ]) && alltrue([
+      for s in jsondecode(aws_iam_role_policy.kv_access.policy).Statement : !contains(flatten([s.Action]), "ssm:PutParameter")
     ])
-    error_message = "The nodes may read and write only their own cluster's Ray token parameter."
+    error_message = "The workers may only read their cluster's Ray token parameter."
+  }
+
+  assert {
+    condition = anytrue([
+      for s in jsondecode(aws_iam_role_policy.ray_head[0].policy).Statement :
+      contains(s.Action, "ssm:PutParameter") && s.Resource == "arn:aws:ssm:us-east-1:123456789012:parameter/ragkv-test/ray-auth-token"
+    ]) && aws_instance.ray_head[0].iam_instance_profile == aws_iam_instance_profile.ray_head[0].name
+    error_message = "Only the head (its own role) may write the cluster's Ray token parameter."
+  }
+
+  assert {
+    condition     = strcontains(output.ray_user_data.head, "--host 0.0.0.0 --port 50051 --http-port 8000 --metrics-host 0.0.0.0 --metrics-port 9464 --api-keys /etc/ragkv/api-keys.json") && strcontains(output.ray_user_data.worker, "ExecStartPre=/usr/local/sbin/ragkv-api-keys")
+    error_message = "The head serves every interface with the API keys file, which every node reads from SSM."
+  }
+
+  assert {
+    condition     = length(aws_iam_role_policy.session_manager) == 2
+    error_message = "Session Manager's scoped policy goes to both roles."
   }
 }

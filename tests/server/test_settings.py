@@ -131,3 +131,18 @@ def test_the_server_keeps_the_cpu_faiss_index_unless_told() -> None:
     assert settings_from_args(args, env={}).faiss_device == "cuda"
     with pytest.raises(ValueError, match="faiss_device must be cpu or cuda, got 'gpu'"):
         load_settings({"faiss_device": "gpu"}, env={})
+
+
+def test_kv_s3_writeback_off_reads_s3_and_writes_only_below_it(tmp_path) -> None:  # noqa: ANN001
+    import torch
+
+    from ragkv.server.pipeline import _store_config
+    from ragkv.server.settings import ServerSettings
+    from ragkv.types import Tier
+
+    on = _store_config(ServerSettings(kv_s3_uri="s3://kv-bucket/kv"), tmp_path, (), torch.device("cpu"))
+    off = _store_config(ServerSettings(kv_s3_uri="s3://kv-bucket/kv", kv_s3_writeback=False,
+                                       kv_disk_dir=tmp_path / "kv"), tmp_path, (),
+                        torch.device("cpu"))
+    assert Tier.S3 in on.durable_writes and Tier.S3 in {s.tier for s in off.tiers}
+    assert Tier.S3 not in off.durable_writes and Tier.DISK in off.durable_writes

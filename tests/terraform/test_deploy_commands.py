@@ -28,11 +28,12 @@ hcl2 = pytest.importorskip("hcl2", reason="python-hcl2 is a dev dependency: pip 
 
 USER_DATA = TERRAFORM_DIR / "modules" / "serving" / "templates" / "user_data.sh.tftpl"
 # What Terraform and Batch put into the commands, as the modules' defaults would.
-IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv:0.1.0"
+IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv:0.1.0@sha256:" + "0123456789abcdef" * 4
+KEYS_FILE = "/etc/ragkv/api-keys.json"  # where the hosts put the API keys file (and mount it)
 TEMPLATE_VARS = {
     "image": IMAGE, "registry": IMAGE.split("/")[0], "grpc_port": "50051", "metrics_port": "9464", "health_port": "8080",
     "region": "us-east-1", "kv_s3_uri": "s3://ragkv-kv/kv", "index_s3_uri": "s3://ragkv-kv/index/latest",
-    "health_bridge": "", "environment": "",
+    "health_bridge": "", "environment": "", "api_keys_parameter": "/ragkv/api-keys", "metrics_host": "0.0.0.0",
 }
 SHELL_ENV = {
     "CORPUS_URI": "s3://ragkv-kv/corpus", "INDEX_OUT_URI": "s3://ragkv-kv/index/latest",
@@ -193,6 +194,43 @@ def test_serving_unit_serves_the_s3_index_on_the_one_metrics_port() -> None:
     assert "EXPOSE 50051 9464" in (REPO_ROOT / "Dockerfile").read_text()
 
 
+def test_every_served_command_listens_with_credentials() -> None:
+    """`ragkv serve` refuses a non-loopback --host without credentials: every deployed serve
+    command listens on 0.0.0.0 with the API keys file (by path, never a token in the
+    environment), and /metrics binds where Terraform decided (${metrics_host})."""
+    serves = {where: argv for where, argv in collected().items() if argv[0] == "serve" and "README" not in where}
+    assert {"Dockerfile CMD", "user_data #0", "ray head #0"} <= set(serves), sorted(serves)
+    for where, argv in serves.items():
+        args = build_parser().parse_args(argv)
+        assert args.host == "0.0.0.0", where
+        assert args.api_keys is not None and not getattr(args, "insecure_no_auth", False), where
+        assert args.auth_token_file is None, f"{where}: credentials come from the named keys file"
+    docker = build_parser().parse_args(serves["Dockerfile CMD"])
+    assert str(docker.api_keys) == "/run/secrets/ragkv-api-keys.json" and docker.metrics_host is None
+    assert "mounted as a secret at\n# /run/secrets/ragkv-api-keys.json" in (REPO_ROOT / "Dockerfile").read_text()
+    for where in ("user_data #0", "ray head #0"):
+        args = build_parser().parse_args(serves[where])
+        assert str(args.api_keys) == KEYS_FILE and args.metrics_host == TEMPLATE_VARS["metrics_host"], where
+    # The template takes the bind address from Terraform, which chooses 0.0.0.0 only when the
+    # security group admits the metrics port from inside the VPC alone.
+    for template in (USER_DATA, RAY_NODE):
+        assert "--metrics-host ${metrics_host}" in template.read_text(), template.name
+
+
+@pytest.mark.parametrize("template", ["user_data", "ray_node"])
+def test_api_keys_come_from_ssm_into_a_file_only_the_service_user_reads(template: str) -> None:
+    text = render_user_data() if template == "user_data" else render_ray_node("worker")
+    script = _scripts(text)["/usr/local/sbin/ragkv-api-keys"]
+    assert "aws ssm get-parameter --region us-east-1 --name /ragkv/api-keys --with-decryption" in script.replace("\\\n  ", "")
+    assert "umask 077" in script and "chown 10001" in script and "chmod 0400" in script
+    assert f'mv -f "$tmp" {KEYS_FILE}' in script
+    assert "ExecStartPre=/usr/local/sbin/ragkv-api-keys" in text
+    assert f"--volume {KEYS_FILE}:{KEYS_FILE}:ro" in text
+    # No credential in the environment the container or the host gets.
+    env_file = re.search(r"cat > /etc/ragkv/ragkv.env <<'ENV'\n(.*?)^ENV$", text, re.S | re.M).group(1)
+    assert "TOKEN" not in env_file.replace("RAY_AUTH_MODE=token", "") and "API_KEY" not in env_file
+
+
 def _scripts(user_data: str) -> dict[str, str]:
     """The scripts the user data writes with `cat > PATH <<'SH'`, by path."""
     return dict(re.findall(r"^cat > (\S+) <<'SH'\n(.*?)^SH$", user_data, re.S | re.M))
@@ -202,7 +240,8 @@ def _scripts(user_data: str) -> dict[str, str]:
 def test_user_data_and_its_scripts_are_valid_bash() -> None:
     user_data = render_user_data()
     scripts = _scripts(user_data)
-    assert set(scripts) == {"/usr/local/sbin/ragkv-pull", "/usr/local/sbin/ragkv-ssd-setup"}, sorted(scripts)
+    assert set(scripts) == {"/usr/local/sbin/ragkv-pull", "/usr/local/sbin/ragkv-ssd-setup",
+                            "/usr/local/sbin/ragkv-api-keys"}, sorted(scripts)
     for name, text in {"user data": user_data, **scripts}.items():
         p = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True, timeout=30)
         assert p.returncode == 0, f"{name} is not valid bash:\n{p.stderr}"
@@ -243,6 +282,9 @@ def test_units_run_the_image_with_its_own_paths_and_user() -> None:
         # The image's own user, and the host's network: one hop to IMDSv2 (hop limit 1).
         assert o[o.index("--user") + 1] == uid and o[o.index("--network") + 1] == "host", name
     assert "--gpus" in opts and f"install -d -o {uid} -m 0750 /mnt/ragkv-ssd/kv" in user_data
+    # The API keys file the command names is the one the host wrote, mounted read-only.
+    assert volumes[command[command.index("--api-keys") + 1]] == KEYS_FILE
+    assert f"{KEYS_FILE}:{KEYS_FILE}:ro" in opts
     health_opts, health_cmd = runs["ragkv-health"]
     assert health_cmd[:2] == ["python", "/opt/ragkv/grpc_health_http.py"]
     assert "/opt/ragkv/grpc_health_http.py:/opt/ragkv/grpc_health_http.py:ro" in health_opts
@@ -305,7 +347,8 @@ def test_ray_nodes_run_ray_start_as_ray_parses_it_and_are_valid_bash(role: str) 
         assert not [c for c in commands if "ragkv" in c]
     user_data = render_ray_node(role)
     scripts = _scripts(user_data)
-    assert set(scripts) == {"/usr/local/sbin/ragkv-pull", "/usr/local/sbin/ragkv-ray-token"}, sorted(scripts)
+    assert set(scripts) == {"/usr/local/sbin/ragkv-pull", "/usr/local/sbin/ragkv-ray-token",
+                            "/usr/local/sbin/ragkv-api-keys"}, sorted(scripts)
     for name, text in {"user data": user_data, **scripts}.items():
         p = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True, timeout=30)
         assert p.returncode == 0, f"{role} {name} is not valid bash:\n{p.stderr}"

@@ -12,6 +12,11 @@ tags back as a tag specification, so the README's tear-down apply is targeted at
 it changes (else it would write new template versions and start an instance refresh,
 which moto answers with 500). moto enforces no NLB deletion protection, so the
 tear-down (which turns it off first) is run, not proved.
+
+What the account (or the operator) brings is made here too: an ACM certificate for the TLS
+listeners (moto's RequestCertificate; moto checks that a listener's certificate exists), the
+API keys (`api_keys_json`, which the README exports as TF_VAR_api_keys_json) and the pushed
+image's digest (moto keeps no image: a fixed sha256 stands for the README's $DIGEST).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -37,6 +42,9 @@ boto3 = pytest.importorskip("boto3", reason="boto3 comes with the server extra: 
 pytest.importorskip("moto.server", reason="moto[server] is a dev dependency: pip install -e '.[dev]'")
 
 REGION = "us-east-1"
+DIGEST = "sha256:" + "0123456789abcdef" * 4  # stands for the pushed image's digest ($DIGEST in the README)
+API_KEY = "walkthrough-secret-key-not-for-user-data"
+API_KEYS_JSON = json.dumps([{"name": "ops", "key": API_KEY}])
 # Every service the modules call; each gets the provider's endpoint override.
 SERVICES = ("autoscaling", "batch", "ec2", "ecr", "elbv2", "iam", "kms", "s3", "ssm", "sts")
 STARTUP_S = 30.0  # seconds moto's server may take to answer
@@ -101,8 +109,9 @@ def account(moto_url: str) -> dict[str, object]:
         AssumeRolePolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": [{
             "Effect": "Allow", "Principal": {"Service": "batch.amazonaws.com"}, "Action": "sts:AssumeRole"}]}),
     )["Role"]["Arn"]
+    cert = _client(moto_url, "acm").request_certificate(DomainName="ragkv.internal.example.com")["CertificateArn"]
     return {"vpc_id": vpc, "subnet_ids": sorted(by_zone.values())[:2], "ami_id": ami["ImageId"],
-            "batch_service_role_arn": role}
+            "batch_service_role_arn": role, "certificate_arn": cert}
 
 
 def _provider(url: str, region: bool) -> str:
@@ -134,11 +143,13 @@ def _managed(env: dict[str, str], cwd: Path) -> list[str]:
     return [r for r in p.stdout.split() if not re.search(r"(^|\.)data\.", r)]
 
 
-def _apply_then_destroy(env: dict[str, str], cwd: Path, steps: list[list[str]]) -> list[str]:
+def _apply_then_destroy(env: dict[str, str], cwd: Path, steps: list[list[str]],
+                        after: dict[int, Callable[[list[str]], None]] | None = None) -> list[str]:
     """Runs terraform with each argv in steps (init, apply..., destroy); returns the resources
-    the last apply left in the state, after checking destroy removed every one."""
+    the last apply left in the state, after checking destroy removed every one. after[i], when
+    given, is called with the state's resources once step i has run."""
     created: list[str] = []
-    for argv in steps:
+    for i, argv in enumerate(steps):
         t0 = time.monotonic()
         p = run_tf(env, cwd, *argv, "-no-color", timeout=TF_TIMEOUT_S)
         assert p.returncode == 0, f"terraform {shlex.join(argv)} failed in {cwd.name}:\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
@@ -147,6 +158,8 @@ def _apply_then_destroy(env: dict[str, str], cwd: Path, steps: list[list[str]]) 
             created = _managed(env, cwd)
             m = re.search(r"Apply complete! Resources: (\d+) added", p.stdout)
             assert m, p.stdout[-2000:]
+        if after and i in after:
+            after[i](_managed(env, cwd))
     assert steps[-1][0] == "destroy" and _managed(env, cwd) == [], "destroy left resources in the state"
     return created
 
@@ -169,21 +182,27 @@ def test_single_g5_example_applies_and_destroys(terraform_env, moto_url, account
     overrides = "\n".join(f"  {k} = {_hcl(v)}" for k, v in _workarounds(account).items())
     (work / "moto_override.tf").write_text(_provider(moto_url, region=False) + f'\nmodule "ragkv" {{\n{overrides}\n}}\n')
     args = ["-auto-approve", "-input=false", "-var", f"vpc_id={account['vpc_id']}",
-            "-var", f"subnet_id={account['subnet_ids'][0]}", "-var", "client_cidr=10.0.0.0/16"]
+            "-var", f"subnet_id={account['subnet_ids'][0]}", "-var", "client_cidr=10.0.0.0/16",
+            "-var", f"image_digest={DIGEST}", "-var", f"api_keys_json={API_KEYS_JSON}"]
     p = run_tf(terraform_env, work, "init", "-input=false", "-no-color")
     assert p.returncode == 0, p.stdout + p.stderr
     p = run_tf(terraform_env, work, "apply", *args, "-no-color", timeout=TF_TIMEOUT_S)
     assert p.returncode == 0, f"apply failed:\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
     created = _managed(terraform_env, work)
     print(f"single-g5: {len(created)} resources")
-    assert {"aws_instance", "aws_ecr_repository", "aws_s3_bucket", "aws_kms_key"} <= _types(created)
+    assert {"aws_instance", "aws_ecr_repository", "aws_s3_bucket", "aws_kms_key", "aws_ssm_parameter"} <= _types(created)
 
-    # The host runs the image from the repository this apply made, and installs nothing by name.
+    # The host runs the image from the repository this apply made, by digest, and installs nothing by name.
     repo = _client(moto_url, "ecr").describe_repositories()["repositories"]
     (url,) = [r["repositoryUri"] for r in repo if r["repositoryName"] == "ragkv-single"]
     user_data = _user_data(moto_url)
-    assert f"docker pull --quiet {url}:0.1.0" in user_data and f"{url}:0.1.0 ragkv serve --index s3://" in user_data
+    image = f"{url}:0.1.0@{DIGEST}"
+    assert f"docker pull --quiet {image}" in user_data and f"{image} ragkv serve --index s3://" in user_data
     assert "pip install" not in user_data
+    # The API keys reach the host through SSM (a SecureString under its own key), never in user data.
+    assert API_KEY not in user_data and "--api-keys /etc/ragkv/api-keys.json" in user_data
+    param = _client(moto_url, "ssm").get_parameter(Name="/ragkv-single/api-keys", WithDecryption=True)["Parameter"]
+    assert param["Type"] == "SecureString" and json.loads(param["Value"]) == json.loads(API_KEYS_JSON)
 
     _apply_then_destroy(terraform_env, work, [["destroy", *args]])
 
@@ -219,19 +238,46 @@ def readme_terraform_steps() -> tuple[str, list[list[str]]]:
 
 def test_readme_walkthrough_applies_and_tears_down_the_root_module(terraform_env, moto_url, account, tmp_path) -> None:
     tfvars, steps = readme_terraform_steps()
-    assert [s[0] for s in steps] == ["init", "apply", "apply", "destroy"], steps
+    # init; the repository alone (the image is pushed before any host exists); everything,
+    # pinned by the pushed digest; the tear-down apply; destroy.
+    assert [s[0] for s in steps] == ["init", "apply", "apply", "apply", "destroy"], steps
+    assert steps[1][1:] == ["-target=module.registry"], steps[1]
+    assert all("image_digest=$DIGEST" in s for s in steps[2:]), steps
     work = copy_terraform_tree(tmp_path / "terraform")
     (work / "ragkv.auto.tfvars").write_text(tfvars)
     (work / "moto_provider.tf").write_text(_provider(moto_url, region=True))
-    # The account's own network and the workarounds; -var outranks the tfvars file.
-    test_vars = {"vpc_id": account["vpc_id"], "subnet_ids": account["subnet_ids"], **_workarounds(account)}
+    # The account's own network, certificate and the workarounds; -var outranks the tfvars file.
+    # The keys stand for the README's TF_VAR_api_keys_json.
+    test_vars = {"vpc_id": account["vpc_id"], "subnet_ids": account["subnet_ids"],
+                 "certificate_arn": account["certificate_arn"], "api_keys_json": API_KEYS_JSON, **_workarounds(account)}
     extra = [a for k, v in test_vars.items() for a in ("-var", f"{k}={v if isinstance(v, str) else _hcl(v)}")]
-    runs = [s if s[0] == "init" else [*s, "-auto-approve", "-input=false", *extra] for s in steps]
-    runs[2] += [f"-target={t}" for t in TEARDOWN_TARGETS]
+    runs = [s if s[0] == "init" else [a.replace("$DIGEST", DIGEST) for a in s] + ["-auto-approve", "-input=false", *extra]
+            for s in steps]
+    runs[3] += [f"-target={t}" for t in TEARDOWN_TARGETS]
+
+    def registry_only(resources: list[str]) -> None:
+        assert resources and all(r.startswith("module.registry.") for r in resources), resources
+
+    def served_with_keys_and_tls(resources: list[str]) -> None:
+        assert {"aws_ssm_parameter", "aws_kms_key", "aws_lb_listener"} <= _types(resources)
+        elbv2 = _client(moto_url, "elbv2")
+        (lb,) = elbv2.describe_load_balancers()["LoadBalancers"]
+        listeners = elbv2.describe_listeners(LoadBalancerArn=lb["LoadBalancerArn"])["Listeners"]
+        assert listeners and all(
+            x["Protocol"] == "TLS" and x["SslPolicy"].startswith("ELBSecurityPolicy-TLS13-1-2-")
+            and [c["CertificateArn"] for c in x["Certificates"]] == [account["certificate_arn"]] for x in listeners
+        ), listeners
+        ec2 = _client(moto_url, "ec2")
+        (template,) = [t for t in ec2.describe_launch_templates()["LaunchTemplates"]
+                       if t["LaunchTemplateName"].startswith("ragkv-serving-")]
+        data = ec2.describe_launch_template_versions(LaunchTemplateId=template["LaunchTemplateId"], Versions=["$Latest"])
+        user_data = gzip.decompress(base64.b64decode(data["LaunchTemplateVersions"][0]["LaunchTemplateData"]["UserData"]))
+        assert API_KEY.encode() not in user_data and f"@{DIGEST} ragkv serve".encode() in user_data
+
     t0 = time.monotonic()
-    created = _apply_then_destroy(terraform_env, work, runs)
+    created = _apply_then_destroy(terraform_env, work, runs, after={1: registry_only, 2: served_with_keys_and_tls})
     print(f"root module (README): {len(created)} resources, {time.monotonic() - t0:.1f} s")
     assert {"aws_autoscaling_group", "aws_lb", "aws_lb_listener", "aws_batch_compute_environment",
-            "aws_ecr_repository", "aws_s3_bucket"} <= _types(created)
+            "aws_ecr_repository", "aws_s3_bucket", "aws_ssm_parameter"} <= _types(created)
     # The tear-down turns the load balancer's deletion protection off before destroy.
-    assert "load_balancer_deletion_protection=false" in steps[2] and "load_balancer_deletion_protection=false" in steps[3]
+    assert "load_balancer_deletion_protection=false" in steps[3] and "load_balancer_deletion_protection=false" in steps[4]

@@ -5,10 +5,15 @@
 # OpenAI HTTP API to Ray Serve's proxies. Requests go to the replica holding their
 # chunks (an agent's next call to the one holding its conversation).
 #
+# The listeners terminate TLS with certificate_arn; every call needs one of the API keys.
+#
 #   terraform init
-#   terraform apply -var vpc_id=vpc-... -var 'subnet_ids=["subnet-...","subnet-..."]' -var client_cidr=10.0.0.0/16
-#   # push the image (built from the Dockerfile) to $(terraform output -raw image_repository_url):0.1.0;
-#   # the nodes pull it (and retry until it is there), then Ray starts and Serve deploys.
+#   export TF_VAR_api_keys_json='[{"name": "ops", "key_sha256": "<sha256 of your key>"}]'
+#   terraform apply -target=module.ragkv.module.registry   # the repository first
+#   # push the image (built from the Dockerfile) to $(terraform output -raw image_repository_url):0.1.0
+#   terraform apply -var vpc_id=vpc-... -var 'subnet_ids=["subnet-...","subnet-..."]' -var client_cidr=10.0.0.0/16 \
+#     -var certificate_arn=arn:aws:acm:... -var image_digest=sha256:...
+#   # the nodes pull the image by digest, then Ray starts and Serve deploys.
 
 terraform {
   required_version = ">= 1.9"
@@ -51,6 +56,22 @@ variable "image_tag" {
   default     = "0.1.0"
 }
 
+variable "image_digest" {
+  description = "Digest (sha256:...) of the pushed image_tag; the hosts pull the image by it."
+  type        = string
+}
+
+variable "api_keys_json" {
+  description = "API keys file of the server (JSON list of {name, key_sha256}); kept in SSM, never in user data. Pass it as TF_VAR_api_keys_json."
+  type        = string
+  sensitive   = true
+}
+
+variable "certificate_arn" {
+  description = "ACM certificate for the load balancer's TLS listeners (gRPC and HTTP), e.g. for ragkv.internal.example.com."
+  type        = string
+}
+
 variable "client_cidr" {
   description = "CIDR block of the clients allowed to reach gRPC, HTTP and metrics, e.g. the VPC's CIDR."
   type        = string
@@ -72,6 +93,9 @@ module "ragkv" {
   allowed_cidrs        = [var.client_cidr]
   index_version        = "latest"
   image_tag            = var.image_tag
+  image_digest         = var.image_digest
+  api_keys_json        = var.api_keys_json
+  certificate_arn      = var.certificate_arn
   force_destroy        = true
 
   tags = { Example = "ray-cluster" }

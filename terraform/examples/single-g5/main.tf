@@ -1,10 +1,13 @@
 # The smallest useful deployment: the KV bucket and one g5.xlarge serving
-# instance, reachable on gRPC and metrics only from the VPC's own CIDR.
+# instance, reachable on gRPC and metrics only from the VPC's own CIDR, every call
+# authenticated with one of the API keys (kept in SSM, read by the host at boot).
 #
 #   terraform init
-#   terraform apply -var vpc_id=vpc-... -var subnet_id=subnet-... -var client_cidr=10.0.0.0/16
-#   # push the image: docker build/push to $(terraform output -raw image_repository_url):0.1.0;
-#   # the instance pulls it (and retries until it is there), then serves.
+#   export TF_VAR_api_keys_json='[{"name": "ops", "key_sha256": "<sha256 of your key>"}]'
+#   terraform apply -target=module.ragkv.module.registry   # the repository first
+#   # push the image: docker build/push to $(terraform output -raw image_repository_url):0.1.0
+#   terraform apply -var vpc_id=vpc-... -var subnet_id=subnet-... -var client_cidr=10.0.0.0/16 \
+#     -var image_digest=sha256:...   # the pushed image's digest: the instance pulls exactly it
 
 terraform {
   required_version = ">= 1.9"
@@ -47,6 +50,17 @@ variable "image_tag" {
   default     = "0.1.0"
 }
 
+variable "image_digest" {
+  description = "Digest (sha256:...) of the pushed image_tag; the hosts pull the image by it."
+  type        = string
+}
+
+variable "api_keys_json" {
+  description = "API keys file of the server (JSON list of {name, key_sha256}); kept in SSM, never in user data. Pass it as TF_VAR_api_keys_json."
+  type        = string
+  sensitive   = true
+}
+
 variable "client_cidr" {
   description = "CIDR block of the clients allowed to reach gRPC and metrics, e.g. the VPC's CIDR."
   type        = string
@@ -62,6 +76,8 @@ module "ragkv" {
   allowed_cidrs = [var.client_cidr]
   index_version = "latest"
   image_tag     = var.image_tag
+  image_digest  = var.image_digest
+  api_keys_json = var.api_keys_json
   force_destroy = true
 
   tags = { Example = "single-g5" }

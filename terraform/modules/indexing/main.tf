@@ -7,6 +7,7 @@
 
 data "aws_partition" "current" {}
 data "aws_region" "current" {}
+data "aws_caller_identity" "current" {}
 
 locals {
   partition = data.aws_partition.current.partition
@@ -42,8 +43,9 @@ locals {
 
   # Batch launch templates take MIME multi-part user data. Spot draining stops
   # the ECS agent from placing new jobs on an instance that has received the
-  # two-minute notice; the running indexer sees the notice itself (IMDS) or
-  # gets SIGTERM, checkpoints, and exits with the interruption code.
+  # two-minute notice and stops the running job: the indexer gets SIGTERM (the
+  # container cannot reach IMDS, hop limit 1), checkpoints within
+  # ECS_CONTAINER_STOP_TIMEOUT, and exits with the interruption code.
   batch_user_data = <<-EOT
     MIME-Version: 1.0
     Content-Type: multipart/mixed; boundary="==RAGKV=="
@@ -84,10 +86,38 @@ resource "aws_iam_role_policy_attachment" "instance_ecs" {
   policy_arn = "arn:${local.partition}:iam::aws:policy/service-role/AmazonEC2ContainerServiceforEC2Role"
 }
 
-resource "aws_iam_role_policy_attachment" "instance_ssm" {
-  count      = var.enable_ssm ? 1 : 0
-  role       = aws_iam_role.instance.name
-  policy_arn = "arn:${local.partition}:iam::aws:policy/AmazonSSMManagedInstanceCore"
+# Session Manager without AmazonSSMManagedInstanceCore (which may read every SSM
+# parameter of the account): the agent's registration and its session channels only.
+resource "aws_iam_role_policy" "instance_ssm" {
+  count = var.enable_ssm ? 1 : 0
+
+  name = "ragkv-session-manager"
+  role = aws_iam_role.instance.id
+
+  policy = jsonencode({
+    Version = "2012-10-17"
+    Statement = [
+      {
+        # The agent registers its own instance.
+        Sid      = "SessionManagerRegister"
+        Effect   = "Allow"
+        Action   = ["ssm:UpdateInstanceInformation"]
+        Resource = "arn:${local.partition}:ec2:${data.aws_region.current.name}:${data.aws_caller_identity.current.account_id}:instance/*"
+      },
+      {
+        # Session channels and agent messages: these actions take no resource but "*".
+        Sid    = "SessionManagerChannels"
+        Effect = "Allow"
+        Action = [
+          "ssmmessages:CreateControlChannel", "ssmmessages:CreateDataChannel",
+          "ssmmessages:OpenControlChannel", "ssmmessages:OpenDataChannel",
+          "ec2messages:AcknowledgeMessage", "ec2messages:DeleteMessage", "ec2messages:FailMessage",
+          "ec2messages:GetEndpoint", "ec2messages:GetMessages", "ec2messages:SendReply",
+        ]
+        Resource = "*"
+      },
+    ]
+  })
 }
 
 resource "aws_iam_instance_profile" "instance" {
@@ -206,7 +236,6 @@ resource "aws_vpc_security_group_egress_rule" "batch" {
 # --- Compute ---
 
 resource "aws_launch_template" "batch" {
-  #checkov:skip=CKV_AWS_341:Hop limit 2 lets the containerised indexer read the Spot interruption notice from IMDS (IMDSv2 stays required); the job's data access uses its own task role.
   name_prefix            = "${var.name}-batch-"
   description            = "ragkv indexing Spot instances: IMDSv2, encrypted root, Spot draining"
   user_data              = base64encode(local.batch_user_data)
@@ -215,9 +244,10 @@ resource "aws_launch_template" "batch" {
   metadata_options {
     http_endpoint = "enabled"
     http_tokens   = "required"
-    # 2 hops: the indexer runs in a container (one hop further from IMDS)
-    # and polls the Spot interruption notice to checkpoint in time.
-    http_put_response_hop_limit = 2
+    # 1 hop: a job's container (one hop further, bridge network) cannot reach IMDS, so
+    # never the instance role's credentials; its own are the job role's (ECS task role).
+    # The Spot notice reaches the indexer as SIGTERM from the ECS agent's draining.
+    http_put_response_hop_limit = 1
   }
 
   block_device_mappings {

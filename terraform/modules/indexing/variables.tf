@@ -224,7 +224,7 @@ variable "environment" {
 }
 
 variable "enable_ssm" {
-  description = "Attach AmazonSSMManagedInstanceCore to the Batch instances for Session Manager debugging."
+  description = "Let operators reach the Batch instances through Session Manager for debugging: an inline policy with the agent's own actions only (not AmazonSSMManagedInstanceCore, which may read every SSM parameter in the account)."
   type        = bool
   default     = false
 }

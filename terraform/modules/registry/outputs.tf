@@ -7,3 +7,8 @@ output "repository_arn" {
   description = "ARN of the repository (for scoped pull permissions)."
   value       = aws_ecr_repository.ragkv.arn
 }
+
+output "lifecycle_policy" {
+  description = "The repository's lifecycle policy (JSON): which images it may expire, and which it protects."
+  value       = aws_ecr_lifecycle_policy.ragkv.policy
+}

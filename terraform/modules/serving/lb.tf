@@ -4,8 +4,15 @@
 # while it reports SERVING; the target group checks that bridge. In a Ray
 # cluster the targets are Ray Serve's proxies on every node (gRPC and HTTP),
 # checked at the HTTP proxy's /-/healthz.
+#
+# The listeners terminate TLS (certificate_arn, ssl_policy: TLS 1.2 and 1.3 only) and
+# forward to the targets inside the VPC; a plaintext TCP listener exists only where
+# allow_plaintext_listeners opts into it.
 
 locals {
+  listener_protocol = var.allow_plaintext_listeners ? "TCP" : "TLS"
+  listener_tls      = local.listener_protocol == "TLS"
+
   lb_client_ports = merge({ grpc = var.grpc_port }, var.ray_cluster ? { http = var.http_port } : {})
   health_check = var.ray_cluster ? { port = var.http_port, path = "/-/healthz" } : {
     port = var.health_port, path = "/grpc.health.v1.Health/Check"
@@ -126,7 +133,11 @@ resource "aws_lb_listener" "grpc" {
 
   load_balancer_arn = aws_lb.serving[0].arn
   port              = var.grpc_port
-  protocol          = "TCP"
+  protocol          = local.listener_protocol
+  certificate_arn   = local.listener_tls ? var.certificate_arn : null
+  ssl_policy        = local.listener_tls ? var.ssl_policy : null
+  # gRPC is HTTP/2: clients negotiate h2 through ALPN.
+  alpn_policy = local.listener_tls ? "HTTP2Preferred" : null
 
   default_action {
     type             = "forward"
@@ -174,7 +185,10 @@ resource "aws_lb_listener" "http" {
 
   load_balancer_arn = aws_lb.serving[0].arn
   port              = var.http_port
-  protocol          = "TCP"
+  protocol          = local.listener_protocol
+  certificate_arn   = local.listener_tls ? var.certificate_arn : null
+  ssl_policy        = local.listener_tls ? var.ssl_policy : null
+  alpn_policy       = local.listener_tls ? "HTTP2Optional" : null
 
   default_action {
     type             = "forward"

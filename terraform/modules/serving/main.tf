@@ -15,42 +15,75 @@ data "aws_ssm_parameter" "ami" {
   name  = var.ami_ssm_parameter
 }
 
+# The VPC's CIDR blocks: the metrics port listens beyond loopback only when every client
+# CIDR admitted to it lies inside them.
+data "aws_vpc" "this" {
+  id = var.vpc_id
+}
+
 locals {
   ami_id = var.ami_id != null ? var.ami_id : data.aws_ssm_parameter.ami[0].insecure_value
 
-  kv_s3_uri    = "s3://${var.kv_bucket_name}/${var.kv_prefix}"
-  index_s3_uri = "s3://${var.kv_bucket_name}/${var.index_prefix}/${var.index_version}"
+  partition  = data.aws_partition.current.partition
+  region     = data.aws_region.current.name
+  account_id = data.aws_caller_identity.current.account_id
+
+  kv_s3_uri        = "s3://${var.kv_bucket_name}/${var.kv_prefix}"
+  index_s3_uri     = "s3://${var.kv_bucket_name}/${var.index_prefix}/${var.index_version}"
+  writeback_prefix = coalesce(var.writeback_prefix, "${var.kv_prefix}/serve-writeback")
+
+  # /metrics binds 0.0.0.0 only when the security group admits its port from inside the VPC
+  # alone (client CIDRs within the VPC's blocks, or security groups); else it stays on loopback
+  # and the port gets no ingress rule.
+  vpc_cidrs = distinct(concat([data.aws_vpc.this.cidr_block], [for a in data.aws_vpc.this.cidr_block_associations : a.cidr_block]))
+  metrics_in_vpc = !var.allow_public_ingress && alltrue([
+    for c in var.allowed_cidrs : anytrue([
+      for v in local.vpc_cidrs :
+      tonumber(split("/", c)[1]) >= tonumber(split("/", v)[1]) && cidrhost("${cidrhost(c, 0)}/${split("/", v)[1]}", 0) == cidrhost(v, 0)
+    ])
+  ])
+  metrics_host = local.metrics_in_vpc ? "0.0.0.0" : "127.0.0.1"
+
+  # The API keys file: an SSM SecureString under the tier's own KMS key, fetched at boot into
+  # /etc/ragkv/api-keys.json (mode 0400, the container's user) and passed by path.
+  api_keys_parameter     = "/${var.name}/api-keys"
+  api_keys_parameter_arn = "arn:${local.partition}:ssm:${local.region}:${local.account_id}:parameter${local.api_keys_parameter}"
 
   user_data = templatefile("${path.module}/templates/user_data.sh.tftpl", {
-    image         = var.container_image
-    registry      = split("/", var.container_image)[0]
-    grpc_port     = var.grpc_port
-    metrics_port  = var.metrics_port
-    health_port   = var.health_port
-    region        = data.aws_region.current.name
-    kv_s3_uri     = local.kv_s3_uri
-    index_s3_uri  = local.index_s3_uri
-    environment   = var.environment
-    health_bridge = file("${path.module}/templates/grpc_health_http.py")
+    image              = var.container_image
+    registry           = split("/", var.container_image)[0]
+    grpc_port          = var.grpc_port
+    metrics_port       = var.metrics_port
+    metrics_host       = local.metrics_host
+    health_port        = var.health_port
+    region             = local.region
+    kv_s3_uri          = local.kv_s3_uri
+    index_s3_uri       = local.index_s3_uri
+    api_keys_parameter = local.api_keys_parameter
+    environment        = var.environment
+    health_bridge      = file("${path.module}/templates/grpc_health_http.py")
   })
 
   # A Ray cluster: the head's and the workers' user data (templates/ray_node.sh.tftpl).
-  token_parameter = "/${var.name}/ray-auth-token"
+  token_parameter     = "/${var.name}/ray-auth-token"
+  token_parameter_arn = "arn:${local.partition}:ssm:${local.region}:${local.account_id}:parameter${local.token_parameter}"
   ray_node = {
-    image           = var.container_image
-    registry        = split("/", var.container_image)[0]
-    region          = data.aws_region.current.name
-    kv_s3_uri       = local.kv_s3_uri
-    index_s3_uri    = local.index_s3_uri
-    environment     = var.environment
-    token_parameter = local.token_parameter
-    ray_port        = var.ray_port
-    replicas        = var.ray_replicas
-    routing         = var.ray_routing
-    grpc_port       = var.grpc_port
-    http_port       = var.http_port
-    metrics_port    = var.metrics_port
-    ray_ports       = local.ray_ports_flags
+    image              = var.container_image
+    registry           = split("/", var.container_image)[0]
+    region             = local.region
+    kv_s3_uri          = local.kv_s3_uri
+    index_s3_uri       = local.index_s3_uri
+    environment        = var.environment
+    token_parameter    = local.token_parameter
+    api_keys_parameter = local.api_keys_parameter
+    ray_port           = var.ray_port
+    replicas           = var.ray_replicas
+    routing            = var.ray_routing
+    grpc_port          = var.grpc_port
+    http_port          = var.http_port
+    metrics_port       = var.metrics_port
+    metrics_host       = local.metrics_host
+    ray_ports          = local.ray_ports_flags
   }
   # Ray's ports, fixed on every node so the security group names them (not every port):
   # GCS, node manager, object manager, dashboard agent (gRPC, HTTP), metrics, runtime env
@@ -77,10 +110,14 @@ locals {
   use_asg          = var.create_autoscaling_group || var.ray_cluster
   standalone_count = local.use_asg ? 0 : var.instance_count
 
-  # Ingress to the instances: gRPC and metrics from the named CIDRs and
-  # security groups; gRPC and the health bridge from the load balancer.
+  # Ingress to the instances: gRPC (and metrics, when it listens beyond loopback) from the
+  # named CIDRs and security groups; gRPC and the health bridge from the load balancer.
   # Keys are indexes, not values, so ids unknown at plan time still work.
-  client_ports = merge({ grpc = var.grpc_port, metrics = var.metrics_port }, var.ray_cluster ? { http = var.http_port } : {})
+  client_ports = merge(
+    { grpc = var.grpc_port },
+    local.metrics_in_vpc ? { metrics = var.metrics_port } : {},
+    var.ray_cluster ? { http = var.http_port } : {},
+  )
   cidr_ingress = merge([
     for port_name, port in local.client_ports : {
       for i, cidr in var.allowed_cidrs : "${port_name}-cidr-${i}" => { port = port, cidr = cidr, what = port_name }
@@ -96,7 +133,142 @@ locals {
   )
 }
 
+# --- Secrets: the API keys file, in SSM under the tier's own KMS key ---
+
+resource "aws_kms_key" "secrets" {
+  description             = "${var.name}: encrypts the serving tier's API keys parameter"
+  enable_key_rotation     = true
+  deletion_window_in_days = var.kms_deletion_window_days
+
+  # Administration stays with the account; use is granted by the instance roles'
+  # policies, which name this key and only through SSM.
+  policy = jsonencode({
+    Version = "2012-10-17"
+    Statement = [{
+      Sid       = "AccountAdministersKey"
+      Effect    = "Allow"
+      Principal = { AWS = "arn:${local.partition}:iam::${local.account_id}:root" }
+      Action    = "kms:*"
+      Resource  = "*"
+    }]
+  })
+
+  tags = var.tags
+}
+
+resource "aws_kms_alias" "secrets" {
+  name          = "alias/${var.name}-serving-secrets"
+  target_key_id = aws_kms_key.secrets.key_id
+}
+
+# The hosts read it at boot (ragkv-api-keys) into a file only the container's user reads and
+# pass it by path (`ragkv serve --api-keys`): the keys never travel in user data.
+resource "aws_ssm_parameter" "api_keys" {
+  name        = local.api_keys_parameter
+  description = "ragkv API keys file (`ragkv serve --api-keys`) of ${var.name}"
+  type        = "SecureString"
+  key_id      = aws_kms_key.secrets.arn
+  tier        = nonsensitive(length(var.api_keys_json)) > 4096 ? "Advanced" : "Standard"
+  value       = var.api_keys_json
+
+  tags = var.tags
+}
+
 # --- IAM: least privilege on the KV prefix, read-only on the index prefix ---
+
+locals {
+  # What every serving host (and the Ray head) may do.
+  host_statements = [
+    {
+      # Reads of every KV file; no DeleteObject: a host cannot remove what another wrote.
+      Sid      = "ReadKV"
+      Effect   = "Allow"
+      Action   = ["s3:GetObject"]
+      Resource = "${var.kv_bucket_arn}/${var.kv_prefix}/*"
+    },
+    {
+      # Write-backs of KV computed at serve time, only under the serving tier's own prefix.
+      Sid      = "WriteBackKV"
+      Effect   = "Allow"
+      Action   = ["s3:PutObject", "s3:AbortMultipartUpload"]
+      Resource = "${var.kv_bucket_arn}/${local.writeback_prefix}/*"
+    },
+    {
+      Sid      = "ReadIndex"
+      Effect   = "Allow"
+      Action   = ["s3:GetObject"]
+      Resource = "${var.kv_bucket_arn}/${var.index_prefix}/*"
+    },
+    {
+      # Unconditional: without s3:ListBucket S3 answers a missing key with 403,
+      # not 404, and every KV miss would be logged and counted as an error.
+      Sid      = "ListBucket"
+      Effect   = "Allow"
+      Action   = ["s3:ListBucket"]
+      Resource = var.kv_bucket_arn
+    },
+    {
+      Sid      = "UseBucketKey"
+      Effect   = "Allow"
+      Action   = ["kms:Decrypt", "kms:GenerateDataKey"]
+      Resource = var.kms_key_arn
+    },
+    {
+      Sid      = "PullImage"
+      Effect   = "Allow"
+      Action   = ["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"]
+      Resource = var.ecr_repository_arn
+    },
+    {
+      # `docker login` to ECR; this action takes no resource but "*".
+      Sid      = "RegistryLogin"
+      Effect   = "Allow"
+      Action   = ["ecr:GetAuthorizationToken"]
+      Resource = "*"
+    },
+    {
+      # The API keys file: this one parameter, decrypted with its own key through SSM only.
+      Sid      = "ReadApiKeys"
+      Effect   = "Allow"
+      Action   = ["ssm:GetParameter"]
+      Resource = local.api_keys_parameter_arn
+    },
+    {
+      Sid       = "DecryptApiKeys"
+      Effect    = "Allow"
+      Action    = ["kms:Decrypt"]
+      Resource  = aws_kms_key.secrets.arn
+      Condition = { StringEquals = { "kms:ViaService" = "ssm.${local.region}.amazonaws.com" } }
+    },
+  ]
+
+  # Session Manager without AmazonSSMManagedInstanceCore (which may read every SSM
+  # parameter of the account): the agent's registration and its session channels only.
+  session_manager_policy = jsonencode({
+    Version = "2012-10-17"
+    Statement = [
+      {
+        # The agent registers its own instance.
+        Sid      = "SessionManagerRegister"
+        Effect   = "Allow"
+        Action   = ["ssm:UpdateInstanceInformation"]
+        Resource = "arn:${local.partition}:ec2:${local.region}:${local.account_id}:instance/*"
+      },
+      {
+        # Session channels and agent messages: these actions take no resource but "*".
+        Sid    = "SessionManagerChannels"
+        Effect = "Allow"
+        Action = [
+          "ssmmessages:CreateControlChannel", "ssmmessages:CreateDataChannel",
+          "ssmmessages:OpenControlChannel", "ssmmessages:OpenDataChannel",
+          "ec2messages:AcknowledgeMessage", "ec2messages:DeleteMessage", "ec2messages:FailMessage",
+          "ec2messages:GetEndpoint", "ec2messages:GetMessages", "ec2messages:SendReply",
+        ]
+        Resource = "*"
+      },
+    ]
+  })
+}
 
 resource "aws_iam_role" "serving" {
   name_prefix = "${var.name}-serving-"
@@ -120,62 +292,14 @@ resource "aws_iam_role_policy" "kv_access" {
 
   policy = jsonencode({
     Version = "2012-10-17"
-    Statement = concat([
-      {
-        # DeleteObject: the S3 tier deletes an object that fails verification
-        # (and `delete` removes one), so a later put can replace it.
-        Sid      = "ReadWriteKV"
-        Effect   = "Allow"
-        Action   = ["s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload", "s3:DeleteObject"]
-        Resource = "${var.kv_bucket_arn}/${var.kv_prefix}/*"
-      },
-      {
-        Sid      = "ReadIndex"
-        Effect   = "Allow"
-        Action   = ["s3:GetObject"]
-        Resource = "${var.kv_bucket_arn}/${var.index_prefix}/*"
-      },
-      {
-        # Unconditional: without s3:ListBucket S3 answers a missing key with 403,
-        # not 404, and every KV miss would be logged and counted as an error.
-        Sid      = "ListBucket"
-        Effect   = "Allow"
-        Action   = ["s3:ListBucket"]
-        Resource = var.kv_bucket_arn
-      },
-      {
-        Sid      = "UseBucketKey"
-        Effect   = "Allow"
-        Action   = ["kms:Decrypt", "kms:GenerateDataKey"]
-        Resource = var.kms_key_arn
-      },
-      {
-        Sid      = "PullImage"
-        Effect   = "Allow"
-        Action   = ["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"]
-        Resource = var.ecr_repository_arn
-      },
-      {
-        # `docker login` to ECR; this action takes no resource but "*".
-        Sid      = "RegistryLogin"
-        Effect   = "Allow"
-        Action   = ["ecr:GetAuthorizationToken"]
-        Resource = "*"
-      },
-      ], var.ray_cluster ? [{
-        # The Ray cluster's token: the head writes it once, every node reads it.
-        Sid      = "RayToken"
-        Effect   = "Allow"
-        Action   = ["ssm:GetParameter", "ssm:PutParameter"]
-        Resource = "arn:${data.aws_partition.current.partition}:ssm:${data.aws_region.current.name}:${data.aws_caller_identity.current.account_id}:parameter${local.token_parameter}"
+    Statement = concat(local.host_statements, var.ray_cluster ? [{
+      # A Ray worker only reads the cluster's token; the head alone writes it.
+      Sid      = "ReadRayToken"
+      Effect   = "Allow"
+      Action   = ["ssm:GetParameter"]
+      Resource = local.token_parameter_arn
     }] : [])
   })
-}
-
-resource "aws_iam_role_policy_attachment" "ssm" {
-  count      = var.enable_ssm ? 1 : 0
-  role       = aws_iam_role.serving.name
-  policy_arn = "arn:${data.aws_partition.current.partition}:iam::aws:policy/AmazonSSMManagedInstanceCore"
 }
 
 resource "aws_iam_instance_profile" "serving" {
@@ -183,6 +307,59 @@ resource "aws_iam_instance_profile" "serving" {
   role        = aws_iam_role.serving.name
 
   tags = var.tags
+}
+
+# The Ray head's own role: what a host may do, plus writing the cluster's token once.
+resource "aws_iam_role" "ray_head" {
+  count = var.ray_cluster ? 1 : 0
+
+  name_prefix = "${var.name}-ray-head-"
+  description = "ragkv Ray head node"
+
+  assume_role_policy = jsonencode({
+    Version = "2012-10-17"
+    Statement = [{
+      Effect    = "Allow"
+      Principal = { Service = "ec2.amazonaws.com" }
+      Action    = "sts:AssumeRole"
+    }]
+  })
+
+  tags = var.tags
+}
+
+resource "aws_iam_role_policy" "ray_head" {
+  count = var.ray_cluster ? 1 : 0
+
+  name = "ragkv-ray-head"
+  role = aws_iam_role.ray_head[0].id
+
+  policy = jsonencode({
+    Version = "2012-10-17"
+    Statement = concat(local.host_statements, [{
+      Sid      = "WriteRayToken"
+      Effect   = "Allow"
+      Action   = ["ssm:GetParameter", "ssm:PutParameter"]
+      Resource = local.token_parameter_arn
+    }])
+  })
+}
+
+resource "aws_iam_instance_profile" "ray_head" {
+  count = var.ray_cluster ? 1 : 0
+
+  name_prefix = "${var.name}-ray-head-"
+  role        = aws_iam_role.ray_head[0].name
+
+  tags = var.tags
+}
+
+resource "aws_iam_role_policy" "session_manager" {
+  for_each = var.enable_ssm ? merge({ serving = aws_iam_role.serving.id }, var.ray_cluster ? { ray_head = aws_iam_role.ray_head[0].id } : {}) : {}
+
+  name   = "ragkv-session-manager"
+  role   = each.value
+  policy = local.session_manager_policy
 }
 
 # --- Network ---
@@ -329,7 +506,7 @@ resource "aws_instance" "ray_head" {
   instance_type               = var.head_instance_type
   subnet_id                   = var.subnet_ids[0]
   vpc_security_group_ids      = [aws_security_group.serving.id]
-  iam_instance_profile        = aws_iam_instance_profile.serving.name
+  iam_instance_profile        = aws_iam_instance_profile.ray_head[0].name
   ebs_optimized               = true
   monitoring                  = var.detailed_monitoring
   user_data_base64            = base64gzip(local.head_user_data)

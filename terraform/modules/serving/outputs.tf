@@ -69,3 +69,18 @@ output "ray_user_data" {
   description = "Rendered cloud-init scripts of the Ray head and workers (ray_cluster; for review, no secrets: the Ray token lives in SSM)."
   value       = var.ray_cluster ? { head = local.head_user_data, worker = local.worker_user_data } : null
 }
+
+output "api_keys_parameter_name" {
+  description = "SSM SecureString that holds the API keys file the hosts read at boot (change api_keys_json, apply, then restart the replicas)."
+  value       = aws_ssm_parameter.api_keys.name
+}
+
+output "writeback_s3_uri" {
+  description = "S3 URI under which the serving hosts may write back KV computed at serve time (the only place they may write)."
+  value       = "s3://${var.kv_bucket_name}/${local.writeback_prefix}"
+}
+
+output "metrics_host" {
+  description = "Address /metrics binds on the hosts: 0.0.0.0 when the security group admits its port from inside the VPC only, else 127.0.0.1."
+  value       = local.metrics_host
+}

@@ -110,12 +110,12 @@ variable "index_version" {
 }
 
 variable "container_image" {
-  description = "Image the instances run under systemd, REGISTRY/NAME:TAG (built from the repository's Dockerfile and pushed to the deployment's ECR repository)."
+  description = "Image the instances run under systemd, pinned by digest: REGISTRY/NAME:TAG@sha256:DIGEST (built from the repository's Dockerfile and pushed to the deployment's ECR repository). The digest is what the hosts pull; the tag only names it."
   type        = string
 
   validation {
-    condition     = can(regex("^[0-9]{12}\\.dkr\\.ecr\\.[a-z0-9-]+\\.amazonaws\\.com(\\.cn)?/[a-z0-9._/-]+:[A-Za-z0-9_][A-Za-z0-9._-]*$", var.container_image))
-    error_message = "container_image must be an ECR image with a tag, ACCOUNT.dkr.ecr.REGION.amazonaws.com/NAME:TAG: the hosts pull only what was built and pushed."
+    condition     = can(regex("^[0-9]{12}\\.dkr\\.ecr\\.[a-z0-9-]+\\.amazonaws\\.com(\\.cn)?/[a-z0-9._/-]+(:[A-Za-z0-9_][A-Za-z0-9._-]*)?@sha256:[0-9a-f]{64}$", var.container_image))
+    error_message = "container_image must be an ECR image pinned by digest, ACCOUNT.dkr.ecr.REGION.amazonaws.com/NAME[:TAG]@sha256:DIGEST (the root module: set image_digest to the pushed image_tag's digest): the hosts pull only what was built and pushed, and exactly that image."
   }
 }
 
@@ -125,7 +125,7 @@ variable "ecr_repository_arn" {
 }
 
 variable "environment" {
-  description = "Extra environment for `ragkv serve` (RAGKV_... settings), written to /etc/ragkv/ragkv.env."
+  description = "Extra environment for `ragkv serve` (RAGKV_... settings), written to /etc/ragkv/ragkv.env. No secrets: user data is readable by anyone who may describe the instance, so names that look like a token, password, secret or API key are refused (credentials go in api_keys_json)."
   type        = map(string)
   default     = {}
 
@@ -133,6 +133,47 @@ variable "environment" {
     condition     = alltrue([for k in keys(var.environment) : can(regex("^[A-Z_][A-Z0-9_]*$", k))])
     error_message = "environment keys must be upper-case shell variable names such as RAGKV_KV_CPU_BYTES."
   }
+
+  validation {
+    condition     = alltrue([for k in keys(var.environment) : endswith(k, "_FILE") || !can(regex("(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_KEY|ACCESS_KEY)", k))])
+    error_message = "environment must not carry credentials (a token, password, secret or key in user data reaches every host in clear): put API keys in api_keys_json, which the hosts read from SSM."
+  }
+}
+
+variable "api_keys_json" {
+  description = "The API keys file of `ragkv serve --api-keys`: a JSON list of named keys, each with `key` or (better: the file then holds no secret) `key_sha256`. Stored as an SSM SecureString under the tier's own KMS key; the hosts read it at boot into a file only the container's user reads."
+  type        = string
+  sensitive   = true
+  nullable    = false
+
+  validation {
+    condition = try(length(jsondecode(var.api_keys_json)) > 0 && alltrue([
+      for k in jsondecode(var.api_keys_json) : can(k.name) && (can(k.key) != can(k.key_sha256))
+    ]), false)
+    error_message = "api_keys_json must be a non-empty JSON list of keys, each with a name and exactly one of key or key_sha256."
+  }
+
+  validation {
+    condition     = length(var.api_keys_json) <= 8192
+    error_message = "api_keys_json must fit an SSM parameter (8 KiB); list key_sha256 rather than keys."
+  }
+}
+
+variable "kms_deletion_window_days" {
+  description = "Waiting period in days before the API keys' KMS key is deleted."
+  type        = number
+  default     = 30
+
+  validation {
+    condition     = var.kms_deletion_window_days >= 7 && var.kms_deletion_window_days <= 30
+    error_message = "kms_deletion_window_days must be between 7 and 30."
+  }
+}
+
+variable "writeback_prefix" {
+  description = "Key prefix under which the serving hosts may write back KV computed at serve time (they read all of kv_prefix, write only here, delete nothing). Null: {kv_prefix}/serve-writeback."
+  type        = string
+  default     = null
 }
 
 variable "grpc_port" {
@@ -253,9 +294,37 @@ variable "load_balancer_access_log_bucket" {
 }
 
 variable "enable_ssm" {
-  description = "Attach AmazonSSMManagedInstanceCore so operators reach instances through Session Manager (no SSH port is ever opened)."
+  description = "Let operators reach the instances through Session Manager (no SSH port is ever opened): an inline policy with the agent's own actions only, not AmazonSSMManagedInstanceCore, which may read every SSM parameter in the account."
   type        = bool
   default     = true
+}
+
+variable "certificate_arn" {
+  description = "ACM certificate the load balancer's TLS listeners present. Required with create_load_balancer unless allow_plaintext_listeners is true."
+  type        = string
+  default     = null
+
+  validation {
+    condition     = !var.create_load_balancer || var.allow_plaintext_listeners || var.certificate_arn != null
+    error_message = "create_load_balancer needs certificate_arn (an ACM certificate for its TLS listeners), or allow_plaintext_listeners = true to accept plaintext TCP listeners."
+  }
+}
+
+variable "ssl_policy" {
+  description = "Security policy of the TLS listeners: TLS 1.3 and 1.2 only by default."
+  type        = string
+  default     = "ELBSecurityPolicy-TLS13-1-2-2021-06"
+
+  validation {
+    condition     = can(regex("^ELBSecurityPolicy-TLS13-1-[23]-", var.ssl_policy))
+    error_message = "ssl_policy must be an ELBSecurityPolicy-TLS13-1-2-* or -1-3-* policy (TLS 1.2 at least)."
+  }
+}
+
+variable "allow_plaintext_listeners" {
+  description = "Give the load balancer plaintext TCP listeners instead of TLS. Off by default; set it only where another layer encrypts the traffic."
+  type        = bool
+  default     = false
 }
 
 variable "ray_cluster" {

@@ -29,8 +29,8 @@ def main() -> None:
     import torch
 
     from ragkv.engine import Engine, Prompt, SamplingParams, load_model
-    from ragkv.types import Mode
     from ragkv.engine.decode import decode_batch
+    from ragkv.types import Mode
 
     engine = Engine(load_model(args.model))
     vocab = engine.lm.tokenizer.vocab_size
@@ -38,7 +38,8 @@ def main() -> None:
     for b in [int(x) for x in args.batch.split(",")]:
         g = torch.Generator().manual_seed(b)
         lens = [max(16, args.context * (j + 1) // b) for j in range(b)]
-        prompts = [engine.run(Prompt(torch.randint(0, vocab, (n,), generator=g).tolist()), Mode.FULL, reserve_tokens=2 * args.steps + 4) for n in lens]
+        prompts = [engine.run(Prompt(torch.randint(0, vocab, (n,), generator=g).tolist()), Mode.FULL,
+                              reserve_tokens=2 * args.steps + 4) for n in lens]
         streams = [engine.decode(p, SamplingParams(max_new_tokens=4 * args.steps)) for p in prompts]
         single, batched = [], []
         with torch.inference_mode():

@@ -23,7 +23,8 @@ from pathlib import Path
 _ARM = r"""
 import json, time, sys
 sys.path.insert(0, {root!r})
-from ragkv.engine.memory import tune_host_allocator; tune_host_allocator()  # applies (or, with RAGKV_HOST_ALLOCATOR=default, skips) the tuning first
+# applies (or, with RAGKV_HOST_ALLOCATOR=default, skips) the tuning first
+from ragkv.engine.memory import tune_host_allocator; tune_host_allocator()  # noqa: E702 - before torch loads
 import torch
 import torch.nn.functional as F
 

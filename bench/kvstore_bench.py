@@ -24,7 +24,16 @@ from pathlib import Path
 import torch
 
 from ragkv.kvstore import (
-    ChunkKey, Compression, CpuTier, DiskTier, GpuTier, KVEntry, S3Settings, S3Tier, StorageTier, hash_prefix,
+    ChunkKey,
+    Compression,
+    CpuTier,
+    DiskTier,
+    GpuTier,
+    KVEntry,
+    S3Settings,
+    S3Tier,
+    StorageTier,
+    hash_prefix,
 )
 from ragkv.kvstore.compression import fp8_supported
 from ragkv.kvstore.fileformat import encode

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ragkv.retriever import vector_index
 from ragkv.retriever.chunk_db import ChunkDB
 from ragkv.retriever.embedder import Embedder
 from ragkv.retriever.lexical import LexicalIndex
 from ragkv.retriever.records import ChunkRecord, ContentHash, DocId, DocumentRecord, chunk_id
 from ragkv.retriever.search import Retriever
-from ragkv.retriever import vector_index
 from ragkv.types import MetadataFilter, SearchMode
 
 _WORDS = ("system", "release", "budget", "office", "report", "customer", "schedule", "review", "network",

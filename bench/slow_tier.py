@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios = {}
     for n in map(str, levels):
         for m in MODES:
-            def get(cfg: str, what: str) -> float | None:
+            def get(cfg: str, what: str, n: str = n, m: str = m) -> float | None:
                 return report[cfg][n][what].get(m) if cfg in report else None
             ratios[f"{n} clients/{m}"] = {k: v for slow in ("throttled", "s3_throttled") for k, v in {
                 f"ttft_p50 {slow}/disk (off)": _ratio(get(f"{slow}/controller_off", "ttft_p50_s"),

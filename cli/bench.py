@@ -7,7 +7,6 @@ every mode, interleaved, so drift on the machine hits every mode alike.
 
 from __future__ import annotations
 
-from ragkv.types import DType, Mode
 import argparse
 import json
 import statistics
@@ -15,6 +14,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from ragkv.types import DType, Mode
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -204,7 +205,8 @@ def run_bench(args: argparse.Namespace) -> int:
         "kv_load_s_per_load": load_med,
         "phases_median_s": {m: {k: statistics.median(v) for k, v in ph.items()} for m, ph in phases.items()},
         "decode_ms_per_token": {m: statistics.median(v) * 1e3 for m, v in per_token.items() if v},
-        "config": {**{k: v for k, v in vars(args).items() if k not in ("func", "plot", "plot_out")}, "prompt_tokens": len(full_ids),
+        "config": {**{k: v for k, v in vars(args).items() if k not in ("func", "plot", "plot_out")},
+                   "prompt_tokens": len(full_ids),
                    "kv_bytes": kv_bytes, "device": str(lm.device), "dtype": str(lm.dtype),
                    "torch_threads": torch.get_num_threads()},
     }

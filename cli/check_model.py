@@ -24,7 +24,8 @@ def add_check_model_parser(sub: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("model", help="HF model directory, .gguf file, hub id, or a shipped model: "
                                  "smollm2-135m-instruct, gemma3-270m (the gemma extra)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    p.add_argument("--dtype", default=None, choices=[d.value for d in DType], help="float32, bfloat16 or float16 (default: float32 on cpu, "
+    p.add_argument("--dtype", default=None, choices=[d.value for d in DType],
+                   help="float32, bfloat16 or float16 (default: float32 on cpu, "
                                                  "bfloat16 on cuda)")
     p.add_argument("--quick", action="store_true", help="the start-up form: a shorter prompt and 4 decode steps")
     p.set_defaults(func=run_check_model)

@@ -13,11 +13,12 @@ run, or the index's own embeddings.
 
 from __future__ import annotations
 
-from ragkv.types import Mode
 import argparse
 import json
 import sys
 from pathlib import Path
+
+from ragkv.types import Mode
 
 
 def add_eval_parser(sub: argparse._SubParsersAction) -> None:
@@ -268,10 +269,15 @@ def neighbour_variants(args: argparse.Namespace, engine, cases, pool):  # noqa: 
     """One evaluate.KVVariant per m of --neighbours: plain KV for 0, else neighbour-conditioned."""
     from dataclasses import replace
 
-    from ragkv.evals.evaluate import PLAIN, KVVariant
     from ragkv.engine.prefill import context_segments
-    from ragkv.indexer.neighbours import (PLAIN_COPY_COMPRESSION, NeighbourContext, NeighbourOptions, context_ids,
-                                          select_neighbours)
+    from ragkv.evals.evaluate import PLAIN, KVVariant
+    from ragkv.indexer.neighbours import (
+        PLAIN_COPY_COMPRESSION,
+        NeighbourContext,
+        NeighbourOptions,
+        context_ids,
+        select_neighbours,
+    )
     from ragkv.kvstore.compression import Compression, dequantize, quantize
 
     ms = [int(m) for m in args.neighbours.split(",") if m.strip()]

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from ragkv.indexer.chunking import DEFAULT_CHUNK_TOKENS, DEFAULT_OVERLAP_TOKENS
 from ragkv.indexer.neighbours import INDEX_DEFAULT, PLAIN_COPY_COMPRESSION
-from ragkv.types import DType
 from ragkv.indexer.spot import DEFAULT_IMDS_ENDPOINT, EXIT_INTERRUPTED, IndexInterrupted
+from ragkv.types import DType
 
 ENV_KV_URIS = "RAGKV_KV_URIS"  # comma-separated default for --kv-store
 ENV_IMDS = "RAGKV_IMDS_ENDPOINT"  # IMDS base URL; setting it turns the Spot watcher on

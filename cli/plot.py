@@ -19,7 +19,7 @@ def load_eval(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
         modes = data["modes"]
-        for name, m in modes.items():
+        for m in modes.values():
             float(m["accuracy"]), float(m["ttft_median_s"])
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}: not a `ragkv eval --json` result ({exc}); make one with "

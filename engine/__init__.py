@@ -14,17 +14,18 @@ Importing the engine changes nothing in the process: the programs that run it (s
 index, eval, bench) call `tune_host_allocator()` first (engine/memory.py).
 """
 
-from ragkv.engine.memory import tune_host_allocator
 from ragkv.engine.blend import BlendOptions, BlendResult, Prompt, Selector
-from ragkv.engine.select import Budget
-from ragkv.engine.focus import FocusOptions
 from ragkv.engine.decode import DecodeStream, SamplingParams
+from ragkv.engine.focus import FocusOptions
 from ragkv.engine.kv import ChunkKV, KVCache, LayerReady
 from ragkv.engine.loading import DEFAULT_MODEL, LoadedModel, load_model
+from ragkv.engine.memory import tune_host_allocator
 from ragkv.engine.prompt import PromptFormat
 from ragkv.engine.runtime import Engine
+from ragkv.engine.select import Budget
 
 __all__ = [
     "DEFAULT_MODEL", "Budget", "BlendOptions", "BlendResult", "ChunkKV", "DecodeStream",
-    "Engine", "FocusOptions", "Prompt", "KVCache", "LayerReady", "LoadedModel", "PromptFormat", "SamplingParams", "Selector", "load_model", "tune_host_allocator",
+    "Engine", "FocusOptions", "Prompt", "KVCache", "LayerReady", "LoadedModel", "PromptFormat", "SamplingParams",
+    "Selector", "load_model", "tune_host_allocator",
 ]

@@ -29,8 +29,7 @@ from ragkv.engine.blend import BlendOptions, BlendResult, Prompt, PromptSteps
 from ragkv.engine.constrain import Constraint
 from ragkv.engine.decode import DecodeStream, SamplingParams
 from ragkv.engine.kv import ChunkKV
-from ragkv.engine.request import (Answered, ChunkComputed, ChunksReady, Decode, LoadedKV, PromptChunk, Request,
-                                  Work)
+from ragkv.engine.request import Answered, ChunkComputed, ChunksReady, Decode, LoadedKV, PromptChunk, Request, Work
 from ragkv.engine.speed import EngineSpeed
 from ragkv.engine.tree import RecurrentSnapshot, TreeKey, TreeLease
 from ragkv.engine.work import WaitFor, wait_for

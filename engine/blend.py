@@ -46,7 +46,6 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ragkv.types import Mode
 from ragkv.engine.focus import FocusOptions, focus_layers, pick_chunks, score_chunks, spread
 from ragkv.engine.forward import Keep, layer_steps, project_kv, span
 from ragkv.engine.kv import ChunkKV, KVCache, layers_pending
@@ -55,6 +54,7 @@ from ragkv.engine.rope import RopeTables
 from ragkv.engine.select import Budget, layer_mean, question_attention, select_tokens, tokens_for_mass
 from ragkv.engine.tree import TreeContext, TreeLease
 from ragkv.engine.work import WaitFor, wait_for
+from ragkv.types import Mode
 
 
 class Selector(str, enum.Enum):

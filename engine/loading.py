@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ragkv.engine.family import FAMILIES, LANGUAGE_MODELS, Adapter, Family, config_value, family_of
 from ragkv.engine.fingerprint import (
     Fingerprint,
     hash_file,
@@ -27,7 +28,6 @@ from ragkv.engine.fingerprint import (
     tokenizer_fingerprint,
     weights_digest,
 )
-from ragkv.engine.family import FAMILIES, LANGUAGE_MODELS, Adapter, Family, config_value, family_of
 from ragkv.errors import ModelLoadError, UnsupportedModelError
 from ragkv.types import DType
 

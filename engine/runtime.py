@@ -18,11 +18,9 @@ from collections.abc import Generator, Sequence
 
 import torch
 
-from ragkv.types import Mode
 from ragkv.engine.answer import answer_steps
+from ragkv.engine.blend import BlendOptions, BlendResult, Prompt, PromptSteps, Selector, prompt_steps, resume_steps, tree_context
 from ragkv.engine.constrain import Constraint, ConstraintCompiler
-from ragkv.engine.blend import (BlendOptions, BlendResult, Prompt, PromptSteps, Selector, prompt_steps, resume_steps,
-                                tree_context)
 from ragkv.engine.decode import DecodeStream, SamplingParams
 from ragkv.engine.kv import ChunkKV
 from ragkv.engine.loading import LoadedModel
@@ -33,6 +31,7 @@ from ragkv.engine.speed import EngineSpeed
 from ragkv.engine.tree import KVTree, RecurrentSnapshot, TreeContext, TreeKey, TreeLease
 from ragkv.engine.work import WaitFor, drain
 from ragkv.errors import UnsupportedModelError
+from ragkv.types import Mode
 
 _PREFIX_MEMO_SIZE = 8  # distinct prefixes kept computed
 _CHUNK_KV_MODES = frozenset({Mode.REUSE, Mode.BLEND, Mode.FOCUS})

@@ -57,7 +57,6 @@ scheduler holds only typed work (tests/engine/test_scheduler.py checks it holds 
 from __future__ import annotations
 
 import collections
-import enum
 import logging
 import threading
 import time
@@ -68,8 +67,19 @@ from typing import Protocol
 
 from ragkv.engine.decode import DecodeStream, decode_batch, pick_greedy
 from ragkv.engine.memory import trim_host_heap
-from ragkv.engine.request import (Answered, ChunkComputed, ChunksReady, Decode, EndReason, Finished, Output, Request,
-                                  RequestStatus, TokenOut, Work)
+from ragkv.engine.request import (
+    Answered,
+    ChunkComputed,
+    ChunksReady,
+    Decode,
+    EndReason,
+    Finished,
+    Output,
+    Request,
+    RequestStatus,
+    TokenOut,
+    Work,
+)
 from ragkv.engine.speed import EngineSpeed
 from ragkv.engine.work import WaitFor
 from ragkv.errors import RagKVError

@@ -27,12 +27,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ragkv.types import Mode
 from ragkv.engine.blend import BlendOptions, BlendResult, Prompt
 from ragkv.engine.decode import SamplingParams
 from ragkv.engine.kv import ChunkKV
 from ragkv.engine.runtime import Engine
 from ragkv.evals.synthetic import EvalCase
+from ragkv.types import Mode
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +147,8 @@ def evaluate(engine: Engine, cases: Iterable[EvalCase], methods: Sequence[Method
         q = p.question_ids(case.question)
         full_ids = p.prompt_ids(list(case.chunks), case.question)
 
-        def run(m: Method, kvs: Sequence[ChunkKV]) -> tuple[BlendResult, float]:
+        def run(m: Method, kvs: Sequence[ChunkKV], full_ids: list[int] = full_ids, prefix_ids: list[int] = prefix_ids,
+                q: list[int] = q) -> tuple[BlendResult, float]:
             t = time.perf_counter()
             res = engine.run(Prompt(full_ids), Mode.FULL) if m.mode is Mode.FULL else \
                 engine.run(Prompt.of(prefix_ids, kvs, q), m.mode, options=m.options)

@@ -33,8 +33,7 @@ from ragkv.errors import IndexMismatchError
 from ragkv.indexer.chunking import ChunkingConfig, chunk_document
 from ragkv.indexer.corpus import Corpus, Document, load_corpus
 from ragkv.indexer.kv_job import KVItem, KVWriter, kv_key, open_store
-from ragkv.indexer.neighbours import (PLAIN_COPY_COMPRESSION, NeighbourContext, NeighbourOptions, context_ids,
-                                      select_neighbours)
+from ragkv.indexer.neighbours import PLAIN_COPY_COMPRESSION, NeighbourContext, NeighbourOptions, context_ids, select_neighbours
 from ragkv.indexer.sharding import shard_of
 from ragkv.indexer.spot import StopSignal
 from ragkv.retriever import vector_index
@@ -42,9 +41,16 @@ from ragkv.retriever.chunk_db import ChunkDB
 from ragkv.retriever.embedder import DEFAULT_EMBEDDER, Embedder
 from ragkv.retriever.lexical import LEXICAL_DIR, ROWS_NAME, LexicalIndex
 from ragkv.retriever.manifest import (
-    KV_DIR_NAME, IndexState, Manifest, ShardSpec, portable_kv_uris, read_manifest, resolve_kv_uris, write_manifest,
+    KV_DIR_NAME,
+    IndexState,
+    Manifest,
+    ShardSpec,
+    portable_kv_uris,
+    read_manifest,
+    resolve_kv_uris,
+    write_manifest,
 )
-from ragkv.retriever.records import ChunkRecord, DocId, DocumentRecord, Fingerprint
+from ragkv.retriever.records import ChunkRecord, DocumentRecord, Fingerprint
 from ragkv.types import DType
 
 if TYPE_CHECKING:

@@ -19,7 +19,12 @@ from ragkv.retriever import vector_index
 from ragkv.retriever.chunk_db import DB_NAME, ChunkDB
 from ragkv.retriever.lexical import LEXICAL_DIR, LexicalIndex
 from ragkv.retriever.manifest import (
-    IndexState, Manifest, portable_kv_uris, read_manifest, resolve_kv_uris, write_manifest,
+    IndexState,
+    Manifest,
+    portable_kv_uris,
+    read_manifest,
+    resolve_kv_uris,
+    write_manifest,
 )
 
 SHARD_DIR = re.compile(r"shard-(\d{5})-of-(\d{5})")  # ShardSpec.dir_name()

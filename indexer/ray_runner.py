@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ragkv.indexer.kv_job import KVItem, KVWriter, open_store
 from ragkv.errors import IndexMismatchError, RagKVError
+from ragkv.indexer.kv_job import KVItem, KVWriter, open_store
 
 INSTALL_HINT = "pip install 'ragkv[ray]'"
 IN_FLIGHT_PER_WORKER = 2  # batches queued on each actor, so it never idles while the driver marks one done

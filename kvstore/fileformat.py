@@ -44,10 +44,10 @@ from dataclasses import dataclass
 import crc32c
 import torch
 
+from ragkv.errors import KVFormatError
 from ragkv.kvstore.compression import Compression, check_supported, dequantize, quantize
 from ragkv.kvstore.entry import KVEntry, RopeMode
 from ragkv.kvstore.keys import FORMAT_VERSION, ChunkKey, check_prefix_hash
-from ragkv.errors import KVFormatError
 
 FORMAT_NAME = "ragkv-chunk-kv"
 CHECKSUM_ALGO = "crc32c"

@@ -26,11 +26,11 @@ from typing import Protocol
 
 import torch
 
+from ragkv.errors import KVFormatError, StoreError
 from ragkv.kvstore.compression import Compression
 from ragkv.kvstore.entry import KVEntry
 from ragkv.kvstore.fileformat import FileHead, block_crc, check_head, data_start, decode, entry_views, stored_block_crcs
 from ragkv.kvstore.keys import ChunkKey
-from ragkv.errors import KVFormatError, StoreError
 
 HEAD_BYTES = 1 << 16  # first read: the header of any file we write, and the start of k
 

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ragkv.errors import StoreError
 from ragkv.kvstore.config import StoreConfig, TierSpec
 from ragkv.kvstore.entry import KVEntry
 from ragkv.kvstore.keys import ChunkKey, check_fingerprint
@@ -39,7 +40,6 @@ from ragkv.kvstore.tiers.disk import DiskTier
 from ragkv.kvstore.tiers.memory import CpuTier, GpuTier
 from ragkv.kvstore.tiers.s3 import S3Tier
 from ragkv.kvstore.timing import ReadEstimate, ReadTiming
-from ragkv.errors import StoreError
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NewType
 DocId = NewType("DocId", str)  # a document's id: its relative path, or the "id" of a JSONL line
 ChunkId = NewType("ChunkId", str)  # 32 hex chars, sha256 over (doc id, occurrence, chunk text)
 ContentHash = NewType("ContentHash", str)  # 64 hex chars, sha256 of a document's text + metadata
-from ragkv.types import Fingerprint
+from ragkv.types import Fingerprint  # noqa: E402, F401 - re-exported: the index's records name it here
 
 if TYPE_CHECKING:  # kvstore pulls torch in; `ragkv index --help` must not
     from ragkv.kvstore import ChunkKey

@@ -239,8 +239,8 @@ class Retriever:
         params = None
         if allowed is not None:
             params = vector_index.search_params(self._index, allowed)
-        D, I = self._index.search(np.ascontiguousarray(xq), k, params=params)  # [nq, k] each
-        return [[(int(i), float(d)) for d, i in zip(drow, irow) if i >= 0] for drow, irow in zip(D, I)]
+        dists, ids = self._index.search(np.ascontiguousarray(xq), k, params=params)  # [nq, k] each
+        return [[(int(i), float(d)) for d, i in zip(drow, irow) if i >= 0] for drow, irow in zip(dists, ids)]
 
     def _lexical_search(self, query: str, k: int, allowed: np.ndarray | None, *, fill: bool) -> Ranked:
         """BM25 top-``k`` (row, score), only among ``allowed`` rows when given. Chunks sharing no

@@ -27,8 +27,8 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     args = ap.parse_args()
 
-    from ragkv.engine import BlendOptions, Engine, FocusOptions, Prompt, load_model
     from ragkv.cli.eval import index_cases
+    from ragkv.engine import BlendOptions, Engine, FocusOptions, Prompt, load_model
 
     eng = Engine(load_model(args.model))
     p, opts = eng.prompt, BlendOptions(focus=FocusOptions(keep=args.focus_keep))

@@ -3,6 +3,7 @@ float32 and bfloat16: ratio 1.0 against full prefill, a budget past an exact fir
 full prefill, where blend 0.15 picks its tokens, and what a focus lookup keeps. Run it on a GPU host
 with ragkv installed: python scripts/gpu_blend_check.py (docs/quality.md, issue 39)."""
 import torch
+
 from ragkv.engine import BlendOptions, Engine, FocusOptions, Prompt, load_model
 from ragkv.evals.testing import tiny_model_dir
 from ragkv.types import Mode

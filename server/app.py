@@ -19,8 +19,6 @@ import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ragkv.v1 import ragkv_pb2 as pb
-from ragkv.v1 import ragkv_pb2_grpc as pb_grpc
 from ragkv.engine.scheduler import Scheduler, SchedulerConfig
 from ragkv.server.admission import Admission
 from ragkv.server.answering import QueryRunner
@@ -31,6 +29,8 @@ from ragkv.server.metrics import ServerMetrics
 from ragkv.server.service import RagService
 from ragkv.server.settings import ServerSettings
 from ragkv.server.undecodable import UndecodableRequestInterceptor
+from ragkv.v1 import ragkv_pb2 as pb
+from ragkv.v1 import ragkv_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

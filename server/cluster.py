@@ -54,13 +54,32 @@ from ragkv.server.admission import Admission
 from ragkv.server.answering import QueryRunner, RunEvent
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.query import Query
-from ragkv.server.routing import (ConversationId, KeyFilter, KeyHex, Policy, ReplicaSummary, ReplicaView, RouteKeys,
-                                  conversation_id, note_routed, rank)
+from ragkv.server.routing import (
+    ConversationId,
+    KeyFilter,
+    KeyHex,
+    Policy,
+    ReplicaSummary,
+    ReplicaView,
+    RouteKeys,
+    conversation_id,
+    note_routed,
+    rank,
+)
 from ragkv.server.service import RagService
 from ragkv.server.settings import ServerSettings
 from ragkv.server.status import NotServingError, ReplicaLostError, UnknownCollectionError
-from ragkv.types import (ChatRole, CollectionInfo, CollectionStats, MetadataFilter, Mode, QueryStats, RetrievedChunk,
-                         SearchMode, Tier)
+from ragkv.types import (
+    ChatRole,
+    CollectionInfo,
+    CollectionStats,
+    MetadataFilter,
+    Mode,
+    QueryStats,
+    RetrievedChunk,
+    SearchMode,
+    Tier,
+)
 
 log = logging.getLogger(__name__)
 
@@ -257,8 +276,8 @@ class IngressBackend:
     """The ingress's side of `QueryBackend`: the indexes for search, the replicas for the rest."""
 
     def __init__(self, settings: ServerSettings, engines: DeploymentHandle) -> None:
-        from ragkv.kvstore import hash_prefix
         from ragkv.indexer.neighbours import NeighbourOptions
+        from ragkv.kvstore import hash_prefix
         from ragkv.retriever import Retriever
         from ragkv.server.search_config import retriever_options
 

@@ -33,10 +33,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ragkv.server.admission import Admission
-from ragkv.server.answering import Answerer
 from ragkv.engine.request import ChunksReady
-from ragkv.server.answering import TokenEvent
+from ragkv.server.admission import Admission
+from ragkv.server.answering import Answerer, TokenEvent
 from ragkv.server.backend import QueryBackend
 from ragkv.server.keys import ANONYMOUS, Caller, KeyRing, PermissionDeniedError, RateLimitedError
 from ragkv.server.metrics import ServerMetrics

@@ -30,18 +30,27 @@ from ragkv.engine.constrain import GrammarError
 from ragkv.engine.detokenize import Detokenizer
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT
 from ragkv.engine.request import ChunkComputed, LoadedKV, PromptChunk, Request, Work
-from ragkv.server.query import Query
-from ragkv.server.loading import ControllerConfig, LoadingController
-from ragkv.indexer.neighbours import NeighbourOptions
-from ragkv.kvstore import (ChunkKey, Compression, KVEntry, PrefetchHandle, PrefixHash, StoreConfig, TieredStore,
-                           TierSpec, hash_prefix)
 from ragkv.errors import IndexMismatchError, StoreError
-from ragkv.types import (CollectionInfo, CollectionStats, MetadataFilter, Mode, RetrievedChunk, SearchMode, Tier)
+from ragkv.indexer.neighbours import NeighbourOptions
+from ragkv.kvstore import (
+    ChunkKey,
+    Compression,
+    KVEntry,
+    PrefetchHandle,
+    PrefixHash,
+    StoreConfig,
+    TieredStore,
+    TierSpec,
+    hash_prefix,
+)
 from ragkv.retriever import Hit, Retriever
+from ragkv.server.loading import ControllerConfig, LoadingController
+from ragkv.server.query import Query
 from ragkv.server.search_config import retriever_options
 from ragkv.server.settings import ServerSettings
 from ragkv.server.status import InvalidArgumentError, UnknownCollectionError
 from ragkv.server.structured import OutputSpec, output_spec, turn_text
+from ragkv.types import CollectionInfo, CollectionStats, MetadataFilter, Mode, RetrievedChunk, SearchMode, Tier
 
 log = logging.getLogger(__name__)
 

@@ -22,17 +22,17 @@ import grpc
 import grpc.aio
 
 from ragkv import convert
-from ragkv.types import RetrieveResult, ToolCallDelta
-from ragkv.v1 import ragkv_pb2 as pb
-from ragkv.v1 import ragkv_pb2_grpc as pb_grpc
-from ragkv.server.admission import Admission
 from ragkv.engine.request import ChunksReady
+from ragkv.server.admission import Admission
 from ragkv.server.answering import Answerer, TokenEvent
 from ragkv.server.backend import QueryBackend
 from ragkv.server.keys import ANONYMOUS, Caller, KeyRing, PermissionDeniedError, RateLimitedError
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.status import NotServingError, status_for
 from ragkv.server.validation import RequestLimits, validate_query, validate_retrieve
+from ragkv.types import RetrieveResult, ToolCallDelta
+from ragkv.v1 import ragkv_pb2 as pb
+from ragkv.v1 import ragkv_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

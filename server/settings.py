@@ -16,9 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ragkv.types import DEFAULT_COLLECTION, DType, Mode, SearchMode  # noqa: F401  (DType re-exported for settings users)
 from ragkv.engine.focus import FocusOptions
 from ragkv.server.validation import RequestLimits
+from ragkv.types import DEFAULT_COLLECTION, DType, Mode, SearchMode  # noqa: F401  (DType re-exported for settings users)
 
 _FOCUS = FocusOptions()  # the engine's focus defaults: the settings below that it shares are read from it
 

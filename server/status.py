@@ -11,9 +11,8 @@ from collections.abc import Iterable
 
 import grpc
 
-from ragkv.engine.scheduler import SchedulerFullError, SchedulerStoppedError
-from ragkv.server.keys import PermissionDeniedError, RateLimitedError, UnauthenticatedError
 from ragkv.convert import WireValueError
+from ragkv.engine.scheduler import SchedulerFullError, SchedulerStoppedError
 from ragkv.errors import (
     IndexMismatchError,
     KVFormatError,
@@ -22,6 +21,7 @@ from ragkv.errors import (
     StoreError,
     UnsupportedModelError,
 )
+from ragkv.server.keys import PermissionDeniedError, RateLimitedError, UnauthenticatedError
 
 
 class InvalidArgumentError(RagKVError, ValueError):

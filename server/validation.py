@@ -16,6 +16,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ragkv.engine.decode import SamplingParams
+from ragkv.server.query import Query
+from ragkv.server.status import InvalidArgumentError
 from ragkv.types import (
     DEFAULT_COLLECTION,
     ChatRole,
@@ -28,9 +31,6 @@ from ragkv.types import (
     SearchMode,
     ToolChoiceMode,
 )
-from ragkv.engine.decode import SamplingParams
-from ragkv.server.query import Query
-from ragkv.server.status import InvalidArgumentError
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,10 +17,10 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from ragkv.types import Tier, TierStats  # noqa: F401  (re-exported: the one tier enum, the one TierStats)
 from ragkv.kvstore.entry import KVEntry
 from ragkv.kvstore.keys import ChunkKey, check_fingerprint
 from ragkv.kvstore.layered import LayerGate
+from ragkv.types import Tier, TierStats  # noqa: F401  (re-exported: the one tier enum, the one TierStats)
 
 Spawn = Callable[[Callable[[], None]], object]  # runs the rest of a layer-wise read (a thread pool's submit)
 
@@ -153,7 +153,7 @@ class StorageTier(abc.ABC):
                 put_seconds=c.put_seconds, max_get_seconds=c.max_get_seconds,
             )
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional to override: most tiers hold nothing open
         """Release what the tier holds open (nothing by default)."""
 
     def _check_entry(self, entry: KVEntry) -> None:

@@ -28,14 +28,13 @@ from typing import BinaryIO
 
 import torch
 
-
+from ragkv.errors import StoreError
 from ragkv.kvstore.compression import Compression
 from ragkv.kvstore.eviction import EvictionTracker, Policy
 from ragkv.kvstore.fileformat import CHECKSUM_BLOCK_BYTES, BlockCrcs, _crc_pool, block_crc, data_start
 from ragkv.kvstore.keys import ChunkKey
 from ragkv.kvstore.tiers.base import Tier
 from ragkv.kvstore.tiers.durable import DurableTier
-from ragkv.errors import StoreError
 
 logger = logging.getLogger(__name__)
 

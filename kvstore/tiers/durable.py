@@ -17,13 +17,13 @@ import logging
 import time
 from collections.abc import Callable
 
+from ragkv.errors import KVFormatError, StoreError
 from ragkv.kvstore.compression import Compression, check_supported
 from ragkv.kvstore.entry import KVEntry
 from ragkv.kvstore.fileformat import BlockCrcs, decode, encode
 from ragkv.kvstore.keys import ChunkKey
 from ragkv.kvstore.layered import ByteSource, LayerGate, read_layered
 from ragkv.kvstore.tiers.base import Hit, Spawn, StorageTier
-from ragkv.errors import KVFormatError, StoreError
 
 logger = logging.getLogger(__name__)
 

@@ -13,11 +13,11 @@ import time
 
 import torch
 
+from ragkv.errors import StoreError
 from ragkv.kvstore.entry import KVEntry
 from ragkv.kvstore.eviction import EvictionTracker, Policy
 from ragkv.kvstore.keys import ChunkKey
 from ragkv.kvstore.tiers.base import Hit, StorageTier, Tier
-from ragkv.errors import StoreError
 
 
 class MemoryTier(StorageTier):

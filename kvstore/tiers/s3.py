@@ -25,13 +25,13 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
+from ragkv.errors import KVFormatError, StoreError
 from ragkv.kvstore.compression import Compression
 from ragkv.kvstore.entry import KVEntry
 from ragkv.kvstore.fileformat import read_header
 from ragkv.kvstore.keys import ChunkKey
 from ragkv.kvstore.tiers.base import Tier
 from ragkv.kvstore.tiers.durable import DurableTier
-from ragkv.errors import KVFormatError, StoreError
 
 logger = logging.getLogger(__name__)
 

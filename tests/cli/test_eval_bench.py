@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from ragkv.evals.synthetic import TASKS, make_cases
 from ragkv.cli.main import main
+from ragkv.evals.synthetic import TASKS, make_cases
 
 
 def _json(capsys) -> dict:

@@ -7,9 +7,31 @@ from google.protobuf.message import Message
 
 from ragkv import convert
 from ragkv.types import (
-    ChatRole, ChatTurn, Citation, CollectionInfo, CollectionStats, FilterOp, FinishReason, KVSource, MetadataFilter, Mode,
-    QueryOptions, QueryStats, ResponseFormat, ResponseFormatKind, RetrievedChunk, RetrieveResult, SearchMode, Tier,
-    TierStats, Tool, ToolCall, ToolCallDelta, ToolChoice, ToolChoiceMode, Usage,
+    ChatRole,
+    ChatTurn,
+    Citation,
+    CollectionInfo,
+    CollectionStats,
+    FilterOp,
+    FinishReason,
+    KVSource,
+    MetadataFilter,
+    Mode,
+    QueryOptions,
+    QueryStats,
+    ResponseFormat,
+    ResponseFormatKind,
+    RetrievedChunk,
+    RetrieveResult,
+    SearchMode,
+    Tier,
+    TierStats,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    ToolChoice,
+    ToolChoiceMode,
+    Usage,
 )
 from ragkv.v1 import ragkv_pb2 as pb
 
@@ -79,7 +101,8 @@ def test_chunk_stats_and_retrieve_round_trip() -> None:
 
 
 def test_collection_round_trip() -> None:
-    stats = CollectionStats(CollectionInfo("docs", 10, "m", "t"), (TierStats(Tier.CPU, *range(1, 12), 1 << 30, 0.5, 0.25, 0.125),))
+    stats = CollectionStats(CollectionInfo("docs", 10, "m", "t"),
+                            (TierStats(Tier.CPU, *range(1, 12), 1 << 30, 0.5, 0.25, 0.125),))
     msg = convert.collection_stats_to_proto(stats)
     assert _all_fields_set(msg) == []
     assert convert.collection_stats_from_proto(msg) == stats

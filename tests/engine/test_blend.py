@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragkv.types import Mode
 from ragkv.engine import BlendOptions, Engine, Prompt, load_model
 from ragkv.evals.testing import tiny_model_dir
+from ragkv.types import Mode
 
 CHUNKS = [
     "Paris is the capital of France. The secret number is 4721.",

@@ -39,7 +39,7 @@ def test_free_requests_keep_their_tokens_beside_constrained_ones(tiny_lm) -> Non
     engine = Engine(tiny_lm)
     alone = _alone(engine)
     sched = Scheduler(SchedulerConfig(prompt_slice_s=1e-4))
-    sinks, outs, constrained = [], [], []
+    outs, constrained = [], []
     grammars = [json_schema_grammar(SCHEMA), lark_grammar(f"start: /{NUMBER}/")]
     for i, (mode, n, q, m) in enumerate(REQUESTS):
         outs.append(_Sink())

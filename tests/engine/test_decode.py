@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragkv.engine import Engine, KVCache, Prompt, SamplingParams, load_model
+from ragkv.engine import Engine, Prompt, SamplingParams, load_model
 from ragkv.types import FinishReason, Mode
 
 CHUNKS = [

@@ -149,7 +149,8 @@ def test_handover_blends_every_chunk_when_several_are_kept(tiny):
     assert (res.logits - full.logits).abs().max() <= 1e-4
     assert res.chunk_scores is not None and len(res.chunk_scores) == 3 and max(res.chunk_scores) > 0.99
     one = BlendOptions(focus=FocusOptions(keep=1.0, handover=True, spread=0.0))
-    alone, before = (tiny.run(Prompt.of(prefix, kvs, q), "focus", options=o) for o in (one, BlendOptions(focus=FocusOptions(keep=1.0))))
+    alone, before = (tiny.run(Prompt.of(prefix, kvs, q), "focus", options=o)
+                     for o in (one, BlendOptions(focus=FocusOptions(keep=1.0))))
     assert len(alone.used_chunks) == 1 and alone.used_chunks == before.used_chunks
     assert torch.equal(alone.logits, before.logits)
 

@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
-from ragkv.types import Mode
 from ragkv.engine import BlendOptions, Engine, FocusOptions, Prompt, load_model
 from ragkv.engine.kv import KVCache
-from ragkv.evals.testing import tiny_model_dir
 from ragkv.errors import KVFormatError
+from ragkv.evals.testing import tiny_model_dir
+from ragkv.types import Mode
 from tests.engine.test_blend import _parts
 
 

@@ -8,10 +8,9 @@ import sys
 
 import pytest
 
-from ragkv.engine import load_model
-from ragkv.engine import loading
-from ragkv.evals.testing import tiny_model_dir
+from ragkv.engine import load_model, loading
 from ragkv.errors import ModelLoadError, UnsupportedModelError
+from ragkv.evals.testing import tiny_model_dir
 
 
 def test_missing_path_is_one_clear_error(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ragkv.engine import Engine, Prompt, SamplingParams, load_model
-from ragkv.engine.request import Decode, Finished, EndReason, LoadedKV, PromptChunk, Request, TokenOut, Work
+from ragkv.engine.request import Decode, EndReason, Finished, LoadedKV, PromptChunk, Request, TokenOut, Work
 from ragkv.engine.scheduler import Scheduler, SchedulerConfig, SchedulerFullError
 from ragkv.engine.speed import EngineSpeed
 from ragkv.evals.testing import tiny_model_dir
@@ -469,9 +469,9 @@ def test_a_request_waiting_for_its_kv_stalls_nobody(tiny_lm, tmp_path, monkeypat
     inter-token latency (the gaps between the decode steps they share) has a p95 within 20%
     of the same run without the slow read (plus 1 ms for the clock), no gap comes near the
     read's second, and the 4th's answer is the answer it gets without the wait."""
-    import numpy as np
-
     from concurrent.futures import Future
+
+    import numpy as np
 
     from ragkv.engine.kv import ChunkKV
     from ragkv.engine.request import RequestStatus

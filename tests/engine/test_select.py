@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragkv.types import Mode
 from ragkv.engine import BlendOptions, Budget, Prompt
 from ragkv.engine.select import layer_mean, select_tokens
+from ragkv.types import Mode
 
 
 def test_chunk_budget_gives_each_chunk_its_share_of_its_own_best():
@@ -45,7 +45,8 @@ def test_chunk_budget_blend_recomputes_every_inexact_chunk(tiny_llama_engine):
     from tests.engine.test_blend import _parts
 
     prefix, kvs, q, _ = _parts(tiny_llama_engine)
-    res = tiny_llama_engine.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=BlendOptions(0.3, budget="chunk", selector="query"))
+    res = tiny_llama_engine.run(Prompt.of(prefix, kvs, q), Mode.BLEND,
+                                options=BlendOptions(0.3, budget="chunk", selector="query"))
     starts = torch.tensor([len(prefix) + sum(k.num_tokens for k in kvs[:i]) for i in range(len(kvs) + 1)])
     per_chunk = torch.bucketize(res.recomputed, starts[1:], right=True).bincount(minlength=len(kvs))
     # plain KV: the first chunk's is exact in the prompt, so the whole budget is shared by the others

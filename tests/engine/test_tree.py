@@ -7,11 +7,11 @@ import gc
 import pytest
 import torch
 
-from ragkv.types import Mode
 from ragkv.engine import BlendOptions, Engine, FocusOptions, Prompt, SamplingParams, load_model
 from ragkv.engine.kv import KVCache
 from ragkv.engine.tree import KVTree, TreeContext, TreeKey
 from ragkv.evals.testing import FAMILY_CONFIGS, HYBRIDS, tiny_model_dir
+from ragkv.types import Mode
 
 CHUNKS = [
     "Paris is the capital of France. The secret number is 4721.",

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from ragkv.errors import IndexMismatchError
 from ragkv.indexer.job import run_index
 from ragkv.indexer.spot import EXIT_INTERRUPTED, IndexInterrupted, StopReason, StopSignal
-from ragkv.errors import IndexMismatchError
 from tests.indexer.helpers import CHUNK_SIZE, OVERLAP, assert_same_index, dump_index, index_chunks, kv_files
 
 REPO = Path(__file__).resolve().parents[2]

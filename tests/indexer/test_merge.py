@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
+from ragkv.errors import RagKVError
 from ragkv.indexer.job import run_index
 from ragkv.indexer.merge import merge_shards
-from ragkv.errors import RagKVError
 from ragkv.retriever.manifest import ShardSpec
 from tests.indexer.helpers import assert_same_index, kv_files
 

@@ -132,9 +132,9 @@ def test_serving_neighbour_kv_every_mode_and_blend_1_equals_full(tiny_lm):
 
 def test_index_with_neighbours_records_options_keys_and_stores_context_kv(job_config, tiny_lm, embedder):
     from ragkv.indexer.job import run_index
-    from ragkv.retriever.manifest import read_manifest
-    from ragkv.kvstore import KVEntry  # noqa: F401  (the store's entry type)
     from ragkv.indexer.kv_job import kv_key, open_store
+    from ragkv.kvstore import KVEntry  # noqa: F401  (the store's entry type)
+    from ragkv.retriever.manifest import read_manifest
 
     plain_cfg = dataclasses.replace(job_config, out=job_config.out.parent / "plain")
     run_index(plain_cfg, lm=tiny_lm, embedder=embedder)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from ragkv.cli.main import main
 from ragkv.indexer.job import Runner, run_index
 from ragkv.indexer.spot import IndexInterrupted, StopReason, StopSignal
-from ragkv.cli.main import main
 from tests.indexer.helpers import assert_same_index, dump_index, kv_files
 
 REPO = Path(__file__).resolve().parents[2]

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from ragkv.errors import IndexMismatchError
 from ragkv.cli.index import read_system_prompt
+from ragkv.errors import IndexMismatchError
 from tests.indexer.helpers import write_corpus
 
 

@@ -10,8 +10,18 @@ import pytest
 import torch
 
 from ragkv.kvstore import (
-    ChunkKey, Compression, CpuTier, DiskTier, GpuTier, KVEntry, Policy, S3Settings, S3Tier,
-    StorageTier, Tier, hash_prefix,
+    ChunkKey,
+    Compression,
+    CpuTier,
+    DiskTier,
+    GpuTier,
+    KVEntry,
+    Policy,
+    S3Settings,
+    S3Tier,
+    StorageTier,
+    Tier,
+    hash_prefix,
 )
 
 MODEL_FP = "model-a"

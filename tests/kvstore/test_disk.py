@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from ragkv.errors import StoreError
 from ragkv.kvstore import DiskTier, Policy
 from ragkv.kvstore.fileformat import encode
 from ragkv.kvstore.tiers import disk as disk_module
-from ragkv.errors import StoreError
 from tests.kvstore.conftest import MODEL_FP, TOKENIZER_FP, assert_same, make_entry
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,9 +9,9 @@ import pytest
 import safetensors.torch
 import torch
 
+from ragkv.errors import KVFormatError
 from ragkv.kvstore import FORMAT_VERSION, Compression
 from ragkv.kvstore.fileformat import decode, encode, read_header
-from ragkv.errors import KVFormatError
 from tests.kvstore.conftest import MODEL_FP, TOKENIZER_FP, assert_same, make_entry
 
 

@@ -8,10 +8,10 @@ import threading
 import pytest
 import torch
 
+from ragkv.errors import KVFormatError, StoreError
 from ragkv.kvstore import Compression, StoreConfig, Tier, TieredStore
 from ragkv.kvstore.fileformat import data_start, encode
 from ragkv.kvstore.layered import LayerGate, read_layered
-from ragkv.errors import KVFormatError, StoreError
 from tests.kvstore.conftest import MODEL_FP, TOKENIZER_FP, assert_same, make_entry
 
 # 8 layers of 2 x 512 x 64 fp32: 256 KiB of K per layer, so k and v span 2 MiB each (1 MiB blocks)

@@ -7,7 +7,6 @@ waiter writes the fresh KV back only after the bad file is gone, and a late quar
 
 from __future__ import annotations
 
-
 import pytest
 
 from ragkv.errors import KVFormatError

@@ -9,10 +9,10 @@ import socket
 import boto3
 import pytest
 
+from ragkv.errors import StoreError
 from ragkv.kvstore import Compression, S3Settings, S3Tier
 from ragkv.kvstore.fileformat import encode
 from ragkv.kvstore.tiers.s3 import MIN_PART_BYTES
-from ragkv.errors import StoreError
 from tests.kvstore.conftest import MODEL_FP, TOKENIZER_FP, assert_same, make_entry
 
 

@@ -9,11 +9,20 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from ragkv.errors import StoreError
 from ragkv.kvstore import (
-    Compression, CpuTier, DiskTier, Policy, S3Settings, S3Tier, StoreConfig, Tier, TieredStore, TierSpec,
+    Compression,
+    CpuTier,
+    DiskTier,
+    Policy,
+    S3Settings,
+    S3Tier,
+    StoreConfig,
+    Tier,
+    TieredStore,
+    TierSpec,
     parse_bytes,
 )
-from ragkv.errors import StoreError
 from tests.kvstore.conftest import MODEL_FP, TOKENIZER_FP, assert_same, make_entry
 
 

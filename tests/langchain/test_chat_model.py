@@ -12,7 +12,11 @@ import pytest
 from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage, ToolMessage
 
 from ragkv.langchain import (
-    RagKVChatModel, RagKVServerError, history_from_messages, question_from_messages, system_prompt_from_messages,
+    RagKVChatModel,
+    RagKVServerError,
+    history_from_messages,
+    question_from_messages,
+    system_prompt_from_messages,
 )
 from ragkv.types import ChatRole, ChatTurn
 from tests.langchain.conftest import TOKEN

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from ragkv.indexer.job import run_index
 from ragkv.errors import IndexMismatchError, RagKVError
+from ragkv.indexer.job import run_index
 from ragkv.retriever import Hit, Retriever
 from tests.indexer.helpers import NEEDLE_QUESTION
 
@@ -103,5 +103,5 @@ def test_vector_index_kind_by_size():
     xb /= np.linalg.norm(xb, axis=1, keepdims=True)
     ids = np.arange(1000, 1300, dtype=np.int64)
     for kind in VectorIndexKind:
-        D, I = vector_index.build(ids, xb, kind).search(xb[:5], 1)
-        assert list(I[:, 0]) == list(ids[:5])  # ids map back, each vector finds itself
+        _, found = vector_index.build(ids, xb, kind).search(xb[:5], 1)
+        assert list(found[:, 0]) == list(ids[:5])  # ids map back, each vector finds itself

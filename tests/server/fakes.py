@@ -7,7 +7,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from ragkv.engine.request import Answered, ChunkComputed, ChunksReady, Request, TokenOut, Work
 from ragkv.errors import IndexMismatchError
+from ragkv.server.inprocess import InProcessServer
+from ragkv.server.query import Query
+from ragkv.server.settings import ServerSettings
+from ragkv.server.status import UnknownCollectionError
 from ragkv.types import (
     CollectionInfo,
     CollectionStats,
@@ -17,11 +22,6 @@ from ragkv.types import (
     Tier,
     TierStats,
 )
-from ragkv.server.inprocess import InProcessServer
-from ragkv.engine.request import Answered, ChunkComputed, ChunksReady, Request, TokenOut, Work
-from ragkv.server.query import Query
-from ragkv.server.settings import ServerSettings
-from ragkv.server.status import UnknownCollectionError
 
 TIERS = (Tier.CPU, Tier.DISK, Tier.COMPUTED, Tier.GPU)
 CORPUS = tuple(

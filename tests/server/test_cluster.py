@@ -37,8 +37,7 @@ from ragkv.server.query import Query  # noqa: E402
 from ragkv.server.routing import Policy, RouteKeys  # noqa: E402
 from ragkv.server.settings import CollectionSpec  # noqa: E402
 from ragkv.server.status import ReplicaLostError, status_for  # noqa: E402
-from ragkv.types import (ChatRole, ChatTurn, FinishReason, Mode, QueryStats, RetrievedChunk, Tool, ToolCall,  # noqa: E402
-                         Usage)
+from ragkv.types import ChatRole, ChatTurn, FinishReason, Mode, QueryStats, RetrievedChunk, Tool, ToolCall, Usage  # noqa: E402
 from tests.server.fakes import ServerThread, build_index, settings  # noqa: E402
 
 CORPUS = {f"topic{i}.txt": f"Topic {i}: the secret number of topic {i} is {4700 + i}, chosen by player {i}. " * 2

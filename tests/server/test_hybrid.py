@@ -6,7 +6,6 @@ without the tree gives."""
 
 from __future__ import annotations
 
-
 import grpc
 import pytest
 

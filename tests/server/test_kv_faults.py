@@ -11,8 +11,8 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import functools
+import json
 import threading
 import time
 from pathlib import Path
@@ -22,8 +22,8 @@ import pytest
 from ragkv.client import RagClient
 from ragkv.errors import KVFormatError
 from ragkv.kvstore import ChunkKey, LayerGate
-from ragkv.types import Tier
 from ragkv.server.settings import CollectionSpec
+from ragkv.types import Tier
 from tests.server.fakes import ServerThread, settings
 from tests.server.test_pipeline import QUESTION, _copy, tiny_index  # noqa: F401 - the session fixture
 

@@ -5,8 +5,8 @@ live server on loopback over the fake backend."""
 from __future__ import annotations
 
 import asyncio
-import time
 import json
+import time
 import urllib.error
 import urllib.request
 

@@ -15,8 +15,8 @@ import pytest
 
 from ragkv.client import RagClient
 from ragkv.retry import NO_RETRY
-from ragkv.types import FinishReason, KVSource, Mode, Tier
 from ragkv.server.settings import CollectionSpec
+from ragkv.types import FinishReason, KVSource, Mode, Tier
 from tests.indexer.helpers import index_chunks
 from tests.server.fakes import ServerThread, settings
 
@@ -246,8 +246,8 @@ def test_a_layered_read_that_fails_mid_prompt_is_recomputed(
     import dataclasses
 
     import ragkv.server.pipeline as sp
-    from ragkv.kvstore import LayerGate
     from ragkv.errors import KVFormatError
+    from ragkv.kvstore import LayerGate
 
     real = sp.ChunkKV.from_stored
     failed = []

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from ragkv.client import RagClient
-from ragkv.types import Mode, Tier
 from ragkv.server.settings import CollectionSpec
+from ragkv.types import Mode, Tier
 from tests.server.fakes import ServerThread, settings
 from tests.server.test_pipeline import CORPUS
 

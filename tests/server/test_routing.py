@@ -9,8 +9,20 @@ from collections import Counter
 
 import pytest
 
-from ragkv.server.routing import (AFFINITY_BONUS, SETTLE_S, TIER_WEIGHTS, KeyFilter, Policy, ReplicaSummary,
-                                  ReplicaView, RouteKeys, chunk_score, conversation_id, note_routed, rank)
+from ragkv.server.routing import (
+    AFFINITY_BONUS,
+    SETTLE_S,
+    TIER_WEIGHTS,
+    KeyFilter,
+    Policy,
+    ReplicaSummary,
+    ReplicaView,
+    RouteKeys,
+    chunk_score,
+    conversation_id,
+    note_routed,
+    rank,
+)
 from ragkv.types import Tier
 
 

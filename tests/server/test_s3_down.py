@@ -15,8 +15,8 @@ import boto3
 import pytest
 
 from ragkv.client import RagClient
-from ragkv.types import Tier
 from ragkv.server.settings import CollectionSpec
+from ragkv.types import Tier
 from tests.server.fakes import ServerThread, settings
 from tests.server.test_pipeline import QUESTION, _copy, tiny_index  # noqa: F401 - the session fixture
 

@@ -15,8 +15,8 @@ import pytest
 from ragkv.client import RagClient
 from ragkv.retry import NO_RETRY
 from ragkv.server.settings import CollectionSpec
-from ragkv.server.validation import RequestLimits, validate_query, validate_retrieve
 from ragkv.server.status import InvalidArgumentError
+from ragkv.server.validation import RequestLimits, validate_query, validate_retrieve
 from ragkv.types import FilterOp, MetadataFilter, Mode, QueryOptions, SearchMode
 from tests.server.fakes import ServerThread, settings
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from ragkv.engine.focus import FocusOptions
-from ragkv.types import Mode
 from ragkv.server.settings import CollectionSpec, DType, ServerSettings, load_settings
+from ragkv.types import Mode
 
 
 def test_defaults() -> None:

@@ -67,7 +67,8 @@ def test_checkov_passes() -> None:
     try:
         report = json.loads(p.stdout)
     except json.JSONDecodeError as e:
-        raise AssertionError(f"checkov produced no JSON report (rc={p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}") from e
+        raise AssertionError(f"checkov produced no JSON report (rc={p.returncode}):\n{p.stdout[-2000:]}\n"
+                             f"{p.stderr[-3000:]}") from e
     reports = report if isinstance(report, list) else [report]
     failed = [
         f"{c['check_id']} {c['check_name']} -> {c['resource']} ({c['file_path']}:{c['file_line_range']})"

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from tests.terraform.conftest import REPO_ROOT, TERRAFORM_DIR
-from tests.terraform.test_invariants import _label, _v, blocks, parse, tf_files
+from tests.terraform.test_invariants import _v, blocks, parse, tf_files
 
 SERVING = TERRAFORM_DIR / "modules" / "serving"
 TEMPLATES = [SERVING / "templates" / "user_data.sh.tftpl", SERVING / "templates" / "ray_node.sh.tftpl"]

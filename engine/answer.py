@@ -27,11 +27,11 @@ from typing import Protocol
 
 from ragkv.engine.blend import BlendOptions, BlendResult, Prompt, PromptSteps
 from ragkv.engine.constrain import Constraint
+from ragkv.engine.conversation import Conversations, TreeSpot
 from ragkv.engine.decode import DecodeStream, SamplingParams
 from ragkv.engine.kv import ChunkKV
 from ragkv.engine.request import Answered, ChunkComputed, ChunksReady, Decode, LoadedKV, PromptChunk, Request, Work
 from ragkv.engine.speed import EngineSpeed
-from ragkv.engine.tree import RecurrentSnapshot, TreeKey, TreeLease
 from ragkv.engine.work import WaitFor, wait_for
 from ragkv.errors import KVFormatError, RagKVError, StoreError
 from ragkv.types import FinishReason, KVSource, Mode, Tier
@@ -43,6 +43,7 @@ class PromptEngine(Protocol):
     """What a request's work needs of the engine (`engine.runtime.Engine` is it)."""
 
     speed: EngineSpeed
+    conversations: Conversations  # the KV tree's one door
 
     def reads_chunk_kv(self, mode: Mode) -> bool: ...
 
@@ -50,15 +51,10 @@ class PromptEngine(Protocol):
                       ) -> Generator[int | WaitFor, None, ChunkKV]: ...
 
     def run_steps(self, prompt: Prompt, mode: Mode, options: BlendOptions | None = None, reserve_tokens: int = 256,
-                  resume: TreeLease | None = None) -> PromptSteps: ...
+                  resume: TreeSpot | None = None) -> PromptSteps: ...
 
     def decode(self, prompt: BlendResult, params: SamplingParams | None = None,
                constraint: Constraint | None = None) -> DecodeStream: ...
-
-    def snapshot(self, res: BlendResult) -> RecurrentSnapshot | None: ...
-
-    def remember(self, key: TreeKey, mode: Mode, res: BlendResult, question_tokens: int, prefix_tokens: int,
-                 answer_ids: Sequence[int] = (), snapshot: RecurrentSnapshot | None = None) -> int: ...
 
 
 def answer_steps(engine: PromptEngine, req: Request) -> Work:
@@ -66,8 +62,8 @@ def answer_steps(engine: PromptEngine, req: Request) -> Work:
     try:
         return (yield from _answer(engine, req))
     finally:  # a tree lease not used (cancelled, failed) lets its path go
-        if req.lease is not None:
-            req.lease.release()
+        if req.tree is not None:
+            req.tree.release()
 
 
 def _answer(engine: PromptEngine, req: Request) -> Work:
@@ -77,7 +73,7 @@ def _answer(engine: PromptEngine, req: Request) -> Work:
     kvs: list[ChunkKV] | None = None
     if not engine.reads_chunk_kv(req.mode):
         tiers = [Tier.NOT_LOADED] * len(req.chunks)
-    elif req.lease is not None:  # the context is the tree's
+    elif req.tree is not None and req.tree.lease is not None:  # the context is the tree's
         tiers = [Tier.TREE] * len(req.chunks)
     else:
         kvs, tiers = yield from _chunk_kv(engine, req, phases, sources, loaded)
@@ -89,21 +85,21 @@ def _answer(engine: PromptEngine, req: Request) -> Work:
     while res is None:  # each retry computes at least one chunk anew, so this ends
         try:
             prompt = Prompt(req.question_ids, req.prefix_ids, chunk_ids, kvs, req.select_ids, req.snapshot_at)
-            res = yield from engine.run_steps(prompt, req.mode, req.options, req.sampling.max_new_tokens, req.lease)
+            res = yield from engine.run_steps(prompt, req.mode, req.options, req.sampling.max_new_tokens, req.tree)
         except (KVFormatError, StoreError) as exc:  # a layered read failed mid-prompt
             # a chunk whose read fails later (during the retry) fails that pass in turn
             kvs = yield from _recompute_failed(engine, req, kvs or [], tiers, exc)
     phases["prompt"] = time.perf_counter() - t0
     phases.update({f"prompt.{k}": v for k, v in res.timings.items()})
 
-    snapshot = engine.snapshot(res) if req.tree_key is not None else None  # a hybrid's state, before decode
+    trees = engine.conversations
+    snapshot = trees.snapshot(res) if req.tree is not None else None  # a hybrid's state, before decode
     stream = engine.decode(res, req.sampling, req.constraint)
     t0 = time.perf_counter()
     yield Decode(stream)  # decoded batched with the others; back here when it ends
     phases["decode"] = time.perf_counter() - t0
-    if req.tree_key is not None and not req.cancel.is_set():  # the conversation's next call starts here
-        engine.remember(req.tree_key, req.mode, res, len(req.question_ids), len(req.prefix_ids), stream.token_ids,
-                        snapshot)
+    if req.tree is not None and not req.cancel.is_set():  # the conversation's next call starts here
+        trees.remember(req.tree, req.mode, res, len(req.question_ids), len(req.prefix_ids), stream.token_ids, snapshot)
 
     used = res.used_chunks if res.used_chunks is not None else range(len(req.retrieved))
     return Answered(
@@ -118,7 +114,7 @@ def _answer(engine: PromptEngine, req: Request) -> Work:
         kv_sources=dict(sources),
         fell_back=res.fell_back,
         handed_over=res.handed_over,
-        tree_prompt_tokens=req.lease.tokens if req.lease is not None else 0,
+        tree_prompt_tokens=req.tree.tokens if req.tree is not None else 0,
     )
 
 

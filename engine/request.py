@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 from ragkv.engine.blend import BlendOptions
 from ragkv.engine.constrain import Constraint
+from ragkv.engine.conversation import TreeSpot
 from ragkv.engine.decode import DecodeStream, SamplingParams
 from ragkv.engine.kv import ChunkKV
-from ragkv.engine.tree import TreeKey, TreeLease
 from ragkv.engine.work import WaitFor
 from ragkv.types import (
     FinishReason,
@@ -110,8 +110,9 @@ class Request:
     options: BlendOptions = BlendOptions()  # how the mode blends
     constraint: Constraint | None = None  # the grammar the answer follows; None = free text
     reads_tool_calls: bool = False  # the answer may be tool calls (the consumer parses them)
-    tree_key: TreeKey | None = None  # where its KV goes in the KV tree; None = no tree
-    lease: TreeLease | None = None  # the tree's KV of its first tokens, when the tree holds them
+    # its place in the KV tree (`Conversations.lease`): the key its KV goes under after the answer,
+    # and the lease on the tree's KV of its first tokens, when the tree holds them; None = no tree
+    tree: TreeSpot | None = None
     kv_wait_s: float = 120.0  # its reads may take this long; then their chunks are computed instead
     kv_bytes: int = 0  # KV cache bytes it holds at most (admission)
     prompt_cost: float = 0.0  # about how much work its prompt pass is (Engine.prompt_cost); 0 = unknown

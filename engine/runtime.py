@@ -12,15 +12,15 @@ Not thread-safe: one thread runs an Engine (the server's scheduler thread, engin
 
 from __future__ import annotations
 
-import copy
 from collections import OrderedDict
 from collections.abc import Generator, Sequence
 
 import torch
 
 from ragkv.engine.answer import answer_steps
-from ragkv.engine.blend import BlendOptions, BlendResult, Prompt, PromptSteps, Selector, prompt_steps, resume_steps, tree_context
+from ragkv.engine.blend import BlendOptions, BlendResult, Prompt, PromptSteps, prompt_steps, resume_steps
 from ragkv.engine.constrain import Constraint, ConstraintCompiler
+from ragkv.engine.conversation import Conversations, TreeSpot
 from ragkv.engine.decode import DecodeStream, SamplingParams
 from ragkv.engine.kv import ChunkKV
 from ragkv.engine.loading import LoadedModel
@@ -28,7 +28,7 @@ from ragkv.engine.prefill import prefill_steps
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT, PromptFormat
 from ragkv.engine.request import Request, Work
 from ragkv.engine.speed import EngineSpeed
-from ragkv.engine.tree import KVTree, RecurrentSnapshot, TreeContext, TreeKey, TreeLease
+from ragkv.engine.tree import TreeContext
 from ragkv.engine.work import WaitFor, drain
 from ragkv.errors import UnsupportedModelError
 from ragkv.types import Mode
@@ -72,9 +72,10 @@ class Engine:
 
     def use_tree(self, budget_bytes: int, tenant_share: float = 1.0) -> None:
         """A fresh KV tree of `budget_bytes` (served prompts' KV, so a conversation's next call
-        computes only what is new); a hybrid's also holds its recurrent state where prompts end.
-        A tenant past `tenant_share` of it makes room from its own paths (`KVTree`)."""
-        self.tree = KVTree(budget_bytes, recurrent=self.recurrent, tenant_share=tenant_share)
+        computes only what is new) behind its one door (`engine.conversation`); a hybrid's also
+        holds its recurrent state where prompts end. A tenant past `tenant_share` of it makes
+        room from its own paths (`KVTree`)."""
+        self.conversations = Conversations(self.lm, budget_bytes, self.recurrent, tenant_share)
 
     @property
     def recurrent(self) -> bool:
@@ -155,82 +156,13 @@ class Engine:
         return computed + total // 8
 
     def run(self, prompt: Prompt, mode: Mode, options: BlendOptions | None = None, reserve_tokens: int = 256,
-            resume: TreeLease | None = None) -> BlendResult:
+            resume: TreeSpot | None = None) -> BlendResult:
         """`run_steps` to its end."""
         return drain(self.run_steps(prompt, mode, options, reserve_tokens, resume))
 
-    # -- the KV tree: what a context is in each mode, and the path after it --
-
-    @staticmethod
-    def chooses_by_question(mode: Mode, options: BlendOptions | None = None) -> bool:
-        """Whether `mode` picks chunk tokens or chunks by the question's attention (so the
-        chunks' KV after the pass depends on the tokens that chose)."""
-        opts = options or BlendOptions()
-        return Mode(mode) is Mode.FOCUS or (Mode(mode) is Mode.BLEND and opts.selector is Selector.QUERY)
-
-    def tree_key(self, mode: Mode, prefix_ids: Sequence[int], chunk_keys: Sequence[object],
-                 options: BlendOptions | None = None, select_ids: Sequence[int] = (), tenant: str = "") -> TreeKey:
-        """The context a prompt's KV hangs under in the tree.
-
-        Every key starts with the `tenant` (`Request.tenant`): one tenant's paths never match
-        another's prompts, so nothing one tenant asked shows in another's cached tokens.
-
-        FULL: the model alone (every token is on the path: automatic prefix caching).
-        PREFIX: the model and the prefix. The chunk modes: the model, the mode, the prefix, the
-        chunks' KV keys in order (model, tokenizer, prefix and neighbour context are in each),
-        the options, and for the modes that choose by the question, the tokens that chose.
-        """
-        mode, lm = Mode(mode), self.lm
-        if mode is Mode.FULL:
-            return TreeKey.of(lm.fingerprint, lm.dtype, mode.value, tenant=tenant)
-        prefix = tuple(int(i) for i in prefix_ids)
-        if mode is Mode.PREFIX:
-            return TreeKey.of(lm.fingerprint, lm.dtype, mode.value, prefix, tenant=tenant)
-        opts = options or BlendOptions()
-        chose = tuple(int(i) for i in select_ids) if self.chooses_by_question(mode, opts) else ()
-        return TreeKey.of(lm.fingerprint, lm.dtype, mode.value, prefix, tuple(repr(k) for k in chunk_keys), opts,
-                          chose, tenant=tenant)
-
-    @staticmethod
-    def tree_path(mode: Mode, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]],
-                  question_ids: Sequence[int]) -> list[int]:
-        """The tokens after the context, which the tree matches (see `tree_key`)."""
-        mode = Mode(mode)
-        chunks = [t for ids in chunk_ids for t in ids]
-        if mode is Mode.FULL:
-            return [*prefix_ids, *chunks, *question_ids]
-        if mode is Mode.PREFIX:
-            return [*chunks, *question_ids]
-        return list(question_ids)
-
-    def snapshot(self, res: BlendResult) -> RecurrentSnapshot | None:
-        """A hybrid's recurrent state after its prompt pass (taken before decode moves it on),
-        for `remember`; None for other models."""
-        cache = res.cache
-        if not self.tree.enabled or cache.recurrent is None:
-            return None
-        if cache.marked is not None:  # the state where the answer's header starts (Prompt.snapshot_at)
-            state, tokens = cache.marked, cache.mark
-            cache.marked = None
-        else:
-            state, tokens = copy.deepcopy(cache.recurrent), res.n_prompt_tokens
-        return RecurrentSnapshot(tokens, state, self.lm.adapter.recurrent_state_bytes(state))
-
-    def remember(self, key: TreeKey, mode: Mode, res: BlendResult, question_tokens: int, prefix_tokens: int,
-                 answer_ids: Sequence[int] = (), snapshot: RecurrentSnapshot | None = None) -> int:
-        """Keep a prompt's KV served in `mode` (and its answer's, as far as the cache holds it)
-        in the tree, under `tree_key`'s key, after its decode; a hybrid's `snapshot` (FULL mode:
-        its state after the prompt) with it. Returns the tokens newly stored."""
-        if not self.tree.enabled:
-            return 0
-        ids = [*res.token_ids.tolist(), *answer_ids][:res.cache.length]
-        start = {Mode.FULL: 0, Mode.PREFIX: prefix_tokens}.get(Mode(mode), res.n_prompt_tokens - question_tokens)
-        return self.tree.insert(key, ids[:start], tree_context(res, question_tokens, prefix_tokens),
-                                ids[start:], res.cache, snapshot)
-
     @torch.inference_mode()
     def run_steps(self, prompt: Prompt, mode: Mode, options: BlendOptions | None = None, reserve_tokens: int = 256,
-                  resume: TreeLease | None = None) -> PromptSteps:
+                  resume: TreeSpot | None = None) -> PromptSteps:
         """Run `[prefix][chunks][question]` in any mode: the one way into the engine for a prompt.
 
         A generator that yields between decoder layers (`engine.blend.prompt_steps`), so the
@@ -239,8 +171,9 @@ class Engine:
         Args:
             prompt: the prompt's tokens, and each chunk's KV when `reads_chunk_kv(mode)`.
             reserve_tokens: decode room preallocated after the prompt.
-            resume: a KV-tree lease on this prompt's context and first tokens (`tree_key`,
-                `tree_path`): only the rest is computed, and the chunks' KV is not read.
+            resume: this prompt's place in the KV tree (`Conversations.lease`); when it holds a
+                lease on the context and first tokens, only the rest is computed, and the
+                chunks' KV is not read.
 
         Returns:
             The prompt ready for decoding; `cached_tokens` counts the prompt tokens whose KV
@@ -250,14 +183,14 @@ class Engine:
         self._check_mode(mode)
         prefix_ids, chunk_ids, chunks, question_ids = prompt.prefix_ids, prompt.chunk_ids, prompt.chunks, \
             prompt.question_ids
-        if resume is not None:
-            path = self.tree_path(mode, prefix_ids, chunk_ids, question_ids)
+        if resume is not None and resume.lease is not None:
             layout = None
             if mode in (Mode.FULL, Mode.PREFIX):  # a context many prompts share: this one's layout
                 p = len(prefix_ids)
                 c = p + sum(len(ids) for ids in chunk_ids)
                 layout = TreeContext(prefix_tokens=p, chunk_end=c, chunk_tokens=c - p)
-            return (yield from resume_steps(self.lm, resume, path, mode, layout, reserve_tokens, prompt.snapshot_at))
+            return (yield from resume_steps(self.lm, resume.lease, resume.path, mode, layout, reserve_tokens,
+                                            prompt.snapshot_at))
         if mode is Mode.FULL:
             ids = [*prefix_ids, *(t for ids in chunk_ids for t in ids), *question_ids]
             return (yield from prompt_steps(self.lm, None, [], ids, Mode.FULL, reserve_tokens=reserve_tokens,

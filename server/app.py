@@ -162,13 +162,13 @@ class RagServer:
             asyncio.ensure_future(self.drain(0.0))
             return
         self.service.backend = backend
-        tier_errors = getattr(backend, "tier_errors", None)  # a backend with KV tiers (the pipeline)
-        if tier_errors is not None:
-            self.metrics.watch_tier_errors(tier_errors)
-        engine = getattr(backend, "engine", None)  # a backend with an engine has its KV tree
-        if engine is not None:
-            self.metrics.watch_kv_tree(engine.tree.stats)
-            self._scheduler.share_engine(engine.tree, engine.speed)  # its tree counts in --kv-budget-bytes
+        parts = backend.parts()
+        if parts.tier_errors is not None:
+            self.metrics.watch_tier_errors(parts.tier_errors)
+        if parts.kv_tree is not None:
+            self.metrics.watch_kv_tree(parts.kv_tree.stats)
+        if parts.kv_tree is not None and parts.speed is not None:  # its tree counts in --kv-budget-bytes
+            self._scheduler.share_engine(parts.kv_tree, parts.speed)
         await self._set_health(_SERVING)
         log.info("backend loaded: %d collection(s)", len(backend.collections()))
 

@@ -13,15 +13,29 @@ run on any worker thread; the request's `work` runs on the single scheduler thre
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ragkv.engine.request import ChunkComputed, Request, Work
-from ragkv.types import CollectionInfo, CollectionStats, MetadataFilter, Mode, RetrievedChunk, SearchMode
+from ragkv.types import CollectionInfo, CollectionStats, MetadataFilter, Mode, RetrievedChunk, SearchMode, Tier
 
 if TYPE_CHECKING:
+    from ragkv.engine.speed import EngineSpeed
+    from ragkv.engine.tree import KVTree
     from ragkv.retriever import Hit
     from ragkv.server.query import Query
+
+
+@dataclass(frozen=True, slots=True)
+class BackendParts:
+    """What a backend gives the server besides answers, once loaded (none of it for a fake or
+    a cluster's ingress, whose engines live on the replicas)."""
+
+    kv_tree: KVTree | None = None  # its KV tree: counted in --kv-budget-bytes, exported as metrics
+    speed: EngineSpeed | None = None  # the engine's measured rates, which the scheduler learns into
+    # I/O failures per (collection, tier) so far, exported as metrics
+    tier_errors: Callable[[], Mapping[tuple[str, Tier], int]] | None = None
 
 
 class AnswerText(Protocol):
@@ -49,6 +63,10 @@ class QueryBackend(Protocol):
 
     def collections(self) -> Sequence[CollectionInfo]:
         """Every served collection."""
+        ...
+
+    def parts(self) -> BackendParts:
+        """What it gives the server besides answers: its KV tree, speed and tier errors."""
         ...
 
     def collection_stats(self, name: str) -> CollectionStats:

@@ -52,6 +52,7 @@ from ragkv.engine.request import ChunksReady
 from ragkv.engine.scheduler import Scheduler, SchedulerConfig
 from ragkv.server.admission import Admission
 from ragkv.server.answering import QueryRunner, RunEvent
+from ragkv.server.backend import BackendParts
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.query import Query
 from ragkv.server.routing import (
@@ -157,7 +158,7 @@ class EngineReplica:
                                                     settings.prompt_slice_s, settings.prompt_first_s))
         self.pipeline = Pipeline.from_settings(settings)
         engine = self.pipeline.engine
-        self._scheduler.share_engine(engine.tree, engine.speed)
+        self._scheduler.share_engine(engine.conversations.tree, engine.speed)
         self._runner = QueryRunner(admission=self._admission, metrics=self.metrics, retrieve_pool=self._pool,
                                    scheduler=self._scheduler)
         self._conversations: OrderedDict[str, None] = OrderedDict()
@@ -299,6 +300,9 @@ class IngressBackend:
             return self._retrievers[name]
         except KeyError:
             raise UnknownCollectionError.naming(name, self._retrievers) from None
+
+    def parts(self) -> BackendParts:
+        return BackendParts()  # the engines, their trees and tiers are the replicas'
 
     def collections(self) -> Sequence[CollectionInfo]:
         return [CollectionInfo(n, len(r), r.manifest.model_fp, r.manifest.tokenizer_fp)

@@ -44,6 +44,7 @@ from ragkv.kvstore import (
     hash_prefix,
 )
 from ragkv.retriever import Hit, Retriever
+from ragkv.server.backend import BackendParts
 from ragkv.server.loading import ControllerConfig, LoadingController
 from ragkv.server.query import Query
 from ragkv.server.search_config import retriever_options
@@ -252,6 +253,9 @@ class Pipeline:
         except KeyError:
             raise UnknownCollectionError.naming(name, self._collections) from None
 
+    def parts(self) -> BackendParts:
+        return BackendParts(self.engine.conversations.tree, self.engine.speed, self.tier_errors)
+
     def collections(self) -> Sequence[CollectionInfo]:
         return [
             CollectionInfo(c.name, len(c.retriever), c.retriever.manifest.model_fp, c.retriever.manifest.tokenizer_fp)
@@ -309,16 +313,14 @@ class Pipeline:
         req.prefix_ids, req.question_ids = c.prefix_ids, tuple(question_ids)
         req.select_ids = None if select_ids is None else tuple(select_ids)
         req.options = self._options(query)
-        if self.engine.tree.enabled:  # the tree may hold this prompt's context and first tokens
-            chose = select_ids if select_ids is not None else question_ids
-            req.tree_key = self.engine.tree_key(req.mode, c.prefix_ids,
-                                                (*kv_keys, c.retriever.manifest.kv_compression), req.options, chose,
-                                                query.tenant)
-            req.lease = self.engine.tree.match(req.tree_key, self.engine.tree_path(req.mode, c.prefix_ids, token_ids,
-                                                                                  question_ids))
-            if self.engine.recurrent:  # keep the state where the next call's prompt parts from this one's
-                req.snapshot_at = prompt_tokens - self.engine.prompt.answer_header_tokens(question_ids)
-        if self.engine.reads_chunk_kv(req.mode) and req.lease is None:  # start loading the moment the ids are known
+        # the tree may hold this prompt's context and first tokens: one call, a lease carrying its key and path
+        req.tree = self.engine.conversations.lease(req.mode, c.prefix_ids, token_ids,
+                                                   (*kv_keys, c.retriever.manifest.kv_compression), question_ids,
+                                                   options=req.options, select_ids=select_ids, tenant=query.tenant)
+        if req.tree is not None and self.engine.recurrent:  # keep the state where the next call's prompt parts
+            req.snapshot_at = prompt_tokens - self.engine.prompt.answer_header_tokens(question_ids)
+        held = req.tree is not None and req.tree.lease is not None
+        if self.engine.reads_chunk_kv(req.mode) and not held:  # start loading the moment the ids are known
             decisions = self.controller.decide(c.store, kv_keys, [len(ids) for ids in token_ids])
             reads = iter(c.store.prefetch([k for k, d in zip(kv_keys, decisions) if d.load],
                                           layered=self._kv_layered))
@@ -328,7 +330,7 @@ class Pipeline:
         else:
             req.chunks = tuple(PromptChunk(ids, key=key) for ids, key in zip(token_ids, kv_keys))
         req.kv_bytes = (prompt_tokens + req.sampling.max_new_tokens) * self.engine.kv_bytes_per_token
-        done = 0 if req.lease is None else req.lease.tokens  # a tree hit computes only the rest
+        done = 0 if req.tree is None else req.tree.tokens  # a tree hit computes only the rest
         cost = self.engine.prompt_cost(req.mode, len(c.prefix_ids), chunk_tokens, len(question_ids), req.options)
         req.prompt_cost = max(1, cost * (prompt_tokens - done) // max(prompt_tokens, 1))
         req.phase_seconds["retrieve"] = retrieved - started

@@ -320,7 +320,7 @@ def test_hybrids_serve_full_and_refuse_chunk_kv_modes_by_name(tmp_path_factory, 
 
     lm = _lm(tmp_path_factory, name)
     engine = Engine(lm, tree_bytes=1 << 20)
-    assert engine.modes() == {Mode.FULL} and engine.tree.enabled and engine.tree.recurrent
+    assert engine.modes() == {Mode.FULL} and engine.conversations.enabled and engine.conversations.tree.recurrent
     fmt = engine.prompt
     prefix, chunk_ids, q_ids = fmt.prefix_ids(), [fmt.chunk_ids(t) for t in TEXTS[:2]], fmt.question_ids(QUESTIONS[0])
     res = engine.run(Prompt(q_ids, prefix, chunk_ids, None), Mode.FULL)

@@ -181,21 +181,24 @@ def _next_call_equals_computing_it(eng: Engine, mode: Mode, selector: str, ratio
     opts = BlendOptions(recompute_ratio=ratio, selector=selector, focus=FocusOptions(handover=True, spread=0.0))
     kvs = [eng.prefill(prefix_ids, ids) for ids in chunk_ids]
     first_q = fmt.question_ids(QUESTION)
-    key = eng.tree_key(mode, prefix_ids, CHUNKS, opts, first_q)
+    trees = eng.conversations
+    first = trees.lease(mode, prefix_ids, chunk_ids, CHUNKS, first_q, options=opts)
+    assert first is not None and first.lease is None  # the tree is empty: its place, no lease
 
     res = eng.run(Prompt(first_q, prefix_ids, chunk_ids, kvs), mode, opts, reserve_tokens=16)
     stream = eng.decode(res, SamplingParams(max_new_tokens=5))
     list(stream)
-    assert eng.remember(key, mode, res, len(first_q), len(prefix_ids), stream.token_ids) > 0
+    assert trees.remember(first, mode, res, len(first_q), len(prefix_ids), stream.token_ids) > 0
 
     second_q = [*first_q, *stream.token_ids[:4], *fmt.chunk_ids(TOOL_TURN)]
     alone = eng.run(Prompt(second_q, prefix_ids, chunk_ids, kvs, first_q), mode, opts, reserve_tokens=16)
-    lease = eng.tree.match(key, eng.tree_path(mode, prefix_ids, chunk_ids, second_q))
-    assert lease is not None
+    spot = trees.lease(mode, prefix_ids, chunk_ids, CHUNKS, second_q, options=opts, select_ids=first_q)
+    assert spot is not None and spot.key == first.key and spot.lease is not None
+    lease = spot.lease
     context = res.n_prompt_tokens - len(first_q) if mode not in (Mode.FULL, Mode.PREFIX) else 0
     assert lease.tokens >= context + len(first_q) + len(stream.token_ids[:4]) - 1 - (
         len(prefix_ids) if mode is Mode.PREFIX else 0)
-    reused = eng.run(Prompt(second_q, prefix_ids, chunk_ids, None), mode, opts, reserve_tokens=16, resume=lease)
+    reused = eng.run(Prompt(second_q, prefix_ids, chunk_ids, None), mode, opts, reserve_tokens=16, resume=spot)
 
     assert torch.equal(reused.token_ids, alone.token_ids)
     diff = (reused.logits - alone.logits).abs().max().item()
@@ -229,32 +232,32 @@ def test_a_hybrids_next_call_resumes_from_the_state_where_its_prompt_ended(tmp_p
     call 2 computed whole."""
     d = tiny_model_dir(tmp_path_factory.mktemp(f"tree-{name}"), name, family=True, initializer_range=0.2, seed=5)
     eng = Engine(load_model(str(d), device="cpu", dtype="float32"), tree_bytes=64 << 20)
-    assert eng.tree.enabled and eng.tree.recurrent
+    trees = eng.conversations
+    assert trees.enabled and trees.tree.recurrent
     fmt = eng.prompt
     first = [*fmt.prefix_ids(), *fmt.chunk_ids(CHUNKS[0]), *fmt.question_ids(QUESTION)]
-    key = eng.tree_key(Mode.FULL, (), ())
+    place = trees.lease(Mode.FULL, (), [], (), first)
     mark = len(first) - header
     res = eng.run(Prompt(first, snapshot_at=mark if header else None), Mode.FULL, reserve_tokens=16)
     assert (res.logits - eng.run(Prompt(first), Mode.FULL).logits).abs().max().item() <= 1e-4  # the stop is exact
-    snapshot = eng.snapshot(res)
+    snapshot = trees.snapshot(res)
     assert snapshot is not None and snapshot.tokens == mark and snapshot.nbytes > 0
     stream = eng.decode(res, SamplingParams(max_new_tokens=5))
     list(stream)
-    assert eng.remember(key, Mode.FULL, res, len(first), 0, stream.token_ids, snapshot) > 0
+    assert trees.remember(place, Mode.FULL, res, len(first), 0, stream.token_ids, snapshot) > 0
 
     second = [*first, *stream.token_ids[:4], *fmt.chunk_ids(TOOL_TURN)]
     alone = eng.run(Prompt(second), Mode.FULL, reserve_tokens=16)
-    lease = eng.tree.match(key, eng.tree_path(Mode.FULL, (), [], second))
-    assert lease is not None and lease.tokens == mark  # the answer's KV is held, its state is not
-    reused = eng.run(Prompt(second), Mode.FULL, reserve_tokens=16, resume=lease)
+    spot = trees.lease(Mode.FULL, (), [], (), second)
+    assert spot.lease is not None and spot.tokens == mark  # the answer's KV is held, its state is not
+    reused = eng.run(Prompt(second), Mode.FULL, reserve_tokens=16, resume=spot)
     assert torch.equal(reused.token_ids, alone.token_ids) and reused.cached_tokens == mark
     diff = (reused.logits - alone.logits).abs().max().item()
     assert diff <= 1e-4, f"logits with the tree differ by {diff:.3g}"
     a, b = eng.decode(reused, SamplingParams(max_new_tokens=6)), eng.decode(alone, SamplingParams(max_new_tokens=6))
     assert "".join(a) == "".join(b)
     # the snapshot was copied into the pass, not handed over: the tree's is untouched by it
-    again = eng.run(Prompt(second), Mode.FULL, reserve_tokens=16,
-                    resume=eng.tree.match(key, eng.tree_path(Mode.FULL, (), [], second)))
+    again = eng.run(Prompt(second), Mode.FULL, reserve_tokens=16, resume=trees.lease(Mode.FULL, (), [], (), second))
     assert (again.logits - alone.logits).abs().max().item() <= 1e-4
 
 
@@ -264,6 +267,6 @@ def test_a_hybrids_tree_without_a_held_state_matches_nothing(tmp_path_factory):
     eng = Engine(load_model(str(d), device="cpu", dtype="float32"), tree_bytes=64 << 20)
     ids = [*eng.prompt.prefix_ids(), *eng.prompt.question_ids(QUESTION)]
     res = eng.run(Prompt(ids), Mode.FULL, reserve_tokens=4)
-    key = eng.tree_key(Mode.FULL, (), ())
-    assert eng.remember(key, Mode.FULL, res, len(ids), 0) > 0  # no snapshot
-    assert eng.tree.match(key, [*ids, 7, 8]) is None
+    trees = eng.conversations
+    assert trees.remember(trees.lease(Mode.FULL, (), [], (), ids), Mode.FULL, res, len(ids), 0) > 0  # no snapshot
+    assert trees.lease(Mode.FULL, (), [], (), [*ids, 7, 8]).lease is None

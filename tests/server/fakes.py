@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ragkv.engine.request import Answered, ChunkComputed, ChunksReady, Request, TokenOut, Work
 from ragkv.errors import IndexMismatchError
+from ragkv.server.backend import BackendParts
 from ragkv.server.inprocess import InProcessServer
 from ragkv.server.query import Query
 from ragkv.server.settings import ServerSettings
@@ -70,6 +71,9 @@ class FakeBackend:
     @property
     def modes(self) -> frozenset[Mode]:
         return frozenset({Mode.FULL, Mode.PREFIX, Mode.REUSE, Mode.BLEND, Mode.FOCUS})
+
+    def parts(self) -> BackendParts:
+        return BackendParts()  # no engine: no KV tree, speed or tiers
 
     def collections(self) -> Sequence[CollectionInfo]:
         return [

@@ -1,0 +1,146 @@
+"""The KV tree's one door: where a prompt stands in the tree, and what its answer leaves there.
+
+The tree itself (`engine.tree.KVTree`) is a radix tree of token ids and KV under a byte
+budget; this module is everything else about conversations, in one place:
+
+- the **key** of a prompt's context (`Conversations.key`): the tenant, the model, the mode,
+  the prefix, the chunks' KV keys and the options that shaped their KV, and the question
+  that chose, for the modes that choose chunk tokens by it;
+- the **path** after that context, which the tree matches;
+- the **lease** on what the tree holds of it (`TreeSpot`, taken by `lease`, the one call
+  the server makes), carrying its key and path so nothing downstream computes them again;
+- a hybrid's recurrent **snapshot** where its prompt ends;
+- **remembering** an answered prompt (`remember`) for the conversation's next call.
+
+Resuming from a match is the prompt pass's (`Engine.run_steps(..., resume=spot)`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from ragkv.engine.blend import BlendOptions, BlendResult, Selector, tree_context
+from ragkv.engine.loading import LoadedModel
+from ragkv.engine.tree import KVTree, RecurrentSnapshot, TreeKey, TreeLease, TreeStats
+from ragkv.types import Mode
+
+
+@dataclass(frozen=True, slots=True)
+class TreeSpot:
+    """Where one prompt stands in the KV tree."""
+
+    key: TreeKey  # its context: what made the KV before the path
+    path: tuple[int, ...]  # the tokens after the context, which the tree matched
+    lease: TreeLease | None  # the tree's KV of the context and the path's first tokens; None = not held
+
+    @property
+    def tokens(self) -> int:
+        """Prompt tokens whose KV the tree supplies (0 on a miss)."""
+        return 0 if self.lease is None else self.lease.tokens
+
+    def release(self) -> None:
+        """Let the leased path be evicted again (idempotent; nothing on a miss)."""
+        if self.lease is not None:
+            self.lease.release()
+
+
+def chooses_by_question(mode: Mode, options: BlendOptions | None = None) -> bool:
+    """Whether `mode` picks chunk tokens or chunks by the question's attention (so the chunks'
+    KV after the pass depends on the tokens that chose)."""
+    opts = options or BlendOptions()
+    return Mode(mode) is Mode.FOCUS or (Mode(mode) is Mode.BLEND and opts.selector is Selector.QUERY)
+
+
+def tree_path(mode: Mode, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]],
+              question_ids: Sequence[int]) -> tuple[int, ...]:
+    """The tokens after a prompt's context in `mode`, which the tree matches (see `Conversations.key`)."""
+    mode = Mode(mode)
+    chunks = [t for ids in chunk_ids for t in ids]
+    if mode is Mode.FULL:
+        return (*prefix_ids, *chunks, *question_ids)
+    if mode is Mode.PREFIX:
+        return (*chunks, *question_ids)
+    return tuple(question_ids)
+
+
+class Conversations:
+    """The KV tree of one engine, behind the calls a served request makes.
+
+    Args:
+        lm: the engine's model (its fingerprint and dtype are in every key).
+        budget_bytes: the tree's budget on the engine's device; 0 = off.
+        recurrent: the model is a hybrid: the tree keeps recurrent states too.
+        tenant_share: the largest share of the budget one tenant takes from the others (`KVTree`).
+    """
+
+    def __init__(self, lm: LoadedModel, budget_bytes: int, recurrent: bool = False,
+                 tenant_share: float = 1.0) -> None:
+        self.lm = lm
+        self.tree = KVTree(budget_bytes, recurrent=recurrent, tenant_share=tenant_share)
+
+    @property
+    def enabled(self) -> bool:
+        return self.tree.enabled
+
+    def stats(self) -> TreeStats:
+        return self.tree.stats()
+
+    def key(self, mode: Mode, prefix_ids: Sequence[int], chunk_keys: Sequence[Hashable],
+            options: BlendOptions | None = None, select_ids: Sequence[int] = (), tenant: str = "") -> TreeKey:
+        """The context a prompt's KV hangs under.
+
+        FULL: the model alone (every token is on the path: automatic prefix caching).
+        PREFIX: the model and the prefix. The chunk modes: the model, the mode, the prefix, the
+        chunks' KV keys in order (model, tokenizer, prefix and neighbour context are in each),
+        the options, and for the modes that choose by the question, the tokens that chose.
+        Every key is within its `tenant`: one tenant's paths never match another's prompts.
+        """
+        mode, lm = Mode(mode), self.lm
+        if mode is Mode.FULL:
+            return TreeKey.of(lm.fingerprint, lm.dtype, mode.value, tenant=tenant)
+        prefix = tuple(int(i) for i in prefix_ids)
+        if mode is Mode.PREFIX:
+            return TreeKey.of(lm.fingerprint, lm.dtype, mode.value, prefix, tenant=tenant)
+        opts = options or BlendOptions()
+        chose = tuple(int(i) for i in select_ids) if chooses_by_question(mode, opts) else ()
+        return TreeKey.of(lm.fingerprint, lm.dtype, mode.value, prefix, tuple(repr(k) for k in chunk_keys), opts,
+                          chose, tenant=tenant)
+
+    def lease(self, mode: Mode, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]],
+              chunk_keys: Sequence[Hashable], question_ids: Sequence[int], *, options: BlendOptions | None = None,
+              select_ids: Sequence[int] | None = None, tenant: str = "") -> TreeSpot | None:
+        """Where this prompt stands in the tree, with a lease on what the tree holds of it;
+        None when the tree is off. `select_ids`: the tokens that choose (None = the question's)."""
+        if not self.enabled:
+            return None
+        chose = question_ids if select_ids is None else select_ids
+        key = self.key(mode, prefix_ids, chunk_keys, options, chose, tenant)
+        path = tree_path(mode, prefix_ids, chunk_ids, question_ids)
+        return TreeSpot(key, path, self.tree.match(key, path))
+
+    def snapshot(self, res: BlendResult) -> RecurrentSnapshot | None:
+        """A hybrid's recurrent state after its prompt pass (taken before decode moves it on),
+        for `remember`; None for other models."""
+        cache = res.cache
+        if not self.enabled or cache.recurrent is None:
+            return None
+        if cache.marked is not None:  # the state where the answer's header starts (Prompt.snapshot_at)
+            state, tokens = cache.marked, cache.mark
+            cache.marked = None
+        else:
+            state, tokens = copy.deepcopy(cache.recurrent), res.n_prompt_tokens
+        return RecurrentSnapshot(tokens, state, self.lm.adapter.recurrent_state_bytes(state))
+
+    def remember(self, spot: TreeSpot, mode: Mode, res: BlendResult, question_tokens: int, prefix_tokens: int,
+                 answer_ids: Sequence[int] = (), snapshot: RecurrentSnapshot | None = None) -> int:
+        """Keep a prompt's KV served in `mode` (and its answer's, as far as the cache holds it)
+        under `spot`'s key, after its decode; a hybrid's `snapshot` (FULL mode: its state after
+        the prompt) with it. Returns the tokens newly stored."""
+        if not self.enabled:
+            return 0
+        ids = [*res.token_ids.tolist(), *answer_ids][:res.cache.length]
+        start = {Mode.FULL: 0, Mode.PREFIX: prefix_tokens}.get(Mode(mode), res.n_prompt_tokens - question_tokens)
+        return self.tree.insert(spot.key, ids[:start], tree_context(res, question_tokens, prefix_tokens),
+                                ids[start:], res.cache, snapshot)

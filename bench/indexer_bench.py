@@ -37,7 +37,8 @@ def main() -> int:
     from ragkv.indexer.chunking import ChunkingConfig, chunk_document
     from ragkv.indexer.corpus import load_corpus
     from ragkv.indexer.demo_corpus import build_demo_corpus
-    from ragkv.indexer.kv_job import KVItem, KVWriter, kv_key, open_store
+    from ragkv.indexer.kv_job import KVItem, KVWriter, open_store
+    from ragkv.retriever.chunk_keys import chunk_key
 
     lm = load_model(args.model, device="cpu", dtype=torch.float32)
     eng = Engine(lm)
@@ -48,7 +49,7 @@ def main() -> int:
                   for c in chunk_document(d.doc_id, d.text, eng.prompt.chunk_ids, ChunkingConfig(args.chunk_size, 32))]
         chunks = chunks[: args.chunks]
         tokens = sum(len(c.token_ids) for c in chunks)
-        items = [KVItem(i, kv_key(lm.fingerprint, lm.tokenizer_fingerprint, prefix, c.token_ids), c.token_ids)
+        items = [KVItem(i, chunk_key(lm.fingerprint, lm.tokenizer_fingerprint, prefix, c.token_ids), c.token_ids)
                  for i, c in enumerate(chunks)]
         batches = [items[i : i + args.batch] for i in range(0, len(items), args.batch)]
         for it in items:  # warm up: touch every weight page, memoize the prefix KV

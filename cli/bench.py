@@ -133,7 +133,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
     from ragkv.engine import BlendOptions, ChunkKV, Engine, Prompt, SamplingParams, load_model
     from ragkv.evals.synthetic import haystack_paragraphs
-    from ragkv.kvstore import ChunkKey, KVEntry, StoreConfig, TieredStore, hash_prefix
+    from ragkv.kvstore import KVEntry, StoreConfig, TieredStore, hash_prefix
+    from ragkv.retriever.chunk_keys import chunk_key
 
     if args.repeats < 1 or args.chunks < 1 or args.chunk_tokens < 1 or args.decode_tokens < 0:
         raise ValueError("--repeats, --chunks and --chunk-tokens must be >= 1, --decode-tokens >= 0")
@@ -153,7 +154,7 @@ def run_bench(args: argparse.Namespace) -> int:
     store = TieredStore(StoreConfig.from_uris([uri]), lm.fingerprint, lm.tokenizer_fingerprint)
     keys = []
     for cids, kv in zip(chunk_ids, [eng.prefill(prefix_ids, ids) for ids in chunk_ids]):
-        key = ChunkKey.build(lm.fingerprint, lm.tokenizer_fingerprint, prefix_ids, cids)
+        key = chunk_key(lm.fingerprint, lm.tokenizer_fingerprint, prefix_ids, cids)
         store.put(KVEntry.of(kv, key, lm.fingerprint, lm.tokenizer_fingerprint, hash_prefix(prefix_ids)))
         keys.append(key)
     kv_bytes = sum(e.k.nbytes + e.v.nbytes for e in (store.read(k).entry for k in keys[:1])) * len(keys)

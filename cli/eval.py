@@ -271,14 +271,9 @@ def neighbour_variants(args: argparse.Namespace, engine, cases, pool):  # noqa: 
 
     from ragkv.engine.prefill import context_segments
     from ragkv.evals.evaluate import PLAIN, KVVariant
-    from ragkv.indexer.neighbours import (
-        PLAIN_COPY_COMPRESSION,
-        NeighbourContext,
-        NeighbourOptions,
-        context_ids,
-        select_neighbours,
-    )
+    from ragkv.indexer.neighbours import PLAIN_COPY_COMPRESSION, context_ids, select_neighbours
     from ragkv.kvstore.compression import Compression, dequantize, quantize
+    from ragkv.retriever.chunk_keys import NeighbourContext, NeighbourOptions
 
     ms = [int(m) for m in args.neighbours.split(",") if m.strip()]
     if not ms or any(m < 0 for m in ms):

@@ -153,7 +153,8 @@ def run_index_command(args: argparse.Namespace) -> int:
     remote = S3Location.parse(args.out) if is_s3_uri(args.out) else None
     out = _staging(args, "out", args.out) if remote else Path(args.out)
     if args.corpus == MERGE:
-        from ragkv.indexer.merge import SHARD_DIR, merge_shards
+        from ragkv.indexer.merge import merge_shards
+        from ragkv.retriever.manifest import SHARD_DIR
 
         if remote is not None:  # the shards' own files; their KV stays where it is
             download(remote, out, lambda rel: SHARD_DIR.fullmatch(rel.partition("/")[0]) is not None)
@@ -169,9 +170,9 @@ def run_index_command(args: argparse.Namespace) -> int:
     tune_host_allocator()  # before torch's first large allocation
     from ragkv.indexer.chunking import ChunkingConfig
     from ragkv.indexer.job import IndexJobConfig, Runner, run_index
-    from ragkv.indexer.neighbours import NeighbourOptions
     from ragkv.indexer.sharding import resolve_shard
     from ragkv.indexer.spot import SpotWatcher, StopSignal
+    from ragkv.retriever.chunk_keys import NeighbourOptions
     from ragkv.retriever.manifest import KV_DIR_NAME
 
     shard = resolve_shard(args.shard)

@@ -47,9 +47,10 @@ def run_compression_eval(args: argparse.Namespace) -> dict[str, Any]:
     from ragkv.engine import BlendOptions, ChunkKV, Engine, Prompt, SamplingParams, load_model, tune_host_allocator
     from ragkv.evals.evaluate import best_f1, first_sentence, kl_divergence, normalize
     from ragkv.evals.synthetic import make_cases
-    from ragkv.kvstore import ChunkKey, KVEntry, hash_prefix
+    from ragkv.kvstore import KVEntry, hash_prefix
     from ragkv.kvstore.compression import Compression, check_supported
     from ragkv.kvstore.fileformat import decode, encode
+    from ragkv.retriever.chunk_keys import chunk_key
     from ragkv.types import Mode
 
     tune_host_allocator()
@@ -76,7 +77,7 @@ def run_compression_eval(args: argparse.Namespace) -> dict[str, Any]:
     def read_back(kvs: list, compression: Compression) -> list:
         out = []
         for kv in kvs:
-            key = ChunkKey.build(lm.fingerprint, lm.tokenizer_fingerprint, prefix_ids, kv.token_ids.tolist())
+            key = chunk_key(lm.fingerprint, lm.tokenizer_fingerprint, prefix_ids, kv.token_ids.tolist())
             data = encode(KVEntry.of(kv, key, lm.fingerprint, lm.tokenizer_fingerprint, prefix_hash),
                           compression)
             sizes[compression.value].append(len(data))

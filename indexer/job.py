@@ -32,12 +32,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ragkv.errors import IndexMismatchError
 from ragkv.indexer.chunking import ChunkingConfig, chunk_document
 from ragkv.indexer.corpus import Corpus, Document, load_corpus
-from ragkv.indexer.kv_job import KVItem, KVWriter, kv_key, open_store
-from ragkv.indexer.neighbours import PLAIN_COPY_COMPRESSION, NeighbourContext, NeighbourOptions, context_ids, select_neighbours
+from ragkv.indexer.kv_job import KVItem, KVWriter, open_store
+from ragkv.indexer.neighbours import PLAIN_COPY_COMPRESSION, context_ids, select_neighbours
 from ragkv.indexer.sharding import shard_of
 from ragkv.indexer.spot import StopSignal
 from ragkv.retriever import vector_index
 from ragkv.retriever.chunk_db import ChunkDB
+from ragkv.retriever.chunk_keys import NeighbourContext, NeighbourOptions, chunk_key
 from ragkv.retriever.embedder import DEFAULT_EMBEDDER, Embedder
 from ragkv.retriever.lexical import LEXICAL_DIR, ROWS_NAME, LexicalIndex
 from ragkv.retriever.manifest import (
@@ -227,7 +228,7 @@ def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Any
         # keys name the kvstore format: after an upgrade the KV is written anew (with neighbours,
         # _neighbour_contexts gives every chunk its key, and a changed option changes them all)
         if old is not None and not config.neighbours.enabled:
-            rekeyed = db.rekey(lambda ids: kv_key(manifest.model_fp, manifest.tokenizer_fp, prefix_ids, ids))
+            rekeyed = db.rekey(lambda ids: chunk_key(manifest.model_fp, manifest.tokenizer_fp, prefix_ids, ids))
             if rekeyed:
                 log.info("%d chunks get new KV keys (the kvstore format changed): their KV is computed again",
                          rekeyed)
@@ -328,7 +329,7 @@ def _sync_documents(db: ChunkDB, docs: list[Document], engine: Any, lm: Any, man
                 chunks = chunk_document(doc.doc_id, doc.text, engine.prompt.chunk_ids, config.chunking, count)
                 records = [
                     ChunkRecord(c.chunk_id, c.doc_id, c.ordinal, c.text, doc.metadata, c.token_ids,
-                                kv_key(manifest.model_fp, manifest.tokenizer_fp, manifest.prefix_ids, c.token_ids))
+                                chunk_key(manifest.model_fp, manifest.tokenizer_fp, manifest.prefix_ids, c.token_ids))
                     for c in chunks
                 ]
                 rows.append((DocumentRecord(doc.doc_id, doc.content_hash, doc.source, len(records)), records))
@@ -359,7 +360,7 @@ class _Context:
 
 def _plain_key(manifest: Manifest, ids: Sequence[int]) -> ChunkKey:
     """The key of a chunk's plain KV (computed after the prefix alone) in this index's store."""
-    return kv_key(manifest.model_fp, manifest.tokenizer_fp, manifest.prefix_ids, ids)
+    return chunk_key(manifest.model_fp, manifest.tokenizer_fp, manifest.prefix_ids, ids)
 
 
 def _neighbour_contexts(db: ChunkDB, manifest: Manifest, options: NeighbourOptions) -> dict[int, _Context]:
@@ -377,7 +378,7 @@ def _neighbour_contexts(db: ChunkDB, manifest: Manifest, options: NeighbourOptio
         ctx = tuple(context_ids([ids_of[j] for j in nbrs], options.budget_tokens))
         contexts[int(r)] = _Context(ctx, tuple((_plain_key(manifest, ids_of[j]), tuple(ids_of[j])) for j in nbrs),
                                     (_plain_key(manifest, chunk_ids), tuple(chunk_ids)))
-        keys[int(r)] = kv_key(manifest.model_fp, manifest.tokenizer_fp, manifest.prefix_ids, chunk_ids,
+        keys[int(r)] = chunk_key(manifest.model_fp, manifest.tokenizer_fp, manifest.prefix_ids, chunk_ids,
                               ChunkContext(options.tag(), ctx))
     changed = db.set_kv_keys(keys)
     if changed:

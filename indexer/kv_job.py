@@ -39,18 +39,6 @@ class KVItem:
     context_budget: int = 0
 
 
-def kv_key(model_fp: str, tokenizer_fp: str, prefix_ids: Sequence[int], chunk_ids: Sequence[int],
-           context: Any = None) -> ChunkKey:
-    """The key of a chunk's KV (one place builds it for the whole indexer).
-
-    Args:
-        context: a ``kvstore.ChunkContext`` when the chunk is prefilled after context tokens.
-    """
-    from ragkv.kvstore import ChunkKey
-
-    return ChunkKey.build(model_fp, tokenizer_fp, list(prefix_ids), list(chunk_ids), context)
-
-
 def open_store(uris: Sequence[str], model_fp: str, tokenizer_fp: str, compression: str = "none") -> Any:
     """A kvstore TieredStore writing through to the tiers named by ``uris``, K and V stored
     as ``compression`` says (none, int8 or fp8)."""

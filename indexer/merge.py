@@ -8,7 +8,6 @@ shard wrote into the same kvstore tiers.
 
 from __future__ import annotations
 
-import re
 import shutil
 import time
 from dataclasses import replace
@@ -19,6 +18,7 @@ from ragkv.retriever import vector_index
 from ragkv.retriever.chunk_db import DB_NAME, ChunkDB
 from ragkv.retriever.lexical import LEXICAL_DIR, LexicalIndex
 from ragkv.retriever.manifest import (
+    SHARD_DIR,
     IndexState,
     Manifest,
     portable_kv_uris,
@@ -27,7 +27,6 @@ from ragkv.retriever.manifest import (
     write_manifest,
 )
 
-SHARD_DIR = re.compile(r"shard-(\d{5})-of-(\d{5})")  # ShardSpec.dir_name()
 _SAME = ("model_fp", "tokenizer_fp", "embedder_fp", "embedding_dim", "prefix_ids", "chunk_size",
          "chunk_overlap", "kv_uris")
 

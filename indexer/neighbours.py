@@ -13,97 +13,16 @@ Pure numpy and token ids: nothing here loads a model or touches the store.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ragkv.types import Mode
+from ragkv.retriever.chunk_keys import NeighbourChoice, NeighbourContext, NeighbourOptions
 
 if TYPE_CHECKING:
     import numpy as np
 
 _BLOCK = 1024  # rows whose similarities to every chunk are held at once
 _DUPLICATE = 1.0 - 1e-6  # cosine similarity at which two chunks count as the same text
-
-
-class NeighbourChoice(str, enum.Enum):
-    """How a chunk's neighbours are chosen."""
-
-    NEAREST = "nearest"  # the m highest cosine similarities of the chunks' embeddings
-    RANDOM = "random"  # m other chunks drawn at random (seeded): the control for NEAREST
-
-
-class NeighbourContext(str, enum.Enum):
-    """How the neighbours sit before a chunk while its KV is computed."""
-
-    TOKENS = "tokens"  # their tokens are prefilled with the chunk (each sees the farther ones)
-    # their own plain KV (stored anyway) is placed before the chunk and only the chunk's
-    # tokens are computed: the same KV as TOKENS for one neighbour within the budget (a
-    # neighbour's plain KV is what its tokens give after the prefix); the context costs
-    # attention only, no forward of its own (MuSiQue: 2.2x plain indexing at m = 1 and 2.4x at m = 2,
-    # against 2.2x and 3.0x with tokens), and the plain KV is stored for focus to read
-    KV = "kv"
-
-
-@dataclass(frozen=True, slots=True)
-class NeighbourOptions:
-    """How neighbour-conditioned KV is computed; m = 0 means plain KV (after the prefix only)."""
-
-    m: int = 0  # neighbours per chunk
-    budget_tokens: int = 1024  # most context tokens before a chunk (neighbours cut to fit)
-    choice: NeighbourChoice = NeighbourChoice.NEAREST  # how neighbours are picked
-    seed: int = 0  # NeighbourChoice.RANDOM only
-    context: NeighbourContext = NeighbourContext.TOKENS  # the neighbours as tokens or as their plain KV
-
-    def __post_init__(self) -> None:
-        if self.m < 0 or self.budget_tokens < 1:
-            raise ValueError(f"neighbours need m >= 0 and budget_tokens >= 1, got m={self.m}, "
-                             f"budget_tokens={self.budget_tokens}")
-        object.__setattr__(self, "choice", NeighbourChoice(self.choice))
-        object.__setattr__(self, "context", NeighbourContext(self.context))
-
-    @property
-    def enabled(self) -> bool:
-        return self.m > 0
-
-    @property
-    def plain_first(self) -> bool:
-        """Whether the prompt's first chunk is served from its plain KV: where the index stores the
-        plain KV too (`NeighbourContext.KV`). In the prompt the first chunk follows the prefix
-        alone, which is exactly the context its plain KV was computed in, so its KV is exact there
-        and no recompute has to correct it (its neighbour KV attended to a passage the prompt does
-        not hold; the first chunk's error reaches every later token: docs/quality.md, issue 39)."""
-        return self.enabled and self.context is NeighbourContext.KV
-
-    def serves_plain(self, mode: Mode, focus_handover: bool = False, first: bool = False) -> bool:
-        """Whether a query in `mode` reads the plain KV (after the prefix only) of an index built
-        with these options, rather than the neighbour KV the index recorded for each chunk.
-
-        Plain when there are no neighbours; for the prompt's `first` chunk where the index stores
-        the plain KV too (`plain_first`); and for focus without handover over such an index: that
-        focus blends the chunks it keeps and drops the others, which a neighbour KV has attended
-        to, so the plain KV is its exact input. Focus with handover drops nothing when several
-        chunks matter and, in a lookup, blends the kept chunks whose KV came after neighbours, so
-        the neighbour KV serves its other chunks (docs/quality.md).
-        """
-        focus_plain = Mode(mode) is Mode.FOCUS and not focus_handover and self.context is NeighbourContext.KV
-        return not self.enabled or focus_plain or (first and self.plain_first)
-
-    def tag(self) -> str:
-        """The options as one string: the ChunkKey context tag and the manifest's record."""
-        seed = f",seed={self.seed}" if self.choice is NeighbourChoice.RANDOM else ""
-        context = f",context={self.context.value}" if self.context is not NeighbourContext.TOKENS else ""
-        return f"neighbours:m={self.m},budget={self.budget_tokens},choice={self.choice.value}{seed}{context}"
-
-    def as_dict(self) -> dict:
-        return {"m": self.m, "budget_tokens": self.budget_tokens, "choice": self.choice.value, "seed": self.seed,
-                "context": self.context.value}
-
-    @classmethod
-    def from_dict(cls, d: dict | None) -> NeighbourOptions:
-        return cls() if not d else cls(int(d["m"]), int(d["budget_tokens"]), NeighbourChoice(d["choice"]),
-                                       int(d.get("seed", 0)), NeighbourContext(d.get("context", "tokens")))
 
 
 # what `ragkv index` builds unless told otherwise: each chunk's KV computed after the last 512

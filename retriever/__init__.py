@@ -3,7 +3,7 @@
 Owns the on-disk index format (manifest.json, chunks.sqlite, vectors.faiss) that the
 indexer writes and the server reads. Knows nothing of the engine or KV tensors;
 never imports gRPC. Importing the package is light: numpy, FAISS and torch load
-only when ``Retriever``/``Hit`` are first used, so the CLI stays a client install.
+only when ``Retriever``/``SearchHit`` are first used, so the CLI stays a client install.
 """
 
 from typing import Any
@@ -12,13 +12,13 @@ from ragkv.retriever.manifest import IndexState, Manifest, ShardSpec, VectorInde
 from ragkv.retriever.records import ChunkId, ChunkRecord, DocId, Fingerprint
 
 __all__ = [
-    "ChunkId", "ChunkRecord", "DocId", "Fingerprint", "Hit", "IndexState", "Manifest",
+    "ChunkId", "ChunkRecord", "DocId", "Fingerprint", "SearchHit", "IndexState", "Manifest",
     "Retriever", "ShardSpec", "VectorIndexKind",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Hit", "Retriever"):
+    if name in ("SearchHit", "Retriever"):
         from ragkv.retriever import search
 
         return getattr(search, name)

@@ -12,6 +12,7 @@ import enum
 import json
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from ragkv.errors import IndexMismatchError, RagKVError
 from ragkv.retriever.records import Fingerprint
 
 MANIFEST_NAME = "manifest.json"
+# a sharded index's per-shard folders beside its merged manifest (indexer.sharding.ShardSpec.dir_name())
+SHARD_DIR = re.compile(r"shard-(\d{5})-of-(\d{5})")
 MANIFEST_VERSION = 1
 KV_DIR_NAME = "kv"  # the default disk tier of an index: INDEX/kv
 _DISK = "disk:"

@@ -37,7 +37,7 @@ _FILTER_CACHE = 64  # filter sets whose allowed rows are remembered
 
 
 @dataclass(frozen=True, slots=True)
-class Hit:
+class SearchHit:
     """One retrieved chunk."""
 
     chunk_id: str  # the chunk's stable id
@@ -138,14 +138,14 @@ class Retriever:
         self.manifest.check_model(model_fp, tokenizer_fp)
 
     def search(self, query: str, top_k: int, *, mode: SearchMode | str | None = None,
-               filters: Sequence[MetadataFilter] = (), rerank: bool = True) -> list[Hit]:
+               filters: Sequence[MetadataFilter] = (), rerank: bool = True) -> list[SearchHit]:
         """The ``top_k`` chunks that best match ``query``, best first (see ``search_batch``)."""
         if not isinstance(query, str):
             raise TypeError(f"query must be a str, got {type(query).__name__}")
         return self.search_batch([query], top_k, mode=mode, filters=filters, rerank=rerank)[0]
 
     def search_batch(self, queries: Sequence[str], top_k: int, *, mode: SearchMode | str | None = None,
-                     filters: Sequence[MetadataFilter] = (), rerank: bool = True) -> list[list[Hit]]:
+                     filters: Sequence[MetadataFilter] = (), rerank: bool = True) -> list[list[SearchHit]]:
         """For each query, its ``top_k`` hits, best first.
 
         Args:
@@ -191,7 +191,7 @@ class Retriever:
         if reranker is None:
             ranked = [r[:top_k] for r in ranked]
         records = self._db.chunks_by_rows(sorted({row for r in ranked for row, _, _ in r}))
-        out: list[list[Hit]] = []
+        out: list[list[SearchHit]] = []
         for q, cands in zip(queries, ranked):
             cands = [c for c in cands if c[0] in records]  # HNSW may return -1 when short of neighbours
             if reranker is not None and cands:
@@ -202,7 +202,7 @@ class Retriever:
             hits = []
             for row, score, found_by in cands[:top_k]:
                 rec = records[row]
-                hits.append(Hit(
+                hits.append(SearchHit(
                     chunk_id=rec.chunk_id, score=float(score), text=rec.text,
                     metadata=dict(rec.metadata), token_ids=list(rec.token_ids),
                     kv_key=rec.kv_key, doc_id=rec.doc_id, ordinal=rec.ordinal, found_by=found_by,

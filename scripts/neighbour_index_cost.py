@@ -33,7 +33,8 @@ def main() -> None:
     from ragkv.cli.dataset import DEFAULT_INSTRUCTION, load_dataset
     from ragkv.engine import Engine, load_model, tune_host_allocator
     from ragkv.engine.prefill import context_segments
-    from ragkv.indexer.neighbours import NeighbourOptions, context_ids, select_neighbours
+    from ragkv.indexer.neighbours import context_ids, select_neighbours
+    from ragkv.retriever.chunk_keys import NeighbourOptions
 
     tune_host_allocator()
     cases, pool = load_dataset(args.dataset, args.n, args.ctxs)

@@ -31,7 +31,7 @@ from ragkv.server.query import Query
 from ragkv.server.structured import ToolCallReader, find_citations
 
 if TYPE_CHECKING:
-    from ragkv.retriever import Hit
+    from ragkv.retriever import SearchHit
 from ragkv.types import FinishReason, QueryStats, RetrievedChunk, ToolCallDelta, Usage
 
 
@@ -80,7 +80,7 @@ class QueryRunner:
         cancel: threading.Event,
         deadline: float | None = None,
         method: str = "Query",
-        hits: Sequence[Hit] | None = None,
+        hits: Sequence[SearchHit] | None = None,
     ) -> AsyncIterator[RunEvent]:
         """Answer one Query: yields one ChunksReady, TokenEvents, then the QueryStats.
 

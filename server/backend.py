@@ -23,7 +23,7 @@ from ragkv.types import CollectionInfo, CollectionStats, MetadataFilter, Mode, R
 if TYPE_CHECKING:
     from ragkv.engine.speed import EngineSpeed
     from ragkv.engine.tree import KVTree
-    from ragkv.retriever import Hit
+    from ragkv.retriever import SearchHit
     from ragkv.server.query import Query
 
 
@@ -86,7 +86,7 @@ class QueryBackend(Protocol):
         """
         ...
 
-    def prepare(self, query: Query, hits: Sequence[Hit] | None = None) -> Request:
+    def prepare(self, query: Query, hits: Sequence[SearchHit] | None = None) -> Request:
         """Retrieve, and build the engine's request for `query` once: its tokens, its chunks with
         their KV reads started (non-blocking), its budgets. Then it can be submitted with its
         `work`. `hits`: the chunks a cluster's ingress retrieved for it (None: search here).

@@ -277,9 +277,9 @@ class IngressBackend:
     """The ingress's side of `QueryBackend`: the indexes for search, the replicas for the rest."""
 
     def __init__(self, settings: ServerSettings, engines: DeploymentHandle) -> None:
-        from ragkv.indexer.neighbours import NeighbourOptions
         from ragkv.kvstore import hash_prefix
         from ragkv.retriever import Retriever
+        from ragkv.retriever.chunk_keys import NeighbourOptions
         from ragkv.server.search_config import retriever_options
 
         search = retriever_options(settings)
@@ -321,7 +321,8 @@ class IngressBackend:
 
     def search(self, query: Query) -> tuple[list[Any], RouteKeys]:
         """The query's chunks and what routing looks for (the keys the replica will read)."""
-        from ragkv.server.pipeline import search_hits, serving_key
+        from ragkv.retriever.chunk_keys import serving_key
+        from ragkv.server.pipeline import search_hits
 
         r = self._retriever(query.collection)
         hits = search_hits(r, query.question, query.top_k, query.search_mode, query.filters)

@@ -31,7 +31,6 @@ from ragkv.engine.detokenize import Detokenizer
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT
 from ragkv.engine.request import ChunkComputed, LoadedKV, PromptChunk, Request, Work
 from ragkv.errors import IndexMismatchError, StoreError
-from ragkv.indexer.neighbours import NeighbourOptions
 from ragkv.kvstore import (
     ChunkKey,
     Compression,
@@ -43,7 +42,8 @@ from ragkv.kvstore import (
     TierSpec,
     hash_prefix,
 )
-from ragkv.retriever import Hit, Retriever
+from ragkv.retriever import Retriever, SearchHit
+from ragkv.retriever.chunk_keys import NeighbourOptions, serving_key
 from ragkv.server.backend import BackendParts
 from ragkv.server.loading import ControllerConfig, LoadingController
 from ragkv.server.query import Query
@@ -73,7 +73,7 @@ class Collection:
     # how its chunk KV was computed after neighbours (ragkv index --neighbours); m = 0: plain
     neighbours: NeighbourOptions = field(default_factory=NeighbourOptions)
 
-    def kv_key(self, hit, mode: Mode, model_fp: str, tokenizer_fp: str,  # noqa: ANN001 - retriever.Hit
+    def kv_key(self, hit: SearchHit, mode: Mode, model_fp: str, tokenizer_fp: str,
                focus_handover: bool = False, first: bool = False) -> ChunkKey:
         """The KV a hit is served from in `mode`, `first` in the prompt or not (which one, the index's
         options say: `NeighbourOptions.serves_plain`). Plain KV: the key is built here, not read from the
@@ -84,23 +84,14 @@ class Collection:
 
 
 def search_hits(retriever: Retriever, question: str, top_k: int, search_mode: SearchMode | None,
-                filters: Sequence[MetadataFilter]) -> list[Hit]:
+                filters: Sequence[MetadataFilter]) -> list[SearchHit]:
     """A collection's `top_k` best chunks for `question` (at most the index's size)."""
     return retriever.search(str(question), min(top_k, len(retriever)), mode=search_mode, filters=tuple(filters))
 
 
-def retrieved_chunk(hit: Hit) -> RetrievedChunk:
+def retrieved_chunk(hit: SearchHit) -> RetrievedChunk:
     """A search hit as the client sees it (its KV tier is set when the answer reads it)."""
     return RetrievedChunk(hit.chunk_id, hit.score, hit.text, hit.metadata, None, len(hit.token_ids), hit.found_by)
-
-
-def serving_key(hit: Hit, mode: Mode, neighbours: NeighbourOptions, prefix_hash: PrefixHash, model_fp: str,
-                tokenizer_fp: str, focus_handover: bool = False, first: bool = False) -> ChunkKey:
-    """The key of the KV a hit is served from in `mode`, the prompt's `first` chunk or a later one
-    (`Collection.kv_key`; the cluster's ingress routes on it before any replica has the request)."""
-    if neighbours.serves_plain(mode, focus_handover, first):
-        return ChunkKey.from_prefix_hash(model_fp, tokenizer_fp, prefix_hash, hit.token_ids)
-    return hit.kv_key
 
 
 def _store_config(settings: ServerSettings, index_dir: Path, kv_uris: Sequence[str], device: torch.device,
@@ -153,7 +144,7 @@ def fetch_indexes(settings: ServerSettings) -> None:
     Raises:
         RagKVError: a bucket cannot be read, or holds no index.
     """
-    from ragkv.indexer.merge import SHARD_DIR
+    from ragkv.retriever.manifest import SHARD_DIR
     from ragkv.retriever.remote import S3Location, download
 
     def wanted(rel: str) -> bool:
@@ -269,7 +260,7 @@ class Pipeline:
         return CollectionStats(info, c.store.stats().tiers)
 
     def _search(self, c: Collection, question: str, top_k: int, search_mode: SearchMode | None,
-                filters: Sequence[MetadataFilter]) -> list[Hit]:
+                filters: Sequence[MetadataFilter]) -> list[SearchHit]:
         return search_hits(c.retriever, question, top_k, search_mode, filters)
 
     def retrieve(self, collection: str, question: str, top_k: int, search_mode: SearchMode | None = None,
@@ -277,7 +268,7 @@ class Pipeline:
         c = self._collection(collection)
         return tuple(map(retrieved_chunk, self._search(c, question, top_k, search_mode, filters)))
 
-    def prepare(self, query: Query, hits: Sequence[Hit] | None = None) -> Request:
+    def prepare(self, query: Query, hits: Sequence[SearchHit] | None = None) -> Request:
         """Retrieve, tokenize, lease the KV tree and start the chunks' KV reads: the engine's
         request for `query`, ready to submit (`work`). Runs on the retrieval pool. `hits`: its
         chunks when the cluster's ingress retrieved them already (`server/cluster.py`); None =

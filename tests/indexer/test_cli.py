@@ -36,8 +36,8 @@ def test_the_default_index_is_one_neighbour_and_a_plain_copy(tmp_path, tiny_llam
     (docs/quality.md, issue 39): each chunk's KV after the last 512 tokens of its most similar
     chunk, and its plain KV, int8, for when it is a prompt's first chunk. The manifest records
     it, every chunk's key names its context (not the plain key), and each chunk has two files."""
-    from ragkv.indexer.kv_job import kv_key
-    from ragkv.indexer.neighbours import INDEX_DEFAULT, NeighbourContext, NeighbourOptions
+    from ragkv.indexer.neighbours import INDEX_DEFAULT
+    from ragkv.retriever.chunk_keys import NeighbourContext, NeighbourOptions, chunk_key
     from ragkv.retriever.manifest import read_manifest
 
     corpus = tmp_path / "corpus"
@@ -55,7 +55,7 @@ def test_the_default_index_is_one_neighbour_and_a_plain_copy(tmp_path, tiny_llam
     assert NeighbourOptions.from_dict(m.neighbours) == INDEX_DEFAULT
     chunks = index_chunks(out)
     assert len(chunks) == 4
-    plain = {kv_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids) for c in chunks}
+    plain = {chunk_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids) for c in chunks}
     assert not plain & {c.kv_key for c in chunks}  # every key names its neighbour context
     stored = sorted(f.stem for f in (out / "kv").rglob("*.safetensors"))
     assert stored == sorted([c.kv_key.to_str() for c in chunks] + [k.to_str() for k in plain])  # two a chunk

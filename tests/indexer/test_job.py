@@ -189,12 +189,12 @@ def test_rerun_after_a_kvstore_format_change_rekeys_and_writes_the_kv_anew(job_c
 
 def _wanted_kv_files(out: Path) -> set[str]:
     """The KV files the index at `out` reads: every chunk's KV and its plain copy's key."""
-    from ragkv.indexer.kv_job import kv_key
+    from ragkv.retriever.chunk_keys import chunk_key
     from ragkv.retriever.manifest import read_manifest
 
     m = read_manifest(out)
     chunks = index_chunks(out)
-    keys = {c.kv_key for c in chunks} | {kv_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids) for c in chunks}
+    keys = {c.kv_key for c in chunks} | {chunk_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids) for c in chunks}
     return {f"{k.to_str()}.safetensors" for k in keys}
 
 

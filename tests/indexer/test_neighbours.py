@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from ragkv.indexer.neighbours import NeighbourChoice, NeighbourOptions, context_ids, select_neighbours
+from ragkv.indexer.neighbours import context_ids, select_neighbours
 from ragkv.kvstore import FORMAT_VERSION, ChunkContext, ChunkKey, hash_prefix
+from ragkv.retriever.chunk_keys import NeighbourChoice, NeighbourOptions
 from tests.indexer.helpers import index_chunks
 
 MODEL, TOK = "model-a", "tok-a"
@@ -132,8 +133,9 @@ def test_serving_neighbour_kv_every_mode_and_blend_1_equals_full(tiny_lm):
 
 def test_index_with_neighbours_records_options_keys_and_stores_context_kv(job_config, tiny_lm, embedder):
     from ragkv.indexer.job import run_index
-    from ragkv.indexer.kv_job import kv_key, open_store
+    from ragkv.indexer.kv_job import open_store
     from ragkv.kvstore import KVEntry  # noqa: F401  (the store's entry type)
+    from ragkv.retriever.chunk_keys import chunk_key
     from ragkv.retriever.manifest import read_manifest
 
     plain_cfg = dataclasses.replace(job_config, out=job_config.out.parent / "plain")
@@ -144,7 +146,7 @@ def test_index_with_neighbours_records_options_keys_and_stores_context_kv(job_co
     m = read_manifest(cfg.out)
     assert m.neighbours == opts.as_dict() and read_manifest(plain_cfg.out).neighbours is None
     chunks = index_chunks(cfg.out)
-    plain_keys = {kv_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids) for c in chunks}
+    plain_keys = {chunk_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids) for c in chunks}
     assert not plain_keys & {c.kv_key for c in chunks}  # every chunk was computed with context
     assert s.kv_chunks == len(chunks)
     store = open_store([f"disk:{cfg.out / 'kv'}"], m.model_fp, m.tokenizer_fp)
@@ -166,7 +168,8 @@ def test_index_with_kv_context_stores_plain_kv_and_the_same_kv_as_tokens_for_one
     serves a prompt's first chunk, and it is the neighbours' context), then each chunk runs after
     its neighbour's; with m = 1 in budget that is the KV the tokens variant makes."""
     from ragkv.indexer.job import run_index
-    from ragkv.indexer.kv_job import kv_key, open_store
+    from ragkv.indexer.kv_job import open_store
+    from ragkv.retriever.chunk_keys import chunk_key
     from ragkv.retriever.manifest import read_manifest
 
     big = 10_000  # no neighbour is cut
@@ -184,7 +187,7 @@ def test_index_with_kv_context_stores_plain_kv_and_the_same_kv_as_tokens_for_one
     store = open_store([f"disk:{cfg.out / 'kv'}"], m.model_fp, m.tokenizer_fp)
     other = open_store([f"disk:{by_tokens.out / 'kv'}"], m.model_fp, m.tokenizer_fp)
     try:
-        plain = [kv_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids) for c in mine.values()]
+        plain = [chunk_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids) for c in mine.values()]
         stored_plain = [k for k in plain if store.contains(k)]
         assert len(stored_plain) == len(mine)  # every chunk's plain KV is in the store too
         assert s.kv_chunks == len(mine) + len(stored_plain)
@@ -207,9 +210,10 @@ def test_the_default_index_keeps_every_chunks_plain_kv_in_int8_within_1_5x_plain
     bytes of a plain index (issue 39); the copies read back close to the plain KV."""
     from ragkv.engine import Engine
     from ragkv.indexer.job import run_index
-    from ragkv.indexer.kv_job import kv_key, open_store
+    from ragkv.indexer.kv_job import open_store
     from ragkv.indexer.neighbours import INDEX_DEFAULT, PLAIN_COPY_COMPRESSION
     from ragkv.kvstore.fileformat import read_header
+    from ragkv.retriever.chunk_keys import chunk_key
     from ragkv.retriever.manifest import read_manifest
 
     assert INDEX_DEFAULT.plain_first and PLAIN_COPY_COMPRESSION == "int8"
@@ -226,7 +230,7 @@ def test_the_default_index_keeps_every_chunks_plain_kv_in_int8_within_1_5x_plain
 
     m = read_manifest(cfg.out)
     chunks = index_chunks(cfg.out)
-    plain = {kv_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids): c for c in chunks}
+    plain = {chunk_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids): c for c in chunks}
     files = {f.stem: f for f in (cfg.out / "kv").rglob("*.safetensors")}
     assert {k.to_str() for k in plain} <= set(files)  # every chunk's plain copy
     for k in plain:
@@ -294,7 +298,7 @@ def test_which_kv_each_mode_is_served_from() -> None:
     """The index's options decide which KV a mode reads: plain without neighbours; the
     neighbour KV for every chunk-KV mode of a neighbour index, except focus over an index that
     also stored the plain KV (`--neighbour-context kv`)."""
-    from ragkv.indexer.neighbours import NeighbourContext, NeighbourOptions
+    from ragkv.retriever.chunk_keys import NeighbourContext, NeighbourOptions
     from ragkv.types import Mode
 
     plain, tokens, kv = (NeighbourOptions(), NeighbourOptions(m=1),

@@ -9,7 +9,7 @@ import pytest
 
 from ragkv.errors import IndexMismatchError, RagKVError
 from ragkv.indexer.job import run_index
-from ragkv.retriever import Hit, Retriever
+from ragkv.retriever import Retriever, SearchHit
 from tests.indexer.helpers import NEEDLE_QUESTION
 
 
@@ -30,16 +30,16 @@ def test_needle_question_finds_the_needle(retriever, tiny_lm):
     from ragkv.engine import Engine
 
     hits = retriever.search(NEEDLE_QUESTION, top_k=3)
-    assert len(hits) == 3 and isinstance(hits[0], Hit)
+    assert len(hits) == 3 and isinstance(hits[0], SearchHit)
     top = hits[0]
     assert top.doc_id == "notes/needle.txt" and "4721" in top.text
     assert top.metadata == {"source": "notes/needle.txt"}
     assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
     assert top.token_ids == Engine(tiny_lm).prompt.chunk_ids(top.text)
-    from ragkv.indexer.kv_job import kv_key
+    from ragkv.retriever.chunk_keys import chunk_key
 
     m = retriever.manifest
-    assert top.kv_key == kv_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, top.token_ids)
+    assert top.kv_key == chunk_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, top.token_ids)
 
 
 def test_batched_queries_match_single_ones(retriever):

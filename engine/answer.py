@@ -119,7 +119,7 @@ def _answer(engine: PromptEngine, req: Request) -> Work:
 
 
 def _chunk_kv(engine: PromptEngine, req: Request, phases: dict[str, float], sources: Counter[KVSource],
-              loaded: dict[Tier, int]):  # -> Generator[..., None, tuple[list[ChunkKV], list[Tier]]]
+              loaded: dict[Tier, int]) -> Generator[int | WaitFor | ChunkComputed, None, tuple[list[ChunkKV], list[Tier]]]:
     """Each chunk's KV: its read's, or computed one layer per step (and handed out to be
     kept). The request waits for its reads parked (`WaitFor`), never polling; a read still
     pending after `kv_wait_s` is abandoned and its chunk computed."""
@@ -167,7 +167,7 @@ def _read(ch: PromptChunk) -> tuple[LoadedKV | None, KVSource]:
     return (got, KVSource.LOADED) if got is not None else (None, KVSource.COMPUTED_MISSING)
 
 
-def _compute(engine: PromptEngine, req: Request, ch: PromptChunk):  # -> Generator[int, None, ChunkKV]
+def _compute(engine: PromptEngine, req: Request, ch: PromptChunk) -> Generator[int | WaitFor, None, ChunkKV]:
     """A chunk's KV computed one layer per step; its own compute seconds (not the time other
     requests ran between its steps) teach the engine its prefill rate (`Engine.speed`)."""
     steps = engine.prefill_steps(req.prefix_ids, ch.token_ids)
@@ -179,13 +179,14 @@ def _compute(engine: PromptEngine, req: Request, ch: PromptChunk):  # -> Generat
         except StopIteration as done:
             own += time.perf_counter() - t0
             engine.speed.observe(len(ch.token_ids), own)
-            return done.value
+            kv: ChunkKV = done.value
+            return kv
         own += time.perf_counter() - t0
         yield item
 
 
-def _recompute_failed(engine: PromptEngine, req: Request, kvs: list[ChunkKV], tiers: list[Tier], exc: Exception):
-    # -> Generator[int | ChunkComputed, None, list[ChunkKV]]
+def _recompute_failed(engine: PromptEngine, req: Request, kvs: list[ChunkKV], tiers: list[Tier], exc: Exception
+                      ) -> Generator[int | WaitFor | ChunkComputed, None, list[ChunkKV]]:
     """`kvs` with every chunk whose layered read failed computed anew (layer by layer) and
     handed out to be kept (a damaged copy is already out of its tier). `tiers` is updated in place."""
     failed = [i for i, kv in enumerate(kvs) if kv.ready is not None and kv.ready.error is not None]

@@ -283,7 +283,8 @@ def _query_blend_steps(lm: LoadedModel, a: _Assembled, prefix: ChunkKV | None, c
     if scores is None:
         scores = yield from _token_scores(lm, a, _score_layers(lm, options), select_ids)  # [C-P]
     a.timer.lap("score")
-    if options.fallback_full and tokens_for_mass(scores, options.adaptive_mass) > round(
+    mass = options.adaptive_mass  # set whenever fallback_full is (BlendOptions checks)
+    if options.fallback_full and mass is not None and tokens_for_mass(scores, mass) > round(
             options.recompute_ratio * (c - p)):
         q_ids = a.ids[c:]
         phases = a.timer.phases
@@ -513,7 +514,7 @@ def _run_kept(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV]
     sub = [chunks[i] for i in kept]
     if mode is not Mode.BLEND or options.selector is not Selector.QUERY or tokens is None:
         return (yield from prompt_steps(lm, prefix, sub, q_ids, mode, options, reserve_tokens, select_ids))
-    per_chunk = tokens.split([ch.num_tokens for ch in chunks])  # each chunk's [T_i]
+    per_chunk = torch.split(tokens, [ch.num_tokens for ch in chunks])  # each chunk's [T_i]
     scores = torch.cat([per_chunk[i] for i in kept])  # [sum of the kept T_i]
     a = _assemble(lm, prefix, sub, q_ids, mode, options, reserve_tokens)
     return (yield from _query_blend_steps(lm, a, prefix, sub, options, reserve_tokens, select_ids, scores))

@@ -42,7 +42,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from ragkv.errors import RagKVError
 
@@ -83,7 +83,20 @@ compiler is superlinear in some schemas (thousands of optional properties: about
 size on one core), so longer ones are refused before any compiling. RAGKV_MAX_GRAMMAR_BYTES
 overrides it."""
 
-GRAMMAR_LIMITS: dict[str, int | bool] = {
+class ParserLimits(TypedDict, total=False):
+    """`llguidance.LLParserLimits`' arguments, by name (GRAMMAR_LIMITS holds them)."""
+
+    max_grammar_size: int
+    max_items_in_row: int
+    initial_lexer_fuel: int
+    step_lexer_fuel: int
+    step_max_items: int
+    max_lexer_states: int
+    precompute_large_lexemes: bool
+    verbose_errors: bool
+
+
+GRAMMAR_LIMITS: ParserLimits = {
     "max_grammar_size": 100_000,  # symbols in the grammar's productions (llguidance's default: 500,000)
     "max_items_in_row": 2_000,  # branching of one production row
     "initial_lexer_fuel": 1_000_000,  # building the lexer's regexes (~50k/ms: ~20 ms)

@@ -126,7 +126,7 @@ class Conversations:
         cache = res.cache
         if not self.enabled or cache.recurrent is None:
             return None
-        if cache.marked is not None:  # the state where the answer's header starts (Prompt.snapshot_at)
+        if cache.marked is not None and cache.mark is not None:  # where the answer's header starts (Prompt.snapshot_at)
             state, tokens = cache.marked, cache.mark
             cache.marked = None
         else:

@@ -98,6 +98,7 @@ class DecodeStream(Iterator[str]):
             if text.stopped:  # the text ends with this token (its token_ids end there too)
                 self.finish_reason = FinishReason.STOP
             elif self.finish_reason is None:
+                assert token is not None, "advance returns None only as the stream ends"
                 self.receive(self._forward(token))
             if piece:
                 return piece

@@ -28,8 +28,9 @@ else; docs/models.md says more.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -93,9 +94,18 @@ class Family:
     notes: str = ""  # what the adapter handles, for docs/models.md
 
 
-_SANDWICH = dict(attn_out="post_attention_layernorm", mlp_in="pre_feedforward_layernorm",
-                 mlp_out="post_feedforward_layernorm")
-_POST_NORM = dict(attn_in=None, attn_out="post_attention_layernorm", mlp_in=None, mlp_out="post_feedforward_layernorm")
+class _Norms(TypedDict, total=False):
+    """A residual-stream layout shared by several families: Family's norm fields, by name."""
+
+    attn_in: str | None
+    attn_out: str | None
+    mlp_in: str | None
+    mlp_out: str | None
+
+
+_SANDWICH = _Norms(attn_out="post_attention_layernorm", mlp_in="pre_feedforward_layernorm",
+                   mlp_out="post_feedforward_layernorm")
+_POST_NORM = _Norms(attn_in=None, attn_out="post_attention_layernorm", mlp_in=None, mlp_out="post_feedforward_layernorm")
 
 _HYBRID_NOTES = ("hybrid: {mixer} layers, the model's own module with its conv and recurrent state per request, "
                  "full attention {every} layer (gated output, per-head q/k norm, partial rotary); FULL mode only, "
@@ -201,6 +211,10 @@ class _MlaDims:
     interleaved: bool  # rope_interleave with a halves' table (V3): pairs (0, 1), (2, 3)... laid out as evens, odds
 
 
+# gated attention's q_proj split into its query and gate halves: (w_q, b_q, w_g, b_g), None = no bias
+_GateSplit = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
+
+
 @dataclass(frozen=True, slots=True)
 class LayerAttention:
     """How one layer attends."""
@@ -278,7 +292,7 @@ class Adapter:
         self.folds_key_norm = family.qk_norm is QKNorm.AFTER_ROPE and any(
             hasattr(getattr(getattr(layer, "self_attn", None), family.k_norm, None), "weight")
             for layer in self.layers)
-        self._gate_split: dict[int, tuple[torch.Tensor, ...]] = {}  # gated attention: layer -> q and gate weights
+        self._gate_split: dict[int, _GateSplit] = {}  # gated attention: layer -> q and gate weights
         # Llama 4: (attn_scale, floor_scale) of the no-RoPE layers' query temperature; None = none
         self.temperature = (float(cfg.attn_scale), float(cfg.floor_scale)) if (
             family.temperature_tuning and getattr(cfg, "attn_temperature_tuning", False)) else None
@@ -326,7 +340,7 @@ class Adapter:
         """The distinct (window, chunk) localities of the layers ((None, None) = global attention)."""
         return frozenset(a.locality for a in self.attention)
 
-    def scoring_layers(self, candidates: range | list[int]) -> list[int]:
+    def scoring_layers(self, candidates: Sequence[int]) -> list[int]:
         """The layers whose attention may score chunk tokens, among `candidates`.
 
         A sliding-window (or chunked) layer's question sees only its last `window` keys (its
@@ -349,7 +363,7 @@ class Adapter:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """[S] -> [S, hidden] (Gemma 4 with per-layer inputs: [S, hidden + L * per_layer_input],
         each layer's input riding after the hidden state, sliced with it)."""
-        h = self.base.embed_tokens(ids)
+        h: torch.Tensor = self.base.embed_tokens(ids)
         if self.per_layer_input:
             per_layer = self.base.project_per_layer_inputs(h[None], self.base.get_per_layer_inputs(ids[None], h[None]))
             return torch.cat([h, per_layer[0].reshape(h.shape[0], -1).to(h.dtype)], -1)  # [S, L, P] -> [S, L*P]
@@ -439,9 +453,10 @@ class Adapter:
         attn = self.layers[i].self_attn
         if not hasattr(attn, self.family.k_norm):
             return q
-        return q * (getattr(attn, self.family.q_norm).weight * getattr(attn, self.family.k_norm).weight)
+        folded: torch.Tensor = q * (getattr(attn, self.family.q_norm).weight * getattr(attn, self.family.k_norm).weight)
+        return folded
 
-    def _gates(self, i: int) -> tuple[torch.Tensor, ...]:
+    def _gates(self, i: int) -> _GateSplit:
         """Gated attention's q_proj split once into its query and gate halves: (w_q, b_q, w_g, b_g),
         each head's [query; gate] rows apart (the model chunks its output per head)."""
         if i not in self._gate_split:
@@ -457,6 +472,8 @@ class Adapter:
         attention's input, is read by gated attention (its output gate)."""
         attn = self.layers[i].self_attn
         if self.family.gated_attention:
+            if x is None:
+                raise ValueError(f"layer {i} has gated attention: attn_output needs attention's input x")
             _, _, w_g, b_g = self._gates(i)
             out = out * torch.sigmoid(F.linear(x, w_g, b_g))
         if self.family.mla:  # each head's weighted latent [S, H, rank] through its W_uv: [S, H, v]
@@ -467,7 +484,8 @@ class Adapter:
         elif self.family.gemma4 and self._geometry[i][1] != self.head_dim:  # drop the padding
             s, d = out.shape[0], self._geometry[i][1]
             out = out.view(s, self.num_heads, self.head_dim)[..., :d].reshape(s, self.num_heads * d)
-        return attn.o_proj(out)
+        projected: torch.Tensor = attn.o_proj(out)
+        return projected
 
     def residual(self, i: int, h: torch.Tensor, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """The layer's output from its input h, attention's input x and attention's output a."""
@@ -512,13 +530,20 @@ class Adapter:
         if fam.shared_mlp:
             shared = getattr(layer, fam.shared_mlp)(x[None])
             y = shared if y is None else y + shared
-        return y.reshape(x.shape)
+        if y is None:
+            raise UnsupportedModelError(f"layer {i} has neither an MLP ({fam.mlp!r}) nor a shared one")
+        out: torch.Tensor = y.reshape(x.shape)
+        return out
 
     def recurrent(self, i: int, x: torch.Tensor, state: Any) -> torch.Tensor:
         """Layer i's recurrent token mixer (the model's own module) over one request's next
         tokens x: [S, hidden] -> [S, hidden], carrying its conv and recurrent state in `state`
         (`new_recurrent_state`), which it updates."""
-        return getattr(self.layers[i], self.family.recurrent)(hidden_states=x[None], cache=state)[0]
+        mixer = self.family.recurrent
+        if mixer is None:
+            raise ValueError(f"the {self.family.model_type} family has no recurrent layers (layer {i})")
+        out: torch.Tensor = getattr(self.layers[i], mixer)(hidden_states=x[None], cache=state)[0]
+        return out
 
     @staticmethod
     def recurrent_state_bytes(state: Any) -> int:
@@ -545,7 +570,7 @@ class Adapter:
         """[S, hidden] -> [S, V] float32 next-token logits."""
         if self.per_layer_input:
             h = h[:, :self.hidden]
-        out = self.model.lm_head(self.base.norm(h))
+        out: torch.Tensor = self.model.lm_head(self.base.norm(h))
         if self.logit_scale != 1.0:
             out = out * self.logit_scale
         if self.logits_divisor != 1.0:
@@ -594,7 +619,7 @@ def config_value(config: Any, name: str) -> Any:
 def _unit_rms(x: torch.Tensor, norm: Any) -> torch.Tensor:
     """x [..., D] divided by its RMS as the RMSNorm module `norm` divides (float32, its eps),
     without the weight. A rotation keeps the RMS, so this commutes with RoPE."""
-    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+    eps: float = getattr(norm, "variance_epsilon", 0.0) or getattr(norm, "eps", 1e-6)
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 

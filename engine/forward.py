@@ -111,9 +111,11 @@ def plan_attention(q_pos: torch.Tensor, n_keys: int, heads: Heads) -> list[Atten
     """
     s = q_pos.shape[0]
     window, chunk = heads.sliding_window, heads.attention_chunk
-    windowed = window is not None and n_keys > window
-    chunked = chunk is not None and n_keys > chunk
-    local = windowed or chunked  # some query misses some earlier key
+    if window is not None and n_keys <= window:  # no query is old enough to lose a key to the window
+        window = None
+    if chunk is not None and n_keys <= chunk:  # every key is in the first chunk
+        chunk = None
+    local = window is not None or chunk is not None  # some query misses some earlier key
     if not local and s == n_keys and _is_arange(q_pos):
         return [Attend(slice(0, s), n_keys, True, None)]
     if not local and s == 1 and int(q_pos[0]) == n_keys - 1:
@@ -123,9 +125,9 @@ def plan_attention(q_pos: torch.Tensor, n_keys: int, heads: Heads) -> list[Atten
     ends = (q_pos[[b - 1 for b in bounds[1:]]] + 1).tolist()  # keys each group needs
     firsts = q_pos[bounds[:-1]]  # [n_groups] each group's first query
     starts = torch.zeros_like(firsts)  # the first key any of the group's queries can see
-    if windowed:
+    if window is not None:
         starts = torch.maximum(starts, firsts - window + 1)
-    if chunked:
+    if chunk is not None:
         starts = torch.maximum(starts, torch.div(firsts, chunk, rounding_mode="floor") * chunk)
     plans = []
     for g, first in enumerate(starts.tolist()):
@@ -133,9 +135,9 @@ def plan_attention(q_pos: torch.Tensor, n_keys: int, heads: Heads) -> list[Atten
         keys = int(ends[g])
         k_pos = torch.arange(first, keys, device=q_pos.device)  # [keys - first]
         mask = k_pos[None, :] <= q_pos[rows, None]  # [S_g, keys - first]
-        if windowed:
+        if window is not None:
             mask &= k_pos[None, :] > q_pos[rows, None] - window
-        if chunked:
+        if chunk is not None:
             mask &= k_pos[None, :] >= torch.div(q_pos[rows, None], chunk, rounding_mode="floor") * chunk
         plans.append(_with_split(Attend(rows, keys, False, mask), q_pos, heads) if not local
                      else Attend(rows, keys, False, mask, first_key=first))
@@ -152,9 +154,11 @@ def _with_split(a: Attend, q_pos: torch.Tensor, heads: Heads) -> Attend:
     if (q_pos.device.type != "cpu" or _CPU_FLASH is None or open_keys < _SPLIT_MIN_OPEN_KEYS
             or s < _GROUP_MIN_QUERIES):  # a few queries (the question, decode): no gain worth other sums
         return a
+    mask = a.mask
+    assert mask is not None, "_with_split takes a masked group"
     g = heads.num_heads // heads.num_kv_heads
-    bias = torch.zeros(a.mask.shape[0], a.n_keys - open_keys).masked_fill_(~a.mask[:, open_keys:], float("-inf"))
-    return Attend(a.rows, a.n_keys, False, a.mask, open_keys, bias.repeat(g, 1))  # [g*S_g, span]
+    bias = torch.zeros(mask.shape[0], a.n_keys - open_keys).masked_fill_(~mask[:, open_keys:], float("-inf"))
+    return Attend(a.rows, a.n_keys, False, mask, open_keys, bias.repeat(g, 1))  # [g*S_g, span]
 
 
 def _is_arange(pos: torch.Tensor) -> bool:
@@ -216,6 +220,8 @@ def layer_steps(lm: LoadedModel, h: torch.Tensor, rope: RopeTables, spans: Seque
                 kv_out[0][i], kv_out[1][i] = k, v
             if keep is Keep.NONE:
                 return h
+            if pos is None:
+                raise ValueError("layer_steps with Keep.LAST needs the rows' positions (pos)")
             h, pos, rope = h[-1:], pos[-1:], rope[-1:]
             spans = span(spans[0].cache, pos, pos, n_keys, lm)
         h, k, v = layer_forward(ad, i, h, rope, spans, mass)
@@ -253,7 +259,7 @@ def layer_forward(ad: Adapter, i: int, h: torch.Tensor, rope: RopeTables, spans:
     # the layer's place in the cache, and the place it attends to (Gemma 4's last layers attend to
     # an earlier layer's KV; their own slots get zeros)
     own, src = ad.cache_layer[i], ad.cache_layer[ad.kv_source[i]]
-    outs = []
+    outs: list[torch.Tensor] = []
     for sp in spans:
         sp.cache.k[own][:, sp.slots], sp.cache.v[own][:, sp.slots] = k_rot[:, sp.rows], v[:, sp.rows]
         k_cache, v_cache = sp.cache.k[src], sp.cache.v[src]  # [Hkv, cap, D]
@@ -301,7 +307,12 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: 
 
     `la` is the layer's attention (scale, soft-capping, sinks); None = `heads.scaling`, plain softmax.
     """
-    scaling = la.scaling if la is not None else heads.scaling
+    if la is not None:
+        scaling = la.scaling
+    elif isinstance(heads, Heads):
+        scaling = heads.scaling
+    else:
+        raise TypeError("attention with an Adapter's heads needs the layer's LayerAttention (la)")
     if la is not None and (la.softcap is not None or la.sinks is not None):
         return _explicit_attention(q, k_cache, v_cache, a, heads, la)
     if a.tail_bias is not None:  # built only on CPU (_with_split)
@@ -367,13 +378,14 @@ _SPLIT_MIN_OPEN_KEYS = 256  # below this the second kernel call costs more than 
 def _split_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: Attend,
                      heads: Heads | Adapter, scaling: float) -> torch.Tensor:
     """`attention` for a masked group on CPU, as [open keys] + [masked span], merged by LSE."""
-    lo = a.open_keys
+    lo, flash, tail_bias = a.open_keys, _CPU_FLASH, a.tail_bias
+    assert flash is not None and tail_bias is not None, "_with_split gives a tail bias only with the CPU kernel"
     qf = _fold_heads(q, heads)[None]  # [1, Hkv, g*S_g, D]
     k, v = k_cache[None, :, : a.n_keys], v_cache[None, :, : a.n_keys]  # [1, Hkv, n_keys, D]
-    o1, lse1 = _CPU_FLASH(qf, k[:, :, :lo], v[:, :, :lo], scale=scaling)  # [1, Hkv, g*S_g, D], [1, Hkv, g*S_g]
-    o2, lse2 = _CPU_FLASH(qf, k[:, :, lo:], v[:, :, lo:], attn_mask=a.tail_bias.to(q.dtype), scale=scaling)
+    o1, lse1 = flash(qf, k[:, :, :lo], v[:, :, :lo], scale=scaling)  # [1, Hkv, g*S_g, D], [1, Hkv, g*S_g]
+    o2, lse2 = flash(qf, k[:, :, lo:], v[:, :, lo:], attn_mask=tail_bias.to(q.dtype), scale=scaling)
     lse = torch.logaddexp(lse1, lse2)  # [1, Hkv, g*S_g]
-    out = o1.mul_((lse1 - lse).exp_()[..., None]).addcmul_(o2, (lse2 - lse).exp_()[..., None])  # [1, Hkv, g*S_g, D]
+    out: torch.Tensor = o1.mul_((lse1 - lse).exp_()[..., None]).addcmul_(o2, (lse2 - lse).exp_()[..., None])  # [1, Hkv, g*S_g, D]
     return out[0].reshape(q.shape)
 
 

@@ -117,7 +117,7 @@ class ChunkKV:
 def layers_pending(segments: Sequence[ChunkKV], layer: int) -> list[Future[None]]:
     """Futures of the segments still loading whose layers [0, layer] are not all there (a
     segment with fewer layers is asked for its last one)."""
-    return [f for seg in segments if hasattr(seg.ready, "when_ready")
+    return [f for seg in segments if seg.ready is not None and hasattr(seg.ready, "when_ready")
             and (f := seg.ready.when_ready(min(layer, seg.k.shape[0] - 1))) is not None]
 
 

@@ -22,14 +22,13 @@ import torch
 
 from ragkv.engine.family import FAMILIES, LANGUAGE_MODELS, Adapter, Family, config_value, family_of
 from ragkv.engine.fingerprint import (
-    Fingerprint,
     hash_file,
     model_fingerprint,
     tokenizer_fingerprint,
     weights_digest,
 )
 from ragkv.errors import ModelLoadError, UnsupportedModelError
-from ragkv.types import DType
+from ragkv.types import DType, Fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +167,8 @@ def _causal_lm_class(config: Any) -> Any:
     checkpoint its language model's class (`family.LANGUAGE_MODELS`)."""
     import transformers
 
-    name = LANGUAGE_MODELS.get(getattr(config, "model_type", None))
+    model_type = getattr(config, "model_type", None)
+    name = LANGUAGE_MODELS.get(model_type) if isinstance(model_type, str) else None
     return getattr(transformers, name) if name else transformers.AutoModelForCausalLM
 
 
@@ -330,7 +330,8 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         raise ModelLoadError(f"cannot read GGUF file {gguf}: {type(exc).__name__}: {exc}") from exc
     check_supported(loaded.config)
     # save_pretrained refuses a model loaded from GGUF: rebuild from the config and save that.
-    fresh = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    fresh = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]  # transformers: from_config unannotated
+        loaded.config, dtype=torch.float32)
     fresh.load_state_dict(loaded.state_dict())
     fresh.generation_config = loaded.generation_config
     fresh.save_pretrained(out)

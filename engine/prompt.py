@@ -125,8 +125,9 @@ class PromptFormat:
         def render(n: int, generation: bool) -> str:
             msgs = [{"role": r, "content": (_SLOT + t) if i == 0 else t} for i, (r, t) in enumerate(turns[:n])]
             if self.system_prompt is not None:
-                msgs = self._with_system(msgs)
-            return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation)
+                msgs = self._with_system(msgs, self.system_prompt)
+            text: str = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation)
+            return text
 
         try:
             full = [render(n, False) for n in range(1, len(turns) + 1)]
@@ -151,12 +152,12 @@ class PromptFormat:
         texts.append(headed[-1][len(full[-1]):])
         return texts
 
-    def _with_system(self, msgs: list[dict[str, str]]) -> list[dict[str, str]]:
-        """The messages under the index's system prompt, as `render_around_slot` placed it."""
+    def _with_system(self, msgs: list[dict[str, str]], system: str) -> list[dict[str, str]]:
+        """The messages under the index's system prompt `system`, as `render_around_slot` placed it."""
         if self.system_in_user:
-            first = dict(msgs[0], content=f"{self.system_prompt}\n\n{msgs[0]['content']}")
+            first = dict(msgs[0], content=f"{system}\n\n{msgs[0]['content']}")
             return [first, *msgs[1:]]
-        return [{"role": "system", "content": self.system_prompt}, *msgs]
+        return [{"role": "system", "content": system}, *msgs]
 
     def prompt_ids(self, chunks: list[str], question: str, history: Sequence[tuple[str, str]] = ()) -> list[int]:
         """The whole prompt as `full` mode sees it: exactly the concatenated segments."""

@@ -63,7 +63,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from ragkv.engine.decode import DecodeStream, decode_batch, pick_greedy
 from ragkv.engine.memory import trim_host_heap
@@ -87,6 +87,7 @@ from ragkv.errors import RagKVError
 log = logging.getLogger(__name__)
 
 _PARKED_CHECK_S = 0.1  # while jobs wait for KV, the idle loop looks for their cancels this often
+_R = TypeVar("_R")  # a parked future's result, whatever it is (only its being done is read)
 
 
 class SchedulerFullError(RagKVError):
@@ -376,9 +377,13 @@ class Scheduler:
         live = [j for j in jobs if j.next_token is not None or self._pick(j)]
         if not live:
             return
-        streams = [j.decode for j in live]
-        tokens = [j.next_token for j in live]
+        streams: list[DecodeStream] = []
+        tokens: list[int] = []
         for job in live:
+            stream, token = job.decode, job.next_token
+            assert stream is not None and token is not None, "a live job decodes, its next token picked"
+            streams.append(stream)
+            tokens.append(token)
             job.next_token = None
         try:
             logits = decode_batch(streams[0].lm, [s.cache for s in streams], tokens)  # [B, V]
@@ -407,6 +412,7 @@ class Scheduler:
         """Take a decoding job's next token and emit it; False once the job has left
         (its stream ended, or failed)."""
         stream = job.decode
+        assert stream is not None, "_pick takes a decoding job"
         if job.request.stopped_after is not None:  # the consumer found a stop string
             stream.stop_after(job.request.stopped_after)
         try:
@@ -458,7 +464,7 @@ class Scheduler:
         for fut in wait.futures:
             fut.add_done_callback(self._on_done)  # runs at once if already done
 
-    def _on_done(self, _future: Future) -> None:
+    def _on_done(self, _future: Future[_R]) -> None:
         """A parked job's future is done (any thread): the loop looks at the parked jobs."""
         with self._lock:
             self._wake = True
@@ -484,7 +490,9 @@ class Scheduler:
             self._wake = False
         now = time.monotonic()
         for job in list(self._parked):
-            if all(f.done() for f in job.wait.futures) or (job.wake_at is not None and job.wake_at <= now):
+            wait = job.wait
+            assert wait is not None, "a parked job has its wait"
+            if all(f.done() for f in wait.futures) or (job.wake_at is not None and job.wake_at <= now):
                 self._parked.remove(job)
                 job.request.status = RequestStatus.PROMPT
                 job.wait, job.wake_at = None, None

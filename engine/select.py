@@ -42,14 +42,32 @@ class Budget(str, enum.Enum):
 
 class Picking(Protocol):
     """What picking needs to know (engine.blend.BlendOptions has it): this module names no
-    blend type, so blend -> select is the only way the import goes."""
+    blend type, so blend -> select is the only way the import goes. Read-only, so a frozen
+    dataclass has it."""
 
-    recompute_ratio: float  # fraction of chunk tokens (the most, when adaptive)
-    adaptive_mass: float | None  # pick the fewest tokens holding this share of the score
-    min_ratio: float  # adaptive: never fewer than this fraction
-    budget: Budget  # spread over the whole context, or per chunk
-    sink_tokens: int  # the first tokens of every chunk are always picked
-    window: int  # pick whole windows of this many tokens
+    @property
+    def recompute_ratio(self) -> float:
+        """Fraction of chunk tokens (the most, when adaptive)."""
+
+    @property
+    def adaptive_mass(self) -> float | None:
+        """Pick the fewest tokens holding this share of the score."""
+
+    @property
+    def min_ratio(self) -> float:
+        """Adaptive: never fewer than this fraction."""
+
+    @property
+    def budget(self) -> Budget:
+        """Spread over the whole context, or per chunk."""
+
+    @property
+    def sink_tokens(self) -> int:
+        """The first tokens of every chunk are always picked."""
+
+    @property
+    def window(self) -> int:
+        """Pick whole windows of this many tokens."""
 
 
 def select_tokens(score: torch.Tensor, chunk_lens: Sequence[int], options: Picking) -> torch.Tensor:

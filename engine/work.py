@@ -13,7 +13,7 @@ import concurrent.futures
 from collections.abc import Generator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 T = TypeVar("T")
 
@@ -22,7 +22,9 @@ T = TypeVar("T")
 class WaitFor:
     """Yielded by work that cannot go on until `futures` are done (its KV reads): park it."""
 
-    futures: tuple[Future, ...]  # the work resumes once all are done (or have failed)
+    # the work resumes once all are done (or have failed). Their results are never read here, and
+    # one wait may hold futures of different result types (a chunk's read, a layer's arrival): Any
+    futures: tuple[Future[Any], ...]
     timeout_s: float | None = None  # ... or once this many seconds have passed (the work decides what then)
 
     def block(self) -> None:
@@ -30,7 +32,7 @@ class WaitFor:
         concurrent.futures.wait(self.futures, timeout=self.timeout_s)
 
 
-def wait_for(futures: Sequence[Future | None]) -> WaitFor | None:
+def wait_for(futures: Sequence[Future[Any] | None]) -> WaitFor | None:
     """A WaitFor for those of `futures` that are pending, or None when none is."""
     pending = tuple(f for f in futures if f is not None and not f.done())
     return WaitFor(pending) if pending else None
@@ -43,6 +45,6 @@ def drain(steps: Generator[int | WaitFor, None, T]) -> T:
         try:
             item = next(steps)
         except StopIteration as done:
-            return done.value
+            return cast(T, done.value)  # StopIteration.value is untyped: the generator's return value
         if isinstance(item, WaitFor):
             item.block()

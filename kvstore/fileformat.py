@@ -47,7 +47,7 @@ import torch
 from ragkv.errors import KVFormatError
 from ragkv.kvstore.compression import Compression, check_supported, dequantize, quantize
 from ragkv.kvstore.entry import KVEntry, RopeMode
-from ragkv.kvstore.keys import FORMAT_VERSION, ChunkKey, check_prefix_hash
+from ragkv.kvstore.keys import FORMAT_VERSION, ChunkKey, ContextHash, check_prefix_hash
 
 FORMAT_NAME = "ragkv-chunk-kv"
 CHECKSUM_ALGO = "crc32c"
@@ -91,7 +91,7 @@ class FileHeader:
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     """A CPU tensor's bytes, without a copy when it is contiguous."""
     flat = t.detach().contiguous().reshape(-1).view(torch.uint8)  # [nbytes]
-    return memoryview(flat.numpy())
+    return flat.numpy().data  # the array's buffer (memoryview(array) reads the same one)
 
 
 def _header_checksum(meta: Mapping[str, str], layout: Mapping[str, tuple[str, tuple[int, ...], int, int]]) -> str:
@@ -289,7 +289,8 @@ def data_start(head: bytes | bytearray | memoryview) -> int:
     """Offset of the data section, from a file's first 8 bytes (0 if they are missing)."""
     if len(head) < 8:
         return 0
-    return 8 + struct.unpack("<Q", head[:8])[0]
+    header_len: int = struct.unpack("<Q", head[:8])[0]
+    return 8 + header_len
 
 
 def read_header(data: bytes | bytearray | memoryview) -> FileHeader:
@@ -443,6 +444,7 @@ def entry_views(buf: memoryview, head: FileHead) -> KVEntry:
         return flat.view(_ST_DTYPES[dt]).view(shape)
 
     v_is_k = meta.get("v_is_k") == "true"
+    context_hash = meta.get("context_hash")  # set for neighbour-conditioned KV
     if header.compression is Compression.NONE:
         k = tensor("k")  # [L, Hkv, T, D]
         v = k if v_is_k else tensor("v")
@@ -462,7 +464,7 @@ def entry_views(buf: memoryview, head: FileHead) -> KVEntry:
             tokenizer_fp=header.tokenizer_fp,
             prefix_hash=check_prefix_hash(meta.get("prefix_hash", "")),
             rope_mode=RopeMode(meta.get("rope_mode", "")),
-            context_hash=meta.get("context_hash") or None,
+            context_hash=ContextHash(context_hash) if context_hash else None,
         )
     except (TypeError, ValueError) as e:
         raise KVFormatError(f"file for key {expected_key.hex} does not form a valid entry: {e}") from None

@@ -169,7 +169,7 @@ def read_layered(
     model_fp: str,
     tokenizer_fp: str,
     spawn: Callable[[Callable[[], None]], object],
-    on_done: Callable[[memoryview, KVEntry], None],
+    on_done: Callable[[memoryview, KVEntry], object],
     on_fail: Callable[[BaseException], None],
 ) -> tuple[KVEntry, LayerGate]:
     """Start reading `source`; return its entry (k and v filling in) and the gate that says how far.
@@ -188,7 +188,7 @@ def read_layered(
     """
     try:
         buf_t = torch.empty(source.size, dtype=torch.uint8)  # [nbytes], uninitialized: no zero-fill pass
-        buf = memoryview(buf_t.numpy())
+        buf = buf_t.numpy().data  # its buffer, as memoryview(array) gives it
         head_len = _fill(source, buf, 0, min(source.size, HEAD_BYTES))
         base = data_start(buf[:head_len])
         if head_len < base <= source.size:  # a header longer than the first read

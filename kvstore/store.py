@@ -23,6 +23,7 @@ and putting another model's entry is a ValueError. All methods are thread-safe.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -214,7 +215,7 @@ class TieredStore:
         self._count(lookups=1)
         for depth, tier in enumerate(self._tiers):
             upper = self._tiers[:depth]
-            hit = tier.read(key, layered, self._stream_pool.submit, lambda whole, upper=upper: self._promote(whole, upper))
+            hit = tier.read(key, layered, self._stream_pool.submit, functools.partial(self._promote, upper=upper))
             if hit is None:
                 continue
             if hit.layers is not None:  # promoted once whole (on_done)
@@ -338,7 +339,7 @@ class TieredStore:
                 if future is None:
                     future = self._pool.submit(self.read, key, layered)
                     self._inflight[(key, layered)] = future
-                    future.add_done_callback(lambda f, k=(key, layered): self._landed(k, f))
+                    future.add_done_callback(functools.partial(self._landed, (key, layered)))
                 else:
                     self._prefetch_joined += 1
             handles.append(PrefetchHandle(key, future))

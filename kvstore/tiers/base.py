@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from ragkv.kvstore.entry import KVEntry
 from ragkv.kvstore.keys import ChunkKey, check_fingerprint
 from ragkv.kvstore.layered import LayerGate
-from ragkv.types import Tier, TierStats  # noqa: F401  (re-exported: the one tier enum, the one TierStats)
+from ragkv.types import Tier as Tier  # re-exported: the one tier enum
+from ragkv.types import TierStats as TierStats  # re-exported: the one TierStats
 
 Spawn = Callable[[Callable[[], None]], object]  # runs the rest of a layer-wise read (a thread pool's submit)
 
@@ -106,7 +107,7 @@ class StorageTier(abc.ABC):
         """(entries, bytes) held now."""
 
     def read(self, key: ChunkKey, layered: bool = False, spawn: Spawn | None = None,
-             on_done: Callable[[Hit], None] | None = None) -> Hit | None:
+             on_done: Callable[[Hit], object] | None = None) -> Hit | None:
         """Read `key` for the store; None on a miss (or a rejected copy).
 
         A tier that can hand a read out before it is whole does so when `layered` (and

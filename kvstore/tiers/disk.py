@@ -18,13 +18,14 @@ Bad copies go to `{root}/.quarantine/` with the reason in the log, never deleted
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import secrets
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
-from typing import BinaryIO
 
 import torch
 
@@ -46,7 +47,7 @@ STALE_TEMP_SECONDS = 3600.0  # a temp file this old belongs to a writer that die
 _FIRST_READ = 1 << 16  # enough for the header of any file we write
 
 
-def _read_checking(f: BinaryIO) -> tuple[memoryview, BlockCrcs | None]:
+def _read_checking(f: io.RawIOBase) -> tuple[memoryview, BlockCrcs | None]:
     """Read a whole file into a fresh buffer, checksumming each block while the next is read.
 
     The data section's blocks (CHECKSUM_BLOCK_BYTES from its start, as the writer
@@ -59,7 +60,7 @@ def _read_checking(f: BinaryIO) -> tuple[memoryview, BlockCrcs | None]:
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
     buf = torch.empty(size, dtype=torch.uint8)  # [nbytes], uninitialized: no zero-fill pass
-    view = memoryview(buf.numpy())
+    view = buf.numpy().data  # its buffer, as memoryview(array) gives it
     filled = 0
 
     def fill(upto: int) -> bool:
@@ -78,7 +79,7 @@ def _read_checking(f: BinaryIO) -> tuple[memoryview, BlockCrcs | None]:
         return (view, None) if fill(size) else (view[:filled], None)
     block = CHECKSUM_BLOCK_BYTES
     pool = _crc_pool()
-    futures = []
+    futures: list[Future[int]] = []
     for lo in range(base, size, block):
         hi = min(size, lo + block)
         if not fill(hi):
@@ -276,7 +277,7 @@ class DiskTier(DurableTier):
         self._note_read(key, path, source.size)
         return source
 
-    def _write(self, key: ChunkKey, data: bytes | bytearray) -> bool:
+    def _write(self, key: ChunkKey, data: bytes | bytearray | memoryview) -> bool:
         size = len(data)
         if self.budget_bytes is not None and size > self.budget_bytes:
             return False

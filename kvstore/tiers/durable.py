@@ -86,7 +86,7 @@ class DurableTier(StorageTier):
             logger.warning("%s tier read of key %s failed: %s", self.tier.value, key.hex, error)
 
     def read(self, key: ChunkKey, layered: bool = False, spawn: Spawn | None = None,
-             on_done: Callable[[Hit], None] | None = None) -> Hit | None:
+             on_done: Callable[[Hit], object] | None = None) -> Hit | None:
         """Read and verify `key`'s file (the hit carries its bytes, `Hit.data`); with `layered`
         and `spawn`, layer by layer (`_read_layered`). None on a miss or a rejected copy."""
         if layered and spawn is not None:
@@ -112,7 +112,7 @@ class DurableTier(StorageTier):
         self._counters.got(started, len(data))
         return Hit(entry, self.tier, data=data)
 
-    def _read_layered(self, key: ChunkKey, spawn: Spawn, on_done: Callable[[Hit], None]) -> Hit | None:
+    def _read_layered(self, key: ChunkKey, spawn: Spawn, on_done: Callable[[Hit], object]) -> Hit | None:
         """Start a layer-ordered read of `key`; None on a miss or a rejected header.
 
         The hit comes back once the header, token ids and positions are verified; `spawn`

@@ -41,7 +41,7 @@ test: setup
 	@export RAGKV_CHECKOV=$(CURDIR)/$(CHECKOV_VENV)/bin/checkov; \
 	$(PY) -m pytest -q -p no:cacheprovider tests/terraform > $(TF_TEST_LOG) 2>&1 & tf=$$!; \
 	trap 'kill $$tf 2>/dev/null' INT TERM; \
-	$(PY) -m pytest -q --ignore=tests/terraform; rc=$$?; \
+	$(PY) -m pytest -q --durations=25 --ignore=tests/terraform; rc=$$?; \
 	wait $$tf; tf_rc=$$?; echo "== tests/terraform (beside the rest) =="; cat $(TF_TEST_LOG); \
 	for r in $$rc $$tf_rc; do if [ $$r -ne 0 ] && [ $$r -ne 5 ]; then exit $$r; fi; done
 

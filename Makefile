@@ -66,3 +66,18 @@ gpu-check:
 	$(GPU_VENV)/bin/python -m pytest -q -m gpu -p no:cacheprovider
 	$(GPU_RAGKV) bench --chunks 8 --chunk-tokens 512 --modes full,reuse,blend --ratio 0.15 --tier cpu --device cuda
 	$(GPU_RAGKV) bench --concurrency 1,8,32 --duration 30 --device cuda
+
+# The GPU path, measured (scripts/gpu_bench.py, at most --budget-s 480 s): on random weights of
+# Llama 3.1 8B and Qwen3 8B shapes built on the GPU in bfloat16, TTFT of full, reuse, blend 0.15
+# and focus at 8 and 16 chunks of 512 tokens with the chunks' KV in the GPU, in pinned CPU memory
+# and on local disk (layered and whole reads, loading controller on and off); decode tokens/s at
+# batch 1, 8, 32 and 64; transformers' own prefill and generate(static cache) on the same weights;
+# MFU, HBM bandwidth use and KV GB/s. It needs only torch, transformers and safetensors (no ragkv
+# install, no faiss, llguidance or shipped models), so on the lent GPU machine it runs from the
+# repository root as: python scripts/gpu_bench.py --out $OUT/gpu-bench
+# Here: make gpu-bench (GPU_BENCH_ARGS=--quick for a shorter run; on a CPU, --shape tiny --device cpu).
+GPU_BENCH_PY ?= python
+GPU_BENCH_ARGS ?=
+.PHONY: gpu-bench
+gpu-bench:
+	$(GPU_BENCH_PY) scripts/gpu_bench.py --out gpu-bench-results $(GPU_BENCH_ARGS)

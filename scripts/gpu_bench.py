@@ -1,0 +1,571 @@
+"""The GPU path, measured: ragkv's TTFT, decode and KV loads on random weights of a real shape.
+
+One run (at most `--budget-s`, 480 s by default) per model of `--models` (Llama 3.1 8B, Qwen3 8B):
+- builds the model from a transformers config with random weights, on the device, in bfloat16
+  (nothing downloaded, no tokenizer: token ids are synthesized);
+- checks that blend at recompute ratio 1.0 gives full prefill's logits (printed, in the JSON);
+- TTFT of full, reuse, blend 0.15 and focus (default FocusOptions) at each `--chunks` count of
+  `--chunk-tokens` tokens, the chunks' KV held in the GPU, in pinned CPU memory (kvstore's cpu
+  tier) and on local disk (kvstore's disk tier, page cache dropped before each read: layered and
+  whole reads, the loading controller on and off); warm-up first, median of `--repeats`;
+- decode tokens/s at batch 1, 8, 32, 64 over those prompts (`decode_batch`, one step for all);
+- baselines on the same weights: transformers' prefill (`model(input_ids)`, sdpa, and
+  flash_attention_2 when importable) and `model.generate(cache_implementation="static")`;
+- physical limits: MFU of full prefill against the card's dense bf16 peak, decode bandwidth
+  utilisation against its HBM bandwidth, KV bytes per second CPU->GPU and disk->GPU.
+Everything goes to DIR/gpu_bench.json (rewritten after each section, so a run cut short
+keeps what it measured); a table of the ratios goes to stdout. What did not fit the budget
+or the memory is listed under "skipped", with why.
+
+On the lent GPU machine (torch, transformers and safetensors; ragkv need not be installed,
+no faiss, bm25s, llguidance, crc32c or boto3 needed), from the repository root:
+    python scripts/gpu_bench.py --out $OUT/gpu-bench
+(helpers in scripts/gpu_bench_parts.py). On this CPU, in well under a minute:
+    python scripts/gpu_bench.py --shape tiny --device cpu --chunks 2 --chunk-tokens 32 --out /tmp/gb
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+RESERVE_S = 10.0  # of --budget-s, kept for the ratios, the table and cleaning up
+_STARTED = time.monotonic()
+if str(Path(__file__).resolve().parent) not in sys.path:  # gpu_bench_parts, beside this file
+    sys.path.append(str(Path(__file__).resolve().parent))
+from gpu_bench_parts import (  # noqa: E402
+    MODELS,
+    MODES,
+    PREFIX_TOKENS,
+    QUESTION_TOKENS,
+    Budget,
+    Run,
+    Section,
+    Stamps,
+    bootstrap,
+    build_model,
+    card_of,
+    derive,
+    drop_page_cache,
+    filesystem_of,
+    hf_forward,
+    make_config,
+    set_attn,
+    sizes,
+    sync,
+    table,
+    timed,
+    wrap,
+)
+
+# ---------------------------------------------------------------- the bench of one model
+
+
+class ModelBench:
+    def __init__(self, run: Run, args: argparse.Namespace, name: str, budget: Budget) -> None:
+        import torch
+
+        self.run, self.args, self.name = run, args, name
+        self.device = torch.device(args.device)
+        self.dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[args.dtype]
+        self.sec = Section(run, budget, self.device, args.repeats)
+        self.out: dict[str, Any] = run.data["models"].setdefault(name, {"shape": args.shape})
+        self.full_s: dict[int, float] = {}  # ragkv full TTFT per chunk count: the scale of estimates
+        self.stores: list[Any] = []
+        self.tmp: list[str] = []
+
+    # ---- setup
+    def build(self) -> None:
+        from ragkv.engine import Engine
+
+        cfg = make_config(self.name, self.args.shape)
+        t, _, model = timed(lambda: build_model(cfg, self.device, self.dtype, self.args.seed), self.device)
+        self.lm = wrap(model, cfg, self.name, self.device, self.dtype, self.args.seed)
+        self.eng, self.model = Engine(self.lm), model
+        self.sz = sizes(model, self.lm)
+        self.out.update(build_s=round(t, 3), config={"class": type(cfg).__name__, **self.sz})
+        print(f"[{self.name}] {self.sz['params'] / 1e9:.2f} B params built on {self.device} in {t:.1f} s", flush=True)
+        import torch
+
+        g = torch.Generator().manual_seed(self.args.seed)
+        v = self.sz["vocab"]
+        rand = lambda n: torch.randint(3, v, (n,), generator=g).tolist()  # noqa: E731
+        self.prefix_ids, self.question_ids = rand(PREFIX_TOKENS), rand(QUESTION_TOKENS)
+        self.chunk_ids = [rand(self.args.chunk_tokens) for _ in range(max(self.args.chunks))]
+
+    def full_ids(self, c: int) -> list[int]:
+        return [*self.prefix_ids, *(t for ids in self.chunk_ids[:c] for t in ids), *self.question_ids]
+
+    def precompute(self) -> None:
+        """Every chunk's KV after the prefix (the indexer's work), timed: the engine's prefill rate."""
+        eng, n = self.eng, self.args.chunk_tokens
+        eng.prefix_kv(self.prefix_ids)
+        times, self.kvs = [], []
+        for i, ids in enumerate(self.chunk_ids):
+            t, _, kv = timed(lambda ids=ids: eng.prefill(self.prefix_ids, ids), self.device)
+            self.kvs.append(kv)
+            if i:  # the first is the warm-up
+                times.append(t)
+                eng.speed.observe(n, t)  # what the server's warm-up seeds the loading controller with
+        med = statistics.median(times) if times else t
+        self.out["chunk_prefill"] = {"chunk_tokens": n, "median_s": med, "tokens_per_s": n / med}
+
+    # ---- correctness
+    def check(self) -> None:
+        import torch
+
+        from ragkv.engine import BlendOptions, Prompt
+        from ragkv.types import Mode
+
+        c = min(self.args.chunks)
+        full = self.eng.run(Prompt(self.full_ids(c)), Mode.FULL).logits.float()
+        blend = self.eng.run(self._prompt(c, self.kvs[:c]), Mode.BLEND, BlendOptions(recompute_ratio=1.0)).logits.float()
+        diff = float((blend - full).abs().max())
+        scale = float(full.abs().max())
+        tol = 1e-4 if self.dtype == torch.float32 else 2e-2 * max(1.0, scale)
+        finite = bool(torch.isfinite(full).all() and torch.isfinite(blend).all())
+        ok = finite and diff <= tol
+        self.out["check"] = {"what": "blend at recompute ratio 1.0 vs full prefill, next-token logits",
+                             "chunks": c, "max_abs_diff": diff, "max_abs_logit": scale, "tolerance": tol,
+                             "finite": finite, "argmax_equal": bool(int(blend.argmax()) == int(full.argmax())), "ok": ok}
+        print(f"[{self.name}] check: blend@1.0 vs full max|d| {diff:.3g} (|logit| max {scale:.3g}, tol {tol:.3g}"
+              f"{'' if finite else ', NOT FINITE'}) {'OK' if ok else 'MISMATCH'}", flush=True)
+
+    def _prompt(self, c: int, kvs: list[Any]) -> Any:
+        from ragkv.engine import Prompt
+
+        return Prompt(self.question_ids, self.prefix_ids, self.chunk_ids[:c], kvs)
+
+    def _options(self, mode: str) -> Any:
+        from ragkv.engine import BlendOptions, FocusOptions
+
+        return BlendOptions(recompute_ratio=self.args.ratio, focus=FocusOptions())
+
+    # ---- TTFT
+    def ttft(self, c: int) -> None:
+        from ragkv.types import Mode
+
+        t = self.out.setdefault("ttft", {}).setdefault(str(c), {})
+        t["prompt_tokens"] = len(self.full_ids(c))
+        t["chunk_kv_bytes"] = sum(kv.nbytes for kv in self.kvs[:c])
+        ids = self.full_ids(c)
+        full = self.sec.measure(f"{self.name} c{c} ragkv full",
+                                lambda: self.eng.run(self._full_prompt(ids), Mode.FULL).logits.float().cpu())
+        if full is None:
+            return
+        t["ragkv_full"] = full
+        self.full_s[c] = full["median_s"]
+        # the chunks' KV in device memory: on CUDA read from kvstore's gpu tier (a hit hands over the
+        # tensors as they are); without CUDA there is no gpu tier, and the engine gets them directly
+        held: dict[str, Any] = {"via": "kvstore gpu tier" if self.device.type == "cuda" else "ChunkKV on the device"}
+        if self.device.type == "cuda":
+            from ragkv.server.loading import ControllerConfig, LoadingController
+
+            store, keys = self.store("gpu")
+            off = LoadingController(ControllerConfig(enabled=False), self.eng.speed)
+            one = lambda mode: self._tier_pass(store, keys[:c], c, mode, False, off)[0]  # noqa: E731
+        else:
+            one = lambda mode: self.eng.run(self._prompt(c, self.kvs[:c]), Mode(mode), self._options(mode))  # noqa: E731
+        for mode in MODES:
+            m = self.sec.measure(f"{self.name} c{c} {mode} device-held KV", lambda mode=mode: one(mode),
+                                 est_s=full["median_s"], note=_describe)
+            if m is not None:
+                held[mode] = m
+        t["device_held"] = held
+        self.run.save()
+
+    def _full_prompt(self, ids: list[int]) -> Any:
+        from ragkv.engine import Prompt
+
+        return Prompt(ids)
+
+    def hf_prefill(self, c: int) -> None:
+        import torch
+
+        t = self.out["ttft"][str(c)]
+        x = torch.tensor([self.full_ids(c)], device=self.device)
+        impls = ["sdpa"]
+        if importlib.util.find_spec("flash_attn") is not None and self.device.type == "cuda":
+            impls.append("flash_attention_2")
+        else:
+            self.run.skip(f"{self.name} c{c} transformers flash_attention_2", "flash_attn is not importable here")
+        built = getattr(self.model.config, "_attn_implementation", "sdpa")  # what build_model asked for
+        for impl in impls:
+            try:
+                if impl != built:
+                    set_attn(self.model, impl)
+            except Exception as exc:  # noqa: BLE001
+                self.run.skip(f"{self.name} c{c} transformers {impl}", f"cannot switch to it: {exc}")
+                continue
+            try:
+                m = self.sec.measure(f"{self.name} c{c} transformers {impl} prefill", lambda: hf_forward(self.model, x),
+                                     est_s=2 * self.full_s.get(c, 1.0))
+            finally:
+                if impl != built:
+                    set_attn(self.model, built)
+            if m is not None:
+                t[f"hf_{impl}"] = m
+
+    def tiers(self, c: int) -> None:
+        """TTFT with the chunks' KV read from kvstore's cpu (pinned) and disk tiers, loads included."""
+        from ragkv.kvstore import Tier
+        from ragkv.server.loading import ControllerConfig, LoadingController
+
+        t = self.out["ttft"][str(c)]
+        est = self.full_s.get(c, 1.0) + t["chunk_kv_bytes"] / 2e9  # a pass and a read at 2 GB/s
+        variants = [("cpu", "whole", False), ("cpu", "whole", True),
+                    ("disk", "layered", False), ("disk", "layered", True), ("disk", "whole", False)]
+        if self.args.quick:
+            variants = [v for v in variants if not v[2]][:2] + [("disk", "layered", True)]
+        for tier, load, ctl in variants:
+            store, keys = self.store(tier)
+            label = f"{tier}_{load}_controller_{'on' if ctl else 'off'}"
+            controller = LoadingController(ControllerConfig(enabled=ctl), self.eng.speed)
+            setup = (lambda: drop_page_cache(self.disk_root)) if tier == "disk" else None
+            res: dict[str, Any] = {"tier": tier, "load": load, "controller": ctl,
+                                   "pinned": bool(tier == "cpu" and self.device.type == "cuda")}
+            for mode in MODES:
+                m = self.sec.measure(
+                    f"{self.name} c{c} {mode} {label}",
+                    lambda mode=mode, store=store, keys=keys, load=load, controller=controller: self._tier_pass(
+                        store, keys[:c], c, mode, load == "layered", controller),
+                    setup=setup, est_s=est, note=lambda r: {**_describe(r[0]), "chunks_computed_not_read": r[1]})
+                if m is not None:
+                    res[mode] = m
+            if tier == "disk":
+                res["page_cache"] = "dropped before each read (posix_fadvise DONTNEED)"
+                res["filesystem"] = filesystem_of(self.disk_root)
+            est_read = store.read_estimate(Tier(tier))
+            if est_read is not None:
+                res["read_estimate"] = {"latency_s": est_read.latency_s, "bytes_per_s": est_read.bytes_per_s}
+            t[label] = res
+            self.run.save()
+
+    def _tier_pass(self, store: Any, keys: list[Any], c: int, mode: str, layered: bool, controller: Any) -> Any:
+        """One request as the server serves it: the controller decides, reads run while the chunks
+        it chose to compute are prefilled, then the prompt pass; until the logits are on the host."""
+        from ragkv.engine import ChunkKV
+        from ragkv.types import Mode
+
+        lm = self.lm
+        decisions = controller.decide(store, keys, [len(ids) for ids in self.chunk_ids[:c]])
+        handles = iter(store.prefetch([k for k, d in zip(keys, decisions) if d.load], layered=layered))
+        computed = {i: self.eng.prefill(self.prefix_ids, self.chunk_ids[i]) for i, d in enumerate(decisions) if not d.load}
+        kvs = []
+        for i, d in enumerate(decisions):
+            if d.load:
+                hit = next(handles).hit()
+                kvs.append(ChunkKV.from_stored(hit.entry, lm.device, lm.dtype, hit.layers))
+            else:
+                kvs.append(computed[i])
+        res = self.eng.run(self._prompt(c, kvs), Mode(mode), self._options(mode))
+        res.logits.float().cpu()
+        return res, len(computed)
+
+    def store(self, tier: str) -> tuple[Any, list[Any]]:
+        """The store of one tier holding every chunk's KV (made once per model)."""
+        from ragkv.kvstore import ChunkKey, KVEntry, StoreConfig, TieredStore, hash_prefix
+
+        cached = getattr(self, f"_store_{tier}", None)
+        if cached is not None:
+            return cached
+        lm = self.lm
+        uri = tier
+        if tier == "disk":
+            self.disk_root = tempfile.mkdtemp(prefix="ragkv-gpu-bench-", dir=self.args.disk_dir)
+            self.tmp.append(self.disk_root)
+            uri = f"disk:{self.disk_root}"
+        store = TieredStore(StoreConfig.from_uris([uri]), lm.fingerprint, lm.tokenizer_fingerprint)
+        self.stores.append(store)
+        keys = []
+        t0 = time.perf_counter()
+        for ids, kv in zip(self.chunk_ids, self.kvs):
+            key = ChunkKey.build(lm.fingerprint, lm.tokenizer_fingerprint, self.prefix_ids, ids)
+            held = kv if tier == "gpu" else kv.to("cpu")
+            store.put(KVEntry.of(held, key, lm.fingerprint, lm.tokenizer_fingerprint, hash_prefix(self.prefix_ids)))
+            keys.append(key)
+        self.out.setdefault("store_put_s", {})[tier] = round(time.perf_counter() - t0, 3)
+        setattr(self, f"_store_{tier}", (store, keys))
+        return store, keys
+
+    def transfers(self, c: int) -> None:
+        """KV bytes per second into the device: a raw pinned copy, the cpu tier and the disk tier
+        (page cache dropped, and warm), each until every chunk's KV is on the device."""
+        import torch
+
+        from ragkv.engine import ChunkKV
+
+        lm, nbytes = self.lm, sum(kv.nbytes for kv in self.kvs[:c])
+        out = self.out.setdefault("kv_transfer", {}).setdefault(str(c), {"bytes": nbytes})
+        est = nbytes / 1e9 + 0.05
+
+        def rate(m: dict[str, Any] | None, key: str) -> None:
+            if m is not None:
+                out[key] = {**m, "GB_per_s": nbytes / m["median_s"] / 1e9}
+
+        if self.device.type == "cuda":
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            rate(self.sec.measure(f"{self.name} c{c} raw pinned->GPU copy",
+                                  lambda: host.to(self.device, non_blocking=True), est_s=est), "raw_pinned_copy")
+            del host
+        for tier, cold in (("cpu", False), ("disk", True), ("disk", False)):
+            store, keys = self.store(tier)
+
+            def load(store: Any = store, keys: list[Any] = keys) -> list[Any]:
+                hits = [h.hit() for h in store.prefetch(keys[:c])]
+                return [ChunkKV.from_stored(h.entry, lm.device, lm.dtype) for h in hits]
+
+            setup = (lambda: drop_page_cache(self.disk_root)) if cold else None
+            name = f"{tier}_to_device" + ("_cold" if cold else "_page_cache" if tier == "disk" else "")
+            rate(self.sec.measure(f"{self.name} c{c} {name}", load, setup=setup, est_s=est), name)
+        self.run.save()
+
+    # ---- decode
+    def decode(self, c: int) -> None:
+        import torch
+
+        from ragkv.engine.decode import decode_batch, pick_greedy
+        from ragkv.engine.kv import KVCache
+        from ragkv.types import Mode
+
+        lm, steps, warm = self.lm, self.args.decode_steps, 2
+        base = self.eng.run(self._full_prompt(self.full_ids(c)), Mode.FULL, reserve_tokens=0)
+        n = base.n_prompt_tokens
+        out = self.out.setdefault("decode", {}).setdefault(str(c), {"prompt_tokens": n, "steps": steps})
+        kv_bpt = self.sz["kv_bytes_per_token"]
+        for b in self.args.batches:
+            what = f"{self.name} c{c} decode batch {b}"
+            need = b * (n + steps + warm + 1) * kv_bpt
+            if self.device.type == "cuda":
+                free = torch.cuda.mem_get_info(self.device)[0]
+                if need > free - 2 * 2**30:
+                    self.run.skip(what, f"its caches need {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
+                    continue
+            per_step = (self.full_s.get(c, 1.0) * 0.05 + 0.002 * b)
+            if not self.sec.budget.fits(per_step * (steps + warm) + 0.5):
+                self.run.skip(what, f"~{per_step * (steps + warm):.1f} s, {self.sec.budget.left():.1f} s left")
+                continue
+
+            def body(b: int = b) -> dict[str, Any]:
+                caches = []
+                for _ in range(b):
+                    kc = KVCache(lm.kv_layers, lm.num_kv_heads, lm.head_dim, n + steps + warm + 1, lm.dtype, lm.device)
+                    kc.k[:, :, :n].copy_(base.cache.k[:, :, :n])
+                    kc.v[:, :, :n].copy_(base.cache.v[:, :, :n])
+                    kc.length = n
+                    caches.append(kc)
+                tokens = [int(base.logits.argmax())] * b
+                times = []
+                for i in range(warm + steps):
+                    sync(self.device)
+                    t = time.perf_counter()
+                    with torch.inference_mode():  # the host reads each step's tokens, as the scheduler does
+                        tokens = pick_greedy(decode_batch(lm, caches, tokens))
+                    if i >= warm:
+                        times.append(time.perf_counter() - t)
+                step = statistics.median(times)
+                mean_len = n + warm + steps / 2
+                read = self.sz["decode_weight_bytes"] + b * mean_len * kv_bpt  # weights once, every sequence's KV
+                return {"step_s": step, "step_mean_s": statistics.mean(times), "tokens_per_s": b / step,
+                        "tokens_per_s_per_sequence": 1 / step, "bytes_per_step": read, "bytes_per_s": read / step}
+
+            r = self.sec.guard(what, body)
+            if r is not None:
+                out[str(b)] = r
+            self.run.save()
+
+    def generate(self, c: int) -> None:
+        """transformers' `generate` with a static cache, batch 1 on the same prompt, greedy: a streamer
+        stamps each new token, so a decode step is the median interval after the first token, and
+        the first token's time is generate's own TTFT."""
+        import torch
+
+        x = torch.tensor([self.full_ids(c)], device=self.device)
+        n = 4 + self.args.decode_steps
+        est = 2 * self.full_s.get(c, 1.0) + n * 0.05
+        if not self.sec.budget.fits((1 + self.args.repeats) * est):
+            self.run.skip(f"{self.name} c{c} generate static", f"~{3 * est:.0f} s, {self.sec.budget.left():.0f} s left")
+            return
+        flags = {"disable_compile": not self.args.generate_compile}
+
+        def gen(stamps: list[float]) -> Any:
+            kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                      cache_implementation="static", pad_token_id=0, streamer=Stamps(stamps))
+            try:
+                return self.model.generate(x, **kw, **flags)
+            except (TypeError, ValueError) as exc:
+                if "disable_compile" not in str(exc) or not flags:
+                    raise
+                flags.clear()  # an older transformers: no such flag (it compiles on its own terms)
+                stamps.clear()
+                return self.model.generate(x, **kw)
+
+        steps, ttfts = [], []
+        for i in range(1 + self.args.repeats):  # a warm-up first
+            stamps: list[float] = []
+            sync(self.device)
+            t0 = time.perf_counter()
+            gen(stamps)
+            # stamps: the prompt, then each new token (the host has it: each step is synchronized)
+            if i and len(stamps) >= 4:
+                ttfts.append(stamps[1] - t0)
+                steps.append(statistics.median([b - a for a, b in zip(stamps[2:], stamps[3:])]))
+        if steps:
+            step = statistics.median(steps)
+            self.out.setdefault("generate_static", {})[str(c)] = {
+                "batch": 1, "prompt_tokens": x.shape[1], "new_tokens": n, "step_s": step, "decode_tokens_per_s": 1 / step,
+                "ttft_s": statistics.median(ttfts),
+                "compile": "disabled" if flags else "transformers' default (no disable_compile flag)"}
+
+    def close(self) -> None:
+        for s in self.stores:
+            s.close()
+        for d in self.tmp:
+            shutil.rmtree(d, ignore_errors=True)
+        for name in ("eng", "lm", "model", "kvs", "stores", "_store_gpu", "_store_cpu", "_store_disk"):
+            self.__dict__.pop(name, None)  # the weights and every KV: freed before the next model
+
+
+def _describe(res: Any) -> dict[str, Any]:
+    out = {"recompute_fraction": round(float(res.recompute_fraction), 4), "prompt_tokens": res.n_prompt_tokens,
+           "phases_s": {k: round(v, 6) for k, v in res.timings.items()}}
+    if res.used_chunks is not None:
+        out["used_chunks"] = len(res.used_chunks)
+        out["handed_over"] = res.handed_over
+    return out
+
+
+# ---------------------------------------------------------------- main
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="folder for gpu_bench.json")
+    ap.add_argument("--models", default="llama3.1-8b,qwen3-8b", help=f"of {', '.join(MODELS)}")
+    ap.add_argument("--shape", choices=("real", "tiny"), default="real", help="tiny: a few layers, small dims")
+    ap.add_argument("--device", default=None, help="default: cuda when there is one, else cpu")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default=None,
+                    help="default: bfloat16 on CUDA, float32 on the CPU")
+    ap.add_argument("--chunks", type=_ints, default=[8, 16], help="chunk counts, e.g. 8,16")
+    ap.add_argument("--chunk-tokens", type=int, default=512)
+    ap.add_argument("--ratio", type=float, default=0.15, help="blend's recompute ratio")
+    ap.add_argument("--batches", type=_ints, default=[1, 8, 32, 64], help="decode batch sizes")
+    ap.add_argument("--decode-steps", type=int, default=None, help="timed decode steps (default 16; --quick 4)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed repeats after a warm-up (default 3; --quick 1)")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="the whole run's time; what would not fit is skipped")
+    ap.add_argument("--quick", action="store_true", help="1 repeat, 4 decode steps, fewer tier variants")
+    ap.add_argument("--disk-dir", default=None, help="where the disk tier's files go (default: the temp folder)")
+    ap.add_argument("--generate-compile", action="store_true", help="let generate() compile (transformers' default)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default: 1 for --shape tiny on the CPU, else torch's own)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    args.decode_steps = args.decode_steps or (4 if args.quick else 16)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    for m in args.models:
+        if m not in MODELS:
+            ap.error(f"unknown model {m!r}; one of {', '.join(MODELS)}")
+    if not args.chunks or min(args.chunks) < 1 or args.chunk_tokens < 1 or min(args.batches, default=0) < 1:
+        ap.error("--chunks, --chunk-tokens and --batches must be >= 1")
+    args.chunks = sorted(set(args.chunks))
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse(argv)
+    notes = bootstrap()
+    import torch
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if args.shape == "real" and not args.device.startswith("cuda"):
+        raise SystemExit("real shapes (8B parameters) need a GPU: use --shape tiny on the CPU")
+    # tiny shapes on the CPU gain nothing from more threads, and on a busy CPU the threads spin
+    # (2 cores under load: 106 s with 2 threads, 26 s with 1)
+    threads = args.threads or (1 if args.shape == "tiny" and not args.device.startswith("cuda") else None)
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _bench(args, notes)
+    finally:
+        torch.set_num_threads(before)  # (main may be called in a process that goes on)
+
+
+def _bench(args: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
+    import torch
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    run = Run(out, args)
+    device = torch.device(args.device)
+    import transformers
+
+    card = card_of(device)
+    run.data["env"] = {"torch": torch.__version__, "transformers": transformers.__version__,
+                       "cuda": torch.version.cuda, "python": platform.python_version(), "card": card,
+                       "flash_attn": importlib.util.find_spec("flash_attn") is not None, "notes": notes,
+                       "cpu_threads": torch.get_num_threads()}
+    print(f"gpu_bench on {card['name']} ({args.dtype}), models {args.models}, chunks {args.chunks} x "
+          f"{args.chunk_tokens}, budget {args.budget_s:.0f} s" + "".join(f"\n  note: {n}" for n in notes), flush=True)
+    total = Budget(args.budget_s - (time.monotonic() - _STARTED) - RESERVE_S)  # from the process's start
+    for i, name in enumerate(args.models):
+        budget = Budget(total.left() / (len(args.models) - i), total)  # an equal share of what is left
+        mb = ModelBench(run, args, name, budget)
+        try:
+            mb.sec.guard(f"{name} build", mb.build)
+            if not hasattr(mb, "eng"):
+                continue
+            mb.sec.guard(f"{name} chunk prefill", mb.precompute)
+            if not hasattr(mb, "kvs"):
+                continue
+            mb.sec.guard(f"{name} check", mb.check)
+            for c in args.chunks:
+                mb.sec.guard(f"{name} c{c} ttft", lambda c=c, mb=mb: mb.ttft(c))
+                if c not in mb.full_s:
+                    continue
+                mb.sec.guard(f"{name} c{c} transformers prefill", lambda c=c, mb=mb: mb.hf_prefill(c))
+                mb.sec.guard(f"{name} c{c} decode", lambda c=c, mb=mb: mb.decode(c))
+                if c == args.chunks[0]:
+                    mb.sec.guard(f"{name} c{c} generate static", lambda c=c, mb=mb: mb.generate(c))
+                mb.sec.guard(f"{name} c{c} tiers", lambda c=c, mb=mb: mb.tiers(c))
+                mb.sec.guard(f"{name} c{c} kv transfer", lambda c=c, mb=mb: mb.transfers(c))
+                run.save()
+        finally:
+            mb.close()
+            derive(run.data["models"][name], card)
+            run.save()
+            del mb  # the model and its KV go before the next is built
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    print("\n" + table(run.data), flush=True)
+    run.save()
+    print(f"\nwrote {run.path} in {time.monotonic() - run.t0:.1f} s", flush=True)
+    return run.data
+
+
+if __name__ == "__main__":
+    from contextlib import suppress
+
+    with suppress(Exception):  # huge pages and glibc tuning, as the server runs (engine/memory.py)
+        bootstrap()
+        from ragkv.engine.memory import tune_host_allocator
+
+        tune_host_allocator()
+    data = main()
+    sys.exit(1 if data["errors"] else 0)

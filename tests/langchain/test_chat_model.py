@@ -89,7 +89,7 @@ def test_history_and_system_prompt_reach_the_server(fake_server: ServerThread, f
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     seen = []
     prepare = fake_backend.prepare
-    monkeypatch.setattr(fake_backend, "prepare", lambda params: seen.append(params) or prepare(params))
+    monkeypatch.setattr(fake_backend, "prepare", lambda params, hits=None: seen.append(params) or prepare(params, hits))
     conversation = [SystemMessage("be brief"), HumanMessage("first question"), AIMessage("first answer"),
                     HumanMessage("second question")]
     _model(fake_server, history_messages=2).invoke(conversation)

@@ -143,11 +143,12 @@ class RagServer:
     async def _start_http(self) -> int:
         """Serve the OpenAI-compatible API on this loop, over the same backend and scheduler."""
         from ragkv.server.openai_api import HttpServer, OpenAIApi  # starlette/uvicorn only when asked for
+        from ragkv.server.responses_api import with_responses
 
         s = self.settings
         api = OpenAIApi(runner=self._runner, admission=self._admission, limits=s.limits(), metrics=self.metrics,
                         backend=lambda: self.service.backend, keys=self.keys, max_body_bytes=s.max_request_bytes)
-        self._http = HttpServer(api.app, s.host, s.http_port, s.tls_cert, s.tls_key)
+        self._http = HttpServer(with_responses(api), s.host, s.http_port, s.tls_cert, s.tls_key)
         port = await self._http.start()
         log.info("OpenAI-compatible HTTP API on %s:%d (/v1/chat/completions, /v1/models, /health)", s.host, port)
         return port

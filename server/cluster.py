@@ -455,11 +455,12 @@ class Ingress:
 
     def __serve_build_asgi_app__(self) -> Any:
         from ragkv.server.openai_api import OpenAIApi
+        from ragkv.server.responses_api import with_responses
 
         api = OpenAIApi(runner=self._runner, admission=self._admission, limits=self.settings.limits(),
                         metrics=self.metrics, backend=lambda: self.backend, keys=self.keys,
                         max_body_bytes=self.settings.max_request_bytes)  # checked there, as in one process
-        return api.app
+        return with_responses(api)
 
     async def _context(self, grpc_context: Any, method: str) -> _ServeContext:
         """The call's context (RagService checks its key from the metadata)."""

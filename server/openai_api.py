@@ -4,7 +4,8 @@ A Starlette app served by uvicorn on the gRPC server's own event loop (server/ap
 over the same backend, admission queue and scheduler: a chat completion is answered by
 `QueryRunner.run` exactly as a gRPC Query is. `model` names the collection; ragkv's
 own options (mode, top_k, recompute_ratio, search_mode, filters, snippet_chars) ride as
-extra body fields (the `openai` client's `extra_body`), `citations` among them. `tools`,
+extra body fields (the `openai` client's `extra_body`), `citations` and `retain_seconds`
+(seconds a tool-calling answer's KV-tree path is pinned) among them. `tools`,
 `tool_choice`, `parallel_tool_calls` and `response_format` are OpenAI's, served by
 constrained decoding (server/structured.py). Sources, KV tiers and timings
 come back in a `ragkv` field of the response (streaming: of the final chunk); usage
@@ -18,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
+import math
 import socket
 import threading
 import time
@@ -302,6 +305,14 @@ def options_from_body(body: object) -> tuple[str, QueryOptions, bool, bool]:
     return question, options, stream, bool(stream_options.get("include_usage"))
 
 
+def _retain_seconds(body: object) -> float | None:
+    """`retain_seconds` (a ragkv extra); the backend checks its bound, --kv-tree-retain-max-s."""
+    value = _field(body, "retain_seconds", (int, float), "a number of seconds") if isinstance(body, dict) else None
+    if value is not None and not (math.isfinite(value) and value >= 0):
+        raise InvalidArgumentError("retain_seconds", f"must be a number of seconds >= 0, got {value!r}")
+    return None if value is None else float(value)
+
+
 def _cache_salt(body: object) -> str | None:
     """The request's `cache_salt` (vLLM's field): its KV-tree paths are shared only with requests
     of the same key giving the same salt."""
@@ -391,12 +402,8 @@ class OpenAIApi:
         self._backend = backend
         self._keys = keys or KeyRing()
         self._max_body = max_body_bytes
-        from ragkv.server.responses_api import ResponsesApi  # built on this module's helpers
-
-        self.responses = ResponsesApi(self)  # /v1/responses, answered through chat_completions' path
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-            *self.responses.routes(),
             Route("/v1/models", self.list_models, methods=["GET"]),
             Route("/v1/models/{name:path}", self.get_model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
@@ -483,6 +490,8 @@ class OpenAIApi:
             backend = self._ready()
             question, options, stream, include_usage = options_from_body(body)
             query = validate_query(question, options, self._limits, backend.modes, caller.tenant(_cache_salt(body)))
+            if (retain := _retain_seconds(body)) is not None:
+                query = dataclasses.replace(query, retain_seconds=retain)
             self._keys.admit_query(caller, query.collection)
             yield query, options.snippet_chars, stream, include_usage
             async for event in self._runner.run(backend, query, arrived=arrived, cancel=cancel, method=METHOD):

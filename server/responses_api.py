@@ -51,7 +51,7 @@ _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # ragkv's own request fields, passed to the chat completions reader as they are
 _EXTRAS = ("mode", "top_k", "recompute_ratio", "search_mode", "filters", "snippet_chars", "citations", "cache_salt",
-           "seed", "stop")
+           "seed", "stop", "retain_seconds")
 # fields OpenAI's Responses API has that ragkv cannot honour, refused rather than ignored
 _REFUSED = {"conversation": "conversations are not served here; continue with previous_response_id",
             "prompt": "stored prompt templates are not served here; send instructions and input",
@@ -584,3 +584,10 @@ class ResponsesApi:
                 return JSONResponse({"id": response_id, "object": "response", "deleted": True})
         except Exception as exc:
             return self._error(exc, RETRIEVE, caller)
+
+
+def with_responses(api: OpenAIApi) -> Any:
+    """`api`'s ASGI app with the Responses API's routes beside chat completions' (the app the
+    server and the cluster's ingress serve); this module builds on openai_api, not the reverse."""
+    api.app.router.routes.extend(ResponsesApi(api).routes())
+    return api.app

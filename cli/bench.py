@@ -74,8 +74,26 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     agent.add_argument("--agent-steps", type=int, default=9, help="calls in the loop (default 9)")
     agent.add_argument("--tool-result-chars", type=int, default=1200,
                        help="characters of each tool result (default 1200)")
-    agent.add_argument("--kv-tree-bytes", type=int, default=1024**3,
-                       help="the tree server's --kv-tree-bytes (default 1 GiB)")
+    agent.add_argument("--kv-tree-bytes", type=int, default=None,
+                       help="the tree server's --kv-tree-bytes (default 1 GiB; with --agents: the bounded "
+                            "policies' budget, default --tree-share of the working set the unbounded tree held)")
+    agents = p.add_argument_group(
+        "agents at scale", "instead: N agents' tool loops at once (each its own question, then tool calls and "
+        "results, the tool sleeping a seeded random latency) against in-process servers whose KV tree is "
+        "unbounded, plain LRU at --kv-tree-bytes, and retention at --kv-tree-bytes (paths kept for the agent's "
+        "next call); prints per policy the share of prompt tokens from the tree, TTFT p50/p95 after a tool "
+        "result and the total time, against the unbounded tree's. Example: ragkv bench --agents 8 --calls 5 "
+        "--tool-latency 0.5,3 --json")
+    agents.add_argument("--agents", type=int, default=None, metavar="N", help="concurrent agents")
+    agents.add_argument("--calls", type=int, default=5, help="calls per agent (default 5)")
+    agents.add_argument("--tool-latency", default="0.5,3", metavar="LO,HI",
+                        help="seconds each tool runs, uniform in [LO, HI] (default 0.5,3)")
+    agents.add_argument("--retain-max-s", type=float, default=60.0,
+                        help="the retention server's --kv-tree-retain-max-s (default 60)")
+    agents.add_argument("--tree-share", type=float, default=0.25,
+                        help="without --kv-tree-bytes: the bounded policies' budget as this share of the working set "
+                             "the unbounded tree held (default 0.25)")
+    agents.add_argument("--seed", type=int, default=0, help="seeds questions, tool latencies and starts (default 0)")
     cluster = p.add_argument_group(
         "many replicas (--replicas N; the ray extra)",
         "Deploy N engine replicas on a local Ray (ragkv serve --replicas) once per routing policy, fresh each "
@@ -114,7 +132,15 @@ def run_bench(args: argparse.Namespace) -> int:
 
         print(plot_accuracy_vs_ttft(args.plot, args.plot_out))
         return 0
+    if args.agents is not None:
+        from ragkv.cli.agents_bench import run_agents_bench
+        from ragkv.engine.memory import tune_host_allocator
+
+        tune_host_allocator()
+        return run_agents_bench(args)
     if args.agent_loop:
+        if args.kv_tree_bytes is None:
+            args.kv_tree_bytes = 1024**3
         from ragkv.cli.agent_bench import run_agent_bench
         from ragkv.engine.memory import tune_host_allocator
 

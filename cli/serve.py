@@ -43,6 +43,11 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("kv_tree_bytes", int, "bytes of the KV tree: served prompts' KV kept on the engine's device, so a "
                            "conversation's next call computes only its new tokens; counted in --kv-budget-bytes (admission "
                            "evicts what no request holds); 0 = off (default 1 GiB)"),
+    ("kv_tree_retain_max_s", float, "an answer that may end in tool calls keeps its KV-tree path ahead of LRU "
+                                     "eviction until the agent's next call, at most this many seconds: a request's "
+                                     "retain_seconds, else the tool latency learned (p90 of the gaps seen); 0 = plain "
+                                     "LRU (default 60)"),
+    ("kv_tree_retain_default_s", float, "the pins' time-to-live before any tool latency is seen (default 10)"),
     ("kv_disk_dir", Path, "disk tier directory (default: the index's own)"),
     ("kv_s3_uri", str, "s3://bucket/prefix of the S3 tier (default off)"),
     ("kv_s3_writeback", str, "on: KV computed at serve time is written back to the S3 tier too; off: S3 is "

@@ -30,6 +30,7 @@ from ragkv.engine.constrain import Constraint
 from ragkv.engine.conversation import Conversations, TreeSpot
 from ragkv.engine.decode import DecodeStream, SamplingParams
 from ragkv.engine.kv import ChunkKV
+from ragkv.engine.prompt import PromptFormat
 from ragkv.engine.request import Answered, ChunkComputed, ChunksReady, Decode, LoadedKV, PromptChunk, Request, Work
 from ragkv.engine.speed import EngineSpeed
 from ragkv.engine.work import WaitFor, wait_for
@@ -44,6 +45,7 @@ class PromptEngine(Protocol):
 
     speed: EngineSpeed
     conversations: Conversations  # the KV tree's one door
+    prompt: PromptFormat  # the prompt's layout (where an answer's header starts)
 
     def reads_chunk_kv(self, mode: Mode) -> bool: ...
 
@@ -99,7 +101,9 @@ def _answer(engine: PromptEngine, req: Request) -> Work:
     yield Decode(stream)  # decoded batched with the others; back here when it ends
     phases["decode"] = time.perf_counter() - t0
     if req.tree is not None and not req.cancel.is_set():  # the conversation's next call starts here
-        trees.remember(req.tree, req.mode, res, len(req.question_ids), len(req.prefix_ids), stream.token_ids, snapshot)
+        header = engine.prompt.answer_header_tokens(req.question_ids) if req.tree_retain_s > 0 else 0
+        trees.remember(req.tree, req.mode, res, len(req.question_ids), len(req.prefix_ids), stream.token_ids, snapshot,
+                       retain_s=req.tree_retain_s, header_tokens=header)
 
     used = res.used_chunks if res.used_chunks is not None else range(len(req.retrieved))
     return Answered(

@@ -10,7 +10,9 @@ budget; this module is everything else about conversations, in one place:
 - the **lease** on what the tree holds of it (`TreeSpot`, taken by `lease`, the one call
   the server makes), carrying its key and path so nothing downstream computes them again;
 - a hybrid's recurrent **snapshot** where its prompt ends;
-- **remembering** an answered prompt (`remember`) for the conversation's next call.
+- **remembering** an answered prompt (`remember`) for the conversation's next call, its
+  path pinned ahead of LRU eviction for `retention`'s seconds when the answer may end in
+  tool calls (the agent comes back once its tool has run).
 
 Resuming from a match is the prompt pass's (`Engine.run_steps(..., resume=spot)`).
 """
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 from ragkv.engine.blend import BlendOptions, BlendResult, Selector, tree_context
 from ragkv.engine.loading import LoadedModel
-from ragkv.engine.tree import KVTree, RecurrentSnapshot, TreeKey, TreeLease, TreeStats
+from ragkv.engine.tree import KVTree, RecurrentSnapshot, ToolLatency, TreeKey, TreeLease, TreeStats
 from ragkv.types import Mode
 
 
@@ -87,6 +89,24 @@ class Conversations:
     def stats(self) -> TreeStats:
         return self.tree.stats()
 
+    def use_retention(self, max_s: float, default_s: float = 10.0) -> None:
+        """Pins last at most `max_s` seconds (0 = no pins: plain LRU), `default_s` before any
+        tool latency is seen (`ToolLatency`); the latencies seen so far are forgotten."""
+        self.tree.latency = ToolLatency(max_s, default_s)
+
+    @property
+    def retain_max_s(self) -> float:
+        """The longest a path may be pinned (0: retention is off)."""
+        return self.tree.latency.max_s
+
+    def retention(self, asked: float | None = None) -> float:
+        """Seconds an answer that may end in tool calls keeps its path pinned: `asked` (the
+        client's, at most `retain_max_s`), else the tool latency the tree has learned; 0 when
+        the tree or retention is off."""
+        if not self.enabled or self.retain_max_s <= 0:
+            return 0.0
+        return min(max(asked, 0.0), self.retain_max_s) if asked is not None else self.tree.latency.ttl()
+
     def key(self, mode: Mode, prefix_ids: Sequence[int], chunk_keys: Sequence[Hashable],
             options: BlendOptions | None = None, select_ids: Sequence[int] = (), tenant: str = "") -> TreeKey:
         """The context a prompt's KV hangs under.
@@ -134,13 +154,19 @@ class Conversations:
         return RecurrentSnapshot(tokens, state, self.lm.adapter.recurrent_state_bytes(state))
 
     def remember(self, spot: TreeSpot, mode: Mode, res: BlendResult, question_tokens: int, prefix_tokens: int,
-                 answer_ids: Sequence[int] = (), snapshot: RecurrentSnapshot | None = None) -> int:
+                 answer_ids: Sequence[int] = (), snapshot: RecurrentSnapshot | None = None,
+                 retain_s: float = 0.0, header_tokens: int = 0) -> int:
         """Keep a prompt's KV served in `mode` (and its answer's, as far as the cache holds it)
         under `spot`'s key, after its decode; a hybrid's `snapshot` (FULL mode: its state after
-        the prompt) with it. Returns the tokens newly stored."""
+        the prompt) with it. `retain_s` > 0 (the answer may end in tool calls): its path is
+        pinned that long (`KVTree.insert`), and the conversation's next call is the match that
+        reaches the prompt's end but its last `header_tokens` (the answer's header, which the
+        next call's prompt replaces by the answer's turn). Returns the tokens newly stored."""
         if not self.enabled:
             return 0
-        ids = [*res.token_ids.tolist(), *answer_ids][:res.cache.length]
+        prompt = res.token_ids.tolist()
+        ids = [*prompt, *answer_ids][:res.cache.length]
         start = {Mode.FULL: 0, Mode.PREFIX: prefix_tokens}.get(Mode(mode), res.n_prompt_tokens - question_tokens)
         return self.tree.insert(spot.key, ids[:start], tree_context(res, question_tokens, prefix_tokens),
-                                ids[start:], res.cache, snapshot)
+                                ids[start:], res.cache, snapshot, pin_s=retain_s,
+                                parts_at=len(prompt) - start - header_tokens)

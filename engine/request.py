@@ -113,6 +113,9 @@ class Request:
     # its place in the KV tree (`Conversations.lease`): the key its KV goes under after the answer,
     # and the lease on the tree's KV of its first tokens, when the tree holds them; None = no tree
     tree: TreeSpot | None = None
+    # the answer may end in tool calls: its tree path is pinned ahead of LRU eviction this many
+    # seconds after it (the agent's next call comes back for it; `Conversations.retention`); 0 = not
+    tree_retain_s: float = 0.0
     kv_wait_s: float = 120.0  # its reads may take this long; then their chunks are computed instead
     kv_bytes: int = 0  # KV cache bytes it holds at most (admission)
     prompt_cost: float = 0.0  # about how much work its prompt pass is (Engine.prompt_cost); 0 = unknown

@@ -18,6 +18,18 @@ evicts least-recently-used leaves that no lease holds, and inserts nothing when 
 budget cannot hold it. A leased node is never split or evicted, so a lease's tensors stay
 as they were matched.
 
+Retention that knows agents: an answer that may end in tool calls comes back as the
+conversation's next call once the tool has run, and plain LRU evicts exactly those paths
+first (the longest-waiting agent is the least recently used). So an insert may *pin* its
+path for a time-to-live (`insert(..., pin_s=)`): an insert makes room from unpinned leaves
+only (least recently used first) and stores less rather than evict a live pin; `shrink`
+(admission making room for a running request) takes pinned leaves too, after every
+unpinned one, soonest-expiring first. A pin ends when its time passes or when the next
+call leases the path (`match`; that call's own insert pins again if it may end in tool
+calls). A tenant's live pins hold at most `tenant_share` of the budget: past it, its path
+is kept as any other. The time from such an answer to the next call on its path is a tool
+latency the tree sees (`ToolLatency`): the pins' learned time-to-live is their p90.
+
 A hybrid's recurrent layers (`KVTree(recurrent=True)`) keep a state no K/V stands in for,
 so the tree also keeps that state where a prompt ended (`RecurrentSnapshot`, on the node
 that ends there, split to end there), as SGLang does for Mamba: a match then stops at the
@@ -34,7 +46,9 @@ import hashlib
 import heapq
 import itertools
 import threading
-from collections.abc import Iterable, Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -88,7 +102,7 @@ class _Node:
     """One edge of the tree: a run of tokens and their KV."""
 
     __slots__ = ("ids", "k", "v", "start", "children", "parent", "refs", "used", "key", "context", "state",
-                 "state_bytes")
+                 "state_bytes", "pin", "answered", "parts_at")
 
     def __init__(self, ids: tuple[int, ...], k: torch.Tensor, v: torch.Tensor, start: int,
                  parent: _Node | None, key: TreeKey, context: TreeContext | None = None) -> None:
@@ -104,6 +118,12 @@ class _Node:
         self.context = context  # roots only
         self.state: object | None = None  # hybrids: the recurrent state after this node's last token
         self.state_bytes = 0
+        self.pin = 0.0  # clock time its pin ends (kept ahead of LRU until then); 0 = not pinned
+        # an answer that may end in tool calls: the clock time it was inserted, and the position
+        # where its conversation's next call parts from its prompt (start < parts_at <= end: the
+        # prompt's end, before the answer's header): a match reaching it is that next call
+        self.answered: float | None = None
+        self.parts_at = 0
 
     @property
     def end(self) -> int:
@@ -170,6 +190,45 @@ class TreeStats:
     misses: int
     evictions: int  # nodes evicted
     evicted_bytes: int
+    pinned_bytes: int = 0  # KV bytes held by live pins
+    retain_s: float = 0.0  # the time-to-live a pin gets now when the client names none (ToolLatency.ttl)
+    tool_gaps: int = 0  # tool latencies observed (answer that may end in tool calls -> next call on its path)
+
+
+class ToolLatency:
+    """The tool latencies a tree sees, and the time-to-live of its pins learned from them.
+
+    A gap is the time from an answer that may end in tool calls to the next call that leases
+    its path: the tool's run, the client's turn and the next call's retrieval. The learned
+    time-to-live is the `quantile` of the last `window` gaps, within [1 s, `max_s`];
+    `default_s` (within the same bounds) before any gap is seen. `max_s` 0 turns pins off.
+    """
+
+    def __init__(self, max_s: float = 60.0, default_s: float = 10.0, window: int = 256,
+                 quantile: float = 0.9) -> None:
+        if max_s < 0 or default_s < 0 or window < 1 or not 0.0 < quantile <= 1.0:
+            raise ValueError(f"ToolLatency needs max_s and default_s >= 0, window >= 1 and quantile in (0, 1], "
+                             f"got {max_s}, {default_s}, {window}, {quantile}")
+        self.max_s, self.default_s, self.quantile = float(max_s), float(default_s), quantile
+        self._gaps: deque[float] = deque(maxlen=window)
+        self._lock = threading.Lock()
+
+    def observe(self, seconds: float) -> None:
+        with self._lock:
+            self._gaps.append(max(0.0, float(seconds)))
+
+    @property
+    def observed(self) -> int:
+        return len(self._gaps)
+
+    def ttl(self) -> float:
+        """Seconds a pin lasts when the client names none (0 = pins are off)."""
+        if self.max_s <= 0:
+            return 0.0
+        with self._lock:
+            gaps = sorted(self._gaps)
+        guess = gaps[min(len(gaps) - 1, int(self.quantile * len(gaps)))] if gaps else self.default_s
+        return min(max(guess, 1.0), self.max_s)
 
 
 class KVTree:
@@ -180,10 +239,14 @@ class KVTree:
         recurrent: the model is a hybrid: a match must end where a recurrent state is held.
         tenant_share: while other tenants hold KV here, a tenant past this share of the budget
             makes room by evicting its own paths only, so one tenant's flood cannot evict every
-            other tenant's conversations (1.0 = one LRU for all).
+            other tenant's conversations (1.0 = one LRU for all); a tenant's live pins hold at
+            most this share of the budget.
+        clock: seconds, for pins and tool latencies (time.monotonic; tests inject their own).
+        latency: the tool latencies seen and the pins' learned time-to-live (default `ToolLatency()`).
     """
 
-    def __init__(self, budget_bytes: int, recurrent: bool = False, tenant_share: float = 1.0) -> None:
+    def __init__(self, budget_bytes: int, recurrent: bool = False, tenant_share: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic, latency: ToolLatency | None = None) -> None:
         if budget_bytes < 0:
             raise ValueError(f"the KV tree's budget must be >= 0 bytes, got {budget_bytes}")
         if not 0.0 < tenant_share <= 1.0:
@@ -195,6 +258,9 @@ class KVTree:
         self._roots: dict[TreeKey, _Node] = {}
         self._lock = threading.Lock()
         self._clock = itertools.count(1)
+        self._now = clock
+        self.latency = latency or ToolLatency()
+        self._pins: dict[int, _Node] = {}  # id -> node pinned (perhaps expired: pruned lazily)
         self._bytes = self._nodes = 0
         self._hits = self._hit_tokens = self._misses = self._evictions = self._evicted_bytes = 0
 
@@ -204,8 +270,10 @@ class KVTree:
 
     def stats(self) -> TreeStats:
         with self._lock:
+            pinned = sum(n.nbytes for n in self._live_pins())
             return TreeStats(self._bytes, self.budget_bytes, self._nodes, len(self._roots), self._hits,
-                             self._hit_tokens, self._misses, self._evictions, self._evicted_bytes)
+                             self._hit_tokens, self._misses, self._evictions, self._evicted_bytes, pinned,
+                             self.latency.ttl(), self.latency.observed)
 
     def match(self, key: TreeKey, ids: Sequence[int]) -> TreeLease | None:
         """The longest path under `key` that `ids` (the tokens after the context) starts with,
@@ -244,12 +312,30 @@ class KVTree:
             if not root.ids and pos == 0:  # an empty context and no token matched: nothing to supply
                 self._misses += 1
                 return None
+            if root.context is None:  # every root is made with its context
+                raise RuntimeError(f"KV tree context {key} has no TreeContext: a bug")
             for node, _ in parts:
                 node.refs += 1
                 node.used = now
+            self._resumed(parts)
             self._hits += 1
             self._hit_tokens += len(root.ids) + pos
             return TreeLease(self, root.ids, root.context, pos, parts, _state=state)
+
+    def _resumed(self, parts: Sequence[tuple[_Node, int]]) -> None:
+        """A match leased `parts`: where it reached an answered prompt's end (`parts_at`), it
+        is that conversation's next call, and the time since the answer is a tool latency.
+        The pins of the nodes it covered (whole, or to that point) end: its own insert pins
+        them again. A match that only passes through a node (another conversation parting
+        from this one inside it) leaves its pin."""
+        for node, n in parts:
+            answered, reached = node.answered, False
+            if answered is not None and node.start + n >= node.parts_at:
+                self.latency.observe(self._now() - answered)
+                node.answered, reached = None, True
+            if node.pin and (reached or n == len(node.ids)):
+                node.pin = 0.0
+                self._pins.pop(id(node), None)
 
     def _release(self, parts: Iterable[tuple[_Node, int]]) -> None:
         with self._lock:
@@ -257,15 +343,20 @@ class KVTree:
                 node.refs -= 1
 
     def insert(self, key: TreeKey, context_ids: Sequence[int], context: TreeContext, ids: Sequence[int],
-               cache: KVCache, snapshot: RecurrentSnapshot | None = None) -> int:
+               cache: KVCache, snapshot: RecurrentSnapshot | None = None, pin_s: float = 0.0,
+               parts_at: int | None = None) -> int:
         """Keep the KV of a served sequence: `cache` slots [0, C) hold the context
         (`context_ids`), slots [C, C + len(ids)) the tokens after it. A hybrid's `snapshot`
         (its recurrent state after `snapshot.tokens` of `ids`) goes on the node ending there.
+        `pin_s` > 0: the answer may end in tool calls: pin the stored path that long (see the
+        module docstring); `parts_at`: where in `ids` the conversation's next call parts from
+        this one (the prompt's end, before the answer's header), so that call's match is known
+        and its delay learned.
 
         Returns:
             The tokens newly stored (0 when all were held, or the budget cannot hold them).
         """
-        added = self._insert(key, context_ids, context, ids, cache)
+        added = self._insert(key, context_ids, context, ids, cache, pin_s, parts_at)
         if snapshot is not None and 0 < snapshot.tokens <= len(ids):
             with self._lock:
                 self._keep_state(key, tuple(int(i) for i in ids[:snapshot.tokens]), snapshot)
@@ -294,7 +385,7 @@ class KVTree:
             node, pos = child, pos + n
 
     def _insert(self, key: TreeKey, context_ids: Sequence[int], context: TreeContext, ids: Sequence[int],
-                cache: KVCache) -> int:
+                cache: KVCache, pin_s: float = 0.0, parts_at: int | None = None) -> int:
         if not self.enabled:
             return 0
         context_ids = tuple(int(i) for i in context_ids)
@@ -314,7 +405,7 @@ class KVTree:
             elif root.ids != context_ids:  # the key names another context: a digest collision or a bug
                 raise ValueError(f"KV tree context {key} holds other tokens than the ones inserted under it")
             root.used = now
-            node, pos, added = root, 0, 0
+            node, pos, added, path = root, 0, 0, [root]
             while pos < len(ids):
                 child = node.children.get(ids[pos])
                 if child is None:  # a new leaf for the rest
@@ -324,16 +415,48 @@ class KVTree:
                     leaf.used = now
                     node.children[ids[pos]] = leaf
                     self._add(leaf)
+                    path.append(leaf)
                     added += len(ids) - pos
                     break
                 n = _common(child.ids, ids[pos:])
                 child.used = now
                 if n < len(child.ids):
+                    if n == len(ids) - pos:  # nothing new: the sequence ends inside this edge
+                        path.append(child)
                     if child.refs or n == len(ids) - pos:  # leased (its tensors must stay), or nothing new
                         break
                     self._split(child, n)
+                path.append(child)
                 node, pos = child, pos + n
+            if pin_s > 0:
+                self._pin(path, key.tenant, pin_s, None if parts_at is None else c + parts_at)
             return added
+
+    def _pin(self, path: list[_Node], tenant: str, pin_s: float, parts_pos: int | None) -> None:
+        """Pin `path` for `pin_s` seconds (not past the tenant's share of the budget in live
+        pins: then it is kept as any path), and mark where the next call will part from it."""
+        now = self._now()
+        if parts_pos is not None:
+            for node in path:
+                if node.start < parts_pos <= node.end:
+                    node.answered, node.parts_at = now, parts_pos
+                    break
+        until = now + pin_s
+        if self.tenant_share < 1.0:
+            held = sum(n.nbytes for n in self._live_pins(now) if n.key.tenant == tenant)
+            more = sum(n.nbytes for n in path if n.pin <= now)
+            if held + more > self.tenant_share * self.budget_bytes:
+                return
+        for node in path:
+            node.pin = max(node.pin, until)
+            self._pins[id(node)] = node
+
+    def _live_pins(self, now: float | None = None) -> list[_Node]:
+        """The nodes whose pin has not ended (dropping the others from the index)."""
+        now = self._now() if now is None else now
+        for key in [k for k, n in self._pins.items() if n.pin <= now]:
+            del self._pins[key]
+        return list(self._pins.values())
 
     @property
     def nbytes(self) -> int:
@@ -342,9 +465,10 @@ class KVTree:
 
     def shrink(self, limit_bytes: int) -> int:
         """Evict least-recently-used leaves no lease holds until at most `limit_bytes` are held
-        (admission makes room for a request this way); returns the bytes held after."""
+        (admission makes room for a request this way): pinned ones too, after every other,
+        soonest-expiring first; returns the bytes held after."""
         with self._lock:
-            self._make_room(0, budget=max(limit_bytes, 0))
+            self._make_room(0, budget=max(limit_bytes, 0), pinned=True)
             return self._bytes
 
     def clear(self) -> None:
@@ -377,7 +501,11 @@ class KVTree:
         self._count(node.key.tenant, -node.nbytes)
         lower = _Node(node.ids[n:], node.k[:, :, n:].clone(), node.v[:, :, n:].clone(), node.start + n, node,
                       node.key)
-        lower.children, lower.used = node.children, node.used
+        lower.children, lower.used, lower.pin = node.children, node.used, node.pin
+        if node.answered is not None and node.parts_at > node.start + n:  # the parting point is below
+            lower.answered, lower.parts_at, node.answered = node.answered, node.parts_at, None
+        if lower.pin:
+            self._pins[id(lower)] = lower
         lower.state, lower.state_bytes, node.state, node.state_bytes = node.state, node.state_bytes, None, 0
         for ch in lower.children.values():
             ch.parent = lower
@@ -387,11 +515,12 @@ class KVTree:
         self._nodes += 1
 
     def _make_room(self, need: int, keep: _Node | None = None, budget: int | None = None,
-                   tenant: str | None = None) -> bool:
+                   tenant: str | None = None, pinned: bool = False) -> bool:
         """Evict least-recently-used unleased leaves until `need` more bytes fit in `budget`
         (default the tree's; never `keep` or its ancestors, where the new node hangs); False
         when they cannot. Room for `tenant` past its share (`tenant_share`) while others hold
-        KV comes from its own leaves only."""
+        KV comes from its own leaves only. A live pin is evicted only when `pinned` (shrink),
+        after every unpinned leaf, soonest-expiring first."""
         budget = self.budget_bytes if budget is None else budget
         if self._bytes + need <= budget:
             return True
@@ -404,15 +533,23 @@ class KVTree:
         own_only = (tenant is not None and self.tenant_share < 1.0
                     and self._tenant_bytes.get(tenant, 0) + need > self.tenant_share * budget
                     and any(t != tenant for t in self._tenant_bytes))
-        heap = [(n.used, id(n), n) for n in self._leaves()
-                if n.refs == 0 and id(n) not in kept and (not own_only or n.key.tenant == tenant)]
+        now = self._now()
+
+        def rank(n: _Node) -> tuple[int, float, int]:  # unpinned by LRU, then live pins by their end
+            return (1, n.pin, id(n)) if n.pin > now else (0, float(n.used), id(n))
+
+        def candidate(n: _Node) -> bool:
+            return (n.refs == 0 and id(n) not in kept and (not own_only or n.key.tenant == tenant)
+                    and (pinned or n.pin <= now))
+
+        heap = [(*rank(n), n) for n in self._leaves() if candidate(n)]
         heapq.heapify(heap)
         while heap and self._bytes + need > budget:
-            _, _, node = heapq.heappop(heap)
+            node = heapq.heappop(heap)[-1]
             self._evict(node)
             parent = node.parent
-            if parent is not None and not parent.children and parent.refs == 0 and id(parent) not in kept:
-                heapq.heappush(heap, (parent.used, id(parent), parent))
+            if parent is not None and not parent.children and candidate(parent):
+                heapq.heappush(heap, (*rank(parent), parent))
         return self._bytes + need <= budget
 
     def _leaves(self) -> Iterable[_Node]:
@@ -429,6 +566,7 @@ class KVTree:
             del self._roots[node.key]
         else:
             del node.parent.children[node.ids[0]]
+        self._pins.pop(id(node), None)
         self._count(node.key.tenant, -node.nbytes)
         self._nodes -= 1
         self._evictions += 1

@@ -240,6 +240,7 @@ class Pipeline:
         pipeline gives it a KV tree of its settings' budget)."""
         lm = engine.lm
         engine.use_tree(settings.kv_tree_bytes, settings.kv_tree_key_share)
+        engine.conversations.use_retention(settings.kv_tree_retain_max_s, settings.kv_tree_retain_default_s)
         collections = {}
         for name, (index_dir, retriever) in retrievers.items():
             manifest = retriever.manifest
@@ -310,6 +311,7 @@ class Pipeline:
             UnknownCollectionError, IndexMismatchError, InvalidArgumentError (the system prompt,
             a grammar, a prompt longer than the model's context).
         """
+        retain_s = self._retention(query)  # a bad bound costs no search
         found = self._retrieve(query, hits)
         plan = self._plan(query, found)
         tree = self.engine.conversations.lease(  # one call: a lease carrying its key and path
@@ -327,10 +329,18 @@ class Pipeline:
             snapshot_at=None if tree is None or not self.engine.recurrent else
             plan.prompt_tokens - self.engine.prompt.answer_header_tokens(plan.question_ids),
             options=plan.options, constraint=plan.constraint, reads_tool_calls=plan.output.reads_tool_calls,
-            tree=tree, kv_wait_s=kv_wait_s,
+            tree=tree, tree_retain_s=retain_s if plan.output.reads_tool_calls else 0.0, kv_wait_s=kv_wait_s,
             kv_bytes=(plan.prompt_tokens + query.sampling.max_new_tokens) * self.engine.kv_bytes_per_token,
             prompt_cost=max(1, cost * (plan.prompt_tokens - done) // max(plan.prompt_tokens, 1)),
             phase_seconds={"retrieve": found.seconds})
+
+    def _retention(self, query: Query) -> float:
+        """Seconds an answer to `query` that may end in tool calls keeps its tree path pinned."""
+        trees, asked = self.engine.conversations, query.retain_seconds
+        if asked is not None and asked > trees.retain_max_s:
+            raise InvalidArgumentError("retain_seconds", f"must be at most {trees.retain_max_s:g} s (ragkv serve "
+                                                         f"--kv-tree-retain-max-s), got {asked:g}")
+        return trees.retention(asked)
 
     def _retrieve(self, query: Query, hits: Sequence[SearchHit] | None) -> Retrieved:
         """Stage 1: the collection, checked servable for this query, and its hits."""

@@ -48,3 +48,7 @@ class Query:
     # whose conversations its KV-tree path belongs to (the API key's name, and its cache salt):
     # a tree path is read only by queries of the same tenant; chunk KV from the index is everyone's
     tenant: str = ""
+    # an answer that may end in tool calls keeps its KV-tree path ahead of LRU eviction this many
+    # seconds (ragkv's HTTP extra `retain_seconds`, at most --kv-tree-retain-max-s); None = the
+    # tool latency the server has learned
+    retain_seconds: float | None = None

@@ -96,6 +96,11 @@ class ServerSettings:
     # next call computes only what is new; at most this, and counted in kv_budget_bytes (admission
     # evicts what no request holds to make room); 0 = off
     kv_tree_bytes: int = 1024**3
+    # an answer that may end in tool calls pins its tree path ahead of LRU eviction until the agent's
+    # next call (engine.tree): for a request's retain_seconds, at most this; else the learned tool
+    # latency (p90 of the gaps seen, >= 1 s, at most this), kv_tree_retain_default_s before any; 0 = no pins
+    kv_tree_retain_max_s: float = 60.0
+    kv_tree_retain_default_s: float = 10.0
     kv_disk_dir: Path | None = None  # disk tier directory; None = the index's own
     kv_s3_uri: str | None = None  # s3://bucket/prefix of the S3 tier; None = off
     # write KV computed at serve time back to the S3 tier; off = read S3 only (the deploy's serving
@@ -169,6 +174,9 @@ class ServerSettings:
             raise ValueError(f"kv_tree_key_share must be in (0, 1], got {self.kv_tree_key_share}")
         if self.kv_tree_bytes < 0:
             raise ValueError(f"kv_tree_bytes must be >= 0 (0 turns the KV tree off), got {self.kv_tree_bytes}")
+        if not 0 <= self.kv_tree_retain_max_s < float("inf") or not 0 <= self.kv_tree_retain_default_s < float("inf"):
+            raise ValueError(f"kv_tree_retain_max_s and kv_tree_retain_default_s must be seconds >= 0, got "
+                             f"{self.kv_tree_retain_max_s} and {self.kv_tree_retain_default_s}")
         if self.retrieve_workers < 1:
             raise ValueError(f"retrieve_workers must be >= 1, got {self.retrieve_workers}")
         if self.kv_compression not in ("auto", "none", "int8", "fp8"):

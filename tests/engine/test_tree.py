@@ -9,7 +9,7 @@ import torch
 
 from ragkv.engine import BlendOptions, Engine, FocusOptions, Prompt, SamplingParams, load_model
 from ragkv.engine.kv import KVCache
-from ragkv.engine.tree import KVTree, TreeContext, TreeKey
+from ragkv.engine.tree import KVTree, ToolLatency, TreeContext, TreeKey
 from ragkv.evals.testing import FAMILY_CONFIGS, HYBRIDS, tiny_model_dir
 from ragkv.types import Mode
 
@@ -142,6 +142,135 @@ def test_shrink_evicts_down_to_a_limit_but_keeps_leased_paths():
     assert tree.match(a, [1, 2, 3]) is None
     held.release()
     assert tree.shrink(0) == 0
+
+
+class _Clock:
+    """An injected clock (`KVTree(clock=...)`): seconds that move only when a test says so."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _flood(tree: KVTree, n: int, tag: str = "flood", tenant: str = "") -> None:
+    """n other conversations of 3 tokens each, none pinned."""
+    for i in range(n):
+        tree.insert(TreeKey.of(tag, i, tenant=tenant), [], CTX, [i, 5, 6], _cache(3))
+
+
+def _held(tree: KVTree, key: TreeKey, ids: list[int]) -> int:
+    """Tokens of `ids` the tree holds under `key` (a match, released at once)."""
+    lease = tree.match(key, ids)
+    if lease is None:
+        return 0
+    lease.release()
+    return lease.matched
+
+
+def test_a_pinned_path_survives_a_flood_that_evicts_unpinned_ones():
+    clock = _Clock()
+    tree, agent, chat = KVTree(_bytes(9), clock=clock), TreeKey.of("agent"), TreeKey.of("chat")
+    tree.insert(agent, [], CTX, [1, 2, 3], _cache(3), pin_s=30.0, parts_at=2)  # may end in tool calls
+    tree.insert(chat, [], CTX, [1, 2, 3], _cache(3))  # a plain answer, more recent
+    assert tree.stats().pinned_bytes == _bytes(3)
+    clock.now += 10
+    _flood(tree, 10)
+    assert tree.stats().nbytes <= _bytes(9)
+    assert _held(tree, chat, [1, 2, 3, 4]) == 0  # LRU took the unpinned one
+    assert tree.stats().pinned_bytes == _bytes(3)
+    # the flood's own newest paths are kept beside the pin, its oldest went
+    assert _held(tree, TreeKey.of("flood", 9), [9, 5, 6, 0]) == 3 and _held(tree, TreeKey.of("flood", 0), [0, 5, 6, 0]) == 0
+    # when only live pins are left, an insert stores less rather than evict one
+    full = KVTree(_bytes(6), clock=clock)
+    for i in range(2):
+        full.insert(TreeKey.of("a", i), [], CTX, [1, 2, 3], _cache(3), pin_s=30.0)
+    assert full.insert(chat, [], CTX, [1, 2, 3], _cache(3)) == 0 and full.stats().nbytes == _bytes(6)
+    # admission's shrink takes them, after every unpinned leaf, the soonest-ending pin first
+    full.insert(TreeKey.of("a", 0), [], CTX, [1, 2, 3], _cache(3), pin_s=60.0)  # a0 now ends later than a1
+    assert full.shrink(_bytes(3)) == _bytes(3)
+    assert _held(full, TreeKey.of("a", 0), [1, 2, 3, 4]) == 3 and _held(full, TreeKey.of("a", 1), [1, 2, 3, 4]) == 0
+
+
+def test_an_expired_pin_is_evicted_like_any_leaf():
+    clock = _Clock()
+    tree, agent = KVTree(_bytes(9), clock=clock), TreeKey.of("agent")
+    tree.insert(agent, [], CTX, [1, 2, 3], _cache(3), pin_s=5.0, parts_at=2)
+    _flood(tree, 2)
+    clock.now += 5.5  # the pin ended: the agent's path is the least recently used leaf
+    assert tree.stats().pinned_bytes == 0
+    _flood(tree, 1, tag="later")
+    assert _held(tree, agent, [1, 2, 3, 4]) == 0
+    assert _held(tree, TreeKey.of("flood", 0), [0, 5, 6, 0]) == 3  # the younger unpinned ones stay
+
+
+def test_the_next_calls_lease_ends_the_pin_and_its_insert_pins_again():
+    clock = _Clock()
+    tree, agent = KVTree(_bytes(12), clock=clock), TreeKey.of("agent")
+    tree.insert(agent, [], CTX, [1, 2, 3, 4, 5, 6], _cache(6), pin_s=30.0, parts_at=4)  # prompt 1..4, answer 5, 6
+    # another conversation parting from this one inside its prompt passes through: the pin stays
+    other = tree.match(agent, [1, 2, 9, 9])
+    assert other.matched == 2
+    other.release()
+    assert tree.stats().pinned_bytes == _bytes(6) and tree.stats().tool_gaps == 0
+    # the agent's next call (its tool call re-rendered, then the result) reaches the prompt's end
+    clock.now += 2.0
+    nxt = tree.match(agent, [1, 2, 3, 4, 7, 8, 9])
+    assert nxt.matched == 4
+    nxt.release()
+    assert tree.stats().pinned_bytes == 0 and tree.stats().tool_gaps == 1
+    _flood(tree, 4)  # unpinned, the path is LRU's again
+    assert _held(tree, agent, [1, 2, 3, 4, 0]) == 0
+    # the next call's own insert (it may end in tool calls again) pins its path
+    tree.insert(agent, [], CTX, [1, 2, 3, 4, 7, 8, 9, 10], _cache(8), pin_s=30.0, parts_at=7)
+    _flood(tree, 6, tag="more")
+    assert _held(tree, agent, [1, 2, 3, 4, 7, 8, 9, 10, 0]) == 8
+    assert tree.stats().nbytes <= _bytes(12)
+
+
+def test_the_learned_ttl_follows_observed_gaps_within_bounds():
+    latency = ToolLatency(max_s=60.0, default_s=10.0)
+    assert latency.ttl() == 10.0  # before any gap
+    for gap in [0.5 + 0.01 * i for i in range(100)]:  # 0.5 .. 1.49 s: p90 ~ 1.4
+        latency.observe(gap)
+    assert latency.ttl() == pytest.approx(1.4, abs=0.02)
+    for _ in range(256):  # the window keeps the last 256: the old gaps are forgotten
+        latency.observe(3.0)
+    assert latency.ttl() == 3.0
+    for _ in range(256):
+        latency.observe(0.05)
+    assert latency.ttl() == 1.0  # at least a second
+    for _ in range(256):
+        latency.observe(900.0)
+    assert latency.ttl() == 60.0  # at most the server's max
+    assert ToolLatency(max_s=0.0).ttl() == 0.0  # pins off
+    assert ToolLatency(max_s=5.0, default_s=10.0).ttl() == 5.0
+    with pytest.raises(ValueError):
+        ToolLatency(max_s=-1.0)
+    # through the tree: the time from a pinned answer to the next call on its path
+    clock = _Clock()
+    tree, agent = KVTree(10**6, clock=clock), TreeKey.of("agent")
+    for step, gap in enumerate((2.0, 4.0, 3.0)):
+        ids = list(range(1, 4 + 2 * step))
+        tree.insert(agent, [], CTX, ids, _cache(len(ids)), pin_s=tree.latency.ttl(), parts_at=len(ids) - 1)
+        clock.now += gap
+        tree.match(agent, [*ids, 99, 98]).release()
+    assert tree.stats().tool_gaps == 3 and tree.stats().retain_s == 4.0
+    tree.match(agent, [1, 2, 3, 4, 5, 6, 7, 99]).release()  # a second match of the same answer: no new gap
+    assert tree.stats().tool_gaps == 3
+
+
+def test_a_tenant_cannot_pin_past_its_share():
+    clock = _Clock()
+    tree = KVTree(_bytes(12), tenant_share=0.5, clock=clock)
+    alice = [TreeKey.of("alice", i, tenant="alice") for i in range(3)]
+    for key in alice:  # the third pin would take her past half the budget: it is kept as any path
+        tree.insert(key, [], CTX, [1, 2, 3], _cache(3), pin_s=30.0)
+    assert tree.stats().pinned_bytes == _bytes(6)
+    _flood(tree, 6, tag="bob", tenant="bob")
+    assert [_held(tree, key, [1, 2, 3, 4]) for key in alice] == [3, 3, 0]
+    assert tree.stats().nbytes <= _bytes(12)
 
 
 # -- reuse through the engine: equal to computing the same request without the tree --

@@ -3,6 +3,8 @@ answer is the one a server without the tree gives (tiny random Llama, gRPC and H
 
 from __future__ import annotations
 
+import json
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -110,3 +112,37 @@ def test_a_prompt_past_the_models_context_is_refused_naming_tokens(servers) -> N
             "".join(client.query(QUESTION, collection="docs", mode="reuse", max_new_tokens=8, agent_turns=long_turns))
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "tokens" in err.value.details() and "context of 4096" in err.value.details()
+
+
+def test_retain_seconds_is_accepted_and_pins_and_bad_values_are_400_naming_it(servers) -> None:
+    """ragkv's `retain_seconds` extra: a tool-calling answer's path is pinned that long (at most
+    --kv-tree-retain-max-s, 60 s by default); a bad value is refused before any work."""
+    with_tree, _ = servers
+    base = f"http://127.0.0.1:{with_tree.server.http_port}/v1"
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "Look a page up.",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+
+    def post(retain: object, route: str = "chat/completions") -> tuple[int, dict]:
+        body = {"model": "docs", "max_tokens": 3, "mode": "reuse", "top_k": 2, "tools": tools, "retain_seconds": retain,
+                "messages": [{"role": "user", "content": "Where does the fox jump?"}]}
+        if route == "responses":
+            body = {"model": "docs", "input": "Where does the fox jump?", "max_output_tokens": 3, "retain_seconds": retain}
+        req = urllib.request.Request(f"{base}/{route}", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+
+    tree = with_tree.server.service.backend.parts().kv_tree
+    status, _ = post(45)
+    assert status == 200
+    assert tree.stats().pinned_bytes > 0  # the answer may be a tool call: its path is pinned
+    assert post(0)[0] == 200 and post(2.5)[0] == 200
+    for bad in (-1, 61, "soon", True, [3]):
+        status, body = post(bad)
+        assert status == 400, (bad, body)
+        assert body["error"]["param"] == "retain_seconds" and "retain_seconds" in body["error"]["message"], body
+    assert post(30, "responses")[0] == 200  # the Responses API takes the same extra
+    status, body = post(-1, "responses")
+    assert status == 400 and body["error"]["param"] == "retain_seconds", body

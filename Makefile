@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= -c constraints/cpu.txt
 EXTRAS ?= server,dev
 
-.PHONY: setup demo test lint gpu-check
+.PHONY: setup demo test test-slow lint gpu-check
 setup: $(VENV)/.installed
 
 CHECKOV_VENV ?= .venv-checkov
@@ -41,9 +41,14 @@ test: setup
 	@export RAGKV_CHECKOV=$(CURDIR)/$(CHECKOV_VENV)/bin/checkov; \
 	$(PY) -m pytest -q -p no:cacheprovider tests/terraform > $(TF_TEST_LOG) 2>&1 & tf=$$!; \
 	trap 'kill $$tf 2>/dev/null' INT TERM; \
-	$(PY) -m pytest -q --durations=25 --ignore=tests/terraform; rc=$$?; \
+	$(PY) -m pytest -q --durations=25 -m "not slow" --ignore=tests/terraform; rc=$$?; \
 	wait $$tf; tf_rc=$$?; echo "== tests/terraform (beside the rest) =="; cat $(TF_TEST_LOG); \
 	for r in $$rc $$tf_rc; do if [ $$r -ne 0 ] && [ $$r -ne 5 ]; then exit $$r; fi; done
+
+# The model-judgement tests on the shipped weights and the benches' smoke runs (marked slow in
+# tests/conftest.py): CI runs them after make test.
+test-slow: setup
+	$(PY) -m pytest -q --durations=10 -m slow --ignore=tests/terraform
 
 # The GPU path in one command, on a machine with a CUDA GPU. Its own venv: PyPI's torch (the
 # CUDA build on Linux, no CPU pin) and the gpu extra's faiss-gpu, which installs the same

@@ -11,6 +11,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
+# The slow part of the suite, marked `slow` here by where it lives: the model-judgement tests
+# (the agents' standard suites and cited answers on the shipped SmolLM2) and the benches' smoke
+# runs. `make test` leaves them out; `make test-slow` runs them; CI (.ci/run) runs both.
+SLOW_PATHS = ("tests/agents/", "tests/bench/test_soak.py", "tests/bench/test_slow_tier.py",
+              "tests/cli/test_eval_bench.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = config.rootpath
+    for item in items:
+        rel = item.path.relative_to(root).as_posix() if item.path.is_relative_to(root) else ""
+        if rel.startswith(SLOW_PATHS):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):

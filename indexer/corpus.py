@@ -96,6 +96,9 @@ def _read_file(path: Path, rel: str, fmt: DocFormat) -> list[Document]:
             meta = {"source": rel, **extra}
             out.append(Document(DocId(rel + suffix), text, meta, rel + suffix, content_hash(text, meta)))
         return out
+    from ragkv.indexer.documents import check_plain_file
+
+    check_plain_file(path, rel)  # a text file is read whole: bounded first
     try:
         raw = path.read_text("utf-8")
     except UnicodeDecodeError as exc:

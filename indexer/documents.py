@@ -45,6 +45,7 @@ MAX_TEXT_MIB = 32  # the text one file gives (UTF-8), all its pages or sections 
 MAX_UNZIPPED_MIB = 256  # a .docx's parts once unzipped (XML, images)
 TIMEOUT_S = 120.0  # parsing one file
 MEMORY_MIB = 2_048  # the parser process's address space
+MAX_PLAIN_FILE_MIB = 1_024  # a .txt, .md or .jsonl file's size on disk (read whole into memory)
 _HEADINGS = ("h1", "h2", "h3")
 _SPACES = re.compile(r"[ \t\r\f\v]+")
 _BLANK_LINES = re.compile(r"\n\s*\n+")
@@ -67,6 +68,7 @@ class IngestLimits:
     max_unzipped_bytes: int = MAX_UNZIPPED_MIB * MIB
     timeout_s: float = TIMEOUT_S
     memory_bytes: int = MEMORY_MIB * MIB
+    max_plain_file_bytes: int = MAX_PLAIN_FILE_MIB * MIB  # .txt, .md, .jsonl: no parser, just their size
 
     @classmethod
     def from_env(cls) -> IngestLimits:
@@ -97,7 +99,16 @@ ENV: dict[str, tuple[str, int]] = {  # IngestLimits field -> (environment variab
     "max_unzipped_bytes": ("RAGKV_INGEST_MAX_UNZIPPED_MIB", MIB),
     "timeout_s": ("RAGKV_INGEST_TIMEOUT_S", 1),
     "memory_bytes": ("RAGKV_INGEST_MEMORY_MIB", MIB),
+    "max_plain_file_bytes": ("RAGKV_INGEST_MAX_PLAIN_FILE_MIB", MIB),
 }
+
+
+def check_plain_file(path: Path, rel: str, limits: IngestLimits | None = None) -> None:
+    """Refuse a .txt, .md or .jsonl file past `max_plain_file_bytes` before it is read (whole)."""
+    limits = limits or IngestLimits.from_env()
+    size = path.stat().st_size
+    if size > limits.max_plain_file_bytes:
+        raise _over(rel, f"the file is {_size(size)}", "max_plain_file_bytes", limits)
 
 
 def _over(rel: str, what: str, field: str, limits: IngestLimits) -> IngestError:

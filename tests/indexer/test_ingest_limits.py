@@ -174,3 +174,21 @@ def test_many_small_documents_share_one_parser_process(tmp_path: Path) -> None:
     docs = load_corpus(tmp_path).documents
     assert len(docs) == 24 and SANDBOX.started == started
     assert time.perf_counter() - t0 < 5
+
+
+@pytest.mark.parametrize("name", ["big.txt", "big.md", "big.jsonl"])
+def test_a_plain_text_file_over_its_limit_is_refused_before_it_is_read(tmp_path: Path, name: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "ok.txt").write_text("a small document")
+    with (corpus / name).open("wb") as f:  # 3 MiB, sparse: no 3 MiB is written or read
+        f.seek(3 * 2**20 - 1)
+        f.write(b"\n")
+    monkeypatch.setenv("RAGKV_INGEST_MAX_PLAIN_FILE_MIB", "2")
+    with pytest.raises(CorpusError, match=rf"{name}: the file is 3 MiB, over the limit of 2 MiB "
+                                          r"\(RAGKV_INGEST_MAX_PLAIN_FILE_MIB\)"):
+        load_corpus(corpus)
+    monkeypatch.setenv("RAGKV_INGEST_MAX_PLAIN_FILE_MIB", "4")
+    if name != "big.jsonl":  # (a JSONL line of zeros is no JSON object: refused for that instead)
+        assert len(load_corpus(corpus).documents) == 2

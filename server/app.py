@@ -84,7 +84,7 @@ class RagServer:
         self.port: int | None = None  # bound gRPC port, after start()
         self.metrics_port: int | None = None  # bound metrics port, after start()
         self.http_port: int | None = None  # bound OpenAI-compatible HTTP port, after start(); None = off
-        self._http = None  # openai_api.HttpServer when settings.http_port is set
+        self._http = None  # http_server.HttpServer when settings.http_port is set
         self.load_error: BaseException | None = None  # why loading failed, if it did
 
     async def _set_health(self, status: int) -> None:
@@ -142,7 +142,8 @@ class RagServer:
 
     async def _start_http(self) -> int:
         """Serve the OpenAI-compatible API on this loop, over the same backend and scheduler."""
-        from ragkv.server.openai_api import HttpServer, OpenAIApi  # starlette/uvicorn only when asked for
+        from ragkv.server.http_server import HttpServer  # starlette/uvicorn only when asked for
+        from ragkv.server.openai_api import OpenAIApi
         from ragkv.server.responses_api import with_responses
 
         s = self.settings

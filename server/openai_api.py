@@ -17,17 +17,15 @@ status `server.status.status_for` gives the same exception on gRPC.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
 import math
-import socket
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -38,7 +36,7 @@ from starlette.routing import Route
 
 from ragkv.engine.request import ChunksReady
 from ragkv.server.admission import Admission
-from ragkv.server.answering import Answerer, TokenEvent
+from ragkv.server.answering import Answerer, RunEvent, TokenEvent
 from ragkv.server.backend import QueryBackend
 from ragkv.server.keys import ANONYMOUS, Caller, KeyRing, PermissionDeniedError, RateLimitedError
 from ragkv.server.metrics import ServerMetrics
@@ -313,6 +311,16 @@ def _retain_seconds(body: object) -> float | None:
     return None if value is None else float(value)
 
 
+@dataclass(frozen=True, slots=True)
+class ChatCall:
+    """A chat completion's body, validated: its Query and how the answer goes back."""
+
+    query: Query
+    snippet_chars: int | None  # chunk text in the sources, in characters; None = whole
+    stream: bool  # server-sent events
+    include_usage: bool  # a last streamed chunk with the usage (stream_options)
+
+
 def _cache_salt(body: object) -> str | None:
     """The request's `cache_salt` (vLLM's field): its KV-tree paths are shared only with requests
     of the same key giving the same salt."""
@@ -483,18 +491,23 @@ class OpenAIApi:
         except Exception as exc:
             return self._error(exc, "ListModels", caller)
 
-    async def _events(self, body: object, caller: Caller, arrived: float,
-                      cancel: threading.Event) -> AsyncIterator[object]:
-        """Yields (params, snippet_chars, stream, include_usage) first, then the answer's events."""
+    def _call(self, body: object, caller: Caller) -> ChatCall:
+        """A chat completion's body, validated into its Query (the caller's key may read its
+        collection and is within its limits), before any answering begins."""
+        backend = self._ready()
+        question, options, stream, include_usage = options_from_body(body)
+        query = validate_query(question, options, self._limits, backend.modes, caller.tenant(_cache_salt(body)))
+        if (retain := _retain_seconds(body)) is not None:
+            query = dataclasses.replace(query, retain_seconds=retain)
+        self._keys.admit_query(caller, query.collection)
+        return ChatCall(query, options.snippet_chars, stream, include_usage)
+
+    async def _events(self, call: ChatCall, caller: Caller, arrived: float,
+                      cancel: threading.Event) -> AsyncIterator[RunEvent]:
+        """The answer's typed events (the chunks first), its prompt tokens counted to the caller."""
         with self._admission.rpc():
             backend = self._ready()
-            question, options, stream, include_usage = options_from_body(body)
-            query = validate_query(question, options, self._limits, backend.modes, caller.tenant(_cache_salt(body)))
-            if (retain := _retain_seconds(body)) is not None:
-                query = dataclasses.replace(query, retain_seconds=retain)
-            self._keys.admit_query(caller, query.collection)
-            yield query, options.snippet_chars, stream, include_usage
-            async for event in self._runner.run(backend, query, arrived=arrived, cancel=cancel, method=METHOD):
+            async for event in self._runner.run(backend, call.query, arrived=arrived, cancel=cancel, method=METHOD):
                 if isinstance(event, QueryStats):
                     self._keys.charge_tokens(caller, event.usage.prompt_tokens)
                     self._metrics.key_prompt_tokens.labels(caller.label).inc(event.usage.prompt_tokens)
@@ -503,13 +516,13 @@ class OpenAIApi:
     async def chat_completions(self, request: Request) -> Response:
         arrived = time.perf_counter()
         cancel = threading.Event()
-        events: AsyncIterator[object] | None = None
+        events: AsyncIterator[RunEvent] | None = None
         caller = ANONYMOUS
         try:
             caller = self._check_auth(request)  # before the body is read
-            body = await self._body(request)
-            events = self._events(body, caller, arrived, cancel)
-            params, snippet, stream, include_usage = await anext(events)
+            call = self._call(await self._body(request), caller)
+            params, snippet, stream, include_usage = call.query, call.snippet_chars, call.stream, call.include_usage
+            events = self._events(call, caller, arrived, cancel)
             first = await anext(events)  # the chunks: retrieval and KV loads done, errors still map to a status
         except Exception as exc:
             cancel.set()
@@ -543,7 +556,7 @@ class OpenAIApi:
             "ragkv": ragkv_extra(first.chunks, stats, snippet),
         })
 
-    async def _sse(self, events: AsyncIterator[object], chunks: tuple[RetrievedChunk, ...], params: Query,
+    async def _sse(self, events: AsyncIterator[RunEvent], chunks: tuple[RetrievedChunk, ...], params: Query,
                    snippet: int | None, include_usage: bool, reply_id: str, created: int,
                    cancel: threading.Event) -> AsyncIterator[str]:
         def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
@@ -579,65 +592,3 @@ class OpenAIApi:
         finally:
             cancel.set()
             await events.aclose()  # type: ignore[attr-defined]
-
-
-class HttpServer:
-    """uvicorn serving an ASGI app on the running event loop (the gRPC server's).
-
-    uvicorn's own signal capture is off: `ragkv serve` drains on SIGTERM itself, and
-    stops this server as part of the drain.
-    """
-
-    def __init__(self, app: Any, host: str, port: int, tls_cert: Any = None, tls_key: Any = None) -> None:
-        import uvicorn
-
-        class _Server(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self):  # noqa: ANN202 - the RagServer owns SIGTERM/SIGINT
-                yield
-
-        self._host, self._port = host, port
-        self._config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False,
-                                      timeout_graceful_shutdown=1,
-                                      ssl_certfile=None if tls_cert is None else str(tls_cert),
-                                      ssl_keyfile=None if tls_key is None else str(tls_key))
-        self._server = _Server(self._config)
-        self._task: asyncio.Task[None] | None = None
-        self.port: int | None = None  # bound port, after start()
-
-    async def start(self) -> int:
-        """Bind and serve; returns the bound port.
-
-        Raises:
-            OSError: The port cannot be bound.
-        """
-        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((self._host, self._port))
-        except OSError as exc:
-            sock.close()
-            raise OSError(f"could not bind the HTTP port at {self._host}:{self._port}: {exc}") from exc
-        sock.listen(128)
-        sock.setblocking(False)
-        self.port = int(sock.getsockname()[1])
-        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
-        while not self._server.started:
-            if self._task.done():  # failed at startup
-                self._task.result()
-                raise RuntimeError("the HTTP server stopped during startup")
-            await asyncio.sleep(0.01)
-        return self.port
-
-    async def stop(self, timeout: float = 5.0) -> None:
-        """Stop accepting, close connections, and wait (at most `timeout` seconds)."""
-        if self._task is None:
-            return
-        self._server.should_exit = True
-        try:
-            await asyncio.wait_for(asyncio.shield(self._task), timeout)
-        except (TimeoutError, asyncio.TimeoutError):
-            self._server.force_exit = True
-            self._task.cancel()
-        self._task = None

@@ -33,7 +33,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ragkv.engine.request import ChunksReady
-from ragkv.server.answering import TokenEvent
+from ragkv.server.answering import RunEvent, TokenEvent
 from ragkv.server.keys import ANONYMOUS, Caller
 from ragkv.server.openai_api import METHOD, _cache_salt, error_body, ragkv_extra
 from ragkv.server.query import Query
@@ -399,7 +399,7 @@ class ResponsesApi:
         api = self._api
         arrived = time.perf_counter()
         cancel = threading.Event()
-        events: AsyncIterator[object] | None = None
+        events: AsyncIterator[RunEvent] | None = None
         caller = ANONYMOUS
         origins: tuple[str, ...] = ()
         try:
@@ -421,8 +421,9 @@ class ResponsesApi:
                 raise InvalidArgumentError("previous_response_id" if previous else "input",
                                            f"the conversation is {size} bytes, more than a stored response may hold "
                                            f"({self.store.max_entry_bytes}); begin a new one, or send store=false")
-            events = api._events(parsed.chat, caller, arrived, cancel)
-            query, snippet, stream, _ = await anext(events)
+            call = api._call(parsed.chat, caller)
+            query, snippet, stream = call.query, call.snippet_chars, call.stream
+            events = api._events(call, caller, arrived, cancel)
             first = await anext(events)  # the chunks: retrieval and KV loads done, errors still map to a status
         except Exception as exc:
             cancel.set()
@@ -452,7 +453,7 @@ class ResponsesApi:
         self._keep(tenant, parsed, response)
         return JSONResponse(response)
 
-    async def _sse(self, events: AsyncIterator[object], chunks: tuple[RetrievedChunk, ...], query: Query,
+    async def _sse(self, events: AsyncIterator[RunEvent], chunks: tuple[RetrievedChunk, ...], query: Query,
                    parsed: Parsed, snippet: int | None, response_id: str, created: int, tenant: str,
                    cancel: threading.Event) -> AsyncIterator[str]:
         seq = 0

@@ -57,7 +57,7 @@ def _engine_run(engine: Any, batch: int, tokens: int, constrained: bool) -> dict
     first_token: list[float] = []
     ends = [threading.Event() for _ in range(batch)]
 
-    def sink(i: int):  # noqa: ANN202
+    def sink(i: int):
         def take(out: object) -> None:
             if isinstance(out, TokenOut):
                 generated[i] += 1

@@ -56,33 +56,33 @@ def throttled(latency_s: float, bytes_per_s: float, tier: str = "disk"):
     real_source, real_read = cls._source, cls._read
 
     class _SlowReader:
-        def __init__(self, inner) -> None:  # noqa: ANN001
+        def __init__(self, inner) -> None:
             self.inner = inner
 
-        def readinto(self, buf) -> int:  # noqa: ANN001
+        def readinto(self, buf) -> int:
             n = self.inner.readinto(buf)
             time.sleep(n / bytes_per_s)
             return n
 
-        def __getattr__(self, name: str):  # noqa: ANN204
+        def __getattr__(self, name: str):
             return getattr(self.inner, name)
 
     class _SlowSource:
-        def __init__(self, inner) -> None:  # noqa: ANN001
+        def __init__(self, inner) -> None:
             self.inner, self.size = inner, inner.size
 
-        def reader(self, start: int, end: int):  # noqa: ANN201
+        def reader(self, start: int, end: int):
             return _SlowReader(self.inner.reader(start, end))
 
         def close(self) -> None:
             self.inner.close()
 
-    def source(self, key):  # noqa: ANN001, ANN202
+    def source(self, key):
         time.sleep(latency_s)
         src = real_source(self, key)
         return None if src is None else _SlowSource(src)
 
-    def read(self, key):  # noqa: ANN001, ANN202
+    def read(self, key):
         time.sleep(latency_s)
         got = real_read(self, key)
         if got is not None:

@@ -131,7 +131,7 @@ class Server:
         cmd = [sys.executable, "-m", "ragkv.cli", "serve", "--index", f"soak={index}", "--host", "127.0.0.1",
                "--port", str(self.port), "--kv-cpu-bytes", "1", "--kv-s3-uri", f"s3://{BUCKET}/kv",
                "--kv-layered", "on" if layered else "off", "--max-queue", "64", *extra]
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self._log = open(log_path, "wb")  # closed in stop()
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_serving(self, timeout: float) -> None:
@@ -208,7 +208,7 @@ def inject(kind: str, index: Path, s3: MotoS3, rng: random.Random) -> bool:
     return True
 
 
-def _ask(client, question: str, mode: str, args: argparse.Namespace) -> tuple[str, str | None]:  # noqa: ANN001
+def _ask(client, question: str, mode: str, args: argparse.Namespace) -> tuple[str, str | None]:
     import grpc
 
     try:

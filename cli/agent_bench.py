@@ -46,7 +46,7 @@ def _turns(results: list[str], step: int) -> list[ChatTurn]:
     return turns
 
 
-def _call(client, step_turns: list[ChatTurn], max_new: int, top_k: int,  # noqa: ANN001 - RagClient
+def _call(client, step_turns: list[ChatTurn], max_new: int, top_k: int,  # RagClient
           question: str = QUESTION, history: list[ChatTurn] | None = None) -> dict:
     stream = client.query(question, top_k=top_k, max_new_tokens=max_new, agent_turns=step_turns, tools=[LOOKUP],
                           history=history or [])
@@ -57,7 +57,7 @@ def _call(client, step_turns: list[ChatTurn], max_new: int, top_k: int,  # noqa:
             "tree_tokens": stats.usage.tree_prompt_tokens}
 
 
-def run_agent_bench(args) -> int:  # noqa: ANN001 - argparse.Namespace from cli.bench
+def run_agent_bench(args) -> int:  # argparse.Namespace from cli.bench
     from ragkv.cli.load_bench import _build_index
     from ragkv.client import RagClient
     from ragkv.server.inprocess import InProcessServer

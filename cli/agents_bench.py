@@ -90,7 +90,7 @@ def _agent(addr: str, i: int, question: str, results: list[str], plan: tuple[flo
                 time.sleep(latencies[step])  # the tool runs
 
 
-def _run_policy(args, index: Path, tree_bytes: int, retain_max_s: float, questions: list[str],  # noqa: ANN001
+def _run_policy(args, index: Path, tree_bytes: int, retain_max_s: float, questions: list[str],
                 results: list[list[str]], plans: list[tuple[float, list[float]]]) -> dict:
     """The agents against one fresh in-process server; its calls, their measures and its tree's."""
     from ragkv.cli.agent_bench import LOOKUP, WARM_UP
@@ -154,7 +154,7 @@ def _ratios(runs: dict[str, dict]) -> dict[str, dict[str, float | None]]:
             for name, r in runs.items() if name != "unbounded"}
 
 
-def run_agents_bench(args) -> int:  # noqa: ANN001 - argparse.Namespace from cli.bench
+def run_agents_bench(args) -> int:  # argparse.Namespace from cli.bench
     from ragkv.cli.agent_bench import _results
     from ragkv.cli.load_bench import _build_index, _questions
 

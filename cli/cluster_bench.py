@@ -127,7 +127,7 @@ def _loop_turns(step: int) -> list[ChatTurn]:
     return turns
 
 
-def _ask(client, question: str, tally: _Tally, max_new: int, top_k: int,  # noqa: ANN001 - RagClient
+def _ask(client, question: str, tally: _Tally, max_new: int, top_k: int,  # RagClient
          step: int | None = None) -> None:
     try:
         stream = client.query(question, top_k=top_k, max_new_tokens=max_new,
@@ -135,7 +135,7 @@ def _ask(client, question: str, tally: _Tally, max_new: int, top_k: int,  # noqa
         for _ in stream:
             pass
         stats = stream.result()
-    except Exception:  # noqa: BLE001 - counted; the bench goes on
+    except Exception:  # counted; the bench goes on
         with tally.lock:
             tally.errors += 1
         return
@@ -240,7 +240,7 @@ def _fault(addr: str, items: list[tuple], max_new: int, top_k: int, app: str) ->
                     pass
                 stream.result()
             outcome = "answered"
-        except Exception as exc:  # noqa: BLE001 - sorted by status
+        except Exception as exc:  # sorted by status
             code = getattr(exc, "code", None)
             outcome = code().name.lower() if callable(code) else type(exc).__name__
         with lock:
@@ -261,7 +261,7 @@ def _fault(addr: str, items: list[tuple], max_new: int, top_k: int, app: str) ->
     return {"requests": len(items), "hung": hung, **dict(outcomes)}
 
 
-def run_cluster_bench(args) -> int:  # noqa: ANN001 - argparse.Namespace from cli.bench
+def run_cluster_bench(args) -> int:  # argparse.Namespace from cli.bench
     from ragkv.server import cluster
     from ragkv.server.routing import Policy
     from ragkv.server.settings import CollectionSpec, ServerSettings

@@ -265,7 +265,7 @@ def _cases(args: argparse.Namespace, engine):
     return cases, pool
 
 
-def neighbour_variants(args: argparse.Namespace, engine, cases, pool):  # noqa: ANN001, ANN201
+def neighbour_variants(args: argparse.Namespace, engine, cases, pool):
     """One evaluate.KVVariant per m of --neighbours: plain KV for 0, else neighbour-conditioned."""
     from dataclasses import replace
 
@@ -293,13 +293,13 @@ def neighbour_variants(args: argparse.Namespace, engine, cases, pool):  # noqa: 
     # case's KV prefill time then includes its neighbours' plain prefill once, and memory stays flat
     plain_kv: dict[int, object] = {}
 
-    def stored_plain(kv):  # noqa: ANN001, ANN202 - a plain KV as the index stores its plain copy
+    def stored_plain(kv):  # a plain KV as the index stores its plain copy
         c = Compression(PLAIN_COPY_COMPRESSION)
         if c is Compression.NONE:
             return kv
         return replace(kv, k=dequantize(*quantize(kv.k, c), kv.k.dtype), v=dequantize(*quantize(kv.v, c), kv.v.dtype))
 
-    def neighbour_kv(j: int, prefix_ids):  # noqa: ANN001, ANN202
+    def neighbour_kv(j: int, prefix_ids):
         if j not in plain_kv:
             plain_kv[j] = stored_plain(engine.prefill(prefix_ids, p.chunk_ids(texts[j])))
         return plain_kv[j]
@@ -315,7 +315,7 @@ def neighbour_variants(args: argparse.Namespace, engine, cases, pool):  # noqa: 
         for how in contexts:
             opts = replace(choice, context=how)
             if how is NeighbourContext.KV:  # the plain KV is stored too: the prompt's first chunk reads it
-                def context_kv(case, prefix_ids, nbrs=nbrs, opts=opts):  # noqa: ANN001, ANN202
+                def context_kv(case, prefix_ids, nbrs=nbrs, opts=opts):
                     plain_kv.clear()
                     return [None if i == 0 and opts.plain_first else
                             context_segments([neighbour_kv(j, prefix_ids) for j in nbrs[row_of[c]]], opts.budget_tokens)
@@ -324,7 +324,7 @@ def neighbour_variants(args: argparse.Namespace, engine, cases, pool):  # noqa: 
                 variants.append(KVVariant(f"nb{m}kv", context_kv=context_kv, stored_plain=stored_plain))
                 continue
 
-            def context(case, nbrs=nbrs, opts=opts):  # noqa: ANN001, ANN202
+            def context(case, nbrs=nbrs, opts=opts):
                 return [context_ids([p.chunk_ids(texts[j]) for j in nbrs[row_of[c]]], opts.budget_tokens)
                         for c in case.chunks]
 
@@ -332,7 +332,7 @@ def neighbour_variants(args: argparse.Namespace, engine, cases, pool):  # noqa: 
     return variants
 
 
-def _neighbour_pool(args: argparse.Namespace, cases, pool):  # noqa: ANN001, ANN202
+def _neighbour_pool(args: argparse.Namespace, cases, pool):
     """(texts, [n, d] embeddings) neighbours are chosen from; every case chunk is among the texts."""
     import numpy as np
 
@@ -365,7 +365,7 @@ def _neighbour_pool(args: argparse.Namespace, cases, pool):  # noqa: ANN001, ANN
     return pool, xb
 
 
-def index_cases(engine, index: Path, questions: Path, top_k: int):  # noqa: ANN001, ANN201
+def index_cases(engine, index: Path, questions: Path, top_k: int):
     """One EvalCase per line of `questions` ({"id", "question", "answer"}), its chunks the
     top_k that the index retrieves for the question."""
     from ragkv.evals.synthetic import EvalCase
@@ -420,10 +420,10 @@ def run_eval(args: argparse.Namespace) -> int:
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
     config["instruction"] = instruction
 
-    def result(reports) -> dict:  # noqa: ANN001
+    def result(reports) -> dict:
         return {"modes": {name: r.as_dict() for name, r in reports.items()}, "config": config}
 
-    def partial(reports) -> None:  # noqa: ANN001
+    def partial(reports) -> None:
         tmp = args.partial.with_name(args.partial.name + ".tmp")
         tmp.write_text(json.dumps(result(reports)) + "\n")
         tmp.replace(args.partial)

@@ -141,7 +141,7 @@ def _ttft_ratios(results: dict[str, dict], baseline: str) -> dict[str, dict[str,
             for level, r in results.items() if level != baseline}
 
 
-def run_concurrency_bench(args) -> int:  # noqa: ANN001 - argparse.Namespace from cli.bench
+def run_concurrency_bench(args) -> int:  # argparse.Namespace from cli.bench
     from ragkv.server.inprocess import InProcessServer
     from ragkv.server.pipeline import Pipeline
     from ragkv.server.settings import CollectionSpec, ServerSettings

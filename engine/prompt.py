@@ -132,7 +132,7 @@ class PromptFormat:
         try:
             full = [render(n, False) for n in range(1, len(turns) + 1)]
             headed = [render(n, True) for n in range(1, len(turns) + 1)]
-        except Exception:  # noqa: BLE001 - jinja2's TemplateError and the template's own raise_exception
+        except Exception:  # jinja2's TemplateError and the template's own raise_exception
             return None
         if _SLOT not in full[0] or full[0].split(_SLOT)[0] + "Context:\n" != self.head:
             return None

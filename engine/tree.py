@@ -173,7 +173,7 @@ class TreeLease:
     def __del__(self) -> None:  # a lease dropped unreleased (a request refused after prepare)
         try:
             self.release()
-        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to release
+        except Exception:  # interpreter shutdown: nothing left to release
             pass
 
 

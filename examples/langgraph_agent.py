@@ -43,7 +43,7 @@ TOOL_NAME = "search_docs"
 NO_ANSWER = "I found nothing relevant in the collection."
 
 
-def build_agent(llm: RagKVChatModel, retriever: RagKVRetriever, min_score: float | None = None):  # noqa: ANN201
+def build_agent(llm: RagKVChatModel, retriever: RagKVRetriever, min_score: float | None = None):
     """The compiled graph; run it with {"messages": [HumanMessage(question)]}.
 
     Args:
@@ -91,7 +91,7 @@ def build_agent(llm: RagKVChatModel, retriever: RagKVRetriever, min_score: float
     return graph.compile()
 
 
-async def run(question: str, agent, out: TextIO | None = None) -> AIMessage:  # noqa: ANN001
+async def run(question: str, agent, out: TextIO | None = None) -> AIMessage:
     """Stream one question through the agent: tokens to `out` (stdout) as they come, then the sources."""
     out = out or sys.stdout
     final: AIMessageChunk | None = None

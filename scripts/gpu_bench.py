@@ -42,7 +42,7 @@ RESERVE_S = 10.0  # of --budget-s, kept for the ratios, the table and cleaning u
 _STARTED = time.monotonic()
 if str(Path(__file__).resolve().parent) not in sys.path:  # gpu_bench_parts, beside this file
     sys.path.append(str(Path(__file__).resolve().parent))
-from gpu_bench_parts import (  # noqa: E402
+from gpu_bench_parts import (  # noqa: E402 - after sys.path names this folder (run as a script)
     MODELS,
     MODES,
     PREFIX_TOKENS,
@@ -98,7 +98,7 @@ class ModelBench:
 
         g = torch.Generator().manual_seed(self.args.seed)
         v = self.sz["vocab"]
-        rand = lambda n: torch.randint(3, v, (n,), generator=g).tolist()  # noqa: E731
+        rand = lambda n: torch.randint(3, v, (n,), generator=g).tolist()  # noqa: E731 - a one-line sampler beside its use
         self.prefix_ids, self.question_ids = rand(PREFIX_TOKENS), rand(QUESTION_TOKENS)
         self.chunk_ids = [rand(self.args.chunk_tokens) for _ in range(max(self.args.chunks))]
 
@@ -172,9 +172,9 @@ class ModelBench:
 
             store, keys = self.store("gpu")
             off = LoadingController(ControllerConfig(enabled=False), self.eng.speed)
-            one = lambda mode: self._tier_pass(store, keys[:c], c, mode, False, off)[0]  # noqa: E731
+            one = lambda mode: self._tier_pass(store, keys[:c], c, mode, False, off)[0]  # noqa: E731 - the pass timed, named for the timer
         else:
-            one = lambda mode: self.eng.run(self._prompt(c, self.kvs[:c]), Mode(mode), self._options(mode))  # noqa: E731
+            one = lambda mode: self.eng.run(self._prompt(c, self.kvs[:c]), Mode(mode), self._options(mode))  # noqa: E731 - the pass timed, named for the timer
         for mode in MODES:
             m = self.sec.measure(f"{self.name} c{c} {mode} device-held KV", lambda mode=mode: one(mode),
                                  est_s=full["median_s"], note=_describe)
@@ -203,7 +203,7 @@ class ModelBench:
             try:
                 if impl != built:
                     set_attn(self.model, impl)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 self.run.skip(f"{self.name} c{c} transformers {impl}", f"cannot switch to it: {exc}")
                 continue
             try:

@@ -99,7 +99,7 @@ def bootstrap() -> list[str]:
         exc.BotoCoreError = type("BotoCoreError", (Exception,), {})  # type: ignore[attr-defined]
         exc.ClientError = type("ClientError", (Exception,), {})  # type: ignore[attr-defined]
         try:
-            import ragkv.kvstore  # noqa: F401
+            import ragkv.kvstore
         finally:
             for name in names:
                 if name in before:
@@ -320,7 +320,7 @@ class Section:
             return fn()
         except torch.cuda.OutOfMemoryError as exc:
             self.run.skip(what, f"out of GPU memory: {str(exc).splitlines()[0][:200]}")
-        except Exception as exc:  # noqa: BLE001 - one lent run: record it, measure the rest
+        except Exception as exc:  # one lent run: record it, measure the rest
             self.run.error(what, exc)
         finally:
             self.run.data.setdefault("section_s", {})[what] = round(time.monotonic() - t, 3)

@@ -55,7 +55,7 @@ def main() -> None:
     ctx_tokens = {v: 0 for v in variants}
     plain_kv: dict[int, object] = {}
 
-    def plain(j: int):  # noqa: ANN202
+    def plain(j: int):
         if j not in plain_kv:
             plain_kv[j] = eng.prefill(prefix, p.chunk_ids(pool[j]))
         return plain_kv[j]

@@ -466,20 +466,20 @@ class Ingress:
         """The call's context (RagService checks its key from the metadata)."""
         return _ServeContext(grpc_context)
 
-    async def Query(self, request: Any, grpc_context: Any = None) -> AsyncIterator[Any]:  # noqa: N802
+    async def Query(self, request: Any, grpc_context: Any = None) -> AsyncIterator[Any]:
         async for message in self.service.Query(request, await self._context(grpc_context, "Query")):
             yield message
 
-    async def Retrieve(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
+    async def Retrieve(self, request: Any, grpc_context: Any = None) -> Any:
         return await self.service.Retrieve(request, await self._context(grpc_context, "Retrieve"))
 
-    async def ListCollections(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
+    async def ListCollections(self, request: Any, grpc_context: Any = None) -> Any:
         return await self.service.ListCollections(request, await self._context(grpc_context, "ListCollections"))
 
-    async def GetCollectionStats(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
+    async def GetCollectionStats(self, request: Any, grpc_context: Any = None) -> Any:
         return await self.service.GetCollectionStats(request, await self._context(grpc_context, "GetCollectionStats"))
 
-    def Check(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802 - grpc.health.v1
+    def Check(self, request: Any, grpc_context: Any = None) -> Any:  # grpc.health.v1
         return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
 
 

@@ -21,7 +21,7 @@ class HttpServer:
 
         class _Server(uvicorn.Server):
             @contextlib.contextmanager
-            def capture_signals(self):  # noqa: ANN202 - the RagServer owns SIGTERM/SIGINT
+            def capture_signals(self):  # the RagServer owns SIGTERM/SIGINT
                 yield
 
         self._host, self._port = host, port

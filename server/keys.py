@@ -231,7 +231,7 @@ class KeyRing:
 class _Usage:
     """Per-key sliding one-minute windows of requests and prompt tokens."""
 
-    def __init__(self, clock=time.monotonic) -> None:  # noqa: ANN001 - a seconds clock
+    def __init__(self, clock=time.monotonic) -> None:  # a seconds clock
         self._clock = clock
         self._lock = threading.Lock()
         self._requests: dict[str, deque[float]] = {}

@@ -59,7 +59,7 @@ class LoadingController:
     def tokens_per_s(self) -> float | None:
         return self.speed.tokens_per_s
 
-    def decide(self, store, keys: Sequence, tokens: Sequence[int]) -> list[ChunkDecision]:  # noqa: ANN001
+    def decide(self, store, keys: Sequence, tokens: Sequence[int]) -> list[ChunkDecision]:
         """Read or compute each chunk (`keys[i]` of `tokens[i]` tokens) of one request.
 
         Args:

@@ -97,7 +97,7 @@ class ServerMetrics:
         self.batch_size.observe(batch)
         self.time_per_output_token.observe(seconds)
 
-    def watch_scheduler(self, stats) -> None:  # noqa: ANN001 - engine.scheduler.SchedulerStats
+    def watch_scheduler(self, stats) -> None:  # engine.scheduler.SchedulerStats
         """Read the running/waiting gauges from the scheduler and take its step hook."""
         self.requests_running.set_function(lambda: stats.running)
         self.requests_waiting.set_function(lambda: stats.waiting)

@@ -93,7 +93,7 @@ class RagService(pb_grpc.RagServiceServicer):
             log.error("%s failed", method, exc_info=exc)
         await context.abort(code, message)
 
-    async def Query(  # noqa: N802 - gRPC method name
+    async def Query(  # gRPC method name
         self, request: pb.QueryRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.QueryResponse]:
         arrived = time.perf_counter()
@@ -135,7 +135,7 @@ class RagService(pb_grpc.RagServiceServicer):
         self._keys.charge_tokens(caller, prompt_tokens)
         self._metrics.key_prompt_tokens.labels(caller.label).inc(prompt_tokens)
 
-    async def Retrieve(  # noqa: N802
+    async def Retrieve(
         self, request: pb.RetrieveRequest, context: grpc.aio.ServicerContext
     ) -> pb.RetrieveResponse:
         arrived = time.perf_counter()
@@ -158,7 +158,7 @@ class RagService(pb_grpc.RagServiceServicer):
             await self._fail(context, "Retrieve", exc, caller)
             raise AssertionError("unreachable: abort raises") from exc
 
-    async def ListCollections(  # noqa: N802
+    async def ListCollections(
         self, request: pb.ListCollectionsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListCollectionsResponse:
         try:
@@ -170,7 +170,7 @@ class RagService(pb_grpc.RagServiceServicer):
             await self._fail(context, "ListCollections", exc)
             raise AssertionError("unreachable: abort raises") from exc
 
-    async def GetCollectionStats(  # noqa: N802
+    async def GetCollectionStats(
         self, request: pb.GetCollectionStatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetCollectionStatsResponse:
         caller = ANONYMOUS

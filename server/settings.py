@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ragkv.engine.focus import FocusOptions
 from ragkv.server.validation import RequestLimits
-from ragkv.types import DEFAULT_COLLECTION, DType, Mode, SearchMode  # noqa: F401  (DType re-exported for settings users)
+from ragkv.types import DEFAULT_COLLECTION, DType, Mode, SearchMode
 
 _FOCUS = FocusOptions()  # the engine's focus defaults: the settings below that it shares are read from it
 

@@ -70,7 +70,7 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, on_reject: Callable[[str]
 
     behavior = handler.unary_stream
     if inspect.isasyncgenfunction(behavior):
-        async def stream(request: object, context: grpc.aio.ServicerContext):  # noqa: ANN202
+        async def stream(request: object, context: grpc.aio.ServicerContext):
             if isinstance(request, Undecodable):
                 await reject(request, context)
             async for response in behavior(request, context):

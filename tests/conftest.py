@@ -9,7 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pytest  # noqa: E402
+import pytest
 
 # The slow part of the suite, marked `slow` here by where it lives: the model-judgement tests
 # (the agents' standard suites and cited answers on the shipped SmolLM2) and the benches' smoke

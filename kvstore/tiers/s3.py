@@ -195,7 +195,7 @@ class S3Tier(DurableTier):
             if e.response.get("Error", {}).get("Code") in _MISSING:
                 return None
             self._failed("get", key, e)
-        except Exception as e:  # noqa: BLE001 - botocore, and urllib3 from a body cut off mid-read
+        except Exception as e:  # botocore, and urllib3 from a body cut off mid-read
             self._failed("get", key, e)
         return None
 
@@ -207,7 +207,7 @@ class S3Tier(DurableTier):
             if e.response.get("Error", {}).get("Code") in _MISSING | {"InvalidRange"}:
                 return None
             raise StoreError(f"s3 get of s3://{self.bucket}/{name} failed: {e}") from e
-        except Exception as e:  # noqa: BLE001 - botocore, and urllib3 from a body cut off mid-read
+        except Exception as e:  # botocore, and urllib3 from a body cut off mid-read
             raise StoreError(f"s3 get of s3://{self.bucket}/{name} failed: {e}") from e
 
     def _write(self, key: ChunkKey, data: bytes | bytearray | memoryview) -> bool:

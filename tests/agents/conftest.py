@@ -12,12 +12,12 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from pathlib import Path  # noqa: E402
+from pathlib import Path
 
-import pytest  # noqa: E402
+import pytest
 
-from tests.server.fakes import ServerThread, settings  # noqa: E402
-from tests.server.test_pipeline import CORPUS, tiny_index  # noqa: E402, F401  (session fixture, reused)
+from tests.server.fakes import ServerThread, settings
+from tests.server.test_pipeline import CORPUS, tiny_index  # noqa: F401  (session fixture, reused)
 
 AGENT_CORPUS = {
     **CORPUS,
@@ -27,7 +27,7 @@ AGENT_CORPUS = {
 
 
 @pytest.fixture(scope="session")
-def smol_index(tmp_path_factory: pytest.TempPathFactory, smollm2) -> Path:  # noqa: ANN001
+def smol_index(tmp_path_factory: pytest.TempPathFactory, smollm2) -> Path:
     from ragkv.indexer.chunking import ChunkingConfig
     from ragkv.indexer.job import IndexJobConfig, run_index
 
@@ -42,7 +42,7 @@ def smol_index(tmp_path_factory: pytest.TempPathFactory, smollm2) -> Path:  # no
 
 
 @pytest.fixture(scope="session")
-def smol_server(smol_index: Path, smollm2):  # noqa: ANN001
+def smol_server(smol_index: Path, smollm2):
     """SmolLM2 behind gRPC and the OpenAI HTTP API (mode blend, top_k 2 by default)."""
     from ragkv.engine import Engine
     from ragkv.retriever import Retriever
@@ -51,7 +51,7 @@ def smol_server(smol_index: Path, smollm2):  # noqa: ANN001
 
     retriever = Retriever.open(smol_index)
 
-    def factory(s):  # noqa: ANN001, ANN202 - share the session's loaded model
+    def factory(s):  # share the session's loaded model
         return Pipeline.from_parts(Engine(smollm2), {"default": (smol_index, retriever)}, s)
 
     st = ServerThread(settings(indexes=(CollectionSpec("default", smol_index),), http_port=0), factory)

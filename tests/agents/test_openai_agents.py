@@ -37,13 +37,13 @@ def _client(st: ServerThread) -> openai.OpenAI:
                          timeout=120)
 
 
-def _ask(st: ServerThread, question: str = "What is the weather in Paris?", **kw):  # noqa: ANN202
+def _ask(st: ServerThread, question: str = "What is the weather in Paris?", **kw):
     kw.setdefault("max_tokens", 48)
     return _client(st).chat.completions.create(model="default", messages=[{"role": "user", "content": question}],
                                                 **kw)
 
 
-def _check_calls(message) -> list[tuple[str, dict]]:  # noqa: ANN001
+def _check_calls(message) -> list[tuple[str, dict]]:
     """Every call names a given tool and its arguments validate against that tool's schema."""
     out = []
     for call in message.tool_calls or []:

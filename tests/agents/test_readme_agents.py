@@ -33,7 +33,7 @@ def _run(code: str, st: ServerThread) -> list[str]:
     code = code.replace("localhost:50051", st.addr)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code, str(README), "exec"), {"__name__": "readme_snippet"})  # noqa: S102 - our own docs
+        exec(compile(code, str(README), "exec"), {"__name__": "readme_snippet"})  # our own docs
     return out.getvalue().splitlines()
 
 

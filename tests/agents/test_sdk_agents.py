@@ -42,7 +42,7 @@ def test_openai_style_tool_dicts_and_named_choice_async(smol_server: ServerThrea
     tool = {"type": "function", "function": {"name": WEATHER.name, "description": WEATHER.description,
                                              "parameters": dict(WEATHER.parameters)}}
 
-    async def go():  # noqa: ANN202
+    async def go():
         async with AsyncRagClient(smol_server.addr, timeout=120) as client:
             stream = client.query("Weather in Rome?", tools=[tool], tool_choice="get_weather",
                                   parallel_tool_calls=False, max_new_tokens=48)

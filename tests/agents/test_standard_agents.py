@@ -34,11 +34,11 @@ import pytest
 
 pytest.importorskip("langchain_tests")
 
-from langchain_openai import ChatOpenAI  # noqa: E402
-from langchain_tests.integration_tests import ChatModelIntegrationTests  # noqa: E402
+from langchain_openai import ChatOpenAI
+from langchain_tests.integration_tests import ChatModelIntegrationTests
 
-from ragkv.langchain import RagKVChatModel  # noqa: E402
-from tests.server.fakes import ServerThread  # noqa: E402
+from ragkv.langchain import RagKVChatModel
+from tests.server.fakes import ServerThread
 
 AGENT_TESTS = frozenset({
     "test_tool_calling", "test_tool_calling_async", "test_bind_runnables_as_tools",
@@ -69,7 +69,7 @@ def _judged(name: str, reason: str) -> Callable:
     base = getattr(ChatModelIntegrationTests, name)
 
     @functools.wraps(base)
-    def test(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def test(self, *args, **kwargs):
         return base(self, *args, **kwargs)
 
     test.pytestmark = [*getattr(base, "pytestmark", []),  # its own marks (parametrize) kept, not mutated

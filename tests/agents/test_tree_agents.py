@@ -15,7 +15,7 @@ pytestmark = pytest.mark.real_model
 
 
 @pytest.fixture(scope="module")
-def tree_server(smol_index: Path, smollm2):  # noqa: ANN001
+def tree_server(smol_index: Path, smollm2):
     from ragkv.engine import Engine
     from ragkv.retriever import Retriever
     from ragkv.server.pipeline import Pipeline
@@ -23,7 +23,7 @@ def tree_server(smol_index: Path, smollm2):  # noqa: ANN001
 
     retriever = Retriever.open(smol_index)
 
-    def factory(s):  # noqa: ANN001, ANN202 - share the session's loaded model
+    def factory(s):  # share the session's loaded model
         return Pipeline.from_parts(Engine(smollm2), {"default": (smol_index, retriever)}, s)
 
     st = ServerThread(settings(indexes=(CollectionSpec("default", smol_index),), http_port=0,
@@ -32,7 +32,7 @@ def tree_server(smol_index: Path, smollm2):  # noqa: ANN001
     st.stop()
 
 
-def _weather_tool(seen: list):  # noqa: ANN202 - a langchain tool
+def _weather_tool(seen: list):  # a langchain tool
     from langchain_core.tools import tool
 
     @tool

@@ -134,7 +134,7 @@ def test_the_evals_default_kv_serves_the_first_chunk_from_its_stored_plain_copy(
     seen: list[list[tuple[bool, int]]] = []
     run = Engine.run
 
-    def spy(self, prompt, mode, *args, **kwargs):  # noqa: ANN001, ANN202
+    def spy(self, prompt, mode, *args, **kwargs):
         if prompt.chunks is not None:
             seen.append([(bool(ch.after_context), int(ch.positions[0])) for ch in prompt.chunks])
             exact = self.prefill(prompt.prefix_ids, prompt.chunk_ids[0])

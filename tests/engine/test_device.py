@@ -37,7 +37,7 @@ def test_serve_and_index_default_to_auto() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_auto_loads_on_the_gpu(tiny_llama_dir) -> None:  # noqa: ANN001
+def test_auto_loads_on_the_gpu(tiny_llama_dir) -> None:
     from ragkv.engine import load_model
 
     device = resolve_device("auto")

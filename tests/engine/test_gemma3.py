@@ -19,7 +19,7 @@ FACTS = [
 ]
 
 
-def test_gemma3_is_served_with_its_windows(gemma3) -> None:  # noqa: ANN001
+def test_gemma3_is_served_with_its_windows(gemma3) -> None:
     assert gemma3.adapter.family.model_type == "gemma3_text"
     assert (gemma3.num_layers, gemma3.num_heads, gemma3.num_kv_heads, gemma3.head_dim) == (18, 4, 1, 256)
     windows = [a.window for a in gemma3.adapter.attention]
@@ -28,7 +28,7 @@ def test_gemma3_is_served_with_its_windows(gemma3) -> None:  # noqa: ANN001
 
 
 @torch.inference_mode()
-def test_gemma3_past_its_window_equals_transformers(gemma3) -> None:  # noqa: ANN001
+def test_gemma3_past_its_window_equals_transformers(gemma3) -> None:
     eng = Engine(gemma3)
     fmt = eng.prompt
     chunks = [" ".join([f] * 12) for f in FACTS]  # ~650 chunk tokens: the local layers' 512 are crossed

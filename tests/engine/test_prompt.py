@@ -9,11 +9,11 @@ from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT, PromptFormat, history_tex
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_llama_dir):  # noqa: ANN001, ANN201
+def tokenizer(tiny_llama_dir):
     return load_model(str(tiny_llama_dir)).tokenizer
 
 
-def test_system_prompt_changes_only_the_prefix(tokenizer) -> None:  # noqa: ANN001
+def test_system_prompt_changes_only_the_prefix(tokenizer) -> None:
     mine = PromptFormat.for_tokenizer(tokenizer, "Reply in French.")
     default = PromptFormat.for_tokenizer(tokenizer)
     assert mine.prefix_ids() != default.prefix_ids()
@@ -23,7 +23,7 @@ def test_system_prompt_changes_only_the_prefix(tokenizer) -> None:  # noqa: ANN0
     assert mine.question_ids("why?") == default.question_ids("why?")
 
 
-def test_history_goes_before_the_question_after_the_chunks(tokenizer) -> None:  # noqa: ANN001
+def test_history_goes_before_the_question_after_the_chunks(tokenizer) -> None:
     fmt = PromptFormat.for_tokenizer(tokenizer)
     history = [("user", "Who met Bob?"), ("assistant", "Alice did.")]
     ids = fmt.prompt_ids(["Alice met Bob in Paris."], "Where?", history)
@@ -42,7 +42,7 @@ def test_history_text_rejects_other_roles() -> None:
         history_text([("system", "x")])
 
 
-def test_engine_takes_the_system_prompt(tiny_llama_dir) -> None:  # noqa: ANN001
+def test_engine_takes_the_system_prompt(tiny_llama_dir) -> None:
     engine = Engine(load_model(str(tiny_llama_dir)), system_prompt="Be terse.")
     assert "Be terse." in engine.lm.tokenizer.decode(engine.prompt.prefix_ids())
 
@@ -58,7 +58,7 @@ _WITH_SYSTEM = (
 
 
 @pytest.mark.parametrize("template", [_GEMMA_LIKE, _WITH_SYSTEM], ids=["no-system-role", "system-role"])
-def test_segments_render_what_the_chat_template_renders(template) -> None:  # noqa: ANN001
+def test_segments_render_what_the_chat_template_renders(template) -> None:
     """[prefix][chunks][question] decodes to the template's own rendering of the conversation; a
     template without a system role gets the system prompt folded into the user turn."""
     from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT, PromptFormat
@@ -96,7 +96,7 @@ GEMMA = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
 CALL = '<tool_call>\n{"name": "lookup", "arguments": {"page": %d}}\n</tool_call>'
 
 
-def _templated(tokenizer, template: str):  # noqa: ANN001, ANN202
+def _templated(tokenizer, template: str):
     import copy
 
     tok = copy.deepcopy(tokenizer)
@@ -132,12 +132,12 @@ def _loop_is_a_token_prefix_chain(fmt: PromptFormat, history: list[tuple[str, st
 @pytest.mark.parametrize("template", [CHATML, LLAMA3, GEMMA], ids=["chatml", "llama3", "gemma"])
 @pytest.mark.parametrize("history", [[], [("user", "Who chose it?"), ("assistant", "Alice.")]],
                          ids=["no-history", "history"])
-def test_a_tool_loop_renders_real_turns_each_call_a_token_prefix_of_the_next(tokenizer, template, history) -> None:  # noqa: ANN001
+def test_a_tool_loop_renders_real_turns_each_call_a_token_prefix_of_the_next(tokenizer, template, history) -> None:
     fmt = PromptFormat.for_tokenizer(_templated(tokenizer, template))
     assert _loop_is_a_token_prefix_chain(fmt, history) == 4
 
 
-def test_the_shipped_models_template_renders_real_turns(smollm2) -> None:  # noqa: ANN001
+def test_the_shipped_models_template_renders_real_turns(smollm2) -> None:
     fmt = PromptFormat.for_tokenizer(smollm2.tokenizer)
     assert _loop_is_a_token_prefix_chain(fmt, [("user", "Who chose it?"), ("assistant", "Alice.")]) == 4
     ids = fmt.turn_ids("Which page?", [], "", [("assistant", CALL % 1), ("tool", "<tool_response>\nx\n</tool_response>")])
@@ -146,7 +146,7 @@ def test_the_shipped_models_template_renders_real_turns(smollm2) -> None:  # noq
     assert text.endswith("<|im_start|>assistant\n")
 
 
-def test_a_single_question_or_no_template_keeps_one_segment(tokenizer) -> None:  # noqa: ANN001
+def test_a_single_question_or_no_template_keeps_one_segment(tokenizer) -> None:
     plain = PromptFormat.for_tokenizer(tokenizer)
     assert plain.turn_ids("Why?", [("user", "Hi")]) is None  # no chat template
     chat = PromptFormat.for_tokenizer(_templated(tokenizer, CHATML))

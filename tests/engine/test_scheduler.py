@@ -490,7 +490,7 @@ def test_a_request_waiting_for_its_kv_stalls_nobody(tiny_lm, tmp_path, monkeypat
     delay = [0.0]
     real_read = DiskTier.read
 
-    def slow_read(self, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def slow_read(self, *args, **kw):
         time.sleep(delay[0])  # the tier's latency, on the prefetch thread
         return real_read(self, *args, **kw)
 

@@ -222,7 +222,7 @@ def test_the_default_index_keeps_every_chunks_plain_kv_in_int8_within_1_5x_plain
     cfg = dataclasses.replace(job_config, neighbours=INDEX_DEFAULT)
     run = run_index(cfg, lm=tiny_lm, embedder=embedder)
 
-    def kv_bytes(out) -> int:  # noqa: ANN001
+    def kv_bytes(out) -> int:
         return sum(f.stat().st_size for f in (out / "kv").rglob("*.safetensors"))
 
     # the run's summary counts the bytes stored, int8 copies as int8 (not the float KV computed)

@@ -38,7 +38,7 @@ def test_on_fail_runs_before_the_gate_reports_the_failure() -> None:
         gate.wait_all(timeout=1)
 
 
-def test_quarantine_of_a_stale_read_keeps_the_file_written_since(make_tier) -> None:  # noqa: ANN001
+def test_quarantine_of_a_stale_read_keeps_the_file_written_since(make_tier) -> None:
     disk = make_tier(Tier.DISK)
     e = make_entry(4)
     disk.put(e)

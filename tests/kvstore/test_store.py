@@ -264,20 +264,20 @@ def test_a_tier_built_from_the_interface_alone_serves_the_store(tmp_path):
             super().__init__(MODEL_FP, TOKENIZER_FP, None)
             self.held: dict = {}
 
-        def get(self, key):  # noqa: ANN001, ANN202
+        def get(self, key):
             return self.held.get(key)
 
-        def put(self, entry):  # noqa: ANN001, ANN202
+        def put(self, entry):
             self.held[entry.key] = entry
             return True
 
-        def contains(self, key):  # noqa: ANN001, ANN202
+        def contains(self, key):
             return key in self.held
 
-        def delete(self, key):  # noqa: ANN001, ANN202
+        def delete(self, key):
             return self.held.pop(key, None) is not None
 
-        def _usage(self):  # noqa: ANN202
+        def _usage(self):
             return len(self.held), 0
 
     own = DictDurable()

@@ -11,12 +11,12 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import pytest  # noqa: E402
+import pytest
 
 pytest.importorskip("langchain_core")
 
-from tests.server.fakes import FakeBackend, ServerThread, settings  # noqa: E402
-from tests.server.test_pipeline import tiny_index  # noqa: E402, F401  (session fixture, reused)
+from tests.server.fakes import FakeBackend, ServerThread, settings
+from tests.server.test_pipeline import tiny_index  # noqa: F401  (session fixture, reused)
 
 TOKEN = "lc-test-token"
 
@@ -55,7 +55,7 @@ def auth_server(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="module")
-def real_server(tiny_index):  # noqa: ANN001, F811
+def real_server(tiny_index):  # noqa: F811
     from ragkv.server.pipeline import Pipeline
     from ragkv.server.settings import CollectionSpec
 

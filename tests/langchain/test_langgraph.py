@@ -11,23 +11,23 @@ import pytest
 
 pytest.importorskip("langgraph")
 
-from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, ToolMessage  # noqa: E402
+from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, ToolMessage
 
-from ragkv.langchain import RagKVChatModel, RagKVRetriever, RagKVServerError  # noqa: E402
-from tests.server.fakes import ServerThread  # noqa: E402
+from ragkv.langchain import RagKVChatModel, RagKVRetriever, RagKVServerError
+from tests.server.fakes import ServerThread
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "langgraph_agent.py"
 
 
 @pytest.fixture(scope="module")
-def example():  # noqa: ANN201
+def example():
     spec = importlib.util.spec_from_file_location("langgraph_agent_example", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def _agent(example, addr: str, min_score: float | None = None, **llm_kwargs: object):  # noqa: ANN001, ANN202
+def _agent(example, addr: str, min_score: float | None = None, **llm_kwargs: object):
     llm = RagKVChatModel(target=addr, timeout=60, top_k=2, **llm_kwargs)
     return example.build_agent(llm, RagKVRetriever(target=addr, top_k=2), min_score)
 

@@ -13,11 +13,11 @@ import pytest
 
 pytest.importorskip("langchain_tests")
 
-from langchain_tests.integration_tests import ChatModelIntegrationTests, RetrieversIntegrationTests  # noqa: E402
-from langchain_tests.unit_tests import ChatModelUnitTests  # noqa: E402
+from langchain_tests.integration_tests import ChatModelIntegrationTests, RetrieversIntegrationTests
+from langchain_tests.unit_tests import ChatModelUnitTests
 
-from ragkv.langchain import RagKVChatModel, RagKVRetriever  # noqa: E402
-from tests.server.fakes import ServerThread  # noqa: E402
+from ragkv.langchain import RagKVChatModel, RagKVRetriever
+from tests.server.fakes import ServerThread
 
 # The suites hold async tests; pytest-asyncio runs them. Its mark lands on the sync
 # tests too, where it does nothing but warn.
@@ -74,7 +74,7 @@ class TestRagKVChatModelIntegration(ChatModelIntegrationTests):
     def supported_usage_metadata_details(self) -> dict:
         return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
 
-    def invoke_with_cache_read_input(self, *, stream: bool = False):  # noqa: ANN201
+    def invoke_with_cache_read_input(self, *, stream: bool = False):
         llm = RagKVChatModel(**self.chat_model_params)
         if not stream:
             return llm.invoke("cached context please")

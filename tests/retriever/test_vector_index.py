@@ -25,7 +25,7 @@ def test_large_corpora_get_ivf_on_a_gpu_and_hnsw_without() -> None:
     assert vector_index.ivf_lists(50_000) == 894 and vector_index.ivf_lists(1_000) == 25
 
 
-def test_ivf_finds_what_exact_search_finds_and_round_trips(tmp_path) -> None:  # noqa: ANN001
+def test_ivf_finds_what_exact_search_finds_and_round_trips(tmp_path) -> None:
     xb, ids = _vectors(4000, 16), np.arange(10, 4010, dtype=np.int64)
     xq = _vectors(50, 16, seed=1)
     ivf = vector_index.build(ids, xb, VectorIndexKind.IVF_FLAT_IP, gpu=False)
@@ -43,7 +43,7 @@ def test_ivf_finds_what_exact_search_finds_and_round_trips(tmp_path) -> None:  #
     assert set(kept[kept >= 0].tolist()) <= set(allowed.tolist())  # a filter holds inside IVF too
 
 
-def test_asking_for_a_gpu_faiss_does_not_see_is_one_clear_error(tmp_path) -> None:  # noqa: ANN001
+def test_asking_for_a_gpu_faiss_does_not_see_is_one_clear_error(tmp_path) -> None:
     if vector_index.gpu_count():
         pytest.skip("FAISS sees a GPU here: the error is for machines without one")
     xb, ids = _vectors(200, 8), np.arange(200, dtype=np.int64)
@@ -58,7 +58,7 @@ def test_asking_for_a_gpu_faiss_does_not_see_is_one_clear_error(tmp_path) -> Non
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (and the gpu extra's faiss-gpu)")
-def test_ivf_trained_on_the_gpu_searches_on_either_device(tmp_path) -> None:  # noqa: ANN001
+def test_ivf_trained_on_the_gpu_searches_on_either_device(tmp_path) -> None:
     assert vector_index.gpu_count() > 0, "CUDA is here but FAISS sees no GPU: pip install 'ragkv[gpu]'"
     xb, ids = _vectors(60_000, 64), np.arange(60_000, dtype=np.int64)
     xq = _vectors(100, 64, seed=1)

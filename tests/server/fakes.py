@@ -158,7 +158,7 @@ class FakeBackend:
 class ServerThread(InProcessServer):
     """A RagServer on 127.0.0.1 in its own event loop thread (tests assert it loaded)."""
 
-    def __init__(self, settings: ServerSettings, factory, wait_loaded: bool = True) -> None:  # noqa: ANN001
+    def __init__(self, settings: ServerSettings, factory, wait_loaded: bool = True) -> None:
         super().__init__(settings, factory, wait_loaded=False)
         if wait_loaded:
             assert self.wait_loaded(30.0)

@@ -229,7 +229,7 @@ def test_a_refused_call_never_reaches_the_request_parser() -> None:
     Details = namedtuple("Details", "method invocation_metadata")
     interceptor = AuthInterceptor(KeyRing.from_token("t" * 16))
 
-    async def continuation(_details):  # noqa: ANN001, ANN202
+    async def continuation(_details):
         return handler
 
     for metadata in ((), (("authorization", "Bearer wrong-token-000000"),)):

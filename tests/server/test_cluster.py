@@ -25,20 +25,20 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="the ray extra (ray[serve]) is not installed: pip install 'ragkv[ray]'")
 
-from ray.exceptions import ActorDiedError  # noqa: E402
+from ray.exceptions import ActorDiedError
 
-from ragkv.client import RagClient  # noqa: E402
-from ragkv.engine.request import ChunksReady, Request  # noqa: E402
-from ragkv.server import cluster  # noqa: E402
-from ragkv.server.admission import Admission  # noqa: E402
-from ragkv.server.answering import TokenEvent  # noqa: E402
-from ragkv.server.metrics import ServerMetrics  # noqa: E402
-from ragkv.server.query import Query  # noqa: E402
-from ragkv.server.routing import Policy, RouteKeys  # noqa: E402
-from ragkv.server.settings import CollectionSpec  # noqa: E402
-from ragkv.server.status import ReplicaLostError, status_for  # noqa: E402
-from ragkv.types import ChatRole, ChatTurn, FinishReason, Mode, QueryStats, RetrievedChunk, Tool, ToolCall, Usage  # noqa: E402
-from tests.server.fakes import ServerThread, build_index, settings  # noqa: E402
+from ragkv.client import RagClient
+from ragkv.engine.request import ChunksReady, Request
+from ragkv.server import cluster
+from ragkv.server.admission import Admission
+from ragkv.server.answering import TokenEvent
+from ragkv.server.metrics import ServerMetrics
+from ragkv.server.query import Query
+from ragkv.server.routing import Policy, RouteKeys
+from ragkv.server.settings import CollectionSpec
+from ragkv.server.status import ReplicaLostError, status_for
+from ragkv.types import ChatRole, ChatTurn, FinishReason, Mode, QueryStats, RetrievedChunk, Tool, ToolCall, Usage
+from tests.server.fakes import ServerThread, build_index, settings
 
 CORPUS = {f"topic{i}.txt": f"Topic {i}: the secret number of topic {i} is {4700 + i}, chosen by player {i}. " * 2
           for i in range(8)}
@@ -86,7 +86,7 @@ class Served(NamedTuple):
     metrics: str  # the ingress's /metrics URL
 
 
-def _pipeline_factory():  # noqa: ANN202
+def _pipeline_factory():
     from ragkv.server.pipeline import Pipeline
 
     return Pipeline.from_settings
@@ -271,7 +271,7 @@ class _Stream:
     def cancel(self) -> None:
         self.cancelled = True
 
-    async def __aiter__(self):  # noqa: ANN204
+    async def __aiter__(self):
         for i, event in enumerate(self._events):
             if i == self._fail_after:
                 raise ActorDiedError()

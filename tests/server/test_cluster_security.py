@@ -10,10 +10,10 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="the ray extra (pip install 'ragkv[ray]') is not installed")
 
-from ragkv.server import cluster  # noqa: E402
-from ragkv.server.query import Query  # noqa: E402
-from ragkv.server.routing import Policy  # noqa: E402
-from tests.server.fakes import settings  # noqa: E402
+from ragkv.server import cluster
+from ragkv.server.query import Query
+from ragkv.server.routing import Policy
+from tests.server.fakes import settings
 
 
 @pytest.fixture

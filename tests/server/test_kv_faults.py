@@ -50,7 +50,7 @@ class _FailsLate(LayerGate):
         self._arm(layer)
         super().wait(layer, timeout)
 
-    def when_ready(self, layer: int):  # the scheduler parks on it instead of waiting  # noqa: ANN201
+    def when_ready(self, layer: int):  # the scheduler parks on it instead of waiting
         self._arm(layer)
         return super().when_ready(layer)
 
@@ -178,7 +178,7 @@ def test_corrupted_files_are_recomputed_and_rewritten(
     # quarantine takes its time: a write-back racing it must not lose the rewritten file
     slow = DiskTier._discard
 
-    def slow_discard(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+    def slow_discard(self, *args, **kwargs):
         time.sleep(0.3)
         return slow(self, *args, **kwargs)
 

@@ -40,7 +40,7 @@ _SLOW = ReadEstimate(latency_s=0.2, bytes_per_s=1e6, bytes_per_token=4096, reads
 _FAST = ReadEstimate(latency_s=0.001, bytes_per_s=1e9, bytes_per_token=4096, reads=3)  # 500 tokens: ~3 ms
 
 
-def _sources(decisions) -> list[KVSource]:  # noqa: ANN001
+def _sources(decisions) -> list[KVSource]:
     return [d.source for d in decisions]
 
 
@@ -86,7 +86,7 @@ def slow_disk(monkeypatch: pytest.MonkeyPatch):
     delay = [0.0]
     real = DiskTier.read
 
-    def slow(self, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def slow(self, *args, **kw):
         time.sleep(delay[0])
         return real(self, *args, **kw)
 
@@ -156,7 +156,7 @@ def test_a_read_that_overruns_is_abandoned_and_the_answer_unchanged(server: Serv
 
 def test_waiting_for_kv_parks_the_request_and_others_decode(server: ServerThread, slow_disk: list[float]) -> None:
     """A 1 s read parks its request (waiting_kv) while another request decodes to its end."""
-    sched = server.server._scheduler  # noqa: SLF001
+    sched = server.server._scheduler
     # the controller off: the read is waited for whole (with it on, the slow read would be
     # abandoned after twice its estimate, as the test above shows)
     _pipeline(server).controller.config = ControllerConfig(enabled=False)

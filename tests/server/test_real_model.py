@@ -17,7 +17,7 @@ QUESTION = "What is the secret number?"
 
 
 @pytest.mark.real_model
-def test_smollm2_full_equals_engine_and_blend_serves(smollm2, tmp_path: Path) -> None:  # noqa: ANN001
+def test_smollm2_full_equals_engine_and_blend_serves(smollm2, tmp_path: Path) -> None:
     from ragkv.engine import Engine, Prompt, SamplingParams
     from ragkv.indexer.chunking import ChunkingConfig
     from ragkv.indexer.job import IndexJobConfig, run_index
@@ -33,7 +33,7 @@ def test_smollm2_full_equals_engine_and_blend_serves(smollm2, tmp_path: Path) ->
                              progress=False), lm=smollm2)
     retriever = Retriever.open(index)
 
-    def factory(s):  # noqa: ANN001, ANN202 - share the session's loaded model
+    def factory(s):  # share the session's loaded model
         return Pipeline.from_parts(Engine(smollm2), {"default": (index, retriever)}, s)
 
     st = ServerThread(settings(indexes=(CollectionSpec("default", index),)), factory)

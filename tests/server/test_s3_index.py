@@ -35,12 +35,12 @@ def s3(s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # no
     return client, bucket
 
 
-def keys(client, bucket: str, prefix: str) -> set[str]:  # noqa: ANN001
+def keys(client, bucket: str, prefix: str) -> set[str]:
     pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
     return {o["Key"][len(prefix):] for p in pages for o in p.get("Contents", ())}
 
 
-def test_sharded_index_to_s3_then_serve_from_s3(s3, tmp_path: Path, tiny_llama_dir: Path) -> None:  # noqa: ANN001
+def test_sharded_index_to_s3_then_serve_from_s3(s3, tmp_path: Path, tiny_llama_dir: Path) -> None:
     from ragkv.server.pipeline import Pipeline
 
     client, bucket = s3
@@ -80,7 +80,7 @@ def test_sharded_index_to_s3_then_serve_from_s3(s3, tmp_path: Path, tiny_llama_d
     assert len(tiers) == manifest["n_chunks"] and set(tiers) == {Tier.DISK}, tiers
 
 
-def test_serve_from_an_empty_prefix_says_what_to_run(s3) -> None:  # noqa: ANN001
+def test_serve_from_an_empty_prefix_says_what_to_run(s3) -> None:
     from ragkv.errors import RagKVError
 
     _, bucket = s3
@@ -89,7 +89,7 @@ def test_serve_from_an_empty_prefix_says_what_to_run(s3) -> None:  # noqa: ANN00
 
 
 def test_interrupted_shard_uploads_its_checkpoint_and_the_retry_resumes(
-        s3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+        s3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Spot reclaim: the first host checkpoints, uploads and exits 75; the retry on another
     host starts from the uploaded checkpoint, not from nothing."""
     import ragkv.indexer.job as job
@@ -101,12 +101,12 @@ def test_interrupted_shard_uploads_its_checkpoint_and_the_retry_resumes(
     (corpus / "a.txt").write_text("some text")
     seen: list[bytes] = []
 
-    def interrupted(config, stop):  # noqa: ANN001, ANN202
+    def interrupted(config, stop):
         config.index_dir().mkdir(parents=True)
         (config.index_dir() / "chunks.sqlite").write_bytes(b"checkpoint")
         raise IndexInterrupted(StopReason.SPOT_NOTICE)
 
-    def resumed(config, stop):  # noqa: ANN001, ANN202
+    def resumed(config, stop):
         seen.append((config.index_dir() / "chunks.sqlite").read_bytes())
         return job.IndexSummary(config.index_dir(), 1, 1, 1, 0, 0, 0, 0, 0, 0, 0.0, 0.0, ())
 

@@ -137,7 +137,7 @@ def test_resource_exhausted_when_queue_full(slow_server: ServerThread, slow_back
     with RagClient(slow_server.addr, timeout=20, retry=NO_RETRY) as client:
         running = [client.query(f"q{i}") for i in range(3)]
         # All three admitted: one decoding, two waiting behind it.
-        _wait_for(lambda: slow_server.server._admission.depth == 3)  # noqa: SLF001
+        _wait_for(lambda: slow_server.server._admission.depth == 3)
         with pytest.raises(grpc.RpcError) as err:
             list(client.query("one too many"))
         assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -167,7 +167,7 @@ def test_cancel_frees_work_at_once(slow_server: ServerThread, slow_backend: Fake
         _wait_for(lambda: "to be cancelled" in slow_backend.cancelled)
         assert time.monotonic() - cancelled_at < 0.5  # one piece at most, not 40
         assert "to be cancelled" not in slow_backend.finished
-        _wait_for(lambda: slow_server.server._admission.depth == 0)  # noqa: SLF001
+        _wait_for(lambda: slow_server.server._admission.depth == 0)
 
 
 def test_health_answers_while_decoding(slow_server: ServerThread) -> None:
@@ -193,7 +193,7 @@ def test_not_serving_until_loaded_then_serving() -> None:
     release = threading.Event()
     backend = FakeBackend()
 
-    def factory(_):  # noqa: ANN001, ANN202
+    def factory(_):
         assert release.wait(10)
         return backend
 
@@ -254,7 +254,7 @@ def test_drain_finishes_in_flight_and_refuses_new(slow_backend: FakeBackend) -> 
         st.stop()
 
 
-def _wait_for(predicate, timeout: float = 5.0) -> None:  # noqa: ANN001
+def _wait_for(predicate, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:

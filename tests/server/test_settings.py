@@ -133,7 +133,7 @@ def test_the_server_keeps_the_cpu_faiss_index_unless_told() -> None:
         load_settings({"faiss_device": "gpu"}, env={})
 
 
-def test_kv_s3_writeback_off_reads_s3_and_writes_only_below_it(tmp_path) -> None:  # noqa: ANN001
+def test_kv_s3_writeback_off_reads_s3_and_writes_only_below_it(tmp_path) -> None:
     import torch
 
     from ragkv.server.pipeline import _store_config

@@ -67,7 +67,7 @@ def test_a_cache_salt_separates_one_keys_requests(server: ServerThread) -> None:
                            max_retries=0, timeout=60)
     messages = [{"role": "user", "content": "Who met Bob by the river? (salted)"}]
 
-    def ask(salt: str | None):  # noqa: ANN202
+    def ask(salt: str | None):
         extra = {"mode": "blend", "top_k": 2, **({"cache_salt": salt} if salt else {})}
         return client.chat.completions.create(model="docs", messages=messages, max_tokens=4, extra_body=extra)
 

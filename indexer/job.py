@@ -54,7 +54,9 @@ from ragkv.retriever.manifest import (
 from ragkv.retriever.records import ChunkRecord, DocumentRecord, Fingerprint
 from ragkv.types import DType
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the engine and kvstore load torch: imported where they run, named here
+    from ragkv.engine import Engine, LoadedModel
+    from ragkv.indexer.ray_runner import RayKVRunner
     from ragkv.kvstore import ChunkKey
 
 log = logging.getLogger(__name__)
@@ -160,7 +162,7 @@ def _bar(total: int, desc: str, enabled: bool) -> Any:
                 disable=not enabled, dynamic_ncols=True, leave=True)
 
 
-def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Any = None,
+def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: LoadedModel | None = None,
               embedder: Embedder | None = None) -> IndexSummary:
     """Build or update the index of ``config``; resumable and incremental.
 
@@ -307,7 +309,7 @@ def _check_compatible(index_dir: Path, old: Manifest, new: Manifest) -> None:
             )
 
 
-def _sync_documents(db: ChunkDB, docs: list[Document], engine: Any, lm: Any, manifest: Manifest,
+def _sync_documents(db: ChunkDB, docs: list[Document], engine: Engine, lm: LoadedModel, manifest: Manifest,
                     config: IndexJobConfig, stop: StopSignal) -> tuple[int, int]:
     """Delete gone documents, chunk new and changed ones. Returns (added, deleted)."""
     known = db.documents()
@@ -386,7 +388,7 @@ def _neighbour_contexts(db: ChunkDB, manifest: Manifest, options: NeighbourOptio
     return contexts
 
 
-def _sweep_kv(db: ChunkDB, manifest: Manifest, kv_uris: Sequence[str], lm: Any) -> int:
+def _sweep_kv(db: ChunkDB, manifest: Manifest, kv_uris: Sequence[str], lm: LoadedModel) -> int:
     """Remove from the index's own KV folder every file no chunk of it reads: the KV of deleted and
     changed documents' chunks, and of keys a rekey or new neighbours replaced. Only the default
     store (``<out>/kv`` of an unsharded index) is swept: a store named by ``--kv-store`` or shared
@@ -404,7 +406,7 @@ def _sweep_kv(db: ChunkDB, manifest: Manifest, kv_uris: Sequence[str], lm: Any) 
             close()
 
 
-def _precompute_plain_kv(engine: Any, lm: Any, prefix_ids: Sequence[int], kv_uris: Sequence[str],
+def _precompute_plain_kv(engine: Engine, lm: LoadedModel, prefix_ids: Sequence[int], kv_uris: Sequence[str],
                          contexts: Sequence[_Context], config: IndexJobConfig,
                          stop: StopSignal) -> tuple[int, int, int]:
     """The plain KV of every chunk in `contexts` (those still to compute: NeighbourContext.KV) and of
@@ -437,7 +439,7 @@ def _precompute_plain_kv(engine: Any, lm: Any, prefix_ids: Sequence[int], kv_uri
     return totals[0], totals[1], totals[2]
 
 
-def _precompute_kv(db: ChunkDB, pending: Sequence[tuple[int, str, tuple[int, ...]]], engine: Any, lm: Any,
+def _precompute_kv(db: ChunkDB, pending: Sequence[tuple[int, str, tuple[int, ...]]], engine: Engine, lm: LoadedModel,
                    prefix_ids: Sequence[int], kv_uris: Sequence[str], config: IndexJobConfig, stop: StopSignal,
                    contexts: dict[int, _Context] | None = None) -> tuple[int, int, int]:
     """The KV of `pending` (`db.pending_kv()`). Returns (chunks computed, tokens computed, bytes written)."""
@@ -484,7 +486,8 @@ def _precompute_kv(db: ChunkDB, pending: Sequence[tuple[int, str, tuple[int, ...
     return totals[0], totals[1], totals[2]
 
 
-def _ray_runner(config: IndexJobConfig, prefix_ids: Sequence[int], kv_uris: Sequence[str], lm: Any) -> Any:
+def _ray_runner(config: IndexJobConfig, prefix_ids: Sequence[int], kv_uris: Sequence[str],
+               lm: LoadedModel) -> RayKVRunner:
     from ragkv.indexer.ray_runner import RayKVRunner, RayRunnerConfig
 
     ray_config = RayRunnerConfig(model=config.model, device=config.device, dtype=config.dtype,

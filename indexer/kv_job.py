@@ -14,12 +14,13 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ragkv.errors import StoreError
 
-if TYPE_CHECKING:
-    from ragkv.kvstore import ChunkKey
+if TYPE_CHECKING:  # the engine and kvstore load torch: imported where they run, named here
+    from ragkv.engine import ChunkKV, Engine
+    from ragkv.kvstore import ChunkKey, KVEntry, TieredStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +40,7 @@ class KVItem:
     context_budget: int = 0
 
 
-def open_store(uris: Sequence[str], model_fp: str, tokenizer_fp: str, compression: str = "none") -> Any:
+def open_store(uris: Sequence[str], model_fp: str, tokenizer_fp: str, compression: str = "none") -> TieredStore:
     """A kvstore TieredStore writing through to the tiers named by ``uris``, K and V stored
     as ``compression`` says (none, int8 or fp8)."""
     from ragkv.kvstore import StoreConfig, TieredStore
@@ -57,7 +58,7 @@ class KVWriter:
         prefix_ids: the shared prefix.
     """
 
-    def __init__(self, engine: Any, store: Any, prefix_ids: Sequence[int]) -> None:
+    def __init__(self, engine: Engine, store: TieredStore, prefix_ids: Sequence[int]) -> None:
         from ragkv.kvstore import hash_prefix
 
         self.engine = engine  # engine.Engine
@@ -70,7 +71,7 @@ class KVWriter:
         """The items whose KV is not in the store yet (a resumed run skips the rest)."""
         return [it for it in items if not self.store.contains(it.kv_key)]
 
-    def compute(self, batch: Sequence[KVItem]) -> list[Any]:
+    def compute(self, batch: Sequence[KVItem]) -> list[ChunkKV]:
         """Prefill one batch after the prefix (and each item's context): one ``engine.ChunkKV`` per item."""
         if not any(it.context_ids for it in batch):
             return [self.engine.prefill(self.prefix_ids, ids) for ids in [it.token_ids for it in batch]]
@@ -86,7 +87,7 @@ class KVWriter:
                 out.append(self.engine.prefill(self.prefix_ids, it.token_ids, it.context_ids))
         return out
 
-    def _plain(self, key: ChunkKey, token_ids: Sequence[int]) -> Any:
+    def _plain(self, key: ChunkKey, token_ids: Sequence[int]) -> ChunkKV:
         """A neighbour's plain KV as an ``engine.ChunkKV``: from the store (the plain pass wrote
         it), or computed again if no tier has it whole (deleted or corrupted since)."""
         from ragkv.engine import ChunkKV
@@ -96,7 +97,7 @@ class KVWriter:
             return self.engine.prefill(self.prefix_ids, token_ids)
         return ChunkKV.from_stored(hit.entry, self._lm.device, self._lm.dtype)
 
-    def write(self, batch: Sequence[KVItem], kvs: Sequence[Any]) -> int:
+    def write(self, batch: Sequence[KVItem], kvs: Sequence[ChunkKV]) -> int:
         """Put one computed batch into the store; returns the bytes stored (as encoded: an int8
         plain copy counts its int8 file, not the float KV it was computed as).
 
@@ -157,7 +158,7 @@ class KVWriter:
                 raise exc
             raise StoreError(f"writing chunk KV to the store failed: {exc}") from exc
 
-    def _entry(self, item: KVItem, kv: Any) -> Any:
+    def _entry(self, item: KVItem, kv: ChunkKV) -> KVEntry:
         from ragkv.kvstore import ChunkContext, KVEntry
 
         context = ChunkContext(item.context_tag, item.context_ids).hash() if item.context_tag else None

@@ -38,7 +38,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -81,6 +81,10 @@ from ragkv.types import (
     SearchMode,
     Tier,
 )
+from ragkv.v1 import ragkv_pb2 as pb
+
+if TYPE_CHECKING:  # the retriever loads FAISS: imported on the ingress when it runs
+    from ragkv.retriever import Retriever, SearchHit
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +169,7 @@ class EngineReplica:
         self._lock = threading.Lock()
         self._filters: dict[Tier, tuple[frozenset[str], KeyFilter]] = {}  # per tier: the keys it was built from
 
-    async def answer(self, asked: Asked, hits: Sequence[Any], route: RouteKeys) -> AsyncIterator[RunEvent]:
+    async def answer(self, asked: Asked, hits: Sequence[SearchHit], route: RouteKeys) -> AsyncIterator[RunEvent]:
         """Answer a query the ingress validated and retrieved for (`route` is the router's)."""
         if route.conversation is not None:
             with self._lock:
@@ -295,7 +299,7 @@ class IngressBackend:
     def modes(self) -> frozenset[Mode]:
         return self._modes
 
-    def _retriever(self, name: str) -> Any:
+    def _retriever(self, name: str) -> Retriever:
         try:
             return self._retrievers[name]
         except KeyError:
@@ -319,7 +323,7 @@ class IngressBackend:
         return tuple(map(retrieved_chunk, search_hits(self._retriever(collection), question, top_k, search_mode,
                                                       filters)))
 
-    def search(self, query: Query) -> tuple[list[Any], RouteKeys]:
+    def search(self, query: Query) -> tuple[list[SearchHit], RouteKeys]:
         """The query's chunks and what routing looks for (the keys the replica will read)."""
         from ragkv.retriever.chunk_keys import serving_key
         from ragkv.server.pipeline import search_hits
@@ -466,17 +470,19 @@ class Ingress:
         """The call's context (RagService checks its key from the metadata)."""
         return _ServeContext(grpc_context)
 
-    async def Query(self, request: Any, grpc_context: Any = None) -> AsyncIterator[Any]:
+    async def Query(self, request: pb.QueryRequest, grpc_context: Any = None) -> AsyncIterator[pb.QueryResponse]:
         async for message in self.service.Query(request, await self._context(grpc_context, "Query")):
             yield message
 
-    async def Retrieve(self, request: Any, grpc_context: Any = None) -> Any:
+    async def Retrieve(self, request: pb.RetrieveRequest, grpc_context: Any = None) -> pb.RetrieveResponse:
         return await self.service.Retrieve(request, await self._context(grpc_context, "Retrieve"))
 
-    async def ListCollections(self, request: Any, grpc_context: Any = None) -> Any:
+    async def ListCollections(self, request: pb.ListCollectionsRequest,
+                              grpc_context: Any = None) -> pb.ListCollectionsResponse:
         return await self.service.ListCollections(request, await self._context(grpc_context, "ListCollections"))
 
-    async def GetCollectionStats(self, request: Any, grpc_context: Any = None) -> Any:
+    async def GetCollectionStats(self, request: pb.GetCollectionStatsRequest,
+                                 grpc_context: Any = None) -> pb.GetCollectionStatsResponse:
         return await self.service.GetCollectionStats(request, await self._context(grpc_context, "GetCollectionStats"))
 
     def Check(self, request: Any, grpc_context: Any = None) -> Any:  # grpc.health.v1

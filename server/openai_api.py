@@ -321,6 +321,15 @@ class ChatCall:
     include_usage: bool  # a last streamed chunk with the usage (stream_options)
 
 
+async def last_stats(events: AsyncIterator[RunEvent]) -> QueryStats | None:
+    """Run a non-streamed answer's events to their end: its final stats (None: a bug upstream)."""
+    stats = None
+    async for event in events:
+        if isinstance(event, QueryStats):
+            stats = event
+    return stats
+
+
 def _cache_salt(body: object) -> str | None:
     """The request's `cache_salt` (vLLM's field): its KV-tree paths are shared only with requests
     of the same key giving the same salt."""
@@ -513,21 +522,28 @@ class OpenAIApi:
                     self._metrics.key_prompt_tokens.labels(caller.label).inc(event.usage.prompt_tokens)
                 yield event
 
+    async def begin(self, call: ChatCall, caller: Caller, arrived: float, cancel: threading.Event
+                    ) -> tuple[AsyncIterator[RunEvent], RunEvent]:
+        """Start answering `call`: its events, and the first of them (the chunks: retrieval and KV
+        loads done, so their errors still map to a status); the events are closed if that fails."""
+        events = self._events(call, caller, arrived, cancel)
+        try:
+            return events, await anext(events)
+        except BaseException:
+            await events.aclose()  # type: ignore[attr-defined]
+            raise
+
     async def chat_completions(self, request: Request) -> Response:
         arrived = time.perf_counter()
         cancel = threading.Event()
-        events: AsyncIterator[RunEvent] | None = None
         caller = ANONYMOUS
         try:
             caller = self._check_auth(request)  # before the body is read
             call = self._call(await self._body(request), caller)
             params, snippet, stream, include_usage = call.query, call.snippet_chars, call.stream, call.include_usage
-            events = self._events(call, caller, arrived, cancel)
-            first = await anext(events)  # the chunks: retrieval and KV loads done, errors still map to a status
+            events, first = await self.begin(call, caller, arrived, cancel)
         except Exception as exc:
             cancel.set()
-            if events is not None:
-                await events.aclose()  # type: ignore[attr-defined]
             return self._error(exc, METHOD, caller)
         if not isinstance(first, ChunksReady):
             raise RuntimeError(f"the answer began with {type(first).__name__}, not the chunks: a bug")
@@ -538,10 +554,7 @@ class OpenAIApi:
                 self._sse(events, first.chunks, params, snippet, include_usage, reply_id, created, cancel),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            stats = None
-            async for event in events:
-                if isinstance(event, QueryStats):
-                    stats = event
+            stats = await last_stats(events)
         except Exception as exc:
             return self._error(exc, METHOD)
         finally:

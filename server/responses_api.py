@@ -35,7 +35,7 @@ from starlette.routing import Route
 from ragkv.engine.request import ChunksReady
 from ragkv.server.answering import RunEvent, TokenEvent
 from ragkv.server.keys import ANONYMOUS, Caller
-from ragkv.server.openai_api import METHOD, _cache_salt, error_body, ragkv_extra
+from ragkv.server.openai_api import METHOD, _cache_salt, error_body, last_stats, ragkv_extra
 from ragkv.server.query import Query
 from ragkv.server.response_store import ResponseStore, UnknownResponseError
 from ragkv.server.status import InvalidArgumentError
@@ -399,7 +399,6 @@ class ResponsesApi:
         api = self._api
         arrived = time.perf_counter()
         cancel = threading.Event()
-        events: AsyncIterator[RunEvent] | None = None
         caller = ANONYMOUS
         origins: tuple[str, ...] = ()
         try:
@@ -423,12 +422,9 @@ class ResponsesApi:
                                            f"({self.store.max_entry_bytes}); begin a new one, or send store=false")
             call = api._call(parsed.chat, caller)
             query, snippet, stream = call.query, call.snippet_chars, call.stream
-            events = api._events(call, caller, arrived, cancel)
-            first = await anext(events)  # the chunks: retrieval and KV loads done, errors still map to a status
+            events, first = await api.begin(call, caller, arrived, cancel)
         except Exception as exc:
             cancel.set()
-            if events is not None:
-                await events.aclose()  # type: ignore[attr-defined]
             return self._error(renamed(exc, origins), METHOD, caller)
         if not isinstance(first, ChunksReady):
             raise RuntimeError(f"the answer began with {type(first).__name__}, not the chunks: a bug")
@@ -438,10 +434,7 @@ class ResponsesApi:
                 self._sse(events, first.chunks, query, parsed, snippet, response_id, created, tenant, cancel),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            stats = None
-            async for event in events:
-                if isinstance(event, QueryStats):
-                    stats = event
+            stats = await last_stats(events)
         except Exception as exc:
             return self._error(exc, METHOD)
         finally:

@@ -7,6 +7,7 @@ python-docx, HTML as text.
 from __future__ import annotations
 
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -17,17 +18,27 @@ from ragkv.types import SearchMode
 
 def write_pdf(path: Path, pages: list[str]) -> Path:
     """A minimal valid PDF, one line of Helvetica text per page."""
-    n = len(pages)
+    streams = []
+    for text in pages:
+        escaped = text.replace("\\", "\\\\").replace("(", "\\(").replace(")", "\\)").encode("latin-1")
+        streams.append(b"BT /F1 12 Tf 72 720 Td (" + escaped + b") Tj ET")
+    return write_pdf_streams(path, streams)
+
+
+def write_pdf_streams(path: Path, contents: list[bytes], flate: bool = False) -> Path:
+    """A minimal valid PDF whose pages' content streams are `contents`, Flate-compressed when
+    `flate` (small on disk, large once inflated)."""
+    n = len(contents)
     font = 3 + 2 * n
     objects = [b"<< /Type /Catalog /Pages 2 0 R >>",
                b"<< /Type /Pages /Kids [" + b" ".join(b"%d 0 R" % (3 + 2 * i) for i in range(n))
                + b"] /Count %d >>" % n]
-    for i, text in enumerate(pages):
-        escaped = text.replace("\\", "\\\\").replace("(", "\\(").replace(")", "\\)").encode("latin-1")
-        stream = b"BT /F1 12 Tf 72 720 Td (" + escaped + b") Tj ET"
+    for i, content in enumerate(contents):
+        stream = zlib.compress(content, 9) if flate else content
         objects.append(b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents %d 0 R "
                        b"/Resources << /Font << /F1 %d 0 R >> >> >>" % (4 + 2 * i, font))
-        objects.append(b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream")
+        objects.append(b"<< /Length %d%s >>\nstream\n" % (len(stream), b" /Filter /FlateDecode" if flate else b"")
+                       + stream + b"\nendstream")
     objects.append(b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>")
     out = bytearray(b"%PDF-1.4\n")
     offsets = []

@@ -10,41 +10,14 @@ from __future__ import annotations
 
 import time
 import zipfile
-import zlib
 from pathlib import Path
 
 import pytest
 
 from ragkv.indexer.corpus import CorpusError, load_corpus
-from tests.indexer.test_documents import write_pdf
+from tests.indexer.test_documents import write_pdf, write_pdf_streams
 
 MIB = 1 << 20
-
-
-def write_pdf_streams(path: Path, contents: list[bytes]) -> Path:
-    """A PDF whose pages' content streams are Flate-compressed (small on disk, large once inflated)."""
-    n = len(contents)
-    font = 3 + 2 * n
-    objects = [b"<< /Type /Catalog /Pages 2 0 R >>",
-               b"<< /Type /Pages /Kids [" + b" ".join(b"%d 0 R" % (3 + 2 * i) for i in range(n))
-               + b"] /Count %d >>" % n]
-    for i, content in enumerate(contents):
-        stream = zlib.compress(content, 9)
-        objects.append(b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents %d 0 R "
-                       b"/Resources << /Font << /F1 %d 0 R >> >> >>" % (4 + 2 * i, font))
-        objects.append(b"<< /Length %d /Filter /FlateDecode >>\nstream\n" % len(stream) + stream + b"\nendstream")
-    objects.append(b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>")
-    out = bytearray(b"%PDF-1.4\n")
-    offsets = []
-    for number, body in enumerate(objects, start=1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n" % number + body + b"\nendobj\n"
-    xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
-    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
-    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
-    path.write_bytes(bytes(out))
-    return path
 
 
 def _refused(corpus: Path, *needles: str) -> str:
@@ -90,7 +63,7 @@ def test_a_pdf_whose_streams_inflate_past_the_text_limit_is_refused(tmp_path: Pa
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """8 KB on disk, 1.7 MB of text once its compressed content streams are inflated."""
     line = b"BT /F1 12 Tf 72 720 Td (" + b"All work and no play. " * 20 + b") Tj ET\n"
-    pdf = write_pdf_streams(tmp_path / "inflates.pdf", [line * (600_000 // len(line))] * 3)
+    pdf = write_pdf_streams(tmp_path / "inflates.pdf", [line * (600_000 // len(line))] * 3, flate=True)
     assert pdf.stat().st_size < 20_000
     monkeypatch.setenv("RAGKV_INGEST_MAX_TEXT_MIB", "1")
     _refused(tmp_path, "inflates.pdf", "its text reaches", "limit of 1 MiB", "RAGKV_INGEST_MAX_TEXT_MIB")

@@ -1,5 +1,5 @@
 """`ragkv bench --agents N`: many agents' tool loops at once, against a KV tree too small for all
-of them, under three tree policies in one run.
+of them, under four tree policies in one run.
 
 Each agent asks its own question (made of a chunk's words, so each retrieves its own chunks
 and has its own path in the tree), then makes `--calls` - 1 more calls, each appending a tool
@@ -8,7 +8,7 @@ does. Between two calls its tool runs: a sleep of a uniform random latency in
 `--tool-latency LO,HI` seconds, seeded (`--seed`), the same for every policy; agents start at
 seeded offsets within [0, HI]. Every call offers the tool, so every answer may end in tool calls.
 
-The same agents run against three in-process servers on one index, one after the other:
+The same agents run against four in-process servers on one index, one after the other:
 
 - **unbounded**: a tree that holds every path (no eviction): the baseline. Its bytes after the
   run are the agents' working set;
@@ -16,10 +16,14 @@ The same agents run against three in-process servers on one index, one after the
   least-recently-used eviction (`--kv-tree-retain-max-s 0`);
 - **retention**: the same budget, with retention that knows agents (engine/tree.py): an
   answer's path is pinned ahead of LRU until the agent's next call, for the tool latency the
-  server has learned (at most `--retain-max-s`).
+  server has learned (at most `--retain-max-s`);
+- **spill**: retention, and what leaves the device spills to CPU memory (as much again as the
+  device budget) and below that to disk (a temporary folder), read back when the agent returns
+  (the KV tree's tiers, engine/tree.py).
 
 Per policy it reports the share of prompt tokens served from the tree
-(`usage.tree_prompt_tokens / prompt_tokens`, over every call), TTFT p50 and p95 (server-side)
+(`usage.tree_prompt_tokens / prompt_tokens`, over every call; with spill, of it the share read
+back from CPU memory or disk), TTFT p50 and p95 (server-side)
 of the calls after a tool result, the run's total time, the tree's evictions, and each
 measure's ratio to the unbounded tree's.
 """
@@ -35,9 +39,10 @@ import threading
 import time
 from pathlib import Path
 
-POLICIES = ("unbounded", "lru", "retention")
+POLICIES = ("unbounded", "lru", "retention", "spill")
 _UNBOUNDED = 1 << 40  # a tree budget no run here reaches: nothing is evicted
 _REQUESTS_KV = 4 << 30  # --kv-budget-bytes past the tree's: admission never shrinks the tree
+_DISK = 1 << 40  # the spill policy's disk budget: the tier below the host's holds the rest
 
 
 def _latency_range(text: str) -> tuple[float, float]:
@@ -91,7 +96,7 @@ def _agent(addr: str, i: int, question: str, results: list[str], plan: tuple[flo
 
 
 def _run_policy(args, index: Path, tree_bytes: int, retain_max_s: float, questions: list[str],
-                results: list[list[str]], plans: list[tuple[float, list[float]]]) -> dict:
+                results: list[list[str]], plans: list[tuple[float, list[float]]], spill_dir: Path | None = None) -> dict:
     """The agents against one fresh in-process server; its calls, their measures and its tree's."""
     from ragkv.cli.agent_bench import LOOKUP, WARM_UP
     from ragkv.client import RagClient
@@ -104,6 +109,7 @@ def _run_policy(args, index: Path, tree_bytes: int, retain_max_s: float, questio
         indexes=(CollectionSpec("default", index),), host="127.0.0.1", port=0, metrics_port=None,
         model=None if args.index else args.model, kv_tree_bytes=tree_bytes, kv_budget_bytes=tree_bytes + _REQUESTS_KV,
         kv_tree_retain_max_s=retain_max_s, max_queue=n + 4, max_batch=max(1, n),
+        kv_tree_host_bytes=tree_bytes if spill_dir is not None else 0, kv_tree_dir=spill_dir, kv_tree_disk_bytes=_DISK,
         **({"device": args.device} if args.device else {}), **({"dtype": args.dtype} if args.dtype else {}))
     server = InProcessServer(settings, Pipeline.from_settings, load_timeout=600)
     try:
@@ -128,16 +134,19 @@ def _run_policy(args, index: Path, tree_bytes: int, retain_max_s: float, questio
         server.stop()
     prompt = sum(c["prompt_tokens"] for c in calls)
     served = sum(c["tree_tokens"] for c in calls)
+    spilled = stats.spilled_hit_tokens - warm.spilled_hit_tokens
     after_tool = [c["ttft_s"] for c in calls if c["step"] > 0]
     return {
         "calls": len(calls), "errors": len(errors), "error_samples": errors[:3],
         "prompt_tokens": prompt, "tree_tokens": served, "tree_share": round(served / prompt, 4) if prompt else 0.0,
+        "spilled_share": round(spilled / prompt, 4) if prompt else 0.0,
         "ttft_after_tool_p50_s": _pct(after_tool, 0.5), "ttft_after_tool_p95_s": _pct(after_tool, 0.95),
         "ttft_first_p50_s": _pct([c["ttft_s"] for c in calls if c["step"] == 0], 0.5),
         "total_s": round(total, 3),
         "tree": {"budget_bytes": tree_bytes, "held_bytes": stats.nbytes, "agents_bytes": stats.nbytes - warm.nbytes,
                  "evictions": stats.evictions - warm.evictions, "evicted_bytes": stats.evicted_bytes - warm.evicted_bytes,
-                 "pinned_bytes": stats.pinned_bytes, "retain_s": round(stats.retain_s, 3), "tool_gaps": stats.tool_gaps},
+                 "pinned_bytes": stats.pinned_bytes, "retain_s": round(stats.retain_s, 3), "tool_gaps": stats.tool_gaps,
+                 "spills": stats.spills - warm.spills, "host_bytes": stats.host_bytes, "disk_bytes": stats.disk_bytes},
     }
 
 
@@ -180,7 +189,8 @@ def run_agents_bench(args) -> int:  # argparse.Namespace from cli.bench
                 working_set = runs["unbounded"]["tree"]["agents_bytes"]
                 tree_bytes = args.kv_tree_bytes or max(1, int(working_set * args.tree_share))
                 retain = 0.0 if policy == "lru" else args.retain_max_s
-            runs[policy] = _run_policy(args, index, tree_bytes, retain, questions, results, plans)
+            spill = Path(tmp) / "tree" if policy == "spill" else None
+            runs[policy] = _run_policy(args, index, tree_bytes, retain, questions, results, plans, spill)
             r = runs[policy]
             print(f"{policy}: {r['calls']} calls, {r['tree_share']:.1%} of prompt tokens from the tree, "  # progress
                   f"{r['total_s']:.1f} s, {r['errors']} errors", file=sys.stderr, flush=True)
@@ -204,13 +214,14 @@ def run_agents_bench(args) -> int:  # argparse.Namespace from cli.bench
 
 def _print(a: dict) -> None:
     print(f"working set {a['working_set_bytes'] / 2**20:.1f} MiB, budget {a['budget_bytes'] / 2**20:.1f} MiB")
-    print("policy      tree share  TTFT p50 after tool  TTFT p95 after tool  total    evictions  "
+    print("policy      tree share  (spilled)  TTFT p50 after tool  TTFT p95 after tool  total    evictions  "
           "(x unbounded: share, p50, p95, total)")
     for name, r in a["policies"].items():
         x = a["vs_unbounded"].get(name)
         ratio = "" if x is None else "  ".join(f"{v:.2f}x" if v is not None else "-" for v in x.values())
         p50, p95 = r["ttft_after_tool_p50_s"] or 0.0, r["ttft_after_tool_p95_s"] or 0.0
-        print(f"{name:10s}  {r['tree_share']:>9.1%}  {p50:>17.3f} s  {p95:>17.3f} s  {r['total_s']:>6.1f} s  "
+        print(f"{name:10s}  {r['tree_share']:>9.1%}  {r['spilled_share']:>9.1%}  {p50:>17.3f} s  {p95:>17.3f} s  "
+              f"{r['total_s']:>6.1f} s  "
               f"{r['tree']['evictions']:>9d}  {ratio}")
 
 

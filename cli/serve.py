@@ -48,6 +48,20 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
                                      "retain_seconds, else the tool latency learned (p90 of the gaps seen); 0 = plain "
                                      "LRU (default 60)"),
     ("kv_tree_retain_default_s", float, "the pins' time-to-live before any tool latency is seen (default 10)"),
+    ("kv_tree_host_bytes", int, "KV-tree conversations moved off the device (least recently used first) are kept in "
+                                "CPU memory up to this many bytes, then on disk (--kv-tree-dir); 0 = none "
+                                "(default 2 GiB)"),
+    ("kv_tree_dir", Path, "the KV tree's disk tier: conversations spilled past --kv-tree-host-bytes, and all of "
+                          "them at shutdown, as checksummed KV files that the next server over this folder finds "
+                          "again (default off)"),
+    ("kv_tree_disk_bytes", int, "bytes the KV tree may keep in --kv-tree-dir (default 16 GiB)"),
+    ("responses_dir", Path, "keep the Responses API's stored responses (store, previous_response_id) in this "
+                            "directory too, one file each, so a restarted server finds them; one server per "
+                            "directory (default off: in memory only, lost on restart)"),
+    ("responses_max_count", int, "stored responses at most; the least recently used go first (default 10000)"),
+    ("responses_max_bytes", int, "bytes of all stored responses' conversations, as JSON (default 256 MiB)"),
+    ("responses_max_age_s", float, "seconds a stored response is found after it was stored; older ones are "
+                                   "deleted (default 2592000: 30 days)"),
     ("kv_disk_dir", Path, "disk tier directory (default: the index's own)"),
     ("kv_s3_uri", str, "s3://bucket/prefix of the S3 tier (default off)"),
     ("kv_s3_writeback", str, "on: KV computed at serve time is written back to the S3 tier too; off: S3 is "

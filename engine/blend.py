@@ -52,7 +52,7 @@ from ragkv.engine.kv import ChunkKV, KVCache, layers_pending
 from ragkv.engine.loading import LoadedModel
 from ragkv.engine.rope import RopeTables
 from ragkv.engine.select import Budget, layer_mean, question_attention, select_tokens, tokens_for_mass
-from ragkv.engine.tree import TreeContext, TreeLease
+from ragkv.engine.tree_node import TreeContext, TreeLease
 from ragkv.engine.work import WaitFor, wait_for
 from ragkv.types import Mode
 

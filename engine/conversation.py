@@ -10,6 +10,8 @@ budget; this module is everything else about conversations, in one place:
 - the **lease** on what the tree holds of it (`TreeSpot`, taken by `lease`, the one call
   the server makes), carrying its key and path so nothing downstream computes them again;
 - a hybrid's recurrent **snapshot** where its prompt ends;
+- where a conversation **lives**: on the engine's device, spilled to CPU memory and then to
+  disk as it cools (`KVTree`'s tiers), and found on disk again after a restart;
 - **remembering** an answered prompt (`remember`) for the conversation's next call, its
   path pinned ahead of LRU eviction for `retention`'s seconds when the answer may end in
   tool calls (the agent comes back once its tool has run).
@@ -25,7 +27,10 @@ from dataclasses import dataclass
 
 from ragkv.engine.blend import BlendOptions, BlendResult, Selector, tree_context
 from ragkv.engine.loading import LoadedModel
-from ragkv.engine.tree import KVTree, RecurrentSnapshot, ToolLatency, TreeKey, TreeLease, TreeStats
+from ragkv.engine.retention import ToolLatency
+from ragkv.engine.tree import KVTree
+from ragkv.engine.tree_files import NodeFiles
+from ragkv.engine.tree_node import RecurrentSnapshot, TreeKey, TreeLease, TreeStats
 from ragkv.types import Mode
 
 
@@ -75,12 +80,18 @@ class Conversations:
         budget_bytes: the tree's budget on the engine's device; 0 = off.
         recurrent: the model is a hybrid: the tree keeps recurrent states too.
         tenant_share: the largest share of the budget one tenant takes from the others (`KVTree`).
+        host_bytes: KV bytes spilled from the device kept in CPU memory; 0 = none.
+        files: the disk tier below that (kvstore.tree_files.TreeFiles), whose conversations are
+            found again here; None = none.
+        disk_bytes: KV bytes the disk tier may hold.
     """
 
     def __init__(self, lm: LoadedModel, budget_bytes: int, recurrent: bool = False,
-                 tenant_share: float = 1.0) -> None:
+                 tenant_share: float = 1.0, host_bytes: int = 0, files: NodeFiles | None = None,
+                 disk_bytes: int = 0) -> None:
         self.lm = lm
-        self.tree = KVTree(budget_bytes, recurrent=recurrent, tenant_share=tenant_share)
+        self.tree = KVTree(budget_bytes, recurrent=recurrent, tenant_share=tenant_share, host_bytes=host_bytes,
+                           files=files, disk_bytes=disk_bytes)
 
     @property
     def enabled(self) -> bool:
@@ -88,6 +99,11 @@ class Conversations:
 
     def stats(self) -> TreeStats:
         return self.tree.stats()
+
+    def persist(self) -> int:
+        """Write the conversations held in memory to the disk tier, for the next server over
+        the same folder (at shutdown); returns the nodes written (0 without a disk tier)."""
+        return self.tree.persist()
 
     def use_retention(self, max_s: float, default_s: float = 10.0) -> None:
         """Pins last at most `max_s` seconds (0 = no pins: plain LRU), `default_s` before any

@@ -28,7 +28,8 @@ from ragkv.engine.prefill import prefill_steps
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT, PromptFormat
 from ragkv.engine.request import Request, Work
 from ragkv.engine.speed import EngineSpeed
-from ragkv.engine.tree import TreeContext
+from ragkv.engine.tree_files import NodeFiles
+from ragkv.engine.tree_node import TreeContext
 from ragkv.engine.work import WaitFor, drain
 from ragkv.errors import UnsupportedModelError
 from ragkv.types import Mode
@@ -70,12 +71,15 @@ class Engine:
         vocab = lm.model.get_output_embeddings().weight.shape[0]  # V, the logits' width
         self.grammars = ConstraintCompiler(lm.tokenizer, vocab, lm.eos_token_ids)  # constrained decoding
 
-    def use_tree(self, budget_bytes: int, tenant_share: float = 1.0) -> None:
+    def use_tree(self, budget_bytes: int, tenant_share: float = 1.0, host_bytes: int = 0,
+                 files: NodeFiles | None = None, disk_bytes: int = 0) -> None:
         """A fresh KV tree of `budget_bytes` (served prompts' KV, so a conversation's next call
         computes only what is new) behind its one door (`engine.conversation`); a hybrid's also
         holds its recurrent state where prompts end. A tenant past `tenant_share` of it makes
-        room from its own paths (`KVTree`)."""
-        self.conversations = Conversations(self.lm, budget_bytes, self.recurrent, tenant_share)
+        room from its own paths (`KVTree`). What leaves the device spills to `host_bytes` of
+        CPU memory, then to `disk_bytes` of `files` (whose conversations it finds again)."""
+        self.conversations = Conversations(self.lm, budget_bytes, self.recurrent, tenant_share, host_bytes,
+                                           files, disk_bytes)
 
     @property
     def recurrent(self) -> bool:

@@ -13,22 +13,32 @@ PREFIX's is the prefix.
 Lifetime: a request leases the path it matched (`KVTree.match`, reference counts on every
 node of it) and releases it when its prompt pass has copied it (`TreeLease.release`, also
 on garbage collection of a lease never released). After the answer, the request's whole
-sequence is inserted (`KVTree.insert`). The tree holds at most `budget_bytes`: an insert
-evicts least-recently-used leaves that no lease holds, and inserts nothing when the
-budget cannot hold it. A leased node is never split or evicted, so a lease's tensors stay
-as they were matched.
+sequence is inserted (`KVTree.insert`). The tree holds at most `budget_bytes` on the
+device: an insert makes room from least-recently-used nodes that no lease holds and that
+hold no device node below them, and inserts nothing when the budget cannot hold it. A
+leased node is never split or evicted, so a lease's tensors stay as they were matched.
+
+Tiers (SGLang HiCache's, over conversations): a node that makes room on the device moves
+down to CPU memory (`host_bytes`), and from there to disk (`files`, `disk_bytes`: kvstore's
+checksummed chunk-KV files); only a node past the last tier leaves the tree. A match reads a
+spilled path back (host copies, disk reads off the tree's lock, on the retrieval thread that
+leases), and the insert after its answer puts it back on the device from the request's own
+cache. `persist` (at shutdown) writes what the device and host hold to disk, and a tree made
+over the same files finds every spilled conversation again, under the same keys. A file
+that cannot be read is a miss for that node and below (its tokens are computed), never an
+error. Hybrids keep no tiers (a recurrent state is not spilled).
 
 Retention that knows agents: an answer that may end in tool calls comes back as the
 conversation's next call once the tool has run, and plain LRU evicts exactly those paths
 first (the longest-waiting agent is the least recently used). So an insert may *pin* its
-path for a time-to-live (`insert(..., pin_s=)`): an insert makes room from unpinned leaves
-only (least recently used first) and stores less rather than evict a live pin; `shrink`
-(admission making room for a running request) takes pinned leaves too, after every
+path for a time-to-live (`insert(..., pin_s=)`): an insert makes room from unpinned nodes
+only (least recently used first) and stores less rather than spill a live pin; `shrink`
+(admission making room for a running request) takes pinned nodes too, after every
 unpinned one, soonest-expiring first. A pin ends when its time passes or when the next
 call leases the path (`match`; that call's own insert pins again if it may end in tool
 calls). A tenant's live pins hold at most `tenant_share` of the budget: past it, its path
 is kept as any other. The time from such an answer to the next call on its path is a tool
-latency the tree sees (`ToolLatency`): the pins' learned time-to-live is their p90.
+latency the tree sees (`retention.ToolLatency`): the pins' learned time-to-live is their p90.
 
 A hybrid's recurrent layers (`KVTree(recurrent=True)`) keep a state no K/V stands in for,
 so the tree also keeps that state where a prompt ended (`RecurrentSnapshot`, on the node
@@ -41,228 +51,79 @@ scheduler thread.
 
 from __future__ import annotations
 
-import copy
-import hashlib
 import heapq
 import itertools
+import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-
-import torch
 
 from ragkv.engine.kv import KVCache
+from ragkv.engine.retention import ToolLatency
+from ragkv.engine.tree_files import NodeFiles, SpilledSpan, file_name, read_span, span_meta
+from ragkv.engine.tree_node import (
+    LeasedPart,
+    Node,
+    RecurrentSnapshot,
+    Tier,
+    TreeContext,
+    TreeKey,
+    TreeLease,
+    TreeStats,
+    cache_bytes,
+    common_prefix,
+    slice_kv,
+)
 
+__all__ = ["KVTree", "RecurrentSnapshot", "Tier", "ToolLatency", "TreeContext", "TreeKey", "TreeLease", "TreeStats"]
 
-@dataclass(frozen=True, slots=True)
-class TreeKey:
-    """What made a context's KV: a digest over its parts (model, mode, prefix, chunk keys,
-    options, the question the mode's choices were made by), within one tenant."""
-
-    digest: str
-    tenant: str = ""  # whose paths these are (Request.tenant); in the digest too
-
-    @classmethod
-    def of(cls, *parts: object, tenant: str = "") -> TreeKey:
-        h = hashlib.sha256()
-        for part in (tenant, *parts):
-            data = repr(part).encode()
-            h.update(len(data).to_bytes(8, "little") + data)
-        return cls(h.hexdigest(), tenant)
-
-    def __str__(self) -> str:
-        return self.digest[:12]
-
-
-@dataclass(frozen=True, slots=True)
-class TreeContext:
-    """What a context's prompt pass decided, replayed by every request that reuses it."""
-
-    prefix_tokens: int  # P: tokens of the shared prefix at the start of the prompt
-    chunk_end: int  # C: the chunks lie at prompt positions [P, C), the question from C on
-    chunk_tokens: int  # chunk tokens the mode's pass counted (every retrieved chunk's, in focus)
-    used_chunks: tuple[int, ...] | None = None  # focus: the chunks kept; None = all
-    chunk_scores: tuple[float, ...] | None = None  # focus: each chunk's relevance
-    handed_over: bool = False  # focus handed over to blend
-    fell_back: bool = False  # the quality guard ran the pass as full prefill
-
-
-@dataclass(frozen=True, slots=True)
-class RecurrentSnapshot:
-    """A hybrid's recurrent layers' state after the first `tokens` tokens past the context."""
-
-    tokens: int
-    state: object  # the layers' conv and recurrent states (Adapter.new_recurrent_state's kind), a copy
-    nbytes: int
-
-
-class _Node:
-    """One edge of the tree: a run of tokens and their KV."""
-
-    __slots__ = ("ids", "k", "v", "start", "children", "parent", "refs", "used", "key", "context", "state",
-                 "state_bytes", "pin", "answered", "parts_at")
-
-    def __init__(self, ids: tuple[int, ...], k: torch.Tensor, v: torch.Tensor, start: int,
-                 parent: _Node | None, key: TreeKey, context: TreeContext | None = None) -> None:
-        self.ids = ids  # the tokens of this edge (a root: the whole context)
-        self.k = k  # [L, Hkv, T, D], after RoPE
-        self.v = v  # [L, Hkv, T, D]
-        self.start = start  # position of the first token
-        self.children: dict[int, _Node] = {}  # first token -> child
-        self.parent = parent
-        self.refs = 0  # leases holding this node
-        self.used = 0  # LRU clock of its last match or insert
-        self.key = key  # the context it hangs under
-        self.context = context  # roots only
-        self.state: object | None = None  # hybrids: the recurrent state after this node's last token
-        self.state_bytes = 0
-        self.pin = 0.0  # clock time its pin ends (kept ahead of LRU until then); 0 = not pinned
-        # an answer that may end in tool calls: the clock time it was inserted, and the position
-        # where its conversation's next call parts from its prompt (start < parts_at <= end: the
-        # prompt's end, before the answer's header): a match reaching it is that next call
-        self.answered: float | None = None
-        self.parts_at = 0
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.ids)
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size() + self.state_bytes
-
-
-@dataclass(slots=True)
-class TreeLease:
-    """A matched path, held until the prompt pass has copied it into its own cache."""
-
-    tree: KVTree
-    context_ids: tuple[int, ...]  # the context's tokens (the root's)
-    context: TreeContext
-    matched: int  # tokens matched past the context
-    _parts: list[tuple[_Node, int]] = field(default_factory=list)  # (node, its tokens used)
-    _held: bool = True
-    _state: object | None = None  # hybrids: the recurrent state after the leased tokens
-
-    def recurrent_state(self) -> object | None:
-        """A copy of the recurrent state after the leased tokens (the pass updates it in place)."""
-        return copy.deepcopy(self._state) if self._state is not None else None
-
-    @property
-    def tokens(self) -> int:
-        """Prompt positions whose KV the lease supplies: the context and the matched tokens."""
-        return len(self.context_ids) + self.matched
-
-    def write_into(self, cache: KVCache) -> int:
-        """Copy the leased KV into slots [0, tokens) of `cache`; returns the tokens written."""
-        if not self._held:
-            raise RuntimeError("TreeLease.write_into after release: a bug")
-        for node, n in self._parts:
-            cache.k[:, :, node.start:node.start + n] = node.k[:, :, :n]
-            cache.v[:, :, node.start:node.start + n] = node.v[:, :, :n]
-        return self.tokens
-
-    def release(self) -> None:
-        """Let the path be evicted again (idempotent)."""
-        if self._held:
-            self._held = False
-            self.tree._release(self._parts)
-
-    def __del__(self) -> None:  # a lease dropped unreleased (a request refused after prepare)
-        try:
-            self.release()
-        except Exception:  # interpreter shutdown: nothing left to release
-            pass
-
-
-@dataclass(frozen=True, slots=True)
-class TreeStats:
-    """What the tree holds and has done since it was made."""
-
-    nbytes: int  # KV bytes held
-    budget_bytes: int
-    nodes: int
-    contexts: int  # roots
-    hits: int  # matches that supplied at least the context
-    hit_tokens: int  # prompt tokens supplied by matches
-    misses: int
-    evictions: int  # nodes evicted
-    evicted_bytes: int
-    pinned_bytes: int = 0  # KV bytes held by live pins
-    retain_s: float = 0.0  # the time-to-live a pin gets now when the client names none (ToolLatency.ttl)
-    tool_gaps: int = 0  # tool latencies observed (answer that may end in tool calls -> next call on its path)
-
-
-class ToolLatency:
-    """The tool latencies a tree sees, and the time-to-live of its pins learned from them.
-
-    A gap is the time from an answer that may end in tool calls to the next call that leases
-    its path: the tool's run, the client's turn and the next call's retrieval. The learned
-    time-to-live is the `quantile` of the last `window` gaps, within [1 s, `max_s`];
-    `default_s` (within the same bounds) before any gap is seen. `max_s` 0 turns pins off.
-    """
-
-    def __init__(self, max_s: float = 60.0, default_s: float = 10.0, window: int = 256,
-                 quantile: float = 0.9) -> None:
-        if max_s < 0 or default_s < 0 or window < 1 or not 0.0 < quantile <= 1.0:
-            raise ValueError(f"ToolLatency needs max_s and default_s >= 0, window >= 1 and quantile in (0, 1], "
-                             f"got {max_s}, {default_s}, {window}, {quantile}")
-        self.max_s, self.default_s, self.quantile = float(max_s), float(default_s), quantile
-        self._gaps: deque[float] = deque(maxlen=window)
-        self._lock = threading.Lock()
-
-    def observe(self, seconds: float) -> None:
-        with self._lock:
-            self._gaps.append(max(0.0, float(seconds)))
-
-    @property
-    def observed(self) -> int:
-        return len(self._gaps)
-
-    def ttl(self) -> float:
-        """Seconds a pin lasts when the client names none (0 = pins are off)."""
-        if self.max_s <= 0:
-            return 0.0
-        with self._lock:
-            gaps = sorted(self._gaps)
-        guess = gaps[min(len(gaps) - 1, int(self.quantile * len(gaps)))] if gaps else self.default_s
-        return min(max(guess, 1.0), self.max_s)
+log = logging.getLogger(__name__)
 
 
 class KVTree:
-    """Radix tree of served prompts' KV under a byte budget; see the module docstring.
+    """Radix tree of served prompts' KV under a byte budget per tier; see the module docstring.
 
     Args:
-        budget_bytes: KV bytes the tree may hold; 0 turns it off (nothing matches or is kept).
-        recurrent: the model is a hybrid: a match must end where a recurrent state is held.
+        budget_bytes: KV bytes the tree may hold on the device; 0 turns it off (nothing matches or is kept).
+        recurrent: the model is a hybrid: a match must end where a recurrent state is held (no tiers).
         tenant_share: while other tenants hold KV here, a tenant past this share of the budget
             makes room by evicting its own paths only, so one tenant's flood cannot evict every
             other tenant's conversations (1.0 = one LRU for all); a tenant's live pins hold at
             most this share of the budget.
         clock: seconds, for pins and tool latencies (time.monotonic; tests inject their own).
         latency: the tool latencies seen and the pins' learned time-to-live (default `ToolLatency()`).
+        host_bytes: KV bytes the tree may keep in CPU memory below the device; 0 = no host tier.
+        files: the disk tier's files (`NodeFiles`); what they hold is found again here. None = no disk tier.
+        disk_bytes: KV bytes the tree may keep in `files`.
     """
 
     def __init__(self, budget_bytes: int, recurrent: bool = False, tenant_share: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic, latency: ToolLatency | None = None) -> None:
-        if budget_bytes < 0:
-            raise ValueError(f"the KV tree's budget must be >= 0 bytes, got {budget_bytes}")
+                 clock: Callable[[], float] = time.monotonic, latency: ToolLatency | None = None,
+                 host_bytes: int = 0, files: NodeFiles | None = None, disk_bytes: int = 0) -> None:
+        if budget_bytes < 0 or host_bytes < 0 or disk_bytes < 0:
+            raise ValueError(f"the KV tree's budgets must be >= 0 bytes, got device {budget_bytes}, host "
+                             f"{host_bytes}, disk {disk_bytes}")
         if not 0.0 < tenant_share <= 1.0:
             raise ValueError(f"the KV tree's tenant share must be in (0, 1], got {tenant_share}")
         self.budget_bytes = budget_bytes
         self.recurrent = recurrent
         self.tenant_share = tenant_share
-        self._tenant_bytes: dict[str, int] = {}  # KV bytes held per tenant
-        self._roots: dict[TreeKey, _Node] = {}
+        self.host_budget = 0 if recurrent or not budget_bytes else host_bytes
+        self.files = None if recurrent or not budget_bytes or not disk_bytes else files
+        self.disk_budget = disk_bytes if self.files is not None else 0
+        self._tenant_bytes: dict[str, int] = {}  # device KV bytes held per tenant
+        self._roots: dict[TreeKey, Node] = {}
         self._lock = threading.Lock()
         self._clock = itertools.count(1)
         self._now = clock
         self.latency = latency or ToolLatency()
-        self._pins: dict[int, _Node] = {}  # id -> node pinned (perhaps expired: pruned lazily)
-        self._bytes = self._nodes = 0
+        self._pins: dict[int, Node] = {}  # id -> node pinned (perhaps expired: pruned lazily)
+        self._bytes = self._host_bytes = self._disk_bytes = self._nodes = 0
+        self._file_refs: dict[str, int] = {}  # file -> nodes reading it
         self._hits = self._hit_tokens = self._misses = self._evictions = self._evicted_bytes = 0
+        self._spills = self._spilled_hit_tokens = self._restored = self._read_errors = 0
+        if self.files is not None:
+            self._restore(self.files)
 
     @property
     def enabled(self) -> bool:
@@ -273,62 +134,111 @@ class KVTree:
             pinned = sum(n.nbytes for n in self._live_pins())
             return TreeStats(self._bytes, self.budget_bytes, self._nodes, len(self._roots), self._hits,
                              self._hit_tokens, self._misses, self._evictions, self._evicted_bytes, pinned,
-                             self.latency.ttl(), self.latency.observed)
+                             self.latency.ttl(), self.latency.observed, self._host_bytes, self.host_budget,
+                             self._disk_bytes, self.disk_budget, self._spills, self._spilled_hit_tokens,
+                             self._restored, self._read_errors)
 
     def match(self, key: TreeKey, ids: Sequence[int]) -> TreeLease | None:
         """The longest path under `key` that `ids` (the tokens after the context) starts with,
         leased; None when the context itself is not held.
 
         At least the last token of `ids` is left to compute: a prompt pass needs its logits.
+        A spilled part is read back here: a disk file outside the tree's lock.
         """
-        ids = tuple(int(i) for i in ids)
+        want = tuple(int(i) for i in ids)
         with self._lock:
-            root = self._roots.get(key)
-            if root is None or not ids:
-                self._misses += root is None
+            found = self._find(key, want)
+            if found is None:
                 return None
-            now = next(self._clock)
-            parts: list[tuple[_Node, int]] = [(root, len(root.ids))]
-            node, pos, limit = root, 0, len(ids) - 1
-            while pos < limit:
-                child = node.children.get(ids[pos])
-                if child is None:
-                    break
-                n = _common(child.ids, ids[pos:limit])
-                parts.append((child, n))
-                pos += n
-                if n < len(child.ids):
-                    break
-                node = child
-            state = None
-            if self.recurrent:  # stop at the deepest node whose recurrent state is held
-                last = max((j for j, (nd, n) in enumerate(parts) if n == len(nd.ids) and nd.state is not None),
-                           default=None)
-                parts = parts[:last + 1] if last is not None else [(root, len(root.ids))]
-                pos = sum(n for _, n in parts[1:])
-                state = parts[-1][0].state if last is not None else None
-                if state is None and (root.ids or pos):  # KV without the state the layers need: useless
-                    pos, parts = 0, [(root, len(root.ids))]
-            if not root.ids and pos == 0:  # an empty context and no token matched: nothing to supply
-                self._misses += 1
-                return None
-            if root.context is None:  # every root is made with its context
-                raise RuntimeError(f"KV tree context {key} has no TreeContext: a bug")
-            for node, _ in parts:
-                node.refs += 1
-                node.used = now
+            state, parts = found
+            for part in parts:
+                part.node.refs += 1
             self._resumed(parts)
+        parts = self._read_spilled(parts)
+        if not parts:
+            with self._lock:
+                self._misses += 1
+            return None
+        root, pos = parts[0].node, sum(p.n for p in parts[1:])
+        if root.context is None:  # every root is made with its context
+            raise RuntimeError(f"KV tree context {key} has no TreeContext: a bug")
+        spilled = sum(p.n for p in parts if p.spilled)
+        with self._lock:
             self._hits += 1
             self._hit_tokens += len(root.ids) + pos
-            return TreeLease(self, root.ids, root.context, pos, parts, _state=state)
+            self._spilled_hit_tokens += spilled
+        return TreeLease(self, root.ids, root.context, pos, parts, _state=state, spilled=spilled)
 
-    def _resumed(self, parts: Sequence[tuple[_Node, int]]) -> None:
+    def _find(self, key: TreeKey, ids: tuple[int, ...]) -> tuple[object | None, list[LeasedPart]] | None:
+        """The path `ids` matches under `key` (at least its last token left out), and a hybrid's
+        recurrent state at its end; None (a miss, counted) when nothing is supplied."""
+        root = self._roots.get(key)
+        if root is None or not ids:
+            self._misses += root is None
+            return None
+        now = next(self._clock)
+        parts = [LeasedPart(root, len(root.ids), root.k, root.v)]
+        node, pos, limit = root, 0, len(ids) - 1
+        while pos < limit:
+            child = node.children.get(ids[pos])
+            if child is None:
+                break
+            n = common_prefix(child.ids, ids[pos:limit])
+            parts.append(LeasedPart(child, n, child.k, child.v))
+            pos += n
+            if n < len(child.ids):
+                break
+            node = child
+        state = None
+        if self.recurrent:  # stop at the deepest node whose recurrent state is held
+            last = max((j for j, p in enumerate(parts) if p.n == len(p.node.ids) and p.node.state is not None),
+                       default=None)
+            parts = parts[:last + 1] if last is not None else parts[:1]
+            pos = sum(p.n for p in parts[1:])
+            state = parts[-1].node.state if last is not None else None
+            if state is None and (root.ids or pos):  # KV without the state the layers need: useless
+                pos, parts = 0, parts[:1]
+        if not root.ids and pos == 0:  # an empty context and no token matched: nothing to supply
+            self._misses += 1
+            return None
+        for part in parts:
+            part.node.used = now
+        return state, parts
+
+    def _read_spilled(self, parts: list[LeasedPart]) -> list[LeasedPart]:
+        """Read the disk parts of a leased path (off the lock); the path ends before the first
+        that cannot be read, which leaves the tree with what is below it."""
+        for j, part in enumerate(parts):
+            node = part.node
+            if part.k is not None:
+                continue
+            try:
+                if self.files is None or node.file is None:
+                    raise LookupError("no file")
+                k, v = self.files.read(node.file)  # [L, Hkv, T_file, D]
+                part.k = k[:, :, node.offset:node.offset + len(node.ids)]
+                part.v = v[:, :, node.offset:node.offset + len(node.ids)]
+                if part.k.shape[2] != len(node.ids):
+                    raise ValueError(f"holds {k.shape[2]} tokens, fewer than the node reads")
+            except Exception as e:  # a damaged or missing file is a miss for this node and below
+                log.warning("KV tree: spilled node %s of context %s unreadable (%s); its tokens will be computed",
+                            node.file, node.key, e)
+                self._release([p.node for p in parts[j:]])
+                with self._lock:
+                    self._read_errors += 1
+                    if node.refs == 0 and node.tier is Tier.DISK:
+                        self._drop(node)
+                return parts[:j]
+        return parts
+
+    def _resumed(self, parts: Sequence[LeasedPart]) -> None:
         """A match leased `parts`: where it reached an answered prompt's end (`parts_at`), it
         is that conversation's next call, and the time since the answer is a tool latency.
         The pins of the nodes it covered (whole, or to that point) end: its own insert pins
         them again. A match that only passes through a node (another conversation parting
         from this one inside it) leaves its pin."""
-        for node, n in parts:
+        for part in parts:
+            node, n = part.node, part.n
             answered, reached = node.answered, False
             if answered is not None and node.start + n >= node.parts_at:
                 self.latency.observe(self._now() - answered)
@@ -337,9 +247,9 @@ class KVTree:
                 node.pin = 0.0
                 self._pins.pop(id(node), None)
 
-    def _release(self, parts: Iterable[tuple[_Node, int]]) -> None:
+    def _release(self, nodes: Iterable[Node]) -> None:
         with self._lock:
-            for node, _ in parts:
+            for node in nodes:
                 node.refs -= 1
 
     def insert(self, key: TreeKey, context_ids: Sequence[int], context: TreeContext, ids: Sequence[int],
@@ -351,7 +261,7 @@ class KVTree:
         `pin_s` > 0: the answer may end in tool calls: pin the stored path that long (see the
         module docstring); `parts_at`: where in `ids` the conversation's next call parts from
         this one (the prompt's end, before the answer's header), so that call's match is known
-        and its delay learned.
+        and its delay learned. Spilled nodes on the path come back to the device from `cache`.
 
         Returns:
             The tokens newly stored (0 when all were held, or the budget cannot hold them).
@@ -370,7 +280,7 @@ class KVTree:
             child = node.children.get(ids[pos])
             if child is None:
                 return  # the insert stopped short (budget): nothing ends there
-            n = _common(child.ids, ids[pos:])
+            n = common_prefix(child.ids, ids[pos:])
             if pos + n == len(ids):
                 if n < len(child.ids):
                     if child.refs:
@@ -397,28 +307,29 @@ class KVTree:
             now = next(self._clock)
             root = self._roots.get(key)
             if root is None:
-                if not self._make_room(_bytes_of(cache, c), tenant=key.tenant):
+                if not self._make_room(cache_bytes(cache, c), tenant=key.tenant):
                     return 0
-                root = _Node(context_ids, *_slice(cache, 0, c), 0, None, key, context)
+                root = Node(context_ids, *slice_kv(cache, 0, c), 0, None, key, context)
                 self._add(root)
                 self._roots[key] = root
             elif root.ids != context_ids:  # the key names another context: a digest collision or a bug
                 raise ValueError(f"KV tree context {key} holds other tokens than the ones inserted under it")
             root.used = now
+            self._refill(root, cache)
             node, pos, added, path = root, 0, 0, [root]
             while pos < len(ids):
                 child = node.children.get(ids[pos])
                 if child is None:  # a new leaf for the rest
-                    if not self._make_room(_bytes_of(cache, len(ids) - pos), keep=node, tenant=key.tenant):
+                    if not self._make_room(cache_bytes(cache, len(ids) - pos), keep=node, tenant=key.tenant):
                         break
-                    leaf = _Node(ids[pos:], *_slice(cache, c + pos, c + len(ids)), c + pos, node, key)
+                    leaf = Node(ids[pos:], *slice_kv(cache, c + pos, c + len(ids)), c + pos, node, key)
                     leaf.used = now
                     node.children[ids[pos]] = leaf
                     self._add(leaf)
                     path.append(leaf)
                     added += len(ids) - pos
                     break
-                n = _common(child.ids, ids[pos:])
+                n = common_prefix(child.ids, ids[pos:])
                 child.used = now
                 if n < len(child.ids):
                     if n == len(ids) - pos:  # nothing new: the sequence ends inside this edge
@@ -426,13 +337,24 @@ class KVTree:
                     if child.refs or n == len(ids) - pos:  # leased (its tensors must stay), or nothing new
                         break
                     self._split(child, n)
+                self._refill(child, cache)
                 path.append(child)
                 node, pos = child, pos + n
             if pin_s > 0:
                 self._pin(path, key.tenant, pin_s, None if parts_at is None else c + parts_at)
             return added
 
-    def _pin(self, path: list[_Node], tenant: str, pin_s: float, parts_pos: int | None) -> None:
+    def _refill(self, node: Node, cache: KVCache) -> None:
+        """Put a spilled node back on the device from `cache` (which holds its tokens' KV, as
+        the request's pass copied or computed it), when the device budget has room."""
+        if node.tier is Tier.DEVICE or not self._make_room(node.kv_bytes, keep=node, tenant=node.key.tenant):
+            return
+        self._leave_tier(node)
+        node.k, node.v = slice_kv(cache, node.start, node.end)
+        node.tier, node.kv_bytes = Tier.DEVICE, cache_bytes(cache, len(node.ids))
+        self._count(node.key.tenant, node.kv_bytes)
+
+    def _pin(self, path: list[Node], tenant: str, pin_s: float, parts_pos: int | None) -> None:
         """Pin `path` for `pin_s` seconds (not past the tenant's share of the budget in live
         pins: then it is kept as any path), and mark where the next call will part from it."""
         now = self._now()
@@ -451,7 +373,7 @@ class KVTree:
             node.pin = max(node.pin, until)
             self._pins[id(node)] = node
 
-    def _live_pins(self, now: float | None = None) -> list[_Node]:
+    def _live_pins(self, now: float | None = None) -> list[Node]:
         """The nodes whose pin has not ended (dropping the others from the index)."""
         now = self._now() if now is None else now
         for key in [k for k, n in self._pins.items() if n.pin <= now]:
@@ -460,26 +382,48 @@ class KVTree:
 
     @property
     def nbytes(self) -> int:
-        """KV bytes held now."""
+        """KV bytes held on the device now."""
         return self._bytes
 
     def shrink(self, limit_bytes: int) -> int:
-        """Evict least-recently-used leaves no lease holds until at most `limit_bytes` are held
-        (admission makes room for a request this way): pinned ones too, after every other,
-        soonest-expiring first; returns the bytes held after."""
+        """Make room on the device until at most `limit_bytes` are held there (admission makes
+        room for a request this way): pinned nodes too, after every other, soonest-expiring
+        first; returns the device bytes held after."""
         with self._lock:
             self._make_room(0, budget=max(limit_bytes, 0), pinned=True)
             return self._bytes
 
     def clear(self) -> None:
-        """Drop every node no lease holds."""
+        """Drop every node no lease holds, on every tier (their files too)."""
         with self._lock:
-            while leaves := [n for n in self._leaves() if n.refs == 0]:
-                for node in leaves:
-                    self._evict(node)
+            for root in list(self._roots.values()):
+                for node in reversed(root.walk()):
+                    if node.refs == 0 and not node.children and (node.parent or self._roots.get(node.key) is node):
+                        self._drop(node)
+
+    def persist(self) -> int:
+        """Write what the device and host tiers hold to the disk tier (a server stopping: the
+        next one over the same files finds these conversations), the most recently used
+        contexts first, parents before children, while the disk budget holds; returns the
+        nodes written. Nothing without files."""
+        if self.files is None:
+            return 0
+        written = 0
+        with self._lock:
+            for root in sorted(self._roots.values(), key=lambda r: -r.used):
+                stack = [root]
+                while stack:
+                    node = stack.pop()
+                    if node.tier is not Tier.DISK and node.state is None:
+                        if not self._to_disk(node):
+                            continue  # nor what hangs below it: never matched without it
+                        written += 1
+                    stack.extend(node.children.values())
+        self.files.flush()
+        return written
 
     def tenant_bytes(self, tenant: str) -> int:
-        """KV bytes `tenant`'s paths hold now."""
+        """Device KV bytes `tenant`'s paths hold now."""
         with self._lock:
             return self._tenant_bytes.get(tenant, 0)
 
@@ -491,16 +435,32 @@ class KVTree:
         else:
             self._tenant_bytes.pop(tenant, None)
 
-    def _add(self, node: _Node) -> None:
-        self._count(node.key.tenant, node.nbytes)
+    def _tier_bytes(self, node: Node, sign: int) -> None:
+        """Count (sign 1) or uncount (-1) `node`'s bytes on its tier."""
+        if node.tier is Tier.DEVICE:
+            self._count(node.key.tenant, sign * node.nbytes)
+        elif node.tier is Tier.HOST:
+            self._host_bytes += sign * node.kv_bytes
+        else:
+            self._disk_bytes += sign * node.kv_bytes
+
+    def _add(self, node: Node) -> None:
+        self._tier_bytes(node, 1)
         self._nodes += 1
 
-    def _split(self, node: _Node, n: int) -> None:
+    def _split(self, node: Node, n: int) -> None:
         """Cut `node` after its first n tokens: it keeps those, a new child takes the rest (and
-        the recurrent state after the rest, if held)."""
-        self._count(node.key.tenant, -node.nbytes)
-        lower = _Node(node.ids[n:], node.k[:, :, n:].clone(), node.v[:, :, n:].clone(), node.start + n, node,
-                      node.key)
+        the recurrent state after the rest, if held). A disk node's parts both read its file."""
+        self._tier_bytes(node, -1)
+        lower = Node(node.ids[n:], None, None, node.start + n, node, node.key)
+        lower.tier, lower.file, lower.offset = node.tier, node.file, node.offset + n
+        if node.k is not None and node.v is not None:
+            lower.k, lower.v = node.k[:, :, n:].clone(), node.v[:, :, n:].clone()
+            node.k, node.v = node.k[:, :, :n].clone(), node.v[:, :, :n].clone()
+        per_token = node.kv_bytes // len(node.ids)
+        lower.kv_bytes, node.kv_bytes = per_token * len(lower.ids), per_token * n
+        if node.file is not None:
+            self._file_refs[node.file] += 1
         lower.children, lower.used, lower.pin = node.children, node.used, node.pin
         if node.answered is not None and node.parts_at > node.start + n:  # the parting point is below
             lower.answered, lower.parts_at, node.answered = node.answered, node.parts_at, None
@@ -509,18 +469,20 @@ class KVTree:
         lower.state, lower.state_bytes, node.state, node.state_bytes = node.state, node.state_bytes, None, 0
         for ch in lower.children.values():
             ch.parent = lower
-        node.ids, node.k, node.v = node.ids[:n], node.k[:, :, :n].clone(), node.v[:, :, :n].clone()
+        node.ids = node.ids[:n]
         node.children = {lower.ids[0]: lower}
-        self._count(node.key.tenant, node.nbytes + lower.nbytes)
+        self._tier_bytes(node, 1)
+        self._tier_bytes(lower, 1)
         self._nodes += 1
 
-    def _make_room(self, need: int, keep: _Node | None = None, budget: int | None = None,
+    def _make_room(self, need: int, keep: Node | None = None, budget: int | None = None,
                    tenant: str | None = None, pinned: bool = False) -> bool:
-        """Evict least-recently-used unleased leaves until `need` more bytes fit in `budget`
-        (default the tree's; never `keep` or its ancestors, where the new node hangs); False
-        when they cannot. Room for `tenant` past its share (`tenant_share`) while others hold
-        KV comes from its own leaves only. A live pin is evicted only when `pinned` (shrink),
-        after every unpinned leaf, soonest-expiring first."""
+        """Move least-recently-used unleased device nodes down a tier (`_spill`) until `need`
+        more bytes fit in `budget` (default the tree's; never `keep` or its ancestors, where
+        the new node hangs); False when they cannot. A candidate holds no device node below
+        it. Room for `tenant` past its share (`tenant_share`) while others hold KV comes from
+        its own nodes only. A live pin moves only when `pinned` (shrink), after every
+        unpinned node, soonest-expiring first."""
         budget = self.budget_bytes if budget is None else budget
         if self._bytes + need <= budget:
             return True
@@ -535,58 +497,187 @@ class KVTree:
                     and any(t != tenant for t in self._tenant_bytes))
         now = self._now()
 
-        def rank(n: _Node) -> tuple[int, float, int]:  # unpinned by LRU, then live pins by their end
+        def rank(n: Node) -> tuple[int, float, int]:  # unpinned by LRU, then live pins by their end
             return (1, n.pin, id(n)) if n.pin > now else (0, float(n.used), id(n))
 
-        def candidate(n: _Node) -> bool:
-            return (n.refs == 0 and id(n) not in kept and (not own_only or n.key.tenant == tenant)
-                    and (pinned or n.pin <= now))
+        def candidate(n: Node) -> bool:
+            return (n.tier is Tier.DEVICE and n.refs == 0 and n.nbytes > 0 and id(n) not in kept
+                    and not any(c.tier is Tier.DEVICE for c in n.children.values())
+                    and (not own_only or n.key.tenant == tenant) and (pinned or n.pin <= now))
 
-        heap = [(*rank(n), n) for n in self._leaves() if candidate(n)]
+        heap = [(*rank(n), n) for n in self._all() if candidate(n)]
         heapq.heapify(heap)
         while heap and self._bytes + need > budget:
             node = heapq.heappop(heap)[-1]
-            self._evict(node)
             parent = node.parent
-            if parent is not None and not parent.children and candidate(parent):
+            self._spill(node)
+            if parent is not None and candidate(parent):
                 heapq.heappush(heap, (*rank(parent), parent))
         return self._bytes + need <= budget
 
-    def _leaves(self) -> Iterable[_Node]:
-        stack = list(self._roots.values())
-        while stack:
-            node = stack.pop()
-            if node.children:
-                stack.extend(node.children.values())
-            else:
-                yield node
+    def _spill(self, node: Node) -> None:
+        """Move a device node down: to the host tier, else to disk, else out of the tree."""
+        if node.state is None and self.host_budget and self._host_room(node.kv_bytes):
+            self._tier_bytes(node, -1)
+            if node.k is not None and node.v is not None and node.k.device.type != "cpu":
+                node.k, node.v = node.k.to("cpu"), node.v.to("cpu")
+            node.tier = Tier.HOST
+            self._tier_bytes(node, 1)
+            self._spills += 1
+        elif node.state is not None or not self._to_disk(node):
+            self._drop(node)
 
-    def _evict(self, node: _Node) -> None:
-        if node.parent is None:
+    def _to_disk(self, node: Node) -> bool:
+        """Write a device or host node to the disk tier (when its budget has room)."""
+        if self.files is None or node.k is None or node.v is None or not self._disk_room(node.kv_bytes, node):
+            return False
+        before = node.path_ids()
+        name = file_name(node.key, before, node.ids)
+        self.files.write(name, span_meta(node.key, node.start, before, node.ids, node.context), node.ids,
+                         node.start, node.k, node.v)
+        self._tier_bytes(node, -1)
+        node.tier, node.k, node.v, node.file, node.offset = Tier.DISK, None, None, name, 0
+        self._file_refs[name] = self._file_refs.get(name, 0) + 1
+        self._tier_bytes(node, 1)
+        self._spills += 1
+        return True
+
+    def _host_room(self, need: int) -> bool:
+        """Make room for `need` bytes on the host tier: its least-recently-used unleased nodes
+        holding nothing above the disk below them go to disk, else out of the tree."""
+        if self._host_bytes + need <= self.host_budget:
+            return True
+        if need > self.host_budget:
+            return False
+
+        def candidate(n: Node) -> bool:
+            return n.tier is Tier.HOST and n.refs == 0 and all(c.tier is Tier.DISK for c in n.children.values())
+
+        heap = [(n.used, id(n), n) for n in self._all() if candidate(n)]
+        heapq.heapify(heap)
+        while heap and self._host_bytes + need > self.host_budget:
+            node = heapq.heappop(heap)[-1]
+            parent = node.parent
+            if not self._to_disk(node):
+                self._drop(node)
+            if parent is not None and candidate(parent):
+                heapq.heappush(heap, (parent.used, id(parent), parent))
+        return self._host_bytes + need <= self.host_budget
+
+    def _disk_room(self, need: int, keep: Node | None = None) -> bool:
+        """Make room for `need` bytes on disk: drop least-recently-used unleased disk leaves
+        (never `keep`'s ancestors)."""
+        if self._disk_bytes + need <= self.disk_budget:
+            return True
+        if need > self.disk_budget:
+            return False
+        kept = set()
+        while keep is not None:
+            kept.add(id(keep))
+            keep = keep.parent
+
+        def candidate(n: Node) -> bool:
+            return n.tier is Tier.DISK and n.refs == 0 and not n.children and id(n) not in kept
+
+        heap = [(n.used, id(n), n) for n in self._all() if candidate(n)]
+        heapq.heapify(heap)
+        while heap and self._disk_bytes + need > self.disk_budget:
+            node = heapq.heappop(heap)[-1]
+            parent = node.parent
+            self._drop(node)
+            if parent is not None and candidate(parent):
+                heapq.heappush(heap, (parent.used, id(parent), parent))
+        return self._disk_bytes + need <= self.disk_budget
+
+    def _all(self) -> Iterable[Node]:
+        for root in list(self._roots.values()):
+            yield from root.walk()
+
+    def _leave_tier(self, node: Node) -> None:
+        """Uncount a node from its tier, and let go of its file."""
+        self._tier_bytes(node, -1)
+        if node.file is not None:
+            refs = self._file_refs[node.file] - 1
+            if refs:
+                self._file_refs[node.file] = refs
+            else:
+                del self._file_refs[node.file]
+                if self.files is not None:
+                    self.files.delete(node.file)
+            node.file, node.offset = None, 0
+
+    def _drop(self, node: Node) -> None:
+        """Take `node` and everything below it out of the tree (no lease holds any of them)."""
+        parent = node.parent
+        if parent is None:
             del self._roots[node.key]
         else:
-            del node.parent.children[node.ids[0]]
-        self._pins.pop(id(node), None)
-        self._count(node.key.tenant, -node.nbytes)
-        self._nodes -= 1
-        self._evictions += 1
-        self._evicted_bytes += node.nbytes
+            del parent.children[node.ids[0]]
+        for gone in node.walk():
+            self._pins.pop(id(gone), None)
+            self._evicted_bytes += gone.nbytes
+            self._leave_tier(gone)
+            self._nodes -= 1
+            self._evictions += 1
+        if parent is not None and parent.parent is None and not parent.ids and not parent.children and not parent.refs:
+            del self._roots[parent.key]  # an empty context left with nothing below it
+            self._leave_tier(parent)
+            self._nodes -= 1
 
+    def _restore(self, files: NodeFiles) -> None:
+        """Hang every span the disk tier holds back in the tree (a restarted server's
+        conversations): contexts first, then by position, longer spans first; a span whose
+        context or path before it is gone, or that adds nothing, is deleted."""
+        spans: list[SpilledSpan] = []
+        for name, meta in files.listing():
+            try:
+                spans.append(read_span(name, meta))
+            except ValueError as e:
+                log.warning("KV tree: %s; deleted", e)
+                files.delete(name)
+        spans.sort(key=lambda s: (not s.root, s.start, -len(s.ids)))
+        for span in spans:
+            if not self._attach(span):
+                files.delete(span.name)
+        self._disk_room(0)
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common prefix of a and b."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    def _attach(self, span: SpilledSpan) -> bool:
+        """Hang a spilled span on the tree (all on disk); False when it adds nothing."""
+        if span.root:
+            if span.key in self._roots:
+                return False
+            root = Node(span.ids, None, None, 0, None, span.key, span.context)
+            self._disk_node(root, span, 0)
+            self._roots[span.key] = root
+            return True
+        root = self._roots.get(span.key)
+        if root is None or span.start != len(root.ids) + len(span.before):
+            return False
+        path = span.before + span.ids
+        node, pos = root, 0
+        while pos < len(path):
+            child = node.children.get(path[pos])
+            if child is None:
+                if pos < len(span.before):
+                    return False  # the path before it is gone
+                break
+            n = common_prefix(child.ids, path[pos:])
+            if n < len(child.ids):
+                if pos + n == len(path) or pos + n < len(span.before) or child.refs:
+                    return False  # nothing new, or the path before it parts from the tree's
+                self._split(child, n)
+            node, pos = child, pos + n
+        if pos == len(path):
+            return False
+        leaf = Node(path[pos:], None, None, len(root.ids) + pos, node, span.key)
+        self._disk_node(leaf, span, pos - len(span.before))
+        node.children[path[pos]] = leaf
+        return True
 
-
-def _slice(cache: KVCache, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies of slots [start, stop) of the cache: K [L, Hkv, T, D] after RoPE, V."""
-    return cache.k[:, :, start:stop].clone(), cache.v[:, :, start:stop].clone()
-
-
-def _bytes_of(cache: KVCache, tokens: int) -> int:
-    L, H, _, D = cache.k.shape
-    return 2 * L * H * tokens * D * cache.k.element_size()
+    def _disk_node(self, node: Node, span: SpilledSpan, offset: int) -> None:
+        """Count a node found on disk: it reads `span`'s file from its `offset`-th token."""
+        node.tier, node.file, node.offset = Tier.DISK, span.name, offset
+        node.kv_bytes = span.token_bytes * len(node.ids)
+        self._file_refs[span.name] = self._file_refs.get(span.name, 0) + 1
+        self._add(node)
+        self._restored += 1

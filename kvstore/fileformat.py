@@ -177,12 +177,15 @@ def _format_checksum(crcs: Sequence[int]) -> str:
     return f"{CHECKSUM_ALGO}:" + ",".join(f"{c:08x}" for c in crcs)
 
 
-def encode(entry: KVEntry, compression: Compression = Compression.NONE) -> bytes:
+def encode(entry: KVEntry, compression: Compression = Compression.NONE,
+           extra: Mapping[str, str] | None = None) -> bytes:
     """Serialize `entry` as one safetensors file's bytes.
 
     Args:
         entry: the chunk's KV (any device; it is copied to CPU for writing).
         compression: NONE keeps k and v bit-exact; INT8/FP8 store per-channel quantized values.
+        extra: more metadata (strings), covered by the header checksum, under names of its
+            own (the KV tree's spilled nodes carry their place in the tree: engine.tree_files).
     """
     compression = check_supported(compression)
     tensors: dict[str, torch.Tensor] = {
@@ -213,6 +216,10 @@ def encode(entry: KVEntry, compression: Compression = Compression.NONE) -> bytes
         meta["context_hash"] = entry.context_hash
     if v_is_k:  # only then: other files are byte-for-byte as before
         meta["v_is_k"] = "true"
+    for name, value in (extra or {}).items():
+        if name in meta or name in _CHECKSUM_FIELDS or name == "checksum_block" or not isinstance(value, str):
+            raise ValueError(f"extra metadata {name!r} clashes with the format's own fields or is not a string")
+        meta[name] = value
     # safetensors' own order: widest dtype first (keeps every tensor aligned), then name.
     order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
     layout: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
@@ -291,6 +298,14 @@ def data_start(head: bytes | bytearray | memoryview) -> int:
         return 0
     header_len: int = struct.unpack("<Q", head[:8])[0]
     return 8 + header_len
+
+
+def read_meta(head: bytes | bytearray | memoryview, file_size: int) -> dict[str, str]:
+    """A file's metadata strings from its first `data_start` bytes (not yet checked against
+    its checksums: for listings); KVFormatError when malformed."""
+    meta, _ = _parse_layout(memoryview(head), file_size)
+    _header_from_meta(meta)
+    return meta
 
 
 def read_header(data: bytes | bytearray | memoryview) -> FileHeader:

@@ -384,6 +384,8 @@ class RagClient:
         parallel_tool_calls: bool = True,
         response_format: ResponseFormatLike = None,
         citations: bool = False,
+        cache_salt: str | None = None,
+        retain_seconds: float | None = None,
         timeout: float | None = None,
     ) -> QueryStream:
         """Start a Query; None options take the server's defaults.
@@ -399,7 +401,10 @@ class RagClient:
         calls made so far and the tools' results go in ``agent_turns`` (after the
         question). ``response_format`` ("json_object", a JSON schema, or OpenAI's dict)
         holds the answer to JSON; ``citations`` marks sources as [n], naming only
-        retrieved chunks. All are enforced by constrained decoding.
+        retrieved chunks. All are enforced by constrained decoding. ``retain_seconds`` keeps
+        an answer's KV-tree path pinned that long for the agent's next call (at most the
+        server's --kv-tree-retain-max-s); ``cache_salt`` shares KV-tree paths only with this
+        key's requests giving the same salt (one per end user, say).
 
         Returns:
             A QueryStream; iterating it yields the answer's text pieces.
@@ -407,7 +412,8 @@ class RagClient:
         options = _options(
             collection, top_k, mode, recompute_ratio, temperature, top_p, seed, max_new_tokens, stop, snippet_chars,
             search_mode, filters, history, system_prompt,
-            _answer_shape(agent_turns, tools, tool_choice, parallel_tool_calls, response_format, citations),
+            {**_answer_shape(agent_turns, tools, tool_choice, parallel_tool_calls, response_format, citations),
+             "cache_salt": cache_salt, "retain_seconds": retain_seconds},
         )
         request = convert.query_request_to_proto(question, options)
 
@@ -580,13 +586,16 @@ class AsyncRagClient:
         parallel_tool_calls: bool = True,
         response_format: ResponseFormatLike = None,
         citations: bool = False,
+        cache_salt: str | None = None,
+        retain_seconds: float | None = None,
         timeout: float | None = None,
     ) -> AsyncQueryStream:
         """Start a Query (the call begins when the stream is iterated)."""
         options = _options(
             collection, top_k, mode, recompute_ratio, temperature, top_p, seed, max_new_tokens, stop, snippet_chars,
             search_mode, filters, history, system_prompt,
-            _answer_shape(agent_turns, tools, tool_choice, parallel_tool_calls, response_format, citations),
+            {**_answer_shape(agent_turns, tools, tool_choice, parallel_tool_calls, response_format, citations),
+             "cache_salt": cache_salt, "retain_seconds": retain_seconds},
         )
         request = convert.query_request_to_proto(question, options)
 

@@ -209,6 +209,9 @@ def query_request_to_proto(question: str, options: QueryOptions) -> pb.QueryRequ
     if not options.parallel_tool_calls:
         msg.parallel_tool_calls = False
     msg.citations = options.citations
+    msg.cache_salt = options.cache_salt or ""
+    if options.retain_seconds is not None:
+        msg.retain_seconds = options.retain_seconds
     return msg
 
 
@@ -288,6 +291,8 @@ def output_options_from_proto(msg: pb.QueryRequest) -> dict[str, Any]:
         tool_choice=ToolChoice(mode, msg.tool_choice.name or None),
         parallel_tool_calls=msg.parallel_tool_calls if msg.HasField("parallel_tool_calls") else True,
         citations=msg.citations,
+        cache_salt=msg.cache_salt or None,
+        retain_seconds=msg.retain_seconds if msg.HasField("retain_seconds") else None,
     )
 
 

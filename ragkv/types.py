@@ -267,6 +267,9 @@ class QueryOptions:
     tool_choice: ToolChoice = ToolChoice()  # whether it must call them
     parallel_tool_calls: bool = True  # several calls in one answer allowed
     citations: bool = False  # mark sources as [n]; only retrieved chunks can be named
+    cache_salt: str | None = None  # KV-tree paths shared only with the same key's requests giving this salt
+    # seconds an answer that may end in tool calls keeps its KV-tree path pinned; None = the server's learned
+    retain_seconds: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -149,7 +149,7 @@ class RagServer:
         s = self.settings
         api = OpenAIApi(runner=self._runner, admission=self._admission, limits=s.limits(), metrics=self.metrics,
                         backend=lambda: self.service.backend, keys=self.keys, max_body_bytes=s.max_request_bytes)
-        self._http = HttpServer(with_responses(api), s.host, s.http_port, s.tls_cert, s.tls_key)
+        self._http = HttpServer(with_responses(api, s), s.host, s.http_port, s.tls_cert, s.tls_key)
         port = await self._http.start()
         log.info("OpenAI-compatible HTTP API on %s:%d (/v1/chat/completions, /v1/models, /health)", s.host, port)
         return port
@@ -200,7 +200,20 @@ class RagServer:
         self.metrics.close()
         self._retrieve_pool.shutdown(wait=False, cancel_futures=True)
         self._scheduler.close(timeout=5.0)
+        await self._persist_conversations()
         self._stopped.set()
+
+    async def _persist_conversations(self) -> None:
+        """Write the KV tree's conversations to its disk tier (--kv-tree-dir), for the next server."""
+        backend = self.service.backend
+        tree = None if backend is None else backend.parts().kv_tree
+        if tree is None or tree.files is None:
+            return
+        try:
+            written = await asyncio.get_running_loop().run_in_executor(None, tree.persist)
+            log.info("KV tree: %d node(s) written to its disk tier for the next start", written)
+        except Exception:  # a full disk: the conversations are recomputed, the stop goes on
+            log.exception("KV tree: could not write its conversations to disk")
 
     async def wait_stopped(self) -> None:
         """Return once drain() has finished."""

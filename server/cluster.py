@@ -17,6 +17,10 @@
   publishes what its tiers and KV tree hold (`record_routing_stats`: Bloom filters, never
   key lists) and its queue.
 - `ChunkRouter` is Ray Serve's `RequestRouter` over `server/routing.py`'s pure scoring.
+  Each replica's answer begins with `Answering` (which replica it is); the ingress pins the
+  conversation there (`ConversationPins`), so its next call (a chat's next turn, a Responses
+  request's `previous_response_id`) goes back to the replica whose KV tree holds it while
+  that replica is alive, and routes as any other request once it is gone.
 
 Faults: a request whose replica dies before its first token is sent to another replica
 (its chunks are held back until then, so the client sees one answer); one that dies
@@ -57,6 +61,7 @@ from ragkv.server.metrics import ServerMetrics
 from ragkv.server.query import Query
 from ragkv.server.routing import (
     ConversationId,
+    ConversationPins,
     KeyFilter,
     KeyHex,
     Policy,
@@ -136,6 +141,14 @@ class Asked:
         return None if self.seconds_left is None else time.monotonic() + self.seconds_left
 
 
+@dataclass(frozen=True, slots=True)
+class Answering:
+    """A replica's first event of an answer: which replica it is (the ingress pins the
+    conversation there; it never reaches a client)."""
+
+    replica: str  # Ray Serve's unique id of the replica (`ReplicaID.unique_id`, the router's view id)
+
+
 def route_keys(query: Query, keys: Sequence[str]) -> RouteKeys:
     """What routing looks for: the chunks' KV keys and the conversation the query continues."""
     first_user = next((t.content for t in query.history if t.role is ChatRole.USER), query.question)
@@ -166,11 +179,14 @@ class EngineReplica:
         self._runner = QueryRunner(admission=self._admission, metrics=self.metrics, retrieve_pool=self._pool,
                                    scheduler=self._scheduler)
         self._conversations: OrderedDict[str, None] = OrderedDict()
+        self._replica = serve.get_replica_context().replica_id.unique_id
         self._lock = threading.Lock()
         self._filters: dict[Tier, tuple[frozenset[str], KeyFilter]] = {}  # per tier: the keys it was built from
 
-    async def answer(self, asked: Asked, hits: Sequence[SearchHit], route: RouteKeys) -> AsyncIterator[RunEvent]:
-        """Answer a query the ingress validated and retrieved for (`route` is the router's)."""
+    async def answer(self, asked: Asked, hits: Sequence[SearchHit],
+                     route: RouteKeys) -> AsyncIterator[Answering | RunEvent]:
+        """Answer a query the ingress validated and retrieved for (`route` is the router's):
+        `Answering` first, then the answer's events."""
         if route.conversation is not None:
             with self._lock:
                 self._conversations[route.conversation] = None
@@ -178,6 +194,7 @@ class EngineReplica:
                 while len(self._conversations) > _CONVERSATIONS_KEPT:
                     self._conversations.popitem(last=False)
         cancel = threading.Event()
+        yield Answering(self._replica)
         try:
             async for event in self._runner.run(self.pipeline, asked.query, arrived=time.perf_counter(), cancel=cancel,
                                                 deadline=asked.deadline(), hits=hits):
@@ -347,6 +364,7 @@ class RoutedRunner:
         self._metrics = metrics
         self._pool = pool
         self._retries = retries
+        self.pins = ConversationPins()  # conversation -> the replica that answered it last
 
     async def run(self, backend: IngressBackend, query: Query, *, arrived: float, cancel: threading.Event,
                   deadline: float | None = None, method: str = "Query") -> AsyncIterator[RunEvent]:
@@ -354,11 +372,13 @@ class RoutedRunner:
         with self._admission.query_slot():
             searched = time.perf_counter()
             hits, route = await loop.run_in_executor(self._pool, backend.search, query)
+            route = self.pins.pin(route)  # its conversation's replica, when one answered it before
             retrieve_s = time.perf_counter() - searched
             asked = Asked.of(query, deadline)
             for attempt in range(self._retries + 1):
                 held: list[RunEvent] = []  # ChunksReady, until the answer has begun
                 begun = False
+                replica: str | None = None  # which one answers (its `Answering`)
                 first_token_at: float | None = None
                 stream = self._engines.options(stream=True).answer.remote(asked, hits, route=route)
                 try:
@@ -366,11 +386,16 @@ class RoutedRunner:
                         if cancel.is_set():
                             stream.cancel()
                             return
+                        if isinstance(event, Answering):
+                            replica = event.replica
+                            continue
                         if isinstance(event, ChunksReady) and not begun:
                             held.append(event)
                             continue
                         if not begun:
                             begun = True
+                            if replica is not None:  # its tree now holds the conversation
+                                self.pins.note(route.conversation, replica)
                             for h in held:
                                 self._metrics.observe_chunks(h.chunks, query.collection)
                                 yield h
@@ -464,7 +489,7 @@ class Ingress:
         api = OpenAIApi(runner=self._runner, admission=self._admission, limits=self.settings.limits(),
                         metrics=self.metrics, backend=lambda: self.backend, keys=self.keys,
                         max_body_bytes=self.settings.max_request_bytes)  # checked there, as in one process
-        return with_responses(api)
+        return with_responses(api, self.settings)
 
     async def _context(self, grpc_context: Any, method: str) -> _ServeContext:
         """The call's context (RagService checks its key from the metadata)."""

@@ -150,7 +150,9 @@ class ServerMetrics:
     def watch_kv_tree(self, read: Callable[[], object]) -> None:
         """Export the KV tree's counters (`read()` -> engine.tree.TreeStats) at each scrape:
         ragkv_kv_tree_hits_total, _hit_tokens_total, _misses_total, _evictions_total,
-        _evicted_bytes_total, and the gauges ragkv_kv_tree_bytes, _budget_bytes, _nodes."""
+        _evicted_bytes_total, _spills_total, _spilled_hit_tokens_total, _restored_total,
+        _read_errors_total, and the gauges ragkv_kv_tree_bytes, _budget_bytes, _nodes and each
+        lower tier's _host_bytes, _host_budget_bytes, _disk_bytes, _disk_budget_bytes."""
         self.registry.register(_KVTree(read))
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
@@ -189,10 +191,18 @@ class _KVTree:
                  ("hit_tokens", "Prompt tokens whose KV came from the KV tree."),
                  ("misses", "Requests whose context the KV tree did not hold."),
                  ("evictions", "KV tree nodes evicted to keep its byte budget."),
-                 ("evicted_bytes", "KV bytes evicted from the KV tree."))
-    _GAUGES = (("nbytes", "bytes", "KV bytes the KV tree holds."),
+                 ("evicted_bytes", "KV bytes evicted from the KV tree."),
+                 ("spills", "KV tree nodes moved down a tier (device to host, host to disk)."),
+                 ("spilled_hit_tokens", "Prompt tokens whose KV the KV tree read back from its host or disk tier."),
+                 ("restored", "KV tree nodes found on disk at start (a restart's conversations)."),
+                 ("read_errors", "Spilled KV tree nodes that could not be read (their tokens were computed)."))
+    _GAUGES = (("nbytes", "bytes", "KV bytes the KV tree holds on the engine's device."),
                ("budget_bytes", "budget_bytes", "The KV tree's byte budget (--kv-tree-bytes)."),
-               ("nodes", "nodes", "Nodes of the KV tree."))
+               ("nodes", "nodes", "Nodes of the KV tree."),
+               ("host_bytes", "host_bytes", "KV bytes the KV tree keeps in CPU memory."),
+               ("host_budget_bytes", "host_budget_bytes", "The KV tree's host budget (--kv-tree-host-bytes)."),
+               ("disk_bytes", "disk_bytes", "KV bytes the KV tree keeps on disk."),
+               ("disk_budget_bytes", "disk_budget_bytes", "The KV tree's disk budget (--kv-tree-disk-bytes)."))
 
     def __init__(self, read: Callable[[], object]) -> None:
         self._read = read

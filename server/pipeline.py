@@ -42,6 +42,7 @@ from ragkv.kvstore import (
     TierSpec,
     hash_prefix,
 )
+from ragkv.kvstore.tree_files import TreeFiles
 from ragkv.retriever import Retriever, SearchHit
 from ragkv.retriever.chunk_keys import NeighbourOptions, serving_key
 from ragkv.server.backend import BackendParts
@@ -239,7 +240,10 @@ class Pipeline:
         """Assemble from an engine and opened retrievers (tests share one loaded engine: each
         pipeline gives it a KV tree of its settings' budget)."""
         lm = engine.lm
-        engine.use_tree(settings.kv_tree_bytes, settings.kv_tree_key_share)
+        files = (TreeFiles(settings.kv_tree_dir, lm.fingerprint, lm.tokenizer_fingerprint)
+                 if settings.kv_tree_dir is not None else None)
+        engine.use_tree(settings.kv_tree_bytes, settings.kv_tree_key_share, settings.kv_tree_host_bytes, files,
+                        settings.kv_tree_disk_bytes)
         engine.conversations.use_retention(settings.kv_tree_retain_max_s, settings.kv_tree_retain_default_s)
         collections = {}
         for name, (index_dir, retriever) in retrievers.items():

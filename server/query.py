@@ -45,10 +45,11 @@ class Query:
     tool_choice: ToolChoice = ToolChoice()
     parallel_tool_calls: bool = True
     citations: bool = False  # mark sources as [n], naming only retrieved chunks
-    # whose conversations its KV-tree path belongs to (the API key's name, and its cache salt):
-    # a tree path is read only by queries of the same tenant; chunk KV from the index is everyone's
+    # whose conversations its KV-tree path belongs to (the API key's name, and its `cache_salt`, of
+    # the HTTP body or the gRPC request): a tree path is read only by queries of the same tenant;
+    # chunk KV from the index is everyone's
     tenant: str = ""
     # an answer that may end in tool calls keeps its KV-tree path ahead of LRU eviction this many
-    # seconds (ragkv's HTTP extra `retain_seconds`, at most --kv-tree-retain-max-s); None = the
-    # tool latency the server has learned
+    # seconds (`retain_seconds`: ragkv's HTTP extra, a gRPC field; at most --kv-tree-retain-max-s);
+    # None = the tool latency the server has learned
     retain_seconds: float | None = None

@@ -1,23 +1,52 @@
 """Stored responses of the Responses API (`/v1/responses` with `store`, `previous_response_id`).
 
-Kept in memory, by id: least recently used dropped first, bounded in count and bytes. Each
-belongs to the tenant that made it (`Caller.tenant`: the API key's name and its cache salt):
-another tenant finds nothing under its id, exactly as under an unknown one.
+Kept in memory, by id: least recently used dropped first, bounded in count and bytes, and
+in age (a response older than `max_age_s`, counted from when it was stored, is not found
+and is deleted). Each belongs to the tenant that made it (`Caller.tenant`: the API key's
+name and its cache salt): another tenant finds nothing under its id, exactly as under an
+unknown one.
+
+With a directory (`ragkv serve --responses-dir`) every stored response is also one file
+there, `<id>.json`, so a restarted server finds it again. A file is written whole to a
+temporary name and renamed over (`os.replace`): a crash mid-write leaves at most a stray
+temporary file (removed at the next start), never a torn response, and never touches
+another response's file. At start the directory is read back, oldest first, under the same
+bounds; a file that does not read as a stored response is skipped with a warning (and left
+for whoever wants to look at it). One server per directory: two would drop each other's
+files as they evict.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
+import os
+import re
 import threading
+import time
+import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ragkv.errors import RagKVError
+
+if TYPE_CHECKING:
+    from ragkv.server.settings import ServerSettings
+
+log = logging.getLogger(__name__)
 
 MAX_RESPONSES = 10_000
 MAX_ENTRY_BYTES = 2 * 1024**2  # one stored response: its whole conversation and its response object
 MAX_STORE_BYTES = 256 * 1024**2
+MAX_AGE_S = 30 * 86400.0  # seconds: OpenAI keeps stored responses 30 days by default
+
+FORMAT = 1  # the files' layout version
+_SUFFIX, _TEMP = ".json", ".tmp"
+_SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")  # ids that may name a file
 
 
 class UnknownResponseError(RagKVError, LookupError):
@@ -34,20 +63,49 @@ class StoredResponse:
     items: tuple[dict[str, Any], ...]  # the whole conversation: input items, then output items
     response: dict[str, Any]  # the response object, as GET returns it
     size: int  # bytes of both, as JSON
+    created_at: float = 0.0  # the store's clock (Unix seconds) when it was stored: its age counts from here
 
 
 class ResponseStore:
-    """Stored responses by id: least recently used dropped first, bounded in count and bytes.
+    """Stored responses by id: least recently used dropped first, bounded in count, bytes and
+    age; kept in `directory` too when one is given (see the module docstring).
 
     A response larger than `max_entry_bytes` is not kept. Thread-safe.
+
+    Args:
+        max_entries: Stored responses at most.
+        max_entry_bytes: Bytes of one response's conversation and response object, as JSON.
+        max_bytes: Bytes of all of them.
+        max_age_s: Seconds a response is found after it was stored.
+        directory: Where each response is a file; None = memory only (lost on restart).
+        clock: Unix seconds now (tests pass their own).
+
+    Raises:
+        ValueError: A bound is not positive, or `directory` is not a directory.
     """
 
     def __init__(self, max_entries: int = MAX_RESPONSES, max_entry_bytes: int = MAX_ENTRY_BYTES,
-                 max_bytes: int = MAX_STORE_BYTES) -> None:
+                 max_bytes: int = MAX_STORE_BYTES, max_age_s: float = MAX_AGE_S, directory: Path | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        if min(max_entries, max_entry_bytes, max_bytes) < 1 or not 0 < max_age_s < math.inf:
+            raise ValueError(f"max_entries, max_entry_bytes, max_bytes and max_age_s must be > 0 (and max_age_s "
+                             f"finite), got {max_entries}, {max_entry_bytes}, {max_bytes}, {max_age_s}")
         self.max_entries, self.max_entry_bytes, self.max_bytes = max_entries, max_entry_bytes, max_bytes
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self.max_age_s = max_age_s
+        self.directory = None if directory is None else Path(directory)
+        self._clock = clock
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()  # least recently used first
+        self._stored: OrderedDict[str, float] = OrderedDict()  # id -> created_at, oldest first
         self._bytes = 0
         self._lock = threading.Lock()
+        if self.directory is not None:
+            self._load(self.directory)
+
+    @classmethod
+    def from_settings(cls, settings: ServerSettings) -> ResponseStore:
+        """The store `ragkv serve --responses-*` describes."""
+        return cls(max_entries=settings.responses_max_count, max_bytes=settings.responses_max_bytes,
+                   max_age_s=settings.responses_max_age_s, directory=settings.responses_dir)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -57,35 +115,160 @@ class ResponseStore:
         return sum(len(json.dumps(v, default=str)) for v in values)
 
     def put(self, response_id: str, tenant: str, items: tuple[dict[str, Any], ...], response: dict[str, Any]) -> bool:
-        """Keep a response; False when it is larger than one entry may be."""
+        """Keep a response (in its file first, when the store has a directory); False when it is
+        larger than one entry may be.
+
+        Raises:
+            ValueError: The store has a directory and `response_id` cannot name a file.
+            OSError: Its file could not be written (the response is not kept).
+        """
         size = self.size_of(list(items), response)
         if size > self.max_entry_bytes:
             return False
+        entry = StoredResponse(tenant, items, response, size, self._clock())
+        if self.directory is not None:
+            if not _SAFE_ID.fullmatch(response_id):
+                raise ValueError(f"response id {response_id!r} cannot name a file: letters, digits, _ and - only")
+            self._write(response_id, entry)
         with self._lock:
-            old = self._entries.pop(response_id, None)
-            if old is not None:
-                self._bytes -= old.size
-            self._entries[response_id] = StoredResponse(tenant, items, response, size)
-            self._bytes += size
-            while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
-                _, dropped = self._entries.popitem(last=False)
-                self._bytes -= dropped.size
+            self._insert(response_id, entry)
+            dropped = self._expired() + self._over_bounds()
+        self._unlink(dropped)
         return True
 
     def get(self, response_id: str, tenant: str) -> StoredResponse | None:
-        """The response, if `tenant` stored it (another tenant's is None, as an unknown id's)."""
+        """The response, if `tenant` stored it (another tenant's is None, as an unknown id's,
+        and so is one past `max_age_s`)."""
         with self._lock:
+            dropped = self._expired()
             entry = self._entries.get(response_id)
-            if entry is None or entry.tenant != tenant:
-                return None
-            self._entries.move_to_end(response_id)
-            return entry
+            if entry is not None and entry.tenant == tenant:
+                self._entries.move_to_end(response_id)
+            else:
+                entry = None
+        self._unlink(dropped)
+        return entry
 
     def delete(self, response_id: str, tenant: str) -> bool:
+        """Forget a response of `tenant`'s (its file too); False when it has none by this id."""
         with self._lock:
+            dropped = self._expired()
             entry = self._entries.get(response_id)
-            if entry is None or entry.tenant != tenant:
-                return False
-            del self._entries[response_id]
-            self._bytes -= entry.size
-            return True
+            found = entry is not None and entry.tenant == tenant
+            if found:
+                self._remove(response_id)
+                dropped.append(response_id)
+        self._unlink(dropped)
+        return found
+
+    # ---- memory (under the lock) ----
+
+    def _insert(self, response_id: str, entry: StoredResponse) -> None:
+        if response_id in self._entries:
+            self._remove(response_id)
+        self._entries[response_id] = entry
+        self._stored[response_id] = entry.created_at
+        self._bytes += entry.size
+
+    def _remove(self, response_id: str) -> None:
+        entry = self._entries.pop(response_id)
+        del self._stored[response_id]
+        self._bytes -= entry.size
+
+    def _expired(self) -> list[str]:
+        """Drop the responses past their age (oldest first: they lead `_stored`); their ids."""
+        oldest = self._clock() - self.max_age_s
+        out = []
+        while self._stored:
+            response_id, created = next(iter(self._stored.items()))
+            if created >= oldest:
+                break
+            self._remove(response_id)
+            out.append(response_id)
+        return out
+
+    def _over_bounds(self) -> list[str]:
+        """Drop least recently used responses until the count and bytes are within bounds; their ids."""
+        out = []
+        while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
+            response_id = next(iter(self._entries))
+            self._remove(response_id)
+            out.append(response_id)
+        return out
+
+    # ---- files (outside the lock) ----
+
+    def _path(self, response_id: str) -> Path:
+        if self.directory is None:
+            raise RuntimeError("a file path asked of a memory-only response store: a bug")
+        return self.directory / f"{response_id}{_SUFFIX}"
+
+    def _write(self, response_id: str, entry: StoredResponse) -> None:
+        """The response's file, whole or not at all: a temporary file, synced, renamed over."""
+        path = self._path(response_id)
+        temp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}{_TEMP}")
+        record = {"format": FORMAT, "id": response_id, "tenant": entry.tenant, "created_at": entry.created_at,
+                  "items": list(entry.items), "response": entry.response}
+        data = json.dumps(record, default=str).encode()
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temp, path)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+
+    def _unlink(self, response_ids: list[str]) -> None:
+        if self.directory is None:
+            return
+        for response_id in response_ids:
+            try:
+                self._path(response_id).unlink(missing_ok=True)
+            except OSError as exc:  # the entry is gone from memory: a restart may find it, then drop it by age
+                log.warning("stored response %s: could not delete its file (%s)", response_id, exc)
+
+    def _load(self, directory: Path) -> None:
+        """Read the directory's responses back, oldest first, within the bounds."""
+        if directory.exists() and not directory.is_dir():
+            raise ValueError(f"responses directory {directory} is not a directory: give --responses-dir a "
+                             f"directory (it is created when missing)")
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        found: list[tuple[str, StoredResponse]] = []
+        for path in sorted(directory.iterdir()):
+            if path.name.startswith(".") and path.name.endswith(_TEMP):
+                path.unlink(missing_ok=True)  # a write a crash cut short: never renamed, never a response
+            elif path.suffix == _SUFFIX and (read := _read(path)) is not None:
+                found.append(read)
+        found.sort(key=lambda f: f[1].created_at)
+        with self._lock:
+            for response_id, entry in found:
+                self._insert(response_id, entry)
+            dropped = self._expired() + self._over_bounds()
+        self._unlink(dropped)
+        if found:
+            log.info("stored responses: %d read back from %s (%d past their age or the bounds, deleted)",
+                     len(self._entries), directory, len(dropped))
+
+
+def _read(path: Path) -> tuple[str, StoredResponse] | None:
+    """One response's file, or None (with a warning naming what is wrong) when it is not one."""
+    response_id = path.stem
+    try:
+        record = json.loads(path.read_bytes())
+        if not isinstance(record, dict) or record.get("format") != FORMAT:
+            raise ValueError(f"not a stored response of format {FORMAT}")
+        if record.get("id") != response_id or not _SAFE_ID.fullmatch(response_id):
+            raise ValueError(f"it holds id {record.get('id')!r}, not its file name's")
+        tenant, created, items, response = (record.get(k) for k in ("tenant", "created_at", "items", "response"))
+        if not isinstance(tenant, str) or not isinstance(created, (int, float)) or not isinstance(items, list) \
+                or not all(isinstance(i, dict) for i in items) or not isinstance(response, dict):
+            raise ValueError("its tenant, created_at, items or response is missing or of the wrong type")
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+        log.warning("stored response file %s skipped: %s (delete it, or move it away)", path, exc)
+        return None
+    items_t = tuple(items)
+    return response_id, StoredResponse(tenant, items_t, response, ResponseStore.size_of(items, response),
+                                       float(created))

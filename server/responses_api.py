@@ -8,16 +8,18 @@ completions path itself (`OpenAIApi._events`: the same validation, key checks, r
 admission and `QueryRunner.run`); its metrics count it as a ChatCompletions request.
 
 `previous_response_id` continues a stored conversation: responses made with `store` (the
-default) are kept in memory (`ResponseStore`: LRU, bounded in entries, bytes and bytes per
-entry), each with its whole conversation (its input after its own previous response's
-expansion, plus its output) and the tenant that made it (`Caller.tenant(cache_salt)`: the
-API key, and the request's cache salt). A response is found only by its own tenant: to
-any other key it does not exist (404, as an unknown id). `instructions` are not carried
-over, as OpenAI's are not: each request gives its own system message.
+default) are kept (`ResponseStore`: in memory, and in `--responses-dir` when given, so they
+survive a restart; LRU, bounded in entries, bytes, bytes per entry and age), each with its
+whole conversation (its input after its own previous response's expansion, plus its output)
+and the tenant that made it (`Caller.tenant(cache_salt)`: the API key, and the request's
+cache salt). A response is found only by its own tenant: to any other key it does not exist
+(404, as an unknown id). `instructions` are not carried over, as OpenAI's are not: each
+request gives its own system message.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -43,6 +45,7 @@ from ragkv.types import FinishReason, QueryStats, RetrievedChunk, ToolCallDelta
 
 if TYPE_CHECKING:
     from ragkv.server.openai_api import OpenAIApi
+    from ragkv.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 
@@ -389,9 +392,18 @@ class ResponsesApi:
             body["ragkv"] = ragkv_extra(chunks, stats, snippet)
         return body
 
-    def _keep(self, tenant: str, parsed: Parsed, response: dict[str, Any]) -> None:
-        if parsed.store and not self.store.put(response["id"], tenant, parsed.items + tuple(response["output"]),
-                                               response):
+    async def _keep(self, tenant: str, parsed: Parsed, response: dict[str, Any]) -> None:
+        """Store the response when asked (off the event loop: with a directory it is a file written
+        and synced); the answer stands even when it cannot be kept."""
+        if not parsed.store:
+            return
+        try:
+            kept = await asyncio.to_thread(self.store.put, response["id"], tenant,
+                                           parsed.items + tuple(response["output"]), response)
+        except OSError as exc:
+            log.error("response %s not stored: writing its file failed (%s)", response["id"], exc)
+            return
+        if not kept:
             log.warning("response %s not stored: its conversation is over %d bytes", response["id"],
                         self.store.max_entry_bytes)
 
@@ -443,7 +455,7 @@ class ResponsesApi:
             raise RuntimeError("the answer ended without stats: a bug")
         response = self._response(response_id, created, query, parsed, _status(stats), output_items(stats), stats,
                                   first.chunks, snippet)
-        self._keep(tenant, parsed, response)
+        await self._keep(tenant, parsed, response)
         return JSONResponse(response)
 
     async def _sse(self, events: AsyncIterator[RunEvent], chunks: tuple[RetrievedChunk, ...], query: Query,
@@ -532,7 +544,7 @@ class ResponsesApi:
                     for line in close_message(status) + close_call(status):
                         yield line
                     response = self._response(response_id, created, query, parsed, status, items, ev, chunks, snippet)
-                    self._keep(tenant, parsed, response)
+                    await self._keep(tenant, parsed, response)
                     yield event(f"response.{status}", response=response)
         except Exception as exc:  # headers are sent: the error goes in the stream, as OpenAI's does
             _, body, code = error_body(exc)
@@ -580,8 +592,10 @@ class ResponsesApi:
             return self._error(exc, RETRIEVE, caller)
 
 
-def with_responses(api: OpenAIApi) -> Any:
+def with_responses(api: OpenAIApi, settings: ServerSettings | None = None) -> Any:
     """`api`'s ASGI app with the Responses API's routes beside chat completions' (the app the
-    server and the cluster's ingress serve); this module builds on openai_api, not the reverse."""
-    api.app.router.routes.extend(ResponsesApi(api).routes())
+    server and the cluster's ingress serve), its stored responses as `settings` say (None: in
+    memory, the default bounds); this module builds on openai_api, not the reverse."""
+    store = ResponseStore() if settings is None else ResponseStore.from_settings(settings)
+    api.app.router.routes.extend(ResponsesApi(api, store).routes())
     return api.app

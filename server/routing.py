@@ -11,15 +11,22 @@ served the request's conversation last (its KV tree holds the conversation). Loc
 must not pile every request onto one replica: when the best replica's queue is longer
 than the shortest by more than `max_skew`, it is passed over; when nothing tells the
 replicas within that skew apart, the choice falls back to power-of-two choices.
+
+Beyond what replicas publish, the ingress remembers which replica answered each
+conversation last (`ConversationPins`): a conversation's next call (a chat's next turn, a
+Responses request's `previous_response_id`, which continues its conversation) goes to that
+replica first while it is alive and within the skew, whatever the Bloom filters say.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import math
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NewType
@@ -129,6 +136,9 @@ class RouteKeys:
 
     chunks: tuple[KeyHex, ...] = ()  # the retrieved chunks' KV keys, best first
     conversation: ConversationId | None = None  # the agent conversation it continues; None = none
+    # the replica (Ray Serve's unique id) that answered its conversation last (`ConversationPins`):
+    # ranked first while it is a candidate within the skew; None = none known
+    pinned: str | None = None
 
 
 # A summary published this long after a request was routed holds what that request brought
@@ -189,10 +199,11 @@ def rank(views: Sequence[ReplicaView], keys: RouteKeys, policy: Policy, *, max_s
          rng: random.Random | None = None) -> list[ReplicaView]:
     """The replicas in the order to try them, best first.
 
-    CHUNK: by `chunk_score`, ties to the shorter queue; a replica whose queue is more than
-    `max_skew` longer than the shortest is ranked after every one within it. When the replicas
-    within the skew all score the same (none holds anything of the request, or all hold it
-    alike), power-of-two choices decide.
+    CHUNK: the replica `keys.pinned` names first, when it is among `views` (alive) and within
+    `max_skew`; the others (all of them, otherwise) by `chunk_score`, ties to the shorter
+    queue; a replica whose queue is more than `max_skew` longer than the shortest is ranked
+    after every one within it. When the replicas within the skew all score the same (none
+    holds anything of the request, or all hold it alike), power-of-two choices decide.
     POW2: two replicas drawn at random, the shorter queue first, then the rest.
 
     Raises:
@@ -207,6 +218,11 @@ def rank(views: Sequence[ReplicaView], keys: RouteKeys, policy: Policy, *, max_s
         return _pow2(views, rng)
     shortest = min(v.queue for v in views)
     within = [v for v in views if v.queue <= shortest + max_skew]
+    pinned = next((v for v in within if keys.pinned is not None and v.replica_id == keys.pinned), None)
+    if pinned is not None:  # alive (a candidate) and not overloaded: its tree holds the conversation
+        others = [v for v in views if v is not pinned]
+        unpinned = dataclasses.replace(keys, pinned=None)
+        return [pinned] + (rank(others, unpinned, policy, max_skew=max_skew, rng=rng) if others else [])
     beyond = [v for v in views if v.queue > shortest + max_skew]
     scores = {v.replica_id: chunk_score(v, keys) for v in views}
     if len({scores[v.replica_id] for v in within}) == 1:  # nothing tells them apart (say, a cold start)
@@ -234,6 +250,38 @@ def note_routed(view: ReplicaView, keys: RouteKeys, now: float | None = None) ->
     if keys.conversation is not None:
         view.routed_conversations[keys.conversation] = now
     view.queue += 1
+
+
+class ConversationPins:
+    """Which replica answered each conversation last, as the ingress saw the answers begin.
+
+    Exact where the replicas' published conversation filters are a window (their last few
+    thousand conversations), seconds old and approximate. Bounded: the conversations answered
+    least recently are forgotten first. The ingress's own, on its event loop (one thread).
+    """
+
+    def __init__(self, max_conversations: int = 65536) -> None:
+        if max_conversations < 1:
+            raise ValueError(f"max_conversations must be >= 1, got {max_conversations!r}")
+        self.max_conversations = max_conversations
+        self._replicas: OrderedDict[ConversationId, str] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._replicas)
+
+    def note(self, conversation: ConversationId | None, replica: str) -> None:
+        """`replica` began answering `conversation` (its tree now holds the conversation's path)."""
+        if conversation is None:
+            return
+        self._replicas[conversation] = replica
+        self._replicas.move_to_end(conversation)
+        while len(self._replicas) > self.max_conversations:
+            self._replicas.popitem(last=False)
+
+    def pin(self, keys: RouteKeys) -> RouteKeys:
+        """`keys` naming the replica that answered their conversation last (as they are when none did)."""
+        replica = None if keys.conversation is None else self._replicas.get(keys.conversation)
+        return keys if replica is None else dataclasses.replace(keys, pinned=replica)
 
 
 def conversation_id(collection: str, first_user_message: str, system_prompt: str | None = None,

@@ -104,7 +104,9 @@ class RagService(pb_grpc.RagServiceServicer):
             with self._admission.rpc():
                 backend = self._ready_backend()
                 question, options = convert.query_request_from_proto(request)
-                query = validate_query(question, options, self._limits, backend.modes, caller.tenant())
+                # the salt names the tenant within the key (validate_query checks its length)
+                query = validate_query(question, options, self._limits, backend.modes,
+                                       caller.tenant(options.cache_salt))
                 self._keys.admit_query(caller, query.collection)
                 remaining = context.time_remaining()
                 deadline = None if remaining is None else time.monotonic() + remaining

@@ -101,6 +101,19 @@ class ServerSettings:
     # latency (p90 of the gaps seen, >= 1 s, at most this), kv_tree_retain_default_s before any; 0 = no pins
     kv_tree_retain_max_s: float = 60.0
     kv_tree_retain_default_s: float = 10.0
+    # what the KV tree moves off the device (least recently used first, engine.tree) goes to CPU
+    # memory, at most this, then to kv_tree_dir; 0 = no host tier
+    kv_tree_host_bytes: int = 2 * 1024**3
+    # the KV tree's disk tier (kvstore.tree_files): spilled conversations as checksummed KV files,
+    # everything in memory written there at shutdown, found again by the next server; None = off
+    kv_tree_dir: Path | None = None
+    kv_tree_disk_bytes: int = 16 * 1024**3
+    # the Responses API's stored responses (server.response_store): in memory, and with a directory
+    # also one file each there, so a restarted server finds them; None = memory only (lost on restart)
+    responses_dir: Path | None = None
+    responses_max_count: int = 10_000  # stored responses at most; least recently used dropped first
+    responses_max_bytes: int = 256 * 1024**2  # bytes of all stored conversations and responses, as JSON
+    responses_max_age_s: float = 30 * 86400.0  # seconds a stored response is found after it was stored
     kv_disk_dir: Path | None = None  # disk tier directory; None = the index's own
     kv_s3_uri: str | None = None  # s3://bucket/prefix of the S3 tier; None = off
     # write KV computed at serve time back to the S3 tier; off = read S3 only (the deploy's serving
@@ -174,9 +187,16 @@ class ServerSettings:
             raise ValueError(f"kv_tree_key_share must be in (0, 1], got {self.kv_tree_key_share}")
         if self.kv_tree_bytes < 0:
             raise ValueError(f"kv_tree_bytes must be >= 0 (0 turns the KV tree off), got {self.kv_tree_bytes}")
+        if self.kv_tree_host_bytes < 0 or self.kv_tree_disk_bytes < 0:
+            raise ValueError(f"kv_tree_host_bytes and kv_tree_disk_bytes must be >= 0 (0 = no such tier), got "
+                             f"{self.kv_tree_host_bytes} and {self.kv_tree_disk_bytes}")
         if not 0 <= self.kv_tree_retain_max_s < float("inf") or not 0 <= self.kv_tree_retain_default_s < float("inf"):
             raise ValueError(f"kv_tree_retain_max_s and kv_tree_retain_default_s must be seconds >= 0, got "
                              f"{self.kv_tree_retain_max_s} and {self.kv_tree_retain_default_s}")
+        if self.responses_max_count < 1 or self.responses_max_bytes < 1 \
+                or not 0 < self.responses_max_age_s < float("inf"):
+            raise ValueError(f"responses_max_count, responses_max_bytes and responses_max_age_s must be > 0, got "
+                             f"{self.responses_max_count}, {self.responses_max_bytes}, {self.responses_max_age_s}")
         if self.retrieve_workers < 1:
             raise ValueError(f"retrieve_workers must be >= 1, got {self.retrieve_workers}")
         if self.kv_compression not in ("auto", "none", "int8", "fp8"):

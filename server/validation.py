@@ -56,6 +56,7 @@ class RequestLimits:
     max_system_prompt_chars: int = 16384  # characters of a request's system message
     max_tools: int = 64  # tools per request
     max_tools_chars: int = 65536  # characters of all tool definitions and the response schema, as JSON
+    max_cache_salt_chars: int = 256  # characters of a request's cache_salt (the HTTP API's bound too)
 
 
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -69,6 +70,17 @@ def _turns(turns: Sequence[ChatTurn], where: str) -> None:
             raise InvalidArgumentError(f"{where}[{i}].tool_call_id", "a tool turn must name the call it answers")
         if not turn.content.strip() and not turn.tool_calls and turn.role is not ChatRole.TOOL:
             raise InvalidArgumentError(f"{where}[{i}]", "must have text or tool calls")
+
+
+def _tenancy(options: QueryOptions, limits: RequestLimits) -> None:
+    """`cache_salt` and `retain_seconds`: the salt's length, the seconds' sign (their upper
+    bound, --kv-tree-retain-max-s, is the backend's to check: it knows its KV tree)."""
+    salt, retain = options.cache_salt, options.retain_seconds
+    if salt is not None and not 0 < len(salt) <= limits.max_cache_salt_chars:
+        raise InvalidArgumentError("cache_salt", f"must have 1..{limits.max_cache_salt_chars} characters, "
+                                                 f"got {len(salt)}")
+    if retain is not None and not (math.isfinite(retain) and retain >= 0):
+        raise InvalidArgumentError("retain_seconds", f"must be a number of seconds >= 0, got {retain!r}")
 
 
 def _output(options: QueryOptions, limits: RequestLimits) -> None:
@@ -213,6 +225,7 @@ def validate_query(
         if turn.role is ChatRole.USER:
             raise InvalidArgumentError(f"agent_turns[{i}]", "turns after the question are the assistant's or tools'")
     _output(options, limits)
+    _tenancy(options, limits)
     history_chars = sum(len(t.content) + sum(len(c.arguments) for c in t.tool_calls) for t in history + agent)
     if history_chars > limits.max_history_chars:
         raise InvalidArgumentError("history", f"is {history_chars} characters, the limit is {limits.max_history_chars}")
@@ -239,4 +252,5 @@ def validate_query(
         parallel_tool_calls=options.parallel_tool_calls,
         citations=options.citations,
         tenant=tenant,
+        retain_seconds=None if options.retain_seconds is None else float(options.retain_seconds),
     )

@@ -228,6 +228,23 @@ def test_an_agent_loop_stays_on_one_replica_and_reuses_its_kv_tree(served) -> No
                 assert usage.tree_prompt_tokens > 0, f"step {step} computed its whole prompt again"
 
 
+def test_a_responses_conversation_continues_on_the_replica_holding_it(served) -> None:
+    """Over the cluster's HTTP API: `previous_response_id` routes to the replica that answered
+    the response (the ingress pinned the conversation there), which reads it from its KV tree."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{served.http}/v1", api_key=TOKEN, max_retries=0, timeout=60)
+    extra = {"mode": "blend", "top_k": 3}
+    response = client.responses.create(model="docs", input="Which player chose the secret number of topic 6?",
+                                       max_output_tokens=4, extra_body=extra)
+    for step in range(3):
+        call = {"type": "function_call", "call_id": f"call_{step}", "name": "lookup", "arguments": "{}"}
+        result = {"type": "function_call_output", "call_id": f"call_{step}", "output": f"page {step}: 4703."}
+        response = client.responses.create(model="docs", previous_response_id=response.id, input=[call, result],
+                                           max_output_tokens=4, extra_body=extra)
+        assert response.model_extra["ragkv"]["tree_prompt_tokens"] > 0, f"step {step} missed its replica's tree"
+
+
 def test_a_replica_killed_mid_answer_ends_it_unavailable_and_comes_back(served) -> None:
     import ray
 
@@ -345,6 +362,51 @@ def test_retries_end_unavailable_when_every_replica_dies() -> None:
         _run(engines, retries=2)
     assert len(engines.calls) == 3
     assert status_for(err.value)[0] is grpc.StatusCode.UNAVAILABLE
+
+
+class _ConversationBackend(_Backend):
+    """Routes as the ingress does: no chunks, the conversation `route_keys` names."""
+
+    modes = frozenset(Mode)
+
+    def search(self, query: Query) -> tuple[list[object], RouteKeys]:
+        return [], cluster.route_keys(query, [])
+
+
+def test_previous_response_id_goes_to_the_replica_that_answered_its_conversation() -> None:
+    """The Responses API over the ingress's runner: a response's continuation is routed pinned
+    to the replica that answered it (its `Answering`); another conversation is not."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from starlette.testclient import TestClient
+
+    from ragkv.server.openai_api import OpenAIApi
+    from ragkv.server.responses_api import with_responses
+    from ragkv.server.validation import RequestLimits
+
+    engines = _Engines([_Stream([cluster.Answering(f"replica-{i}"), *_events()], None) for i in range(4)])
+    runner = cluster.RoutedRunner(engines=engines, admission=Admission(4), metrics=ServerMetrics(),
+                                  pool=ThreadPoolExecutor(1), retries=0)
+    backend = _ConversationBackend()
+    api = OpenAIApi(runner=runner, admission=Admission(4), limits=RequestLimits(), metrics=ServerMetrics(),
+                    backend=lambda: backend)
+    with TestClient(with_responses(api)) as http:
+        def create(**body: object) -> dict:
+            response = http.post("/v1/responses", json={"model": "default", **body})
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        first = create(input="who wrote it")
+        second = create(input="and when", previous_response_id=first["id"])
+        create(input="and where", previous_response_id=second["id"])
+        create(input="something else entirely")
+    routes = engines.calls
+    assert routes[0].pinned is None  # a new conversation: routing decides
+    assert routes[1].conversation == routes[0].conversation and routes[1].pinned == "replica-0"
+    assert routes[2].pinned == "replica-1"  # the replica that answered the conversation last
+    assert routes[3].conversation != routes[0].conversation and routes[3].pinned is None
+    # `Answering` is the ingress's: the client's events are the answer's alone
+    assert first["output"][0]["content"][0]["text"] == "ab"
 
 
 def test_the_ingress_serves_a_hybrids_one_mode(tmp_path: Path) -> None:

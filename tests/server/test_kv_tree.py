@@ -146,3 +146,22 @@ def test_retain_seconds_is_accepted_and_pins_and_bad_values_are_400_naming_it(se
     assert post(30, "responses")[0] == 200  # the Responses API takes the same extra
     status, body = post(-1, "responses")
     assert status == 400 and body["error"]["param"] == "retain_seconds", body
+
+
+def test_grpc_retain_seconds_is_accepted_and_past_the_servers_max_is_invalid_argument(servers) -> None:
+    """The gRPC request's `retain_seconds`, as the HTTP extra: at most --kv-tree-retain-max-s (60 s
+    by default), >= 0; a bad value is INVALID_ARGUMENT naming the field and the bound."""
+    with_tree, _ = servers
+    kwargs = dict(collection="docs", mode="reuse", top_k=2, max_new_tokens=3, tools=[{
+        "type": "function", "function": {"name": "lookup", "description": "Look a page up.",
+                                         "parameters": {"type": "object", "properties": {}}}}])
+    with RagClient(with_tree.addr) as client:
+        for ok in (45.0, 0.0):
+            stream = client.query("Where does the fox jump? (gRPC)", retain_seconds=ok, **kwargs)
+            "".join(stream)
+            assert stream.result() is not None
+        for bad, needle in ((61.0, "at most 60 s"), (-1.0, ">= 0"), (float("nan"), ">= 0")):
+            with pytest.raises(grpc.RpcError) as err:
+                "".join(client.query("Where does the fox jump? (gRPC)", retain_seconds=bad, **kwargs))
+            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT, bad
+            assert "retain_seconds" in err.value.details() and needle in err.value.details(), err.value.details()

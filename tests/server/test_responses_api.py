@@ -318,6 +318,42 @@ def test_the_store_is_bounded_and_keeps_tenants_apart() -> None:
     assert store.get("r2", "alice") is None and store.get("r1", "alice") is not None
 
 
+def test_stored_responses_survive_a_restart_on_the_same_responses_dir(tmp_path: Path) -> None:
+    """--responses-dir: a response stored before the server restarts is found after it (GET),
+    continued by previous_response_id, and DELETE's forgetting survives the next restart too."""
+    responses = tmp_path / "responses"
+    before = ServerThread(settings(http_port=0, responses_dir=responses), lambda _: RecordingBackend())
+    try:
+        first = _client(before).responses.create(model="default", input="who wrote it")
+        unstored = _client(before).responses.create(model="default", input="forget me", store=False)
+    finally:
+        before.stop()
+    assert sorted(p.name for p in responses.iterdir()) == [f"{first.id}.json"]
+
+    backend = RecordingBackend()
+    after = ServerThread(settings(http_port=0, responses_dir=responses), lambda _: backend)
+    try:
+        client = _client(after)
+        assert client.responses.retrieve(first.id).output_text == "who wrote it "
+        second = client.responses.create(model="default", input="alpha beta", previous_response_id=first.id)
+        assert second.output_text == "alpha beta " and second.previous_response_id == first.id
+        assert backend.params[-1].history == (ChatTurn(ChatRole.USER, "who wrote it"),
+                                              ChatTurn(ChatRole.ASSISTANT, "who wrote it "))
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(unstored.id)
+        client.responses.delete(first.id)
+    finally:
+        after.stop()
+
+    again = ServerThread(settings(http_port=0, responses_dir=responses), lambda _: RecordingBackend())
+    try:
+        with pytest.raises(openai.NotFoundError):
+            _client(again).responses.retrieve(first.id)
+        assert _client(again).responses.retrieve(second.id).output_text == "alpha beta "
+    finally:
+        again.stop()
+
+
 def test_openai_agents_sdk_runs_an_agent_with_a_function_tool(http_server: ServerThread,
                                                               backend: RecordingBackend) -> None:
     if importlib.util.find_spec("agents") is None:

@@ -13,6 +13,7 @@ from ragkv.server.routing import (
     AFFINITY_BONUS,
     SETTLE_S,
     TIER_WEIGHTS,
+    ConversationPins,
     KeyFilter,
     Policy,
     ReplicaSummary,
@@ -147,3 +148,41 @@ def test_replicas_holding_a_request_alike_are_chosen_by_power_of_two_not_by_orde
     views = [_view(f"r{i}", disk=[0]) for i in range(3)]  # a disk every replica shares: it tells nothing
     firsts = Counter(rank(views, keys, Policy.CHUNK, rng=random.Random(seed))[0].replica_id for seed in range(60))
     assert set(firsts) == {"r0", "r1", "r2"}
+
+
+def test_a_pinned_replica_goes_first_while_alive_and_within_the_skew_else_routing_as_usual() -> None:
+    """The replica that answered a conversation last (`RouteKeys.pinned`) beats chunk locality and
+    the published affinity; dead (not a candidate) or overloaded, the request routes as any other."""
+    conv = conversation_id("docs", "What is the secret number?")
+    keys = RouteKeys((_key(0), _key(1)), conv)
+    chunks, filtered, tree = _view("chunks", gpu=[0, 1]), _view("filtered"), _view("tree", queue=2)
+    filtered.summary = ReplicaSummary(conversations=KeyFilter.of([conv]))  # a Bloom filter's false positive, say
+    views = [chunks, filtered, tree]
+    usual = [v.replica_id for v in rank(views, keys, Policy.CHUNK, rng=random.Random(0))]
+    assert usual[0] == "filtered"
+    pinned = RouteKeys(keys.chunks, conv, pinned="tree")
+    for seed in range(5):
+        ranked = [v.replica_id for v in rank(views, pinned, Policy.CHUNK, rng=random.Random(seed))]
+        assert ranked == ["tree", "filtered", "chunks"]  # the rest as they rank among themselves
+    # its replica died (Ray no longer offers it): routing as usual
+    assert [v.replica_id for v in rank([chunks, filtered], pinned, Policy.CHUNK)] == ["filtered", "chunks"]
+    # overloaded past the skew: passed over as any replica is, ranked after those within it
+    tree.queue = 9
+    assert [v.replica_id for v in rank(views, pinned, Policy.CHUNK, max_skew=4)][-1] == "tree"
+    assert [v.replica_id for v in rank([tree], pinned, Policy.CHUNK)] == ["tree"]  # alone: still chosen
+
+
+def test_conversation_pins_remember_the_last_replica_of_each_conversation_bounded() -> None:
+    pins = ConversationPins(max_conversations=2)
+    a, b, c = (conversation_id("docs", q) for q in ("a?", "b?", "c?"))
+    assert pins.pin(RouteKeys((), a)) == RouteKeys((), a)  # none answered it yet
+    pins.note(a, "r1")
+    pins.note(b, "r2")
+    pins.note(a, "r3")  # its last answer moved: the tree it left may be evicted, the new one holds it
+    pins.note(None, "r1")  # no conversation: nothing to remember
+    assert pins.pin(RouteKeys((), a)).pinned == "r3" and len(pins) == 2
+    pins.note(c, "r1")  # over the bound: the conversation answered least recently (b) is forgotten
+    assert pins.pin(RouteKeys((), b)).pinned is None and pins.pin(RouteKeys((), c)).pinned == "r1"
+    assert pins.pin(RouteKeys()).pinned is None
+    with pytest.raises(ValueError, match="max_conversations"):
+        ConversationPins(0)

@@ -146,3 +146,24 @@ def test_kv_s3_writeback_off_reads_s3_and_writes_only_below_it(tmp_path) -> None
                         torch.device("cpu"))
     assert Tier.S3 in on.durable_writes and Tier.S3 in {s.tier for s in off.tiers}
     assert Tier.S3 not in off.durable_writes and Tier.DISK in off.durable_writes
+
+
+def test_stored_responses_stay_in_memory_unless_given_a_directory_and_their_bounds_are_checked(
+        tmp_path: Path) -> None:
+    from ragkv.cli.main import build_parser
+    from ragkv.cli.serve import settings_from_args
+    from ragkv.server.response_store import ResponseStore
+
+    s = ServerSettings()
+    assert s.responses_dir is None and s.responses_max_age_s == 30 * 86400.0
+    args = build_parser().parse_args(["serve", "--index", "x", "--responses-dir", str(tmp_path / "r"),
+                                      "--responses-max-age-s", "3600", "--responses-max-count", "5",
+                                      "--responses-max-bytes", "65536"])
+    s = settings_from_args(args, env={})
+    store = ResponseStore.from_settings(s)
+    assert (store.directory, store.max_age_s, store.max_entries, store.max_bytes) == (tmp_path / "r", 3600.0, 5, 65536)
+    assert (tmp_path / "r").is_dir()
+    assert load_settings({}, env={"RAGKV_RESPONSES_DIR": "off"}).responses_dir is None
+    for bad in ({"responses_max_age_s": 0}, {"responses_max_age_s": "inf"}, {"responses_max_count": 0}):
+        with pytest.raises(ValueError, match="responses_max_count, responses_max_bytes and responses_max_age_s"):
+            load_settings(bad, env={})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import grpc
 import openai
 import pytest
 
@@ -79,3 +80,24 @@ def test_a_cache_salt_separates_one_keys_requests(server: ServerThread) -> None:
     with pytest.raises(openai.BadRequestError, match="cache_salt"):
         client.chat.completions.create(model="docs", messages=messages, max_tokens=4,
                                        extra_body={"cache_salt": "x" * 300})
+
+
+def test_a_grpc_cache_salt_separates_one_keys_requests(server: ServerThread) -> None:
+    """The gRPC request's `cache_salt`, as the HTTP body's: one key's salted requests share tree
+    paths with the same salt only; a salt past 256 characters is INVALID_ARGUMENT naming it."""
+    kwargs = dict(collection="docs", mode="blend", top_k=2, max_new_tokens=4)
+    question = "Who met Bob by the river? (salted over gRPC)"
+    with RagClient(server.addr, token=ALICE) as alice:
+
+        def ask(salt: str | None) -> int:
+            stream = alice.query(question, cache_salt=salt, **kwargs)
+            "".join(stream)
+            return stream.result().usage.tree_prompt_tokens
+
+        assert ask(None) == 0
+        assert ask(None) > 0  # the key's own path
+        assert ask("user-42") == 0  # another tenant within the key: nothing of the unsalted path
+        assert ask("user-42") > 0 and ask("user-7") == 0
+        with pytest.raises(grpc.RpcError) as err:
+            "".join(alice.query(question, cache_salt="x" * 300, **kwargs))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "cache_salt" in err.value.details()

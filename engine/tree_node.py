@@ -1,0 +1,234 @@
+"""The KV tree's parts (`engine.tree.KVTree`): its keys, its nodes and where each keeps its
+KV, a lease on a matched path, and what the tree reports."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import TYPE_CHECKING
+
+import torch
+
+from ragkv.engine.kv import KVCache
+
+if TYPE_CHECKING:
+    from ragkv.engine.tree import KVTree
+
+
+@dataclass(frozen=True, slots=True)
+class TreeKey:
+    """What made a context's KV: a digest over its parts (model, mode, prefix, chunk keys,
+    options, the question the mode's choices were made by), within one tenant."""
+
+    digest: str
+    tenant: str = ""  # whose paths these are (Request.tenant); in the digest too
+
+    @classmethod
+    def of(cls, *parts: object, tenant: str = "") -> TreeKey:
+        h = hashlib.sha256()
+        for part in (tenant, *parts):
+            data = repr(part).encode()
+            h.update(len(data).to_bytes(8, "little") + data)
+        return cls(h.hexdigest(), tenant)
+
+    def __str__(self) -> str:
+        return self.digest[:12]
+
+
+@dataclass(frozen=True, slots=True)
+class TreeContext:
+    """What a context's prompt pass decided, replayed by every request that reuses it."""
+
+    prefix_tokens: int  # P: tokens of the shared prefix at the start of the prompt
+    chunk_end: int  # C: the chunks lie at prompt positions [P, C), the question from C on
+    chunk_tokens: int  # chunk tokens the mode's pass counted (every retrieved chunk's, in focus)
+    used_chunks: tuple[int, ...] | None = None  # focus: the chunks kept; None = all
+    chunk_scores: tuple[float, ...] | None = None  # focus: each chunk's relevance
+    handed_over: bool = False  # focus handed over to blend
+    fell_back: bool = False  # the quality guard ran the pass as full prefill
+
+
+@dataclass(frozen=True, slots=True)
+class RecurrentSnapshot:
+    """A hybrid's recurrent layers' state after the first `tokens` tokens past the context."""
+
+    tokens: int
+    state: object  # the layers' conv and recurrent states (Adapter.new_recurrent_state's kind), a copy
+    nbytes: int
+
+
+class Tier(IntEnum):
+    """Where a node keeps its KV (SGLang HiCache's three levels)."""
+
+    DEVICE = 0  # the engine's device: the tree's budget, counted in the scheduler's
+    HOST = 1  # CPU memory: the host budget
+    DISK = 2  # a file of the tree's `NodeFiles`: the disk budget; found again after a restart
+
+
+class Node:
+    """One edge of the tree: a run of tokens and their KV, on one tier."""
+
+    __slots__ = ("ids", "k", "v", "start", "children", "parent", "refs", "used", "key", "context", "state",
+                 "state_bytes", "pin", "answered", "parts_at", "tier", "kv_bytes", "file", "offset")
+
+    def __init__(self, ids: tuple[int, ...], k: torch.Tensor | None, v: torch.Tensor | None, start: int,
+                 parent: Node | None, key: TreeKey, context: TreeContext | None = None, kv_bytes: int = 0) -> None:
+        self.ids = ids  # the tokens of this edge (a root: the whole context)
+        self.k = k  # [L, Hkv, T, D], after RoPE; None on DISK
+        self.v = v  # [L, Hkv, T, D]
+        self.start = start  # position of the first token
+        self.children: dict[int, Node] = {}  # first token -> child
+        self.parent = parent
+        self.refs = 0  # leases holding this node
+        self.used = 0  # LRU clock of its last match or insert
+        self.key = key  # the context it hangs under
+        self.context = context  # roots only
+        self.state: object | None = None  # hybrids: the recurrent state after this node's last token
+        self.state_bytes = 0
+        self.pin = 0.0  # clock time its pin ends (kept ahead of LRU until then); 0 = not pinned
+        # an answer that may end in tool calls: the clock time it was inserted, and the position
+        # where its conversation's next call parts from its prompt (start < parts_at <= end: the
+        # prompt's end, before the answer's header): a match reaching it is that next call
+        self.answered: float | None = None
+        self.parts_at = 0
+        self.tier = Tier.DEVICE
+        self.kv_bytes = kv_bytes if k is None else _kv_bytes(k, v)
+        self.file: str | None = None  # DISK: the file holding it (perhaps with other tokens before and after)
+        self.offset = 0  # DISK: its first token's place among the file's
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.ids)
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv_bytes + self.state_bytes
+
+    def walk(self) -> list[Node]:
+        """This node and every node below it, parents before children."""
+        out, stack = [], [self]
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def path_ids(self) -> tuple[int, ...]:
+        """The tokens between its context's end and this node's first token."""
+        runs, node = [], self.parent
+        while node is not None and node.parent is not None:
+            runs.append(node.ids)
+            node = node.parent
+        return tuple(t for run in reversed(runs) for t in run)
+
+
+@dataclass(slots=True)
+class LeasedPart:
+    """A node of a leased path, and the KV of its first `n` tokens as matched."""
+
+    node: Node
+    n: int
+    k: torch.Tensor | None  # [L, Hkv, >= n, D]; None until a DISK node is read
+    v: torch.Tensor | None
+
+    @property
+    def spilled(self) -> bool:
+        return self.node.tier is not Tier.DEVICE
+
+
+@dataclass(slots=True)
+class TreeLease:
+    """A matched path, held until the prompt pass has copied it into its own cache."""
+
+    tree: KVTree
+    context_ids: tuple[int, ...]  # the context's tokens (the root's)
+    context: TreeContext
+    matched: int  # tokens matched past the context
+    _parts: list[LeasedPart] = field(default_factory=list)
+    _held: bool = True
+    _state: object | None = None  # hybrids: the recurrent state after the leased tokens
+    spilled: int = 0  # of `tokens`, those read back from the host or disk tier
+
+    def recurrent_state(self) -> object | None:
+        """A copy of the recurrent state after the leased tokens (the pass updates it in place)."""
+        return copy.deepcopy(self._state) if self._state is not None else None
+
+    @property
+    def tokens(self) -> int:
+        """Prompt positions whose KV the lease supplies: the context and the matched tokens."""
+        return len(self.context_ids) + self.matched
+
+    def write_into(self, cache: KVCache) -> int:
+        """Copy the leased KV into slots [0, tokens) of `cache`; returns the tokens written."""
+        if not self._held:
+            raise RuntimeError("TreeLease.write_into after release: a bug")
+        for part in self._parts:
+            if part.k is None or part.v is None:
+                raise RuntimeError("TreeLease.write_into of a part never read: a bug")
+            s, n = part.node.start, part.n
+            cache.k[:, :, s:s + n] = part.k[:, :, :n]  # host and disk parts move to the device here
+            cache.v[:, :, s:s + n] = part.v[:, :, :n]
+        return self.tokens
+
+    def release(self) -> None:
+        """Let the path be evicted again (idempotent)."""
+        if self._held:
+            self._held = False
+            self.tree._release([p.node for p in self._parts])
+
+    def __del__(self) -> None:  # a lease dropped unreleased (a request refused after prepare)
+        try:
+            self.release()
+        except Exception:  # interpreter shutdown: nothing left to release
+            pass
+
+
+@dataclass(frozen=True, slots=True)
+class TreeStats:
+    """What the tree holds and has done since it was made."""
+
+    nbytes: int  # KV bytes held on the device
+    budget_bytes: int
+    nodes: int
+    contexts: int  # roots
+    hits: int  # matches that supplied at least the context
+    hit_tokens: int  # prompt tokens supplied by matches
+    misses: int
+    evictions: int  # nodes dropped from the tree (from its last tier)
+    evicted_bytes: int
+    pinned_bytes: int = 0  # KV bytes held by live pins
+    retain_s: float = 0.0  # the time-to-live a pin gets now when the client names none (ToolLatency.ttl)
+    tool_gaps: int = 0  # tool latencies observed (answer that may end in tool calls -> next call on its path)
+    host_bytes: int = 0  # KV bytes spilled to CPU memory
+    host_budget_bytes: int = 0
+    disk_bytes: int = 0  # KV bytes spilled to disk
+    disk_budget_bytes: int = 0
+    spills: int = 0  # nodes moved down a tier
+    spilled_hit_tokens: int = 0  # of hit_tokens, those read back from the host or disk tier
+    restored: int = 0  # nodes found on disk when the tree was made (a restart's conversations)
+    read_errors: int = 0  # spilled nodes unreadable (damaged or missing files): dropped, their tokens computed
+
+
+def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """Length of the common prefix of a and b."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def slice_kv(cache: KVCache, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of slots [start, stop) of the cache: K [L, Hkv, T, D] after RoPE, V."""
+    return cache.k[:, :, start:stop].clone(), cache.v[:, :, start:stop].clone()
+
+
+def cache_bytes(cache: KVCache, tokens: int) -> int:
+    L, H, _, D = cache.k.shape
+    return 2 * L * H * tokens * D * cache.k.element_size()
+
+
+def _kv_bytes(k: torch.Tensor, v: torch.Tensor | None) -> int:
+    return k.numel() * k.element_size() + (0 if v is None else v.numel() * v.element_size())

@@ -1,0 +1,192 @@
+"""The KV tree's tiers: conversations spilled to CPU memory and disk, read back exactly, and
+found again by a new tree (a restarted server) over the same files."""
+
+from __future__ import annotations
+
+import torch
+
+from ragkv.engine import BlendOptions, Engine, Prompt, SamplingParams, load_model
+from ragkv.engine.kv import KVCache
+from ragkv.engine.tree import KVTree, Tier, TreeContext, TreeKey
+from ragkv.evals.testing import tiny_model_dir
+from ragkv.kvstore.tree_files import TreeFiles
+from ragkv.types import Mode
+
+CTX = TreeContext(prefix_tokens=1, chunk_end=2, chunk_tokens=1, used_chunks=(0,), chunk_scores=(0.5,))
+
+
+def _cache(n: int, fill: float = 0.0) -> KVCache:
+    """A cache of n tokens whose K/V at slot j hold j + fill (so copies can be checked)."""
+    cache = KVCache(2, 1, 3, n + 4, torch.float32, torch.device("cpu"))
+    cache.k[:, :, :n] = torch.arange(n, dtype=torch.float32)[None, None, :, None] + fill
+    cache.v[:, :, :n] = -cache.k[:, :, :n]
+    cache.length = n
+    return cache
+
+
+def _bytes(tokens: int) -> int:
+    return 2 * 2 * 1 * tokens * 3 * 4  # K and V, [L=2, Hkv=1, T, D=3], float32
+
+
+def _read(tree: KVTree, key: TreeKey, ids: list[int]) -> tuple[int, int, torch.Tensor]:
+    """(tokens supplied, of them spilled, K of the supplied slots) of a match, released."""
+    lease = tree.match(key, ids)
+    if lease is None:
+        return 0, 0, torch.empty(0)
+    out = KVCache(2, 1, 3, len(ids) + 8, torch.float32, torch.device("cpu"))
+    lease.write_into(out)
+    lease.release()
+    return lease.tokens, lease.spilled, out.k[:, :, :lease.tokens].clone()
+
+
+def _files(tmp_path) -> TreeFiles:
+    return TreeFiles(tmp_path / "tree", "model-a", "tok-a")
+
+
+def test_a_node_leaving_the_device_moves_to_host_and_reads_back_exactly():
+    tree = KVTree(_bytes(8), host_bytes=_bytes(100))
+    a, b = TreeKey.of("a"), TreeKey.of("b")
+    tree.insert(a, [7], CTX, [1, 2, 3, 4], _cache(5, fill=10))
+    tree.insert(b, [8], CTX, [5, 6, 7, 8], _cache(5, fill=20))  # no room on the device: a spills
+    stats = tree.stats()
+    # a's question (4 tokens) moved; its context (1) still fits
+    assert stats.nbytes <= _bytes(8) and stats.host_bytes == _bytes(4) and stats.evictions == 0
+    tokens, spilled, k = _read(tree, a, [1, 2, 3, 4, 0])
+    assert (tokens, spilled) == (5, 4)
+    assert torch.equal(k, _cache(5, fill=10).k[:, :, :5])
+    assert tree.stats().spilled_hit_tokens == 4
+
+
+def test_without_lower_tiers_a_spilled_node_is_evicted_as_before():
+    tree = KVTree(_bytes(8))
+    a, b = TreeKey.of("a"), TreeKey.of("b")
+    tree.insert(a, [7], CTX, [1, 2, 3, 4], _cache(5))
+    tree.insert(b, [8], CTX, [5, 6, 7, 8], _cache(5))
+    tokens, spilled, _ = _read(tree, a, [1, 2, 3, 4, 0])
+    assert (tokens, spilled) == (1, 0) and tree.stats().evictions == 1  # a's question is gone, its context held
+
+
+def test_host_overflow_goes_to_disk_and_the_insert_after_a_match_brings_it_back(tmp_path):
+    files = _files(tmp_path)
+    tree = KVTree(_bytes(6), host_bytes=_bytes(6), files=files, disk_bytes=_bytes(100))
+    keys = [TreeKey.of(f"k{i}") for i in range(3)]
+    for i, key in enumerate(keys):
+        tree.insert(key, [], CTX, [1, 2, 3, 4], _cache(4, fill=100 * i))
+    files.flush()
+    tiers = {k: tree._roots[k].children[1].tier for k in keys}
+    assert tiers == {keys[0]: Tier.DISK, keys[1]: Tier.HOST, keys[2]: Tier.DEVICE}
+    (spilled_file,) = (tmp_path / "tree" / "model-a").glob("*.kv")
+    tokens, spilled, k = _read(tree, keys[0], [1, 2, 3, 4, 0])
+    assert (tokens, spilled) == (4, 4) and torch.equal(k, _cache(4).k[:, :, :4])
+    tree.insert(keys[0], [], CTX, [1, 2, 3, 4, 5], _cache(5))  # the next call's insert: back on the device
+    assert tree._roots[keys[0]].children[1].tier is Tier.DEVICE
+    files.flush()
+    assert not spilled_file.exists()  # its file went with it (k1 went down to disk to make room)
+    assert tree._roots[keys[1]].children[1].tier is Tier.DISK
+
+
+def test_a_restarted_tree_finds_its_conversations_on_disk(tmp_path):
+    tree = KVTree(_bytes(100), host_bytes=_bytes(100), files=_files(tmp_path), disk_bytes=_bytes(100))
+    key, other = TreeKey.of("conv", tenant="alice"), TreeKey.of("conv", tenant="bob")
+    tree.insert(key, [7, 8], CTX, [1, 2, 3, 4], _cache(6, fill=1))
+    tree.insert(key, [7, 8], CTX, [1, 2, 5, 6, 7], _cache(7, fill=2))  # a second branch: splits [1, 2]
+    assert tree.persist() == 4  # root, the shared [1, 2], and the two branches
+
+    again = KVTree(_bytes(100), files=_files(tmp_path), disk_bytes=_bytes(100))
+    assert again.stats().restored == 4 and again.stats().disk_bytes == tree.stats().disk_bytes
+    tokens, spilled, k = _read(again, key, [1, 2, 5, 6, 7, 0])
+    want = torch.cat([_cache(4, fill=1).k[:, :, :4], _cache(7, fill=2).k[:, :, 4:7]], dim=2)  # shared, then its own
+    assert (tokens, spilled) == (7, 7) and torch.equal(k, want)
+    tokens, _, k = _read(again, key, [1, 2, 3, 4, 0])
+    assert tokens == 6 and torch.equal(k[:, :, 4:], _cache(6, fill=1).k[:, :, 4:6])
+    lease = again.match(key, [1, 2, 3])
+    assert lease.context == CTX and lease.context_ids == (7, 8)
+    lease.release()
+    assert again.match(other, [1, 2, 3, 4, 0]) is None  # another tenant's same words find nothing
+
+
+def test_a_split_inside_a_spilled_node_keeps_both_parts_reading_one_file(tmp_path):
+    files = _files(tmp_path)
+    tree = KVTree(_bytes(7), files=files, disk_bytes=_bytes(100))
+    a, b = TreeKey.of("a"), TreeKey.of("b")
+    tree.insert(a, [], CTX, [1, 2, 3, 4, 5, 6], _cache(6, fill=1))
+    tree.insert(b, [], CTX, [9, 9, 9], _cache(3))  # a goes to disk, whole
+    assert tree._roots[a].children[1].tier is Tier.DISK
+    tree.insert(a, [], CTX, [1, 2, 3, 8], _cache(4, fill=1))  # parts inside a's spilled edge
+    tokens, _, k = _read(tree, a, [1, 2, 3, 4, 5, 6, 0])
+    assert tokens == 6 and torch.equal(k, _cache(6, fill=1).k[:, :, :6])
+    top = tree._roots[a].children[1]
+    lower = top.children[4]
+    assert top.ids == (1, 2, 3) and (lower.tier, lower.offset, lower.ids) == (Tier.DISK, 3, (4, 5, 6))
+    files.flush()
+    assert (tmp_path / "tree" / "model-a" / f"{lower.file}.kv").exists()
+
+
+def test_a_damaged_file_is_a_miss_for_its_node_and_never_an_error(tmp_path):
+    files = _files(tmp_path)
+    tree = KVTree(_bytes(100), files=files, disk_bytes=_bytes(100))
+    key = TreeKey.of("conv")
+    tree.insert(key, [7], CTX, [1, 2, 3, 4], _cache(5))
+    tree.persist()
+    for path in (tmp_path / "tree" / "model-a").glob("*.kv"):
+        data = bytearray(path.read_bytes())
+        if b"tree_context" not in data:  # the edge below the context: flip a byte of its KV
+            data[-5] ^= 0xFF
+            path.write_bytes(bytes(data))
+    again = KVTree(_bytes(100), files=_files(tmp_path), disk_bytes=_bytes(100))
+    tokens, _, k = _read(again, key, [1, 2, 3, 4, 0])
+    assert tokens == 1 and torch.equal(k, _cache(5).k[:, :, :1])  # the context alone
+    assert again.stats().read_errors == 1 and again.stats().nodes == 1
+
+
+def test_the_disk_budget_drops_the_least_recently_used_and_deletes_their_files(tmp_path):
+    files = _files(tmp_path)
+    tree = KVTree(_bytes(5), files=files, disk_bytes=_bytes(10))
+    keys = [TreeKey.of(f"k{i}") for i in range(4)]
+    for i, key in enumerate(keys):
+        tree.insert(key, [], CTX, [1, 2, 3, 4, 5], _cache(5, fill=i))
+    files.flush()
+    stats = tree.stats()
+    assert stats.disk_bytes <= _bytes(10) and stats.evictions == 1
+    assert len(list((tmp_path / "tree" / "model-a").glob("*.kv"))) == 2
+    assert tree.match(keys[0], [1, 2, 3, 4, 5, 0]) is None
+
+
+def test_files_of_another_model_are_not_read(tmp_path):
+    tree = KVTree(_bytes(100), files=_files(tmp_path), disk_bytes=_bytes(100))
+    tree.insert(TreeKey.of("conv"), [7], CTX, [1, 2, 3], _cache(4))
+    tree.persist()
+    other = KVTree(_bytes(100), files=TreeFiles(tmp_path / "tree", "model-b", "tok-a"), disk_bytes=_bytes(100))
+    assert other.stats().restored == 0
+
+
+def test_a_restarted_engine_answers_a_conversation_from_disk_as_computing_it(tmp_path):
+    """A conversation answered, the tree persisted, a fresh tree over the same folder: the next
+    call reads its KV from disk and equals the call computed whole."""
+    d = tiny_model_dir(tmp_path / "model", "llama", seed=11)
+    eng = Engine(load_model(str(d), device="cpu", dtype="float32"))
+    fmt, lm = eng.prompt, eng.lm
+    make = lambda: TreeFiles(tmp_path / "tree", lm.fingerprint, lm.tokenizer_fingerprint)  # noqa: E731 - two trees, one folder
+    eng.use_tree(64 << 20, files=make(), disk_bytes=64 << 20)
+    prefix_ids, chunks = fmt.prefix_ids(), ["Paris is the capital of France.", "The secret number is 4721."]
+    chunk_ids = [fmt.chunk_ids(c) for c in chunks]
+    kvs = [eng.prefill(prefix_ids, ids) for ids in chunk_ids]
+    opts, mode = BlendOptions(recompute_ratio=0.2), Mode.BLEND
+    first_q = fmt.question_ids("What is the secret number?")
+    spot = eng.conversations.lease(mode, prefix_ids, chunk_ids, chunks, first_q, options=opts)
+    res = eng.run(Prompt(first_q, prefix_ids, chunk_ids, kvs), mode, opts, reserve_tokens=16)
+    stream = eng.decode(res, SamplingParams(max_new_tokens=5))
+    list(stream)
+    eng.conversations.remember(spot, mode, res, len(first_q), len(prefix_ids), stream.token_ids)
+    assert eng.conversations.persist() >= 2
+
+    eng.use_tree(64 << 20, files=make(), disk_bytes=64 << 20)  # the restart: a fresh tree, the same folder
+    second_q = [*first_q, *stream.token_ids[:4], *fmt.chunk_ids("\nTool: done.\n")]
+    alone = eng.run(Prompt(second_q, prefix_ids, chunk_ids, kvs, first_q), mode, opts, reserve_tokens=16)
+    spot = eng.conversations.lease(mode, prefix_ids, chunk_ids, chunks, second_q, options=opts, select_ids=first_q)
+    assert spot is not None and spot.lease is not None and spot.lease.spilled == spot.lease.tokens > 0
+    reused = eng.run(Prompt(second_q, prefix_ids, chunk_ids, None), mode, opts, reserve_tokens=16, resume=spot)
+    assert torch.equal(reused.token_ids, alone.token_ids)
+    assert (reused.logits - alone.logits).abs().max().item() <= 1e-4
+    a, b = eng.decode(reused, SamplingParams(max_new_tokens=6)), eng.decode(alone, SamplingParams(max_new_tokens=6))
+    assert "".join(a) == "".join(b)

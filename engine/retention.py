@@ -1,10 +1,28 @@
 """Retention that knows agents: the tool latencies a KV tree sees, and how long it pins an
-answer's path ahead of LRU eviction until the agent's next call (Continuum's time-to-live)."""
+answer's path ahead of LRU eviction until the agent's next call (Continuum's time-to-live).
+
+An answer that may end in tool calls comes back as the
+conversation's next call once the tool has run, and plain LRU evicts exactly those paths
+first (the longest-waiting agent is the least recently used). So an insert may *pin* its
+path for a time-to-live (`insert(..., pin_s=)`): an insert makes room from unpinned nodes
+only (least recently used first) and stores less rather than spill a live pin; `shrink`
+(admission making room for a running request) takes pinned nodes too, after every
+unpinned one, soonest-expiring first. A pin ends when its time passes or when the next
+call leases the path (`match`; that call's own insert pins again if it may end in tool
+calls). A tenant's live pins hold at most `tenant_share` of the budget: past it, its path
+is kept as any other. The time from such an answer to the next call on its path is a tool
+latency the tree sees (`ToolLatency`): the pins' learned time-to-live is their p90.
+"""
 
 from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ragkv.engine.tree_node import LeasedPart, Node
 
 
 class ToolLatency:
@@ -41,3 +59,61 @@ class ToolLatency:
             gaps = sorted(self._gaps)
         guess = gaps[min(len(gaps) - 1, int(self.quantile * len(gaps)))] if gaps else self.default_s
         return min(max(guess, 1.0), self.max_s)
+
+
+class Pins:
+    """The KV tree's pinned nodes (the tree calls these under its lock), and the tool
+    latencies that set how long a pin lasts."""
+
+    def __init__(self, clock: Callable[[], float], latency: ToolLatency) -> None:
+        self._now = clock
+        self.latency = latency
+        self._pins: dict[int, Node] = {}  # id -> node pinned (perhaps expired: pruned lazily)
+
+    def add(self, node: Node) -> None:
+        self._pins[id(node)] = node
+
+    def discard(self, node: Node) -> None:
+        self._pins.pop(id(node), None)
+
+    def live(self, now: float | None = None) -> list[Node]:
+        """The nodes whose pin has not ended (dropping the others from the index)."""
+        now = self._now() if now is None else now
+        for key in [k for k, n in self._pins.items() if n.pin <= now]:
+            del self._pins[key]
+        return list(self._pins.values())
+
+    def pin(self, path: Sequence[Node], tenant: str, pin_s: float, parts_pos: int | None,
+            tenant_bytes: float | None = None) -> None:
+        """Pin `path` for `pin_s` seconds (not when the tenant's live pins would pass
+        `tenant_bytes`: then it is kept as any path), and mark where the next call will part
+        from it (`parts_pos`, a prompt position)."""
+        now = self._now()
+        if parts_pos is not None:
+            for node in path:
+                if node.start < parts_pos <= node.end:
+                    node.answered, node.parts_at = now, parts_pos
+                    break
+        if tenant_bytes is not None:
+            held = sum(n.nbytes for n in self.live(now) if n.key.tenant == tenant)
+            if held + sum(n.nbytes for n in path if n.pin <= now) > tenant_bytes:
+                return
+        for node in path:
+            node.pin = max(node.pin, now + pin_s)
+            self.add(node)
+
+    def resumed(self, parts: Sequence[LeasedPart]) -> None:
+        """A match leased `parts`: where it reached an answered prompt's end (`parts_at`), it
+        is that conversation's next call, and the time since the answer is a tool latency.
+        The pins of the nodes it covered (whole, or to that point) end: its own insert pins
+        them again. A match that only passes through a node (another conversation parting
+        from this one inside it) leaves its pin."""
+        for part in parts:
+            node, n = part.node, part.n
+            answered, reached = node.answered, False
+            if answered is not None and node.start + n >= node.parts_at:
+                self.latency.observe(self._now() - answered)
+                node.answered, reached = None, True
+            if node.pin and (reached or n == len(node.ids)):
+                node.pin = 0.0
+                self.discard(node)

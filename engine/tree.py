@@ -28,17 +28,8 @@ over the same files finds every spilled conversation again, under the same keys.
 that cannot be read is a miss for that node and below (its tokens are computed), never an
 error. Hybrids keep no tiers (a recurrent state is not spilled).
 
-Retention that knows agents: an answer that may end in tool calls comes back as the
-conversation's next call once the tool has run, and plain LRU evicts exactly those paths
-first (the longest-waiting agent is the least recently used). So an insert may *pin* its
-path for a time-to-live (`insert(..., pin_s=)`): an insert makes room from unpinned nodes
-only (least recently used first) and stores less rather than spill a live pin; `shrink`
-(admission making room for a running request) takes pinned nodes too, after every
-unpinned one, soonest-expiring first. A pin ends when its time passes or when the next
-call leases the path (`match`; that call's own insert pins again if it may end in tool
-calls). A tenant's live pins hold at most `tenant_share` of the budget: past it, its path
-is kept as any other. The time from such an answer to the next call on its path is a tool
-latency the tree sees (`retention.ToolLatency`): the pins' learned time-to-live is their p90.
+Retention that knows agents (`engine.retention`): an insert may *pin* its path ahead of LRU
+for a time-to-live (`insert(..., pin_s=)`), until the agent's next call leases it.
 
 A hybrid's recurrent layers (`KVTree(recurrent=True)`) keep a state no K/V stands in for,
 so the tree also keeps that state where a prompt ended (`RecurrentSnapshot`, on the node
@@ -59,7 +50,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from ragkv.engine.kv import KVCache
-from ragkv.engine.retention import ToolLatency
+from ragkv.engine.retention import Pins, ToolLatency
 from ragkv.engine.tree_files import NodeFiles, SpilledSpan, file_name, read_span, span_meta
 from ragkv.engine.tree_node import (
     LeasedPart,
@@ -116,8 +107,7 @@ class KVTree:
         self._lock = threading.Lock()
         self._clock = itertools.count(1)
         self._now = clock
-        self.latency = latency or ToolLatency()
-        self._pins: dict[int, Node] = {}  # id -> node pinned (perhaps expired: pruned lazily)
+        self.pins = Pins(clock, latency or ToolLatency())  # retention: paths kept ahead of LRU
         self._bytes = self._host_bytes = self._disk_bytes = self._nodes = 0
         self._file_refs: dict[str, int] = {}  # file -> nodes reading it
         self._hits = self._hit_tokens = self._misses = self._evictions = self._evicted_bytes = 0
@@ -129,9 +119,18 @@ class KVTree:
     def enabled(self) -> bool:
         return self.budget_bytes > 0
 
+    @property
+    def latency(self) -> ToolLatency:
+        """The tool latencies seen, and the pins' learned time-to-live."""
+        return self.pins.latency
+
+    @latency.setter
+    def latency(self, latency: ToolLatency) -> None:
+        self.pins.latency = latency
+
     def stats(self) -> TreeStats:
         with self._lock:
-            pinned = sum(n.nbytes for n in self._live_pins())
+            pinned = sum(n.nbytes for n in self.pins.live())
             return TreeStats(self._bytes, self.budget_bytes, self._nodes, len(self._roots), self._hits,
                              self._hit_tokens, self._misses, self._evictions, self._evicted_bytes, pinned,
                              self.latency.ttl(), self.latency.observed, self._host_bytes, self.host_budget,
@@ -153,7 +152,7 @@ class KVTree:
             state, parts = found
             for part in parts:
                 part.node.refs += 1
-            self._resumed(parts)
+            self.pins.resumed(parts)
         parts = self._read_spilled(parts)
         if not parts:
             with self._lock:
@@ -230,22 +229,6 @@ class KVTree:
                         self._drop(node)
                 return parts[:j]
         return parts
-
-    def _resumed(self, parts: Sequence[LeasedPart]) -> None:
-        """A match leased `parts`: where it reached an answered prompt's end (`parts_at`), it
-        is that conversation's next call, and the time since the answer is a tool latency.
-        The pins of the nodes it covered (whole, or to that point) end: its own insert pins
-        them again. A match that only passes through a node (another conversation parting
-        from this one inside it) leaves its pin."""
-        for part in parts:
-            node, n = part.node, part.n
-            answered, reached = node.answered, False
-            if answered is not None and node.start + n >= node.parts_at:
-                self.latency.observe(self._now() - answered)
-                node.answered, reached = None, True
-            if node.pin and (reached or n == len(node.ids)):
-                node.pin = 0.0
-                self._pins.pop(id(node), None)
 
     def _release(self, nodes: Iterable[Node]) -> None:
         with self._lock:
@@ -341,7 +324,8 @@ class KVTree:
                 path.append(child)
                 node, pos = child, pos + n
             if pin_s > 0:
-                self._pin(path, key.tenant, pin_s, None if parts_at is None else c + parts_at)
+                self.pins.pin(path, key.tenant, pin_s, None if parts_at is None else c + parts_at,
+                              self.tenant_share * self.budget_bytes if self.tenant_share < 1.0 else None)
             return added
 
     def _refill(self, node: Node, cache: KVCache) -> None:
@@ -353,32 +337,6 @@ class KVTree:
         node.k, node.v = slice_kv(cache, node.start, node.end)
         node.tier, node.kv_bytes = Tier.DEVICE, cache_bytes(cache, len(node.ids))
         self._count(node.key.tenant, node.kv_bytes)
-
-    def _pin(self, path: list[Node], tenant: str, pin_s: float, parts_pos: int | None) -> None:
-        """Pin `path` for `pin_s` seconds (not past the tenant's share of the budget in live
-        pins: then it is kept as any path), and mark where the next call will part from it."""
-        now = self._now()
-        if parts_pos is not None:
-            for node in path:
-                if node.start < parts_pos <= node.end:
-                    node.answered, node.parts_at = now, parts_pos
-                    break
-        until = now + pin_s
-        if self.tenant_share < 1.0:
-            held = sum(n.nbytes for n in self._live_pins(now) if n.key.tenant == tenant)
-            more = sum(n.nbytes for n in path if n.pin <= now)
-            if held + more > self.tenant_share * self.budget_bytes:
-                return
-        for node in path:
-            node.pin = max(node.pin, until)
-            self._pins[id(node)] = node
-
-    def _live_pins(self, now: float | None = None) -> list[Node]:
-        """The nodes whose pin has not ended (dropping the others from the index)."""
-        now = self._now() if now is None else now
-        for key in [k for k, n in self._pins.items() if n.pin <= now]:
-            del self._pins[key]
-        return list(self._pins.values())
 
     @property
     def nbytes(self) -> int:
@@ -465,7 +423,7 @@ class KVTree:
         if node.answered is not None and node.parts_at > node.start + n:  # the parting point is below
             lower.answered, lower.parts_at, node.answered = node.answered, node.parts_at, None
         if lower.pin:
-            self._pins[id(lower)] = lower
+            self.pins.add(lower)
         lower.state, lower.state_bytes, node.state, node.state_bytes = node.state, node.state_bytes, None, 0
         for ch in lower.children.values():
             ch.parent = lower
@@ -488,10 +446,7 @@ class KVTree:
             return True
         if need > budget:
             return False
-        kept = set()
-        while keep is not None:
-            kept.add(id(keep))
-            keep = keep.parent
+        kept = _lineage(keep)
         own_only = (tenant is not None and self.tenant_share < 1.0
                     and self._tenant_bytes.get(tenant, 0) + need > self.tenant_share * budget
                     and any(t != tenant for t in self._tenant_bytes))
@@ -505,14 +460,7 @@ class KVTree:
                     and not any(c.tier is Tier.DEVICE for c in n.children.values())
                     and (not own_only or n.key.tenant == tenant) and (pinned or n.pin <= now))
 
-        heap = [(*rank(n), n) for n in self._all() if candidate(n)]
-        heapq.heapify(heap)
-        while heap and self._bytes + need > budget:
-            node = heapq.heappop(heap)[-1]
-            parent = node.parent
-            self._spill(node)
-            if parent is not None and candidate(parent):
-                heapq.heappush(heap, (*rank(parent), parent))
+        self._free(lambda: self._bytes + need > budget, candidate, self._spill, rank)
         return self._bytes + need <= budget
 
     def _spill(self, node: Node) -> None:
@@ -553,15 +501,8 @@ class KVTree:
         def candidate(n: Node) -> bool:
             return n.tier is Tier.HOST and n.refs == 0 and all(c.tier is Tier.DISK for c in n.children.values())
 
-        heap = [(n.used, id(n), n) for n in self._all() if candidate(n)]
-        heapq.heapify(heap)
-        while heap and self._host_bytes + need > self.host_budget:
-            node = heapq.heappop(heap)[-1]
-            parent = node.parent
-            if not self._to_disk(node):
-                self._drop(node)
-            if parent is not None and candidate(parent):
-                heapq.heappush(heap, (parent.used, id(parent), parent))
+        self._free(lambda: self._host_bytes + need > self.host_budget, candidate,
+                   lambda n: None if self._to_disk(n) else self._drop(n))
         return self._host_bytes + need <= self.host_budget
 
     def _disk_room(self, need: int, keep: Node | None = None) -> bool:
@@ -571,23 +512,27 @@ class KVTree:
             return True
         if need > self.disk_budget:
             return False
-        kept = set()
-        while keep is not None:
-            kept.add(id(keep))
-            keep = keep.parent
+        kept = _lineage(keep)
 
         def candidate(n: Node) -> bool:
             return n.tier is Tier.DISK and n.refs == 0 and not n.children and id(n) not in kept
 
-        heap = [(n.used, id(n), n) for n in self._all() if candidate(n)]
+        self._free(lambda: self._disk_bytes + need > self.disk_budget, candidate, self._drop)
+        return self._disk_bytes + need <= self.disk_budget
+
+    def _free(self, over: Callable[[], bool], candidate: Callable[[Node], bool], act: Callable[[Node], object],
+              rank: Callable[[Node], tuple[int, float, int]] | None = None) -> None:
+        """While `over()`, `act` on the first `candidate` by `rank` (default least recently
+        used), and on its parent in its turn once that has become a candidate too."""
+        order = rank or (lambda n: (0, float(n.used), id(n)))
+        heap = [(*order(n), n) for n in self._all() if candidate(n)]
         heapq.heapify(heap)
-        while heap and self._disk_bytes + need > self.disk_budget:
+        while heap and over():
             node = heapq.heappop(heap)[-1]
             parent = node.parent
-            self._drop(node)
+            act(node)
             if parent is not None and candidate(parent):
-                heapq.heappush(heap, (parent.used, id(parent), parent))
-        return self._disk_bytes + need <= self.disk_budget
+                heapq.heappush(heap, (*order(parent), parent))
 
     def _all(self) -> Iterable[Node]:
         for root in list(self._roots.values()):
@@ -614,7 +559,7 @@ class KVTree:
         else:
             del parent.children[node.ids[0]]
         for gone in node.walk():
-            self._pins.pop(id(gone), None)
+            self.pins.discard(gone)
             self._evicted_bytes += gone.nbytes
             self._leave_tier(gone)
             self._nodes -= 1
@@ -646,9 +591,9 @@ class KVTree:
         if span.root:
             if span.key in self._roots:
                 return False
-            root = Node(span.ids, None, None, 0, None, span.key, span.context)
-            self._disk_node(root, span, 0)
-            self._roots[span.key] = root
+            made = Node(span.ids, None, None, 0, None, span.key, span.context)
+            self._disk_node(made, span, 0)
+            self._roots[span.key] = made
             return True
         root = self._roots.get(span.key)
         if root is None or span.start != len(root.ids) + len(span.before):
@@ -681,3 +626,12 @@ class KVTree:
         self._file_refs[span.name] = self._file_refs.get(span.name, 0) + 1
         self._add(node)
         self._restored += 1
+
+
+def _lineage(node: Node | None) -> set[int]:
+    """The ids of `node` and its ancestors."""
+    out = set()
+    while node is not None:
+        out.add(id(node))
+        node = node.parent
+    return out

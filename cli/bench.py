@@ -32,6 +32,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--selector", default="query", help="blend selector: query (default) or deviation")
     p.add_argument("--budget", default="global", help="blend: global (default) or chunk (each chunk its share)")
     p.add_argument("--tier", default="disk", help="where the KV is read from: cpu, disk, or disk:/path")
+    p.add_argument("--kv-compression", default="none", choices=["none", "int8", "fp8", "int4", "int2"],
+                   help="how the disk tier's files store K and V (docs/kv-compression.md; default none)")
     p.add_argument("--load", default="layered",
                    help="how chunk KV is read: layered (blend starts once headers are checked and each layer "
                         "waits for its own bytes; default), whole (every file read and verified first), or "
@@ -177,13 +179,16 @@ def run_bench(args: argparse.Namespace) -> int:
 
     tmp = tempfile.TemporaryDirectory(prefix="ragkv-bench-")
     uri = f"disk:{tmp.name}" if args.tier == "disk" else args.tier
-    store = TieredStore(StoreConfig.from_uris([uri]), lm.fingerprint, lm.tokenizer_fingerprint)
+    store = TieredStore(StoreConfig.from_uris([uri], compression=getattr(args, "kv_compression", "none"),
+                                              device=str(lm.device)), lm.fingerprint, lm.tokenizer_fingerprint)
     keys = []
     for cids, kv in zip(chunk_ids, [eng.prefill(prefix_ids, ids) for ids in chunk_ids]):
         key = chunk_key(lm.fingerprint, lm.tokenizer_fingerprint, prefix_ids, cids)
         store.put(KVEntry.of(kv, key, lm.fingerprint, lm.tokenizer_fingerprint, hash_prefix(prefix_ids)))
         keys.append(key)
-    kv_bytes = sum(e.k.nbytes + e.v.nbytes for e in (store.read(k).entry for k in keys[:1])) * len(keys)
+    first = store.read(keys[0])
+    kv_bytes = (first.entry.k.nbytes + first.entry.v.nbytes) * len(keys)
+    kv_file_bytes = first.stored_bytes * len(keys)  # as stored (compressed or not), header included
 
     def load(layered: bool):
         hits = [h.hit() for h in store.prefetch(keys, layered=layered)]
@@ -234,7 +239,8 @@ def run_bench(args: argparse.Namespace) -> int:
         "decode_ms_per_token": {m: statistics.median(v) * 1e3 for m, v in per_token.items() if v},
         "config": {**{k: v for k, v in vars(args).items() if k not in ("func", "plot", "plot_out")},
                    "prompt_tokens": len(full_ids),
-                   "kv_bytes": kv_bytes, "device": str(lm.device), "dtype": str(lm.dtype),
+                   "kv_bytes": kv_bytes, "kv_file_bytes": kv_file_bytes, "device": str(lm.device),
+                   "dtype": str(lm.dtype),
                    "torch_threads": torch.get_num_threads()},
     }
     tmp.cleanup()

@@ -24,6 +24,8 @@ from ragkv.indexer.neighbours import INDEX_DEFAULT, PLAIN_COPY_COMPRESSION
 from ragkv.indexer.spot import DEFAULT_IMDS_ENDPOINT, EXIT_INTERRUPTED, IndexInterrupted
 from ragkv.types import DType
 
+KV_COMPRESSIONS = ["none", "int8", "fp8", "int4", "int2"]  # kvstore.compression.Compression (no torch import here)
+
 ENV_KV_URIS = "RAGKV_KV_URIS"  # comma-separated default for --kv-store
 ENV_IMDS = "RAGKV_IMDS_ENDPOINT"  # IMDS base URL; setting it turns the Spot watcher on
 ENV_NAMES = (ENV_KV_URIS, ENV_IMDS)  # every RAGKV_ variable `ragkv index` reads itself
@@ -67,9 +69,11 @@ def add_index_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--system-prompt", default=None, metavar="TEXT|@FILE",
                    help="the system prompt answers from this index get (it is in every chunk's KV, so changing "
                         "it means a new index); @FILE reads it from a file (default: the built-in one)")
-    p.add_argument("--kv-compression", choices=["none", "int8", "fp8"], default="none",
+    p.add_argument("--kv-compression", choices=KV_COMPRESSIONS, default="none",
                    help="how KV files store K and V: int8/fp8 per-channel quantization halves the bytes of 16-bit "
-                        "KV (quarters float32) at a small quality cost, see docs/kv-compression.md (default none)")
+                        "KV (quarters float32) at a small quality cost; int4/int2 (KIVI: keys per channel, values "
+                        "per token, in groups) store 0.31x/0.19x of bf16's bytes; see docs/kv-compression.md "
+                        "(default none)")
     p.add_argument("--neighbours", type=int, default=INDEX_DEFAULT.m, metavar="M",
                    help="neighbour-conditioned KV: prefill each chunk after its M most similar chunks (by the "
                         "index's embeddings); 0 = plain KV (one neighbour brings blend and focus closest to full "
@@ -85,7 +89,7 @@ def add_index_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                         "indexing at m = 1); tokens: the neighbours' tokens, cut to the budget, are prefilled "
                         "with every chunk and only its neighbour KV is stored (2.2x at m = 1, budget 512; "
                         "docs/quality.md)")
-    p.add_argument("--plain-kv-compression", choices=["none", "int8", "fp8"], default=PLAIN_COPY_COMPRESSION,
+    p.add_argument("--plain-kv-compression", choices=KV_COMPRESSIONS, default=PLAIN_COPY_COMPRESSION,
                    help="with --neighbour-context kv: how the plain copies store K and V (default int8: the "
                         "index then holds 1.25x the bytes of plain KV; none: 2x)")
     p.add_argument("--shard", metavar="i/N",

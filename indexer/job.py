@@ -96,7 +96,7 @@ class IndexJobConfig:
     ray_workers: int = 0  # Runner.RAY: actors; 0 = one per GPU (cuda) or per CPU of the cluster
     progress: bool = True  # tqdm bars on stderr
     system_prompt: str | None = None  # in the shared prefix, so in every chunk's KV and key; None = the default
-    kv_compression: str = "none"  # how KV files store K and V: none, int8 or fp8 (kvstore.compression)
+    kv_compression: str = "none"  # how KV files store K and V: none, int8, fp8, int4 or int2 (kvstore.compression)
     # how the plain copy of each chunk's KV is stored where a neighbour index keeps one
     # (NeighbourContext.KV; it serves a prompt's first chunk): int8 by default (PLAIN_COPY_COMPRESSION)
     plain_kv_compression: str = PLAIN_COPY_COMPRESSION

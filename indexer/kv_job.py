@@ -42,7 +42,7 @@ class KVItem:
 
 def open_store(uris: Sequence[str], model_fp: str, tokenizer_fp: str, compression: str = "none") -> TieredStore:
     """A kvstore TieredStore writing through to the tiers named by ``uris``, K and V stored
-    as ``compression`` says (none, int8 or fp8)."""
+    as ``compression`` says (none, int8, fp8, int4 or int2)."""
     from ragkv.kvstore import StoreConfig, TieredStore
 
     config = StoreConfig.from_uris(list(uris), compression=compression)

@@ -46,7 +46,7 @@ class RayRunnerConfig:
     kv_uris: tuple[str, ...]  # kvstore tiers each actor writes through
     address: str | None = None  # ray.init address; None: $RAY_ADDRESS or a new local instance
     workers: int = 0  # actors; 0: one per GPU of the cluster (cuda) or one per CPU (cpu)
-    kv_compression: str = "none"  # how the KV files store K and V: none, int8 or fp8
+    kv_compression: str = "none"  # how the KV files store K and V: none, int8, fp8, int4 or int2
 
 
 class KVBatchWorker:

@@ -13,6 +13,8 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from ragkv.kvstore.compression import Compression, check_supported
 from ragkv.kvstore.eviction import Policy
 from ragkv.kvstore.tiers.base import Tier
@@ -101,6 +103,7 @@ class StoreConfig:
     write_through: frozenset[Tier] | None = None  # durable tiers a put writes to; None = all of them
     s3: S3Settings = field(default_factory=S3Settings)  # endpoint, region, retries, multipart
     prefetch_workers: int = 4  # threads loading prefetched keys
+    device: str = "cpu"  # where layered reads dequantize compressed files: the engine's device ("cuda:0")
 
     def __post_init__(self) -> None:
         specs = tuple(sorted(self.tiers, key=lambda s: s.tier.rank))
@@ -122,6 +125,10 @@ class StoreConfig:
             object.__setattr__(self, "write_through", wt)
         if self.prefetch_workers < 1:
             raise ValueError(f"prefetch_workers must be >= 1, got {self.prefetch_workers}")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device must name a torch device (cpu, cuda, cuda:0), got {self.device!r}") from None
 
     @property
     def durable_writes(self) -> frozenset[Tier]:
@@ -143,6 +150,7 @@ class StoreConfig:
         write_through: Iterable[Tier | str] | None = None,
         prefetch_workers: int = 4,
         s3: S3Settings | None = None,
+        device: str = "cpu",
     ) -> StoreConfig:
         """A config from CLI-style specs.
 
@@ -150,12 +158,13 @@ class StoreConfig:
             uris: e.g. ["cpu", "disk:/var/cache/ragkv", "s3://bucket/kv"].
             budgets: byte budget per tier, e.g. {"cpu": "8GiB", Tier.DISK: 500 * 2**30}.
             policy: eviction policy of every budgeted tier.
-            compression: how disk/S3 files store K and V ("none", "int8", "fp8").
+            compression: how disk/S3 files store K and V ("none", "int8", "fp8", "int4", "int2").
             endpoint_url: S3 endpoint (MinIO, moto); None for AWS.
             region: S3 region.
             write_through: durable tiers a put writes to; None = all configured.
             prefetch_workers: threads for prefetch.
             s3: full S3 settings; endpoint_url/region, when given, override its fields.
+            device: where layered reads dequantize compressed files (the engine's device).
         """
         budget_of: dict[Tier, int] = {}
         for name, size in (budgets or {}).items():
@@ -185,4 +194,5 @@ class StoreConfig:
             write_through=None if write_through is None else frozenset(Tier(t) for t in write_through),
             s3=settings,
             prefetch_workers=prefetch_workers,
+            device=device,
         )

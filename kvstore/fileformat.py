@@ -1,6 +1,8 @@
 """The chunk KV file: one safetensors file per chunk, verified before any tensor is handed out.
 
-Tensors: `k`, `v` `[L, Hkv, T, D]` (or `k_q`/`k_scale`, `v_q`/`v_scale` when compressed),
+Tensors: `k`, `v` `[L, Hkv, T, D]` (or, compressed, `k_packed`, `v_packed` `[L, B]` uint8:
+one row of every byte of a layer, scales and codes, `kvstore.compression.pack`; files of
+before issue 56 hold `k_q`/`k_scale`, `v_q`/`v_scale` and are still read),
 `token_ids` `[T]` int64 and `positions` `[T]` int64. Header metadata (all strings):
 format, format_version, key, model_fp, tokenizer_fp, prefix_hash (and context_hash, only for a chunk
 prefilled after context: neighbour-conditioned KV), rope_mode, dtype,
@@ -45,7 +47,15 @@ import crc32c
 import torch
 
 from ragkv.errors import KVFormatError
-from ragkv.kvstore.compression import Compression, check_supported, dequantize, quantize
+from ragkv.kvstore.compression import (
+    Compression,
+    DequantClock,
+    check_supported,
+    dequantize,
+    pack,
+    row_bytes,
+    unpack,
+)
 from ragkv.kvstore.entry import KVEntry, RopeMode
 from ragkv.kvstore.keys import FORMAT_VERSION, ChunkKey, ContextHash, check_prefix_hash
 
@@ -64,6 +74,7 @@ _ST_DTYPES: dict[str, torch.dtype] = {
     "BF16": torch.bfloat16,
     "I64": torch.int64,
     "I8": torch.int8,
+    "U8": torch.uint8,
 }
 if hasattr(torch, "float8_e4m3fn"):
     _ST_DTYPES["F8_E4M3"] = torch.float8_e4m3fn
@@ -183,7 +194,8 @@ def encode(entry: KVEntry, compression: Compression = Compression.NONE,
 
     Args:
         entry: the chunk's KV (any device; it is copied to CPU for writing).
-        compression: NONE keeps k and v bit-exact; INT8/FP8 store per-channel quantized values.
+        compression: NONE keeps k and v bit-exact; the others store packed layer rows
+            (`kvstore.compression`: INT8/FP8 per channel, INT4/INT2 in KIVI's groups).
         extra: more metadata (strings), covered by the header checksum, under names of its
             own (the KV tree's spilled nodes carry their place in the tree: engine.tree_files).
     """
@@ -196,10 +208,8 @@ def encode(entry: KVEntry, compression: Compression = Compression.NONE,
     for name, x in (("k", entry.k),) if v_is_k else (("k", entry.k), ("v", entry.v)):
         if compression is Compression.NONE:
             tensors[name] = x.detach().to("cpu").contiguous()  # [L, Hkv, T, D]
-        else:
-            q, scale = quantize(x.detach(), compression)
-            tensors[f"{name}_q"] = q.to("cpu").contiguous()  # [L, Hkv, T, D]
-            tensors[f"{name}_scale"] = scale.to("cpu").contiguous()  # [L, Hkv, 1, D]
+        else:  # quantized where x is (the engine's device), then copied: a quarter of the bytes or less
+            tensors[f"{name}_packed"] = pack(x.detach(), compression, name).to("cpu").contiguous()  # [L, B]
     meta = {
         "format": FORMAT_NAME,
         "format_version": str(FORMAT_VERSION),
@@ -382,6 +392,7 @@ def decode(
     model_fp: str,
     tokenizer_fp: str,
     block_crcs: BlockCrcs | None = None,
+    clock: DequantClock | None = None,
 ) -> KVEntry:
     """Verify and parse a file's bytes into a KVEntry.
 
@@ -395,6 +406,7 @@ def decode(
         tokenizer_fp: the store's tokenizer fingerprint.
         block_crcs: CRC-32s of the data section's blocks, taken while `data` was read
             (used only when their block size is the file's; otherwise computed here).
+        clock: adds the time spent dequantizing (a compressed file).
 
     Raises:
         KVFormatError: truncated, corrupt, another model's or another key's file.
@@ -404,7 +416,7 @@ def decode(
         buf = memoryview(bytearray(buf))
     head = check_head(buf, expected_key=expected_key, model_fp=model_fp, tokenizer_fp=tokenizer_fp)
     _verify_data(head.meta, buf[head.base:], expected_key, block_crcs)
-    return entry_views(buf, head)
+    return entry_views(buf, head, clock=clock)
 
 
 @dataclass(frozen=True, slots=True)
@@ -442,28 +454,65 @@ def check_head(
     return FileHead(meta, layout, header, data_start(buf))
 
 
-def entry_views(buf: memoryview, head: FileHead) -> KVEntry:
+def unpack_whole(rows: torch.Tensor, header: FileHeader, role: str, clock: DequantClock | None = None,
+                 ) -> torch.Tensor:
+    """A packed tensor's rows `[L, B]` dequantized `[L, Hkv, T, D]` in the header's dtype (KVFormatError
+    when the rows do not hold the header's shape)."""
+    check_packed(rows, header, role)
+    n_layers, hkv, t, d = header.shape
+    return unpack(rows, header.compression, role, (hkv, t, d), header.dtype, clock)
+
+
+def check_packed(rows: torch.Tensor, header: FileHeader, role: str) -> None:
+    """KVFormatError unless `rows` is `[L, B]` with B the row size of the header's format and shape."""
+    n_layers, hkv, t, d = header.shape
+    try:
+        want = row_bytes(header.compression, role, hkv, t, d)
+    except ValueError as e:
+        raise KVFormatError(f"file of key {header.key.hex} cannot be unpacked: {e}") from None
+    if tuple(rows.shape) != (n_layers, want) or rows.dtype != torch.uint8:
+        raise KVFormatError(f"{role}_packed is {rows.dtype} {tuple(rows.shape)}, a {header.compression.value} "
+                            f"file of shape {header.shape} holds uint8 ({n_layers}, {want})")
+
+
+def tensor_view(buf: memoryview, head: FileHead, name: str) -> torch.Tensor:
+    """Tensor `name` of the file in `buf`, as a view of its bytes (KVFormatError if absent)."""
+    if name not in head.layout:
+        raise KVFormatError(f"file has no tensor {name!r} (has {sorted(head.layout)})")
+    dt, shape, s, e = head.layout[name]
+    s, e = head.base + s, head.base + e
+    flat = torch.frombuffer(buf, dtype=torch.uint8, count=e - s, offset=s)  # [nbytes]
+    return flat.view(_ST_DTYPES[dt]).view(shape)
+
+
+def entry_views(buf: memoryview, head: FileHead, kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                clock: DequantClock | None = None) -> KVEntry:
     """The entry whose tensors view (uncompressed) or are decoded from (compressed) `buf`.
 
     `buf` is the whole file, writable; the caller has verified what it will read.
+
+    Args:
+        kv: (k, v) to hand out in place of the file's (a layered read of a compressed file
+            fills them layer by layer); None = the file's.
+        clock: adds the time spent dequantizing.
     """
-    meta, layout, header, base = head.meta, head.layout, head.header, head.base
+    meta, layout, header = head.meta, head.layout, head.header
     expected_key = header.key
 
     def tensor(name: str) -> torch.Tensor:
-        if name not in layout:
-            raise KVFormatError(f"file has no tensor {name!r} (has {sorted(layout)})")
-        dt, shape, s, e = layout[name]
-        s, e = base + s, base + e
-        flat = torch.frombuffer(buf, dtype=torch.uint8, count=e - s, offset=s)  # [nbytes]
-        return flat.view(_ST_DTYPES[dt]).view(shape)
+        return tensor_view(buf, head, name)
 
     v_is_k = meta.get("v_is_k") == "true"
     context_hash = meta.get("context_hash")  # set for neighbour-conditioned KV
-    if header.compression is Compression.NONE:
+    if kv is not None:
+        k, v = kv  # [L, Hkv, T, D] each
+    elif header.compression is Compression.NONE:
         k = tensor("k")  # [L, Hkv, T, D]
         v = k if v_is_k else tensor("v")
-    else:
+    elif "k_packed" in layout:
+        k = unpack_whole(tensor("k_packed"), header, "k", clock)  # [L, Hkv, T, D]
+        v = k if v_is_k else unpack_whole(tensor("v_packed"), header, "v", clock)  # [L, Hkv, T, D]
+    else:  # the layout before packed rows (int8 / fp8 only)
         k = dequantize(tensor("k_q"), tensor("k_scale"), header.dtype)  # [L, Hkv, T, D]
         v = k if v_is_k else dequantize(tensor("v_q"), tensor("v_scale"), header.dtype)  # [L, Hkv, T, D]
     if tuple(k.shape) != header.shape or k.dtype != header.dtype:

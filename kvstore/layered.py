@@ -8,9 +8,16 @@ file we write), so layer l's K and V arrive together. Each checksum block is ver
 the moment it is whole, and layer l is published only once every block holding any of
 its bytes has passed. A block that fails, or a read that fails, stops the stream:
 `LayerGate.wait` raises for that layer and every later one, and the tier takes the
-file out of service. Files this cannot stream (compressed ones, whose dequantization
-needs whole tensors, or a layout we did not write) are read whole before they are
-handed out.
+file out of service.
+
+A compressed file streams the same way: its K and V are packed layer rows (`k_packed`,
+`v_packed` `[L, B]`, kvstore.compression), so layer l's bytes are one contiguous run of
+each stream. Once they pass, the reading thread moves them to `device` (the engine's)
+and dequantizes them there into preallocated `[L, Hkv, T, D]` tensors, then publishes
+the layer: the engine's prompt pass starts on layer 0 while later layers are still
+arriving, and what it reads is already in its dtype on its device. Files this cannot
+stream (int8 / fp8 files of the layout before packed rows, or a layout we did not
+write) are read whole before they are handed out.
 
 Knows nothing of where the bytes live: a tier supplies a `ByteSource`.
 """
@@ -27,9 +34,19 @@ from typing import Protocol
 import torch
 
 from ragkv.errors import KVFormatError, StoreError
-from ragkv.kvstore.compression import Compression
+from ragkv.kvstore.compression import Compression, DequantClock, unpack
 from ragkv.kvstore.entry import KVEntry
-from ragkv.kvstore.fileformat import FileHead, block_crc, check_head, data_start, decode, entry_views, stored_block_crcs
+from ragkv.kvstore.fileformat import (
+    FileHead,
+    block_crc,
+    check_head,
+    check_packed,
+    data_start,
+    decode,
+    entry_views,
+    stored_block_crcs,
+    tensor_view,
+)
 from ragkv.kvstore.keys import ChunkKey
 
 HEAD_BYTES = 1 << 16  # first read: the header of any file we write, and the start of k
@@ -171,6 +188,8 @@ def read_layered(
     spawn: Callable[[Callable[[], None]], object],
     on_done: Callable[[memoryview, KVEntry], object],
     on_fail: Callable[[BaseException], None],
+    device: torch.device | None = None,
+    clock: DequantClock | None = None,
 ) -> tuple[KVEntry, LayerGate]:
     """Start reading `source`; return its entry (k and v filling in) and the gate that says how far.
 
@@ -181,6 +200,9 @@ def read_layered(
         spawn: runs a callable on another thread (an executor's submit).
         on_done: called from that thread with the whole verified file and its entry.
         on_fail: called from that thread when a block or a read fails, before the gate says so.
+        device: where a compressed file's layers are dequantized and held (the engine's
+            device; default CPU). An uncompressed file's tensors stay views of the read buffer.
+        clock: adds the time spent dequantizing (by the time `on_done` runs).
 
     Raises:
         KVFormatError: the header is bad or another model's / key's; the source is closed.
@@ -199,14 +221,16 @@ def read_layered(
         plan = _block_layout(head, block)
         if plan is None:  # not streamable: read the rest and verify it whole
             _fill(source, buf, head_len, source.size)
-            entry = decode(buf, expected_key=expected_key, model_fp=model_fp, tokenizer_fp=tokenizer_fp)
+            entry = decode(buf, expected_key=expected_key, model_fp=model_fp, tokenizer_fp=tokenizer_fp,
+                           clock=clock)
             source.close()
             on_done(buf, entry)
             return entry, LayerGate.complete(entry.k.shape[0])
         k_stream = _Stream(source, buf, base, block, crcs, 0, plan.v_first_block, head_len, expected_key)
         v_stream = _Stream(source, buf, base, block, crcs, plan.v_first_block, len(crcs), head_len, expected_key)
         k_stream.advance(plan.prelude_block)  # token_ids and positions: the entry checks its key with them
-        entry = entry_views(buf, head)
+        unpacker = _Unpacker.of(buf, head, device, clock) if head.header.compression is not Compression.NONE else None
+        entry = entry_views(buf, head, None if unpacker is None else (unpacker.k, unpacker.v))
     except BaseException:
         source.close()
         raise
@@ -217,6 +241,8 @@ def read_layered(
             for layer in range(plan.num_layers):
                 for need in (plan.k_blocks[layer], plan.v_blocks[layer]):
                     (k_stream if need < plan.v_first_block else v_stream).advance(need)
+                if unpacker is not None:
+                    unpacker.layer(layer)
                 gate.publish(layer + 1)
             k_stream.advance(plan.v_first_block - 1)  # bytes past the last layer, if any
             v_stream.advance(len(crcs) - 1)
@@ -239,6 +265,40 @@ def read_layered(
 
 
 @dataclass(frozen=True, slots=True)
+class _Unpacker:
+    """A compressed file's K and V `[L, Hkv, T, D]` on `device`, dequantized one layer at a time
+    from the packed rows (views of the read buffer) as each layer's bytes pass."""
+
+    head: FileHead
+    k_rows: torch.Tensor  # [L, Bk] uint8, a view of the buffer
+    v_rows: torch.Tensor | None  # [L, Bv] uint8; None: v is k (one latent as both)
+    k: torch.Tensor  # [L, Hkv, T, D] in the file's dtype, filled layer by layer
+    v: torch.Tensor  # [L, Hkv, T, D], or k itself
+    clock: DequantClock | None
+
+    @classmethod
+    def of(cls, buf: memoryview, head: FileHead, device: torch.device | None,
+           clock: DequantClock | None) -> _Unpacker:
+        header = head.header
+        k_rows = tensor_view(buf, head, "k_packed")  # [L, Bk]
+        check_packed(k_rows, header, "k")
+        v_rows = tensor_view(buf, head, "v_packed") if "v_packed" in head.layout else None  # [L, Bv]
+        if v_rows is not None:
+            check_packed(v_rows, header, "v")
+        k = torch.empty(header.shape, dtype=header.dtype, device=device or "cpu")  # [L, Hkv, T, D]
+        return cls(head, k_rows, v_rows, k, k if v_rows is None else torch.empty_like(k), clock)
+
+    def layer(self, i: int) -> None:
+        """Dequantize layer i (its rows have passed their checksums) into k[i] and v[i]."""
+        compression, (_, hkv, t, d), dtype = self.head.header.compression, self.head.header.shape, self.k.dtype
+        for rows, out, role in ((self.k_rows, self.k, "k"), (self.v_rows, self.v, "v")):
+            if rows is None:
+                continue
+            row = rows[i:i + 1].to(out.device)  # [1, B]: the packed bytes move, not the dequantized ones
+            out[i] = unpack(row, compression, role, (hkv, t, d), dtype, self.clock)[0]  # [Hkv, T, D]
+
+
+@dataclass(frozen=True, slots=True)
 class _BlockLayout:
     """Which checksum block each layer's last K and V bytes sit in."""
 
@@ -250,13 +310,15 @@ class _BlockLayout:
 
 
 def _block_layout(head: FileHead, block: int) -> _BlockLayout | None:
-    """The layer plan of an uncompressed file laid out as we write it, else None (read it whole)."""
+    """The layer plan of a file laid out as we write it (k and v, or their packed rows, layer-major
+    after the rest), else None (read it whole)."""
     layout = head.layout
-    v_is_k = "v" not in layout and head.meta.get("v_is_k") == "true"  # one latent as both (MLA): k's stream only
-    if head.header.compression is not Compression.NONE or "k" not in layout or ("v" not in layout and not v_is_k):
+    kn, vn = ("k", "v") if head.header.compression is Compression.NONE else ("k_packed", "v_packed")
+    v_is_k = vn not in layout and head.meta.get("v_is_k") == "true"  # one latent as both (MLA): k's stream only
+    if kn not in layout or (vn not in layout and not v_is_k):
         return None
-    _, _, k_start, k_end = layout["k"]
-    others_end = max((e for n, (_, _, _, e) in layout.items() if n not in ("k", "v")), default=0)
+    _, _, k_start, k_end = layout[kn]
+    others_end = max((e for n, (_, _, _, e) in layout.items() if n not in (kn, vn)), default=0)
     num_layers = head.header.shape[0]
     if not others_end <= k_start < k_end or num_layers < 1:
         return None
@@ -265,10 +327,11 @@ def _block_layout(head: FileHead, block: int) -> _BlockLayout | None:
     if v_is_k:  # v's layers are k's blocks; the "v stream" starts past the last block and reads nothing
         v_blocks, v_first = k_blocks, (k_end - 1) // block + 1
     else:
-        _, _, v_start, v_end = layout["v"]
+        _, _, v_start, v_end = layout[vn]
         if not k_end <= v_start < v_end:
             return None
-        v_blocks = [(v_start + (i + 1) * per_layer - 1) // block for i in range(num_layers)]
+        v_per_layer = (v_end - v_start) // num_layers  # packed V rows differ in size from K's
+        v_blocks = [(v_start + (i + 1) * v_per_layer - 1) // block for i in range(num_layers)]
         v_first = v_start // block
     prelude = (others_end - 1) // block if others_end else -1
     if prelude >= v_first:

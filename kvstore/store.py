@@ -31,6 +31,8 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
+
 from ragkv.errors import StoreError
 from ragkv.kvstore.config import StoreConfig, TierSpec
 from ragkv.kvstore.entry import KVEntry
@@ -38,6 +40,7 @@ from ragkv.kvstore.keys import ChunkKey, check_fingerprint
 from ragkv.kvstore.layered import LayerGate
 from ragkv.kvstore.tiers.base import Hit, StorageTier, Tier, TierStats
 from ragkv.kvstore.tiers.disk import DiskTier
+from ragkv.kvstore.tiers.durable import DurableTier
 from ragkv.kvstore.tiers.memory import CpuTier, GpuTier
 from ragkv.kvstore.tiers.s3 import S3Tier
 from ragkv.kvstore.timing import ReadEstimate, ReadTiming
@@ -130,6 +133,14 @@ class TieredStore:
                 t.close()
             raise
         self._setup(built, config.durable_writes, config.prefetch_workers)
+        self.dequantize_on(torch.device(config.device))
+
+    def dequantize_on(self, device: torch.device) -> None:
+        """Where layered reads of compressed files dequantize their layers and leave them (the
+        engine's device: the packed bytes cross to it, not the dequantized ones)."""
+        for t in self._tiers:
+            if isinstance(t, DurableTier):
+                t.dequant_device = device
 
     @classmethod
     def from_tiers(
@@ -220,28 +231,34 @@ class TieredStore:
                 continue
             if hit.layers is not None:  # promoted once whole (on_done)
                 header_s = time.perf_counter() - started
-                self._time_layered(tier.tier, hit.entry, hit.layers, header_s)
-                return Hit(hit.entry, tier.tier, header_s, hit.layers)
+                self._time_layered(tier.tier, hit, hit.layers, header_s)
+                return Hit(hit.entry, tier.tier, header_s, hit.layers, stored_bytes=hit.stored_bytes,
+                           dequant=hit.dequant)
             read_s = time.perf_counter() - started  # a whole read: all of it counts as transfer
-            self._timing[tier.tier].observe(0.0, hit.entry.nbytes, hit.entry.k.shape[2], read_s)
+            self._timing[tier.tier].observe(0.0, hit.stored_bytes or hit.entry.nbytes, hit.entry.k.shape[2], read_s,
+                                            hit.dequant.seconds if hit.dequant is not None else 0.0)
             top = self._promote(hit, upper)
-            return Hit(top, tier.tier, time.perf_counter() - started)
+            return Hit(top, tier.tier, time.perf_counter() - started, stored_bytes=hit.stored_bytes,
+                       dequant=hit.dequant)
         self._count(misses=1)
         return None
 
-    def _time_layered(self, tier: Tier, entry: KVEntry, layers: LayerGate, header_s: float) -> None:
-        """Measure a layer-wise read: its latency now, its transfer once the last layer is in."""
+    def _time_layered(self, tier: Tier, hit: Hit, layers: LayerGate, header_s: float) -> None:
+        """Measure a layer-wise read: its latency now, its transfer (and dequantization) once the
+        last layer is in, in the file's bytes as stored."""
         t0 = time.perf_counter()
-        timing, tokens = self._timing[tier], entry.k.shape[2]
+        clock = hit.dequant
+        timing, tokens, nbytes = self._timing[tier], hit.entry.k.shape[2], hit.stored_bytes or hit.entry.nbytes
         done = layers.when_ready(layers.num_layers - 1)
         if done is None:  # already whole (or failed: then nothing is measured)
             if layers.error is None:
-                timing.observe(header_s, entry.nbytes, tokens, 1e-6)
+                timing.observe(header_s, nbytes, tokens, 1e-6)
             return
 
         def finished(_f: object) -> None:
             if layers.error is None:
-                timing.observe(header_s, entry.nbytes, tokens, time.perf_counter() - t0)
+                timing.observe(header_s, nbytes, tokens, time.perf_counter() - t0,
+                               clock.seconds if clock is not None else 0.0)
 
         done.add_done_callback(finished)
 

@@ -4,7 +4,10 @@ request's KV ready sooner.
 CacheBlend's loading controller, in our words: a chunk's KV is worth reading only if reading
 it does not make the request wait longer than computing it would. The read time comes from
 the tier the chunk sits in, as measured on the reads that tier served (kvstore.timing:
-latency plus size over throughput); the compute time from the engine's prefill rate
+latency, plus the file's bytes as stored over the tier's throughput, plus the measured
+dequantization time per token of compressed files: an int4 file moves 0.31x of bf16's bytes
+and then pays its dequantization, so a slow tier that loses to recompute in bf16 can win in
+int4); the compute time from the engine's prefill rate
 (`Engine.speed`, `engine/speed.py`: tokens per second, seeded at start and learned from every chunk the
 engine computes). Reads run in parallel, `store.prefetch_workers` at a time, off the engine; the
 chunks to compute run one after another on the engine (which every other request needs

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from ragkv.kvstore.compression import DequantClock
 from ragkv.kvstore.entry import KVEntry
 from ragkv.kvstore.keys import ChunkKey, check_fingerprint
 from ragkv.kvstore.layered import LayerGate
@@ -36,8 +37,9 @@ class Hit:
     # layer-wise reads: wait on this before reading a layer of entry.k / entry.v; None = all filled
     layers: LayerGate | None = None
     data: memoryview | bytearray | None = None  # a durable tier's verified file bytes (a disk above copies them)
-
-
+    stored_bytes: int = 0  # a durable tier's file size as stored (compressed or not); 0 = a memory tier's entry
+    # a compressed file's dequantization time (complete once the layers are: `layers`); None = none ran
+    dequant: DequantClock | None = None
 
 
 class _Counters:

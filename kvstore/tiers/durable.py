@@ -17,8 +17,10 @@ import logging
 import time
 from collections.abc import Callable
 
+import torch
+
 from ragkv.errors import KVFormatError, StoreError
-from ragkv.kvstore.compression import Compression, check_supported
+from ragkv.kvstore.compression import Compression, DequantClock, check_supported
 from ragkv.kvstore.entry import KVEntry
 from ragkv.kvstore.fileformat import BlockCrcs, decode, encode
 from ragkv.kvstore.keys import ChunkKey
@@ -32,6 +34,8 @@ class DurableTier(StorageTier):
     """A tier that stores each chunk as one verified file."""
 
     streams_layers = False  # True where `_source` gives byte-range reads
+    # where a layered read dequantizes a compressed file's layers (the store sets the engine's device)
+    dequant_device: torch.device = torch.device("cpu")
 
     def __init__(
         self,
@@ -101,16 +105,18 @@ class DurableTier(StorageTier):
             self._counters.got(started, None)
             return None
         data, crcs = got if isinstance(got, tuple) else (got, None)
+        clock = DequantClock()
         try:
             entry = decode(
-                data, expected_key=key, model_fp=self.model_fp, tokenizer_fp=self.tokenizer_fp, block_crcs=crcs
+                data, expected_key=key, model_fp=self.model_fp, tokenizer_fp=self.tokenizer_fp, block_crcs=crcs,
+                clock=clock,
             )
         except KVFormatError as e:
             self._counters.got(started, None)
             self._rejected(key, e)
             return None
         self._counters.got(started, len(data))
-        return Hit(entry, self.tier, data=data)
+        return Hit(entry, self.tier, data=data, stored_bytes=len(data), dequant=clock if clock.elements else None)
 
     def _read_layered(self, key: ChunkKey, spawn: Spawn, on_done: Callable[[Hit], object]) -> Hit | None:
         """Start a layer-ordered read of `key`; None on a miss or a rejected header.
@@ -125,7 +131,8 @@ class DurableTier(StorageTier):
             if hit is None:
                 return None
             on_done(hit)
-            return Hit(hit.entry, self.tier, layers=LayerGate.complete(hit.entry.k.shape[0]))
+            return Hit(hit.entry, self.tier, layers=LayerGate.complete(hit.entry.k.shape[0]),
+                       stored_bytes=hit.stored_bytes, dequant=hit.dequant)
         started = time.perf_counter()
         try:
             source = self._source(key)
@@ -137,17 +144,20 @@ class DurableTier(StorageTier):
             self._counters.got(started, None)
             return None
         size = source.size
+        clock = DequantClock()
         try:
             entry, gate = read_layered(source, expected_key=key, model_fp=self.model_fp,
                                        tokenizer_fp=self.tokenizer_fp, spawn=spawn,
-                                       on_done=lambda data, whole: on_done(Hit(whole, self.tier, data=data)),
-                                       on_fail=lambda e: self._read_failed(key, e, source))
+                                       on_done=lambda data, whole: on_done(Hit(whole, self.tier, data=data,
+                                                                               stored_bytes=len(data))),
+                                       on_fail=lambda e: self._read_failed(key, e, source),
+                                       device=self.dequant_device, clock=clock)
         except (KVFormatError, OSError, StoreError) as e:
             self._counters.got(started, None)
             self._read_failed(key, e, source)
             return None
         self._counters.got(started, size)
-        return Hit(entry, self.tier, layers=gate)
+        return Hit(entry, self.tier, layers=gate, stored_bytes=size, dequant=clock)
 
     def get(self, key: ChunkKey) -> KVEntry | None:
         hit = self._read_whole(key)

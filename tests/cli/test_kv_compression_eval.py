@@ -14,8 +14,8 @@ from ragkv.kvstore.compression import fp8_supported
 def test_parse_compressions() -> None:
     assert parse_compressions("int8, fp8,int8") == ["int8", "fp8"]
     assert parse_compressions("none,int8") == ["int8"]
-    with pytest.raises(ValueError, match="'int4'"):
-        parse_compressions("int4")
+    with pytest.raises(ValueError, match="'int3'"):
+        parse_compressions("int3")
 
 
 def test_report_on_the_tiny_model(tiny_llama_dir: Path) -> None:

@@ -53,7 +53,7 @@ def test_truncated_file_is_rejected(cut):
         _decode(data[:cut], e.key)
 
 
-@pytest.mark.parametrize("compression", [Compression.NONE, Compression.INT8])
+@pytest.mark.parametrize("compression", [Compression.NONE, Compression.INT8, Compression.INT4])
 def test_every_single_flipped_bit_is_caught_or_harmless(compression):
     """Flip one bit at many offsets: each decode raises, or (JSON whitespace) returns the exact entry."""
     e = make_entry(3)
@@ -188,7 +188,7 @@ def test_a_latent_held_as_both_k_and_v_is_written_once(compression):
     both = dataclasses.replace(e, v=e.k.clone())  # equal values, another tensor (as the engine computes them)
     data, plain = encode(both, compression), encode(e, compression)
     tensors = safetensors.torch.load(data)
-    assert "v" not in tensors and "v_q" not in tensors
+    assert "v" not in tensors and "v_q" not in tensors and "v_packed" not in tensors
     v_bytes = e.v.numel() * (1 if compression is Compression.INT8 else e.v.element_size())
     assert len(plain) - len(data) >= v_bytes
     got = _decode(data, e.key)

@@ -12,6 +12,8 @@ budget; this module is everything else about conversations, in one place:
 - a hybrid's recurrent **snapshot** where its prompt ends;
 - where a conversation **lives**: on the engine's device, spilled to CPU memory and then to
   disk as it cools (`KVTree`'s tiers), and found on disk again after a restart;
+- a **follow-up question** whose retrieval gives other chunks: its earlier turns' KV is
+  carried from the conversation's last context as one more chunk (`follow`, `CarriedTurns`);
 - **remembering** an answered prompt (`remember`) for the conversation's next call, its
   path pinned ahead of LRU eviction for `retention`'s seconds when the answer may end in
   tool calls (the agent comes back once its tool has run).
@@ -22,16 +24,42 @@ Resuming from a match is the prompt pass's (`Engine.run_steps(..., resume=spot)`
 from __future__ import annotations
 
 import copy
+import threading
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import torch
 
 from ragkv.engine.blend import BlendOptions, BlendResult, Selector, tree_context
+from ragkv.engine.kv import ChunkKV
 from ragkv.engine.loading import LoadedModel
 from ragkv.engine.retention import ToolLatency
 from ragkv.engine.tree import KVTree
 from ragkv.engine.tree_files import NodeFiles
 from ragkv.engine.tree_node import RecurrentSnapshot, TreeKey, TreeLease, TreeStats
 from ragkv.types import Mode
+
+FOLLOW_MIN_TOKENS = 8  # earlier turns shorter than this are computed again, not carried
+_RECENT = 65_536  # conversations whose last context is remembered (least recently used forgotten)
+
+
+@dataclass(frozen=True, slots=True)
+class CarriedTurns:
+    """A follow-up question's earlier turns, carried from its conversation's last context into
+    this prompt as one more chunk after the retrieved ones (CacheBlend over turns): their KV
+    as that context left it, turned back to K before RoPE, then placed at their new positions
+    and blended like any chunk's. The prompt is the one the turns would be computed in."""
+
+    key: str  # names their KV in the tree key: the context they came from, and how many tokens
+    ids: tuple[int, ...]  # the question segment's first tokens: the earlier turns
+    kv: ChunkKV | None  # None when the tree holds this prompt's context already (a later call)
+
+
+@dataclass(frozen=True, slots=True)
+class _Recent:
+    key: TreeKey  # the context the conversation's last call was kept under
+    turns: CarriedTurns | None  # the turns that call carried (that context's last chunk), without KV
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +69,8 @@ class TreeSpot:
     key: TreeKey  # its context: what made the KV before the path
     path: tuple[int, ...]  # the tokens after the context, which the tree matched
     lease: TreeLease | None  # the tree's KV of the context and the path's first tokens; None = not held
+    conversation: str | None = None  # the agent conversation it belongs to (the server names it); None = none
+    turns: CarriedTurns | None = None  # the earlier turns this prompt carries as its last chunk
 
     @property
     def tokens(self) -> int:
@@ -90,6 +120,8 @@ class Conversations:
                  tenant_share: float = 1.0, host_bytes: int = 0, files: NodeFiles | None = None,
                  disk_bytes: int = 0) -> None:
         self.lm = lm
+        self._recent: OrderedDict[str, _Recent] = OrderedDict()  # conversation -> its last context
+        self._recent_lock = threading.Lock()
         self.tree = KVTree(budget_bytes, recurrent=recurrent, tenant_share=tenant_share, host_bytes=host_bytes,
                            files=files, disk_bytes=disk_bytes)
 
@@ -146,15 +178,78 @@ class Conversations:
 
     def lease(self, mode: Mode, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]],
               chunk_keys: Sequence[Hashable], question_ids: Sequence[int], *, options: BlendOptions | None = None,
-              select_ids: Sequence[int] | None = None, tenant: str = "") -> TreeSpot | None:
+              select_ids: Sequence[int] | None = None, tenant: str = "", conversation: str | None = None,
+              turns: CarriedTurns | None = None) -> TreeSpot | None:
         """Where this prompt stands in the tree, with a lease on what the tree holds of it;
-        None when the tree is off. `select_ids`: the tokens that choose (None = the question's)."""
+        None when the tree is off. `select_ids`: the tokens that choose (None = the question's).
+        `conversation` names the agent conversation (remembered with the answer, for its
+        follow-ups); `turns`: the earlier turns the prompt carries as its last chunk (already in
+        `chunk_ids` and `chunk_keys`)."""
         if not self.enabled:
             return None
         chose = question_ids if select_ids is None else select_ids
         key = self.key(mode, prefix_ids, chunk_keys, options, chose, tenant)
         path = tree_path(mode, prefix_ids, chunk_ids, question_ids)
-        return TreeSpot(key, path, self.tree.match(key, path))
+        return TreeSpot(key, path, self.tree.match(key, path), conversation, turns)
+
+    def carried(self, conversation: str | None, mode: Mode, question_ids: Sequence[int]) -> CarriedTurns | None:
+        """The turns this conversation's last call carried, when this prompt's question segment
+        starts with them (a tool loop's next call after a follow-up): the same last chunk, so
+        the same key and the context the tree holds (no KV: the tree supplies it)."""
+        recent = self._recall(conversation, mode)
+        if recent is None or recent.turns is None:
+            return None
+        ids = recent.turns.ids
+        return recent.turns if len(question_ids) > len(ids) and tuple(question_ids[:len(ids)]) == ids else None
+
+    def follow(self, conversation: str | None, mode: Mode, question_ids: Sequence[int]) -> CarriedTurns | None:
+        """A follow-up question's earlier turns, read from the conversation's last context (this
+        prompt retrieved other chunks, so its own context is new): the tokens its question
+        segment shares with what that context holds (the turns that context carried, then its
+        path), with their KV. None when the tree no longer holds them, or fewer than
+        `FOLLOW_MIN_TOKENS` are shared."""
+        recent = self._recall(conversation, mode)
+        if recent is None:
+            return None
+        before = recent.turns.ids if recent.turns is not None else ()
+        if tuple(question_ids[:len(before)]) != before:
+            return None
+        lease = self.tree.match(recent.key, question_ids[len(before):])
+        if lease is None:
+            return None
+        try:
+            n, c = len(before) + lease.matched, len(lease.context_ids)
+            if lease.matched == 0 or n < FOLLOW_MIN_TOKENS:
+                return None
+            k, v = lease.slots(c - len(before), c + lease.matched)  # [L, Hkv, n, D], K after RoPE
+        finally:
+            lease.release()
+        dev, start = self.lm.device, c - len(before)
+        positions = torch.arange(start, start + n, device=dev)  # [n]
+        k = k.to(dev)
+        inverse = self.lm.adapter.rotary(positions, k).inverse()
+        for layer in range(k.shape[0]):  # back to K before RoPE, as a chunk's KV is kept
+            k[layer] = inverse.apply(k[layer], layer)
+        ids = tuple(int(i) for i in question_ids[:n])
+        kv = ChunkKV(torch.tensor(ids, device=dev), k, v.to(dev), positions, after_context=True)
+        return CarriedTurns(f"turns:{recent.key.digest}:{n}", ids, kv)
+
+    def _recall(self, conversation: str | None, mode: Mode) -> _Recent | None:
+        if conversation is None or Mode(mode) is not Mode.BLEND or not self.enabled:
+            return None
+        with self._recent_lock:
+            return self._recent.get(conversation)
+
+    def _note(self, spot: TreeSpot) -> None:
+        """Remember the context a conversation's call was kept under, for its follow-ups."""
+        if spot.conversation is None:
+            return
+        turns = None if spot.turns is None else replace(spot.turns, kv=None)
+        with self._recent_lock:
+            self._recent[spot.conversation] = _Recent(spot.key, turns)
+            self._recent.move_to_end(spot.conversation)
+            while len(self._recent) > _RECENT:
+                self._recent.popitem(last=False)
 
     def snapshot(self, res: BlendResult) -> RecurrentSnapshot | None:
         """A hybrid's recurrent state after its prompt pass (taken before decode moves it on),
@@ -183,6 +278,8 @@ class Conversations:
         prompt = res.token_ids.tolist()
         ids = [*prompt, *answer_ids][:res.cache.length]
         start = {Mode.FULL: 0, Mode.PREFIX: prefix_tokens}.get(Mode(mode), res.n_prompt_tokens - question_tokens)
+        if Mode(mode) is Mode.BLEND:  # the mode that carries turns (`follow`)
+            self._note(spot)
         return self.tree.insert(spot.key, ids[:start], tree_context(res, question_tokens, prefix_tokens),
                                 ids[start:], res.cache, snapshot, pin_s=retain_s,
                                 parts_at=len(prompt) - start - header_tokens)

@@ -87,7 +87,9 @@ class PromptFormat:
         agent's turns since it (assistant calls, tool results) follow as the template renders
         them, and the segment ends where the answer starts. Each turn is tokenized on its
         own, and an assistant turn's header apart from its text, so a call's prompt followed
-        by its answer is a token prefix of the next call's (the KV tree reuses it).
+        by its answer is a token prefix of the next call's (the KV tree reuses it). An earlier
+        user turn renders as it did when it was the question (`before`, then `Question: `),
+        so a follow-up question's segment begins with the earlier calls' too.
 
         Args:
             history: earlier turns, oldest first, (role, text), role user, assistant or tool;
@@ -104,7 +106,8 @@ class PromptFormat:
             raise ValueError("question is empty")
         if (not history and not agent) or not getattr(self.tokenizer, "chat_template", None):
             return None
-        turns = [*history, ("user", f"{before}Question: {question.strip()}"), *agent]
+        asked = [(r, f"{before}Question: {t.strip()}" if r == "user" else t) for r, t in history]
+        turns = [*asked, ("user", f"{before}Question: {question.strip()}"), *agent]
         if turns[0][0] != "user":
             return None
         for tool_role in ("tool", "user"):  # a template without a tool role shows results as the user's

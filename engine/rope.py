@@ -30,6 +30,11 @@ class RopeTables:
         return RopeTables(tuple(c[rows] for c in self.cos), tuple(s[rows] for s in self.sin), self.kind,
                           self.interleaved, None if self.q_scale is None else self.q_scale[rows])
 
+    def inverse(self) -> RopeTables:
+        """The tables that undo these rotations (`apply` with them turns K after RoPE back into K
+        before it: a rotation's inverse is the rotation by minus its angle)."""
+        return RopeTables(self.cos, tuple(-s for s in self.sin), self.kind, self.interleaved)
+
     def scale_query(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         """q: [H, S, D] as `layer` scales queries: by position on a no-RoPE layer when the
         model tunes their temperature (Llama 4), else unchanged."""

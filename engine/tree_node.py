@@ -172,6 +172,18 @@ class TreeLease:
             cache.v[:, :, s:s + n] = part.v[:, :, :n]
         return self.tokens
 
+    def slots(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the leased KV at prompt positions [start, stop): K [L, Hkv, T, D] after RoPE, V."""
+        if not self._held or not start < stop <= self.tokens:
+            raise ValueError(f"TreeLease.slots({start}, {stop}) outside the {self.tokens} leased tokens, or released")
+        ks, vs = [], []
+        for part in self._parts:
+            first, last = max(start, part.node.start), min(stop, part.node.start + part.n)
+            if first < last and part.k is not None and part.v is not None:
+                ks.append(part.k[:, :, first - part.node.start:last - part.node.start])
+                vs.append(part.v[:, :, first - part.node.start:last - part.node.start])
+        return torch.cat(ks, 2).clone(), torch.cat(vs, 2).clone()
+
     def release(self) -> None:
         """Let the path be evicted again (idempotent)."""
         if self._held:

@@ -60,7 +60,6 @@ from ragkv.server.backend import BackendParts
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.query import Query
 from ragkv.server.routing import (
-    ConversationId,
     ConversationPins,
     KeyFilter,
     KeyHex,
@@ -68,7 +67,6 @@ from ragkv.server.routing import (
     ReplicaSummary,
     ReplicaView,
     RouteKeys,
-    conversation_id,
     note_routed,
     rank,
 )
@@ -76,7 +74,6 @@ from ragkv.server.service import RagService
 from ragkv.server.settings import ServerSettings
 from ragkv.server.status import NotServingError, ReplicaLostError, UnknownCollectionError
 from ragkv.types import (
-    ChatRole,
     CollectionInfo,
     CollectionStats,
     MetadataFilter,
@@ -151,9 +148,7 @@ class Answering:
 
 def route_keys(query: Query, keys: Sequence[str]) -> RouteKeys:
     """What routing looks for: the chunks' KV keys and the conversation the query continues."""
-    first_user = next((t.content for t in query.history if t.role is ChatRole.USER), query.question)
-    conversation = conversation_id(query.collection, first_user, query.system_prompt, query.tenant)
-    return RouteKeys(tuple(KeyHex(k) for k in keys), ConversationId(conversation))
+    return RouteKeys(tuple(KeyHex(k) for k in keys), query.conversation)
 
 
 # -- the engine replica ---------------------------------------------------------------------

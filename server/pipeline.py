@@ -15,6 +15,7 @@ computes what is missing, blends and decodes. A chunk computed there comes back 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ import torch
 from ragkv.engine import BlendOptions, ChunkKV, Engine, FocusOptions, LoadedModel, load_model
 from ragkv.engine.check import gate_model
 from ragkv.engine.constrain import Constraint, GrammarError
+from ragkv.engine.conversation import CarriedTurns, TreeSpot
 from ragkv.engine.detokenize import Detokenizer
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT
 from ragkv.engine.request import ChunkComputed, LoadedKV, PromptChunk, Request, Work
@@ -52,7 +54,7 @@ from ragkv.server.search_config import retriever_options
 from ragkv.server.settings import ServerSettings
 from ragkv.server.status import InvalidArgumentError, UnknownCollectionError
 from ragkv.server.structured import OutputSpec, output_spec, turn_text
-from ragkv.types import CollectionInfo, CollectionStats, MetadataFilter, Mode, RetrievedChunk, SearchMode, Tier
+from ragkv.types import CollectionInfo, CollectionStats, KVSource, MetadataFilter, Mode, RetrievedChunk, SearchMode, Tier
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +103,7 @@ class PromptPlan:
     output: OutputSpec  # the answer's prompt text and grammar
     constraint: Constraint | None  # the compiled grammar; None = free text
     prefix_ids: tuple[int, ...]  # the shared prefix the chunks' KV was computed after
-    kv_keys: tuple[ChunkKey, ...]  # per chunk, the KV it is served from (`serving_key`)
+    kv_keys: tuple[ChunkKey | str, ...]  # per chunk, the KV it is served from (`serving_key`; carried turns: a str)
     token_ids: tuple[tuple[int, ...], ...]  # per chunk, its tokens
     question_ids: tuple[int, ...]  # the question segment
     select_ids: tuple[int, ...] | None  # the tokens that choose; None = question_ids
@@ -147,7 +149,8 @@ def _store_config(settings: ServerSettings, index_dir: Path, kv_uris: Sequence[s
     # computed KV written back is stored as the index's own files are, unless --kv-compression says otherwise
     compression = kv_compression if settings.kv_compression == "auto" else settings.kv_compression
     writes = None if settings.kv_s3_writeback else frozenset(t for t in durable if t is not Tier.S3)
-    return StoreConfig(tiers=(*memory, *durable.values()), compression=Compression(compression), write_through=writes)
+    return StoreConfig(tiers=(*memory, *durable.values()), compression=Compression(compression), write_through=writes,
+                       device=str(device))  # layered reads dequantize compressed files on the engine's device
 
 
 def check_system_prompt(params: Query, index_prompt: str) -> None:
@@ -317,12 +320,10 @@ class Pipeline:
         """
         retain_s = self._retention(query)  # a bad bound costs no search
         found = self._retrieve(query, hits)
-        plan = self._plan(query, found)
-        tree = self.engine.conversations.lease(  # one call: a lease carrying its key and path
-            query.mode, plan.prefix_ids, plan.token_ids, (*plan.kv_keys, found.collection.retriever.manifest.kv_compression),
-            plan.question_ids, options=plan.options, select_ids=plan.select_ids, tenant=query.tenant)
+        plan, tree = self._lease(query, found, self._plan(query, found))
         chunks, kv_wait_s = self._chunk_sources(query.mode, found.collection, plan,
-                                                held=tree is not None and tree.lease is not None)
+                                                held=tree is not None and tree.lease is not None,
+                                                turns=None if tree is None else tree.turns)
         done = 0 if tree is None else tree.tokens  # a tree hit computes only the rest
         cost = self.engine.prompt_cost(query.mode, len(plan.prefix_ids), plan.chunk_tokens, len(plan.question_ids),
                                        plan.options)
@@ -337,6 +338,42 @@ class Pipeline:
             kv_bytes=(plan.prompt_tokens + query.sampling.max_new_tokens) * self.engine.kv_bytes_per_token,
             prompt_cost=max(1, cost * (plan.prompt_tokens - done) // max(plan.prompt_tokens, 1)),
             phase_seconds={"retrieve": found.seconds})
+
+    def _lease(self, query: Query, found: Retrieved, plan: PromptPlan) -> tuple[PromptPlan, TreeSpot | None]:
+        """Stage 3: the KV tree's lease on what it holds of this prompt (a lease carrying its key
+        and path). A follow-up question whose retrieval gave other chunks than its
+        conversation's last call carries that call's turns in as one more chunk, their KV read
+        from the tree (`Conversations.follow`, blend mode); the later calls of its tool loop
+        carry the same turns, so they find the context the follow-up left."""
+        trees, conversation = self.engine.conversations, query.conversation
+        carried = trees.carried(conversation, query.mode, plan.question_ids)
+        if carried is not None:
+            spot = self._spot(query, found, self._carrying(query, plan, carried), conversation, carried)
+            if spot is not None and spot.lease is not None:
+                return self._carrying(query, plan, carried), spot
+        spot = self._spot(query, found, plan, conversation, None)
+        if spot is None or spot.lease is not None:
+            return plan, spot
+        turns = trees.follow(conversation, query.mode, plan.question_ids)
+        if turns is None:
+            return plan, spot
+        plan = self._carrying(query, plan, turns)
+        return plan, self._spot(query, found, plan, conversation, turns)  # a miss: the key its answer is kept under
+
+    def _spot(self, query: Query, found: Retrieved, plan: PromptPlan, conversation: str,
+              turns: CarriedTurns | None) -> TreeSpot | None:
+        return self.engine.conversations.lease(
+            query.mode, plan.prefix_ids, plan.token_ids, (*plan.kv_keys, found.collection.retriever.manifest.kv_compression),
+            plan.question_ids, options=plan.options, select_ids=plan.select_ids, tenant=query.tenant,
+            conversation=conversation, turns=turns)
+
+    def _carrying(self, query: Query, plan: PromptPlan, turns: CarriedTurns) -> PromptPlan:
+        """`plan` with the earlier turns as its last chunk: the question segment after them, and
+        the question alone choosing (so a tool loop's calls choose alike, whatever it adds)."""
+        n = len(turns.ids)
+        return dataclasses.replace(plan, token_ids=(*plan.token_ids, turns.ids), kv_keys=(*plan.kv_keys, turns.key),
+                                   question_ids=plan.question_ids[n:],
+                                   select_ids=tuple(self.engine.prompt.question_ids(query.question)))
 
     def _retention(self, query: Query) -> float:
         """Seconds an answer to `query` that may end in tool calls keeps its tree path pinned."""
@@ -377,17 +414,22 @@ class Pipeline:
         self._check_context(query, plan.prompt_tokens)
         return plan
 
-    def _chunk_sources(self, mode: Mode, c: Collection, plan: PromptPlan, held: bool
-                       ) -> tuple[tuple[PromptChunk, ...], float]:
+    def _chunk_sources(self, mode: Mode, c: Collection, plan: PromptPlan, held: bool,
+                       turns: CarriedTurns | None = None) -> tuple[tuple[PromptChunk, ...], float]:
         """Stage 4: each chunk's KV source, its read started the moment the ids are known (the
         loading controller's choice per chunk), and how long the reads may take; none when the
-        mode reads no chunk KV or the tree `held` the context."""
+        mode reads no chunk KV or the tree `held` the context. Carried `turns` (the last chunk)
+        come with their KV, read from the tree."""
         if not self.engine.reads_chunk_kv(mode) or held:
             return tuple(PromptChunk(ids, key=key) for ids, key in zip(plan.token_ids, plan.kv_keys)), _KV_WAIT_LIMIT
-        decisions = self.controller.decide(c.store, plan.kv_keys, [len(ids) for ids in plan.token_ids])
+        n = len(plan.token_ids) - (turns is not None and turns.kv is not None)  # retrieved chunks
+        decisions = self.controller.decide(c.store, plan.kv_keys[:n], [len(ids) for ids in plan.token_ids[:n]])
         reads = iter(c.store.prefetch([k for k, d in zip(plan.kv_keys, decisions) if d.load], layered=self._kv_layered))
         chunks = tuple(PromptChunk(ids, self._loaded(next(reads)) if d.load else None, d.source, key, d.load_s)
                        for ids, key, d in zip(plan.token_ids, plan.kv_keys, decisions))
+        if n < len(plan.token_ids) and turns is not None and turns.kv is not None:
+            chunks += (PromptChunk(turns.ids, LoadedKV(turns.kv, Tier.TREE, turns.kv.nbytes), KVSource.LOADED,
+                                   turns.key),)
         return chunks, self.controller.wait_limit(decisions, _KV_WAIT_LIMIT, c.store.prefetch_workers)
 
     def _loaded(self, handle: PrefetchHandle) -> Future[LoadedKV | None]:

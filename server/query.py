@@ -13,8 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ragkv.engine.decode import SamplingParams
+from ragkv.server.routing import ConversationId, conversation_id
 from ragkv.types import (
     DEFAULT_COLLECTION,
+    ChatRole,
     ChatTurn,
     MetadataFilter,
     Mode,
@@ -53,3 +55,10 @@ class Query:
     # seconds (`retain_seconds`: ragkv's HTTP extra, a gRPC field; at most --kv-tree-retain-max-s);
     # None = the tool latency the server has learned
     retain_seconds: float | None = None
+
+    @property
+    def conversation(self) -> ConversationId:
+        """The agent conversation it belongs to: what every one of its calls repeats (the
+        collection, the system message and the first user message), within its tenant."""
+        first = next((t.content for t in self.history if t.role is ChatRole.USER), self.question)
+        return conversation_id(self.collection, first, self.system_prompt, self.tenant)

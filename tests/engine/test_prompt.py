@@ -152,3 +152,17 @@ def test_a_single_question_or_no_template_keeps_one_segment(tokenizer) -> None:
     chat = PromptFormat.for_tokenizer(_templated(tokenizer, CHATML))
     assert chat.turn_ids("Why?") is None  # a single question: question_ids, as before
     assert chat.turn_ids("Why?", [("assistant", "Hello.")]) is None  # a conversation must open with the user
+
+
+@pytest.mark.parametrize("template", [CHATML, LLAMA3, GEMMA], ids=["chatml", "llama3", "gemma"])
+def test_a_follow_up_questions_segment_begins_with_the_earlier_call_and_its_answer(tokenizer, template) -> None:
+    """The KV tree can only reuse a conversation's earlier turns when the follow-up renders
+    them as they were when asked: the first call's segment and answer, token for token."""
+    fmt = PromptFormat.for_tokenizer(_templated(tokenizer, template))
+    before = "You can call these tools: lookup.\n\n"
+    first = fmt.question_ids("Who chose it?", (), before)
+    answer = "Alice chose it."
+    answer_ids = fmt.tokenizer(answer, add_special_tokens=False)["input_ids"]
+    follow = fmt.turn_ids("And when?", [("user", "Who chose it?"), ("assistant", answer)], before)
+    assert follow is not None and follow[:len(first) + len(answer_ids)] == first + answer_ids
+    assert fmt.tokenizer.decode(follow).count("Question: ") == 2

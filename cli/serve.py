@@ -55,6 +55,9 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
                           "them at shutdown, as checksummed KV files that the next server over this folder finds "
                           "again (default off)"),
     ("kv_tree_disk_bytes", int, "bytes the KV tree may keep in --kv-tree-dir (default 16 GiB)"),
+    ("kv_tree_follow_ups", str, "on: a follow-up question that retrieves other chunks carries the conversation's "
+                                "earlier turns from the KV tree as one more chunk, blended (blend mode); off: "
+                                "they are computed again (default on)"),
     ("responses_dir", Path, "keep the Responses API's stored responses (store, previous_response_id) in this "
                             "directory too, one file each, so a restarted server finds them; one server per "
                             "directory (default off: in memory only, lost on restart)"),
@@ -67,7 +70,7 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("kv_s3_writeback", str, "on: KV computed at serve time is written back to the S3 tier too; off: S3 is "
                              "read only (default on)"),
     ("kv_compression", str, "how KV computed at serve time is written back: auto (as the index was built, "
-                            "see ragkv index --kv-compression), none, int8 or fp8 (default auto)"),
+                            "see ragkv index --kv-compression), none, int8, fp8, int4 or int2 (default auto)"),
     ("kv_layered", str, "on: blend starts once a disk/S3 file's header is checked and reads each layer as it "
                         "arrives; off: read and verify whole files first (default on)"),
     ("kv_controller", str, "on: per chunk, read its KV or recompute it, whichever the tier's measured speed "

@@ -121,6 +121,7 @@ class Conversations:
                  disk_bytes: int = 0) -> None:
         self.lm = lm
         self._recent: OrderedDict[str, _Recent] = OrderedDict()  # conversation -> its last context
+        self.follow_ups = True  # carry a follow-up's earlier turns (`follow`); False = compute them again
         self._recent_lock = threading.Lock()
         self.tree = KVTree(budget_bytes, recurrent=recurrent, tenant_share=tenant_share, host_bytes=host_bytes,
                            files=files, disk_bytes=disk_bytes)
@@ -235,7 +236,7 @@ class Conversations:
         return CarriedTurns(f"turns:{recent.key.digest}:{n}", ids, kv)
 
     def _recall(self, conversation: str | None, mode: Mode) -> _Recent | None:
-        if conversation is None or Mode(mode) is not Mode.BLEND or not self.enabled:
+        if conversation is None or Mode(mode) is not Mode.BLEND or not self.enabled or not self.follow_ups:
             return None
         with self._recent_lock:
             return self._recent.get(conversation)

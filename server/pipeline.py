@@ -248,6 +248,7 @@ class Pipeline:
         engine.use_tree(settings.kv_tree_bytes, settings.kv_tree_key_share, settings.kv_tree_host_bytes, files,
                         settings.kv_tree_disk_bytes)
         engine.conversations.use_retention(settings.kv_tree_retain_max_s, settings.kv_tree_retain_default_s)
+        engine.conversations.follow_ups = settings.kv_tree_follow_ups
         collections = {}
         for name, (index_dir, retriever) in retrievers.items():
             manifest = retriever.manifest

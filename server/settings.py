@@ -108,6 +108,9 @@ class ServerSettings:
     # everything in memory written there at shutdown, found again by the next server; None = off
     kv_tree_dir: Path | None = None
     kv_tree_disk_bytes: int = 16 * 1024**3
+    # a follow-up question whose retrieval gives other chunks carries its conversation's earlier turns
+    # from the KV tree as one more chunk, blended (blend mode; engine.conversation); off = computed again
+    kv_tree_follow_ups: bool = True
     # the Responses API's stored responses (server.response_store): in memory, and with a directory
     # also one file each there, so a restarted server finds them; None = memory only (lost on restart)
     responses_dir: Path | None = None
@@ -199,8 +202,8 @@ class ServerSettings:
                              f"{self.responses_max_count}, {self.responses_max_bytes}, {self.responses_max_age_s}")
         if self.retrieve_workers < 1:
             raise ValueError(f"retrieve_workers must be >= 1, got {self.retrieve_workers}")
-        if self.kv_compression not in ("auto", "none", "int8", "fp8"):
-            raise ValueError(f"kv_compression must be auto, none, int8 or fp8, got {self.kv_compression!r}")
+        if self.kv_compression not in ("auto", "none", "int8", "fp8", "int4", "int2"):
+            raise ValueError(f"kv_compression must be auto, none, int8, fp8, int4 or int2, got {self.kv_compression!r}")
         if self.faiss_device not in ("cpu", "cuda"):
             raise ValueError(f"faiss_device must be cpu or cuda, got {self.faiss_device!r}")
         if self.quality_guard_mass is not None and not 0.0 < self.quality_guard_mass <= 1.0:

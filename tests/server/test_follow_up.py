@@ -87,3 +87,22 @@ def test_a_tool_loop_after_a_follow_up_finds_the_context_the_follow_up_left(serv
         chunks = stream.chunks
     assert loop.usage.tree_prompt_tokens >= follow.usage.prompt_tokens - 16, (loop.usage, follow.usage)
     assert {c.kv_tier for c in chunks} == {Tier.TREE}
+
+
+def test_with_follow_ups_off_the_earlier_turns_are_computed_again(servers, chat_model: Path,
+                                                                   tmp_path: Path) -> None:
+    from ragkv.server.pipeline import Pipeline
+
+    _, without = servers
+    index = build_index(tmp_path, CORPUS, chat_model)
+    off = ServerThread(settings(indexes=(CollectionSpec("docs", index),), kv_tree_bytes=64 << 20,
+                                kv_tree_follow_ups=False), Pipeline.from_settings)
+    try:
+        with RagClient(off.addr) as client, RagClient(without.addr) as plain:
+            first, _, _ = _ask(client, FIRST, [], 0.2)
+            history = [ChatTurn(ChatRole.USER, FIRST), ChatTurn(ChatRole.ASSISTANT, first)]
+            _, stats, _ = _ask(client, FOLLOW_UP, history, 0.2)
+            _, plain_stats, _ = _ask(plain, FOLLOW_UP, history, 0.2)
+    finally:
+        off.stop()
+    assert stats.usage.cached_prompt_tokens == plain_stats.usage.cached_prompt_tokens

@@ -158,6 +158,9 @@ def test_concurrency_bench_prints_ttft_ratios_and_the_tail(tiny_llama_dir, capsy
     for mode, r in ratios.items():
         level, base = out["concurrency"]["2"], out["concurrency"]["1"]
         assert r["p50"] == pytest.approx(level["ttft_p50_s"][mode] / base["ttft_p50_s"][mode], abs=0.01)
+        assert r["p99"] == pytest.approx(level["ttft_p99_s"][mode] / base["ttft_p99_s"][mode], abs=0.01)
+        assert level["ttft_p50_s"][mode] <= level["ttft_p95_s"][mode] <= level["ttft_p99_s"][mode]
+    assert out["config"]["kv_tree_bytes"] == 0  # the tails are the scheduler's, not the tree's
     for mode, tail in out["concurrency"]["2"]["slowest_ttft_phases_s"].items():
         assert tail["ttft"] >= out["concurrency"]["2"]["ttft_p50_s"][mode] and "queue" in tail and "retrieve" in tail
 

@@ -7,8 +7,7 @@ the node's name as its prefix hash, so a file renamed, of another model or anoth
 refused on read like a damaged one.
 
 Writes run on one writer thread (the tree spills from the scheduler's thread, which does no
-I/O): a temporary file, then `os.replace`, so a crash leaves the old file or the new one and
-never half of one. Until its write is done, a read of the name finds the tensors still in
+I/O), whole or not at all (`ragkv.atomic`). Until its write is done, a read of the name finds the tensors still in
 memory. Deletes go through the same thread, in order.
 """
 
@@ -16,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ragkv.atomic import write_bytes
 from ragkv.errors import KVFormatError
 from ragkv.kvstore.entry import KVEntry, RopeMode
 from ragkv.kvstore.fileformat import data_start, decode, encode, read_meta
@@ -73,11 +72,7 @@ class TreeFiles:
                             positions=torch.arange(start, start + len(ids), dtype=torch.int64),
                             model_fp=self.model_fp, tokenizer_fp=self.tokenizer_fp, prefix_hash=PrefixHash(name),
                             rope_mode=RopeMode.POST_ROPE)
-            data = encode(entry, extra=meta)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
+            write_bytes(path, encode(entry, extra=meta), durable=False)  # checked on every read: torn = a miss
         except Exception:  # a full disk: the node is a miss on its next read, never a failed request
             log.exception("KV tree: could not write spilled node %s", name)
         finally:
@@ -119,7 +114,7 @@ class TreeFiles:
                 yield name, read_meta(head, path.stat().st_size)
             except (OSError, ValueError, KVFormatError) as e:  # KVFormatError is a ValueError too
                 log.warning("KV tree: skipping %s: %s", path, e)
-        for tmp in self.folder.glob(f".*{SUFFIX}.*.tmp"):  # a crash mid-write left it
+        for tmp in self.folder.glob(f".*{SUFFIX}.*.tmp"):  # a crash mid-write left it (ragkv.atomic)
             tmp.unlink(missing_ok=True)
 
     def flush(self) -> None:

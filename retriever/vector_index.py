@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ragkv.retriever.manifest import VectorIndexKind, atomic_write_bytes
+from ragkv.atomic import write_bytes
+from ragkv.retriever.manifest import VectorIndexKind
 
 FAISS_NAME = "vectors.faiss"
 HNSW_THRESHOLD = 50_000  # chunks; at or past this, HNSW instead of exact search
@@ -104,7 +105,7 @@ def save(index, index_dir: Path) -> None:  # index: faiss.Index
     import faiss
 
     data = faiss.serialize_index(index)  # uint8 [nbytes]
-    atomic_write_bytes(Path(index_dir) / FAISS_NAME, data.tobytes())
+    write_bytes(Path(index_dir) / FAISS_NAME, data.tobytes())
 
 
 def load(index_dir: Path, device: str = "cpu"):  # -> faiss.Index

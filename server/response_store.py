@@ -21,17 +21,16 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import re
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ragkv.atomic import write_bytes
 from ragkv.errors import RagKVError
 
 if TYPE_CHECKING:
@@ -204,22 +203,11 @@ class ResponseStore:
         return self.directory / f"{response_id}{_SUFFIX}"
 
     def _write(self, response_id: str, entry: StoredResponse) -> None:
-        """The response's file, whole or not at all: a temporary file, synced, renamed over."""
+        """The response's file, whole or not at all (`ragkv.atomic`), readable by the server alone."""
         path = self._path(response_id)
-        temp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}{_TEMP}")
         record = {"format": FORMAT, "id": response_id, "tenant": entry.tenant, "created_at": entry.created_at,
                   "items": list(entry.items), "response": entry.response}
-        data = json.dumps(record, default=str).encode()
-        try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(temp, path)
-        except BaseException:
-            temp.unlink(missing_ok=True)
-            raise
+        write_bytes(path, json.dumps(record, default=str).encode(), mode=0o600)
 
     def _unlink(self, response_ids: list[str]) -> None:
         if self.directory is None:

@@ -11,21 +11,9 @@ from ragkv.engine.tree import KVTree, Tier, TreeContext, TreeKey
 from ragkv.evals.testing import tiny_model_dir
 from ragkv.kvstore.tree_files import TreeFiles
 from ragkv.types import Mode
+from tests.engine.test_tree import _bytes, _cache
 
 CTX = TreeContext(prefix_tokens=1, chunk_end=2, chunk_tokens=1, used_chunks=(0,), chunk_scores=(0.5,))
-
-
-def _cache(n: int, fill: float = 0.0) -> KVCache:
-    """A cache of n tokens whose K/V at slot j hold j + fill (so copies can be checked)."""
-    cache = KVCache(2, 1, 3, n + 4, torch.float32, torch.device("cpu"))
-    cache.k[:, :, :n] = torch.arange(n, dtype=torch.float32)[None, None, :, None] + fill
-    cache.v[:, :, :n] = -cache.k[:, :, :n]
-    cache.length = n
-    return cache
-
-
-def _bytes(tokens: int) -> int:
-    return 2 * 2 * 1 * tokens * 3 * 4  # K and V, [L=2, Hkv=1, T, D=3], float32
 
 
 def _read(tree: KVTree, key: TreeKey, ids: list[int]) -> tuple[int, int, torch.Tensor]:

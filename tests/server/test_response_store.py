@@ -124,7 +124,7 @@ def test_a_corrupt_or_foreign_file_is_skipped_with_a_warning_not_a_failed_start(
 
 def test_a_write_cut_short_leaves_only_a_temporary_file_and_the_next_start_removes_it(tmp_path: Path,
                                                                                        monkeypatch) -> None:
-    import ragkv.server.response_store as module
+    import ragkv.atomic as module  # where the store's writes happen
 
     store = _store(tmp_path)
     store.put("resp_a", "alice", ITEMS, _response("resp_a"))

@@ -166,7 +166,7 @@ class KVTree:
             self._hits += 1
             self._hit_tokens += len(root.ids) + pos
             self._spilled_hit_tokens += spilled
-        return TreeLease(self, root.ids, root.context, pos, parts, _state=state, spilled=spilled)
+        return TreeLease(self._release, root.ids, root.context, pos, parts, _state=state, spilled=spilled)
 
     def _find(self, key: TreeKey, ids: tuple[int, ...]) -> tuple[object | None, list[LeasedPart]] | None:
         """The path `ids` matches under `key` (at least its last token left out), and a hybrid's

@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import copy
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING
 
 import torch
 
 from ragkv.engine.kv import KVCache
-
-if TYPE_CHECKING:
-    from ragkv.engine.tree import KVTree
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +139,7 @@ class LeasedPart:
 class TreeLease:
     """A matched path, held until the prompt pass has copied it into its own cache."""
 
-    tree: KVTree
+    _let_go: Callable[[list[Node]], None]  # the tree's: drops the lease's reference counts
     context_ids: tuple[int, ...]  # the context's tokens (the root's)
     context: TreeContext
     matched: int  # tokens matched past the context
@@ -188,7 +185,7 @@ class TreeLease:
         """Let the path be evicted again (idempotent)."""
         if self._held:
             self._held = False
-            self.tree._release([p.node for p in self._parts])
+            self._let_go([p.node for p in self._parts])
 
     def __del__(self) -> None:  # a lease dropped unreleased (a request refused after prepare)
         try:

@@ -35,6 +35,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--dataset", type=Path, metavar="FILE.json",
                      help="CacheBlend's QA format: a JSON list of {question, answers, ctxs: [{title, text}]} "
                           "(e.g. MuSiQue); scored by SQuAD token F1")
+    src.add_argument("--from-cases", type=Path, metavar="FILE.jsonl",
+                     help="score a recorded run again (its --cases-out), no model loaded: its methods' "
+                          "reports, with --split, --folds and --replay-focus")
     p.add_argument("--ctxs", type=int, default=5, help="dataset: passages per question (default 5)")
     p.add_argument("--instruction", default=None,
                    help="the instruction before the passages (the system prompt); default: the dataset "
@@ -97,6 +100,10 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--focus-several", default=None, metavar="N[,N]",
                    help="focus handover: hand over also when at least N chunks score within --focus-keep of the "
                         "best (0 = never); comma list (default: ragkv serve's --focus-several)")
+    p.add_argument("--focus-rules", default=None, metavar="S:N[,S:N]",
+                   help="focus handover rules as spread:several pairs, each one focus method named focus@sSnN "
+                        "(in place of --focus-spread x --focus-several); 1:0 looks up on every question, which "
+                        "with blend's rows lets --from-cases --replay-focus replay any rule")
     p.add_argument("--focus-lookup-ratio", default=None, metavar="R[,R]",
                    help="focus answering a lookup over neighbour KV: the share of its kept chunks' tokens "
                         "recomputed (1 = all: exact over them; 'request' = the request's --ratio); "
@@ -104,6 +111,32 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--focus-lookup-keep", default=None, metavar="K[,K]",
                    help="focus answering a lookup: keep chunks scoring at least K x the best (1 = the best "
                         "alone; 'keep' = --focus-keep); comma list (default: ragkv serve's --focus-lookup-keep)")
+    o = p.add_argument_group(
+        "out of sample (tune on one part of the questions, report on the other)",
+        "A question's part is fixed by its id and the seed (a hash), so it is the same in every run and "
+        "for any --n (--n counts questions before the split). Example: tune a threshold with --split tune, "
+        "then report the pick with --split report and the same --split-seed; or --folds 2 to have the "
+        "eval pick, per fold, the fastest method within --tune-kl-slack of the best KL on the other "
+        "folds and report it on the held-out one.")
+    o.add_argument("--split", choices=("tune", "report"), default=None,
+                   help="run only this part of a fixed seeded split of the questions")
+    o.add_argument("--split-seed", type=int, default=0, help="which split (default 0)")
+    o.add_argument("--split-frac", type=float, default=0.5,
+                   help="the tune part's share of the questions, in (0, 1) (default 0.5)")
+    o.add_argument("--folds", type=int, default=None, metavar="K",
+                   help="k-fold tuning over the methods run (full aside): each fold is reported by the method "
+                        "tuned on the others; adds 'held_out' to the output")
+    o.add_argument("--fold-seed", type=int, default=0, help="which assignment of questions to folds (default 0)")
+    o.add_argument("--tune-kl-slack", type=float, default=0.005,
+                   help="tuning picks the fastest method whose mean KL to full is within this of the best "
+                        "(default 0.005 nats)")
+    o.add_argument("--replay-focus", default=None, metavar="S:N[,S:N]",
+                   help="with --from-cases: add focus rules replayed from the recorded rows (handover when "
+                        "the runners-up average >= S x the best or N chunks are kept), named replay@sSnN; "
+                        "the run must hold the two --replay-methods")
+    o.add_argument("--replay-methods", default="blend,focus@s1n0", metavar="HANDOVER,LOOKUP",
+                   help="the recorded methods a replayed rule reads: a handover's (blend at the focus ratio) and "
+                        "a lookup's (a focus that always looks up: --focus-rules 1:0) (default blend,focus@s1n0)")
     p.add_argument("--cases-out", type=Path, metavar="FILE.jsonl",
                    help="write one JSON line per case: each method's answer, scores, TTFT and, for focus, "
                         "the chunks kept and every chunk's relevance")
@@ -202,6 +235,10 @@ def _methods(args: argparse.Namespace):
             lookup_keeps = [_number_or(x, "keep", "--focus-lookup-keep") for x in args.focus_lookup_keep.split(",")]
             variants = [(h, sp, sev) for h in handovers for sp in (spreads if h else [0.0])
                         for sev in (severals if h else [0])]  # spread and several: handover only
+            if args.focus_rules:  # explicit pairs, each named by its rule
+                from ragkv.evals.replay import parse_rules
+
+                variants = [(True, r.spread, r.several) for r in parse_rules(args.focus_rules)]
             for handover, sp, sev in variants:
                 for keep in keeps:
                     for r in ratios:
@@ -210,9 +247,11 @@ def _methods(args: argparse.Namespace):
                                                 score_depths=layer_sets[0],
                                                 focus=FocusOptions(keep=keep, handover=handover, spread=sp, several=sev,
                                                                    lookup_ratio=lk, lookup_keep=lkeep))
-                            name = ("focus" + ("-handover" if handover and len(handovers) > 1 else "")
-                                    + (f"-s{sp:g}" if handover and len(spreads) > 1 else "")
-                                    + (f"-several{sev}" if handover and len(severals) > 1 else "")
+                            name = (f"focus@s{sp:g}n{sev}" if args.focus_rules else "focus")
+                            named = bool(args.focus_rules)  # the rule is in the name already
+                            name = (name + ("-handover" if handover and len(handovers) > 1 and not named else "")
+                                    + (f"-s{sp:g}" if handover and len(spreads) > 1 and not named else "")
+                                    + (f"-several{sev}" if handover and len(severals) > 1 and not named else "")
                                     + (f"-{keep:g}" if len(keeps) > 1 else "") + (f"-r{r:g}" if len(ratios) > 1 else "")
                                     + (f"-lookup{'r' if lk is None else f'{lk:g}'}" if len(lookups) > 1 else "")
                                     + (f"-lkeep{'k' if lkeep is None else f'{lkeep:g}'}" if len(lookup_keeps) > 1 else ""))
@@ -387,8 +426,92 @@ def index_cases(engine, index: Path, questions: Path, top_k: int):
     return cases
 
 
+def _split(args: argparse.Namespace):
+    """The --split part's Split and Part, or (None, None) without --split."""
+    from ragkv.evals.split import Part, Split
+
+    if args.folds is not None and args.split is not None:
+        raise ValueError("--folds and --split are two ways to hold questions out: give one")
+    if args.folds is not None and args.folds < 2:
+        raise ValueError(f"--folds must be at least 2 (one part to tune on, one to report), got {args.folds}")
+    Split(args.split_seed, args.split_frac)  # checks --split-frac before any model is loaded
+    if args.split is None:
+        return None, None
+    return Split(args.split_seed, args.split_frac), Part(args.split)
+
+
+def held_out(args: argparse.Namespace, rows: list[dict]) -> dict | None:
+    """--folds: the cross-validated pick over the methods every row ran (full aside)."""
+    from ragkv.evals.split import TuneRule, cross_validate, held_out_summary, tuned_methods
+
+    if args.folds is None:
+        return None
+    results = cross_validate(rows, tuned_methods(rows), args.folds, args.fold_seed, TuneRule(args.tune_kl_slack))
+    return held_out_summary(results, rows, args.folds, args.fold_seed)
+
+
+def run_from_cases(args: argparse.Namespace) -> dict:
+    """--from-cases: the recorded rows' reports (split, replayed, cross-validated), no model."""
+    from ragkv.evals.replay import parse_rules, replay
+    from ragkv.evals.split import Part, paired_speedup, report_from_rows
+
+    rows = []
+    for i, line in enumerate(args.from_cases.read_text().splitlines()):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{args.from_cases}:{i + 1}: not a --cases-out line ({exc})") from None
+    split, part = _split(args)
+    rules = parse_rules(args.replay_focus) if args.replay_focus else []
+    if split is not None:
+        rows = split.select(rows, part, key=lambda r: r["id"])
+    if rules:
+        handover, _, lookup = args.replay_methods.partition(",")
+        rows = replay(rows, rules, handover.strip(), lookup.strip())
+    if not rows:
+        raise ValueError(f"{args.from_cases}: no cases (on this side of the split)")
+    names = list(dict.fromkeys(m for row in rows for m in row["methods"]))
+    out: dict = {"modes": {m: {**report_from_rows(rows, m).as_dict(), "ttft_x_full_paired": paired_speedup(rows, m)}
+                           for m in names},
+                 "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}}
+    if (h := held_out(args, rows)) is not None:
+        out["held_out"] = h
+    if part is Part.TUNE:  # what --folds' rule picks on this part, to report on the other
+        from ragkv.evals.split import TuneRule, tuned_methods
+
+        out["picked"] = TuneRule(args.tune_kl_slack).pick({m: report_from_rows(rows, m) for m in tuned_methods(rows)})
+    return out
+
+
+def _print_table(modes: dict[str, dict], held: dict | None) -> None:
+    print(f"{'method':28s} {'n':>4s} {'acc':>5s} {'F1':>5s} {'agree':>5s} {'F1full':>6s} {'tok1':>5s} "
+          f"{'KL':>7s} {'TTFT s':>7s} {'xfull':>6s} {'xpair':>6s} {'recomp':>6s} {'KV s':>6s}")
+    full = modes.get("full", {}).get("ttft_median_s", 0.0)
+    for name, r in modes.items():
+        x = full / r["ttft_median_s"] if full and r["ttft_median_s"] else float("nan")
+        print(f"{name:28s} {r['n']:4d} {r['accuracy']:5.2f} {r['f1']:5.2f} {r['agreement']:5.2f} "
+              f"{r['f1_vs_full']:6.2f} {r['first_token_agreement']:5.2f} {r['kl_mean']:7.4f} "
+              f"{r['ttft_median_s']:7.3f} {x:6.2f} {r.get('ttft_x_full_paired', float('nan')):6.2f} "
+              f"{r['recompute_fraction']:6.2f} {r['kv_prefill_median_s']:6.2f}")
+    if held is not None:
+        print(f"held out, {held['folds']} folds (seed {held['fold_seed']}):")
+        for f in held["per_fold"]:
+            print(f"  fold {f['fold']}: picked {f['picked']} on {f['n_tune']} cases; here n={f['n']} "
+                  f"KL {f['kl_mean']:.4f} F1full {f['f1_vs_full']:.2f} TTFT {f['ttft_median_s']:.3f} s")
+        t = held["tuned"]
+        print(f"  tuned, every case held out: n={t['n']} KL {t['kl_mean']:.4f} F1full {t['f1_vs_full']:.2f} "
+              f"TTFT {t['ttft_median_s']:.3f} s")
+
+
 def run_eval(args: argparse.Namespace) -> int:
     served_defaults(args)
+    if args.from_cases:
+        out = run_from_cases(args)
+        if not args.json and "picked" in out:
+            print(f"picked on the tune part: {out['picked']}")
+        print(json.dumps(out)) if args.json else _print_table(out["modes"], out.get("held_out"))
+        return 0
     if args.kv_compression:
         from ragkv.cli.kv_compression_eval import print_report, run_compression_eval
 
@@ -413,9 +536,14 @@ def run_eval(args: argparse.Namespace) -> int:
         from ragkv.cli.dataset import DEFAULT_INSTRUCTION as instruction
     else:
         from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT as instruction
+    split, part = _split(args)  # its options checked before the model loads
     engine = Engine(load_model(args.model), system_prompt=instruction)
     methods = _methods(args)
     cases, pool = _cases(args, engine)
+    if split is not None:  # the neighbour pool stays the whole set's: an index holds every passage
+        cases = split.select(cases, part)
+        if not cases:
+            raise ValueError(f"no case on the {part.value} side of --split-seed {args.split_seed}: raise --n")
     variants = neighbour_variants(args, engine, cases, pool)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
     config["instruction"] = instruction
@@ -429,27 +557,24 @@ def run_eval(args: argparse.Namespace) -> int:
         tmp.replace(args.partial)
 
     cases_out = args.cases_out.open("w") if args.cases_out else None
+    rows: list[dict] = []
 
     def write_case(row: dict) -> None:
-        cases_out.write(json.dumps(row) + "\n")
-        cases_out.flush()
+        rows.append(row)
+        if cases_out:
+            cases_out.write(json.dumps(row) + "\n")
+            cases_out.flush()
 
     try:
         reports = evaluate(engine, cases, methods, args.max_new_tokens,
                            progress=lambda xs: tqdm(xs, desc="eval", unit="case", file=sys.stderr),
                            variants=variants, after_case=partial if args.partial else None,
-                           on_case=write_case if cases_out else None)
+                           on_case=write_case if cases_out or args.folds else None)
     finally:
         if cases_out:
             cases_out.close()
     out = result(reports)
-    if args.json:
-        print(json.dumps(out))
-        return 0
-    print(f"{'method':28s} {'n':>4s} {'acc':>5s} {'F1':>5s} {'agree':>5s} {'F1full':>6s} {'tok1':>5s} "
-          f"{'KL':>7s} {'TTFT s':>7s} {'recomp':>6s} {'KV s':>6s}")
-    for name, r in reports.items():
-        print(f"{name:28s} {r.n:4d} {r.accuracy:5.2f} {r.f1:5.2f} {r.agreement:5.2f} {r.f1_vs_full:6.2f} "
-              f"{r.first_token_agreement:5.2f} {r.kl_mean:7.4f} {r.ttft_median_s:7.3f} "
-              f"{r.recompute_fraction:6.2f} {r.kv_prefill_median_s:6.2f}")
+    if (h := held_out(args, rows)) is not None:
+        out["held_out"] = h
+    print(json.dumps(out)) if args.json else _print_table(out["modes"], out.get("held_out"))
     return 0

@@ -76,7 +76,7 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("kv_controller", str, "on: per chunk, read its KV or recompute it, whichever the tier's measured speed "
                            "and the prefill rate say is cheaper, abandoning a read that overruns; off: always "
                            "read what a tier holds (default on)"),
-    ("default_mode", str, "mode when a request leaves it unspecified (default focus)"),
+    ("default_mode", str, "mode when a request leaves it unspecified (default blend)"),
     ("default_recompute_ratio", float, "recompute ratio of blend (and of focus over several chunks) by default (default 0.15)"),
     ("focus_keep", float, "focus mode keeps chunks scoring at least this x the best, (0, 1] (default 0.5)"),
     ("focus_handover", str, "on: focus keeping several chunks blends over all of them instead (and reads a "

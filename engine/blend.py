@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ragkv.engine.focus import FocusOptions, focus_layers, pick_chunks, score_chunks, spread
+from ragkv.engine.focus import FocusOptions, FocusScores, focus_layers, kept_attention, pick_chunks, score_chunks, spread
 from ragkv.engine.forward import Keep, layer_steps, project_kv, span
 from ragkv.engine.kv import ChunkKV, KVCache, layers_pending
 from ragkv.engine.loading import LoadedModel
@@ -54,7 +54,7 @@ from ragkv.engine.rope import RopeTables
 from ragkv.engine.select import Budget, layer_mean, question_attention, select_tokens, tokens_for_mass
 from ragkv.engine.tree_node import TreeContext, TreeLease
 from ragkv.engine.work import WaitFor, wait_for
-from ragkv.types import Mode
+from ragkv.types import FocusSignal, Mode
 
 
 class Selector(str, enum.Enum):
@@ -130,6 +130,7 @@ class BlendResult:
     cached_tokens: int = 0  # prompt tokens whose KV was read from a cache, not computed here
     fell_back: bool = False  # the quality guard ran it as full prefill (BlendOptions.fallback_full)
     handed_over: bool = False  # focus handed over to blend over every chunk (FocusOptions.handover)
+    focus_signal: FocusSignal | None = None  # focus: its rule's decision and how sure (QueryStats.focus)
 
     @property
     def n_prompt_tokens(self) -> int:
@@ -479,10 +480,10 @@ def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chu
     if handover and every is not None:  # several passages matter: all blended, over the cache the pass read
         every.cache.length, every.timer = every.n, _PhaseTimer(lm.device)  # (its phases so far: focus's)
         res = yield from _query_blend_steps(lm, every, prefix, chunks, options, reserve_tokens, select_ids, tokens)
-        return _focused(res, range(len(chunks)), relevance, chunks, True, timer)
+        return _focused(res, range(len(chunks)), scored, chunks, True, timer)
     if handover:  # a selector that runs its own pass (deviation, a tempered context)
         res = yield from prompt_steps(lm, prefix, chunks, q_ids, Mode.BLEND, options, reserve_tokens, select_ids)
-        return _focused(res, range(len(chunks)), relevance, chunks, True, timer)
+        return _focused(res, range(len(chunks)), scored, chunks, True, timer)
     del every  # a lookup: the answer is over the kept chunks, the prompt holds them alone
     if any(chunks[i].after_context for i in kept):
         # KV computed after neighbours this prompt does not hold: the kept chunks are blended at the
@@ -493,14 +494,17 @@ def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chu
     else:  # plain KV: one kept chunk's is exact, reused; several are blended, scored over themselves
         inner, tokens = (Mode.REUSE if len(kept) == 1 else Mode.BLEND), None
     res = yield from _run_kept(lm, prefix, chunks, kept, q_ids, inner, sub, reserve_tokens, select_ids, tokens)
-    return _focused(res, kept, relevance, chunks, False, timer)
+    return _focused(res, kept, scored, chunks, False, timer)
 
 
-def _focused(res: BlendResult, kept: Sequence[int], relevance: torch.Tensor, chunks: Sequence[ChunkKV],
+def _focused(res: BlendResult, kept: Sequence[int], scored: FocusScores, chunks: Sequence[ChunkKV],
              handover: bool, timer: _PhaseTimer) -> BlendResult:
     """`res` as focus's result: the chunks it kept, every chunk's score, the scoring pass's time."""
+    relevance = scored.relevance
     res.mode, res.used_chunks, res.handed_over = Mode.FOCUS, tuple(kept), handover
     res.chunk_scores = tuple(round(float(r), 4) for r in relevance)
+    res.focus_signal = FocusSignal(handover, round(kept_attention(scored.mass, kept), 4) if scored.mass is not None
+                                   else 1.0, round(spread(relevance), 4))
     res.n_chunk_tokens = sum(ch.num_tokens for ch in chunks)
     res.timings = {**timer.phases, **res.timings}
     return res

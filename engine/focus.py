@@ -88,6 +88,9 @@ class FocusScores:
     """What focus's one scoring pass read."""
 
     relevance: torch.Tensor  # [n_chunks] float32 in [0, 1]; the most relevant chunk scores near 1
+    # [n_chunks] float32, summing to 1: each chunk's share of the question's attention onto the chunk
+    # tokens at the scoring layers (the prefix aside), averaged over those layers: `kept_attention`
+    mass: torch.Tensor | None = None
     # [C-P] float32: the question's attention onto every chunk token at `token_layers` (blend's query
     # selector reads it: a handover or a lookup picks its tokens without a second pass); None if not asked
     tokens: torch.Tensor | None = None
@@ -135,7 +138,7 @@ def score_chunks(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chunk
     p = prefix.num_tokens if prefix is not None else 0
     tokens = layer_mean(attn[len(layers):, p:]) if token_layers else None  # [C-P]
     attn = attn[:len(layers)]  # [len(layers), c]
-    per_chunk = []
+    per_chunk, sums = [], []
     for ch in chunks:
         t = ch.num_tokens
         skip = _SKIP_TOKENS if t > 2 * _SKIP_TOKENS else 0
@@ -143,10 +146,20 @@ def score_chunks(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chunk
         # strongest token over the chunk's mean: attention decays with distance, so the chunk
         # nearest the question collects more of it everywhere; the ratio cancels that lift
         per_chunk.append(a.amax(1) / a.mean(1).clamp_min(1e-12))  # [len(layers)]
+        sums.append(attn[:, p:p + t].sum(1))  # [len(layers)]
         p += t
     scores = torch.stack(per_chunk, 1)  # [len(layers), n_chunks]
     scores = scores / scores.amax(1, keepdim=True).clamp_min(1e-12)
-    return FocusScores(scores.mean(0), tokens)  # [n_chunks]
+    mass = torch.stack(sums, 1)  # [len(layers), n_chunks]
+    mass = (mass / mass.sum(1, keepdim=True).clamp_min(1e-12)).mean(0)  # [n_chunks]
+    return FocusScores(scores.mean(0), mass=mass, tokens=tokens)  # [n_chunks]
+
+
+def kept_attention(mass: torch.Tensor, kept: Sequence[int]) -> float:
+    """The share of the question's attention onto the chunks that the `kept` ones hold, in
+    [0, 1] (`FocusScores.mass`): near 1 when a lookup's chunk holds the question's attention,
+    lower when the dropped chunks drew much of it (a lookup then answers without them)."""
+    return float(mass[list(kept)].sum()) if len(kept) else 0.0
 
 
 def pick_chunks(relevance: torch.Tensor, keep: float) -> list[int]:

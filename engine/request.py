@@ -35,6 +35,7 @@ from ragkv.engine.kv import ChunkKV
 from ragkv.engine.work import WaitFor
 from ragkv.types import (
     FinishReason,
+    FocusSignal,
     KVSource,
     Mode,
     RetrievedChunk,
@@ -172,6 +173,7 @@ class Answered:
     kv_sources: Mapping[KVSource, int] = field(default_factory=dict)  # chunks by where their KV came from
     fell_back: bool = False  # the quality guard ran the prompt as full prefill
     handed_over: bool = False  # focus found several passages mattering and blended every chunk
+    focus: FocusSignal | None = None  # focus: its rule's decision and how sure (QueryStats.focus)
     tree_prompt_tokens: int = 0  # prompt tokens whose KV came from the KV tree (in cached_prompt_tokens too)
 
 

@@ -185,6 +185,7 @@ class QueryRunner:
                     kv_sources=dict(done.kv_sources),
                     tool_calls=calls,
                     citations=find_citations(text, chunks) if query.citations else (),
+                    focus=done.focus,
                 )
                 self._metrics.observe_answer(
                     request.mode,
@@ -195,6 +196,7 @@ class QueryRunner:
                     done.kv_sources,
                     done.fell_back,
                     done.handed_over,
+                    done.focus,
                 )
                 self._metrics.e2e.labels(method).observe(finished - arrived)
                 self._metrics.observe_usage(done.prompt_tokens, done.cached_prompt_tokens, completion,

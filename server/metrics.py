@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ragkv.types import DEFAULT_COLLECTION, KVSource, Mode, RetrievedChunk, Tier
+from ragkv.types import DEFAULT_COLLECTION, FocusSignal, KVSource, Mode, RetrievedChunk, Tier
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _FRACTION_BUCKETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
@@ -65,6 +65,15 @@ class ServerMetrics:
             "ragkv_focus_handovers", "Focus answers that blended every chunk because several mattered "
             "(--focus-handover, --focus-spread); the rest of focus's answers were lookups over the chunks "
             "it kept (exported as _total).", ["collection"], registry=r)
+        self.focus_kept_attention = Histogram(
+            "ragkv_focus_kept_attention_ratio", "Focus answers: the share of the question's attention onto the "
+            "chunks that the chunks answered over hold (1 for a handover, which drops none; a lookup near 1 kept "
+            "what the question reads), by decision (handed_over true or false).",
+            ["handed_over", "collection"], buckets=(0.25, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0), registry=r)
+        self.focus_spread = Histogram(
+            "ragkv_focus_spread_ratio", "Focus answers: the two runners-up chunks' mean score over the best "
+            "(the handover rule's input: a lookup far below --focus-spread was a sure one).",
+            ["handed_over", "collection"], buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.66, 0.7, 0.8, 0.9, 1.0), registry=r)
         self.answers = Counter("ragkv_answers", "Answers completed, by mode (exported as _total).",
                                ["mode", "collection"], registry=r)
         self.queue_depth = Gauge("ragkv_queue_depth", "Queries admitted and not finished.", registry=r)
@@ -126,10 +135,14 @@ class ServerMetrics:
     def observe_answer(
         self, mode: Mode, ttft: float | None, recompute_fraction: float, bytes_loaded: Mapping[Tier, int],
         collection: str = DEFAULT_COLLECTION, kv_sources: Mapping[KVSource, int] | None = None,
-        fell_back: bool = False, handed_over: bool = False,
+        fell_back: bool = False, handed_over: bool = False, focus: FocusSignal | None = None,
     ) -> None:
-        """Record one finished answer."""
+        """Record one finished answer (`focus`: focus's decision, when it ran)."""
         self.answers.labels(mode.value, collection).inc()
+        if focus is not None:
+            decided = "true" if focus.handed_over else "false"
+            self.focus_kept_attention.labels(decided, collection).observe(focus.kept_attention)
+            self.focus_spread.labels(decided, collection).observe(focus.spread)
         if fell_back:
             self.fallbacks.labels(mode.value, collection).inc()
         if handed_over:

@@ -366,6 +366,10 @@ def ragkv_extra(chunks: tuple[RetrievedChunk, ...], stats: QueryStats, snippet_c
         "phase_seconds": dict(stats.phase_seconds),
         "citations": [{"number": c.number, "chunk_id": c.chunk_id, "start": c.start, "end": c.end,
                        "sentence_start": c.sentence_start} for c in stats.citations],
+        # focus only: a lookup or a handover, and how sure the rule was (docs/quality.md); null otherwise
+        "focus": None if stats.focus is None else {"handed_over": stats.focus.handed_over,
+                                                   "kept_attention": stats.focus.kept_attention,
+                                                   "spread": stats.focus.spread},
     }
 
 

@@ -40,7 +40,7 @@ class RequestLimits:
     max_question_chars: int = 4096  # characters
     default_top_k: int = 4  # chunks
     max_top_k: int = 32  # chunks
-    default_mode: Mode = Mode.FOCUS  # mode when the request leaves it unspecified
+    default_mode: Mode = Mode.BLEND  # mode when the request leaves it unspecified (ServerSettings.default_mode)
     default_recompute_ratio: float = 0.2  # fraction of chunk tokens (docs/quality.md, issue 28)
     default_max_new_tokens: int = 64  # tokens
     max_new_tokens: int = 1024  # tokens

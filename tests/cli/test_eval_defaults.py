@@ -26,7 +26,7 @@ def test_the_evals_default_focus_is_the_servers() -> None:
     assert focus.options.recompute_ratio == served.default_recompute_ratio == served.limits().default_recompute_ratio
     assert focus.options == BlendOptions(recompute_ratio=served.default_recompute_ratio, focus=served.focus())
     assert methods["blend"].options.recompute_ratio == served.default_recompute_ratio
-    assert served.default_mode is Mode.FOCUS  # the served mode is the one compared above
+    assert served.default_mode is Mode.BLEND  # blend served by default (issue 53); focus a mode asked for
 
 
 def test_flags_still_override_the_served_defaults() -> None:

@@ -30,7 +30,7 @@ def test_query_json(server: ServerThread, capsys: pytest.CaptureFixture[str]) ->
     doc = json.loads(capsys.readouterr().out)
     assert rc == 0
     assert doc["answer"] == "a b "
-    assert doc["stats"]["finish_reason"] == "length" and doc["stats"]["mode"] == "focus"  # the server default
+    assert doc["stats"]["finish_reason"] == "length" and doc["stats"]["mode"] == "blend"  # the server default
     assert [c["chunk_id"] for c in doc["chunks"]] == [f"doc{i}#0" for i in range(4)]
     # a backend that names no subset used every retrieved chunk
     assert doc["stats"]["used_chunk_ids"] == [f"doc{i}#0" for i in range(4)]

@@ -67,13 +67,13 @@ def test_metrics_endpoint() -> None:
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     finally:
         st.stop()
-    assert 'ragkv_ttft_seconds_count{collection="default",mode="focus"} 1.0' in body  # the default mode
+    assert 'ragkv_ttft_seconds_count{collection="default",mode="blend"} 1.0' in body  # the default mode
     assert 'ragkv_request_seconds_count{method="Query"} 1.0' in body
     # chunk tiers of the fake: cpu, disk, computed, gpu
     assert 'ragkv_kv_tier_hits_total{collection="default",tier="cpu"} 1.0' in body
     assert 'ragkv_kv_tier_misses_total{collection="default",tier="gpu"} 3.0' in body
     assert 'ragkv_kv_computed_total{collection="default"} 1.0' in body
     assert 'ragkv_kv_loaded_bytes_total{collection="default",tier="disk"} 2000.0' in body
-    assert 'ragkv_recompute_ratio_count{collection="default",mode="focus"} 1.0' in body
+    assert 'ragkv_recompute_ratio_count{collection="default",mode="blend"} 1.0' in body
     assert "ragkv_queue_depth 0.0" in body
     assert 'ragkv_rpc_errors_total{code="NOT_FOUND",method="Retrieve"} 1.0' in body

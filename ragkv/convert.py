@@ -20,6 +20,7 @@ from ragkv.types import (
     CollectionStats,
     FilterOp,
     FinishReason,
+    FocusSignal,
     KVSource,
     MetadataFilter,
     Mode,
@@ -414,6 +415,8 @@ def query_stats_to_proto(stats: QueryStats) -> pb.QueryStats:
         tool_calls=[tool_call_to_proto(c) for c in stats.tool_calls],
         citations=[pb.Citation(number=c.number, chunk_id=c.chunk_id, start=c.start, end=c.end,
                                sentence_start=c.sentence_start) for c in stats.citations],
+        focus=None if stats.focus is None else pb.FocusSignal(
+            handed_over=stats.focus.handed_over, kept_attention=stats.focus.kept_attention, spread=stats.focus.spread),
     )
 
 
@@ -438,6 +441,8 @@ def query_stats_from_proto(msg: pb.QueryStats) -> QueryStats:
         kv_sources=_kv_sources_from_proto(msg.kv_sources),
         tool_calls=tuple(tool_call_from_proto(c) for c in msg.tool_calls),
         citations=tuple(Citation(c.number, c.chunk_id, c.start, c.end, c.sentence_start) for c in msg.citations),
+        focus=FocusSignal(msg.focus.handed_over, msg.focus.kept_attention, msg.focus.spread)
+        if msg.HasField("focus") else None,
     )
 
 

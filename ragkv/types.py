@@ -298,7 +298,7 @@ class Usage:
 @dataclass(frozen=True, slots=True)
 class FocusSignal:
     """What focus's scoring pass read of one request: whether it answered as a lookup and how
-    sure the rule was (docs/quality.md). Not on the gRPC wire yet (ragkv/convert.py leaves it out)."""
+    sure the rule was (docs/quality.md); gRPC `QueryStats.focus`, `ragkv.focus` over HTTP."""
 
     handed_over: bool  # several passages mattered: blend over every chunk; False = a lookup over the kept ones
     kept_attention: float  # share of the question's attention onto the chunks that the chunks answered over hold, [0, 1]
@@ -321,7 +321,7 @@ class QueryStats:
     kv_sources: Mapping[KVSource, int] = field(default_factory=dict)  # chunks by where their KV came from
     tool_calls: tuple[ToolCall, ...] = ()  # the calls the answer makes (finish_reason TOOL_CALLS); text is then ""
     citations: tuple[Citation, ...] = ()  # the answer's [n] markers, when citations were asked for
-    focus: FocusSignal | None = None  # FOCUS: how its rule decided (None in other modes; not on the gRPC wire)
+    focus: FocusSignal | None = None  # FOCUS: how its rule decided (None in other modes)
 
 
 @dataclass(frozen=True, slots=True)

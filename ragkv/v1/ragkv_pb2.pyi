@@ -317,7 +317,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., tree_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class QueryStats(_message.Message):
-    __slots__ = ("usage", "ttft_seconds", "total_seconds", "phase_seconds", "recompute_fraction", "mode", "finish_reason", "text", "used_chunk_ids", "kv_sources", "tool_calls", "citations")
+    __slots__ = ("usage", "ttft_seconds", "total_seconds", "phase_seconds", "recompute_fraction", "mode", "finish_reason", "text", "used_chunk_ids", "kv_sources", "tool_calls", "citations", "focus")
     class PhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -344,6 +344,7 @@ class QueryStats(_message.Message):
     KV_SOURCES_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     CITATIONS_FIELD_NUMBER: _ClassVar[int]
+    FOCUS_FIELD_NUMBER: _ClassVar[int]
     usage: Usage
     ttft_seconds: float
     total_seconds: float
@@ -356,7 +357,18 @@ class QueryStats(_message.Message):
     kv_sources: _containers.ScalarMap[str, int]
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
     citations: _containers.RepeatedCompositeFieldContainer[Citation]
-    def __init__(self, usage: _Optional[_Union[Usage, _Mapping]] = ..., ttft_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., recompute_fraction: _Optional[float] = ..., mode: _Optional[_Union[Mode, str]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., text: _Optional[str] = ..., used_chunk_ids: _Optional[_Iterable[str]] = ..., kv_sources: _Optional[_Mapping[str, int]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., citations: _Optional[_Iterable[_Union[Citation, _Mapping]]] = ...) -> None: ...
+    focus: FocusSignal
+    def __init__(self, usage: _Optional[_Union[Usage, _Mapping]] = ..., ttft_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., recompute_fraction: _Optional[float] = ..., mode: _Optional[_Union[Mode, str]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., text: _Optional[str] = ..., used_chunk_ids: _Optional[_Iterable[str]] = ..., kv_sources: _Optional[_Mapping[str, int]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., citations: _Optional[_Iterable[_Union[Citation, _Mapping]]] = ..., focus: _Optional[_Union[FocusSignal, _Mapping]] = ...) -> None: ...
+
+class FocusSignal(_message.Message):
+    __slots__ = ("handed_over", "kept_attention", "spread")
+    HANDED_OVER_FIELD_NUMBER: _ClassVar[int]
+    KEPT_ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    SPREAD_FIELD_NUMBER: _ClassVar[int]
+    handed_over: bool
+    kept_attention: float
+    spread: float
+    def __init__(self, handed_over: _Optional[bool] = ..., kept_attention: _Optional[float] = ..., spread: _Optional[float] = ...) -> None: ...
 
 class RetrieveRequest(_message.Message):
     __slots__ = ("question", "collection", "top_k", "snippet_chars", "search_mode", "filters")

@@ -14,6 +14,7 @@ from ragkv.types import (
     CollectionStats,
     FilterOp,
     FinishReason,
+    FocusSignal,
     KVSource,
     MetadataFilter,
     Mode,
@@ -42,7 +43,8 @@ FILTERS = (MetadataFilter("year", 2024), MetadataFilter("source", "docs/", Filte
 STATS = QueryStats(Usage(100, 5, 80, 60), 0.25, 1.5, {"retrieve": 0.01, "decode": 1.0}, 0.15, Mode.FOCUS,
                    FinishReason.LENGTH, "an answer", ("c1", "c3"),
                    {KVSource.LOADED: 3, KVSource.COMPUTED_CHEAPER: 1},
-                   (ToolCall("call_1", "lookup", '{"q":"x"}'),), (Citation(2, "c3", 10, 13, 0),))
+                   (ToolCall("call_1", "lookup", '{"q":"x"}'),), (Citation(2, "c3", 10, 13, 0),),
+                   FocusSignal(True, 0.75, 0.5))
 CALL = ToolCall("call_0", "lookup", '{"q": "earlier"}')
 
 

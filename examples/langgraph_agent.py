@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--addr", default=os.environ.get("RAGKV_ADDR", "localhost:50051"), help="server host:port")
     p.add_argument("--collection", default=None)
     p.add_argument("--top-k", type=int, default=4)
-    p.add_argument("--mode", default=None, help="full, prefix, reuse, blend or focus (default: the server's, focus)")
+    p.add_argument("--mode", default=None, help="full, prefix, reuse, blend or focus (default: the server's, blend)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--min-score", type=float, default=None, help="answer only above this retrieval score")
     args = p.parse_args(argv)

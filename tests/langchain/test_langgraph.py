@@ -82,7 +82,7 @@ def test_example_main_on_the_real_pipeline(example, real_server: ServerThread, c
     assert example.main(["What is the secret number?", "--addr", real_server.addr, "--top-k", "2",
                          "--max-tokens", "8"]) == 0
     out = capsys.readouterr().out
-    assert "source " in out and "mode=focus" in out
+    assert "source " in out and "mode=blend" in out  # the server's default (docs/quality.md)
 
 
 def test_real_pipeline_streams_several_token_chunks_through_langgraph(example, real_server: ServerThread) -> None:

@@ -349,9 +349,10 @@ class Pipeline:
         trees, conversation = self.engine.conversations, query.conversation
         carried = trees.carried(conversation, query.mode, plan.question_ids)
         if carried is not None:
-            spot = self._spot(query, found, self._carrying(query, plan, carried), conversation, carried)
+            carrying = self._carrying(query, plan, carried)
+            spot = self._spot(query, found, carrying, conversation, carried)
             if spot is not None and spot.lease is not None:
-                return self._carrying(query, plan, carried), spot
+                return carrying, spot
         spot = self._spot(query, found, plan, conversation, None)
         if spot is None or spot.lease is not None:
             return plan, spot

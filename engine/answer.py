@@ -75,6 +75,8 @@ def _answer(engine: PromptEngine, req: Request) -> Work:
     kvs: list[ChunkKV] | None = None
     if not engine.reads_chunk_kv(req.mode):
         tiers = [Tier.NOT_LOADED] * len(req.chunks)
+        # full prefill that the loading controller chose over reading: its chunks were cheaper computed
+        sources.update(ch.source for ch in req.chunks if ch.source is KVSource.COMPUTED_CHEAPER)
     elif req.tree is not None and req.tree.lease is not None:  # the context is the tree's
         tiers = [Tier.TREE] * len(req.chunks)
     else:
@@ -184,6 +186,7 @@ def _compute(engine: PromptEngine, req: Request, ch: PromptChunk) -> Generator[i
         except StopIteration as done:
             own += time.perf_counter() - t0
             engine.speed.observe(len(ch.token_ids), own)
+            req.chunk_s += own
             kv: ChunkKV = done.value
             return kv
         own += time.perf_counter() - t0

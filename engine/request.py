@@ -128,7 +128,13 @@ class Request:
     submitted_at: float = 0.0  # time.perf_counter() at submit
     started_at: float | None = None  # time.perf_counter() when its work first ran
     prompt_s: float = 0.0  # seconds of prompt work it has had
+    chunk_s: float = 0.0  # of prompt_s, seconds computing chunks' KV (engine.answer)
     stopped_after: int | None = None  # the consumer found a stop string after this many tokens
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt's tokens: prefix, chunks and question segment."""
+        return len(self.prefix_ids) + sum(len(ch.token_ids) for ch in self.chunks) + len(self.question_ids)
 
     def stop_after(self, n_tokens: int) -> None:
         """A stop string ended the answer's text after `n_tokens` tokens (the consumer, any

@@ -451,8 +451,12 @@ class Scheduler:
         return None
 
     def _learn_rate(self, job: _Job) -> None:
-        """Cost units per second of prompt work, from every finished pass (`EngineSpeed`)."""
-        self._speed.observe_pass(job.request.prompt_cost, job.request.prompt_s)
+        """Cost units per second of prompt work, from every finished pass; prompt tokens per
+        second of the pass's mode, from those the KV tree did not serve (`EngineSpeed`)."""
+        req = job.request
+        self._speed.observe_pass(req.prompt_cost, req.prompt_s)
+        if req.tree is None or req.tree.lease is None:
+            self._speed.observe_prompt(req.mode, req.prompt_tokens, req.prompt_s - req.chunk_s)
 
     # ---- WAITING_KV: parked on futures, woken by their callbacks or a timeout
 

@@ -1,13 +1,18 @@
 """How fast this engine works: measured where the work runs, kept in one place, read by
 whoever plans around it.
 
-Two rates, each learned once, as moving averages:
+Three rates, each learned once, as moving averages:
 - **chunk prefill**, tokens per second: every chunk the engine computes (`engine.answer`,
   and the server's warm-up at start). The loading controller (`server/loading.py`) reads
   it to decide whether a chunk's KV is read or computed.
 - **prompt work**, `Engine.prompt_cost` units per second of a whole prompt pass: every pass
   the scheduler finishes. The scheduler reads it to order prompt work by the seconds each
   pass has left (`engine/scheduler.py`).
+
+- **prompt tokens per second of each mode's pass**: every pass the scheduler finishes that the
+  KV tree did not serve, less the seconds spent computing its chunks. The loading controller
+  reads it to serve a request by full prefill when reading and blending its chunks would take
+  longer (a GPU reading KV from disk).
 
 They differ on purpose: a pass's cost model is about the order of passes (reuse, blend,
 focus, full), a chunk's prefill rate about one kind of work.
@@ -17,6 +22,8 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+
+from ragkv.types import Mode
 
 _PREFILL_ALPHA = 0.3  # weight of the newest chunk in the prefill rate's moving average
 _PASS_ALPHA = 0.2  # weight of the newest pass in the prompt-work rate's moving average
@@ -42,6 +49,7 @@ class EngineSpeed:
         self._lock = threading.Lock()
         self._prefill = _Rate(_PREFILL_ALPHA)
         self._passes = _Rate(_PASS_ALPHA)
+        self._modes: dict[Mode, _Rate] = {}
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A chunk of `tokens` tokens took `seconds` of engine time to prefill."""
@@ -64,3 +72,15 @@ class EngineSpeed:
         """Prompt-work cost units per second; None until a pass was measured."""
         with self._lock:
             return self._passes.value
+
+    def observe_prompt(self, mode: Mode, tokens: int, seconds: float) -> None:
+        """A `mode` pass over a prompt of `tokens` tokens took `seconds` of prompt work (its chunks'
+        compute not counted)."""
+        with self._lock:
+            self._modes.setdefault(Mode(mode), _Rate(_PASS_ALPHA)).observe(tokens, seconds)
+
+    def prompt_tokens_per_s(self, mode: Mode) -> float | None:
+        """Prompt tokens per second of a `mode` pass; None until one was measured."""
+        with self._lock:
+            rate = self._modes.get(Mode(mode))
+            return None if rate is None else rate.value

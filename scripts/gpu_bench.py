@@ -164,6 +164,7 @@ class ModelBench:
             return
         t["ragkv_full"] = full
         self.full_s[c] = full["median_s"]
+        self.eng.speed.observe_prompt(Mode.FULL, len(ids), full["median_s"])  # as the scheduler learns it
         # the chunks' KV in device memory: on CUDA read from kvstore's gpu tier (a hit hands over the
         # tensors as they are); without CUDA there is no gpu tier, and the engine gets them directly
         held: dict[str, Any] = {"via": "kvstore gpu tier" if self.device.type == "cuda" else "ChunkKV on the device"}
@@ -180,6 +181,7 @@ class ModelBench:
                                  est_s=full["median_s"], note=_describe)
             if m is not None:
                 held[mode] = m
+                self.eng.speed.observe_prompt(Mode(mode), len(ids), m["median_s"])  # the pass over KV at hand
         t["device_held"] = held
         self.run.save()
 
@@ -258,6 +260,10 @@ class ModelBench:
 
         lm = self.lm
         decisions = controller.decide(store, keys, [len(ids) for ids in self.chunk_ids[:c]])
+        if controller.prefers_full(decisions, Mode(mode), len(self.full_ids(c)), store.prefetch_workers, layered):
+            res = self.eng.run(self._full_prompt(self.full_ids(c)), Mode.FULL)  # the controller's whole pass
+            res.logits.float().cpu()
+            return res, c
         handles = iter(store.prefetch([k for k, d in zip(keys, decisions) if d.load], layered=layered))
         computed = {i: self.eng.prefill(self.prefix_ids, self.chunk_ids[i]) for i, d in enumerate(decisions) if not d.load}
         kvs = []
@@ -384,16 +390,22 @@ class ModelBench:
             self.run.save()
 
     def generate(self, c: int) -> None:
-        """transformers' `generate` with a static cache, batch 1 on the same prompt, greedy: a streamer
-        stamps each new token, so a decode step is the median interval after the first token, and
-        the first token's time is generate's own TTFT."""
+        """`generate_one` at each of `--generate-batches` (the same prompt in every row)."""
+        for b in self.args.generate_batches:
+            self.sec.guard(f"{self.name} c{c} generate static b{b}", lambda b=b: self.generate_one(c, b))
+
+    def generate_one(self, c: int, batch: int) -> None:
+        """transformers' `generate` with a static cache, greedy, `batch` rows of the same prompt: a
+        streamer stamps each new token, so a decode step is the median interval after the first
+        token, and the first token's time is generate's own TTFT."""
         import torch
 
-        x = torch.tensor([self.full_ids(c)], device=self.device)
+        x = torch.tensor([self.full_ids(c)] * batch, device=self.device)
         n = 4 + self.args.decode_steps
-        est = 2 * self.full_s.get(c, 1.0) + n * 0.05
+        est = 2 * batch * self.full_s.get(c, 1.0) + n * 0.05
         if not self.sec.budget.fits((1 + self.args.repeats) * est):
-            self.run.skip(f"{self.name} c{c} generate static", f"~{3 * est:.0f} s, {self.sec.budget.left():.0f} s left")
+            self.run.skip(f"{self.name} c{c} generate static b{batch}",
+                          f"~{3 * est:.0f} s, {self.sec.budget.left():.0f} s left")
             return
         flags = {"disable_compile": not self.args.generate_compile}
 
@@ -421,10 +433,70 @@ class ModelBench:
                 steps.append(statistics.median([b - a for a, b in zip(stamps[2:], stamps[3:])]))
         if steps:
             step = statistics.median(steps)
-            self.out.setdefault("generate_static", {})[str(c)] = {
-                "batch": 1, "prompt_tokens": x.shape[1], "new_tokens": n, "step_s": step, "decode_tokens_per_s": 1 / step,
-                "ttft_s": statistics.median(ttfts),
-                "compile": "disabled" if flags else "transformers' default (no disable_compile flag)"}
+            got = {"batch": batch, "prompt_tokens": x.shape[1], "new_tokens": n, "step_s": step,
+                   "decode_tokens_per_s": batch / step, "ttft_s": statistics.median(ttfts),
+                   "compile": "disabled" if flags else "transformers' default (no disable_compile flag)"}
+            if batch == 1:
+                self.out.setdefault("generate_static", {})[str(c)] = got
+            else:
+                self.out.setdefault("generate_static_batches", {}).setdefault(str(c), {})[str(batch)] = got
+        del x
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def profile_decode(self, c: int) -> None:
+        """Where a decode step's time goes, at each of `--profile-batches`: torch.profiler over
+        3 steps after a warm-up. Per step: wall time, the device's busy time (its kernels' sum),
+        kernel launches and host-side operator calls, and the heaviest kernels and host operators.
+        A step whose wall time far exceeds its busy time is bound by the host (launches, Python)."""
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        from ragkv.engine.decode import decode_batch, pick_greedy
+        from ragkv.engine.kv import KVCache
+        from ragkv.types import Mode
+
+        lm, steps = self.lm, 3
+        base = self.eng.run(self._full_prompt(self.full_ids(c)), Mode.FULL, reserve_tokens=0)
+        n = base.n_prompt_tokens
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        out = self.out.setdefault("decode_profile", {}).setdefault(str(c), {"prompt_tokens": n})
+        for b in self.args.profile_batches:
+            caches = []
+            for _ in range(b):
+                kc = KVCache(lm.kv_layers, lm.num_kv_heads, lm.head_dim, n + steps + 2, lm.dtype, lm.device)
+                kc.k[:, :, :n].copy_(base.cache.k[:, :, :n])
+                kc.v[:, :, :n].copy_(base.cache.v[:, :, :n])
+                kc.length = n
+                caches.append(kc)
+            tokens = [int(base.logits.argmax())] * b
+            with torch.inference_mode():
+                tokens = pick_greedy(decode_batch(lm, caches, tokens))  # warm-up
+                sync(self.device)
+                t0 = time.perf_counter()
+                with profile(activities=acts) as prof:
+                    for _ in range(steps):
+                        tokens = pick_greedy(decode_batch(lm, caches, tokens))
+                    sync(self.device)
+                wall = (time.perf_counter() - t0) / steps
+            ev = prof.key_averages()
+            dev_attr = "self_device_time_total" if hasattr(ev[0], "self_device_time_total") else "self_cuda_time_total"
+            kernels = [e for e in ev if getattr(e, dev_attr, 0) > 0]
+            busy_us = sum(getattr(e, dev_attr) for e in kernels) / steps
+            top_dev = sorted(kernels, key=lambda e: -getattr(e, dev_attr))[:8]
+            top_cpu = sorted(ev, key=lambda e: -e.self_cpu_time_total)[:8]
+            out[str(b)] = {
+                "wall_step_s": wall, "device_busy_step_s": busy_us / 1e6 if self.device.type == "cuda" else None,
+                "kernel_launches_per_step": sum(e.count for e in ev if e.key.startswith(("cudaLaunchKernel",
+                                                                                          "cuLaunchKernel"))) / steps,
+                "aten_calls_per_step": sum(e.count for e in ev if e.key.startswith("aten::")) / steps,
+                "top_device": [(e.key[:80], round(getattr(e, dev_attr) / steps / 1e3, 3)) for e in top_dev],
+                "top_host": [(e.key[:80], round(e.self_cpu_time_total / steps / 1e3, 3)) for e in top_cpu]}
+            print(f"  [{self.name}] decode profile c{c} b{b}: {wall * 1e3:.1f} ms a step, device busy "
+                  f"{busy_us / 1e3:.1f} ms, {out[str(b)]['kernel_launches_per_step']:.0f} kernel launches, "
+                  f"{out[str(b)]['aten_calls_per_step']:.0f} aten calls", flush=True)
+            del caches
+            self.run.save()
 
     def close(self) -> None:
         for s in self.stores:
@@ -451,6 +523,10 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
+def _ints_or_none(s: str) -> list[int]:
+    return [] if s.strip().lower() == "none" else _ints(s)
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="folder for gpu_bench.json")
@@ -463,6 +539,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--ratio", type=float, default=0.15, help="blend's recompute ratio")
     ap.add_argument("--batches", type=_ints, default=[1, 8, 32, 64], help="decode batch sizes")
+    ap.add_argument("--generate-batches", type=_ints, default=[1, 32], help="transformers generate() batch sizes")
+    ap.add_argument("--profile-batches", type=_ints_or_none, default=[1, 32],
+                    help="decode batch sizes profiled with torch.profiler ('none': no profile)")
     ap.add_argument("--decode-steps", type=int, default=None, help="timed decode steps (default 16; --quick 4)")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats after a warm-up (default 3; --quick 1)")
     ap.add_argument("--budget-s", type=float, default=480.0, help="the whole run's time; what would not fit is skipped")
@@ -542,6 +621,8 @@ def _bench(args: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
                 mb.sec.guard(f"{name} c{c} decode", lambda c=c, mb=mb: mb.decode(c))
                 if c == args.chunks[0]:
                     mb.sec.guard(f"{name} c{c} generate static", lambda c=c, mb=mb: mb.generate(c))
+                    if args.profile_batches:
+                        mb.sec.guard(f"{name} c{c} decode profile", lambda c=c, mb=mb: mb.profile_decode(c))
                 mb.sec.guard(f"{name} c{c} tiers", lambda c=c, mb=mb: mb.tiers(c))
                 mb.sec.guard(f"{name} c{c} kv transfer", lambda c=c, mb=mb: mb.transfers(c))
                 run.save()

@@ -434,6 +434,11 @@ def derive(m: dict[str, Any], card: dict[str, Any]) -> None:
         one = m.get("decode", {}).get(c, {}).get("1")
         if one:
             ratios.setdefault(c, {})["ragkv_decode/generate_static@b1"] = one["tokens_per_s"] / g["decode_tokens_per_s"]
+    for c, gs in m.get("generate_static_batches", {}).items():
+        for b, g in gs.items():
+            ours = m.get("decode", {}).get(c, {}).get(b)
+            if ours:
+                ratios.setdefault(c, {})[f"ragkv_decode/generate_static@b{b}"] = ours["tokens_per_s"] / g["decode_tokens_per_s"]
     for c, tr in m.get("kv_transfer", {}).items():
         limits.setdefault("kv_GB_per_s", {})[c] = {k: v["GB_per_s"] for k, v in tr.items() if isinstance(v, dict)}
     m["ratios"], m["limits"] = ratios, limits
@@ -475,6 +480,10 @@ def table(data: dict[str, Any]) -> str:
                 lines.append(f"{name} generate static b1 {g['decode_tokens_per_s']:.1f} tok/s (its TTFT "
                              f"{g['ttft_s'] * 1e3:.1f} ms): ragkv decode / generate static = "
                              f"{r['ragkv_decode/generate_static@b1']:.2f}")
+            for b, g in m.get("generate_static_batches", {}).get(c, {}).items():
+                if f"ragkv_decode/generate_static@b{b}" in r:
+                    lines.append(f"{name} generate static b{b} {g['decode_tokens_per_s']:.1f} tok/s: ragkv decode / "
+                                 f"generate static = {r[f'ragkv_decode/generate_static@b{b}']:.2f}")
             held = r.get("device_held", {})
             parts = [f"{k} {v:.2f}" for k, v in held.items()] + [
                 f"{k} {v:.2f}" for k, v in r.items() if k.startswith(("ragkv_full/", "ragkv_decode/"))]

@@ -48,7 +48,7 @@ from ragkv.kvstore.tree_files import TreeFiles
 from ragkv.retriever import Retriever, SearchHit
 from ragkv.retriever.chunk_keys import NeighbourOptions, serving_key
 from ragkv.server.backend import BackendParts
-from ragkv.server.loading import ControllerConfig, LoadingController
+from ragkv.server.loading import ChunkDecision, ControllerConfig, LoadingController
 from ragkv.server.query import Query
 from ragkv.server.search_config import retriever_options
 from ragkv.server.settings import ServerSettings
@@ -322,14 +322,22 @@ class Pipeline:
         retain_s = self._retention(query)  # a bad bound costs no search
         found = self._retrieve(query, hits)
         plan, tree = self._lease(query, found, self._plan(query, found))
-        chunks, kv_wait_s = self._chunk_sources(query.mode, found.collection, plan,
+        mode, decisions = query.mode, None
+        if self.engine.reads_chunk_kv(mode) and (tree is None or tree.lease is None):
+            decisions = self._decide(found.collection, plan, tree)
+            if self.controller.prefers_full(decisions, mode, plan.prompt_tokens, found.collection.store.prefetch_workers,
+                                            self._kv_layered):
+                mode = Mode.FULL  # sooner than reading: full prefill's answer, under full prefill's tree key
+                tree = self._spot(query, found, plan, query.conversation, None, Mode.FULL)
+                decisions = None if tree is not None and tree.lease is not None else decisions
+        chunks, kv_wait_s = self._chunk_sources(mode, found.collection, plan, decisions,
                                                 held=tree is not None and tree.lease is not None,
                                                 turns=None if tree is None else tree.turns)
         done = 0 if tree is None else tree.tokens  # a tree hit computes only the rest
-        cost = self.engine.prompt_cost(query.mode, len(plan.prefix_ids), plan.chunk_tokens, len(plan.question_ids),
+        cost = self.engine.prompt_cost(mode, len(plan.prefix_ids), plan.chunk_tokens, len(plan.question_ids),
                                        plan.options)
         return Request(
-            mode=query.mode, sampling=query.sampling, retrieved=found.chunks, prefix_ids=plan.prefix_ids,
+            mode=mode, sampling=query.sampling, retrieved=found.chunks, prefix_ids=plan.prefix_ids,
             chunks=chunks, question_ids=plan.question_ids, select_ids=plan.select_ids,
             # a hybrid keeps its state where the next call's prompt parts from this one's
             snapshot_at=None if tree is None or not self.engine.recurrent else
@@ -363,9 +371,9 @@ class Pipeline:
         return plan, self._spot(query, found, plan, conversation, turns)  # a miss: the key its answer is kept under
 
     def _spot(self, query: Query, found: Retrieved, plan: PromptPlan, conversation: str,
-              turns: CarriedTurns | None) -> TreeSpot | None:
+              turns: CarriedTurns | None, mode: Mode | None = None) -> TreeSpot | None:
         return self.engine.conversations.lease(
-            query.mode, plan.prefix_ids, plan.token_ids, (*plan.kv_keys, found.collection.retriever.manifest.kv_compression),
+            mode or query.mode, plan.prefix_ids, plan.token_ids, (*plan.kv_keys, found.collection.retriever.manifest.kv_compression),
             plan.question_ids, options=plan.options, select_ids=plan.select_ids, tenant=query.tenant,
             conversation=conversation, turns=turns)
 
@@ -416,16 +424,24 @@ class Pipeline:
         self._check_context(query, plan.prompt_tokens)
         return plan
 
-    def _chunk_sources(self, mode: Mode, c: Collection, plan: PromptPlan, held: bool,
-                       turns: CarriedTurns | None = None) -> tuple[tuple[PromptChunk, ...], float]:
-        """Stage 4: each chunk's KV source, its read started the moment the ids are known (the
-        loading controller's choice per chunk), and how long the reads may take; none when the
-        mode reads no chunk KV or the tree `held` the context. Carried `turns` (the last chunk)
-        come with their KV, read from the tree."""
-        if not self.engine.reads_chunk_kv(mode) or held:
-            return tuple(PromptChunk(ids, key=key) for ids, key in zip(plan.token_ids, plan.kv_keys)), _KV_WAIT_LIMIT
+    def _decide(self, c: Collection, plan: PromptPlan, tree: TreeSpot | None) -> list[ChunkDecision]:
+        """The loading controller's choice for each retrieved chunk (not carried turns): read or compute."""
+        turns = None if tree is None else tree.turns
         n = len(plan.token_ids) - (turns is not None and turns.kv is not None)  # retrieved chunks
-        decisions = self.controller.decide(c.store, plan.kv_keys[:n], [len(ids) for ids in plan.token_ids[:n]])
+        return self.controller.decide(c.store, plan.kv_keys[:n], [len(ids) for ids in plan.token_ids[:n]])
+
+    def _chunk_sources(self, mode: Mode, c: Collection, plan: PromptPlan, decisions: Sequence[ChunkDecision] | None,
+                       held: bool, turns: CarriedTurns | None = None) -> tuple[tuple[PromptChunk, ...], float]:
+        """Stage 4: each chunk's KV source, its read started the moment the ids are known (the
+        loading controller's `decisions`), and how long the reads may take; none when the mode
+        reads no chunk KV or the tree `held` the context (a mode changed to full by the controller
+        marks its chunks cheaper computed). Carried `turns` (the last chunk) come with their KV,
+        read from the tree."""
+        if not self.engine.reads_chunk_kv(mode) or held or decisions is None:
+            source = KVSource.COMPUTED_CHEAPER if decisions is not None else KVSource.COMPUTED_MISSING
+            return tuple(PromptChunk(ids, source=source, key=key)
+                         for ids, key in zip(plan.token_ids, plan.kv_keys)), _KV_WAIT_LIMIT
+        n = len(decisions)
         reads = iter(c.store.prefetch([k for k, d in zip(plan.kv_keys, decisions) if d.load], layered=self._kv_layered))
         chunks = tuple(PromptChunk(ids, self._loaded(next(reads)) if d.load else None, d.source, key, d.load_s)
                        for ids, key, d in zip(plan.token_ids, plan.kv_keys, decisions))

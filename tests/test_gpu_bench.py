@@ -91,6 +91,11 @@ def test_tiny_run_writes_every_section(tiny_run):
         assert d["tokens_per_s"] > 0 and d["bytes_per_step"] > m["config"]["decode_weight_bytes"] > 0
     g = m["generate_static"]["2"]
     assert g["decode_tokens_per_s"] > 0 and g["ttft_s"] > 0 and g["compile"] == "disabled"
+    assert m["generate_static_batches"]["2"]["32"]["batch"] == 32  # generate at a batch, as decode runs one
+    # where a decode step goes: a batch of 32 makes more host calls than a batch of 1 (attention per sequence)
+    prof = m["decode_profile"]["2"]
+    assert prof["32"]["aten_calls_per_step"] > prof["1"]["aten_calls_per_step"] > 0 and prof["1"]["top_host"]
+    assert prof["1"]["device_busy_step_s"] is None  # no device on the CPU
     # the derived figures: ratios and limits (no peak figures for a CPU: MFU is None, TFLOP/s is not)
     r = m["ratios"]["2"]
     for v in variants:

@@ -15,7 +15,7 @@ from ragkv.kvstore.tiers.disk import DiskTier
 from ragkv.kvstore.timing import ReadEstimate
 from ragkv.server.loading import ControllerConfig, LoadingController
 from ragkv.server.settings import CollectionSpec
-from ragkv.types import KVSource, Tier
+from ragkv.types import KVSource, Mode, Tier
 from tests.server.fakes import ServerThread, settings
 from tests.server.test_pipeline import QUESTION, _copy, tiny_index  # noqa: F401 - the session fixture
 
@@ -78,6 +78,45 @@ def test_reads_run_in_parallel_computes_in_series() -> None:
     store.tiers["h"] = None
     with_missing = c.decide(store, keys, [500] * 8)
     assert with_missing[-1].source is KVSource.COMPUTED_MISSING
+
+
+# an 8B model on an H100 (docs/results/gpu-bench-h100-8b.json): 512-token chunks prefilled at
+# 11.9k tokens/s, 8,256-token prompts at 32k (full) and 72k (blend 0.15 over KV at hand), KV of
+# 128 KiB a token read from local disk at 250 MB/s a read, four reads at once
+_GPU_DISK = ReadEstimate(latency_s=0.02, bytes_per_s=2.5e8, bytes_per_token=131072, reads=3)
+_GPU_PINNED = ReadEstimate(latency_s=0.0, bytes_per_s=4.8e10, bytes_per_token=131072, reads=3)
+
+
+def _gpu_controller(**rates: float) -> LoadingController:
+    c = LoadingController()
+    c.speed.observe(512, 512 / 11_900)
+    for mode, tokens_per_s in {"full": 32_000, "blend": 72_000, **rates}.items():
+        c.speed.observe_prompt(Mode(mode), 8256, 8256 / tokens_per_s)
+    return c
+
+
+def test_full_prefill_is_chosen_when_it_is_sooner_than_reading() -> None:
+    """From a slow disk, reading (or computing chunk by chunk) and then blending takes longer than
+    one full prefill on a fast engine: the controller serves the request by full prefill. From
+    pinned memory it reads. Never without measured rates, nor when a chunk is in no tier."""
+    keys = [f"k{i}" for i in range(16)]
+    disk = _Store(dict.fromkeys(keys, Tier.DISK), {Tier.DISK: _GPU_DISK}, workers=4)
+    cpu = _Store(dict.fromkeys(keys, Tier.CPU), {Tier.CPU: _GPU_PINNED}, workers=4)
+    c = _gpu_controller()
+    on_disk = c.decide(disk, keys, [512] * 16)
+    assert c.prefers_full(on_disk, Mode.BLEND, 8256, workers=4)
+    assert c.prefers_full(on_disk, Mode.BLEND, 8256, workers=4, layered=False)
+    in_memory = c.decide(cpu, keys, [512] * 16)
+    assert all(d.load for d in in_memory) and not c.prefers_full(in_memory, Mode.BLEND, 8256, workers=4)
+    assert not c.prefers_full(on_disk, Mode.FULL, 8256, workers=4)  # already full
+    assert not c.prefers_full(on_disk, Mode.REUSE, 8256, workers=4)  # reuse's pass never measured
+    assert not _gpu_controller(full=1e-9).prefers_full(on_disk, Mode.BLEND, 8256, workers=4)  # full is slow here
+    assert not LoadingController(ControllerConfig(enabled=False), c.speed).prefers_full(on_disk, Mode.BLEND, 8256, 4)
+    disk.tiers["k3"] = None  # computing a missing chunk writes its KV back: the chunk plan stays
+    assert not c.prefers_full(c.decide(disk, keys, [512] * 16), Mode.BLEND, 8256, workers=4)
+    # a small prompt saves milliseconds at most: no switch on timing noise
+    small = _Store({"a": Tier.DISK}, {Tier.DISK: ReadEstimate(0.01, 1e9, 4096, 3)})
+    assert not c.prefers_full(c.decide(small, ["a"], [64]), Mode.BLEND, 120, workers=4)
 
 
 @pytest.fixture()
@@ -179,3 +218,21 @@ def test_waiting_for_kv_parks_the_request_and_others_decode(server: ServerThread
     assert parked == 1  # parked on its reads
     assert other.usage.completion_tokens > 0 and still_parked  # answered while the other waited
     assert result["stats"].text == base.text  # the same answer, only later
+
+
+def test_a_slow_tier_on_a_fast_engine_is_served_by_full_prefill(server: ServerThread, slow_disk: list[float]) -> None:
+    """Reads of 0.4 s against an engine whose full prefill is measured fast: the request runs as
+    full prefill (its mode says so, its chunks count as cheaper computed, nothing is read) and
+    answers as a full-mode request does."""
+    speed = _pipeline(server).controller.speed
+    for _ in range(20):  # chunk by chunk the engine is slow (20 tokens/s) ...
+        speed.observe(20, 1.0)
+    speed.observe_prompt(Mode.FULL, 10**6, 1.0)  # ... and a whole prompt pass fast
+    slow_disk[0] = 0.4
+    _, first = _ask(server.addr)
+    assert first.mode is Mode.REUSE and first.kv_sources == {KVSource.LOADED: TOP_K}  # the tier unmeasured: read
+    _, second = _ask(server.addr)
+    assert second.mode is Mode.FULL and second.kv_sources == {KVSource.COMPUTED_CHEAPER: TOP_K}
+    assert second.phase_seconds.get("kv_wait", 0.0) < 0.2
+    _, full = _ask(server.addr, mode="full")
+    assert second.text == full.text and full.kv_sources == {}

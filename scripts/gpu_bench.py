@@ -440,9 +440,6 @@ class ModelBench:
                 self.out.setdefault("generate_static", {})[str(c)] = got
             else:
                 self.out.setdefault("generate_static_batches", {}).setdefault(str(c), {})[str(batch)] = got
-        del x
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
     def profile_decode(self, c: int) -> None:
         """Where a decode step's time goes, at each of `--profile-batches`: torch.profiler over

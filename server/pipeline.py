@@ -373,7 +373,8 @@ class Pipeline:
     def _spot(self, query: Query, found: Retrieved, plan: PromptPlan, conversation: str,
               turns: CarriedTurns | None, mode: Mode | None = None) -> TreeSpot | None:
         return self.engine.conversations.lease(
-            mode or query.mode, plan.prefix_ids, plan.token_ids, (*plan.kv_keys, found.collection.retriever.manifest.kv_compression),
+            mode or query.mode, plan.prefix_ids, plan.token_ids,
+            (*plan.kv_keys, found.collection.retriever.manifest.kv_compression),
             plan.question_ids, options=plan.options, select_ids=plan.select_ids, tenant=query.tenant,
             conversation=conversation, turns=turns)
 

@@ -520,6 +520,17 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
+SECTIONS = ("hf", "decode", "generate", "profile", "tiers", "transfers")
+
+
+def _sections(s: str) -> list[str]:
+    got = [x.strip() for x in s.split(",") if x.strip()]
+    bad = [x for x in got if x not in SECTIONS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown section(s) {', '.join(bad)}; of {', '.join(SECTIONS)}")
+    return got
+
+
 def _ints_or_none(s: str) -> list[int]:
     return [] if s.strip().lower() == "none" else _ints(s)
 
@@ -536,6 +547,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--ratio", type=float, default=0.15, help="blend's recompute ratio")
     ap.add_argument("--batches", type=_ints, default=[1, 8, 32, 64], help="decode batch sizes")
+    ap.add_argument("--sections", type=_sections, default=list(SECTIONS),
+                    help=f"what to run beside the build, the check and full/mode TTFT (default all: {','.join(SECTIONS)})")
     ap.add_argument("--generate-batches", type=_ints, default=[1, 32], help="transformers generate() batch sizes")
     ap.add_argument("--profile-batches", type=_ints_or_none, default=[1, 32],
                     help="decode batch sizes profiled with torch.profiler ('none': no profile)")
@@ -610,18 +623,24 @@ def _bench(args: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
             if not hasattr(mb, "kvs"):
                 continue
             mb.sec.guard(f"{name} check", mb.check)
+            on = set(args.sections)
             for c in args.chunks:
                 mb.sec.guard(f"{name} c{c} ttft", lambda c=c, mb=mb: mb.ttft(c))
                 if c not in mb.full_s:
                     continue
-                mb.sec.guard(f"{name} c{c} transformers prefill", lambda c=c, mb=mb: mb.hf_prefill(c))
-                mb.sec.guard(f"{name} c{c} decode", lambda c=c, mb=mb: mb.decode(c))
+                if "hf" in on:
+                    mb.sec.guard(f"{name} c{c} transformers prefill", lambda c=c, mb=mb: mb.hf_prefill(c))
+                if "decode" in on:
+                    mb.sec.guard(f"{name} c{c} decode", lambda c=c, mb=mb: mb.decode(c))
                 if c == args.chunks[0]:
-                    mb.sec.guard(f"{name} c{c} generate static", lambda c=c, mb=mb: mb.generate(c))
-                    if args.profile_batches:
+                    if "generate" in on:
+                        mb.sec.guard(f"{name} c{c} generate static", lambda c=c, mb=mb: mb.generate(c))
+                    if "profile" in on and args.profile_batches:
                         mb.sec.guard(f"{name} c{c} decode profile", lambda c=c, mb=mb: mb.profile_decode(c))
-                mb.sec.guard(f"{name} c{c} tiers", lambda c=c, mb=mb: mb.tiers(c))
-                mb.sec.guard(f"{name} c{c} kv transfer", lambda c=c, mb=mb: mb.transfers(c))
+                if "tiers" in on:
+                    mb.sec.guard(f"{name} c{c} tiers", lambda c=c, mb=mb: mb.tiers(c))
+                if "transfers" in on:
+                    mb.sec.guard(f"{name} c{c} kv transfer", lambda c=c, mb=mb: mb.transfers(c))
                 run.save()
         finally:
             mb.close()

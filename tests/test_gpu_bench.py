@@ -226,3 +226,11 @@ def test_limits_against_the_card(gpu_bench, monkeypatch):
     r = m["ratios"]["8"]
     assert r["device_held"] == {"reuse/full": pytest.approx(0.1), "blend/full": pytest.approx(0.2)}
     assert r["ragkv_full/hf_sdpa"] == pytest.approx(1.25) and r["ragkv_decode/generate_static@b1"] == 2.0
+
+
+def test_sections_choose_what_runs_and_name_what_is_wrong(gpu_bench, capsys) -> None:
+    assert gpu_bench.parse(["--out", "x", "--sections", "decode,profile"]).sections == ["decode", "profile"]
+    assert gpu_bench.parse(["--out", "x"]).sections == list(gpu_bench.SECTIONS)
+    with pytest.raises(SystemExit):
+        gpu_bench.parse(["--out", "x", "--sections", "decode,tier"])
+    assert "unknown section(s) tier" in capsys.readouterr().err

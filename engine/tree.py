@@ -439,8 +439,9 @@ class KVTree:
         more bytes fit in `budget` (default the tree's; never `keep` or its ancestors, where
         the new node hangs); False when they cannot. A candidate holds no device node below
         it. Room for `tenant` past its share (`tenant_share`) while others hold KV comes from
-        its own nodes only. A live pin moves only when `pinned` (shrink), after every
-        unpinned node, soonest-expiring first."""
+        its own nodes only. A live pin moves after every unpinned node, soonest-expiring
+        first: down to a lower tier, never out of the tree, unless `pinned` (shrink) says
+        it may leave. Without a lower tier it moves only when `pinned`."""
         budget = self.budget_bytes if budget is None else budget
         if self._bytes + need <= budget:
             return True
@@ -451,20 +452,29 @@ class KVTree:
                     and self._tenant_bytes.get(tenant, 0) + need > self.tenant_share * budget
                     and any(t != tenant for t in self._tenant_bytes))
         now = self._now()
-
-        def rank(n: Node) -> tuple[int, float, int]:  # unpinned by LRU, then live pins by their end
-            return (1, n.pin, id(n)) if n.pin > now else (0, float(n.used), id(n))
+        lower = bool(self.host_budget) or self.files is not None  # a pin can move without leaving
 
         def candidate(n: Node) -> bool:
             return (n.tier is Tier.DEVICE and n.refs == 0 and n.nbytes > 0 and id(n) not in kept
                     and not any(c.tier is Tier.DEVICE for c in n.children.values())
-                    and (not own_only or n.key.tenant == tenant) and (pinned or n.pin <= now))
+                    and (not own_only or n.key.tenant == tenant) and (pinned or lower or n.pin <= now))
 
-        self._free(lambda: self._bytes + need > budget, candidate, self._spill, rank)
+        def spill(n: Node) -> None:
+            self._spill(n, leave=pinned or n.pin <= now)
+
+        self._free(lambda: self._bytes + need > budget, candidate, spill, self._rank(now))
         return self._bytes + need <= budget
 
-    def _spill(self, node: Node) -> None:
-        """Move a device node down: to the host tier, else to disk, else out of the tree."""
+    @staticmethod
+    def _rank(now: float) -> Callable[[Node], tuple[int, float, int]]:
+        """The order nodes leave a tier: unpinned by least recent use, then live pins by their end."""
+        def rank(n: Node) -> tuple[int, float, int]:
+            return (1, n.pin, id(n)) if n.pin > now else (0, float(n.used), id(n))
+        return rank
+
+    def _spill(self, node: Node, leave: bool = True) -> None:
+        """Move a device node down: to the host tier, else to disk, else out of the tree (when
+        it may `leave`: a live pin stays on the device rather than leave)."""
         if node.state is None and self.host_budget and self._host_room(node.kv_bytes):
             self._tier_bytes(node, -1)
             if node.k is not None and node.v is not None and node.k.device.type != "cpu":
@@ -472,7 +482,7 @@ class KVTree:
             node.tier = Tier.HOST
             self._tier_bytes(node, 1)
             self._spills += 1
-        elif node.state is not None or not self._to_disk(node):
+        elif (node.state is not None or not self._to_disk(node)) and leave:
             self._drop(node)
 
     def _to_disk(self, node: Node) -> bool:
@@ -502,7 +512,7 @@ class KVTree:
             return n.tier is Tier.HOST and n.refs == 0 and all(c.tier is Tier.DISK for c in n.children.values())
 
         self._free(lambda: self._host_bytes + need > self.host_budget, candidate,
-                   lambda n: None if self._to_disk(n) else self._drop(n))
+                   lambda n: None if self._to_disk(n) else self._drop(n), self._rank(self._now()))
         return self._host_bytes + need <= self.host_budget
 
     def _disk_room(self, need: int, keep: Node | None = None) -> bool:

@@ -178,3 +178,28 @@ def test_a_restarted_engine_answers_a_conversation_from_disk_as_computing_it(tmp
     assert (reused.logits - alone.logits).abs().max().item() <= 1e-4
     a, b = eng.decode(reused, SamplingParams(max_new_tokens=6)), eng.decode(alone, SamplingParams(max_new_tokens=6))
     assert "".join(a) == "".join(b)
+
+
+def test_pinned_paths_move_to_host_to_make_room_and_never_leave_while_pinned():
+    """Agents waiting on tools pin their paths. When pins fill the device, a new conversation's
+    insert moves the soonest-expiring pin down to the host tier (still served from there), not
+    out of the tree; without a lower tier the pins hold the device and the insert stores nothing."""
+    now = [0.0]
+
+    def insert_three(tree: KVTree) -> list[int]:
+        added = []
+        for i, (key, end) in enumerate(((TreeKey.of("a"), 30.0), (TreeKey.of("b"), 20.0), (TreeKey.of("c"), 0.0))):
+            added.append(tree.insert(key, [], CTX, [1, 2, 3, 4], _cache(4, fill=10 * i), pin_s=end))
+        return added
+
+    spill = KVTree(_bytes(8), clock=lambda: now[0], host_bytes=_bytes(100))
+    assert insert_three(spill) == [4, 4, 4]
+    tiers = {k: spill._roots[TreeKey.of(k)].children[1].tier for k in "abc"}
+    assert tiers == {"a": Tier.DEVICE, "b": Tier.HOST, "c": Tier.DEVICE}  # b's pin ends first
+    assert spill.stats().evictions == 0
+    tokens, spilled, k = _read(spill, TreeKey.of("b"), [1, 2, 3, 4, 0])
+    assert (tokens, spilled) == (4, 4) and torch.equal(k, _cache(4, fill=10).k[:, :, :4])
+
+    alone = KVTree(_bytes(8), clock=lambda: now[0])
+    assert insert_three(alone) == [4, 4, 0]  # the pins hold; the unpinned newcomer is not stored
+    assert alone.stats().evictions == 0

@@ -173,6 +173,9 @@ def run_agents_bench(args) -> int:  # argparse.Namespace from cli.bench
         raise ValueError(f"--agents must be >= 1, --calls >= 2, --tool-result-chars >= 1, --retain-max-s > 0 and "
                          f"--tree-share in (0, 1], got {n}, {calls}, {args.tool_result_chars}, {args.retain_max_s}, "
                          f"{args.tree_share}")
+    unknown = sorted(set(args.policies) - set(POLICIES))
+    if unknown:
+        raise ValueError(f"--policies: unknown {', '.join(unknown)}; of {', '.join(POLICIES)} (unbounded always runs)")
     if args.kv_tree_bytes is not None and args.kv_tree_bytes < 1:
         raise ValueError(f"--kv-tree-bytes must be >= 1 with --agents, got {args.kv_tree_bytes}")
     texts = _results(n * calls, args.tool_result_chars)
@@ -182,7 +185,7 @@ def run_agents_bench(args) -> int:  # argparse.Namespace from cli.bench
     with tempfile.TemporaryDirectory(prefix="ragkv-agents-") as tmp:
         index = args.index or _build_index(Path(tmp), args.model, args.device, args.dtype)
         questions = _questions(index, n, seed=args.seed)
-        for policy in POLICIES:
+        for policy in ("unbounded", *(p for p in POLICIES if p in args.policies and p != "unbounded")):
             if policy == "unbounded":
                 tree_bytes, retain = _UNBOUNDED, 0.0
             else:  # a share of the working set the unbounded tree held, unless named
@@ -196,7 +199,8 @@ def run_agents_bench(args) -> int:  # argparse.Namespace from cli.bench
                   f"{r['total_s']:.1f} s, {r['errors']} errors", file=sys.stderr, flush=True)
     report = {"agents": {
         "policies": runs, "vs_unbounded": _ratios(runs),
-        "working_set_bytes": runs["unbounded"]["tree"]["agents_bytes"], "budget_bytes": runs["lru"]["tree"]["budget_bytes"],
+        "working_set_bytes": runs["unbounded"]["tree"]["agents_bytes"],
+        "budget_bytes": next((r["tree"]["budget_bytes"] for p, r in runs.items() if p != "unbounded"), None),
     }, "config": {
         "agents": n, "calls": calls, "tool_latency_s": [lo, hi], "tool_result_chars": args.tool_result_chars,
         "max_new_tokens": args.max_new_tokens, "top_k": args.top_k, "model": args.model, "seed": args.seed,
@@ -213,7 +217,8 @@ def run_agents_bench(args) -> int:  # argparse.Namespace from cli.bench
 
 
 def _print(a: dict) -> None:
-    print(f"working set {a['working_set_bytes'] / 2**20:.1f} MiB, budget {a['budget_bytes'] / 2**20:.1f} MiB")
+    budget = "-" if a["budget_bytes"] is None else f"{a['budget_bytes'] / 2**20:.1f} MiB"
+    print(f"working set {a['working_set_bytes'] / 2**20:.1f} MiB, budget {budget}")
     print("policy      tree share  (spilled)  TTFT p50 after tool  TTFT p95 after tool  total    evictions  "
           "(x unbounded: share, p50, p95, total)")
     for name, r in a["policies"].items():

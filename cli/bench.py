@@ -95,6 +95,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     agents.add_argument("--tree-share", type=float, default=0.25,
                         help="without --kv-tree-bytes: the bounded policies' budget as this share of the working set "
                              "the unbounded tree held (default 0.25)")
+    agents.add_argument("--policies", type=lambda t: [x.strip() for x in t.split(",") if x.strip()],
+                        default=["unbounded", "lru", "retention", "spill"],
+                        help="policies to run beside the unbounded baseline (default all: lru,retention,spill)")
     agents.add_argument("--seed", type=int, default=0, help="seeds questions, tool latencies and starts (default 0)")
     cluster = p.add_argument_group(
         "many replicas (--replicas N; the ray extra)",

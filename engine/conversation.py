@@ -60,6 +60,8 @@ class CarriedTurns:
 class _Recent:
     key: TreeKey  # the context the conversation's last call was kept under
     turns: CarriedTurns | None  # the turns that call carried (that context's last chunk), without KV
+    mode: Mode = Mode.BLEND  # the mode it was served in (follow-ups carry turns in blend only)
+    path: tuple[int, ...] = ()  # the tokens it left under the key: its prompt's path and answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,19 +237,31 @@ class Conversations:
         kv = ChunkKV(torch.tensor(ids, device=dev), k, v.to(dev), positions, after_context=True)
         return CarriedTurns(f"turns:{recent.key.digest}:{n}", ids, kv)
 
+    def prefetch(self, conversation: str | None) -> int:
+        """Bring what the conversation's last call left in the tree from disk up to CPU memory,
+        ahead of its next call's match (called as that call's retrieval starts, off its
+        thread). Returns the tokens brought up."""
+        if conversation is None or not self.enabled or self.tree.files is None:
+            return 0
+        with self._recent_lock:
+            recent = self._recent.get(conversation)
+        return 0 if recent is None else self.tree.warm(recent.key, recent.path)
+
     def _recall(self, conversation: str | None, mode: Mode) -> _Recent | None:
         if conversation is None or Mode(mode) is not Mode.BLEND or not self.enabled or not self.follow_ups:
             return None
         with self._recent_lock:
-            return self._recent.get(conversation)
+            recent = self._recent.get(conversation)
+        return recent if recent is not None and recent.mode is Mode.BLEND else None
 
-    def _note(self, spot: TreeSpot) -> None:
-        """Remember the context a conversation's call was kept under, for its follow-ups."""
+    def _note(self, spot: TreeSpot, mode: Mode, path: tuple[int, ...]) -> None:
+        """Remember the context a conversation's call was kept under, and what it left there:
+        for its follow-ups (blend) and the prefetch of its next call."""
         if spot.conversation is None:
             return
         turns = None if spot.turns is None else replace(spot.turns, kv=None)
         with self._recent_lock:
-            self._recent[spot.conversation] = _Recent(spot.key, turns)
+            self._recent[spot.conversation] = _Recent(spot.key, turns, mode, path)
             self._recent.move_to_end(spot.conversation)
             while len(self._recent) > _RECENT:
                 self._recent.popitem(last=False)
@@ -279,8 +293,7 @@ class Conversations:
         prompt = res.token_ids.tolist()
         ids = [*prompt, *answer_ids][:res.cache.length]
         start = {Mode.FULL: 0, Mode.PREFIX: prefix_tokens}.get(Mode(mode), res.n_prompt_tokens - question_tokens)
-        if Mode(mode) is Mode.BLEND:  # the mode that carries turns (`follow`)
-            self._note(spot)
+        self._note(spot, Mode(mode), tuple(ids[start:]))
         return self.tree.insert(spot.key, ids[:start], tree_context(res, question_tokens, prefix_tokens),
                                 ids[start:], res.cache, snapshot, pin_s=retain_s,
                                 parts_at=len(prompt) - start - header_tokens)

@@ -49,6 +49,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+import torch
+
 from ragkv.engine.kv import KVCache
 from ragkv.engine.retention import Pins, ToolLatency
 from ragkv.engine.tree_files import NodeFiles, SpilledSpan, file_name, read_span, span_meta
@@ -111,7 +113,7 @@ class KVTree:
         self._bytes = self._host_bytes = self._disk_bytes = self._nodes = 0
         self._file_refs: dict[str, int] = {}  # file -> nodes reading it
         self._hits = self._hit_tokens = self._misses = self._evictions = self._evicted_bytes = 0
-        self._spills = self._spilled_hit_tokens = self._restored = self._read_errors = 0
+        self._spills = self._spilled_hit_tokens = self._restored = self._read_errors = self._warmed = 0
         if self.files is not None:
             self._restore(self.files)
 
@@ -135,7 +137,7 @@ class KVTree:
                              self._hit_tokens, self._misses, self._evictions, self._evicted_bytes, pinned,
                              self.latency.ttl(), self.latency.observed, self._host_bytes, self.host_budget,
                              self._disk_bytes, self.disk_budget, self._spills, self._spilled_hit_tokens,
-                             self._restored, self._read_errors)
+                             self._restored, self._read_errors, self._warmed)
 
     def match(self, key: TreeKey, ids: Sequence[int]) -> TreeLease | None:
         """The longest path under `key` that `ids` (the tokens after the context) starts with,
@@ -229,6 +231,57 @@ class KVTree:
                         self._drop(node)
                 return parts[:j]
         return parts
+
+    def warm(self, key: TreeKey, ids: Sequence[int]) -> int:
+        """Bring the disk nodes of the path under `key` that `ids` starts with up to the host
+        tier, ahead of the call that will match it: a conversation's next request has its
+        files read while its retrieval runs, so its match reads memory. Files are read off the
+        lock, top down, until one fails (a miss later, as `match` finds it). Returns the
+        tokens brought up."""
+        if self.files is None or not self.host_budget:
+            return 0
+        with self._lock:
+            nodes = [n for n in self._path(key, tuple(int(i) for i in ids)) if n.tier is Tier.DISK and n.file]
+            for node in nodes:
+                node.refs += 1  # held: no budget moves or drops them while their files are read
+        read: list[tuple[torch.Tensor, torch.Tensor]] = []
+        try:
+            for node in nodes:
+                assert node.file is not None
+                k, v = self.files.read(node.file)  # [L, Hkv, T_file, D]
+                end = node.offset + len(node.ids)
+                if k.shape[2] < end:
+                    raise ValueError(f"holds {k.shape[2]} tokens, fewer than the node reads")
+                read.append((k[:, :, node.offset:end].clone(), v[:, :, node.offset:end].clone()))
+        except Exception as e:  # the call's own match finds it unreadable, and counts it
+            log.warning("KV tree: warming %s of context %s failed (%s)", nodes[len(read)].file, key, e)
+        brought = 0
+        with self._lock:
+            for node, (k, v) in zip(nodes, read):
+                if node.tier is not Tier.DISK or not self._host_room(node.kv_bytes):
+                    break
+                self._leave_tier(node)
+                node.k, node.v, node.tier = k, v, Tier.HOST
+                self._tier_bytes(node, 1)
+                brought += len(node.ids)
+            for node in nodes:
+                node.refs -= 1
+            self._warmed += brought
+        return brought
+
+    def _path(self, key: TreeKey, ids: tuple[int, ...]) -> list[Node]:
+        """The nodes under `key` that `ids` runs through (the context first), touching nothing."""
+        node = self._roots.get(key)
+        if node is None:
+            return []
+        out, pos = [node], 0
+        while pos < len(ids) and (child := node.children.get(ids[pos])) is not None:
+            out.append(child)
+            n = common_prefix(child.ids, ids[pos:])
+            if n < len(child.ids):
+                break
+            node, pos = child, pos + n
+        return out
 
     def _release(self, nodes: Iterable[Node]) -> None:
         with self._lock:

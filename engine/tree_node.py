@@ -218,6 +218,7 @@ class TreeStats:
     spilled_hit_tokens: int = 0  # of hit_tokens, those read back from the host or disk tier
     restored: int = 0  # nodes found on disk when the tree was made (a restart's conversations)
     read_errors: int = 0  # spilled nodes unreadable (damaged or missing files): dropped, their tokens computed
+    warmed_tokens: int = 0  # tokens brought from disk to the host tier ahead of their call (`KVTree.warm`)
 
 
 def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:

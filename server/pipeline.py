@@ -215,6 +215,7 @@ class Pipeline:
         self._collections = collections
         # durable write-backs run here: a slow or unreachable S3 never stalls the scheduler thread
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ragkv-writeback")
+        self._warmer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ragkv-tree-warm")
 
     @classmethod
     def from_settings(cls, settings: ServerSettings) -> Pipeline:
@@ -320,6 +321,8 @@ class Pipeline:
             a grammar, a prompt longer than the model's context).
         """
         retain_s = self._retention(query)  # a bad bound costs no search
+        if self.engine.conversations.tree.files is not None:  # its last call's path off disk while it searches
+            self._warmer.submit(self.engine.conversations.prefetch, query.conversation)
         found = self._retrieve(query, hits)
         plan, tree = self._lease(query, found, self._plan(query, found))
         mode, decisions = query.mode, None
@@ -555,6 +558,7 @@ class Pipeline:
     def close(self) -> None:
         """Finish the write-backs, then release every store and index."""
         self._writer.shutdown(wait=True)
+        self._warmer.shutdown(wait=True)
         for c in self._collections.values():
             c.store.close()
             c.retriever.close()

@@ -203,3 +203,70 @@ def test_pinned_paths_move_to_host_to_make_room_and_never_leave_while_pinned():
     alone = KVTree(_bytes(8), clock=lambda: now[0])
     assert insert_three(alone) == [4, 4, 0]  # the pins hold; the unpinned newcomer is not stored
     assert alone.stats().evictions == 0
+
+
+def test_warm_brings_a_conversations_disk_path_to_host_before_its_match(tmp_path):
+    """What a conversation left on disk is read into CPU memory while its next call retrieves:
+    the match then reads no file, and supplies the same KV."""
+    files = _files(tmp_path)
+    tree = KVTree(_bytes(6), host_bytes=_bytes(6), files=files, disk_bytes=_bytes(100))
+    keys = [TreeKey.of(f"k{i}") for i in range(3)]
+    for i, key in enumerate(keys):
+        tree.insert(key, [], CTX, [1, 2, 3, 4], _cache(4, fill=100 * i))
+    files.flush()
+    node = tree._roots[keys[0]].children[1]
+    assert node.tier is Tier.DISK
+    assert tree.warm(keys[0], [1, 2, 3, 4, 9]) == 4
+    assert node.tier is Tier.HOST and node.file is None and tree.stats().warmed_tokens == 4
+    files.flush()
+    reads = []
+    real = files.read
+    files.read = lambda name: reads.append(name) or real(name)  # type: ignore[method-assign]
+    tokens, spilled, k = _read(tree, keys[0], [1, 2, 3, 4, 0])
+    assert (tokens, spilled, reads) == (4, 4, []) and torch.equal(k, _cache(4).k[:, :, :4])
+    assert tree.warm(TreeKey.of("none"), [1, 2]) == 0 and tree.warm(keys[0], [1, 2, 3, 4]) == 0  # nothing on disk
+
+
+def test_warm_of_a_damaged_file_brings_nothing_and_raises_nothing(tmp_path):
+    files = _files(tmp_path)
+    tree = KVTree(_bytes(4), files=files, disk_bytes=_bytes(100), host_bytes=_bytes(100))
+    key = TreeKey.of("conv")
+    tree.insert(key, [], CTX, [1, 2, 3, 4], _cache(4))
+    tree.insert(TreeKey.of("other"), [], CTX, [5, 6, 7, 8], _cache(4))  # conv to host
+    tree.insert(TreeKey.of("third"), [], CTX, [5, 6, 7, 8], _cache(4))
+    tree._host_room(_bytes(100))  # everything on the host goes to disk
+    files.flush()
+    node = tree._roots[key].children[1]
+    assert node.tier is Tier.DISK
+    path = tmp_path / "tree" / "model-a" / f"{node.file}.kv"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert tree.warm(key, [1, 2, 3, 4]) == 0 and node.tier is Tier.DISK and node.refs == 0
+
+
+def test_a_conversations_prefetch_warms_the_path_its_last_call_left(tmp_path):
+    """`Conversations.prefetch` (the pipeline calls it as a call's retrieval starts) brings what
+    the conversation's last call left, prompt and answer, from disk to CPU memory."""
+    d = tiny_model_dir(tmp_path / "model", "llama", seed=11)
+    eng = Engine(load_model(str(d), device="cpu", dtype="float32"))
+    fmt, lm = eng.prompt, eng.lm
+    eng.use_tree(64 << 20, host_bytes=64 << 20, files=TreeFiles(tmp_path / "tree", lm.fingerprint,
+                                                                 lm.tokenizer_fingerprint), disk_bytes=64 << 20)
+    trees = eng.conversations
+    prefix_ids, chunk_ids = fmt.prefix_ids(), [fmt.chunk_ids("The secret number is 4721.")]
+    kvs = [eng.prefill(prefix_ids, ids) for ids in chunk_ids]
+    opts, mode, q = BlendOptions(recompute_ratio=0.2), Mode.BLEND, fmt.question_ids("What is the secret number?")
+    spot = trees.lease(mode, prefix_ids, chunk_ids, ["c0"], q, options=opts, conversation="agent-1")
+    res = eng.run(Prompt(q, prefix_ids, chunk_ids, kvs), mode, opts, reserve_tokens=8)
+    stream = eng.decode(res, SamplingParams(max_new_tokens=4))
+    list(stream)
+    trees.remember(spot, mode, res, len(q), len(prefix_ids), stream.token_ids)
+    assert trees.prefetch("agent-1") == 0  # all on the device: nothing to bring up
+    trees.tree.shrink(0)  # memory pressure: the device's nodes go to the host ...
+    with trees.tree._lock:
+        trees.tree._host_room(trees.tree.host_budget)  # ... and the host's to disk
+    on_disk = [n for n in trees.tree._all() if n.tier is Tier.DISK and n.ids]
+    assert on_disk
+    assert trees.prefetch("agent-1") == sum(len(n.ids) for n in on_disk) > len(q)  # the question and the answer
+    assert trees.prefetch("agent-2") == 0  # a conversation never seen

@@ -102,6 +102,7 @@ def test_openai_usage_reports_tree_tokens_as_cached_and_metrics_count_them(serve
                 if line.startswith("ragkv_kv_tree_hits_total"))
     held = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("ragkv_kv_tree_bytes "))
     assert hits >= 1 and held > 0
+    assert any(line.startswith("ragkv_kv_tree_warmed_tokens_total ") for line in metrics.splitlines())
 
 
 def test_a_prompt_past_the_models_context_is_refused_naming_tokens(servers) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -116,17 +116,19 @@ class Conversations:
         files: the disk tier below that (kvstore.tree_files.TreeFiles), whose conversations are
             found again here; None = none.
         disk_bytes: KV bytes the disk tier may hold.
+        compute_rate: the engine's prompt tokens per second (None until measured): a disk node
+            is read at a match only when that is sooner than computing its tokens.
     """
 
     def __init__(self, lm: LoadedModel, budget_bytes: int, recurrent: bool = False,
                  tenant_share: float = 1.0, host_bytes: int = 0, files: NodeFiles | None = None,
-                 disk_bytes: int = 0) -> None:
+                 disk_bytes: int = 0, compute_rate: Callable[[], float | None] | None = None) -> None:
         self.lm = lm
         self._recent: OrderedDict[str, _Recent] = OrderedDict()  # conversation -> its last context
         self.follow_ups = True  # carry a follow-up's earlier turns (`follow`); False = compute them again
         self._recent_lock = threading.Lock()
         self.tree = KVTree(budget_bytes, recurrent=recurrent, tenant_share=tenant_share, host_bytes=host_bytes,
-                           files=files, disk_bytes=disk_bytes)
+                           files=files, disk_bytes=disk_bytes, compute_rate=compute_rate)
 
     @property
     def enabled(self) -> bool:

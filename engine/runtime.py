@@ -64,8 +64,8 @@ class Engine:
 
     def __init__(self, lm: LoadedModel, system_prompt: str = DEFAULT_SYSTEM_PROMPT, tree_bytes: int = 0) -> None:
         self.lm = lm
-        self.use_tree(tree_bytes)
         self.speed = EngineSpeed()  # its measured rates: chunk prefill, prompt work (engine.speed)
+        self.use_tree(tree_bytes)
         self.prompt = PromptFormat.for_tokenizer(lm.tokenizer, system_prompt)
         self._prefixes: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()
         vocab = lm.model.get_output_embeddings().weight.shape[0]  # V, the logits' width
@@ -77,9 +77,10 @@ class Engine:
         computes only what is new) behind its one door (`engine.conversation`); a hybrid's also
         holds its recurrent state where prompts end. A tenant past `tenant_share` of it makes
         room from its own paths (`KVTree`). What leaves the device spills to `host_bytes` of
-        CPU memory, then to `disk_bytes` of `files` (whose conversations it finds again)."""
+        CPU memory, then to `disk_bytes` of `files` (whose conversations it finds again), read
+        back only when that is sooner than computing them at the engine's full-prefill rate."""
         self.conversations = Conversations(self.lm, budget_bytes, self.recurrent, tenant_share, host_bytes,
-                                           files, disk_bytes)
+                                           files, disk_bytes, lambda: self.speed.prompt_tokens_per_s(Mode.FULL))
 
     @property
     def recurrent(self) -> bool:

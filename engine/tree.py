@@ -92,7 +92,8 @@ class KVTree:
 
     def __init__(self, budget_bytes: int, recurrent: bool = False, tenant_share: float = 1.0,
                  clock: Callable[[], float] = time.monotonic, latency: ToolLatency | None = None,
-                 host_bytes: int = 0, files: NodeFiles | None = None, disk_bytes: int = 0) -> None:
+                 host_bytes: int = 0, files: NodeFiles | None = None, disk_bytes: int = 0,
+                 compute_rate: Callable[[], float | None] | None = None) -> None:
         if budget_bytes < 0 or host_bytes < 0 or disk_bytes < 0:
             raise ValueError(f"the KV tree's budgets must be >= 0 bytes, got device {budget_bytes}, host "
                              f"{host_bytes}, disk {disk_bytes}")
@@ -114,6 +115,11 @@ class KVTree:
         self._file_refs: dict[str, int] = {}  # file -> nodes reading it
         self._hits = self._hit_tokens = self._misses = self._evictions = self._evicted_bytes = 0
         self._spills = self._spilled_hit_tokens = self._restored = self._read_errors = self._warmed = 0
+        self._reads_skipped = 0
+        # a disk node is read only when that is sooner than computing its tokens: the engine's
+        # prompt tokens per second (None: not measured, read) against the disk's measured bytes per second
+        self.compute_rate = compute_rate
+        self._disk_rate: float | None = None  # bytes per second of the tree's disk reads, a moving average
         if self.files is not None:
             self._restore(self.files)
 
@@ -137,7 +143,7 @@ class KVTree:
                              self._hit_tokens, self._misses, self._evictions, self._evicted_bytes, pinned,
                              self.latency.ttl(), self.latency.observed, self._host_bytes, self.host_budget,
                              self._disk_bytes, self.disk_budget, self._spills, self._spilled_hit_tokens,
-                             self._restored, self._read_errors, self._warmed)
+                             self._restored, self._read_errors, self._warmed, self._reads_skipped)
 
     def match(self, key: TreeKey, ids: Sequence[int]) -> TreeLease | None:
         """The longest path under `key` that `ids` (the tokens after the context) starts with,
@@ -213,10 +219,15 @@ class KVTree:
             node = part.node
             if part.k is not None:
                 continue
+            if j and not self._worth_reading(node, part.n):  # computing the rest is sooner
+                self._release([p.node for p in parts[j:]])
+                with self._lock:
+                    self._reads_skipped += 1
+                return parts[:j]
             try:
                 if self.files is None or node.file is None:
                     raise LookupError("no file")
-                k, v = self.files.read(node.file)  # [L, Hkv, T_file, D]
+                k, v = self._read_file(node.file)  # [L, Hkv, T_file, D]
                 part.k = k[:, :, node.offset:node.offset + len(node.ids)]
                 part.v = v[:, :, node.offset:node.offset + len(node.ids)]
                 if part.k.shape[2] != len(node.ids):
@@ -231,6 +242,25 @@ class KVTree:
                         self._drop(node)
                 return parts[:j]
         return parts
+
+    def _worth_reading(self, node: Node, tokens: int) -> bool:
+        """Whether reading a disk node's file is sooner than computing its `tokens`, by the
+        disk's measured rate and the engine's (either unmeasured: read it)."""
+        rate = None if self.compute_rate is None else self.compute_rate()
+        disk = self._disk_rate
+        return not rate or not disk or node.kv_bytes / disk <= tokens / rate
+
+    def _read_file(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A spilled node's file, read and verified; its bytes per second go into the disk's rate."""
+        assert self.files is not None
+        t0 = time.perf_counter()
+        k, v = self.files.read(name)
+        seconds = time.perf_counter() - t0
+        if seconds > 0:
+            r = (k.nbytes + v.nbytes) / seconds
+            with self._lock:
+                self._disk_rate = r if self._disk_rate is None else 0.7 * self._disk_rate + 0.3 * r
+        return k, v
 
     def warm(self, key: TreeKey, ids: Sequence[int]) -> int:
         """Bring the disk nodes of the path under `key` that `ids` starts with up to the host
@@ -248,7 +278,7 @@ class KVTree:
         try:
             for node in nodes:
                 assert node.file is not None
-                k, v = self.files.read(node.file)  # [L, Hkv, T_file, D]
+                k, v = self._read_file(node.file)  # [L, Hkv, T_file, D]
                 end = node.offset + len(node.ids)
                 if k.shape[2] < end:
                     raise ValueError(f"holds {k.shape[2]} tokens, fewer than the node reads")

@@ -219,6 +219,7 @@ class TreeStats:
     restored: int = 0  # nodes found on disk when the tree was made (a restart's conversations)
     read_errors: int = 0  # spilled nodes unreadable (damaged or missing files): dropped, their tokens computed
     warmed_tokens: int = 0  # tokens brought from disk to the host tier ahead of their call (`KVTree.warm`)
+    reads_skipped: int = 0  # disk nodes not read at a match: computing their tokens was sooner
 
 
 def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:

@@ -164,7 +164,7 @@ class ServerMetrics:
         """Export the KV tree's counters (`read()` -> engine.tree.TreeStats) at each scrape:
         ragkv_kv_tree_hits_total, _hit_tokens_total, _misses_total, _evictions_total,
         _evicted_bytes_total, _spills_total, _spilled_hit_tokens_total, _restored_total,
-        _read_errors_total, _warmed_tokens_total, and the gauges ragkv_kv_tree_bytes, _budget_bytes, _nodes and each
+        _read_errors_total, _warmed_tokens_total, _reads_skipped_total, and the gauges ragkv_kv_tree_bytes, _budget_bytes, _nodes and each
         lower tier's _host_bytes, _host_budget_bytes, _disk_bytes, _disk_budget_bytes."""
         self.registry.register(_KVTree(read))
 
@@ -210,7 +210,9 @@ class _KVTree:
                  ("restored", "KV tree nodes found on disk at start (a restart's conversations)."),
                  ("read_errors", "Spilled KV tree nodes that could not be read (their tokens were computed)."),
                  ("warmed_tokens", "Tokens the KV tree brought from disk to CPU memory ahead of their "
-                                   "conversation's next call (read while it retrieved)."))
+                                   "conversation's next call (read while it retrieved)."),
+                 ("reads_skipped", "Spilled KV tree nodes on disk not read at a match: computing their tokens "
+                                   "was sooner by the measured rates."))
     _GAUGES = (("nbytes", "bytes", "KV bytes the KV tree holds on the engine's device."),
                ("budget_bytes", "budget_bytes", "The KV tree's byte budget (--kv-tree-bytes)."),
                ("nodes", "nodes", "Nodes of the KV tree."),

@@ -270,3 +270,21 @@ def test_a_conversations_prefetch_warms_the_path_its_last_call_left(tmp_path):
     assert on_disk
     assert trees.prefetch("agent-1") == sum(len(n.ids) for n in on_disk) > len(q)  # the question and the answer
     assert trees.prefetch("agent-2") == 0  # a conversation never seen
+
+
+def test_a_disk_node_is_read_only_when_that_is_sooner_than_computing_it(tmp_path):
+    """The disk's bytes per second, measured on the tree's own reads, against the engine's
+    prompt tokens per second: a node slower to read than to compute is left for the pass to
+    compute (the match stops before it); unmeasured rates read."""
+    rate: list[float | None] = [None]
+    files = _files(tmp_path)
+    tree = KVTree(_bytes(5), files=files, disk_bytes=_bytes(100), compute_rate=lambda: rate[0])
+    a, b = TreeKey.of("a"), TreeKey.of("b")
+    tree.insert(a, [], CTX, [1, 2, 3, 4], _cache(4, fill=1))
+    tree.insert(b, [], CTX, [5, 6, 7, 8], _cache(4))  # a's path goes to disk
+    files.flush()
+    assert _read(tree, a, [1, 2, 3, 4, 0])[:2] == (4, 4)  # the engine's rate unmeasured: read (and timed)
+    rate[0] = 1e15  # an engine that computes any node before its file is read
+    assert _read(tree, a, [1, 2, 3, 4, 0])[:2] == (0, 0) and tree.stats().reads_skipped == 1
+    rate[0] = 1e-3  # an engine slower than the disk
+    assert _read(tree, a, [1, 2, 3, 4, 0])[:2] == (4, 4) and tree.stats().reads_skipped == 1

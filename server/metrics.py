@@ -164,8 +164,9 @@ class ServerMetrics:
         """Export the KV tree's counters (`read()` -> engine.tree.TreeStats) at each scrape:
         ragkv_kv_tree_hits_total, _hit_tokens_total, _misses_total, _evictions_total,
         _evicted_bytes_total, _spills_total, _spilled_hit_tokens_total, _restored_total,
-        _read_errors_total, _warmed_tokens_total, _reads_skipped_total, and the gauges ragkv_kv_tree_bytes, _budget_bytes, _nodes and each
-        lower tier's _host_bytes, _host_budget_bytes, _disk_bytes, _disk_budget_bytes."""
+        _read_errors_total, _warmed_tokens_total, _reads_skipped_total, and the gauges
+        ragkv_kv_tree_bytes, _budget_bytes, _nodes and each lower tier's _host_bytes,
+        _host_budget_bytes, _disk_bytes, _disk_budget_bytes."""
         self.registry.register(_KVTree(read))
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:

@@ -325,17 +325,7 @@ class Pipeline:
             self._warmer.submit(self.engine.conversations.prefetch, query.conversation)
         found = self._retrieve(query, hits)
         plan, tree = self._lease(query, found, self._plan(query, found))
-        mode, decisions = query.mode, None
-        if self.engine.reads_chunk_kv(mode) and (tree is None or tree.lease is None):
-            decisions = self._decide(found.collection, plan, tree)
-            if self.controller.prefers_full(decisions, mode, plan.prompt_tokens, found.collection.store.prefetch_workers,
-                                            self._kv_layered):
-                mode = Mode.FULL  # sooner than reading: full prefill's answer, under full prefill's tree key
-                tree = self._spot(query, found, plan, query.conversation, None, Mode.FULL)
-                decisions = None if tree is not None and tree.lease is not None else decisions
-        chunks, kv_wait_s = self._chunk_sources(mode, found.collection, plan, decisions,
-                                                held=tree is not None and tree.lease is not None,
-                                                turns=None if tree is None else tree.turns)
+        mode, tree, chunks, kv_wait_s = self._sources(query, found, plan, tree)
         done = 0 if tree is None else tree.tokens  # a tree hit computes only the rest
         cost = self.engine.prompt_cost(mode, len(plan.prefix_ids), plan.chunk_tokens, len(plan.question_ids),
                                        plan.options)
@@ -428,6 +418,25 @@ class Pipeline:
         self._check_context(query, plan.prompt_tokens)
         return plan
 
+    def _sources(self, query: Query, found: Retrieved, plan: PromptPlan, tree: TreeSpot | None
+                 ) -> tuple[Mode, TreeSpot | None, tuple[PromptChunk, ...], float]:
+        """Stage 4: the mode the request runs in, its place in the tree, each chunk's KV source
+        and how long its reads may take. Unless the tree holds the context, the loading
+        controller decides per chunk (read or compute), or full prefill of the whole prompt when
+        that is sooner (a slow tier on a fast engine): then under full prefill's tree key."""
+        mode, decisions = query.mode, None
+        held = tree is not None and tree.lease is not None
+        if self.engine.reads_chunk_kv(mode) and not held:
+            decisions = self._decide(found.collection, plan, tree)
+            if self.controller.prefers_full(decisions, mode, plan.prompt_tokens, found.collection.store.prefetch_workers,
+                                            self._kv_layered):
+                mode, tree = Mode.FULL, self._spot(query, found, plan, query.conversation, None, Mode.FULL)
+                held = tree is not None and tree.lease is not None
+                decisions = None if held else decisions
+        chunks, kv_wait_s = self._chunk_sources(mode, found.collection, plan, decisions, held,
+                                                None if tree is None else tree.turns)
+        return mode, tree, chunks, kv_wait_s
+
     def _decide(self, c: Collection, plan: PromptPlan, tree: TreeSpot | None) -> list[ChunkDecision]:
         """The loading controller's choice for each retrieved chunk (not carried turns): read or compute."""
         turns = None if tree is None else tree.turns
@@ -436,7 +445,7 @@ class Pipeline:
 
     def _chunk_sources(self, mode: Mode, c: Collection, plan: PromptPlan, decisions: Sequence[ChunkDecision] | None,
                        held: bool, turns: CarriedTurns | None = None) -> tuple[tuple[PromptChunk, ...], float]:
-        """Stage 4: each chunk's KV source, its read started the moment the ids are known (the
+        """Each chunk's KV source, its read started the moment the ids are known (the
         loading controller's `decisions`), and how long the reads may take; none when the mode
         reads no chunk KV or the tree `held` the context (a mode changed to full by the controller
         marks its chunks cheaper computed). Carried `turns` (the last chunk) come with their KV,

@@ -44,3 +44,9 @@ def test_agents_bench_compares_unbounded_lru_retention_and_spill(tiny_llama_dir,
 def test_agents_bench_refuses_a_bad_latency_range(tiny_llama_dir, capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["bench", "--model", str(tiny_llama_dir), "--agents", "2", "--tool-latency", "3,1"])
     assert rc != 0 and "--tool-latency" in capsys.readouterr().err
+
+
+def test_agents_bench_refuses_an_unknown_policy(tiny_llama_dir, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "--model", str(tiny_llama_dir), "--agents", "2", "--policies", "spill,fifo"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "--policies" in err and "fifo" in err

@@ -234,3 +234,24 @@ def test_sections_choose_what_runs_and_name_what_is_wrong(gpu_bench, capsys) -> 
     with pytest.raises(SystemExit):
         gpu_bench.parse(["--out", "x", "--sections", "decode,tier"])
     assert "unknown section(s) tier" in capsys.readouterr().err
+
+
+def test_every_gpu_bench_command_in_the_docs_parses(gpu_bench) -> None:
+    """The `python scripts/gpu_bench.py ...` lines of README.md and docs/*.md, as the docs give
+    them (continuation lines joined), parse with the script's own parser."""
+    import re
+    import shlex
+
+    found = []
+    for doc in (REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))):
+        for block in re.findall(r"```(?:bash|sh|console)?\n(.*?)```", doc.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = line.split("  #")[0].strip()
+                if line.startswith("python scripts/gpu_bench.py"):
+                    found.append((doc.name, shlex.split(line)[2:]))
+    assert found, "the docs give no gpu_bench command"
+    for name, argv in found:
+        try:
+            gpu_bench.parse([a.replace("$OUT", "/tmp/out") for a in argv])
+        except SystemExit:
+            pytest.fail(f"{name}: python scripts/gpu_bench.py {' '.join(argv)} does not parse")

@@ -373,10 +373,10 @@ class KVTree:
             now = next(self._clock)
             root = self._roots.get(key)
             if root is None:
-                if not self._make_room(cache_bytes(cache, c), tenant=key.tenant):
+                tier = self._place(cache_bytes(cache, c), None, key.tenant)
+                if tier is None:
                     return 0
-                root = Node(context_ids, *slice_kv(cache, 0, c), 0, None, key, context)
-                self._add(root)
+                root = self._new(tier, Node(context_ids, *slice_kv(cache, 0, c), 0, None, key, context))
                 self._roots[key] = root
             elif root.ids != context_ids:  # the key names another context: a digest collision or a bug
                 raise ValueError(f"KV tree context {key} holds other tokens than the ones inserted under it")
@@ -386,12 +386,12 @@ class KVTree:
             while pos < len(ids):
                 child = node.children.get(ids[pos])
                 if child is None:  # a new leaf for the rest
-                    if not self._make_room(cache_bytes(cache, len(ids) - pos), keep=node, tenant=key.tenant):
+                    tier = self._place(cache_bytes(cache, len(ids) - pos), node, key.tenant)
+                    if tier is None:
                         break
-                    leaf = Node(ids[pos:], *slice_kv(cache, c + pos, c + len(ids)), c + pos, node, key)
+                    leaf = self._new(tier, Node(ids[pos:], *slice_kv(cache, c + pos, c + len(ids)), c + pos, node, key))
                     leaf.used = now
                     node.children[ids[pos]] = leaf
-                    self._add(leaf)
                     path.append(leaf)
                     added += len(ids) - pos
                     break
@@ -410,6 +410,25 @@ class KVTree:
                 self.pins.pin(path, key.tenant, pin_s, None if parts_at is None else c + parts_at,
                               self.tenant_share * self.budget_bytes if self.tenant_share < 1.0 else None)
             return added
+
+    def _place(self, need: int, keep: Node | None, tenant: str) -> Tier | None:
+        """The tier a new node of `need` bytes goes to: the device when room can be made there,
+        else CPU memory (the device full of leased paths: many agents' calls in flight), else
+        none (it is not stored)."""
+        if self._make_room(need, keep=keep, tenant=tenant):
+            return Tier.DEVICE
+        if self.host_budget and not self.recurrent and self._host_room(need):
+            return Tier.HOST
+        return None
+
+    def _new(self, tier: Tier, node: Node) -> Node:
+        """`node` (made on the device from a request's cache) counted on `tier`; on the host
+        its KV is copied to CPU memory first."""
+        if tier is Tier.HOST and node.k is not None and node.v is not None and node.k.device.type != "cpu":
+            node.k, node.v = node.k.to("cpu"), node.v.to("cpu")
+        node.tier = tier
+        self._add(node)
+        return node
 
     def _refill(self, node: Node, cache: KVCache) -> None:
         """Put a spilled node back on the device from `cache` (which holds its tokens' KV, as

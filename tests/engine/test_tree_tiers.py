@@ -288,3 +288,19 @@ def test_a_disk_node_is_read_only_when_that_is_sooner_than_computing_it(tmp_path
     assert _read(tree, a, [1, 2, 3, 4, 0])[:2] == (0, 0) and tree.stats().reads_skipped == 1
     rate[0] = 1e-3  # an engine slower than the disk
     assert _read(tree, a, [1, 2, 3, 4, 0])[:2] == (4, 4) and tree.stats().reads_skipped == 1
+
+
+def test_a_new_path_goes_to_host_when_leases_fill_the_device():
+    """Calls in flight lease their paths, which cannot move: a new path that finds the device
+    full of them is kept in CPU memory (served from there), not dropped."""
+    tree = KVTree(_bytes(4), host_bytes=_bytes(100))
+    a, b = TreeKey.of("a"), TreeKey.of("b")
+    tree.insert(a, [], CTX, [1, 2, 3, 4], _cache(4))
+    lease = tree.match(a, [1, 2, 3, 4, 0])  # a's next call is in flight
+    assert lease is not None
+    assert tree.insert(b, [], CTX, [5, 6, 7, 8], _cache(4, fill=7)) == 4
+    assert tree._roots[b].children[5].tier is Tier.HOST and tree._roots[a].children[1].tier is Tier.DEVICE
+    lease.release()
+    tokens, spilled, k = _read(tree, b, [5, 6, 7, 8, 0])
+    assert (tokens, spilled) == (4, 4) and torch.equal(k, _cache(4, fill=7).k[:, :, :4])
+    assert KVTree(_bytes(4)).insert(b, [], CTX, [5, 6, 7, 8], _cache(4)) == 4  # (room: stored on the device)

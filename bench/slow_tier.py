@@ -192,8 +192,10 @@ def _serve(index: Path, controller: bool, levels: list[int], duration: float, qu
     from ragkv.server.pipeline import Pipeline
     from ragkv.server.settings import CollectionSpec, ServerSettings
 
+    # the KV tree off: the warm-up and each level ask the same questions, and a tree hit reads no
+    # tier at all (it would flatter the figures, and leave the controller nothing to decide)
     settings = ServerSettings(indexes=(CollectionSpec("default", index),), host="127.0.0.1", port=0,
-                              metrics_port=None, kv_cpu_bytes=1, kv_controller=controller,
+                              metrics_port=None, kv_cpu_bytes=1, kv_controller=controller, kv_tree_bytes=0,
                               max_queue=max(levels) + 4, max_batch=max(levels))
     server = InProcessServer(settings, Pipeline.from_settings, load_timeout=600)
     try:

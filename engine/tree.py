@@ -225,13 +225,7 @@ class KVTree:
                     self._reads_skipped += 1
                 return parts[:j]
             try:
-                if self.files is None or node.file is None:
-                    raise LookupError("no file")
-                k, v = self._read_file(node.file)  # [L, Hkv, T_file, D]
-                part.k = k[:, :, node.offset:node.offset + len(node.ids)]
-                part.v = v[:, :, node.offset:node.offset + len(node.ids)]
-                if part.k.shape[2] != len(node.ids):
-                    raise ValueError(f"holds {k.shape[2]} tokens, fewer than the node reads")
+                part.k, part.v = self._read_node(node)
             except Exception as e:  # a damaged or missing file is a miss for this node and below
                 log.warning("KV tree: spilled node %s of context %s unreadable (%s); its tokens will be computed",
                             node.file, node.key, e)
@@ -250,17 +244,22 @@ class KVTree:
         disk = self._disk_rate
         return not rate or not disk or node.kv_bytes / disk <= tokens / rate
 
-    def _read_file(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """A spilled node's file, read and verified; its bytes per second go into the disk's rate."""
-        assert self.files is not None
+    def _read_node(self, node: Node) -> tuple[torch.Tensor, torch.Tensor]:
+        """A disk node's K and V ([L, Hkv, T, D], views of its file), read and verified; the
+        read's bytes per second go into the disk's rate. Raises when missing or damaged."""
+        if self.files is None or node.file is None:
+            raise LookupError("no file")
         t0 = time.perf_counter()
-        k, v = self.files.read(name)
+        k, v = self.files.read(node.file)  # [L, Hkv, T_file, D]
         seconds = time.perf_counter() - t0
         if seconds > 0:
             r = (k.nbytes + v.nbytes) / seconds
             with self._lock:
                 self._disk_rate = r if self._disk_rate is None else 0.7 * self._disk_rate + 0.3 * r
-        return k, v
+        end = node.offset + len(node.ids)
+        if k.shape[2] < end:
+            raise ValueError(f"holds {k.shape[2]} tokens, fewer than the node reads")
+        return k[:, :, node.offset:end], v[:, :, node.offset:end]
 
     def warm(self, key: TreeKey, ids: Sequence[int]) -> int:
         """Bring the disk nodes of the path under `key` that `ids` starts with up to the host
@@ -277,12 +276,8 @@ class KVTree:
         read: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
             for node in nodes:
-                assert node.file is not None
-                k, v = self._read_file(node.file)  # [L, Hkv, T_file, D]
-                end = node.offset + len(node.ids)
-                if k.shape[2] < end:
-                    raise ValueError(f"holds {k.shape[2]} tokens, fewer than the node reads")
-                read.append((k[:, :, node.offset:end].clone(), v[:, :, node.offset:end].clone()))
+                k, v = self._read_node(node)
+                read.append((k.clone(), v.clone()))  # its own memory, not a view of the whole file
         except Exception as e:  # the call's own match finds it unreadable, and counts it
             log.warning("KV tree: warming %s of context %s failed (%s)", nodes[len(read)].file, key, e)
         brought = 0

@@ -97,8 +97,7 @@ class LoadingController:
         missing_s = sum(base[i].compute_s or 0.0 for i in compute)
 
         def ready_s(computed: set[int]) -> float:
-            reads = [base[i].load_s for i in readable if i not in computed]
-            read_s = max(reads) * math.ceil(len(reads) / workers) if reads else 0.0
+            read_s = _reads_s([base[i].load_s for i in readable if i not in computed], workers)
             return max(read_s, self.config.margin * (missing_s + sum(base[i].compute_s for i in computed)))
 
         slowest_first = sorted(readable, key=lambda i: base[i].load_s, reverse=True)
@@ -126,7 +125,7 @@ class LoadingController:
         if (not full_rate or not mode_rate or any(s is None for s in (*loads, *computes))
                 or any(d.tier is None for d in decisions)):
             return False
-        read_s = max(loads) * math.ceil(len(loads) / max(1, workers)) if loads else 0.0  # type: ignore[type-var, operator]
+        read_s = _reads_s(loads, workers)  # type: ignore[arg-type]
         compute_s = self.config.margin * sum(computes)  # type: ignore[arg-type]
         pass_s = self.config.margin * prompt_tokens / mode_rate
         ready_s = max(read_s, compute_s + pass_s) if layered else max(read_s, compute_s) + pass_s
@@ -140,5 +139,11 @@ class LoadingController:
         loads = [d.load_s for d in decisions if d.load]
         if not self.config.enabled or not loads or any(s is None for s in loads):
             return hard_limit_s
-        read_s = max(loads) * math.ceil(len(loads) / max(1, workers))
+        read_s = _reads_s(loads, workers)  # type: ignore[arg-type]
         return min(hard_limit_s, read_s * self.config.overrun_factor + self.config.overrun_floor_s)
+
+
+def _reads_s(loads: Sequence[float], workers: int) -> float:
+    """Seconds until every read of `loads` (estimated seconds each) is done, `workers` at a time:
+    rounds of the slowest."""
+    return max(loads) * math.ceil(len(loads) / max(1, workers)) if loads else 0.0

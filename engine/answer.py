@@ -91,6 +91,9 @@ def _answer(engine: PromptEngine, req: Request) -> Work:
             prompt = Prompt(req.question_ids, req.prefix_ids, chunk_ids, kvs, req.select_ids, req.snapshot_at)
             res = yield from engine.run_steps(prompt, req.mode, req.options, req.sampling.max_new_tokens, req.tree)
         except (KVFormatError, StoreError) as exc:  # a layered read failed mid-prompt
+            if req.tree is not None and req.tree.lease is not None and req.tree.lease.failed:
+                kvs, tiers = yield from _without_tree(engine, req, req.tree, phases, sources, loaded, exc)
+                continue
             # a chunk whose read fails later (during the retry) fails that pass in turn
             kvs = yield from _recompute_failed(engine, req, kvs or [], tiers, exc)
     phases["prompt"] = time.perf_counter() - t0
@@ -191,6 +194,22 @@ def _compute(engine: PromptEngine, req: Request, ch: PromptChunk) -> Generator[i
             return kv
         own += time.perf_counter() - t0
         yield item
+
+
+def _without_tree(engine: PromptEngine, req: Request, tree: TreeSpot, phases: dict[str, float],
+                  sources: Counter[KVSource], loaded: dict[Tier, int], exc: Exception
+                  ) -> Generator[int | WaitFor | ChunkComputed, None, tuple[list[ChunkKV] | None, list[Tier]]]:
+    """The KV tree's disk read of this prompt failed mid-pass (damage found layer by layer):
+    the request lets go of its lease and runs as the tree had held nothing, its chunks' KV
+    computed (none was read: the tree held the context). Its answer is still kept under its
+    key after."""
+    log.warning("the KV tree's disk read failed mid-prompt (%s); computing the prompt without it", exc)
+    tree.release()
+    req.tree = dataclasses.replace(tree, lease=None)
+    if not engine.reads_chunk_kv(req.mode):
+        return None, [Tier.NOT_LOADED] * len(req.chunks)
+    kvs, tiers = yield from _chunk_kv(engine, req, phases, sources, loaded)
+    return kvs, tiers
 
 
 def _recompute_failed(engine: PromptEngine, req: Request, kvs: list[ChunkKV], tiers: list[Tier], exc: Exception

@@ -394,8 +394,9 @@ def resume_steps(lm: LoadedModel, lease: TreeLease, ids: Sequence[int], mode: Mo
     """Run a prompt whose first tokens' KV the KV tree holds: only the rest is computed.
 
     The cache takes the lease's KV (the context, blended as its first request's pass left
-    it, and the matched tokens after it), the lease is released, and every later token runs
-    through every layer, as the question does in any mode.
+    it, and the matched tokens after it; a part still being read from disk, layer by layer as
+    the pass reaches each), the lease is released, and every later token runs through every
+    layer, as the question does in any mode.
 
     Args:
         lease: the matched path (`KVTree.match`): context tokens and `matched` tokens of `ids`.
@@ -411,7 +412,7 @@ def resume_steps(lm: LoadedModel, lease: TreeLease, ids: Sequence[int], mode: Mo
     n = int(prompt.shape[0])
     cache = KVCache(lm.kv_layers, lm.num_kv_heads, lm.head_dim, n + reserve_tokens, lm.dtype, dev)
     try:
-        first = lease.write_into(cache)  # positions [0, first) are the tree's
+        first = lease.write_into(cache, layered=True)  # positions [0, first) are the tree's
         cache.recurrent = lease.recurrent_state()  # a hybrid's state after them (a copy; None otherwise)
     finally:
         lease.release()

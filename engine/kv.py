@@ -6,7 +6,8 @@ can be rotated to any final position); the decode cache holds K *after* RoPE.
 A chunk may still be arriving (layer-wise loading): its `ready.wait(l)` returns once
 layer l of its k and v hold their data. The cache then takes each layer only when the
 forward pass reaches it (`KVCache.stage` + `fill`), so reading layer l+1 overlaps the
-compute of layer l.
+compute of layer l. A KV tree path read from disk arrives the same way, K already after
+RoPE, written where it lies (`KVCache.place`).
 """
 
 from __future__ import annotations
@@ -171,7 +172,23 @@ class KVCache:
         if all(seg.ready is None for seg in segments):
             self._divide_k(slice(None), self.write_segments(segments, rope), divide_k)
             return
-        self._staged = _Staged(tuple(segments), rope, divide_k, min(seg.k.shape[0] for seg in segments))
+        placed = self._staged.placed if self._staged is not None else []
+        self._staged = _Staged(tuple(segments), rope, divide_k,
+                               min([seg.k.shape[0] for seg in segments] + [p.k.shape[0] for p in placed]), placed)
+
+    def place(self, start: int, k: torch.Tensor, v: torch.Tensor, ready: LayerReady) -> None:
+        """Write KV that needs no rotation (K after RoPE: the KV tree's, read from disk) into
+        slots [start, start + T), layer by layer as `fill` asks, each layer once `ready` has it.
+
+        Args:
+            k, v: [L, Hkv, T, D], filling in as `ready` publishes their layers.
+        """
+        part = _Placed(start, k, v, ready)
+        if self._staged is None:
+            self._staged = _Staged((), None, None, k.shape[0], [part])
+        else:
+            self._staged.placed.append(part)
+            self._staged.num_layers = min(self._staged.num_layers, k.shape[0])
 
     def fill(self, layer: int) -> None:
         """Make layers [0, layer] of the staged segments present (a no-op once they are)."""
@@ -185,10 +202,16 @@ class KVCache:
                 if seg.ready is not None:
                     seg.ready.wait(i)
                 k = seg.k[i].to(self.k.device, self.k.dtype, non_blocking=True)  # [Hkv, T, D], before RoPE
-                st.rope[off:off + t].rotate_into(self.k[i, :, off:off + t], k, i)
+                if st.rope is not None:
+                    st.rope[off:off + t].rotate_into(self.k[i, :, off:off + t], k, i)
                 self.v[i, :, off:off + t] = seg.v[i].to(self.v.device, self.v.dtype, non_blocking=True)
                 off += t
             self._divide_k(i, off, st.divide_k)
+            for part in st.placed:
+                part.ready.wait(i)
+                s, t = part.start, part.k.shape[2]
+                self.k[i, :, s:s + t] = part.k[i].to(self.k.device, self.k.dtype, non_blocking=True)  # [Hkv, T, D]
+                self.v[i, :, s:s + t] = part.v[i].to(self.v.device, self.v.dtype, non_blocking=True)
         st.next_layer = layer + 1
         if st.next_layer >= st.num_layers:
             self._staged = None
@@ -199,7 +222,9 @@ class KVCache:
         st = self._staged
         if st is None or layer < st.next_layer:
             return []
-        return layers_pending(st.segments, layer)
+        return layers_pending(st.segments, layer) + [
+            f for p in st.placed if hasattr(p.ready, "when_ready")
+            and (f := p.ready.when_ready(min(layer, p.k.shape[0] - 1))) is not None]
 
     def _divide_k(self, layers: slice | int, n: int, divide_k: tuple[int, float] | None) -> None:
         """K of slots [divide_k[0], n) at `layers`, divided by divide_k[1] (context temperature)."""
@@ -228,7 +253,18 @@ class _Staged:
     """Segments `KVCache.stage` has yet to write, from layer `next_layer` on."""
 
     segments: tuple[ChunkKV, ...]
-    rope: RopeTables  # at positions 0, 1, ... (>= total T rows)
+    rope: RopeTables | None  # at positions 0, 1, ... (>= total T rows); None when no segment
     divide_k: tuple[int, float] | None  # (first slot, divisor) or None
-    num_layers: int  # layers every segment has
+    num_layers: int  # layers every segment and placed part has
+    placed: list[_Placed] = dataclasses.field(default_factory=list)  # KV written where it lies, unrotated
     next_layer: int = 0  # layers [0, next_layer) are written
+
+
+@dataclass(frozen=True, slots=True)
+class _Placed:
+    """KV after RoPE that `KVCache.place` writes at its slots as its layers arrive."""
+
+    start: int  # its first slot
+    k: torch.Tensor  # [L, Hkv, T, D], after RoPE
+    v: torch.Tensor  # [L, Hkv, T, D]
+    ready: LayerReady

@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from ragkv.engine.kv import KVCache
+from ragkv.engine.kv import KVCache, LayerReady
 from ragkv.engine.retention import Pins, ToolLatency
 from ragkv.engine.tree_files import NodeFiles, SpilledSpan, file_name, read_span, span_meta
 from ragkv.engine.tree_node import (
@@ -225,7 +225,7 @@ class KVTree:
                     self._reads_skipped += 1
                 return parts[:j]
             try:
-                part.k, part.v = self._read_node(node)
+                part.k, part.v, part.ready = self._open_node(node)
             except Exception as e:  # a damaged or missing file is a miss for this node and below
                 log.warning("KV tree: spilled node %s of context %s unreadable (%s); its tokens will be computed",
                             node.file, node.key, e)
@@ -245,21 +245,64 @@ class KVTree:
         return not rate or not disk or node.kv_bytes / disk <= tokens / rate
 
     def _read_node(self, node: Node) -> tuple[torch.Tensor, torch.Tensor]:
-        """A disk node's K and V ([L, Hkv, T, D], views of its file), read and verified; the
-        read's bytes per second go into the disk's rate. Raises when missing or damaged."""
+        """A disk node's K and V ([L, Hkv, T, D], views of its file), read whole and verified;
+        the read's bytes per second go into the disk's rate. Raises when missing or damaged."""
         if self.files is None or node.file is None:
             raise LookupError("no file")
         t0 = time.perf_counter()
         k, v = self.files.read(node.file)  # [L, Hkv, T_file, D]
-        seconds = time.perf_counter() - t0
-        if seconds > 0:
-            r = (k.nbytes + v.nbytes) / seconds
-            with self._lock:
-                self._disk_rate = r if self._disk_rate is None else 0.7 * self._disk_rate + 0.3 * r
+        self._observe_read(k.nbytes + v.nbytes, time.perf_counter() - t0)
+        return self._own_tokens(node, k, v)
+
+    def _open_node(self, node: Node) -> tuple[torch.Tensor, torch.Tensor, LayerReady | None]:
+        """A disk node's K and V ([L, Hkv, T, D], views of its file) as a layered read fills
+        them in (`NodeFiles.open`), and the gate that says how far; the whole read's bytes per
+        second go into the disk's rate when it ends. A read that fails later drops the node
+        once no lease holds it. Raises when the file is missing or its header is bad."""
+        if self.files is None or node.file is None:
+            raise LookupError("no file")
+        t0 = time.perf_counter()
+        k, v, ready = self.files.open(node.file)  # [L, Hkv, T_file, D]
+        nbytes = k.nbytes + v.nbytes
+        done = None if ready is None else getattr(ready, "when_ready", lambda layer: None)(k.shape[0] - 1)
+
+        def ended(_: object = None) -> None:
+            if ready is None or ready.error is None:
+                self._observe_read(nbytes, time.perf_counter() - t0)
+            else:
+                self._read_failed(node)
+
+        if done is None:
+            ended()
+        else:
+            done.add_done_callback(ended)
+        return (*self._own_tokens(node, k, v), ready)
+
+    @staticmethod
+    def _own_tokens(node: Node, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The node's tokens of its file's K and V (a split node reads part of a file)."""
         end = node.offset + len(node.ids)
         if k.shape[2] < end:
             raise ValueError(f"holds {k.shape[2]} tokens, fewer than the node reads")
         return k[:, :, node.offset:end], v[:, :, node.offset:end]
+
+    def _observe_read(self, nbytes: int, seconds: float) -> None:
+        """A disk read's bytes per second, into the disk's moving-average rate."""
+        if seconds > 0:
+            r = nbytes / seconds
+            with self._lock:
+                self._disk_rate = r if self._disk_rate is None else 0.7 * self._disk_rate + 0.3 * r
+
+    def _read_failed(self, node: Node) -> None:
+        """A layered read of `node` found damage after its match: counted, and the node (with
+        what hangs below it) leaves the tree when no lease holds it; otherwise its file is
+        gone (`NodeFiles.open`), so its next match is a miss."""
+        with self._lock:
+            self._read_errors += 1
+            attached = (node.parent.children.get(node.ids[0]) is node if node.parent is not None
+                        else self._roots.get(node.key) is node)
+            if attached and node.tier is Tier.DISK and not any(n.refs for n in node.walk()):
+                self._drop(node)
 
     def warm(self, key: TreeKey, ids: Sequence[int]) -> int:
         """Bring the disk nodes of the path under `key` that `ids` starts with up to the host

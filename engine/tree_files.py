@@ -19,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from ragkv.engine.kv import LayerReady
 from ragkv.engine.tree_node import TreeContext, TreeKey
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the chunk-KV header's dtype names
@@ -35,6 +36,12 @@ class NodeFiles(Protocol):
 
     def read(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The K and V written under `name`, verified; raises when missing or damaged."""
+        ...
+
+    def open(self, name: str) -> tuple[torch.Tensor, torch.Tensor, LayerReady | None]:
+        """Start reading `name` layer by layer: its K and V, whose layers fill in as the gate
+        says (None: all there now). Raises when missing or its header is bad; damage found
+        later fails the gate (and the file is not read again)."""
         ...
 
     def delete(self, name: str) -> None:

@@ -11,7 +11,7 @@ from enum import IntEnum
 
 import torch
 
-from ragkv.engine.kv import KVCache
+from ragkv.engine.kv import KVCache, LayerReady
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +129,13 @@ class LeasedPart:
     n: int
     k: torch.Tensor | None  # [L, Hkv, >= n, D]; None until a DISK node is read
     v: torch.Tensor | None
+    # a DISK node's read in flight: its layers of k and v fill in as this says (None: all there)
+    ready: LayerReady | None = None
+
+    def wait(self) -> None:
+        """Block until every layer of a read in flight is there (raises when the read failed)."""
+        if self.ready is not None and self.k is not None:
+            self.ready.wait(self.k.shape[0] - 1)
 
     @property
     def spilled(self) -> bool:
@@ -157,14 +164,28 @@ class TreeLease:
         """Prompt positions whose KV the lease supplies: the context and the matched tokens."""
         return len(self.context_ids) + self.matched
 
-    def write_into(self, cache: KVCache) -> int:
-        """Copy the leased KV into slots [0, tokens) of `cache`; returns the tokens written."""
+    @property
+    def failed(self) -> bool:
+        """Whether a disk read of the lease failed (damage found layer by layer, after the match)."""
+        return any(p.ready is not None and p.ready.error is not None for p in self._parts)
+
+    def write_into(self, cache: KVCache, layered: bool = False) -> int:
+        """Copy the leased KV into slots [0, tokens) of `cache`; returns the tokens written.
+
+        `layered`: a disk read still in flight is staged (`KVCache.place`): the prompt pass
+        takes each of its layers as it reaches it, so the read overlaps the compute. Otherwise
+        it is waited for here (raises KVFormatError or StoreError when it failed).
+        """
         if not self._held:
             raise RuntimeError("TreeLease.write_into after release: a bug")
         for part in self._parts:
             if part.k is None or part.v is None:
                 raise RuntimeError("TreeLease.write_into of a part never read: a bug")
             s, n = part.node.start, part.n
+            if part.ready is not None and layered:
+                cache.place(s, part.k[:, :, :n], part.v[:, :, :n], part.ready)
+                continue
+            part.wait()
             cache.k[:, :, s:s + n] = part.k[:, :, :n]  # host and disk parts move to the device here
             cache.v[:, :, s:s + n] = part.v[:, :, :n]
         return self.tokens
@@ -177,6 +198,7 @@ class TreeLease:
         for part in self._parts:
             first, last = max(start, part.node.start), min(stop, part.node.start + part.n)
             if first < last and part.k is not None and part.v is not None:
+                part.wait()
                 ks.append(part.k[:, :, first - part.node.start:last - part.node.start])
                 vs.append(part.v[:, :, first - part.node.start:last - part.node.start])
         return torch.cat(ks, 2).clone(), torch.cat(vs, 2).clone()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,6 +28,8 @@ from ragkv.errors import KVFormatError
 from ragkv.kvstore.entry import KVEntry, RopeMode
 from ragkv.kvstore.fileformat import data_start, decode, encode, read_meta
 from ragkv.kvstore.keys import ChunkKey, PrefixHash, check_fingerprint, check_prefix_hash
+from ragkv.kvstore.layered import LayerGate, read_layered
+from ragkv.kvstore.tiers.disk import FileSource
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,7 @@ class TreeFiles:
         self._pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._lock = threading.Lock()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragkv-tree-files")
+        self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ragkv-tree-reads")  # layered reads
 
     def path(self, name: str) -> Path:
         check_prefix_hash(name)  # 64 hex characters: one path segment, never ".." or a separator
@@ -89,12 +93,30 @@ class TreeFiles:
             return pending
         data = bytearray(self.path(name).read_bytes())
         meta = read_meta(data[:data_start(data)], len(data))
-        try:
-            ids = [int(i) for i in json.loads(meta["tree_ids"])]
-        except (KeyError, ValueError) as e:
-            raise KVFormatError(f"tree node file {name} names no tokens: {e}") from None
-        entry = decode(data, expected_key=self._key(name, ids), model_fp=self.model_fp, tokenizer_fp=self.tokenizer_fp)
+        entry = decode(data, expected_key=self._key(name, _ids(name, meta)), model_fp=self.model_fp,
+                       tokenizer_fp=self.tokenizer_fp)
         return entry.k, entry.v  # [L, Hkv, T, D] each, views of `data`
+
+    def open(self, name: str) -> tuple[torch.Tensor, torch.Tensor, LayerGate | None]:
+        """Start a layer-ordered read of `name` (kvstore.layered) on the read threads: K and V
+        fill in as the gate publishes each verified layer. A block that fails its checksum
+        fails the gate, and the file is deleted (it is not read again)."""
+        with self._lock:
+            pending = self._pending.get(name)
+        if pending is not None:
+            return (*pending, None)
+        path = self.path(name)
+        key = self._key(name, _ids(name, _head_meta(path)))
+        entry, gate = read_layered(FileSource(path), expected_key=key, model_fp=self.model_fp,
+                                   tokenizer_fp=self.tokenizer_fp, spawn=self._readers.submit,
+                                   on_done=lambda data, whole: None, on_fail=lambda e: self._failed(name, e))
+        return entry.k, entry.v, gate  # [L, Hkv, T, D] each, filling in
+
+    def _failed(self, name: str, error: BaseException) -> None:
+        """A layered read failed: a damaged file goes (an I/O error leaves it, as kvstore's tiers do)."""
+        log.warning("KV tree: reading spilled node %s failed: %s", name, error)
+        if isinstance(error, KVFormatError):
+            self.delete(name)
 
     def delete(self, name: str) -> None:
         path = self.path(name)
@@ -107,11 +129,7 @@ class TreeFiles:
             name = path.name.removesuffix(SUFFIX)
             try:
                 check_prefix_hash(name)
-                with open(path, "rb") as f:
-                    head = f.read(_HEAD_BYTES)
-                    if data_start(head) > len(head):
-                        head += f.read(data_start(head) - len(head))
-                yield name, read_meta(head, path.stat().st_size)
+                yield name, _head_meta(path)
             except (OSError, ValueError, KVFormatError) as e:  # KVFormatError is a ValueError too
                 log.warning("KV tree: skipping %s: %s", path, e)
         for tmp in self.folder.glob(f".*{SUFFIX}.*.tmp"):  # a crash mid-write left it (ragkv.atomic)
@@ -122,4 +140,22 @@ class TreeFiles:
         done.result()
 
     def close(self) -> None:
+        self._readers.shutdown(wait=True)
         self._writer.shutdown(wait=True)
+
+
+def _head_meta(path: Path) -> dict[str, str]:
+    """The metadata in a chunk-KV file's header (checked; the data is not read)."""
+    with open(path, "rb") as f:
+        head = f.read(_HEAD_BYTES)
+        if data_start(head) > len(head):
+            head += f.read(data_start(head) - len(head))
+        return read_meta(head, os.fstat(f.fileno()).st_size)
+
+
+def _ids(name: str, meta: Mapping[str, str]) -> list[int]:
+    """The token ids a tree node file's header names (its chunk key is made with them)."""
+    try:
+        return [int(i) for i in json.loads(meta["tree_ids"])]
+    except (KeyError, ValueError) as e:
+        raise KVFormatError(f"tree node file {name} names no tokens: {e}") from None

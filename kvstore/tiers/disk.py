@@ -92,7 +92,7 @@ def _read_checking(f: io.RawIOBase) -> tuple[memoryview, BlockCrcs | None]:
     return view, (block, lambda: [fut.result() for fut in futures])
 
 
-class _FileSource:
+class FileSource:
     """A chunk file open for positioned reads (kvstore.layered's ByteSource)."""
 
     def __init__(self, path: Path) -> None:
@@ -266,10 +266,10 @@ class DiskTier(DurableTier):
         except OSError:
             pass
 
-    def _source(self, key: ChunkKey) -> _FileSource | None:
+    def _source(self, key: ChunkKey) -> FileSource | None:
         path = self.path(key)
         try:
-            source = _FileSource(path)
+            source = FileSource(path)
         except FileNotFoundError:
             with self._lock:
                 self._forget(key)

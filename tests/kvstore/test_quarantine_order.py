@@ -13,7 +13,7 @@ from ragkv.errors import KVFormatError
 from ragkv.kvstore import Tier
 from ragkv.kvstore.fileformat import encode
 from ragkv.kvstore.layered import read_layered
-from ragkv.kvstore.tiers.disk import _FileSource
+from ragkv.kvstore.tiers.disk import FileSource
 from tests.kvstore.conftest import MODEL_FP, TOKENIZER_FP, make_entry
 from tests.kvstore.test_layered import BIG, _Source
 
@@ -43,7 +43,7 @@ def test_quarantine_of_a_stale_read_keeps_the_file_written_since(make_tier) -> N
     e = make_entry(4)
     disk.put(e)
     path = disk.path(e.key)
-    stale = _FileSource(path)  # a reader opened the (say, damaged) file
+    stale = FileSource(path)  # a reader opened the (say, damaged) file
     try:
         path.unlink()  # ...meanwhile it was quarantined by another reader and rewritten
         disk.put(e)
@@ -51,7 +51,7 @@ def test_quarantine_of_a_stale_read_keeps_the_file_written_since(make_tier) -> N
         disk._discard(e.key, "test: the stale reader found a bad block", stale)
         assert path.exists() and path.read_bytes() == fresh, "quarantine took the rewritten file"
         assert disk.contains(e.key)
-        same = _FileSource(path)
+        same = FileSource(path)
         try:
             disk._discard(e.key, "test: this very file is bad", same)
         finally:

@@ -108,7 +108,7 @@ def _answer(engine: PromptEngine, req: Request) -> Work:
     if req.tree is not None and not req.cancel.is_set():  # the conversation's next call starts here
         header = engine.prompt.answer_header_tokens(req.question_ids) if req.tree_retain_s > 0 else 0
         trees.remember(req.tree, req.mode, res, len(req.question_ids), len(req.prefix_ids), stream.token_ids, snapshot,
-                       retain_s=req.tree_retain_s, header_tokens=header)
+                       retain_s=req.tree_retain_s, header_tokens=header, priority=req.tree_priority)
 
     used = res.used_chunks if res.used_chunks is not None else range(len(req.retrieved))
     return Answered(

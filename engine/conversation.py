@@ -283,13 +283,14 @@ class Conversations:
 
     def remember(self, spot: TreeSpot, mode: Mode, res: BlendResult, question_tokens: int, prefix_tokens: int,
                  answer_ids: Sequence[int] = (), snapshot: RecurrentSnapshot | None = None,
-                 retain_s: float = 0.0, header_tokens: int = 0) -> int:
+                 retain_s: float = 0.0, header_tokens: int = 0, priority: int = 0) -> int:
         """Keep a prompt's KV served in `mode` (and its answer's, as far as the cache holds it)
         under `spot`'s key, after its decode; a hybrid's `snapshot` (FULL mode: its state after
         the prompt) with it. `retain_s` > 0 (the answer may end in tool calls): its path is
         pinned that long (`KVTree.insert`), and the conversation's next call is the match that
         reaches the prompt's end but its last `header_tokens` (the answer's header, which the
-        next call's prompt replaces by the answer's turn). Returns the tokens newly stored."""
+        next call's prompt replaces by the answer's turn). `priority`: how much the path
+        matters against the tenant's others (`KVTree.insert`). Returns the tokens newly stored."""
         if not self.enabled:
             return 0
         prompt = res.token_ids.tolist()
@@ -298,4 +299,4 @@ class Conversations:
         self._note(spot, Mode(mode), tuple(ids[start:]))
         return self.tree.insert(spot.key, ids[:start], tree_context(res, question_tokens, prefix_tokens),
                                 ids[start:], res.cache, snapshot, pin_s=retain_s,
-                                parts_at=len(prompt) - start - header_tokens)
+                                parts_at=len(prompt) - start - header_tokens, priority=priority)

@@ -117,6 +117,8 @@ class Request:
     # the answer may end in tool calls: its tree path is pinned ahead of LRU eviction this many
     # seconds after it (the agent's next call comes back for it; `Conversations.retention`); 0 = not
     tree_retain_s: float = 0.0
+    # how much its tree path matters against its tenant's others (-100..100; `engine.retention`)
+    tree_priority: int = 0
     kv_wait_s: float = 120.0  # its reads may take this long; then their chunks are computed instead
     kv_bytes: int = 0  # KV cache bytes it holds at most (admission)
     prompt_cost: float = 0.0  # about how much work its prompt pass is (Engine.prompt_cost); 0 = unknown

@@ -12,6 +12,14 @@ call leases the path (`match`; that call's own insert pins again if it may end i
 calls). A tenant's live pins hold at most `tenant_share` of the budget: past it, its path
 is kept as any other. The time from such an answer to the next call on its path is a tool
 latency the tree sees (`ToolLatency`): the pins' learned time-to-live is their p90.
+
+Priorities between conversations are the client's to give (`retain_priority`, an integer in
+-MAX_PRIORITY..MAX_PRIORITY, NVIDIA Dynamo's agent hint): each insert gives its path its
+call's priority, and whenever a tier makes room, lower priorities leave first (then, within
+one priority, unpinned by least recent use, then pins by their end: `KVTree._rank`). Giving
+below 0 only lets one's own paths go sooner; above 0 holds within the tenant's share: while
+the tenant's paths above 0 would hold more than `tenant_share` of the device budget, a new
+path is kept at 0. A restarted tree's paths start at 0.
 """
 
 from __future__ import annotations
@@ -23,6 +31,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ragkv.engine.tree_node import LeasedPart, Node
+
+
+MAX_PRIORITY = 100  # a conversation's priority is within -MAX_PRIORITY..MAX_PRIORITY (0 unless asked)
 
 
 class ToolLatency:

@@ -72,6 +72,8 @@ __all__ = ["KVTree", "RecurrentSnapshot", "Tier", "ToolLatency", "TreeContext", 
 
 log = logging.getLogger(__name__)
 
+_Rank = tuple[int, int, float, int]  # the order nodes leave a tier in: smallest first (KVTree._rank)
+
 
 class KVTree:
     """Radix tree of served prompts' KV under a byte budget per tier; see the module docstring.
@@ -358,7 +360,7 @@ class KVTree:
 
     def insert(self, key: TreeKey, context_ids: Sequence[int], context: TreeContext, ids: Sequence[int],
                cache: KVCache, snapshot: RecurrentSnapshot | None = None, pin_s: float = 0.0,
-               parts_at: int | None = None) -> int:
+               parts_at: int | None = None, priority: int = 0) -> int:
         """Keep the KV of a served sequence: `cache` slots [0, C) hold the context
         (`context_ids`), slots [C, C + len(ids)) the tokens after it. A hybrid's `snapshot`
         (its recurrent state after `snapshot.tokens` of `ids`) goes on the node ending there.
@@ -366,11 +368,13 @@ class KVTree:
         module docstring); `parts_at`: where in `ids` the conversation's next call parts from
         this one (the prompt's end, before the answer's header), so that call's match is known
         and its delay learned. Spilled nodes on the path come back to the device from `cache`.
+        `priority`: the client's word on how much the path matters against its tenant's others
+        (`engine.retention`); every node on it takes it.
 
         Returns:
             The tokens newly stored (0 when all were held, or the budget cannot hold them).
         """
-        added = self._insert(key, context_ids, context, ids, cache, pin_s, parts_at)
+        added = self._insert(key, context_ids, context, ids, cache, pin_s, parts_at, priority)
         if snapshot is not None and 0 < snapshot.tokens <= len(ids):
             with self._lock:
                 self._keep_state(key, tuple(int(i) for i in ids[:snapshot.tokens]), snapshot)
@@ -399,7 +403,7 @@ class KVTree:
             node, pos = child, pos + n
 
     def _insert(self, key: TreeKey, context_ids: Sequence[int], context: TreeContext, ids: Sequence[int],
-                cache: KVCache, pin_s: float = 0.0, parts_at: int | None = None) -> int:
+                cache: KVCache, pin_s: float = 0.0, parts_at: int | None = None, priority: int = 0) -> int:
         if not self.enabled:
             return 0
         context_ids = tuple(int(i) for i in context_ids)
@@ -447,7 +451,21 @@ class KVTree:
             if pin_s > 0:
                 self.pins.pin(path, key.tenant, pin_s, None if parts_at is None else c + parts_at,
                               self.tenant_share * self.budget_bytes if self.tenant_share < 1.0 else None)
+            self._prioritize(path, key.tenant, priority)
             return added
+
+    def _prioritize(self, path: list[Node], tenant: str, priority: int) -> None:
+        """Give `path` its conversation's latest `priority`. Above 0 only within the tenant's
+        share: while its other nodes above 0 and this path would hold more than `tenant_share`
+        of the device budget, the path is kept at 0."""
+        if priority > 0 and self.tenant_share < 1.0:
+            on_path = {id(n) for n in path}
+            held = sum(n.nbytes for n in self._all() if n.priority > 0 and n.key.tenant == tenant
+                       and id(n) not in on_path)
+            if held + sum(n.nbytes for n in path) > self.tenant_share * self.budget_bytes:
+                priority = 0
+        for node in path:
+            node.priority = priority
 
     def _place(self, need: int, keep: Node | None, tenant: str) -> Tier | None:
         """The tier a new node of `need` bytes goes to: the device when room can be made there,
@@ -559,7 +577,7 @@ class KVTree:
         lower.kv_bytes, node.kv_bytes = per_token * len(lower.ids), per_token * n
         if node.file is not None:
             self._file_refs[node.file] += 1
-        lower.children, lower.used, lower.pin = node.children, node.used, node.pin
+        lower.children, lower.used, lower.pin, lower.priority = node.children, node.used, node.pin, node.priority
         if node.answered is not None and node.parts_at > node.start + n:  # the parting point is below
             lower.answered, lower.parts_at, node.answered = node.answered, node.parts_at, None
         if lower.pin:
@@ -606,10 +624,11 @@ class KVTree:
         return self._bytes + need <= budget
 
     @staticmethod
-    def _rank(now: float) -> Callable[[Node], tuple[int, float, int]]:
-        """The order nodes leave a tier: unpinned by least recent use, then live pins by their end."""
-        def rank(n: Node) -> tuple[int, float, int]:
-            return (1, n.pin, id(n)) if n.pin > now else (0, float(n.used), id(n))
+    def _rank(now: float) -> Callable[[Node], _Rank]:
+        """The order nodes leave a tier: lowest priority first (`Node.priority`, the client's);
+        within one, unpinned by least recent use, then live pins by their end."""
+        def rank(n: Node) -> _Rank:
+            return (n.priority, 1, n.pin, id(n)) if n.pin > now else (n.priority, 0, float(n.used), id(n))
         return rank
 
     def _spill(self, node: Node, leave: bool = True) -> None:
@@ -671,10 +690,10 @@ class KVTree:
         return self._disk_bytes + need <= self.disk_budget
 
     def _free(self, over: Callable[[], bool], candidate: Callable[[Node], bool], act: Callable[[Node], object],
-              rank: Callable[[Node], tuple[int, float, int]] | None = None) -> None:
-        """While `over()`, `act` on the first `candidate` by `rank` (default least recently
-        used), and on its parent in its turn once that has become a candidate too."""
-        order = rank or (lambda n: (0, float(n.used), id(n)))
+              rank: Callable[[Node], _Rank] | None = None) -> None:
+        """While `over()`, `act` on the first `candidate` by `rank` (default lowest priority,
+        then least recently used), and on its parent in its turn once that has become a candidate too."""
+        order = rank or (lambda n: (n.priority, 0, float(n.used), id(n)))
         heap = [(*order(n), n) for n in self._all() if candidate(n)]
         heapq.heapify(heap)
         while heap and over():

@@ -68,7 +68,7 @@ class Node:
     """One edge of the tree: a run of tokens and their KV, on one tier."""
 
     __slots__ = ("ids", "k", "v", "start", "children", "parent", "refs", "used", "key", "context", "state",
-                 "state_bytes", "pin", "answered", "parts_at", "tier", "kv_bytes", "file", "offset")
+                 "state_bytes", "pin", "answered", "parts_at", "tier", "kv_bytes", "file", "offset", "priority")
 
     def __init__(self, ids: tuple[int, ...], k: torch.Tensor | None, v: torch.Tensor | None, start: int,
                  parent: Node | None, key: TreeKey, context: TreeContext | None = None, kv_bytes: int = 0) -> None:
@@ -85,6 +85,7 @@ class Node:
         self.state: object | None = None  # hybrids: the recurrent state after this node's last token
         self.state_bytes = 0
         self.pin = 0.0  # clock time its pin ends (kept ahead of LRU until then); 0 = not pinned
+        self.priority = 0  # the client's word for its conversation (engine.retention): lower leaves a tier first
         # an answer that may end in tool calls: the clock time it was inserted, and the position
         # where its conversation's next call parts from its prompt (start < parts_at <= end: the
         # prompt's end, before the answer's header): a match reaching it is that next call

@@ -386,6 +386,7 @@ class RagClient:
         citations: bool = False,
         cache_salt: str | None = None,
         retain_seconds: float | None = None,
+        retain_priority: int | None = None,
         timeout: float | None = None,
     ) -> QueryStream:
         """Start a Query; None options take the server's defaults.
@@ -403,8 +404,10 @@ class RagClient:
         holds the answer to JSON; ``citations`` marks sources as [n], naming only
         retrieved chunks. All are enforced by constrained decoding. ``retain_seconds`` keeps
         an answer's KV-tree path pinned that long for the agent's next call (at most the
-        server's --kv-tree-retain-max-s); ``cache_salt`` shares KV-tree paths only with this
-        key's requests giving the same salt (one per end user, say).
+        server's --kv-tree-retain-max-s); ``retain_priority`` (-100..100) says how much this
+        conversation's KV-tree path matters against the key's others: lower leaves first, and
+        above 0 holds within the key's share of the tree; ``cache_salt`` shares KV-tree paths
+        only with this key's requests giving the same salt (one per end user, say).
 
         Returns:
             A QueryStream; iterating it yields the answer's text pieces.
@@ -413,7 +416,7 @@ class RagClient:
             collection, top_k, mode, recompute_ratio, temperature, top_p, seed, max_new_tokens, stop, snippet_chars,
             search_mode, filters, history, system_prompt,
             {**_answer_shape(agent_turns, tools, tool_choice, parallel_tool_calls, response_format, citations),
-             "cache_salt": cache_salt, "retain_seconds": retain_seconds},
+             "cache_salt": cache_salt, "retain_seconds": retain_seconds, "retain_priority": retain_priority},
         )
         request = convert.query_request_to_proto(question, options)
 
@@ -588,6 +591,7 @@ class AsyncRagClient:
         citations: bool = False,
         cache_salt: str | None = None,
         retain_seconds: float | None = None,
+        retain_priority: int | None = None,
         timeout: float | None = None,
     ) -> AsyncQueryStream:
         """Start a Query (the call begins when the stream is iterated)."""
@@ -595,7 +599,7 @@ class AsyncRagClient:
             collection, top_k, mode, recompute_ratio, temperature, top_p, seed, max_new_tokens, stop, snippet_chars,
             search_mode, filters, history, system_prompt,
             {**_answer_shape(agent_turns, tools, tool_choice, parallel_tool_calls, response_format, citations),
-             "cache_salt": cache_salt, "retain_seconds": retain_seconds},
+             "cache_salt": cache_salt, "retain_seconds": retain_seconds, "retain_priority": retain_priority},
         )
         request = convert.query_request_to_proto(question, options)
 

@@ -213,6 +213,8 @@ def query_request_to_proto(question: str, options: QueryOptions) -> pb.QueryRequ
     msg.cache_salt = options.cache_salt or ""
     if options.retain_seconds is not None:
         msg.retain_seconds = options.retain_seconds
+    if options.retain_priority is not None:
+        msg.retain_priority = options.retain_priority
     return msg
 
 
@@ -294,6 +296,7 @@ def output_options_from_proto(msg: pb.QueryRequest) -> dict[str, Any]:
         citations=msg.citations,
         cache_salt=msg.cache_salt or None,
         retain_seconds=msg.retain_seconds if msg.HasField("retain_seconds") else None,
+        retain_priority=msg.retain_priority if msg.HasField("retain_priority") else None,
     )
 
 

@@ -270,6 +270,9 @@ class QueryOptions:
     cache_salt: str | None = None  # KV-tree paths shared only with the same key's requests giving this salt
     # seconds an answer that may end in tool calls keeps its KV-tree path pinned; None = the server's learned
     retain_seconds: float | None = None
+    # how much this conversation's KV-tree path matters against the key's others (-100..100,
+    # higher kept longer; above 0 within the key's share of the tree); None = 0
+    retain_priority: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,7 +48,7 @@ from ragkv.server.status import (
     UnknownCollectionError,
     status_for,
 )
-from ragkv.server.validation import RequestLimits, validate_query
+from ragkv.server.validation import RequestLimits, check_priority, validate_query
 from ragkv.types import (
     ChatRole,
     ChatTurn,
@@ -311,6 +311,13 @@ def _retain_seconds(body: object) -> float | None:
     return None if value is None else float(value)
 
 
+def _retain_priority(body: object) -> int | None:
+    """`retain_priority` (a ragkv extra): an integer in -100..100."""
+    value = body.get("retain_priority") if isinstance(body, dict) else None
+    check_priority(value)
+    return value if isinstance(value, int) else None
+
+
 @dataclass(frozen=True, slots=True)
 class ChatCall:
     """A chat completion's body, validated: its Query and how the answer goes back."""
@@ -512,6 +519,8 @@ class OpenAIApi:
         query = validate_query(question, options, self._limits, backend.modes, caller.tenant(_cache_salt(body)))
         if (retain := _retain_seconds(body)) is not None:
             query = dataclasses.replace(query, retain_seconds=retain)
+        if (priority := _retain_priority(body)) is not None:
+            query = dataclasses.replace(query, retain_priority=priority)
         self._keys.admit_query(caller, query.collection)
         return ChatCall(query, options.snippet_chars, stream, include_usage)
 

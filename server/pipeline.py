@@ -336,7 +336,8 @@ class Pipeline:
             snapshot_at=None if tree is None or not self.engine.recurrent else
             plan.prompt_tokens - self.engine.prompt.answer_header_tokens(plan.question_ids),
             options=plan.options, constraint=plan.constraint, reads_tool_calls=plan.output.reads_tool_calls,
-            tree=tree, tree_retain_s=retain_s if plan.output.reads_tool_calls else 0.0, kv_wait_s=kv_wait_s,
+            tree=tree, tree_retain_s=retain_s if plan.output.reads_tool_calls else 0.0,
+            tree_priority=query.retain_priority, kv_wait_s=kv_wait_s,
             kv_bytes=(plan.prompt_tokens + query.sampling.max_new_tokens) * self.engine.kv_bytes_per_token,
             prompt_cost=max(1, cost * (plan.prompt_tokens - done) // max(plan.prompt_tokens, 1)),
             phase_seconds={"retrieve": found.seconds})

@@ -55,6 +55,9 @@ class Query:
     # seconds (`retain_seconds`: ragkv's HTTP extra, a gRPC field; at most --kv-tree-retain-max-s);
     # None = the tool latency the server has learned
     retain_seconds: float | None = None
+    # how much its conversation's KV-tree path matters against the tenant's others (`retain_priority`,
+    # -100..100; engine.retention): lower leaves a tier first
+    retain_priority: int = 0
 
     @property
     def conversation(self) -> ConversationId:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ragkv.engine.decode import SamplingParams
+from ragkv.engine.retention import MAX_PRIORITY
 from ragkv.server.query import Query
 from ragkv.server.status import InvalidArgumentError
 from ragkv.types import (
@@ -81,6 +82,15 @@ def _tenancy(options: QueryOptions, limits: RequestLimits) -> None:
                                                  f"got {len(salt)}")
     if retain is not None and not (math.isfinite(retain) and retain >= 0):
         raise InvalidArgumentError("retain_seconds", f"must be a number of seconds >= 0, got {retain!r}")
+    check_priority(options.retain_priority)
+
+
+def check_priority(priority: object) -> None:
+    """`retain_priority`: None, or an integer in [-MAX_PRIORITY, MAX_PRIORITY]."""
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)
+                                 or not -MAX_PRIORITY <= priority <= MAX_PRIORITY):
+        raise InvalidArgumentError("retain_priority", f"must be an integer in -{MAX_PRIORITY}..{MAX_PRIORITY}, "
+                                                      f"got {priority!r}")
 
 
 def _output(options: QueryOptions, limits: RequestLimits) -> None:
@@ -253,4 +263,5 @@ def validate_query(
         citations=options.citations,
         tenant=tenant,
         retain_seconds=None if options.retain_seconds is None else float(options.retain_seconds),
+        retain_priority=options.retain_priority or 0,
     )

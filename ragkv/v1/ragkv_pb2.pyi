@@ -194,7 +194,7 @@ class SamplingOptions(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class QueryRequest(_message.Message):
-    __slots__ = ("question", "collection", "top_k", "mode", "recompute_ratio", "sampling", "max_new_tokens", "stop", "snippet_chars", "search_mode", "filters", "history", "system_prompt", "agent_turns", "response_format", "tools", "tool_choice", "parallel_tool_calls", "citations", "cache_salt", "retain_seconds")
+    __slots__ = ("question", "collection", "top_k", "mode", "recompute_ratio", "sampling", "max_new_tokens", "stop", "snippet_chars", "search_mode", "filters", "history", "system_prompt", "agent_turns", "response_format", "tools", "tool_choice", "parallel_tool_calls", "citations", "cache_salt", "retain_seconds", "retain_priority")
     QUESTION_FIELD_NUMBER: _ClassVar[int]
     COLLECTION_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,7 @@ class QueryRequest(_message.Message):
     CITATIONS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     RETAIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     question: str
     collection: str
     top_k: int
@@ -237,7 +238,8 @@ class QueryRequest(_message.Message):
     citations: bool
     cache_salt: str
     retain_seconds: float
-    def __init__(self, question: _Optional[str] = ..., collection: _Optional[str] = ..., top_k: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., recompute_ratio: _Optional[float] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., snippet_chars: _Optional[int] = ..., search_mode: _Optional[_Union[SearchMode, str]] = ..., filters: _Optional[_Iterable[_Union[MetadataFilter, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[ChatTurn, _Mapping]]] = ..., system_prompt: _Optional[str] = ..., agent_turns: _Optional[_Iterable[_Union[ChatTurn, _Mapping]]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., citations: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., retain_seconds: _Optional[float] = ...) -> None: ...
+    retain_priority: int
+    def __init__(self, question: _Optional[str] = ..., collection: _Optional[str] = ..., top_k: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., recompute_ratio: _Optional[float] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., snippet_chars: _Optional[int] = ..., search_mode: _Optional[_Union[SearchMode, str]] = ..., filters: _Optional[_Iterable[_Union[MetadataFilter, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[ChatTurn, _Mapping]]] = ..., system_prompt: _Optional[str] = ..., agent_turns: _Optional[_Iterable[_Union[ChatTurn, _Mapping]]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., citations: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., retain_seconds: _Optional[float] = ..., retain_priority: _Optional[int] = ...) -> None: ...
 
 class QueryResponse(_message.Message):
     __slots__ = ("chunks", "token", "stats", "tool_call")

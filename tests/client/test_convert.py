@@ -70,11 +70,12 @@ def test_query_request_round_trip() -> None:
                            response_format=ResponseFormat(ResponseFormatKind.JSON_SCHEMA, {"type": "object"}, "out", True),
                            tools=(Tool("lookup", "Look it up", {"type": "object", "properties": {"q": {"type": "string"}}}),),
                            tool_choice=ToolChoice(ToolChoiceMode.FUNCTION, "lookup"), parallel_tool_calls=False,
-                           citations=True, cache_salt="user-42", retain_seconds=0.0)
+                           citations=True, cache_salt="user-42", retain_seconds=0.0, retain_priority=0)
     msg = convert.query_request_to_proto("why?", options)
     assert _all_fields_set(msg) == []
     assert msg.HasField("recompute_ratio")  # 0.0 is an explicit value, not "unset"
     assert msg.HasField("retain_seconds")  # 0 s (no pin) is asked for, not "the server's learned"
+    assert msg.HasField("retain_priority")  # 0 is asked for explicitly
     assert convert.query_request_from_proto(msg) == ("why?", options)
 
 

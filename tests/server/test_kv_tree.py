@@ -166,3 +166,44 @@ def test_grpc_retain_seconds_is_accepted_and_past_the_servers_max_is_invalid_arg
                 "".join(client.query("Where does the fox jump? (gRPC)", retain_seconds=bad, **kwargs))
             assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT, bad
             assert "retain_seconds" in err.value.details() and needle in err.value.details(), err.value.details()
+
+
+def test_retain_priority_reaches_the_tree_and_bad_values_are_refused_naming_it(servers) -> None:
+    """ragkv's `retain_priority` (-100..100): the answer's path carries it in the tree (HTTP
+    body, Responses API, gRPC field); anything else is 400 / INVALID_ARGUMENT naming it."""
+    with_tree, _ = servers
+    base = f"http://127.0.0.1:{with_tree.server.http_port}/v1"
+    tree = with_tree.server.service.backend.parts().kv_tree
+
+    def post(priority: object, question: str, route: str = "chat/completions") -> tuple[int, dict]:
+        body = {"model": "docs", "max_tokens": 3, "mode": "reuse", "top_k": 2, "retain_priority": priority,
+                "messages": [{"role": "user", "content": question}]}
+        if route == "responses":
+            body = {"model": "docs", "input": question, "max_output_tokens": 3, "retain_priority": priority}
+        req = urllib.request.Request(f"{base}/{route}", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+
+    def priorities() -> set[int]:
+        with tree._lock:
+            return {n.priority for n in tree._all()}
+
+    assert post(37, "Who met Bob by the river? (priority)")[0] == 200
+    assert 37 in priorities()
+    assert post(-100, "Who met Bob by the river? (responses)", "responses")[0] == 200
+    assert -100 in priorities()
+    for bad in (101, -101, 2.5, "high", True):
+        status, body = post(bad, "Who met Bob?")
+        assert status == 400 and body["error"]["param"] == "retain_priority", (bad, body)
+    with RagClient(with_tree.addr) as client:
+        stream = client.query("Where does the fox jump? (priority)", collection="docs", mode="reuse", top_k=2,
+                              max_new_tokens=3, retain_priority=-42)
+        "".join(stream)
+        assert -42 in priorities()
+        with pytest.raises(grpc.RpcError) as err:
+            "".join(client.query("Where does the fox jump?", collection="docs", max_new_tokens=3,
+                                 retain_priority=500))
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "retain_priority" in err.value.details()

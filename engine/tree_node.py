@@ -266,3 +266,15 @@ def cache_bytes(cache: KVCache, tokens: int) -> int:
 
 def _kv_bytes(k: torch.Tensor, v: torch.Tensor | None) -> int:
     return k.numel() * k.element_size() + (0 if v is None else v.numel() * v.element_size())
+
+
+def lineage(node: Node | None) -> set[int]:
+    """The ids of `node` and its ancestors."""
+    out = set()
+    while node is not None:
+        out.add(id(node))
+        node = node.parent
+    return out
+
+
+Rank = tuple[int, int, float, int]  # the order nodes leave a tier in, smallest first (KVTree._rank)

@@ -304,3 +304,26 @@ def test_a_new_path_goes_to_host_when_leases_fill_the_device():
     tokens, spilled, k = _read(tree, b, [5, 6, 7, 8, 0])
     assert (tokens, spilled) == (4, 4) and torch.equal(k, _cache(4, fill=7).k[:, :, :4])
     assert KVTree(_bytes(4)).insert(b, [], CTX, [5, 6, 7, 8], _cache(4)) == 4  # (room: stored on the device)
+
+
+def test_a_node_warmed_between_a_match_and_its_read_is_read_from_memory(tmp_path):
+    """The prefetch thread may bring a disk node up to CPU memory after a match found it on
+    disk and before the match reads it: the read takes the memory copy, never a miss."""
+    files = _files(tmp_path)
+    tree = KVTree(_bytes(100), host_bytes=_bytes(100), files=files, disk_bytes=_bytes(100))
+    key = TreeKey.of("conv")
+    tree.insert(key, [7], CTX, [1, 2, 3, 4], _cache(5, fill=3))
+    tree.persist()
+    again = KVTree(_bytes(100), host_bytes=_bytes(100), files=_files(tmp_path), disk_bytes=_bytes(100))
+    with again._lock:
+        _, parts = again._find(key, (1, 2, 3, 4, 0))
+        for part in parts:
+            part.node.refs += 1
+    assert all(p.k is None for p in parts)  # the match saw the path on disk
+    assert again.warm(key, [1, 2, 3, 4]) == 5  # then the prefetch brought it up
+    read = again._read_spilled(parts)
+    assert len(read) == 2 and again.stats().read_errors == 0
+    out = KVCache(2, 1, 3, 16, torch.float32, torch.device("cpu"))
+    for p in read:
+        out.k[:, :, p.node.start:p.node.start + p.n] = p.k[:, :, :p.n]
+    assert torch.equal(out.k[:, :, :5], _cache(5, fill=3).k[:, :, :5])

@@ -1,0 +1,300 @@
+"""The KV tree's disk tier, a part of `engine.tree.KVTree` kept in its own file: what moves a
+node to disk and reads it back, and what finds a restarted server's conversations again.
+
+A spilled node is one file of the tree's `NodeFiles` (kvstore's checksummed chunk-KV files).
+A match reads a disk node only when that is sooner than computing its tokens (the disk's rate,
+measured on the tree's own reads, against the engine's full-prefill rate), and reads it layer
+by layer (`NodeFiles.open`): the prompt pass takes each layer as it arrives. Damage found after
+the match fails that read, and the node leaves the tree once no lease holds it. `warm` reads a
+conversation's path into CPU memory ahead of its call; `persist` writes the device and host
+tiers to disk at a stop; a tree made over the same files hangs every file back on the tree.
+
+Every method here runs with the tree's state as `KVTree` keeps it: under its lock, but the
+file reads, which run off it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from ragkv.engine.kv import LayerReady
+from ragkv.engine.tree_files import NodeFiles, SpilledSpan, file_name, read_span, span_meta
+from ragkv.engine.tree_node import LeasedPart, Node, Rank, Tier, TreeKey, common_prefix, lineage
+
+log = logging.getLogger(__name__)
+
+
+class TreeDisk:
+    """`KVTree`'s disk tier (see the module docstring); the state it reads is the tree's."""
+
+    files: NodeFiles | None
+    host_budget: int
+    disk_budget: int
+    compute_rate: Callable[[], float | None] | None
+    _lock: threading.Lock
+    _roots: dict[TreeKey, Node]
+    _file_refs: dict[str, int]
+    _disk_rate: float | None
+    _disk_bytes: int
+    _read_errors: int
+    _reads_skipped: int
+    _warmed: int
+    _restored: int
+    _spills: int
+
+    if TYPE_CHECKING:  # the tree's own, which these methods use
+        def _release(self, nodes: Iterable[Node]) -> None: ...
+        def _drop(self, node: Node) -> None: ...
+        def _path(self, key: TreeKey, ids: tuple[int, ...]) -> list[Node]: ...
+        def _host_room(self, need: int) -> bool: ...
+        def _leave_tier(self, node: Node) -> None: ...
+        def _tier_bytes(self, node: Node, sign: int) -> None: ...
+        def _add(self, node: Node) -> None: ...
+        def _split(self, node: Node, n: int) -> None: ...
+        def _free(self, over: Callable[[], bool], candidate: Callable[[Node], bool],
+                  act: Callable[[Node], object], rank: Callable[[Node], Rank] | None = None) -> None: ...
+
+    def _read_spilled(self, parts: list[LeasedPart]) -> list[LeasedPart]:
+        """Read the disk parts of a leased path (off the lock); the path ends before the first
+        that cannot be read, which leaves the tree with what is below it."""
+        for j, part in enumerate(parts):
+            node = part.node
+            if part.k is not None:
+                continue
+            with self._lock:
+                held = node.k, node.v
+            if held[0] is not None and held[1] is not None:  # brought up to CPU memory since the match (warm)
+                part.k, part.v = held
+                continue
+            if j and not self._worth_reading(node, part.n):  # computing the rest is sooner
+                self._release([p.node for p in parts[j:]])
+                with self._lock:
+                    self._reads_skipped += 1
+                return parts[:j]
+            try:
+                part.k, part.v, part.ready = self._open_node(node)
+            except Exception as e:  # a damaged or missing file is a miss for this node and below
+                log.warning("KV tree: spilled node %s of context %s unreadable (%s); its tokens will be computed",
+                            node.file, node.key, e)
+                self._release([p.node for p in parts[j:]])
+                with self._lock:
+                    self._read_errors += 1
+                    if node.refs == 0 and node.tier is Tier.DISK:
+                        self._drop(node)
+                return parts[:j]
+        return parts
+
+    def _worth_reading(self, node: Node, tokens: int) -> bool:
+        """Whether reading a disk node's file is sooner than computing its `tokens`, by the
+        disk's measured rate and the engine's (either unmeasured: read it)."""
+        rate = None if self.compute_rate is None else self.compute_rate()
+        disk = self._disk_rate
+        return not rate or not disk or node.kv_bytes / disk <= tokens / rate
+
+    def _read_node(self, node: Node) -> tuple[torch.Tensor, torch.Tensor]:
+        """A disk node's K and V ([L, Hkv, T, D], views of its file), read whole and verified;
+        the read's bytes per second go into the disk's rate. Raises when missing or damaged."""
+        if self.files is None or node.file is None:
+            raise LookupError("no file")
+        t0 = time.perf_counter()
+        k, v = self.files.read(node.file)  # [L, Hkv, T_file, D]
+        self._observe_read(k.nbytes + v.nbytes, time.perf_counter() - t0)
+        return self._own_tokens(node, k, v)
+
+    def _open_node(self, node: Node) -> tuple[torch.Tensor, torch.Tensor, LayerReady | None]:
+        """A disk node's K and V ([L, Hkv, T, D], views of its file) as a layered read fills
+        them in (`NodeFiles.open`), and the gate that says how far; the whole read's bytes per
+        second go into the disk's rate when it ends. A read that fails later drops the node
+        once no lease holds it. Raises when the file is missing or its header is bad."""
+        if self.files is None or node.file is None:
+            raise LookupError("no file")
+        t0 = time.perf_counter()
+        k, v, ready = self.files.open(node.file)  # [L, Hkv, T_file, D]
+        nbytes = k.nbytes + v.nbytes
+        done = None if ready is None else getattr(ready, "when_ready", lambda layer: None)(k.shape[0] - 1)
+
+        def ended(_: object = None) -> None:
+            if ready is None or ready.error is None:
+                self._observe_read(nbytes, time.perf_counter() - t0)
+            else:
+                self._read_failed(node)
+
+        if done is None:
+            ended()
+        else:
+            done.add_done_callback(ended)
+        return (*self._own_tokens(node, k, v), ready)
+
+    @staticmethod
+    def _own_tokens(node: Node, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The node's tokens of its file's K and V (a split node reads part of a file)."""
+        end = node.offset + len(node.ids)
+        if k.shape[2] < end:
+            raise ValueError(f"holds {k.shape[2]} tokens, fewer than the node reads")
+        return k[:, :, node.offset:end], v[:, :, node.offset:end]
+
+    def _observe_read(self, nbytes: int, seconds: float) -> None:
+        """A disk read's bytes per second, into the disk's moving-average rate."""
+        if seconds > 0:
+            r = nbytes / seconds
+            with self._lock:
+                self._disk_rate = r if self._disk_rate is None else 0.7 * self._disk_rate + 0.3 * r
+
+    def _read_failed(self, node: Node) -> None:
+        """A layered read of `node` found damage after its match: counted, and the node (with
+        what hangs below it) leaves the tree when no lease holds it; otherwise its file is
+        gone (`NodeFiles.open`), so its next match is a miss."""
+        with self._lock:
+            self._read_errors += 1
+            attached = (node.parent.children.get(node.ids[0]) is node if node.parent is not None
+                        else self._roots.get(node.key) is node)
+            if attached and node.tier is Tier.DISK and not any(n.refs for n in node.walk()):
+                self._drop(node)
+
+    def warm(self, key: TreeKey, ids: Sequence[int]) -> int:
+        """Bring the disk nodes of the path under `key` that `ids` starts with up to the host
+        tier, ahead of the call that will match it: a conversation's next request has its
+        files read while its retrieval runs, so its match reads memory. Files are read off the
+        lock, top down, until one fails (a miss later, as `match` finds it). Returns the
+        tokens brought up."""
+        if self.files is None or not self.host_budget:
+            return 0
+        with self._lock:
+            nodes = [n for n in self._path(key, tuple(int(i) for i in ids)) if n.tier is Tier.DISK and n.file]
+            for node in nodes:
+                node.refs += 1  # held: no budget moves or drops them while their files are read
+        read: list[tuple[torch.Tensor, torch.Tensor]] = []
+        try:
+            for node in nodes:
+                k, v = self._read_node(node)
+                read.append((k.clone(), v.clone()))  # its own memory, not a view of the whole file
+        except Exception as e:  # the call's own match finds it unreadable, and counts it
+            log.warning("KV tree: warming %s of context %s failed (%s)", nodes[len(read)].file, key, e)
+        brought = 0
+        with self._lock:
+            for node, (k, v) in zip(nodes, read):
+                if node.tier is not Tier.DISK or not self._host_room(node.kv_bytes):
+                    break
+                self._leave_tier(node)
+                node.k, node.v, node.tier = k, v, Tier.HOST
+                self._tier_bytes(node, 1)
+                brought += len(node.ids)
+            for node in nodes:
+                node.refs -= 1
+            self._warmed += brought
+        return brought
+
+    def persist(self) -> int:
+        """Write what the device and host tiers hold to the disk tier (a server stopping: the
+        next one over the same files finds these conversations), the most recently used
+        contexts first, parents before children, while the disk budget holds; returns the
+        nodes written. Nothing without files."""
+        if self.files is None:
+            return 0
+        written = 0
+        with self._lock:
+            for root in sorted(self._roots.values(), key=lambda r: -r.used):
+                stack = [root]
+                while stack:
+                    node = stack.pop()
+                    if node.tier is not Tier.DISK and node.state is None:
+                        if not self._to_disk(node):
+                            continue  # nor what hangs below it: never matched without it
+                        written += 1
+                    stack.extend(node.children.values())
+        self.files.flush()
+        return written
+
+    def _to_disk(self, node: Node) -> bool:
+        """Write a device or host node to the disk tier (when its budget has room)."""
+        if self.files is None or node.k is None or node.v is None or not self._disk_room(node.kv_bytes, node):
+            return False
+        before = node.path_ids()
+        name = file_name(node.key, before, node.ids)
+        self.files.write(name, span_meta(node.key, node.start, before, node.ids, node.context), node.ids,
+                         node.start, node.k, node.v)
+        self._tier_bytes(node, -1)
+        node.tier, node.k, node.v, node.file, node.offset = Tier.DISK, None, None, name, 0
+        self._file_refs[name] = self._file_refs.get(name, 0) + 1
+        self._tier_bytes(node, 1)
+        self._spills += 1
+        return True
+
+    def _disk_room(self, need: int, keep: Node | None = None) -> bool:
+        """Make room for `need` bytes on disk: drop least-recently-used unleased disk leaves
+        (never `keep`'s ancestors)."""
+        if self._disk_bytes + need <= self.disk_budget:
+            return True
+        if need > self.disk_budget:
+            return False
+        kept = lineage(keep)
+
+        def candidate(n: Node) -> bool:
+            return n.tier is Tier.DISK and n.refs == 0 and not n.children and id(n) not in kept
+
+        self._free(lambda: self._disk_bytes + need > self.disk_budget, candidate, self._drop)
+        return self._disk_bytes + need <= self.disk_budget
+
+    def _restore(self, files: NodeFiles) -> None:
+        """Hang every span the disk tier holds back in the tree (a restarted server's
+        conversations): contexts first, then by position, longer spans first; a span whose
+        context or path before it is gone, or that adds nothing, is deleted."""
+        spans: list[SpilledSpan] = []
+        for name, meta in files.listing():
+            try:
+                spans.append(read_span(name, meta))
+            except ValueError as e:
+                log.warning("KV tree: %s; deleted", e)
+                files.delete(name)
+        spans.sort(key=lambda s: (not s.root, s.start, -len(s.ids)))
+        for span in spans:
+            if not self._attach(span):
+                files.delete(span.name)
+        self._disk_room(0)
+
+    def _attach(self, span: SpilledSpan) -> bool:
+        """Hang a spilled span on the tree (all on disk); False when it adds nothing."""
+        if span.root:
+            if span.key in self._roots:
+                return False
+            made = Node(span.ids, None, None, 0, None, span.key, span.context)
+            self._disk_node(made, span, 0)
+            self._roots[span.key] = made
+            return True
+        root = self._roots.get(span.key)
+        if root is None or span.start != len(root.ids) + len(span.before):
+            return False
+        path = span.before + span.ids
+        node, pos = root, 0
+        while pos < len(path):
+            child = node.children.get(path[pos])
+            if child is None:
+                if pos < len(span.before):
+                    return False  # the path before it is gone
+                break
+            n = common_prefix(child.ids, path[pos:])
+            if n < len(child.ids):
+                if pos + n == len(path) or pos + n < len(span.before) or child.refs:
+                    return False  # nothing new, or the path before it parts from the tree's
+                self._split(child, n)
+            node, pos = child, pos + n
+        if pos == len(path):
+            return False
+        leaf = Node(path[pos:], None, None, len(root.ids) + pos, node, span.key)
+        self._disk_node(leaf, span, pos - len(span.before))
+        node.children[path[pos]] = leaf
+        return True
+
+    def _disk_node(self, node: Node, span: SpilledSpan, offset: int) -> None:
+        """Count a node found on disk: it reads `span`'s file from its `offset`-th token."""
+        node.tier, node.file, node.offset = Tier.DISK, span.name, offset
+        node.kv_bytes = span.token_bytes * len(node.ids)
+        self._file_refs[span.name] = self._file_refs.get(span.name, 0) + 1
+        self._add(node)
+        self._restored += 1

@@ -119,7 +119,7 @@ class TestRagKVChatModelAgents(_AgentSuite):
 
     @property
     def chat_model_params(self) -> dict:
-        return {"target": self.addr, "top_k": 2, "timeout": 120, "max_tokens": 96}
+        return {"target": self.addr, "top_k": 2, "timeout": 120, "max_tokens": 64}
 
 
 @_agent_tests_only
@@ -140,5 +140,5 @@ class TestChatOpenAIAgents(_AgentSuite):
 
         # a client of its own per test: langchain-openai's shared one outlives each test's event loop
         return {"base_url": self.base_url, "api_key": "none", "model": "default", "max_retries": 0, "timeout": 120,
-                "max_tokens": 96, "temperature": 0, "extra_body": {"top_k": 2},
+                "max_tokens": 64, "temperature": 0, "extra_body": {"top_k": 2},
                 "http_async_client": httpx.AsyncClient(timeout=120)}

@@ -19,7 +19,8 @@ call's priority, and whenever a tier makes room, lower priorities leave first (t
 one priority, unpinned by least recent use, then pins by their end: `KVTree._rank`). Giving
 below 0 only lets one's own paths go sooner; above 0 holds within the tenant's share: while
 the tenant's paths above 0 would hold more than `tenant_share` of the device budget, a new
-path is kept at 0. A restarted tree's paths start at 0.
+path is kept at 0. A node's file keeps the priority it had when written, so a restarted tree
+starts where the last one left off.
 """
 
 from __future__ import annotations

@@ -217,7 +217,7 @@ class TreeDisk:
             return False
         before = node.path_ids()
         name = file_name(node.key, before, node.ids)
-        self.files.write(name, span_meta(node.key, node.start, before, node.ids, node.context), node.ids,
+        self.files.write(name, span_meta(node.key, node.start, before, node.ids, node.context, node.priority), node.ids,
                          node.start, node.k, node.v)
         self._tier_bytes(node, -1)
         node.tier, node.k, node.v, node.file, node.offset = Tier.DISK, None, None, name, 0
@@ -292,8 +292,9 @@ class TreeDisk:
         return True
 
     def _disk_node(self, node: Node, span: SpilledSpan, offset: int) -> None:
-        """Count a node found on disk: it reads `span`'s file from its `offset`-th token."""
-        node.tier, node.file, node.offset = Tier.DISK, span.name, offset
+        """Count a node found on disk: it reads `span`'s file from its `offset`-th token, at the
+        priority its conversation had when the file was written."""
+        node.tier, node.file, node.offset, node.priority = Tier.DISK, span.name, offset, span.priority
         node.kv_bytes = span.token_bytes * len(node.ids)
         self._file_refs[span.name] = self._file_refs.get(span.name, 0) + 1
         self._add(node)

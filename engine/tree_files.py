@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from ragkv.engine.kv import LayerReady
+from ragkv.engine.retention import MAX_PRIORITY
 from ragkv.engine.tree_node import TreeContext, TreeKey
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the chunk-KV header's dtype names
@@ -67,6 +68,7 @@ class SpilledSpan:
     ids: tuple[int, ...]  # its tokens
     context: TreeContext | None  # roots only
     token_bytes: int  # KV bytes per token (K and V, every layer)
+    priority: int = 0  # its conversation's priority when it was written (engine.retention)
 
     @property
     def root(self) -> bool:
@@ -83,10 +85,11 @@ def file_name(key: TreeKey, before: Sequence[int], ids: Sequence[int]) -> str:
 
 
 def span_meta(key: TreeKey, start: int, before: Sequence[int], ids: Sequence[int],
-              context: TreeContext | None) -> dict[str, str]:
+              context: TreeContext | None, priority: int = 0) -> dict[str, str]:
     """The metadata a node's file carries (strings, as the chunk-KV file's header holds them)."""
     meta = {"tree_tenant": key.tenant, "tree_key": key.digest, "tree_start": str(start),
-            "tree_before": json.dumps(list(before)), "tree_ids": json.dumps(list(ids))}
+            "tree_before": json.dumps(list(before)), "tree_ids": json.dumps(list(ids)),
+            "tree_priority": str(priority)}
     if context is not None:
         meta["tree_context"] = json.dumps(asdict(context))
     return meta
@@ -108,8 +111,11 @@ def read_span(name: str, meta: Mapping[str, str]) -> SpilledSpan:
             context = TreeContext(**fields)
         L, H, _, D = (int(x) for x in meta["shape"].split(","))
         token_bytes = 2 * L * H * D * _DTYPE_BYTES[meta["dtype"]]
+        priority = int(meta.get("tree_priority", "0"))  # files written before priorities: 0
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"tree node file {name} has malformed metadata: {e}") from None
     if not ids or file_name(key, before, ids) != name or (context is not None and (before or start)):
         raise ValueError(f"tree node file {name}: its metadata does not match its name")
-    return SpilledSpan(name, key, start, before, ids, context, token_bytes)
+    if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+        raise ValueError(f"tree node file {name}: priority {priority} outside -{MAX_PRIORITY}..{MAX_PRIORITY}")
+    return SpilledSpan(name, key, start, before, ids, context, token_bytes, priority)

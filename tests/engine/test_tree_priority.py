@@ -67,3 +67,19 @@ def test_priority_orders_the_host_tier_too():
     tree.insert(y, [], CTX, [1, 2, 3, 4], _cache(4))  # x too: the host is full
     tree.insert(z, [], CTX, [1, 2, 3, 4], _cache(4))  # y goes down; the host makes room: LRU would take keep
     assert (_held(tree, keep), _held(tree, x), _held(tree, y), _held(tree, z)) == (4, 0, 4, 4)
+
+
+def test_a_restarted_tree_keeps_each_paths_priority(tmp_path):
+    from ragkv.kvstore.tree_files import TreeFiles
+
+    def files() -> TreeFiles:
+        return TreeFiles(tmp_path / "tree", "model-a", "tok-a")
+
+    tree = KVTree(_bytes(100), files=files(), disk_bytes=_bytes(100))
+    keep, other = TreeKey.of("keep"), TreeKey.of("other")
+    tree.insert(keep, [9], CTX, [1, 2, 3, 4], _cache(5), priority=7)
+    tree.insert(other, [9], CTX, [1, 2, 3, 4], _cache(5), priority=-3)
+    assert tree.persist() == 4  # each context and its path
+    again = KVTree(_bytes(100), files=files(), disk_bytes=_bytes(100))
+    assert again.stats().restored == 4
+    assert {(n.key, n.priority) for n in again._all()} == {(keep, 7), (other, -3)}

@@ -124,7 +124,7 @@ def _answer(engine: PromptEngine, req: Request) -> Work:
         fell_back=res.fell_back,
         handed_over=res.handed_over,
         focus=res.focus_signal,
-        tree_prompt_tokens=req.tree.tokens if req.tree is not None else 0,
+        tree_prompt_tokens=req.tree.served if req.tree is not None else 0,
     )
 
 

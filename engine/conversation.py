@@ -76,8 +76,15 @@ class TreeSpot:
 
     @property
     def tokens(self) -> int:
-        """Prompt tokens whose KV the tree supplies (0 on a miss)."""
+        """Prompt tokens whose KV the tree's lease supplies (0 on a miss)."""
         return 0 if self.lease is None else self.lease.tokens
+
+    @property
+    def served(self) -> int:
+        """Prompt tokens whose KV came from the tree: the lease's, and the earlier turns a
+        follow-up carries from its conversation's last context (their KV read, not computed)."""
+        carried = len(self.turns.ids) if self.turns is not None and self.turns.kv is not None else 0
+        return self.tokens + carried
 
     def release(self) -> None:
         """Let the leased path be evicted again (idempotent; nothing on a miss)."""

@@ -66,8 +66,9 @@ def test_a_follow_up_over_other_chunks_carries_the_earlier_turns(servers, ratio:
         want, plain_stats, plain_chunks = _ask(plain, FOLLOW_UP, history, ratio)
     assert [c.chunk_id for c in chunks] == [c.chunk_id for c in plain_chunks] != [c.chunk_id for c in first_chunks]
     assert stats.usage.prompt_tokens == plain_stats.usage.prompt_tokens  # the same prompt
-    # the earlier turns came from the tree as a chunk: cached, not computed
+    # the earlier turns came from the tree as a chunk: cached, not computed, and counted as the tree's
     assert stats.usage.cached_prompt_tokens > plain_stats.usage.cached_prompt_tokens
+    assert stats.usage.tree_prompt_tokens > 0 == plain_stats.usage.tree_prompt_tokens
     if ratio == 1.0:  # every chunk token recomputed: full prefill's answer, as without the tree
         assert text == want
 

@@ -47,9 +47,10 @@ class _GatedFiles:
         return getattr(self.inner, name)
 
 
-def _conversation(tmp_path):
-    """A tiny model's engine whose tree holds one answered call on disk, restarted over files
-    whose reads the test gates; the second call's prompt, its spot and its answer alone."""
+def restarted_conversation(tmp_path, gated: bool = True):
+    """A tiny model's engine whose tree holds one answered call on disk, restarted over the
+    same files (`gated`: whose reads the test gates); the second call's prompt, its spot and
+    its answer computed alone."""
     d = tiny_model_dir(tmp_path / "model", "llama", seed=11)
     eng = Engine(load_model(str(d), device="cpu", dtype="float32"))
     fmt, lm = eng.prompt, eng.lm
@@ -66,7 +67,7 @@ def _conversation(tmp_path):
     list(stream)
     eng.conversations.remember(spot, mode, res, len(first_q), len(prefix_ids), stream.token_ids)
     assert eng.conversations.persist() >= 2
-    files = _GatedFiles(make())
+    files = _GatedFiles(make()) if gated else make()
     eng.use_tree(64 << 20, files=files, disk_bytes=64 << 20)  # the restart
     second_q = [*first_q, *stream.token_ids[:4], *fmt.chunk_ids("\nTool: done.\n")]
     alone = eng.run(Prompt(second_q, prefix_ids, chunk_ids, kvs, first_q), mode, opts, reserve_tokens=16)
@@ -76,7 +77,7 @@ def _conversation(tmp_path):
 
 
 def test_a_disk_path_is_read_layer_by_layer_as_the_pass_reaches_each(tmp_path):
-    eng, files, (mode, opts, prefix_ids, chunk_ids, _, second_q), spot, alone = _conversation(tmp_path)
+    eng, files, (mode, opts, prefix_ids, chunk_ids, _, second_q), spot, alone = restarted_conversation(tmp_path)
     assert files.gates and all(g.ready == 0 for g in files.gates)  # the match started the reads, nothing is in
     steps = eng.run_steps(Prompt(second_q, prefix_ids, chunk_ids, None), mode, opts, 16, spot)
     assert isinstance(next(steps), WaitFor)  # layer 0 not read yet: the pass parks on it
@@ -96,7 +97,7 @@ def test_a_disk_path_is_read_layer_by_layer_as_the_pass_reaches_each(tmp_path):
 
 
 def test_damage_found_mid_pass_costs_the_tree_hit_not_the_answer(tmp_path):
-    eng, files, (mode, opts, prefix_ids, chunk_ids, first_q, second_q), spot, _ = _conversation(tmp_path)
+    eng, files, (mode, opts, prefix_ids, chunk_ids, first_q, second_q), spot, _ = restarted_conversation(tmp_path)
 
     def request(tree):
         return Request(mode=mode, prefix_ids=tuple(prefix_ids), question_ids=tuple(second_q), select_ids=tuple(first_q),

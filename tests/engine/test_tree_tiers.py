@@ -12,6 +12,7 @@ from ragkv.evals.testing import tiny_model_dir
 from ragkv.kvstore.tree_files import TreeFiles
 from ragkv.types import Mode
 from tests.engine.test_tree import _bytes, _cache
+from tests.engine.test_tree_layered import restarted_conversation
 
 CTX = TreeContext(prefix_tokens=1, chunk_end=2, chunk_tokens=1, used_chunks=(0,), chunk_scores=(0.5,))
 
@@ -150,29 +151,8 @@ def test_files_of_another_model_are_not_read(tmp_path):
 
 def test_a_restarted_engine_answers_a_conversation_from_disk_as_computing_it(tmp_path):
     """A conversation answered, the tree persisted, a fresh tree over the same folder: the next
-    call reads its KV from disk and equals the call computed whole."""
-    d = tiny_model_dir(tmp_path / "model", "llama", seed=11)
-    eng = Engine(load_model(str(d), device="cpu", dtype="float32"))
-    fmt, lm = eng.prompt, eng.lm
-    make = lambda: TreeFiles(tmp_path / "tree", lm.fingerprint, lm.tokenizer_fingerprint)  # noqa: E731 - two trees, one folder
-    eng.use_tree(64 << 20, files=make(), disk_bytes=64 << 20)
-    prefix_ids, chunks = fmt.prefix_ids(), ["Paris is the capital of France.", "The secret number is 4721."]
-    chunk_ids = [fmt.chunk_ids(c) for c in chunks]
-    kvs = [eng.prefill(prefix_ids, ids) for ids in chunk_ids]
-    opts, mode = BlendOptions(recompute_ratio=0.2), Mode.BLEND
-    first_q = fmt.question_ids("What is the secret number?")
-    spot = eng.conversations.lease(mode, prefix_ids, chunk_ids, chunks, first_q, options=opts)
-    res = eng.run(Prompt(first_q, prefix_ids, chunk_ids, kvs), mode, opts, reserve_tokens=16)
-    stream = eng.decode(res, SamplingParams(max_new_tokens=5))
-    list(stream)
-    eng.conversations.remember(spot, mode, res, len(first_q), len(prefix_ids), stream.token_ids)
-    assert eng.conversations.persist() >= 2
-
-    eng.use_tree(64 << 20, files=make(), disk_bytes=64 << 20)  # the restart: a fresh tree, the same folder
-    second_q = [*first_q, *stream.token_ids[:4], *fmt.chunk_ids("\nTool: done.\n")]
-    alone = eng.run(Prompt(second_q, prefix_ids, chunk_ids, kvs, first_q), mode, opts, reserve_tokens=16)
-    spot = eng.conversations.lease(mode, prefix_ids, chunk_ids, chunks, second_q, options=opts, select_ids=first_q)
-    assert spot is not None and spot.lease is not None and spot.lease.spilled == spot.lease.tokens > 0
+    call reads its KV from disk (layer by layer) and equals the call computed whole."""
+    eng, _, (mode, opts, prefix_ids, chunk_ids, _, second_q), spot, alone = restarted_conversation(tmp_path, gated=False)
     reused = eng.run(Prompt(second_q, prefix_ids, chunk_ids, None), mode, opts, reserve_tokens=16, resume=spot)
     assert torch.equal(reused.token_ids, alone.token_ids)
     assert (reused.logits - alone.logits).abs().max().item() <= 1e-4

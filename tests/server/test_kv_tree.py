@@ -45,6 +45,22 @@ def servers(tree_index: Path):
     without.stop()
 
 
+def _post(base: str, route: str, question: str, extra: dict, chat_only: dict | None = None) -> tuple[int, dict]:
+    """POST a short question with ragkv's `extra` fields to chat completions (with `chat_only`
+    fields too) or the Responses API; (status, JSON body)."""
+    if route == "responses":
+        body = {"model": "docs", "input": question, "max_output_tokens": 3, **extra}
+    else:
+        body = {"model": "docs", "max_tokens": 3, "mode": "reuse", "top_k": 2, **(chat_only or {}), **extra,
+                "messages": [{"role": "user", "content": question}]}
+    req = urllib.request.Request(f"{base}/{route}", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
 def _loop_turns(step: int) -> list[ChatTurn]:
     """The agent's turns after the question at a tool loop's step: a call and its result each."""
     turns: list[ChatTurn] = []
@@ -124,16 +140,8 @@ def test_retain_seconds_is_accepted_and_pins_and_bad_values_are_400_naming_it(se
                                                "parameters": {"type": "object", "properties": {}}}}]
 
     def post(retain: object, route: str = "chat/completions") -> tuple[int, dict]:
-        body = {"model": "docs", "max_tokens": 3, "mode": "reuse", "top_k": 2, "tools": tools, "retain_seconds": retain,
-                "messages": [{"role": "user", "content": "Where does the fox jump?"}]}
-        if route == "responses":
-            body = {"model": "docs", "input": "Where does the fox jump?", "max_output_tokens": 3, "retain_seconds": retain}
-        req = urllib.request.Request(f"{base}/{route}", json.dumps(body).encode(), {"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as err:
-            return err.code, json.loads(err.read())
+        return _post(base, route, "Where does the fox jump?", {"retain_seconds": retain},
+                     {"tools": tools} if route == "chat/completions" else {})
 
     tree = with_tree.server.service.backend.parts().kv_tree
     status, _ = post(45)
@@ -176,16 +184,7 @@ def test_retain_priority_reaches_the_tree_and_bad_values_are_refused_naming_it(s
     tree = with_tree.server.service.backend.parts().kv_tree
 
     def post(priority: object, question: str, route: str = "chat/completions") -> tuple[int, dict]:
-        body = {"model": "docs", "max_tokens": 3, "mode": "reuse", "top_k": 2, "retain_priority": priority,
-                "messages": [{"role": "user", "content": question}]}
-        if route == "responses":
-            body = {"model": "docs", "input": question, "max_output_tokens": 3, "retain_priority": priority}
-        req = urllib.request.Request(f"{base}/{route}", json.dumps(body).encode(), {"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as err:
-            return err.code, json.loads(err.read())
+        return _post(base, route, question, {"retain_priority": priority})
 
     def priorities() -> set[int]:
         with tree._lock:

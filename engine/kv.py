@@ -118,8 +118,15 @@ class ChunkKV:
 def layers_pending(segments: Sequence[ChunkKV], layer: int) -> list[Future[None]]:
     """Futures of the segments still loading whose layers [0, layer] are not all there (a
     segment with fewer layers is asked for its last one)."""
-    return [f for seg in segments if seg.ready is not None and hasattr(seg.ready, "when_ready")
-            and (f := seg.ready.when_ready(min(layer, seg.k.shape[0] - 1))) is not None]
+    return [f for seg in segments if (f := _when_ready(seg.ready, seg.k.shape[0], layer)) is not None]
+
+
+def _when_ready(ready: LayerReady | None, num_layers: int, layer: int) -> Future[None] | None:
+    """The future done once layers [0, layer] (at most its last) of KV still loading may be
+    read; None when they may be now, or it cannot say (`LayerReady.when_ready` is optional)."""
+    if ready is None or not hasattr(ready, "when_ready"):
+        return None
+    return ready.when_ready(min(layer, num_layers - 1))  # type: ignore[no-any-return]
 
 
 class KVCache:
@@ -223,8 +230,7 @@ class KVCache:
         if st is None or layer < st.next_layer:
             return []
         return layers_pending(st.segments, layer) + [
-            f for p in st.placed if hasattr(p.ready, "when_ready")
-            and (f := p.ready.when_ready(min(layer, p.k.shape[0] - 1))) is not None]
+            f for p in st.placed if (f := _when_ready(p.ready, p.k.shape[0], layer)) is not None]
 
     def _divide_k(self, layers: slice | int, n: int, divide_k: tuple[int, float] | None) -> None:
         """K of slots [divide_k[0], n) at `layers`, divided by divide_k[1] (context temperature)."""

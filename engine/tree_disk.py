@@ -83,10 +83,7 @@ class TreeDisk:
                 log.warning("KV tree: spilled node %s of context %s unreadable (%s); its tokens will be computed",
                             node.file, node.key, e)
                 self._release([p.node for p in parts[j:]])
-                with self._lock:
-                    self._read_errors += 1
-                    if node.refs == 0 and node.tier is Tier.DISK:
-                        self._drop(node)
+                self._read_failed(node)
                 return parts[:j]
         return parts
 
@@ -147,14 +144,15 @@ class TreeDisk:
                 self._disk_rate = r if self._disk_rate is None else 0.7 * self._disk_rate + 0.3 * r
 
     def _read_failed(self, node: Node) -> None:
-        """A layered read of `node` found damage after its match: counted, and the node (with
-        what hangs below it) leaves the tree when no lease holds it; otherwise its file is
-        gone (`NodeFiles.open`), so its next match is a miss."""
+        """A read of `node`'s file failed (at its open, or layer by layer after its match):
+        counted, and the node (with what hangs below it) leaves the tree when it is still the
+        tree's, on disk, and no lease holds it (a lease below holds it too); otherwise a
+        damaged file is gone (`NodeFiles.open`), so its next match is a miss."""
         with self._lock:
             self._read_errors += 1
             attached = (node.parent.children.get(node.ids[0]) is node if node.parent is not None
                         else self._roots.get(node.key) is node)
-            if attached and node.tier is Tier.DISK and not any(n.refs for n in node.walk()):
+            if attached and node.tier is Tier.DISK and node.refs == 0:
                 self._drop(node)
 
     def warm(self, key: TreeKey, ids: Sequence[int]) -> int:

@@ -64,9 +64,6 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     load.add_argument("--prompt-slice-s", type=float, default=None, metavar="S",
                       help="the server's --prompt-slice-s: seconds of prompt work between decode steps "
                            "(default: the server's)")
-    load.add_argument("--prompt-first-s", type=float, default=None, metavar="S",
-                      help="the server's --prompt-first-s: prompt time a pass gets before decode steps may cut it "
-                           "(default: the server's)")
     agent = p.add_argument_group(
         "agent loop", "instead: an agent's tool loop (the question, then a tool call and its result per step) "
         "against two in-process servers on one index, with the KV tree and without it; prints each step's TTFT "

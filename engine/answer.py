@@ -8,7 +8,8 @@ threads (`PromptChunk.kv` futures), a chunk computed here goes out as `ChunkComp
 1. **KV.** The request parks on its reads (`WaitFor`, at most `kv_wait_s`). Each chunk is
    then its read's KV, or computed, one layer per step: missing from every tier, chosen
    by the loading controller, failed (a damaged or unreachable copy), or overrun (its
-   read still pending). A tree lease on the context skips this: the tree holds it.
+   read still pending: the read races the compute, and the first to finish serves). A
+   tree lease on the context skips this: the tree holds it.
 2. **Prompt.** `Engine.run_steps` in the request's mode. A layer-wise read that fails in
    the middle of the pass has its chunk computed, and the pass runs again.
 3. **Decode.** `Decode(stream)`: the scheduler decodes it batched with the others.
@@ -143,18 +144,23 @@ def _chunk_kv(engine: PromptEngine, req: Request, phases: dict[str, float], sour
     tiers: list[Tier] = []
     for i, ch in enumerate(req.chunks):
         got, source = _read(ch)
+        if got is None:
+            # an overrun read races its chunk's compute: landing first, it ends the compute
+            race = ch.kv if source is KVSource.COMPUTED_OVERRUN and isinstance(ch.kv, Future) else None
+            t0 = time.perf_counter()
+            kv = yield from _compute_or_read(engine, req, ch, race)
+            compute_s += time.perf_counter() - t0
+            if isinstance(kv, ChunkKV):
+                sources[source] += 1
+                yield ChunkComputed(i, kv)
+                kvs.append(kv)
+                tiers.append(Tier.COMPUTED)
+                continue
+            got, source = kv, KVSource.LOADED
         sources[source] += 1
-        if got is not None:
-            loaded[got.tier] = loaded.get(got.tier, 0) + got.nbytes
-            kvs.append(got.kv)
-            tiers.append(got.tier)
-            continue
-        t0 = time.perf_counter()
-        kv = yield from _compute(engine, req, ch)
-        compute_s += time.perf_counter() - t0
-        yield ChunkComputed(i, kv)
-        kvs.append(kv)
-        tiers.append(Tier.COMPUTED)
+        loaded[got.tier] = loaded.get(got.tier, 0) + got.nbytes
+        kvs.append(got.kv)
+        tiers.append(got.tier)
     phases["kv_compute"] = compute_s
     return kvs, tiers
 
@@ -178,11 +184,31 @@ def _read(ch: PromptChunk) -> tuple[LoadedKV | None, KVSource]:
 
 
 def _compute(engine: PromptEngine, req: Request, ch: PromptChunk) -> Generator[int | WaitFor, None, ChunkKV]:
+    """A chunk's KV computed one layer per step (`_compute_or_read` with no read to race)."""
+    kv = yield from _compute_or_read(engine, req, ch, None)
+    assert isinstance(kv, ChunkKV), "with no read to race, the chunk is computed"
+    return kv
+
+
+def _compute_or_read(engine: PromptEngine, req: Request, ch: PromptChunk, race: Future[LoadedKV | None] | None
+                     ) -> Generator[int | WaitFor, None, ChunkKV | LoadedKV]:
     """A chunk's KV computed one layer per step; its own compute seconds (not the time other
-    requests ran between its steps) teach the engine its prefill rate (`Engine.speed`)."""
+    requests ran between its steps) teach the engine its prefill rate (`Engine.speed`).
+
+    With `race` (the chunk's read, which overran its estimate), the read's KV instead if it
+    lands before the compute ends: the compute stops at that layer (a read that fails or finds
+    nothing leaves the compute to finish)."""
     steps = engine.prefill_steps(req.prefix_ids, ch.token_ids)
     own = 0.0
     while True:
+        if race is not None and race.done():
+            landed = None if race.exception() is not None else race.result()
+            if landed is not None:
+                steps.close()
+                req.chunk_s += own
+                log.info("the overrun read of %s landed after %.3f s of its compute: its KV is used", ch.key, own)
+                return landed
+            race = None
         t0 = time.perf_counter()
         try:
             item = next(steps)

@@ -7,12 +7,15 @@ Each iteration is schedule, execute, update:
    `DecodeStep` (one batched forward for every decoding request). Prompt work goes to
    the pass with the least work left (the `prompt_cost` it was submitted with, less what
    it has done, aged by its wait: shortest remaining first, without starving a long
-   one). While others decode, a decode step comes due every `prompt_slice_s` seconds of
-   prompt work, except that a pass still within its first `prompt_first_s` seconds of
-   prompt time is not cut: short passes (reuse, focus, blend) finish in one go, which
-   keeps their time to first token near what it is alone, and only long ones (full
-   prefill of long prompts) share the engine with decode steps slice by slice. With
-   nobody decoding, prompt work goes on;
+   one). While others decode, prompt work runs in slices between decode steps, each
+   slice a budget of prompt tokens (token-layers: a step of a layer over n tokens spends
+   n) sized from the engine's measured speed to take `prompt_slice_s`: a step whose tokens
+   (as many as its pass's last step computed) would overrun the slice's budget waits for
+   the next slice, after a decode step, so decode never waits much more than a slice. A
+   slice runs one step at least (no pass starves), and ends on time as well, whatever the
+   tokens say. A short pass (reuse: a few question tokens a layer) fits a slice or two
+   whole; a long one (full prefill) shares the engine with decode steps layer by layer.
+   With nobody decoding, prompt work goes on;
 2. **execute** runs that step: the request's work generator for a prompt step,
    `engine.decode.decode_batch` for a decode step (the weights are read once per step
    for all of them);
@@ -86,6 +89,7 @@ from ragkv.errors import RagKVError
 
 log = logging.getLogger(__name__)
 
+_TOKEN_RATE_ALPHA = 0.05  # weight of the newest prompt step in the token rate's moving average
 _PARKED_CHECK_S = 0.1  # while jobs wait for KV, the idle loop looks for their cancels this often
 _R = TypeVar("_R")  # a parked future's result, whatever it is (only its being done is read)
 
@@ -113,18 +117,17 @@ class SchedulerConfig:
 
     kv_budget_bytes: int = 8 << 30  # KV cache bytes of all requests in flight
     max_batch: int = 32  # requests decoding in one step at most
-    prompt_slice_s: float = 0.05  # seconds of prompt work between two decode steps
-    # a pass that has had less prompt time than this is not cut by decode steps: short passes
-    # (reuse, focus, blend) finish in one go, a long one (full prefill) goes on in slices
-    prompt_first_s: float = 0.5
+    # seconds of prompt work between two decode steps: a budget of prompt tokens at the measured
+    # token rate of prompt steps (by time until a step was measured)
+    prompt_slice_s: float = 0.05
     # the order of prompt work: least remaining work first (submit's prompt_cost, less what the
     # pass has done), a second of waiting counting as this many seconds less work (no starving)
     aging: float = 0.25
     heap_trim_s: float = 10.0  # under load, free host heap pages go back to the OS this often; 0 = never
 
     def __post_init__(self) -> None:
-        if (self.kv_budget_bytes < 1 or self.max_batch < 1 or self.prompt_slice_s <= 0 or self.prompt_first_s < 0
-                or self.aging < 0 or self.heap_trim_s < 0):
+        if (self.kv_budget_bytes < 1 or self.max_batch < 1 or self.prompt_slice_s <= 0 or self.aging < 0
+                or self.heap_trim_s < 0):
             raise ValueError(f"scheduler budgets must be positive, got {self}")
 
 
@@ -144,6 +147,7 @@ class _Job:
     next_pick: int | None = None  # greedy: the token its last decode step's batched argmax chose
     wait: WaitFor | None = None  # WAITING_KV: what it waits for
     wake_at: float | None = None  # WAITING_KV: time.monotonic() when it resumes whatever its futures do
+    step_tokens: int = 0  # tokens its last prompt step computed: what its next one is expected to (0 = unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +180,7 @@ class SchedulerStats:
     waiting: int = 0  # submitted, not run yet
     waiting_kv: int = 0  # parked until their KV reads are done
     kv_bytes: int = 0  # KV bytes admitted in flight
+    backlog_s: float = 0.0  # estimated seconds of prompt work left in the passes it holds (`Scheduler.backlog_s`)
     steps: int = 0  # decode steps run
     on_step: list[Callable[[int, float], None]] = field(default_factory=list)  # (batch size, seconds)
 
@@ -198,6 +203,8 @@ class Scheduler:
         self._decoding: list[_Job] = []  # DECODING
         self._slice_t0 = time.perf_counter()  # when the current slice of prompt work began
         self._slice_steps = 0  # prompt steps in it (a slice has one at least: no pass starves)
+        self._slice_tokens = 0  # prompt tokens its steps computed
+        self._token_rate: float | None = None  # prompt tokens (token-layers) per second of prompt steps, learned
         self._trimmed = time.monotonic()  # last heap trim
         self._speed = EngineSpeed()  # prompt work's measured rate; the engine's own once shared (share_engine)
         self._thread = threading.Thread(target=self._loop, name="ragkv-scheduler", daemon=True)
@@ -261,6 +268,7 @@ class Scheduler:
             self._execute(plan)
             self.stats.running = len(self._prompting) + len(self._decoding)
             self.stats.waiting_kv = len(self._parked)
+            self.stats.backlog_s = self._backlog_s()
         for job in [*self._prompting, *self._decoding, *self._parked]:
             self._end(job, EndReason.STOPPED,
                       error=SchedulerStoppedError("the server stopped before this request finished: retry on another replica"))
@@ -308,17 +316,25 @@ class Scheduler:
         return EndReason.CANCELLED if req.cancel.is_set() else None
 
     def _next_step(self, prompting: list[_Job], decoding: tuple[_Job, ...]) -> PromptStep | DecodeStep | None:
-        """The pass with the least work left gets the next layer step, unless a decode step is
-        due: others decode, this slice of prompt work (one step at least) is spent, and that
-        pass is past its first quantum. A full batch takes no new pass."""
-        cfg = self.config
-        if prompting and len(decoding) < cfg.max_batch:
+        """The pass with the least work left gets the next layer step, unless others decode and
+        that step does not fit what is left of this slice (`_fits`). A full batch takes no new pass."""
+        if prompting and len(decoding) < self.config.max_batch:
             job = min(prompting, key=self._priority)  # stable: the oldest of equals
-            sliced = decoding and job.request.prompt_s >= cfg.prompt_first_s
-            spent = self._slice_steps and time.perf_counter() - self._slice_t0 >= cfg.prompt_slice_s
-            if not (sliced and spent):
+            if not decoding or self._fits(job):
                 return PromptStep(job)
         return DecodeStep(decoding) if decoding else None
+
+    def _fits(self, job: _Job) -> bool:
+        """Whether `job`'s next step fits this slice of prompt work: the slice has run no step yet
+        (one at least: no pass starves), or it has time left and the step's expected tokens fit
+        its token budget (`prompt_slice_s` at the learned token rate)."""
+        if not self._slice_steps:
+            return True
+        slice_s = self.config.prompt_slice_s
+        if time.perf_counter() - self._slice_t0 >= slice_s:
+            return False
+        rate = self._token_rate
+        return rate is None or self._slice_tokens + job.step_tokens <= rate * slice_s
 
     def _priority(self, job: _Job) -> float:
         """Seconds of prompt work the pass has left, less `aging` x the seconds it has waited;
@@ -334,6 +350,17 @@ class Scheduler:
         left = cost / rate - job.request.prompt_s if rate else cost  # no pass measured yet: by cost
         return max(left, 0.0) - self.config.aging * (time.monotonic() - job.submitted)
 
+    def _backlog_s(self) -> float:
+        """Seconds of prompt work left in the passes this scheduler holds (in a pass, or parked
+        on their KV): what a request submitted now would wait behind at worst. A pass of unknown
+        cost counts as the mean pass. The router prices a replica's load in it (`server/routing.py`)."""
+        rate, mean = self._speed.cost_per_s, self._speed.pass_s or 0.0
+        left = 0.0
+        for job in (*self._prompting, *self._parked):
+            cost = job.request.prompt_cost
+            left += max(cost / rate - job.request.prompt_s, 0.0) if cost and rate else mean
+        return left
+
     # ---- execute and update
 
     def _execute(self, plan: Plan) -> None:
@@ -344,12 +371,15 @@ class Scheduler:
         match plan.step:
             case PromptStep(job):
                 if not self._decoding:  # nobody waits on this prompt work: the slice starts anew
-                    self._slice_t0, self._slice_steps = time.perf_counter(), 0
+                    self._new_slice()
                 self._slice_steps += 1
                 self._prompt_step(job)
             case DecodeStep(jobs):
                 self._decode_step(list(jobs))
-                self._slice_t0, self._slice_steps = time.perf_counter(), 0
+                self._new_slice()
+
+    def _new_slice(self) -> None:
+        self._slice_t0, self._slice_steps, self._slice_tokens = time.perf_counter(), 0, 0
 
     def _prompt_step(self, job: _Job) -> None:
         """Run one step of a prompt pass; a pass that ends has its first token picked and sent
@@ -359,7 +389,14 @@ class Scheduler:
         if req.started_at is None:
             req.started_at = now
         item = self._resume(job)
-        req.prompt_s += time.perf_counter() - now
+        took = time.perf_counter() - now
+        req.prompt_s += took
+        if type(item) is int and item > 0:  # a layer over `item` tokens: the slice's budget and the rate learn it
+            job.step_tokens = item
+            self._slice_tokens += item
+            rate = item / max(took, 1e-6)
+            self._token_rate = rate if self._token_rate is None else (
+                (1 - _TOKEN_RATE_ALPHA) * self._token_rate + _TOKEN_RATE_ALPHA * rate)
         if isinstance(item, WaitFor):  # waiting for its KV: parked, off the prompt work
             self._prompting.remove(job)
             self._park(job, item)

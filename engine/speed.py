@@ -49,6 +49,7 @@ class EngineSpeed:
         self._lock = threading.Lock()
         self._prefill = _Rate(_PREFILL_ALPHA)
         self._passes = _Rate(_PASS_ALPHA)
+        self._pass_s: float | None = None  # seconds of one pass, moving average
         self._modes: dict[Mode, _Rate] = {}
 
     def observe(self, tokens: int, seconds: float) -> None:
@@ -66,6 +67,15 @@ class EngineSpeed:
         """A prompt pass of `cost` (`Engine.prompt_cost` units) took `seconds` of prompt work."""
         with self._lock:
             self._passes.observe(cost, seconds)
+            if seconds > 0:
+                self._pass_s = seconds if self._pass_s is None else (
+                    (1 - _PASS_ALPHA) * self._pass_s + _PASS_ALPHA * seconds)
+
+    @property
+    def pass_s(self) -> float | None:
+        """Seconds of prompt work of one pass, on average; None until a pass was measured."""
+        with self._lock:
+            return self._pass_s
 
     @property
     def cost_per_s(self) -> float | None:

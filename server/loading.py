@@ -13,10 +13,11 @@ engine computes). Reads run in parallel, `store.prefetch_workers` at a time, off
 chunks to compute run one after another on the engine (which every other request needs
 too, so compute counts `margin` times its time). The request's KV is ready when both are
 done, so the controller computes the chunks whose reads are slowest for as long as that
-brings the ready time down. A read that is chosen but overruns its estimate (by
-`overrun_factor`, plus a floor) is abandoned and the chunk computed. Before a tier has a
-measured read, loading is chosen (the stored KV is what the index was built for); the
-first reads measure it.
+brings the ready time down. A read that is chosen but overruns its estimate (plus a floor)
+races its chunk's compute: the compute starts, and stops at the layer where the read lands,
+if it lands first (`engine/answer.py`). Before a tier has a measured read, loading is chosen
+(the stored KV is what the index was built for), for at most the time computing those
+chunks would take; the first reads measure it.
 
 One more way is weighed per request: full prefill of the whole prompt, which reads nothing
 (`prefers_full`). Computing chunks one by one and then blending them is slower than one pass
@@ -55,8 +56,10 @@ class ControllerConfig:
 
     enabled: bool = True  # off: always read what a tier holds (the behaviour before the controller)
     margin: float = 1.2  # a second of compute counts this much: the engine is every request's
-    overrun_factor: float = 2.0  # abandon reads still pending at overrun_factor x their estimate ...
-    overrun_floor_s: float = 0.05  # ... plus this
+    # a read still pending at overrun_factor x its estimate, plus the floor, races its chunk's
+    # compute (the first to finish serves: engine/answer.py): waiting longer only loses time
+    overrun_factor: float = 1.0
+    overrun_floor_s: float = 0.05
     # full prefill replaces the chunk plan when it is sooner by this factor and these seconds
     # (a clear win, not timing noise on small prompts)
     full_factor: float = 1.25
@@ -133,14 +136,21 @@ class LoadingController:
         return full_s * self.config.full_factor + self.config.full_floor_s < ready_s
 
     def wait_limit(self, decisions: Sequence[ChunkDecision], hard_limit_s: float, workers: int = 1) -> float:
-        """Seconds to wait for the chosen reads before abandoning the pending ones: their
-        estimated time (in rounds of `workers` at once) times `overrun_factor`, plus the floor;
-        `hard_limit_s` while any is unmeasured."""
-        loads = [d.load_s for d in decisions if d.load]
-        if not self.config.enabled or not loads or any(s is None for s in loads):
+        """Seconds to wait for the chosen reads before the pending ones race their chunks'
+        compute: their estimated time (in rounds of `workers` at once) times `overrun_factor`,
+        plus the floor. While a read is unmeasured (a tier's first reads), the time computing
+        those chunks would take (`margin` times), plus the floor: a read slower than that never
+        keeps a request waiting longer. `hard_limit_s` while neither is known."""
+        chosen = [d for d in decisions if d.load]
+        if not self.config.enabled or not chosen:
             return hard_limit_s
-        read_s = _reads_s(loads, workers)  # type: ignore[arg-type]
-        return min(hard_limit_s, read_s * self.config.overrun_factor + self.config.overrun_floor_s)
+        floor = self.config.overrun_floor_s
+        if all(d.load_s is not None for d in chosen):
+            read_s = _reads_s([d.load_s for d in chosen], workers)  # type: ignore[misc]
+            return min(hard_limit_s, read_s * self.config.overrun_factor + floor)
+        if all(d.compute_s is not None for d in chosen):
+            return min(hard_limit_s, self.config.margin * sum(d.compute_s for d in chosen) + floor)  # type: ignore[misc]
+        return hard_limit_s
 
 
 def _reads_s(loads: Sequence[float], workers: int) -> float:

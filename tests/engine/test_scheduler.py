@@ -233,13 +233,9 @@ def test_cancel_and_deadline_end_a_request_and_free_its_budget() -> None:
     sched.close()
 
 
-@pytest.mark.parametrize("first_s", [0.0, 30.0])
-def test_a_long_prompt_does_not_stall_decoding(tiny_lm, first_s: float) -> None:
-    """Decode steps of a running request happen between the layers of a new prompt pass,
-    once that pass has had its first `prompt_first_s` of prompt time uncut."""
-    engine = Engine(tiny_lm)
-    order: list[str] = []
-    sched = Scheduler(SchedulerConfig(prompt_slice_s=1e-6, prompt_first_s=first_s))
+def _decoding(engine: Engine, sched: Scheduler, order: list[str]) -> tuple[_Sink, threading.Event]:
+    """A request that decodes 200 tokens (its pieces logged in `order`), submitted; and its stop."""
+    stop = threading.Event()
 
     def decoder():
         prefix_ids = engine.prompt.prefix_ids()
@@ -252,30 +248,69 @@ def test_a_long_prompt_does_not_stall_decoding(tiny_lm, first_s: float) -> None:
                 order.append("piece")
             super().__call__(out)
 
+    sink = Pieces()
+    _submit(sched, decoder(), sink, cancel=stop)
+    deadline = time.monotonic() + 30
+    while "piece" not in order and time.monotonic() < deadline:  # decoding before the prompt comes
+        time.sleep(0.001)
+    return sink, stop
+
+
+def test_a_long_prompt_does_not_stall_decoding(tiny_lm) -> None:
+    """Decode steps of a running request happen between the layers of a new prompt pass."""
+    engine = Engine(tiny_lm)
+    order: list[str] = []
+    sched = Scheduler(SchedulerConfig(prompt_slice_s=1e-6))
+    a, _ = _decoding(engine, sched, order)
+
     def long_prompt():
         ids = [engine.prompt.chunk_ids(p) for p in PASSAGES] * 4
         steps = engine.run_steps(Prompt(engine.prompt.question_ids("Why?"), engine.prompt.prefix_ids(), ids), Mode.FULL)
         try:
             while True:
-                next(steps)
+                n = next(steps)
                 order.append("layer")
-                yield 0
+                yield n
         except StopIteration:
             return None
 
-    a, b = Pieces(), _Sink()
-    _submit(sched, decoder(), a)  # a short prompt: it decodes while the next one runs
-    deadline = time.monotonic() + 30
-    while "piece" not in order and time.monotonic() < deadline:  # the long one arrives once the first decodes
-        time.sleep(0.001)
+    b = _Sink()
     _submit(sched, long_prompt(), b)
     assert b.ended.wait(60) and a.ended.wait(60)
     sched.close()
     first, last = order.index("layer"), len(order) - 1 - order[::-1].index("layer")
-    if first_s:  # the whole pass is within its first quantum: no decode step cuts it
-        assert "piece" not in order[first:last], order
-    else:
-        assert "piece" in order[first:last], order  # decode went on while the long prompt ran
+    assert "piece" in order[first:last], order  # decode went on while the long prompt ran
+
+
+def test_a_slice_is_a_token_budget_a_short_pass_fits_whole_and_a_heavy_step_waits(tiny_lm) -> None:
+    """Prompt steps are planned by their tokens before they run: at the learned rate (here 1
+    token a millisecond) a 100 ms slice holds 100 tokens. A pass of three 10-token steps runs
+    between two decode steps whole; a pass of 80-token steps gets a decode step between every
+    two of its steps, although the slice's time (80 ms of 100) would have let the second run."""
+    engine = Engine(tiny_lm)
+    order: list[str] = []
+    sched = Scheduler(SchedulerConfig(prompt_slice_s=0.1, aging=0.0))
+    decoder, stop = _decoding(engine, sched, order)
+
+    def scripted(name: str, steps: int, tokens: int):
+        for _ in range(steps):
+            time.sleep(tokens / 1000)  # 1 token a millisecond
+            order.append(name)
+            yield tokens
+
+    sched._token_rate = None  # the rate learned from these steps alone (not the tiny model's own pass)
+    short, long = _Sink(), _Sink()
+    _submit(sched, scripted("short", 3, 10), short, prompt_cost=1)
+    assert short.ended.wait(30)
+    _submit(sched, scripted("long", 4, 80), long, prompt_cost=1)
+    assert long.ended.wait(30)
+    stop.set()
+    assert decoder.ended.wait(30)
+    sched.close()
+    at = [i for i, o in enumerate(order) if o == "short"]
+    assert at == list(range(at[0], at[0] + 3)), order  # no decode step cut the short pass
+    at = [i for i, o in enumerate(order) if o == "long"]
+    assert all("piece" in order[i:j] for i, j in zip(at, at[1:])), order  # one between every two
 
 
 def test_a_job_error_reaches_its_emit_and_spares_the_others(tiny_lm) -> None:
@@ -650,3 +685,103 @@ class _NoTree:
 
     def shrink(self, limit_bytes: int) -> int:
         return 0
+
+
+def test_the_backlog_is_the_prompt_work_left_in_the_passes_it_holds() -> None:
+    """`SchedulerStats.backlog_s` (the router prices a replica's load in it) counts the seconds
+    of prompt work left in passes running or parked on their KV, by the learned rate, and
+    falls to 0 when they are done."""
+    from concurrent.futures import Future
+
+    from ragkv.engine.work import WaitFor
+
+    sched = Scheduler(SchedulerConfig(aging=0.0))
+
+    def work(steps: int):
+        for _ in range(steps):
+            time.sleep(0.01)
+            yield 1
+
+    warm = _Sink()
+    _submit(sched, work(10), warm, prompt_cost=10)  # the rate: 10 units per >= 0.1 s
+    assert warm.ended.wait(30)
+    rate = sched._speed.cost_per_s
+    assert rate is not None and rate <= 100
+    read: Future[None] = Future()
+
+    def parked():
+        yield WaitFor((read,))
+        yield 1
+
+    sink = _Sink()
+    _submit(sched, parked(), sink, prompt_cost=50)
+    deadline = time.monotonic() + 10
+    while sched.stats.waiting_kv != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sched.stats.waiting_kv == 1
+    assert sched.stats.backlog_s == pytest.approx(50 / rate, rel=0.2)  # about 0.5 s of work, parked
+    read.set_result(None)
+    assert sink.ended.wait(30)
+    sched.close()
+    assert sched.stats.backlog_s == 0.0
+
+
+
+@pytest.mark.parametrize("lands", [True, False])
+def test_an_overrun_read_races_its_chunks_compute(tiny_lm, lands: bool) -> None:
+    """A read still pending at `kv_wait_s` does not keep its request waiting: its chunk's
+    compute starts. When the read lands two layers in, the compute stops there and the read's
+    KV serves (counted loaded, from its tier; nothing computed is handed out to be kept); a
+    read that never lands leaves the compute to finish (computed_overrun). The answer is the
+    same as with the KV ready from the start."""
+    from concurrent.futures import Future
+
+    from ragkv.engine.request import ChunkComputed, ChunksReady
+    from ragkv.types import KVSource
+
+    engine = Engine(tiny_lm)
+    prefix_ids = engine.prompt.prefix_ids()
+    ids = engine.prompt.chunk_ids(PASSAGES[0])
+    kv = engine.prefill(prefix_ids, ids)
+    question = tuple(engine.prompt.question_ids("What does the village grow?"))
+    read: Future = Future()
+    compute_steps = [0]
+    real_steps = engine.prefill_steps
+
+    def prefill_steps(prefix, chunk_ids):  # the read lands once the compute has run two layers
+        steps = real_steps(prefix, chunk_ids)
+        try:
+            while True:
+                item = next(steps)
+                compute_steps[0] += 1
+                if lands and compute_steps[0] == 2:
+                    read.set_result(LoadedKV(kv, Tier.DISK, kv.nbytes))
+                yield item
+        except StopIteration as done:
+            return done.value
+
+    engine.prefill_steps = prefill_steps  # type: ignore[method-assign]
+    whole = sum(1 for _ in real_steps(prefix_ids, ids))  # the steps of a compute run to its end
+
+    def answer(chunk_kv, kv_wait_s: float = 120.0) -> _Sink:
+        sched, sink = Scheduler(), _Sink()
+        req = Request(mode=Mode.REUSE, prefix_ids=tuple(prefix_ids), question_ids=question, kv_wait_s=kv_wait_s,
+                      chunks=(PromptChunk(tuple(ids), chunk_kv, key="chunk"),), sampling=SamplingParams(max_new_tokens=6))
+        sched.submit(req, engine.work(req), sink)
+        assert sink.ended.wait(60)
+        sched.close()
+        return sink
+
+    ready = answer(LoadedKV(kv, Tier.CPU, kv.nbytes))
+    raced = answer(read, kv_wait_s=0.01)
+    assert raced.finished.error is None and raced.tokens == ready.tokens
+    assert [e for e in raced.events if isinstance(e, ChunksReady)]
+    computed = [e for e in raced.events if isinstance(e, ChunkComputed)]
+    sources = raced.finished.answered.kv_sources
+    if lands:
+        assert compute_steps[0] == 2 < whole  # stopped where the read landed
+        assert sources == {KVSource.LOADED: 1} and computed == []
+        assert raced.finished.answered.bytes_loaded == {Tier.DISK: kv.nbytes}
+    else:
+        assert compute_steps[0] == whole and not read.done()
+        assert sources == {KVSource.COMPUTED_OVERRUN: 1} and len(computed) == 1

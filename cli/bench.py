@@ -95,7 +95,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     agents.add_argument("--policies", type=lambda t: [x.strip() for x in t.split(",") if x.strip()],
                         default=["unbounded", "lru", "retention", "spill"],
                         help="policies to run beside the unbounded baseline (default all: lru,retention,spill)")
-    agents.add_argument("--seed", type=int, default=0, help="seeds questions, tool latencies and starts (default 0)")
+    agents.add_argument("--seed", type=int, default=0,
+                        help="seeds questions, tool latencies and starts (and --replicas' workload) (default 0)")
     cluster = p.add_argument_group(
         "many replicas (--replicas N; the ray extra)",
         "Deploy N engine replicas on a local Ray (ragkv serve --replicas) once per routing policy, fresh each "
@@ -116,9 +117,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     cluster.add_argument("--cpu-share", type=float, default=0.25,
                          help="each replica's CPU tier as a share of the corpus's KV bytes (default 0.25)")
     cluster.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs per replica (default 1)")
-    cluster.add_argument("--max-skew", type=int, default=4,
-                         help="chunk routing passes over a replica queued this many requests past the shortest "
-                              "(default 4, ragkv serve's)")
+    cluster.add_argument("--route-slack", type=float, default=1.0, metavar="PASSES",
+                         help="chunk routing's slack, in prompt passes of expected time to first token (default "
+                              "1.0, ragkv serve's)")
     cluster.add_argument("--fault", type=int, default=8, metavar="N",
                          help="requests in flight when a replica is killed, 0 = skip (default 8)")
     p.set_defaults(func=run_bench)

@@ -218,6 +218,7 @@ def _summary(t: _Tally) -> dict:
     loads = t.fast + t.slow
     return {"fast_tier_hit_rate": round(t.fast / loads, 3) if loads else None,
             "ttft_p50_s": _quantile(t.ttft, 0.5), "ttft_p95_s": _quantile(t.ttft, 0.95),
+            "ttft_p99_s": _quantile(t.ttft, 0.99),
             "kv_tree_hits": t.tree_hits,
             "agent_calls_on_tree": round(t.agent_later_on_tree / t.agent_later, 3) if t.agent_later else None,
             "chunk_loads": loads, "chunks_by_source": dict(t.by_tier), "requests": len(t.ttft), "errors": t.errors}
@@ -261,6 +262,40 @@ def _fault(addr: str, items: list[tuple], max_new: int, top_k: int, app: str) ->
     return {"requests": len(items), "hung": hung, **dict(outcomes)}
 
 
+def _route_decisions(metrics_port: int) -> dict[str, int]:
+    """The ingress's routing decisions by reason (its ragkv_route_decisions_total), scraped."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {s.labels["reason"]: int(s.value) for f in text_string_to_metric_families(text)
+            if f.name == "ragkv_route_decisions" for s in f.samples if s.name.endswith("_total")}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _over_pow2(r: dict) -> dict:
+    """Chunk routing against pow2 in the same run: hit rate, TTFT quantiles, and the share of the
+    gain perfect placement allows over pow2 (chunk's own pooled bound) that chunk routing got."""
+    chunk, pow2 = r["chunk"], r["pow2"]
+    out = {"fast_tier_hit_rate": round(chunk["fast_tier_hit_rate"] / pow2["fast_tier_hit_rate"], 2)}
+    for q in ("p50", "p95", "p99"):
+        if chunk.get(f"ttft_{q}_s") and pow2.get(f"ttft_{q}_s"):
+            out[f"ttft_{q}"] = round(chunk[f"ttft_{q}_s"] / pow2[f"ttft_{q}_s"], 2)
+    room = (chunk.get("pooled_tiers_hit_rate") or 0.0) - pow2["fast_tier_hit_rate"]
+    if room > 0:
+        out["share_of_placement_gain"] = round((chunk["fast_tier_hit_rate"] - pow2["fast_tier_hit_rate"]) / room, 2)
+    return out
+
+
 def run_cluster_bench(args) -> int:  # argparse.Namespace from cli.bench
     from ragkv.server import cluster
     from ragkv.server.routing import Policy
@@ -276,15 +311,11 @@ def run_cluster_bench(args) -> int:  # argparse.Namespace from cli.bench
         kv_bytes = sum(f.stat().st_size for f in (index / "kv").rglob("*") if f.is_file())
         topics, index_tokens = _topics(index)
         cpu_tokens = int(index_tokens * args.cpu_share)  # one replica's CPU tier, in chunk tokens
-        items = _workload(topics, args.requests, args.agent_every, args.zipf, seed=0)
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        items = _workload(topics, args.requests, args.agent_every, args.zipf, seed=args.seed)
+        port, metrics_port = _free_port(), _free_port()
         settings = ServerSettings(
             indexes=(CollectionSpec("default", index),), host="127.0.0.1", port=port, http_port=None,
-            metrics_port=None, model=None if args.index else args.model, kv_cpu_bytes=int(kv_bytes * args.cpu_share),
+            metrics_port=metrics_port, model=None if args.index else args.model, kv_cpu_bytes=int(kv_bytes * args.cpu_share),
             **({"device": args.device} if args.device else {}), **({"dtype": args.dtype} if args.dtype else {}))
         addr = f"127.0.0.1:{port}"
         report: dict = {"routing": {}}
@@ -296,12 +327,14 @@ def run_cluster_bench(args) -> int:  # argparse.Namespace from cli.bench
         try:
             for policy in policies:
                 print(f"routing {policy.value}: deploying {args.replicas} replicas ...", file=sys.stderr, flush=True)
-                cluster.start(settings, cluster.ClusterSettings(args.replicas, routing=policy, max_skew=args.max_skew,
+                cluster.start(settings, cluster.ClusterSettings(args.replicas, routing=policy,
+                                                                route_slack=args.route_slack,
                                                                 cpus_per_replica=args.cpus_per_replica))
                 t0 = time.perf_counter()
                 tally = _run_workload(addr, items, args.clients, args.loop_steps, args.max_new_tokens,
                                       args.top_k)
                 report["routing"][policy.value] = {**_summary(tally), **_bounds(tally, args.replicas, cpu_tokens),
+                                                   "route_decisions": _route_decisions(metrics_port),
                                                    "seconds": round(time.perf_counter() - t0, 1)}
                 print(f"routing {policy.value}: {report['routing'][policy.value]}", file=sys.stderr, flush=True)
                 cluster.undeploy()
@@ -317,13 +350,12 @@ def run_cluster_bench(args) -> int:  # argparse.Namespace from cli.bench
             os.close(stdout)
     r = report["routing"]
     if "chunk" in r and "pow2" in r and r["pow2"]["fast_tier_hit_rate"]:
-        report["chunk_over_pow2"] = {
-            "fast_tier_hit_rate": round(r["chunk"]["fast_tier_hit_rate"] / r["pow2"]["fast_tier_hit_rate"], 2),
-            "ttft_p50": round(r["chunk"]["ttft_p50_s"] / r["pow2"]["ttft_p50_s"], 2)}
+        report["chunk_over_pow2"] = _over_pow2(r)
     report["config"] = {"replicas": args.replicas, "requests": args.requests, "clients": args.clients,
                         "topics": len(topics), "top_k": args.top_k, "zipf_s": args.zipf,
                         "agent_every": args.agent_every, "agent_steps": args.loop_steps,
-                        "cpu_tier_share_of_corpus": args.cpu_share, "max_skew": args.max_skew,
+                        "cpu_tier_share_of_corpus": args.cpu_share, "route_slack": args.route_slack,
+                        "seed": args.seed,
                         "corpus_kv_bytes": kv_bytes, "model": args.model, "shared_tier": "disk (the index's own)",
                         "baseline": "pow2 (Ray Serve's default power of two choices), same workload, same run"}
     if args.json:
@@ -334,14 +366,16 @@ def run_cluster_bench(args) -> int:  # argparse.Namespace from cli.bench
 
 
 def _print(report: dict) -> None:
-    print("routing  fast-tier hit rate  (one tier, pooled)  TTFT p50   TTFT p95   tree hits  agent calls on tree"
-          "  errors")
+    print("routing  fast-tier hit rate  (one tier, pooled)  TTFT p50   TTFT p95   TTFT p99   tree hits  "
+          "agent calls on tree  errors")
     for name, r in report["routing"].items():
         print(f"{name:<8} {r['fast_tier_hit_rate']!s:>18}  ({r['one_tier_hit_rate']!s:>8}, {r['pooled_tiers_hit_rate']!s:>6})"
-              f"  {r['ttft_p50_s']!s:>8} s {r['ttft_p95_s']!s:>8} s "
+              f"  {r['ttft_p50_s']!s:>8} s {r['ttft_p95_s']!s:>8} s {r['ttft_p99_s']!s:>8} s "
               f"{r['kv_tree_hits']:>9}  {r['agent_calls_on_tree']!s:>19}  {r['errors']:>6}")
+        print(f"         route decisions: {r.get('route_decisions', {})}")
     if "chunk_over_pow2" in report:
         c = report["chunk_over_pow2"]
-        print(f"chunk over pow2: fast-tier hit rate {c['fast_tier_hit_rate']}x, TTFT p50 {c['ttft_p50']}x")
+        print("chunk over pow2: " + ", ".join(f"{k} {v}" + ("" if k == "share_of_placement_gain" else "x")
+                                             for k, v in c.items()))
     if "fault" in report:
         print(f"a replica killed under load: {report['fault']}")

@@ -152,12 +152,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                               "them on CPUs (default 0)")
     cluster.add_argument("--cpus-per-replica", type=float, default=1.0, metavar="C",
                          help="CPUs Ray gives each replica (default 1)")
-    cluster.add_argument("--max-skew", type=int, default=4, metavar="N",
-                         help="chunk routing passes over a replica whose queue is more than N requests longer "
-                              "than the shortest: lower trades chunk locality for tail latency (default 4)")
+    cluster.add_argument("--route-slack", type=float, default=1.0, metavar="PASSES",
+                         help="chunk routing prices each replica's expected time to first token (its backlog plus "
+                              "its chunk loads); replicas within this many prompt passes of the soonest count as "
+                              "soon, and among them the one holding the request (or its chunk set's home) wins: "
+                              "lower spreads load sooner, higher keeps chunk sets together (default 1.0)")
     cluster.add_argument("--routing", default="chunk", choices=("chunk", "pow2"),
-                         help="chunk: to the replica whose tiers hold the request's chunks (and its "
-                              "conversation), power-of-two choices when queues are imbalanced; "
+                         help="chunk: to the replica expected to answer soonest by its backlog and where it holds "
+                              "the request's chunks (and its conversation), chunk sets placed by rendezvous hashing; "
                               "pow2: power-of-two choices only (default chunk)")
     p.set_defaults(func=run_serve)
     return p
@@ -220,7 +222,7 @@ def _run_cluster(settings, args: argparse.Namespace) -> int:  # settings: Server
         raise SystemExit(f"ragkv serve --replicas needs Ray Serve ({exc}): pip install 'ragkv[ray]'") from None
     from ragkv.server.routing import Policy
 
-    plan = cluster.ClusterSettings(args.replicas, args.ray_address, Policy(args.routing), args.max_skew,
+    plan = cluster.ClusterSettings(args.replicas, args.ray_address, Policy(args.routing), args.route_slack,
                                    cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica)
     cluster.start(settings, plan)
     logging.getLogger(__name__).info(

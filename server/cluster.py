@@ -54,12 +54,14 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Reque
 
 from ragkv.engine.request import ChunksReady
 from ragkv.engine.scheduler import Scheduler, SchedulerConfig
+from ragkv.server import routing
 from ragkv.server.admission import Admission
 from ragkv.server.answering import QueryRunner, RunEvent
 from ragkv.server.backend import BackendParts
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.query import Query
 from ragkv.server.routing import (
+    ROUTE_SLACK,
     ConversationPins,
     KeyFilter,
     KeyHex,
@@ -67,8 +69,9 @@ from ragkv.server.routing import (
     ReplicaSummary,
     ReplicaView,
     RouteKeys,
+    Speeds,
     note_routed,
-    rank,
+    route,
 )
 from ragkv.server.service import RagService
 from ragkv.server.settings import ServerSettings
@@ -105,7 +108,10 @@ class ClusterSettings:
     replicas: int  # engine replicas (one per GPU; per process on a CPU host)
     ray_address: str | None = None  # an existing cluster ("auto", "ray://host:10001"); None = a local one
     routing: Policy = Policy.CHUNK  # how the ingress picks a replica
-    max_skew: int = 4  # requests a replica's queue may exceed the shortest's before routing passes it over
+    # prompt passes a replica's expected time to first token may exceed the soonest replica's
+    # and still be chosen for what it holds (`routing.route`): higher keeps chunk sets together,
+    # lower spreads load sooner
+    route_slack: float = ROUTE_SLACK
     stats_period_s: float = 1.0  # seconds between a replica's routing summaries
     retries: int = 2  # replicas a request that has not begun is sent to after its first one fails
     cpus_per_replica: float = 1.0  # Ray CPUs each engine replica takes (CPU hosts)
@@ -114,8 +120,8 @@ class ClusterSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.replicas, int) or self.replicas < 1:
             raise ValueError(f"replicas must be an int >= 1, got {self.replicas!r}")
-        if self.max_skew < 0:
-            raise ValueError(f"max_skew must be >= 0, got {self.max_skew!r}")
+        if not self.route_slack >= 0:
+            raise ValueError(f"route_slack must be >= 0, got {self.route_slack!r}")
         if self.retries < 0:
             raise ValueError(f"retries must be >= 0, got {self.retries!r}")
 
@@ -146,9 +152,10 @@ class Answering:
     replica: str  # Ray Serve's unique id of the replica (`ReplicaID.unique_id`, the router's view id)
 
 
-def route_keys(query: Query, keys: Sequence[str]) -> RouteKeys:
-    """What routing looks for: the chunks' KV keys and the conversation the query continues."""
-    return RouteKeys(tuple(KeyHex(k) for k in keys), query.conversation)
+def route_keys(query: Query, keys: Sequence[str], tokens: Sequence[int] = ()) -> RouteKeys:
+    """What routing looks for: the chunks' KV keys (and their tokens) and the conversation the
+    query continues."""
+    return RouteKeys(tuple(KeyHex(k) for k in keys), query.conversation, tokens=tuple(tokens))
 
 
 # -- the engine replica ---------------------------------------------------------------------
@@ -213,8 +220,18 @@ class EngineReplica:
         """What this replica holds, for the router (Ray Serve calls it every stats period)."""
         with self._lock:
             conversations = list(self._conversations)
-        summary = ReplicaSummary({tier: self._filter(tier, keys) for tier, keys in self.pipeline.held_keys().items()},
-                                 KeyFilter.of(conversations), self._admission.depth)
+        held = self.pipeline.held_keys()
+        engine, st = self.pipeline.engine, self._scheduler.stats
+        rate = engine.speed.tokens_per_s
+        speeds = Speeds(self.pipeline.read_speeds(), 1.0 / rate if rate else None, engine.speed.pass_s, st.backlog_s)
+        tree = engine.conversations.tree.stats()
+        gauges = {"backlog_seconds": st.backlog_s, "requests_running": st.running, "requests_waiting": st.waiting,
+                  "requests_waiting_kv": st.waiting_kv, "kv_bytes_in_flight": st.kv_bytes,
+                  "kv_tree_bytes": tree.nbytes, "kv_tree_host_bytes": tree.host_bytes,
+                  "kv_tree_disk_bytes": tree.disk_bytes, "kv_tree_hits": tree.hits,
+                  **{f"tier_chunks_{tier.value}": len(keys) for tier, keys in held.items()}}
+        summary = ReplicaSummary({tier: self._filter(tier, keys) for tier, keys in held.items()},
+                                 KeyFilter.of(conversations), self._admission.depth, speeds, gauges)
         return {**summary.to_dict(), "at": time.time()}
 
 
@@ -225,10 +242,11 @@ class ChunkRouter(FIFOMixin, RequestRouter):
     """Ray Serve's request router for engine replicas: `server/routing.py`'s ranking over the
     replicas' published summaries, updated by what it routes until their next summary."""
 
-    def initialize_state(self, policy: str = Policy.CHUNK.value, max_skew: int = 4) -> None:
+    def initialize_state(self, policy: str = Policy.CHUNK.value, slack: float = ROUTE_SLACK) -> None:
         self._policy = Policy(policy)
-        self._max_skew = max_skew
+        self._slack = slack
         self._views: dict[ReplicaID, ReplicaView] = {}
+        routing.ROUTER_VIEWS.routers.add(self)  # the ingress's metrics read it (`routing.RouterViews`)
 
     def _view(self, replica: RunningReplica) -> ReplicaView:
         stats = replica.routing_stats or {}
@@ -244,8 +262,13 @@ class ChunkRouter(FIFOMixin, RequestRouter):
             return []
         keys = _keys_of(pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        ranked = rank([self._view(r) for r in candidate_replicas], keys, self._policy, max_skew=self._max_skew)
-        return [[by_id[v.replica_id]] for v in ranked]
+        ranking = route([self._view(r) for r in candidate_replicas], keys, self._policy, slack=self._slack)
+        routing.ROUTER_VIEWS.decided(ranking.reason)
+        return [[by_id[v.replica_id]] for v in ranking.replicas]
+
+    def views(self) -> list[ReplicaView]:
+        """The replicas as this router last saw them (`routing.RouterViews` reads them)."""
+        return list(self._views.values())
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         super().on_request_routed(pending_request, replica_id, result)
@@ -346,7 +369,7 @@ class IngressBackend:
         keys = [serving_key(h, query.mode, self._neighbours[query.collection],
                             self._prefix_hash[query.collection], m.model_fp, m.tokenizer_fp,
                             self._focus_handover, first=i == 0).hex for i, h in enumerate(hits)]
-        return hits, route_keys(query, keys)
+        return hits, route_keys(query, keys, [len(h.token_ids) for h in hits])
 
 
 class RoutedRunner:
@@ -474,6 +497,7 @@ class Ingress:
         self.service = RagService(limits=settings.limits(), admission=self._admission, metrics=self.metrics,
                                   retrieve_pool=self._pool, runner=self._runner, keys=self.keys)
         self.service.backend = self.backend  # type: ignore[assignment]  # retrieval here, answers on replicas
+        self.metrics.watch_routing(routing.ROUTER_VIEWS.read)  # the router's decisions and the replicas' gauges
         if settings.metrics_port is not None:  # the ingress's own: requests, errors, end-to-end latency
             self.metrics.serve(settings.metrics_port, settings.metrics_host)
 
@@ -516,7 +540,7 @@ def build_app(settings: ServerSettings, cluster: ClusterSettings) -> Any:
     """The Ray Serve application: the ingress bound to the engine replicas' deployment."""
     router = RequestRouterConfig(
         request_router_class=ChunkRouter,
-        request_router_kwargs={"policy": cluster.routing.value, "max_skew": cluster.max_skew},
+        request_router_kwargs={"policy": cluster.routing.value, "slack": cluster.route_slack},
         request_routing_stats_period_s=cluster.stats_period_s,
         request_routing_stats_timeout_s=max(5.0, 5 * cluster.stats_period_s),
     )

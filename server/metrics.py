@@ -169,6 +169,14 @@ class ServerMetrics:
         _host_budget_bytes, _disk_bytes, _disk_budget_bytes."""
         self.registry.register(_KVTree(read))
 
+    def watch_routing(self, read: Callable[[], tuple[Mapping[str, int], Mapping[str, Mapping[str, float]]]]) -> None:
+        """Export the cluster router's decisions and the replicas' own gauges at each scrape
+        (`read()` -> (decisions by reason, {replica: {gauge: value}}), server/cluster.py's
+        `RouterViews.read`): ragkv_route_decisions_total{reason} and, per replica as it last
+        published (seconds old), ragkv_replica_<gauge>{replica} (backlog_seconds, queue,
+        requests_running, kv_tree_bytes, tier_chunks_cpu, ...)."""
+        self.registry.register(_Routing(read))
+
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Start the /metrics HTTP endpoint in a daemon thread; returns the bound port."""
         self._httpd, _ = start_http_server(port, addr=host, registry=self.registry)
@@ -231,3 +239,29 @@ class _KVTree:
             yield CounterMetricFamily(f"ragkv_kv_tree_{name}", doc, value=getattr(stats, name))
         for attr, name, doc in self._GAUGES:
             yield GaugeMetricFamily(f"ragkv_kv_tree_{name}", doc, value=getattr(stats, attr))
+
+
+class _Routing:
+    """A collector of the router's decisions and the replicas' gauges (the ingress's view)."""
+
+    def __init__(self, read: Callable[[], tuple[Mapping[str, int], Mapping[str, Mapping[str, float]]]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        decisions, replicas = self._read()
+        family = CounterMetricFamily(
+            "ragkv_route_decisions", "Routing decisions by why the replica was chosen: held (it holds more of the "
+            "request), home (its chunk set's rendezvous home), overflow (a busier holder or home passed over: a "
+            "hot set warms a second replica), pinned (the conversation's last replica), balanced, pow2.",
+            labels=["reason"])
+        for reason, n in sorted(decisions.items()):
+            family.add_metric([reason], n)
+        yield family
+        names = sorted({name for gauges in replicas.values() for name in gauges})
+        for name in names:
+            gauge = GaugeMetricFamily(f"ragkv_replica_{name}", f"Each engine replica's {name.replace('_', ' ')}, as "
+                                      "it last published it to the router (seconds old).", labels=["replica"])
+            for replica, gauges in sorted(replicas.items()):
+                if name in gauges:
+                    gauge.add_metric([replica], gauges[name])
+            yield gauge

@@ -556,6 +556,17 @@ class Pipeline:
                 held.setdefault(tier, set()).update(k.hex for k in keys)
         return held
 
+    def read_speeds(self) -> dict[Tier, tuple[float, float]]:
+        """Each tier's measured read speed, (latency s, seconds per token) as stored, over every
+        collection (the first measured of each tier): the router prices a chunk's load in them."""
+        speeds: dict[Tier, tuple[float, float]] = {}
+        for c in self._collections.values():
+            for tier in Tier:
+                est = c.store.read_estimate(tier)
+                if est is not None and tier not in speeds:
+                    speeds[tier] = (est.latency_s, est.seconds(1) - est.latency_s)
+        return speeds
+
     def flush_writes(self, timeout: float | None = None) -> None:
         """Wait until every write-back submitted so far has reached its durable tiers (or failed)."""
         self._writer.submit(lambda: None).result(timeout)

@@ -159,6 +159,21 @@ def test_the_ingress_metrics_count_every_replicas_answers(served) -> None:
     ttft = 'ragkv_ttft_seconds_count{collection="docs",mode="blend"}'
     assert after.get(ttft, 0.0) - before.get(ttft, 0.0) == 3
 
+    def decisions(m: dict[str, float]) -> float:
+        return sum(v for k, v in m.items() if k.startswith("ragkv_route_decisions_total{"))
+
+    # every request was routed, and each decision counted with its reason
+    assert decisions(after) - decisions(before) >= 3
+    # the replicas' own gauges, as they published them to the router: one series per replica
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        backlog = [k for k in scrape() if k.startswith("ragkv_replica_backlog_seconds{")]
+        tree = [k for k in scrape() if k.startswith("ragkv_replica_kv_tree_bytes{")]
+        if len(backlog) == 2 and len(tree) == 2:
+            break
+        time.sleep(0.5)
+    assert len(backlog) == 2 and len(tree) == 2, scrape()
+
 
 def test_health_collections_and_client_errors_keep_their_status(served) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc

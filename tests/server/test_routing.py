@@ -1,8 +1,10 @@
 """The cluster's routing, as pure functions (server/routing.py): Bloom filters of chunk keys,
-the tier-weighted chunk score, conversation affinity, the load-skew guard, power-of-two."""
+the tier-weighted chunk score, conversation affinity, the expected time to first token that
+prices load and locality in seconds, rendezvous placement of chunk sets, power-of-two."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 from collections import Counter
@@ -11,18 +13,24 @@ import pytest
 
 from ragkv.server.routing import (
     AFFINITY_BONUS,
+    DEFAULT_PASS_S,
     SETTLE_S,
     TIER_WEIGHTS,
     ConversationPins,
     KeyFilter,
     Policy,
+    Reason,
     ReplicaSummary,
     ReplicaView,
     RouteKeys,
+    Speeds,
     chunk_score,
     conversation_id,
+    expected_ttft,
+    home_weight,
     note_routed,
     rank,
+    route,
 )
 from ragkv.types import Tier
 
@@ -54,7 +62,9 @@ def test_an_empty_filter_holds_nothing_and_a_bad_rate_is_refused() -> None:
 
 def test_the_summary_survives_ray_serves_plain_dict() -> None:
     s = ReplicaSummary({Tier.CPU: KeyFilter.of([_key(1)]), Tier.DISK: KeyFilter.of([_key(2)])},
-                       KeyFilter.of(["c1"]), queue=3)
+                       KeyFilter.of(["c1"]), queue=3,
+                       speeds=Speeds({Tier.DISK: (0.01, 2e-5), Tier.S3: (0.2, 1e-4)}, 3e-4, 0.7, 2.5),
+                       gauges={"kv_tree_bytes": 1024.0, "tier_chunks_cpu": 12.0})
     back = ReplicaSummary.from_dict(s.to_dict())
     assert back == s
     assert ReplicaSummary.from_dict(None) == ReplicaSummary()
@@ -87,22 +97,88 @@ def test_a_conversation_goes_back_to_its_replica_over_chunk_locality() -> None:
 
 def test_an_overloaded_replica_is_passed_over_whatever_it_holds() -> None:
     keys = RouteKeys((_key(0),))
-    views = [_view("busy", queue=9, gpu=[0]), _view("idle", queue=0), _view("idle2", queue=1)]
-    ranked = rank(views, keys, Policy.CHUNK, max_skew=4, rng=random.Random(0))
-    assert ranked[-1].replica_id == "busy"  # beyond the skew: last
-    assert {v.replica_id for v in ranked[:2]} == {"idle", "idle2"}
-    # within the skew, locality wins over a shorter queue
-    assert rank(views, keys, Policy.CHUNK, max_skew=10)[0].replica_id == "busy"
+    views = [_view("busy", queue=9, gpu=[0]), _view("idle", queue=0), _view("idle2", queue=3)]
+    ranked = rank(views, keys, Policy.CHUNK, rng=random.Random(0))
+    # 9 passes of backlog against none: beyond a slack of one pass, ranked after the soonest
+    assert [v.replica_id for v in ranked] == ["idle", "idle2", "busy"]
+    # within a slack that wide, locality wins over a shorter queue
+    assert rank(views, keys, Policy.CHUNK, slack=10)[0].replica_id == "busy"
 
 
-def test_without_locality_chunk_routing_is_power_of_two_choices() -> None:
-    rng = random.Random(1)
-    views = [_view(f"r{i}", queue=q) for i, q in enumerate([0, 5, 5, 5])]
-    firsts = Counter(rank(views, RouteKeys((_key(0),)), Policy.CHUNK, max_skew=10, rng=rng)[0].replica_id
-                     for _ in range(300))
-    # r0 wins whenever it is drawn (half the draws), the others split the rest
-    assert 0.35 < firsts["r0"] / 300 < 0.65
-    assert set(firsts) == {"r0", "r1", "r2", "r3"}
+def test_the_expected_time_to_first_token_is_the_backlog_plus_each_chunks_load_by_measured_speeds() -> None:
+    keys = RouteKeys((_key(0), _key(1)), tokens=(100, 300))
+    slow_disk = Speeds({Tier.DISK: (0.5, 1e-3)}, compute_s_per_token=1e-2, pass_s=0.4, backlog_s=1.0)
+    view = ReplicaView("a", ReplicaSummary({Tier.DISK: KeyFilter.of([_key(0)])}, speeds=slow_disk), queue=2)
+    # chunk 0 from its disk (0.5 + 100 ms), chunk 1 from nowhere: computed (300 x 10 ms); the
+    # summary's backlog plus a pass for each of the 2 requests routed since it
+    assert expected_ttft(view, keys) == pytest.approx(1.0 + 2 * 0.4 + (0.5 + 0.1) + 3.0)
+    # a read slower than computing is priced as the compute the loading controller would choose
+    assert Speeds({Tier.DISK: (9.0, 0.0)}, 1e-3).chunk_s(Tier.DISK, 100) == pytest.approx(0.1)
+    # S3 is read when no tier of the replica's own holds the chunk and it beats a compute
+    assert Speeds({Tier.S3: (0.05, 1e-4)}, 1e-3).chunk_s(None, 100) == pytest.approx(0.06)
+
+
+def test_a_replica_whose_reads_are_slow_loses_to_one_that_computes_sooner_by_more_than_the_slack() -> None:
+    """Holding a chunk is worth what it saves in seconds: a disk read slower than another
+    replica's compute plus its slack does not win the request."""
+    keys = RouteKeys((_key(0),), tokens=(512,))
+    slow = ReplicaView("slow", ReplicaSummary({Tier.DISK: KeyFilter.of([_key(0)])},
+                                              speeds=Speeds({Tier.DISK: (5.0, 0.0)}, None, 0.2)))
+    fast = ReplicaView("fast", ReplicaSummary(speeds=Speeds({}, 1e-4, 0.2)))
+    assert route([slow, fast], keys, Policy.CHUNK).replicas[0].replica_id == "fast"
+    slow.summary = dataclasses.replace(slow.summary, speeds=Speeds({Tier.DISK: (0.1, 0.0)}, None, 0.2))
+    ranking = route([slow, fast], keys, Policy.CHUNK)
+    assert ranking.replicas[0].replica_id == "slow" and ranking.reason is Reason.HELD
+
+
+def test_a_chunk_set_nobody_holds_goes_to_its_rendezvous_home_and_homes_spread_over_replicas() -> None:
+    views = [_view(f"r{i}") for i in range(4)]
+    firsts = Counter()
+    for n in range(400):
+        keys = RouteKeys((_key(4 * n), _key(4 * n + 1), _key(4 * n + 2)))
+        ranking = route(views, keys, Policy.CHUNK, rng=random.Random(n))
+        home = max(views, key=lambda v: home_weight(v.replica_id, min(keys.chunks)))
+        assert ranking.replicas[0] is home and ranking.reason is Reason.HOME
+        # another question of the same topic shares its least key: the same home, whatever the rng
+        same_topic = RouteKeys((min(keys.chunks), _key(10_000 + n)))
+        assert rank(views, same_topic, Policy.CHUNK, rng=random.Random(n + 1))[0] is home or \
+            min(same_topic.chunks) != min(keys.chunks)
+        firsts[home.replica_id] += 1
+    assert set(firsts) == {"r0", "r1", "r2", "r3"} and min(firsts.values()) > 60  # about 100 each
+
+
+def test_a_hot_set_whose_home_is_busy_overflows_to_its_second_home_and_only_there() -> None:
+    keys = RouteKeys(tuple(_key(i) for i in range(4)))
+    views = [_view(f"r{i}") for i in range(4)]
+    order = sorted(views, key=lambda v: -home_weight(v.replica_id, min(keys.chunks)))
+    home, second = order[0], order[1]
+    home.summary = ReplicaSummary({Tier.CPU: KeyFilter.of(keys.chunks)}, speeds=Speeds(pass_s=0.5, backlog_s=3.0))
+    for seed in range(10):  # the home holds the set but is 3 s behind: the second home, every time
+        ranking = route(views, keys, Policy.CHUNK, rng=random.Random(seed))
+        assert ranking.replicas[0] is second and ranking.reason is Reason.OVERFLOW
+        assert ranking.replicas[-1] is home
+    # the second home now holds a copy too (the router believes what it routed): it stays there
+    note_routed(second, keys)
+    second.queue = 0
+    ranking = route(views, keys, Policy.CHUNK)
+    assert ranking.replicas[0] is second and ranking.reason is Reason.HELD
+    # once the home's backlog drains, the set's requests go home again
+    home.summary = dataclasses.replace(home.summary, speeds=Speeds(pass_s=0.5))
+    assert {route(views, keys, Policy.CHUNK).replicas[0].replica_id for _ in range(5)} <= \
+        {home.replica_id, second.replica_id}
+
+
+def test_the_live_queue_counts_beyond_the_published_backlog() -> None:
+    """Summaries are a second old: requests Ray counts in a replica's queue past the summary's
+    each add a pass to its expected backlog, so a burst does not pile onto one replica."""
+    keys = RouteKeys((_key(0),))
+    a = ReplicaView("a", ReplicaSummary(queue=1, speeds=Speeds(pass_s=0.5, backlog_s=0.5)), queue=1)
+    assert a.backlog_s() == pytest.approx(0.5)
+    a.queue = 5
+    assert a.backlog_s() == pytest.approx(0.5 + 4 * 0.5)
+    assert ReplicaView("cold").backlog_s() == 0.0 and ReplicaView("cold").pass_s == DEFAULT_PASS_S
+    b = _view("b")
+    assert rank([a, b], keys, Policy.CHUNK)[0] is b
 
 
 def test_pow2_ignores_what_replicas_hold_and_prefers_the_shorter_queue() -> None:
@@ -136,21 +212,32 @@ def test_a_conversation_is_named_by_what_every_call_repeats() -> None:
     assert one != conversation_id("other", "first question", "system")
 
 
-def test_ranking_refuses_nothing_to_rank_and_a_negative_skew() -> None:
+def test_ranking_refuses_nothing_to_rank_and_a_negative_slack() -> None:
     with pytest.raises(ValueError, match="no replica"):
         rank([], RouteKeys(), Policy.CHUNK)
-    with pytest.raises(ValueError, match="max_skew"):
-        rank([_view("a")], RouteKeys(), Policy.CHUNK, max_skew=-1)
+    with pytest.raises(ValueError, match="slack"):
+        rank([_view("a")], RouteKeys(), Policy.CHUNK, slack=-1)
 
 
-def test_replicas_holding_a_request_alike_are_chosen_by_power_of_two_not_by_order() -> None:
-    keys = RouteKeys((_key(0),))
-    views = [_view(f"r{i}", disk=[0]) for i in range(3)]  # a disk every replica shares: it tells nothing
-    firsts = Counter(rank(views, keys, Policy.CHUNK, rng=random.Random(seed))[0].replica_id for seed in range(60))
+def test_replicas_holding_a_request_alike_are_chosen_by_its_home_not_by_order() -> None:
+    views = [_view(f"r{i}", disk=list(range(60))) for i in range(3)]  # a disk every replica shares: it tells nothing
+    firsts = Counter(rank(views, RouteKeys((_key(i),)), Policy.CHUNK)[0].replica_id for i in range(60))
     assert set(firsts) == {"r0", "r1", "r2"}
 
 
-def test_a_pinned_replica_goes_first_while_alive_and_within_the_skew_else_routing_as_usual() -> None:
+def test_without_chunks_or_a_conversation_it_is_power_of_two_among_the_soonest() -> None:
+    rng = random.Random(1)
+    views = [_view(f"r{i}", queue=q) for i, q in enumerate([0, 1, 1, 1])]
+    firsts = Counter()
+    for _ in range(300):
+        ranking = route(views, RouteKeys(), Policy.CHUNK, slack=10, rng=rng)
+        assert ranking.reason is Reason.BALANCED
+        firsts[ranking.replicas[0].replica_id] += 1
+    assert 0.35 < firsts["r0"] / 300 < 0.65  # r0 wins whenever it is drawn (half the draws)
+    assert set(firsts) == {"r0", "r1", "r2", "r3"}
+
+
+def test_a_pinned_replica_goes_first_while_alive_and_within_the_slack_else_routing_as_usual() -> None:
     """The replica that answered a conversation last (`RouteKeys.pinned`) beats chunk locality and
     the published affinity; dead (not a candidate) or overloaded, the request routes as any other."""
     conv = conversation_id("docs", "What is the secret number?")
@@ -162,13 +249,14 @@ def test_a_pinned_replica_goes_first_while_alive_and_within_the_skew_else_routin
     assert usual[0] == "filtered"
     pinned = RouteKeys(keys.chunks, conv, pinned="tree")
     for seed in range(5):
-        ranked = [v.replica_id for v in rank(views, pinned, Policy.CHUNK, rng=random.Random(seed))]
+        ranked = [v.replica_id for v in rank(views, pinned, Policy.CHUNK, slack=2, rng=random.Random(seed))]
         assert ranked == ["tree", "filtered", "chunks"]  # the rest as they rank among themselves
     # its replica died (Ray no longer offers it): routing as usual
     assert [v.replica_id for v in rank([chunks, filtered], pinned, Policy.CHUNK)] == ["filtered", "chunks"]
-    # overloaded past the skew: passed over as any replica is, ranked after those within it
+    # overloaded past the slack: passed over as any replica is, ranked after those within it
     tree.queue = 9
-    assert [v.replica_id for v in rank(views, pinned, Policy.CHUNK, max_skew=4)][-1] == "tree"
+    assert [v.replica_id for v in rank(views, pinned, Policy.CHUNK)][-1] == "tree"
+    assert route(views, pinned, Policy.CHUNK).reason is not Reason.PINNED
     assert [v.replica_id for v in rank([tree], pinned, Policy.CHUNK)] == ["tree"]  # alone: still chosen
 
 

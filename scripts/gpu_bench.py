@@ -47,6 +47,7 @@ from gpu_bench_parts import (  # noqa: E402 - after sys.path names this folder (
     MODES,
     PREFIX_TOKENS,
     QUESTION_TOKENS,
+    SECTIONS,
     Budget,
     Run,
     Section,
@@ -55,10 +56,14 @@ from gpu_bench_parts import (  # noqa: E402 - after sys.path names this folder (
     build_model,
     card_of,
     derive,
+    describe,
     drop_page_cache,
     filesystem_of,
     hf_forward,
+    ints,
+    ints_or_none,
     make_config,
+    sections,
     set_attn,
     sizes,
     sync,
@@ -178,7 +183,7 @@ class ModelBench:
             one = lambda mode: self.eng.run(self._prompt(c, self.kvs[:c]), Mode(mode), self._options(mode))  # noqa: E731 - the pass timed, named for the timer
         for mode in MODES:
             m = self.sec.measure(f"{self.name} c{c} {mode} device-held KV", lambda mode=mode: one(mode),
-                                 est_s=full["median_s"], note=_describe)
+                                 est_s=full["median_s"], note=describe)
             if m is not None:
                 held[mode] = m
                 self.eng.speed.observe_prompt(Mode(mode), len(ids), m["median_s"])  # the pass over KV at hand
@@ -240,7 +245,7 @@ class ModelBench:
                     f"{self.name} c{c} {mode} {label}",
                     lambda mode=mode, store=store, keys=keys, load=load, controller=controller: self._tier_pass(
                         store, keys[:c], c, mode, load == "layered", controller),
-                    setup=setup, est_s=est, note=lambda r: {**_describe(r[0]), "chunks_computed_not_read": r[1]})
+                    setup=setup, est_s=est, note=lambda r: {**describe(r[0]), "chunks_computed_not_read": r[1]})
                 if m is not None:
                     res[mode] = m
             if tier == "disk":
@@ -504,37 +509,6 @@ class ModelBench:
             self.__dict__.pop(name, None)  # the weights and every KV: freed before the next model
 
 
-def _describe(res: Any) -> dict[str, Any]:
-    out = {"recompute_fraction": round(float(res.recompute_fraction), 4), "prompt_tokens": res.n_prompt_tokens,
-           "phases_s": {k: round(v, 6) for k, v in res.timings.items()}}
-    if res.used_chunks is not None:
-        out["used_chunks"] = len(res.used_chunks)
-        out["handed_over"] = res.handed_over
-    return out
-
-
-# ---------------------------------------------------------------- main
-
-
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
-
-
-SECTIONS = ("hf", "decode", "generate", "profile", "tiers", "transfers")
-
-
-def _sections(s: str) -> list[str]:
-    got = [x.strip() for x in s.split(",") if x.strip()]
-    bad = [x for x in got if x not in SECTIONS]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown section(s) {', '.join(bad)}; of {', '.join(SECTIONS)}")
-    return got
-
-
-def _ints_or_none(s: str) -> list[int]:
-    return [] if s.strip().lower() == "none" else _ints(s)
-
-
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="folder for gpu_bench.json")
@@ -543,14 +517,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default=None, help="default: cuda when there is one, else cpu")
     ap.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default=None,
                     help="default: bfloat16 on CUDA, float32 on the CPU")
-    ap.add_argument("--chunks", type=_ints, default=[8, 16], help="chunk counts, e.g. 8,16")
+    ap.add_argument("--chunks", type=ints, default=[8, 16], help="chunk counts, e.g. 8,16")
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--ratio", type=float, default=0.15, help="blend's recompute ratio")
-    ap.add_argument("--batches", type=_ints, default=[1, 8, 32, 64], help="decode batch sizes")
-    ap.add_argument("--sections", type=_sections, default=list(SECTIONS),
+    ap.add_argument("--batches", type=ints, default=[1, 8, 32, 64], help="decode batch sizes")
+    ap.add_argument("--sections", type=sections, default=list(SECTIONS),
                     help=f"what to run beside the build, the check and full/mode TTFT (default all: {','.join(SECTIONS)})")
-    ap.add_argument("--generate-batches", type=_ints, default=[1, 32], help="transformers generate() batch sizes")
-    ap.add_argument("--profile-batches", type=_ints_or_none, default=[1, 32],
+    ap.add_argument("--generate-batches", type=ints, default=[1, 32], help="transformers generate() batch sizes")
+    ap.add_argument("--profile-batches", type=ints_or_none, default=[1, 32],
                     help="decode batch sizes profiled with torch.profiler ('none': no profile)")
     ap.add_argument("--decode-steps", type=int, default=None, help="timed decode steps (default 16; --quick 4)")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats after a warm-up (default 3; --quick 1)")

@@ -498,3 +498,34 @@ def table(data: dict[str, Any]) -> str:
     if data["errors"]:
         lines.append(f"errors {len(data['errors'])}: " + "; ".join(e["what"] for e in data["errors"]))
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- results and arguments
+
+
+def describe(res: Any) -> dict[str, Any]:
+    out = {"recompute_fraction": round(float(res.recompute_fraction), 4), "prompt_tokens": res.n_prompt_tokens,
+           "phases_s": {k: round(v, 6) for k, v in res.timings.items()}}
+    if res.used_chunks is not None:
+        out["used_chunks"] = len(res.used_chunks)
+        out["handed_over"] = res.handed_over
+    return out
+
+
+def ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+SECTIONS = ("hf", "decode", "generate", "profile", "tiers", "transfers")
+
+
+def sections(s: str) -> list[str]:
+    got = [x.strip() for x in s.split(",") if x.strip()]
+    bad = [x for x in got if x not in SECTIONS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown section(s) {', '.join(bad)}; of {', '.join(SECTIONS)}")
+    return got
+
+
+def ints_or_none(s: str) -> list[int]:
+    return [] if s.strip().lower() == "none" else ints(s)

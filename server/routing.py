@@ -17,7 +17,7 @@ and load are thus one number, as NVIDIA Dynamo's KV router weighs overlap agains
 **Placement.** The replicas expected within `slack` prompt passes of the soonest count as
 equally soon; among them the request goes to the one holding most of it (chunks by tier, its
 conversation's KV tree), and where none holds more, to its rendezvous home (`home_weight` of
-the least of its chunk keys, a min-hash: the requests of one topic share it). So a chunk set
+the document most of its chunks come from: every question on a document shares it). So a chunk set
 lives in one replica's tier, and the replicas' tiers together approach one tier their size. A
 hot set whose home is too busy goes to its second home, which warms a second copy: hot sets
 are replicated, and only onto the replicas their rendezvous order names. Each decision is
@@ -31,6 +31,7 @@ replica first while it is alive and within the slack, whatever the Bloom filters
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import hashlib
@@ -200,14 +201,20 @@ class RouteKeys:
     # ranked first while it is a candidate within the slack; None = none known
     pinned: str | None = None
     tokens: tuple[int, ...] = ()  # each chunk's tokens (as `chunks`); empty = DEFAULT_CHUNK_TOKENS each
+    documents: tuple[str, ...] = ()  # each chunk's document (as `chunks`); empty = unknown
 
     def tokens_of(self, i: int) -> int:
         return self.tokens[i] if i < len(self.tokens) else DEFAULT_CHUNK_TOKENS
 
     @property
     def placement(self) -> str | None:
-        """The key the request is placed by (`home_weight`): the least of its chunk keys (a
-        min-hash: two requests sharing most of their chunks share it), else its conversation."""
+        """The key the request is placed by (`home_weight`): the document most of its chunks
+        come from (the best-ranked of equals; every question on a document shares its chunk
+        set's home), else the least of its chunk keys (a min-hash: two requests sharing most of
+        their chunks likely share it), else its conversation."""
+        if self.documents:
+            counts = collections.Counter(self.documents)
+            return "doc\0" + max(self.documents, key=lambda d: counts[d])  # max keeps the first of equals
         return min(self.chunks) if self.chunks else self.conversation
 
 

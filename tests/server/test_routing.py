@@ -147,6 +147,27 @@ def test_a_chunk_set_nobody_holds_goes_to_its_rendezvous_home_and_homes_spread_o
     assert set(firsts) == {"r0", "r1", "r2", "r3"} and min(firsts.values()) > 60  # about 100 each
 
 
+def test_questions_on_one_document_share_its_home_whatever_chunks_they_retrieve() -> None:
+    """Placement by the document most of a request's chunks come from: two questions on one
+    document that retrieve different chunks of it (and one chunk of another document) still
+    go to that document's home, where a min-hash over their keys would often split them."""
+    views = [_view(f"r{i}") for i in range(4)]
+    homes = Counter()
+    for doc in range(40):
+        own = [_key(100 * doc + j) for j in range(5)]
+        for q in range(4):
+            chunks = (own[q], own[q + 1], own[(q + 2) % 5], _key(99_000 + 10 * doc + q))
+            keys = RouteKeys(chunks, documents=(f"d{doc}", f"d{doc}", f"d{doc}", f"d{doc + 1}"))
+            assert keys.placement == f"doc\0d{doc}"
+            homes[(doc, rank(views, keys, Policy.CHUNK)[0].replica_id)] += 1
+    assert len(homes) == 40  # one home per document
+    assert len({replica for _, replica in homes}) == 4  # the documents' homes spread over the replicas
+    # the best-ranked document among equals; without documents, the min-hash; without chunks, the conversation
+    assert RouteKeys((_key(1), _key(2)), documents=("b", "a")).placement == "doc\0b"
+    assert RouteKeys((_key(1), _key(2))).placement == min(_key(1), _key(2))
+    assert RouteKeys((), conversation_id("docs", "q")).placement == conversation_id("docs", "q")
+
+
 def test_a_hot_set_whose_home_is_busy_overflows_to_its_second_home_and_only_there() -> None:
     keys = RouteKeys(tuple(_key(i) for i in range(4)))
     views = [_view(f"r{i}") for i in range(4)]

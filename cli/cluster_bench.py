@@ -51,7 +51,7 @@ class _Tally:
     agent_later: int = 0  # agent calls after a loop's first
     agent_later_on_tree: int = 0  # ... that found their conversation's KV tree
     errors: int = 0
-    loads: list[tuple[str, int]] = field(default_factory=list)  # (chunk id, tokens) of every counted load, in order
+    loads: list[tuple[str, int]] = field(default_factory=list)  # (KV read, tokens) per load
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -139,10 +139,13 @@ def _ask(client, question: str, tally: _Tally, max_new: int, top_k: int,  # RagC
         with tally.lock:
             tally.errors += 1
         return
-    loaded = [c for c in stream.chunks if c.kv_tier is not Tier.TREE]
-    tiers = [c.kv_tier for c in loaded]
+    # a load is of the KV a chunk is served from: the prompt's first chunk reads its plain KV, a
+    # later one its neighbour KV (the default index), two entries of a tier, so two keys here
+    loaded = [(c, f"{c.chunk_id}#first" if i == 0 else c.chunk_id) for i, c in enumerate(stream.chunks)
+              if c.kv_tier is not Tier.TREE]
+    tiers = [c.kv_tier for c, _ in loaded]
     with tally.lock:
-        tally.loads += [(c.chunk_id, c.num_tokens) for c in loaded]
+        tally.loads += [(key, c.num_tokens) for c, key in loaded]
         tally.ttft.append(stats.ttft_seconds)
         tally.fast += sum(t in _FAST for t in tiers)
         tally.slow += sum(t not in _FAST for t in tiers)
@@ -208,7 +211,8 @@ def _bounds(t: _Tally, replicas: int, cpu_tokens: int) -> dict:
     """What placement alone can do, on this policy's own sequence of loads: one replica's CPU
     tier seeing every load (a policy that does not place: each replica's tier caches the
     whole stream), and one tier as large as all replicas' together (perfect placement, no
-    chunk held twice). Chunk routing can at best move the hit rate from the first to the
+    KV held twice). Loads are counted by the KV read (`_ask`: a chunk's plain KV when it is
+    the prompt's first, its neighbour KV after). Chunk routing can at best move the hit rate from the first to the
     second; their ratio bounds its gain over power-of-two choices."""
     return {"one_tier_hit_rate": lru_hit_rate(t.loads, cpu_tokens),
             "pooled_tiers_hit_rate": lru_hit_rate(t.loads, cpu_tokens * replicas)}

@@ -14,7 +14,7 @@ import pytest
 # The slow part of the suite, marked `slow` here by where it lives: the model-judgement tests
 # (the agents' standard suites and cited answers on the shipped SmolLM2) and the benches' smoke
 # runs. `make test` leaves them out; `make test-slow` runs them; CI (.ci/run) runs both.
-SLOW_PATHS = ("tests/agents/", "tests/bench/test_soak.py", "tests/bench/test_slow_tier.py",
+SLOW_PATHS = ("tests/agents/", "tests/bench/test_soak.py", "tests/bench/test_slow_tier.py", "tests/bench/test_slow_client.py",
               "tests/cli/test_eval_bench.py")
 
 

@@ -64,6 +64,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     load.add_argument("--prompt-slice-s", type=float, default=None, metavar="S",
                       help="the server's --prompt-slice-s: seconds of prompt work between decode steps "
                            "(default: the server's)")
+    load.add_argument("--prompt-first-s", type=float, default=None, metavar="S",
+                      help="the server's --prompt-first-s: prompt time a pass gets before decode steps may cut it "
+                           "(default: the server's)")
     agent = p.add_argument_group(
         "agent loop", "instead: an agent's tool loop (the question, then a tool call and its result per step) "
         "against two in-process servers on one index, with the KV tree and without it; prints each step's TTFT "
@@ -101,8 +104,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "many replicas (--replicas N; the ray extra)",
         "Deploy N engine replicas on a local Ray (ragkv serve --replicas) once per routing policy, fresh each "
         "time, and run the same workload against each: Zipf-popular topics and agent loops from several "
-        "clients. Prints per policy the fast-tier hit rate (chunk KV from a replica's GPU/CPU tier), TTFT "
-        "p50/p95 and KV-tree hits, then kills a replica under load and counts hung requests.")
+        "clients. Prints per policy the fast-tier hit rate (chunk KV from a replica's GPU/CPU tier) beside the "
+        "bounds placement sets, TTFT p50/p95/p99, KV-tree hits and the router's decisions by reason, then kills "
+        "a replica under load and counts hung requests.")
     cluster.add_argument("--replicas", type=int, default=None, metavar="N", help="engine replicas (>= 2)")
     cluster.add_argument("--routing", default="chunk,pow2", help="policies to compare: chunk, pow2 (default both)")
     cluster.add_argument("--requests", type=int, default=80, help="work items per policy (default 80)")

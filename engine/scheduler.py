@@ -7,15 +7,15 @@ Each iteration is schedule, execute, update:
    `DecodeStep` (one batched forward for every decoding request). Prompt work goes to
    the pass with the least work left (the `prompt_cost` it was submitted with, less what
    it has done, aged by its wait: shortest remaining first, without starving a long
-   one). While others decode, prompt work runs in slices between decode steps, each
-   slice a budget of prompt tokens (token-layers: a step of a layer over n tokens spends
-   n) sized from the engine's measured speed to take `prompt_slice_s`: a step whose tokens
-   (as many as its pass's last step computed) would overrun the slice's budget waits for
-   the next slice, after a decode step, so decode never waits much more than a slice. A
-   slice runs one step at least (no pass starves), and ends on time as well, whatever the
-   tokens say. A short pass (reuse: a few question tokens a layer) fits a slice or two
-   whole; a long one (full prefill) shares the engine with decode steps layer by layer.
-   With nobody decoding, prompt work goes on;
+   one). A pass still within its first `prompt_first_s` of prompt time is not cut by
+   decode steps: short passes (reuse, focus, blend) finish in one go, which keeps their
+   time to first token near what it is alone. Past it, while others decode, prompt work
+   runs in slices between decode steps, each slice a budget of prompt tokens
+   (token-layers: a step of a layer over n tokens spends n) sized from the engine's
+   measured speed to take `prompt_slice_s`: a step whose tokens (as many as its pass's
+   last step computed) would overrun the slice's budget waits for the next slice, after a
+   decode step. A slice runs one step at least (no pass starves), and ends on time as
+   well, whatever the tokens say. With nobody decoding, prompt work goes on;
 2. **execute** runs that step: the request's work generator for a prompt step,
    `engine.decode.decode_batch` for a decode step (the weights are read once per step
    for all of them);
@@ -120,14 +120,17 @@ class SchedulerConfig:
     # seconds of prompt work between two decode steps: a budget of prompt tokens at the measured
     # token rate of prompt steps (by time until a step was measured)
     prompt_slice_s: float = 0.05
+    # a pass that has had less prompt time than this is not cut by decode steps: short passes
+    # (reuse, blend, focus) finish in one go, a long one (full prefill) goes on in slices
+    prompt_first_s: float = 0.5
     # the order of prompt work: least remaining work first (submit's prompt_cost, less what the
     # pass has done), a second of waiting counting as this many seconds less work (no starving)
     aging: float = 0.25
     heap_trim_s: float = 10.0  # under load, free host heap pages go back to the OS this often; 0 = never
 
     def __post_init__(self) -> None:
-        if (self.kv_budget_bytes < 1 or self.max_batch < 1 or self.prompt_slice_s <= 0 or self.aging < 0
-                or self.heap_trim_s < 0):
+        if (self.kv_budget_bytes < 1 or self.max_batch < 1 or self.prompt_slice_s <= 0 or self.prompt_first_s < 0
+                or self.aging < 0 or self.heap_trim_s < 0):
             raise ValueError(f"scheduler budgets must be positive, got {self}")
 
 
@@ -316,11 +319,12 @@ class Scheduler:
         return EndReason.CANCELLED if req.cancel.is_set() else None
 
     def _next_step(self, prompting: list[_Job], decoding: tuple[_Job, ...]) -> PromptStep | DecodeStep | None:
-        """The pass with the least work left gets the next layer step, unless others decode and
-        that step does not fit what is left of this slice (`_fits`). A full batch takes no new pass."""
+        """The pass with the least work left gets the next layer step, unless others decode, that
+        pass is past its first quantum (`prompt_first_s` of its own prompt time) and its step does
+        not fit what is left of this slice (`_fits`). A full batch takes no new pass."""
         if prompting and len(decoding) < self.config.max_batch:
             job = min(prompting, key=self._priority)  # stable: the oldest of equals
-            if not decoding or self._fits(job):
+            if not decoding or job.request.prompt_s < self.config.prompt_first_s or self._fits(job):
                 return PromptStep(job)
         return DecodeStep(decoding) if decoding else None
 

@@ -256,11 +256,13 @@ def _decoding(engine: Engine, sched: Scheduler, order: list[str]) -> tuple[_Sink
     return sink, stop
 
 
-def test_a_long_prompt_does_not_stall_decoding(tiny_lm) -> None:
-    """Decode steps of a running request happen between the layers of a new prompt pass."""
+@pytest.mark.parametrize("first_s", [0.0, 30.0])
+def test_a_long_prompt_does_not_stall_decoding(tiny_lm, first_s: float) -> None:
+    """Decode steps of a running request happen between the layers of a new prompt pass,
+    once that pass has had its first `prompt_first_s` of prompt time uncut."""
     engine = Engine(tiny_lm)
     order: list[str] = []
-    sched = Scheduler(SchedulerConfig(prompt_slice_s=1e-6))
+    sched = Scheduler(SchedulerConfig(prompt_slice_s=1e-6, prompt_first_s=first_s))
     a, _ = _decoding(engine, sched, order)
 
     def long_prompt():
@@ -279,7 +281,10 @@ def test_a_long_prompt_does_not_stall_decoding(tiny_lm) -> None:
     assert b.ended.wait(60) and a.ended.wait(60)
     sched.close()
     first, last = order.index("layer"), len(order) - 1 - order[::-1].index("layer")
-    assert "piece" in order[first:last], order  # decode went on while the long prompt ran
+    if first_s:  # the whole pass is within its first quantum: no decode step cuts it
+        assert "piece" not in order[first:last], order
+    else:
+        assert "piece" in order[first:last], order  # decode went on while the long prompt ran
 
 
 def test_a_slice_is_a_token_budget_a_short_pass_fits_whole_and_a_heavy_step_waits(tiny_lm) -> None:
@@ -289,7 +294,7 @@ def test_a_slice_is_a_token_budget_a_short_pass_fits_whole_and_a_heavy_step_wait
     two of its steps, although the slice's time (80 ms of 100) would have let the second run."""
     engine = Engine(tiny_lm)
     order: list[str] = []
-    sched = Scheduler(SchedulerConfig(prompt_slice_s=0.1, aging=0.0))
+    sched = Scheduler(SchedulerConfig(prompt_slice_s=0.1, prompt_first_s=0.0, aging=0.0))
     decoder, stop = _decoding(engine, sched, order)
 
     def scripted(name: str, steps: int, tokens: int):

@@ -138,7 +138,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a and b else None
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct", help="model spec (default: the shipped SmolLM2)")
     ap.add_argument("--duration", type=float, default=30.0, help="seconds per phase (default 30)")
@@ -147,7 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fourth-new-tokens", type=int, default=8, help="the fourth client's answers (default 8)")
     ap.add_argument("--index", type=Path, default=None, help="an existing index (default: build the bench's)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     from ragkv.cli.load_bench import _build_index, _questions
     from ragkv.retriever.manifest import KV_DIR_NAME
     from ragkv.server.inprocess import InProcessServer

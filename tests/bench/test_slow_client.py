@@ -27,3 +27,17 @@ def test_slow_client_bench_reports_both_sides_of_the_stall(tiny_llama_dir, capsy
     assert "loaded" not in slow["kv_sources"]
     assert slow["ttft_p95_s"] < 0.8
     assert "fourth ttft_p50 slow/computed" in out["ratios"]
+
+
+def test_every_slow_client_command_in_the_docs_parses() -> None:
+    import re
+    import shlex
+    from pathlib import Path
+
+    from bench.slow_client import build_parser
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    found = [m for doc in docs.glob("*.md") for m in re.findall(r"python -m bench\.slow_client([^`\n]*)", doc.read_text())]
+    assert found, "docs/*.md cite the bench"
+    for args in found:
+        build_parser().parse_args(shlex.split(args))

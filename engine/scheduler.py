@@ -89,7 +89,6 @@ from ragkv.errors import RagKVError
 
 log = logging.getLogger(__name__)
 
-_TOKEN_RATE_ALPHA = 0.05  # weight of the newest prompt step in the token rate's moving average
 _PARKED_CHECK_S = 0.1  # while jobs wait for KV, the idle loop looks for their cancels this often
 _R = TypeVar("_R")  # a parked future's result, whatever it is (only its being done is read)
 
@@ -207,7 +206,6 @@ class Scheduler:
         self._slice_t0 = time.perf_counter()  # when the current slice of prompt work began
         self._slice_steps = 0  # prompt steps in it (a slice has one at least: no pass starves)
         self._slice_tokens = 0  # prompt tokens its steps computed
-        self._token_rate: float | None = None  # prompt tokens (token-layers) per second of prompt steps, learned
         self._trimmed = time.monotonic()  # last heap trim
         self._speed = EngineSpeed()  # prompt work's measured rate; the engine's own once shared (share_engine)
         self._thread = threading.Thread(target=self._loop, name="ragkv-scheduler", daemon=True)
@@ -331,13 +329,13 @@ class Scheduler:
     def _fits(self, job: _Job) -> bool:
         """Whether `job`'s next step fits this slice of prompt work: the slice has run no step yet
         (one at least: no pass starves), or it has time left and the step's expected tokens fit
-        its token budget (`prompt_slice_s` at the learned token rate)."""
+        its token budget (`prompt_slice_s` at the learned token rate, `EngineSpeed.step_tokens_per_s`)."""
         if not self._slice_steps:
             return True
         slice_s = self.config.prompt_slice_s
         if time.perf_counter() - self._slice_t0 >= slice_s:
             return False
-        rate = self._token_rate
+        rate = self._speed.step_tokens_per_s
         return rate is None or self._slice_tokens + job.step_tokens <= rate * slice_s
 
     def _priority(self, job: _Job) -> float:
@@ -398,9 +396,7 @@ class Scheduler:
         if type(item) is int and item > 0:  # a layer over `item` tokens: the slice's budget and the rate learn it
             job.step_tokens = item
             self._slice_tokens += item
-            rate = item / max(took, 1e-6)
-            self._token_rate = rate if self._token_rate is None else (
-                (1 - _TOKEN_RATE_ALPHA) * self._token_rate + _TOKEN_RATE_ALPHA * rate)
+            self._speed.observe_step(item, took)
         if isinstance(item, WaitFor):  # waiting for its KV: parked, off the prompt work
             self._prompting.remove(job)
             self._park(job, item)

@@ -1,14 +1,16 @@
 """How fast this engine works: measured where the work runs, kept in one place, read by
 whoever plans around it.
 
-Three rates, each learned once, as moving averages:
+The rates, each learned once, as moving averages:
 - **chunk prefill**, tokens per second: every chunk the engine computes (`engine.answer`,
   and the server's warm-up at start). The loading controller (`server/loading.py`) reads
   it to decide whether a chunk's KV is read or computed.
 - **prompt work**, `Engine.prompt_cost` units per second of a whole prompt pass: every pass
   the scheduler finishes. The scheduler reads it to order prompt work by the seconds each
-  pass has left (`engine/scheduler.py`).
-
+  pass has left (`engine/scheduler.py`), and with the mean seconds of a pass it tells the
+  cluster's router how much prompt work it holds (`SchedulerStats.backlog_s`).
+- **prompt steps**, tokens (token-layers) per second of one layer step: every prompt step the
+  scheduler runs. The scheduler sizes its slices of prompt work between decode steps by it.
 - **prompt tokens per second of each mode's pass**: every pass the scheduler finishes that the
   KV tree did not serve, less the seconds spent computing its chunks. The loading controller
   reads it to serve a request by full prefill when reading and blending its chunks would take
@@ -27,18 +29,22 @@ from ragkv.types import Mode
 
 _PREFILL_ALPHA = 0.3  # weight of the newest chunk in the prefill rate's moving average
 _PASS_ALPHA = 0.2  # weight of the newest pass in the prompt-work rate's moving average
+_STEP_ALPHA = 0.05  # weight of the newest prompt step in the step token rate's moving average
 
 
 @dataclass(slots=True)
 class _Rate:
+    """A moving average: of `amount / seconds` (`observe`), or of values as they come (`add`)."""
+
     alpha: float
     value: float | None = None
 
     def observe(self, amount: float, seconds: float) -> None:
-        if amount <= 0 or seconds <= 0:
-            return
-        r = amount / seconds
-        self.value = r if self.value is None else (1 - self.alpha) * self.value + self.alpha * r
+        if amount > 0 and seconds > 0:
+            self.add(amount / seconds)
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
 
 
 class EngineSpeed:
@@ -49,7 +55,8 @@ class EngineSpeed:
         self._lock = threading.Lock()
         self._prefill = _Rate(_PREFILL_ALPHA)
         self._passes = _Rate(_PASS_ALPHA)
-        self._pass_s: float | None = None  # seconds of one pass, moving average
+        self._pass_s = _Rate(_PASS_ALPHA)  # seconds of one pass (`add`)
+        self._steps = _Rate(_STEP_ALPHA)  # prompt tokens (token-layers) per second of one prompt step
         self._modes: dict[Mode, _Rate] = {}
 
     def observe(self, tokens: int, seconds: float) -> None:
@@ -68,14 +75,25 @@ class EngineSpeed:
         with self._lock:
             self._passes.observe(cost, seconds)
             if seconds > 0:
-                self._pass_s = seconds if self._pass_s is None else (
-                    (1 - _PASS_ALPHA) * self._pass_s + _PASS_ALPHA * seconds)
+                self._pass_s.add(seconds)
 
     @property
     def pass_s(self) -> float | None:
         """Seconds of prompt work of one pass, on average; None until a pass was measured."""
         with self._lock:
-            return self._pass_s
+            return self._pass_s.value
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """A prompt step (one layer) over `tokens` tokens took `seconds`."""
+        with self._lock:
+            self._steps.observe(tokens, max(seconds, 1e-6))
+
+    @property
+    def step_tokens_per_s(self) -> float | None:
+        """Prompt tokens (token-layers) per second of prompt steps, what the scheduler sizes its
+        slices by; None until a step was measured."""
+        with self._lock:
+            return self._steps.value
 
     @property
     def cost_per_s(self) -> float | None:

@@ -171,7 +171,7 @@ class ServerMetrics:
 
     def watch_routing(self, read: Callable[[], tuple[Mapping[str, int], Mapping[str, Mapping[str, float]]]]) -> None:
         """Export the cluster router's decisions and the replicas' own gauges at each scrape
-        (`read()` -> (decisions by reason, {replica: {gauge: value}}), server/cluster.py's
+        (`read()` -> (decisions by reason, {replica: {gauge: value}}), server/routing.py's
         `RouterViews.read`): ragkv_route_decisions_total{reason} and, per replica as it last
         published (seconds old), ragkv_replica_<gauge>{replica} (backlog_seconds, queue,
         requests_running, kv_tree_bytes, tier_chunks_cpu, ...)."""

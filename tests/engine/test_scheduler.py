@@ -303,7 +303,7 @@ def test_a_slice_is_a_token_budget_a_short_pass_fits_whole_and_a_heavy_step_wait
             order.append(name)
             yield tokens
 
-    sched._token_rate = None  # the rate learned from these steps alone (not the tiny model's own pass)
+    sched.share_engine(_NoTree(), EngineSpeed())  # the rate learned from these steps alone (not the tiny model's pass)
     short, long = _Sink(), _Sink()
     _submit(sched, scripted("short", 3, 10), short, prompt_cost=1)
     assert short.ended.wait(30)

@@ -16,7 +16,12 @@ on garbage collection of a lease never released). After the answer, the request'
 sequence is inserted (`KVTree.insert`). The tree holds at most `budget_bytes` on the
 device: an insert makes room from least-recently-used nodes that no lease holds and that
 hold no device node below them, and inserts nothing when the budget cannot hold it. A
-leased node is never split or evicted, so a lease's tensors stay as they were matched.
+leased node is never split or evicted, so a lease's tokens stay as they were matched.
+
+Storage: the device and CPU tiers each keep their nodes' KV in one pool of token slots
+(`engine.tree_pool.KVPool`); a node holds indices into it (`Node.slots`), so a split moves no
+KV and a lease copies its path out once, under the lock, when its pass writes it. Admission's
+`shrink` compacts the device pool and renumbers the nodes' slots.
 
 Tiers (SGLang HiCache's, over conversations): a node that makes room on the device moves
 down to CPU memory (`host_bytes`), and from there to disk (`files`, `disk_bytes`: kvstore's
@@ -50,6 +55,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+import torch
+
 from ragkv.engine.kv import KVCache
 from ragkv.engine.retention import Pins, ToolLatency
 from ragkv.engine.tree_disk import TreeDisk
@@ -67,8 +74,8 @@ from ragkv.engine.tree_node import (
     cache_bytes,
     common_prefix,
     lineage,
-    slice_kv,
 )
+from ragkv.engine.tree_pool import KVPool
 
 __all__ = ["KVTree", "RecurrentSnapshot", "Tier", "ToolLatency", "TreeContext", "TreeKey", "TreeLease", "TreeStats"]
 
@@ -109,6 +116,8 @@ class KVTree(TreeDisk):
         self.files = None if recurrent or not budget_bytes or not disk_bytes else files
         self.disk_budget = disk_bytes if self.files is not None else 0
         self._tenant_bytes: dict[str, int] = {}  # device KV bytes held per tenant
+        # each memory tier's KV, in one pool of token slots that its nodes index (`Node.slots`)
+        self._pools = {Tier.DEVICE: KVPool(budget_bytes), Tier.HOST: KVPool(self.host_budget, "cpu")}
         self._roots: dict[TreeKey, Node] = {}
         self._lock = threading.Lock()
         self._clock = itertools.count(1)
@@ -146,7 +155,8 @@ class KVTree(TreeDisk):
                              self._hit_tokens, self._misses, self._evictions, self._evicted_bytes, pinned,
                              self.latency.ttl(), self.latency.observed, self._host_bytes, self.host_budget,
                              self._disk_bytes, self.disk_budget, self._spills, self._spilled_hit_tokens,
-                             self._restored, self._read_errors, self._warmed, self._reads_skipped)
+                             self._restored, self._read_errors, self._warmed, self._reads_skipped,
+                             self._pools[Tier.DEVICE].nbytes)
 
     def match(self, key: TreeKey, ids: Sequence[int]) -> TreeLease | None:
         """The longest path under `key` that `ids` (the tokens after the context) starts with,
@@ -177,7 +187,8 @@ class KVTree(TreeDisk):
             self._hits += 1
             self._hit_tokens += len(root.ids) + pos
             self._spilled_hit_tokens += spilled
-        return TreeLease(self._release, root.ids, root.context, pos, parts, _state=state, spilled=spilled)
+        return TreeLease(self._release, self._gather, root.ids, root.context, pos, parts, _state=state,
+                         spilled=spilled)
 
     def _find(self, key: TreeKey, ids: tuple[int, ...]) -> tuple[object | None, list[LeasedPart]] | None:
         """The path `ids` matches under `key` (at least its last token left out), and a hybrid's
@@ -187,14 +198,14 @@ class KVTree(TreeDisk):
             self._misses += root is None
             return None
         now = next(self._clock)
-        parts = [LeasedPart(root, len(root.ids), root.k, root.v)]
+        parts = [LeasedPart(root, len(root.ids))]
         node, pos, limit = root, 0, len(ids) - 1
         while pos < limit:
             child = node.children.get(ids[pos])
             if child is None:
                 break
             n = common_prefix(child.ids, ids[pos:limit])
-            parts.append(LeasedPart(child, n, child.k, child.v))
+            parts.append(LeasedPart(child, n))
             pos += n
             if n < len(child.ids):
                 break
@@ -233,6 +244,27 @@ class KVTree(TreeDisk):
         with self._lock:
             for node in nodes:
                 node.refs -= 1
+
+    def _gather(self, node: Node, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A lease's copy of a pool-held node's first `n` tokens' K and V, [L, Hkv, n, D]."""
+        with self._lock:
+            return self._kv(node, n)
+
+    def _kv(self, node: Node, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the KV a DEVICE or HOST node holds in its tier's pool (its first `n` tokens)."""
+        if node.slots is None:
+            raise RuntimeError(f"KV tree node of context {node.key} on tier {node.tier.name} holds no slots: a bug")
+        return self._pools[node.tier].get(node.slots if n is None else node.slots[:n])
+
+    def _hold(self, node: Node, tier: Tier, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Put `node`'s K and V ([L, Hkv, T, D]) in `tier`'s pool (the node counted off every tier)."""
+        node.slots, node.tier = self._pools[tier].put(k, v), tier
+
+    def _let_slots_go(self, node: Node) -> None:
+        """Give a DEVICE or HOST node's slots back to its tier's pool."""
+        if node.slots is not None:
+            self._pools[node.tier].release(node.slots)
+            node.slots = None
 
     def insert(self, key: TreeKey, context_ids: Sequence[int], context: TreeContext, ids: Sequence[int],
                cache: KVCache, snapshot: RecurrentSnapshot | None = None, pin_s: float = 0.0,
@@ -294,7 +326,7 @@ class KVTree(TreeDisk):
                 tier = self._place(cache_bytes(cache, c), None, key.tenant)
                 if tier is None:
                     return 0
-                root = self._new(tier, Node(context_ids, *slice_kv(cache, 0, c), 0, None, key, context))
+                root = self._new(tier, Node(context_ids, 0, None, key, context), cache)
                 self._roots[key] = root
             elif root.ids != context_ids:  # the key names another context: a digest collision or a bug
                 raise ValueError(f"KV tree context {key} holds other tokens than the ones inserted under it")
@@ -307,7 +339,7 @@ class KVTree(TreeDisk):
                     tier = self._place(cache_bytes(cache, len(ids) - pos), node, key.tenant)
                     if tier is None:
                         break
-                    leaf = self._new(tier, Node(ids[pos:], *slice_kv(cache, c + pos, c + len(ids)), c + pos, node, key))
+                    leaf = self._new(tier, Node(ids[pos:], c + pos, node, key), cache)
                     leaf.used = now
                     node.children[ids[pos]] = leaf
                     path.append(leaf)
@@ -353,12 +385,10 @@ class KVTree(TreeDisk):
             return Tier.HOST
         return None
 
-    def _new(self, tier: Tier, node: Node) -> Node:
-        """`node` (made on the device from a request's cache) counted on `tier`; on the host
-        its KV is copied to CPU memory first."""
-        if tier is Tier.HOST and node.k is not None and node.v is not None and node.k.device.type != "cpu":
-            node.k, node.v = node.k.to("cpu"), node.v.to("cpu")
-        node.tier = tier
+    def _new(self, tier: Tier, node: Node, cache: KVCache) -> Node:
+        """`node` held on `tier`, its KV copied from the request's `cache`, and counted there."""
+        self._hold(node, tier, cache.k[:, :, node.start:node.end], cache.v[:, :, node.start:node.end])
+        node.kv_bytes = cache_bytes(cache, len(node.ids))
         self._add(node)
         return node
 
@@ -368,22 +398,36 @@ class KVTree(TreeDisk):
         if node.tier is Tier.DEVICE or not self._make_room(node.kv_bytes, keep=node, tenant=node.key.tenant):
             return
         self._leave_tier(node)
-        node.k, node.v = slice_kv(cache, node.start, node.end)
-        node.tier, node.kv_bytes = Tier.DEVICE, cache_bytes(cache, len(node.ids))
+        self._hold(node, Tier.DEVICE, cache.k[:, :, node.start:node.end], cache.v[:, :, node.start:node.end])
+        node.kv_bytes = cache_bytes(cache, len(node.ids))
         self._count(node.key.tenant, node.kv_bytes)
 
     @property
     def nbytes(self) -> int:
-        """KV bytes held on the device now."""
-        return self._bytes
+        """Device memory the tree takes now: the KV and recurrent states it holds, and its pool's
+        free slots (at most its budget)."""
+        pool = self._pools[Tier.DEVICE]
+        return self._bytes + (pool.capacity - pool.used) * pool.token_bytes
 
     def shrink(self, limit_bytes: int) -> int:
-        """Make room on the device until at most `limit_bytes` are held there (admission makes
-        room for a request this way): pinned nodes too, after every other, soonest-expiring
-        first; returns the device bytes held after."""
+        """Make room on the device until it takes at most `limit_bytes` (admission makes room
+        for a request this way): nodes leave, pinned ones too, after every other,
+        soonest-expiring first, and the pool gives back its free memory; returns `nbytes` after."""
         with self._lock:
-            self._make_room(0, budget=max(limit_bytes, 0), pinned=True)
-            return self._bytes
+            limit = max(limit_bytes, 0)
+            self._make_room(0, budget=limit, pinned=True)
+            self._compact(Tier.DEVICE, limit - self._bytes)
+            return self.nbytes
+
+    def _compact(self, tier: Tier, spare_bytes: int) -> None:
+        """Shrink `tier`'s pool to its held slots and at most `spare_bytes` more, renumbering
+        its nodes' slots (a lease reads them at its copy, under the lock, so it follows)."""
+        pool = self._pools[tier]
+        remap = pool.compact(pool.used * pool.token_bytes + max(spare_bytes, 0))
+        if remap is not None:
+            for node in self._all():
+                if node.tier is tier and node.slots is not None:
+                    node.slots = remap[node.slots]
 
     def clear(self) -> None:
         """Drop every node no lease holds, on every tier (their files too)."""
@@ -392,6 +436,8 @@ class KVTree(TreeDisk):
                 for node in reversed(root.walk()):
                     if node.refs == 0 and not node.children and (node.parent or self._roots.get(node.key) is node):
                         self._drop(node)
+            self._compact(Tier.DEVICE, 0)
+            self._compact(Tier.HOST, 0)
 
     def tenant_bytes(self, tenant: str) -> int:
         """Device KV bytes `tenant`'s paths hold now."""
@@ -423,11 +469,10 @@ class KVTree(TreeDisk):
         """Cut `node` after its first n tokens: it keeps those, a new child takes the rest (and
         the recurrent state after the rest, if held). A disk node's parts both read its file."""
         self._tier_bytes(node, -1)
-        lower = Node(node.ids[n:], None, None, node.start + n, node, node.key)
+        lower = Node(node.ids[n:], node.start + n, node, node.key)
         lower.tier, lower.file, lower.offset = node.tier, node.file, node.offset + n
-        if node.k is not None and node.v is not None:
-            lower.k, lower.v = node.k[:, :, n:].clone(), node.v[:, :, n:].clone()
-            node.k, node.v = node.k[:, :, :n].clone(), node.v[:, :, :n].clone()
+        if node.slots is not None:  # both keep their slots in the pool: no KV moves
+            lower.slots, node.slots = node.slots[n:], node.slots[:n]
         per_token = node.kv_bytes // len(node.ids)
         lower.kv_bytes, node.kv_bytes = per_token * len(lower.ids), per_token * n
         if node.file is not None:
@@ -491,9 +536,9 @@ class KVTree(TreeDisk):
         it may `leave`: a live pin stays on the device rather than leave)."""
         if node.state is None and self.host_budget and self._host_room(node.kv_bytes):
             self._tier_bytes(node, -1)
-            if node.k is not None and node.v is not None and node.k.device.type != "cpu":
-                node.k, node.v = node.k.to("cpu"), node.v.to("cpu")
-            node.tier = Tier.HOST
+            k, v = self._kv(node)
+            self._let_slots_go(node)
+            self._hold(node, Tier.HOST, k, v)
             self._tier_bytes(node, 1)
             self._spills += 1
         elif (node.state is not None or not self._to_disk(node)) and leave:
@@ -533,8 +578,9 @@ class KVTree(TreeDisk):
             yield from root.walk()
 
     def _leave_tier(self, node: Node) -> None:
-        """Uncount a node from its tier, and let go of its file."""
+        """Uncount a node from its tier, and let go of its slots or its file."""
         self._tier_bytes(node, -1)
+        self._let_slots_go(node)
         if node.file is not None:
             refs = self._file_refs[node.file] - 1
             if refs:

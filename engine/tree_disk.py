@@ -59,18 +59,18 @@ class TreeDisk:
         def _split(self, node: Node, n: int) -> None: ...
         def _free(self, over: Callable[[], bool], candidate: Callable[[Node], bool],
                   act: Callable[[Node], object], rank: Callable[[Node], Rank] | None = None) -> None: ...
+        def _kv(self, node: Node, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+        def _hold(self, node: Node, tier: Tier, k: torch.Tensor, v: torch.Tensor) -> None: ...
+        def _let_slots_go(self, node: Node) -> None: ...
 
     def _read_spilled(self, parts: list[LeasedPart]) -> list[LeasedPart]:
         """Read the disk parts of a leased path (off the lock); the path ends before the first
         that cannot be read, which leaves the tree with what is below it."""
         for j, part in enumerate(parts):
             node = part.node
-            if part.k is not None:
-                continue
-            with self._lock:
-                held = node.k, node.v
-            if held[0] is not None and held[1] is not None:  # brought up to CPU memory since the match (warm)
-                part.k, part.v = held
+            with self._lock:  # held in a pool (perhaps brought up to CPU memory since the match: warm)
+                pooled = node.slots is not None
+            if pooled:
                 continue
             if j and not self._worth_reading(node, part.n):  # computing the rest is sooner
                 self._release([p.node for p in parts[j:]])
@@ -170,8 +170,7 @@ class TreeDisk:
         read: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
             for node in nodes:
-                k, v = self._read_node(node)
-                read.append((k.clone(), v.clone()))  # its own memory, not a view of the whole file
+                read.append(self._read_node(node))  # views of its file, copied into the host pool below
         except Exception as e:  # the call's own match finds it unreadable, and counts it
             log.warning("KV tree: warming %s of context %s failed (%s)", nodes[len(read)].file, key, e)
         brought = 0
@@ -180,7 +179,7 @@ class TreeDisk:
                 if node.tier is not Tier.DISK or not self._host_room(node.kv_bytes):
                     break
                 self._leave_tier(node)
-                node.k, node.v, node.tier = k, v, Tier.HOST
+                self._hold(node, Tier.HOST, k, v)
                 self._tier_bytes(node, 1)
                 brought += len(node.ids)
             for node in nodes:
@@ -202,7 +201,7 @@ class TreeDisk:
                 while stack:
                     node = stack.pop()
                     if node.tier is not Tier.DISK and node.state is None:
-                        if not self._to_disk(node):
+                        if node.refs or not self._to_disk(node):  # a lease copies it from its pool still
                             continue  # nor what hangs below it: never matched without it
                         written += 1
                     stack.extend(node.children.values())
@@ -211,14 +210,15 @@ class TreeDisk:
 
     def _to_disk(self, node: Node) -> bool:
         """Write a device or host node to the disk tier (when its budget has room)."""
-        if self.files is None or node.k is None or node.v is None or not self._disk_room(node.kv_bytes, node):
+        if self.files is None or node.slots is None or not self._disk_room(node.kv_bytes, node):
             return False
         before = node.path_ids()
         name = file_name(node.key, before, node.ids)
         self.files.write(name, span_meta(node.key, node.start, before, node.ids, node.context, node.priority), node.ids,
-                         node.start, node.k, node.v)
+                         node.start, *self._kv(node))
         self._tier_bytes(node, -1)
-        node.tier, node.k, node.v, node.file, node.offset = Tier.DISK, None, None, name, 0
+        self._let_slots_go(node)
+        node.tier, node.file, node.offset = Tier.DISK, name, 0
         self._file_refs[name] = self._file_refs.get(name, 0) + 1
         self._tier_bytes(node, 1)
         self._spills += 1
@@ -261,7 +261,7 @@ class TreeDisk:
         if span.root:
             if span.key in self._roots:
                 return False
-            made = Node(span.ids, None, None, 0, None, span.key, span.context)
+            made = Node(span.ids, 0, None, span.key, span.context)
             self._disk_node(made, span, 0)
             self._roots[span.key] = made
             return True
@@ -284,7 +284,7 @@ class TreeDisk:
             node, pos = child, pos + n
         if pos == len(path):
             return False
-        leaf = Node(path[pos:], None, None, len(root.ids) + pos, node, span.key)
+        leaf = Node(path[pos:], len(root.ids) + pos, node, span.key)
         self._disk_node(leaf, span, pos - len(span.before))
         node.children[path[pos]] = leaf
         return True

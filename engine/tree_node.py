@@ -67,14 +67,15 @@ class Tier(IntEnum):
 class Node:
     """One edge of the tree: a run of tokens and their KV, on one tier."""
 
-    __slots__ = ("ids", "k", "v", "start", "children", "parent", "refs", "used", "key", "context", "state",
+    __slots__ = ("ids", "slots", "start", "children", "parent", "refs", "used", "key", "context", "state",
                  "state_bytes", "pin", "answered", "parts_at", "tier", "kv_bytes", "file", "offset", "priority")
 
-    def __init__(self, ids: tuple[int, ...], k: torch.Tensor | None, v: torch.Tensor | None, start: int,
-                 parent: Node | None, key: TreeKey, context: TreeContext | None = None, kv_bytes: int = 0) -> None:
+    def __init__(self, ids: tuple[int, ...], start: int, parent: Node | None, key: TreeKey,
+                 context: TreeContext | None = None) -> None:
         self.ids = ids  # the tokens of this edge (a root: the whole context)
-        self.k = k  # [L, Hkv, T, D], after RoPE; None on DISK
-        self.v = v  # [L, Hkv, T, D]
+        # DEVICE and HOST: where its tokens' K (after RoPE) and V lie in its tier's pool
+        # (`engine.tree_pool.KVPool`), [T] int64; None on DISK
+        self.slots: torch.Tensor | None = None
         self.start = start  # position of the first token
         self.children: dict[int, Node] = {}  # first token -> child
         self.parent = parent
@@ -92,7 +93,7 @@ class Node:
         self.answered: float | None = None
         self.parts_at = 0
         self.tier = Tier.DEVICE
-        self.kv_bytes = kv_bytes if k is None else _kv_bytes(k, v)
+        self.kv_bytes = 0  # its tokens' K and V bytes, on whichever tier it is
         self.file: str | None = None  # DISK: the file holding it (perhaps with other tokens before and after)
         self.offset = 0  # DISK: its first token's place among the file's
 
@@ -124,12 +125,14 @@ class Node:
 
 @dataclass(slots=True)
 class LeasedPart:
-    """A node of a leased path, and the KV of its first `n` tokens as matched."""
+    """A node of a leased path, matched in its first `n` tokens; a DISK node's KV as read."""
 
     node: Node
     n: int
-    k: torch.Tensor | None  # [L, Hkv, >= n, D]; None until a DISK node is read
-    v: torch.Tensor | None
+    # a DISK node's K and V as its file's read fills them in, [L, Hkv, >= n, D]; None for a
+    # node held in a tier's pool (copied out of it when the lease is written)
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
     # a DISK node's read in flight: its layers of k and v fill in as this says (None: all there)
     ready: LayerReady | None = None
 
@@ -148,6 +151,8 @@ class TreeLease:
     """A matched path, held until the prompt pass has copied it into its own cache."""
 
     _let_go: Callable[[list[Node]], None]  # the tree's: drops the lease's reference counts
+    # the tree's: copies of a pool-held node's first n tokens' K and V, [L, Hkv, n, D]
+    _gather: Callable[[Node, int], tuple[torch.Tensor, torch.Tensor]]
     context_ids: tuple[int, ...]  # the context's tokens (the root's)
     context: TreeContext
     matched: int  # tokens matched past the context
@@ -180,9 +185,11 @@ class TreeLease:
         if not self._held:
             raise RuntimeError("TreeLease.write_into after release: a bug")
         for part in self._parts:
-            if part.k is None or part.v is None:
-                raise RuntimeError("TreeLease.write_into of a part never read: a bug")
             s, n = part.node.start, part.n
+            if part.k is None or part.v is None:  # held in a pool: copied out, then in
+                k, v = self._gather(part.node, n)
+                cache.k[:, :, s:s + n], cache.v[:, :, s:s + n] = k, v
+                continue
             if part.ready is not None and layered:
                 cache.place(s, part.k[:, :, :n], part.v[:, :, :n], part.ready)
                 continue
@@ -198,10 +205,15 @@ class TreeLease:
         ks, vs = [], []
         for part in self._parts:
             first, last = max(start, part.node.start), min(stop, part.node.start + part.n)
-            if first < last and part.k is not None and part.v is not None:
+            if first >= last:
+                continue
+            if part.k is None or part.v is None:
+                k, v = self._gather(part.node, last - part.node.start)
+            else:
                 part.wait()
-                ks.append(part.k[:, :, first - part.node.start:last - part.node.start])
-                vs.append(part.v[:, :, first - part.node.start:last - part.node.start])
+                k, v = part.k, part.v
+            ks.append(k[:, :, first - part.node.start:last - part.node.start])
+            vs.append(v[:, :, first - part.node.start:last - part.node.start])
         return torch.cat(ks, 2).clone(), torch.cat(vs, 2).clone()
 
     def release(self) -> None:
@@ -243,6 +255,7 @@ class TreeStats:
     read_errors: int = 0  # spilled nodes unreadable (damaged or missing files): dropped, their tokens computed
     warmed_tokens: int = 0  # tokens brought from disk to the host tier ahead of their call (`KVTree.warm`)
     reads_skipped: int = 0  # disk nodes not read at a match: computing their tokens was sooner
+    pool_bytes: int = 0  # device memory the tree's KV pool takes (held slots and free ones; `KVTree.nbytes`)
 
 
 def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -254,18 +267,9 @@ def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     return n
 
 
-def slice_kv(cache: KVCache, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies of slots [start, stop) of the cache: K [L, Hkv, T, D] after RoPE, V."""
-    return cache.k[:, :, start:stop].clone(), cache.v[:, :, start:stop].clone()
-
-
 def cache_bytes(cache: KVCache, tokens: int) -> int:
     L, H, _, D = cache.k.shape
     return 2 * L * H * tokens * D * cache.k.element_size()
-
-
-def _kv_bytes(k: torch.Tensor, v: torch.Tensor | None) -> int:
-    return k.numel() * k.element_size() + (0 if v is None else v.numel() * v.element_size())
 
 
 def lineage(node: Node | None) -> set[int]:

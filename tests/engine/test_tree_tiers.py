@@ -303,7 +303,8 @@ def test_a_node_warmed_between_a_match_and_its_read_is_read_from_memory(tmp_path
     assert again.warm(key, [1, 2, 3, 4]) == 5  # then the prefetch brought it up
     read = again._read_spilled(parts)
     assert len(read) == 2 and again.stats().read_errors == 0
+    assert all(p.k is None and p.node.tier is Tier.HOST for p in read)  # copied from the host pool, not read
     out = KVCache(2, 1, 3, 16, torch.float32, torch.device("cpu"))
     for p in read:
-        out.k[:, :, p.node.start:p.node.start + p.n] = p.k[:, :, :p.n]
+        out.k[:, :, p.node.start:p.node.start + p.n] = again._gather(p.node, p.n)[0]
     assert torch.equal(out.k[:, :, :5], _cache(5, fill=3).k[:, :, :5])

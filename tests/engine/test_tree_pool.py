@@ -1,0 +1,104 @@
+"""The KV tree's pool: nodes index one pair of tensors per tier, so a split or a match copies
+no KV it need not, freed slots serve the next node, and admission gets memory back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ragkv.engine.kv import KVCache
+from ragkv.engine.tree import KVTree, Tier, TreeKey
+from ragkv.engine.tree_pool import MIN_TOKENS, KVPool
+from tests.engine.test_tree import CTX, _bytes, _cache
+
+
+def _read(tree: KVTree, key: TreeKey, ids: list[int]) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """Tokens a match supplies and the K and V it writes ([L, Hkv, T, D])."""
+    lease = tree.match(key, ids)
+    assert lease is not None
+    out = KVCache(2, 1, 3, lease.tokens + 4, torch.float32, torch.device("cpu"))
+    n = lease.write_into(out)
+    lease.release()
+    return n, out.k[:, :, :n], out.v[:, :, :n]
+
+
+def test_the_pool_hands_out_slots_reads_them_back_and_reuses_what_is_given_back():
+    pool = KVPool(10**6)
+    a, b = _cache(5, fill=1), _cache(3, fill=50)
+    sa = pool.put(a.k[:, :, :5], a.v[:, :, :5])
+    sb = pool.put(b.k[:, :, :3], b.v[:, :, :3])
+    assert pool.used == 8 and pool.capacity == MIN_TOKENS
+    assert torch.equal(pool.get(sb)[0], b.k[:, :, :3]) and torch.equal(pool.get(sa)[1], a.v[:, :, :5])
+    pool.release(sa)
+    sc = pool.put(b.k[:, :, :3], b.v[:, :, :3])  # the freed slots, lowest first
+    assert set(sc.tolist()) <= set(sa.tolist()) and pool.capacity == MIN_TOKENS
+    with pytest.raises(ValueError, match="one tree serves one model"):
+        pool.put(torch.zeros(3, 1, 2, 3), torch.zeros(3, 1, 2, 3))
+
+
+def test_the_pool_grows_within_its_budget_and_compacts_to_what_it_holds():
+    token = _bytes(1)
+    pool = KVPool(600 * token)
+    many = _cache(400, fill=0)
+    s1 = pool.put(many.k[:, :, :300], many.v[:, :, :300])
+    s2 = pool.put(many.k[:, :, 300:400], many.v[:, :, 300:400])
+    assert pool.capacity <= 600 and pool.used == 400
+    with pytest.raises(MemoryError):
+        pool.put(many.k[:, :, :300], many.v[:, :, :300])  # past the budget: the tree never asks
+    pool.release(s1)
+    remap = pool.compact(0)
+    assert remap is not None and pool.capacity == 100 and pool.nbytes == 100 * token
+    assert torch.equal(pool.get(remap[s2])[0], many.k[:, :, 300:400])  # the held KV, renumbered
+
+
+def test_a_split_moves_no_kv_and_both_halves_still_read_their_own():
+    tree, key = KVTree(10**6), TreeKey.of("ctx")
+    tree.insert(key, [9], CTX, [1, 2, 3, 4, 5, 6], _cache(7))
+    pool = tree._pools[Tier.DEVICE]
+    storage, used = pool.k.data_ptr(), pool.used
+    assert tree.insert(key, [9], CTX, [1, 2, 3, 7, 8], _cache(6, fill=100)) == 2  # splits after 1, 2, 3
+    assert pool.k.data_ptr() == storage and pool.used == used + 2  # only the new branch's 2 tokens were written
+    n, k, v = _read(tree, key, [1, 2, 3, 4, 5, 6, 0])
+    assert n == 7 and torch.equal(k, _cache(7).k[:, :, :7]) and torch.equal(v, _cache(7).v[:, :, :7])
+    n, k, _ = _read(tree, key, [1, 2, 3, 7, 8, 0])
+    assert n == 6 and k[0, 0, 4, 0].item() == 104 and k[0, 0, 2, 0].item() == 2
+
+
+def test_evicted_nodes_give_their_slots_to_the_next_and_the_pool_stays_within_the_budget():
+    tree = KVTree(_bytes(8))
+    for i in range(20):
+        tree.insert(TreeKey.of(i), [], CTX, [1, 2, 3], _cache(3, fill=i))
+    pool = tree._pools[Tier.DEVICE]
+    assert pool.capacity == 8 and tree.nbytes <= _bytes(8)  # never more memory than the budget
+    n, k, _ = _read(tree, TreeKey.of(19), [1, 2, 3, 0])
+    assert n == 3 and torch.equal(k, _cache(3, fill=19).k[:, :, :3])
+
+
+def test_shrink_gives_the_pool_memory_back_and_a_lease_follows_its_slots():
+    tree = KVTree(10**6)
+    keys = [TreeKey.of(i) for i in range(4)]
+    for i, key in enumerate(keys):
+        tree.insert(key, [], CTX, [1, 2, 3, 4], _cache(4, fill=10 * i))
+    held = tree.match(keys[3], [1, 2, 3, 4, 0])  # the newest, leased: it stays and its slots move
+    assert tree.nbytes > _bytes(16)  # the pool took MIN_TOKENS slots
+    assert tree.shrink(_bytes(4)) == _bytes(4) == tree.nbytes
+    assert tree.stats().pool_bytes == _bytes(4)
+    out = KVCache(2, 1, 3, 8, torch.float32, torch.device("cpu"))
+    held.write_into(out)
+    held.release()
+    assert torch.equal(out.k[:, :, :4], _cache(4, fill=30).k[:, :, :4])
+    tree.insert(keys[0], [], CTX, [1, 2, 3, 4], _cache(4, fill=5))  # the pool grows again
+    assert torch.equal(_read(tree, keys[0], [1, 2, 3, 4, 0])[1], _cache(4, fill=5).k[:, :, :4])
+
+
+def test_spilled_nodes_move_between_the_two_pools_and_free_their_device_slots():
+    tree = KVTree(_bytes(4), host_bytes=_bytes(100))
+    a, b = TreeKey.of("a"), TreeKey.of("b")
+    tree.insert(a, [], CTX, [1, 2, 3, 4], _cache(4, fill=1))
+    tree.insert(b, [], CTX, [5, 6, 7, 8], _cache(4, fill=2))  # a goes down to the host pool
+    device, host = tree._pools[Tier.DEVICE], tree._pools[Tier.HOST]
+    assert device.used == 4 and host.used == 4 and host.k.device.type == "cpu"
+    n, k, v = _read(tree, a, [1, 2, 3, 4, 0])
+    assert n == 4 and torch.equal(k, _cache(4, fill=1).k[:, :, :4]) and torch.equal(v, _cache(4, fill=1).v[:, :, :4])
+    tree.clear()
+    assert device.capacity == host.capacity == 0 and tree.nbytes == 0

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -205,3 +205,29 @@ class QueryRunner:
                 yield stats
         finally:
             cancel.set()
+
+
+async def answer_events(runner: Answerer, backend: QueryBackend, query: Query, admission: Admission, *,
+                        arrived: float, cancel: threading.Event, method: str,
+                        on_stats: Callable[[QueryStats], None]) -> AsyncIterator[RunEvent]:
+    """`runner.run`'s events for `query`, as one RPC of `admission` (a drain waits for it);
+    `on_stats` sees the final stats before they go on (the HTTP API charges the key's prompt
+    tokens there)."""
+    with admission.rpc():
+        async for event in runner.run(backend, query, arrived=arrived, cancel=cancel, method=method):
+            if isinstance(event, QueryStats):
+                on_stats(event)
+            yield event
+
+
+async def begin(events: AsyncIterator[RunEvent]) -> ChunksReady:
+    """Run an answer's events to their first, the chunks (retrieval and KV loads done, so their
+    errors still map to a status before any byte is sent); the events are closed when that fails."""
+    try:
+        first = await anext(events)
+        if not isinstance(first, ChunksReady):
+            raise RuntimeError(f"the answer began with {type(first).__name__}, not the chunks: a bug")
+        return first
+    except BaseException:
+        await events.aclose()  # type: ignore[attr-defined]
+        raise

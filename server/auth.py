@@ -1,9 +1,12 @@
-"""Authentication as a grpc.aio server interceptor.
+"""Authentication, before any handler runs: a grpc.aio server interceptor, and a Starlette
+authentication backend for the HTTP API.
 
-Every RPC except the standard health service must carry `authorization: Bearer <key>`
-naming one of the server's keys (`server.keys.KeyRing`: the `--api-keys` file's named
-keys, or the single token); anything else ends with UNAUTHENTICATED before the handler
-runs and before its request body is parsed (the refusing handler takes the raw bytes).
+Every RPC except the standard health service, and every HTTP request except `/health`,
+must carry `authorization: Bearer <key>` naming one of the server's keys
+(`server.keys.KeyRing`: the `--api-keys` file's named keys, or the single token); anything
+else ends with UNAUTHENTICATED (HTTP 401) before the handler runs and before its request
+body is parsed (the refusing gRPC handler takes the raw bytes). An HTTP handler finds its
+caller as `request.user.caller` (`KeyUser`).
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 import grpc.aio
+from starlette.authentication import AuthCredentials, AuthenticationBackend, AuthenticationError, BaseUser
+from starlette.requests import HTTPConnection
 
-from ragkv.server.keys import KeyRing, UnauthenticatedError
+from ragkv.server.keys import ANONYMOUS, Caller, KeyRing, UnauthenticatedError
 
 log = logging.getLogger(__name__)
 
@@ -69,3 +74,38 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             log.info("refused %s: %s", method, exc)
             return _deny(handler, str(exc))
         return handler
+
+
+HTTP_EXEMPT = ("/health",)  # probed without credentials
+
+
+class KeyUser(BaseUser):
+    """An HTTP request's caller (`request.user`), once its key is checked."""
+
+    def __init__(self, caller: Caller) -> None:
+        self.caller = caller
+
+    @property
+    def is_authenticated(self) -> bool:
+        return True
+
+    @property
+    def display_name(self) -> str:
+        return self.caller.label
+
+
+class KeyAuth(AuthenticationBackend):
+    """Starlette's authentication backend over `keys` (`AuthenticationMiddleware`): the request's
+    caller, or an `AuthenticationError` whose cause is the `UnauthenticatedError` saying why."""
+
+    def __init__(self, keys: KeyRing) -> None:
+        self._keys = keys
+
+    async def authenticate(self, conn: HTTPConnection) -> tuple[AuthCredentials, BaseUser]:
+        if conn.url.path in HTTP_EXEMPT:
+            return AuthCredentials(), KeyUser(ANONYMOUS)
+        try:
+            caller = self._keys.authenticate(conn.headers.get("authorization"))
+        except UnauthenticatedError as exc:
+            raise AuthenticationError(str(exc)) from exc
+        return AuthCredentials(["authenticated"]), KeyUser(caller)

@@ -17,6 +17,7 @@ key's conversations never serve another's), a metrics label and a log field.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import ipaddress
 import json
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ragkv.errors import RagKVError
+from ragkv.server.query import Query
 
 log = logging.getLogger(__name__)
 
@@ -213,9 +215,11 @@ class KeyRing:
                 got = value
         return self.authenticate(got)
 
-    def admit(self, caller: Caller) -> None:
-        """Count one request against `caller`'s limits; RateLimitedError when it is past one."""
-        self._usage.admit(caller)
+    def admit(self, caller: Caller, query: Query, cache_salt: str | None = None) -> Query:
+        """`admit_query` for a validated query, returned with its tenant (`Caller.tenant`: the
+        key, and the request's `cache_salt` within it)."""
+        self.admit_query(caller, query.collection)
+        return dataclasses.replace(query, tenant=caller.tenant(cache_salt))
 
     def admit_query(self, caller: Caller, collection: str) -> None:
         """A request of `caller` reading `collection`: PermissionDeniedError when its key may not read

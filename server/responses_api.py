@@ -4,7 +4,7 @@ What the OpenAI Agents SDK (`openai-agents`) speaks by default. A request is con
 the chat-completions body it means (its `input` items into `messages`, its flat function
 tools into chat tools, `text.format` into `response_format`, `max_output_tokens` into
 `max_completion_tokens`, ragkv's extra fields as they are) and answered by the chat
-completions path itself (`OpenAIApi._events`: the same validation, key checks, rate limits,
+completions path itself (`OpenAIApi.answer`: the same validation, key checks, rate limits,
 admission and `QueryRunner.run`); its metrics count it as a ChatCompletions request.
 
 `previous_response_id` continues a stored conversation: responses made with `store` (the
@@ -31,13 +31,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ragkv.engine.request import ChunksReady
 from ragkv.server.answering import RunEvent, TokenEvent
 from ragkv.server.keys import ANONYMOUS, Caller
-from ragkv.server.openai_api import METHOD, _cache_salt, error_body, last_stats, ragkv_extra
+from ragkv.server.openai_reply import METHOD, error_body, error_response, last_stats, ragkv_extra, streaming
+from ragkv.server.openai_request import cache_salt
 from ragkv.server.query import Query
 from ragkv.server.response_store import ResponseStore, UnknownResponseError
 from ragkv.server.status import InvalidArgumentError
@@ -367,10 +367,10 @@ class ResponsesApi:
 
     def _error(self, exc: BaseException, method: str, caller: Caller = ANONYMOUS) -> JSONResponse:
         if isinstance(exc, UnknownResponseError):
-            self._api._metrics.errors.labels(method, "NOT_FOUND").inc()
+            self._api.metrics.errors.labels(method, "NOT_FOUND").inc()
             return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error", "param": exc.field,
                                            "code": "not_found"}}, status_code=404)
-        return self._api._error(exc, method, caller)
+        return error_response(exc, method, self._api.metrics, caller)
 
     def _response(self, response_id: str, created: int, query: Query, parsed: Parsed, status: str,
                   output: list[dict[str, Any]], stats: QueryStats | None,
@@ -411,12 +411,11 @@ class ResponsesApi:
         api = self._api
         arrived = time.perf_counter()
         cancel = threading.Event()
-        caller = ANONYMOUS
+        caller = api.caller(request, METHOD)
         origins: tuple[str, ...] = ()
         try:
-            caller = api._check_auth(request)  # before the body is read
-            body = await api._body(request)
-            tenant = caller.tenant(_cache_salt(body))
+            body = await api.body(request)
+            tenant = caller.tenant(cache_salt(body))
             previous: tuple[dict[str, Any], ...] = ()
             prev_id = body.get("previous_response_id") if isinstance(body, dict) else None
             if prev_id is not None:
@@ -432,19 +431,16 @@ class ResponsesApi:
                 raise InvalidArgumentError("previous_response_id" if previous else "input",
                                            f"the conversation is {size} bytes, more than a stored response may hold "
                                            f"({self.store.max_entry_bytes}); begin a new one, or send store=false")
-            call = api._call(parsed.chat, caller)
-            query, snippet, stream = call.query, call.snippet_chars, call.stream
-            events, first = await api.begin(call, caller, arrived, cancel)
+            answer = await api.answer(parsed.chat, caller, arrived, cancel)
+            query, snippet, stream = answer.query, answer.chat.options.snippet_chars, answer.chat.stream
+            events, first = answer.events, answer.first
         except Exception as exc:
             cancel.set()
             return self._error(renamed(exc, origins), METHOD, caller)
-        if not isinstance(first, ChunksReady):
-            raise RuntimeError(f"the answer began with {type(first).__name__}, not the chunks: a bug")
         response_id, created = _id("resp"), int(time.time())
         if stream:
-            return StreamingResponse(
-                self._sse(events, first.chunks, query, parsed, snippet, response_id, created, tenant, cancel),
-                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return streaming(self._sse(events, first.chunks, query, parsed, snippet, response_id, created, tenant,
+                                       cancel))
         try:
             stats = await last_stats(events)
         except Exception as exc:
@@ -548,8 +544,8 @@ class ResponsesApi:
                     yield event(f"response.{status}", response=response)
         except Exception as exc:  # headers are sent: the error goes in the stream, as OpenAI's does
             _, body, code = error_body(exc)
-            self._api._metrics.errors.labels(METHOD, code.name).inc()
-            self._api._metrics.requests.labels(code.name).inc()
+            self._api.metrics.errors.labels(METHOD, code.name).inc()
+            self._api.metrics.requests.labels(code.name).inc()
             err = body["error"]
             yield event("error", code=err["code"], message=err["message"], param=err["param"])
             failed = self._response(response_id, created, query, parsed, "failed", items, None)
@@ -560,9 +556,9 @@ class ResponsesApi:
             await events.aclose()  # type: ignore[attr-defined]
 
     def _lookup(self, request: Request) -> tuple[Caller, str]:
-        caller = self._api._check_auth(request, RETRIEVE)
+        caller = self._api.caller(request, RETRIEVE)
         salt = request.query_params.get("cache_salt")
-        return caller, caller.tenant(None if salt is None else _cache_salt({"cache_salt": salt}))
+        return caller, caller.tenant(None if salt is None else cache_salt({"cache_salt": salt}))
 
     async def retrieve(self, request: Request) -> Response:
         caller = ANONYMOUS
@@ -571,7 +567,7 @@ class ResponsesApi:
             response_id = request.path_params["response_id"]
             if request.query_params.get("stream") in ("true", "1"):
                 raise InvalidArgumentError("stream", "a stored response is returned whole, not streamed")
-            with self._api._admission.rpc():
+            with self._api.admission.rpc():
                 entry = self.store.get(response_id, tenant)
                 if entry is None:
                     raise UnknownResponseError(response_id, None)
@@ -584,7 +580,7 @@ class ResponsesApi:
         try:
             caller, tenant = self._lookup(request)
             response_id = request.path_params["response_id"]
-            with self._api._admission.rpc():
+            with self._api.admission.rpc():
                 if not self.store.delete(response_id, tenant):
                     raise UnknownResponseError(response_id, None)
                 return JSONResponse({"id": response_id, "object": "response", "deleted": True})

@@ -105,9 +105,8 @@ class RagService(pb_grpc.RagServiceServicer):
                 backend = self._ready_backend()
                 question, options = convert.query_request_from_proto(request)
                 # the salt names the tenant within the key (validate_query checks its length)
-                query = validate_query(question, options, self._limits, backend.modes,
-                                       caller.tenant(options.cache_salt))
-                self._keys.admit_query(caller, query.collection)
+                query = validate_query(question, options, self._limits, backend.modes)
+                query = self._keys.admit(caller, query, options.cache_salt)
                 remaining = context.time_remaining()
                 deadline = None if remaining is None else time.monotonic() + remaining
                 index = 0

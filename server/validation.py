@@ -185,7 +185,7 @@ def validate_retrieve(question: str, options: QueryOptions, limits: RequestLimit
 
 
 def validate_query(
-    question: str, options: QueryOptions, limits: RequestLimits, modes: frozenset[Mode], tenant: str = ""
+    question: str, options: QueryOptions, limits: RequestLimits, modes: frozenset[Mode]
 ) -> Query:
     """Check a Query request and resolve its defaults: the request the server prepares.
 
@@ -194,7 +194,6 @@ def validate_query(
         options: The options as read from the wire (None = default).
         limits: Bounds and defaults.
         modes: Modes the backend can serve.
-        tenant: Whose KV-tree paths it reads and writes (`Caller.tenant`).
 
     Raises:
         InvalidArgumentError: A field is out of range or names an unsupported mode.
@@ -261,7 +260,6 @@ def validate_query(
         tool_choice=options.tool_choice,
         parallel_tool_calls=options.parallel_tool_calls,
         citations=options.citations,
-        tenant=tenant,
         retain_seconds=None if options.retain_seconds is None else float(options.retain_seconds),
         retain_priority=options.retain_priority or 0,
     )

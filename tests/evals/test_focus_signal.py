@@ -13,7 +13,7 @@ from ragkv.engine import BlendOptions, Engine, FocusOptions, Prompt, load_model
 from ragkv.engine.focus import focus_layers, kept_attention, score_chunks
 from ragkv.evals.testing import tiny_model_dir
 from ragkv.server.metrics import ServerMetrics
-from ragkv.server.openai_api import ragkv_extra
+from ragkv.server.openai_reply import ragkv_extra
 from ragkv.types import FinishReason, FocusSignal, Mode, QueryStats, Usage
 from tests.server.fakes import FakeBackend, ServerThread, settings
 

@@ -248,6 +248,12 @@ def test_bearer_auth_same_token_as_grpc(monkeypatch: pytest.MonkeyPatch, chat_ba
         with pytest.raises(urllib.error.HTTPError) as http_info:
             urllib.request.urlopen(f"http://127.0.0.1:{st.server.http_port}/v1/models", timeout=5)
         assert http_info.value.code == 401
+        # every other path too (the key is checked before routing): no probing for routes or stored responses
+        for path in ("/v1/responses/resp_x", "/v1/no-such-route", "/health/../v1/models"):
+            with pytest.raises(urllib.error.HTTPError) as http_info:
+                urllib.request.urlopen(f"http://127.0.0.1:{st.server.http_port}{path}", timeout=5)
+            assert http_info.value.code == 401, path
+            assert json.loads(http_info.value.read())["error"]["type"] == "authentication_error"
     finally:
         st.stop()
 

@@ -82,7 +82,7 @@ def _answer(engine: PromptEngine, req: Request) -> Work:
         tiers = [Tier.TREE] * len(req.chunks)
     else:
         kvs, tiers = yield from _chunk_kv(engine, req, phases, sources, loaded)
-    yield ChunksReady(tuple(dataclasses.replace(ch, kv_tier=t) for ch, t in zip(req.retrieved, tiers)))
+    yield ChunksReady(tuple(tiers))
 
     t0 = time.perf_counter()
     chunk_ids = [ch.token_ids for ch in req.chunks]
@@ -111,7 +111,6 @@ def _answer(engine: PromptEngine, req: Request) -> Work:
         trees.remember(req.tree, req.mode, res, len(req.question_ids), len(req.prefix_ids), stream.token_ids, snapshot,
                        retain_s=req.tree_retain_s, header_tokens=header, priority=req.tree_priority)
 
-    used = res.used_chunks if res.used_chunks is not None else range(len(req.retrieved))
     return Answered(
         prompt_tokens=res.n_prompt_tokens,
         cached_prompt_tokens=res.cached_tokens,
@@ -120,7 +119,7 @@ def _answer(engine: PromptEngine, req: Request) -> Work:
         finish_reason=stream.finish_reason or FinishReason.STOP,
         phase_seconds=phases,
         bytes_loaded=loaded,
-        used_chunk_ids=tuple(req.retrieved[i].chunk_id for i in used if i < len(req.retrieved)),
+        used_chunks=None if res.used_chunks is None else tuple(res.used_chunks),
         kv_sources=dict(sources),
         fell_back=res.fell_back,
         handed_over=res.handed_over,

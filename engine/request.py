@@ -38,7 +38,6 @@ from ragkv.types import (
     FocusSignal,
     KVSource,
     Mode,
-    RetrievedChunk,
     Tier,
 )
 
@@ -99,7 +98,6 @@ class Request:
     cancel: threading.Event = field(default_factory=threading.Event)  # set when the client leaves
 
     # -- what the server prepared (QueryBackend.prepare)
-    retrieved: tuple[RetrievedChunk, ...] = ()  # best first; the provenance the answer reports
     prefix_ids: tuple[int, ...] = ()  # the shared prefix the chunks' KV was computed after
     chunks: tuple[PromptChunk, ...] = ()  # each retrieved chunk's tokens and KV source
     question_ids: tuple[int, ...] = ()  # the question segment: earlier turns, the question, the agent's turns
@@ -146,9 +144,10 @@ class Request:
 
 @dataclass(frozen=True, slots=True)
 class ChunksReady:
-    """The prompt's chunks, each with the tier its KV came from (first output of an answer)."""
+    """Where each of the prompt's chunks has its KV from (first output of an answer): the
+    server pairs these with the chunks it retrieved."""
 
-    chunks: tuple[RetrievedChunk, ...]  # best first, kv_tier set
+    tiers: tuple[Tier, ...]  # one per Request.chunks, in its order
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +176,7 @@ class Answered:
     finish_reason: FinishReason  # why decoding stopped
     phase_seconds: Mapping[str, float]  # seconds per phase (kv_wait, prompt..., decode)
     bytes_loaded: Mapping[Tier, int] = field(default_factory=dict)  # KV bytes read per tier
-    used_chunk_ids: tuple[str, ...] = ()  # chunks the answer was computed over, prompt order; () = all
+    used_chunks: tuple[int, ...] | None = None  # into Request.chunks: those the answer was computed over; None = all
     kv_sources: Mapping[KVSource, int] = field(default_factory=dict)  # chunks by where their KV came from
     fell_back: bool = False  # the quality guard ran the prompt as full prefill
     handed_over: bool = False  # focus found several passages mattering and blended every chunk

@@ -15,6 +15,7 @@ it records metrics and raises the backend's exceptions as they are.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -42,7 +43,14 @@ class TokenEvent:
     text: str  # non-empty
 
 
-RunEvent = ChunksReady | TokenEvent | ToolCallDelta | QueryStats  # what each API turns into its wire format
+@dataclass(frozen=True, slots=True)
+class ChunksEvent:
+    """The answer's chunks, best first, each with the tier its KV came from (its first event)."""
+
+    chunks: tuple[RetrievedChunk, ...]
+
+
+RunEvent = ChunksEvent | TokenEvent | ToolCallDelta | QueryStats  # what each API turns into its wire format
 
 
 class Answerer(Protocol):
@@ -82,7 +90,7 @@ class QueryRunner:
         method: str = "Query",
         hits: Sequence[SearchHit] | None = None,
     ) -> AsyncIterator[RunEvent]:
-        """Answer one Query: yields one ChunksReady, TokenEvents, then the QueryStats.
+        """Answer one Query: yields one ChunksEvent, TokenEvents, then the QueryStats.
 
         An answer that calls tools yields ToolCallDeltas instead of TokenEvents (read from the
         model's text here, off the scheduler thread); its stats carry the parsed calls.
@@ -104,7 +112,8 @@ class QueryRunner:
         loop = asyncio.get_running_loop()
         try:
             with self._admission.query_slot():
-                request: Request = await loop.run_in_executor(self._retrieve_pool, backend.prepare, query, hits)
+                prepared = await loop.run_in_executor(self._retrieve_pool, backend.prepare, query, hits)
+                request: Request = prepared.request
                 request.cancel, request.deadline = cancel, deadline
                 prepared_at = time.perf_counter()
                 outputs: asyncio.Queue[Output] = asyncio.Queue()
@@ -129,10 +138,10 @@ class QueryRunner:
                 while not isinstance(out := await outputs.get(), Finished):
                     text: list[str | ToolCallDelta] = []  # what the answer's text makes: pieces, tool-call deltas
                     match out:
-                        case ChunksReady(ready):
-                            chunks = ready
+                        case ChunksReady(tiers):
+                            chunks = tuple(dataclasses.replace(c, kv_tier=t) for c, t in zip(prepared.chunks, tiers))
                             self._metrics.observe_chunks(chunks, query.collection)
-                            yield out
+                            yield ChunksEvent(chunks)
                         case ChunkComputed():
                             backend.keep(query.collection, request, out)
                         case TokenOut(token_id):
@@ -166,6 +175,7 @@ class QueryRunner:
                 finished = time.perf_counter()
                 phases.update(done.phase_seconds)
                 text = "".join(pieces)
+                used = range(len(chunks)) if done.used_chunks is None else done.used_chunks
                 calls = tuple(reader.calls) if reader is not None else ()
                 completion, finish = done.completion_tokens, done.finish_reason
                 if answer.stopped:  # the decode may have run past the stop string
@@ -181,7 +191,7 @@ class QueryRunner:
                     mode=request.mode,
                     finish_reason=finish,
                     text=text,
-                    used_chunk_ids=done.used_chunk_ids or tuple(c.chunk_id for c in chunks),
+                    used_chunk_ids=tuple(chunks[i].chunk_id for i in used if i < len(chunks)),
                     kv_sources=dict(done.kv_sources),
                     tool_calls=calls,
                     citations=find_citations(text, chunks) if query.citations else (),
@@ -220,12 +230,12 @@ async def answer_events(runner: Answerer, backend: QueryBackend, query: Query, a
             yield event
 
 
-async def begin(events: AsyncIterator[RunEvent]) -> ChunksReady:
+async def begin(events: AsyncIterator[RunEvent]) -> ChunksEvent:
     """Run an answer's events to their first, the chunks (retrieval and KV loads done, so their
     errors still map to a status before any byte is sent); the events are closed when that fails."""
     try:
         first = await anext(events)
-        if not isinstance(first, ChunksReady):
+        if not isinstance(first, ChunksEvent):
             raise RuntimeError(f"the answer began with {type(first).__name__}, not the chunks: a bug")
         return first
     except BaseException:

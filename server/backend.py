@@ -52,6 +52,16 @@ class AnswerText(Protocol):
     def finish(self) -> str: ...  # the rest, at the end
 
 
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A query prepared (`QueryBackend.prepare`): the engine's request, and the chunks it was
+    retrieved with, the provenance the answer reports (the engine's `ChunksReady` names each
+    one's KV tier; the engine never sees them)."""
+
+    request: Request
+    chunks: tuple[RetrievedChunk, ...]  # best first, as Request.chunks begins
+
+
 @runtime_checkable
 class QueryBackend(Protocol):
     """Retrieval and generation behind the RagService."""
@@ -86,7 +96,7 @@ class QueryBackend(Protocol):
         """
         ...
 
-    def prepare(self, query: Query, hits: Sequence[SearchHit] | None = None) -> Request:
+    def prepare(self, query: Query, hits: Sequence[SearchHit] | None = None) -> Prepared:
         """Retrieve, and build the engine's request for `query` once: its tokens, its chunks with
         their KV reads started (non-blocking), its budgets. Then it can be submitted with its
         `work`. `hits`: the chunks a cluster's ingress retrieved for it (None: search here).

@@ -52,11 +52,10 @@ from ray.serve.config import RequestRouterConfig, gRPCOptions
 from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from ragkv.engine.request import ChunksReady
 from ragkv.engine.scheduler import Scheduler, SchedulerConfig
 from ragkv.server import routing
 from ragkv.server.admission import Admission
-from ragkv.server.answering import QueryRunner, RunEvent
+from ragkv.server.answering import ChunksEvent, QueryRunner, RunEvent
 from ragkv.server.backend import BackendParts
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.query import Query
@@ -397,7 +396,7 @@ class RoutedRunner:
             retrieve_s = time.perf_counter() - searched
             asked = Asked.of(query, deadline)
             for attempt in range(self._retries + 1):
-                held: list[RunEvent] = []  # ChunksReady, until the answer has begun
+                held: list[RunEvent] = []  # the ChunksEvent, until the answer has begun
                 begun = False
                 replica: str | None = None  # which one answers (its `Answering`)
                 first_token_at: float | None = None
@@ -410,7 +409,7 @@ class RoutedRunner:
                         if isinstance(event, Answering):
                             replica = event.replica
                             continue
-                        if isinstance(event, ChunksReady) and not begun:
+                        if isinstance(event, ChunksEvent) and not begun:
                             held.append(event)
                             continue
                         if not begun:
@@ -418,7 +417,8 @@ class RoutedRunner:
                             if replica is not None:  # its tree now holds the conversation
                                 self.pins.note(route.conversation, replica)
                             for h in held:
-                                self._metrics.observe_chunks(h.chunks, query.collection)
+                                if isinstance(h, ChunksEvent):
+                                    self._metrics.observe_chunks(h.chunks, query.collection)
                                 yield h
                         if isinstance(event, QueryStats):
                             end = time.perf_counter()

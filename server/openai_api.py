@@ -36,9 +36,8 @@ from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ragkv.engine.request import ChunksReady
 from ragkv.server.admission import Admission
-from ragkv.server.answering import Answerer, RunEvent, answer_events, begin
+from ragkv.server.answering import Answerer, ChunksEvent, RunEvent, answer_events, begin
 from ragkv.server.auth import KeyAuth
 from ragkv.server.backend import QueryBackend
 from ragkv.server.keys import Caller, KeyRing, UnauthenticatedError
@@ -68,7 +67,7 @@ class Answer:
     chat: ChatBody
     query: Query
     events: AsyncIterator[RunEvent]
-    first: ChunksReady
+    first: ChunksEvent
 
 
 class OpenAIApi:

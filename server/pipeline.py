@@ -47,7 +47,7 @@ from ragkv.kvstore import (
 from ragkv.kvstore.tree_files import TreeFiles
 from ragkv.retriever import Retriever, SearchHit
 from ragkv.retriever.chunk_keys import NeighbourOptions, serving_key
-from ragkv.server.backend import BackendParts
+from ragkv.server.backend import BackendParts, Prepared
 from ragkv.server.loading import ChunkDecision, ControllerConfig, LoadingController
 from ragkv.server.query import Query
 from ragkv.server.search_config import retriever_options
@@ -310,7 +310,7 @@ class Pipeline:
         c = self._collection(collection)
         return tuple(map(retrieved_chunk, self._search(c, question, top_k, search_mode, filters)))
 
-    def prepare(self, query: Query, hits: Sequence[SearchHit] | None = None) -> Request:
+    def prepare(self, query: Query, hits: Sequence[SearchHit] | None = None) -> Prepared:
         """The engine's request for `query`, ready to submit (`work`), in four stages that each
         return what they made: retrieve, plan the prompt, lease the KV tree, start the chunks'
         KV reads. Runs on the retrieval pool. `hits`: its chunks when the cluster's ingress
@@ -329,8 +329,8 @@ class Pipeline:
         done = 0 if tree is None else tree.tokens  # a tree hit computes only the rest
         cost = self.engine.prompt_cost(mode, len(plan.prefix_ids), plan.chunk_tokens, len(plan.question_ids),
                                        plan.options)
-        return Request(
-            mode=mode, sampling=query.sampling, retrieved=found.chunks, prefix_ids=plan.prefix_ids,
+        return Prepared(Request(
+            mode=mode, sampling=query.sampling, prefix_ids=plan.prefix_ids,
             chunks=chunks, question_ids=plan.question_ids, select_ids=plan.select_ids,
             # a hybrid keeps its state where the next call's prompt parts from this one's
             snapshot_at=None if tree is None or not self.engine.recurrent else
@@ -340,7 +340,7 @@ class Pipeline:
             tree_priority=query.retain_priority, kv_wait_s=kv_wait_s,
             kv_bytes=(plan.prompt_tokens + query.sampling.max_new_tokens) * self.engine.kv_bytes_per_token,
             prompt_cost=max(1, cost * (plan.prompt_tokens - done) // max(plan.prompt_tokens, 1)),
-            phase_seconds={"retrieve": found.seconds})
+            phase_seconds={"retrieve": found.seconds}), found.chunks)
 
     def _lease(self, query: Query, found: Retrieved, plan: PromptPlan) -> tuple[PromptPlan, TreeSpot | None]:
         """Stage 3: the KV tree's lease on what it holds of this prompt (a lease carrying its key

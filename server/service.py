@@ -22,9 +22,8 @@ import grpc
 import grpc.aio
 
 from ragkv import convert
-from ragkv.engine.request import ChunksReady
 from ragkv.server.admission import Admission
-from ragkv.server.answering import Answerer, TokenEvent
+from ragkv.server.answering import Answerer, ChunksEvent, TokenEvent
 from ragkv.server.backend import QueryBackend
 from ragkv.server.keys import ANONYMOUS, Caller, KeyRing, PermissionDeniedError, RateLimitedError
 from ragkv.server.metrics import ServerMetrics
@@ -112,7 +111,7 @@ class RagService(pb_grpc.RagServiceServicer):
                 index = 0
                 async for event in self._runner.run(backend, query, arrived=arrived, cancel=cancel,
                                                     deadline=deadline):
-                    if isinstance(event, ChunksReady):
+                    if isinstance(event, ChunksEvent):
                         yield convert.chunks_response(event.chunks, options.snippet_chars)
                     elif isinstance(event, TokenEvent):
                         yield convert.token_response(event.text, index)

@@ -188,8 +188,9 @@ def test_tools_leave_the_chunk_keys_and_the_context_unchanged(smol_server: Serve
         base, tools=(tool,), tool_choice=ToolChoice(ToolChoiceMode.REQUIRED),
         agent_turns=(ChatTurn(ChatRole.ASSISTANT, "", (ToolCall("c1", "get_weather", "{}"),)),
                      ChatTurn(ChatRole.TOOL, "sunny", tool_call_id="c1")))
-    a, b = backend.prepare(base), backend.prepare(with_tools)
-    assert [c.chunk_id for c in a.retrieved] == [c.chunk_id for c in b.retrieved]
+    pa, pb = backend.prepare(base), backend.prepare(with_tools)
+    assert [c.chunk_id for c in pa.chunks] == [c.chunk_id for c in pb.chunks]
+    a, b = pa.request, pb.request
     assert [c.key for c in a.chunks] == [c.key for c in b.chunks]
     assert [c.token_ids for c in a.chunks] == [c.token_ids for c in b.chunks]
     assert a.prefix_ids == b.prefix_ids

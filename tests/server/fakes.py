@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from ragkv.engine.request import Answered, ChunkComputed, ChunksReady, Request, TokenOut, Work
 from ragkv.errors import IndexMismatchError
-from ragkv.server.backend import BackendParts
+from ragkv.server.backend import BackendParts, Prepared
 from ragkv.server.inprocess import InProcessServer
 from ragkv.server.query import Query
 from ragkv.server.settings import ServerSettings
@@ -97,14 +96,13 @@ class FakeBackend:
         self._info(collection)
         return CORPUS[:top_k]
 
-    def prepare(self, query: Query, hits: object = None) -> Request:
+    def prepare(self, query: Query, hits: object = None) -> Prepared:
         if self._info(query.collection).name == "mismatch":
             raise IndexMismatchError("index built with model other-model-fp, server runs model-fp")
-        request = Request(mode=query.mode, sampling=query.sampling,
-                          retrieved=self.retrieve(query.collection, query.question, query.top_k))
+        request = Request(mode=query.mode, sampling=query.sampling)
         request.phase_seconds["retrieve"] = 0.001
         self.asked[request] = query  # the fake answers with the question's words
-        return request
+        return Prepared(request, self.retrieve(query.collection, query.question, query.top_k))
 
     def detokenizer(self, request: Request) -> _Words:
         return _Words(self._words(request))
@@ -123,10 +121,8 @@ class FakeBackend:
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         try:
-            chunks = tuple(
-                dataclasses.replace(c, kv_tier=TIERS[i % len(TIERS)]) for i, c in enumerate(request.retrieved)
-            )
-            yield ChunksReady(chunks)
+            chunks = CORPUS[:self.asked[request].top_k]
+            yield ChunksReady(tuple(TIERS[i % len(TIERS)] for i in range(len(chunks))))
             if "boom" in q:
                 raise RuntimeError("engine exploded")
             pieces = self._words(request)

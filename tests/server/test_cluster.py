@@ -28,10 +28,10 @@ pytest.importorskip("ray.serve", reason="the ray extra (ray[serve]) is not insta
 from ray.exceptions import ActorDiedError
 
 from ragkv.client import RagClient
-from ragkv.engine.request import ChunksReady, Request
+from ragkv.engine.request import Request
 from ragkv.server import cluster
 from ragkv.server.admission import Admission
-from ragkv.server.answering import TokenEvent
+from ragkv.server.answering import ChunksEvent, TokenEvent
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.query import Query
 from ragkv.server.routing import Policy, RouteKeys
@@ -338,7 +338,7 @@ def _events() -> list[object]:
     chunk = RetrievedChunk("c1", 1.0, "text", {}, None, 3)
     stats = QueryStats(Usage(10, 2, 0), ttft_seconds=9.0, total_seconds=9.0, phase_seconds={}, recompute_fraction=0.2,
                        mode=Mode.BLEND, finish_reason=FinishReason.LENGTH, text="ab")
-    return [ChunksReady((chunk,)), TokenEvent("a"), TokenEvent("b"), stats]
+    return [ChunksEvent((chunk,)), TokenEvent("a"), TokenEvent("b"), stats]
 
 
 def _run(engines: _Engines, retries: int = 2) -> list[object]:
@@ -359,7 +359,7 @@ def test_a_request_whose_replica_dies_before_its_first_token_is_answered_by_anot
     events = _run(engines)
     assert len(engines.calls) == 2
     # the client sees one answer: the lost replica's chunks were held back, never sent
-    assert [type(e).__name__ for e in events] == ["ChunksReady", "TokenEvent", "TokenEvent", "QueryStats"]
+    assert [type(e).__name__ for e in events] == ["ChunksEvent", "TokenEvent", "TokenEvent", "QueryStats"]
     assert events[-1].ttft_seconds < 9.0  # timed by the ingress, from the request's arrival
 
 

@@ -18,7 +18,7 @@ from langchain_openai import ChatOpenAI
 from langgraph.graph import END, START, MessagesState, StateGraph
 
 from ragkv.client import RagClient
-from ragkv.engine.request import Request
+from ragkv.server.backend import Prepared
 from ragkv.server.query import Query
 from ragkv.server.status import InvalidArgumentError
 from ragkv.types import ChatRole, ChatTurn, Mode, SearchMode
@@ -35,7 +35,7 @@ class ChatBackend(FakeBackend):
         super().__init__(**kw)
         self.params: list[Query] = []
 
-    def prepare(self, params: Query, hits: object = None) -> Request:
+    def prepare(self, params: Query, hits: object = None) -> Prepared:
         if params.system_prompt is not None and params.system_prompt.strip() != SYSTEM:
             raise InvalidArgumentError(
                 "system_prompt", f"the request's system message {params.system_prompt!r} differs from the system "

@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from ragkv.engine.request import Request
+from ragkv.server.backend import Prepared
 from ragkv.server.query import Query
 from ragkv.server.response_store import ResponseStore
 from ragkv.types import (
@@ -44,11 +45,11 @@ class RecordingBackend(FakeBackend):
         super().__init__(**kw)
         self.params: list[Query] = []
 
-    def prepare(self, query: Query, hits: object = None) -> Request:
+    def prepare(self, query: Query, hits: object = None) -> Prepared:
         self.params.append(query)
-        request = super().prepare(query, hits)
-        request.reads_tool_calls = bool(query.tools) and query.tool_choice.mode is not ToolChoiceMode.NONE
-        return request
+        prepared = super().prepare(query, hits)
+        prepared.request.reads_tool_calls = bool(query.tools) and query.tool_choice.mode is not ToolChoiceMode.NONE
+        return prepared
 
     def _words(self, request: Request) -> list[str]:
         query = self.asked[request]

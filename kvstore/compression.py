@@ -264,8 +264,25 @@ def _unpack(rows: torch.Tensor, compression: Compression, role: str, shape: tupl
     for p in layer_parts(compression, role, hkv, t, d):
         views[p.name] = rows[:, p.start:p.start + p.nbytes].view(p.dtype).reshape(n, *p.shape)
     if compression in _BITS:
-        codes = _unpack_codes(views["codes"], _BITS[compression]).float()  # [n, Hkv, T, D]
-        scale = _expand(views["scale"].float(), role, t, d)  # [n, Hkv, T, D]
-        mn = _expand(views["min"].float(), role, t, d)  # [n, Hkv, T, D]
-        return torch.addcmul(mn, codes, scale).to(dtype)  # [n, Hkv, T, D]
+        codes = _unpack_codes(views["codes"], _BITS[compression])  # [n, Hkv, T, D] uint8
+        return _dequantize_groups(codes, views["scale"], views["min"], role, dtype)  # [n, Hkv, T, D]
     return dequantize(views["codes"], views["scale"], dtype)  # [n, Hkv, T, D]
+
+
+def _dequantize_groups(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, role: str,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """min + code * scale over KIVI's groups, each group's scale and min broadcast over it (no
+    tensor of them per element): codes `[n, Hkv, T, D]`, keys' groups `[n, Hkv, Tg, D]`,
+    values' `[n, Hkv, T, D/g]`; in float32, then `dtype`."""
+    n, hkv, t, d = codes.shape
+    if role == "v":
+        g = _value_group(d)
+        out = torch.addcmul(mn.float().unsqueeze(-1), codes.reshape(n, hkv, t, d // g, g).float(),
+                            scale.float().unsqueeze(-1))  # [n, Hkv, T, D/g, g]
+        return out.reshape(n, hkv, t, d).to(dtype)
+    tg = scale.shape[2]
+    if tg * KEY_GROUP != t:  # the last group is short: pad its codes to a whole group, then cut
+        codes = torch.cat([codes, codes.new_zeros(n, hkv, tg * KEY_GROUP - t, d)], dim=2)
+    out = torch.addcmul(mn.float().unsqueeze(3), codes.reshape(n, hkv, tg, KEY_GROUP, d).float(),
+                        scale.float().unsqueeze(3))  # [n, Hkv, Tg, G, D]
+    return out.reshape(n, hkv, tg * KEY_GROUP, d)[:, :, :t].to(dtype)

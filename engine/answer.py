@@ -11,7 +11,8 @@ threads (`PromptChunk.kv` futures), a chunk computed here goes out as `ChunkComp
    read still pending: the read races the compute, and the first to finish serves). A
    tree lease on the context skips this: the tree holds it.
 2. **Prompt.** `Engine.run_steps` in the request's mode. A layer-wise read that fails in
-   the middle of the pass has its chunk computed, and the pass runs again.
+   the middle of the pass, or stalls there past `kv_wait_s` (a wait on its next layer
+   runs out), has its chunk computed, and the pass runs again.
 3. **Decode.** `Decode(stream)`: the scheduler decodes it batched with the others.
 4. **Tree.** The prompt and the answer go into the KV tree, for the conversation's next call.
 """
@@ -30,12 +31,12 @@ from ragkv.engine.blend import BlendOptions, BlendResult, Prompt, PromptSteps
 from ragkv.engine.constrain import Constraint
 from ragkv.engine.conversation import Conversations, TreeSpot
 from ragkv.engine.decode import DecodeStream, SamplingParams
-from ragkv.engine.kv import ChunkKV
+from ragkv.engine.kv import ChunkKV, arriving
 from ragkv.engine.prompt import PromptFormat
 from ragkv.engine.request import Answered, ChunkComputed, ChunksReady, Decode, LoadedKV, PromptChunk, Request, Work
 from ragkv.engine.speed import EngineSpeed
 from ragkv.engine.work import WaitFor, wait_for
-from ragkv.errors import KVFormatError, RagKVError, StoreError
+from ragkv.errors import KVFormatError, KVReadStalledError, RagKVError, StoreError
 from ragkv.types import FinishReason, KVSource, Mode, Tier
 
 log = logging.getLogger(__name__)
@@ -90,10 +91,12 @@ def _answer(engine: PromptEngine, req: Request) -> Work:
     while res is None:  # each retry computes at least one chunk anew, so this ends
         try:
             prompt = Prompt(req.question_ids, req.prefix_ids, chunk_ids, kvs, req.select_ids, req.snapshot_at)
-            res = yield from engine.run_steps(prompt, req.mode, req.options, req.sampling.max_new_tokens, req.tree)
-        except (KVFormatError, StoreError) as exc:  # a layered read failed mid-prompt
-            if req.tree is not None and req.tree.lease is not None and req.tree.lease.failed:
-                kvs, tiers = yield from _without_tree(engine, req, req.tree, phases, sources, loaded, exc)
+            steps = engine.run_steps(prompt, req.mode, req.options, req.sampling.max_new_tokens, req.tree)
+            res = yield from _bounded(steps, req.kv_wait_s)
+        except (KVFormatError, StoreError) as exc:  # a layered read failed (or stalled) mid-prompt
+            tree, stalled = req.tree, isinstance(exc, KVReadStalledError)
+            if tree is not None and tree.lease is not None and (tree.lease.failed or stalled and tree.lease.arriving):
+                kvs, tiers = yield from _without_tree(engine, req, tree, phases, sources, loaded, exc)
                 continue
             # a chunk whose read fails later (during the retry) fails that pass in turn
             kvs = yield from _recompute_failed(engine, req, kvs or [], tiers, exc)
@@ -221,6 +224,25 @@ def _compute_or_read(engine: PromptEngine, req: Request, ch: PromptChunk, race: 
         yield item
 
 
+def _bounded(steps: PromptSteps, limit_s: float) -> PromptSteps:
+    """A prompt pass's steps, each of its waits on KV still arriving (a layer-by-layer read's
+    next layer) ended after `limit_s`: a read that makes no progress that long fails the pass
+    with KVReadStalledError, and the work computes its chunk instead."""
+    while True:
+        try:
+            item = next(steps)
+        except StopIteration as done:
+            res: BlendResult = done.value
+            return res
+        if isinstance(item, WaitFor) and item.timeout_s is None:
+            yield WaitFor(item.futures, limit_s)
+            if not all(f.done() for f in item.futures):
+                steps.close()
+                raise KVReadStalledError(f"a layer-by-layer KV read made no progress for {limit_s:.1f} s mid-prompt")
+            continue
+        yield item
+
+
 def _without_tree(engine: PromptEngine, req: Request, tree: TreeSpot, phases: dict[str, float],
                   sources: Counter[KVSource], loaded: dict[Tier, int], exc: Exception
                   ) -> Generator[int | WaitFor | ChunkComputed, None, tuple[list[ChunkKV] | None, list[Tier]]]:
@@ -241,7 +263,9 @@ def _recompute_failed(engine: PromptEngine, req: Request, kvs: list[ChunkKV], ti
                       ) -> Generator[int | WaitFor | ChunkComputed, None, list[ChunkKV]]:
     """`kvs` with every chunk whose layered read failed computed anew (layer by layer) and
     handed out to be kept (a damaged copy is already out of its tier). `tiers` is updated in place."""
-    failed = [i for i, kv in enumerate(kvs) if kv.ready is not None and kv.ready.error is not None]
+    stalled = isinstance(exc, KVReadStalledError)  # then a read with layers still to come is given up
+    failed = [i for i, kv in enumerate(kvs) if kv.ready is not None and
+              (kv.ready.error is not None or stalled and arriving(kv.ready, kv.k.shape[0]))]
     if not failed:  # the error came from elsewhere (no chunk still loading has failed): not ours to absorb
         raise exc
     log.warning("layered KV read of %d chunk(s) failed mid-prompt (%s); recomputing them", len(failed), exc)

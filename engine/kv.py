@@ -121,6 +121,11 @@ def layers_pending(segments: Sequence[ChunkKV], layer: int) -> list[Future[None]
     return [f for seg in segments if (f := _when_ready(seg.ready, seg.k.shape[0], layer)) is not None]
 
 
+def arriving(ready: LayerReady | None, num_layers: int) -> bool:
+    """Whether KV still loading has layers to come (False once all are there, or the read failed)."""
+    return _when_ready(ready, num_layers, num_layers - 1) is not None
+
+
 def _when_ready(ready: LayerReady | None, num_layers: int, layer: int) -> Future[None] | None:
     """The future done once layers [0, layer] (at most its last) of KV still loading may be
     read; None when they may be now, or it cannot say (`LayerReady.when_ready` is optional)."""

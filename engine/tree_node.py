@@ -11,7 +11,7 @@ from enum import IntEnum
 
 import torch
 
-from ragkv.engine.kv import KVCache, LayerReady
+from ragkv.engine.kv import KVCache, LayerReady, arriving
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +169,11 @@ class TreeLease:
     def tokens(self) -> int:
         """Prompt positions whose KV the lease supplies: the context and the matched tokens."""
         return len(self.context_ids) + self.matched
+
+    @property
+    def arriving(self) -> bool:
+        """Whether a disk read of the lease still has layers to come."""
+        return any(p.k is not None and arriving(p.ready, p.k.shape[0]) for p in self._parts)
 
     @property
     def failed(self) -> bool:

@@ -36,6 +36,10 @@ class StoreError(RagKVError):
     """A storage tier failed in a way the caller must hear about (not a plain miss)."""
 
 
+class KVReadStalledError(StoreError):
+    """A layer-by-layer KV read made no progress for the request's KV wait limit mid-prompt."""
+
+
 class IndexMismatchError(RagKVError):
     """An index was built with another model, tokenizer or embedder than the one in use."""
 

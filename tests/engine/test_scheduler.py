@@ -790,3 +790,43 @@ def test_an_overrun_read_races_its_chunks_compute(tiny_lm, lands: bool) -> None:
     else:
         assert compute_steps[0] == whole and not read.done()
         assert sources == {KVSource.COMPUTED_OVERRUN: 1} and len(computed) == 1
+
+
+@pytest.mark.parametrize("stall_at", [0, 2])
+def test_a_layered_read_that_stalls_mid_prompt_has_its_chunk_computed(tiny_lm, stall_at: int) -> None:
+    """A chunk's layer-by-layer read that delivers `stall_at` layers and then nothing (a tier
+    that hangs mid-file) does not hold its request past `kv_wait_s`: the pass's wait on the next
+    layer runs out, the chunk is computed (handed out to be kept), and the answer is the one
+    with the KV ready from the start. Without the limit the request would wait for ever."""
+    import dataclasses
+
+    from ragkv.engine.request import ChunkComputed
+    from ragkv.kvstore.layered import LayerGate
+
+    engine = Engine(tiny_lm)
+    prefix_ids = engine.prompt.prefix_ids()
+    ids = [engine.prompt.chunk_ids(p) for p in PASSAGES[:2]]
+    kvs = [engine.prefill(prefix_ids, chunk) for chunk in ids]
+    question = tuple(engine.prompt.question_ids("What does the village grow?"))
+    gate = LayerGate(kvs[1].k.shape[0])
+    gate.publish(stall_at)  # layers [0, stall_at) arrive; the rest never do
+    stalling = dataclasses.replace(kvs[1], ready=gate)
+
+    def answer(second: object) -> tuple[_Sink, float]:
+        sched, sink = Scheduler(), _Sink()
+        chunks = (PromptChunk(tuple(ids[0]), LoadedKV(kvs[0], Tier.CPU, kvs[0].nbytes)),
+                  PromptChunk(tuple(ids[1]), second, key="stalls"))
+        req = Request(mode=Mode.REUSE, prefix_ids=tuple(prefix_ids), question_ids=question, kv_wait_s=0.3,
+                      chunks=chunks, sampling=SamplingParams(max_new_tokens=6))
+        t0 = time.monotonic()
+        sched.submit(req, engine.work(req), sink)
+        assert sink.ended.wait(60), "the request waited on the stalled read"
+        sched.close()
+        return sink, time.monotonic() - t0
+
+    ready, _ = answer(LoadedKV(kvs[1], Tier.CPU, kvs[1].nbytes))
+    stalled, seconds = answer(LoadedKV(stalling, Tier.DISK, kvs[1].nbytes))
+    assert stalled.finished.error is None and stalled.tokens == ready.tokens
+    computed = [e for e in stalled.events if isinstance(e, ChunkComputed)]
+    assert [c.index for c in computed] == [1]
+    assert seconds < 30

@@ -132,6 +132,31 @@ def test_damage_found_mid_pass_costs_the_tree_hit_not_the_answer(tmp_path):
     assert eng.conversations.stats().read_errors >= 1
 
 
+def test_a_disk_path_whose_read_stalls_mid_pass_is_computed_after_the_kv_wait(tmp_path):
+    """The tree's layered disk read delivers its first layer and then hangs: the pass's wait on
+    the next runs out after the request's `kv_wait_s`, and the prompt is computed without the
+    tree, answering as it would have alone."""
+    eng, files, (mode, opts, prefix_ids, chunk_ids, first_q, second_q), spot, _ = restarted_conversation(tmp_path)
+
+    def serve(tree) -> tuple[Request, list[int]]:
+        req = Request(mode=mode, prefix_ids=tuple(prefix_ids), question_ids=tuple(second_q), select_ids=tuple(first_q),
+                      chunks=tuple(PromptChunk(tuple(ids), source=KVSource.COMPUTED_MISSING) for ids in chunk_ids),
+                      options=opts, sampling=SamplingParams(max_new_tokens=6), tree=tree, kv_wait_s=0.3)
+        sched, events, ended = Scheduler(), [], threading.Event()
+        sched.submit(req, eng.work(req), lambda out: (events.append(out), isinstance(out, Finished) and ended.set()))
+        assert ended.wait(60), "the request waited on the stalled read"
+        sched.close()
+        assert isinstance(events[-1], Finished) and events[-1].error is None, events[-1]
+        return req, [e.token_id for e in events if isinstance(e, TokenOut)]
+
+    _, without = serve(None)
+    for g in files.gates:
+        g.publish(1)  # one layer, then nothing
+    req, tokens = serve(spot)
+    assert tokens == without
+    assert req.tree is not None and req.tree.lease is None  # the tree's hit given up, not the answer
+
+
 def test_a_late_damaged_block_fails_the_read_after_the_match_and_the_file_goes(tmp_path):
     """Real files of several checksum blocks: the header and first blocks pass, so the match
     leases the path; its read fails at the damaged block, and the next match is a miss."""

@@ -6,7 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp
 
 
 class HttpServer:
@@ -16,7 +20,8 @@ class HttpServer:
     stops this server as part of the drain.
     """
 
-    def __init__(self, app: Any, host: str, port: int, tls_cert: Any = None, tls_key: Any = None) -> None:
+    def __init__(self, app: ASGIApp, host: str, port: int, tls_cert: Path | None = None,
+                 tls_key: Path | None = None) -> None:
         import uvicorn
 
         class _Server(uvicorn.Server):

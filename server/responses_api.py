@@ -44,6 +44,8 @@ from ragkv.server.status import InvalidArgumentError
 from ragkv.types import FinishReason, QueryStats, RetrievedChunk, ToolCallDelta
 
 if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
     from ragkv.server.openai_api import OpenAIApi
     from ragkv.server.settings import ServerSettings
 
@@ -588,7 +590,7 @@ class ResponsesApi:
             return self._error(exc, RETRIEVE, caller)
 
 
-def with_responses(api: OpenAIApi, settings: ServerSettings | None = None) -> Any:
+def with_responses(api: OpenAIApi, settings: ServerSettings | None = None) -> Starlette:
     """`api`'s ASGI app with the Responses API's routes beside chat completions' (the app the
     server and the cluster's ingress serve), its stored responses as `settings` say (None: in
     memory, the default bounds); this module builds on openai_api, not the reverse."""

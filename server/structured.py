@@ -39,6 +39,7 @@ from ragkv.types import (
     Tool,
     ToolCall,
     ToolCallDelta,
+    ToolChoice,
     ToolChoiceMode,
 )
 
@@ -109,7 +110,7 @@ def output_spec(params: Query, chunks: Sequence[RetrievedChunk]) -> OutputSpec:
     return OutputSpec(grammar, "\n\n".join(before) + ("\n\n" if before else ""), after, calls_allowed, closing)
 
 
-def tools_text(tools: Sequence[Tool], choice: Any) -> str:
+def tools_text(tools: Sequence[Tool], choice: ToolChoice) -> str:
     """The tools and how to call them, for the prompt."""
     lines = ["You can call these tools, described as JSON schemas:", "<tools>"]
     lines += [json.dumps({"type": "function", "function": {"name": t.name, "description": t.description,
@@ -173,7 +174,7 @@ def _call_schema(tools: Sequence[Tool]) -> dict[str, Any]:
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def _blame_schema(params: Any) -> None:
+def _blame_schema(params: Query) -> None:
     """Raise InvalidArgumentError naming the request's first schema that does not compile
     alone (the response format's, or a tool's); return if each one does."""
     fmt = params.response_format
@@ -208,7 +209,7 @@ def _closed(schema: Any) -> Any:
     return out
 
 
-def _call_rules(tools: Sequence[Tool], choice: Any, parallel: bool) -> list[str]:
+def _call_rules(tools: Sequence[Tool], choice: ToolChoice, parallel: bool) -> list[str]:
     """Lark rules of `calls`: one call, or several separated by a newline."""
     if choice.mode is ToolChoiceMode.FUNCTION:
         tools, parallel = [t for t in tools if t.name == choice.name], False

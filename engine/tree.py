@@ -260,6 +260,11 @@ class KVTree(TreeDisk):
         """Put `node`'s K and V ([L, Hkv, T, D]) in `tier`'s pool (the node counted off every tier)."""
         node.slots, node.tier = self._pools[tier].put(k, v), tier
 
+    def _hold_from(self, node: Node, tier: Tier, cache: KVCache) -> None:
+        """`_hold` of `node`'s tokens as a request's `cache` holds them (slots [start, end))."""
+        self._hold(node, tier, cache.k[:, :, node.start:node.end], cache.v[:, :, node.start:node.end])
+        node.kv_bytes = cache_bytes(cache, len(node.ids))
+
     def _let_slots_go(self, node: Node) -> None:
         """Give a DEVICE or HOST node's slots back to its tier's pool."""
         if node.slots is not None:
@@ -387,8 +392,7 @@ class KVTree(TreeDisk):
 
     def _new(self, tier: Tier, node: Node, cache: KVCache) -> Node:
         """`node` held on `tier`, its KV copied from the request's `cache`, and counted there."""
-        self._hold(node, tier, cache.k[:, :, node.start:node.end], cache.v[:, :, node.start:node.end])
-        node.kv_bytes = cache_bytes(cache, len(node.ids))
+        self._hold_from(node, tier, cache)
         self._add(node)
         return node
 
@@ -398,8 +402,7 @@ class KVTree(TreeDisk):
         if node.tier is Tier.DEVICE or not self._make_room(node.kv_bytes, keep=node, tenant=node.key.tenant):
             return
         self._leave_tier(node)
-        self._hold(node, Tier.DEVICE, cache.k[:, :, node.start:node.end], cache.v[:, :, node.start:node.end])
-        node.kv_bytes = cache_bytes(cache, len(node.ids))
+        self._hold_from(node, Tier.DEVICE, cache)
         self._count(node.key.tenant, node.kv_bytes)
 
     @property

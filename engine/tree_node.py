@@ -219,7 +219,7 @@ class TreeLease:
                 k, v = part.k, part.v
             ks.append(k[:, :, first - part.node.start:last - part.node.start])
             vs.append(v[:, :, first - part.node.start:last - part.node.start])
-        return torch.cat(ks, 2).clone(), torch.cat(vs, 2).clone()
+        return torch.cat(ks, 2), torch.cat(vs, 2)  # new tensors: the pool's and the files' stay as they are
 
     def release(self) -> None:
         """Let the path be evicted again (idempotent)."""

@@ -28,6 +28,7 @@ class KVPool:
         self.k: torch.Tensor | None = None  # [L, Hkv, S, D], after RoPE
         self.v: torch.Tensor | None = None  # [L, Hkv, S, Dv]
         self._free = torch.empty(0, dtype=torch.long)  # [F] free slot indices, ascending (CPU)
+        self._given: list[torch.Tensor] = []  # slots given back since, merged into `_free` when next needed
 
     @property
     def capacity(self) -> int:
@@ -37,7 +38,7 @@ class KVPool:
     @property
     def used(self) -> int:
         """Token slots held by nodes."""
-        return self.capacity - len(self._free)
+        return self.capacity - len(self._free) - sum(len(s) for s in self._given)
 
     @property
     def token_bytes(self) -> int:
@@ -57,6 +58,7 @@ class KVPool:
         the pool's device). Raises MemoryError when the budget cannot hold T more tokens (the
         tree makes room first, so that is a bug), ValueError when the KV's shape is not the pool's."""
         self._shape_check(k, v)
+        self._merge()
         n = k.shape[2]
         if n > len(self._free):
             self._grow(self.used + n)
@@ -74,9 +76,17 @@ class KVPool:
         return self.k.index_select(2, slots), self.v.index_select(2, slots)
 
     def release(self, slots: torch.Tensor) -> None:
-        """Give `slots` back; their KV may be overwritten by the next `put`."""
+        """Give `slots` back; their KV may be overwritten by the next `put`. (An eviction gives
+        back many nodes' slots in a row: they are merged into the free list once, at the next
+        `put` or `compact`.)"""
         if len(slots):
-            self._free = torch.sort(torch.cat([self._free, slots.to("cpu")])).values
+            self._given.append(slots.to("cpu"))
+
+    def _merge(self) -> None:
+        """The slots given back, into the free list (ascending: a node's slots stay near each other)."""
+        if self._given:
+            self._free = torch.sort(torch.cat([self._free, *self._given])).values
+            self._given.clear()
 
     def compact(self, capacity_bytes: int) -> torch.Tensor | None:
         """Shrink the tensors to at most `capacity_bytes` (never below the held slots) by moving
@@ -84,6 +94,7 @@ class KVPool:
         a free slot) that the holders' indices go through, or None when nothing moved."""
         if self.k is None or self.v is None:
             return None
+        self._merge()
         keep = max(self.used, capacity_bytes // max(self.token_bytes, 1))
         if keep >= self.capacity:
             return None

@@ -396,7 +396,7 @@ class RoutedRunner:
             retrieve_s = time.perf_counter() - searched
             asked = Asked.of(query, deadline)
             for attempt in range(self._retries + 1):
-                held: list[RunEvent] = []  # the ChunksEvent, until the answer has begun
+                held: list[ChunksEvent] = []  # the chunks, until the answer has begun
                 begun = False
                 replica: str | None = None  # which one answers (its `Answering`)
                 first_token_at: float | None = None
@@ -417,8 +417,7 @@ class RoutedRunner:
                             if replica is not None:  # its tree now holds the conversation
                                 self.pins.note(route.conversation, replica)
                             for h in held:
-                                if isinstance(h, ChunksEvent):
-                                    self._metrics.observe_chunks(h.chunks, query.collection)
+                                self._metrics.observe_chunks(h.chunks, query.collection)
                                 yield h
                         if isinstance(event, QueryStats):
                             end = time.perf_counter()

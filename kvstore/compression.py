@@ -92,9 +92,17 @@ def quantize(x: torch.Tensor, compression: Compression) -> tuple[torch.Tensor, t
     raise ValueError(f"quantize needs INT8 or FP8, got {compression!r} (INT4/INT2: use pack)")
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of `quantize`: `[..., T, D]` in `dtype`."""
-    return (q.float() * scale).to(dtype)  # [..., T, D]
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of `quantize`: `[..., T, D]` in `dtype`, written into `out` when given.
+
+    Int8 codes are multiplied in one pass, the product cast as it is written (the same bits
+    as widening first); float8 codes, which torch does not promote, are widened first."""
+    if q.dtype == torch.int8:
+        if out is None:
+            out = torch.empty(q.shape, dtype=dtype, device=q.device)
+        return torch.mul(q, scale, out=out)  # [..., T, D]
+    deq = (q.float() * scale).to(dtype)  # [..., T, D]
+    return deq if out is None else out.copy_(deq)
 
 
 @dataclass(slots=True)
@@ -238,7 +246,7 @@ def pack(x: torch.Tensor, compression: Compression, role: str) -> torch.Tensor:
 
 
 def unpack(rows: torch.Tensor, compression: Compression, role: str, shape: tuple[int, int, int],
-           dtype: torch.dtype, clock: DequantClock | None = None) -> torch.Tensor:
+           dtype: torch.dtype, clock: DequantClock | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantize packed rows `[n, B]` uint8 (n layers, on any device) into `[n, Hkv, T, D]` in `dtype`.
 
     Vectorised over layers, heads, tokens and lanes; runs where `rows` is (move a row to the
@@ -247,17 +255,22 @@ def unpack(rows: torch.Tensor, compression: Compression, role: str, shape: tuple
     Args:
         shape: (Hkv, T, D) of one layer.
         clock: adds the time spent here.
+        out: a contiguous `[n, Hkv, T, D]` tensor in `dtype` to write into (a layered read's
+            layer of its chunk), so no dequantized copy is made and copied again.
     """
     started = time.perf_counter()
-    out = _unpack(rows, compression, role, shape, dtype)  # [n, Hkv, T, D]
+    if out is not None and (out.dtype != dtype or not out.is_contiguous() or out.shape != (rows.shape[0], *shape)):
+        raise ValueError(f"out must be a contiguous {(rows.shape[0], *shape)} {dtype} tensor, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    deq = _unpack(rows, compression, role, shape, dtype, out)  # [n, Hkv, T, D]
     if clock is not None:
         clock.seconds += time.perf_counter() - started
-        clock.elements += out.numel()
-    return out
+        clock.elements += deq.numel()
+    return deq
 
 
 def _unpack(rows: torch.Tensor, compression: Compression, role: str, shape: tuple[int, int, int],
-            dtype: torch.dtype) -> torch.Tensor:
+            dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
     hkv, t, d = shape
     n = rows.shape[0]
     views = {}
@@ -265,24 +278,31 @@ def _unpack(rows: torch.Tensor, compression: Compression, role: str, shape: tupl
         views[p.name] = rows[:, p.start:p.start + p.nbytes].view(p.dtype).reshape(n, *p.shape)
     if compression in _BITS:
         codes = _unpack_codes(views["codes"], _BITS[compression])  # [n, Hkv, T, D] uint8
-        return _dequantize_groups(codes, views["scale"], views["min"], role, dtype)  # [n, Hkv, T, D]
-    return dequantize(views["codes"], views["scale"], dtype)  # [n, Hkv, T, D]
+        return _dequantize_groups(codes, views["scale"], views["min"], role, dtype, out)  # [n, Hkv, T, D]
+    return dequantize(views["codes"], views["scale"], dtype, out)  # [n, Hkv, T, D]
 
 
 def _dequantize_groups(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, role: str,
-                       dtype: torch.dtype) -> torch.Tensor:
+                       dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """min + code * scale over KIVI's groups, each group's scale and min broadcast over it (no
-    tensor of them per element): codes `[n, Hkv, T, D]`, keys' groups `[n, Hkv, Tg, D]`,
-    values' `[n, Hkv, T, D/g]`; in float32, then `dtype`."""
+    tensor of them per element): codes `[n, Hkv, T, D]` uint8, keys' groups `[n, Hkv, Tg, D]`,
+    values' `[n, Hkv, T, D/g]`. The codes widen inside the one pass that computes in float32 and
+    writes `dtype` (into `out` when given, a contiguous `[n, Hkv, T, D]`)."""
     n, hkv, t, d = codes.shape
+    if out is None:
+        out = torch.empty(n, hkv, t, d, dtype=dtype, device=codes.device)
     if role == "v":
         g = _value_group(d)
-        out = torch.addcmul(mn.float().unsqueeze(-1), codes.reshape(n, hkv, t, d // g, g).float(),
-                            scale.float().unsqueeze(-1))  # [n, Hkv, T, D/g, g]
-        return out.reshape(n, hkv, t, d).to(dtype)
+        torch.addcmul(mn.float().unsqueeze(-1), codes.reshape(n, hkv, t, d // g, g), scale.float().unsqueeze(-1),
+                      out=out.view(n, hkv, t, d // g, g))  # [n, Hkv, T, D/g, g]
+        return out
     tg = scale.shape[2]
-    if tg * KEY_GROUP != t:  # the last group is short: pad its codes to a whole group, then cut
-        codes = torch.cat([codes, codes.new_zeros(n, hkv, tg * KEY_GROUP - t, d)], dim=2)
-    out = torch.addcmul(mn.float().unsqueeze(3), codes.reshape(n, hkv, tg, KEY_GROUP, d).float(),
-                        scale.float().unsqueeze(3))  # [n, Hkv, Tg, G, D]
-    return out.reshape(n, hkv, tg * KEY_GROUP, d)[:, :, :t].to(dtype)
+    if tg * KEY_GROUP == t:
+        torch.addcmul(mn.float().unsqueeze(3), codes.reshape(n, hkv, tg, KEY_GROUP, d), scale.float().unsqueeze(3),
+                      out=out.view(n, hkv, tg, KEY_GROUP, d))  # [n, Hkv, Tg, G, D]
+        return out
+    # the last group is short: its codes padded to a whole group, the padding cut on the way out
+    codes = torch.cat([codes, codes.new_zeros(n, hkv, tg * KEY_GROUP - t, d)], dim=2)
+    full = torch.addcmul(mn.float().unsqueeze(3), codes.reshape(n, hkv, tg, KEY_GROUP, d),
+                         scale.float().unsqueeze(3))  # [n, Hkv, Tg, G, D] float32
+    return out.copy_(full.reshape(n, hkv, tg * KEY_GROUP, d)[:, :, :t])

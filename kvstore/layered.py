@@ -295,7 +295,7 @@ class _Unpacker:
             if rows is None:
                 continue
             row = rows[i:i + 1].to(out.device)  # [1, B]: the packed bytes move, not the dequantized ones
-            out[i] = unpack(row, compression, role, (hkv, t, d), dtype, self.clock)[0]  # [Hkv, T, D]
+            unpack(row, compression, role, (hkv, t, d), dtype, self.clock, out=out[i:i + 1])  # into [1, Hkv, T, D]
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from ragkv.kvstore.compression import (
     KEY_GROUP,
     VALUE_GROUP,
     fp8_supported,
+    layer_parts,
     pack,
     stored_bytes_per_token,
     unpack,
@@ -70,6 +71,45 @@ def test_kivi_round_trip_within_stated_tolerance(tmp_path, compression, dtype):
         err = (y - x).abs()
         assert bool((err <= bound * 1.0001 + 1e-6).all()), f"{role}: max excess {(err - bound).max().item()}"
         assert not torch.equal(x, y)
+
+
+@pytest.mark.parametrize("compression", PACKED)
+@pytest.mark.parametrize("shape", [(2, 3, 64, 64), (2, 2, 45, 64), (1, 1, 7, 16)])  # keys' last group short too
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantizing_in_one_pass_into_a_layer_gives_the_widened_arithmetic(compression, shape, dtype):
+    """Codes widen inside the one pass that scales them and writes the caller's tensor (a layered
+    read's layer): the same bits as widening to float32 first, then scaling, then casting."""
+    x = torch.randn(*shape) * 3
+    for role in ("k", "v"):
+        rows = pack(x, compression, role)
+        n, b = rows.shape
+        views = {}
+        for p in layer_parts(compression, role, *shape[1:]):
+            views[p.name] = rows[:, p.start:p.start + p.nbytes].view(p.dtype).reshape(n, *p.shape)
+        codes = views["codes"]
+        if compression in KIVI:
+            bits = 4 if compression is Compression.INT4 else 2
+            shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+            codes = ((codes.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(n, *shape[1:]).float()
+            scale, mn = views["scale"].float(), views["min"].float()
+            if role == "k":
+                scale = scale.repeat_interleave(KEY_GROUP, dim=2)[:, :, :shape[2]]
+                mn = mn.repeat_interleave(KEY_GROUP, dim=2)[:, :, :shape[2]]
+            else:
+                g = VALUE_GROUP if shape[3] % VALUE_GROUP == 0 else shape[3]
+                scale, mn = scale.repeat_interleave(g, dim=-1), mn.repeat_interleave(g, dim=-1)
+            widened = (mn + codes * scale).to(dtype)
+        else:
+            widened = (codes.float() * views["scale"]).to(dtype)
+        into = torch.full(shape, float("nan"), dtype=dtype)
+        for layer in range(n):  # one layer at a time, as a layered read writes them
+            unpack(rows[layer:layer + 1], compression, role, shape[1:], dtype, out=into[layer:layer + 1])
+        assert torch.equal(into, widened)
+        assert torch.equal(unpack(rows, compression, role, shape[1:], dtype), widened)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        unpack(rows, compression, "v", shape[1:], dtype, out=torch.empty(shape, dtype=torch.float16))
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        unpack(rows, compression, "v", shape[1:], dtype, out=torch.empty(shape, dtype=dtype).transpose(2, 3))
 
 
 def test_four_bits_beat_two_and_eight_beat_four():

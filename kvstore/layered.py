@@ -12,10 +12,14 @@ file out of service.
 
 A compressed file streams the same way: its K and V are packed layer rows (`k_packed`,
 `v_packed` `[L, B]`, kvstore.compression), so layer l's bytes are one contiguous run of
-each stream. Once they pass, the reading thread moves them to `device` (the engine's)
-and dequantizes them there into preallocated `[L, Hkv, T, D]` tensors, then publishes
-the layer: the engine's prompt pass starts on layer 0 while later layers are still
-arriving, and what it reads is already in its dtype on its device. Files this cannot
+each stream. Once they pass, the layer is published as verified, and the first thread to
+`wait` on it (the engine's, which reads it next) moves its rows to `device` (the engine's)
+and dequantizes them there into preallocated `[L, Hkv, T, D]` tensors: dequantization runs
+where the prompt pass runs, in layer order, between its layers, not on the reading threads
+beside it (eight of those, one a chunk, dequantizing side by side took the prompt pass's
+cores: `docs/kv-compression.md`). The prompt pass starts on layer 0 while later layers are
+still arriving. The entry is handed on whole (`on_done`: promotion to a memory tier) once
+every layer is verified and dequantized, on a reading thread. Files this cannot
 stream (int8 / fp8 files of the layout before packed rows, or a layout we did not
 write) are read whole before they are handed out.
 
@@ -28,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -74,17 +78,22 @@ class ByteSource(Protocol):
 class LayerGate:
     """How many of a chunk's layers hold verified data. Wait on it before reading a layer."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, fill: Callable[[int], None] | None = None) -> None:
         self.num_layers = num_layers
         self._cond = threading.Condition()
-        self._ready = 0  # layers [0, ready) are filled and verified
+        self._ready = 0  # layers [0, ready) are verified (and filled, without `fill`)
         self._error: BaseException | None = None
         self._futures: dict[int, Future[None]] = {}  # layer -> done once layers [0, layer] are (when_ready)
+        # fills layers [0, layer] on the waiter's thread once they are verified (a compressed
+        # read dequantizes them: `_Unpacker.fill`); None: publishing fills them
+        self._fill = fill
+        self._filled: Future[None] = Future()  # done once every layer is filled (or the read failed)
 
     @classmethod
     def complete(cls, num_layers: int) -> LayerGate:
         gate = cls(num_layers)
         gate._ready = num_layers
+        gate._filled.set_result(None)
         return gate
 
     @property
@@ -99,7 +108,8 @@ class LayerGate:
             return self._error
 
     def wait(self, layer: int, timeout: float | None = None) -> None:
-        """Block until layers [0, layer] are filled and verified.
+        """Block until layers [0, layer] are verified, then fill those not filled yet on this
+        thread (a compressed read dequantizes them here); they may be read on return.
 
         Raises:
             KVFormatError: a block holding this layer failed its checksum (StoreError: the read failed).
@@ -116,18 +126,30 @@ class LayerGate:
                 if left is not None and left <= 0:
                     raise TimeoutError(f"layer {layer} not read within {timeout} s ({self._ready} ready)")
                 self._cond.wait(left)
+        if self._fill is not None:
+            self._fill(layer)
 
     def wait_all(self, timeout: float | None = None) -> None:
         self.wait(self.num_layers - 1, timeout)
 
     def when_ready(self, layer: int) -> Future[None] | None:
-        """None when layers [0, layer] may be read now (or the read failed: `wait` raises it);
-        else a future done once they may be, or once the read fails. For a scheduler that
-        parks the request instead of blocking its thread."""
+        """None when layers [0, layer] may be read now, after `wait` (or the read failed: `wait`
+        raises it); else a future done once they may be, or once the read fails. For a scheduler
+        that parks the request instead of blocking its thread."""
         with self._cond:
             if self._ready > layer or self._error is not None:
                 return None
             return self._futures.setdefault(layer, Future())
+
+    def when_filled(self) -> Future[None]:
+        """Done once every layer is verified and filled, or once the read fails; a layer that
+        nobody waits on is never dequantized, so this may never be done."""
+        return self._filled
+
+    def filled(self) -> None:
+        """Every layer is filled (`_Unpacker.fill`, or the last publish of a gate without `fill`)."""
+        if not self._filled.done():
+            self._filled.set_result(None)
 
     def publish(self, ready: int) -> None:
         with self._cond:
@@ -145,6 +167,7 @@ class LayerGate:
             self._futures.clear()
         for fut in done:  # the waiter resumes and finds the error in `wait`
             fut.set_result(None)
+        self.filled()
 
 
 class _Stream:
@@ -234,16 +257,18 @@ def read_layered(
     except BaseException:
         source.close()
         raise
-    gate = LayerGate(plan.num_layers)
+    gate = LayerGate(plan.num_layers, None if unpacker is None else unpacker.fill)
+
+    def whole() -> None:  # every layer verified and filled: hand the entry on
+        gate.filled()
+        on_done(buf, entry)
 
     def run() -> None:
         try:
             for layer in range(plan.num_layers):
                 for need in (plan.k_blocks[layer], plan.v_blocks[layer]):
                     (k_stream if need < plan.v_first_block else v_stream).advance(need)
-                if unpacker is not None:
-                    unpacker.layer(layer)
-                gate.publish(layer + 1)
+                gate.publish(layer + 1)  # verified: its first waiter dequantizes it (a compressed file)
             k_stream.advance(plan.v_first_block - 1)  # bytes past the last layer, if any
             v_stream.advance(len(crcs) - 1)
         except Exception as e:  # damage (KVFormatError), or an I/O failure, which is not damage: keep the file
@@ -258,16 +283,21 @@ def read_layered(
             return
         finally:
             source.close()
-        on_done(buf, entry)
+        if unpacker is None:
+            whole()
+        else:  # now, or once a waiter has dequantized the last layer: on a thread of the reads', not the waiter's
+            unpacker.verified(lambda: spawn(whole))
 
     spawn(run)
     return entry, gate
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class _Unpacker:
     """A compressed file's K and V `[L, Hkv, T, D]` on `device`, dequantized one layer at a time
-    from the packed rows (views of the read buffer) as each layer's bytes pass."""
+    from the packed rows (views of the read buffer), in layer order, by the threads that wait on
+    them (`fill`, the gate's hook); `verified(then)` runs `then` once the reader has verified every
+    layer and they are all dequantized, on whichever thread gets there last."""
 
     head: FileHead
     k_rows: torch.Tensor  # [L, Bk] uint8, a view of the buffer
@@ -275,6 +305,9 @@ class _Unpacker:
     k: torch.Tensor  # [L, Hkv, T, D] in the file's dtype, filled layer by layer
     v: torch.Tensor  # [L, Hkv, T, D], or k itself
     clock: DequantClock | None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _done: list[int] = field(default_factory=lambda: [0])  # layers [0, done) dequantized
+    _then: list[Callable[[], None]] = field(default_factory=list)  # `verified`'s, until every layer is done
 
     @classmethod
     def of(cls, buf: memoryview, head: FileHead, device: torch.device | None,
@@ -287,6 +320,26 @@ class _Unpacker:
             check_packed(v_rows, header, "v")
         k = torch.empty(header.shape, dtype=header.dtype, device=device or "cpu")  # [L, Hkv, T, D]
         return cls(head, k_rows, v_rows, k, k if v_rows is None else torch.empty_like(k), clock)
+
+    def fill(self, upto: int) -> None:
+        """Dequantize layers [0, upto] not dequantized yet (their rows have passed their checksums)."""
+        then = None
+        with self._lock:
+            while self._done[0] <= upto:
+                self.layer(self._done[0])
+                self._done[0] += 1
+            if self._done[0] == self.k.shape[0] and self._then:
+                then = self._then.pop()
+        if then is not None:
+            then()
+
+    def verified(self, then: Callable[[], None]) -> None:
+        """Every layer has passed: `then()` now if all are dequantized, else after the last is."""
+        with self._lock:
+            if self._done[0] < self.k.shape[0]:
+                self._then.append(then)
+                return
+        then()
 
     def layer(self, i: int) -> None:
         """Dequantize layer i (its rows have passed their checksums) into k[i] and v[i]."""

@@ -244,23 +244,27 @@ class TieredStore:
         return None
 
     def _time_layered(self, tier: Tier, hit: Hit, layers: LayerGate, header_s: float) -> None:
-        """Measure a layer-wise read: its latency now, its transfer (and dequantization) once the
-        last layer is in, in the file's bytes as stored."""
+        """Measure a layer-wise read: its latency now, its transfer once the last layer is
+        verified, in the file's bytes as stored, and its dequantization once the last layer is
+        dequantized (by the prompt pass that waits on them: `LayerGate.when_filled`)."""
         t0 = time.perf_counter()
         clock = hit.dequant
         timing, tokens, nbytes = self._timing[tier], hit.entry.k.shape[2], hit.stored_bytes or hit.entry.nbytes
         done = layers.when_ready(layers.num_layers - 1)
-        if done is None:  # already whole (or failed: then nothing is measured)
-            if layers.error is None:
-                timing.observe(header_s, nbytes, tokens, 1e-6)
-            return
+        transfer_s = [1e-6 if done is None else 0.0]  # already whole: no transfer to time
 
-        def finished(_f: object) -> None:
+        def filled(_f: object) -> None:
             if layers.error is None:
-                timing.observe(header_s, nbytes, tokens, time.perf_counter() - t0,
-                               clock.seconds if clock is not None else 0.0)
+                timing.observe(header_s, nbytes, tokens, transfer_s[0], clock.seconds if clock is not None else 0.0)
 
-        done.add_done_callback(finished)
+        def verified(_f: object) -> None:
+            transfer_s[0] = time.perf_counter() - t0
+            layers.when_filled().add_done_callback(filled)
+
+        if done is None:
+            layers.when_filled().add_done_callback(filled)
+        else:
+            done.add_done_callback(verified)
 
     def read_estimate(self, tier: Tier) -> ReadEstimate | None:
         """`tier`'s measured read speed (None before its first read or when it is not configured)."""

@@ -5,6 +5,7 @@ compressed files (dequantized layer by layer, equal to the whole read)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -193,16 +194,24 @@ def test_a_compressed_file_streams_layer_by_layer_and_equals_the_whole_read(comp
     data = encode(e, compression)
     whole = _decode(data)
     src, entry, gate, done, failed, threads = _layered(data, hold_at=len(data) - 1000)  # stall in v's last block
-    gate.wait(0, timeout=10)
-    assert not done and gate.ready < STREAM[0] and src.max_read < len(data)
+    deadline = time.monotonic() + 10
+    while gate.ready < 2 and time.monotonic() < deadline:  # verified by the reader, nobody has waited yet
+        time.sleep(0.01)
+    assert 2 <= gate.ready < STREAM[0] and src.max_read < len(data) and not done
+    assert not torch.equal(entry.k[1], whole.k[1])  # the reading thread does not dequantize
     assert entry.k.dtype == torch.bfloat16
-    for layer in range(gate.ready):  # what is published is already dequantized
+    for layer in range(gate.ready):  # a waiter dequantizes what it waits on, on its own thread
+        gate.wait(layer, timeout=10)
         assert torch.equal(entry.k[layer], whole.k[layer]) and torch.equal(entry.v[layer], whole.v[layer])
     src.release.set()
-    gate.wait_all(timeout=10)
     for t in threads:
         t.join()
-    assert torch.equal(entry.k, whole.k) and torch.equal(entry.v, whole.v) and not failed and len(done) == 1
+    assert not done and not gate.when_filled().done()  # verified, not yet all dequantized: not handed on
+    gate.wait_all(timeout=10)
+    assert torch.equal(entry.k, whole.k) and torch.equal(entry.v, whole.v) and not failed
+    for t in threads[1:]:  # the hand-on, spawned by the waiter that dequantized the last layer
+        t.join()
+    assert len(done) == 1 and gate.when_filled().done()
 
 
 def test_a_damaged_block_of_a_compressed_file_fails_its_layer_and_the_rest():

@@ -307,7 +307,7 @@ class _Unpacker:
     clock: DequantClock | None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _done: list[int] = field(default_factory=lambda: [0])  # layers [0, done) dequantized
-    _then: list[Callable[[], None]] = field(default_factory=list)  # `verified`'s, until every layer is done
+    _then: list[Callable[[], object]] = field(default_factory=list)  # `verified`'s, until every layer is done
 
     @classmethod
     def of(cls, buf: memoryview, head: FileHead, device: torch.device | None,
@@ -333,7 +333,7 @@ class _Unpacker:
         if then is not None:
             then()
 
-    def verified(self, then: Callable[[], None]) -> None:
+    def verified(self, then: Callable[[], object]) -> None:
         """Every layer has passed: `then()` now if all are dequantized, else after the last is."""
         with self._lock:
             if self._done[0] < self.k.shape[0]:

@@ -142,14 +142,21 @@ class LayerGate:
             return self._futures.setdefault(layer, Future())
 
     def when_filled(self) -> Future[None]:
-        """Done once every layer is verified and filled, or once the read fails; a layer that
-        nobody waits on is never dequantized, so this may never be done."""
+        """Done once every layer is verified and filled, or with the read's error once it fails;
+        a layer that nobody waits on is never dequantized, so this may never be done. (A callback
+        on it should not hold the gate: the future is the gate's own, so that would be a cycle
+        keeping the chunk's tensors until the garbage collector runs.)"""
         return self._filled
 
-    def filled(self) -> None:
-        """Every layer is filled (`_Unpacker.fill`, or the last publish of a gate without `fill`)."""
-        if not self._filled.done():
+    def filled(self, error: BaseException | None = None) -> None:
+        """Every layer is filled (`_Unpacker.fill`, or the last publish of a gate without `fill`),
+        or `error` ended the read."""
+        if self._filled.done():
+            return
+        if error is None:
             self._filled.set_result(None)
+        else:
+            self._filled.set_exception(error)
 
     def publish(self, ready: int) -> None:
         with self._cond:
@@ -167,7 +174,7 @@ class LayerGate:
             self._futures.clear()
         for fut in done:  # the waiter resumes and finds the error in `wait`
             fut.set_result(None)
-        self.filled()
+        self.filled(error)
 
 
 class _Stream:

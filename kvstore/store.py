@@ -253,8 +253,8 @@ class TieredStore:
         done = layers.when_ready(layers.num_layers - 1)
         transfer_s = [1e-6 if done is None else 0.0]  # already whole: no transfer to time
 
-        def filled(_f: object) -> None:
-            if layers.error is None:
+        def filled(f: Future[None]) -> None:  # holds no gate: its future is the gate's own
+            if f.exception() is None:
                 timing.observe(header_s, nbytes, tokens, transfer_s[0], clock.seconds if clock is not None else 0.0)
 
         def verified(_f: object) -> None:

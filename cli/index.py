@@ -17,10 +17,11 @@ import argparse
 import logging
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from ragkv.indexer.chunking import DEFAULT_CHUNK_TOKENS, DEFAULT_OVERLAP_TOKENS
-from ragkv.indexer.neighbours import INDEX_DEFAULT, PLAIN_COPY_COMPRESSION
+from ragkv.indexer.neighbours import INDEX_DEFAULT, INDEX_KV_COMPRESSION, PLAIN_COPY_COMPRESSION
 from ragkv.indexer.spot import DEFAULT_IMDS_ENDPOINT, EXIT_INTERRUPTED, IndexInterrupted
 from ragkv.types import DType
 
@@ -69,11 +70,12 @@ def add_index_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--system-prompt", default=None, metavar="TEXT|@FILE",
                    help="the system prompt answers from this index get (it is in every chunk's KV, so changing "
                         "it means a new index); @FILE reads it from a file (default: the built-in one)")
-    p.add_argument("--kv-compression", choices=KV_COMPRESSIONS, default="none",
-                   help="how KV files store K and V: int8/fp8 per-channel quantization halves the bytes of 16-bit "
-                        "KV (quarters float32) at a small quality cost; int4/int2 (KIVI: keys per channel, values "
-                        "per token, in groups) store 0.31x/0.19x of bf16's bytes; see docs/kv-compression.md "
-                        "(default none)")
+    p.add_argument("--kv-compression", choices=KV_COMPRESSIONS, default=None,
+                   help="how KV files store K and V: int4 (the default for a new index; a rerun keeps what the "
+                        "index was built with; KIVI: keys per channel, values per token, "
+                        "in groups) stores 0.31x of bf16's bytes, int2 0.19x; int8/fp8 per-channel quantization "
+                        "0.51x; none keeps the model's dtype (float32 on a CPU: 2x bf16), which a CPU reading "
+                        "from the page cache serves fastest; see docs/kv-compression.md")
     p.add_argument("--neighbours", type=int, default=INDEX_DEFAULT.m, metavar="M",
                    help="neighbour-conditioned KV: prefill each chunk after its M most similar chunks (by the "
                         "index's embeddings); 0 = plain KV (one neighbour brings blend and focus closest to full "
@@ -90,8 +92,8 @@ def add_index_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                         "with every chunk and only its neighbour KV is stored (2.2x at m = 1, budget 512; "
                         "docs/quality.md)")
     p.add_argument("--plain-kv-compression", choices=KV_COMPRESSIONS, default=PLAIN_COPY_COMPRESSION,
-                   help="with --neighbour-context kv: how the plain copies store K and V (default int8: the "
-                        "index then holds 1.25x the bytes of plain KV; none: 2x)")
+                   help="with --neighbour-context kv: how the plain copies store K and V (default int8: with "
+                        "int4 neighbour KV the index then holds 0.82x the bytes of one bf16 copy)")
     p.add_argument("--shard", metavar="i/N",
                    help="index only shard i of N (default: AWS_BATCH_JOB_ARRAY_INDEX/_SIZE when set)")
     p.add_argument("--device", default=DType.AUTO.value, help="torch device; auto = cuda when torch sees a GPU, else cpu")
@@ -137,6 +139,17 @@ def read_system_prompt(value: str | None) -> str | None:
     if not value.strip():
         raise ValueError("--system-prompt is empty: give the text, or @FILE naming a file with it")
     return value
+
+
+def _kv_compression(asked: str | None, index_dir: Path) -> str:
+    """--kv-compression as given; left out, what the index in `index_dir` was built with (a rerun
+    resumes it: the default changed from none to int4 in issue 56), else INDEX_KV_COMPRESSION."""
+    if asked is not None:
+        return asked
+    from ragkv.retriever.manifest import read_manifest
+
+    built = read_manifest(index_dir)
+    return built.kv_compression if built is not None else INDEX_KV_COMPRESSION
 
 
 def _staging(args: argparse.Namespace, what: str, uri: str) -> Path:
@@ -205,11 +218,12 @@ def run_index_command(args: argparse.Namespace) -> int:
         dtype=resolve_dtype(args.dtype, device), kv_batch=args.kv_batch, embed_batch=args.embed_batch,
         progress=not args.no_progress, runner=Runner(args.runner), ray_address=args.ray_address,
         ray_workers=args.ray_workers, system_prompt=read_system_prompt(args.system_prompt),
-        kv_compression=args.kv_compression, plain_kv_compression=args.plain_kv_compression,
+        kv_compression=INDEX_KV_COMPRESSION, plain_kv_compression=args.plain_kv_compression,
         model_check=not args.skip_model_check,
         neighbours=NeighbourOptions(args.neighbours, args.neighbour_budget, args.neighbour_choice,
                                     context=args.neighbour_context),
     )
+    config = replace(config, kv_compression=_kv_compression(args.kv_compression, config.index_dir()))
     if config.runner is Runner.RAY and config.precompute_kv:
         from ragkv.indexer.ray_runner import import_ray
 

@@ -35,9 +35,14 @@ _DUPLICATE = 1.0 - 1e-6  # cosine similarity at which two chunks count as the sa
 # 39). Indexing is 2.2x plain prefill. The library's own default (`NeighbourOptions()`,
 # IndexJobConfig) stays plain KV.
 # how an index stores the plain copy of each chunk's KV (NeighbourContext.KV): it serves a prompt's
-# first chunk, so int8 (a quarter of float32, KL 5e-5 to it: docs/kv-compression.md) keeps the
-# index within 1.25x the bytes of plain KV (`IndexJobConfig.plain_kv_compression`)
+# first chunk and is the context every neighbour pass reads, so int8 (KL 2e-4 to it on MuSiQue
+# 30x5: docs/kv-compression.md) (`IndexJobConfig.plain_kv_compression`)
 PLAIN_COPY_COMPRESSION = "int8"
+# how `ragkv index` stores each chunk's own KV unless told otherwise: int4 (KIVI's groups), which
+# holds KL at most 0.005 on blend, the served default, on both shipped models over MuSiQue 30x5,
+# so that with the int8 plain copies the index holds 0.82 of one bf16 copy's bytes
+# (docs/kv-compression.md). The library's own default (IndexJobConfig) stays uncompressed.
+INDEX_KV_COMPRESSION = "int4"
 INDEX_DEFAULT = NeighbourOptions(m=1, budget_tokens=512, context=NeighbourContext.KV)
 
 

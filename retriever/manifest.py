@@ -102,7 +102,7 @@ class Manifest:
     # the system prompt in the prefix (ragkv index --system-prompt); None: an index written
     # before it was recorded, built with the engine's DEFAULT_SYSTEM_PROMPT of its day
     system_prompt: str | None = None
-    kv_compression: str = "none"  # how the KV files store K and V: none, int8 or fp8
+    kv_compression: str = "none"  # how the KV files store K and V: none, int8, fp8, int4 or int2 (none: a manifest from before)
     # neighbour-conditioned KV (indexer.neighbours.NeighbourOptions.as_dict: m, budget_tokens,
     # choice, seed): each chunk prefilled after its m most similar chunks; None = plain KV
     neighbours: dict | None = None

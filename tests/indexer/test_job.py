@@ -103,13 +103,13 @@ def _cli(args: list[str], **kw) -> subprocess.Popen:
 
 
 def _cli_args(job_config, out: Path) -> list[str]:
-    """`ragkv index` arguments that build what `job_config` builds (the CLI's own neighbour
-    default differs from the library's: name the config's)."""
+    """`ragkv index` arguments that build what `job_config` builds (the CLI's own neighbour and
+    KV-compression defaults differ from the library's: name the config's)."""
     nb = job_config.neighbours
     return [str(job_config.corpus), "--out", str(out), "--model", job_config.model, "--chunk-size",
             str(CHUNK_SIZE), "--chunk-overlap", str(OVERLAP), "--kv-batch", "1", "--no-progress",
             "--neighbours", str(nb.m), "--neighbour-budget", str(nb.budget_tokens),
-            "--neighbour-context", nb.context.value]
+            "--neighbour-context", nb.context.value, "--kv-compression", job_config.kv_compression]
 
 
 def _wait_for_kv_files(kv_dir: Path, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:

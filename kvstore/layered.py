@@ -149,8 +149,7 @@ class LayerGate:
         return self._filled
 
     def filled(self, error: BaseException | None = None) -> None:
-        """Every layer is filled (`_Unpacker.fill`, or the last publish of a gate without `fill`),
-        or `error` ended the read."""
+        """Every layer is verified and filled (the read's last step), or `error` ended the read."""
         if self._filled.done():
             return
         if error is None:
@@ -299,7 +298,7 @@ def read_layered(
     return entry, gate
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Unpacker:
     """A compressed file's K and V `[L, Hkv, T, D]` on `device`, dequantized one layer at a time
     from the packed rows (views of the read buffer), in layer order, by the threads that wait on
@@ -313,8 +312,8 @@ class _Unpacker:
     v: torch.Tensor  # [L, Hkv, T, D], or k itself
     clock: DequantClock | None
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _done: list[int] = field(default_factory=lambda: [0])  # layers [0, done) dequantized
-    _then: list[Callable[[], object]] = field(default_factory=list)  # `verified`'s, until every layer is done
+    _done: int = 0  # layers [0, done) dequantized
+    _then: Callable[[], object] | None = None  # `verified`'s, until every layer is done
 
     @classmethod
     def of(cls, buf: memoryview, head: FileHead, device: torch.device | None,
@@ -332,19 +331,19 @@ class _Unpacker:
         """Dequantize layers [0, upto] not dequantized yet (their rows have passed their checksums)."""
         then = None
         with self._lock:
-            while self._done[0] <= upto:
-                self.layer(self._done[0])
-                self._done[0] += 1
-            if self._done[0] == self.k.shape[0] and self._then:
-                then = self._then.pop()
+            while self._done <= upto:
+                self.layer(self._done)
+                self._done += 1
+            if self._done == self.k.shape[0]:
+                then, self._then = self._then, None
         if then is not None:
             then()
 
     def verified(self, then: Callable[[], object]) -> None:
         """Every layer has passed: `then()` now if all are dequantized, else after the last is."""
         with self._lock:
-            if self._done[0] < self.k.shape[0]:
-                self._then.append(then)
+            if self._done < self.k.shape[0]:
+                self._then = then
                 return
         then()
 

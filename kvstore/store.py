@@ -254,8 +254,9 @@ class TieredStore:
         transfer_s = [1e-6 if done is None else 0.0]  # already whole: no transfer to time
 
         def filled(f: Future[None]) -> None:  # holds no gate: its future is the gate's own
-            if f.exception() is None:
-                timing.observe(header_s, nbytes, tokens, transfer_s[0], clock.seconds if clock is not None else 0.0)
+            if f.exception() is None:  # the pass dequantized after the bytes were in: the read took both
+                dequant_s = clock.seconds if clock is not None else 0.0
+                timing.observe(header_s, nbytes, tokens, transfer_s[0] + dequant_s, dequant_s)
 
         def verified(_f: object) -> None:
             transfer_s[0] = time.perf_counter() - t0

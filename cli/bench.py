@@ -61,12 +61,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                       help="an index to serve (default: build a 40-document one in a temporary folder)")
     load.add_argument("--max-new-tokens", type=int, default=16, help="answer length per request (default 16)")
     load.add_argument("--top-k", type=int, default=4, help="chunks per request (default 4)")
+    load.add_argument("--prompt-share", type=float, default=None, metavar="F",
+                      help="the server's --prompt-share: the engine's share prompt passes get while requests "
+                           "decode (default: the server's)")
     load.add_argument("--prompt-slice-s", type=float, default=None, metavar="S",
-                      help="the server's --prompt-slice-s: seconds of prompt work between decode steps "
-                           "(default: the server's)")
-    load.add_argument("--prompt-first-s", type=float, default=None, metavar="S",
-                      help="the server's --prompt-first-s: prompt time a pass gets before decode steps may cut it "
-                           "(default: the server's)")
+                      help="the server's --prompt-slice-s: the shortest slice of prompt work between decode "
+                           "steps (default: the server's)")
     agent = p.add_argument_group(
         "agent loop", "instead: an agent's tool loop (the question, then a tool call and its result per step) "
         "against two in-process servers on one index, with the KV tree and without it; prints each step's TTFT "

@@ -164,7 +164,7 @@ def run_concurrency_bench(args) -> int:  # argparse.Namespace from cli.bench
             max_queue=max(levels) + 4, max_batch=max(levels),
             **({"device": args.device} if args.device else {}), **({"dtype": args.dtype} if args.dtype else {}),
             **({"prompt_slice_s": args.prompt_slice_s} if args.prompt_slice_s else {}),
-            **({"prompt_first_s": args.prompt_first_s} if args.prompt_first_s is not None else {}),
+            **({"prompt_share": args.prompt_share} if args.prompt_share else {}),
         )
         server = InProcessServer(settings, Pipeline.from_settings, load_timeout=600)
         try:
@@ -183,7 +183,7 @@ def run_concurrency_bench(args) -> int:  # argparse.Namespace from cli.bench
                    "top_k": args.top_k, "modes": [m.value for m in MODES], "model": args.model,
                    "index": str(args.index) if args.index else f"built: {_DOCS} docs x 256-token chunks",
                    "kv_tier": "disk", "prompt_slice_s": settings.prompt_slice_s,
-                   "prompt_first_s": settings.prompt_first_s, "kv_tree_bytes": settings.kv_tree_bytes,
+                   "prompt_share": settings.prompt_share, "kv_tree_bytes": settings.kv_tree_bytes,
                    "baseline": f"{levels[0]} client(s), same run"},
     }
     if args.json:

@@ -25,9 +25,10 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("max_queue", int, "queries admitted at once; more get RESOURCE_EXHAUSTED (default 16)"),
     ("kv_budget_bytes", int, "KV cache bytes of all queries in flight; past it RESOURCE_EXHAUSTED (default 4 GiB)"),
     ("max_batch", int, "queries decoding together in one batched step at most (default 16)"),
-    ("prompt_slice_s", float, "seconds of prompt work between decode steps, as a budget of prompt tokens at the "
-                              "measured rate (one layer at a time) (default 0.05)"),
-    ("prompt_first_s", float, "a prompt pass is not cut by decode steps before this much prompt time (default 0.5)"),
+    ("prompt_share", float, "while queries decode, the share of the engine's time prompt passes get: each slice "
+                            "of prompt work between two decode steps lasts a decode step x share / (1 - share), "
+                            "as a budget of prompt tokens at the measured rate (default 0.5)"),
+    ("prompt_slice_s", float, "the shortest slice of prompt work between decode steps, seconds (default 0.05)"),
     ("retrieve_workers", int, "threads for retrieval and KV prefetch (default 1)"),
     ("grace_seconds", float, "seconds in-flight requests get on SIGTERM (default 30)"),
     ("auth_token_file", Path, "one shared bearer token, in a file (else $RAGKV_AUTH_TOKEN)"),

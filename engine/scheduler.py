@@ -7,15 +7,18 @@ Each iteration is schedule, execute, update:
    `DecodeStep` (one batched forward for every decoding request). Prompt work goes to
    the pass with the least work left (the `prompt_cost` it was submitted with, less what
    it has done, aged by its wait: shortest remaining first, without starving a long
-   one). A pass still within its first `prompt_first_s` of prompt time is not cut by
-   decode steps: short passes (reuse, focus, blend) finish in one go, which keeps their
-   time to first token near what it is alone. Past it, while others decode, prompt work
-   runs in slices between decode steps, each slice a budget of prompt tokens
-   (token-layers: a step of a layer over n tokens spends n) sized from the engine's
-   measured speed to take `prompt_slice_s`: a step whose tokens (as many as its pass's
-   last step computed) would overrun the slice's budget waits for the next slice, after a
-   decode step. A slice runs one step at least (no pass starves), and ends on time as
-   well, whatever the tokens say. With nobody decoding, prompt work goes on;
+   one). While others decode, prompt work runs in slices between decode steps, whatever
+   pass it belongs to: each slice lasts as long as the last decode step took, times
+   `prompt_share / (1 - prompt_share)` (at the default 0.6, 1.5 decode steps), so prompt
+   work gets that share of the engine and a decoding request waits about 2.5 steps at most
+   for its next token, however many passes arrive at once. A slice is a budget
+   of prompt tokens (token-layers: a step of a layer over n tokens spends n) at the engine's
+   measured speed: a step whose tokens (as many as its pass's last step computed) would
+   overrun the slice's budget waits for the next slice, after a decode step. A slice runs
+   one step at least (no pass starves) and lasts `prompt_slice_s` at least, and ends on
+   time as well, whatever the tokens say. A short pass (reuse over a few chunks) fits one
+   slice whole; a long one (full prefill) goes on across many. With nobody decoding,
+   prompt work goes on;
 2. **execute** runs that step: the request's work generator for a prompt step,
    `engine.decode.decode_batch` for a decode step (the weights are read once per step
    for all of them);
@@ -116,20 +119,21 @@ class SchedulerConfig:
 
     kv_budget_bytes: int = 8 << 30  # KV cache bytes of all requests in flight
     max_batch: int = 32  # requests decoding in one step at most
-    # seconds of prompt work between two decode steps: a budget of prompt tokens at the measured
-    # token rate of prompt steps (by time until a step was measured)
-    prompt_slice_s: float = 0.05
-    # a pass that has had less prompt time than this is not cut by decode steps: short passes
-    # (reuse, blend, focus) finish in one go, a long one (full prefill) goes on in slices
-    prompt_first_s: float = 0.5
+    # while requests decode, the share of the engine's time that prompt work gets: each slice of
+    # prompt work between two decode steps lasts the last decode step's seconds x share / (1 -
+    # share) (at 0.6, 1.5 decode steps: a decoding request waits about 2.5 steps at most), as a
+    # budget of prompt tokens at the measured token rate of prompt steps
+    prompt_share: float = 0.6
+    prompt_slice_s: float = 0.05  # a slice lasts this long at least, whatever the decode step took
     # the order of prompt work: least remaining work first (submit's prompt_cost, less what the
-    # pass has done), a second of waiting counting as this many seconds less work (no starving)
-    aging: float = 0.25
+    # pass has done), a second of waiting counting as this many seconds less work (no starving;
+    # at 0.1 a full prefill with 1 s left goes before a newcomer's 0.2 s pass after 8 s)
+    aging: float = 0.1
     heap_trim_s: float = 10.0  # under load, free host heap pages go back to the OS this often; 0 = never
 
     def __post_init__(self) -> None:
-        if (self.kv_budget_bytes < 1 or self.max_batch < 1 or self.prompt_slice_s <= 0 or self.prompt_first_s < 0
-                or self.aging < 0 or self.heap_trim_s < 0):
+        if (self.kv_budget_bytes < 1 or self.max_batch < 1 or self.prompt_slice_s <= 0
+                or not 0 < self.prompt_share < 1 or self.aging < 0 or self.heap_trim_s < 0):
             raise ValueError(f"scheduler budgets must be positive, got {self}")
 
 
@@ -206,6 +210,7 @@ class Scheduler:
         self._slice_t0 = time.perf_counter()  # when the current slice of prompt work began
         self._slice_steps = 0  # prompt steps in it (a slice has one at least: no pass starves)
         self._slice_tokens = 0  # prompt tokens its steps computed
+        self._decode_s = 0.0  # seconds the last decode step took: what a slice of prompt work is sized by
         self._trimmed = time.monotonic()  # last heap trim
         self._speed = EngineSpeed()  # prompt work's measured rate; the engine's own once shared (share_engine)
         self._thread = threading.Thread(target=self._loop, name="ragkv-scheduler", daemon=True)
@@ -317,22 +322,27 @@ class Scheduler:
         return EndReason.CANCELLED if req.cancel.is_set() else None
 
     def _next_step(self, prompting: list[_Job], decoding: tuple[_Job, ...]) -> PromptStep | DecodeStep | None:
-        """The pass with the least work left gets the next layer step, unless others decode, that
-        pass is past its first quantum (`prompt_first_s` of its own prompt time) and its step does
-        not fit what is left of this slice (`_fits`). A full batch takes no new pass."""
+        """The pass with the least work left gets the next layer step, unless others decode and
+        its step does not fit what is left of this slice (`_fits`). A full batch takes no new pass."""
         if prompting and len(decoding) < self.config.max_batch:
             job = min(prompting, key=self._priority)  # stable: the oldest of equals
-            if not decoding or job.request.prompt_s < self.config.prompt_first_s or self._fits(job):
+            if not decoding or self._fits(job):
                 return PromptStep(job)
         return DecodeStep(decoding) if decoding else None
+
+    def _slice_s(self) -> float:
+        """Seconds of prompt work between two decode steps: the last decode step's seconds
+        scaled so that prompt work gets `prompt_share` of the engine, `prompt_slice_s` at least."""
+        share = self.config.prompt_share
+        return max(self.config.prompt_slice_s, self._decode_s * share / (1.0 - share))
 
     def _fits(self, job: _Job) -> bool:
         """Whether `job`'s next step fits this slice of prompt work: the slice has run no step yet
         (one at least: no pass starves), or it has time left and the step's expected tokens fit
-        its token budget (`prompt_slice_s` at the learned token rate, `EngineSpeed.step_tokens_per_s`)."""
+        its token budget (`_slice_s` at the learned token rate, `EngineSpeed.step_tokens_per_s`)."""
         if not self._slice_steps:
             return True
-        slice_s = self.config.prompt_slice_s
+        slice_s = self._slice_s()
         if time.perf_counter() - self._slice_t0 >= slice_s:
             return False
         rate = self._speed.step_tokens_per_s
@@ -442,6 +452,7 @@ class Scheduler:
         st = self.stats
         st.steps += 1
         dt = time.perf_counter() - t0
+        self._decode_s = dt
         for hook in st.on_step:
             hook(len(live), dt)
 

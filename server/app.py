@@ -65,7 +65,8 @@ class RagServer:
         self._retrieve_pool = ThreadPoolExecutor(settings.retrieve_workers, thread_name_prefix="ragkv-retrieve")
         # The engine is not thread-safe: one scheduler thread runs every answer, batched.
         self._scheduler = Scheduler(SchedulerConfig(settings.kv_budget_bytes, settings.max_batch,
-                                                    settings.prompt_slice_s, settings.prompt_first_s))
+                                                    prompt_share=settings.prompt_share,
+                                                    prompt_slice_s=settings.prompt_slice_s))
         self.metrics.watch_scheduler(self._scheduler.stats)
         self._runner = QueryRunner(admission=self._admission, metrics=self.metrics,
                                    retrieve_pool=self._retrieve_pool, scheduler=self._scheduler)

@@ -175,7 +175,8 @@ class EngineReplica:
         self._admission = Admission(settings.max_queue, self.metrics.queue_depth.set)
         self._pool = ThreadPoolExecutor(settings.retrieve_workers, thread_name_prefix="ragkv-retrieve")
         self._scheduler = Scheduler(SchedulerConfig(settings.kv_budget_bytes, settings.max_batch,
-                                                    settings.prompt_slice_s, settings.prompt_first_s))
+                                                    prompt_share=settings.prompt_share,
+                                                    prompt_slice_s=settings.prompt_slice_s))
         self.pipeline = Pipeline.from_settings(settings)
         engine = self.pipeline.engine
         self._scheduler.share_engine(engine.conversations.tree, engine.speed)

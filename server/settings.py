@@ -78,7 +78,7 @@ class ServerSettings:
     kv_budget_bytes: int = 4 * 1024**3  # KV cache bytes of all Queries in flight (engine.scheduler)
     max_batch: int = 16  # Queries decoding in one batched step at most
     prompt_slice_s: float = 0.05  # seconds of prompt work between two decode steps, as a token budget (engine.scheduler)
-    prompt_first_s: float = 0.5  # prompt time a pass gets before decode steps may cut it (engine.scheduler)
+    prompt_share: float = 0.6  # the engine's share prompt work gets while requests decode (engine.scheduler)
     retrieve_workers: int = 1  # threads for retrieval and KV prefetch starts
     grace_seconds: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
     auth_token_file: Path | None = None  # bearer token file; else $RAGKV_AUTH_TOKEN; else no auth
@@ -184,8 +184,9 @@ class ServerSettings:
         if self.kv_budget_bytes < 1 or self.max_batch < 1 or self.prompt_slice_s <= 0:
             raise ValueError(f"kv_budget_bytes, max_batch and prompt_slice_s must be > 0, got "
                              f"{self.kv_budget_bytes}, {self.max_batch}, {self.prompt_slice_s}")
-        if self.prompt_first_s < 0:
-            raise ValueError(f"prompt_first_s must be >= 0, got {self.prompt_first_s}")
+        if not 0 < self.prompt_share < 1:
+            raise ValueError(f"prompt_share must be in (0, 1), got {self.prompt_share}: the share of the engine's "
+                             f"time prompt work gets while requests decode")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if not 0.0 < self.kv_tree_key_share <= 1.0:

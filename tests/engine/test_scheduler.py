@@ -256,13 +256,12 @@ def _decoding(engine: Engine, sched: Scheduler, order: list[str]) -> tuple[_Sink
     return sink, stop
 
 
-@pytest.mark.parametrize("first_s", [0.0, 30.0])
-def test_a_long_prompt_does_not_stall_decoding(tiny_lm, first_s: float) -> None:
-    """Decode steps of a running request happen between the layers of a new prompt pass,
-    once that pass has had its first `prompt_first_s` of prompt time uncut."""
+def test_a_long_prompt_does_not_stall_decoding(tiny_lm) -> None:
+    """Decode steps of a running request happen between the layers of a new prompt pass, from
+    its first layers on (no pass runs uncut)."""
     engine = Engine(tiny_lm)
     order: list[str] = []
-    sched = Scheduler(SchedulerConfig(prompt_slice_s=1e-6, prompt_first_s=first_s))
+    sched = Scheduler(SchedulerConfig(prompt_slice_s=1e-6))
     a, _ = _decoding(engine, sched, order)
 
     def long_prompt():
@@ -281,10 +280,81 @@ def test_a_long_prompt_does_not_stall_decoding(tiny_lm, first_s: float) -> None:
     assert b.ended.wait(60) and a.ended.wait(60)
     sched.close()
     first, last = order.index("layer"), len(order) - 1 - order[::-1].index("layer")
-    if first_s:  # the whole pass is within its first quantum: no decode step cuts it
-        assert "piece" not in order[first:last], order
+    assert "piece" in order[first:first + 3], order  # decode went on from the pass's first layers
+    assert "piece" in order[first:last], order
+
+
+def _steps_between_pieces(order: list[str]) -> list[int]:
+    """Prompt steps run between each two decode pieces, while prompt work was pending."""
+    runs, n = [], 0
+    for o in order:
+        if o == "piece":
+            if n:
+                runs.append(n)
+            n = 0
+        else:
+            n += 1
+    return runs
+
+
+def _scripted(name: str, steps: int, step_s: float, order: list[str]):
+    """Prompt work of `steps` steps of 10 tokens, each taking `step_s`."""
+    for _ in range(steps):
+        time.sleep(step_s)
+        order.append(name)
+        yield 10
+
+
+def test_passes_arriving_together_hold_decode_one_slice_at_most(tiny_lm) -> None:
+    """Four passes submitted at once, each 0.15 s of prompt work: the decoding request waits for
+    one slice of prompt work (0.05 s, five 10 ms steps) between two of its steps, never for a
+    pass, let alone four of them back to back."""
+    engine = Engine(tiny_lm)
+    order: list[str] = []
+    sched = Scheduler(SchedulerConfig(prompt_slice_s=0.05, prompt_share=0.5))
+    decoder, stop = _decoding(engine, sched, order)
+    sched.share_engine(_NoTree(), EngineSpeed())
+    sinks = [_Sink() for _ in range(4)]
+    for j, sink in enumerate(sinks):
+        _submit(sched, _scripted(f"p{j}", 15, 0.01, order), sink, prompt_cost=1)
+    assert all(s.ended.wait(30) for s in sinks)
+    stop.set()
+    assert decoder.ended.wait(30)
+    sched.close()
+    runs = _steps_between_pieces(order)
+    assert sum(runs) == 60 and len(runs) >= 10, order
+    assert max(runs) <= 6, runs  # a 0.05 s slice: five steps, one more when the fifth ends just short of it
+
+
+@pytest.mark.parametrize("share", [0.25, 0.75])
+def test_a_slice_of_prompt_work_follows_the_decode_step(tiny_lm, monkeypatch, share: float) -> None:
+    """With decode steps of 60 ms, a prompt share of 0.75 gives prompt work 180 ms slices
+    between them (3 x the step); a share of 0.25 gives 20 ms, so the shortest slice (50 ms) holds."""
+    import ragkv.engine.scheduler as scheduler_module
+
+    real = scheduler_module.decode_batch
+
+    def slow_decode(*args, **kwargs):
+        time.sleep(0.06)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler_module, "decode_batch", slow_decode)
+    engine = Engine(tiny_lm)
+    order: list[str] = []
+    sched = Scheduler(SchedulerConfig(prompt_slice_s=0.05, prompt_share=share))
+    decoder, stop = _decoding(engine, sched, order)
+    sched.share_engine(_NoTree(), EngineSpeed())
+    sink = _Sink()
+    _submit(sched, _scripted("p", 60, 0.01, order), sink, prompt_cost=1)
+    assert sink.ended.wait(60)
+    stop.set()
+    assert decoder.ended.wait(60)
+    sched.close()
+    runs = _steps_between_pieces(order)
+    if share > 0.5:
+        assert max(runs) >= 9, runs  # 180 ms of 10 ms steps: 18, half that on a loaded machine
     else:
-        assert "piece" in order[first:last], order  # decode went on while the long prompt ran
+        assert max(runs) <= 6, runs
 
 
 def test_a_slice_is_a_token_budget_a_short_pass_fits_whole_and_a_heavy_step_waits(tiny_lm) -> None:
@@ -294,7 +364,7 @@ def test_a_slice_is_a_token_budget_a_short_pass_fits_whole_and_a_heavy_step_wait
     two of its steps, although the slice's time (80 ms of 100) would have let the second run."""
     engine = Engine(tiny_lm)
     order: list[str] = []
-    sched = Scheduler(SchedulerConfig(prompt_slice_s=0.1, prompt_first_s=0.0, aging=0.0))
+    sched = Scheduler(SchedulerConfig(prompt_slice_s=0.1, aging=0.0))
     decoder, stop = _decoding(engine, sched, order)
 
     def scripted(name: str, steps: int, tokens: int):

@@ -69,6 +69,7 @@ def test_json_file_and_index_specs(tmp_path: Path) -> None:
         ({"tls_cert": "/c.pem"}, {}, "TLS needs both"),
         ({"nonsense": 1}, {}, "unknown setting 'nonsense'"),
         ({}, {"RAGKV_FOCUS_KEEP": "0"}, "focus_keep must be in (0, 1], got 0.0"),
+        ({"prompt_share": 1.0}, {}, "prompt_share must be in (0, 1), got 1.0"),
     ],
 )
 def test_bad_values_are_named(flags: dict, env: dict, needle: str) -> None:

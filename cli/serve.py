@@ -27,7 +27,7 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("max_batch", int, "queries decoding together in one batched step at most (default 16)"),
     ("prompt_share", float, "while queries decode, the share of the engine's time prompt passes get: each slice "
                             "of prompt work between two decode steps lasts a decode step x share / (1 - share), "
-                            "as a budget of prompt tokens at the measured rate (default 0.5)"),
+                            "as a budget of prompt tokens at the measured rate (default 0.6)"),
     ("prompt_slice_s", float, "the shortest slice of prompt work between decode steps, seconds (default 0.05)"),
     ("retrieve_workers", int, "threads for retrieval and KV prefetch (default 1)"),
     ("grace_seconds", float, "seconds in-flight requests get on SIGTERM (default 30)"),

@@ -19,7 +19,7 @@ import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ragkv.engine.scheduler import Scheduler, SchedulerConfig
+from ragkv.engine.scheduler import Scheduler
 from ragkv.server.admission import Admission
 from ragkv.server.answering import QueryRunner
 from ragkv.server.auth import AuthInterceptor
@@ -64,9 +64,7 @@ class RagServer:
         self.keys: KeyRing = settings.key_ring()  # who may call: named keys, the single token, or none
         self._retrieve_pool = ThreadPoolExecutor(settings.retrieve_workers, thread_name_prefix="ragkv-retrieve")
         # The engine is not thread-safe: one scheduler thread runs every answer, batched.
-        self._scheduler = Scheduler(SchedulerConfig(settings.kv_budget_bytes, settings.max_batch,
-                                                    prompt_share=settings.prompt_share,
-                                                    prompt_slice_s=settings.prompt_slice_s))
+        self._scheduler = Scheduler(settings.scheduler())
         self.metrics.watch_scheduler(self._scheduler.stats)
         self._runner = QueryRunner(admission=self._admission, metrics=self.metrics,
                                    retrieve_pool=self._retrieve_pool, scheduler=self._scheduler)

@@ -52,7 +52,7 @@ from ray.serve.config import RequestRouterConfig, gRPCOptions
 from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from ragkv.engine.scheduler import Scheduler, SchedulerConfig
+from ragkv.engine.scheduler import Scheduler
 from ragkv.server import routing
 from ragkv.server.admission import Admission
 from ragkv.server.answering import ChunksEvent, QueryRunner, RunEvent
@@ -174,9 +174,7 @@ class EngineReplica:
         self.metrics = ServerMetrics()
         self._admission = Admission(settings.max_queue, self.metrics.queue_depth.set)
         self._pool = ThreadPoolExecutor(settings.retrieve_workers, thread_name_prefix="ragkv-retrieve")
-        self._scheduler = Scheduler(SchedulerConfig(settings.kv_budget_bytes, settings.max_batch,
-                                                    prompt_share=settings.prompt_share,
-                                                    prompt_slice_s=settings.prompt_slice_s))
+        self._scheduler = Scheduler(settings.scheduler())
         self.pipeline = Pipeline.from_settings(settings)
         engine = self.pipeline.engine
         self._scheduler.share_engine(engine.conversations.tree, engine.speed)

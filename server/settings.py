@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ragkv.engine.focus import FocusOptions
+from ragkv.engine.scheduler import SchedulerConfig
 from ragkv.server.validation import RequestLimits
 from ragkv.types import DEFAULT_COLLECTION, DType, Mode, SearchMode
 
@@ -242,6 +243,11 @@ class ServerSettings:
         return FocusOptions(keep=self.focus_keep, handover=self.focus_handover, spread=self.focus_spread,
                             several=self.focus_several,
                             lookup_ratio=self.focus_lookup_ratio, lookup_keep=self.focus_lookup_keep)
+
+    def scheduler(self) -> SchedulerConfig:
+        """The engine scheduler's budgets, from the --kv-budget-bytes, --max-batch and --prompt-* settings."""
+        return SchedulerConfig(self.kv_budget_bytes, self.max_batch, prompt_share=self.prompt_share,
+                               prompt_slice_s=self.prompt_slice_s)
 
     def limits(self) -> RequestLimits:
         """The request bounds these settings imply."""

@@ -297,12 +297,12 @@ def _steps_between_pieces(order: list[str]) -> list[int]:
     return runs
 
 
-def _scripted(name: str, steps: int, step_s: float, order: list[str]):
-    """Prompt work of `steps` steps of 10 tokens, each taking `step_s`."""
+def _scripted(name: str, steps: int, tokens: int, order: list[str]):
+    """Prompt work of `steps` steps of `tokens` tokens each, at 1 token a millisecond (logged in `order`)."""
     for _ in range(steps):
-        time.sleep(step_s)
+        time.sleep(tokens / 1000)
         order.append(name)
-        yield 10
+        yield tokens
 
 
 def test_passes_arriving_together_hold_decode_one_slice_at_most(tiny_lm) -> None:
@@ -317,7 +317,7 @@ def test_passes_arriving_together_hold_decode_one_slice_at_most(tiny_lm) -> None
     sched.share_engine(_NoTree(), EngineSpeed())
     sinks = [_Sink() for _ in range(4)]
     for j, sink in enumerate(sinks):
-        _submit(sched, _scripted(f"p{j}", 15, 0.01, order), sink, prompt_cost=1)
+        _submit(sched, _scripted(f"p{j}", 15, 10, order), sink, prompt_cost=1)
     assert all(s.ended.wait(30) for s in sinks)
     stop.set()
     assert decoder.ended.wait(30)
@@ -347,7 +347,7 @@ def test_a_slice_of_prompt_work_follows_the_decode_step(tiny_lm, monkeypatch, sh
     decoder, stop = _decoding(engine, sched, order)
     sched.share_engine(_NoTree(), EngineSpeed())
     sink = _Sink()
-    _submit(sched, _scripted("p", 60, 0.01, order), sink, prompt_cost=1)
+    _submit(sched, _scripted("p", 60, 10, order), sink, prompt_cost=1)
     assert sink.ended.wait(60)
     stop.set()
     assert decoder.ended.wait(60)
@@ -369,17 +369,11 @@ def test_a_slice_is_a_token_budget_a_short_pass_fits_whole_and_a_heavy_step_wait
     sched = Scheduler(SchedulerConfig(prompt_slice_s=0.1, aging=0.0))
     decoder, stop = _decoding(engine, sched, order)
 
-    def scripted(name: str, steps: int, tokens: int):
-        for _ in range(steps):
-            time.sleep(tokens / 1000)  # 1 token a millisecond
-            order.append(name)
-            yield tokens
-
     sched.share_engine(_NoTree(), EngineSpeed())  # the rate learned from these steps alone (not the tiny model's pass)
     short, long = _Sink(), _Sink()
-    _submit(sched, scripted("short", 3, 10), short, prompt_cost=1)
+    _submit(sched, _scripted("short", 3, 10, order), short, prompt_cost=1)
     assert short.ended.wait(30)
-    _submit(sched, scripted("long", 4, 80), long, prompt_cost=1)
+    _submit(sched, _scripted("long", 4, 80, order), long, prompt_cost=1)
     assert long.ended.wait(30)
     stop.set()
     assert decoder.ended.wait(30)

@@ -81,8 +81,8 @@ def tiers(slow: Path, latency_s: float, unkept: Path):
 
 
 def _ask(addr: str, collection: str, questions: list[str], offset: int, stop: threading.Event, max_new: int,
-         tally: _Tally, lock: threading.Lock) -> None:
-    """One client asking `collection` back to back until `stop`, reuse mode, 4 chunks."""
+         tally: _Tally, lock: threading.Lock, mode: str = "reuse", top_k: int = 4) -> None:
+    """One client asking `collection` back to back until `stop` (reuse mode over 4 chunks, unless told)."""
     from ragkv.client import RagClient
 
     i = offset
@@ -92,7 +92,7 @@ def _ask(addr: str, collection: str, questions: list[str], offset: int, stop: th
             t0 = time.perf_counter()
             stamps = []
             try:
-                stream = client.query(questions[i % len(questions)], collection=collection, mode="reuse", top_k=4,
+                stream = client.query(questions[i % len(questions)], collection=collection, mode=mode, top_k=top_k,
                                       max_new_tokens=max_new)
                 for _ in stream:
                     stamps.append(time.perf_counter())
@@ -110,15 +110,17 @@ def _ask(addr: str, collection: str, questions: list[str], offset: int, stop: th
 
 
 def _phase(addr: str, fourth: str | None, duration: float, questions: list[str], max_new: int,
-           fourth_new: int) -> dict:
-    """The three bystanders on `fast` for `duration` seconds, with a fourth client on `fourth` (None: none)."""
+           fourth_new: int, bystanders_on: str = "fast", fourth_mode: str = "reuse", fourth_top_k: int = 4) -> dict:
+    """The three bystanders on `bystanders_on` for `duration` seconds, with a fourth client on
+    `fourth` (None: none) asking in `fourth_mode` over `fourth_top_k` chunks."""
     lock, stop = threading.Lock(), threading.Event()
     bystanders, client = _Tally(), _Tally()
-    threads = [threading.Thread(target=_ask, args=(addr, "fast", questions, 7 * k, stop, max_new, bystanders, lock))
-               for k in range(3)]
+    threads = [threading.Thread(target=_ask, args=(addr, bystanders_on, questions, 7 * k, stop, max_new, bystanders,
+                                                   lock)) for k in range(3)]
     if fourth is not None:
         threads.append(threading.Thread(target=_ask, args=(addr, fourth, questions, 1000, stop, fourth_new,
-                                                           client, lock)))
+                                                           client, lock),
+                                        kwargs={"mode": fourth_mode, "top_k": fourth_top_k}))
     for t in threads:
         t.start()
     time.sleep(duration)

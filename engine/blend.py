@@ -185,6 +185,7 @@ def prompt_steps(
     reserve_tokens: int = 256,
     select_ids: Sequence[int] | torch.Tensor | None = None,
     snapshot_at: int | None = None,
+    step_tokens: int = 0,
 ) -> PromptSteps:
     """Run a prompt in `mode`, one decoder layer per step. For FULL, `prefix` and `chunks`
     give only their token ids.
@@ -204,15 +205,18 @@ def prompt_steps(
             later calls choose by its question, so their chunk KV is the first call's (the KV
             tree reuses it exactly); None = `question_ids`.
         snapshot_at: a hybrid's prompt position whose recurrent state is kept too (`KVCache.mark`).
+        step_tokens: prompt rows a step computes at most (chunked prefill, `layer_steps`); 0 = a
+            whole layer per step.
     """
     mode = Mode(mode)
     if mode is Mode.FOCUS:
-        return (yield from _focused_steps(lm, prefix, chunks, question_ids, options, reserve_tokens, select_ids))
+        return (yield from _focused_steps(lm, prefix, chunks, question_ids, options, reserve_tokens, select_ids,
+                                          step_tokens))
     if mode is Mode.BLEND and options.selector is Selector.QUERY:  # (no name here holds the cache:
         # the guard's fallback frees it before running full)
-        a = _assemble(lm, prefix, chunks, question_ids, mode, options, reserve_tokens)
+        a = _assemble(lm, prefix, chunks, question_ids, mode, options, reserve_tokens, step_tokens)
         return (yield from _query_blend_steps(lm, a, prefix, chunks, options, reserve_tokens, select_ids))
-    a = _assemble(lm, prefix, chunks, question_ids, mode, options, reserve_tokens)
+    a = _assemble(lm, prefix, chunks, question_ids, mode, options, reserve_tokens, step_tokens)
     a.cache.mark = snapshot_at
     if mode is Mode.BLEND:  # deviation: every token through the check layer, then the picked ones
         check = min(options.check_layer, lm.num_layers - 1)
@@ -233,6 +237,7 @@ class _Assembled:
     cache: KVCache  # reused segments staged (written layer by layer as the pass reaches them)
     rope_all: RopeTables  # rotary tables of every position (N rows)
     timer: _PhaseTimer  # phases so far
+    step_tokens: int = 0  # prompt rows a step computes at most (`layer_steps`); 0 = a whole layer
 
     @property
     def n(self) -> int:
@@ -241,7 +246,7 @@ class _Assembled:
 
 def _assemble(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV],
               question_ids: Sequence[int] | torch.Tensor, mode: Mode, options: BlendOptions,
-              reserve_tokens: int) -> _Assembled:
+              reserve_tokens: int, step_tokens: int = 0) -> _Assembled:
     dev = lm.device
     timer = _PhaseTimer(dev)
     segments = ([prefix] if prefix is not None else []) + list(chunks)
@@ -260,7 +265,7 @@ def _assemble(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV]
         temper = mode in (Mode.REUSE, Mode.BLEND) and options.context_temperature != 1.0
         cache.stage(segments, rope_all, (p, options.context_temperature) if temper else None)
     timer.lap("assemble")
-    return _Assembled(mode, ids, p, n - q_ids.shape[0], cache, rope_all, timer)
+    return _Assembled(mode, ids, p, n - q_ids.shape[0], cache, rope_all, timer, step_tokens)
 
 
 def _score_layers(lm: LoadedModel, options: BlendOptions) -> list[int]:
@@ -287,10 +292,10 @@ def _query_blend_steps(lm: LoadedModel, a: _Assembled, prefix: ChunkKV | None, c
     mass = options.adaptive_mass  # set whenever fallback_full is (BlendOptions checks)
     if options.fallback_full and mass is not None and tokens_for_mass(scores, mass) > round(
             options.recompute_ratio * (c - p)):
-        q_ids = a.ids[c:]
-        phases = a.timer.phases
+        q_ids, phases, step_tokens = a.ids[c:], a.timer.phases, a.step_tokens
         del a  # the guard: this request's attention is too spread for the budget
-        res = yield from prompt_steps(lm, prefix, chunks, q_ids, Mode.FULL, options, reserve_tokens, select_ids)
+        res = yield from prompt_steps(lm, prefix, chunks, q_ids, Mode.FULL, options, reserve_tokens, select_ids,
+                                      step_tokens=step_tokens)
         res.timings, res.fell_back = {**phases, **res.timings}, True
         return res
     picked = _pick_inexact(scores, chunks, p, options)
@@ -361,7 +366,8 @@ def _layers(lm: LoadedModel, a: _Assembled, chunks: Sequence[ChunkKV], options: 
     # for reuse); deviation blend replaces this with its pick at the check layer
     recomputed = pos[pos < c] if first_active < 0 else torch.arange(min(max(first_active, p), c), c, device=dev)
     if check >= 0:  # every active token through the layers before the check layer
-        h = yield from layer_steps(lm, h, rope, span(cache, slots, pos, n, lm), range(check))
+        h = yield from layer_steps(lm, h, rope, span(cache, slots, pos, n, lm), range(check), pos=pos,
+                                   step_tokens=a.step_tokens)
         timer.lap("layers_full")
         if (w := wait_for(cache.pending(check))) is not None:
             yield w
@@ -380,7 +386,7 @@ def _layers(lm: LoadedModel, a: _Assembled, chunks: Sequence[ChunkKV], options: 
         rope = a.rope_all[pos]
         timer.lap("select")
     h = yield from layer_steps(lm, h, rope, span(cache, slots, pos, n, lm), range(max(check, 0), lm.num_layers),
-                               Keep.LAST, pos=pos, n_keys=n)
+                               Keep.LAST, pos=pos, n_keys=n, step_tokens=a.step_tokens)
     timer.lap("layers_partial" if check >= 0 else "layers")
 
     logits = ad.logits(h[-1:])[0]  # [V]
@@ -390,7 +396,7 @@ def _layers(lm: LoadedModel, a: _Assembled, chunks: Sequence[ChunkKV], options: 
 
 def resume_steps(lm: LoadedModel, lease: TreeLease, ids: Sequence[int], mode: Mode,
                  layout: TreeContext | None = None, reserve_tokens: int = 256,
-                 snapshot_at: int | None = None) -> PromptSteps:
+                 snapshot_at: int | None = None, step_tokens: int = 0) -> PromptSteps:
     """Run a prompt whose first tokens' KV the KV tree holds: only the rest is computed.
 
     The cache takes the lease's KV (the context, blended as its first request's pass left
@@ -404,6 +410,7 @@ def resume_steps(lm: LoadedModel, lease: TreeLease, ids: Sequence[int], mode: Mo
         layout: where the prefix and the chunks lie in this prompt, and what the pass decided
             (FULL and PREFIX, whose contexts many prompts share); None = the context's own.
         snapshot_at: a hybrid's prompt position whose recurrent state is kept too (`KVCache.mark`).
+        step_tokens: prompt rows a step computes at most (`layer_steps`); 0 = a whole layer.
     """
     dev = lm.device
     timer = _PhaseTimer(dev)
@@ -420,7 +427,7 @@ def resume_steps(lm: LoadedModel, lease: TreeLease, ids: Sequence[int], mode: Mo
     cache.length = n
     rope_all = lm.adapter.rotary(torch.arange(n, device=dev), _like(lm))  # N rows
     timer.lap("tree")
-    a = _Assembled(Mode(mode), prompt, ctx.prefix_tokens, ctx.chunk_end, cache, rope_all, timer)
+    a = _Assembled(Mode(mode), prompt, ctx.prefix_tokens, ctx.chunk_end, cache, rope_all, timer, step_tokens)
     res = yield from _layers(lm, a, [], BlendOptions(), first_active=first)
     res.n_chunk_tokens = ctx.chunk_tokens
     res.used_chunks, res.chunk_scores = ctx.used_chunks, ctx.chunk_scores
@@ -438,7 +445,8 @@ def tree_context(res: BlendResult, question_tokens: int, prefix_tokens: int) -> 
 
 def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV],
                    question_ids: Sequence[int] | torch.Tensor, options: BlendOptions,
-                   reserve_tokens: int, select_ids: Sequence[int] | torch.Tensor | None = None) -> PromptSteps:
+                   reserve_tokens: int, select_ids: Sequence[int] | torch.Tensor | None = None,
+                   step_tokens: int = 0) -> PromptSteps:
     """FOCUS: score the chunks, then run the prompt over the kept ones."""
     _check_segments(lm, prefix, chunks)
     q_ids = torch.as_tensor(question_ids, dtype=torch.long)  # [Q]
@@ -455,7 +463,7 @@ def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chu
         yield w  # (waited for off the scheduler)
     choosing = q_ids if select_ids is None else torch.as_tensor(select_ids, dtype=torch.long)  # [A]
     # every chunk staged once, in the cache a handover blends over (the pass writes its question past them)
-    every = _assemble(lm, prefix, chunks, q_ids, Mode.BLEND, options, reserve_tokens) \
+    every = _assemble(lm, prefix, chunks, q_ids, Mode.BLEND, options, reserve_tokens, step_tokens) \
         if options.focus.handover and token_layers else None
     scored = score_chunks(lm, prefix, chunks, choosing, layers, token_layers,
                           staged=every.cache if every is not None else None)
@@ -483,7 +491,8 @@ def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chu
         res = yield from _query_blend_steps(lm, every, prefix, chunks, options, reserve_tokens, select_ids, tokens)
         return _focused(res, range(len(chunks)), scored, chunks, True, timer)
     if handover:  # a selector that runs its own pass (deviation, a tempered context)
-        res = yield from prompt_steps(lm, prefix, chunks, q_ids, Mode.BLEND, options, reserve_tokens, select_ids)
+        res = yield from prompt_steps(lm, prefix, chunks, q_ids, Mode.BLEND, options, reserve_tokens, select_ids,
+                                      step_tokens=step_tokens)
         return _focused(res, range(len(chunks)), scored, chunks, True, timer)
     del every  # a lookup: the answer is over the kept chunks, the prompt holds them alone
     if any(chunks[i].after_context for i in kept):
@@ -494,7 +503,8 @@ def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chu
         sub = options if ratio is None else replace(options, recompute_ratio=ratio)
     else:  # plain KV: one kept chunk's is exact, reused; several are blended, scored over themselves
         inner, tokens = (Mode.REUSE if len(kept) == 1 else Mode.BLEND), None
-    res = yield from _run_kept(lm, prefix, chunks, kept, q_ids, inner, sub, reserve_tokens, select_ids, tokens)
+    res = yield from _run_kept(lm, prefix, chunks, kept, q_ids, inner, sub, reserve_tokens, select_ids, tokens,
+                               step_tokens)
     return _focused(res, kept, scored, chunks, False, timer)
 
 
@@ -513,15 +523,17 @@ def _focused(res: BlendResult, kept: Sequence[int], scored: FocusScores, chunks:
 
 def _run_kept(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV], kept: Sequence[int],
               q_ids: torch.Tensor, mode: Mode, options: BlendOptions, reserve_tokens: int,
-              select_ids: Sequence[int] | torch.Tensor | None, tokens: torch.Tensor | None) -> PromptSteps:
+              select_ids: Sequence[int] | torch.Tensor | None, tokens: torch.Tensor | None,
+              step_tokens: int = 0) -> PromptSteps:
     """The prompt over the kept chunks (in prompt order) in `mode`; a query blend picks its tokens from
     `tokens` ([C-P] over every chunk, focus's pass), sliced to the kept chunks, when it is given."""
     sub = [chunks[i] for i in kept]
     if mode is not Mode.BLEND or options.selector is not Selector.QUERY or tokens is None:
-        return (yield from prompt_steps(lm, prefix, sub, q_ids, mode, options, reserve_tokens, select_ids))
+        return (yield from prompt_steps(lm, prefix, sub, q_ids, mode, options, reserve_tokens, select_ids,
+                                        step_tokens=step_tokens))
     per_chunk = torch.split(tokens, [ch.num_tokens for ch in chunks])  # each chunk's [T_i]
     scores = torch.cat([per_chunk[i] for i in kept])  # [sum of the kept T_i]
-    a = _assemble(lm, prefix, sub, q_ids, mode, options, reserve_tokens)
+    a = _assemble(lm, prefix, sub, q_ids, mode, options, reserve_tokens, step_tokens)
     return (yield from _query_blend_steps(lm, a, prefix, sub, options, reserve_tokens, select_ids, scores))
 
 

@@ -183,12 +183,19 @@ class Keep(str, enum.Enum):
 def layer_steps(lm: LoadedModel, h: torch.Tensor, rope: RopeTables, spans: Sequence[Span], layers: range,
                 keep: Keep = Keep.ALL, *, pos: torch.Tensor | None = None, n_keys: int = 0,
                 kv_out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                mass: Mapping[int, torch.Tensor] | None = None) -> Generator[int | WaitFor, None, torch.Tensor]:
+                mass: Mapping[int, torch.Tensor] | None = None,
+                step_tokens: int = 0) -> Generator[int | WaitFor, None, torch.Tensor]:
     """The one layer loop: `layers` of the model for the active rows, one layer per step.
 
     Before each layer a staged cache's layer is made present (a chunk still loading parks
     the pass on its read: `WaitFor`); after it, the step yields the rows it computed. The
     last layer of the range computes output for the rows `keep` says, K/V for all.
+
+    With `step_tokens`, a prompt pass of more rows than that runs each layer in pieces of
+    rows, in prompt order, at most `step_tokens` each and one step each (chunked prefill:
+    a long prompt's layer is no longer one long step). Under causal attention this is the
+    same sum: a piece's queries see the keys of the pieces before it, written at this layer
+    already, and none after it. A hybrid's recurrent layers run whole (their state carries).
 
     Args:
         h: [S, hidden] the active rows' hidden states.
@@ -198,6 +205,8 @@ def layer_steps(lm: LoadedModel, h: torch.Tensor, rope: RopeTables, spans: Seque
         kv_out: (k [L, Hkv, S, D] before RoPE, v [L, Hkv, S, D]): each layer's K/V of the rows.
         mass: layer -> [n_keys] float32 accumulator: that layer's attention weights, summed
             over heads and rows, are added in (the scoring pass).
+        step_tokens: rows per step at most (0 = a whole layer per step); it needs `pos` [S], the
+            rows' sorted positions, and one span.
 
     Returns:
         [S', hidden] the output of the last layer's kept rows (h unchanged with Keep.NONE).
@@ -205,6 +214,7 @@ def layer_steps(lm: LoadedModel, h: torch.Tensor, rope: RopeTables, spans: Seque
     ad = lm.adapter
     staged = spans[0].cache if len(spans) == 1 else None  # a prompt pass: its chunks may still be loading
     last = layers[-1] if len(layers) else -1
+    pieces = _pieces(lm, spans, pos, step_tokens)  # None: a whole layer per step
     for i in layers:
         if staged is not None:
             if (w := wait_for(staged.pending(i))) is not None:  # a chunk's layer i is still arriving: park
@@ -223,12 +233,41 @@ def layer_steps(lm: LoadedModel, h: torch.Tensor, rope: RopeTables, spans: Seque
             if pos is None:
                 raise ValueError("layer_steps with Keep.LAST needs the rows' positions (pos)")
             h, pos, rope = h[-1:], pos[-1:], rope[-1:]
-            spans = span(spans[0].cache, pos, pos, n_keys, lm)
+            spans, pieces = span(spans[0].cache, pos, pos, n_keys, lm), None
+        if pieces is not None and i not in ad.recurrent_layers:  # chunked prefill: piece by piece
+            outs = []
+            for rows, piece in pieces:
+                out, k, v = layer_forward(ad, i, h[rows], rope[rows], piece, mass)  # [S_p, hidden]
+                outs.append(out)
+                if kv_out is not None:
+                    kv_out[0][i, :, rows], kv_out[1][i, :, rows] = k, v
+                yield out.shape[0]
+            h = torch.cat(outs)  # [S, hidden]
+            continue
         h, k, v = layer_forward(ad, i, h, rope, spans, mass)
         if kv_out is not None:
             kv_out[0][i], kv_out[1][i] = k, v
         yield h.shape[0]
     return h
+
+
+def _pieces(lm: LoadedModel, spans: Sequence[Span], pos: torch.Tensor | None,
+            step_tokens: int) -> list[tuple[slice, list[Span]]] | None:
+    """A prompt pass's rows cut into pieces of at most `step_tokens` rows, of about equal size,
+    each with its own span (its slots, and the attention plans of its queries over the keys up
+    to its last one); None when the pass runs whole layers (no cap, decode, or few rows)."""
+    if step_tokens <= 0 or len(spans) != 1 or pos is None or pos.shape[0] <= step_tokens:
+        return None
+    sp, s = spans[0], pos.shape[0]
+    n = -(-s // step_tokens)  # pieces
+    bounds = [round(j * s / n) for j in range(n + 1)]
+    out = []
+    for r0, r1 in zip(bounds, bounds[1:]):
+        slots = sp.slots[r0:r1] if isinstance(sp.slots, torch.Tensor) \
+            else slice(sp.slots.start + r0, sp.slots.start + r1)
+        out.append((slice(r0, r1), [Span(sp.cache, slice(0, r1 - r0), slots,
+                                         plan_layers(pos[r0:r1], int(pos[r1 - 1]) + 1, lm))]))
+    return out
 
 
 def layer_forward(ad: Adapter, i: int, h: torch.Tensor, rope: RopeTables, spans: Sequence[Span],

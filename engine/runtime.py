@@ -35,6 +35,10 @@ from ragkv.errors import UnsupportedModelError
 from ragkv.types import Mode
 
 _PREFIX_MEMO_SIZE = 8  # distinct prefixes kept computed
+# prompt tokens one step computes at most (chunked prefill): on this project's 2-core CPU a
+# 2K-token layer of SmolLM2 is about one slice of prompt work (`engine.scheduler`); prompts of
+# up to 2K tokens (the demo's, the benches') run whole layers, as they always did
+DEFAULT_STEP_TOKENS = 2048
 _CHUNK_KV_MODES = frozenset({Mode.REUSE, Mode.BLEND, Mode.FOCUS})
 
 
@@ -60,10 +64,17 @@ class Engine:
 
     Args:
         tree_bytes: the KV tree's budget on the engine's device (engine.tree); 0 = no tree.
+        step_tokens: prompt tokens one step of a prompt pass computes at most: a longer prompt's
+            layers run in pieces, one step each (chunked prefill, `engine.forward.layer_steps`),
+            so the scheduler can run decode steps between them; 0 = a whole layer per step.
     """
 
-    def __init__(self, lm: LoadedModel, system_prompt: str = DEFAULT_SYSTEM_PROMPT, tree_bytes: int = 0) -> None:
+    def __init__(self, lm: LoadedModel, system_prompt: str = DEFAULT_SYSTEM_PROMPT, tree_bytes: int = 0,
+                 step_tokens: int = DEFAULT_STEP_TOKENS) -> None:
+        if step_tokens < 0:
+            raise ValueError(f"step_tokens must be >= 0 (0 = a whole layer per step), got {step_tokens}")
         self.lm = lm
+        self.step_tokens = step_tokens
         self.speed = EngineSpeed()  # its measured rates: chunk prefill, prompt work (engine.speed)
         self.use_tree(tree_bytes)
         self.prompt = PromptFormat.for_tokenizer(lm.tokenizer, system_prompt)
@@ -195,22 +206,23 @@ class Engine:
                 c = p + sum(len(ids) for ids in chunk_ids)
                 layout = TreeContext(prefix_tokens=p, chunk_end=c, chunk_tokens=c - p)
             return (yield from resume_steps(self.lm, resume.lease, resume.path, mode, layout, reserve_tokens,
-                                            prompt.snapshot_at))
+                                            prompt.snapshot_at, self.step_tokens))
         if mode is Mode.FULL:
             ids = [*prefix_ids, *(t for ids in chunk_ids for t in ids), *question_ids]
             return (yield from prompt_steps(self.lm, None, [], ids, Mode.FULL, reserve_tokens=reserve_tokens,
-                                            snapshot_at=prompt.snapshot_at))
+                                            snapshot_at=prompt.snapshot_at, step_tokens=self.step_tokens))
         prefix = self.prefix_kv(prefix_ids)
         if mode is Mode.PREFIX:  # every chunk token is recomputed: its KV is never read
             placeholders = [placeholder_kv(ids, len(prefix_ids), self.lm) for ids in chunk_ids]
-            res = yield from prompt_steps(self.lm, prefix, placeholders, question_ids, mode, opts, reserve_tokens)
+            res = yield from prompt_steps(self.lm, prefix, placeholders, question_ids, mode, opts, reserve_tokens,
+                                          step_tokens=self.step_tokens)
             res.cached_tokens = len(prefix_ids)  # (PREFIX chooses nothing: no select_ids)
             return res
         if chunks is None or len(chunks) != len(chunk_ids):
             raise ValueError(f"mode {mode.value} reads each chunk's KV: got "
                              f"{'none' if chunks is None else len(chunks)} for {len(chunk_ids)} chunks")
         res = yield from prompt_steps(self.lm, prefix, chunks, question_ids, mode, opts, reserve_tokens,
-                                      prompt.select_ids)
+                                      prompt.select_ids, step_tokens=self.step_tokens)
         used = res.used_chunks if res.used_chunks is not None else range(len(chunks))
         res.cached_tokens = len(prefix_ids) + sum(chunks[i].num_tokens for i in used if not chunks[i].fresh)
         return res

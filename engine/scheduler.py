@@ -3,7 +3,8 @@
 Each iteration is schedule, execute, update:
 1. **schedule** (`_schedule`) decides, without running anything, a typed `Plan`: which
    requests are dropped (client cancelled, deadline passed) and the one step that runs
-   next: a `PromptStep` (one decoder layer of one request's prompt pass) or a
+   next: a `PromptStep` (one decoder layer of one request's prompt pass, or a piece of
+   one: a long prompt's layers run in pieces of `Engine.step_tokens` rows) or a
    `DecodeStep` (one batched forward for every decoding request). Prompt work goes to
    the pass with the least work left (the `prompt_cost` it was submitted with, less what
    it has done, aged by its wait: shortest remaining first, without starving a long

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ragkv.engine.focus import FocusOptions
+from ragkv.engine.runtime import DEFAULT_STEP_TOKENS
 from ragkv.engine.scheduler import SchedulerConfig
 from ragkv.server.validation import RequestLimits
 from ragkv.types import DEFAULT_COLLECTION, DType, Mode, SearchMode
@@ -80,6 +81,9 @@ class ServerSettings:
     max_batch: int = 16  # Queries decoding in one batched step at most
     prompt_slice_s: float = 0.05  # seconds of prompt work between two decode steps, as a token budget (engine.scheduler)
     prompt_share: float = 0.6  # the engine's share prompt work gets while requests decode (engine.scheduler)
+    # prompt tokens one step of a prompt pass computes at most: longer prompts' layers run in pieces
+    # (chunked prefill, engine.forward.layer_steps); 0 = a whole layer per step
+    prompt_step_tokens: int = DEFAULT_STEP_TOKENS
     retrieve_workers: int = 1  # threads for retrieval and KV prefetch starts
     grace_seconds: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
     auth_token_file: Path | None = None  # bearer token file; else $RAGKV_AUTH_TOKEN; else no auth
@@ -185,6 +189,9 @@ class ServerSettings:
         if self.kv_budget_bytes < 1 or self.max_batch < 1 or self.prompt_slice_s <= 0:
             raise ValueError(f"kv_budget_bytes, max_batch and prompt_slice_s must be > 0, got "
                              f"{self.kv_budget_bytes}, {self.max_batch}, {self.prompt_slice_s}")
+        if self.prompt_step_tokens < 0:
+            raise ValueError(f"prompt_step_tokens must be >= 0 (0 = a whole layer per step), got "
+                             f"{self.prompt_step_tokens}")
         if not 0 < self.prompt_share < 1:
             raise ValueError(f"prompt_share must be in (0, 1), got {self.prompt_share}: the share of the engine's "
                              f"time prompt work gets while requests decode")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragkv.engine import BlendOptions, Engine, Prompt, load_model
+from ragkv.engine import BlendOptions, Engine, Prompt, SamplingParams, load_model
 from ragkv.evals.testing import tiny_model_dir
 from ragkv.types import Mode
 
@@ -176,6 +176,22 @@ def test_smollm2_ratio_one_equals_full(smollm2):
     assert_close(res.logits, full.logits, 1e-4, "SmolLM2 blend@1.0 vs full")
     part = eng.run(Prompt.of(prefix, kvs, q), Mode.BLEND, options=BlendOptions(recompute_ratio=0.15))
     assert part.recomputed.numel() == round(0.15 * part.n_chunk_tokens)
+
+
+@pytest.mark.real_model
+def test_smollm2_chunked_prefill_gives_whole_layers_answer(smollm2):
+    """Steps of at most 128 prompt tokens (`Engine.step_tokens`) against whole layers, on the
+    real model: full prefill and query blend agree to float noise and greedy-decode the same."""
+    whole, cut = Engine(smollm2, step_tokens=0), Engine(smollm2, step_tokens=128)
+    prefix, kvs, q, ids = _parts(whole, [c * 6 for c in CHUNKS])
+    assert len(ids) > 3 * 128
+    for prompt, mode in ((Prompt(ids), Mode.FULL), (Prompt.of(prefix, kvs, q), Mode.BLEND)):
+        a, b = whole.run(prompt, mode), cut.run(prompt, mode)
+        assert torch.equal(a.recomputed, b.recomputed)
+        assert_close(b.logits, a.logits, 1e-4, f"SmolLM2 {mode.value} cut vs whole")
+        streams = [whole.decode(r, SamplingParams(max_new_tokens=16)) for r in (a, b)]
+        texts = ["".join(stream) for stream in streams]  # decoded to the end
+        assert texts[0] == texts[1] and streams[0].token_ids == streams[1].token_ids
 
 
 @pytest.mark.gpu

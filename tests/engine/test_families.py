@@ -206,6 +206,55 @@ def test_every_mode_serves_every_family(tmp_path_factory, name):
             assert res.used_chunks
 
 
+def _steps(engine: Engine, prompt: Prompt, mode: Mode, options: BlendOptions | None):
+    """Run a pass step by step: its result and the tokens of each of its layer steps."""
+    steps, tokens = engine.run_steps(prompt, mode, options), []
+    while True:
+        try:
+            item = next(steps)
+        except StopIteration as done:
+            return done.value, tokens
+        if isinstance(item, int):
+            tokens.append(item)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_chunked_prefill_equals_whole_layers(tmp_path_factory, name):
+    """A pass cut into steps of at most 7 prompt tokens (`Engine.step_tokens`; the prompts here
+    are 60-90 tokens) gives the logits and the cache of whole-layer steps, in every mode: the
+    pieces' attention plans (windows, attention chunks, scattered recompute) and a hybrid's
+    recurrent layers (run whole) change no sum. Deviation blend at ratio 1.0: at a lower ratio
+    its cut falls among tokens whose KV is exact (deviation ~1e-11), picked by float noise."""
+    lm = _lm(tmp_path_factory, name)
+    whole, cut = Engine(lm, step_tokens=0), Engine(lm, step_tokens=7)
+    fmt = whole.prompt
+    prefix, chunk_ids = fmt.prefix_ids(), [fmt.chunk_ids(t) for t in TEXTS]
+    q_ids = fmt.question_ids(QUESTIONS[0])
+    runs: list[tuple[Mode, bool, BlendOptions | None]] = [(Mode.FULL, False, None)]
+    if name not in HYBRIDS:
+        runs += [(Mode.PREFIX, False, None), (Mode.REUSE, True, None),
+                 (Mode.BLEND, True, BlendOptions(recompute_ratio=0.5)),
+                 (Mode.BLEND, True, BlendOptions(recompute_ratio=1.0, selector="deviation")),
+                 (Mode.FOCUS, True, None)]
+        chunks = [whole.prefill(prefix, ids) for ids in chunk_ids]
+    for mode, with_kv, opts in runs:
+        prompt = Prompt(q_ids, prefix, chunk_ids, chunks if with_kv else None)
+        (a, a_steps), (b, b_steps) = _steps(whole, prompt, mode, opts), _steps(cut, prompt, mode, opts)
+        if mode is Mode.FOCUS:  # its scoring pass over the question is one step, cut or not
+            assert a_steps[0] == b_steps[0] == len(q_ids)
+            a_steps, b_steps = a_steps[1:], b_steps[1:]
+        assert max(a_steps) > 7 and len(b_steps) > len(a_steps), (mode, a_steps, b_steps)  # the pieces ran as steps
+        # no step past 7 rows, but a hybrid's recurrent layers (whole: their state carries)
+        assert len([t for t in b_steps if t > 7]) == len(lm.adapter.recurrent_layers), (mode, b_steps)
+        assert sum(b_steps) == sum(a_steps), mode  # the same rows, layer by layer
+        assert torch.equal(a.recomputed, b.recomputed), mode
+        scale = max(1.0, float(a.logits.abs().max()))
+        torch.testing.assert_close(b.logits, a.logits, atol=1e-4 * scale, rtol=0, msg=lambda m, mode=mode: f"{mode}: {m}")
+        n = a.cache.length
+        torch.testing.assert_close(b.cache.k[:, :, :n], a.cache.k[:, :, :n], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(b.cache.v[:, :, :n], a.cache.v[:, :, :n], atol=1e-4, rtol=1e-4)
+
+
 _SMALL_VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
 
 

@@ -161,6 +161,35 @@ def test_full_mode_equals_engine_full_prefill_and_greedy_decode(
     assert served.finish_reason is decode.finish_reason  # one FinishReason from the engine to the wire
 
 
+def test_prompt_step_tokens_reaches_the_engine_and_changes_no_answer(
+    tiny_index: Path, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--prompt-step-tokens 16: a full prefill's layers run in pieces of 16 rows at most (no
+    layer call of the query sees more), and the answer is whole layers' answer."""
+    from ragkv.engine import Engine, Prompt, SamplingParams, forward, load_model
+    from ragkv.retriever import Retriever
+    from ragkv.server.pipeline import Pipeline
+
+    st = ServerThread(settings(indexes=(CollectionSpec("default", tiny_index),), prompt_step_tokens=16),
+                      Pipeline.from_settings)
+    rows: list[int] = []
+    real = forward.layer_forward
+    monkeypatch.setattr(forward, "layer_forward", lambda ad, i, h, *a, **k: (rows.append(h.shape[0]), real(ad, i, h, *a, **k))[1])
+    try:
+        with RagClient(st.addr, timeout=60) as client:
+            served = client.query(QUESTION, mode="full", top_k=2, max_new_tokens=12).result()
+    finally:
+        st.stop()
+    engine = Engine(load_model(str(tiny_llama_dir), device="cpu", dtype="float32"), step_tokens=0)
+    with Retriever.open(tiny_index) as retriever:
+        hits = retriever.search(QUESTION, 2)
+        prefix = list(retriever.manifest.prefix_ids)
+    ids = prefix + [t for h in hits for t in h.token_ids] + engine.prompt.question_ids(QUESTION)
+    assert len(ids) > 16 and rows and max(rows) <= 16, (len(ids), rows)
+    decode = engine.decode(engine.run(Prompt(ids), Mode.FULL), SamplingParams(max_new_tokens=12))
+    assert served.text == "".join(decode)
+
+
 def test_retrieve_and_collections(pipeline_server: ServerThread) -> None:
     with RagClient(pipeline_server.addr, timeout=60) as client:
         result = client.retrieve(QUESTION, top_k=2, snippet_chars=10)

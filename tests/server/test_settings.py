@@ -70,6 +70,7 @@ def test_json_file_and_index_specs(tmp_path: Path) -> None:
         ({"nonsense": 1}, {}, "unknown setting 'nonsense'"),
         ({}, {"RAGKV_FOCUS_KEEP": "0"}, "focus_keep must be in (0, 1], got 0.0"),
         ({"prompt_share": 1.0}, {}, "prompt_share must be in (0, 1), got 1.0"),
+        ({}, {"RAGKV_PROMPT_STEP_TOKENS": "-1"}, "prompt_step_tokens must be >= 0 (0 = a whole layer per step), got -1"),
     ],
 )
 def test_bad_values_are_named(flags: dict, env: dict, needle: str) -> None:
@@ -91,12 +92,13 @@ def test_serve_flags_map_to_settings(tmp_path: Path) -> None:
 
     args = build_parser().parse_args([
         "serve", "--index", "/idx/a", "--index", "b=/idx/b", "--port", "0", "--metrics-port", "off",
-        "--max-queue", "3", "--default-mode", "reuse", "--focus-keep", "0.5",
+        "--max-queue", "3", "--default-mode", "reuse", "--focus-keep", "0.5", "--prompt-step-tokens", "512",
     ])
     s = settings_from_args(args, env={"RAGKV_MAX_QUEUE": "7", "RAGKV_GRACE_SECONDS": "1.5"})
     assert [c.name for c in s.indexes] == ["default", "b"]
     assert (s.port, s.metrics_port, s.max_queue, s.grace_seconds) == (0, None, 3, 1.5)
     assert s.default_mode is Mode.REUSE and s.focus_keep == 0.5
+    assert s.prompt_step_tokens == 512 and ServerSettings().prompt_step_tokens == 2048
 
 
 def test_serve_exits_nonzero_when_the_index_cannot_load(tmp_path: Path) -> None:

@@ -359,7 +359,7 @@ class Scheduler:
         cost = job.request.prompt_cost
         if not cost:
             return 0.0
-        rate = self._speed.cost_per_s
+        rate = self._speed.cost_per_s(job.request.mode)  # its mode's own rate, once one finished
         left = cost / rate - job.request.prompt_s if rate else cost  # no pass measured yet: by cost
         return max(left, 0.0) - self.config.aging * (time.monotonic() - job.submitted)
 
@@ -367,10 +367,10 @@ class Scheduler:
         """Seconds of prompt work left in the passes this scheduler holds (in a pass, or parked
         on their KV): what a request submitted now would wait behind at worst. A pass of unknown
         cost counts as the mean pass. The router prices a replica's load in it (`server/routing.py`)."""
-        rate, mean = self._speed.cost_per_s, self._speed.pass_s or 0.0
+        mean = self._speed.pass_s or 0.0
         left = 0.0
         for job in (*self._prompting, *self._parked):
-            cost = job.request.prompt_cost
+            cost, rate = job.request.prompt_cost, self._speed.cost_per_s(job.request.mode)
             left += max(cost / rate - job.request.prompt_s, 0.0) if cost and rate else mean
         return left
 
@@ -503,7 +503,7 @@ class Scheduler:
         """Cost units per second of prompt work, from every finished pass; prompt tokens per
         second of the pass's mode, from those the KV tree did not serve (`EngineSpeed`)."""
         req = job.request
-        self._speed.observe_pass(req.prompt_cost, req.prompt_s)
+        self._speed.observe_pass(req.prompt_cost, req.prompt_s, req.mode)
         if req.tree is None or req.tree.lease is None:
             self._speed.observe_prompt(req.mode, req.prompt_tokens, req.prompt_s - req.chunk_s)
 

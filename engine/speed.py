@@ -5,10 +5,13 @@ The rates, each learned once, as moving averages:
 - **chunk prefill**, tokens per second: every chunk the engine computes (`engine.answer`,
   and the server's warm-up at start). The loading controller (`server/loading.py`) reads
   it to decide whether a chunk's KV is read or computed.
-- **prompt work**, `Engine.prompt_cost` units per second of a whole prompt pass: every pass
-  the scheduler finishes. The scheduler reads it to order prompt work by the seconds each
-  pass has left (`engine/scheduler.py`), and with the mean seconds of a pass it tells the
-  cluster's router how much prompt work it holds (`SchedulerStats.backlog_s`).
+- **prompt work**, `Engine.prompt_cost` units per second of a whole prompt pass, over every
+  pass the scheduler finishes and over each mode's own: the cost model's ratios between modes
+  are a guess (a blend pass ran about 1.3x its share, a reuse pass 0.9x, under 4 clients), so
+  a pass's seconds are estimated at its own mode's rate once one of its mode has finished.
+  The scheduler reads it to order prompt work by the seconds each pass has left
+  (`engine/scheduler.py`), and with the mean seconds of a pass it tells the cluster's router
+  how much prompt work it holds (`SchedulerStats.backlog_s`).
 - **prompt steps**, tokens (token-layers) per second of one layer step: every prompt step the
   scheduler runs. The scheduler sizes its slices of prompt work between decode steps by it.
 - **prompt tokens per second of each mode's pass**: every pass the scheduler finishes that the
@@ -55,6 +58,7 @@ class EngineSpeed:
         self._lock = threading.Lock()
         self._prefill = _Rate(_PREFILL_ALPHA)
         self._passes = _Rate(_PASS_ALPHA)
+        self._mode_passes: dict[Mode, _Rate] = {}  # the same, each mode's passes alone
         self._pass_s = _Rate(_PASS_ALPHA)  # seconds of one pass (`add`)
         self._steps = _Rate(_STEP_ALPHA)  # prompt tokens (token-layers) per second of one prompt step
         self._modes: dict[Mode, _Rate] = {}
@@ -70,10 +74,12 @@ class EngineSpeed:
         with self._lock:
             return self._prefill.value
 
-    def observe_pass(self, cost: float, seconds: float) -> None:
-        """A prompt pass of `cost` (`Engine.prompt_cost` units) took `seconds` of prompt work."""
+    def observe_pass(self, cost: float, seconds: float, mode: Mode | None = None) -> None:
+        """A prompt pass of `cost` (`Engine.prompt_cost` units) in `mode` took `seconds` of prompt work."""
         with self._lock:
             self._passes.observe(cost, seconds)
+            if mode is not None:
+                self._mode_passes.setdefault(Mode(mode), _Rate(_PASS_ALPHA)).observe(cost, seconds)
             if seconds > 0:
                 self._pass_s.add(seconds)
 
@@ -95,11 +101,12 @@ class EngineSpeed:
         with self._lock:
             return self._steps.value
 
-    @property
-    def cost_per_s(self) -> float | None:
-        """Prompt-work cost units per second; None until a pass was measured."""
+    def cost_per_s(self, mode: Mode | None = None) -> float | None:
+        """Prompt-work cost units per second of `mode`'s passes, of every pass until one of
+        `mode` (or with mode None) was measured; None until a pass was measured."""
         with self._lock:
-            return self._passes.value
+            rate = None if mode is None else self._mode_passes.get(Mode(mode))
+            return self._passes.value if rate is None or rate.value is None else rate.value
 
     def observe_prompt(self, mode: Mode, tokens: int, seconds: float) -> None:
         """A `mode` pass over a prompt of `tokens` tokens took `seconds` of prompt work (its chunks'

@@ -54,9 +54,11 @@ class _Sink:
 
 
 def _submit(sched: Scheduler, work: Work, sink: _Sink, cancel: threading.Event | None = None,
-            deadline: float | None = None, kv_bytes: int = 0, prompt_cost: float = 0.0) -> Request:
+            deadline: float | None = None, kv_bytes: int = 0, prompt_cost: float = 0.0,
+            mode: Mode = Mode.FULL) -> Request:
     """Submit scripted work under a request with these budgets."""
-    req = Request(cancel=cancel or threading.Event(), deadline=deadline, kv_bytes=kv_bytes, prompt_cost=prompt_cost)
+    req = Request(cancel=cancel or threading.Event(), deadline=deadline, kv_bytes=kv_bytes, prompt_cost=prompt_cost,
+                  mode=mode)
     sched.submit(req, work, sink)
     return req
 
@@ -450,6 +452,38 @@ def test_aging_keeps_a_long_pass_from_starving() -> None:
     assert finished == ["long", "short"]
 
 
+def test_each_mode_is_timed_at_its_own_rate() -> None:
+    """The cost model's units are one guess for every mode; the seconds of a pass are its
+    mode's own measured rate once a pass of that mode finished (`EngineSpeed.cost_per_s`).
+    Blend measured at 100 units/s and reuse at 2,000: a blend pass of 50 units (0.5 s) goes
+    after a reuse pass of 200 (0.1 s), though by units (or by the rate of every pass) it
+    would go first."""
+    speed = EngineSpeed()
+    speed.observe_pass(100, 1.0, Mode.BLEND)
+    speed.observe_pass(100, 0.05, Mode.REUSE)
+    overall = speed.cost_per_s()
+    assert (speed.cost_per_s(Mode.BLEND), speed.cost_per_s(Mode.REUSE)) == (100.0, 2000.0)
+    assert overall == pytest.approx(0.8 * 100 + 0.2 * 2000) and speed.cost_per_s(Mode.FOCUS) == overall
+    sched = Scheduler(SchedulerConfig(prompt_slice_s=0.01, aging=0.0))
+    sched.share_engine(_NoTree(), speed)
+    finished: list[str] = []
+
+    def work(name: str, steps: int):
+        for _ in range(steps):
+            time.sleep(0.01)
+            yield 1
+        finished.append(name)
+
+    sinks = [_Sink() for _ in range(3)]
+    _submit(sched, work("full", 100), sinks[0], prompt_cost=10_000)  # about 20 s at the rate of every pass
+    time.sleep(0.05)
+    _submit(sched, work("blend", 5), sinks[1], prompt_cost=50, mode=Mode.BLEND)  # 0.1 s by every pass's rate
+    _submit(sched, work("reuse", 5), sinks[2], prompt_cost=200, mode=Mode.REUSE)  # 0.42 s by it
+    assert all(s.ended.wait(30) for s in sinks)
+    sched.close()
+    assert finished == ["reuse", "blend", "full"]
+
+
 def test_work_left_falls_as_a_pass_runs() -> None:
     """Shortest remaining first: a long pass that has done most of its work is not
     overtaken by a newcomer of middling cost."""
@@ -747,7 +781,8 @@ def test_prompt_work_is_learned_into_the_engines_speed() -> None:
     assert sink.ended.wait(30)
     sched.close()
     # 50 units over at least 0.05 s of prompt work (its steps sleep 5 x 10 ms)
-    assert speed.cost_per_s is not None and 0 < speed.cost_per_s <= 50 / 0.05
+    rate = speed.cost_per_s()
+    assert rate is not None and 0 < rate <= 50 / 0.05
     assert speed.tokens_per_s == 200.0  # the other rate is its own
 
 
@@ -776,7 +811,7 @@ def test_the_backlog_is_the_prompt_work_left_in_the_passes_it_holds() -> None:
     warm = _Sink()
     _submit(sched, work(10), warm, prompt_cost=10)  # the rate: 10 units per >= 0.1 s
     assert warm.ended.wait(30)
-    rate = sched._speed.cost_per_s
+    rate = sched._speed.cost_per_s()
     assert rate is not None and rate <= 100
     read: Future[None] = Future()
 

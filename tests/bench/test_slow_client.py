@@ -23,9 +23,11 @@ def test_slow_client_bench_reports_both_sides_of_the_stall(tiny_llama_dir, capsy
     # no stored KV there, and none kept: every chunk computed, every request
     assert set(computed["kv_sources"]) == {"computed_missing"}
     # the stalled tier's reads were never waited out: the tiny model's compute won (raced after
-    # the wait limit, or chosen once the tier was measured), so no request took the 800 ms stall
+    # the wait limit, or chosen once the tier was measured), so no request took the 800 ms stall:
+    # its slowest is within one stall of the slowest request that computed its chunks (measured
+    # in the same run, not against a fixed time: on a loaded 2-core machine both phases slow down)
     assert "loaded" not in slow["kv_sources"]
-    assert slow["ttft_p95_s"] < 0.8
+    assert slow["ttft_p95_s"] < computed["ttft_p95_s"] + 0.8, (slow, computed)
     assert "fourth ttft_p50 slow/computed" in out["ratios"]
 
 

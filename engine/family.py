@@ -570,7 +570,7 @@ class Adapter:
         """[S, hidden] -> [S, V] float32 next-token logits."""
         if self.per_layer_input:
             h = h[:, :self.hidden]
-        out: torch.Tensor = self.model.lm_head(self.base.norm(h))
+        out = _lm_head(self.model.lm_head, self.base.norm(h))
         if self.logit_scale != 1.0:
             out = out * self.logit_scale
         if self.logits_divisor != 1.0:
@@ -638,3 +638,25 @@ def family_of(config: Any) -> Family:
             f"model type {model_type!r} is not supported; ragkv serves decoders of types "
             f"{', '.join(sorted(FAMILIES))} (docs/models.md says how to add one)")
     return FAMILIES[model_type]
+
+
+_FEW_ROWS = 64  # up to a decode batch's rows: a float32 head on CPU runs as its weight times their transpose
+
+
+def _lm_head(head: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The LM head over h [S, hidden] -> [S, V].
+
+    On CPU, a batched decode step's few rows (2 to `_FEW_ROWS`) go through a float32 head as
+    W @ h^T: MKL's sgemm of a few rows against the tall [V, hidden] weight reads it about
+    once per row (SmolLM2's 49K x 576 head: 37 ms for 2 rows and 55 ms for 3, against 9 and
+    13 ms this way), which undid what batching decode saves. The two differ by float rounding
+    only, as a batch's rows already differ from each row alone (tests/engine/test_scheduler.py).
+    One row (a prompt's last token, a lone decode step), bf16 and fp16 heads (there the
+    module's own kernel is the faster) and GPUs run the module as it is."""
+    weight = getattr(head, "weight", None)
+    if (type(head) is not torch.nn.Linear or not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32
+            or h.device.type != "cpu" or h.dim() != 2 or not 1 < h.shape[0] <= _FEW_ROWS):
+        out: torch.Tensor = head(h)
+        return out
+    rows = weight.mm(h.t()).t()  # [S, V]
+    return rows if head.bias is None else rows + head.bias

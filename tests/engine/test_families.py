@@ -25,7 +25,7 @@ from ragkv.engine import Prompt, load_model
 from ragkv.engine.blend import BlendOptions
 from ragkv.engine.check import check_model
 from ragkv.engine.decode import decode_batch
-from ragkv.engine.family import FAMILIES, Adapter
+from ragkv.engine.family import FAMILIES, Adapter, _lm_head
 from ragkv.engine.runtime import Engine
 from ragkv.evals.testing import FAMILY_CONFIGS, HYBRIDS, tiny_model_dir
 from ragkv.types import Mode
@@ -92,6 +92,26 @@ def test_batched_decode_equals_alone(tmp_path_factory, name):
         torch.testing.assert_close(batched, single, atol=1e-4 * max(1.0, float(single.abs().max())), rtol=0)
         assert batched.argmax(-1).tolist() == single.argmax(-1).tolist()
         tokens = batched.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 64, 65])
+def test_the_lm_head_of_a_few_rows_equals_the_module(rows, dtype):
+    # a batched decode step's rows take the head as W @ h^T on CPU (family._lm_head): the same
+    # logits as the module within float rounding, bias included; one row, more rows than a decode
+    # batch and a bf16 head run the module itself, bit for bit
+    g = torch.Generator().manual_seed(rows)
+    head = torch.nn.Linear(48, 1000, bias=True).to(dtype)
+    with torch.no_grad():
+        head.bias.normal_(generator=g)
+    h = torch.randn(rows, 48, generator=g).to(dtype)  # [S, hidden]
+    with torch.inference_mode():
+        got, want = _lm_head(head, h), head(h)  # [S, V]
+    assert got.shape == (rows, 1000)
+    if rows == 1 or rows > 64 or dtype != torch.float32:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -12,14 +12,11 @@ Each iteration is schedule, execute, update:
    pass it belongs to: each slice lasts as long as the last decode step took, times
    `prompt_share / (1 - prompt_share)` (at the default 0.6, 1.5 decode steps), so prompt
    work gets that share of the engine and a decoding request waits about 2.5 steps at most
-   for its next token, however many passes arrive at once. A slice is a budget
-   of prompt tokens (token-layers: a step of a layer over n tokens spends n) at the engine's
-   measured speed: a step whose tokens (as many as its pass's last step computed) would
-   overrun the slice's budget waits for the next slice, after a decode step. A slice runs
-   one step at least (no pass starves) and lasts `prompt_slice_s` at least, and ends on
-   time as well, whatever the tokens say. A short pass (reuse over a few chunks) fits one
-   slice whole; a long one (full prefill) goes on across many. With nobody decoding,
-   prompt work goes on;
+   for its next token, however many passes arrive at once. A step expected to overrun the
+   slice (it would take as long as its pass's last step took) waits for the next slice,
+   after a decode step. A slice runs one step at least (no pass starves) and lasts
+   `prompt_slice_s` at least. A short pass (reuse over a few chunks) fits one slice whole;
+   a long one (full prefill) goes on across many. With nobody decoding, prompt work goes on;
 2. **execute** runs that step: the request's work generator for a prompt step,
    `engine.decode.decode_batch` for a decode step (the weights are read once per step
    for all of them);
@@ -122,8 +119,8 @@ class SchedulerConfig:
     max_batch: int = 32  # requests decoding in one step at most
     # while requests decode, the share of the engine's time that prompt work gets: each slice of
     # prompt work between two decode steps lasts the last decode step's seconds x share / (1 -
-    # share) (at 0.6, 1.5 decode steps: a decoding request waits about 2.5 steps at most), as a
-    # budget of prompt tokens at the measured token rate of prompt steps
+    # share) (at 0.6, 1.5 decode steps: a decoding request waits about 2.5 steps at most); a step
+    # goes in when it fits what is left, at its pass's last step's seconds
     prompt_share: float = 0.6
     prompt_slice_s: float = 0.05  # a slice lasts this long at least, whatever the decode step took
     # the order of prompt work: least remaining work first (submit's prompt_cost, less what the
@@ -154,7 +151,7 @@ class _Job:
     next_pick: int | None = None  # greedy: the token its last decode step's batched argmax chose
     wait: WaitFor | None = None  # WAITING_KV: what it waits for
     wake_at: float | None = None  # WAITING_KV: time.monotonic() when it resumes whatever its futures do
-    step_tokens: int = 0  # tokens its last prompt step computed: what its next one is expected to (0 = unknown)
+    step_s: float = 0.0  # seconds its last prompt step took: what its next one is expected to (0 = unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +207,6 @@ class Scheduler:
         self._decoding: list[_Job] = []  # DECODING
         self._slice_t0 = time.perf_counter()  # when the current slice of prompt work began
         self._slice_steps = 0  # prompt steps in it (a slice has one at least: no pass starves)
-        self._slice_tokens = 0  # prompt tokens its steps computed
         self._decode_s = 0.0  # seconds the last decode step took: what a slice of prompt work is sized by
         self._trimmed = time.monotonic()  # last heap trim
         self._speed = EngineSpeed()  # prompt work's measured rate; the engine's own once shared (share_engine)
@@ -339,15 +335,16 @@ class Scheduler:
 
     def _fits(self, job: _Job) -> bool:
         """Whether `job`'s next step fits this slice of prompt work: the slice has run no step yet
-        (one at least: no pass starves), or it has time left and the step's expected tokens fit
-        its token budget (`_slice_s` at the learned token rate, `EngineSpeed.step_tokens_per_s`)."""
+        (one at least: no pass starves), or the step, expected to take as long as its pass's last
+        step did (a pass's steps are layers over the same rows, or pieces of them), ends within
+        the slice (`_slice_s`). A pass's own last step predicts its next one far better than one
+        token rate for every step: a question-only step (reuse, a scoring pass) of 20 rows runs
+        at about a tenth of a 1K-row step's tokens per second (a layer's fixed cost), and such
+        steps pulled a shared rate down until a full prefill's step seldom fitted a slice after
+        another step."""
         if not self._slice_steps:
             return True
-        slice_s = self._slice_s()
-        if time.perf_counter() - self._slice_t0 >= slice_s:
-            return False
-        rate = self._speed.step_tokens_per_s
-        return rate is None or self._slice_tokens + job.step_tokens <= rate * slice_s
+        return time.perf_counter() - self._slice_t0 + job.step_s <= self._slice_s()
 
     def _priority(self, job: _Job) -> float:
         """Seconds of prompt work the pass has left, less `aging` x the seconds it has waited;
@@ -392,7 +389,7 @@ class Scheduler:
                 self._new_slice()
 
     def _new_slice(self) -> None:
-        self._slice_t0, self._slice_steps, self._slice_tokens = time.perf_counter(), 0, 0
+        self._slice_t0, self._slice_steps = time.perf_counter(), 0
 
     def _prompt_step(self, job: _Job) -> None:
         """Run one step of a prompt pass; a pass that ends has its first token picked and sent
@@ -404,10 +401,8 @@ class Scheduler:
         item = self._resume(job)
         took = time.perf_counter() - now
         req.prompt_s += took
-        if type(item) is int and item > 0:  # a layer over `item` tokens: the slice's budget and the rate learn it
-            job.step_tokens = item
-            self._slice_tokens += item
-            self._speed.observe_step(item, took)
+        if type(item) is int and item > 0:  # a layer over `item` tokens: its pass's next step is expected to take as long
+            job.step_s = took
         if isinstance(item, WaitFor):  # waiting for its KV: parked, off the prompt work
             self._prompting.remove(job)
             self._park(job, item)

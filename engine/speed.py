@@ -12,8 +12,6 @@ The rates, each learned once, as moving averages:
   The scheduler reads it to order prompt work by the seconds each pass has left
   (`engine/scheduler.py`), and with the mean seconds of a pass it tells the cluster's router
   how much prompt work it holds (`SchedulerStats.backlog_s`).
-- **prompt steps**, tokens (token-layers) per second of one layer step: every prompt step the
-  scheduler runs. The scheduler sizes its slices of prompt work between decode steps by it.
 - **prompt tokens per second of each mode's pass**: every pass the scheduler finishes that the
   KV tree did not serve, less the seconds spent computing its chunks. The loading controller
   reads it to serve a request by full prefill when reading and blending its chunks would take
@@ -32,7 +30,6 @@ from ragkv.types import Mode
 
 _PREFILL_ALPHA = 0.3  # weight of the newest chunk in the prefill rate's moving average
 _PASS_ALPHA = 0.2  # weight of the newest pass in the prompt-work rate's moving average
-_STEP_ALPHA = 0.05  # weight of the newest prompt step in the step token rate's moving average
 
 
 @dataclass(slots=True)
@@ -60,7 +57,6 @@ class EngineSpeed:
         self._passes = _Rate(_PASS_ALPHA)
         self._mode_passes: dict[Mode, _Rate] = {}  # the same, each mode's passes alone
         self._pass_s = _Rate(_PASS_ALPHA)  # seconds of one pass (`add`)
-        self._steps = _Rate(_STEP_ALPHA)  # prompt tokens (token-layers) per second of one prompt step
         self._modes: dict[Mode, _Rate] = {}
 
     def observe(self, tokens: int, seconds: float) -> None:
@@ -88,18 +84,6 @@ class EngineSpeed:
         """Seconds of prompt work of one pass, on average; None until a pass was measured."""
         with self._lock:
             return self._pass_s.value
-
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        """A prompt step (one layer) over `tokens` tokens took `seconds`."""
-        with self._lock:
-            self._steps.observe(tokens, max(seconds, 1e-6))
-
-    @property
-    def step_tokens_per_s(self) -> float | None:
-        """Prompt tokens (token-layers) per second of prompt steps, what the scheduler sizes its
-        slices by; None until a step was measured."""
-        with self._lock:
-            return self._steps.value
 
     def cost_per_s(self, mode: Mode | None = None) -> float | None:
         """Prompt-work cost units per second of `mode`'s passes, of every pass until one of

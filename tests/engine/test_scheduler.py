@@ -299,10 +299,21 @@ def _steps_between_pieces(order: list[str]) -> list[int]:
     return runs
 
 
-def _scripted(name: str, steps: int, tokens: int, order: list[str]):
-    """Prompt work of `steps` steps of `tokens` tokens each, at 1 token a millisecond (logged in `order`)."""
+def _timed(steps: int, step_s: float = 0.01, name: str = "", finished: list[str] | None = None):
+    """Prompt work of `steps` one-token steps of `step_s` seconds each; its `name` goes into
+    `finished` once the pass ends (the order passes finish in)."""
     for _ in range(steps):
-        time.sleep(tokens / 1000)
+        time.sleep(step_s)
+        yield 1
+    if finished is not None:
+        finished.append(name)
+
+
+def _scripted(name: str, steps: int, tokens: int, order: list[str], step_s: float | None = None):
+    """Prompt work of `steps` steps of `tokens` tokens each, at 1 token a millisecond unless each
+    step takes `step_s` (logged in `order`)."""
+    for _ in range(steps):
+        time.sleep(tokens / 1000 if step_s is None else step_s)
         order.append(name)
         yield tokens
 
@@ -361,17 +372,17 @@ def test_a_slice_of_prompt_work_follows_the_decode_step(tiny_lm, monkeypatch, sh
         assert max(runs) <= 6, runs
 
 
-def test_a_slice_is_a_token_budget_a_short_pass_fits_whole_and_a_heavy_step_waits(tiny_lm) -> None:
-    """Prompt steps are planned by their tokens before they run: at the learned rate (here 1
-    token a millisecond) a 100 ms slice holds 100 tokens. A pass of three 10-token steps runs
-    between two decode steps whole; a pass of 80-token steps gets a decode step between every
-    two of its steps, although the slice's time (80 ms of 100) would have let the second run."""
+def test_a_short_pass_fits_a_slice_whole_and_a_heavy_step_waits(tiny_lm) -> None:
+    """Prompt steps are planned before they run, each expected to take as long as its pass's
+    last step: a 100 ms slice holds a pass of three 10 ms steps whole, between two decode
+    steps; a pass of 80 ms steps gets a decode step between every two of its steps, although
+    the slice's time (80 ms of 100) would have let the second one start."""
     engine = Engine(tiny_lm)
     order: list[str] = []
     sched = Scheduler(SchedulerConfig(prompt_slice_s=0.1, aging=0.0))
     decoder, stop = _decoding(engine, sched, order)
 
-    sched.share_engine(_NoTree(), EngineSpeed())  # the rate learned from these steps alone (not the tiny model's pass)
+    sched.share_engine(_NoTree(), EngineSpeed())
     short, long = _Sink(), _Sink()
     _submit(sched, _scripted("short", 3, 10, order), short, prompt_cost=1)
     assert short.ended.wait(30)
@@ -384,6 +395,31 @@ def test_a_slice_is_a_token_budget_a_short_pass_fits_whole_and_a_heavy_step_wait
     assert at == list(range(at[0], at[0] + 3)), order  # no decode step cut the short pass
     at = [i for i, o in enumerate(order) if o == "long"]
     assert all("piece" in order[i:j] for i, j in zip(at, at[1:])), order  # one between every two
+
+
+def test_steps_of_few_rows_do_not_shrink_the_slices_of_a_pass_of_many(tiny_lm) -> None:
+    """A step's cost is not proportional to its rows (a layer has a fixed cost): question-only
+    steps (reuse, a scoring pass) of 2 rows take 5 ms here, a prefill's steps of 1,000 rows
+    20 ms. Right after many small steps, the prefill runs about a slice's worth of its steps
+    (100 ms: four or five) between two decode steps. Planned by one token rate learned over
+    every step, the small steps' rate (0.4 rows a ms) gave the slice a budget of 40 rows: the
+    prefill ran one step per slice, a fifth of its share, for its first ten steps."""
+    engine = Engine(tiny_lm)
+    order: list[str] = []
+    sched = Scheduler(SchedulerConfig(prompt_slice_s=0.1, prompt_share=0.1, aging=0.0))
+    decoder, stop = _decoding(engine, sched, order)
+    sched.share_engine(_NoTree(), EngineSpeed())
+    small, big = _Sink(), _Sink()
+    _submit(sched, _scripted("small", 100, 2, order, step_s=0.005), small, prompt_cost=1)
+    assert small.ended.wait(30)
+    del order[:]
+    _submit(sched, _scripted("big", 20, 1000, order, step_s=0.02), big, prompt_cost=1)
+    assert big.ended.wait(30)
+    stop.set()
+    assert decoder.ended.wait(30)
+    sched.close()
+    runs = _steps_between_pieces(order)
+    assert max(runs[:4]) >= 3, runs  # 100 ms of 20 ms steps: 5, fewer on a loaded machine
 
 
 def test_a_job_error_reaches_its_emit_and_spares_the_others(tiny_lm) -> None:
@@ -410,16 +446,10 @@ def test_a_short_prompt_overtakes_a_long_one() -> None:
     sched = Scheduler(SchedulerConfig(prompt_slice_s=0.01))
     finished: list[str] = []
 
-    def work(name: str, steps: int, step_s: float):
-        for _ in range(steps):
-            time.sleep(step_s)
-            yield 1
-        finished.append(name)
-
     long_sink, short_sink = _Sink(), _Sink()
-    _submit(sched, work("long", 40, 0.01), long_sink, prompt_cost=1000)
+    _submit(sched, _timed(40, 0.01, "long", finished), long_sink, prompt_cost=1000)
     time.sleep(0.05)
-    _submit(sched, work("short", 3, 0.001), short_sink, prompt_cost=100)
+    _submit(sched, _timed(3, 0.001, "short", finished), short_sink, prompt_cost=100)
     assert long_sink.ended.wait(30) and short_sink.ended.wait(30)
     sched.close()
     assert finished == ["short", "long"]
@@ -468,17 +498,13 @@ def test_each_mode_is_timed_at_its_own_rate() -> None:
     sched.share_engine(_NoTree(), speed)
     finished: list[str] = []
 
-    def work(name: str, steps: int):
-        for _ in range(steps):
-            time.sleep(0.01)
-            yield 1
-        finished.append(name)
-
     sinks = [_Sink() for _ in range(3)]
-    _submit(sched, work("full", 100), sinks[0], prompt_cost=10_000)  # about 20 s at the rate of every pass
+    # about 20 s at the rate of every pass
+    _submit(sched, _timed(100, name="full", finished=finished), sinks[0], prompt_cost=10_000)
     time.sleep(0.05)
-    _submit(sched, work("blend", 5), sinks[1], prompt_cost=50, mode=Mode.BLEND)  # 0.1 s by every pass's rate
-    _submit(sched, work("reuse", 5), sinks[2], prompt_cost=200, mode=Mode.REUSE)  # 0.42 s by it
+    # 0.1 s and 0.42 s by every pass's rate; 0.5 s and 0.1 s by each mode's own
+    _submit(sched, _timed(5, name="blend", finished=finished), sinks[1], prompt_cost=50, mode=Mode.BLEND)
+    _submit(sched, _timed(5, name="reuse", finished=finished), sinks[2], prompt_cost=200, mode=Mode.REUSE)
     assert all(s.ended.wait(30) for s in sinks)
     sched.close()
     assert finished == ["reuse", "blend", "full"]
@@ -490,18 +516,12 @@ def test_work_left_falls_as_a_pass_runs() -> None:
     sched = Scheduler(SchedulerConfig(prompt_slice_s=0.01, aging=0.0))
     finished: list[str] = []
 
-    def work(name: str, steps: int):
-        for _ in range(steps):
-            time.sleep(0.01)
-            yield 1
-        finished.append(name)
-
     warm, a, b = _Sink(), _Sink(), _Sink()
-    _submit(sched, work("warm", 10), warm, prompt_cost=10)  # the rate: 10 units per ~0.1 s
+    _submit(sched, _timed(10, name="warm", finished=finished), warm, prompt_cost=10)  # the rate: 10 units per ~0.1 s
     assert warm.ended.wait(30)
-    _submit(sched, work("long", 40), a, prompt_cost=40)
+    _submit(sched, _timed(40, name="long", finished=finished), a, prompt_cost=40)
     time.sleep(0.3)  # about 3/4 done: about 10 units left
-    _submit(sched, work("middle", 30), b, prompt_cost=30)
+    _submit(sched, _timed(30, name="middle", finished=finished), b, prompt_cost=30)
     assert a.ended.wait(30) and b.ended.wait(30)
     sched.close()
     assert finished == ["warm", "long", "middle"]
@@ -771,13 +791,8 @@ def test_prompt_work_is_learned_into_the_engines_speed() -> None:
     speed.observe(100, 0.5)  # a chunk's prefill, as the engine measures it
     sched.share_engine(_NoTree(), speed)
 
-    def work(steps: int):
-        for _ in range(steps):
-            time.sleep(0.01)
-            yield 1
-
     sink = _Sink()
-    _submit(sched, work(5), sink, prompt_cost=50)
+    _submit(sched, _timed(5), sink, prompt_cost=50)
     assert sink.ended.wait(30)
     sched.close()
     # 50 units over at least 0.05 s of prompt work (its steps sleep 5 x 10 ms)
@@ -803,13 +818,8 @@ def test_the_backlog_is_the_prompt_work_left_in_the_passes_it_holds() -> None:
 
     sched = Scheduler(SchedulerConfig(aging=0.0))
 
-    def work(steps: int):
-        for _ in range(steps):
-            time.sleep(0.01)
-            yield 1
-
     warm = _Sink()
-    _submit(sched, work(10), warm, prompt_cost=10)  # the rate: 10 units per >= 0.1 s
+    _submit(sched, _timed(10), warm, prompt_cost=10)  # the rate: 10 units per >= 0.1 s
     assert warm.ended.wait(30)
     rate = sched._speed.cost_per_s()
     assert rate is not None and rate <= 100

@@ -46,12 +46,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ragkv.engine.focus import FocusOptions, FocusScores, focus_layers, kept_attention, pick_chunks, score_chunks, spread
+from ragkv.engine.focus import FocusOptions, FocusScores, focus_layers, kept_attention, pick_chunks, score_steps, spread
 from ragkv.engine.forward import Keep, layer_steps, project_kv, span
 from ragkv.engine.kv import ChunkKV, KVCache, layers_pending
 from ragkv.engine.loading import LoadedModel
 from ragkv.engine.rope import RopeTables
-from ragkv.engine.select import Budget, layer_mean, question_attention, select_tokens, tokens_for_mass
+from ragkv.engine.select import Budget, layer_mean, question_attention_steps, select_tokens, tokens_for_mass
 from ragkv.engine.tree_node import TreeContext, TreeLease
 from ragkv.engine.work import WaitFor, wait_for
 from ragkv.types import FocusSignal, Mode
@@ -331,18 +331,21 @@ def _exact_first(chunks: Sequence[ChunkKV], p: int) -> bool:
 
 
 def _token_scores(lm: LoadedModel, a: _Assembled, layers: Sequence[int],
-                  select_ids: Sequence[int] | torch.Tensor | None) -> Generator[WaitFor, None, torch.Tensor]:
-    """The query selector's pass: the choosing tokens' attention onto every chunk token, [C-P]."""
+                  select_ids: Sequence[int] | torch.Tensor | None) -> Generator[int | WaitFor, None, torch.Tensor]:
+    """The query selector's pass, one layer per step: the choosing tokens' attention onto every
+    chunk token, [C-P]."""
     p, c = a.p, a.c
     if (w := wait_for(a.cache.pending(max(layers)))) is not None:  # the pass reads layers up to it
         yield w
     if select_ids is None:
-        return layer_mean(question_attention(lm, a.ids, a.cache, a.rope_all, c, layers)[:, p:])  # [C-P]
+        attn = yield from question_attention_steps(lm, a.ids, a.cache, a.rope_all, c, layers, a.step_tokens)  # [L, C]
+        return layer_mean(attn[:, p:])  # [C-P]
     # the choosing tokens' K/V go where the question's will (the pass that follows overwrites them)
     ids = torch.cat([a.ids[:c], torch.as_tensor(select_ids, dtype=torch.long).to(lm.device)])  # [C + A]
     a.cache.ensure(ids.shape[0])
     rope = lm.adapter.rotary(torch.arange(ids.shape[0], device=lm.device), _like(lm))
-    return layer_mean(question_attention(lm, ids, a.cache, rope, c, layers)[:, p:])  # [C-P]
+    attn = yield from question_attention_steps(lm, ids, a.cache, rope, c, layers, a.step_tokens)  # [L, C]
+    return layer_mean(attn[:, p:])  # [C-P]
 
 
 def _layers(lm: LoadedModel, a: _Assembled, chunks: Sequence[ChunkKV], options: BlendOptions,
@@ -465,12 +468,11 @@ def _focused_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chu
     # every chunk staged once, in the cache a handover blends over (the pass writes its question past them)
     every = _assemble(lm, prefix, chunks, q_ids, Mode.BLEND, options, reserve_tokens, step_tokens) \
         if options.focus.handover and token_layers else None
-    scored = score_chunks(lm, prefix, chunks, choosing, layers, token_layers,
-                          staged=every.cache if every is not None else None)
+    scored = yield from score_steps(lm, prefix, chunks, choosing, layers, token_layers,  # a layer a step
+                                    every.cache if every is not None else None, step_tokens)
     relevance = scored.relevance
     kept = pick_chunks(relevance, options.focus.keep)
     timer.lap("focus")
-    yield q_ids.numel()  # the scoring pass
     # several passages matter: the runners-up score close to the best, or several chunks are kept
     handover = options.focus.handover and len(kept) > 1 and (
         spread(relevance) >= options.focus.spread or 0 < options.focus.several <= len(kept))

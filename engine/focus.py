@@ -11,14 +11,15 @@ answer chunk's, that loses accuracy under reuse: docs/quality.md).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from ragkv.engine.kv import ChunkKV, KVCache
-from ragkv.engine.select import layer_mean, question_attention
+from ragkv.engine.select import layer_mean, question_attention_steps
+from ragkv.engine.work import WaitFor, drain
 
 if TYPE_CHECKING:
     from ragkv.engine.loading import LoadedModel
@@ -105,7 +106,15 @@ def chunk_relevance(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Ch
 def score_chunks(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV],
                  question_ids: torch.Tensor, layers: Sequence[int], token_layers: Sequence[int] = (),
                  staged: KVCache | None = None) -> FocusScores:
-    """How strongly the question attends to each chunk over the reused cache.
+    """`score_steps` to its end (evals and tests)."""
+    return drain(score_steps(lm, prefix, chunks, question_ids, layers, token_layers, staged))
+
+
+def score_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV],
+                question_ids: torch.Tensor, layers: Sequence[int], token_layers: Sequence[int] = (),
+                staged: KVCache | None = None, step_tokens: int = 0) -> Generator[int | WaitFor, None, FocusScores]:
+    """How strongly the question attends to each chunk over the reused cache, one layer (or a
+    piece of `step_tokens` question rows) per step (`question_attention_steps`).
 
     Per layer in `layers`: the question's attention (summed over heads and question
     tokens) onto each chunk token; a chunk scores its strongest token past the first
@@ -134,7 +143,7 @@ def score_chunks(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chunk
         cache = staged
         cache.ensure(n)
     cache.length = n
-    attn = question_attention(lm, ids, cache, rope, c, read)  # [len(read), c]
+    attn = yield from question_attention_steps(lm, ids, cache, rope, c, read, step_tokens)  # [len(read), c]
     p = prefix.num_tokens if prefix is not None else 0
     tokens = layer_mean(attn[len(layers):, p:]) if token_layers else None  # [C-P]
     attn = attn[:len(layers)]  # [len(layers), c]

@@ -10,7 +10,7 @@ each chunk's start, and whole windows (CacheClip's grouping).
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -18,7 +18,7 @@ import torch
 from ragkv.engine.forward import layer_steps, span
 from ragkv.engine.kv import KVCache
 from ragkv.engine.rope import RopeTables
-from ragkv.engine.work import drain
+from ragkv.engine.work import WaitFor, drain
 
 if TYPE_CHECKING:
     from ragkv.engine.loading import LoadedModel
@@ -148,15 +148,18 @@ def layer_mean(attn: torch.Tensor) -> torch.Tensor:
     return (attn / attn.sum(1, keepdim=True).clamp_min(1e-12)).mean(0)
 
 
-def question_attention(lm: LoadedModel, ids: torch.Tensor, cache: KVCache, rope_all: RopeTables, c: int,
-                       layers: Sequence[int]) -> torch.Tensor:
+def question_attention_steps(lm: LoadedModel, ids: torch.Tensor, cache: KVCache, rope_all: RopeTables, c: int,
+                             layers: Sequence[int], step_tokens: int = 0) -> Generator[int | WaitFor, None, torch.Tensor]:
     """Attention of the question tokens onto every context token at each of `layers`.
 
     Runs only the question (prompt positions [c, N)) through layers [0, max(layers)] over
-    the reused cache (the one layer loop, `layer_steps`), writing the question's K/V into
-    the cache as it goes (a later pass overwrites them); at each of `layers` the weights
-    the layer's own attention applied (its mask and windows) are summed over heads and
-    question tokens. The cache needs only layers [0, max(layers)].
+    the reused cache (the one layer loop, `layer_steps`: one layer per step, so the
+    scheduler runs other requests' steps between them, and a layer still loading parks the
+    pass; a question of more than `step_tokens` tokens runs each layer in pieces, as a
+    prompt pass does), writing the question's K/V into the cache as it goes (a later pass
+    overwrites them); at each of `layers` the weights the layer's own attention applied (its
+    mask and windows) are summed over heads and question tokens. The cache needs only layers
+    [0, max(layers)].
 
     Returns:
         [len(layers), c] float32 attention mass per context token, one row per layer.
@@ -165,6 +168,12 @@ def question_attention(lm: LoadedModel, ids: torch.Tensor, cache: KVCache, rope_
     pos = torch.arange(c, n, device=ids.device)  # [Q]
     want = sorted({int(i) for i in layers})
     mass = {i: torch.zeros(n, dtype=torch.float32, device=ids.device) for i in want}  # [N] per layer
-    drain(layer_steps(lm, lm.adapter.embed(ids[c:]), rope_all[c:], span(cache, pos, pos, n, lm), range(want[-1] + 1),
-                      mass=mass))
+    yield from layer_steps(lm, lm.adapter.embed(ids[c:]), rope_all[c:], span(cache, pos, pos, n, lm),
+                           range(want[-1] + 1), pos=pos, mass=mass, step_tokens=step_tokens)
     return torch.stack([mass[int(i)][:c] for i in layers])  # [len(layers), c]
+
+
+def question_attention(lm: LoadedModel, ids: torch.Tensor, cache: KVCache, rope_all: RopeTables, c: int,
+                       layers: Sequence[int]) -> torch.Tensor:
+    """`question_attention_steps` to its end: [len(layers), c] (evals and tests)."""
+    return drain(question_attention_steps(lm, ids, cache, rope_all, c, layers))

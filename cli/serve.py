@@ -26,8 +26,8 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("kv_budget_bytes", int, "KV cache bytes of all queries in flight; past it RESOURCE_EXHAUSTED (default 4 GiB)"),
     ("max_batch", int, "queries decoding together in one batched step at most (default 16)"),
     ("prompt_share", float, "while queries decode, the share of the engine's time prompt passes get: each slice "
-                            "of prompt work between two decode steps lasts a decode step x share / (1 - share), "
-                            "as a budget of prompt tokens at the measured rate (default 0.6)"),
+                            "of prompt work between two decode steps lasts a decode step x share / (1 - share); "
+                            "a step goes in when it would end within it (default 0.6)"),
     ("prompt_slice_s", float, "the shortest slice of prompt work between decode steps, seconds (default 0.05)"),
     ("prompt_step_tokens", int, "prompt tokens one step computes at most: a longer prompt's layers run in pieces, "
                                 "so decode steps run between them (chunked prefill); 0 = whole layers (default 2048)"),

@@ -120,6 +120,7 @@ class Request:
     kv_wait_s: float = 120.0  # its reads may take this long; then their chunks are computed instead
     kv_bytes: int = 0  # KV cache bytes it holds at most (admission)
     prompt_cost: float = 0.0  # about how much work its prompt pass is (Engine.prompt_cost); 0 = unknown
+    prompt_rows: int = 0  # about how many rows its pass's steps compute (Engine.prompt_rows): its progress; 0 = unknown
     phase_seconds: dict[str, float] = field(default_factory=dict)  # seconds per phase so far (retrieve...)
 
     # -- where it stands (the scheduler's thread writes these, but `stopped_after`)

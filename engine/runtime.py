@@ -163,13 +163,20 @@ class Engine:
         the unit (measured alone on CPU, reuse : blend 0.15 : focus : full took about
         1 : 2.6 : 2.9 : 7 of 1K chunk tokens, this gives 1 : 2 : 2.4 : 8.5).
         """
-        mode = Mode(mode)
-        ratio = (options or BlendOptions()).recompute_ratio
         total = prefix_tokens + chunk_tokens + question_tokens
-        computed = {Mode.FULL: total, Mode.PREFIX: chunk_tokens + question_tokens, Mode.REUSE: question_tokens,
-                    Mode.BLEND: round(ratio * chunk_tokens) + question_tokens,
-                    Mode.FOCUS: round(0.2 * chunk_tokens) + question_tokens}.get(mode, total)
-        return computed + total // 8
+        return _computed_tokens(Mode(mode), prefix_tokens, chunk_tokens, question_tokens, options) + total // 8
+
+    def prompt_rows(self, mode: Mode, prefix_tokens: int, chunk_tokens: int, question_tokens: int,
+                    options: BlendOptions | None = None) -> int:
+        """About how many rows (token-layers) a prompt pass's steps compute: the tokens it runs
+        through the model (as `prompt_cost` counts them) times the layers, and a scoring pass of
+        the question (blend's query selector, focus). The scheduler reads a pass's progress in it
+        (the rows its steps have yielded, over this), so a pass whose seconds outrun its
+        estimate still has the rest of its rows to go, not none."""
+        mode = Mode(mode)
+        scored = question_tokens if mode in (Mode.BLEND, Mode.FOCUS) else 0
+        computed = _computed_tokens(mode, prefix_tokens, chunk_tokens, question_tokens, options)
+        return (computed + scored) * self.lm.num_layers
 
     def run(self, prompt: Prompt, mode: Mode, options: BlendOptions | None = None, reserve_tokens: int = 256,
             resume: TreeSpot | None = None) -> BlendResult:
@@ -235,3 +242,13 @@ class Engine:
             constraint: A grammar the answer must follow (`self.grammars.compile`); None = free text.
         """
         return DecodeStream(self.lm, prompt, params or SamplingParams(), constraint)
+
+
+def _computed_tokens(mode: Mode, prefix_tokens: int, chunk_tokens: int, question_tokens: int,
+                     options: BlendOptions | None) -> int:
+    """The prompt tokens a `mode` pass runs through the model, about (focus: a fifth of the chunks)."""
+    ratio = (options or BlendOptions()).recompute_ratio
+    total = prefix_tokens + chunk_tokens + question_tokens
+    return {Mode.FULL: total, Mode.PREFIX: chunk_tokens + question_tokens, Mode.REUSE: question_tokens,
+            Mode.BLEND: round(ratio * chunk_tokens) + question_tokens,
+            Mode.FOCUS: round(0.2 * chunk_tokens) + question_tokens}.get(mode, total)

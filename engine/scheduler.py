@@ -152,6 +152,7 @@ class _Job:
     wait: WaitFor | None = None  # WAITING_KV: what it waits for
     wake_at: float | None = None  # WAITING_KV: time.monotonic() when it resumes whatever its futures do
     step_s: float = 0.0  # seconds its last prompt step took: what its next one is expected to (0 = unknown)
+    rows_done: int = 0  # rows its prompt steps have computed: its progress, against request.prompt_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,8 +348,8 @@ class Scheduler:
         return time.perf_counter() - self._slice_t0 + job.step_s <= self._slice_s()
 
     def _priority(self, job: _Job) -> float:
-        """Seconds of prompt work the pass has left, less `aging` x the seconds it has waited;
-        the lowest goes next (shortest remaining first). A pass of unknown cost: 0 left.
+        """Seconds of prompt work the pass has left (`_left_s`), less `aging` x the seconds it has
+        waited; the lowest goes next (shortest remaining first). A pass of unknown cost: 0 left.
 
         A cheap pass (reuse, blend, focus) that arrives while a full prefill runs takes over
         at the next layer and finishes in its own few steps, which keeps the mean time to
@@ -356,20 +357,34 @@ class Scheduler:
         cost = job.request.prompt_cost
         if not cost:
             return 0.0
-        rate = self._speed.cost_per_s(job.request.mode)  # its mode's own rate, once one finished
-        left = cost / rate - job.request.prompt_s if rate else cost  # no pass measured yet: by cost
-        return max(left, 0.0) - self.config.aging * (time.monotonic() - job.submitted)
+        left = self._left_s(job)
+        if left is None:  # no pass measured yet: by cost
+            left = cost
+        return left - self.config.aging * (time.monotonic() - job.submitted)
+
+    def _left_s(self, job: _Job) -> float | None:
+        """Seconds of prompt work the pass has left: its cost at its mode's measured rate (once one
+        of its mode finished; else every pass's), times the share of its rows still to compute
+        (`Request.prompt_rows`, against those its steps have yielded). A pass whose seconds
+        outrun its estimate still has its rows to go: counted by seconds alone, it would have
+        none, and it went ahead of every newcomer to its end (a focus pass 0.35 s past its
+        estimate held a fresh reuse pass 0.5 s). Without rows: the estimate less the seconds it
+        has had. None when its cost or a rate is unknown."""
+        req = job.request
+        rate = self._speed.cost_per_s(req.mode)
+        if not req.prompt_cost or not rate:
+            return None
+        estimate = req.prompt_cost / rate
+        if req.prompt_rows:
+            return estimate * max(1.0 - job.rows_done / req.prompt_rows, 0.0)
+        return max(estimate - req.prompt_s, 0.0)
 
     def _backlog_s(self) -> float:
         """Seconds of prompt work left in the passes this scheduler holds (in a pass, or parked
         on their KV): what a request submitted now would wait behind at worst. A pass of unknown
         cost counts as the mean pass. The router prices a replica's load in it (`server/routing.py`)."""
         mean = self._speed.pass_s or 0.0
-        left = 0.0
-        for job in (*self._prompting, *self._parked):
-            cost, rate = job.request.prompt_cost, self._speed.cost_per_s(job.request.mode)
-            left += max(cost / rate - job.request.prompt_s, 0.0) if cost and rate else mean
-        return left
+        return sum(mean if (left := self._left_s(job)) is None else left for job in (*self._prompting, *self._parked))
 
     # ---- execute and update
 
@@ -403,6 +418,7 @@ class Scheduler:
         req.prompt_s += took
         if type(item) is int and item > 0:  # a layer over `item` tokens: its pass's next step is expected to take as long
             job.step_s = took
+            job.rows_done += item
         if isinstance(item, WaitFor):  # waiting for its KV: parked, off the prompt work
             self._prompting.remove(job)
             self._park(job, item)

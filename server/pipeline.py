@@ -328,8 +328,9 @@ class Pipeline:
         plan, tree = self._lease(query, found, self._plan(query, found))
         mode, tree, chunks, kv_wait_s = self._sources(query, found, plan, tree)
         done = 0 if tree is None else tree.tokens  # a tree hit computes only the rest
-        cost = self.engine.prompt_cost(mode, len(plan.prefix_ids), plan.chunk_tokens, len(plan.question_ids),
-                                       plan.options)
+        sizes = (mode, len(plan.prefix_ids), plan.chunk_tokens, len(plan.question_ids), plan.options)
+        cost, rows = self.engine.prompt_cost(*sizes), self.engine.prompt_rows(*sizes)
+        todo, whole = plan.prompt_tokens - done, max(plan.prompt_tokens, 1)  # the share of the prompt it computes
         return Prepared(Request(
             mode=mode, sampling=query.sampling, prefix_ids=plan.prefix_ids,
             chunks=chunks, question_ids=plan.question_ids, select_ids=plan.select_ids,
@@ -340,7 +341,7 @@ class Pipeline:
             tree=tree, tree_retain_s=retain_s if plan.output.reads_tool_calls else 0.0,
             tree_priority=query.retain_priority, kv_wait_s=kv_wait_s,
             kv_bytes=(plan.prompt_tokens + query.sampling.max_new_tokens) * self.engine.kv_bytes_per_token,
-            prompt_cost=max(1, cost * (plan.prompt_tokens - done) // max(plan.prompt_tokens, 1)),
+            prompt_cost=max(1, cost * todo // whole), prompt_rows=max(1, rows * todo // whole),
             phase_seconds={"retrieve": found.seconds}), found.chunks)
 
     def _lease(self, query: Query, found: Retrieved, plan: PromptPlan) -> tuple[PromptPlan, TreeSpot | None]:

@@ -55,10 +55,10 @@ class _Sink:
 
 def _submit(sched: Scheduler, work: Work, sink: _Sink, cancel: threading.Event | None = None,
             deadline: float | None = None, kv_bytes: int = 0, prompt_cost: float = 0.0,
-            mode: Mode = Mode.FULL) -> Request:
+            mode: Mode = Mode.FULL, prompt_rows: int = 0) -> Request:
     """Submit scripted work under a request with these budgets."""
     req = Request(cancel=cancel or threading.Event(), deadline=deadline, kv_bytes=kv_bytes, prompt_cost=prompt_cost,
-                  mode=mode)
+                  mode=mode, prompt_rows=prompt_rows)
     sched.submit(req, work, sink)
     return req
 
@@ -527,6 +527,24 @@ def test_work_left_falls_as_a_pass_runs() -> None:
     assert finished == ["warm", "long", "middle"]
 
 
+def test_a_pass_past_its_estimate_still_has_its_rows_to_go() -> None:
+    """A pass estimated at 0.1 s runs 0.4 s (40 one-row steps of 10 ms; its rows say 40). At
+    0.15 s, past its estimate, it has done 15 of its 40 rows: about 0.06 s left by its rows, so
+    a newcomer estimated at 0.02 s goes first. Counted by seconds alone it had none left, and
+    ran ahead of the newcomer to its end."""
+    sched = Scheduler(SchedulerConfig(prompt_slice_s=0.01, aging=0.0))
+    finished: list[str] = []
+    warm, a, b = _Sink(), _Sink(), _Sink()
+    _submit(sched, _timed(10, name="warm", finished=finished), warm, prompt_cost=10)  # the rate: 10 units per ~0.1 s
+    assert warm.ended.wait(30)
+    _submit(sched, _timed(40, name="slow", finished=finished), a, prompt_cost=10, prompt_rows=40)
+    time.sleep(0.15)
+    _submit(sched, _timed(2, name="new", finished=finished), b, prompt_cost=2, prompt_rows=2)
+    assert a.ended.wait(30) and b.ended.wait(30)
+    sched.close()
+    assert finished == ["warm", "new", "slow"]
+
+
 def test_sampling_is_per_request_in_a_batch(tiny_lm) -> None:
     """A seeded sampled request gives the same tokens alone and beside other requests."""
     engine = Engine(tiny_lm)
@@ -620,6 +638,29 @@ def test_prompt_cost_orders_the_modes_as_their_work() -> None:
 
     assert Engine.prompt_cost(Mode.BLEND, 20, 1000, 20, BlendOptions(recompute_ratio=1.0)) > cost[Mode.BLEND]
     assert Engine.prompt_cost(Mode.FULL, 20, 4000, 20) > cost[Mode.FULL]  # longer prompts cost more
+
+
+@pytest.mark.parametrize("mode", [Mode.FULL, Mode.REUSE, Mode.BLEND, Mode.FOCUS])
+def test_prompt_rows_track_the_rows_a_pass_computes(tiny_lm, mode: Mode) -> None:
+    """`Engine.prompt_rows`, the progress the scheduler reads a pass by, is within a factor of 2
+    of the rows the pass's steps yield (FULL, REUSE, BLEND within 1.5; focus's rows depend on
+    what it keeps: a lookup over one chunk of plain KV computes the question alone, twice)."""
+    engine = Engine(tiny_lm)
+    req = _request(engine, mode, 3, "What does the village grow?", 4)
+    chunk_tokens = sum(len(ch.token_ids) for ch in req.chunks)
+    expected = engine.prompt_rows(mode, len(req.prefix_ids), chunk_tokens, len(req.question_ids))
+    steps = engine.run_steps(Prompt(list(req.question_ids), list(req.prefix_ids),
+                                    [list(ch.token_ids) for ch in req.chunks],
+                                    None if mode is Mode.FULL else [ch.kv.kv for ch in req.chunks]), mode)
+    rows = 0
+    while True:
+        try:
+            item = next(steps)
+        except StopIteration:
+            break
+        rows += item if isinstance(item, int) else 0
+    factor = 2.0 if mode is Mode.FOCUS else 1.5
+    assert expected / factor <= rows <= expected * factor, (mode, rows, expected)
 
 
 def test_a_request_waiting_for_its_kv_stalls_nobody(tiny_lm, tmp_path, monkeypatch) -> None:

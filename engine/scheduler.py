@@ -6,9 +6,9 @@ Each iteration is schedule, execute, update:
    next: a `PromptStep` (one decoder layer of one request's prompt pass, or a piece of
    one: a long prompt's layers run in pieces of `Engine.step_tokens` rows) or a
    `DecodeStep` (one batched forward for every decoding request). Prompt work goes to
-   the pass with the least work left (the `prompt_cost` it was submitted with, less what
-   it has done, aged by its wait: shortest remaining first, without starving a long
-   one). While others decode, prompt work runs in slices between decode steps, whatever
+   the pass with the least work left (the `prompt_cost` it was submitted with, in seconds
+   at its mode's measured rate, times the share of its `prompt_rows` still to compute,
+   aged by its wait: shortest remaining first, without starving a long one). While others decode, prompt work runs in slices between decode steps, whatever
    pass it belongs to: each slice lasts as long as the last decode step took, times
    `prompt_share / (1 - prompt_share)` (at the default 0.6, 1.5 decode steps), so prompt
    work gets that share of the engine and a decoding request waits about 2.5 steps at most

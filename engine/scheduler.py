@@ -8,8 +8,9 @@ Each iteration is schedule, execute, update:
    `DecodeStep` (one batched forward for every decoding request). Prompt work goes to
    the pass with the least work left (the `prompt_cost` it was submitted with, in seconds
    at its mode's measured rate, times the share of its `prompt_rows` still to compute,
-   aged by its wait: shortest remaining first, without starving a long one). While others decode, prompt work runs in slices between decode steps, whatever
-   pass it belongs to: each slice lasts as long as the last decode step took, times
+   aged by its wait: shortest remaining first, without starving a long one). While
+   others decode, prompt work runs in slices between decode steps, whatever pass it
+   belongs to: each slice lasts as long as the last decode step took, times
    `prompt_share / (1 - prompt_share)` (at the default 0.6, 1.5 decode steps), so prompt
    work gets that share of the engine and a decoding request waits about 2.5 steps at most
    for its next token, however many passes arrive at once. A step expected to overrun the
@@ -365,7 +366,8 @@ class Scheduler:
     def _left_s(self, job: _Job) -> float | None:
         """Seconds of prompt work the pass has left: its cost at its mode's measured rate (once one
         of its mode finished; else every pass's), times the share of its rows still to compute
-        (`Request.prompt_rows`, against those its steps have yielded). A pass whose seconds
+        (`Request.prompt_rows`, scaled by what its mode's passes computed of their estimates:
+        `EngineSpeed.rows_scale`, against those its steps have yielded). A pass whose seconds
         outrun its estimate still has its rows to go: counted by seconds alone, it would have
         none, and it went ahead of every newcomer to its end (a focus pass 0.35 s past its
         estimate held a fresh reuse pass 0.5 s). Without rows: the estimate less the seconds it
@@ -375,8 +377,9 @@ class Scheduler:
         if not req.prompt_cost or not rate:
             return None
         estimate = req.prompt_cost / rate
-        if req.prompt_rows:
-            return estimate * max(1.0 - job.rows_done / req.prompt_rows, 0.0)
+        if req.prompt_rows:  # its estimate scaled by what its mode's passes computed of theirs
+            rows = req.prompt_rows * self._speed.rows_scale(req.mode)
+            return estimate * max(1.0 - job.rows_done / rows, 0.0)
         return max(estimate - req.prompt_s, 0.0)
 
     def _backlog_s(self) -> float:
@@ -511,10 +514,13 @@ class Scheduler:
         return None
 
     def _learn_rate(self, job: _Job) -> None:
-        """Cost units per second of prompt work, from every finished pass; prompt tokens per
-        second of the pass's mode, from those the KV tree did not serve (`EngineSpeed`)."""
+        """Cost units per second of prompt work, from every finished pass, and the rows it computed
+        over its estimate; prompt tokens per second of the pass's mode, from those the KV tree
+        did not serve (`EngineSpeed`)."""
         req = job.request
         self._speed.observe_pass(req.prompt_cost, req.prompt_s, req.mode)
+        if req.prompt_rows and job.rows_done:
+            self._speed.observe_rows(req.mode, req.prompt_rows, job.rows_done)
         if req.tree is None or req.tree.lease is None:
             self._speed.observe_prompt(req.mode, req.prompt_tokens, req.prompt_s - req.chunk_s)
 

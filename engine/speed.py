@@ -12,6 +12,10 @@ The rates, each learned once, as moving averages:
   The scheduler reads it to order prompt work by the seconds each pass has left
   (`engine/scheduler.py`), and with the mean seconds of a pass it tells the cluster's router
   how much prompt work it holds (`SchedulerStats.backlog_s`).
+- **rows per expected row of each mode's pass**: the rows (token-layers) a finished pass's steps
+  computed over its `Engine.prompt_rows` estimate. The scheduler reads a pass's progress in its
+  rows; focus's own depend on what it keeps (a lookup over one chunk computes the question
+  alone, a handover blends every chunk), so the estimate is scaled by what its mode's passes did.
 - **prompt tokens per second of each mode's pass**: every pass the scheduler finishes that the
   KV tree did not serve, less the seconds spent computing its chunks. The loading controller
   reads it to serve a request by full prefill when reading and blending its chunks would take
@@ -58,6 +62,7 @@ class EngineSpeed:
         self._mode_passes: dict[Mode, _Rate] = {}  # the same, each mode's passes alone
         self._pass_s = _Rate(_PASS_ALPHA)  # seconds of one pass (`add`)
         self._modes: dict[Mode, _Rate] = {}
+        self._rows: dict[Mode, _Rate] = {}  # rows a pass computed over its estimate, per mode
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A chunk of `tokens` tokens took `seconds` of engine time to prefill."""
@@ -91,6 +96,17 @@ class EngineSpeed:
         with self._lock:
             rate = None if mode is None else self._mode_passes.get(Mode(mode))
             return self._passes.value if rate is None or rate.value is None else rate.value
+
+    def observe_rows(self, mode: Mode, expected: int, done: int) -> None:
+        """A `mode` pass estimated at `expected` rows (`Engine.prompt_rows`) computed `done`."""
+        with self._lock:
+            self._rows.setdefault(Mode(mode), _Rate(_PASS_ALPHA)).observe(done, expected)
+
+    def rows_scale(self, mode: Mode) -> float:
+        """Rows a `mode` pass computes per row of its estimate; 1.0 until one was measured."""
+        with self._lock:
+            rate = self._rows.get(Mode(mode))
+            return 1.0 if rate is None or rate.value is None else rate.value
 
     def observe_prompt(self, mode: Mode, tokens: int, seconds: float) -> None:
         """A `mode` pass over a prompt of `tokens` tokens took `seconds` of prompt work (its chunks'

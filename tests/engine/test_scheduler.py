@@ -545,6 +545,28 @@ def test_a_pass_past_its_estimate_still_has_its_rows_to_go() -> None:
     assert finished == ["warm", "new", "slow"]
 
 
+def test_a_modes_passes_teach_how_many_of_their_estimated_rows_they_compute() -> None:
+    """Focus's rows depend on what it keeps, so its estimate (`Engine.prompt_rows`) can be twice
+    what it computes. A finished focus pass that computed 20 of its estimated 40 rows teaches the
+    scale (`EngineSpeed.rows_scale`); the next, 15 rows into its 20 (about 0.05 s of its 0.2 s
+    left), goes on ahead of a newcomer of 0.1 s. By its unscaled 40 rows it would have had
+    0.125 s left and given way."""
+    speed = EngineSpeed()
+    sched = Scheduler(SchedulerConfig(prompt_slice_s=0.01, aging=0.0))
+    sched.share_engine(_NoTree(), speed)
+    finished: list[str] = []
+    warm, a, b = _Sink(), _Sink(), _Sink()
+    _submit(sched, _timed(20, name="warm", finished=finished), warm, prompt_cost=20, mode=Mode.FOCUS, prompt_rows=40)
+    assert warm.ended.wait(30)
+    assert speed.rows_scale(Mode.FOCUS) == 0.5 and speed.rows_scale(Mode.BLEND) == 1.0
+    _submit(sched, _timed(20, name="focus", finished=finished), a, prompt_cost=20, mode=Mode.FOCUS, prompt_rows=40)
+    time.sleep(0.15)
+    _submit(sched, _timed(10, name="new", finished=finished), b, prompt_cost=10, mode=Mode.FOCUS, prompt_rows=10)
+    assert a.ended.wait(30) and b.ended.wait(30)
+    sched.close()
+    assert finished == ["warm", "focus", "new"]
+
+
 def test_sampling_is_per_request_in_a_batch(tiny_lm) -> None:
     """A seeded sampled request gives the same tokens alone and beside other requests."""
     engine = Engine(tiny_lm)

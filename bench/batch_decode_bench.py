@@ -15,13 +15,17 @@ import statistics
 import time
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--batch", default="1,4,8", help="batch sizes")
     ap.add_argument("--steps", type=int, default=20, help="decode steps timed per arm")
     ap.add_argument("--context", type=int, default=1024, help="tokens in the longest cache (others shorter)")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
 
     from ragkv.engine.memory import tune_host_allocator
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from ragkv.engine.family import Adapter, LayerAttention
 from ragkv.engine.kv import KVCache
@@ -58,7 +59,8 @@ class Attend:
 
     rows: slice  # the queries of this group (rows of h)
     n_keys: int  # keys [first_key, n_keys) of the cache take part
-    causal: bool  # queries are exactly keys [0, n_keys): use SDPA's causal kernel
+    causal: bool  # queries are the last S_g of keys [0, n_keys) (all of them in full prefill): causal,
+    # aligned at the bottom right, so SDPA's causal kernels run without a mask
     mask: torch.Tensor | None  # [S_g, n_keys - first_key] bool, True = may attend; None with causal or all-visible
     # CPU split path (`_split_attention`): keys [0, open_keys) are visible to every query of
     # the group; tail_bias is the additive mask of the rest, one row per folded query head
@@ -118,6 +120,11 @@ def plan_attention(q_pos: torch.Tensor, n_keys: int, heads: Heads) -> list[Atten
     local = window is not None or chunk is not None  # some query misses some earlier key
     if not local and s == n_keys and _is_arange(q_pos):
         return [Attend(slice(0, s), n_keys, True, None)]
+    if not local and 1 < s < n_keys and q_pos.device.type != "cpu" and _is_tail(q_pos, n_keys):
+        # the last keys' queries (a chunked prefill's piece, the question after its chunks): one
+        # causal call from the bottom right, flash on a GPU, where a mask would cost a slower
+        # kernel; the CPU has its own path for masked groups (_with_split)
+        return [Attend(slice(0, s), n_keys, True, None)]
     if not local and s == 1 and int(q_pos[0]) == n_keys - 1:
         return [Attend(slice(0, 1), n_keys, False, None)]  # one query at the end sees everything
     n_groups = max(1, min(8, s // _GROUP_MIN_QUERIES))
@@ -164,6 +171,12 @@ def _with_split(a: Attend, q_pos: torch.Tensor, heads: Heads) -> Attend:
 def _is_arange(pos: torch.Tensor) -> bool:
     n = pos.shape[0]
     return n > 0 and int(pos[0]) == 0 and int(pos[-1]) == n - 1
+
+
+def _is_tail(pos: torch.Tensor, n_keys: int) -> bool:
+    """Sorted distinct positions `pos` are exactly the last len(pos) of [0, n_keys)."""
+    n = pos.shape[0]
+    return n > 0 and int(pos[0]) == n_keys - n and int(pos[-1]) == n_keys - 1
 
 
 def project_kv(ad: Adapter, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -364,6 +377,13 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: 
             v_cache[None, :, a.first_key: a.n_keys], scale=scaling,
         )[0]  # [Hkv, g*S_g, D]
         return out.reshape(q.shape)
+    n_g = a.n_keys - a.first_key
+    if a.causal and q.shape[1] < n_g:  # the last keys' queries: causal from the bottom right
+        return F.scaled_dot_product_attention(
+            q[None], k_cache[None, :, a.first_key: a.n_keys], v_cache[None, :, a.first_key: a.n_keys],
+            attn_mask=causal_lower_right(q.shape[1], n_g), scale=scaling,
+            enable_gqa=heads.num_heads != heads.num_kv_heads,
+        )[0]  # [H, S_g, D]
     return F.scaled_dot_product_attention(
         q[None],  # [1, H, S_g, D]
         k_cache[None, :, a.first_key: a.n_keys],  # [1, Hkv, n_keys - first_key, D]
@@ -395,9 +415,10 @@ def attention_weights(q: torch.Tensor, k_cache: torch.Tensor, a: Attend, heads: 
     s_g = q.shape[1]
     if a.mask is not None:
         scores = scores.masked_fill(~a.mask[None], float("-inf"))
-    elif a.causal:
-        scores = scores.masked_fill(torch.ones(s_g, a.n_keys, dtype=torch.bool, device=q.device).triu(1)[None],
-                                    float("-inf"))
+    elif a.causal:  # the queries are the last s_g keys
+        n_g = a.n_keys - a.first_key
+        scores = scores.masked_fill(
+            torch.ones(s_g, n_g, dtype=torch.bool, device=q.device).triu(n_g - s_g + 1)[None], float("-inf"))
     if la.sinks is not None:  # one more logit per head in the denominator, dropped after the softmax
         sink = la.sinks.float().to(q.device)[:, None, None].expand(-1, s_g, 1)  # [H, S_g, 1]
         return torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]

@@ -493,6 +493,10 @@ def table(data: dict[str, Any]) -> str:
             ck = m["check"]
             lines.append(f"{name} check blend@1.0 vs full: max|d| {ck['max_abs_diff']:.3g} "
                          f"{'OK' if ck['ok'] else 'MISMATCH'}")
+        if "check_pieces" in m:
+            ck = m["check_pieces"]
+            lines.append(f"{name} check full in pieces of {m.get('step_tokens')} rows vs whole layers: "
+                         f"max|d| {ck['max_abs_diff']:.3g} {'OK' if ck['ok'] else 'MISMATCH'}")
     if data["skipped"]:
         lines.append(f"\nskipped {len(data['skipped'])}: " + "; ".join(s["what"] for s in data["skipped"][:12]))
     if data["errors"]:

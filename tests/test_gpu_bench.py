@@ -41,7 +41,7 @@ def tiny_run(gpu_bench, tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-bench")
     threads = torch.get_num_threads()
     data = gpu_bench.main([*TINY, "--models", "llama3.1-8b", "--repeats", "1", "--decode-steps", "2",
-                           "--batches", "1,2", "--out", str(out)])
+                           "--batches", "1,2", "--step-tokens", "24", "--out", str(out)])  # 128-token prompts in pieces
     assert torch.get_num_threads() == threads  # main leaves the process's threads as they were
     return data, json.loads((out / "gpu_bench.json").read_text())
 
@@ -117,6 +117,8 @@ def test_blend_at_ratio_one_equals_full_prefill(tiny_run, gpu_bench):
     _, written = tiny_run
     check = written["models"]["llama3.1-8b"]["check"]
     assert check["ok"] and check["max_abs_diff"] <= 1e-4 and check["argmax_equal"], check
+    pieces = written["models"]["llama3.1-8b"]["check_pieces"]  # chunked prefill against whole layers
+    assert pieces["ok"] and pieces["max_abs_diff"] <= 1e-4 and pieces["argmax_equal"], pieces
     # and independently, on the same tiny weights the script builds
     from ragkv.engine import BlendOptions, Engine, Prompt
     from ragkv.types import Mode

@@ -13,7 +13,7 @@ HEADS = Heads(num_heads=9, num_kv_heads=3, head_dim=64, scaling=64 ** -0.5, slid
 
 
 def _reference(q, k, v, q_pos):  # one masked call over every key: [H, S, D]
-    mask = torch.arange(k.shape[1])[None, :] <= q_pos[:, None]  # [S, N]
+    mask = torch.arange(k.shape[1], device=q_pos.device)[None, :] <= q_pos[:, None]  # [S, N]
     return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=HEADS.scaling,
                                           enable_gqa=True)[0]
 
@@ -88,3 +88,49 @@ def test_window_groups_read_only_their_window_and_match_one_masked_call(dense):
                                          enable_gqa=True)[0]
     out = torch.cat([attention(q[:, a.rows], k, v, a, heads) for a in plans], 1)
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_queries", [2, 37, 700])
+def test_the_last_keys_queries_attend_causally_from_the_bottom_right(n_queries):
+    """A GPU's plan for queries that are the last keys (a chunked prefill's piece, the question
+    after its chunks): one causal call aligned at the bottom right, no mask. Its output and its
+    weights (the scoring pass's, soft-capped layers') are one masked call's."""
+    from ragkv.engine.family import LayerAttention
+    from ragkv.engine.forward import Attend, attention_weights
+
+    n_keys = 1200
+    g = torch.Generator().manual_seed(n_queries)
+    q_pos = torch.arange(n_keys - n_queries, n_keys)
+    q = torch.randn(9, n_queries, 64, generator=g)
+    k, v = torch.randn(3, n_keys + 16, 64, generator=g), torch.randn(3, n_keys + 16, 64, generator=g)  # capacity > n
+    plan = Attend(slice(0, n_queries), n_keys, True, None)
+    ref = _reference(q, k[:, :n_keys], v[:, :n_keys], q_pos)
+    torch.testing.assert_close(attention(q, k, v, plan, HEADS), ref, atol=2e-6, rtol=1e-5)
+    la = LayerAttention(scaling=HEADS.scaling, window=None)
+    w = attention_weights(q, k, plan, HEADS, la)  # [H, S, N]
+    masked = Attend(slice(0, n_queries), n_keys, False, torch.arange(n_keys)[None, :] <= q_pos[:, None])
+    torch.testing.assert_close(w, attention_weights(q, k, masked, HEADS, la), atol=1e-7, rtol=1e-6)
+    assert float(w[:, 0, n_keys - n_queries + 1:].abs().max()) == 0.0  # the first query sees no later key
+
+
+def test_the_cpu_keeps_its_split_path_for_the_last_keys():
+    plans = plan_attention(torch.arange(2048, 4096), 4096, HEADS)
+    assert len(plans) > 1 and not any(a.causal for a in plans) and plans[-1].tail_bias is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_plans_the_last_keys_as_one_causal_call(dtype):
+    """On a GPU the last keys' queries run one causal call from the bottom right (flash), with
+    one masked call's output."""
+    n_keys, s = 3000, 700
+    q_pos = torch.arange(n_keys - s, n_keys, device="cuda")
+    (plan,) = plan_attention(q_pos, n_keys, HEADS)
+    assert plan.causal and plan.mask is None
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(9, s, 64, device="cuda", dtype=dtype, generator=g)
+    k, v = (torch.randn(3, n_keys, 64, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    ref = _reference(q.double(), k.double(), v.double(), q_pos)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(attention(q, k, v, plan, HEADS).double(), ref, atol=tol, rtol=0)

@@ -1,11 +1,12 @@
 """Three streaming clients beside one that sends long prompts, at each prompt step size, in one run.
 
-    python -m bench.long_prompt --duration 30 --step-tokens 0,2048,1024
+    python -m bench.long_prompt --duration 30 --step-tokens 0,2048,1024,auto
 
 Builds the `ragkv bench --concurrency` index (40 documents, 256-token chunks, KV on disk) and,
 for each `--step-tokens` value in turn, serves it from one in-process server with that
 `--prompt-step-tokens` (0: a prompt pass runs whole layers, one per step; N: a longer prompt's
-layers run in pieces of at most N tokens, one per step: chunked prefill). The KV tree is off and
+layers run in pieces of at most N tokens, one per step: chunked prefill; auto: pieces sized
+from the engine's measured speed, the server's default, whose size at the end is reported). The KV tree is off and
 nothing is kept in the CPU tier. Three bystanders ask for long answers (reuse, 4 chunks) back to
 back, first alone, then while a fourth client asks, one question after another, for full
 prefill over `--long-top-k` chunks (16: about 4.2K prompt tokens).
@@ -19,6 +20,7 @@ streams, and what it costs the long prompts themselves.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
@@ -34,13 +36,21 @@ def _phase(addr: str, long_top_k: int | None, duration: float, questions: list[s
                               bystanders_on="bench", fourth_mode="full", fourth_top_k=long_top_k or 0)
 
 
+def _kept(pipelines: list, settings: object) -> object:
+    """`Pipeline.from_settings`, the pipeline kept in `pipelines` (to read its engine after)."""
+    from ragkv.server.pipeline import Pipeline
+
+    pipelines.append(Pipeline.from_settings(settings))  # type: ignore[arg-type]
+    return pipelines[-1]
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct", help="model spec (default: the shipped SmolLM2)")
     ap.add_argument("--duration", type=float, default=30.0, help="seconds per phase (default 30)")
-    ap.add_argument("--step-tokens", default="0,2048,1024", metavar="N,N,...",
+    ap.add_argument("--step-tokens", default="0,2048,1024,auto", metavar="N,N,...",
                     help="the servers' --prompt-step-tokens, run in turn; the first is the baseline "
-                         "(default 0,2048,1024: whole layers, then the default, then half of it)")
+                         "(default 0,2048,1024,auto: whole layers, two fixed sizes, then the default)")
     ap.add_argument("--long-top-k", type=int, default=16, help="the long prompts' chunks (default 16)")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="the bystanders' answers (default 64)")
     ap.add_argument("--index", type=Path, default=None, help="an existing index (default: build the bench's)")
@@ -50,12 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    words = [s.strip() for s in args.step_tokens.split(",")]
     try:
-        steps = [int(s) for s in args.step_tokens.split(",")]
+        steps: list[int | None] = [None if w == "auto" else int(w) for w in words]
     except ValueError:
-        raise SystemExit(f"--step-tokens takes whole numbers separated by commas, got {args.step_tokens!r}") from None
-    if not steps or min(steps) < 0:
-        raise SystemExit(f"--step-tokens takes token counts >= 0 (0 = whole layers), got {args.step_tokens!r}")
+        raise SystemExit(f"--step-tokens takes whole numbers or auto separated by commas, got "
+                         f"{args.step_tokens!r}") from None
+    if not steps or any(n is not None and n < 0 for n in steps):
+        raise SystemExit(f"--step-tokens takes token counts >= 0 (0 = whole layers) or auto, got {args.step_tokens!r}")
     from ragkv.cli.load_bench import _build_index, _questions
     from ragkv.server.inprocess import InProcessServer
     from ragkv.server.pipeline import Pipeline
@@ -65,42 +77,45 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ragkv-long-prompt-") as tmp:
         index = args.index or _build_index(Path(tmp), args.model, None, None)
         questions = _questions(index, 64, seed=0)
-        for n in steps:
+        for n, word in zip(steps, words):
+            pipelines: list[Pipeline] = []
             settings = ServerSettings(
                 indexes=(CollectionSpec("bench", index),), host="127.0.0.1", port=0, metrics_port=None,
                 kv_cpu_bytes=1, kv_tree_bytes=0, max_queue=8, max_batch=4, prompt_step_tokens=n,
                 **({} if args.index else {"model": args.model}))
-            server = InProcessServer(settings, Pipeline.from_settings, load_timeout=600)
+            server = InProcessServer(settings, functools.partial(_kept, pipelines), load_timeout=600)
             try:
                 _phase(server.addr, args.long_top_k, min(6.0, args.duration), questions, args.max_new_tokens)  # warm
-                print(f"step tokens {n}: alone ...", file=sys.stderr, flush=True)
+                print(f"step tokens {word}: alone ...", file=sys.stderr, flush=True)
                 alone = _phase(server.addr, None, args.duration, questions, args.max_new_tokens)
-                print(f"step tokens {n}: with long prompts ...", file=sys.stderr, flush=True)
+                print(f"step tokens {word}: with long prompts ...", file=sys.stderr, flush=True)
                 long = _phase(server.addr, args.long_top_k, args.duration, questions, args.max_new_tokens)
+                rows = pipelines[-1].engine.step_rows()  # what auto came to, at the end
             finally:
                 server.stop()
-            report[str(n)] = {"alone": alone, "long": long, "itl over alone": {
+            report[word] = {"alone": alone, "long": long, "step_rows_at_end": rows, "itl over alone": {
                 f"p{q}": _ratio(long["bystanders"][f"itl_p{q}_s"], alone["bystanders"][f"itl_p{q}_s"])
                 for q in (50, 95, 99)}}
-    base = report[str(steps[0])]
+    base = report[words[0]]
     ratios = {}
-    for n in steps[1:]:
-        r = report[str(n)]
+    for word in words[1:]:
+        r = report[word]
         for q in (95, 99):
-            ratios[f"bystanders itl_p{q} over alone, {n} vs {steps[0]}"] = _ratio(r["itl over alone"][f"p{q}"],
-                                                                                base["itl over alone"][f"p{q}"])
+            ratios[f"bystanders itl_p{q} over alone, {word} vs {words[0]}"] = _ratio(
+                r["itl over alone"][f"p{q}"], base["itl over alone"][f"p{q}"])
         for q in (50, 95):
-            ratios[f"long ttft_p{q}, {n} vs {steps[0]}"] = _ratio(r["long"]["fourth"][f"ttft_p{q}_s"],
-                                                                 base["long"]["fourth"][f"ttft_p{q}_s"])
+            ratios[f"long ttft_p{q}, {word} vs {words[0]}"] = _ratio(r["long"]["fourth"][f"ttft_p{q}_s"],
+                                                                    base["long"]["fourth"][f"ttft_p{q}_s"])
     out = {"step_tokens": report, "ratios": ratios,
-           "config": {"duration_s": args.duration, "step_tokens": steps, "long_top_k": args.long_top_k,
+           "config": {"duration_s": args.duration, "step_tokens": words, "long_top_k": args.long_top_k,
                       "max_new_tokens": args.max_new_tokens, "model": args.model, "bystanders": "reuse, 4 chunks",
-                      "long": "full prefill", "baseline": f"the same run's step tokens {steps[0]}"}}
+                      "long": "full prefill", "baseline": f"the same run's step tokens {words[0]}"}}
     if args.json:
         print(json.dumps(out))
     else:
         for n, r in report.items():
-            print(f"step tokens {n:>6s}: bystanders itl over alone {r['itl over alone']}  long {r['long']['fourth']}")
+            print(f"step tokens {n:>6s} ({r['step_rows_at_end']} at the end): bystanders itl over alone "
+                  f"{r['itl over alone']}  long {r['long']['fourth']}")
         for k, v in ratios.items():
             print(f"{k:48s} {v}")
     errors = sum(p[who]["errors"] for r in report.values() for p in (r["alone"], r["long"])

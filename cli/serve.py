@@ -29,8 +29,10 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
                             "of prompt work between two decode steps lasts a decode step x share / (1 - share); "
                             "a step goes in when it would end within it (default 0.6)"),
     ("prompt_slice_s", float, "the shortest slice of prompt work between decode steps, seconds (default 0.05)"),
-    ("prompt_step_tokens", int, "prompt tokens one step computes at most: a longer prompt's layers run in pieces, "
-                                "so decode steps run between them (chunked prefill); 0 = whole layers (default 2048)"),
+    ("prompt_step_tokens", str, "prompt tokens one step computes at most: a longer prompt's layers run in pieces, "
+                                "so decode steps run between them (chunked prefill); 0 = whole layers; auto (the "
+                                "default) = the tokens of one layer that take --prompt-slice-s at the engine's "
+                                "measured speed (2048 until it has measured it)"),
     ("retrieve_workers", int, "threads for retrieval and KV prefetch (default 1)"),
     ("grace_seconds", float, "seconds in-flight requests get on SIGTERM (default 30)"),
     ("auth_token_file", Path, "one shared bearer token, in a file (else $RAGKV_AUTH_TOKEN)"),

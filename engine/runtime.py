@@ -35,10 +35,14 @@ from ragkv.errors import UnsupportedModelError
 from ragkv.types import Mode
 
 _PREFIX_MEMO_SIZE = 8  # distinct prefixes kept computed
-# prompt tokens one step computes at most (chunked prefill): on this project's 2-core CPU a
-# 2K-token layer of SmolLM2 is about one slice of prompt work (`engine.scheduler`); prompts of
-# up to 2K tokens (the demo's, the benches') run whole layers, as they always did
+# prompt tokens one step computes at least (chunked prefill; more where the engine's measured
+# speed runs more within a slice): prompts of up to 2K tokens (the demo's, the benches') run
+# whole layers. Smaller pieces cost more than they give on this project's 2-core CPU, where a
+# slice's worth of a 7K-token prompt's layer is about 300 rows: with pieces of 300 the long
+# prompts' TTFT was 1.16x that with 2048 and the streams' inter-token p99 1.13x; with 1024 the
+# p99 was 1.76x of alone against 1.31x (`bench.long_prompt`, docs/quality.md).
 DEFAULT_STEP_TOKENS = 2048
+DEFAULT_STEP_S = 0.05  # seconds one step of a prompt pass should last (the scheduler's shortest slice)
 _CHUNK_KV_MODES = frozenset({Mode.REUSE, Mode.BLEND, Mode.FOCUS})
 
 
@@ -66,15 +70,19 @@ class Engine:
         tree_bytes: the KV tree's budget on the engine's device (engine.tree); 0 = no tree.
         step_tokens: prompt tokens one step of a prompt pass computes at most: a longer prompt's
             layers run in pieces, one step each (chunked prefill, `engine.forward.layer_steps`),
-            so the scheduler can run decode steps between them; 0 = a whole layer per step.
+            so the scheduler can run decode steps between them; 0 = a whole layer per step;
+            None = sized from the engine's measured speed (`step_rows`).
+        step_s: with `step_tokens` None, the seconds one step should last at most.
     """
 
     def __init__(self, lm: LoadedModel, system_prompt: str = DEFAULT_SYSTEM_PROMPT, tree_bytes: int = 0,
-                 step_tokens: int = DEFAULT_STEP_TOKENS) -> None:
-        if step_tokens < 0:
+                 step_tokens: int | None = None, step_s: float = DEFAULT_STEP_S) -> None:
+        if step_tokens is not None and step_tokens < 0:
             raise ValueError(f"step_tokens must be >= 0 (0 = a whole layer per step), got {step_tokens}")
+        if step_s <= 0:
+            raise ValueError(f"step_s must be > 0, got {step_s}")
         self.lm = lm
-        self.step_tokens = step_tokens
+        self.step_tokens, self.step_s = step_tokens, step_s
         self.speed = EngineSpeed()  # its measured rates: chunk prefill, prompt work (engine.speed)
         self.use_tree(tree_bytes)
         self.prompt = PromptFormat.for_tokenizer(lm.tokenizer, system_prompt)
@@ -92,6 +100,19 @@ class Engine:
         back only when that is sooner than computing them at the engine's full-prefill rate."""
         self.conversations = Conversations(self.lm, budget_bytes, self.recurrent, tenant_share, host_bytes,
                                            files, disk_bytes, lambda: self.speed.prompt_tokens_per_s(Mode.FULL))
+
+    def step_rows(self) -> int:
+        """Prompt rows one step of the next pass computes at most (0 = a whole layer): `step_tokens`
+        when set; else the rows of one layer that take `step_s` at the engine's measured full
+        prefill rate (its chunk prefill rate before a full pass was measured), and
+        `DEFAULT_STEP_TOKENS` at least. A GPU that runs an 8K-token layer of an 8B model in
+        12 ms runs it whole (pieces of 2048 cost it 1.15x); a slow CPU keeps pieces of 2048."""
+        if self.step_tokens is not None:
+            return self.step_tokens
+        rate = self.speed.prompt_tokens_per_s(Mode.FULL) or self.speed.tokens_per_s  # tokens a second, every layer
+        if rate is None:
+            return DEFAULT_STEP_TOKENS
+        return max(DEFAULT_STEP_TOKENS, int(rate * self.lm.num_layers * self.step_s))
 
     @property
     def recurrent(self) -> bool:
@@ -204,6 +225,7 @@ class Engine:
         """
         mode, opts = Mode(mode), options or BlendOptions()
         self._check_mode(mode)
+        step_tokens = self.step_rows()
         prefix_ids, chunk_ids, chunks, question_ids = prompt.prefix_ids, prompt.chunk_ids, prompt.chunks, \
             prompt.question_ids
         if resume is not None and resume.lease is not None:
@@ -213,23 +235,23 @@ class Engine:
                 c = p + sum(len(ids) for ids in chunk_ids)
                 layout = TreeContext(prefix_tokens=p, chunk_end=c, chunk_tokens=c - p)
             return (yield from resume_steps(self.lm, resume.lease, resume.path, mode, layout, reserve_tokens,
-                                            prompt.snapshot_at, self.step_tokens))
+                                            prompt.snapshot_at, step_tokens))
         if mode is Mode.FULL:
             ids = [*prefix_ids, *(t for ids in chunk_ids for t in ids), *question_ids]
             return (yield from prompt_steps(self.lm, None, [], ids, Mode.FULL, reserve_tokens=reserve_tokens,
-                                            snapshot_at=prompt.snapshot_at, step_tokens=self.step_tokens))
+                                            snapshot_at=prompt.snapshot_at, step_tokens=step_tokens))
         prefix = self.prefix_kv(prefix_ids)
         if mode is Mode.PREFIX:  # every chunk token is recomputed: its KV is never read
             placeholders = [placeholder_kv(ids, len(prefix_ids), self.lm) for ids in chunk_ids]
             res = yield from prompt_steps(self.lm, prefix, placeholders, question_ids, mode, opts, reserve_tokens,
-                                          step_tokens=self.step_tokens)
+                                          step_tokens=step_tokens)
             res.cached_tokens = len(prefix_ids)  # (PREFIX chooses nothing: no select_ids)
             return res
         if chunks is None or len(chunks) != len(chunk_ids):
             raise ValueError(f"mode {mode.value} reads each chunk's KV: got "
                              f"{'none' if chunks is None else len(chunks)} for {len(chunk_ids)} chunks")
         res = yield from prompt_steps(self.lm, prefix, chunks, question_ids, mode, opts, reserve_tokens,
-                                      prompt.select_ids, step_tokens=self.step_tokens)
+                                      prompt.select_ids, step_tokens=step_tokens)
         used = res.used_chunks if res.used_chunks is not None else range(len(chunks))
         res.cached_tokens = len(prefix_ids) + sum(chunks[i].num_tokens for i in used if not chunks[i].fresh)
         return res

@@ -4,7 +4,7 @@ Each iteration is schedule, execute, update:
 1. **schedule** (`_schedule`) decides, without running anything, a typed `Plan`: which
    requests are dropped (client cancelled, deadline passed) and the one step that runs
    next: a `PromptStep` (one decoder layer of one request's prompt pass, or a piece of
-   one: a long prompt's layers run in pieces of `Engine.step_tokens` rows) or a
+   one: a long prompt's layers run in pieces of `Engine.step_rows()` rows) or a
    `DecodeStep` (one batched forward for every decoding request). Prompt work goes to
    the pass with the least work left (the `prompt_cost` it was submitted with, in seconds
    at its mode's measured rate, times the share of its `prompt_rows` still to compute,

@@ -98,7 +98,6 @@ class ModelBench:
         self.eng, self.model = Engine(self.lm), model
         if self.args.step_tokens is not None:
             self.eng.step_tokens = self.args.step_tokens
-        self.out["step_tokens"] = self.eng.step_tokens
         self.sz = sizes(model, self.lm)
         self.out.update(build_s=round(t, 3), config={"class": type(cfg).__name__, **self.sz})
         print(f"[{self.name}] {self.sz['params'] / 1e9:.2f} B params built on {self.device} in {t:.1f} s", flush=True)
@@ -137,9 +136,11 @@ class ModelBench:
         c = min(self.args.chunks)
         full = self.eng.run(Prompt(self.full_ids(c)), Mode.FULL).logits.float()
         blend = self.eng.run(self._prompt(c, self.kvs[:c]), Mode.BLEND, BlendOptions(recompute_ratio=1.0)).logits.float()
-        step, self.eng.step_tokens = self.eng.step_tokens, 0  # full prefill a whole layer per step
+        step, given = self.eng.step_rows(), self.eng.step_tokens  # (sized from the chunks' prefill rate)
+        self.out["step_tokens"] = step
+        self.eng.step_tokens = 0  # full prefill a whole layer per step
         whole = self.eng.run(Prompt(self.full_ids(c)), Mode.FULL).logits.float()
-        self.eng.step_tokens = step
+        self.eng.step_tokens = given
         scale = float(full.abs().max())
         tol = 1e-4 if self.dtype == torch.float32 else 2e-2 * max(1.0, scale)
         self.out["check"] = self._compare("blend at recompute ratio 1.0 vs full prefill, next-token logits",
@@ -560,7 +561,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--step-tokens", type=int, default=None,
                     help="prompt rows a step computes at most (the engine's chunked prefill; 0 = whole layers; "
-                         "default: the engine's)")
+                         "default: the engine's own, sized from its measured speed)")
     args = ap.parse_args(argv)
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.decode_steps = args.decode_steps or (4 if args.quick else 16)

@@ -244,7 +244,7 @@ class Pipeline:
         """Assemble from an engine and opened retrievers (tests share one loaded engine: each
         pipeline gives it a KV tree of its settings' budget)."""
         lm = engine.lm
-        engine.step_tokens = settings.prompt_step_tokens
+        engine.step_tokens, engine.step_s = settings.prompt_step_tokens, settings.prompt_slice_s
         files = (TreeFiles(settings.kv_tree_dir, lm.fingerprint, lm.tokenizer_fingerprint)
                  if settings.kv_tree_dir is not None else None)
         engine.use_tree(settings.kv_tree_bytes, settings.kv_tree_key_share, settings.kv_tree_host_bytes, files,

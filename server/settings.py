@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ragkv.engine.focus import FocusOptions
-from ragkv.engine.runtime import DEFAULT_STEP_TOKENS
 from ragkv.engine.scheduler import SchedulerConfig
 from ragkv.server.validation import RequestLimits
 from ragkv.types import DEFAULT_COLLECTION, DType, Mode, SearchMode
@@ -82,8 +81,9 @@ class ServerSettings:
     prompt_slice_s: float = 0.05  # seconds of prompt work between two decode steps, as a token budget (engine.scheduler)
     prompt_share: float = 0.6  # the engine's share prompt work gets while requests decode (engine.scheduler)
     # prompt tokens one step of a prompt pass computes at most: longer prompts' layers run in pieces
-    # (chunked prefill, engine.forward.layer_steps); 0 = a whole layer per step
-    prompt_step_tokens: int = DEFAULT_STEP_TOKENS
+    # (chunked prefill, engine.forward.layer_steps); 0 = a whole layer per step; None ("auto") =
+    # the rows of a layer that last prompt_slice_s at the engine's measured speed (Engine.step_rows)
+    prompt_step_tokens: int | None = None
     retrieve_workers: int = 1  # threads for retrieval and KV prefetch starts
     grace_seconds: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
     auth_token_file: Path | None = None  # bearer token file; else $RAGKV_AUTH_TOKEN; else no auth
@@ -189,7 +189,7 @@ class ServerSettings:
         if self.kv_budget_bytes < 1 or self.max_batch < 1 or self.prompt_slice_s <= 0:
             raise ValueError(f"kv_budget_bytes, max_batch and prompt_slice_s must be > 0, got "
                              f"{self.kv_budget_bytes}, {self.max_batch}, {self.prompt_slice_s}")
-        if self.prompt_step_tokens < 0:
+        if self.prompt_step_tokens is not None and self.prompt_step_tokens < 0:
             raise ValueError(f"prompt_step_tokens must be >= 0 (0 = a whole layer per step), got "
                              f"{self.prompt_step_tokens}")
         if not 0 < self.prompt_share < 1:
@@ -283,6 +283,8 @@ def _parse(name: str, raw: object) -> object:
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         if raw is None or (isinstance(raw, str) and raw.lower() in ("", "none", "off")):
             return None
+        if name == "prompt_step_tokens" and isinstance(raw, str) and raw.strip().lower() == "auto":
+            return None  # sized from the engine's measured speed
         hint = next(a for a in args if a is not type(None))
     if name == "indexes":
         items = raw.split(",") if isinstance(raw, str) else list(raw)  # type: ignore[arg-type]
@@ -303,7 +305,8 @@ def _parse(name: str, raw: object) -> object:
     try:
         return hint(raw)
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a {hint.__name__}, got {raw!r}") from None
+        also = " or auto" if name == "prompt_step_tokens" else ""
+        raise ValueError(f"{name} must be a {hint.__name__}{also}, got {raw!r}") from None
 
 
 def read_config_file(path: Path) -> dict[str, object]:

@@ -16,20 +16,22 @@ def test_long_prompt_bench_reports_each_step_size_against_the_first(tiny_llama_d
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     from bench.long_prompt import main
 
-    rc = main(["--model", str(tiny_llama_dir), "--duration", "2", "--step-tokens", "0,64", "--long-top-k", "8",
+    rc = main(["--model", str(tiny_llama_dir), "--duration", "2", "--step-tokens", "0,64,auto", "--long-top-k", "8",
                "--max-new-tokens", "16", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
-    assert set(out["step_tokens"]) == {"0", "64"}
+    assert set(out["step_tokens"]) == {"0", "64", "auto"}
+    rows = {k: r["step_rows_at_end"] for k, r in out["step_tokens"].items()}
+    assert rows["0"] == 0 and rows["64"] == 64 and rows["auto"] >= 2048, rows  # auto: sized from speed, 2048 at least
     for r in out["step_tokens"].values():
         assert r["alone"]["bystanders"]["requests"] > 0 and r["long"]["bystanders"]["itl_p99_s"]
         assert r["long"]["fourth"]["requests"] > 0 and r["long"]["fourth"]["ttft_p50_s"] > 0
         assert set(r["itl over alone"]) == {"p50", "p95", "p99"}
-    assert set(out["ratios"]) == {"bystanders itl_p95 over alone, 64 vs 0", "bystanders itl_p99 over alone, 64 vs 0",
-                                  "long ttft_p50, 64 vs 0", "long ttft_p95, 64 vs 0"}
+    assert set(out["ratios"]) == {f"{what}, {n} vs 0" for n in ("64", "auto") for what in (
+        "bystanders itl_p95 over alone", "bystanders itl_p99 over alone", "long ttft_p50", "long ttft_p95")}
 
 
-@pytest.mark.parametrize("bad", ["0,x", "-1"])
+@pytest.mark.parametrize("bad", ["0,x", "-1", "0,automatic"])
 def test_a_bad_step_size_is_named(bad: str) -> None:
     from bench.long_prompt import main
 

@@ -270,3 +270,31 @@ def test_context_temperature_changes_only_reused_keys(tiny_engine):
     assert_close(exact.logits, full, 1e-4, "every token recomputed: the temperature is gone")
     with pytest.raises(ValueError, match="context_temperature"):
         BlendOptions(context_temperature=0.0)
+
+
+def test_step_rows_are_sized_from_the_measured_speed(tiny_engine):
+    """With no `step_tokens` given, a step is the rows of one layer that take `step_s` at the
+    engine's measured full prefill rate (its chunk prefill rate before that), 2048 at least: a
+    fast engine runs long prompts' layers whole, a slow one keeps pieces of 2048; a set
+    `step_tokens` wins."""
+    from ragkv.engine.runtime import DEFAULT_STEP_TOKENS
+
+    eng = Engine(tiny_engine.lm, step_s=0.05)
+    layers = eng.lm.num_layers
+    assert eng.step_rows() == DEFAULT_STEP_TOKENS  # nothing measured yet
+    eng.speed.observe(500_000, 1.0)  # chunk prefill: 500K tokens a second through every layer
+    assert eng.step_rows() == int(500_000 * layers * 0.05) > DEFAULT_STEP_TOKENS
+    eng.speed.observe_prompt(Mode.FULL, 400_000, 1.0)  # full prefill's own rate comes first
+    assert eng.step_rows() == int(400_000 * layers * 0.05)
+    eng.step_tokens = 64
+    assert eng.step_rows() == 64
+    slow = Engine(tiny_engine.lm)
+    slow.speed.observe_prompt(Mode.FULL, 10, 1.0)
+    assert slow.step_rows() == DEFAULT_STEP_TOKENS
+    # the size reaches the pass: each prompt's steps are at most the rows step_rows gives then
+    slow.step_rows = lambda: 7  # type: ignore[method-assign]
+    _, _, _, ids = _parts(slow)
+    steps = [s for s in slow.run_steps(Prompt(ids), Mode.FULL) if isinstance(s, int)]
+    assert len(ids) > 7 and max(steps) <= 7, steps
+    with pytest.raises(ValueError, match="step_s must be > 0"):
+        Engine(tiny_engine.lm, step_s=0)

@@ -71,6 +71,7 @@ def test_json_file_and_index_specs(tmp_path: Path) -> None:
         ({}, {"RAGKV_FOCUS_KEEP": "0"}, "focus_keep must be in (0, 1], got 0.0"),
         ({"prompt_share": 1.0}, {}, "prompt_share must be in (0, 1), got 1.0"),
         ({}, {"RAGKV_PROMPT_STEP_TOKENS": "-1"}, "prompt_step_tokens must be >= 0 (0 = a whole layer per step), got -1"),
+        ({}, {"RAGKV_PROMPT_STEP_TOKENS": "many"}, "prompt_step_tokens must be a int or auto, got 'many'"),
     ],
 )
 def test_bad_values_are_named(flags: dict, env: dict, needle: str) -> None:
@@ -98,7 +99,9 @@ def test_serve_flags_map_to_settings(tmp_path: Path) -> None:
     assert [c.name for c in s.indexes] == ["default", "b"]
     assert (s.port, s.metrics_port, s.max_queue, s.grace_seconds) == (0, None, 3, 1.5)
     assert s.default_mode is Mode.REUSE and s.focus_keep == 0.5
-    assert s.prompt_step_tokens == 512 and ServerSettings().prompt_step_tokens == 2048
+    assert s.prompt_step_tokens == 512 and ServerSettings().prompt_step_tokens is None  # auto
+    assert load_settings({"prompt_step_tokens": "auto"}, env={"RAGKV_PROMPT_STEP_TOKENS": "512"}).prompt_step_tokens \
+        is None  # the flag's auto wins over the environment's 512
 
 
 def test_serve_exits_nonzero_when_the_index_cannot_load(tmp_path: Path) -> None:

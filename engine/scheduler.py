@@ -8,7 +8,8 @@ Each iteration is schedule, execute, update:
    `DecodeStep` (one batched forward for every decoding request). Prompt work goes to
    the pass with the least work left (the `prompt_cost` it was submitted with, in seconds
    at its mode's measured rate, times the share of its `prompt_rows` still to compute,
-   aged by its wait: shortest remaining first, without starving a long one). While
+   aged by the time it was passed over: shortest remaining first, without starving a long
+   one). While
    others decode, prompt work runs in slices between decode steps, whatever pass it
    belongs to: each slice lasts as long as the last decode step took, times
    `prompt_share / (1 - prompt_share)` (at the default 0.6, 1.5 decode steps), so prompt
@@ -147,13 +148,13 @@ class _Job:
     work: Work  # the request's work (Engine.work)
     sink: Sink  # where its outputs go
     decode: DecodeStream | None = None  # set once it decodes
-    submitted: float = 0.0  # time.monotonic()
     next_token: int | None = None  # picked, not yet run through the model (the next decode step does)
     next_pick: int | None = None  # greedy: the token its last decode step's batched argmax chose
     wait: WaitFor | None = None  # WAITING_KV: what it waits for
     wake_at: float | None = None  # WAITING_KV: time.monotonic() when it resumes whatever its futures do
     step_s: float = 0.0  # seconds its last prompt step took: what its next one is expected to (0 = unknown)
     rows_done: int = 0  # rows its prompt steps have computed: its progress, against request.prompt_rows
+    passed_over_s: float = 0.0  # seconds of other passes' prompt steps it waited through, ready to run
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,7 +255,7 @@ class Scheduler:
                     f"this request needs {kv_bytes / 2**20:.0f} MiB: retry later")
             self._kv_bytes += kv_bytes
             request.status, request.submitted_at = RequestStatus.QUEUED, time.perf_counter()
-            self._incoming.append(_Job(request, work, sink, submitted=time.monotonic()))
+            self._incoming.append(_Job(request, work, sink))
             self.stats.waiting = len(self._incoming)
             self._lock.notify()
 
@@ -349,19 +350,23 @@ class Scheduler:
         return time.perf_counter() - self._slice_t0 + job.step_s <= self._slice_s()
 
     def _priority(self, job: _Job) -> float:
-        """Seconds of prompt work the pass has left (`_left_s`), less `aging` x the seconds it has
-        waited; the lowest goes next (shortest remaining first). A pass of unknown cost: 0 left.
+        """Seconds of prompt work the pass has left (`_left_s`), less `aging` x the seconds it was
+        passed over (other passes' steps ran while it was ready); the lowest goes next (shortest
+        remaining first). A pass of unknown cost: 0 left.
 
         A cheap pass (reuse, blend, focus) that arrives while a full prefill runs takes over
         at the next layer and finishes in its own few steps, which keeps the mean time to
-        first token low; the aging term bounds how long a full prefill can be passed over."""
+        first token low; the aging term bounds how long a full prefill can be passed over.
+        It counts only the time passed over: counted from submission, a full prefill's own
+        steps and the decode steps between them aged it too, and one 4 s into its pass went
+        ahead of a fresh focus pass with less work left (the slowest focus of a 4-client run)."""
         cost = job.request.prompt_cost
         if not cost:
             return 0.0
         left = self._left_s(job)
         if left is None:  # no pass measured yet: by cost
             left = cost
-        return left - self.config.aging * (time.monotonic() - job.submitted)
+        return left - self.config.aging * job.passed_over_s
 
     def _left_s(self, job: _Job) -> float | None:
         """Seconds of prompt work the pass has left: its cost at its mode's measured rate (once one
@@ -419,6 +424,9 @@ class Scheduler:
         item = self._resume(job)
         took = time.perf_counter() - now
         req.prompt_s += took
+        for other in self._prompting:  # ready, and passed over for this step
+            if other is not job:
+                other.passed_over_s += took
         if type(item) is int and item > 0:  # a layer over `item` tokens: its pass's next step is expected to take as long
             job.step_s = took
             job.rows_done += item

@@ -482,6 +482,37 @@ def test_aging_keeps_a_long_pass_from_starving() -> None:
     assert finished == ["long", "short"]
 
 
+def test_aging_counts_only_the_time_a_pass_was_passed_over() -> None:
+    """A long pass that has been running (its own steps, not others') has not been starved:
+    it does not age ahead of a newcomer with less work left. Counted from submission, 0.7 s
+    of its own steps at aging 1.0 took 0.7 s off its 1.5 s, and it went on ahead of the
+    newcomer's 1.0 s."""
+    sched = Scheduler(SchedulerConfig(aging=1.0))
+    order: list[str] = []
+    started = threading.Event()
+
+    def long():
+        for _ in range(200):  # 1 s of its own steps, no other pass ready meanwhile at first
+            started.set()
+            time.sleep(0.005)
+            order.append("long")
+            yield 1
+
+    def short():
+        order.append("short")
+        yield 1
+
+    sinks = [_Sink() for _ in range(2)]
+    _submit(sched, long(), sinks[0], prompt_cost=1.5)
+    assert started.wait(10)
+    time.sleep(0.7)
+    _submit(sched, short(), sinks[1], prompt_cost=1.0)
+    assert all(s.ended.wait(30) for s in sinks)
+    sched.close()
+    first = order.index("short")
+    assert 0 < first < len(order) - 20, first  # the newcomer ran within a few of its steps, not after the long one
+
+
 def test_each_mode_is_timed_at_its_own_rate() -> None:
     """The cost model's units are one guess for every mode; the seconds of a pass are its
     mode's own measured rate once a pass of that mode finished (`EngineSpeed.cost_per_s`).

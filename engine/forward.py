@@ -118,7 +118,7 @@ def plan_attention(q_pos: torch.Tensor, n_keys: int, heads: Heads) -> list[Atten
     if chunk is not None and n_keys <= chunk:  # every key is in the first chunk
         chunk = None
     local = window is not None or chunk is not None  # some query misses some earlier key
-    if not local and s == n_keys and _is_arange(q_pos):
+    if not local and s == n_keys and _is_tail(q_pos, n_keys):
         return [Attend(slice(0, s), n_keys, True, None)]
     if not local and 1 < s < n_keys and q_pos.device.type != "cpu" and _is_tail(q_pos, n_keys):
         # the last keys' queries (a chunked prefill's piece, the question after its chunks): one
@@ -166,11 +166,6 @@ def _with_split(a: Attend, q_pos: torch.Tensor, heads: Heads) -> Attend:
     g = heads.num_heads // heads.num_kv_heads
     bias = torch.zeros(mask.shape[0], a.n_keys - open_keys).masked_fill_(~mask[:, open_keys:], float("-inf"))
     return Attend(a.rows, a.n_keys, False, mask, open_keys, bias.repeat(g, 1))  # [g*S_g, span]
-
-
-def _is_arange(pos: torch.Tensor) -> bool:
-    n = pos.shape[0]
-    return n > 0 and int(pos[0]) == 0 and int(pos[-1]) == n - 1
 
 
 def _is_tail(pos: torch.Tensor, n_keys: int) -> bool:

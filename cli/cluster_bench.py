@@ -36,7 +36,7 @@ from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ragkv.types import ChatRole, ChatTurn, Tier, ToolCall
+from ragkv.types import ChatRole, ChatTurn, Mode, Tier, ToolCall
 
 _FAST = (Tier.GPU, Tier.CPU)
 
@@ -127,8 +127,23 @@ def _loop_turns(step: int) -> list[ChatTurn]:
     return turns
 
 
+def plain_reads(neighbours: dict | None, mode: Mode, focus_handover: bool) -> tuple[bool, bool]:
+    """Whether the prompt's first chunk, and a later one, read their plain KV on an index whose
+    manifest records `neighbours` (None: built without), in `mode`; else the neighbour KV the
+    index recorded. The server's own rule (`NeighbourOptions.serves_plain`)."""
+    from ragkv.retriever.chunk_keys import NeighbourOptions
+
+    opts = NeighbourOptions.from_dict(neighbours)
+    return opts.serves_plain(mode, focus_handover, first=True), opts.serves_plain(mode, focus_handover, first=False)
+
+
+def load_key(chunk_id: str, plain: bool) -> str:
+    """The tier entry a load reads: a chunk's plain KV and its neighbour KV are two entries."""
+    return chunk_id if plain else f"{chunk_id}#neighbours"
+
+
 def _ask(client, question: str, tally: _Tally, max_new: int, top_k: int,  # RagClient
-         step: int | None = None) -> None:
+         step: int | None = None, plain: tuple[bool, bool] = (True, True)) -> None:
     try:
         stream = client.query(question, top_k=top_k, max_new_tokens=max_new,
                               agent_turns=_loop_turns(step or 0))
@@ -139,9 +154,8 @@ def _ask(client, question: str, tally: _Tally, max_new: int, top_k: int,  # RagC
         with tally.lock:
             tally.errors += 1
         return
-    # a load is of the KV a chunk is served from: the prompt's first chunk reads its plain KV, a
-    # later one its neighbour KV (the default index), two entries of a tier, so two keys here
-    loaded = [(c, f"{c.chunk_id}#first" if i == 0 else c.chunk_id) for i, c in enumerate(stream.chunks)
+    # a load is of the KV a chunk is served from (`plain`: the prompt's first chunk's, a later one's)
+    loaded = [(c, load_key(c.chunk_id, plain[i > 0])) for i, c in enumerate(stream.chunks)
               if c.kv_tier is not Tier.TREE]
     tiers = [c.kv_tier for c, _ in loaded]
     with tally.lock:
@@ -157,7 +171,8 @@ def _ask(client, question: str, tally: _Tally, max_new: int, top_k: int,  # RagC
             tally.agent_later_on_tree += stats.usage.tree_prompt_tokens > 0
 
 
-def _run_workload(addr: str, items: list[tuple], clients: int, steps: int, max_new: int, top_k: int) -> _Tally:
+def _run_workload(addr: str, items: list[tuple], clients: int, steps: int, max_new: int, top_k: int,
+                  plain: tuple[bool, bool]) -> _Tally:
     from ragkv.client import RagClient
 
     tally, todo, lock = _Tally(), list(reversed(items)), threading.Lock()
@@ -170,10 +185,10 @@ def _run_workload(addr: str, items: list[tuple], clients: int, steps: int, max_n
                         return
                     kind, question = todo.pop()
                 if kind == "ask":
-                    _ask(client, question, tally, max_new, top_k)
+                    _ask(client, question, tally, max_new, top_k, plain=plain)
                 else:
                     for step in range(steps):
-                        _ask(client, question, tally, max_new, top_k, step)
+                        _ask(client, question, tally, max_new, top_k, step, plain=plain)
 
     threads = [threading.Thread(target=worker) for _ in range(clients)]
     for t in threads:
@@ -211,9 +226,10 @@ def _bounds(t: _Tally, replicas: int, cpu_tokens: int) -> dict:
     """What placement alone can do, on this policy's own sequence of loads: one replica's CPU
     tier seeing every load (a policy that does not place: each replica's tier caches the
     whole stream), and one tier as large as all replicas' together (perfect placement, no
-    KV held twice). Loads are counted by the KV read (`_ask`: a chunk's plain KV when it is
-    the prompt's first, its neighbour KV after). Chunk routing can at best move the hit rate from the first to the
-    second; their ratio bounds its gain over power-of-two choices."""
+    KV held twice). Loads are counted by the tier entry read (`load_key`: one chunk's plain KV
+    and its neighbour KV are two, read as the server's mode reads them). Chunk routing moves
+    the hit rate from about the first towards the second (`share_of_placement_gain`): one
+    request runs on one replica, so the chunks it shares with another replica's sets miss."""
     return {"one_tier_hit_rate": lru_hit_rate(t.loads, cpu_tokens),
             "pooled_tiers_hit_rate": lru_hit_rate(t.loads, cpu_tokens * replicas)}
 
@@ -301,6 +317,7 @@ def _over_pow2(r: dict) -> dict:
 
 
 def run_cluster_bench(args) -> int:  # argparse.Namespace from cli.bench
+    from ragkv.retriever.manifest import read_manifest
     from ragkv.server import cluster
     from ragkv.server.routing import Policy
     from ragkv.server.settings import CollectionSpec, ServerSettings
@@ -322,6 +339,8 @@ def run_cluster_bench(args) -> int:  # argparse.Namespace from cli.bench
             metrics_port=metrics_port, model=None if args.index else args.model, kv_cpu_bytes=int(kv_bytes * args.cpu_share),
             **({"device": args.device} if args.device else {}), **({"dtype": args.dtype} if args.dtype else {}))
         addr = f"127.0.0.1:{port}"
+        manifest = read_manifest(index)
+        plain = plain_reads(manifest.neighbours if manifest else None, settings.default_mode, settings.focus_handover)
         report: dict = {"routing": {}}
         # Ray's processes write to this process's stdout (a raylet's warnings): while they run,
         # stdout is stderr, so the report stays the one thing on stdout (--json)
@@ -336,7 +355,7 @@ def run_cluster_bench(args) -> int:  # argparse.Namespace from cli.bench
                                                                 cpus_per_replica=args.cpus_per_replica))
                 t0 = time.perf_counter()
                 tally = _run_workload(addr, items, args.clients, args.loop_steps, args.max_new_tokens,
-                                      args.top_k)
+                                      args.top_k, plain)
                 report["routing"][policy.value] = {**_summary(tally), **_bounds(tally, args.replicas, cpu_tokens),
                                                    "route_decisions": _route_decisions(metrics_port),
                                                    "seconds": round(time.perf_counter() - t0, 1)}

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from ragkv.cli.cluster_bench import TOPIC_MODULES, _build_index, lru_hit_rate
+from ragkv.cli.cluster_bench import TOPIC_MODULES, _ask, _build_index, _Tally, lru_hit_rate, plain_reads
 from ragkv.evals.synthetic import module_paragraphs
+from ragkv.types import Mode, RetrievedChunk, Tier, Usage
 
 
 def test_lru_hit_rate_counts_hits_of_a_byte_bounded_lru():
@@ -32,3 +33,56 @@ def test_topics_are_distinct_modules_with_text_enough_for_four_chunks():
 def test_build_index_refuses_more_topics_than_modules(tmp_path):
     with pytest.raises(ValueError, match="--topics must be in"):
         _build_index(tmp_path, "unused", None, None, len(TOPIC_MODULES) + 1)
+
+
+class _Stream:
+    def __init__(self, chunks):
+        self.chunks = chunks
+
+    def __iter__(self):
+        return iter(())
+
+    def result(self):
+        class _Stats:
+            ttft_seconds = 0.1
+            usage = Usage(10, 1, 0)
+        return _Stats()
+
+
+class _Client:
+    """Answers each query with the chunks it was given, in order (a RagClient's shape)."""
+
+    def __init__(self, answers):
+        self.answers = list(answers)
+
+    def query(self, question, **_):
+        return _Stream([RetrievedChunk(cid, 1.0, "", kv_tier=Tier.DISK, num_tokens=10) for cid in self.answers.pop(0)])
+
+
+def _loads(plain):
+    tally = _Tally()
+    client = _Client([("a", "b"), ("b", "a")])  # "a" first, then "a" after "b"
+    for _ in range(2):
+        _ask(client, "q", tally, 1, 2, plain=plain)
+    return tally.loads
+
+
+def test_a_chunk_first_or_later_is_one_load_where_both_read_its_plain_kv():
+    # an index built without neighbours (the cluster bench's own): every position reads the one
+    # plain KV, so the bounds must see "a" first and "a" later as the same tier entry
+    plain = plain_reads(None, Mode.BLEND, focus_handover=True)
+    assert plain == (True, True)
+    loads = _loads(plain)
+    assert [k for k, _ in loads] == ["a", "b", "b", "a"]
+    assert lru_hit_rate(loads, 20) == 0.5
+
+
+def test_an_index_with_neighbours_reads_two_entries_of_one_chunk():
+    neighbours = {"m": 1, "budget_tokens": 512, "choice": "nearest", "context": "kv"}
+    plain = plain_reads(neighbours, Mode.BLEND, focus_handover=True)
+    assert plain == (True, False)  # the first chunk's plain KV, a later one's neighbour KV
+    loads = _loads(plain)
+    assert len({k for k, _ in loads}) == 4  # a, b#neighbours, b, a#neighbours
+    assert lru_hit_rate(loads, 40) == 0.0
+    # focus without handover reads the plain KV everywhere on such an index
+    assert plain_reads(neighbours, Mode.FOCUS, focus_handover=False) == (True, True)

@@ -205,20 +205,32 @@ def _quantile(xs: list[float], q: float) -> float | None:
         else round(xs[0], 4)
 
 
+class LRUTier:
+    """A CPU tier as the bounds model it: least recently read out first, `capacity_tokens` of
+    chunk KV, every read kept (a chunk larger than the tier is never held)."""
+
+    def __init__(self, capacity_tokens: int) -> None:
+        self.capacity_tokens = capacity_tokens
+        self.held: OrderedDict[str, int] = OrderedDict()  # chunk -> tokens, least recent first
+        self._tokens = 0
+
+    def read(self, chunk: str, tokens: int) -> bool:
+        """Read `chunk` (`tokens` long): whether the tier held it; it does now, if it fits."""
+        if chunk in self.held:
+            self.held.move_to_end(chunk)
+            return True
+        self.held[chunk] = tokens
+        self._tokens += tokens
+        while self._tokens > self.capacity_tokens and self.held:
+            self._tokens -= self.held.popitem(last=False)[1]
+        return False
+
+
 def lru_hit_rate(loads: list[tuple[str, int]], capacity_tokens: int) -> float | None:
     """The hit rate of one LRU cache of `capacity_tokens` over `loads` ((chunk, tokens), in
     order): what a CPU tier of that size, seeing every load, would have held."""
-    cache: OrderedDict[str, int] = OrderedDict()
-    held = hits = 0
-    for chunk, tokens in loads:
-        if chunk in cache:
-            hits += 1
-            cache.move_to_end(chunk)
-            continue
-        cache[chunk] = tokens
-        held += tokens
-        while held > capacity_tokens and cache:
-            held -= cache.popitem(last=False)[1]
+    tier = LRUTier(capacity_tokens)
+    hits = sum(tier.read(chunk, tokens) for chunk, tokens in loads)
     return round(hits / len(loads), 3) if loads else None
 
 

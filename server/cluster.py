@@ -151,12 +151,10 @@ class Answering:
     replica: str  # Ray Serve's unique id of the replica (`ReplicaID.unique_id`, the router's view id)
 
 
-def route_keys(query: Query, keys: Sequence[str], tokens: Sequence[int] = (), documents: Sequence[str] = ()
-               ) -> RouteKeys:
-    """What routing looks for: the chunks' KV keys (their tokens, their documents) and the
+def route_keys(query: Query, keys: Sequence[str], tokens: Sequence[int] = ()) -> RouteKeys:
+    """What routing looks for: the chunks' KV keys, best first (their tokens), and the
     conversation the query continues."""
-    return RouteKeys(tuple(KeyHex(k) for k in keys), query.conversation, tokens=tuple(tokens),
-                     documents=tuple(documents))
+    return RouteKeys(tuple(KeyHex(k) for k in keys), query.conversation, tokens=tuple(tokens))
 
 
 # -- the engine replica ---------------------------------------------------------------------
@@ -369,8 +367,7 @@ class IngressBackend:
         keys = [serving_key(h, query.mode, self._neighbours[query.collection],
                             self._prefix_hash[query.collection], m.model_fp, m.tokenizer_fp,
                             self._focus_handover, first=i == 0).hex for i, h in enumerate(hits)]
-        return hits, route_keys(query, keys, [len(h.token_ids) for h in hits], [f"{query.collection}/{h.doc_id}"
-                                                                             for h in hits])
+        return hits, route_keys(query, keys, [len(h.token_ids) for h in hits])
 
 
 class RoutedRunner:

@@ -17,11 +17,11 @@ and load are thus one number, as NVIDIA Dynamo's KV router weighs overlap agains
 **Placement.** The replicas expected within `slack` prompt passes of the soonest count as
 equally soon; among them the request goes to the one holding most of it (chunks by tier, its
 conversation's KV tree), and where none holds more, to its rendezvous home (`home_weight` of
-the document most of its chunks come from: every question on a document shares it). So a chunk set
-lives in one replica's tier, and the replicas' tiers together approach one tier their size. A
-hot set whose home is too busy goes to its second home, which warms a second copy: hot sets
-are replicated, and only onto the replicas their rendezvous order names. Each decision is
-counted by its `Reason` (the ingress's `ragkv_route_decisions_total`).
+its best-ranked chunk: every question whose best match is that chunk shares it). So a chunk's
+set lives in one replica's tier, and the replicas' tiers together approach one tier their
+size. A hot set whose home is too busy goes to its second home, which warms a second copy:
+hot sets are replicated, and only onto the replicas their rendezvous order names. Each
+decision is counted by its `Reason` (the ingress's `ragkv_route_decisions_total`).
 
 Beyond what replicas publish, the ingress remembers which replica answered each
 conversation last (`ConversationPins`): a conversation's next call (a chat's next turn, a
@@ -31,7 +31,6 @@ replica first while it is alive and within the slack, whatever the Bloom filters
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import enum
 import hashlib
@@ -201,21 +200,19 @@ class RouteKeys:
     # ranked first while it is a candidate within the slack; None = none known
     pinned: str | None = None
     tokens: tuple[int, ...] = ()  # each chunk's tokens (as `chunks`); empty = DEFAULT_CHUNK_TOKENS each
-    documents: tuple[str, ...] = ()  # each chunk's document (as `chunks`); empty = unknown
 
     def tokens_of(self, i: int) -> int:
         return self.tokens[i] if i < len(self.tokens) else DEFAULT_CHUNK_TOKENS
 
     @property
     def placement(self) -> str | None:
-        """The key the request is placed by (`home_weight`): the document most of its chunks
-        come from (the best-ranked of equals; every question on a document shares its chunk
-        set's home), else the least of its chunk keys (a min-hash: two requests sharing most of
-        their chunks likely share it), else its conversation."""
-        if self.documents:
-            counts = collections.Counter(self.documents)
-            return "doc\0" + max(self.documents, key=lambda d: counts[d])  # max keeps the first of equals
-        return min(self.chunks) if self.chunks else self.conversation
+        """The key the request is placed by (`home_weight`): its best-ranked chunk's, the one
+        chunk every question it best matches shares (a question's other chunks vary more:
+        on the cluster bench's topics 38% of them come from another document), else its
+        conversation. Replayed on that bench's workload (`python -m bench.routing_replay`), it
+        keeps more in the fast tiers than placement by the document most chunks come from or by
+        the least chunk key."""
+        return self.chunks[0] if self.chunks else self.conversation
 
 
 # A summary published this long after a request was routed holds what that request brought

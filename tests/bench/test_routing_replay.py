@@ -1,0 +1,43 @@
+"""The routing replay's own arithmetic, on a toy workload: no index, no Ray."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from bench.routing_replay import _Hit, _Placed, main, replay
+
+
+def _workload(n: int = 300, topics: int = 8, seed: int = 0) -> list[tuple[str, list[_Hit]]]:
+    """`n` requests over `topics` topics of three 10-token chunks, the first a bit more popular
+    than the next; each request's chunks in a random order."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        t = rng.choices(range(topics), [1 / (r + 1) for r in range(topics)])[0]
+        chunks = [_Hit(f"t{t}c{j}", f"d{t}", 10) for j in range(3)]
+        rng.shuffle(chunks)
+        out.append(("ask", chunks))
+    return out
+
+
+def test_chunk_routing_keeps_more_in_the_tiers_than_pow2_and_every_read_is_a_load() -> None:
+    requests = _workload()
+    pow2, pow2_loads = replay(requests, 4, 60, None, seed=1)  # each tier holds two topics
+    best, best_loads = replay(requests, 4, 60, "best", seed=1)
+    assert len(pow2_loads) == len(best_loads) == 3 * len(requests)
+    assert best > 1.5 * pow2  # a topic's requests meet its chunks where they are
+
+
+def test_placement_keys_compared() -> None:
+    chunks = ("k3", "k1", "k2")
+    assert _Placed(chunks, by="best").placement == "k3"
+    assert _Placed(chunks, by="least").placement == "k1"
+    assert _Placed(chunks, by="document", documents=("b", "a", "a")).placement == "doc\0a"
+
+
+def test_unknown_placement_is_refused_by_name(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--placement", "best,nearest"])
+    assert "unknown ['nearest']" in capsys.readouterr().err

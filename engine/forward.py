@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from ragkv.engine.family import Adapter, LayerAttention
 from ragkv.engine.kv import KVCache
@@ -373,21 +373,19 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: 
         )[0]  # [Hkv, g*S_g, D]
         return out.reshape(q.shape)
     n_g = a.n_keys - a.first_key
-    if a.causal and q.shape[1] < n_g:  # the last keys' queries: causal from the bottom right
-        return F.scaled_dot_product_attention(
-            q[None], k_cache[None, :, a.first_key: a.n_keys], v_cache[None, :, a.first_key: a.n_keys],
-            attn_mask=causal_lower_right(q.shape[1], n_g), scale=scaling,
-            enable_gqa=heads.num_heads != heads.num_kv_heads,
-        )[0]  # [H, S_g, D]
+    mask: torch.Tensor | CausalBias | None = a.mask
+    causal = a.causal
+    if causal and q.shape[1] < n_g:  # the last keys' queries: causal from the bottom right
+        mask, causal = causal_lower_right(q.shape[1], n_g), False
     return F.scaled_dot_product_attention(
         q[None],  # [1, H, S_g, D]
         k_cache[None, :, a.first_key: a.n_keys],  # [1, Hkv, n_keys - first_key, D]
         v_cache[None, :, a.first_key: a.n_keys],
-        attn_mask=a.mask,
-        is_causal=a.causal,
+        attn_mask=mask,
+        is_causal=causal,
         scale=scaling,
         enable_gqa=heads.num_heads != heads.num_kv_heads,
-    )[0]
+    )[0]  # [H, S_g, D]
 
 
 def _explicit_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: Attend,

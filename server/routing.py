@@ -208,7 +208,7 @@ class RouteKeys:
     def placement(self) -> str | None:
         """The key the request is placed by (`home_weight`): its best-ranked chunk's, the one
         chunk every question it best matches shares (a question's other chunks vary more:
-        on the cluster bench's topics 38% of them come from another document), else its
+        on the cluster bench's topics 35-43% of them come from another document), else its
         conversation. Replayed on that bench's workload (`python -m bench.routing_replay`), it
         keeps more in the fast tiers than placement by the document most chunks come from or by
         the least chunk key."""

@@ -70,23 +70,16 @@ class _Placed(RouteKeys):
         return RouteKeys.placement.fget(self)  # type: ignore[attr-defined]
 
 
-def _requests(index: Path, seed: int, n: int, agent_every: int, zipf: float, top_k: int) -> list[tuple[str, list[_Hit]]]:
+def _requests(retriever, topics: list[list[str]], plain: tuple[bool, bool], seed: int, n: int,  # a Retriever
+              agent_every: int, zipf: float, top_k: int) -> list[tuple[str, list[_Hit]]]:
     """The bench's work items for `seed`, each with its retrieved chunks (best first)."""
-    from ragkv.retriever.manifest import read_manifest
-    from ragkv.retriever.search import Retriever
     from ragkv.server.pipeline import search_hits
-    from ragkv.server.settings import ServerSettings
 
-    topics, _ = _topics(index)
-    defaults = ServerSettings()
-    manifest = read_manifest(index)
-    plain = plain_reads(manifest.neighbours if manifest else None, defaults.default_mode, defaults.focus_handover)
     out = []
-    with Retriever.open(index) as retriever:
-        for kind, question in _workload(topics, n, agent_every, zipf, seed):
-            hits = search_hits(retriever, question, top_k, None, ())
-            out.append((kind, [_Hit(load_key(h.chunk_id, plain[i > 0]), h.doc_id, len(h.token_ids))
-                               for i, h in enumerate(hits)]))
+    for kind, question in _workload(topics, n, agent_every, zipf, seed):
+        hits = search_hits(retriever, question, top_k, None, ())
+        out.append((kind, [_Hit(load_key(h.chunk_id, plain[i > 0]), h.doc_id, len(h.token_ids))
+                           for i, h in enumerate(hits)]))
     return out
 
 
@@ -136,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
+    from ragkv.retriever.manifest import read_manifest
+    from ragkv.retriever.search import Retriever
+    from ragkv.server.settings import ServerSettings
+
     placements = [x.strip() for x in args.placement.split(",") if x.strip()]
     if unknown := set(placements) - set(PLACEMENTS):
         p.error(f"--placement: unknown {sorted(unknown)}; choose from {', '.join(PLACEMENTS)}")
@@ -143,11 +140,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--replicas must be >= 2 and --cpu-share in (0, 1]")
     with tempfile.TemporaryDirectory(prefix="ragkv-replay-") as tmp:
         index = args.index or _build_index(Path(tmp), args.model, None, None, args.topics)
-        _, tokens = _topics(index)
+        topics, tokens = _topics(index)
         capacity = int(tokens * args.cpu_share)
+        defaults, manifest = ServerSettings(), read_manifest(index)
+        plain = plain_reads(manifest.neighbours if manifest else None, defaults.default_mode, defaults.focus_handover)
+        with Retriever.open(index) as retriever:  # the embedder loads once, for every seed
+            by_seed = {seed: _requests(retriever, topics, plain, seed, args.requests, args.agent_every, args.zipf,
+                                       args.top_k) for seed in _seeds(args.seeds)}
         rows = []
-        for seed in _seeds(args.seeds):
-            requests = _requests(index, seed, args.requests, args.agent_every, args.zipf, args.top_k)
+        for seed, requests in by_seed.items():
             pow2, _ = replay(requests, args.replicas, capacity, None, seed)
             row: dict = {"seed": seed, "pow2": round(pow2, 3)}
             for placement in placements:

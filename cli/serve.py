@@ -102,8 +102,14 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
                                   "(default off; the fallbacks are the ragkv_quality_fallbacks_total metric)"),
     ("default_top_k", int, "chunks retrieved by default (default 4)"),
     ("max_top_k", int, "largest top_k accepted (default 32)"),
-    ("default_max_new_tokens", int, "answer length by default (default 64)"),
-    ("max_new_tokens", int, "largest max_new_tokens accepted (default 1024)"),
+    ("default_max_new_tokens", int, "answer length of a request that sets no max_tokens (default: none, as OpenAI's "
+                                    "API: until the model stops, up to the context left and --max-new-tokens)"),
+    ("max_new_tokens", int, "the longest answer: the largest max_tokens accepted, and the cap on an answer "
+                            "that sets none (default 1024)"),
+    ("system_prompt_policy", str, "a request whose system message is not the one its index was built with: "
+                                  "prefix computes it in front of the chunks (their KV moved after it and "
+                                  "blended; each tenant's are kept in its KV tree), suffix places it after the "
+                                  "chunks, strict refuses it (default prefix)"),
     ("log_level", str, "logging level (default INFO)"),
     ("default_search_mode", str, "search when a request names none: dense, lexical or hybrid (default hybrid)"),
     ("fusion", str, "hybrid fusion: rrf (reciprocal rank fusion) or weighted (default rrf)"),

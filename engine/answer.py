@@ -41,6 +41,10 @@ from ragkv.types import FinishReason, KVSource, Mode, Tier
 
 log = logging.getLogger(__name__)
 
+# decode room the prompt pass's cache is made with; the decode grows it (doubling) past that, so an
+# answer allowed the whole context left holds only what it writes
+RESERVE_TOKENS = 256
+
 
 class PromptEngine(Protocol):
     """What a request's work needs of the engine (`engine.runtime.Engine` is it)."""
@@ -66,8 +70,9 @@ def answer_steps(engine: PromptEngine, req: Request) -> Work:
     try:
         return (yield from _answer(engine, req))
     finally:  # a tree lease not used (cancelled, failed) lets its path go
-        if req.tree is not None:
-            req.tree.release()
+        for spot in (req.tree, req.instructions):
+            if spot is not None:
+                spot.release()
 
 
 def _answer(engine: PromptEngine, req: Request) -> Work:
@@ -85,13 +90,21 @@ def _answer(engine: PromptEngine, req: Request) -> Work:
         kvs, tiers = yield from _chunk_kv(engine, req, phases, sources, loaded)
     yield ChunksReady(tuple(tiers))
 
+    # the request's own instructions (not the index's prefix): from its tenant's tree, or computed
+    prefix_kv, instructions_held = None, 0
+    resumed = req.tree is not None and req.tree.lease is not None
+    if req.chunk_prefix_ids is not None and req.mode is not Mode.FULL and not resumed:
+        prefix_kv, instructions_held = yield from _instructions(engine, req, phases)
+
     t0 = time.perf_counter()
     chunk_ids = [ch.token_ids for ch in req.chunks]
+    reserve = min(req.sampling.max_new_tokens, RESERVE_TOKENS)  # the decode grows the cache past it
     res = None
     while res is None:  # each retry computes at least one chunk anew, so this ends
         try:
-            prompt = Prompt(req.question_ids, req.prefix_ids, chunk_ids, kvs, req.select_ids, req.snapshot_at)
-            steps = engine.run_steps(prompt, req.mode, req.options, req.sampling.max_new_tokens, req.tree)
+            prompt = Prompt(req.question_ids, req.prefix_ids, chunk_ids, _placed(req, kvs, tiers), req.select_ids,
+                            req.snapshot_at, prefix_kv)
+            steps = engine.run_steps(prompt, req.mode, req.options, reserve, req.tree)
             res = yield from _bounded(steps, req.kv_wait_s)
         except (KVFormatError, StoreError) as exc:  # a layered read failed (or stalled) mid-prompt
             tree, stalled = req.tree, isinstance(exc, KVReadStalledError)
@@ -116,7 +129,9 @@ def _answer(engine: PromptEngine, req: Request) -> Work:
 
     return Answered(
         prompt_tokens=res.n_prompt_tokens,
-        cached_prompt_tokens=res.cached_tokens,
+        # a prefix computed for the request's own instructions was not read from any cache
+        cached_prompt_tokens=res.cached_tokens - (len(req.prefix_ids) if prefix_kv is not None and
+                                                  not instructions_held else 0),
         completion_tokens=len(stream.token_ids),
         recompute_fraction=float(res.recompute_fraction),
         finish_reason=stream.finish_reason or FinishReason.STOP,
@@ -127,8 +142,34 @@ def _answer(engine: PromptEngine, req: Request) -> Work:
         fell_back=res.fell_back,
         handed_over=res.handed_over,
         focus=res.focus_signal,
-        tree_prompt_tokens=req.tree.served if req.tree is not None else 0,
+        tree_prompt_tokens=(req.tree.served if req.tree is not None else 0) + instructions_held,
     )
+
+
+def _instructions(engine: PromptEngine, req: Request, phases: dict[str, float]
+                  ) -> Generator[int | WaitFor, None, tuple[ChunkKV, int]]:
+    """The KV of the request's own prefix (its instructions): read from its tenant's KV tree when
+    an earlier call left it there, else computed one layer per step and kept there for the next
+    call. Returns it and the tokens the tree supplied (0 when computed)."""
+    spot, trees = req.instructions, engine.conversations
+    if spot is not None and spot.lease is not None:
+        return trees.instructions_kv(spot), len(spot.path)
+    t0 = time.perf_counter()
+    kv = yield from engine.prefill_steps((), req.prefix_ids)
+    phases["instructions"] = time.perf_counter() - t0
+    if spot is not None and not req.cancel.is_set():
+        trees.keep_instructions(spot, kv)
+    return kv, 0
+
+
+def _placed(req: Request, kvs: list[ChunkKV] | None, tiers: Sequence[Tier]) -> list[ChunkKV] | None:
+    """The chunks' KV where this prompt puts them: after the request's own prefix when its
+    instructions are not the index's (moved, and blended as any non-prefix reuse). Turns carried
+    from the KV tree were computed after this prompt's own prefix already: they stay."""
+    if kvs is None or req.chunk_prefix_ids is None:
+        return kvs
+    shift = len(req.prefix_ids) - len(req.chunk_prefix_ids)
+    return [kv if tier is Tier.TREE else kv.moved(shift) for kv, tier in zip(kvs, tiers)]
 
 
 def _chunk_kv(engine: PromptEngine, req: Request, phases: dict[str, float], sources: Counter[KVSource],
@@ -200,7 +241,7 @@ def _compute_or_read(engine: PromptEngine, req: Request, ch: PromptChunk, race: 
     With `race` (the chunk's read, which overran its estimate), the read's KV instead if it
     lands before the compute ends: the compute stops at that layer (a read that fails or finds
     nothing leaves the compute to finish)."""
-    steps = engine.prefill_steps(req.prefix_ids, ch.token_ids)
+    steps = engine.prefill_steps(req.kv_prefix_ids, ch.token_ids)  # the index's prefix: the tiers keep it
     own = 0.0
     while True:
         if race is not None and race.done():

@@ -167,6 +167,9 @@ class Prompt:
     # a hybrid with a KV tree: also keep its recurrent state after this many prompt tokens
     # (where the answer's header starts: the next call's prompt shares the tokens before it)
     snapshot_at: int | None = None
+    # the prefix's KV (positions 0..P-1, K before RoPE) when the caller has it: a request's own
+    # instructions, read from its tenant's KV tree or computed for it; None = the engine's own
+    prefix_kv: ChunkKV | None = None
 
     @classmethod
     def of(cls, prefix_ids: Sequence[int], chunks: Sequence[ChunkKV], question_ids: Sequence[int],

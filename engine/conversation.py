@@ -32,12 +32,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from ragkv.engine.blend import BlendOptions, BlendResult, Selector, tree_context
-from ragkv.engine.kv import ChunkKV
+from ragkv.engine.kv import ChunkKV, KVCache
 from ragkv.engine.loading import LoadedModel
 from ragkv.engine.retention import ToolLatency
 from ragkv.engine.tree import KVTree
 from ragkv.engine.tree_files import NodeFiles
-from ragkv.engine.tree_node import RecurrentSnapshot, TreeKey, TreeLease, TreeStats
+from ragkv.engine.tree_node import RecurrentSnapshot, TreeContext, TreeKey, TreeLease, TreeStats
 from ragkv.types import Mode
 
 FOLLOW_MIN_TOKENS = 8  # earlier turns shorter than this are computed again, not carried
@@ -236,15 +236,60 @@ class Conversations:
             k, v = lease.slots(c - len(before), c + lease.matched)  # [L, Hkv, n, D], K after RoPE
         finally:
             lease.release()
-        dev, start = self.lm.device, c - len(before)
-        positions = torch.arange(start, start + n, device=dev)  # [n]
+        ids = tuple(int(i) for i in question_ids[:n])
+        kv = self._unrotated(ids, c - len(before), k, v, after_context=True)
+        return CarriedTurns(f"turns:{recent.key.digest}:{n}", ids, kv)
+
+    def _unrotated(self, ids: Sequence[int], start: int, k: torch.Tensor, v: torch.Tensor,
+                   after_context: bool = False) -> ChunkKV:
+        """Tree KV of `ids` at positions [start, start + T) (K after RoPE, [L, Hkv, T, D]) as a
+        segment's KV is kept: K turned back to before RoPE, on the engine's device."""
+        dev, n = self.lm.device, len(ids)
+        positions = torch.arange(start, start + n, device=dev)  # [T]
         k = k.to(dev)
         inverse = self.lm.adapter.rotary(positions, k).inverse()
-        for layer in range(k.shape[0]):  # back to K before RoPE, as a chunk's KV is kept
+        for layer in range(k.shape[0]):
             k[layer] = inverse.apply(k[layer], layer)
-        ids = tuple(int(i) for i in question_ids[:n])
-        kv = ChunkKV(torch.tensor(ids, device=dev), k, v.to(dev), positions, after_context=True)
-        return CarriedTurns(f"turns:{recent.key.digest}:{n}", ids, kv)
+        return ChunkKV(torch.tensor(list(ids), device=dev), k, v.to(dev), positions, after_context=after_context)
+
+    def instructions(self, prefix_ids: Sequence[int], tenant: str = "") -> TreeSpot | None:
+        """Where a request's own instructions stand in the tree: its prefix (the chat template's
+        system turn with a system prompt other than its index's, then the context's opening),
+        under its tenant's full-prefill context. So an agent's second call with the same
+        instructions reads them from the tree, a full prefill of them finds them too, and another
+        tenant's never does. The lease covers the whole prefix or is None (computed: then
+        `keep_instructions` stores it); None when the tree is off."""
+        if not self.enabled:
+            return None
+        key = self.key(Mode.FULL, (), (), tenant=tenant)
+        path = tuple(int(i) for i in prefix_ids)
+        lease = self.tree.match(key, path, leave_last=False)
+        if lease is not None and lease.tokens < len(path):  # a part: the whole prefix is computed
+            lease.release()
+            lease = None
+        return TreeSpot(key, path, lease)
+
+    def instructions_kv(self, spot: TreeSpot) -> ChunkKV:
+        """The instructions' KV out of their lease (positions 0..P-1, K before RoPE, as the
+        engine's prefix KV is kept); the lease is released."""
+        if spot.lease is None:
+            raise ValueError("instructions_kv needs a held lease: a bug")
+        try:
+            k, v = spot.lease.slots(0, len(spot.path))  # [L, Hkv, P, D], K after RoPE
+        finally:
+            spot.release()
+        return self._unrotated(spot.path, 0, k, v)
+
+    def keep_instructions(self, spot: TreeSpot, kv: ChunkKV) -> int:
+        """Store instructions' KV computed for a request (`kv`: positions 0..P-1, K before RoPE)
+        under `spot`'s key, for the tenant's next call. Returns the tokens newly stored."""
+        n, lm = kv.num_tokens, self.lm
+        if not self.enabled or n != len(spot.path) or n == 0:
+            return 0
+        cache = KVCache(lm.kv_layers, lm.num_kv_heads, lm.head_dim, n, lm.dtype, lm.device)
+        cache.length = cache.write_segments([kv], lm.adapter.rotary(torch.arange(n, device=lm.device),
+                                                                        torch.empty(0, dtype=lm.dtype, device=lm.device)))
+        return self.tree.insert(spot.key, (), TreeContext(0, 0, 0), spot.path, cache)
 
     def prefetch(self, conversation: str | None) -> int:
         """Bring what the conversation's last call left in the tree from disk up to CPU memory,

@@ -110,6 +110,15 @@ class ChunkKV:
         return ChunkKV(self.token_ids.to(device), self.k.to(device, dtype), self.v.to(device, dtype),
                        self.positions.to(device), fresh=self.fresh, after_context=self.after_context)
 
+    def moved(self, shift: int) -> ChunkKV:
+        """This KV `shift` positions later (earlier when negative), as after context: its chunk
+        was computed after another prefix than the prompt's (a request with its own
+        instructions), so it is not the prompt's exact KV and blending treats it as any
+        non-prefix reuse. K stays before RoPE: the cache rotates it to where it lands."""
+        if shift == 0 and self.after_context:
+            return self
+        return dataclasses.replace(self, positions=self.positions + shift, after_context=True)
+
     def first_layers(self, n: int) -> ChunkKV:
         """This chunk's layers [0, n) (views, still loading if this one is)."""
         return dataclasses.replace(self, k=self.k[:n], v=self.v[:n])

@@ -42,6 +42,11 @@ class PromptFormat:
                        system_in_user=in_user)
         return cls(tokenizer, f"{system_prompt}\n\nContext:\n", "\nAnswer:", add_bos=True)
 
+    def with_system(self, system_prompt: str) -> PromptFormat:
+        """This layout with another system prompt (a request's own instructions): the same
+        tokenizer, so every chunk's tokens are the same; only the prefix differs."""
+        return PromptFormat.for_tokenizer(self.tokenizer, system_prompt)
+
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 

@@ -98,7 +98,14 @@ class Request:
     cancel: threading.Event = field(default_factory=threading.Event)  # set when the client leaves
 
     # -- what the server prepared (QueryBackend.prepare)
-    prefix_ids: tuple[int, ...] = ()  # the shared prefix the chunks' KV was computed after
+    prefix_ids: tuple[int, ...] = ()  # the prompt's prefix: the system turn and the context's opening
+    # the prefix the chunks' KV was computed after (the index's), when the prompt's is another: the
+    # request brings its own instructions, its chunks' KV is moved after them and blended, and a
+    # chunk computed here is computed after this one (the tiers keep it); None = prefix_ids
+    chunk_prefix_ids: tuple[int, ...] | None = None
+    # its own instructions' place in its tenant's KV tree (`Conversations.instructions`): their KV
+    # read from the lease, or computed and kept there; None = the index's prefix, or no tree
+    instructions: TreeSpot | None = None
     chunks: tuple[PromptChunk, ...] = ()  # each retrieved chunk's tokens and KV source
     question_ids: tuple[int, ...] = ()  # the question segment: earlier turns, the question, the agent's turns
     # the tokens that choose chunk tokens and chunks (query selector, focus): the conversation's
@@ -131,6 +138,11 @@ class Request:
     prompt_s: float = 0.0  # seconds of prompt work it has had
     chunk_s: float = 0.0  # of prompt_s, seconds computing chunks' KV (engine.answer)
     stopped_after: int | None = None  # the consumer found a stop string after this many tokens
+
+    @property
+    def kv_prefix_ids(self) -> tuple[int, ...]:
+        """The prefix the chunks' KV was (or is) computed after."""
+        return self.prefix_ids if self.chunk_prefix_ids is None else self.chunk_prefix_ids
 
     @property
     def prompt_tokens(self) -> int:

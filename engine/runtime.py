@@ -240,7 +240,9 @@ class Engine:
             ids = [*prefix_ids, *(t for ids in chunk_ids for t in ids), *question_ids]
             return (yield from prompt_steps(self.lm, None, [], ids, Mode.FULL, reserve_tokens=reserve_tokens,
                                             snapshot_at=prompt.snapshot_at, step_tokens=step_tokens))
-        prefix = self.prefix_kv(prefix_ids)
+        prefix = prompt.prefix_kv if prompt.prefix_kv is not None else self.prefix_kv(prefix_ids)
+        if prefix.num_tokens != len(prefix_ids):
+            raise ValueError(f"the prompt's prefix KV holds {prefix.num_tokens} tokens, its prefix_ids {len(prefix_ids)}")
         if mode is Mode.PREFIX:  # every chunk token is recomputed: its KV is never read
             placeholders = [placeholder_kv(ids, len(prefix_ids), self.lm) for ids in chunk_ids]
             res = yield from prompt_steps(self.lm, prefix, placeholders, question_ids, mode, opts, reserve_tokens,

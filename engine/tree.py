@@ -158,16 +158,17 @@ class KVTree(TreeDisk):
                              self._restored, self._read_errors, self._warmed, self._reads_skipped,
                              self._pools[Tier.DEVICE].nbytes)
 
-    def match(self, key: TreeKey, ids: Sequence[int]) -> TreeLease | None:
+    def match(self, key: TreeKey, ids: Sequence[int], leave_last: bool = True) -> TreeLease | None:
         """The longest path under `key` that `ids` (the tokens after the context) starts with,
         leased; None when the context itself is not held.
 
-        At least the last token of `ids` is left to compute: a prompt pass needs its logits.
-        A spilled part is read back here: a disk file outside the tree's lock.
+        At least the last token of `ids` is left to compute (a prompt pass needs its logits),
+        unless `leave_last` is False (a prefix that a pass goes on from: a request's own
+        instructions). A spilled part is read back here: a disk file outside the tree's lock.
         """
         want = tuple(int(i) for i in ids)
         with self._lock:
-            found = self._find(key, want)
+            found = self._find(key, want, leave_last)
             if found is None:
                 return None
             state, parts = found
@@ -190,16 +191,17 @@ class KVTree(TreeDisk):
         return TreeLease(self._release, self._gather, root.ids, root.context, pos, parts, _state=state,
                          spilled=spilled)
 
-    def _find(self, key: TreeKey, ids: tuple[int, ...]) -> tuple[object | None, list[LeasedPart]] | None:
-        """The path `ids` matches under `key` (at least its last token left out), and a hybrid's
-        recurrent state at its end; None (a miss, counted) when nothing is supplied."""
+    def _find(self, key: TreeKey, ids: tuple[int, ...], leave_last: bool = True
+              ) -> tuple[object | None, list[LeasedPart]] | None:
+        """The path `ids` matches under `key` (its last token left out when `leave_last`), and a
+        hybrid's recurrent state at its end; None (a miss, counted) when nothing is supplied."""
         root = self._roots.get(key)
         if root is None or not ids:
             self._misses += root is None
             return None
         now = next(self._clock)
         parts = [LeasedPart(root, len(root.ids))]
-        node, pos, limit = root, 0, len(ids) - 1
+        node, pos, limit = root, 0, len(ids) - leave_last
         while pos < limit:
             child = node.children.get(ids[pos])
             if child is None:

@@ -395,7 +395,9 @@ class RagClient:
         ``{"key": value}`` dict of equality conditions, or ``MetadataFilter`` objects (prefix
         filters: ``MetadataFilter("source", "docs/", "prefix")``), applied before top_k.
         ``history`` holds earlier turns (``ChatTurn``), placed after the chunks, before the
-        question; ``system_prompt``, when given, must equal the collection's (INVALID_ARGUMENT).
+        question; ``system_prompt``, when given, is served even when it is not the collection's
+        (the stats' ``system_prompt`` says how; a server run with ``--system-prompt-policy strict``
+        refuses another with INVALID_ARGUMENT).
 
         Agents: ``tools`` (``Tool`` or OpenAI's function-tool dicts) with ``tool_choice``
         ("auto", "none", "required", or a tool's name) and ``parallel_tool_calls``; the

@@ -8,9 +8,10 @@ raise `WireValueError` naming the field.
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from ragkv.types import (
     ChatRole,
@@ -22,6 +23,7 @@ from ragkv.types import (
     FinishReason,
     FocusSignal,
     KVSource,
+    LengthLimit,
     MetadataFilter,
     Mode,
     QueryOptions,
@@ -31,6 +33,7 @@ from ragkv.types import (
     RetrievedChunk,
     RetrieveResult,
     SearchMode,
+    SystemPromptPath,
     Tier,
     TierStats,
     Tool,
@@ -41,6 +44,9 @@ from ragkv.types import (
     Usage,
 )
 from ragkv.v1 import ragkv_pb2 as pb
+
+_E = TypeVar("_E", bound=enum.Enum)
+_D = TypeVar("_D")
 
 
 class WireValueError(ValueError):
@@ -420,6 +426,8 @@ def query_stats_to_proto(stats: QueryStats) -> pb.QueryStats:
                                sentence_start=c.sentence_start) for c in stats.citations],
         focus=None if stats.focus is None else pb.FocusSignal(
             handed_over=stats.focus.handed_over, kept_attention=stats.focus.kept_attention, spread=stats.focus.spread),
+        system_prompt=stats.system_prompt.value,
+        length_limit="" if stats.length_limit is None else stats.length_limit.value,
     )
 
 
@@ -446,7 +454,17 @@ def query_stats_from_proto(msg: pb.QueryStats) -> QueryStats:
         citations=tuple(Citation(c.number, c.chunk_id, c.start, c.end, c.sentence_start) for c in msg.citations),
         focus=FocusSignal(msg.focus.handed_over, msg.focus.kept_attention, msg.focus.spread)
         if msg.HasField("focus") else None,
+        system_prompt=_known(SystemPromptPath, msg.system_prompt, SystemPromptPath.INDEXED),
+        length_limit=_known(LengthLimit, msg.length_limit, None),
     )
+
+
+def _known(kind: type[_E], value: str, default: _D) -> _E | _D:
+    """`value` as a member of `kind`, or `default` when unset or unknown (a newer server's)."""
+    try:
+        return kind(value) if value else default
+    except ValueError:
+        return default
 
 
 def _kv_sources_from_proto(counts: Mapping[str, int]) -> dict[KVSource, int]:

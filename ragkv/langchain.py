@@ -16,8 +16,9 @@ as the request's chat history, which the server places after the chunks and befo
 question. The AI tool calls and tool results after the question are always sent (an
 agent's loop needs them). System messages are sent as the request's system prompt: an
 index has its own (`ragkv index --system-prompt`, the shared KV prefix every chunk was
-prefilled after), and a different one is refused with INVALID_ARGUMENT naming both
-rather than silently dropped.
+prefilled after), and another one (an agent's own instructions) is served in front of the
+chunks, their KV moved after it and blended (`response_metadata["system_prompt"]` says
+how), unless the server runs `--system-prompt-policy strict`.
 
 Agents: `bind_tools` (tool_choice "auto", "none", "any"/"required", a tool's name) and
 `with_structured_output` (methods json_schema, function_calling, json_mode) are served
@@ -390,6 +391,8 @@ class RagKVChatModel(_Connection, BaseChatModel):
             finish_reason=stats.finish_reason.value,
             recompute_fraction=stats.recompute_fraction,
             tree_prompt_tokens=stats.usage.tree_prompt_tokens,  # prompt tokens the server's KV tree held
+            system_prompt=stats.system_prompt.value,  # how the system message was served (indexed, prefix, suffix)
+            length_limit=None if stats.length_limit is None else stats.length_limit.value,  # what cut the answer
             used_chunk_ids=list(stats.used_chunk_ids),
             ttft_seconds=stats.ttft_seconds,
             total_seconds=stats.total_seconds,

@@ -143,6 +143,23 @@ class FinishReason(enum.Enum):
     TOOL_CALLS = "tool_calls"  # the answer is one or more tool calls
 
 
+class LengthLimit(str, enum.Enum):
+    """What bounded an answer's length (what a LENGTH finish ran into)."""
+
+    MAX_TOKENS = "max_tokens"  # the client's max_tokens / max_completion_tokens / max_output_tokens
+    SERVER_DEFAULT = "server_default"  # the server's --default-max-new-tokens (the client set none)
+    SERVER_CAP = "server_cap"  # the server's --max-new-tokens, the longest answer (the client set none)
+    CONTEXT = "context"  # the model's context ran out (the client set none)
+
+
+class SystemPromptPath(str, enum.Enum):
+    """How a request's system message was served."""
+
+    INDEXED = "indexed"  # the index's own (none given, or the same): the chunks' KV follows it as stored
+    PREFIX = "prefix"  # its own, computed in front of the chunks; their KV moved after it and blended
+    SUFFIX = "suffix"  # its own, placed after the chunks (the index's prefix before them)
+
+
 class ChatRole(str, enum.Enum):
     """Who said a turn of a conversation."""
 
@@ -260,7 +277,7 @@ class QueryOptions:
     search_mode: SearchMode | None = None  # None = server default (hybrid)
     filters: tuple[MetadataFilter, ...] = ()  # metadata conditions, all must hold, applied before top_k
     history: tuple[ChatTurn, ...] = ()  # earlier turns, oldest first (after the chunks, before the question)
-    system_prompt: str | None = None  # must equal the collection's own (set at index time); None = the index's
+    system_prompt: str | None = None  # the agent's own instructions; None = the index's (set at index time)
     agent_turns: tuple[ChatTurn, ...] = ()  # since the question: the assistant's tool calls and their results
     response_format: ResponseFormat = ResponseFormat()  # the answer's shape (constrained decoding)
     tools: tuple[Tool, ...] = ()  # functions the model may call
@@ -325,6 +342,8 @@ class QueryStats:
     tool_calls: tuple[ToolCall, ...] = ()  # the calls the answer makes (finish_reason TOOL_CALLS); text is then ""
     citations: tuple[Citation, ...] = ()  # the answer's [n] markers, when citations were asked for
     focus: FocusSignal | None = None  # FOCUS: how its rule decided (None in other modes)
+    system_prompt: SystemPromptPath = SystemPromptPath.INDEXED  # how its system message was served
+    length_limit: LengthLimit | None = None  # finish_reason LENGTH: which limit ended it; None otherwise
 
 
 @dataclass(frozen=True, slots=True)

@@ -196,6 +196,8 @@ class QueryRunner:
                     tool_calls=calls,
                     citations=find_citations(text, chunks) if query.citations else (),
                     focus=done.focus,
+                    system_prompt=prepared.system_prompt,
+                    length_limit=prepared.length_limit if finish is FinishReason.LENGTH else None,
                 )
                 self._metrics.observe_answer(
                     request.mode,

@@ -18,7 +18,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ragkv.engine.request import ChunkComputed, Request, Work
-from ragkv.types import CollectionInfo, CollectionStats, MetadataFilter, Mode, RetrievedChunk, SearchMode, Tier
+from ragkv.types import (
+    CollectionInfo,
+    CollectionStats,
+    LengthLimit,
+    MetadataFilter,
+    Mode,
+    RetrievedChunk,
+    SearchMode,
+    SystemPromptPath,
+    Tier,
+)
 
 if TYPE_CHECKING:
     from ragkv.engine.speed import EngineSpeed
@@ -60,6 +70,8 @@ class Prepared:
 
     request: Request
     chunks: tuple[RetrievedChunk, ...]  # best first, as Request.chunks begins
+    system_prompt: SystemPromptPath = SystemPromptPath.INDEXED  # how the request's system message is served
+    length_limit: LengthLimit = LengthLimit.MAX_TOKENS  # what bounds its answer's length (QueryStats.length_limit)
 
 
 @runtime_checkable

@@ -86,6 +86,10 @@ def ragkv_extra(chunks: tuple[RetrievedChunk, ...], stats: QueryStats, snippet_c
         "mode": stats.mode.value,
         "recompute_fraction": stats.recompute_fraction,
         "tree_prompt_tokens": stats.usage.tree_prompt_tokens,  # of cached_tokens, the KV tree's
+        # how the request's system message was served: indexed (the index's own), prefix or suffix
+        "system_prompt": stats.system_prompt.value,
+        # an answer cut by a length limit: which (max_tokens, server_default, server_cap, context); null otherwise
+        "length_limit": None if stats.length_limit is None else stats.length_limit.value,
         "ttft_seconds": stats.ttft_seconds,
         "total_seconds": stats.total_seconds,
         "phase_seconds": dict(stats.phase_seconds),

@@ -17,7 +17,9 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -29,8 +31,9 @@ from ragkv.engine import BlendOptions, ChunkKV, Engine, FocusOptions, LoadedMode
 from ragkv.engine.check import gate_model
 from ragkv.engine.constrain import Constraint, GrammarError
 from ragkv.engine.conversation import CarriedTurns, TreeSpot
+from ragkv.engine.decode import SamplingParams
 from ragkv.engine.detokenize import Detokenizer
-from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT
+from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT, PromptFormat
 from ragkv.engine.request import ChunkComputed, LoadedKV, PromptChunk, Request, Work
 from ragkv.errors import IndexMismatchError, StoreError
 from ragkv.kvstore import (
@@ -54,12 +57,24 @@ from ragkv.server.search_config import retriever_options
 from ragkv.server.settings import ServerSettings
 from ragkv.server.status import InvalidArgumentError, UnknownCollectionError
 from ragkv.server.structured import OutputSpec, output_spec, turn_text
-from ragkv.types import CollectionInfo, CollectionStats, KVSource, MetadataFilter, Mode, RetrievedChunk, SearchMode, Tier
+from ragkv.types import (
+    CollectionInfo,
+    CollectionStats,
+    KVSource,
+    LengthLimit,
+    MetadataFilter,
+    Mode,
+    RetrievedChunk,
+    SearchMode,
+    SystemPromptPath,
+    Tier,
+)
 
 log = logging.getLogger(__name__)
 
 _SEED_TEXT = "The loading controller measures how fast this engine computes a chunk of text like this one."
 _KV_WAIT_LIMIT = 120.0  # seconds a single chunk's KV load may take
+_FORMATS = 256  # requests' own system prompts whose prompt layout is kept (least recently used dropped)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +123,12 @@ class PromptPlan:
     question_ids: tuple[int, ...]  # the question segment
     select_ids: tuple[int, ...] | None  # the tokens that choose; None = question_ids
     options: BlendOptions  # how the mode blends
+    sampling: SamplingParams  # the query's, its max_new_tokens bounded by the context left when the client set none
+    length_limit: LengthLimit  # what bounds the answer's length
+    # the request's own instructions: the index's prefix its chunks' KV was computed after (prefix_ids
+    # is then the request's own); None = prefix_ids is the index's
+    chunk_prefix_ids: tuple[int, ...] | None = None
+    system_prompt: SystemPromptPath = SystemPromptPath.INDEXED  # how its system message is served
 
     @property
     def chunk_tokens(self) -> int:
@@ -201,12 +222,18 @@ class Pipeline:
         kv_layered: hand disk/S3 hits to the engine layer by layer (ServerSettings.kv_layered).
         quality_guard_mass: blend falls back to full prefill when holding this share of the
             question's attention needs more than its ratio (BlendOptions.fallback_full); None = off.
+        system_prompt_policy: a request's own system message (not its index's): "prefix" computes
+            it in front of the chunks, "suffix" places it after them, "strict" refuses it.
     """
 
     def __init__(self, engine: Engine, collections: dict[str, Collection],
                  focus: FocusOptions = FocusOptions(handover=True), kv_layered: bool = True,
-                 controller: LoadingController | None = None, quality_guard_mass: float | None = None) -> None:
+                 controller: LoadingController | None = None, quality_guard_mass: float | None = None,
+                 system_prompt_policy: str = "prefix") -> None:
         self.engine = engine
+        self._system_policy = system_prompt_policy  # ServerSettings.system_prompt_policy
+        self._formats: OrderedDict[str, PromptFormat] = OrderedDict()  # requests' own system prompts' layouts
+        self._formats_lock = threading.Lock()
         self._focus = focus
         self._guard_mass = quality_guard_mass
         self._kv_layered = kv_layered
@@ -275,7 +302,8 @@ class Pipeline:
             t0 = time.perf_counter()
             engine.prefill(list(first.prefix_ids), ids)
             engine.speed.observe(len(ids), time.perf_counter() - t0)
-        return cls(engine, collections, settings.focus(), settings.kv_layered, controller, settings.quality_guard_mass)
+        return cls(engine, collections, settings.focus(), settings.kv_layered, controller, settings.quality_guard_mass,
+                   settings.system_prompt_policy)
 
     @property
     def modes(self) -> frozenset[Mode]:
@@ -331,8 +359,11 @@ class Pipeline:
         sizes = (mode, len(plan.prefix_ids), plan.chunk_tokens, len(plan.question_ids), plan.options)
         cost, rows = self.engine.prompt_cost(*sizes), self.engine.prompt_rows(*sizes)
         todo, whole = plan.prompt_tokens - done, max(plan.prompt_tokens, 1)  # the share of the prompt it computes
+        resumed = tree is not None and tree.lease is not None
+        own = plan.chunk_prefix_ids is not None and mode is not Mode.FULL and not resumed
         return Prepared(Request(
-            mode=mode, sampling=query.sampling, prefix_ids=plan.prefix_ids,
+            mode=mode, sampling=plan.sampling, prefix_ids=plan.prefix_ids, chunk_prefix_ids=plan.chunk_prefix_ids,
+            instructions=self.engine.conversations.instructions(plan.prefix_ids, query.tenant) if own else None,
             chunks=chunks, question_ids=plan.question_ids, select_ids=plan.select_ids,
             # a hybrid keeps its state where the next call's prompt parts from this one's
             snapshot_at=None if tree is None or not self.engine.recurrent else
@@ -340,9 +371,9 @@ class Pipeline:
             options=plan.options, constraint=plan.constraint, reads_tool_calls=plan.output.reads_tool_calls,
             tree=tree, tree_retain_s=retain_s if plan.output.reads_tool_calls else 0.0,
             tree_priority=query.retain_priority, kv_wait_s=kv_wait_s,
-            kv_bytes=(plan.prompt_tokens + query.sampling.max_new_tokens) * self.engine.kv_bytes_per_token,
+            kv_bytes=(plan.prompt_tokens + plan.sampling.max_new_tokens) * self.engine.kv_bytes_per_token,
             prompt_cost=max(1, cost * todo // whole), prompt_rows=max(1, rows * todo // whole),
-            phase_seconds={"retrieve": found.seconds}), found.chunks)
+            phase_seconds={"retrieve": found.seconds}), found.chunks, plan.system_prompt, plan.length_limit)
 
     def _lease(self, query: Query, found: Retrieved, plan: PromptPlan) -> tuple[PromptPlan, TreeSpot | None]:
         """Stage 3: the KV tree's lease on what it holds of this prompt (a lease carrying its key
@@ -395,7 +426,8 @@ class Pipeline:
         c = self._collection(query.collection)
         if c.mismatch is not None:
             raise IndexMismatchError(c.mismatch)
-        check_system_prompt(query, c.system_prompt)
+        if self._system_policy == "strict":
+            check_system_prompt(query, c.system_prompt)
         started = time.perf_counter()
         if hits is None:
             hits = self._search(c, query.question, query.top_k, query.search_mode, query.filters)
@@ -411,15 +443,43 @@ class Pipeline:
                                                                                            output.closing)
         except GrammarError as exc:
             raise InvalidArgumentError("response_format" if query.response_format.schema else "tools", str(exc)) from None
-        question_ids, select_ids = self._question_ids(query, output)
+        path, fmt = self._system_path(query, c)
+        # its own instructions after the chunks: they open the question's turn
+        before = f"{query.system_prompt.strip()}\n\n" if path is SystemPromptPath.SUFFIX and query.system_prompt else ""
+        question_ids, select_ids = self._question_ids(query, output, fmt, before)
+        own = path is SystemPromptPath.PREFIX
+        prefix_ids = tuple(fmt.prefix_ids()) if own else c.prefix_ids
+        prompt_tokens = len(prefix_ids) + sum(len(h.token_ids) for h in found.hits) + len(question_ids)
+        sampling, length_limit = self._answer_length(query, prompt_tokens)
         plan = PromptPlan(
-            output=output, constraint=constraint, prefix_ids=c.prefix_ids,
+            output=output, constraint=constraint, prefix_ids=prefix_ids,
             kv_keys=tuple(c.kv_key(h, query.mode, self.lm.fingerprint, self.lm.tokenizer_fingerprint,
                                    self._focus.handover, first=i == 0) for i, h in enumerate(found.hits)),
             token_ids=tuple(tuple(h.token_ids) for h in found.hits), question_ids=tuple(question_ids),
-            select_ids=None if select_ids is None else tuple(select_ids), options=self._options(query))
-        self._check_context(query, plan.prompt_tokens)
+            select_ids=None if select_ids is None else tuple(select_ids), options=self._options(query),
+            sampling=sampling, length_limit=length_limit, chunk_prefix_ids=c.prefix_ids if own else None,
+            system_prompt=path)
         return plan
+
+    def _system_path(self, query: Query, c: Collection) -> tuple[SystemPromptPath, PromptFormat]:
+        """How the query's system message is served (`--system-prompt-policy`), and the prompt
+        layout it is served in: the engine's, or one with the request's own system prompt."""
+        system = query.system_prompt
+        if system is None or system.strip() == c.system_prompt.strip() or not system.strip():
+            return SystemPromptPath.INDEXED, self.engine.prompt
+        if self._system_policy != "prefix":  # strict refused it already (`_retrieve`)
+            return SystemPromptPath.SUFFIX, self.engine.prompt
+        with self._formats_lock:
+            fmt = self._formats.get(system)
+            if fmt is not None:
+                self._formats.move_to_end(system)
+                return SystemPromptPath.PREFIX, fmt
+        fmt = self.engine.prompt.with_system(system)  # the chat template rendered once per system prompt
+        with self._formats_lock:
+            self._formats[system] = fmt
+            while len(self._formats) > _FORMATS:
+                self._formats.popitem(last=False)
+        return SystemPromptPath.PREFIX, fmt
 
     def _sources(self, query: Query, found: Retrieved, plan: PromptPlan, tree: TreeSpot | None
                  ) -> tuple[Mode, TreeSpot | None, tuple[PromptChunk, ...], float]:
@@ -498,35 +558,48 @@ class Pipeline:
         if isinstance(key, ChunkKey):
             self._writer.submit(self._persist, self._collection(collection), key, computed.kv)
 
-    def _question_ids(self, params: Query, output: OutputSpec) -> tuple[list[int], list[int] | None]:
+    def _question_ids(self, params: Query, output: OutputSpec, fmt: PromptFormat, instructions: str = ""
+                      ) -> tuple[list[int], list[int] | None]:
         """The question segment's tokens, and the tokens that choose chunk tokens and chunks
         (None: the same): the conversation's question, its earlier turns and the question,
         without the answer's instructions (tools, format) or the agent's turns since the
         question. So every call of a tool loop chooses as its first did, whatever its
-        tool_choice, and the KV tree's context of the first call is exactly the later calls'."""
-        fmt = self.engine.prompt
+        tool_choice, and the KV tree's context of the first call is exactly the later calls'.
+        `fmt`: the prompt's layout (the request's own system prompt's, or the engine's);
+        `instructions`: the request's own system prompt when it goes after the chunks (suffix),
+        opening the question's turn."""
         history = [(t.role.value, turn_text(t)) for t in params.history]
         agent = [(t.role.value, turn_text(t)) for t in params.agent_turns]
+        before = instructions + output.before
         # a conversation in the chat template's own turns; a single question, or a tokenizer
         # without a template, as one segment of text
-        question_ids = fmt.turn_ids(params.question, history, output.before, agent)
+        question_ids = fmt.turn_ids(params.question, history, before, agent)
         if question_ids is None:
-            question_ids = fmt.question_ids(params.question, history, output.before, output.after)
+            question_ids = fmt.question_ids(params.question, history, before, output.after)
         if not output.before and not output.after:
             return question_ids, None
-        return question_ids, fmt.turn_ids(params.question, history) or fmt.question_ids(params.question, history)
+        return question_ids, (fmt.turn_ids(params.question, history, instructions)
+                              or fmt.question_ids(params.question, history, instructions))
 
-    def _check_context(self, params: Query, prompt_tokens: int) -> None:
-        """Refuse a prompt that with its answer's budget exceeds the model's context.
+    def _answer_length(self, params: Query, prompt_tokens: int) -> tuple[SamplingParams, LengthLimit]:
+        """The answer's length bound and what sets it. A client's max_tokens must fit the model's
+        context with the prompt (refused otherwise, as OpenAI's API does); without one, the
+        answer runs until the model stops, at most the server's default or cap and the context left.
 
         Raises:
-            InvalidArgumentError: It does, naming the tokens and the limit.
+            InvalidArgumentError: The prompt with the client's max_tokens, or the prompt alone, does
+                not fit the model's context (naming the tokens and the limit).
         """
-        limit = self.lm.context_length
-        max_new = params.sampling.max_new_tokens
+        limit, max_new, bound = self.lm.context_length, params.sampling.max_new_tokens, params.length_limit
         if limit is None or prompt_tokens + max_new <= limit:
-            return
+            return params.sampling, bound
         field_ = "history" if params.history or params.agent_turns else "question"
+        if bound is not LengthLimit.MAX_TOKENS and prompt_tokens < limit:
+            return dataclasses.replace(params.sampling, max_new_tokens=limit - prompt_tokens), LengthLimit.CONTEXT
+        if bound is not LengthLimit.MAX_TOKENS:
+            raise InvalidArgumentError(
+                field_, f"the prompt is {prompt_tokens} tokens, which leaves no room for an answer in the model's "
+                        f"context of {limit}; send fewer or shorter turns, or fewer chunks (top_k)")
         raise InvalidArgumentError(
             field_, f"the prompt is {prompt_tokens} tokens and the answer may take {max_new} "
                     f"(max_tokens): {prompt_tokens + max_new} tokens, more than the model's context "

@@ -18,6 +18,7 @@ from ragkv.types import (
     DEFAULT_COLLECTION,
     ChatRole,
     ChatTurn,
+    LengthLimit,
     MetadataFilter,
     Mode,
     ResponseFormat,
@@ -37,10 +38,15 @@ class Query:
     mode: Mode = Mode.FULL
     recompute_ratio: float = 0.2  # BLEND's (and FOCUS's blends') share of chunk tokens recomputed
     sampling: SamplingParams = SamplingParams()  # temperature, top_p, seed, max_new_tokens, stop
+    # where sampling.max_new_tokens came from: the client's max_tokens, or the server's default or
+    # cap (then the context left bounds it too, once the prompt is known: `Pipeline.prepare`)
+    length_limit: LengthLimit = LengthLimit.MAX_TOKENS
     search_mode: SearchMode | None = None  # None = the collection's default
     filters: tuple[MetadataFilter, ...] = ()  # metadata conditions, all must hold
     history: tuple[ChatTurn, ...] = ()  # earlier turns, oldest first: after the chunks, before the question
-    system_prompt: str | None = None  # the client's system message; must equal the index's (None = not given)
+    # the client's system message (None = not given: the index's); another than the index's is served
+    # by --system-prompt-policy (`SystemPromptPath`)
+    system_prompt: str | None = None
     agent_turns: tuple[ChatTurn, ...] = ()  # since the question: the assistant's tool calls and their results
     response_format: ResponseFormat = ResponseFormat()  # the answer's shape (constrained decoding)
     tools: tuple[Tool, ...] = ()  # functions the model may call

@@ -41,7 +41,7 @@ from ragkv.server.openai_request import cache_salt
 from ragkv.server.query import Query
 from ragkv.server.response_store import ResponseStore, UnknownResponseError
 from ragkv.server.status import InvalidArgumentError
-from ragkv.types import FinishReason, QueryStats, RetrievedChunk, ToolCallDelta
+from ragkv.types import FinishReason, LengthLimit, QueryStats, RetrievedChunk, ToolCallDelta
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -385,7 +385,9 @@ class ResponsesApi:
             "previous_response_id": parsed.previous_response_id,
             **parsed.echo,
             "temperature": sampling.temperature, "top_p": sampling.top_p,
-            "max_output_tokens": sampling.max_new_tokens, "store": parsed.store,
+            # what the client set (null: none, the answer runs until the model stops)
+            "max_output_tokens": sampling.max_new_tokens if query.length_limit is LengthLimit.MAX_TOKENS else None,
+            "store": parsed.store,
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "truncation": "disabled",

@@ -27,6 +27,9 @@ ENV_PREFIX = "RAGKV_"
 S3_SCHEME = "s3://"
 
 
+SYSTEM_PROMPT_POLICIES = ("prefix", "suffix", "strict")
+
+
 @dataclass(frozen=True, slots=True)
 class CollectionSpec:
     """One served collection: a name and its index directory."""
@@ -166,8 +169,13 @@ class ServerSettings:
     # recompute ratio allows (BlendOptions.fallback_full); None = off. Counted in
     # ragkv_quality_fallbacks_total
     quality_guard_mass: float | None = None
-    default_max_new_tokens: int = 64  # tokens
-    max_new_tokens: int = 1024  # tokens
+    # answer length of a request that sets none; None = OpenAI's convention: until the model stops,
+    # up to the room left in the model's context and max_new_tokens
+    default_max_new_tokens: int | None = None  # tokens
+    max_new_tokens: int = 1024  # tokens: the server's cap on any answer
+    # a request whose system message is not its index's: served with its instructions computed in
+    # front of the chunks (prefix), or placed after them (suffix), or refused (strict)
+    system_prompt_policy: str = "prefix"
     log_level: str = "INFO"  # logging level name
     default_search_mode: SearchMode = SearchMode.HYBRID  # search when a request names none (docs/retrieval.md)
     fusion: str = "rrf"  # hybrid fusion: rrf (reciprocal rank) or weighted (normalized scores)
@@ -217,6 +225,12 @@ class ServerSettings:
             raise ValueError(f"kv_compression must be auto, none, int8, fp8, int4 or int2, got {self.kv_compression!r}")
         if self.faiss_device not in ("cpu", "cuda"):
             raise ValueError(f"faiss_device must be cpu or cuda, got {self.faiss_device!r}")
+        if self.system_prompt_policy not in SYSTEM_PROMPT_POLICIES:
+            raise ValueError(f"system_prompt_policy must be one of {', '.join(SYSTEM_PROMPT_POLICIES)}, got "
+                             f"{self.system_prompt_policy!r}")
+        if self.default_max_new_tokens is not None and not 1 <= self.default_max_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"default_max_new_tokens must be in [1, max_new_tokens={self.max_new_tokens}], got "
+                             f"{self.default_max_new_tokens}")
         if self.quality_guard_mass is not None and not 0.0 < self.quality_guard_mass <= 1.0:
             raise ValueError(f"quality_guard_mass must be in (0, 1], got {self.quality_guard_mass}")
         self.focus()  # FocusOptions checks its fields, naming them

@@ -25,6 +25,7 @@ from ragkv.types import (
     ChatRole,
     ChatTurn,
     FilterOp,
+    LengthLimit,
     MetadataFilter,
     Mode,
     QueryOptions,
@@ -43,8 +44,10 @@ class RequestLimits:
     max_top_k: int = 32  # chunks
     default_mode: Mode = Mode.BLEND  # mode when the request leaves it unspecified (ServerSettings.default_mode)
     default_recompute_ratio: float = 0.2  # fraction of chunk tokens (docs/quality.md, issue 28)
-    default_max_new_tokens: int = 64  # tokens
-    max_new_tokens: int = 1024  # tokens
+    # answer length of a request that sets none; None = until the model stops, up to the context
+    # left (`Pipeline.prepare` knows it) and max_new_tokens, as OpenAI's API and vLLM do
+    default_max_new_tokens: int | None = None  # tokens
+    max_new_tokens: int = 1024  # tokens: the longest answer
     max_stop_strings: int = 8  # stop strings per request
     max_stop_chars: int = 64  # characters per stop string
     max_snippet_chars: int = 1_000_000  # characters
@@ -217,7 +220,12 @@ def validate_query(
     top_p = 1.0 if options.top_p is None else options.top_p
     if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
         raise InvalidArgumentError("sampling.top_p", f"must be in (0, 1], got {top_p}")
-    max_new = limits.default_max_new_tokens if options.max_new_tokens is None else options.max_new_tokens
+    if options.max_new_tokens is not None:
+        max_new, length_limit = options.max_new_tokens, LengthLimit.MAX_TOKENS
+    elif limits.default_max_new_tokens is not None:
+        max_new, length_limit = limits.default_max_new_tokens, LengthLimit.SERVER_DEFAULT
+    else:  # the context left may bound it further, once the prompt is known
+        max_new, length_limit = limits.max_new_tokens, LengthLimit.SERVER_CAP
     if not 1 <= max_new <= limits.max_new_tokens:
         raise InvalidArgumentError("max_new_tokens", f"must be in [1, {limits.max_new_tokens}], got {max_new}")
     if len(options.stop) > limits.max_stop_strings:
@@ -250,6 +258,7 @@ def validate_query(
         recompute_ratio=float(ratio),
         sampling=SamplingParams(max_new_tokens=max_new, temperature=float(temperature), top_p=float(top_p),
                                 seed=options.seed, stop=tuple(options.stop)),
+        length_limit=length_limit,
         search_mode=search_mode,
         filters=filters,
         history=history,

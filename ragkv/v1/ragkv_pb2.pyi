@@ -319,7 +319,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., tree_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class QueryStats(_message.Message):
-    __slots__ = ("usage", "ttft_seconds", "total_seconds", "phase_seconds", "recompute_fraction", "mode", "finish_reason", "text", "used_chunk_ids", "kv_sources", "tool_calls", "citations", "focus")
+    __slots__ = ("usage", "ttft_seconds", "total_seconds", "phase_seconds", "recompute_fraction", "mode", "finish_reason", "text", "used_chunk_ids", "kv_sources", "tool_calls", "citations", "focus", "system_prompt", "length_limit")
     class PhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -347,6 +347,8 @@ class QueryStats(_message.Message):
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     CITATIONS_FIELD_NUMBER: _ClassVar[int]
     FOCUS_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_LIMIT_FIELD_NUMBER: _ClassVar[int]
     usage: Usage
     ttft_seconds: float
     total_seconds: float
@@ -360,7 +362,9 @@ class QueryStats(_message.Message):
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
     citations: _containers.RepeatedCompositeFieldContainer[Citation]
     focus: FocusSignal
-    def __init__(self, usage: _Optional[_Union[Usage, _Mapping]] = ..., ttft_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., recompute_fraction: _Optional[float] = ..., mode: _Optional[_Union[Mode, str]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., text: _Optional[str] = ..., used_chunk_ids: _Optional[_Iterable[str]] = ..., kv_sources: _Optional[_Mapping[str, int]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., citations: _Optional[_Iterable[_Union[Citation, _Mapping]]] = ..., focus: _Optional[_Union[FocusSignal, _Mapping]] = ...) -> None: ...
+    system_prompt: str
+    length_limit: str
+    def __init__(self, usage: _Optional[_Union[Usage, _Mapping]] = ..., ttft_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., recompute_fraction: _Optional[float] = ..., mode: _Optional[_Union[Mode, str]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., text: _Optional[str] = ..., used_chunk_ids: _Optional[_Iterable[str]] = ..., kv_sources: _Optional[_Mapping[str, int]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., citations: _Optional[_Iterable[_Union[Citation, _Mapping]]] = ..., focus: _Optional[_Union[FocusSignal, _Mapping]] = ..., system_prompt: _Optional[str] = ..., length_limit: _Optional[str] = ...) -> None: ...
 
 class FocusSignal(_message.Message):
     __slots__ = ("handed_over", "kept_attention", "spread")

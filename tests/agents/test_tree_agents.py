@@ -80,3 +80,63 @@ def test_react_agent_over_http_hits_the_tree_from_its_second_call(tree_server: S
     first, second = messages[1].usage_metadata, messages[3].usage_metadata
     assert second["input_tokens"] > first["input_tokens"]
     assert second["input_token_details"]["cache_read"] > first["input_token_details"]["cache_read"]
+
+
+# -- agents with their own instructions (issue 74): served over the index's chunk KV, not refused
+
+
+def test_react_agent_with_its_own_prompt_answers_over_grpc(tree_server: ServerThread) -> None:
+    from langgraph.prebuilt import create_react_agent
+
+    from ragkv.langchain import RagKVChatModel, call_tools_first
+
+    seen: list[str] = []
+    weather = _weather_tool(seen)
+    llm = RagKVChatModel(target=tree_server.addr, max_tokens=32, mode="blend", top_k=2)
+    agent = create_react_agent(call_tools_first(llm, [weather]), [weather],
+                               prompt="You are a weather desk. Use the tool, then answer in one short sentence.")
+    messages = agent.invoke({"messages": [("user", "What is the weather in Rome?")]})["messages"]
+    assert [m.type for m in messages] == ["human", "ai", "tool", "ai"] and seen == ["Rome"]
+    first, last = messages[1], messages[3]
+    assert first.response_metadata["system_prompt"] == "prefix"
+    assert last.response_metadata["system_prompt"] == "prefix" and last.content.strip()
+    # the loop's second call found its context (its instructions in front of the chunks) in the tree
+    assert last.response_metadata["tree_prompt_tokens"] > 0
+
+
+def test_openai_agents_sdk_with_instructions_and_a_forced_tool_call(tree_server: ServerThread) -> None:
+    """The Agents SDK, unchanged, as a user of a small model runs it: its own instructions, a
+    function tool it must call first, no max_output_tokens; then a follow-up turn."""
+    import asyncio
+
+    import openai
+
+    agents = pytest.importorskip("agents")
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool
+
+    agents.set_tracing_disabled(True)  # no traces sent anywhere
+    seen: list[str] = []
+
+    @function_tool
+    def lookup(city: str) -> str:
+        """Look up the weather in a city."""
+        seen.append(city)
+        return f"It is sunny and 21 degrees in {city}."
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{tree_server.server.http_port}/v1",
+                                    api_key="none", max_retries=0, timeout=600)
+        agent = Agent(name="weather", instructions="Use the lookup tool, then answer in one short sentence.",
+                      model=OpenAIResponsesModel(model="default", openai_client=client), tools=[lookup],
+                      model_settings=ModelSettings(tool_choice="lookup"))  # forced once, then reset by the SDK
+        first = await Runner.run(agent, "What is the weather in Madrid?")
+        follow = await Runner.run(agent.clone(model_settings=ModelSettings(tool_choice="none")),
+                                  "Thanks. Say it again in French.", previous_response_id=first.last_response_id)
+        return first, follow
+
+    first, follow = asyncio.run(run())  # no 400 for the instructions; no `incomplete` (ModelBehaviorError)
+    assert seen and seen[0] == "Madrid"
+    assert isinstance(first.final_output, str) and first.final_output.strip()
+    assert isinstance(follow.final_output, str) and follow.final_output.strip()
+    last = follow.raw_responses[-1]
+    assert last.usage.output_tokens > 0

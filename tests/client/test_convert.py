@@ -16,6 +16,7 @@ from ragkv.types import (
     FinishReason,
     FocusSignal,
     KVSource,
+    LengthLimit,
     MetadataFilter,
     Mode,
     QueryOptions,
@@ -25,6 +26,7 @@ from ragkv.types import (
     RetrievedChunk,
     RetrieveResult,
     SearchMode,
+    SystemPromptPath,
     Tier,
     TierStats,
     Tool,
@@ -44,7 +46,7 @@ STATS = QueryStats(Usage(100, 5, 80, 60), 0.25, 1.5, {"retrieve": 0.01, "decode"
                    FinishReason.LENGTH, "an answer", ("c1", "c3"),
                    {KVSource.LOADED: 3, KVSource.COMPUTED_CHEAPER: 1},
                    (ToolCall("call_1", "lookup", '{"q":"x"}'),), (Citation(2, "c3", 10, 13, 0),),
-                   FocusSignal(True, 0.75, 0.5))
+                   FocusSignal(True, 0.75, 0.5), SystemPromptPath.PREFIX, LengthLimit.CONTEXT)
 CALL = ToolCall("call_0", "lookup", '{"q": "earlier"}')
 
 

@@ -102,7 +102,8 @@ class FakeBackend:
         request = Request(mode=query.mode, sampling=query.sampling)
         request.phase_seconds["retrieve"] = 0.001
         self.asked[request] = query  # the fake answers with the question's words
-        return Prepared(request, self.retrieve(query.collection, query.question, query.top_k))
+        return Prepared(request, self.retrieve(query.collection, query.question, query.top_k),
+                        length_limit=query.length_limit)
 
     def detokenizer(self, request: Request) -> _Words:
         return _Words(self._words(request))

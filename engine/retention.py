@@ -107,7 +107,7 @@ class Pins:
                     node.answered, node.parts_at = now, parts_pos
                     break
         if tenant_bytes is not None:
-            held = sum(n.nbytes for n in self.live(now) if n.key.tenant == tenant)
+            held = sum(n.nbytes for n in self.live(now) if n.key.owner == tenant)
             if held + sum(n.nbytes for n in path if n.pin <= now) > tenant_bytes:
                 return
         for node in path:

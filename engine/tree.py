@@ -309,9 +309,9 @@ class KVTree(TreeDisk):
                     if child.refs:
                         return
                     self._split(child, n)
-                if child.state is None and self._make_room(snapshot.nbytes, keep=child, tenant=key.tenant):
+                if child.state is None and self._make_room(snapshot.nbytes, keep=child, tenant=key.owner):
                     child.state, child.state_bytes = snapshot.state, snapshot.nbytes
-                    self._count(key.tenant, snapshot.nbytes)
+                    self._count(key.owner, snapshot.nbytes)
                 return
             if n < len(child.ids):
                 return
@@ -330,7 +330,7 @@ class KVTree(TreeDisk):
             now = next(self._clock)
             root = self._roots.get(key)
             if root is None:
-                tier = self._place(cache_bytes(cache, c), None, key.tenant)
+                tier = self._place(cache_bytes(cache, c), None, key.owner)
                 if tier is None:
                     return 0
                 root = self._new(tier, Node(context_ids, 0, None, key, context), cache)
@@ -343,7 +343,7 @@ class KVTree(TreeDisk):
             while pos < len(ids):
                 child = node.children.get(ids[pos])
                 if child is None:  # a new leaf for the rest
-                    tier = self._place(cache_bytes(cache, len(ids) - pos), node, key.tenant)
+                    tier = self._place(cache_bytes(cache, len(ids) - pos), node, key.owner)
                     if tier is None:
                         break
                     leaf = self._new(tier, Node(ids[pos:], c + pos, node, key), cache)
@@ -364,9 +364,9 @@ class KVTree(TreeDisk):
                 path.append(child)
                 node, pos = child, pos + n
             if pin_s > 0:
-                self.pins.pin(path, key.tenant, pin_s, None if parts_at is None else c + parts_at,
+                self.pins.pin(path, key.owner, pin_s, None if parts_at is None else c + parts_at,
                               self.tenant_share * self.budget_bytes if self.tenant_share < 1.0 else None)
-            self._prioritize(path, key.tenant, priority)
+            self._prioritize(path, key.owner, priority)
             return added
 
     def _prioritize(self, path: list[Node], tenant: str, priority: int) -> None:
@@ -375,7 +375,7 @@ class KVTree(TreeDisk):
         of the device budget, the path is kept at 0."""
         if priority > 0 and self.tenant_share < 1.0:
             on_path = {id(n) for n in path}
-            held = sum(n.nbytes for n in self._all() if n.priority > 0 and n.key.tenant == tenant
+            held = sum(n.nbytes for n in self._all() if n.priority > 0 and n.key.owner == tenant
                        and id(n) not in on_path)
             if held + sum(n.nbytes for n in path) > self.tenant_share * self.budget_bytes:
                 priority = 0
@@ -401,11 +401,11 @@ class KVTree(TreeDisk):
     def _refill(self, node: Node, cache: KVCache) -> None:
         """Put a spilled node back on the device from `cache` (which holds its tokens' KV, as
         the request's pass copied or computed it), when the device budget has room."""
-        if node.tier is Tier.DEVICE or not self._make_room(node.kv_bytes, keep=node, tenant=node.key.tenant):
+        if node.tier is Tier.DEVICE or not self._make_room(node.kv_bytes, keep=node, tenant=node.key.owner):
             return
         self._leave_tier(node)
         self._hold_from(node, Tier.DEVICE, cache)
-        self._count(node.key.tenant, node.kv_bytes)
+        self._count(node.key.owner, node.kv_bytes)
 
     @property
     def nbytes(self) -> int:
@@ -460,7 +460,7 @@ class KVTree(TreeDisk):
     def _tier_bytes(self, node: Node, sign: int) -> None:
         """Count (sign 1) or uncount (-1) `node`'s bytes on its tier."""
         if node.tier is Tier.DEVICE:
-            self._count(node.key.tenant, sign * node.nbytes)
+            self._count(node.key.owner, sign * node.nbytes)
         elif node.tier is Tier.HOST:
             self._host_bytes += sign * node.kv_bytes
         else:
@@ -520,7 +520,7 @@ class KVTree(TreeDisk):
         def candidate(n: Node) -> bool:
             return (n.tier is Tier.DEVICE and n.refs == 0 and n.nbytes > 0 and id(n) not in kept
                     and not any(c.tier is Tier.DEVICE for c in n.children.values())
-                    and (not own_only or n.key.tenant == tenant) and (pinned or lower or n.pin <= now))
+                    and (not own_only or n.key.owner == tenant) and (pinned or lower or n.pin <= now))
 
         def spill(n: Node) -> None:
             self._spill(n, leave=pinned or n.pin <= now)

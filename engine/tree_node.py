@@ -12,6 +12,7 @@ from enum import IntEnum
 import torch
 
 from ragkv.engine.kv import KVCache, LayerReady, arriving
+from ragkv.types import SALT_SEP
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +22,14 @@ class TreeKey:
 
     digest: str
     tenant: str = ""  # whose paths these are (Request.tenant); in the digest too
+
+    @property
+    def owner(self) -> str:
+        """Who the tenant's paths count against: the tenant up to `SALT_SEP` (the server's API key,
+        without the request's `cache_salt`). Salts only keep conversations apart within a key:
+        shares, pins and priorities count per owner, so a key that sends a new salt on every
+        request is still held to its one share."""
+        return self.tenant.partition(SALT_SEP)[0]
 
     @classmethod
     def of(cls, *parts: object, tenant: str = "") -> TreeKey:

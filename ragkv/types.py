@@ -143,6 +143,11 @@ class FinishReason(enum.Enum):
     TOOL_CALLS = "tool_calls"  # the answer is one or more tool calls
 
 
+# a tenant (whose KV-tree paths a request reads) is its API key's name, or that name, SALT_SEP and the
+# request's cache_salt: salts keep conversations apart within a key; shares count per key (TreeKey.owner)
+SALT_SEP = "\x1f"
+
+
 class LengthLimit(str, enum.Enum):
     """What bounded an answer's length (what a LENGTH finish ran into)."""
 

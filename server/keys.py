@@ -33,6 +33,7 @@ from pathlib import Path
 
 from ragkv.errors import RagKVError
 from ragkv.server.query import Query
+from ragkv.types import SALT_SEP
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class Caller:
     def tenant(self, cache_salt: str | None = None) -> str:
         """Whose KV-tree paths a request reads and writes: the key, and the request's own
         `cache_salt` within it (vLLM's name) when it gives one."""
-        return self.name if not cache_salt else f"{self.name}\x1f{cache_salt}"
+        return self.name if not cache_salt else f"{self.name}{SALT_SEP}{cache_salt}"
 
 
 ANONYMOUS = Caller("")  # every caller of a server with no credentials configured

@@ -11,7 +11,7 @@ from ragkv.engine import BlendOptions, Engine, FocusOptions, Prompt, SamplingPar
 from ragkv.engine.kv import KVCache
 from ragkv.engine.tree import KVTree, ToolLatency, TreeContext, TreeKey
 from ragkv.evals.testing import FAMILY_CONFIGS, HYBRIDS, tiny_model_dir
-from ragkv.types import Mode
+from ragkv.types import SALT_SEP, Mode
 
 CHUNKS = [
     "Paris is the capital of France. The secret number is 4721.",
@@ -399,3 +399,22 @@ def test_a_hybrids_tree_without_a_held_state_matches_nothing(tmp_path_factory):
     trees = eng.conversations
     assert trees.remember(trees.lease(Mode.FULL, (), [], (), ids), Mode.FULL, res, len(ids), 0) > 0  # no snapshot
     assert trees.lease(Mode.FULL, (), [], (), [*ids, 7, 8]).lease is None
+
+
+def test_a_key_rotating_its_salt_is_held_to_its_one_share():
+    """Salts keep one key's conversations apart (`TreeKey.tenant`), but shares count per key
+    (`TreeKey.owner`): a key sending a new cache_salt on every request still evicts only its own
+    paths once past its share, never every other key's conversations."""
+    tree = KVTree(_bytes(12), tenant_share=0.5)
+    for i in range(2):
+        tree.insert(TreeKey.of("bob", i, tenant="bob"), [], CTX, [i, 1, 2], _cache(3))
+    for i in range(10):  # alice, a new salt each time
+        tree.insert(TreeKey.of("alice", i, tenant=f"alice{SALT_SEP}salt-{i}"), [], CTX, [i, 1, 2], _cache(3))
+    assert tree.tenant_bytes("alice") <= _bytes(6)
+    for i in range(2):
+        lease = tree.match(TreeKey.of("bob", i, tenant="bob"), [i, 1, 2, 3])
+        assert lease is not None and lease.matched == 3
+        lease.release()
+    # the salts still keep her conversations apart: another salt's key never matches
+    assert TreeKey.of("alice", 9, tenant=f"alice{SALT_SEP}salt-9") != TreeKey.of("alice", 9, tenant="alice")
+    assert TreeKey.of("x", tenant=f"alice{SALT_SEP}s").owner == "alice" == TreeKey.of("x", tenant="alice").owner

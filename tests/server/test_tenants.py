@@ -101,3 +101,40 @@ def test_a_grpc_cache_salt_separates_one_keys_requests(server: ServerThread) -> 
         with pytest.raises(grpc.RpcError) as err:
             "".join(alice.query(question, cache_salt="x" * 300, **kwargs))
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "cache_salt" in err.value.details()
+
+
+def test_a_key_rotating_its_cache_salt_cannot_evict_another_keys_conversation(
+        tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """The attack of issue 71: alice sends a new cache_salt on every request, so each looks like a
+    new tenant; the tree's share (--kv-tree-key-share) counts per key, so her flood makes room
+    from her own paths and bob's conversation is still served from the tree."""
+    from ragkv.server.pipeline import Pipeline
+
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps([{"name": "alice", "key": ALICE}, {"name": "bob", "key": BOB}]))
+    index = build_index(tmp_path, CORPUS, tiny_llama_dir)
+    kwargs = dict(collection="docs", mode="blend", top_k=2, max_new_tokens=4)
+
+    def start(tree_bytes: int) -> ServerThread:
+        return ServerThread(settings(indexes=(CollectionSpec("docs", index),), api_keys_file=keys,
+                                     kv_tree_bytes=tree_bytes, kv_tree_key_share=0.5, kv_tree_host_bytes=0),
+                            Pipeline.from_settings)
+
+    probe = start(64 << 20)  # how many bytes one conversation keeps in the tree
+    try:
+        with RagClient(probe.addr, token=BOB) as bob:
+            bob.query(QUESTION, **kwargs).result()
+        one = probe.server.service.backend.parts().kv_tree.stats().nbytes
+    finally:
+        probe.stop()
+    st = start(6 * one)  # room for six conversations; a key's share is three
+    try:
+        with RagClient(st.addr, token=ALICE) as alice, RagClient(st.addr, token=BOB) as bob:
+            assert bob.query(QUESTION, **kwargs).result().usage.tree_prompt_tokens == 0
+            for i in range(12):
+                alice.query(QUESTION, cache_salt=f"rotating-{i}", **kwargs).result()
+            tree = st.server.service.backend.parts().kv_tree
+            assert tree.stats().evictions > 0  # the flood filled the tree: room was made, from her paths
+            assert bob.query(QUESTION, **kwargs).result().usage.tree_prompt_tokens > 0
+    finally:
+        st.stop()

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ragkv.atomic import write_bytes
+from ragkv.atomic import private_dir, write_bytes
 from ragkv.errors import KVFormatError
 from ragkv.kvstore.entry import KVEntry, RopeMode
 from ragkv.kvstore.fileformat import data_start, decode, encode, read_meta
@@ -50,8 +50,8 @@ class TreeFiles:
     def __init__(self, folder: Path, model_fp: str, tokenizer_fp: str) -> None:
         self.model_fp = check_fingerprint(model_fp, "model fingerprint")
         self.tokenizer_fp = check_fingerprint(tokenizer_fp, "tokenizer fingerprint")
-        self.folder = Path(folder) / model_fp
-        self.folder.mkdir(parents=True, exist_ok=True)
+        # 0700 folders, 0600 files: a node's header holds its tenant and the conversation's token ids
+        self.folder = private_dir(private_dir(folder, "--kv-tree-dir") / model_fp, "--kv-tree-dir")
         self._pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._lock = threading.Lock()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragkv-tree-files")
@@ -76,7 +76,7 @@ class TreeFiles:
                             positions=torch.arange(start, start + len(ids), dtype=torch.int64),
                             model_fp=self.model_fp, tokenizer_fp=self.tokenizer_fp, prefix_hash=PrefixHash(name),
                             rope_mode=RopeMode.POST_ROPE)
-            write_bytes(path, encode(entry, extra=meta), durable=False)  # checked on every read: torn = a miss
+            write_bytes(path, encode(entry, extra=meta), mode=0o600, durable=False)  # checked on every read: torn = a miss
         except Exception:  # a full disk: the node is a miss on its next read, never a failed request
             log.exception("KV tree: could not write spilled node %s", name)
         finally:

@@ -38,3 +38,35 @@ def write_bytes(path: Path | str, data: bytes, mode: int = 0o644, durable: bool 
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def private_dir(path: Path | str, what: str) -> Path:
+    """`path` as a folder only this user may enter (0700), made when missing (with its parents).
+
+    A folder that is already there with wider modes (a 0755 made before, or by hand) is
+    tightened, and that is logged; one this process cannot tighten (another owner) is refused.
+
+    Args:
+        what: the flag that names the folder, for the messages (e.g. "--kv-tree-dir").
+
+    Raises:
+        ValueError: `path` is not a folder, or its modes cannot be tightened.
+    """
+    import logging
+    import stat
+
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{what} {path} is not a directory: give a directory (it is created when missing)")
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        try:
+            os.chmod(path, 0o700)
+        except OSError as exc:
+            raise ValueError(f"{what} {path} has mode {mode:04o}, so other users may read what the server keeps "
+                             f"there, and it cannot be made 0700 ({exc}): chmod 700 it, or give another "
+                             "directory") from None
+        logging.getLogger(__name__).warning("%s %s had mode %04o; made it 0700 (only the server's user may read it)",
+                                            what, path, mode)
+    return path

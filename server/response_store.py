@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ragkv.atomic import write_bytes
+from ragkv.atomic import private_dir, write_bytes
 from ragkv.errors import RagKVError
 
 if TYPE_CHECKING:
@@ -220,10 +220,7 @@ class ResponseStore:
 
     def _load(self, directory: Path) -> None:
         """Read the directory's responses back, oldest first, within the bounds."""
-        if directory.exists() and not directory.is_dir():
-            raise ValueError(f"responses directory {directory} is not a directory: give --responses-dir a "
-                             f"directory (it is created when missing)")
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        private_dir(directory, "--responses-dir")  # 0700: stored conversations are the tenants' own
         found: list[tuple[str, StoredResponse]] = []
         for path in sorted(directory.iterdir()):
             if path.name.startswith(".") and path.name.endswith(_TEMP):

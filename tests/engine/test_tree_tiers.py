@@ -308,3 +308,22 @@ def test_a_node_warmed_between_a_match_and_its_read_is_read_from_memory(tmp_path
     for p in read:
         out.k[:, :, p.node.start:p.node.start + p.n] = again._gather(p.node, p.n)[0]
     assert torch.equal(out.k[:, :, :5], _cache(5, fill=3).k[:, :, :5])
+
+
+def test_spilled_nodes_are_readable_by_the_servers_user_only(tmp_path):
+    """A node's file holds its tenant and the conversation's token ids: 0600 files in 0700
+    folders; a folder made before with wider modes is tightened."""
+    import stat
+
+    (tmp_path / "tree").mkdir(mode=0o755)
+    (tmp_path / "tree").chmod(0o755)
+    files = _files(tmp_path)
+    tree = KVTree(_bytes(6), host_bytes=_bytes(6), files=files, disk_bytes=_bytes(100))
+    for i in range(3):
+        tree.insert(TreeKey.of(f"k{i}", tenant="alice"), [], CTX, [1, 2, 3, 4], _cache(4, fill=100 * i))
+    files.flush()
+    spilled = list((tmp_path / "tree" / "model-a").glob("*.kv"))
+    assert spilled
+    assert {stat.S_IMODE(p.stat().st_mode) for p in spilled} == {0o600}
+    for folder in (tmp_path / "tree", tmp_path / "tree" / "model-a"):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700

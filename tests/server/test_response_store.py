@@ -166,3 +166,19 @@ def test_bounds_must_be_positive() -> None:
         ResponseStore(max_age_s=0)
     with pytest.raises(ValueError, match="max_entries"):
         ResponseStore(max_entries=0)
+
+
+def test_the_directory_is_the_servers_only_and_a_wider_one_is_tightened(tmp_path: Path) -> None:
+    import stat
+
+    folder = tmp_path / "responses"
+    folder.mkdir()
+    folder.chmod(0o755)
+    store = _store(folder)
+    assert store.put("resp_a", "alice", ITEMS, _response("resp_a"))
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert stat.S_IMODE((folder / "resp_a.json").stat().st_mode) == 0o600
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("x")
+    with pytest.raises(ValueError, match="--responses-dir .* is not a directory"):
+        _store(not_a_folder)

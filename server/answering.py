@@ -89,6 +89,7 @@ class QueryRunner:
         deadline: float | None = None,
         method: str = "Query",
         hits: Sequence[SearchHit] | None = None,
+        reserve: Callable[[int], None] | None = None,
     ) -> AsyncIterator[RunEvent]:
         """Answer one Query: yields one ChunksEvent, TokenEvents, then the QueryStats.
 
@@ -104,6 +105,9 @@ class QueryRunner:
             method: The `method` label of the end-to-end latency histogram.
             hits: The request's chunks, when the cluster's ingress retrieved them (the
                 replica's backend then does not search again); None = retrieve here.
+            reserve: Called with the prompt's tokens once they are known, before any of it is
+                computed (its key's per-minute limit: `PromptBill.reserve`); what it raises
+                refuses the request.
 
         Raises:
             OverloadedError: The queue is full. Anything `prepare`, the scheduler or
@@ -114,6 +118,14 @@ class QueryRunner:
             with self._admission.query_slot():
                 prepared = await loop.run_in_executor(self._retrieve_pool, backend.prepare, query, hits)
                 request: Request = prepared.request
+                if reserve is not None:
+                    try:
+                        reserve(request.prompt_tokens)
+                    except BaseException:
+                        for spot in (request.tree, request.instructions):  # its leases go with it
+                            if spot is not None:
+                                spot.release()
+                        raise
                 request.cancel, request.deadline = cancel, deadline
                 prepared_at = time.perf_counter()
                 outputs: asyncio.Queue[Output] = asyncio.Queue()
@@ -221,12 +233,13 @@ class QueryRunner:
 
 async def answer_events(runner: Answerer, backend: QueryBackend, query: Query, admission: Admission, *,
                         arrived: float, cancel: threading.Event, method: str,
-                        on_stats: Callable[[QueryStats], None]) -> AsyncIterator[RunEvent]:
+                        on_stats: Callable[[QueryStats], None],
+                        reserve: Callable[[int], None] | None = None) -> AsyncIterator[RunEvent]:
     """`runner.run`'s events for `query`, as one RPC of `admission` (a drain waits for it);
-    `on_stats` sees the final stats before they go on (the HTTP API charges the key's prompt
-    tokens there)."""
+    `reserve` sees the prompt's tokens before they are computed, and `on_stats` the final stats
+    before they go on (the HTTP API reserves and settles the key's prompt tokens there)."""
     with admission.rpc():
-        async for event in runner.run(backend, query, arrived=arrived, cancel=cancel, method=method):
+        async for event in runner.run(backend, query, arrived=arrived, cancel=cancel, method=method, reserve=reserve):
             if isinstance(event, QueryStats):
                 on_stats(event)
             yield event

@@ -232,6 +232,37 @@ class KeyRing:
         """Count an answered request's prompt tokens against `caller`'s per-minute limit."""
         self._usage.charge(caller, prompt_tokens)
 
+    def bill(self, caller: Caller) -> PromptBill:
+        """A request's prompt tokens against `caller`'s per-minute limit, reserved before they are computed."""
+        return PromptBill(self._usage, caller)
+
+
+@dataclass(slots=True)
+class PromptBill:
+    """One request's prompt tokens against its key's per-minute limit (`prompt_tokens_per_minute`).
+
+    `reserve` counts them the moment the prompt is known (after retrieval, before any of it is
+    computed), refusing the request when the key is already at its limit; so concurrent requests
+    see each other's tokens, and one cancelled or past its deadline after its prefill is charged
+    all the same. `settle` at the end charges what the answer counted beyond the reservation.
+    """
+
+    _usage: _Usage
+    caller: Caller
+    reserved: int = 0
+
+    def reserve(self, prompt_tokens: int) -> None:
+        """Raises RateLimitedError (nothing reserved) when the key has used its minute's tokens."""
+        self._usage.reserve(self.caller, prompt_tokens)
+        self.reserved += prompt_tokens
+
+    def settle(self, prompt_tokens: int) -> int:
+        """Charge what `prompt_tokens` is past the reservation; returns it (0 when within)."""
+        extra = max(0, prompt_tokens - self.reserved)
+        self._usage.charge(self.caller, extra)
+        self.reserved += extra
+        return extra
+
 
 class _Usage:
     """Per-key sliding one-minute windows of requests and prompt tokens."""
@@ -242,19 +273,31 @@ class _Usage:
         self._requests: dict[str, deque[float]] = {}
         self._tokens: dict[str, deque[tuple[float, int]]] = {}
 
+    def _check_tokens(self, caller: Caller, now: float) -> deque[tuple[float, int]]:
+        """The key's tokens of the last minute (under the lock); RateLimitedError when they are at its limit."""
+        tokens = self._tokens.setdefault(caller.name, deque())
+        while tokens and tokens[0][0] <= now - WINDOW_S:
+            tokens.popleft()
+        used = sum(n for _, n in tokens)
+        if caller.prompt_tokens_per_minute is not None and used >= caller.prompt_tokens_per_minute:
+            wait = tokens[0][0] + WINDOW_S - now
+            raise RateLimitedError(f"API key {caller.name!r} used {used} prompt tokens in the last minute, its "
+                                   f"limit is {caller.prompt_tokens_per_minute}; retry in {wait:.0f} s")
+        return tokens
+
+    def reserve(self, caller: Caller, prompt_tokens: int) -> None:
+        if caller.prompt_tokens_per_minute is None or prompt_tokens <= 0:
+            return
+        now = self._clock()
+        with self._lock:
+            self._check_tokens(caller, now).append((now, prompt_tokens))
+
     def admit(self, caller: Caller) -> None:
         if caller.requests_per_minute is None and caller.prompt_tokens_per_minute is None:
             return
         now = self._clock()
         with self._lock:
-            tokens = self._tokens.setdefault(caller.name, deque())
-            while tokens and tokens[0][0] <= now - WINDOW_S:
-                tokens.popleft()
-            used = sum(n for _, n in tokens)
-            if caller.prompt_tokens_per_minute is not None and used >= caller.prompt_tokens_per_minute:
-                wait = tokens[0][0] + WINDOW_S - now
-                raise RateLimitedError(f"API key {caller.name!r} used {used} prompt tokens in the last minute, its "
-                                       f"limit is {caller.prompt_tokens_per_minute}; retry in {wait:.0f} s")
+            self._check_tokens(caller, now)
             times = self._requests.setdefault(caller.name, deque())
             while times and times[0] <= now - WINDOW_S:
                 times.popleft()

@@ -185,12 +185,17 @@ class OpenAIApi:
         query = validate_query(chat.question, chat.options, self._limits, backend.modes)
         query = self._keys.admit(caller, query, chat.options.cache_salt)
 
-        def charge(stats: QueryStats) -> None:  # the key's prompt tokens, against its per-minute limit
-            self._keys.charge_tokens(caller, stats.usage.prompt_tokens)
-            self._metrics.key_prompt_tokens.labels(caller.label).inc(stats.usage.prompt_tokens)
+        bill = self._keys.bill(caller)  # the key's prompt tokens, against its per-minute limit
+
+        def reserve(prompt_tokens: int) -> None:  # once the prompt is known, before it is computed
+            bill.reserve(prompt_tokens)
+            self._metrics.key_prompt_tokens.labels(caller.label).inc(prompt_tokens)
+
+        def settle(stats: QueryStats) -> None:  # what the answer counted past the reservation
+            self._metrics.key_prompt_tokens.labels(caller.label).inc(bill.settle(stats.usage.prompt_tokens))
 
         events = answer_events(self._runner, backend, query, self._admission, arrived=arrived, cancel=cancel,
-                               method=METHOD, on_stats=charge)
+                               method=METHOD, on_stats=settle, reserve=reserve)
         return Answer(chat, query, events, await begin(events))
 
     async def chat_completions(self, request: Request) -> Response:

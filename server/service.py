@@ -25,7 +25,7 @@ from ragkv import convert
 from ragkv.server.admission import Admission
 from ragkv.server.answering import Answerer, ChunksEvent, TokenEvent
 from ragkv.server.backend import QueryBackend
-from ragkv.server.keys import ANONYMOUS, Caller, KeyRing, PermissionDeniedError, RateLimitedError
+from ragkv.server.keys import ANONYMOUS, Caller, KeyRing, PermissionDeniedError, PromptBill, RateLimitedError
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.status import NotServingError, status_for
 from ragkv.server.validation import RequestLimits, validate_query, validate_retrieve
@@ -109,8 +109,9 @@ class RagService(pb_grpc.RagServiceServicer):
                 remaining = context.time_remaining()
                 deadline = None if remaining is None else time.monotonic() + remaining
                 index = 0
+                bill = self._keys.bill(caller)  # its prompt tokens, reserved once known, before they are computed
                 async for event in self._runner.run(backend, query, arrived=arrived, cancel=cancel,
-                                                    deadline=deadline):
+                                                    deadline=deadline, reserve=lambda n: self._reserve(bill, n)):
                     if isinstance(event, ChunksEvent):
                         yield convert.chunks_response(event.chunks, options.snippet_chars)
                     elif isinstance(event, TokenEvent):
@@ -119,7 +120,7 @@ class RagService(pb_grpc.RagServiceServicer):
                     elif isinstance(event, ToolCallDelta):
                         yield convert.tool_call_response(event)
                     else:
-                        self._charge(caller, event.usage.prompt_tokens)
+                        self._metrics.key_prompt_tokens.labels(caller.label).inc(bill.settle(event.usage.prompt_tokens))
                         yield convert.stats_response(event)
         except asyncio.CancelledError:
             cancel.set()
@@ -131,9 +132,9 @@ class RagService(pb_grpc.RagServiceServicer):
         finally:
             cancel.set()
 
-    def _charge(self, caller: Caller, prompt_tokens: int) -> None:
-        self._keys.charge_tokens(caller, prompt_tokens)
-        self._metrics.key_prompt_tokens.labels(caller.label).inc(prompt_tokens)
+    def _reserve(self, bill: PromptBill, prompt_tokens: int) -> None:
+        bill.reserve(prompt_tokens)
+        self._metrics.key_prompt_tokens.labels(bill.caller.label).inc(prompt_tokens)
 
     async def Retrieve(
         self, request: pb.RetrieveRequest, context: grpc.aio.ServicerContext

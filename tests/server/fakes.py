@@ -99,7 +99,9 @@ class FakeBackend:
     def prepare(self, query: Query, hits: object = None) -> Prepared:
         if self._info(query.collection).name == "mismatch":
             raise IndexMismatchError("index built with model other-model-fp, server runs model-fp")
-        request = Request(mode=query.mode, sampling=query.sampling)
+        # as many prompt tokens as its answer counts (Answered.prompt_tokens below)
+        request = Request(mode=query.mode, sampling=query.sampling,
+                          question_ids=tuple(range(10 + 12 * len(CORPUS[:query.top_k]))))
         request.phase_seconds["retrieve"] = 0.001
         self.asked[request] = query  # the fake answers with the question's words
         return Prepared(request, self.retrieve(query.collection, query.question, query.top_k),

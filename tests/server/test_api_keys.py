@@ -253,3 +253,41 @@ def test_tool_descriptions_count_toward_the_request_limits() -> None:
     for tool in (Tool("lookup", "x" * 20_000), Tool("lookup", "", {"type": "object", "description": "y" * 20_000})):
         with pytest.raises(InvalidArgumentError, match="descriptions"):
             validate_query("q", QueryOptions(tools=(tool,)), limits, frozenset(Mode))
+
+
+def test_prompt_tokens_are_reserved_before_they_are_computed(tmp_path: Path) -> None:
+    """Issue 71: the per-minute prompt tokens were charged only on the final stats, so requests in
+    flight together were all admitted, and one that never finished was never charged. They are
+    reserved once the prompt is known: the second of two concurrent requests is refused, and a
+    request cut short by its deadline still counts."""
+    import concurrent.futures
+
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps([{"name": "small", "key": READER, "prompt_tokens_per_minute": 20}]))
+    backend = FakeBackend(token_delay=0.2, n_pieces=10)  # an answer takes about 2 s
+    st = ServerThread(settings(api_keys_file=path), lambda _: backend)
+    try:
+        with RagClient(st.addr, token=READER, timeout=30, retry=NO_RETRY) as client:
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                first = pool.submit(lambda: client.query("one two").result())
+                deadline = time.monotonic() + 10
+                while not backend.started and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                second = pool.submit(lambda: client.query("three").result())
+                with pytest.raises(grpc.RpcError) as err:
+                    second.result()
+                assert first.result().usage.prompt_tokens > 20  # the first is answered whole
+            assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and "prompt tokens" in err.value.details()
+        st.stop()
+        backend = FakeBackend(token_delay=0.2, n_pieces=10)
+        st = ServerThread(settings(api_keys_file=path), lambda _: backend)
+        with RagClient(st.addr, token=READER, timeout=0.5, retry=NO_RETRY) as client:
+            with pytest.raises(grpc.RpcError) as cut:  # past its deadline mid-answer: charged all the same
+                client.query("one two").result()
+            assert cut.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        with RagClient(st.addr, token=READER, timeout=30, retry=NO_RETRY) as client:
+            with pytest.raises(grpc.RpcError) as err:
+                client.query("three").result()
+            assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        st.stop()

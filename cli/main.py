@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_parser(sub)
     add_bench_parser(sub)
+    from ragkv.cli.system_prompt_eval import add_parser as add_instructions_eval_parser
+
+    add_instructions_eval_parser(sub)
     from ragkv.cli.check_model import add_check_model_parser
 
     add_check_model_parser(sub)

@@ -1,0 +1,65 @@
+"""`python -m ragkv.cli.system_prompt_eval` on the tiny random Llama: its command line parses, both
+paths run on every pair of each split, and at recompute ratio 1.0 the prefix path (the
+instructions in front, the chunks' KV moved after them) is full prefill of the prompt sent."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ragkv.cli import system_prompt_eval as system_prompts
+
+CASES = [
+    {"question": "Who met Bob?", "answers": ["Alice"],
+     "ctxs": [{"title": "Fox", "text": "The quick brown fox jumps over the lazy dog. Alice met Bob."},
+              {"title": "Paris", "text": "Paris is the capital of France. The secret number is 4721."}]},
+    {"question": "What is the secret number?", "answers": ["4721"],
+     "ctxs": [{"title": "Paris", "text": "Paris is the capital of France. The secret number is 4721."},
+              {"title": "ragkv", "text": "ragkv stores the KV cache of every chunk and blends it."}]},
+]
+
+
+@pytest.fixture()
+def dataset(tmp_path: Path) -> Path:
+    path = tmp_path / "qa.json"
+    path.write_text(json.dumps(CASES))
+    return path
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert system_prompts.main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_at_ratio_one_the_prefix_path_is_full_prefill_of_the_prompt_sent(
+        dataset: Path, tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = _run(capsys, "--dataset", str(dataset), "--n", "2", "--ctxs", "2", "--prompts", "2", "--model",
+               str(tiny_llama_dir), "--ratio", "1.0", "--max-new-tokens", "4", "--json")
+    for split in ("tune", "report"):
+        prefix = out[split]["prefix"]
+        assert prefix["n"] == 1 and prefix["kl_mean"] < 1e-4
+        assert prefix["top_token_agreement"] == 1.0 and prefix["f1_vs_full"] == 1.0
+        assert out[split]["suffix"]["n"] == 1
+        assert set(out[split]["ttft_median_s"]) == {"full", "prefix_first", "prefix_second", "suffix", "indexed"}
+    assert out["chosen_on_tune"] == "prefix" and out["ratio"] == 1.0
+    assert all(n != out["index_prefix_tokens"] for n in out["prefix_tokens"])  # other prefixes: chunks move
+
+
+def test_the_built_in_prompts_are_unlike_the_index_and_10_to_300_tokens(smollm2) -> None:
+    from ragkv.cli.dataset import DEFAULT_INSTRUCTION
+
+    tok = smollm2.tokenizer  # the shipped model's tokens
+    assert len(system_prompts.SYSTEM_PROMPTS) >= 6 and DEFAULT_INSTRUCTION not in system_prompts.SYSTEM_PROMPTS
+    lengths = [len(tok(p)["input_ids"]) for p in system_prompts.SYSTEM_PROMPTS]
+    assert min(lengths) >= 10 and max(lengths) <= 300, lengths
+
+
+def test_bad_arguments_name_what_is_wrong(dataset: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        system_prompts.main(["--dataset", str(dataset), "--prompts", "1"])
+    assert "--prompts" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        system_prompts.main(["--dataset", str(dataset.parent / "missing.json")])
+    assert "is not a file" in capsys.readouterr().err

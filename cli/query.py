@@ -47,6 +47,9 @@ def add_query_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    help="bearer token file (default $RAGKV_AUTH_TOKEN)")
     p.add_argument("--tls", action="store_true", help="connect with TLS")
     p.add_argument("--ca-cert", type=Path, default=None, help="PEM CA certificate (implies --tls)")
+    p.add_argument("--insecure", action="store_true",
+                   help="send the token in plaintext to a host that is not this machine (a network you trust); "
+                        "without it a token needs --tls there")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds (default 120)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.set_defaults(func=run_query)
@@ -87,7 +90,8 @@ def run_query(args: argparse.Namespace) -> int:
     from ragkv.client import RagClient
 
     token = args.token_file.read_text().strip() if args.token_file else os.environ.get("RAGKV_AUTH_TOKEN")
-    client = RagClient(args.addr, token=token, tls=args.tls, root_certificates=args.ca_cert, timeout=args.timeout)
+    client = RagClient(args.addr, token=token, tls=args.tls, root_certificates=args.ca_cert, timeout=args.timeout,
+                       insecure=args.insecure)
     started = time.perf_counter()
     first_piece_at: float | None = None
     try:

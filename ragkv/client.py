@@ -313,6 +313,8 @@ class RagClient:
         server_name: TLS name to verify instead of the target's host.
         timeout: Default deadline of each call, seconds.
         retry: Retry policy for UNAVAILABLE.
+        insecure: Send `token` in plaintext to a host that is not this machine (a network you
+            trust; it warns). Without it, a token needs TLS to any host but loopback (ValueError).
     """
 
     def __init__(
@@ -325,11 +327,13 @@ class RagClient:
         server_name: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         retry: RetryPolicy = RetryPolicy(),
+        insecure: bool = False,
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         self._config = ChannelConfig.create(
-            target, token=token, tls=tls, root_certificates=root_certificates, server_name=server_name
+            target, token=token, tls=tls, root_certificates=root_certificates, server_name=server_name,
+            insecure=insecure,
         )
         self._timeout = timeout
         self._retry = retry
@@ -532,11 +536,13 @@ class AsyncRagClient:
         server_name: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         retry: RetryPolicy = RetryPolicy(),
+        insecure: bool = False,
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         self._config = ChannelConfig.create(
-            target, token=token, tls=tls, root_certificates=root_certificates, server_name=server_name
+            target, token=token, tls=tls, root_certificates=root_certificates, server_name=server_name,
+            insecure=insecure,
         )
         self._timeout = timeout
         self._retry = retry

@@ -127,6 +127,8 @@ class _Connection(BaseModel):
     """Connect with TLS (system roots unless root_certificates is given)."""
     root_certificates: str | None = None
     """Path of the PEM CA certificate that signed the server's certificate."""
+    insecure: bool = False
+    """Send api_key in plaintext to a host that is not this machine (a network you trust)."""
     timeout: float | None = Field(default=None, gt=0)
     """Deadline of one call in seconds, a whole Query stream included; None = 120."""
     max_retries: int | None = Field(default=None, ge=0)
@@ -141,6 +143,7 @@ class _Connection(BaseModel):
             "token": self.api_key.get_secret_value() if self.api_key else None,
             "tls": self.tls,
             "root_certificates": self.root_certificates,
+            "insecure": self.insecure,
         }
         if self.timeout is not None:
             kwargs["timeout"] = self.timeout

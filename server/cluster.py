@@ -561,22 +561,40 @@ def start(settings: ServerSettings, cluster: ClusterSettings, *, blocking: bool 
     """
     import ray
 
+    check_ray_auth(cluster.ray_address, settings.insecure_no_auth)  # before joining: a refusal joins nothing
+    # Ray Serve's gRPC proxy reads a message whole before RagService checks its key: bound it as one
+    # process is (a proxy started by this process's Ray inherits it; remote nodes set it themselves)
+    os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(settings.max_request_bytes))
     if not ray.is_initialized():
         _signal_handlers.setdefault(signal.SIGTERM, signal.getsignal(signal.SIGTERM))  # ray.init installs its own
         ray.init(address=cluster.ray_address, include_dashboard=False, log_to_driver=False,
                  **({} if cluster.ray_address else {"num_cpus": max(os.cpu_count() or 1, cluster.replicas + 1)}))
-    check_ray_auth(cluster.ray_address, settings.insecure_no_auth)
     http = {"host": settings.host, "port": settings.http_port or 8000}
     if settings.tls_cert is not None and settings.tls_key is not None:
         http |= {"ssl_certfile": str(settings.tls_cert), "ssl_keyfile": str(settings.tls_key)}
     serve.start(  # a proxy on every node: a load balancer may send a request to any of them
         proxy_location="EveryNode",
         http_options=http,
-        # Ray Serve's gRPC proxy speaks no TLS: with --tls-cert only HTTPS is served (`check_tls`)
-        grpc_options=None if settings.tls_cert is not None else
-        gRPCOptions(port=settings.port, grpc_servicer_functions=list(_SERVICER_FUNCTIONS)),
+        grpc_options=gRPCOptions(port=settings.port, grpc_servicer_functions=list(_SERVICER_FUNCTIONS))
+        if grpc_served(settings) else None,
     )
     return serve.run(build_app(settings, cluster), name=APP_NAME, route_prefix="/", blocking=blocking)
+
+
+def grpc_served(settings: ServerSettings) -> bool:
+    """Whether the cluster serves gRPC. Ray Serve's gRPC proxy speaks no TLS (with --tls-cert only
+    HTTPS is served) and listens on every interface whatever --host says, so without credentials
+    (--api-keys, --auth-token-file) it is not started, unless --insecure-no-auth: then the cluster
+    answers over the HTTP API on --host alone."""
+    if settings.tls_cert is not None:
+        return False
+    if settings.key_ring().enabled or settings.insecure_no_auth:
+        return True
+    log.warning("gRPC is not served: Ray Serve's gRPC proxy listens on every interface whatever --host says, "
+                "and no credentials were given. Give --api-keys or --auth-token-file to serve gRPC (every call then "
+                "needs a key), or --insecure-no-auth on a network you trust; the HTTP API listens on %s",
+                settings.host)
+    return False
 
 
 def ray_token_auth_on() -> bool:

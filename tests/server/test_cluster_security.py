@@ -23,6 +23,8 @@ def started(monkeypatch: pytest.MonkeyPatch) -> dict:
     import ray
 
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setenv("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", "0")  # what start sets is undone after the test
+    monkeypatch.delenv("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE")
     monkeypatch.setattr(cluster.serve, "start", lambda **kw: calls.update(kw))
     monkeypatch.setattr(cluster.serve, "run", lambda *a, **kw: None)
     monkeypatch.setattr(cluster, "build_app", lambda s, c: None)
@@ -36,8 +38,39 @@ def test_tls_reaches_ray_serves_http_proxy_and_no_plaintext_grpc_is_started(star
     assert started["http_options"]["ssl_keyfile"] == str(key)
     assert started["grpc_options"] is None
     started.clear()
-    cluster.start(settings(), cluster.ClusterSettings(2, None, Policy.CHUNK))
+    token = tmp_path / "token"
+    token.write_text("a-token-of-twenty-chars-or-more")
+    cluster.start(settings(auth_token_file=token), cluster.ClusterSettings(2, None, Policy.CHUNK))
     assert "ssl_certfile" not in started["http_options"] and started["grpc_options"] is not None
+
+
+def test_without_credentials_the_grpc_proxy_that_binds_every_interface_is_not_started(
+        started: dict, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 71: Ray Serve's gRPC proxy listens on [::]:PORT whatever --host says, so a cluster
+    with no credentials serves no gRPC (its HTTP API stays on --host); with a key, or when told
+    --insecure-no-auth, it does. The proxy's message bound is --max-request-bytes, not 2 GiB."""
+    import os
+
+    cluster.start(settings(max_request_bytes=1 << 20), cluster.ClusterSettings(1, None, Policy.CHUNK))
+    assert started["grpc_options"] is None and started["http_options"]["host"] == "127.0.0.1"
+    assert "gRPC is not served" in caplog.text
+    assert os.environ["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] == str(1 << 20)
+    started.clear()
+    cluster.start(settings(insecure_no_auth=True), cluster.ClusterSettings(1, None, Policy.CHUNK))
+    assert started["grpc_options"] is not None
+
+
+def test_the_ray_auth_check_runs_before_joining(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    joined: list = []
+    monkeypatch.setenv("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", "0")
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: joined.append(kw))
+    monkeypatch.setattr(cluster, "ray_token_auth_on", lambda: False)
+    with pytest.raises(ValueError, match="RAY_AUTH_MODE=token"):
+        cluster.start(settings(), cluster.ClusterSettings(2, "10.0.0.5:6379", Policy.CHUNK))
+    assert joined == []  # refused before ray.init joined anything
 
 
 def test_joining_a_ray_cluster_without_token_auth_is_refused(started: dict, monkeypatch: pytest.MonkeyPatch) -> None:

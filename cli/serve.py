@@ -69,6 +69,9 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
                             "directory (default off: in memory only, lost on restart)"),
     ("responses_max_count", int, "stored responses at most; the least recently used go first (default 10000)"),
     ("responses_max_bytes", int, "bytes of all stored responses' conversations, as JSON (default 256 MiB)"),
+    ("responses_key_share", float, "while other API keys hold stored responses, a key past this share of "
+                                   "--responses-max-count or --responses-max-bytes drops its own least recently used "
+                                   "first, (0, 1] (default 0.5)"),
     ("responses_max_age_s", float, "seconds a stored response is found after it was stored; older ones are "
                                    "deleted (default 2592000: 30 days)"),
     ("kv_disk_dir", Path, "disk tier directory (default: the index's own)"),

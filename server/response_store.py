@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from ragkv.atomic import private_dir, write_bytes
 from ragkv.errors import RagKVError
+from ragkv.types import SALT_SEP
 
 if TYPE_CHECKING:
     from ragkv.server.settings import ServerSettings
@@ -76,6 +77,9 @@ class ResponseStore:
         max_entry_bytes: Bytes of one response's conversation and response object, as JSON.
         max_bytes: Bytes of all of them.
         max_age_s: Seconds a response is found after it was stored.
+        key_share: While other keys hold responses here, a key past this share of `max_entries`
+            or `max_bytes` makes room from its own least recently used (a tenant's key is its part
+            before `SALT_SEP`): one key's `store=true` flood cannot drop every other key's.
         directory: Where each response is a file; None = memory only (lost on restart).
         clock: Unix seconds now (tests pass their own).
 
@@ -85,10 +89,14 @@ class ResponseStore:
 
     def __init__(self, max_entries: int = MAX_RESPONSES, max_entry_bytes: int = MAX_ENTRY_BYTES,
                  max_bytes: int = MAX_STORE_BYTES, max_age_s: float = MAX_AGE_S, directory: Path | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, key_share: float = 0.5) -> None:
         if min(max_entries, max_entry_bytes, max_bytes) < 1 or not 0 < max_age_s < math.inf:
             raise ValueError(f"max_entries, max_entry_bytes, max_bytes and max_age_s must be > 0 (and max_age_s "
                              f"finite), got {max_entries}, {max_entry_bytes}, {max_bytes}, {max_age_s}")
+        if not 0 < key_share <= 1:
+            raise ValueError(f"key_share must be in (0, 1], got {key_share}")
+        self.key_share = key_share
+        self._held: dict[str, list[int]] = {}  # key -> [responses, bytes] it holds
         self.max_entries, self.max_entry_bytes, self.max_bytes = max_entries, max_entry_bytes, max_bytes
         self.max_age_s = max_age_s
         self.directory = None if directory is None else Path(directory)
@@ -104,7 +112,8 @@ class ResponseStore:
     def from_settings(cls, settings: ServerSettings) -> ResponseStore:
         """The store `ragkv serve --responses-*` describes."""
         return cls(max_entries=settings.responses_max_count, max_bytes=settings.responses_max_bytes,
-                   max_age_s=settings.responses_max_age_s, directory=settings.responses_dir)
+                   max_age_s=settings.responses_max_age_s, directory=settings.responses_dir,
+                   key_share=settings.responses_key_share)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -131,7 +140,7 @@ class ResponseStore:
             self._write(response_id, entry)
         with self._lock:
             self._insert(response_id, entry)
-            dropped = self._expired() + self._over_bounds()
+            dropped = self._expired() + self._over_bounds(_key(tenant))
         self._unlink(dropped)
         return True
 
@@ -168,11 +177,18 @@ class ResponseStore:
         self._entries[response_id] = entry
         self._stored[response_id] = entry.created_at
         self._bytes += entry.size
+        held = self._held.setdefault(_key(entry.tenant), [0, 0])
+        held[0], held[1] = held[0] + 1, held[1] + entry.size
 
     def _remove(self, response_id: str) -> None:
         entry = self._entries.pop(response_id)
         del self._stored[response_id]
         self._bytes -= entry.size
+        key = _key(entry.tenant)
+        held = self._held[key]
+        held[0], held[1] = held[0] - 1, held[1] - entry.size
+        if not held[0]:
+            del self._held[key]
 
     def _expired(self) -> list[str]:
         """Drop the responses past their age (oldest first: they lead `_stored`); their ids."""
@@ -186,11 +202,17 @@ class ResponseStore:
             out.append(response_id)
         return out
 
-    def _over_bounds(self) -> list[str]:
-        """Drop least recently used responses until the count and bytes are within bounds; their ids."""
+    def _over_bounds(self, key: str | None = None) -> list[str]:
+        """Drop least recently used responses until the count and bytes are within bounds; their ids.
+        The room for `key`'s new response comes from its own while it is past its share and
+        other keys hold responses (`key_share`)."""
         out = []
         while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
             response_id = next(iter(self._entries))
+            held = self._held.get(key or "", [0, 0])
+            if key is not None and len(self._held) > 1 and (held[0] > self.key_share * self.max_entries
+                                                            or held[1] > self.key_share * self.max_bytes):
+                response_id = next(i for i, e in self._entries.items() if _key(e.tenant) == key)
             self._remove(response_id)
             out.append(response_id)
         return out
@@ -257,3 +279,8 @@ def _read(path: Path) -> tuple[str, StoredResponse] | None:
     items_t = tuple(items)
     return response_id, StoredResponse(tenant, items_t, response, ResponseStore.size_of(items, response),
                                        float(created))
+
+
+def _key(tenant: str) -> str:
+    """The API key a tenant belongs to (its cache salt left out): what a share counts."""
+    return tenant.partition(SALT_SEP)[0]

@@ -428,6 +428,7 @@ class ResponsesApi:
                 entry = self.store.get(prev_id, tenant)
                 if entry is None:
                     raise UnknownResponseError(prev_id, "previous_response_id")
+                caller.check_collection(str(entry.response.get("model", "")))  # its key's collections now
                 previous = entry.items
             parsed = parse_request(body, previous)
             origins = parsed.origins
@@ -575,6 +576,8 @@ class ResponsesApi:
                 entry = self.store.get(response_id, tenant)
                 if entry is None:
                     raise UnknownResponseError(response_id, None)
+                # the key's collections now, not when it was stored (a key file changed since)
+                caller.check_collection(str(entry.response.get("model", "")))
                 return JSONResponse(entry.response)
         except Exception as exc:
             return self._error(exc, RETRIEVE, caller)

@@ -125,6 +125,8 @@ class ServerSettings:
     responses_max_count: int = 10_000  # stored responses at most; least recently used dropped first
     responses_max_bytes: int = 256 * 1024**2  # bytes of all stored conversations and responses, as JSON
     responses_max_age_s: float = 30 * 86400.0  # seconds a stored response is found after it was stored
+    # while other keys hold stored responses, a key past this share of the count or bytes drops its own first
+    responses_key_share: float = 0.5
     kv_disk_dir: Path | None = None  # disk tier directory; None = the index's own
     kv_s3_uri: str | None = None  # s3://bucket/prefix of the S3 tier; None = off
     # write KV computed at serve time back to the S3 tier; off = read S3 only (the deploy's serving
@@ -219,6 +221,8 @@ class ServerSettings:
                 or not 0 < self.responses_max_age_s < float("inf"):
             raise ValueError(f"responses_max_count, responses_max_bytes and responses_max_age_s must be > 0, got "
                              f"{self.responses_max_count}, {self.responses_max_bytes}, {self.responses_max_age_s}")
+        if not 0.0 < self.responses_key_share <= 1.0:
+            raise ValueError(f"responses_key_share must be in (0, 1], got {self.responses_key_share}")
         if self.retrieve_workers < 1:
             raise ValueError(f"retrieve_workers must be >= 1, got {self.retrieve_workers}")
         if self.kv_compression not in ("auto", "none", "int8", "fp8", "int4", "int2"):

@@ -182,3 +182,24 @@ def test_the_directory_is_the_servers_only_and_a_wider_one_is_tightened(tmp_path
     not_a_folder.write_text("x")
     with pytest.raises(ValueError, match="--responses-dir .* is not a directory"):
         _store(not_a_folder)
+
+
+def test_one_keys_flood_drops_its_own_responses_not_every_keys() -> None:
+    """Issue 71: the store's LRU was global, so one key's store=true flood dropped every tenant's
+    responses. Past its share (while others hold some) a key makes room from its own; salts of
+    one key count as that key."""
+    store = ResponseStore(max_entries=10, clock=Clock(), key_share=0.5)
+    for i in range(3):
+        assert store.put(f"resp_bob_{i}", "bob", ITEMS, _response(f"resp_bob_{i}"))
+    for i in range(30):  # alice, a new salt each time
+        assert store.put(f"resp_alice_{i}", f"alice\x1fsalt-{i}", ITEMS, _response(f"resp_alice_{i}"))
+    assert len(store) == 10
+    assert all(store.get(f"resp_bob_{i}", "bob") is not None for i in range(3))
+    assert store.get("resp_alice_29", "alice\x1fsalt-29") is not None  # her newest is kept
+    # a key alone in the store may fill it
+    solo = ResponseStore(max_entries=4, clock=Clock(), key_share=0.5)
+    for i in range(6):
+        solo.put(f"resp_{i}", "alice", ITEMS, _response(f"resp_{i}"))
+    assert len(solo) == 4
+    with pytest.raises(ValueError, match="key_share"):
+        ResponseStore(key_share=0)

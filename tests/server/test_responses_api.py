@@ -389,3 +389,29 @@ def test_openai_agents_sdk_runs_an_agent_with_a_function_tool(http_server: Serve
     history = backend.params[-1].history
     assert history[0] == ChatTurn(ChatRole.USER, "what is the weather in Paris") and len(history) == 4
     assert history[-1] == ChatTurn(ChatRole.ASSISTANT, "what is the weather in Paris ")
+
+
+def test_a_stored_response_is_read_under_its_keys_collections_now(tmp_path: Path) -> None:
+    """Issue 71: GET and previous_response_id check the key's collections when they read, not
+    when the response was stored: a key that lost a collection (its key file changed, the server
+    restarted over the same --responses-dir) can no longer read what it stored there."""
+    alice = "alice-secret-0123456789"
+    keys, responses = tmp_path / "keys.json", tmp_path / "responses"
+    keys.write_text(json.dumps([{"name": "alice", "key": alice, "collections": ["default"]}]))
+    before = ServerThread(settings(api_keys_file=keys, http_port=0, responses_dir=responses),
+                          lambda _: RecordingBackend())
+    try:
+        stored = _client(before, alice).responses.create(model="default", input="alice private words")
+    finally:
+        before.stop()
+    keys.write_text(json.dumps([{"name": "alice", "key": alice, "collections": ["other"]}]))
+    after = ServerThread(settings(api_keys_file=keys, http_port=0, responses_dir=responses),
+                         lambda _: RecordingBackend())
+    try:
+        for attempt in (lambda: _client(after, alice).responses.retrieve(stored.id),
+                        lambda: _client(after, alice).responses.create(model="other", input="go on",
+                                                                       previous_response_id=stored.id)):
+            with pytest.raises(openai.PermissionDeniedError):
+                attempt()
+    finally:
+        after.stop()

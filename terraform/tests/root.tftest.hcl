@@ -120,6 +120,16 @@ run "public_ingress_is_refused_at_the_root" {
   expect_failures = [var.allowed_cidrs]
 }
 
+run "public_ingress_split_in_halves_is_refused_at_the_root" {
+  command = plan
+
+  variables {
+    allowed_cidrs = ["0.0.0.0/1", "128.0.0.0/1"]
+  }
+
+  expect_failures = [var.allowed_cidrs]
+}
+
 run "serving_needs_api_keys" {
   command = plan
 

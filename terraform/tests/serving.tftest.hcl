@@ -165,6 +165,20 @@ run "public_ingress_is_refused" {
   expect_failures = [var.allowed_cidrs]
 }
 
+run "public_ingress_in_large_blocks_is_refused" {
+  command = plan
+
+  module {
+    source = "./modules/serving"
+  }
+
+  variables {
+    allowed_cidrs = ["10.0.0.0/8", "0.0.0.0/2", "64.0.0.0/2", "128.0.0.0/1"]
+  }
+
+  expect_failures = [var.allowed_cidrs]
+}
+
 run "iam_is_limited_to_the_kv_prefix_and_key" {
   command = plan
 
@@ -417,6 +431,16 @@ run "autoscaling_group_behind_nlb" {
   assert {
     condition     = alltrue([for r in aws_vpc_security_group_ingress_rule.lb_cidr : r.cidr_ipv4 != "0.0.0.0/0"])
     error_message = "The load balancer must not admit the whole internet."
+  }
+
+  assert {
+    condition     = alltrue([for r in aws_vpc_security_group_ingress_rule.cidr : r.from_port != 50051])
+    error_message = "Behind the load balancer, clients reach gRPC through its TLS listener only, never the instances' plaintext port."
+  }
+
+  assert {
+    condition     = length([for r in aws_vpc_security_group_ingress_rule.lb_cidr : r if r.from_port == 50051]) == 2
+    error_message = "The load balancer admits the named clients to its gRPC listener."
   }
 
   assert {

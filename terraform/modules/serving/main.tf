@@ -110,13 +110,15 @@ locals {
   use_asg          = var.create_autoscaling_group || var.ray_cluster
   standalone_count = local.use_asg ? 0 : var.instance_count
 
-  # Ingress to the instances: gRPC (and metrics, when it listens beyond loopback) from the
-  # named CIDRs and security groups; gRPC and the health bridge from the load balancer.
-  # Keys are indexes, not values, so ids unknown at plan time still work.
+  # Ingress to the instances: metrics (when it listens beyond loopback) from the named CIDRs and
+  # security groups; gRPC (and a cluster's HTTP API) from them only when there is no load
+  # balancer: behind one, clients reach the API through its TLS listeners alone, never the
+  # instances' plaintext ports (the load balancer's own group admits them). Keys are indexes,
+  # not values, so ids unknown at plan time still work.
   client_ports = merge(
-    { grpc = var.grpc_port },
+    var.create_load_balancer ? {} : { grpc = var.grpc_port },
     local.metrics_in_vpc ? { metrics = var.metrics_port } : {},
-    var.ray_cluster ? { http = var.http_port } : {},
+    var.ray_cluster && !var.create_load_balancer ? { http = var.http_port } : {},
   )
   cidr_ingress = merge([
     for port_name, port in local.client_ports : {

@@ -190,6 +190,17 @@ run "job_role_reads_corpus_and_writes_only_its_prefixes" {
   }
 
   assert {
+    condition = anytrue([
+      for s in jsondecode(aws_iam_role_policy.job.policy).Statement :
+      contains(flatten([s.Action]), "s3:PutObject") && contains(flatten([s.Resource]), "arn:aws:s3:::ragkv-test-kv/${var.index_prefix}/${var.index_version}/*")
+      ]) && alltrue([
+      for s in jsondecode(aws_iam_role_policy.job.policy).Statement :
+      !contains(flatten([s.Resource]), "arn:aws:s3:::ragkv-test-kv/${var.index_prefix}/*")
+    ])
+    error_message = "The jobs write their own index version only, never every version under the index prefix."
+  }
+
+  assert {
     condition = alltrue([
       for s in jsondecode(aws_iam_role_policy.job.policy).Statement :
       !contains(flatten([s.Resource]), "*") && !contains(flatten([s.Action]), "s3:*")

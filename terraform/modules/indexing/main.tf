@@ -169,10 +169,12 @@ resource "aws_iam_role_policy" "job" {
           }
         },
         {
+          # its own index version only: a job (which parses untrusted documents) never rewrites
+          # another version, the one the serving tier runs included
           Sid      = "ReadWriteKVAndIndex"
           Effect   = "Allow"
           Action   = ["s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload"]
-          Resource = ["${var.kv_bucket_arn}/${var.kv_prefix}/*", "${var.kv_bucket_arn}/${var.index_prefix}/*"]
+          Resource = ["${var.kv_bucket_arn}/${var.kv_prefix}/*", "${var.kv_bucket_arn}/${var.index_prefix}/${var.index_version}/*"]
         },
         {
           # The S3 tier deletes an object that fails verification, so a later put can replace it.

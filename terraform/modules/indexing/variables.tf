@@ -200,7 +200,7 @@ variable "index_prefix" {
 }
 
 variable "index_version" {
-  description = "Default index version the jobs write, s3://{bucket}/{index_prefix}/{index_version}; override INDEX_OUT_URI at submit time for a new version."
+  description = "The index version the jobs write, s3://{bucket}/{index_prefix}/{index_version}: their role may write under it alone (not other versions), so a new version is a new apply with this set."
   type        = string
   default     = "latest"
 }

@@ -77,26 +77,36 @@ class PathRow:
 
 @dataclass
 class Split:
-    """The rows and timings of one split (tune or report)."""
+    """The rows and timings of one split (tune or report): the suffix path at the first ratio, the
+    prefix path at each ratio (`prefix@R`)."""
 
-    paths: dict[str, PathRow] = field(default_factory=lambda: {"prefix": PathRow(), "suffix": PathRow()})
-    ttft: dict[str, list[float]] = field(default_factory=lambda: {
-        "full": [], "prefix_first": [], "prefix_second": [], "suffix": [], "indexed": []})
+    ratios: tuple[float, ...]
+    paths: dict[str, PathRow] = field(default_factory=dict)
+    ttft: dict[str, list[float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("suffix", *(f"prefix@{r:g}" for r in self.ratios)):
+            self.paths.setdefault(name, PathRow())
+        for name in ("full", "indexed", "suffix", *(f"prefix_first@{r:g}" for r in self.ratios),
+                     *(f"prefix_second@{r:g}" for r in self.ratios)):
+            self.ttft.setdefault(name, [])
 
     def summary(self) -> dict:
         med = {k: statistics.median(v) for k, v in self.ttft.items() if v}
         out: dict = {name: row.summary() for name, row in self.paths.items()}
         out["ttft_median_s"] = med
         if med:
-            out["speedup_first_call"] = med["full"] / med["prefix_first"]
-            out["second_call_vs_indexed"] = med["prefix_second"] / med["indexed"]
             out["speedup_suffix"] = med["full"] / med["suffix"]
+            for r in self.ratios:
+                out[f"speedup_first_call@{r:g}"] = med["full"] / med[f"prefix_first@{r:g}"]
+                out[f"second_call_vs_indexed@{r:g}"] = med[f"prefix_second@{r:g}"] / med["indexed"]
         return out
 
 
-def run(engine, cases: Sequence, prompts: Sequence[str], ratio: float, max_new_tokens: int,
+def run(engine, cases: Sequence, prompts: Sequence[str], ratios: Sequence[float], max_new_tokens: int,
         progress=lambda x: x) -> Split:
-    """Both paths on every (case, system prompt) pair of the cases and prompts given."""
+    """Both paths on every (case, system prompt) pair of the cases and prompts given: the suffix
+    path and the indexed prompt at `ratios[0]` (the server's default), the prefix path at each."""
     import torch
 
     from ragkv.engine import BlendOptions
@@ -107,18 +117,23 @@ def run(engine, cases: Sequence, prompts: Sequence[str], ratio: float, max_new_t
 
     idx = engine.prompt  # the index's layout: its system prompt is in the prefix the chunks follow
     index_prefix = idx.prefix_ids()
-    opts = BlendOptions(recompute_ratio=ratio)
     params = SamplingParams(max_new_tokens=max_new_tokens)
-    out = Split()
+    out = Split(tuple(ratios))
 
-    def timed(prompt: Prompt, mode: Mode):
+    def timed(prompt: Prompt, mode: Mode, ratio: float = ratios[0]):
         t = time.perf_counter()
-        res = engine.run(prompt, mode, options=opts)
+        res = engine.run(prompt, mode, options=BlendOptions(recompute_ratio=ratio))
         res.logits.cpu()
         return res, time.perf_counter() - t
 
     def answer(res) -> str:
         return "".join(engine.decode(res, params))
+
+    def score(name: str, ref, ref_answer: str, res) -> None:
+        row = out.paths[name]
+        row.kl.append(kl_divergence(ref.logits, res.logits))
+        row.first.append(bool(torch.equal(ref.logits.argmax(), res.logits.argmax())))
+        row.f1.append(token_f1(answer(res), ref_answer))
 
     for case in progress(list(cases)):
         chunk_ids = [idx.chunk_ids(c) for c in case.chunks]
@@ -132,28 +147,36 @@ def run(engine, cases: Sequence, prompts: Sequence[str], ratio: float, max_new_t
             full_ids = [*own_prefix, *(t for ids in chunk_ids for t in ids), *q_own]
             ref, t_full = timed(Prompt(full_ids), Mode.FULL)
             ref_answer = answer(ref)
-            t = time.perf_counter()
-            own_kv = engine.prefill((), own_prefix)  # a first call computes its instructions
-            t_own = time.perf_counter() - t
-            moved = [kv.moved(len(own_prefix) - len(index_prefix)) for kv in kvs]
-            pre, t_pre = timed(Prompt(q_own, own_prefix, chunk_ids, moved, prefix_kv=own_kv), Mode.BLEND)
             q_suffix = idx.question_ids(case.question, before=f"{system.strip()}\n\n")
             suf, t_suf = timed(Prompt(q_suffix, index_prefix, chunk_ids, kvs), Mode.BLEND)
-            for name, res in (("prefix", pre), ("suffix", suf)):
-                row = out.paths[name]
-                row.kl.append(kl_divergence(ref.logits, res.logits))
-                row.first.append(bool(torch.equal(ref.logits.argmax(), res.logits.argmax())))
-                row.f1.append(token_f1(answer(res), ref_answer))
-            for k, v in (("full", t_full), ("prefix_first", t_own + t_pre), ("prefix_second", t_pre),
-                         ("suffix", t_suf), ("indexed", t_indexed)):
-                out.ttft[k].append(v)
+            score("suffix", ref, ref_answer, suf)
+            out.ttft["full"].append(t_full)
+            out.ttft["suffix"].append(t_suf)
+            out.ttft["indexed"].append(t_indexed)
+            moved = [kv.moved(len(own_prefix) - len(index_prefix)) for kv in kvs]
+            for r in ratios:
+                t = time.perf_counter()
+                own_kv = engine.prefill((), own_prefix)  # a first call computes its instructions
+                t_own = time.perf_counter() - t
+                pre, t_pre = timed(Prompt(q_own, own_prefix, chunk_ids, moved, prefix_kv=own_kv), Mode.BLEND, r)
+                score(f"prefix@{r:g}", ref, ref_answer, pre)
+                out.ttft[f"prefix_first@{r:g}"].append(t_own + t_pre)
+                out.ttft[f"prefix_second@{r:g}"].append(t_pre)  # a second call reads them (the KV tree)
     return out
 
 
-def choose(tune: Split) -> str:
-    """The path to ship: the lower mean KL on the tune split (F1-vs-full breaks a tie)."""
+def choose(tune: Split, kl_target: float) -> tuple[str, float]:
+    """The setting to ship, from the tune split: the path with the lower KL at the default ratio
+    (F1-vs-full breaks a tie), and for the prefix path the smallest ratio whose mean KL meets
+    `kl_target` (the largest tried when none does)."""
     s = {name: row.summary() for name, row in tune.paths.items()}
-    return min(s, key=lambda name: (round(float(s[name]["kl_mean"]), 4), -float(s[name]["f1_vs_full"])))
+    base = tune.ratios[0]
+    prefix, suffix = s[f"prefix@{base:g}"], s["suffix"]
+    if (round(float(suffix["kl_mean"]), 4), -float(suffix["f1_vs_full"])) < \
+            (round(float(prefix["kl_mean"]), 4), -float(prefix["f1_vs_full"])):
+        return "suffix", base
+    meets = [r for r in sorted(tune.ratios) if float(s[f"prefix@{r:g}"]["kl_mean"]) <= kl_target]
+    return "prefix", meets[0] if meets else max(tune.ratios)
 
 
 _DESCRIPTION = ("Serve system prompts unlike the index's over its chunk KV two ways (instructions in front, "
@@ -169,7 +192,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=int, default=30, help="questions (default 30): the first half tune, the rest report")
     p.add_argument("--ctxs", type=int, default=5, help="passages per question (default 5)")
     p.add_argument("--model", default="smollm2-135m-instruct", help="a shipped model's name or an HF model folder")
-    p.add_argument("--ratio", type=float, default=None, help="blend's recompute ratio (default: the server's)")
+    p.add_argument("--ratios", default=None, metavar="R[,R...]",
+                   help="recompute ratios the prefix path is tried at (default: the server's default ratio, "
+                        "then 0.2 and 0.3); the first is the suffix path's and the indexed prompt's")
+    p.add_argument("--kl-target", type=float, default=0.02,
+                   help="the prefix path's ratio is the smallest whose mean KL on the tune split meets this "
+                        "(default 0.02)")
     p.add_argument("--prompts", type=int, default=len(SYSTEM_PROMPTS),
                    help=f"system prompts used, of the {len(SYSTEM_PROMPTS)} built in (default all)")
     p.add_argument("--max-new-tokens", type=int, default=24, help="greedy answer length (default 24)")
@@ -201,19 +229,32 @@ def run_command(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     from ragkv.engine import Engine, load_model
     from ragkv.server.settings import ServerSettings
 
-    ratio = ServerSettings().default_recompute_ratio if args.ratio is None else args.ratio
+    try:
+        ratios = [ServerSettings().default_recompute_ratio, 0.2, 0.3] if args.ratios is None else \
+            [float(r) for r in args.ratios.split(",")]
+    except ValueError:
+        p.error(f"--ratios must be numbers separated by commas, got {args.ratios!r}")
+    if not all(0 <= r <= 1 for r in ratios):
+        p.error(f"--ratios must be in [0, 1], got {args.ratios!r}")
     cases, _ = load_dataset(args.dataset, n=args.n, ctxs=args.ctxs)
     prompts = SYSTEM_PROMPTS[:args.prompts]
     engine = Engine(load_model(args.model), system_prompt=DEFAULT_INSTRUCTION)
     half = len(cases) // 2
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
     say(f"tune: {half} questions x {len(prompts[0::2])} prompts; report: {len(cases) - half} x {len(prompts[1::2])}")
-    tune = run(engine, cases[:half], prompts[0::2], ratio, args.max_new_tokens)
-    chosen = choose(tune)
-    report = run(engine, cases[half:], prompts[1::2], ratio, args.max_new_tokens)
+    tune = run(engine, cases[:half], prompts[0::2], ratios, args.max_new_tokens)
+    path, ratio = choose(tune, args.kl_target)
+    report = run(engine, cases[half:], prompts[1::2], ratios, args.max_new_tokens)
     index_prefix = len(engine.prompt.prefix_ids())
-    result = {"model": args.model, "ratio": ratio, "ctxs": args.ctxs, "chosen_on_tune": chosen,
-              "tune": tune.summary(), "report": report.summary(),
+    name = "suffix" if path == "suffix" else f"prefix@{ratio:g}"
+    reported = report.summary()
+    result = {"model": args.model, "ratios": ratios, "ctxs": args.ctxs, "kl_target": args.kl_target,
+              "chosen_on_tune": {"path": path, "ratio": ratio},
+              "report_of_chosen": {**reported[name],
+                                   **({} if path == "suffix" else {
+                                       "speedup_first_call": reported[f"speedup_first_call@{ratio:g}"],
+                                       "second_call_vs_indexed": reported[f"second_call_vs_indexed@{ratio:g}"]})},
+              "tune": tune.summary(), "report": reported,
               "prompt_tokens": [len(engine.lm.tokenizer(s)["input_ids"]) for s in prompts],
               "prefix_tokens": [len(engine.prompt.with_system(s).prefix_ids()) for s in prompts],
               "index_prefix_tokens": index_prefix}

@@ -36,14 +36,18 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
 def test_at_ratio_one_the_prefix_path_is_full_prefill_of_the_prompt_sent(
         dataset: Path, tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = _run(capsys, "--dataset", str(dataset), "--n", "2", "--ctxs", "2", "--prompts", "2", "--model",
-               str(tiny_llama_dir), "--ratio", "1.0", "--max-new-tokens", "4", "--json")
+               str(tiny_llama_dir), "--ratios", "0.5,1.0", "--max-new-tokens", "4", "--json")
     for split in ("tune", "report"):
-        prefix = out[split]["prefix"]
-        assert prefix["n"] == 1 and prefix["kl_mean"] < 1e-4
-        assert prefix["top_token_agreement"] == 1.0 and prefix["f1_vs_full"] == 1.0
-        assert out[split]["suffix"]["n"] == 1
-        assert set(out[split]["ttft_median_s"]) == {"full", "prefix_first", "prefix_second", "suffix", "indexed"}
-    assert out["chosen_on_tune"] == "prefix" and out["ratio"] == 1.0
+        exact = out[split]["prefix@1"]
+        assert exact["n"] == 1 and exact["kl_mean"] < 1e-4
+        assert exact["top_token_agreement"] == 1.0 and exact["f1_vs_full"] == 1.0
+        assert out[split]["suffix"]["n"] == out[split]["prefix@0.5"]["n"] == 1
+        assert {"full", "indexed", "suffix", "prefix_first@1", "prefix_second@0.5"} <= set(out[split]["ttft_median_s"])
+    # the smallest ratio meeting the KL target on the tune split: 1.0 (exact) when 0.5 does not
+    chosen = out["chosen_on_tune"]
+    assert chosen["path"] == "prefix" and chosen["ratio"] in (0.5, 1.0)
+    assert chosen["ratio"] == 1.0 or out["tune"]["prefix@0.5"]["kl_mean"] <= out["kl_target"]
+    assert out["report_of_chosen"]["n"] == 1 and "speedup_first_call" in out["report_of_chosen"]
     assert all(n != out["index_prefix_tokens"] for n in out["prefix_tokens"])  # other prefixes: chunks move
 
 

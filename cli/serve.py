@@ -109,6 +109,9 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
                                     "API: until the model stops, up to the context left and --max-new-tokens)"),
     ("max_new_tokens", int, "the longest answer: the largest max_tokens accepted, and the cap on an answer "
                             "that sets none (default 1024)"),
+    ("system_prompt_recompute_ratio", float, "blend's recompute ratio for a request with its own system prompt "
+                                             "(--system-prompt-policy prefix) that sets none: none of its chunks' KV "
+                                             "is exact after another prefix (default: --default-recompute-ratio)"),
     ("system_prompt_policy", str, "a request whose system message is not the one its index was built with: "
                                   "prefix computes it in front of the chunks (their KV moved after it and "
                                   "blended; each tenant's are kept in its KV tree), suffix places it after the "
@@ -209,6 +212,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     # fail closed before anything is fetched or loaded: no credentials, no network listener
     check_exposure(settings.host, settings.key_ring(), settings.insecure_no_auth)
+    settings.served_model("")  # an s3:// index needs --model: refused before anything is fetched
     if args.replicas is not None and settings.tls_cert is not None:
         logging.getLogger(__name__).warning(
             "--replicas with --tls-cert: Ray Serve's HTTP proxy serves HTTPS on --http-port; its gRPC proxy "

@@ -326,7 +326,7 @@ class IngressBackend:
         self._focus_handover = settings.focus_handover
         self._engines = engines
         first = next(iter(self._retrievers.values()), None)
-        self._modes = _served_modes(settings.model or (first.manifest.model_spec if first else None))
+        self._modes = _served_modes(settings.served_model(first.manifest.model_spec) if first else settings.model)
 
     @property
     def modes(self) -> frozenset[Mode]:

@@ -224,14 +224,16 @@ class Pipeline:
             question's attention needs more than its ratio (BlendOptions.fallback_full); None = off.
         system_prompt_policy: a request's own system message (not its index's): "prefix" computes
             it in front of the chunks, "suffix" places it after them, "strict" refuses it.
+        system_prompt_ratio: blend's ratio for a prefix-policy request that sets none (None: its own).
     """
 
     def __init__(self, engine: Engine, collections: dict[str, Collection],
                  focus: FocusOptions = FocusOptions(handover=True), kv_layered: bool = True,
                  controller: LoadingController | None = None, quality_guard_mass: float | None = None,
-                 system_prompt_policy: str = "prefix") -> None:
+                 system_prompt_policy: str = "prefix", system_prompt_ratio: float | None = None) -> None:
         self.engine = engine
         self._system_policy = system_prompt_policy  # ServerSettings.system_prompt_policy
+        self._system_ratio = system_prompt_ratio  # ServerSettings.system_prompt_recompute_ratio
         self._formats: OrderedDict[str, PromptFormat] = OrderedDict()  # requests' own system prompts' layouts
         self._formats_lock = threading.Lock()
         self._focus = focus
@@ -259,7 +261,7 @@ class Pipeline:
         retrievers = {spec.name: (spec.index_dir, Retriever.open(spec.index_dir, device=settings.device, **search))
                       for spec in settings.indexes}
         first = next(iter(retrievers.values()))[1]
-        lm = load_model(settings.model or first.manifest.model_spec, device=settings.device,
+        lm = load_model(settings.served_model(first.manifest.model_spec), device=settings.device,
                         dtype=settings.dtype.value)
         gate_model(lm, skip=not settings.model_check)
         return cls.from_parts(Engine(lm), retrievers, settings)  # from_parts gives it its KV tree
@@ -303,7 +305,7 @@ class Pipeline:
             engine.prefill(list(first.prefix_ids), ids)
             engine.speed.observe(len(ids), time.perf_counter() - t0)
         return cls(engine, collections, settings.focus(), settings.kv_layered, controller, settings.quality_guard_mass,
-                   settings.system_prompt_policy)
+                   settings.system_prompt_policy, settings.system_prompt_recompute_ratio)
 
     @property
     def modes(self) -> frozenset[Mode]:
@@ -456,7 +458,7 @@ class Pipeline:
             kv_keys=tuple(c.kv_key(h, query.mode, self.lm.fingerprint, self.lm.tokenizer_fingerprint,
                                    self._focus.handover, first=i == 0) for i, h in enumerate(found.hits)),
             token_ids=tuple(tuple(h.token_ids) for h in found.hits), question_ids=tuple(question_ids),
-            select_ids=None if select_ids is None else tuple(select_ids), options=self._options(query),
+            select_ids=None if select_ids is None else tuple(select_ids), options=self._options(query, own),
             sampling=sampling, length_limit=length_limit, chunk_prefix_ids=c.prefix_ids if own else None,
             system_prompt=path)
         return plan
@@ -605,11 +607,15 @@ class Pipeline:
                     f"(max_tokens): {prompt_tokens + max_new} tokens, more than the model's context "
                     f"of {limit}; send fewer or shorter turns, fewer chunks (top_k), or a smaller max_tokens")
 
-    def _options(self, params: Query) -> BlendOptions:
-        """How this request's mode blends, from its ratio and the server's focus and guard settings."""
+    def _options(self, params: Query, own_instructions: bool = False) -> BlendOptions:
+        """How this request's mode blends, from its ratio and the server's focus and guard settings;
+        a request with its own instructions in front that sets no ratio takes the server's for those."""
+        ratio = params.recompute_ratio
+        if own_instructions and not params.recompute_ratio_set and self._system_ratio is not None:
+            ratio = self._system_ratio
         guard = {} if self._guard_mass is None else {  # exactly the ratio's tokens, or full prefill
-            "adaptive_mass": self._guard_mass, "min_ratio": params.recompute_ratio, "fallback_full": True}
-        return BlendOptions(recompute_ratio=params.recompute_ratio, focus=self._focus, **guard)
+            "adaptive_mass": self._guard_mass, "min_ratio": ratio, "fallback_full": True}
+        return BlendOptions(recompute_ratio=ratio, focus=self._focus, **guard)
 
     def _persist(self, c: Collection, key: ChunkKey, kv: ChunkKV) -> None:
         try:

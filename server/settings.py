@@ -148,6 +148,9 @@ class ServerSettings:
     # fraction of chunk tokens: with the selector over three layers, 0.15 is as close to full prefill as
     # 0.2 over one was, at about 4x (docs/quality.md, issue 39)
     default_recompute_ratio: float = 0.15
+    # blend's ratio for a request that brings its own system prompt (prefix policy) and sets no ratio:
+    # every chunk then follows another prefix than its KV's, none is exact (docs/quality.md); None = the default
+    system_prompt_recompute_ratio: float | None = None
     focus_keep: float = _FOCUS.keep  # FOCUS keeps chunks scoring at least this x the best (docs/quality.md)
     # FOCUS keeping several chunks hands over to blend over all of them (FocusOptions.handover);
     # on a neighbour index it then reads the neighbour KV (NeighbourOptions.serves_plain). On:
@@ -229,6 +232,9 @@ class ServerSettings:
             raise ValueError(f"kv_compression must be auto, none, int8, fp8, int4 or int2, got {self.kv_compression!r}")
         if self.faiss_device not in ("cpu", "cuda"):
             raise ValueError(f"faiss_device must be cpu or cuda, got {self.faiss_device!r}")
+        ratio = self.system_prompt_recompute_ratio
+        if ratio is not None and not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"system_prompt_recompute_ratio must be in [0, 1], got {ratio}")
         if self.system_prompt_policy not in SYSTEM_PROMPT_POLICIES:
             raise ValueError(f"system_prompt_policy must be one of {', '.join(SYSTEM_PROMPT_POLICIES)}, got "
                              f"{self.system_prompt_policy!r}")
@@ -262,6 +268,24 @@ class ServerSettings:
         from ragkv.server.keys import load_key_ring, read_token
 
         return load_key_ring(self.api_keys_file, read_token(self.auth_token_file))
+
+    def served_model(self, manifest_model: str) -> str:
+        """The model to load: --model, else the first index's own (`manifest_model`) when every
+        index is on this machine. An index synced from S3 was written by the indexing job, which
+        parses untrusted documents: its manifest does not choose what the server loads.
+
+        Raises:
+            ValueError: an s3:// index and no --model (naming the flag).
+        """
+        if self.model is not None:
+            return self.model
+        remote = [spec.source for spec in self.indexes if spec.source is not None]
+        if remote:
+            raise ValueError(f"--model is required to serve {remote[0]}: an index's manifest names the model it was "
+                             "built with, but whoever writes the index (the indexing job, which parses untrusted "
+                             "documents) does not choose what this server loads. Pass --model NAME or DIR (the model "
+                             "the index was built with; an index built with another is refused by name)")
+        return manifest_model
 
     def focus(self) -> FocusOptions:
         """How FOCUS picks its chunks, from the --focus-* settings."""

@@ -256,6 +256,7 @@ def validate_query(
         top_k=top_k,
         mode=mode,
         recompute_ratio=float(ratio),
+        recompute_ratio_set=options.recompute_ratio is not None,
         sampling=SamplingParams(max_new_tokens=max_new, temperature=float(temperature), top_p=float(top_p),
                                 seed=options.seed, stop=tuple(options.stop)),
         length_limit=length_limit,

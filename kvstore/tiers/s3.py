@@ -74,10 +74,15 @@ class S3Settings:
     multipart_threshold: int = 64 * 1024 * 1024  # bytes; larger objects go up in parts
     part_bytes: int = 16 * 1024 * 1024  # bytes per part (at least 5 MiB)
     max_workers: int = 8  # threads for get_many / put_many
+    # bytes an object may have to be read (a chunk's KV: 8B-model bf16 KV of 2K tokens is 256 MiB):
+    # whoever can write the KV prefix cannot make the server read gigabytes into memory
+    max_object_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.max_object_bytes < 1:
+            raise ValueError(f"max_object_bytes must be >= 1, got {self.max_object_bytes}")
         if self.part_bytes < MIN_PART_BYTES:
             raise ValueError(f"part_bytes must be >= {MIN_PART_BYTES} (S3's minimum), got {self.part_bytes}")
         if self.multipart_threshold < self.part_bytes:
@@ -115,12 +120,15 @@ class _ObjectSource:
     Content-Range gives the size; each later reader is one streaming ranged GET.
     """
 
-    def __init__(self, client: Any, bucket: str, name: str) -> None:
+    def __init__(self, client: Any, bucket: str, name: str, max_bytes: int = 1 << 30) -> None:
         self._s3, self._bucket, self._name = client, bucket, name
         resp = client.get_object(Bucket=bucket, Key=name, Range=f"bytes=0-{_HEAD_BYTES - 1}")
         self._head = resp["Body"].read()
         total = str(resp.get("ContentRange", "")).rpartition("/")[2]
         self.size = int(total) if total.isdigit() else len(self._head)
+        if self.size > max_bytes:
+            raise StoreError(f"s3://{bucket}/{name} is {self.size} bytes, more than a KV object may be "
+                             f"({max_bytes}, S3Settings.max_object_bytes): not read")
 
     def reader(self, start: int, end: int) -> _BodyReader:
         if end <= len(self._head):
@@ -190,6 +198,12 @@ class S3Tier(DurableTier):
     def _read(self, key: ChunkKey) -> bytearray | None:
         try:
             resp = self._s3.get_object(Bucket=self.bucket, Key=self.object_key(key))
+            size = int(resp.get("ContentLength") or 0)
+            if size > self.settings.max_object_bytes:  # checked before a byte of the body is read
+                resp["Body"].close()
+                self._failed("get", key, StoreError(f"the object is {size} bytes, more than a KV object may be "
+                                                    f"({self.settings.max_object_bytes})"))
+                return None
             return bytearray(resp["Body"].read())
         except ClientError as e:
             if e.response.get("Error", {}).get("Code") in _MISSING:
@@ -202,7 +216,7 @@ class S3Tier(DurableTier):
     def _source(self, key: ChunkKey) -> _ObjectSource | None:
         name = self.object_key(key)
         try:
-            return _ObjectSource(self._s3, self.bucket, name)
+            return _ObjectSource(self._s3, self.bucket, name, self.settings.max_object_bytes)
         except ClientError as e:
             if e.response.get("Error", {}).get("Code") in _MISSING | {"InvalidRange"}:
                 return None

@@ -150,3 +150,25 @@ def test_access_denied_is_an_error_and_not_found_a_miss(s3_endpoint, bucket, mon
         reader.delete(key)  # no s3:DeleteObject: the tier's delete fails loudly
     for t in (reader, denied):
         t.close()
+
+
+@pytest.mark.parametrize("layered", [False, True])
+def test_an_object_past_the_size_cap_is_not_read(bucket, s3_settings, s3_client, layered):
+    """Issue 71: whoever can write the KV prefix could make the server read any size into memory.
+    An object past S3Settings.max_object_bytes is a counted error and a miss, read neither whole
+    nor layer by layer."""
+    import dataclasses
+
+    from ragkv.errors import StoreError
+
+    e = make_entry(1)
+    data = encode(e)
+    t = _tier(bucket, dataclasses.replace(s3_settings, max_object_bytes=len(data) - 1))
+    s3_client.put_object(Bucket=bucket, Key=t.object_key(e.key), Body=bytes(data))
+    if layered:
+        with pytest.raises(StoreError, match="more than a KV object may be"):
+            t._source(e.key)
+    else:
+        assert t.get(e.key) is None
+        assert t.stats().errors == 1
+    assert_same(_tier(bucket, s3_settings).get(e.key), e)  # within the default cap it reads

@@ -224,3 +224,19 @@ def test_a_follow_up_with_own_instructions_carries_its_earlier_turns(own_server:
     exact = ask(cache_salt="follow-exact", mode="blend", recompute_ratio=1.0)
     full = ask(cache_salt="follow-full", mode="full")
     assert exact.choices[0].message.content == full.choices[0].message.content
+
+
+def test_own_instructions_take_their_own_default_ratio_unless_the_client_sets_one(
+        chat_index: Path) -> None:  # noqa: F811
+    """--system-prompt-recompute-ratio: none of the chunks' KV is exact after another prefix, so
+    a request with its own instructions that sets no ratio takes the server's ratio for those."""
+    st = _server(chat_index, default_recompute_ratio=0.1, system_prompt_recompute_ratio=0.5)
+    try:
+        own = _ask(st, mode="blend").model_extra["ragkv"]
+        indexed = _ask(st, SYSTEM, mode="blend").model_extra["ragkv"]
+        chosen = _ask(st, mode="blend", recompute_ratio=0.2).model_extra["ragkv"]
+        assert own["system_prompt"] == "prefix" and abs(own["recompute_fraction"] - 0.5) < 0.05
+        assert indexed["system_prompt"] == "indexed" and indexed["recompute_fraction"] < 0.15
+        assert abs(chosen["recompute_fraction"] - 0.2) < 0.05
+    finally:
+        st.stop()

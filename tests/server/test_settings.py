@@ -173,3 +173,26 @@ def test_stored_responses_stay_in_memory_unless_given_a_directory_and_their_boun
     for bad in ({"responses_max_age_s": 0}, {"responses_max_age_s": "inf"}, {"responses_max_count": 0}):
         with pytest.raises(ValueError, match="responses_max_count, responses_max_bytes and responses_max_age_s"):
             load_settings(bad, env={})
+
+
+def test_an_s3_index_does_not_choose_the_served_model(tmp_path) -> None:
+    """Issue 71: with no --model the server loaded the model an index's manifest names; an index
+    from S3 is written by the indexing job (untrusted documents), so it needs --model."""
+    from ragkv.server.settings import CollectionSpec, ServerSettings
+
+    remote = ServerSettings(indexes=(CollectionSpec.parse("s3://bucket/index/latest"),))
+    with pytest.raises(ValueError, match="--model is required to serve s3://bucket/index/latest"):
+        remote.served_model("attacker/model")
+    assert ServerSettings(indexes=remote.indexes, model="smollm2-135m-instruct").served_model("attacker/model") \
+        == "smollm2-135m-instruct"
+    local = ServerSettings(indexes=(CollectionSpec.parse(str(tmp_path)),))
+    assert local.served_model("my-model-dir") == "my-model-dir"  # an index on this machine: the operator's own
+
+
+def test_ragkv_serve_refuses_an_s3_index_without_model_before_fetching_it(monkeypatch, capsys) -> None:
+    from ragkv.cli.main import main
+
+    fetched: list = []
+    monkeypatch.setattr("ragkv.server.pipeline.fetch_indexes", lambda s: fetched.append(s))
+    assert main(["serve", "--index", "s3://bucket/index/latest"]) == 1
+    assert "--model is required" in capsys.readouterr().err and fetched == []

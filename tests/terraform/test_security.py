@@ -125,9 +125,14 @@ def test_api_keys_variable_is_sensitive(path: Path) -> None:
 
 
 def test_api_keys_live_in_a_secure_string_under_a_rotating_key() -> None:
-    (param,) = _resources("aws_ssm_parameter", [SERVING / "main.tf"]).values()
+    params = {k.split(".")[-1]: b for k, b in _resources("aws_ssm_parameter", [SERVING / "main.tf"]).items()}
+    assert set(params) == {"api_keys", "ray_token"}
+    param = params["api_keys"]
     assert _v(param, "type") == "SecureString" and _v(param, "value") == "${var.api_keys_json}"
-    assert _v(param, "key_id") == "${aws_kms_key.secrets.arn}"
+    # the Ray token too: made here under the tier's key (issue 71: a boot script made it under aws/ssm)
+    for param in params.values():
+        assert _v(param, "type") == "SecureString" and _v(param, "key_id") == "${aws_kms_key.secrets.arn}"
+    assert "ignore_changes" in str(params["ray_token"])  # the head writes the token; Terraform never reads it back
     keys = {k.split(".")[-1]: b for k, b in _resources("aws_kms_key", [SERVING / "main.tf"]).items()}
     assert _v(keys["secrets"], "enable_key_rotation") is True
 

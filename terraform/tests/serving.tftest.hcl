@@ -626,6 +626,17 @@ run "ray_cluster_head_workers_and_ports" {
   }
 
   assert {
+    condition = (
+      length(aws_ssm_parameter.ray_token) == 1
+      && aws_ssm_parameter.ray_token[0].type == "SecureString"
+      && aws_ssm_parameter.ray_token[0].name == "/ragkv-test/ray-auth-token"
+      && aws_ssm_parameter.ray_token[0].key_id == aws_kms_key.secrets.arn
+      && strcontains(output.ray_user_data.head, "--key-id")
+    )
+    error_message = "The Ray token parameter is made by Terraform as a SecureString under the tier's own KMS key (not aws/ssm), and the head writes the token under that key."
+  }
+
+  assert {
     condition     = strcontains(output.ray_user_data.head, "--host 0.0.0.0 --port 50051 --http-port 8000 --metrics-host 0.0.0.0 --metrics-port 9464 --api-keys /etc/ragkv/api-keys.json") && strcontains(output.ray_user_data.worker, "ExecStartPre=/usr/local/sbin/ragkv-api-keys")
     error_message = "The head serves every interface with the API keys file, which every node reads from SSM."
   }

@@ -100,7 +100,9 @@ def readme_steps() -> list[list[str]]:
 
 
 RAY_NODE = TERRAFORM_DIR / "modules" / "serving" / "templates" / "ray_node.sh.tftpl"
-RAY_VARS = {**TEMPLATE_VARS, "token_parameter": "/ragkv/ray-auth-token", "ray_port": "6379", "replicas": "2",
+RAY_VARS = {**TEMPLATE_VARS, "token_parameter": "/ragkv/ray-auth-token",
+            "token_key": "arn:aws:kms:us-east-1:123456789012:key/11111111-2222-3333-4444-555555555555",
+            "ray_port": "6379", "replicas": "2",
             "routing": "chunk", "http_port": "8000", "head_address": "10.0.1.10",
             "ray_ports": "--node-manager-port 6380 --object-manager-port 6381 --min-worker-port 10002 "
                          "--max-worker-port 19999"}

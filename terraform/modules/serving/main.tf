@@ -75,6 +75,7 @@ locals {
     index_s3_uri       = local.index_s3_uri
     environment        = var.environment
     token_parameter    = local.token_parameter
+    token_key          = aws_kms_key.secrets.arn
     api_keys_parameter = local.api_keys_parameter
     ray_port           = var.ray_port
     replicas           = var.ray_replicas
@@ -343,8 +344,35 @@ resource "aws_iam_role_policy" "ray_head" {
       Effect   = "Allow"
       Action   = ["ssm:GetParameter", "ssm:PutParameter"]
       Resource = local.token_parameter_arn
+      }, {
+      # the token is encrypted under the tier's own key, through SSM only
+      Sid       = "EncryptRayToken"
+      Effect    = "Allow"
+      Action    = ["kms:Encrypt", "kms:GenerateDataKey"]
+      Resource  = aws_kms_key.secrets.arn
+      Condition = { StringEquals = { "kms:ViaService" = "ssm.${local.region}.amazonaws.com" } }
     }])
   })
+}
+
+# The Ray cluster's token: a SecureString made here under the tier's own KMS key (not the
+# account's default aws/ssm key), holding a placeholder that Terraform never reads back; the
+# head writes the token itself on first boot (so it is in no plan, state or user data), and
+# the workers wait for it.
+resource "aws_ssm_parameter" "ray_token" {
+  count = var.ray_cluster ? 1 : 0
+
+  name        = local.token_parameter
+  description = "Ray token (RAY_AUTH_TOKEN) of ${var.name}'s Ray cluster: written by its head node on first boot"
+  type        = "SecureString"
+  key_id      = aws_kms_key.secrets.arn
+  value       = "unset"
+
+  lifecycle {
+    ignore_changes = [value]
+  }
+
+  tags = var.tags
 }
 
 resource "aws_iam_instance_profile" "ray_head" {

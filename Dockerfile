@@ -7,7 +7,8 @@
 # --require-hashes, wheels only): image-build.lock (the build backend), image-${EXTRAS}.lock (ragkv's
 # dependencies: gpu or server, the only EXTRAS with a lock; both hold PyPI's torch, which
 # on Linux brings its CUDA packages, and the ray and ingest extras: the Ray-cluster hosts run
-# `ray start` and `ragkv serve --replicas`, the Batch job parses PDF, HTML and .docx) and image-models.lock (the shipped models). They are
+# `ray start` and `ragkv serve --replicas`, the Batch job parses PDF, HTML and .docx) and
+# image-models.lock (the shipped models). They are
 # resolved for this base image (CPython 3.11, glibc 2.36, x86_64). After changing
 # pyproject.toml's dependencies, its gpu or server extra, its build backend or
 # PYTHON_VERSION, regenerate them: `python scripts/lock_image.py` (tests/test_image_lock.py
@@ -17,7 +18,8 @@
 # Learning AMI with the NVIDIA container toolkit); torch's wheels bring CUDA.
 # No ENTRYPOINT: Batch runs `sh -c "exec ragkv index ..."` (see
 # terraform/modules/indexing), and the default CMD serves an index mounted at
-# /var/lib/ragkv/index (or run `ragkv serve --index s3://bucket/prefix`). Neither
+# /var/lib/ragkv/index (or run `ragkv serve --index s3://bucket/prefix --model NAME`: an index
+# from S3 does not choose the model it is served with). Neither
 # passes a device: `--device auto`, the default, takes the GPU when torch sees one
 # (bfloat16 there), so the same image indexes and serves on g5 hosts and on CPUs.
 #

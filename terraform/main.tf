@@ -56,6 +56,7 @@ module "serving" {
   kv_prefix                         = module.kv_bucket.kv_prefix
   index_prefix                      = module.kv_bucket.index_prefix
   index_version                     = var.index_version
+  model                             = var.model
   environment                       = var.serving_environment
   api_keys_json                     = var.api_keys_json
   grpc_port                         = var.grpc_port

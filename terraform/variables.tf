@@ -45,6 +45,17 @@ variable "index_prefix" {
   default     = "index"
 }
 
+variable "model" {
+  description = "The model the serving tier loads (`ragkv serve --model`): a shipped name, a pinned hub id or a folder in the image. The index in S3 is written by the indexing job, which parses untrusted documents, so its manifest does not choose it; an index built with another model is refused by name."
+  type        = string
+  default     = "smollm2-135m-instruct"
+
+  validation {
+    condition     = can(regex("^[A-Za-z0-9][A-Za-z0-9._/@:-]*$", var.model))
+    error_message = "model must be a model name, hub id or path: letters, digits and . _ / @ : - only (it goes into the hosts' command line)."
+  }
+}
+
 variable "index_version" {
   description = "Index version the serving tier fetches and the indexing jobs write by default."
   type        = string

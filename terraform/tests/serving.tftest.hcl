@@ -322,7 +322,7 @@ run "user_data_runs_ragkv_serve_under_systemd" {
   }
 
   assert {
-    condition     = strcontains(output.user_data, "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv-test:0.1.0@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef ragkv serve --index s3://ragkv-test-kv/index/latest --host 0.0.0.0 --port 50051 --metrics-host 0.0.0.0 --metrics-port 9464 --api-keys /etc/ragkv/api-keys.json")
+    condition     = strcontains(output.user_data, "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv-test:0.1.0@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef ragkv serve --index s3://ragkv-test-kv/index/latest --model smollm2-135m-instruct --host 0.0.0.0 --port 50051 --metrics-host 0.0.0.0 --metrics-port 9464 --api-keys /etc/ragkv/api-keys.json")
     error_message = "The unit must run `ragkv serve` in the deployment's image, pinned by digest, on every interface with the API keys file."
   }
 
@@ -574,7 +574,7 @@ run "ray_cluster_head_workers_and_ports" {
   }
 
   assert {
-    condition     = strcontains(output.ray_user_data.head, "ray start --head --port 6379 --dashboard-agent-grpc-port 6382") && strcontains(output.ray_user_data.head, "--node-manager-port 6380 --object-manager-port 6381") && strcontains(output.ray_user_data.head, "ragkv serve --index s3://ragkv-test-kv/index/latest --replicas 2 --ray-address auto --gpus-per-replica 1")
+    condition     = strcontains(output.ray_user_data.head, "ray start --head --port 6379 --dashboard-agent-grpc-port 6382") && strcontains(output.ray_user_data.head, "--node-manager-port 6380 --object-manager-port 6381") && strcontains(output.ray_user_data.head, "ragkv serve --index s3://ragkv-test-kv/index/latest --model smollm2-135m-instruct --replicas 2 --ray-address auto --gpus-per-replica 1")
     error_message = "The head starts Ray's head and deploys `ragkv serve --replicas` on it."
   }
 

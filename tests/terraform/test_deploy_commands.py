@@ -33,6 +33,7 @@ KEYS_FILE = "/etc/ragkv/api-keys.json"  # where the hosts put the API keys file 
 TEMPLATE_VARS = {
     "image": IMAGE, "registry": IMAGE.split("/")[0], "grpc_port": "50051", "metrics_port": "9464", "health_port": "8080",
     "region": "us-east-1", "kv_s3_uri": "s3://ragkv-kv/kv", "index_s3_uri": "s3://ragkv-kv/index/latest",
+    "model": "smollm2-135m-instruct",
     "health_bridge": "", "environment": "", "api_keys_parameter": "/ragkv/api-keys", "metrics_host": "0.0.0.0",
 }
 SHELL_ENV = {
@@ -191,6 +192,7 @@ def test_serving_unit_serves_the_s3_index_on_the_one_metrics_port() -> None:
     (argv,) = ragkv_argvs(render_user_data())
     args = build_parser().parse_args(argv)
     assert args.indexes == [TEMPLATE_VARS["index_s3_uri"]] and args.metrics_port == "9464"
+    assert args.model == TEMPLATE_VARS["model"]
     docker = collected()["Dockerfile CMD"]
     assert docker[docker.index("--metrics-port") + 1] == "9464"
     assert "EXPOSE 50051 9464" in (REPO_ROOT / "Dockerfile").read_text()
@@ -205,6 +207,8 @@ def test_every_served_command_listens_with_credentials() -> None:
     for where, argv in serves.items():
         args = build_parser().parse_args(argv)
         assert args.host == "0.0.0.0", where
+        # an s3:// index's manifest does not choose the served model (issue 71): `ragkv serve` refuses it
+        assert not any(i.startswith("s3://") for i in args.indexes) or args.model, f"{where}: an s3:// index needs --model"
         assert args.api_keys is not None and not getattr(args, "insecure_no_auth", False), where
         assert args.auth_token_file is None, f"{where}: credentials come from the named keys file"
     docker = build_parser().parse_args(serves["Dockerfile CMD"])

@@ -59,6 +59,7 @@ locals {
     region             = local.region
     kv_s3_uri          = local.kv_s3_uri
     index_s3_uri       = local.index_s3_uri
+    model              = var.model
     api_keys_parameter = local.api_keys_parameter
     environment        = var.environment
     health_bridge      = file("${path.module}/templates/grpc_health_http.py")
@@ -73,6 +74,7 @@ locals {
     region             = local.region
     kv_s3_uri          = local.kv_s3_uri
     index_s3_uri       = local.index_s3_uri
+    model              = var.model
     environment        = var.environment
     token_parameter    = local.token_parameter
     token_key          = aws_kms_key.secrets.arn

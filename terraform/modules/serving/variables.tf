@@ -98,6 +98,17 @@ variable "index_prefix" {
   default     = "index"
 }
 
+variable "model" {
+  description = "The model `ragkv serve --model` loads: a shipped name, a pinned hub id or a folder in the image (the S3 index's manifest, written by the indexing job, does not choose it)."
+  type        = string
+  default     = "smollm2-135m-instruct"
+
+  validation {
+    condition     = can(regex("^[A-Za-z0-9][A-Za-z0-9._/@:-]*$", var.model))
+    error_message = "model must be a model name, hub id or path: letters, digits and . _ / @ : - only (it goes into the hosts' command line)."
+  }
+}
+
 variable "index_version" {
   description = "Index version to serve: the folder s3://{bucket}/{index_prefix}/{index_version}/ written by `ragkv index` / `ragkv index merge`."
   type        = string

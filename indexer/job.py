@@ -264,8 +264,10 @@ def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Loa
             ids, xb = db.all_vectors()
             if xb.size == 0:
                 xb = xb.reshape(0, embedder.dim)
-            vector_index.save(vector_index.build(ids, xb, kind), index_dir)
+            faiss_sha256 = vector_index.save(vector_index.build(ids, xb, kind), index_dir)
             db.mark_faiss_built(version)
+        else:  # the file of an earlier run: its checksum, recorded now if that run did not
+            faiss_sha256 = vector_index.file_sha256(index_dir)
         if not db.lexical_is_current() or not (index_dir / LEXICAL_DIR / ROWS_NAME).exists():
             version = db.vectors_version()
             LexicalIndex.build(*db.texts()).save(index_dir)
@@ -273,7 +275,7 @@ def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Loa
         write_manifest(index_dir, replace(
             manifest, state=IndexState.COMPLETE, vector_index=kind, n_documents=n_docs,
             n_chunks=n_chunks, n_tokens=n_tokens, kv_precomputed=db.count_kv_pending() == 0,
-            updated_at=time.time(),
+            updated_at=time.time(), faiss_sha256=faiss_sha256,
         ))
         db.close(compact=True)
         db = None

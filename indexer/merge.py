@@ -93,7 +93,7 @@ def merge_shards(out: str | Path, *, hnsw_threshold: int = vector_index.HNSW_THR
         ids, xb = merged.all_vectors()
         if xb.size == 0:
             xb = xb.reshape(0, first.embedding_dim)
-        vector_index.save(vector_index.build(ids, xb, kind), tmp)
+        faiss_sha256 = vector_index.save(vector_index.build(ids, xb, kind), tmp)
         merged.mark_faiss_built(merged.vectors_version())
         LexicalIndex.build(*merged.texts()).save(tmp)
         merged.mark_lexical_built(merged.vectors_version())
@@ -104,7 +104,7 @@ def merge_shards(out: str | Path, *, hnsw_threshold: int = vector_index.HNSW_THR
     old = read_manifest(out)
     manifest = replace(
         first, state=IndexState.COMPLETE, vector_index=kind, n_documents=n_docs, n_chunks=n_chunks,
-        n_tokens=n_tokens, shard=None, kv_precomputed=kv_done,
+        n_tokens=n_tokens, shard=None, kv_precomputed=kv_done, faiss_sha256=faiss_sha256,
         # the shards name their KV relative to their own folders; the merge, relative to out
         kv_uris=portable_kv_uris(resolve_kv_uris(first.kv_uris, shards[0][0]), out, out),
         created_at=old.created_at if old else min(m.created_at for _, m in shards), updated_at=now,

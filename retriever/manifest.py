@@ -106,6 +106,9 @@ class Manifest:
     # neighbour-conditioned KV (indexer.neighbours.NeighbourOptions.as_dict: m, budget_tokens,
     # choice, seed): each chunk prefilled after its m most similar chunks; None = plain KV
     neighbours: dict | None = None
+    # sha256 of the FAISS file this build wrote: the server reads (and FAISS parses) only bytes
+    # that match it; None = an index written before it was recorded (rerun `ragkv index` on it)
+    faiss_sha256: str | None = None
 
     def check_model(self, model_fp: str, tokenizer_fp: str) -> None:
         """Raise IndexMismatchError unless the index was built for this model and tokenizer."""

@@ -115,7 +115,7 @@ class Retriever:
                 f"(fingerprint {manifest.embedder_fp[:16]}), but embedder {embedder.spec!r} has "
                 f"fingerprint {embedder.fingerprint[:16]}: use the same embedder or re-index"
             )
-        index = vector_index.load(index_dir, device=faiss_device)
+        index = vector_index.load(index_dir, device=faiss_device, sha256=manifest.faiss_sha256)
         db = ChunkDB.open(index_dir, readonly=True)
         if index.ntotal != db.count():
             db.close()

@@ -20,11 +20,13 @@ can load it; ``load(..., device="cuda")`` moves it to the GPU only when asked
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
 
 from ragkv.atomic import write_bytes
+from ragkv.errors import RagKVError
 from ragkv.retriever.manifest import VectorIndexKind
 
 FAISS_NAME = "vectors.faiss"
@@ -100,20 +102,36 @@ def build(ids: np.ndarray, xb: np.ndarray, kind: VectorIndexKind, gpu: bool | No
     return index
 
 
-def save(index, index_dir: Path) -> None:  # index: faiss.Index
-    """Atomically write ``index`` into ``index_dir``."""
+def save(index, index_dir: Path) -> str:  # index: faiss.Index
+    """Atomically write ``index`` into ``index_dir``; returns the file's sha256 (hex), which the
+    manifest records (`Manifest.faiss_sha256`)."""
     import faiss
 
-    data = faiss.serialize_index(index)  # uint8 [nbytes]
-    write_bytes(Path(index_dir) / FAISS_NAME, data.tobytes())
+    data = faiss.serialize_index(index).tobytes()  # the file's bytes
+    write_bytes(Path(index_dir) / FAISS_NAME, data)
+    return hashlib.sha256(data).hexdigest()
 
 
-def load(index_dir: Path, device: str = "cpu"):  # -> faiss.Index
-    """Read the FAISS index of ``index_dir``, on the CPU or moved to every GPU FAISS sees.
+def file_sha256(index_dir: Path) -> str:
+    """The sha256 (hex) of ``index_dir``'s FAISS file, as `save` returned it."""
+    h = hashlib.sha256()
+    with open(Path(index_dir) / FAISS_NAME, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load(index_dir: Path, device: str = "cpu", sha256: str | None = None):  # -> faiss.Index
+    """Read the FAISS index of ``index_dir``, on the CPU or moved to every GPU FAISS sees. FAISS
+    parses only bytes whose sha256 is ``sha256`` (the manifest's record): whoever could write the
+    index folder (the indexing job, which parses untrusted documents) cannot hand FAISS's
+    parser other bytes.
 
     Raises:
         FileNotFoundError: ``index_dir`` holds no FAISS index.
         ValueError: ``device`` is not one of FAISS_DEVICES, or is cuda where FAISS sees no GPU.
+        RagKVError: ``sha256`` is None (an index written before checksums were recorded), or the
+            file does not match it.
     """
     import faiss
 
@@ -125,7 +143,14 @@ def load(index_dir: Path, device: str = "cpu"):  # -> faiss.Index
     path = Path(index_dir) / FAISS_NAME
     if not path.exists():
         raise FileNotFoundError(f"no FAISS index at {path}: finish the index with `ragkv index`")
-    index = faiss.read_index(str(path))
+    if sha256 is None:
+        raise RagKVError(f"the manifest of {index_dir} records no checksum of its FAISS index (written by an older "
+                         f"ragkv), and FAISS parses only checked bytes: rerun `ragkv index` on it to record one")
+    data = path.read_bytes()
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise RagKVError(f"{path} does not match the checksum its manifest records: the file was changed or "
+                         f"damaged after the index was built; rebuild it with `ragkv index`")
+    index = faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
     base = faiss.downcast_index(index.index) if hasattr(index, "index") else index
     if isinstance(base, faiss.IndexHNSW):
         base.hnsw.efSearch = HNSW_EF_SEARCH

@@ -64,7 +64,7 @@ def dump_index(index_dir: Path) -> dict:
         conn.close()
     vectors = np.stack([np.frombuffer(e, dtype="<f4") for (e,) in emb]) if emb else np.zeros((0, 0))
     manifest = json.loads((index_dir / "manifest.json").read_text())
-    for volatile in ("created_at", "updated_at", "kv_uris", "shard"):
+    for volatile in ("created_at", "updated_at", "kv_uris", "shard", "faiss_sha256"):  # the checksum: of bytes built apart
         manifest.pop(volatile)
     return {"documents": docs, "chunks": chunks, "vectors": vectors, "manifest": manifest}
 

@@ -35,8 +35,8 @@ def test_ivf_finds_what_exact_search_finds_and_round_trips(tmp_path) -> None:
     _, found = ivf.search(xq, 10)
     recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(exact, found)])
     assert recall >= 0.9, f"IVF recall@10 {recall:.2f} against exact search"
-    vector_index.save(ivf, tmp_path)
-    again = vector_index.load(tmp_path)
+    digest = vector_index.save(ivf, tmp_path)
+    again = vector_index.load(tmp_path, sha256=digest)
     assert np.array_equal(again.search(xq, 10)[1], found)  # nprobe kept: the same lists searched
     allowed = ids[::3]
     _, kept = again.search(xq, 10, params=vector_index.search_params(again, allowed))
@@ -49,11 +49,11 @@ def test_asking_for_a_gpu_faiss_does_not_see_is_one_clear_error(tmp_path) -> Non
     xb, ids = _vectors(200, 8), np.arange(200, dtype=np.int64)
     with pytest.raises(ValueError, match=r"faiss-gpu.*ragkv\[gpu\]"):
         vector_index.build(ids, xb, VectorIndexKind.IVF_FLAT_IP, gpu=True)
-    vector_index.save(vector_index.build(ids, xb, VectorIndexKind.FLAT_IP), tmp_path)
+    digest = vector_index.save(vector_index.build(ids, xb, VectorIndexKind.FLAT_IP), tmp_path)
     with pytest.raises(ValueError, match=r"sees no GPU.*ragkv\[gpu\]"):
-        vector_index.load(tmp_path, device="cuda")
+        vector_index.load(tmp_path, device="cuda", sha256=digest)
     with pytest.raises(ValueError, match="cpu, cuda, got 'tpu'"):
-        vector_index.load(tmp_path, device="tpu")
+        vector_index.load(tmp_path, device="tpu", sha256=digest)
 
 
 @pytest.mark.gpu
@@ -64,8 +64,8 @@ def test_ivf_trained_on_the_gpu_searches_on_either_device(tmp_path) -> None:
     xq = _vectors(100, 64, seed=1)
     kind = vector_index.choose_kind(len(xb), gpu=True)
     assert kind is VectorIndexKind.IVF_FLAT_IP
-    vector_index.save(vector_index.build(ids, xb, kind), tmp_path)  # k-means on the GPU
-    cpu, gpu = vector_index.load(tmp_path), vector_index.load(tmp_path, device="cuda")
+    digest = vector_index.save(vector_index.build(ids, xb, kind), tmp_path)  # k-means on the GPU
+    cpu, gpu = vector_index.load(tmp_path, sha256=digest), vector_index.load(tmp_path, device="cuda", sha256=digest)
     _, exact = vector_index.build(ids, xb, VectorIndexKind.FLAT_IP).search(xq, 10)
     _, on_cpu = cpu.search(xq, 10)
     _, on_gpu = gpu.search(xq, 10)
@@ -73,3 +73,23 @@ def test_ivf_trained_on_the_gpu_searches_on_either_device(tmp_path) -> None:
     assert agree >= 0.99, f"the GPU copy finds {agree:.2f} of what the CPU index finds"
     recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(exact, on_cpu)])
     assert recall >= 0.5, f"IVF trained on the GPU: recall@10 {recall:.2f}"  # 64-d noise is IVF's worst case
+
+
+def test_faiss_parses_only_the_bytes_the_manifest_records(tmp_path: Path) -> None:
+    """Issue 71: whoever can write an index folder (the indexing job, which parses untrusted
+    documents) must not hand FAISS's parser other bytes than the build wrote."""
+    from ragkv.errors import RagKVError
+
+    ids = np.arange(8, dtype=np.int64)
+    xb = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
+    digest = vector_index.save(vector_index.build(ids, xb, VectorIndexKind.FLAT_IP), tmp_path)
+    assert digest == vector_index.file_sha256(tmp_path)
+    assert vector_index.load(tmp_path, sha256=digest).ntotal == 8
+    with pytest.raises(RagKVError, match="records no checksum .* rerun `ragkv index`"):
+        vector_index.load(tmp_path)
+    path = tmp_path / vector_index.FAISS_NAME
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(RagKVError, match="does not match the checksum"):
+        vector_index.load(tmp_path, sha256=digest)

@@ -3,6 +3,8 @@ HNSW elsewhere; the file is a CPU index, moved to the GPU only when asked."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import faiss
 import numpy as np
 import pytest

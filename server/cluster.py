@@ -39,7 +39,7 @@ import signal
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -383,11 +383,14 @@ class RoutedRunner:
         self.pins = ConversationPins()  # conversation -> the replica that answered it last
 
     async def run(self, backend: IngressBackend, query: Query, *, arrived: float, cancel: threading.Event,
-                  deadline: float | None = None, method: str = "Query") -> AsyncIterator[RunEvent]:
+                  deadline: float | None = None, method: str = "Query",
+                  reserve: Callable[[int], None] | None = None) -> AsyncIterator[RunEvent]:
         loop = asyncio.get_running_loop()
         with self._admission.query_slot():
             searched = time.perf_counter()
             hits, route = await loop.run_in_executor(self._pool, backend.search, query)
+            if reserve is not None:  # the key's prompt tokens before a replica computes any: the chunks'
+                reserve(sum(len(h.token_ids) for h in hits))  # (the rest is settled with the answer's count)
             route = self.pins.pin(route)  # its conversation's replica, when one answered it before
             retrieve_s = time.perf_counter() - searched
             asked = Asked.of(query, deadline)

@@ -64,7 +64,7 @@ def test_sharded_index_to_s3_then_serve_from_s3(s3, tmp_path: Path, tiny_llama_d
 
     spec = CollectionSpec.parse(out)
     assert spec.source == out and spec.index_dir == tmp_path / "cache" / "indexes" / bucket / "index" / "v1"
-    served = settings(indexes=(spec,))
+    served = settings(indexes=(spec,), model=str(tiny_llama_dir))  # an s3:// index does not choose it
     fetch_indexes(served)
     assert (spec.index_dir / "manifest.json").is_file()
     assert not any(spec.index_dir.glob("shard-*"))  # the shards stay in S3

@@ -30,7 +30,7 @@ from typing import Protocol
 from ragkv.engine.blend import BlendOptions, BlendResult, Prompt, PromptSteps
 from ragkv.engine.constrain import Constraint
 from ragkv.engine.conversation import Conversations, TreeSpot
-from ragkv.engine.decode import DecodeStream, SamplingParams
+from ragkv.engine.decode import FIRST_ROOM, DecodeStream, SamplingParams
 from ragkv.engine.kv import ChunkKV, arriving
 from ragkv.engine.prompt import PromptFormat
 from ragkv.engine.request import Answered, ChunkComputed, ChunksReady, Decode, LoadedKV, PromptChunk, Request, Work
@@ -40,10 +40,6 @@ from ragkv.errors import KVFormatError, KVReadStalledError, RagKVError, StoreErr
 from ragkv.types import FinishReason, KVSource, Mode, Tier
 
 log = logging.getLogger(__name__)
-
-# decode room the prompt pass's cache is made with; the decode grows it (doubling) past that, so an
-# answer allowed the whole context left holds only what it writes
-RESERVE_TOKENS = 256
 
 
 class PromptEngine(Protocol):
@@ -98,7 +94,7 @@ def _answer(engine: PromptEngine, req: Request) -> Work:
 
     t0 = time.perf_counter()
     chunk_ids = [ch.token_ids for ch in req.chunks]
-    reserve = min(req.sampling.max_new_tokens, RESERVE_TOKENS)  # the decode grows the cache past it
+    reserve = min(req.sampling.max_new_tokens, FIRST_ROOM)  # the decode grows the cache past it
     res = None
     while res is None:  # each retry computes at least one chunk anew, so this ends
         try:

@@ -21,7 +21,9 @@ from ragkv.engine.loading import LoadedModel
 from ragkv.engine.work import drain
 from ragkv.types import FinishReason
 
-_FIRST_ROOM = 256  # answer tokens a decode makes room for at its start; the cache doubles past them
+# answer tokens a cache makes room for up front (the prompt pass's, then the decode's); it doubles past
+# them, so an answer allowed the whole context left holds only what it writes
+FIRST_ROOM = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +62,7 @@ class DecodeStream(Iterator[str]):
                  constraint: Constraint | None = None) -> None:
         self.lm, self.params = lm, params
         self.cache = prompt.cache
-        self.cache.ensure(self.cache.length + min(params.max_new_tokens, _FIRST_ROOM))  # grows past it, doubling
+        self.cache.ensure(self.cache.length + min(params.max_new_tokens, FIRST_ROOM))  # grows past it, doubling
         self.constraint = constraint  # the grammar the answer must follow; None = free text
         if constraint is not None:
             constraint.window = closing_window(params.max_new_tokens)

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -234,8 +233,8 @@ class Pipeline:
         self.engine = engine
         self._system_policy = system_prompt_policy  # ServerSettings.system_prompt_policy
         self._system_ratio = system_prompt_ratio  # ServerSettings.system_prompt_recompute_ratio
-        self._formats: OrderedDict[str, PromptFormat] = OrderedDict()  # requests' own system prompts' layouts
-        self._formats_lock = threading.Lock()
+        # requests' own system prompts' layouts, the chat template rendered once per prompt (thread-safe)
+        self._format = functools.lru_cache(maxsize=_FORMATS)(engine.prompt.with_system)
         self._focus = focus
         self._guard_mass = quality_guard_mass
         self._kv_layered = kv_layered
@@ -450,18 +449,16 @@ class Pipeline:
         before = f"{query.system_prompt.strip()}\n\n" if path is SystemPromptPath.SUFFIX and query.system_prompt else ""
         question_ids, select_ids = self._question_ids(query, output, fmt, before)
         own = path is SystemPromptPath.PREFIX
-        prefix_ids = tuple(fmt.prefix_ids()) if own else c.prefix_ids
-        prompt_tokens = len(prefix_ids) + sum(len(h.token_ids) for h in found.hits) + len(question_ids)
-        sampling, length_limit = self._answer_length(query, prompt_tokens)
         plan = PromptPlan(
-            output=output, constraint=constraint, prefix_ids=prefix_ids,
+            output=output, constraint=constraint, prefix_ids=tuple(fmt.prefix_ids()) if own else c.prefix_ids,
             kv_keys=tuple(c.kv_key(h, query.mode, self.lm.fingerprint, self.lm.tokenizer_fingerprint,
                                    self._focus.handover, first=i == 0) for i, h in enumerate(found.hits)),
             token_ids=tuple(tuple(h.token_ids) for h in found.hits), question_ids=tuple(question_ids),
             select_ids=None if select_ids is None else tuple(select_ids), options=self._options(query, own),
-            sampling=sampling, length_limit=length_limit, chunk_prefix_ids=c.prefix_ids if own else None,
+            sampling=query.sampling, length_limit=query.length_limit, chunk_prefix_ids=c.prefix_ids if own else None,
             system_prompt=path)
-        return plan
+        sampling, length_limit = self._answer_length(query, plan.prompt_tokens)
+        return dataclasses.replace(plan, sampling=sampling, length_limit=length_limit)
 
     def _system_path(self, query: Query, c: Collection) -> tuple[SystemPromptPath, PromptFormat]:
         """How the query's system message is served (`--system-prompt-policy`), and the prompt
@@ -471,17 +468,7 @@ class Pipeline:
             return SystemPromptPath.INDEXED, self.engine.prompt
         if self._system_policy != "prefix":  # strict refused it already (`_retrieve`)
             return SystemPromptPath.SUFFIX, self.engine.prompt
-        with self._formats_lock:
-            fmt = self._formats.get(system)
-            if fmt is not None:
-                self._formats.move_to_end(system)
-                return SystemPromptPath.PREFIX, fmt
-        fmt = self.engine.prompt.with_system(system)  # the chat template rendered once per system prompt
-        with self._formats_lock:
-            self._formats[system] = fmt
-            while len(self._formats) > _FORMATS:
-                self._formats.popitem(last=False)
-        return SystemPromptPath.PREFIX, fmt
+        return SystemPromptPath.PREFIX, self._format(system)
 
     def _sources(self, query: Query, found: Retrieved, plan: PromptPlan, tree: TreeSpot | None
                  ) -> tuple[Mode, TreeSpot | None, tuple[PromptChunk, ...], float]:

@@ -173,7 +173,7 @@ def served_defaults(args: argparse.Namespace) -> argparse.Namespace:
 
     served = ServerSettings()
     focus = served.focus()
-    for dest, value in (("ratio", f"{served.default_recompute_ratio:g}"), ("focus_keep", f"{focus.keep:g}"),
+    for dest, value in (("ratio", f"{served.limits().default_recompute_ratio:g}"), ("focus_keep", f"{focus.keep:g}"),
                         ("focus_handover", "on" if focus.handover else "off"), ("focus_spread", f"{focus.spread:g}"),
                         ("focus_several", str(focus.several)),
                         ("focus_lookup_ratio", "request" if focus.lookup_ratio is None else f"{focus.lookup_ratio:g}"),

@@ -94,6 +94,11 @@ def add_index_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--plain-kv-compression", choices=KV_COMPRESSIONS, default=PLAIN_COPY_COMPRESSION,
                    help="with --neighbour-context kv: how the plain copies store K and V (default int8: with "
                         "int4 neighbour KV the index then holds 0.82x the bytes of one bf16 copy)")
+    p.add_argument("--calibrate", choices=["on", "off"], default="on",
+                   help="on (default): measure blend against full prefill at a few recompute ratios on a sample of "
+                        "the corpus's own chunk sets, with questions made from the chunks, and record it in the "
+                        "manifest; `ragkv serve` then serves the cheapest ratio that meets --fidelity-kl (about 5%% "
+                        "of the KV work; repeated only when chunks change). off: the server's default ratio")
     p.add_argument("--shard", metavar="i/N",
                    help="index only shard i of N (default: AWS_BATCH_JOB_ARRAY_INDEX/_SIZE when set)")
     p.add_argument("--device", default=DType.AUTO.value, help="torch device; auto = cuda when torch sees a GPU, else cpu")
@@ -219,7 +224,7 @@ def run_index_command(args: argparse.Namespace) -> int:
         progress=not args.no_progress, runner=Runner(args.runner), ray_address=args.ray_address,
         ray_workers=args.ray_workers, system_prompt=read_system_prompt(args.system_prompt),
         kv_compression=INDEX_KV_COMPRESSION, plain_kv_compression=args.plain_kv_compression,
-        model_check=not args.skip_model_check,
+        model_check=not args.skip_model_check, calibrate=args.calibrate == "on",
         neighbours=NeighbourOptions(args.neighbours, args.neighbour_budget, args.neighbour_choice,
                                     context=args.neighbour_context),
     )

@@ -86,7 +86,12 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
                            "and the prefill rate say is cheaper, abandoning a read that overruns; off: always "
                            "read what a tier holds (default on)"),
     ("default_mode", str, "mode when a request leaves it unspecified (default blend)"),
-    ("default_recompute_ratio", float, "recompute ratio of blend (and of focus over several chunks) by default (default 0.15)"),
+    ("default_recompute_ratio", float, "recompute ratio of blend (and of focus over several chunks) for a request "
+                                       "that sets none; wins over the index's calibration (default: the "
+                                       "calibrated choice at --fidelity-kl, else 0.15)"),
+    ("fidelity_kl", str, "each collection serves the cheapest recompute ratio whose next-token KL to full "
+                           "prefill its index's calibration (ragkv index --calibrate) predicts at most this, in "
+                           "nats; logged at start-up; off = the default ratio (default 0.01)"),
     ("focus_keep", float, "focus mode keeps chunks scoring at least this x the best, (0, 1] (default 0.5)"),
     ("focus_handover", str, "on: focus keeping several chunks blends over all of them instead (and reads a "
                             "neighbour index's neighbour KV); off: it blends over the kept ones (default on)"),

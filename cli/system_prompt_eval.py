@@ -230,7 +230,7 @@ def run_command(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     from ragkv.server.settings import ServerSettings
 
     try:
-        ratios = [ServerSettings().default_recompute_ratio, 0.2, 0.3] if args.ratios is None else \
+        ratios = [ServerSettings().limits().default_recompute_ratio, 0.2, 0.3] if args.ratios is None else \
             [float(r) for r in args.ratios.split(",")]
     except ValueError:
         p.error(f"--ratios must be numbers separated by commas, got {args.ratios!r}")

@@ -12,8 +12,12 @@ command resumes where it stopped:
    in the index's own KV folder (not one named by ``--kv-store``, not one that shards
    share), remove the files no chunk reads: deleted and changed documents' KV;
 4. rebuild the FAISS file and the lexical (BM25) index when the chunks changed, then
-   mark the manifest complete. BM25 is rebuilt from the chunk database rather than
+   mark the manifest complete (calibrated first, when asked: step 5). BM25 is rebuilt from the chunk database rather than
    patched: 10k chunks take well under a second (bench/retrieval_bench.py).
+
+5. with ``calibrate``, when the chunks or their KV changed (or no calibration is recorded):
+   measure blend at a few ratios against full prefill on a sample of the index's own chunk
+   sets (``indexer.calibrate``), for the manifest.
 
 A ``StopSignal`` (SIGTERM, Spot notice) is checked between batches: the job then
 raises ``IndexInterrupted`` with all finished work saved.
@@ -43,6 +47,7 @@ from ragkv.retriever.embedder import DEFAULT_EMBEDDER, Embedder
 from ragkv.retriever.lexical import LEXICAL_DIR, ROWS_NAME, LexicalIndex
 from ragkv.retriever.manifest import (
     KV_DIR_NAME,
+    Calibration,
     IndexState,
     Manifest,
     ShardSpec,
@@ -102,6 +107,9 @@ class IndexJobConfig:
     plain_kv_compression: str = PLAIN_COPY_COMPRESSION
     # neighbour-conditioned KV: each chunk prefilled after its m most similar chunks (m = 0: plain)
     neighbours: NeighbourOptions = field(default_factory=NeighbourOptions)
+    # measure blend against full prefill on a sample of the corpus's own chunk sets and record it in
+    # the manifest (indexer.calibrate; `ragkv index` does by default); False: the server's default ratio
+    calibrate: bool = False
 
     def index_dir(self) -> Path:
         """Where this run writes: ``out``, or its shard's subfolder."""
@@ -272,10 +280,17 @@ def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Loa
             version = db.vectors_version()
             LexicalIndex.build(*db.texts()).save(index_dir)
             db.mark_lexical_built(version)
+        kv_whole = config.precompute_kv and db.count_kv_pending() == 0
+        calibration = None
+        if config.calibrate and kv_whole:
+            unchanged = old is not None and old.calibration is not None and not (added or deleted or kv_chunks)
+            calibration = old.calibration if unchanged and old is not None else \
+                _calibrate(db, manifest, kv_uris, engine, lm, config)
+            stop.check()
         write_manifest(index_dir, replace(
             manifest, state=IndexState.COMPLETE, vector_index=kind, n_documents=n_docs,
             n_chunks=n_chunks, n_tokens=n_tokens, kv_precomputed=db.count_kv_pending() == 0,
-            updated_at=time.time(), faiss_sha256=faiss_sha256,
+            updated_at=time.time(), faiss_sha256=faiss_sha256, calibration=calibration,
         ))
         db.close(compact=True)
         db = None
@@ -486,6 +501,51 @@ def _precompute_kv(db: ChunkDB, pending: Sequence[tuple[int, str, tuple[int, ...
         if close is not None:
             close()
     return totals[0], totals[1], totals[2]
+
+
+def _calibrate(db: ChunkDB, manifest: Manifest, kv_uris: Sequence[str], engine: Engine, lm: LoadedModel,
+               config: IndexJobConfig) -> Calibration | None:
+    """Blend against full prefill on a sample of this index's chunk sets (`indexer.calibrate`), each
+    chunk's KV read from the store as the server reads it; None when the corpus gives no set."""
+    import random
+
+    from ragkv.engine.kv import ChunkKV
+    from ragkv.indexer.calibrate import SEED, CalibrationSet, chunk_sets, cloze, measure, sample_size
+    from ragkv.types import Mode
+
+    rows, xb = db.all_vectors()
+    plan = chunk_sets(xb, sample_size(len(rows)))
+    records = db.chunks_by_rows([int(r) for r in rows])
+    rng = random.Random(SEED)
+    sets = []
+    store = open_store(kv_uris, lm.fingerprint, lm.tokenizer_fingerprint)
+    try:
+        for seed, prompt in plan:
+            question = cloze(records[int(rows[seed])].text, rng)
+            chunks = [records[int(rows[j])] for j in prompt]
+            keys = [_plain_key(manifest, c.token_ids) if config.neighbours.serves_plain(Mode.BLEND, first=i == 0)
+                    else c.kv_key for i, c in enumerate(chunks)]  # the KV the server reads (serving_key)
+            hits = [store.read(key) for key in keys]
+            if question is None or any(h is None for h in hits):  # no sentence to blank; KV not stored
+                continue
+            sets.append(CalibrationSet(tuple(c.token_ids for c in chunks),
+                                       tuple(ChunkKV.from_stored(h.entry, lm.device, lm.dtype) for h in hits if h),
+                                       question))
+    finally:
+        close = getattr(store, "close", None)
+        if close is not None:
+            close()
+    if not sets:
+        log.info("no chunk set to calibrate on (fewer chunks than a set, or no sentence to make a question "
+                 "of): the server will serve its default ratio")
+        return None
+    with _bar(len(sets), "calibrating (blend against full prefill)", config.progress) as bar:
+        def progress(items):
+            for it in items:
+                yield it
+                bar.update(1)
+
+        return measure(engine, sets, progress=progress)
 
 
 def _ray_runner(config: IndexJobConfig, prefix_ids: Sequence[int], kv_uris: Sequence[str],

@@ -108,6 +108,7 @@ def merge_shards(out: str | Path, *, hnsw_threshold: int = vector_index.HNSW_THR
         # the shards name their KV relative to their own folders; the merge, relative to out
         kv_uris=portable_kv_uris(resolve_kv_uris(first.kv_uris, shards[0][0]), out, out),
         created_at=old.created_at if old else min(m.created_at for _, m in shards), updated_at=now,
+        # the calibration is the first shard's: a sample of the same corpus, served by the same model
     )
     # readers see "building" while the files are swapped, then the complete manifest
     if old is not None:

@@ -391,6 +391,7 @@ class RagClient:
         cache_salt: str | None = None,
         retain_seconds: float | None = None,
         retain_priority: int | None = None,
+        fidelity_kl: float | None = None,
         timeout: float | None = None,
     ) -> QueryStream:
         """Start a Query; None options take the server's defaults.
@@ -415,6 +416,11 @@ class RagClient:
         above 0 holds within the key's share of the tree; ``cache_salt`` shares KV-tree paths
         only with this key's requests giving the same salt (one per end user, say).
 
+        ``fidelity_kl``, instead of ``recompute_ratio``, asks for the cheapest blend whose
+        next-token KL from full prefill the collection's calibration predicts at most this
+        (full prefill when none does); the stats' ``recompute_ratio`` and ``predicted_kl`` say
+        what ran.
+
         Returns:
             A QueryStream; iterating it yields the answer's text pieces.
         """
@@ -422,7 +428,8 @@ class RagClient:
             collection, top_k, mode, recompute_ratio, temperature, top_p, seed, max_new_tokens, stop, snippet_chars,
             search_mode, filters, history, system_prompt,
             {**_answer_shape(agent_turns, tools, tool_choice, parallel_tool_calls, response_format, citations),
-             "cache_salt": cache_salt, "retain_seconds": retain_seconds, "retain_priority": retain_priority},
+             "cache_salt": cache_salt, "retain_seconds": retain_seconds, "retain_priority": retain_priority,
+             "fidelity_kl": fidelity_kl},
         )
         request = convert.query_request_to_proto(question, options)
 
@@ -600,6 +607,7 @@ class AsyncRagClient:
         cache_salt: str | None = None,
         retain_seconds: float | None = None,
         retain_priority: int | None = None,
+        fidelity_kl: float | None = None,
         timeout: float | None = None,
     ) -> AsyncQueryStream:
         """Start a Query (the call begins when the stream is iterated)."""
@@ -607,7 +615,8 @@ class AsyncRagClient:
             collection, top_k, mode, recompute_ratio, temperature, top_p, seed, max_new_tokens, stop, snippet_chars,
             search_mode, filters, history, system_prompt,
             {**_answer_shape(agent_turns, tools, tool_choice, parallel_tool_calls, response_format, citations),
-             "cache_salt": cache_salt, "retain_seconds": retain_seconds, "retain_priority": retain_priority},
+             "cache_salt": cache_salt, "retain_seconds": retain_seconds, "retain_priority": retain_priority,
+             "fidelity_kl": fidelity_kl},
         )
         request = convert.query_request_to_proto(question, options)
 

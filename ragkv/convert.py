@@ -198,6 +198,8 @@ def query_request_to_proto(question: str, options: QueryOptions) -> pb.QueryRequ
     )
     if options.recompute_ratio is not None:
         msg.recompute_ratio = options.recompute_ratio
+    if options.fidelity_kl is not None:
+        msg.fidelity_kl = options.fidelity_kl
     if options.seed is not None:
         msg.sampling.seed = options.seed
     msg.history.extend(_turns_to_proto(options.history))
@@ -318,6 +320,7 @@ def query_request_from_proto(msg: pb.QueryRequest) -> tuple[str, QueryOptions]:
         top_k=msg.top_k or None,
         mode=mode_from_proto(msg.mode),
         recompute_ratio=msg.recompute_ratio if msg.HasField("recompute_ratio") else None,
+        fidelity_kl=msg.fidelity_kl if msg.HasField("fidelity_kl") else None,
         temperature=sampling.temperature,
         top_p=sampling.top_p or None,
         seed=sampling.seed if sampling.HasField("seed") else None,
@@ -428,6 +431,7 @@ def query_stats_to_proto(stats: QueryStats) -> pb.QueryStats:
             handed_over=stats.focus.handed_over, kept_attention=stats.focus.kept_attention, spread=stats.focus.spread),
         system_prompt=stats.system_prompt.value,
         length_limit="" if stats.length_limit is None else stats.length_limit.value,
+        recompute_ratio=stats.recompute_ratio, predicted_kl=stats.predicted_kl,
     )
 
 
@@ -456,6 +460,8 @@ def query_stats_from_proto(msg: pb.QueryStats) -> QueryStats:
         if msg.HasField("focus") else None,
         system_prompt=_known(SystemPromptPath, msg.system_prompt, SystemPromptPath.INDEXED),
         length_limit=_known(LengthLimit, msg.length_limit, None),
+        recompute_ratio=msg.recompute_ratio if msg.HasField("recompute_ratio") else None,
+        predicted_kl=msg.predicted_kl if msg.HasField("predicted_kl") else None,
     )
 
 

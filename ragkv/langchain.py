@@ -78,7 +78,7 @@ __all__ = ["RagKVChatModel", "RagKVRetriever", "RagKVServerError", "call_tools_f
 _PROVIDER = "ragkv"
 # Per-call keyword arguments `invoke`/`bind` may override, by field name.
 _QUERY_OVERRIDES = frozenset(
-    {"collection", "top_k", "mode", "recompute_ratio", "temperature", "top_p", "seed", "max_tokens",
+    {"collection", "top_k", "mode", "recompute_ratio", "fidelity_kl", "temperature", "top_p", "seed", "max_tokens",
      "search_mode", "filters", "citations", "tools", "tool_choice", "parallel_tool_calls", "response_format"}
 )
 _NOT_FIELDS = {"tools": (), "tool_choice": None, "parallel_tool_calls": True, "response_format": None}  # bind-only
@@ -287,6 +287,9 @@ class RagKVChatModel(_Connection, BaseChatModel):
     """Metadata conditions applied before top_k: {"key": value} for equality, or MetadataFilter objects."""
     recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
     """Fraction of context tokens recomputed in blend mode."""
+    fidelity_kl: float | None = Field(default=None, gt=0.0)
+    """Instead of recompute_ratio: the largest next-token KL from full prefill the collection's
+    calibration may predict for the answer; the cheapest ratio that meets it serves."""
     temperature: float = Field(default=0.0, ge=0.0)
     """0 = greedy."""
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -319,6 +322,7 @@ class RagKVChatModel(_Connection, BaseChatModel):
             "top_k": self.top_k,
             "mode": self.mode.value if self.mode else None,
             "recompute_ratio": self.recompute_ratio,
+            "fidelity_kl": self.fidelity_kl,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "seed": self.seed,
@@ -364,6 +368,7 @@ class RagKVChatModel(_Connection, BaseChatModel):
             "search_mode": values["search_mode"],
             "filters": values["filters"],
             "recompute_ratio": values["recompute_ratio"],
+            "fidelity_kl": values["fidelity_kl"],
             "temperature": values["temperature"],
             "top_p": values["top_p"],
             "seed": values["seed"],
@@ -393,6 +398,8 @@ class RagKVChatModel(_Connection, BaseChatModel):
             mode=stats.mode.value,
             finish_reason=stats.finish_reason.value,
             recompute_fraction=stats.recompute_fraction,
+            recompute_ratio=stats.recompute_ratio,  # the ratio blend ran at (None outside blend)
+            predicted_kl=stats.predicted_kl,  # the calibration's predicted KL from full prefill for it
             tree_prompt_tokens=stats.usage.tree_prompt_tokens,  # prompt tokens the server's KV tree held
             system_prompt=stats.system_prompt.value,  # how the system message was served (indexed, prefix, suffix)
             length_limit=None if stats.length_limit is None else stats.length_limit.value,  # what cut the answer

@@ -295,6 +295,9 @@ class QueryOptions:
     # how much this conversation's KV-tree path matters against the key's others (-100..100,
     # higher kept longer; above 0 within the key's share of the tree); None = 0
     retain_priority: int | None = None
+    # instead of recompute_ratio: the largest next-token KL from full prefill the answer may have, as the
+    # collection's calibration predicts it (the cheapest ratio that meets it; full prefill when none does)
+    fidelity_kl: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,6 +352,10 @@ class QueryStats:
     focus: FocusSignal | None = None  # FOCUS: how its rule decided (None in other modes)
     system_prompt: SystemPromptPath = SystemPromptPath.INDEXED  # how its system message was served
     length_limit: LengthLimit | None = None  # finish_reason LENGTH: which limit ended it; None otherwise
+    recompute_ratio: float | None = None  # the ratio blend ran at (BLEND, FOCUS's blends); None in other modes
+    # the next-token KL from full prefill the collection's calibration predicts for it (0.0 for FULL);
+    # None without a calibration, or on a path it did not measure (the request's own system prompt)
+    predicted_kl: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

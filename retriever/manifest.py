@@ -74,6 +74,54 @@ class ShardSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class CalibratedSetting:
+    """One blend setting's measured distance from full prefill on the index's own sample
+    (`indexer.calibrate`): what `ragkv serve` predicts for it."""
+
+    recompute_ratio: float  # share of chunk tokens recomputed
+    selector: str  # the blend selector (engine.select.Selector's value)
+    kl_mean: float  # mean next-token KL(full || blend) over the sample, in nats: the prediction
+    kl_stderr: float  # its standard error over the sample (the spread)
+    kl_max: float  # the worst set's KL
+    top_token_agreement: float  # share of sets whose first token equals full prefill's
+    seconds_median: float  # the blend's median prompt time on the sample (what "cheapest" compares)
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """How far blend at each setting is from full prefill on this index, measured at index time on
+    chunk sets of its own corpus with questions made from the chunks (`indexer.calibrate`)."""
+
+    method: str  # how questions were made ("cloze": a sentence of a chunk with its key words blanked)
+    seed: int  # the sample's seed: the same corpus gives the same sets, questions and choice
+    sets: int  # chunk sets measured (the sample's size)
+    chunks_per_set: int  # chunks in each set
+    full_seconds_median: float  # full prefill's median prompt time on the sample
+    settings: tuple[CalibratedSetting, ...]  # by recompute ratio, ascending
+
+    def choose(self, kl_target: float) -> CalibratedSetting | None:
+        """The cheapest setting whose predicted KL (mean over the sample) is at most `kl_target`;
+        None when none is (serve full prefill)."""
+        meets = [s for s in self.settings if s.kl_mean <= kl_target]
+        return min(meets, key=lambda s: (s.recompute_ratio, s.seconds_median)) if meets else None
+
+    def setting(self, ratio: float, selector: str = "query") -> CalibratedSetting | None:
+        """The measured setting at `ratio` (within 1e-9) and `selector`, if calibration ran it."""
+        return next((s for s in self.settings if abs(s.recompute_ratio - ratio) < 1e-9 and s.selector == selector),
+                    None)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> Calibration | None:
+        if not d:
+            return None
+        return cls(d["method"], int(d["seed"]), int(d["sets"]), int(d["chunks_per_set"]),
+                   float(d["full_seconds_median"]), tuple(CalibratedSetting(**s) for s in d["settings"]))
+
+
+@dataclass(frozen=True, slots=True)
 class Manifest:
     """What an index was built with; the server checks it before serving."""
 
@@ -109,6 +157,9 @@ class Manifest:
     # sha256 of the FAISS file this build wrote: the server reads (and FAISS parses) only bytes
     # that match it; None = an index written before it was recorded (rerun `ragkv index` on it)
     faiss_sha256: str | None = None
+    # blend's measured distance from full prefill at each setting on this corpus (`ragkv index
+    # --calibrate`); None = not calibrated (an index from before, or --calibrate off): the server's default
+    calibration: Calibration | None = None
 
     def check_model(self, model_fp: str, tokenizer_fp: str) -> None:
         """Raise IndexMismatchError unless the index was built for this model and tokenizer."""
@@ -145,6 +196,7 @@ class Manifest:
         d["prefix_ids"] = tuple(d["prefix_ids"])
         d["kv_uris"] = tuple(d["kv_uris"])
         d["shard"] = ShardSpec(**d["shard"]) if d.get("shard") else None
+        d["calibration"] = Calibration.from_dict(d.get("calibration"))
         return cls(**d)
 
 

@@ -210,6 +210,7 @@ class QueryRunner:
                     focus=done.focus,
                     system_prompt=prepared.system_prompt,
                     length_limit=prepared.length_limit if finish is FinishReason.LENGTH else None,
+                    recompute_ratio=prepared.ratio.ratio, predicted_kl=prepared.ratio.predicted_kl,
                 )
                 self._metrics.observe_answer(
                     request.mode,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ragkv.engine.request import ChunkComputed, Request, Work
+from ragkv.server.fidelity import RequestRatio
 from ragkv.types import (
     CollectionInfo,
     CollectionStats,
@@ -72,6 +73,8 @@ class Prepared:
     chunks: tuple[RetrievedChunk, ...]  # best first, as Request.chunks begins
     system_prompt: SystemPromptPath = SystemPromptPath.INDEXED  # how the request's system message is served
     length_limit: LengthLimit = LengthLimit.MAX_TOKENS  # what bounds its answer's length (QueryStats.length_limit)
+    # the ratio its blend runs at and the KL predicted for it (QueryStats.recompute_ratio, predicted_kl)
+    ratio: RequestRatio = RequestRatio(None, None)
 
 
 @runtime_checkable

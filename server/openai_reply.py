@@ -85,6 +85,10 @@ def ragkv_extra(chunks: tuple[RetrievedChunk, ...], stats: QueryStats, snippet_c
         "kv_sources": {k.value: v for k, v in stats.kv_sources.items()},
         "mode": stats.mode.value,
         "recompute_fraction": stats.recompute_fraction,
+        # the ratio blend ran at (null outside blend), and the KL from full prefill the collection's
+        # calibration predicts for it (0 for full prefill; null without a calibration)
+        "recompute_ratio": stats.recompute_ratio,
+        "predicted_kl": stats.predicted_kl,
         "tree_prompt_tokens": stats.usage.tree_prompt_tokens,  # of cached_tokens, the KV tree's
         # how the request's system message was served: indexed (the index's own), prefix or suffix
         "system_prompt": stats.system_prompt.value,

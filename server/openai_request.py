@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API's request side: a chat completion's JSON body read into
 the question and `QueryOptions` that `server.validation.validate_query` takes.
 
-`model` names the collection; ragkv's own options (mode, top_k, recompute_ratio,
+`model` names the collection; ragkv's own options (mode, top_k, recompute_ratio, fidelity_kl,
 search_mode, filters, snippet_chars, citations, cache_salt, retain_seconds,
 retain_priority) ride as extra body fields (the `openai` client's `extra_body`). `tools`,
 `tool_choice`, `parallel_tool_calls` and `response_format` are OpenAI's. Here each field's
@@ -229,6 +229,7 @@ def parse_chat(body: object) -> ChatBody:
         top_k=top_k,
         mode=_enum(body, "mode", Mode),
         recompute_ratio=_field(body, "recompute_ratio", (int, float), "a number"),
+        fidelity_kl=_field(body, "fidelity_kl", (int, float), "a number (nats)"),
         temperature=0.0 if temperature is None else float(temperature),  # ragkv answers greedily by default
         top_p=_field(body, "top_p", (int, float), "a number"),
         seed=_field(body, "seed", (int,), "an integer"),

@@ -49,7 +49,9 @@ from ragkv.kvstore import (
 from ragkv.kvstore.tree_files import TreeFiles
 from ragkv.retriever import Retriever, SearchHit
 from ragkv.retriever.chunk_keys import NeighbourOptions, serving_key
+from ragkv.retriever.manifest import Calibration
 from ragkv.server.backend import BackendParts, Prepared
+from ragkv.server.fidelity import DEFAULT_RECOMPUTE_RATIO, RequestRatio, ServedRatio, request_ratio, served_ratio
 from ragkv.server.loading import ChunkDecision, ControllerConfig, LoadingController
 from ragkv.server.query import Query
 from ragkv.server.search_config import retriever_options
@@ -89,6 +91,9 @@ class Collection:
     system_prompt: str = DEFAULT_SYSTEM_PROMPT  # the system prompt in prefix_ids (the index's own)
     # how its chunk KV was computed after neighbours (ragkv index --neighbours); m = 0: plain
     neighbours: NeighbourOptions = field(default_factory=NeighbourOptions)
+    calibration: Calibration | None = None  # blend's measured distance from full prefill (ragkv index --calibrate)
+    # the ratio its requests that set none get (server/fidelity.py, chosen at start-up)
+    served: ServedRatio = ServedRatio(DEFAULT_RECOMPUTE_RATIO, None, "the default")
 
     def kv_key(self, hit: SearchHit, mode: Mode, model_fp: str, tokenizer_fp: str,
                focus_handover: bool = False, first: bool = False) -> ChunkKey:
@@ -128,6 +133,7 @@ class PromptPlan:
     # is then the request's own); None = prefix_ids is the index's
     chunk_prefix_ids: tuple[int, ...] | None = None
     system_prompt: SystemPromptPath = SystemPromptPath.INDEXED  # how its system message is served
+    ratio: RequestRatio = RequestRatio(None, None)  # the ratio blend runs at, and the KL predicted for it
 
     @property
     def chunk_tokens(self) -> int:
@@ -291,10 +297,13 @@ class Pipeline:
             store = TieredStore(_store_config(settings, Path(index_dir), manifest.kv_uris, lm.device,
                                               manifest.kv_compression),
                                 lm.fingerprint, lm.tokenizer_fingerprint)
+            served = served_ratio(name, manifest.calibration, settings.fidelity_kl, settings.default_recompute_ratio)
+            log.info("%s", served.reason)
             collections[name] = Collection(name, retriever, store, tuple(manifest.prefix_ids),
                                            hash_prefix(manifest.prefix_ids), mismatch,
                                            manifest.system_prompt or DEFAULT_SYSTEM_PROMPT,
-                                           NeighbourOptions.from_dict(manifest.neighbours))
+                                           NeighbourOptions.from_dict(manifest.neighbours),
+                                           manifest.calibration, served)
         controller = LoadingController(ControllerConfig(enabled=settings.kv_controller), engine.speed)
         first = next(iter(collections.values()), None)
         if first is not None and not engine.recurrent:  # seed the prefill rate: ~100 tokens after the prefix
@@ -354,7 +363,10 @@ class Pipeline:
         if self.engine.conversations.tree.files is not None:  # its last call's path off disk while it searches
             self._warmer.submit(self.engine.conversations.prefetch, query.conversation)
         found = self._retrieve(query, hits)
-        plan, tree = self._lease(query, found, self._plan(query, found))
+        plan = self._plan(query, found)
+        if plan.ratio.ratio is None:  # a fidelity target no calibrated ratio meets: full prefill is exact
+            query = dataclasses.replace(query, mode=Mode.FULL)
+        plan, tree = self._lease(query, found, plan)
         mode, tree, chunks, kv_wait_s = self._sources(query, found, plan, tree)
         done = 0 if tree is None else tree.tokens  # a tree hit computes only the rest
         sizes = (mode, len(plan.prefix_ids), plan.chunk_tokens, len(plan.question_ids), plan.options)
@@ -374,7 +386,8 @@ class Pipeline:
             tree_priority=query.retain_priority, kv_wait_s=kv_wait_s,
             kv_bytes=(plan.prompt_tokens + plan.sampling.max_new_tokens) * self.engine.kv_bytes_per_token,
             prompt_cost=max(1, cost * todo // whole), prompt_rows=max(1, rows * todo // whole),
-            phase_seconds={"retrieve": found.seconds}), found.chunks, plan.system_prompt, plan.length_limit)
+            phase_seconds={"retrieve": found.seconds}), found.chunks, plan.system_prompt, plan.length_limit,
+            plan.ratio if mode in (Mode.BLEND, Mode.FOCUS) or plan.ratio.ratio is None else RequestRatio(None, None))
 
     def _lease(self, query: Query, found: Retrieved, plan: PromptPlan) -> tuple[PromptPlan, TreeSpot | None]:
         """Stage 3: the KV tree's lease on what it holds of this prompt (a lease carrying its key
@@ -449,14 +462,16 @@ class Pipeline:
         before = f"{query.system_prompt.strip()}\n\n" if path is SystemPromptPath.SUFFIX and query.system_prompt else ""
         question_ids, select_ids = self._question_ids(query, output, fmt, before)
         own = path is SystemPromptPath.PREFIX
+        ratio = self._ratio(query, c, own)
         plan = PromptPlan(
             output=output, constraint=constraint, prefix_ids=tuple(fmt.prefix_ids()) if own else c.prefix_ids,
             kv_keys=tuple(c.kv_key(h, query.mode, self.lm.fingerprint, self.lm.tokenizer_fingerprint,
                                    self._focus.handover, first=i == 0) for i, h in enumerate(found.hits)),
             token_ids=tuple(tuple(h.token_ids) for h in found.hits), question_ids=tuple(question_ids),
-            select_ids=None if select_ids is None else tuple(select_ids), options=self._options(query, own),
+            select_ids=None if select_ids is None else tuple(select_ids),
+            options=self._options(DEFAULT_RECOMPUTE_RATIO if ratio.ratio is None else ratio.ratio),
             sampling=query.sampling, length_limit=query.length_limit, chunk_prefix_ids=c.prefix_ids if own else None,
-            system_prompt=path)
+            system_prompt=path, ratio=ratio)
         sampling, length_limit = self._answer_length(query, plan.prompt_tokens)
         return dataclasses.replace(plan, sampling=sampling, length_limit=length_limit)
 
@@ -594,12 +609,18 @@ class Pipeline:
                     f"(max_tokens): {prompt_tokens + max_new} tokens, more than the model's context "
                     f"of {limit}; send fewer or shorter turns, fewer chunks (top_k), or a smaller max_tokens")
 
-    def _options(self, params: Query, own_instructions: bool = False) -> BlendOptions:
-        """How this request's mode blends, from its ratio and the server's focus and guard settings;
-        a request with its own instructions in front that sets no ratio takes the server's for those."""
-        ratio = params.recompute_ratio
-        if own_instructions and not params.recompute_ratio_set and self._system_ratio is not None:
+    def _ratio(self, query: Query, c: Collection, own_instructions: bool) -> RequestRatio:
+        """The ratio this request's blend runs at: its own, or its fidelity target's (full prefill when
+        none meets it), or the server's for its own instructions in front, or the collection's
+        (`server/fidelity.py`); with the KL the collection's calibration predicts for it."""
+        ratio = query.recompute_ratio if query.recompute_ratio_set else None
+        if ratio is None and own_instructions:
             ratio = self._system_ratio
+        return request_ratio(c.name, c.calibration, c.served, ratio=ratio, fidelity_kl=query.fidelity_kl,
+                             calibrated_path=not own_instructions)  # it measured the chunks after the index's prefix
+
+    def _options(self, ratio: float) -> BlendOptions:
+        """How a request's mode blends at `ratio`, with the server's focus and guard settings."""
         guard = {} if self._guard_mass is None else {  # exactly the ratio's tokens, or full prefill
             "adaptive_mass": self._guard_mass, "min_ratio": ratio, "fallback_full": True}
         return BlendOptions(recompute_ratio=ratio, focus=self._focus, **guard)

@@ -38,6 +38,9 @@ class Query:
     mode: Mode = Mode.FULL
     recompute_ratio: float = 0.2  # BLEND's (and FOCUS's blends') share of chunk tokens recomputed
     recompute_ratio_set: bool = False  # the client chose it (else the server's default did)
+    # instead of a ratio: the largest next-token KL from full prefill the collection's calibration may
+    # predict (`fidelity_kl`); the cheapest calibrated ratio meeting it serves (`Pipeline.prepare`)
+    fidelity_kl: float | None = None
     sampling: SamplingParams = SamplingParams()  # temperature, top_p, seed, max_new_tokens, stop
     # where sampling.max_new_tokens came from: the client's max_tokens, or the server's default or
     # cap (then the context left bounds it too, once the prompt is known: `Pipeline.prepare`)

@@ -55,8 +55,8 @@ RETRIEVE = "Responses"  # the `method` label of GET and DELETE (POST runs, and c
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # ragkv's own request fields, passed to the chat completions reader as they are
-_EXTRAS = ("mode", "top_k", "recompute_ratio", "search_mode", "filters", "snippet_chars", "citations", "cache_salt",
-           "seed", "stop", "retain_seconds", "retain_priority")
+_EXTRAS = ("mode", "top_k", "recompute_ratio", "fidelity_kl", "search_mode", "filters", "snippet_chars", "citations",
+           "cache_salt", "seed", "stop", "retain_seconds", "retain_priority")
 # fields OpenAI's Responses API has that ragkv cannot honour, refused rather than ignored
 _REFUSED = {"conversation": "conversations are not served here; continue with previous_response_id",
             "prompt": "stored prompt templates are not served here; send instructions and input",

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ragkv.engine.focus import FocusOptions
 from ragkv.engine.scheduler import SchedulerConfig
+from ragkv.server.fidelity import DEFAULT_RECOMPUTE_RATIO
 from ragkv.server.validation import RequestLimits
 from ragkv.types import DEFAULT_COLLECTION, DType, Mode, SearchMode
 
@@ -145,9 +146,12 @@ class ServerSettings:
     # mode when a request leaves it unspecified: blend, the one held-out questions on both models found
     # closest to full prefill at the same speed; no focus rule beat it out of sample (docs/quality.md, issue 53)
     default_mode: Mode = Mode.BLEND
-    # fraction of chunk tokens: with the selector over three layers, 0.15 is as close to full prefill as
-    # 0.2 over one was, at about 4x (docs/quality.md, issue 39)
-    default_recompute_ratio: float = 0.15
+    # blend's ratio for a request that sets none; None = each collection's calibrated choice at
+    # fidelity_kl, or DEFAULT_RECOMPUTE_RATIO (0.15) for an index without a calibration (server/fidelity.py)
+    default_recompute_ratio: float | None = None
+    # the largest next-token KL from full prefill (nats) a collection's default ratio may be predicted
+    # at: its index's calibration gives the cheapest ratio that meets it; None = off (the default ratio)
+    fidelity_kl: float | None = 0.01
     # blend's ratio for a request that brings its own system prompt (prefix policy) and sets no ratio:
     # every chunk then follows another prefix than its KV's, none is exact (docs/quality.md); None = the default
     system_prompt_recompute_ratio: float | None = None
@@ -232,9 +236,12 @@ class ServerSettings:
             raise ValueError(f"kv_compression must be auto, none, int8, fp8, int4 or int2, got {self.kv_compression!r}")
         if self.faiss_device not in ("cpu", "cuda"):
             raise ValueError(f"faiss_device must be cpu or cuda, got {self.faiss_device!r}")
-        ratio = self.system_prompt_recompute_ratio
-        if ratio is not None and not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"system_prompt_recompute_ratio must be in [0, 1], got {ratio}")
+        for name in ("default_recompute_ratio", "system_prompt_recompute_ratio"):
+            ratio = getattr(self, name)
+            if ratio is not None and not 0.0 <= ratio <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {ratio}")
+        if self.fidelity_kl is not None and not self.fidelity_kl > 0.0:
+            raise ValueError(f"fidelity_kl must be a KL in nats > 0 (e.g. 0.01), or off; got {self.fidelity_kl}")
         if self.system_prompt_policy not in SYSTEM_PROMPT_POLICIES:
             raise ValueError(f"system_prompt_policy must be one of {', '.join(SYSTEM_PROMPT_POLICIES)}, got "
                              f"{self.system_prompt_policy!r}")
@@ -305,7 +312,8 @@ class ServerSettings:
             default_top_k=self.default_top_k,
             max_top_k=self.max_top_k,
             default_mode=self.default_mode,
-            default_recompute_ratio=self.default_recompute_ratio,
+            default_recompute_ratio=(DEFAULT_RECOMPUTE_RATIO if self.default_recompute_ratio is None
+                                     else self.default_recompute_ratio),
             default_max_new_tokens=self.default_max_new_tokens,
             max_new_tokens=self.max_new_tokens,
         )

@@ -214,6 +214,16 @@ def validate_query(
     ratio = limits.default_recompute_ratio if options.recompute_ratio is None else options.recompute_ratio
     if not (math.isfinite(ratio) and 0.0 <= ratio <= 1.0):
         raise InvalidArgumentError("recompute_ratio", f"must be in [0, 1], got {ratio}")
+    fidelity = options.fidelity_kl
+    if fidelity is not None:
+        if not (math.isfinite(fidelity) and fidelity > 0.0):
+            raise InvalidArgumentError("fidelity_kl", f"must be a KL in nats > 0 (e.g. 0.01), got {fidelity}")
+        if options.recompute_ratio is not None:
+            raise InvalidArgumentError("fidelity_kl", "give recompute_ratio or fidelity_kl, not both: the target "
+                                                      "chooses the ratio")
+        if mode not in (Mode.BLEND, Mode.FOCUS):
+            raise InvalidArgumentError("fidelity_kl", f"chooses blend's recompute ratio; mode {mode.value!r} "
+                                                      "has none (use blend or focus)")
     temperature = options.temperature
     if not (math.isfinite(temperature) and 0.0 <= temperature <= 10.0):
         raise InvalidArgumentError("sampling.temperature", f"must be in [0, 10], got {temperature}")
@@ -257,6 +267,7 @@ def validate_query(
         mode=mode,
         recompute_ratio=float(ratio),
         recompute_ratio_set=options.recompute_ratio is not None,
+        fidelity_kl=None if fidelity is None else float(fidelity),
         sampling=SamplingParams(max_new_tokens=max_new, temperature=float(temperature), top_p=float(top_p),
                                 seed=options.seed, stop=tuple(options.stop)),
         length_limit=length_limit,

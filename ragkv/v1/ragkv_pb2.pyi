@@ -194,7 +194,7 @@ class SamplingOptions(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class QueryRequest(_message.Message):
-    __slots__ = ("question", "collection", "top_k", "mode", "recompute_ratio", "sampling", "max_new_tokens", "stop", "snippet_chars", "search_mode", "filters", "history", "system_prompt", "agent_turns", "response_format", "tools", "tool_choice", "parallel_tool_calls", "citations", "cache_salt", "retain_seconds", "retain_priority")
+    __slots__ = ("question", "collection", "top_k", "mode", "recompute_ratio", "sampling", "max_new_tokens", "stop", "snippet_chars", "search_mode", "filters", "history", "system_prompt", "agent_turns", "response_format", "tools", "tool_choice", "parallel_tool_calls", "citations", "cache_salt", "retain_seconds", "retain_priority", "fidelity_kl")
     QUESTION_FIELD_NUMBER: _ClassVar[int]
     COLLECTION_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,7 @@ class QueryRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     RETAIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RETAIN_PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    FIDELITY_KL_FIELD_NUMBER: _ClassVar[int]
     question: str
     collection: str
     top_k: int
@@ -239,7 +240,8 @@ class QueryRequest(_message.Message):
     cache_salt: str
     retain_seconds: float
     retain_priority: int
-    def __init__(self, question: _Optional[str] = ..., collection: _Optional[str] = ..., top_k: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., recompute_ratio: _Optional[float] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., snippet_chars: _Optional[int] = ..., search_mode: _Optional[_Union[SearchMode, str]] = ..., filters: _Optional[_Iterable[_Union[MetadataFilter, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[ChatTurn, _Mapping]]] = ..., system_prompt: _Optional[str] = ..., agent_turns: _Optional[_Iterable[_Union[ChatTurn, _Mapping]]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., citations: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., retain_seconds: _Optional[float] = ..., retain_priority: _Optional[int] = ...) -> None: ...
+    fidelity_kl: float
+    def __init__(self, question: _Optional[str] = ..., collection: _Optional[str] = ..., top_k: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., recompute_ratio: _Optional[float] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., snippet_chars: _Optional[int] = ..., search_mode: _Optional[_Union[SearchMode, str]] = ..., filters: _Optional[_Iterable[_Union[MetadataFilter, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[ChatTurn, _Mapping]]] = ..., system_prompt: _Optional[str] = ..., agent_turns: _Optional[_Iterable[_Union[ChatTurn, _Mapping]]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., citations: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., retain_seconds: _Optional[float] = ..., retain_priority: _Optional[int] = ..., fidelity_kl: _Optional[float] = ...) -> None: ...
 
 class QueryResponse(_message.Message):
     __slots__ = ("chunks", "token", "stats", "tool_call")
@@ -319,7 +321,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., tree_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class QueryStats(_message.Message):
-    __slots__ = ("usage", "ttft_seconds", "total_seconds", "phase_seconds", "recompute_fraction", "mode", "finish_reason", "text", "used_chunk_ids", "kv_sources", "tool_calls", "citations", "focus", "system_prompt", "length_limit")
+    __slots__ = ("usage", "ttft_seconds", "total_seconds", "phase_seconds", "recompute_fraction", "mode", "finish_reason", "text", "used_chunk_ids", "kv_sources", "tool_calls", "citations", "focus", "system_prompt", "length_limit", "recompute_ratio", "predicted_kl")
     class PhaseSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -349,6 +351,8 @@ class QueryStats(_message.Message):
     FOCUS_FIELD_NUMBER: _ClassVar[int]
     SYSTEM_PROMPT_FIELD_NUMBER: _ClassVar[int]
     LENGTH_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_KL_FIELD_NUMBER: _ClassVar[int]
     usage: Usage
     ttft_seconds: float
     total_seconds: float
@@ -364,7 +368,9 @@ class QueryStats(_message.Message):
     focus: FocusSignal
     system_prompt: str
     length_limit: str
-    def __init__(self, usage: _Optional[_Union[Usage, _Mapping]] = ..., ttft_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., recompute_fraction: _Optional[float] = ..., mode: _Optional[_Union[Mode, str]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., text: _Optional[str] = ..., used_chunk_ids: _Optional[_Iterable[str]] = ..., kv_sources: _Optional[_Mapping[str, int]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., citations: _Optional[_Iterable[_Union[Citation, _Mapping]]] = ..., focus: _Optional[_Union[FocusSignal, _Mapping]] = ..., system_prompt: _Optional[str] = ..., length_limit: _Optional[str] = ...) -> None: ...
+    recompute_ratio: float
+    predicted_kl: float
+    def __init__(self, usage: _Optional[_Union[Usage, _Mapping]] = ..., ttft_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., phase_seconds: _Optional[_Mapping[str, float]] = ..., recompute_fraction: _Optional[float] = ..., mode: _Optional[_Union[Mode, str]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., text: _Optional[str] = ..., used_chunk_ids: _Optional[_Iterable[str]] = ..., kv_sources: _Optional[_Mapping[str, int]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., citations: _Optional[_Iterable[_Union[Citation, _Mapping]]] = ..., focus: _Optional[_Union[FocusSignal, _Mapping]] = ..., system_prompt: _Optional[str] = ..., length_limit: _Optional[str] = ..., recompute_ratio: _Optional[float] = ..., predicted_kl: _Optional[float] = ...) -> None: ...
 
 class FocusSignal(_message.Message):
     __slots__ = ("handed_over", "kept_attention", "spread")

@@ -23,9 +23,9 @@ def test_the_evals_default_focus_is_the_servers() -> None:
     focus = methods["focus"]
     assert focus.mode is Mode.FOCUS
     assert focus.options.focus == served.focus(), (focus.options.focus, served.focus())
-    assert focus.options.recompute_ratio == served.default_recompute_ratio == served.limits().default_recompute_ratio
-    assert focus.options == BlendOptions(recompute_ratio=served.default_recompute_ratio, focus=served.focus())
-    assert methods["blend"].options.recompute_ratio == served.default_recompute_ratio
+    assert focus.options.recompute_ratio == served.limits().default_recompute_ratio
+    assert focus.options == BlendOptions(recompute_ratio=served.limits().default_recompute_ratio, focus=served.focus())
+    assert methods["blend"].options.recompute_ratio == served.limits().default_recompute_ratio
     assert served.default_mode is Mode.BLEND  # blend served by default (issue 53); focus a mode asked for
 
 

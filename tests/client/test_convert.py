@@ -46,7 +46,7 @@ STATS = QueryStats(Usage(100, 5, 80, 60), 0.25, 1.5, {"retrieve": 0.01, "decode"
                    FinishReason.LENGTH, "an answer", ("c1", "c3"),
                    {KVSource.LOADED: 3, KVSource.COMPUTED_CHEAPER: 1},
                    (ToolCall("call_1", "lookup", '{"q":"x"}'),), (Citation(2, "c3", 10, 13, 0),),
-                   FocusSignal(True, 0.75, 0.5), SystemPromptPath.PREFIX, LengthLimit.CONTEXT)
+                   FocusSignal(True, 0.75, 0.5), SystemPromptPath.PREFIX, LengthLimit.CONTEXT, 0.2, 0.0)
 CALL = ToolCall("call_0", "lookup", '{"q": "earlier"}')
 
 
@@ -72,7 +72,8 @@ def test_query_request_round_trip() -> None:
                            response_format=ResponseFormat(ResponseFormatKind.JSON_SCHEMA, {"type": "object"}, "out", True),
                            tools=(Tool("lookup", "Look it up", {"type": "object", "properties": {"q": {"type": "string"}}}),),
                            tool_choice=ToolChoice(ToolChoiceMode.FUNCTION, "lookup"), parallel_tool_calls=False,
-                           citations=True, cache_salt="user-42", retain_seconds=0.0, retain_priority=0)
+                           citations=True, cache_salt="user-42", retain_seconds=0.0, retain_priority=0,
+                           fidelity_kl=0.01)
     msg = convert.query_request_to_proto("why?", options)
     assert _all_fields_set(msg) == []
     assert msg.HasField("recompute_ratio")  # 0.0 is an explicit value, not "unset"

@@ -18,7 +18,8 @@ def test_defaults() -> None:
     assert s.limits().default_mode is Mode.BLEND  # held out, no focus rule beat it (issue 53)
     # the defaults measured on MuSiQue and the needle tasks (docs/quality.md, issues 28 and 39): focus
     # hands over to blend when several chunks matter; the quality guard is off unless asked
-    assert s.focus_handover is True and s.quality_guard_mass is None and s.default_recompute_ratio == 0.15
+    assert s.focus_handover is True and s.quality_guard_mass is None and s.default_recompute_ratio is None
+    assert s.fidelity_kl == 0.01
     assert s.limits().default_recompute_ratio == 0.15
     # a lookup reuses the best chunk's KV as stored; more than half the chunks kept hands over (issue 39, stop 47)
     assert s.focus().lookup_ratio == 0.0 and s.focus().lookup_keep == 1.0 and s.focus().several == 3

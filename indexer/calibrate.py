@@ -1,0 +1,167 @@
+"""Calibration: how far blend is from full prefill on an index's own corpus, at each setting.
+
+One recompute ratio does not serve every model and corpus: the same ratio sits at KL 0.020
+from full prefill on one model and 0.028 on another (docs/quality.md). So `ragkv index`
+measures it, on the corpus it serves, with no question from anyone:
+
+1. **Chunk sets** like the ones retrieval makes: a seed chunk and its nearest chunks by the
+   index's own embeddings (`CHUNKS_PER_SET`, the server's default top_k), in a shuffled order,
+   so the chunk a question is about sits anywhere in the prompt.
+2. **A question from the chunks** (`cloze`): a sentence of the seed chunk with its key words
+   (a name, a number, else its last word) blanked out. Answering it needs the chunk's own
+   tokens, as a real question's answer does.
+3. **Each setting against full prefill** of the same prompt: next-token KL at the answer's
+   first position (the figure `ragkv eval` reports), and whether the first token agrees.
+   The chunks' KV is the KV the server reads (`kv_of`): the plain copy for the first chunk
+   and neighbour KV after it, as stored, compressed or not.
+
+The sample is fixed by its seed, so indexing the same corpus again gives the same sets,
+questions and choice. It is sized to a few percent of the index's own prefill work
+(`sample_size`). The result goes into the manifest (`retriever.manifest.Calibration`), and
+`ragkv serve` serves the cheapest setting whose predicted KL meets `--fidelity-kl`.
+How well it predicts KL on held-out questions: `ragkv eval --calibration`, docs/quality.md.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ragkv.retriever.manifest import CalibratedSetting, Calibration
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from ragkv.engine import Engine
+    from ragkv.engine.kv import ChunkKV
+
+METHOD = "cloze"
+SEED = 0
+RATIOS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)  # the recompute ratios measured (query selector)
+SELECTOR = "query"
+CHUNKS_PER_SET = 4  # chunks in each set: the server's default top_k
+MIN_SETS, MAX_SETS = 4, 32
+# sets per chunk of the index: a set costs about 10 chunks' prefill (full prefill of its 4 chunks,
+# then a blend at each ratio), the index about 2.2 per chunk (neighbour KV): 1 set per 100 chunks
+# is about 5% of the prefill work; a small corpus still gets MIN_SETS
+SETS_PER_CHUNK = 0.01
+BLANK = "____"
+
+_SENTENCE = re.compile(r"(?<=[.!?])\s+")
+_WORD = re.compile(r"\S+")
+_KEY = re.compile(r"^[\"'(\[]*([A-Z][\w'-]*|\d[\d,.:/-]*)[\"')\],;:.!?]*$")  # a capitalized word or a number
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationSet:
+    """One prompt of the sample: chunks with the KV the server reads for them, and a question."""
+
+    chunk_ids: tuple[tuple[int, ...], ...]  # each chunk's token ids, in prompt order
+    kvs: tuple[ChunkKV, ...]  # each chunk's KV as served (plain first chunk, neighbour KV after)
+    question: str  # made from a chunk (`cloze`)
+
+
+def sample_size(n_chunks: int) -> int:
+    """Chunk sets to measure for an index of `n_chunks` chunks: a few percent of its prefill work."""
+    return max(MIN_SETS, min(MAX_SETS, round(n_chunks * SETS_PER_CHUNK)))
+
+
+def cloze(text: str, rng: random.Random) -> str | None:
+    """A fill-in-the-blank question from a chunk: one of its sentences of 8 to 40 words, chosen by
+    `rng`, with its key words blanked: the last run of capitalized words or numbers after its
+    first word (a name, a date), else its last word. None when no sentence fits."""
+    sentences = [s for s in _SENTENCE.split(" ".join(text.split())) if 8 <= len(s.split()) <= 40]
+    if not sentences:
+        return None
+    words = [m.group() for m in _WORD.finditer(rng.choice(sentences))]
+    keys = [i for i in range(1, len(words)) if _KEY.match(words[i])]
+    if keys:
+        end = keys[-1] + 1
+        start = keys[-1]
+        while start - 1 in keys:
+            start -= 1
+    else:
+        start, end = len(words) - 1, len(words)
+    tail = re.sub(r"^.*?([,;:.!?\"')\]]*)$", r"\1", words[end - 1])  # the blank keeps its punctuation
+    masked = " ".join([*words[:start], BLANK + tail, *words[end:]])
+    return f'Fill in the blank ({BLANK}) with the words the passages use: "{masked}"'
+
+
+def chunk_sets(xb: np.ndarray, n_sets: int, k: int = CHUNKS_PER_SET, seed: int = SEED) -> list[tuple[int, list[int]]]:
+    """`n_sets` chunk sets over the rows of `xb` ([n, d] embeddings), each (seed row, its k rows in
+    prompt order): the seed (its question is made from it) and its k - 1 most similar rows, in an
+    order `seed` fixes. Seeds are distinct rows drawn at random; fewer than k rows give no set."""
+    import numpy as np
+
+    n = xb.shape[0]
+    if n < k or n_sets < 1:
+        return []
+    norm = xb / np.maximum(np.linalg.norm(xb, axis=1, keepdims=True), 1e-12)
+    rng = np.random.default_rng(seed)
+    out = []
+    for s in rng.choice(n, size=min(n_sets, n), replace=False).tolist():
+        sims = norm @ norm[s]  # [n]
+        sims[s] = np.inf  # the seed, then the nearest
+        rows = np.argsort(-sims, kind="stable")[:k]
+        out.append((s, rows[rng.permutation(k)].tolist()))
+    return out
+
+
+def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    """KL(ref || other) of the softmax distributions, in nats."""
+    import torch
+
+    ref = torch.log_softmax(ref_logits.float(), -1)
+    other = torch.log_softmax(logits.float(), -1)
+    return float(torch.sum(ref.exp() * (ref - other)))
+
+
+def measure(engine: Engine, sets: Sequence[CalibrationSet], ratios: Sequence[float] = RATIOS, *,
+            seed: int = SEED, method: str = METHOD,
+            progress: Callable[[Iterable], Iterable] = lambda x: x) -> Calibration:
+    """Blend at each ratio (query selector) against full prefill of the same prompt, on every set.
+
+    Returns:
+        The calibration: per ratio, the mean KL and its standard error, the worst KL, the
+        first-token agreement and the median prompt time; full prefill's median time.
+    """
+    from ragkv.engine.blend import BlendOptions, Prompt
+    from ragkv.types import Mode
+
+    if not sets:
+        raise ValueError("calibration needs at least one chunk set")
+    prefix_ids = engine.prompt.prefix_ids()
+    kls: dict[float, list[float]] = {r: [] for r in ratios}
+    agree: dict[float, list[bool]] = {r: [] for r in ratios}
+    secs: dict[float, list[float]] = {r: [] for r in ratios}
+    full_s: list[float] = []
+
+    def timed(prompt: Prompt, mode: Mode, options: BlendOptions | None = None):
+        t = time.perf_counter()
+        res = engine.run(prompt, mode, options=options)
+        logits = res.logits.float().cpu()  # [V]
+        return logits, time.perf_counter() - t
+
+    for one in progress(list(sets)):
+        q = engine.prompt.question_ids(one.question)
+        ref, t = timed(Prompt([*prefix_ids, *(t for ids in one.chunk_ids for t in ids), *q]), Mode.FULL)
+        full_s.append(t)
+        for r in ratios:
+            logits, t = timed(Prompt.of(prefix_ids, one.kvs, q), Mode.BLEND, BlendOptions(recompute_ratio=r))
+            kls[r].append(max(0.0, kl_divergence(ref, logits)))
+            agree[r].append(int(logits.argmax()) == int(ref.argmax()))
+            secs[r].append(t)
+    n = len(sets)
+    settings = tuple(CalibratedSetting(
+        recompute_ratio=float(r), selector=SELECTOR, kl_mean=statistics.fmean(kls[r]),
+        kl_stderr=statistics.stdev(kls[r]) / math.sqrt(n) if n > 1 else 0.0, kl_max=max(kls[r]),
+        top_token_agreement=sum(agree[r]) / n, seconds_median=statistics.median(secs[r]))
+        for r in sorted(ratios))
+    return Calibration(method, seed, n, len(sets[0].chunk_ids), statistics.median(full_s), settings)

@@ -1,0 +1,152 @@
+"""Calibration (issue 73): `ragkv index` measures blend against full prefill on its own corpus.
+
+- questions made from the chunks (a sentence with its key words blanked) and chunk sets made
+  from the index's embeddings are fixed by their seed;
+- the measured prompt is the one full prefill runs: at ratio 1.0 blend is full prefill, KL 0;
+- the manifest keeps the calibration (and reads one without it), a rerun that changed nothing
+  keeps it, and a second build of the same corpus measures the same KLs;
+- a model whose chunks interact more gets a higher ratio for the same target: a one-layer
+  model's KV depends on no other token, so blend is exact at any ratio, and four layers are not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ragkv.indexer.calibrate import BLANK, CHUNKS_PER_SET, RATIOS, chunk_sets, cloze, sample_size
+from ragkv.indexer.job import run_index
+from ragkv.retriever.manifest import Calibration, Manifest, read_manifest
+
+
+def test_cloze_blanks_a_name_or_a_number_and_is_fixed_by_its_seed() -> None:
+    text = ("Mars is the fourth planet from the Sun and it is red. The probe landed on Mars in 1976 after "
+            "a long trip. Short one.")
+    q = cloze(text, random.Random(0))
+    assert q is not None and BLANK in q
+    masked = q.split('"')[1]
+    assert "1976" not in masked or "Sun" not in masked  # a key word is gone
+    assert masked.count(BLANK) == 1 and len(masked.split()) >= 8
+    assert cloze(text, random.Random(0)) == q  # the same seed, the same question
+    assert cloze("Too short. Also short.", random.Random(0)) is None
+    plain = cloze("the cat sat on the warm mat all day long today", random.Random(0))
+    assert plain is not None and plain.endswith(f'long {BLANK}"')  # no key word: the last one
+
+
+def test_chunk_sets_are_a_seed_and_its_nearest_chunks_fixed_by_the_seed() -> None:
+    rng = np.random.default_rng(1)
+    xb = rng.normal(size=(40, 8)).astype(np.float32)
+    sets = chunk_sets(xb, 6, k=4, seed=3)
+    assert len(sets) == 6 and len({s for s, _ in sets}) == 6
+    norm = xb / np.linalg.norm(xb, axis=1, keepdims=True)
+    for seed, rows in sets:
+        assert len(rows) == 4 and len(set(rows)) == 4 and seed in rows
+        nearest = set(np.argsort(-(norm @ norm[seed]))[:4].tolist())
+        assert set(rows) == nearest
+    assert chunk_sets(xb, 6, k=4, seed=3) == sets
+    assert chunk_sets(xb, 6, k=4, seed=4) != sets
+    assert chunk_sets(xb[:3], 6, k=4) == []  # fewer chunks than a set
+    assert sample_size(10) >= 4 and sample_size(10**6) <= 32
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path):
+    from ragkv.engine import load_model
+    from ragkv.indexer.chunking import ChunkingConfig
+    from ragkv.indexer.job import IndexJobConfig
+    from ragkv.retriever.embedder import Embedder
+    from tests.indexer.helpers import CHUNK_SIZE, OVERLAP, write_corpus
+
+    root = tmp_path_factory.mktemp("calibrated")
+    lm = load_model(str(tiny_llama_dir), device="cpu", dtype="float32")
+    embedder = Embedder.load()
+
+    def build(name: str, model: Path = tiny_llama_dir, lm=lm):
+        config = IndexJobConfig(corpus=write_corpus(root / f"corpus-{name}"), out=root / name, model=str(model),
+                                chunking=ChunkingConfig(CHUNK_SIZE, OVERLAP), progress=False, kv_batch=2,
+                                calibrate=True)
+        return config, run_index(config, lm=lm, embedder=embedder)
+
+    return build, lm, embedder
+
+
+def test_the_index_records_its_calibration_and_a_rebuild_measures_the_same(calibrated) -> None:
+    build, _, _ = calibrated
+    config, _ = build("a")
+    cal = read_manifest(config.out).calibration
+    assert cal is not None and cal.method == "cloze" and cal.sets >= 1 and cal.chunks_per_set == CHUNKS_PER_SET
+    assert [s.recompute_ratio for s in cal.settings] == sorted(RATIOS)
+    assert all(s.kl_mean >= 0 and s.kl_max >= s.kl_mean and s.kl_stderr >= 0 for s in cal.settings)
+    assert all(0 <= s.top_token_agreement <= 1 and s.seconds_median > 0 for s in cal.settings)
+    assert cal.settings[0].kl_mean > 0  # four random layers: blend at 0.05 is not full prefill
+    # the manifest round-trips it
+    m = read_manifest(config.out)
+    assert Manifest.from_json(m.to_json()) == m
+    # a rerun that changes nothing keeps it as it was (not measured again)
+    run_index(config, lm=calibrated[1], embedder=calibrated[2])
+    assert read_manifest(config.out).calibration == cal
+    # another build of the same corpus: the same sets and questions, so the same KLs and choice
+    other, _ = build("b")
+    again = read_manifest(other.out).calibration
+    assert again is not None
+    assert [(s.recompute_ratio, s.kl_mean, s.kl_max) for s in again.settings] == \
+        [(s.recompute_ratio, s.kl_mean, s.kl_max) for s in cal.settings]
+
+
+def test_a_manifest_from_before_calibration_reads_as_uncalibrated(calibrated) -> None:
+    config, _ = calibrated[0]("old")
+    d = json.loads((config.out / "manifest.json").read_text())
+    d.pop("calibration")
+    m = Manifest.from_json(json.dumps(d))
+    assert m.calibration is None
+    assert Calibration.from_dict(None) is None
+
+
+def test_blend_at_ratio_one_measures_zero_kl_against_the_same_full_prompt(calibrated) -> None:
+    """The calibration compares blend with full prefill of the same prompt: at ratio 1.0 they are equal."""
+    from ragkv.engine import Engine
+    from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT
+    from ragkv.indexer.calibrate import CalibrationSet, measure
+
+    lm = calibrated[1]
+    engine = Engine(lm, system_prompt=DEFAULT_SYSTEM_PROMPT)
+    p = engine.prompt
+    texts = ["Mars has two small moons named Phobos and Deimos.", "Jupiter is the largest planet of all.",
+             "The launch code of project Bluebird is 4721."]
+    ids = [p.chunk_ids(t) for t in texts]
+    kvs = tuple(engine.prefill(p.prefix_ids(), x) for x in ids)
+    one = CalibrationSet(tuple(tuple(x) for x in ids), kvs, "What is the launch code of project Bluebird?")
+    cal = measure(engine, [one, one], ratios=(0.05, 1.0))
+    assert cal.setting(1.0).kl_mean < 1e-6 and cal.setting(1.0).top_token_agreement == 1.0
+    assert cal.setting(0.05).kl_mean > 1e-4  # and a small ratio is not
+
+
+def test_a_model_whose_chunks_interact_more_is_served_a_higher_ratio(calibrated, tmp_path: Path) -> None:
+    from ragkv.engine import load_model
+    from ragkv.evals.testing import tiny_model_dir
+    from ragkv.server.fidelity import served_ratio
+
+    build = calibrated[0]
+    one_layer = tiny_model_dir(tmp_path / "one-layer", num_layers=1)
+    config, _ = build("one-layer", one_layer, load_model(str(one_layer), device="cpu", dtype="float32"))
+    exact = read_manifest(config.out).calibration
+    deep = read_manifest(build("four-layers")[0].out).calibration
+    assert exact is not None and deep is not None
+    assert max(s.kl_mean for s in exact.settings) < 1e-6  # layer 0's KV depends on its token alone
+    target = (deep.settings[0].kl_mean + min(s.kl_mean for s in deep.settings)) / 2  # between its ends
+    low = served_ratio("a", exact, target, None)
+    high = served_ratio("b", deep, target, None)
+    assert low.ratio == min(RATIOS)
+    assert high.ratio > low.ratio, (high, deep)
+    # and without the calibration's say the two would be served alike
+    assert served_ratio("a", None, target, None).ratio == served_ratio("b", None, target, None).ratio
+    # the choice is the cheapest setting within the target
+    chosen = deep.choose(target)
+    assert chosen is not None and chosen.kl_mean <= target
+    assert all(s.kl_mean > target for s in deep.settings if s.recompute_ratio < chosen.recompute_ratio)
+    assert dataclasses.replace(deep, settings=()).choose(target) is None

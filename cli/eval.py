@@ -148,6 +148,16 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-compression", default=None, metavar="int8,fp8",
                    help="measure KV file compression instead: KL, agreement and accuracy of each mode over "
                         "compressed against uncompressed KV, file bytes and read time (synthetic cases)")
+    c = p.add_argument_group("calibration (ragkv index --calibrate) against held-out questions")
+    c.add_argument("--calibration", action="store_true",
+                   help="calibrate on --dataset's passages as `ragkv index` does (chunk sets from their embeddings, "
+                        "cloze questions from the passages), then measure blend at the same ratios on the held-out "
+                        "real questions (--split, default report): predicted against measured KL per ratio, and "
+                        "the ratio --fidelity-kl serves")
+    c.add_argument("--calibration-sets", type=int, default=None, metavar="N",
+                   help="chunk sets to calibrate on (default: as many as ragkv index takes for the corpus)")
+    c.add_argument("--fidelity-kl", type=float, default=0.01, help="the serving target whose pick is reported "
+                                                                   "(ragkv serve --fidelity-kl; default 0.01)")
     r = p.add_argument_group("retrieval only (no LLM decoding)")
     r.add_argument("--retrieval-only", action="store_true",
                    help="report retrieval_recall and mrr per search mode as one JSON object: "
@@ -511,6 +521,13 @@ def run_eval(args: argparse.Namespace) -> int:
         if not args.json and "picked" in out:
             print(f"picked on the tune part: {out['picked']}")
         print(json.dumps(out)) if args.json else _print_table(out["modes"], out.get("held_out"))
+        return 0
+    if args.calibration:
+        from ragkv.cli.calibration_eval import print_report as print_calibration
+        from ragkv.cli.calibration_eval import run_calibration_eval
+
+        report = run_calibration_eval(args)
+        print(json.dumps(report)) if args.json else print_calibration(report)
         return 0
     if args.kv_compression:
         from ragkv.cli.kv_compression_eval import print_report, run_compression_eval

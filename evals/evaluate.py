@@ -25,13 +25,12 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
-import torch
-
 from ragkv.engine.blend import BlendOptions, BlendResult, Prompt
 from ragkv.engine.decode import SamplingParams
 from ragkv.engine.kv import ChunkKV
 from ragkv.engine.runtime import Engine
 from ragkv.evals.synthetic import EvalCase
+from ragkv.indexer.calibrate import kl_divergence  # one KL for calibration and evals
 from ragkv.types import Mode
 
 
@@ -117,13 +116,6 @@ def best_f1(prediction: str, references: Iterable[str]) -> float:
     return max((token_f1(prediction, r) for r in references), default=0.0)
 
 
-def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
-    """KL(ref || other) of the softmax distributions, in nats."""
-    ref = torch.log_softmax(ref_logits.float(), -1)
-    other = torch.log_softmax(logits.float(), -1)
-    return float(torch.sum(ref.exp() * (ref - other)))
-
-
 def evaluate(engine: Engine, cases: Iterable[EvalCase], methods: Sequence[Method],
              max_new_tokens: int = 24, progress: Callable[[Iterable], Iterable] = lambda x: x,
              variants: Sequence[KVVariant] = (PLAIN,),
@@ -143,7 +135,6 @@ def evaluate(engine: Engine, cases: Iterable[EvalCase], methods: Sequence[Method
     sums = {name: Counter() for name in reports}
     for case in progress(list(cases)):
         prefix_ids = p.prefix_ids()
-        chunk_ids = [p.chunk_ids(c) for c in case.chunks]
         q = p.question_ids(case.question)
         full_ids = p.prompt_ids(list(case.chunks), case.question)
 
@@ -162,14 +153,7 @@ def evaluate(engine: Engine, cases: Iterable[EvalCase], methods: Sequence[Method
         row: dict = {"id": case.id, "answers": list(case.answers), "full_answer": ref_answer, "methods": {}}
         for v in variants:
             t = time.perf_counter()
-            if v.context_kv is not None:
-                stored = v.stored_plain or (lambda kv: kv)
-                kvs = [stored(engine.prefill(prefix_ids, ids)) if ctx is None else
-                       engine.prefill(prefix_ids, ids, context_kv=ctx)
-                       for ids, ctx in zip(chunk_ids, v.context_kv(case, prefix_ids))]
-            else:
-                contexts = v.context(case) if v.context is not None else [()] * len(chunk_ids)
-                kvs = [engine.prefill(prefix_ids, ids, ctx) for ids, ctx in zip(chunk_ids, contexts)]
+            kvs = variant_kvs(engine, v, case)
             prefill_s = time.perf_counter() - t
             for m in methods:
                 name = names[(m.name, v.name)]
@@ -199,6 +183,19 @@ def evaluate(engine: Engine, cases: Iterable[EvalCase], methods: Sequence[Method
         if after_case is not None:
             after_case(_finish(reports, sums))
     return _finish(reports, sums)
+
+
+def variant_kvs(engine: Engine, v: KVVariant, case: EvalCase) -> list[ChunkKV]:
+    """The KV of each of `case`'s chunks as variant `v` computes it (the indexer's work)."""
+    p = engine.prompt
+    prefix_ids = p.prefix_ids()
+    chunk_ids = [p.chunk_ids(c) for c in case.chunks]
+    if v.context_kv is not None:
+        stored = v.stored_plain or (lambda kv: kv)
+        return [stored(engine.prefill(prefix_ids, ids)) if ctx is None else engine.prefill(prefix_ids, ids, context_kv=ctx)
+                for ids, ctx in zip(chunk_ids, v.context_kv(case, prefix_ids))]
+    contexts = v.context(case) if v.context is not None else [()] * len(chunk_ids)
+    return [engine.prefill(prefix_ids, ids, ctx) for ids, ctx in zip(chunk_ids, contexts)]
 
 
 def _finish(reports: dict[str, MethodReport], sums: dict[str, Counter]) -> dict[str, MethodReport]:

@@ -137,6 +137,7 @@ class IndexSummary:
     kv_seconds: float  # seconds in the KV phase
     seconds: float  # wall seconds of the whole run
     skipped_files: tuple[str, ...]  # corpus files that are not documents
+    calibration: Calibration | None = None  # the manifest's (measured this run or kept), None = not calibrated
 
     @property
     def kv_tokens_per_s(self) -> float:
@@ -152,6 +153,11 @@ class IndexSummary:
             f"({self.kv_tokens} tokens, {self.kv_bytes / 1e6:.1f} MB) in {self.kv_seconds:.1f} s "
             f"= {self.kv_tokens_per_s:.0f} tokens/s; {self.seconds:.1f} s total",
         ]
+        if self.calibration is not None:
+            c = self.calibration
+            kls = ", ".join(f"{s.recompute_ratio:g}: {s.kl_mean:.4f}" for s in c.settings)
+            out.append(f"calibration ({c.sets} chunk sets of {c.chunks_per_set}, {c.method} questions): blend's "
+                       f"next-token KL to full prefill by recompute ratio: {kls}")
         if self.skipped_files:
             out.append(f"skipped {len(self.skipped_files)} non-document files: "
                        + ", ".join(self.skipped_files[:10]) + (" ..." if len(self.skipped_files) > 10 else ""))
@@ -301,7 +307,7 @@ def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Loa
         index_dir=index_dir, documents=n_docs, chunks=n_chunks, tokens=n_tokens,
         documents_added=added, documents_deleted=deleted, chunks_embedded=embedded,
         kv_chunks=kv_chunks, kv_tokens=kv_tokens, kv_bytes=kv_bytes, kv_seconds=kv_seconds,
-        seconds=time.perf_counter() - t0, skipped_files=corpus.skipped,
+        seconds=time.perf_counter() - t0, skipped_files=corpus.skipped, calibration=calibration,
     )
 
 

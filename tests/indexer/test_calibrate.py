@@ -77,8 +77,9 @@ def calibrated(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path):
 
 def test_the_index_records_its_calibration_and_a_rebuild_measures_the_same(calibrated) -> None:
     build, _, _ = calibrated
-    config, _ = build("a")
+    config, summary = build("a")
     cal = read_manifest(config.out).calibration
+    assert summary.calibration == cal and any(line.startswith("calibration (") for line in summary.lines())
     assert cal is not None and cal.method == "cloze" and cal.sets >= 1 and cal.chunks_per_set == CHUNKS_PER_SET
     assert [s.recompute_ratio for s in cal.settings] == sorted(RATIOS)
     assert all(s.kl_mean >= 0 and s.kl_max >= s.kl_mean and s.kl_stderr >= 0 for s in cal.settings)

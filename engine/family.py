@@ -213,6 +213,31 @@ class _MlaDims:
 
 # gated attention's q_proj split into its query and gate halves: (w_q, b_q, w_g, b_g), None = no bias
 _GateSplit = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
+_Fused = tuple[torch.Tensor, torch.Tensor | None]  # (weight [N1 + N2 + ..., in], bias [N1 + N2 + ...] or None)
+
+
+def _fuse(projections: Sequence[Any]) -> _Fused | None:
+    """Plain linear layers over the same input as one weight (and bias), their own weights (and
+    biases) made views of it, so the model's modules compute as before and hold no second copy;
+    None when any is not a plain `nn.Linear`, or their inputs, dtypes or devices differ."""
+    if not projections or any(type(p) is not torch.nn.Linear for p in projections):
+        return None
+    first = projections[0].weight
+    if any(p.in_features != projections[0].in_features or p.weight.dtype != first.dtype
+           or p.weight.device != first.device for p in projections):
+        return None
+    weight = torch.cat([p.weight.detach() for p in projections])  # [sum N, in]
+    has_bias = any(p.bias is not None for p in projections)
+    bias = torch.cat([p.bias.detach() if p.bias is not None else first.new_zeros(p.out_features)
+                      for p in projections]) if has_bias else None  # [sum N]
+    off = 0
+    for p in projections:
+        n = p.out_features
+        p.weight = torch.nn.Parameter(weight[off:off + n], requires_grad=False)
+        if p.bias is not None and bias is not None:
+            p.bias = torch.nn.Parameter(bias[off:off + n], requires_grad=False)
+        off += n
+    return weight, bias
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,6 +321,41 @@ class Adapter:
         # Llama 4: (attn_scale, floor_scale) of the no-RoPE layers' query temperature; None = none
         self.temperature = (float(cfg.attn_scale), float(cfg.floor_scale)) if (
             family.temperature_tuning and getattr(cfg, "attn_temperature_tuning", False)) else None
+        # one matmul where the model has several over the same input (fused at load: the model's own
+        # modules keep views of the fused weights, so no byte is held twice): q, k and v; gate and up
+        self._qkv = {i: f for i in range(len(self.layers)) if (f := self._fuse_qkv(i)) is not None}
+        self._gate_up = {i: f for i in range(len(self.layers)) if (f := self._fuse_gate_up(i)) is not None}
+
+    def _fuse_qkv(self, i: int) -> _Fused | None:
+        """Layer i's q, k and v projections as one weight [(H + 2 Hkv) D, hidden] (and bias), or None
+        where the family projects otherwise (latent, Gemma 4, gated, already fused) or they are not
+        plain linear layers (quantized, adapters)."""
+        fam = self.family
+        if i in self.recurrent_layers or fam.mla or fam.gemma4 or fam.fused_qkv or fam.gated_attention:
+            return None
+        attn = self.layers[i].self_attn
+        return _fuse([getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj")])
+
+    def _fuse_gate_up(self, i: int) -> _Fused | None:
+        """Layer i's MLP gate and up projections as one weight [2 I, hidden], where its MLP is the
+        plain gated one (`down(act(gate(x)) * up(x))`, checked on a random input at load), else None."""
+        mlp = getattr(self.layers[i], self.family.mlp, None)
+        if mlp is None or self.family.shared_mlp or not callable(getattr(mlp, "act_fn", None)) \
+                or type(getattr(mlp, "down_proj", None)) is not torch.nn.Linear:
+            return None
+        gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
+        if type(gate) is not torch.nn.Linear or type(up) is not torch.nn.Linear or gate.bias is not None \
+                or up.bias is not None:
+            return None
+        x = torch.randn(2, gate.in_features, generator=torch.Generator().manual_seed(i)).to(gate.weight)
+        want = mlp(x[None])[0]  # [2, hidden]: the module's own forward
+        fused = _fuse([gate, up])
+        if fused is None:
+            return None
+        g, u = F.linear(x, fused[0]).chunk(2, -1)
+        if not torch.allclose(mlp.down_proj(mlp.act_fn(g) * u), want, rtol=1e-3, atol=1e-5):
+            return None  # another MLP behind the same names: the model's own forward serves it
+        return fused
 
     def _gemma4_geometry(self, cfg: Any) -> None:
         """Gemma 4: each layer's (KV heads, head dim), its KV source, and the cache's widths (the widest)."""
@@ -389,6 +449,8 @@ class Adapter:
         elif fam.gated_attention:
             w_q, b_q, _, _ = self._gates(i)
             q, k, v = F.linear(x, w_q, b_q), attn.k_proj(x), attn.v_proj(x)  # [S, H*D], [S, Hkv*D] x 2
+        elif (fused := self._qkv.get(i)) is not None:
+            q, k, v = F.linear(x, *fused).split([hq * d, hk * d, hk * d], -1)  # [S, H*D], [S, Hkv*D] x 2
         else:
             q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
         if fam.qk_norm is QKNorm.PROJECTION:
@@ -524,6 +586,10 @@ class Adapter:
         """Layer i's MLP or mixture of experts over x: [S, hidden] (the active tokens only)."""
         layer, fam = self.layers[i], self.family
         block = getattr(layer, fam.mlp, None)
+        if (fused := self._gate_up.get(i)) is not None:  # the plain gated MLP, gate and up in one matmul
+            g, u = F.linear(x, fused[0]).chunk(2, -1)  # [S, I] each
+            out_: torch.Tensor = block.down_proj(block.act_fn(g) * u)
+            return out_
         y = block(x[None]) if block is not None else None  # MoE blocks expect [B, S, hidden]
         if isinstance(y, tuple):  # MoE blocks also return their router scores
             y = y[0]

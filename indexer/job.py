@@ -138,6 +138,7 @@ class IndexSummary:
     seconds: float  # wall seconds of the whole run
     skipped_files: tuple[str, ...]  # corpus files that are not documents
     calibration: Calibration | None = None  # the manifest's (measured this run or kept), None = not calibrated
+    calibration_seconds: float = 0.0  # seconds calibrating this run (0: kept, or not calibrated)
 
     @property
     def kv_tokens_per_s(self) -> float:
@@ -156,8 +157,9 @@ class IndexSummary:
         if self.calibration is not None:
             c = self.calibration
             kls = ", ".join(f"{s.recompute_ratio:g}: {s.kl_mean:.4f}" for s in c.settings)
-            out.append(f"calibration ({c.sets} chunk sets of {c.chunks_per_set}, {c.method} questions): blend's "
-                       f"next-token KL to full prefill by recompute ratio: {kls}")
+            took = f", {self.calibration_seconds:.1f} s" if self.calibration_seconds else ", kept"
+            out.append(f"calibration ({c.sets} chunk sets of {c.chunks_per_set}, {c.method} questions{took}): "
+                       f"blend's next-token KL to full prefill by recompute ratio: {kls}")
         if self.skipped_files:
             out.append(f"skipped {len(self.skipped_files)} non-document files: "
                        + ", ".join(self.skipped_files[:10]) + (" ..." if len(self.skipped_files) > 10 else ""))
@@ -287,11 +289,13 @@ def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Loa
             LexicalIndex.build(*db.texts()).save(index_dir)
             db.mark_lexical_built(version)
         kv_whole = config.precompute_kv and db.count_kv_pending() == 0
-        calibration = None
+        calibration, calibration_s = None, 0.0
         if config.calibrate and kv_whole:
             unchanged = old is not None and old.calibration is not None and not (added or deleted or kv_chunks)
+            t_cal = time.perf_counter()
             calibration = old.calibration if unchanged and old is not None else \
                 _calibrate(db, manifest, kv_uris, engine, lm, config)
+            calibration_s = 0.0 if unchanged else time.perf_counter() - t_cal
             stop.check()
         write_manifest(index_dir, replace(
             manifest, state=IndexState.COMPLETE, vector_index=kind, n_documents=n_docs,
@@ -308,6 +312,7 @@ def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Loa
         documents_added=added, documents_deleted=deleted, chunks_embedded=embedded,
         kv_chunks=kv_chunks, kv_tokens=kv_tokens, kv_bytes=kv_bytes, kv_seconds=kv_seconds,
         seconds=time.perf_counter() - t0, skipped_files=corpus.skipped, calibration=calibration,
+        calibration_seconds=calibration_s,
     )
 
 

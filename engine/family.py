@@ -450,7 +450,8 @@ class Adapter:
             w_q, b_q, _, _ = self._gates(i)
             q, k, v = F.linear(x, w_q, b_q), attn.k_proj(x), attn.v_proj(x)  # [S, H*D], [S, Hkv*D] x 2
         elif (fused := self._qkv.get(i)) is not None:
-            q, k, v = F.linear(x, *fused).split([hq * d, hk * d, hk * d], -1)  # [S, H*D], [S, Hkv*D] x 2
+            qkv: torch.Tensor = F.linear(x, fused[0], fused[1])  # [S, (H + 2 Hkv) * D]
+            q, k, v = qkv[:, :hq * d], qkv[:, hq * d:(hq + hk) * d], qkv[:, (hq + hk) * d:]  # [S, H*D], [S, Hkv*D] x 2
         else:
             q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
         if fam.qk_norm is QKNorm.PROJECTION:
@@ -586,7 +587,7 @@ class Adapter:
         """Layer i's MLP or mixture of experts over x: [S, hidden] (the active tokens only)."""
         layer, fam = self.layers[i], self.family
         block = getattr(layer, fam.mlp, None)
-        if (fused := self._gate_up.get(i)) is not None:  # the plain gated MLP, gate and up in one matmul
+        if (fused := self._gate_up.get(i)) is not None and block is not None:  # gate and up in one matmul
             g, u = F.linear(x, fused[0]).chunk(2, -1)  # [S, I] each
             out_: torch.Tensor = block.down_proj(block.act_fn(g) * u)
             return out_

@@ -25,18 +25,29 @@ import argparse
 import random
 import sys
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 
-def run_calibration_eval(args: argparse.Namespace) -> dict[str, Any]:
+@dataclass(frozen=True)
+class EvalInputs:
+    """What `ragkv eval` (cli/eval.py) prepares for this eval: the engine, the file's questions, the
+    held-out ones, and how it computes neighbours and the served KV for any cases."""
+
+    engine: Any  # engine.Engine, with the dataset's instruction as its system prompt
+    cases: Sequence[Any]  # every question of --n (evals.synthetic.EvalCase)
+    held_out: Sequence[Any]  # the ones measured on (--split, default report)
+    neighbour_pool: Callable[[Sequence[Any]], tuple[list[str], Any]]  # cases -> (corpus texts, [n, d] embeddings)
+    variants: Callable[[Sequence[Any]], list[Any]]  # cases -> the KV variants `ragkv index` builds for them
+
+
+def run_calibration_eval(args: argparse.Namespace, inputs: EvalInputs) -> dict[str, Any]:
     """Calibrate on the dataset's passages, measure on its held-out questions; returns the report."""
     from tqdm import tqdm
 
-    from ragkv.cli.dataset import DEFAULT_INSTRUCTION
-    from ragkv.cli.eval import _cases, _neighbour_pool, _split, neighbour_variants
-    from ragkv.engine import BlendOptions, Engine, load_model, tune_host_allocator
+    from ragkv.engine import BlendOptions
     from ragkv.evals.evaluate import Method, evaluate, variant_kvs
-    from ragkv.evals.split import Part
     from ragkv.evals.synthetic import EvalCase
     from ragkv.indexer.calibrate import (
         CHUNKS_PER_SET,
@@ -51,26 +62,19 @@ def run_calibration_eval(args: argparse.Namespace) -> dict[str, Any]:
     from ragkv.server.fidelity import served_ratio
     from ragkv.types import Mode
 
-    if not args.dataset:
-        raise ValueError("--calibration needs --dataset FILE.json (its passages are the corpus it calibrates on)")
-    if args.split is None:
-        args.split = Part.REPORT.value  # the questions reported on; calibration reads none of them
-    split, part = _split(args)
-    tune_host_allocator()
-    engine = Engine(load_model(args.model), system_prompt=args.instruction or DEFAULT_INSTRUCTION)
-    cases, pool = _cases(args, engine)
+    engine, cases = inputs.engine, inputs.cases
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
 
     # calibration, as the index does it: chunk sets from the corpus's embeddings, cloze questions
     started = time.perf_counter()
-    texts, xb = _neighbour_pool(args, cases, pool)
+    texts, xb = inputs.neighbour_pool(cases)
     n_sets = args.calibration_sets or sample_size(len(texts))
     rng = random.Random(SEED)
     made = [(f"calibration-{i}", tuple(texts[j] for j in rows), cloze(texts[seed], rng))
             for i, (seed, rows) in enumerate(chunk_sets(xb, n_sets, CHUNKS_PER_SET, SEED))]
     sample = [EvalCase(name, chunks, question, ()) for name, chunks, question in made if question is not None]
     # the KV `ragkv index` builds (served defaults), for the questions' chunks and the sample's
-    variants = neighbour_variants(args, engine, [*cases, *sample], pool)
+    variants = inputs.variants([*cases, *sample])
     if len(variants) != 1:
         raise ValueError("--calibration measures one KV variant: give one --neighbours and --neighbour-context")
     variant = variants[0]
@@ -83,7 +87,7 @@ def run_calibration_eval(args: argparse.Namespace) -> dict[str, Any]:
     calibration_s = time.perf_counter() - started
 
     # the real questions, held out
-    held_out = split.select(cases, part) if split is not None else cases
+    held_out = inputs.held_out
     methods = [Method("full", Mode.FULL), *(Method(f"blend@{r:g}", Mode.BLEND, BlendOptions(recompute_ratio=r))
                                             for r in RATIOS)]
     say(f"measuring on {len(held_out)} held-out questions")

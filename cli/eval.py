@@ -514,6 +514,27 @@ def _print_table(modes: dict[str, dict], held: dict | None) -> None:
               f"TTFT {t['ttft_median_s']:.3f} s")
 
 
+def _calibration_eval(args: argparse.Namespace) -> dict:
+    """--calibration (cli/calibration_eval.py), on this command's dataset, split and served KV."""
+    from ragkv.cli.calibration_eval import EvalInputs, run_calibration_eval
+    from ragkv.cli.dataset import DEFAULT_INSTRUCTION
+    from ragkv.engine import Engine, load_model, tune_host_allocator
+    from ragkv.evals.split import Part
+
+    if not args.dataset:
+        raise ValueError("--calibration needs --dataset FILE.json (its passages are the corpus it calibrates on)")
+    if args.split is None:
+        args.split = Part.REPORT.value  # the questions reported on; calibration reads none of them
+    split, part = _split(args)
+    tune_host_allocator()
+    engine = Engine(load_model(args.model), system_prompt=args.instruction or DEFAULT_INSTRUCTION)
+    cases, pool = _cases(args, engine)
+    return run_calibration_eval(args, EvalInputs(
+        engine, cases, split.select(cases, part) if split is not None else cases,
+        neighbour_pool=lambda c: _neighbour_pool(args, c, pool),
+        variants=lambda c: neighbour_variants(args, engine, c, pool)))
+
+
 def run_eval(args: argparse.Namespace) -> int:
     served_defaults(args)
     if args.from_cases:
@@ -524,9 +545,8 @@ def run_eval(args: argparse.Namespace) -> int:
         return 0
     if args.calibration:
         from ragkv.cli.calibration_eval import print_report as print_calibration
-        from ragkv.cli.calibration_eval import run_calibration_eval
 
-        report = run_calibration_eval(args)
+        report = _calibration_eval(args)
         print(json.dumps(report)) if args.json else print_calibration(report)
         return 0
     if args.kv_compression:

@@ -168,6 +168,7 @@ class RagServer:
             self.metrics.watch_tier_errors(parts.tier_errors)
         if parts.kv_tree is not None:
             self.metrics.watch_kv_tree(parts.kv_tree.stats)
+        self.metrics.observe_served(parts.served)
         if parts.kv_tree is not None and parts.speed is not None:  # its tree counts in --kv-budget-bytes
             self._scheduler.share_engine(parts.kv_tree, parts.speed)
         await self._set_health(_SERVING)

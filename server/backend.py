@@ -14,11 +14,11 @@ run on any worker thread; the request's `work` runs on the single scheduler thre
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ragkv.engine.request import ChunkComputed, Request, Work
-from ragkv.server.fidelity import RequestRatio
+from ragkv.server.fidelity import RequestRatio, ServedRatio
 from ragkv.types import (
     CollectionInfo,
     CollectionStats,
@@ -47,6 +47,8 @@ class BackendParts:
     speed: EngineSpeed | None = None  # the engine's measured rates, which the scheduler learns into
     # I/O failures per (collection, tier) so far, exported as metrics
     tier_errors: Callable[[], Mapping[tuple[str, Tier], int]] | None = None
+    # per collection, the ratio its requests that set none get and the KL predicted for it (server/fidelity.py)
+    served: Mapping[str, ServedRatio] = field(default_factory=dict)
 
 
 class AnswerText(Protocol):

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ragkv.server.fidelity import ServedRatio
 from ragkv.types import DEFAULT_COLLECTION, FocusSignal, KVSource, Mode, RetrievedChunk, Tier
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -77,6 +78,12 @@ class ServerMetrics:
         self.answers = Counter("ragkv_answers", "Answers completed, by mode (exported as _total).",
                                ["mode", "collection"], registry=r)
         self.queue_depth = Gauge("ragkv_queue_depth", "Queries admitted and not finished.", registry=r)
+        self.served_ratio = Gauge("ragkv_served_recompute_ratio", "Blend's recompute ratio for a request that sets "
+                                  "none, per collection (its calibration's choice at --fidelity-kl).", ["collection"],
+                                  registry=r)
+        self.served_kl = Gauge("ragkv_served_predicted_kl", "The next-token KL to full prefill the collection's "
+                               "calibration predicts at that ratio; NaN: the index has no calibration.", ["collection"],
+                               registry=r)
         self.errors = Counter("ragkv_rpc_errors", "RPCs that ended with a non-OK status.", ["method", "code"], registry=r)
         # the scheduler (engine.scheduler): batching and throughput
         self.requests_running = Gauge("ragkv_requests_running", "Queries in a prompt pass or decoding.", registry=r)
@@ -159,6 +166,12 @@ class ServerMetrics:
         """Export `read()`'s I/O failures per (collection, tier) as ragkv_kv_tier_errors_total
         (an S3 endpoint down, a disk that cannot be read); read at each scrape."""
         self.registry.register(_TierErrors(read))
+
+    def observe_served(self, served: Mapping[str, ServedRatio]) -> None:
+        """Each collection's ratio for requests that set none, and the KL predicted for it (set once loaded)."""
+        for name, s in served.items():
+            self.served_ratio.labels(name).set(s.ratio)
+            self.served_kl.labels(name).set(float("nan") if s.predicted_kl is None else s.predicted_kl)
 
     def watch_kv_tree(self, read: Callable[[], object]) -> None:
         """Export the KV tree's counters (`read()` -> engine.tree.TreeStats) at each scrape:

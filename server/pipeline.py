@@ -326,7 +326,8 @@ class Pipeline:
             raise UnknownCollectionError.naming(name, self._collections) from None
 
     def parts(self) -> BackendParts:
-        return BackendParts(self.engine.conversations.tree, self.engine.speed, self.tier_errors)
+        return BackendParts(self.engine.conversations.tree, self.engine.speed, self.tier_errors,
+                            {name: c.served for name, c in self._collections.items()})
 
     def collections(self) -> Sequence[CollectionInfo]:
         return [

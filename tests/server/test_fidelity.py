@@ -72,7 +72,14 @@ def _calibration(indexes: tuple[Path, Path]):
 
 
 def test_a_request_without_a_ratio_gets_the_calibrated_choice_and_is_told(server, indexes) -> None:
+    import math
+
     expected = served_ratio("docs", _calibration(indexes), 0.05, None)
+    reg = server.server.metrics.registry  # and /metrics says it per collection
+    assert reg.get_sample_value("ragkv_served_recompute_ratio", {"collection": "docs"}) == expected.ratio
+    assert reg.get_sample_value("ragkv_served_predicted_kl", {"collection": "docs"}) == pytest.approx(expected.predicted_kl)
+    assert reg.get_sample_value("ragkv_served_recompute_ratio", {"collection": "old"}) == DEFAULT_RECOMPUTE_RATIO
+    assert math.isnan(reg.get_sample_value("ragkv_served_predicted_kl", {"collection": "old"}))
     extra = _ask(server, mode="blend").model_extra["ragkv"]
     assert extra["recompute_ratio"] == expected.ratio
     assert extra["predicted_kl"] == pytest.approx(expected.predicted_kl)

@@ -16,9 +16,10 @@ measures it, on the corpus it serves, with no question from anyone:
    and neighbour KV after it, as stored, compressed or not.
 
 The sample is fixed by its seed, so indexing the same corpus again gives the same sets,
-questions and choice. It is sized to a few percent of the index's own prefill work
-(`sample_size`). The result goes into the manifest (`retriever.manifest.Calibration`), and
-`ragkv serve` serves the cheapest setting whose predicted KL meets `--fidelity-kl`.
+questions and choice. It is sized to a few percent of a large index's own work
+(`sample_size`; at least 4 sets, which is +23% on the demo's 54 chunks). The result goes
+into the manifest (`retriever.manifest.Calibration`), and `ragkv serve` serves the cheapest
+setting whose predicted KL meets `--fidelity-kl`.
 How well it predicts KL on held-out questions: `ragkv eval --calibration`, docs/quality.md.
 """
 
@@ -48,9 +49,10 @@ RATIOS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)  # the recompute ratios measured (quer
 SELECTOR = "query"
 CHUNKS_PER_SET = 4  # chunks in each set: the server's default top_k
 MIN_SETS, MAX_SETS = 4, 32
-# sets per chunk of the index: a set costs about 10 chunks' prefill (full prefill of its 4 chunks,
-# then a blend at each ratio), the index about 2.2 per chunk (neighbour KV): 1 set per 100 chunks
-# is about 5% of the prefill work; a small corpus still gets MIN_SETS
+# sets per chunk of the index: a set (full prefill of its 4 chunks, then a blend at each ratio) costs
+# about 4.5 chunks' indexing (the demo's index, SmolLM2 on 2 cores: 8 s a set, 1.76 s a chunk with
+# neighbour KV), so 1 set per 100 chunks is about 5% of a large index's time; a small corpus still
+# gets MIN_SETS (docs/quality.md: smaller samples predict nothing)
 SETS_PER_CHUNK = 0.01
 BLANK = "____"
 

@@ -22,7 +22,6 @@ measures. Deterministic: the same file, `--n` and model give the same sets and q
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -49,16 +48,7 @@ def run_calibration_eval(args: argparse.Namespace, inputs: EvalInputs) -> dict[s
     from ragkv.engine import BlendOptions
     from ragkv.evals.evaluate import Method, evaluate, variant_kvs
     from ragkv.evals.synthetic import EvalCase
-    from ragkv.indexer.calibrate import (
-        CHUNKS_PER_SET,
-        RATIOS,
-        SEED,
-        CalibrationSet,
-        chunk_sets,
-        cloze,
-        measure,
-        sample_size,
-    )
+    from ragkv.indexer.calibrate import RATIOS, CalibrationSet, measure, sample_prompts, sample_size
     from ragkv.server.fidelity import served_ratio
     from ragkv.types import Mode
 
@@ -69,10 +59,8 @@ def run_calibration_eval(args: argparse.Namespace, inputs: EvalInputs) -> dict[s
     started = time.perf_counter()
     texts, xb = inputs.neighbour_pool(cases)
     n_sets = args.calibration_sets or sample_size(len(texts))
-    rng = random.Random(SEED)
-    made = [(f"calibration-{i}", tuple(texts[j] for j in rows), cloze(texts[seed], rng))
-            for i, (seed, rows) in enumerate(chunk_sets(xb, n_sets, CHUNKS_PER_SET, SEED))]
-    sample = [EvalCase(name, chunks, question, ()) for name, chunks, question in made if question is not None]
+    sample = [EvalCase(f"calibration-{i}", tuple(texts[j] for j in rows), question, ())
+              for i, (rows, question) in enumerate(sample_prompts(xb, n_sets, texts.__getitem__))]
     # the KV `ragkv index` builds (served defaults), for the questions' chunks and the sample's
     variants = inputs.variants([*cases, *sample])
     if len(variants) != 1:

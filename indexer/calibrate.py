@@ -12,8 +12,8 @@ measures it, on the corpus it serves, with no question from anyone:
    tokens, as a real question's answer does.
 3. **Each setting against full prefill** of the same prompt: next-token KL at the answer's
    first position (the figure `ragkv eval` reports), and whether the first token agrees.
-   The chunks' KV is the KV the server reads (`kv_of`): the plain copy for the first chunk
-   and neighbour KV after it, as stored, compressed or not.
+   The chunks' KV is the KV the server reads: the plain copy for the first chunk and
+   neighbour KV after it, as stored, compressed or not (`indexer.job`'s `_calibrate`).
 
 The sample is fixed by its seed, so indexing the same corpus again gives the same sets,
 questions and choice. It is sized to a few percent of a large index's own work
@@ -113,6 +113,19 @@ def chunk_sets(xb: np.ndarray, n_sets: int, k: int = CHUNKS_PER_SET, seed: int =
         sims[s] = np.inf  # the seed, then the nearest
         rows = np.argsort(-sims, kind="stable")[:k]
         out.append((s, rows[rng.permutation(k)].tolist()))
+    return out
+
+
+def sample_prompts(xb: np.ndarray, n_sets: int, text_of: Callable[[int], str]) -> list[tuple[list[int], str]]:
+    """The sample: `n_sets` chunk sets over the rows of `xb` (`chunk_sets`), each (its rows in prompt
+    order, the cloze question made from its seed row's text, `text_of(row)`); a set whose seed has
+    no sentence to blank is left out. Fixed by `SEED`: the index and `ragkv eval --calibration` draw alike."""
+    rng = random.Random(SEED)
+    out = []
+    for seed, rows in chunk_sets(xb, n_sets, CHUNKS_PER_SET, SEED):
+        question = cloze(text_of(seed), rng)
+        if question is not None:
+            out.append((rows, question))
     return out
 
 

@@ -288,9 +288,9 @@ def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Loa
             version = db.vectors_version()
             LexicalIndex.build(*db.texts()).save(index_dir)
             db.mark_lexical_built(version)
-        kv_whole = config.precompute_kv and db.count_kv_pending() == 0
+        kv_done = db.count_kv_pending() == 0
         calibration, calibration_s = None, 0.0
-        if config.calibrate and kv_whole:
+        if config.calibrate and config.precompute_kv and kv_done:
             unchanged = old is not None and old.calibration is not None and not (added or deleted or kv_chunks)
             t_cal = time.perf_counter()
             calibration = old.calibration if unchanged and old is not None else \
@@ -299,7 +299,7 @@ def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Loa
             stop.check()
         write_manifest(index_dir, replace(
             manifest, state=IndexState.COMPLETE, vector_index=kind, n_documents=n_docs,
-            n_chunks=n_chunks, n_tokens=n_tokens, kv_precomputed=db.count_kv_pending() == 0,
+            n_chunks=n_chunks, n_tokens=n_tokens, kv_precomputed=kv_done,
             updated_at=time.time(), faiss_sha256=faiss_sha256, calibration=calibration,
         ))
         db.close(compact=True)
@@ -518,26 +518,21 @@ def _calibrate(db: ChunkDB, manifest: Manifest, kv_uris: Sequence[str], engine: 
                config: IndexJobConfig) -> Calibration | None:
     """Blend against full prefill on a sample of this index's chunk sets (`indexer.calibrate`), each
     chunk's KV read from the store as the server reads it; None when the corpus gives no set."""
-    import random
-
     from ragkv.engine.kv import ChunkKV
-    from ragkv.indexer.calibrate import SEED, CalibrationSet, chunk_sets, cloze, measure, sample_size
+    from ragkv.indexer.calibrate import CalibrationSet, measure, sample_prompts, sample_size
     from ragkv.types import Mode
 
     rows, xb = db.all_vectors()
-    plan = chunk_sets(xb, sample_size(len(rows)))
     records = db.chunks_by_rows([int(r) for r in rows])
-    rng = random.Random(SEED)
     sets = []
     store = open_store(kv_uris, lm.fingerprint, lm.tokenizer_fingerprint)
     try:
-        for seed, prompt in plan:
-            question = cloze(records[int(rows[seed])].text, rng)
+        for prompt, question in sample_prompts(xb, sample_size(len(rows)), lambda j: records[int(rows[j])].text):
             chunks = [records[int(rows[j])] for j in prompt]
             keys = [_plain_key(manifest, c.token_ids) if config.neighbours.serves_plain(Mode.BLEND, first=i == 0)
                     else c.kv_key for i, c in enumerate(chunks)]  # the KV the server reads (serving_key)
             hits = [store.read(key) for key in keys]
-            if question is None or any(h is None for h in hits):  # no sentence to blank; KV not stored
+            if any(h is None for h in hits):  # KV not stored
                 continue
             sets.append(CalibrationSet(tuple(c.token_ids for c in chunks),
                                        tuple(ChunkKV.from_stored(h.entry, lm.device, lm.dtype) for h in hits if h),

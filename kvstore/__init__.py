@@ -1,5 +1,5 @@
-"""kvstore: ChunkKey, the per-chunk KV file format, and the tiers (gpu, cpu, disk, s3)
-behind one TieredStore.
+"""kvstore: ChunkKey, the per-chunk KV file format, and the tiers (gpu, cpu, disk, s3, and a
+cluster's peer tier) behind one TieredStore.
 
 Knows nothing of the engine's internals, gRPC or FAISS (it must not import
 engine/, server/, retriever/ or indexer/): it stores named tensors with metadata
@@ -25,6 +25,7 @@ from ragkv.kvstore.store import PrefetchHandle, StoreStats, TieredStore
 from ragkv.kvstore.tiers.base import Hit, StorageTier, Tier, TierStats
 from ragkv.kvstore.tiers.disk import DiskTier
 from ragkv.kvstore.tiers.memory import CpuTier, GpuTier, MemoryTier
+from ragkv.kvstore.tiers.peer import PeerCopy, PeerDirectory, PeerReadError, PeerTier
 from ragkv.kvstore.tiers.s3 import S3Settings, S3Tier
 
 __all__ = [
@@ -40,6 +41,10 @@ __all__ = [
     "KVEntry",
     "LayerGate",
     "MemoryTier",
+    "PeerCopy",
+    "PeerDirectory",
+    "PeerReadError",
+    "PeerTier",
     "Policy",
     "PrefetchHandle",
     "PrefixHash",

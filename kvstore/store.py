@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ragkv.errors import StoreError
+from ragkv.kvstore.compression import Compression
 from ragkv.kvstore.config import StoreConfig, TierSpec
 from ragkv.kvstore.entry import KVEntry
 from ragkv.kvstore.keys import ChunkKey, check_fingerprint
@@ -200,6 +201,25 @@ class TieredStore:
         """The tiers, top-down."""
         return self._tiers
 
+    @property
+    def compression(self) -> Compression:
+        """How this store's files are compressed (its first durable tier's; NONE without one)."""
+        return next((t.compression for t in self._tiers if isinstance(t, DurableTier)), Compression.NONE)
+
+    def attach(self, tier: StorageTier) -> None:
+        """Add a tier built elsewhere to a running store, in its place in the lookup order (a
+        cluster replica's peer tier, `kvstore.tiers.peer`). It must serve this store's model."""
+        if (tier.model_fp, tier.tokenizer_fp) != (self.model_fp, self.tokenizer_fp):
+            raise ValueError(f"a {tier.tier.value} tier for model {tier.model_fp!r} cannot join a store of "
+                             f"{self.model_fp!r}")
+        if tier.tier.durable:
+            raise ValueError(f"attach takes a tier that is not written through; {tier.tier.value} is")
+        with self._lock:
+            if any(t.tier is tier.tier for t in self._tiers):
+                raise ValueError(f"this store has a {tier.tier.value} tier already")
+            self._timing[tier.tier] = ReadTiming()
+            self._tiers = tuple(sorted((*self._tiers, tier), key=lambda t: t.tier.rank))
+
     def tier(self, tier: Tier) -> StorageTier:
         """One tier by kind; KeyError if the store has none."""
         for t in self._tiers:
@@ -285,7 +305,8 @@ class TieredStore:
     def _promote(self, hit: Hit, upper: Sequence[StorageTier]) -> KVEntry:
         """Copy a hit into `upper` (top-down); the entry as held by the topmost that took it."""
         top = hit.entry
-        for tier in reversed(upper):  # nearest first, so a failure high up still fills the rest
+        publish = [t for t in self._tiers if t.takes_every_hit and t.tier is not hit.tier and t not in upper]
+        for tier in [*reversed(upper), *publish]:  # nearest first, so a failure high up still fills the rest
             try:
                 placed = tier.take(hit)
                 if placed is not None:

@@ -77,6 +77,7 @@ _TIER_TO_PB = {
     Tier.COMPUTED: pb.TIER_COMPUTED,
     Tier.NOT_LOADED: pb.TIER_NOT_LOADED,
     Tier.TREE: pb.TIER_TREE,
+    Tier.PEER: pb.TIER_PEER,
 }
 _TIER_FROM_PB = {v: k for k, v in _TIER_TO_PB.items()}
 _SEARCH_TO_PB = {

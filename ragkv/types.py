@@ -91,14 +91,18 @@ class MetadataFilter:
 class Tier(str, enum.Enum):
     """Where a chunk's KV lives (the storage tiers, fastest first) or came from for one request.
 
-    The one tier enum, from kvstore's tiers to the wire; only the first four are storage
-    tiers (`Tier.storage`).
+    The one tier enum, from kvstore's tiers to the wire. The first five hold KV: four a store
+    is configured with (`Tier.storage`), and PEER, which a cluster's replicas attach to their
+    stores (`kvstore.tiers.peer`).
     """
 
     GPU = "gpu"  # device memory (CUDA only)
     CPU = "cpu"  # host memory, pinned when CUDA is there
     DISK = "disk"  # files on a local SSD
     S3 = "s3"  # objects in an S3-compatible bucket
+    # another replica's host tier, read through Ray's object store (`ragkv serve --replicas`);
+    # looked at after the local tiers, before S3
+    PEER = "peer"
     COMPUTED = "computed"  # missing from every tier: computed on the spot, written back
     NOT_LOADED = "not_loaded"  # the mode does not use cached chunk KV
     TREE = "tree"  # the server's KV tree held it, in an earlier call's context (engine.tree)
@@ -115,11 +119,11 @@ class Tier(str, enum.Enum):
 
     @classmethod
     def storage(cls) -> tuple[Tier, ...]:
-        """The tiers a store can hold KV in, fastest first."""
+        """The tiers a store is configured with (`TierSpec`), fastest first; a cluster adds PEER."""
         return (cls.GPU, cls.CPU, cls.DISK, cls.S3)
 
 
-_RANK = {Tier.GPU: 0, Tier.CPU: 1, Tier.DISK: 2, Tier.S3: 3}
+_RANK = {Tier.GPU: 0, Tier.CPU: 1, Tier.DISK: 2, Tier.PEER: 3, Tier.S3: 4}
 
 
 class KVSource(str, enum.Enum):

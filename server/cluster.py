@@ -115,6 +115,11 @@ class ClusterSettings:
     retries: int = 2  # replicas a request that has not begun is sent to after its first one fails
     cpus_per_replica: float = 1.0  # Ray CPUs each engine replica takes (CPU hosts)
     gpus_per_replica: float = 0.0  # Ray GPUs each engine replica takes (1 on GPU hosts)
+    # the pooled tier: each replica publishes the chunk KV it computes or reads from S3 to Ray's
+    # object store, and reads what the others published before S3 (`kvstore.tiers.peer`)
+    peer_tier: bool = True
+    peer_tier_bytes: int | None = None  # bytes each replica publishes at most; None = its --kv-cpu-bytes
+    peer_timeout_s: float = 2.0  # a directory lookup, and a peer read, give up after this (a miss)
 
     def __post_init__(self) -> None:
         if not isinstance(self.replicas, int) or self.replicas < 1:
@@ -123,6 +128,24 @@ class ClusterSettings:
             raise ValueError(f"route_slack must be >= 0, got {self.route_slack!r}")
         if self.retries < 0:
             raise ValueError(f"retries must be >= 0, got {self.retries!r}")
+        if self.peer_tier_bytes is not None and self.peer_tier_bytes <= 0:
+            raise ValueError(f"peer_tier_bytes must be > 0, got {self.peer_tier_bytes!r}")
+        if not self.peer_timeout_s > 0:
+            raise ValueError(f"peer_timeout_s must be > 0, got {self.peer_timeout_s!r}")
+
+    def peer(self, settings: ServerSettings) -> PeerSettings | None:
+        """What each replica's peer tier takes; None when the tier is off (or one replica has no peers)."""
+        if not self.peer_tier or self.replicas < 2:
+            return None
+        return PeerSettings(self.peer_tier_bytes or settings.kv_cpu_bytes, self.peer_timeout_s)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerSettings:
+    """A replica's peer tier (`ClusterSettings.peer`)."""
+
+    budget_bytes: int  # what it publishes at most, over all its collections
+    timeout_s: float  # a lookup or a read gives up after this
 
 
 # -- what crosses from the ingress to a replica ---------------------------------------------
@@ -163,7 +186,7 @@ def route_keys(query: Query, keys: Sequence[str], tokens: Sequence[int] = ()) ->
 class EngineReplica:
     """One engine with its own tiers: the one-process server's parts without its gRPC server."""
 
-    def __init__(self, settings: ServerSettings) -> None:
+    def __init__(self, settings: ServerSettings, peer: PeerSettings | None = None) -> None:
         from ragkv.server.pipeline import Pipeline, fetch_indexes  # torch and the model, on the replica only
 
         logging.basicConfig(level=settings.log_level)
@@ -182,6 +205,24 @@ class EngineReplica:
         self._replica = serve.get_replica_context().replica_id.unique_id
         self._lock = threading.Lock()
         self._filters: dict[Tier, tuple[frozenset[str], KeyFilter]] = {}  # per tier: the keys it was built from
+        if peer is not None:
+            self._join_peers(peer)
+
+    def _join_peers(self, peer: PeerSettings) -> None:
+        """Attach a peer tier to each collection's store (the budget split between them)."""
+        from ragkv.kvstore import PeerTier
+        from ragkv.kvstore.tiers.peer_ray import RayDirectory, RayObjects, find_directory
+
+        actor = find_directory()
+        if actor is None:
+            log.warning("the peer tier is on but no peer directory runs: this replica reads no peers")
+            return
+        stores = self.pipeline.stores()
+        directory, objects = RayDirectory(actor, peer.timeout_s), RayObjects()
+        for store in stores:
+            store.attach(PeerTier(self._replica, directory, objects, store.model_fp, store.tokenizer_fp,
+                                  max(1, peer.budget_bytes // len(stores)), store.compression,
+                                  read_timeout_s=peer.timeout_s))
 
     async def answer(self, asked: Asked, hits: Sequence[SearchHit],
                      route: RouteKeys) -> AsyncIterator[Answering | RunEvent]:
@@ -227,6 +268,7 @@ class EngineReplica:
                   "requests_waiting_kv": st.waiting_kv, "kv_bytes_in_flight": st.kv_bytes,
                   "kv_tree_bytes": tree.nbytes, "kv_tree_host_bytes": tree.host_bytes,
                   "kv_tree_disk_bytes": tree.disk_bytes, "kv_tree_hits": tree.hits,
+                  **self.pipeline.peer_counters(),
                   **{f"tier_chunks_{tier.value}": len(keys) for tier, keys in held.items()}}
         summary = ReplicaSummary({tier: self._filter(tier, keys) for tier, keys in held.items()},
                                  KeyFilter.of(conversations), self._admission.depth, speeds, gauges)
@@ -277,6 +319,7 @@ class ChunkRouter(FIFOMixin, RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._views.pop(replica_id, None)  # a restarted replica holds nothing of its own
+        forget_peer(replica_id.unique_id)  # its published objects died with it
 
 
 def _keys_of(pending: PendingRequest | None) -> RouteKeys:
@@ -554,7 +597,20 @@ def build_app(settings: ServerSettings, cluster: ClusterSettings) -> Any:
     ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", num_replicas=1,
                                max_ongoing_requests=settings.max_queue * 4,
                                ray_actor_options={"num_cpus": 0})
-    return ingress.bind(settings, engines.bind(settings), cluster.retries)
+    return ingress.bind(settings, engines.bind(settings, cluster.peer(settings)), cluster.retries)
+
+
+def forget_peer(replica: str) -> None:
+    """Tell the peer directory (when one runs) that `replica` is gone."""
+    from ragkv.kvstore.tiers.peer_ray import RayDirectory, find_directory
+
+    try:
+        actor = find_directory()
+    except Exception as e:
+        log.debug("no peer directory to tell of %s: %s", replica, e)
+        return
+    if actor is not None:
+        RayDirectory(actor, 1.0).forget(replica)
 
 
 def start(settings: ServerSettings, cluster: ClusterSettings, *, blocking: bool = False) -> DeploymentHandle:
@@ -572,6 +628,10 @@ def start(settings: ServerSettings, cluster: ClusterSettings, *, blocking: bool 
         _signal_handlers.setdefault(signal.SIGTERM, signal.getsignal(signal.SIGTERM))  # ray.init installs its own
         ray.init(address=cluster.ray_address, include_dashboard=False, log_to_driver=False,
                  **({} if cluster.ray_address else {"num_cpus": max(os.cpu_count() or 1, cluster.replicas + 1)}))
+    if cluster.peer(settings) is not None:  # before the replicas, which look it up as they start
+        from ragkv.kvstore.tiers.peer_ray import directory_actor
+
+        directory_actor()
     http = {"host": settings.host, "port": settings.http_port or 8000}
     if settings.tls_cert is not None and settings.tls_key is not None:
         http |= {"ssl_certfile": str(settings.tls_cert), "ssl_keyfile": str(settings.tls_key)}
@@ -635,7 +695,11 @@ def stop() -> None:
     """Take the application down and shut Serve and Ray (when this process started it)."""
     import ray
 
+    from ragkv.kvstore.tiers.peer_ray import kill_directory
+
     serve.shutdown()
+    if ray.is_initialized():
+        kill_directory()  # detached: it would outlive this process on a cluster it joined
     ray.shutdown()
     # what this process did on SIGTERM before Ray (a bench or a test goes on after); only the
     # main thread may set a handler
@@ -646,5 +710,5 @@ def stop() -> None:
 _signal_handlers: dict[signal.Signals, Any] = {}  # signal -> this process's handler before `start`'s ray.init
 
 
-__all__ = ["Asked", "ChunkRouter", "ClusterSettings", "EngineReplica", "Ingress", "build_app",
+__all__ = ["Asked", "ChunkRouter", "ClusterSettings", "EngineReplica", "Ingress", "PeerSettings", "build_app",
            "route_keys", "start", "stop"]

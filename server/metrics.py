@@ -19,7 +19,16 @@ from ragkv.types import DEFAULT_COLLECTION, FocusSignal, KVSource, Mode, Retriev
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _FRACTION_BUCKETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
 # Tiers that can answer a KV lookup, top first.
-_CACHE_TIERS = (Tier.GPU, Tier.CPU, Tier.DISK, Tier.S3)
+_CACHE_TIERS = (Tier.GPU, Tier.CPU, Tier.DISK, Tier.PEER, Tier.S3)
+# the replicas' peer tier counters (their routing summaries' gauges), exported as counters too
+_PEER_COUNTERS = {
+    "peer_reads": "Chunk KVs read from another replica through the object store (`ragkv serve --replicas`).",
+    "peer_read_bytes": "Bytes of chunk KV read from other replicas.",
+    "peer_read_seconds": "Seconds spent reading chunk KV from other replicas (lookups, misses included).",
+    "peer_misses": "Peer tier lookups that found no readable copy (the chunk was read lower or computed).",
+    "peer_errors": "Peer reads that failed: a copy lost with its replica, past its deadline, or no directory.",
+    "peer_rejected": "Peer copies refused by their checksums (the chunk was read lower or computed).",
+}
 
 
 class ServerMetrics:
@@ -271,6 +280,12 @@ class _Routing:
             family.add_metric([reason], n)
         yield family
         names = sorted({name for gauges in replicas.values() for name in gauges})
+        for name in (n for n in names if n in _PEER_COUNTERS):
+            counter = CounterMetricFamily(f"ragkv_{name}", _PEER_COUNTERS[name], labels=["replica"])
+            for replica, gauges in sorted(replicas.items()):
+                if name in gauges:
+                    counter.add_metric([replica], gauges[name])
+            yield counter
         for name in names:
             gauge = GaugeMetricFamily(f"ragkv_replica_{name}", f"Each engine replica's {name.replace('_', ' ')}, as "
                                       "it last published it to the router (seconds old).", labels=["replica"])

@@ -637,6 +637,10 @@ class Pipeline:
         except StoreError as exc:
             log.warning("writing back computed KV of %s failed: %s", entry.key, exc)
 
+    def stores(self) -> list[TieredStore]:
+        """Each collection's KV store (a cluster replica attaches its peer tier to them)."""
+        return [c.store for c in self._collections.values()]
+
     def held_keys(self) -> dict[Tier, set[str]]:
         """The chunk keys (hex) this host's tiers hold, over every collection (the cluster's
         routing summary); the shared S3 tier is left out."""
@@ -656,6 +660,17 @@ class Pipeline:
                 if est is not None and tier not in speeds:
                     speeds[tier] = (est.latency_s, est.seconds(1) - est.latency_s)
         return speeds
+
+    def peer_counters(self) -> dict[str, float]:
+        """The peer tier's counters over every collection (`ragkv serve --replicas`; {} without one):
+        reads (hits), their bytes and seconds, misses, errors, refused copies, bytes published now."""
+        peers = [t for c in self._collections.values() for t in c.store.stats().tiers if t.tier is Tier.PEER]
+        if not peers:
+            return {}
+        return {"peer_reads": sum(t.hits for t in peers), "peer_read_bytes": sum(t.bytes_read for t in peers),
+                "peer_read_seconds": sum(t.get_seconds for t in peers), "peer_misses": sum(t.misses for t in peers),
+                "peer_errors": sum(t.errors for t in peers), "peer_rejected": sum(t.rejected for t in peers),
+                "peer_published_bytes": sum(t.bytes_used for t in peers)}
 
     def flush_writes(self, timeout: float | None = None) -> None:
         """Wait until every write-back submitted so far has reached its durable tiers (or failed)."""

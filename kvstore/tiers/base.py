@@ -79,6 +79,9 @@ class StorageTier(abc.ABC):
     """One tier: get, put, contains, delete, their batched forms, and stats."""
 
     tier: Tier
+    # True for a tier that holds a copy of every hit whatever tier gave it (the peer tier publishes
+    # what a disk above it gave too); others take only hits from tiers below them (promotion)
+    takes_every_hit = False
 
     def __init__(self, model_fp: str, tokenizer_fp: str, budget_bytes: int | None) -> None:
         if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes < 0):

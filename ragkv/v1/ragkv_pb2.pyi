@@ -28,6 +28,7 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_COMPUTED: _ClassVar[Tier]
     TIER_NOT_LOADED: _ClassVar[Tier]
     TIER_TREE: _ClassVar[Tier]
+    TIER_PEER: _ClassVar[Tier]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -83,6 +84,7 @@ TIER_S3: Tier
 TIER_COMPUTED: Tier
 TIER_NOT_LOADED: Tier
 TIER_TREE: Tier
+TIER_PEER: Tier
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason

@@ -1,0 +1,362 @@
+"""PeerTier: the chunk KV other replicas hold, read through a shared object store.
+
+A cluster's replicas (`ragkv serve --replicas`) each keep chunk KV in their own host tier.
+Each one publishes what it computes, or reads from disk or S3, to the cluster's object store (Ray's,
+`kvstore.peer_ray`) as the KV file's own bytes, checksums and all, and tells one
+`PeerDirectory` which object holds which `ChunkKey`. A replica that misses a chunk in its
+local tiers asks the directory, reads a peer's object, and verifies it like any file
+(`fileformat.decode`): damaged bytes are refused and reported, and the chunk is read from the
+next tier or computed.
+
+    local tiers (GPU, CPU, disk) ──miss──► PeerTier ──miss──► S3 ──miss──► compute
+                                           │ directory.lookup(key)
+                                           └ objects.get(handle, timeout)  (verified bytes)
+
+Faults are misses, never hangs: a lookup or read past `read_timeout_s`, an object lost with
+its replica, or bytes that fail their checksums each fall through to the next tier, and the
+copy is reported lost so the directory stops naming it. What a replica publishes is bounded
+(`budget_bytes`): the oldest published entries are withdrawn first.
+
+Chunk KV is the index's, shared by every tenant of a collection as the local tiers are. The KV
+tree (conversations) is never published. This module knows no Ray: the cluster hands it a
+directory and an object store (`kvstore.peer_ray`); tests hand it in-process ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+from ragkv.kvstore.compression import Compression
+from ragkv.kvstore.entry import KVEntry
+from ragkv.kvstore.keys import ChunkKey
+from ragkv.kvstore.layered import ByteSource
+from ragkv.kvstore.tiers.base import Hit, Tier
+from ragkv.kvstore.tiers.durable import DurableTier
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TTL_S = 600.0  # a directory entry not published again within this is dropped
+DEFAULT_MAX_ENTRIES = 100_000  # copies a directory names at most (the oldest go first)
+LOOKUP_MEMO_S = 1.0  # a replica reuses a directory answer this long (a request asks per chunk twice)
+_MEMO_MAX = 4096  # directory answers a replica remembers
+
+
+class PeerReadError(Exception):
+    """A peer's object could not be read: lost with its replica, evicted, or past the deadline."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerCopy:
+    """One replica's published copy of a chunk's KV file."""
+
+    replica: str  # the replica that published it
+    handle: object  # the object store's handle to its bytes (a Ray ObjectRef, boxed in a list)
+    nbytes: int  # the file's size
+    published_at: float  # the directory's clock when it was published
+
+
+class Directory(Protocol):
+    """What a PeerTier asks of the cluster's directory: `PeerDirectory` in one process, its
+    Ray actor behind `kvstore.peer_ray.RayDirectory` in a cluster."""
+
+    def publish(self, key: str, replica: str, handle: object, nbytes: int) -> None: ...
+    def withdraw(self, replica: str, keys: list[str]) -> None: ...
+    def lookup(self, key: str) -> list[PeerCopy]: ...
+    def lost(self, key: str, replica: str) -> None: ...
+
+
+class ObjectStore(Protocol):
+    """Where published bytes live: Ray's object store in a cluster (`kvstore.peer_ray.RayObjects`)."""
+
+    def put(self, data: bytes) -> object:
+        """Store `data`; a handle any replica can read it by (kept alive while referenced)."""
+
+    def get(self, handle: object, timeout_s: float) -> bytes | memoryview:
+        """The bytes under `handle`. Raises PeerReadError: lost, evicted, or not within `timeout_s`."""
+
+
+class PeerDirectory:
+    """Which replicas hold which chunk's KV: chunk key (hex) -> replica -> `PeerCopy`.
+
+    Fed by publish and withdraw events, pruned by time-to-live, by the replicas' own reports
+    of copies they could not read (`lost`), and by the cluster when a replica dies (`forget`).
+    Bounded: past `max_entries` copies the oldest published go first. Thread-safe; in a
+    cluster it is one named Ray actor (`kvstore.peer_ray`).
+    """
+
+    def __init__(self, ttl_s: float = DEFAULT_TTL_S, max_entries: int = DEFAULT_MAX_ENTRIES,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if ttl_s <= 0 or max_entries < 1:
+            raise ValueError(f"a peer directory needs ttl_s > 0 and max_entries >= 1, got {ttl_s} and {max_entries}")
+        self.ttl_s, self.max_entries, self._clock = ttl_s, max_entries, clock
+        self._lock = threading.Lock()
+        # (key, replica) -> copy, in publish order: the front is the oldest (the bound and the TTL cut there)
+        self._copies: OrderedDict[tuple[str, str], PeerCopy] = OrderedDict()
+        self._by_key: dict[str, set[str]] = {}  # key -> replicas holding it
+        self.dropped = 0  # copies dropped by the bound, the TTL, `lost` and `forget`
+
+    def publish(self, key: str, replica: str, handle: object, nbytes: int) -> None:
+        """`replica` holds `key`'s file in the object under `handle` (newer than any it held before)."""
+        with self._lock:
+            self._drop((key, replica))
+            self._copies[(key, replica)] = PeerCopy(replica, handle, nbytes, self._clock())
+            self._by_key.setdefault(key, set()).add(replica)
+            self._expire()
+            while len(self._copies) > self.max_entries:
+                self._drop(next(iter(self._copies)))
+                self.dropped += 1
+
+    def withdraw(self, replica: str, keys: list[str]) -> None:
+        """`replica` no longer publishes `keys` (it evicted them)."""
+        with self._lock:
+            for key in keys:
+                self._drop((key, replica))
+
+    def lookup(self, key: str) -> list[PeerCopy]:
+        """The live copies of `key`, newest first."""
+        with self._lock:
+            self._expire()
+            copies = [self._copies[(key, r)] for r in self._by_key.get(key, ())]
+        return sorted(copies, key=lambda c: c.published_at, reverse=True)
+
+    def lost(self, key: str, replica: str) -> None:
+        """A reader could not read `replica`'s copy of `key` (gone, or damaged): stop naming it."""
+        with self._lock:
+            if self._drop((key, replica)):
+                self.dropped += 1
+
+    def forget(self, replica: str) -> int:
+        """Drop every copy `replica` published (it died, or stopped); returns how many."""
+        with self._lock:
+            gone = [k for k in self._copies if k[1] == replica]
+            for k in gone:
+                self._drop(k)
+            self.dropped += len(gone)
+            return len(gone)
+
+    def stats(self) -> dict[str, int]:
+        """Copies named now, their bytes, the replicas publishing, and copies dropped so far."""
+        with self._lock:
+            self._expire()
+            return {"copies": len(self._copies), "bytes": sum(c.nbytes for c in self._copies.values()),
+                    "replicas": len({r for _, r in self._copies}), "dropped": self.dropped}
+
+    def _expire(self) -> None:
+        cutoff = self._clock() - self.ttl_s
+        while self._copies:
+            first = next(iter(self._copies))
+            if self._copies[first].published_at > cutoff:
+                break
+            self._drop(first)
+            self.dropped += 1
+
+    def _drop(self, k: tuple[str, str]) -> bool:
+        if self._copies.pop(k, None) is None:
+            return False
+        held = self._by_key.get(k[0])
+        if held is not None:
+            held.discard(k[1])
+            if not held:
+                del self._by_key[k[0]]
+        return True
+
+
+class PeerTier(DurableTier):
+    """The chunk KV of the cluster's other replicas, and this replica's share of it.
+
+    Reads ask the directory and fetch a peer's verified bytes (`DurableTier` decodes and checks
+    them). Writes (the store's puts of computed KV, promotions of what S3 gave) publish, off the
+    caller's thread, within `budget_bytes` of this replica's own objects.
+    """
+
+    tier = Tier.PEER
+    takes_every_hit = True  # what a local disk gives the host tier is published too
+
+    def __init__(self, replica: str, directory: Directory, objects: ObjectStore, model_fp: str, tokenizer_fp: str,
+                 budget_bytes: int, compression: Compression = Compression.NONE, read_timeout_s: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """
+        Args:
+            replica: this replica's name in the directory.
+            budget_bytes: this replica's published bytes at most (`--peer-tier-bytes`).
+            read_timeout_s: a lookup and a read each give up after this (the server's `--kv-wait-s`).
+        """
+        if budget_bytes is None or budget_bytes <= 0:
+            raise ValueError(f"a peer tier needs a byte budget > 0, got {budget_bytes!r}")
+        if read_timeout_s <= 0:
+            raise ValueError(f"read_timeout_s must be > 0, got {read_timeout_s}")
+        super().__init__(model_fp, tokenizer_fp, budget_bytes, compression)
+        self.replica, self.directory, self.objects = replica, directory, objects
+        self.read_timeout_s = read_timeout_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._published: OrderedDict[ChunkKey, tuple[object, int]] = OrderedDict()  # oldest first
+        self._bytes = 0
+        self._memo: OrderedDict[ChunkKey, tuple[float, list[PeerCopy]]] = OrderedDict()
+        self._reading: dict[ChunkKey, str] = {}  # the replica whose copy a read of the key took
+        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="kvstore-peer-publish")
+        self.pending_publishes = 0  # publishes queued, not yet in the object store
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def copies(self, key: ChunkKey) -> list[PeerCopy]:
+        """The directory's live copies of `key` (its answer reused for `LOOKUP_MEMO_S`); [] when the
+        directory cannot answer in time."""
+        now = self._clock()
+        with self._lock:
+            memo = self._memo.get(key)
+            if memo is not None and now - memo[0] < LOOKUP_MEMO_S:
+                return memo[1]
+        try:
+            found = self.directory.lookup(key.hex)
+        except PeerReadError as e:
+            self._counters.add(errors=1)
+            logger.warning("peer directory lookup of %s failed: %s", key.hex, e)
+            found = []
+        with self._lock:
+            self._memo[key] = (now, found)
+            self._memo.move_to_end(key)
+            while len(self._memo) > _MEMO_MAX:
+                self._memo.popitem(last=False)
+        return found
+
+    def _read(self, key: ChunkKey) -> memoryview | None:
+        for copy in self.copies(key):
+            try:
+                data = self.objects.get(copy.handle, self.read_timeout_s)
+            except PeerReadError as e:
+                self._counters.add(errors=1)
+                logger.warning("peer read of %s from replica %s failed: %s", key.hex, copy.replica, e)
+                self._lost(key, copy.replica)
+                continue
+            with self._lock:
+                self._reading[key] = copy.replica
+            return memoryview(bytearray(data))  # writable: the entry's tensors view it
+        return None
+
+    def _discard(self, key: ChunkKey, reason: str, source: ByteSource | None = None) -> None:
+        """A peer's copy failed verification: the directory stops naming it."""
+        with self._lock:
+            replica = self._reading.pop(key, None)
+        if replica is not None:
+            self._lost(key, replica)
+
+    def _lost(self, key: ChunkKey, replica: str) -> None:
+        with self._lock:
+            self._memo.pop(key, None)
+        try:
+            self.directory.lost(key.hex, replica)
+        except PeerReadError as e:
+            logger.warning("telling the peer directory %s's copy of %s is lost failed: %s", replica, key.hex, e)
+
+    def read(self, key: ChunkKey, layered: bool = False, spawn: object = None,
+             on_done: Callable[[Hit], object] | None = None) -> Hit | None:
+        hit = super().read(key, layered, spawn, on_done)  # type: ignore[arg-type]
+        with self._lock:
+            self._reading.pop(key, None)
+        return hit
+
+    def contains(self, key: ChunkKey) -> bool:
+        """Whether the directory names a copy (the loading controller prices the read then)."""
+        return bool(self.copies(key))
+
+    def held_keys(self) -> list[ChunkKey] | None:
+        return None  # the cluster's, not this host's: routing summaries leave it out
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def write(self, entry: KVEntry, encoded: dict[object, bytes]) -> bool:
+        """Publish computed KV, encoded on the publisher's thread (the caller's put goes on)."""
+        self._check_entry(entry)
+        if entry.key in self._published:
+            return True
+        data = encoded.get(self.compression)
+        self._queue(lambda: self.put(entry) if data is None else self.put_file(entry.key, data))
+        return True
+
+    def take(self, hit: Hit) -> KVEntry | None:
+        """Publish what another tier gave (disk, S3): its verified bytes as they are."""
+        if hit.entry.key not in self._published:
+            self._queue(lambda: DurableTier.take(self, hit))
+        return None
+
+    def put_file(self, key: ChunkKey, data: bytes | bytearray | memoryview) -> bool:
+        if key in self._published:
+            return True
+        return super().put_file(key, data)
+
+    def _queue(self, publish: Callable[[], object]) -> None:
+        with self._lock:
+            self.pending_publishes += 1
+
+        def run() -> None:
+            try:
+                publish()
+            except Exception as e:  # a publish is an optimisation: the chunk stays where it is
+                self._counters.add(errors=1)
+                logger.warning("publishing to the peer tier failed: %s", e)
+            finally:
+                with self._lock:
+                    self.pending_publishes -= 1
+
+        self._publisher.submit(run)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait for queued publishes (tests, shutdown); False if some are still pending after `timeout_s`."""
+        end = time.monotonic() + timeout_s
+        while self.pending_publishes and time.monotonic() < end:
+            time.sleep(0.005)
+        return not self.pending_publishes
+
+    def _write(self, key: ChunkKey, data: bytes | bytearray | memoryview) -> bool:
+        n = len(data)
+        assert self.budget_bytes is not None
+        if n > self.budget_bytes:
+            return False
+        handle = self.objects.put(bytes(data))
+        gone: list[ChunkKey] = []
+        with self._lock:
+            while self._published and self._bytes + n > self.budget_bytes:
+                old, (_, size) = self._published.popitem(last=False)  # the oldest published goes first
+                self._bytes -= size
+                gone.append(old)
+            self._published[key] = (handle, n)
+            self._bytes += n
+        if gone:
+            self._counters.add(evictions=len(gone))
+            self.directory.withdraw(self.replica, [k.hex for k in gone])
+        self.directory.publish(key.hex, self.replica, handle, n)
+        return True
+
+    def delete(self, key: ChunkKey) -> bool:
+        with self._lock:
+            held = self._published.pop(key, None)
+            if held is not None:
+                self._bytes -= held[1]
+        if held is not None:
+            self.directory.withdraw(self.replica, [key.hex])
+        return held is not None
+
+    def _usage(self) -> tuple[int, int]:
+        with self._lock:
+            return len(self._published), self._bytes
+
+    def close(self) -> None:
+        """Withdraw everything this replica published (its objects go with it)."""
+        self._publisher.shutdown(wait=True)
+        with self._lock:
+            keys = [k.hex for k in self._published]
+            self._published.clear()
+            self._bytes = 0
+        if keys:
+            try:
+                self.directory.withdraw(self.replica, keys)
+            except PeerReadError as e:
+                logger.warning("withdrawing %d published chunks failed: %s", len(keys), e)

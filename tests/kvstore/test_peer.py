@@ -1,0 +1,260 @@
+"""The peer tier (kvstore/tiers/peer.py) with an in-process directory and object store: what
+one replica computes another reads, verified; a lost, slow or damaged copy is a miss that
+falls through to the next tier, and the directory stops naming it; what a replica publishes
+stays within its budget, oldest out first. The same tier over Ray: tests/server/test_peer_ray.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from ragkv.kvstore import (
+    CpuTier,
+    DiskTier,
+    KVEntry,
+    PeerDirectory,
+    PeerReadError,
+    PeerTier,
+    S3Settings,
+    S3Tier,
+    Tier,
+    TieredStore,
+)
+from ragkv.kvstore.fileformat import encode
+from tests.kvstore.conftest import MODEL_FP, TOKENIZER_FP, assert_same, make_entry
+
+
+class Cluster:
+    """Objects by handle, each owned by the replica that put it: a replica's objects die with it."""
+
+    def __init__(self) -> None:
+        self.data: dict[int, bytes] = {}
+        self.owner: dict[int, str] = {}
+        self.slow: set[int] = set()  # handles whose reads hang
+        self.puts = 0
+
+    def objects(self, replica: str) -> Objects:
+        return Objects(self, replica)
+
+    def kill(self, replica: str) -> None:
+        for h in [h for h, r in self.owner.items() if r == replica]:
+            del self.data[h], self.owner[h]
+
+
+class Objects:
+    def __init__(self, cluster: Cluster, replica: str) -> None:
+        self.cluster, self.replica = cluster, replica
+
+    def put(self, data: bytes) -> object:
+        c = self.cluster
+        c.puts += 1
+        c.data[c.puts], c.owner[c.puts] = bytes(data), self.replica
+        return c.puts
+
+    def get(self, handle: object, timeout_s: float) -> bytes:
+        c = self.cluster
+        assert isinstance(handle, int)
+        if handle in c.slow:
+            time.sleep(timeout_s)
+            raise PeerReadError(f"not read within {timeout_s}s")
+        if handle not in c.data:
+            raise PeerReadError("lost with its owner")
+        return c.data[handle]
+
+
+def _store(name: str, directory: PeerDirectory, cluster: Cluster, *, budget: int = 1 << 20,
+           timeout_s: float = 2.0, below: list | None = None) -> tuple[TieredStore, PeerTier]:
+    peer = PeerTier(name, directory, cluster.objects(name), MODEL_FP, TOKENIZER_FP, budget, read_timeout_s=timeout_s)
+    store = TieredStore.from_tiers([CpuTier(MODEL_FP, TOKENIZER_FP), *(below or [])])
+    store.attach(peer)
+    return store, peer
+
+
+def _publish(store: TieredStore, peer: PeerTier, entry: KVEntry) -> None:
+    store.put(entry)  # a computed chunk: into the host tier, and published
+    assert peer.flush(), "the publish never finished"
+
+
+def test_a_chunk_computed_on_one_replica_is_read_by_another_verified_and_promoted() -> None:
+    directory, cluster = PeerDirectory(), Cluster()
+    a, peer_a = _store("a", directory, cluster)
+    b, peer_b = _store("b", directory, cluster)
+    entry = make_entry(1)
+    _publish(a, peer_a, entry)
+
+    assert b.where(entry.key) is Tier.PEER  # the loading controller prices it as a peer read
+    hit = b.read(entry.key)
+    assert hit is not None and hit.tier is Tier.PEER
+    assert_same(hit.entry, entry)
+    st = peer_b.stats()
+    assert (st.hits, st.bytes_read) == (1, len(encode(entry)))
+    again = b.read(entry.key)  # promoted into b's host tier: not read from the peer again
+    assert again is not None and again.tier is Tier.CPU
+    assert peer_b.stats().hits == 1
+    assert a.tier(Tier.CPU).contains(entry.key) and peer_a.stats().entries == 1
+
+
+def test_the_peer_tier_is_asked_after_the_local_tiers_and_before_s3() -> None:
+    store, _ = _store("a", PeerDirectory(), Cluster())
+    assert [t.tier for t in store.tiers] == [Tier.CPU, Tier.PEER]
+    with pytest.raises(ValueError, match="already"):
+        store.attach(PeerTier("a2", PeerDirectory(), Cluster().objects("a2"), MODEL_FP, TOKENIZER_FP, 1 << 20))
+    with pytest.raises(ValueError, match="model"):
+        store.attach(PeerTier("x", PeerDirectory(), Cluster().objects("x"), "model-b", TOKENIZER_FP, 1 << 20))
+
+
+def test_a_dead_peers_copy_is_a_miss_and_the_directory_stops_naming_it() -> None:
+    directory, cluster = PeerDirectory(), Cluster()
+    a, peer_a = _store("a", directory, cluster)
+    b, peer_b = _store("b", directory, cluster)
+    entry = make_entry(2)
+    _publish(a, peer_a, entry)
+    cluster.kill("a")
+
+    assert b.read(entry.key) is None  # a miss: the request computes it
+    assert peer_b.stats().errors == 1
+    assert directory.lookup(entry.key.hex) == []
+
+
+def test_a_read_past_its_deadline_is_a_miss_not_a_hang() -> None:
+    directory, cluster = PeerDirectory(), Cluster()
+    a, peer_a = _store("a", directory, cluster)
+    b, _ = _store("b", directory, cluster, timeout_s=0.2)
+    entry = make_entry(3)
+    _publish(a, peer_a, entry)
+    cluster.slow.update(cluster.data)
+
+    t0 = time.perf_counter()
+    assert b.read(entry.key) is None
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_damaged_bytes_are_refused_by_their_checksums_and_the_next_tier_serves(
+        bucket: str, s3_settings: S3Settings) -> None:
+    directory, cluster = PeerDirectory(), Cluster()
+    a, peer_a = _store("a", directory, cluster)
+    s3 = S3Tier(bucket, "", MODEL_FP, TOKENIZER_FP, s3_settings)
+    b, peer_b = _store("b", directory, cluster, below=[s3])
+    entry = make_entry(4)
+    _publish(a, peer_a, entry)
+    s3.put(entry)
+    (handle,) = cluster.data
+    damaged = bytearray(cluster.data[handle])
+    damaged[-10] ^= 0xFF  # one bit of the last layer's values
+    cluster.data[handle] = bytes(damaged)
+
+    hit = b.read(entry.key)
+    assert hit is not None and hit.tier is Tier.S3  # the peer's copy was refused; S3's served
+    assert_same(hit.entry, entry)
+    assert peer_b.stats().rejected == 1
+    assert [c.replica for c in directory.lookup(entry.key.hex)] == ["b"]  # a's is gone; b published S3's
+
+
+def test_what_s3_gives_is_published_as_its_verified_bytes(bucket: str, s3_settings: S3Settings) -> None:
+    directory, cluster = PeerDirectory(), Cluster()
+    s3 = S3Tier(bucket, "", MODEL_FP, TOKENIZER_FP, s3_settings)
+    a, peer_a = _store("a", directory, cluster, below=[s3])
+    b, _ = _store("b", directory, cluster)
+    entry = make_entry(5)
+    s3.put(entry)
+
+    assert a.read(entry.key).tier is Tier.S3
+    assert peer_a.flush()
+    hit = b.read(entry.key)  # b has no S3 tier at all: only a's read of it
+    assert hit is not None and hit.tier is Tier.PEER
+    assert_same(hit.entry, entry)
+
+
+def test_what_a_local_disk_gives_the_host_tier_is_published_too(tmp_path) -> None:
+    directory, cluster = PeerDirectory(), Cluster()
+    disk = DiskTier(str(tmp_path), MODEL_FP, TOKENIZER_FP)
+    a, peer_a = _store("a", directory, cluster, below=[disk])
+    b, _ = _store("b", directory, cluster)
+    entry = make_entry(9)
+    disk.put(entry)
+
+    assert [t.tier for t in a.tiers] == [Tier.CPU, Tier.DISK, Tier.PEER]
+    read = a.read(entry.key, layered=True)  # the serving path: promoted once the whole file has passed
+    assert read.tier is Tier.DISK
+    read.layers.wait_all(5)
+    deadline = time.monotonic() + 5
+    while peer_a.stats().entries == 0 and time.monotonic() < deadline:  # the promotion runs behind the read
+        time.sleep(0.01)
+    assert peer_a.flush() and peer_a.stats().entries == 1
+    hit = b.read(entry.key)
+    assert hit is not None and hit.tier is Tier.PEER
+    assert_same(hit.entry, entry)
+
+
+def test_what_a_replica_publishes_stays_in_its_budget_oldest_out_first() -> None:
+    directory, cluster = PeerDirectory(), Cluster()
+    entries = [make_entry(10 + i) for i in range(4)]
+    size = len(encode(entries[0]))
+    a, peer_a = _store("a", directory, cluster, budget=2 * size)
+    for e in entries:
+        _publish(a, peer_a, e)
+
+    st = peer_a.stats()
+    assert (st.entries, st.bytes_used, st.evictions) == (2, 2 * size, 2)
+    assert [bool(directory.lookup(e.key.hex)) for e in entries] == [False, False, True, True]
+
+
+def test_publishing_runs_off_the_callers_thread() -> None:
+    directory, cluster = PeerDirectory(), Cluster()
+    gate = threading.Event()
+
+    class Held(Objects):
+        def put(self, data: bytes) -> object:
+            gate.wait(5)
+            return super().put(data)
+
+    peer = PeerTier("a", directory, Held(cluster, "a"), MODEL_FP, TOKENIZER_FP, 1 << 20)
+    store = TieredStore.from_tiers([CpuTier(MODEL_FP, TOKENIZER_FP)])
+    store.attach(peer)
+    entry = make_entry(6)
+    t0 = time.perf_counter()
+    store.put(entry)
+    assert time.perf_counter() - t0 < 1.0 and directory.lookup(entry.key.hex) == []
+    gate.set()
+    assert peer.flush() and len(directory.lookup(entry.key.hex)) == 1
+
+
+def test_a_directory_that_cannot_answer_is_a_miss() -> None:
+    class Down(PeerDirectory):
+        def lookup(self, key: str) -> list:
+            raise PeerReadError("no answer")
+
+    cluster = Cluster()
+    b, peer_b = _store("b", Down(), cluster)
+    key = make_entry(7).key
+    assert b.where(key) is None and b.read(key) is None
+    assert peer_b.stats().errors >= 1
+
+
+def test_the_directory_forgets_a_dead_replica_expires_old_copies_and_stays_bounded() -> None:
+    now = [0.0]
+    d = PeerDirectory(ttl_s=10.0, max_entries=3, clock=lambda: now[0])
+    d.publish("k1", "a", 1, 100)
+    now[0] = 1.0
+    d.publish("k1", "b", 2, 100)
+    d.publish("k2", "a", 3, 100)
+    assert [c.replica for c in d.lookup("k1")] == ["b", "a"]  # newest first
+    assert d.forget("a") == 2
+    assert [c.replica for c in d.lookup("k1")] == ["b"] and d.lookup("k2") == []
+    for i in range(5):
+        d.publish(f"n{i}", "c", 10 + i, 1)
+    assert d.stats()["copies"] == 3 and d.lookup("k1") == [] and d.lookup("n0") == []
+    now[0] = 100.0
+    assert d.stats()["copies"] == 0 and d.lookup("n4") == []
+    with pytest.raises(ValueError, match="ttl_s"):
+        PeerDirectory(ttl_s=0)
+
+
+def test_a_peer_tier_refuses_another_models_entry_and_needs_a_budget() -> None:
+    peer = PeerTier("a", PeerDirectory(), Cluster().objects("a"), MODEL_FP, TOKENIZER_FP, 1 << 20)
+    with pytest.raises(ValueError, match="model"):
+        peer.write(make_entry(8, model_fp="model-b"), {})
+    with pytest.raises(ValueError, match="budget"):
+        PeerTier("a", PeerDirectory(), Cluster().objects("a"), MODEL_FP, TOKENIZER_FP, 0)

@@ -1,0 +1,134 @@
+"""The peer tier on Ray (kvstore/tiers/peer_ray.py): two simulated nodes (`ray.cluster_utils.Cluster`),
+a replica on each. What one publishes the other reads across nodes, verified; a replica killed
+after publishing leaves a miss, not a hang, and the directory stops naming its copies; a dead
+replica is forgotten (what the router does when Ray Serve reports it)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed: pip install 'ragkv[ray]'")
+
+from ray.cluster_utils import Cluster
+
+MODEL_FP, TOKENIZER_FP = "model-a", "tok-a"
+
+
+def _entry(seed: int):  # -> KVEntry; built on the replicas too, so nothing here is imported by them
+    import torch
+
+    from ragkv.kvstore import ChunkKey, KVEntry, hash_prefix
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 50_000, (16,), generator=g)  # [T]
+    return KVEntry(key=ChunkKey.build(MODEL_FP, TOKENIZER_FP, [1, 2], ids.tolist()),
+                   k=torch.randn(2, 2, 16, 8, generator=g), v=torch.randn(2, 2, 16, 8, generator=g),  # [L, Hkv, T, D]
+                   token_ids=ids, positions=torch.arange(2, 18), model_fp=MODEL_FP, tokenizer_fp=TOKENIZER_FP,
+                   prefix_hash=hash_prefix([1, 2]))
+
+
+class Replica:
+    """A replica's store: a host tier and the peer tier, over the cluster's directory."""
+
+    def __init__(self, name: str, timeout_s: float = 2.0) -> None:
+        from ragkv.kvstore import CpuTier, PeerTier, TieredStore
+        from ragkv.kvstore.tiers.peer_ray import RayDirectory, RayObjects, find_directory
+
+        self.peer = PeerTier(name, RayDirectory(find_directory(), timeout_s), RayObjects(), MODEL_FP, TOKENIZER_FP,
+                             1 << 20, read_timeout_s=timeout_s)
+        self.store = TieredStore.from_tiers([CpuTier(MODEL_FP, TOKENIZER_FP)])
+        self.store.attach(self.peer)
+
+    def publish(self, seed: int) -> bool:
+        self.store.put(_entry(seed))  # computed here: into the host tier, and published
+        return self.peer.flush()
+
+    def read(self, seed: int) -> tuple[str, bool] | None:
+        import torch
+
+        want = _entry(seed)
+        hit = self.store.read(want.key)
+        if hit is None:
+            return None
+        return hit.tier.value, bool(torch.equal(hit.entry.k, want.k) and torch.equal(hit.entry.v, want.v))
+
+    def peer_reads(self) -> tuple[int, int]:
+        st = self.peer.stats()
+        return st.hits, st.errors
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    """A head node and a second node, each with its own object store."""
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the replicas cannot import tests/
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 4},
+                                                        "object_store_memory": 80 << 20})
+    c.add_node(num_cpus=1, resources={"node_b": 4}, object_store_memory=80 << 20)
+    c.wait_for_nodes()
+    ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
+    from ragkv.kvstore.tiers.peer_ray import directory_actor
+
+    directory_actor()
+    yield c
+    ray.shutdown()
+    c.shutdown()
+    ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+def _replica(node: str, name: str, timeout_s: float = 2.0):
+    return ray.remote(num_cpus=0, resources={node: 1})(Replica).remote(name, timeout_s)
+
+
+def _directory():
+    from ragkv.kvstore.tiers.peer_ray import RayDirectory, find_directory
+
+    return RayDirectory(find_directory(), 5.0)
+
+
+def test_a_chunk_published_on_one_node_is_read_verified_on_another(nodes) -> None:
+    a, b = _replica("node_a", "a"), _replica("node_b", "b")
+    assert ray.get(a.node.remote()) != ray.get(b.node.remote())
+    assert ray.get(a.publish.remote(1))
+
+    assert ray.get(b.read.remote(1)) == ("peer", True)
+    assert ray.get(b.peer_reads.remote()) == (1, 0)
+    assert ray.get(b.read.remote(1)) == ("cpu", True)  # promoted: read once
+
+
+def test_a_replica_killed_after_publishing_is_a_miss_not_a_hang(nodes) -> None:
+    c, d = _replica("node_a", "c"), _replica("node_b", "d", timeout_s=3.0)
+    assert ray.get(c.publish.remote(2))
+    key = _entry(2).key.hex
+    assert [x.replica for x in _directory().lookup(key)] == ["c"]
+    ray.kill(c)  # its objects go with it; the directory still names them
+
+    t0 = time.perf_counter()
+    assert ray.get(d.read.remote(2)) is None  # a miss: the request computes the chunk
+    assert time.perf_counter() - t0 < 10.0
+    assert ray.get(d.peer_reads.remote()) == (0, 1)
+    deadline = time.monotonic() + 5
+    while _directory().lookup(key) and time.monotonic() < deadline:  # the report is sent, not awaited
+        time.sleep(0.05)
+    assert _directory().lookup(key) == []
+
+
+def test_the_router_forgets_a_dead_replicas_copies(nodes) -> None:
+    pytest.importorskip("ray.serve")
+    from ragkv.server.cluster import forget_peer
+
+    e = _replica("node_a", "e")
+    assert ray.get(e.publish.remote(3)) and ray.get(e.publish.remote(4))
+    assert _directory().stats()["replicas"] >= 1
+    forget_peer("e")  # ChunkRouter.on_replica_actor_died
+    deadline = time.monotonic() + 5
+    while any(_directory().lookup(_entry(s).key.hex) for s in (3, 4)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_directory().lookup(_entry(s).key.hex) == [] for s in (3, 4))

@@ -17,7 +17,9 @@ requests are placed on many seeds:
 
 Per seed it prints power-of-two choices' fast-tier hit rate, the pooled bound (one tier the size
 of all replicas', on the chunk policy's loads), and for each placement key the hit rate, its
-ratio to pow2's and its share of the gain the pooled bound allows. Then the means over the first
+ratio to pow2's, its share of the gain the pooled bound allows, and its share of the bound itself;
+then the same with the peer tier (`kvstore.tiers.peer`): a chunk another replica's tier holds is a
+hit too (a peer read), for the chunk policy routing with peers and for pow2. Then the means over the first
 half of the seeds and the second: choose on one half, report the other.
 
 What it leaves out, and the live bench has: load (no replica is ever busy, so nothing
@@ -84,13 +86,14 @@ def _requests(retriever, topics: list[list[str]], plain: tuple[bool, bool], seed
 
 
 def replay(requests: list[tuple[str, list[_Hit]]], replicas: int, capacity_tokens: int, placement: str | None,
-           seed: int) -> tuple[float, list[tuple[str, int]]]:
+           seed: int, peers: bool = False) -> tuple[float, list[tuple[str, int]], float]:
     """Route `requests` in order (placement None: power of two choices) over `replicas` LRU
-    tiers; the fast-tier hit rate and the loads, in order."""
+    tiers; the fast-tier hit rate, the loads in order, and the hit rate counting a chunk
+    another replica's tier holds as a hit too (a peer read: `peers` routes knowing them)."""
     rng = random.Random(seed)
     tiers = [LRUTier(capacity_tokens) for _ in range(replicas)]
     views = [ReplicaView(f"r{i}") for i in range(replicas)]
-    hits, loads = 0, []
+    hits, peer_hits, loads = 0, 0, []
     for _kind, chunks in requests:  # an agent loop's later calls read the KV tree: no loads
         if placement is None:
             i = rng.randrange(replicas)
@@ -99,11 +102,15 @@ def replay(requests: list[tuple[str, list[_Hit]]], replicas: int, capacity_token
                 view.summary = ReplicaSummary({Tier.CPU: KeyFilter.of(tier.held)}, EMPTY)
             keys = _Placed(tuple(c.key for c in chunks), tokens=tuple(c.tokens for c in chunks), by=placement,
                            documents=tuple(c.doc for c in chunks))
-            i = views.index(route(views, keys, Policy.CHUNK, rng=rng).replicas[0])
+            i = views.index(route(views, keys, Policy.CHUNK, rng=rng, peers=peers).replicas[0])
         for c in chunks:
-            hits += tiers[i].read(c.key, c.tokens)
+            elsewhere = any(c.key in t.held for j, t in enumerate(tiers) if j != i)
+            local = tiers[i].read(c.key, c.tokens)
+            hits += local
+            peer_hits += local or elsewhere
             loads.append((c.key, c.tokens))
-    return (hits / len(loads) if loads else 0.0), loads
+    n = len(loads) or 1
+    return hits / n, loads, peer_hits / n
 
 
 def _seeds(text: str) -> list[int]:
@@ -149,14 +156,23 @@ def main(argv: list[str] | None = None) -> int:
                                        args.top_k) for seed in _seeds(args.seeds)}
         rows = []
         for seed, requests in by_seed.items():
-            pow2, _ = replay(requests, args.replicas, capacity, None, seed)
-            row: dict = {"seed": seed, "pow2": round(pow2, 3)}
+            pow2, pow2_loads, pow2_peer = replay(requests, args.replicas, capacity, None, seed)
+            pow2_pooled = lru_hit_rate(pow2_loads, capacity * args.replicas) or 0.0
+            row: dict = {"seed": seed, "pow2": round(pow2, 3),
+                         "pow2_with_peers": {"hit_rate": round(pow2_peer, 3), "pooled": pow2_pooled,
+                                             "of_pooled": round(pow2_peer / pow2_pooled, 2) if pow2_pooled else None}}
             for placement in placements:
-                rate, loads = replay(requests, args.replicas, capacity, placement, seed)
+                rate, loads, _ = replay(requests, args.replicas, capacity, placement, seed)
                 pooled = lru_hit_rate(loads, capacity * args.replicas) or 0.0
+                _, peer_loads, with_peers = replay(requests, args.replicas, capacity, placement, seed, peers=True)
+                peer_pooled = lru_hit_rate(peer_loads, capacity * args.replicas) or 0.0
                 row[placement] = {"hit_rate": round(rate, 3), "pooled": pooled, "over_pow2": round(rate / pow2, 2),
                                   "share_of_placement_gain": round((rate - pow2) / (pooled - pow2), 2)
-                                  if pooled > pow2 else None}
+                                  if pooled > pow2 else None,
+                                  "of_pooled": round(rate / pooled, 2) if pooled else None,
+                                  "with_peers": {"hit_rate": round(with_peers, 3), "pooled": peer_pooled,
+                                                 "of_pooled": round(with_peers / peer_pooled, 2)
+                                                 if peer_pooled else None}}
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     half = len(rows) // 2 or 1
@@ -165,8 +181,13 @@ def main(argv: list[str] | None = None) -> int:
         if part:
             means[name] = {pl: {"over_pow2": round(statistics.mean(r[pl]["over_pow2"] for r in part), 2),
                                 "share_of_placement_gain": round(statistics.mean(
-                                    r[pl]["share_of_placement_gain"] or 0.0 for r in part), 2)}
+                                    r[pl]["share_of_placement_gain"] or 0.0 for r in part), 2),
+                                "of_pooled": round(statistics.mean(r[pl]["of_pooled"] or 0.0 for r in part), 2),
+                                "with_peers_of_pooled": round(statistics.mean(
+                                    r[pl]["with_peers"]["of_pooled"] or 0.0 for r in part), 2)}
                            for pl in placements}
+            means[name]["pow2_with_peers_of_pooled"] = round(statistics.mean(  # type: ignore[assignment]
+                r["pow2_with_peers"]["of_pooled"] or 0.0 for r in part), 2)
     report = {"seeds": rows, "means": means,
               "config": {k: v for k, v in vars(args).items() if k not in ("json", "index")}}
     if args.json:
@@ -175,8 +196,12 @@ def main(argv: list[str] | None = None) -> int:
         for name, m in means.items():
             print(f"{name} ({', '.join(str(r['seed']) for r in (rows[:half] if name == 'first_half' else rows[half:]))}):")
             for pl, v in m.items():
+                if not isinstance(v, dict):
+                    print(f"  pow2 with peers: local-plus-peer hits {v:.2f} of the pooled bound")
+                    continue
                 print(f"  {pl:<9} hits over pow2 {v['over_pow2']:.2f}x, share of placement's gain "
-                      f"{v['share_of_placement_gain']:.2f}")
+                      f"{v['share_of_placement_gain']:.2f}, {v['of_pooled']:.2f} of the pooled bound; with peers "
+                      f"{v['with_peers_of_pooled']:.2f} of it")
     return 0
 
 

@@ -124,6 +124,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     cluster.add_argument("--route-slack", type=float, default=1.0, metavar="PASSES",
                          help="chunk routing's slack, in prompt passes of expected time to first token (default "
                               "1.0, ragkv serve's)")
+    cluster.add_argument("--peer-tier", default="on", metavar="on,off",
+                         help="the replicas' peer tier (ragkv serve --peer-tier): on, off, or on,off to run each policy "
+                              "both ways and print what pooling adds apart from what routing does (default on)")
     cluster.add_argument("--fault", type=int, default=8, metavar="N",
                          help="requests in flight when a replica is killed, 0 = skip (default 8)")
     p.set_defaults(func=run_bench)

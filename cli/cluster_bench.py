@@ -45,7 +45,8 @@ _FAST = (Tier.GPU, Tier.CPU)
 class _Tally:
     ttft: list[float] = field(default_factory=list)  # server-side seconds
     fast: int = 0  # chunks from a GPU or CPU tier
-    slow: int = 0  # chunks read from disk/S3 or computed
+    slow: int = 0  # chunks read from disk/S3 or computed, or from a peer
+    peer: int = 0  # ... of them, chunks read from another replica's host tier (the peer tier)
     by_tier: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # chunks by where their KV came from
     tree_hits: int = 0  # calls with prompt tokens from the KV tree
     agent_later: int = 0  # agent calls after a loop's first
@@ -163,6 +164,7 @@ def _ask(client, question: str, tally: _Tally, max_new: int, top_k: int,  # RagC
         tally.ttft.append(stats.ttft_seconds)
         tally.fast += sum(t in _FAST for t in tiers)
         tally.slow += sum(t not in _FAST for t in tiers)
+        tally.peer += sum(t is Tier.PEER for t in tiers)
         for t in tiers:
             tally.by_tier["computed" if t is None else t.value] += 1
         tally.tree_hits += stats.usage.tree_prompt_tokens > 0
@@ -242,13 +244,17 @@ def _bounds(t: _Tally, replicas: int, cpu_tokens: int) -> dict:
     and its neighbour KV are two, read as the server's mode reads them). Chunk routing moves
     the hit rate from about the first towards the second (`share_of_placement_gain`): one
     request runs on one replica, so the chunks it shares with another replica's sets miss."""
-    return {"one_tier_hit_rate": lru_hit_rate(t.loads, cpu_tokens),
-            "pooled_tiers_hit_rate": lru_hit_rate(t.loads, cpu_tokens * replicas)}
+    pooled = lru_hit_rate(t.loads, cpu_tokens * replicas)
+    loads = t.fast + t.slow
+    return {"one_tier_hit_rate": lru_hit_rate(t.loads, cpu_tokens), "pooled_tiers_hit_rate": pooled,
+            "local_plus_peer_of_pooled": round((t.fast + t.peer) / loads / pooled, 2) if loads and pooled else None}
 
 
 def _summary(t: _Tally) -> dict:
     loads = t.fast + t.slow
     return {"fast_tier_hit_rate": round(t.fast / loads, 3) if loads else None,
+            "peer_hit_rate": round(t.peer / loads, 3) if loads else None,
+            "local_plus_peer_hit_rate": round((t.fast + t.peer) / loads, 3) if loads else None,
             "ttft_p50_s": _quantile(t.ttft, 0.5), "ttft_p95_s": _quantile(t.ttft, 0.95),
             "ttft_p99_s": _quantile(t.ttft, 0.99),
             "kv_tree_hits": t.tree_hits,
@@ -306,6 +312,13 @@ def _route_decisions(metrics_port: int) -> dict[str, int]:
             if f.name == "ragkv_route_decisions" for s in f.samples if s.name.endswith("_total")}
 
 
+def _stop_directory() -> None:
+    """The peer directory goes with its deploy: the next one's replicas publish afresh."""
+    from ragkv.kvstore.tiers.peer_ray import kill_directory
+
+    kill_directory()
+
+
 def _free_port() -> int:
     import socket
 
@@ -353,6 +366,9 @@ def run_cluster_bench(args) -> int:  # argparse.Namespace from cli.bench
         addr = f"127.0.0.1:{port}"
         manifest = read_manifest(index)
         plain = plain_reads(manifest.neighbours if manifest else None, settings.default_mode, settings.focus_handover)
+        peer_modes = [m.strip() for m in args.peer_tier.split(",") if m.strip()]
+        if not peer_modes or set(peer_modes) - {"on", "off"}:
+            raise ValueError(f"--peer-tier takes on, off or both (on,off), got {args.peer_tier!r}")
         report: dict = {"routing": {}}
         # Ray's processes write to this process's stdout (a raylet's warnings): while they run,
         # stdout is stderr, so the report stays the one thing on stdout (--json)
@@ -361,21 +377,26 @@ def run_cluster_bench(args) -> int:  # argparse.Namespace from cli.bench
         os.dup2(2, 1)
         try:
             for policy in policies:
-                print(f"routing {policy.value}: deploying {args.replicas} replicas ...", file=sys.stderr, flush=True)
-                cluster.start(settings, cluster.ClusterSettings(args.replicas, routing=policy,
-                                                                route_slack=args.route_slack,
-                                                                cpus_per_replica=args.cpus_per_replica))
-                t0 = time.perf_counter()
-                tally = _run_workload(addr, items, args.clients, args.loop_steps, args.max_new_tokens,
-                                      args.top_k, plain)
-                report["routing"][policy.value] = {**_summary(tally), **_bounds(tally, args.replicas, cpu_tokens),
-                                                   "route_decisions": _route_decisions(metrics_port),
-                                                   "seconds": round(time.perf_counter() - t0, 1)}
-                print(f"routing {policy.value}: {report['routing'][policy.value]}", file=sys.stderr, flush=True)
-                cluster.undeploy()
+                for peers in peer_modes:
+                    name = policy.value + ("+peers" if peers == "on" else "")
+                    print(f"routing {name}: deploying {args.replicas} replicas ...", file=sys.stderr, flush=True)
+                    cluster.start(settings, cluster.ClusterSettings(args.replicas, routing=policy,
+                                                                    route_slack=args.route_slack,
+                                                                    cpus_per_replica=args.cpus_per_replica,
+                                                                    peer_tier=peers == "on"))
+                    t0 = time.perf_counter()
+                    tally = _run_workload(addr, items, args.clients, args.loop_steps, args.max_new_tokens,
+                                          args.top_k, plain)
+                    report["routing"][name] = {**_summary(tally), **_bounds(tally, args.replicas, cpu_tokens),
+                                               "route_decisions": _route_decisions(metrics_port),
+                                               "seconds": round(time.perf_counter() - t0, 1)}
+                    print(f"routing {name}: {report['routing'][name]}", file=sys.stderr, flush=True)
+                    cluster.undeploy()
+                    _stop_directory()  # the next deploy starts with no published copies
             if args.fault:
                 cluster.start(settings, cluster.ClusterSettings(args.replicas, routing=Policy.CHUNK,
-                                                                cpus_per_replica=args.cpus_per_replica))
+                                                                cpus_per_replica=args.cpus_per_replica,
+                                                                peer_tier="on" in peer_modes))
                 report["fault"] = _fault(addr, items[:args.fault], args.max_new_tokens, args.top_k, cluster.APP_NAME)
                 print(f"fault: {report['fault']}", file=sys.stderr, flush=True)
         finally:
@@ -386,10 +407,17 @@ def run_cluster_bench(args) -> int:  # argparse.Namespace from cli.bench
     r = report["routing"]
     if "chunk" in r and "pow2" in r and r["pow2"]["fast_tier_hit_rate"]:
         report["chunk_over_pow2"] = _over_pow2(r)
+    for policy in ("chunk", "pow2"):  # what the peer tier adds to a policy, in the same run
+        on, off = r.get(f"{policy}+peers"), r.get(policy)
+        if on and off:
+            report[f"{policy}_peers_over_without"] = {
+                q: round(on[f"ttft_{q}_s"] / off[f"ttft_{q}_s"], 2) for q in ("p50", "p95", "p99")
+                if on.get(f"ttft_{q}_s") and off.get(f"ttft_{q}_s")}
     report["config"] = {"replicas": args.replicas, "requests": args.requests, "clients": args.clients,
                         "topics": len(topics), "top_k": args.top_k, "zipf_s": args.zipf,
                         "agent_every": args.agent_every, "agent_steps": args.loop_steps,
                         "cpu_tier_share_of_corpus": args.cpu_share, "route_slack": args.route_slack,
+                        "peer_tier": args.peer_tier,
                         "seed": args.seed,
                         "corpus_kv_bytes": kv_bytes, "model": args.model, "shared_tier": "disk (the index's own)",
                         "baseline": "pow2 (Ray Serve's default power of two choices), same workload, same run"}
@@ -401,13 +429,18 @@ def run_cluster_bench(args) -> int:  # argparse.Namespace from cli.bench
 
 
 def _print(report: dict) -> None:
-    print("routing  fast-tier hit rate  (one tier, pooled)  TTFT p50   TTFT p95   TTFT p99   tree hits  "
+    print("routing      fast-tier hit rate  +peer  (one tier, pooled)  TTFT p50   TTFT p95   TTFT p99   tree hits  "
           "agent calls on tree  errors")
     for name, r in report["routing"].items():
-        print(f"{name:<8} {r['fast_tier_hit_rate']!s:>18}  ({r['one_tier_hit_rate']!s:>8}, {r['pooled_tiers_hit_rate']!s:>6})"
+        print(f"{name:<12} {r['fast_tier_hit_rate']!s:>18}  {r['local_plus_peer_hit_rate']!s:>5}  "
+              f"({r['one_tier_hit_rate']!s:>8}, {r['pooled_tiers_hit_rate']!s:>6})"
               f"  {r['ttft_p50_s']!s:>8} s {r['ttft_p95_s']!s:>8} s {r['ttft_p99_s']!s:>8} s "
               f"{r['kv_tree_hits']:>9}  {r['agent_calls_on_tree']!s:>19}  {r['errors']:>6}")
-        print(f"         route decisions: {r.get('route_decisions', {})}")
+        print(f"             route decisions: {r.get('route_decisions', {})}")
+    for policy in ("chunk", "pow2"):
+        if f"{policy}_peers_over_without" in report:
+            print(f"{policy} with peers over without: "
+                  + ", ".join(f"TTFT {q} {v}x" for q, v in report[f"{policy}_peers_over_without"].items()))
     if "chunk_over_pow2" in report:
         c = report["chunk_over_pow2"]
         print("chunk over pow2: " + ", ".join(f"{k} {v}" + ("" if k == "share_of_placement_gain" else "x")

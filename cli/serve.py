@@ -184,8 +184,25 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                          help="chunk: to the replica expected to answer soonest by its backlog and where it holds "
                               "the request's chunks (and its conversation), chunk sets placed by rendezvous hashing; "
                               "pow2: power-of-two choices only (default chunk)")
+    cluster.add_argument("--peer-tier", default="on", choices=("on", "off"),
+                         help="pool the replicas' host tiers: each publishes the chunk KV it computes or reads from "
+                              "disk or S3 to Ray's object store, and a replica missing a chunk reads a peer's copy "
+                              "(verified by its checksums) before S3 or computing it (default on)")
+    cluster.add_argument("--peer-tier-bytes", type=_byte_count, default=None, metavar="BYTES",
+                         help="bytes of chunk KV each replica publishes at most, oldest out first (e.g. 8GiB; "
+                              "default: its --kv-cpu-bytes)")
     p.set_defaults(func=run_serve)
     return p
+
+
+def _byte_count(text: str) -> int:
+    """A byte count with a unit (8GiB, 512MiB, 1000000), > 0."""
+    from ragkv.kvstore.config import parse_bytes
+
+    n = parse_bytes(text)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a byte count must be > 0")
+    return n
 
 
 def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = None):  # -> ServerSettings
@@ -247,11 +264,13 @@ def _run_cluster(settings, args: argparse.Namespace) -> int:  # settings: Server
     from ragkv.server.routing import Policy
 
     plan = cluster.ClusterSettings(args.replicas, args.ray_address, Policy(args.routing), args.route_slack,
-                                   cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica)
+                                   cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica,
+                                   peer_tier=args.peer_tier == "on", peer_tier_bytes=args.peer_tier_bytes)
     cluster.start(settings, plan)
     logging.getLogger(__name__).info(
-        "ragkv serving %d replica(s) on Ray Serve: gRPC :%d, HTTP :%d, routing %s", plan.replicas, settings.port,
-        settings.http_port or 8000, plan.routing.value)
+        "ragkv serving %d replica(s) on Ray Serve: gRPC :%d, HTTP :%d, routing %s, peer tier %s", plan.replicas,
+        settings.port, settings.http_port or 8000, plan.routing.value,
+        f"on ({plan.peer(settings).budget_bytes} bytes a replica)" if plan.peer(settings) else "off")
     stopped = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopped.set())

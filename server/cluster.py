@@ -282,9 +282,11 @@ class ChunkRouter(FIFOMixin, RequestRouter):
     """Ray Serve's request router for engine replicas: `server/routing.py`'s ranking over the
     replicas' published summaries, updated by what it routes until their next summary."""
 
-    def initialize_state(self, policy: str = Policy.CHUNK.value, slack: float = ROUTE_SLACK) -> None:
+    def initialize_state(self, policy: str = Policy.CHUNK.value, slack: float = ROUTE_SLACK,
+                         peers: bool = False) -> None:
         self._policy = Policy(policy)
         self._slack = slack
+        self._peers = peers  # the replicas read each other's host tiers: price a peer's chunk as a peer read
         self._views: dict[ReplicaID, ReplicaView] = {}
         routing.ROUTER_VIEWS.routers.add(self)  # the ingress's metrics read it (`routing.RouterViews`)
 
@@ -302,7 +304,8 @@ class ChunkRouter(FIFOMixin, RequestRouter):
             return []
         keys = _keys_of(pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        ranking = route([self._view(r) for r in candidate_replicas], keys, self._policy, slack=self._slack)
+        ranking = route([self._view(r) for r in candidate_replicas], keys, self._policy, slack=self._slack,
+                        peers=self._peers)
         routing.ROUTER_VIEWS.decided(ranking.reason)
         return [[by_id[v.replica_id]] for v in ranking.replicas]
 
@@ -584,7 +587,8 @@ def build_app(settings: ServerSettings, cluster: ClusterSettings) -> Any:
     """The Ray Serve application: the ingress bound to the engine replicas' deployment."""
     router = RequestRouterConfig(
         request_router_class=ChunkRouter,
-        request_router_kwargs={"policy": cluster.routing.value, "slack": cluster.route_slack},
+        request_router_kwargs={"policy": cluster.routing.value, "slack": cluster.route_slack,
+                               "peers": cluster.peer(settings) is not None},
         request_routing_stats_period_s=cluster.stats_period_s,
         request_routing_stats_timeout_s=max(5.0, 5 * cluster.stats_period_s),
     )

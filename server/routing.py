@@ -123,7 +123,9 @@ def _is_hex(s: str) -> bool:
 
 # Seconds per token to have a chunk's KV on the device, by where a replica holds it, until the
 # replica has measured its own reads (`Speeds.read`); in the ratio of `TIER_WEIGHTS`.
-DEFAULT_S_PER_TOKEN: Mapping[Tier, float] = {Tier.GPU: 0.0, Tier.CPU: 2e-5, Tier.DISK: 7e-5}
+# A chunk another replica holds in its host tier is a peer read when the peer tier is on
+# (`kvstore.tiers.peer`): dearer than a copy of its own, cheaper than S3 or a compute.
+DEFAULT_S_PER_TOKEN: Mapping[Tier, float] = {Tier.GPU: 0.0, Tier.CPU: 2e-5, Tier.PEER: 5e-5, Tier.DISK: 7e-5}
 DEFAULT_MISS_S_PER_TOKEN = 1e-4  # held in no tier of the replica's own: the shared tier, or computed
 DEFAULT_PASS_S = 0.5  # one prompt pass, until a replica has measured its own
 DEFAULT_CHUNK_TOKENS = 256  # a chunk whose size the ingress did not say
@@ -279,13 +281,19 @@ def chunk_score(view: ReplicaView, keys: RouteKeys) -> float:
     return score
 
 
-def expected_ttft(view: ReplicaView, keys: RouteKeys) -> float:
+def expected_ttft(view: ReplicaView, keys: RouteKeys, pooled: frozenset[str] = frozenset()) -> float:
     """Seconds until a request with `keys` would have its KV ready on `view` and its turn
-    come: the replica's backlog, plus each chunk's load from where it holds it (or its
-    shared-tier read or compute), by the replica's measured speeds, plus a pass where its KV
-    tree lacks the conversation the request continues (its earlier turns are computed again)."""
+    come: the replica's backlog, plus each chunk's load from where it holds it (a peer's copy
+    when another replica holds it, `pooled`; else its shared-tier read or compute), by the
+    replica's measured speeds, plus a pass where its KV tree lacks the conversation the request
+    continues (its earlier turns are computed again)."""
     speeds = view.summary.speeds
-    load_s = sum(speeds.chunk_s(view.tier_of(key), keys.tokens_of(i)) for i, key in enumerate(keys.chunks))
+
+    def tier_of(key: str) -> Tier | None:
+        tier = view.tier_of(key)
+        return Tier.PEER if tier is None and key in pooled else tier
+
+    load_s = sum(speeds.chunk_s(tier_of(key), keys.tokens_of(i)) for i, key in enumerate(keys.chunks))
     conversation_s = 0.0  # a replica whose KV tree lacks the conversation computes its earlier turns again
     if keys.conversation is not None and not (keys.pinned == view.replica_id or view.holds_conversation(keys.conversation)):
         conversation_s = view.pass_s
@@ -319,8 +327,14 @@ class Ranking:
     reason: Reason
 
 
+def pooled_keys(views: Sequence[ReplicaView], keys: RouteKeys) -> frozenset[str]:
+    """The request's chunks some replica holds in its host tier (GPU or CPU): with the peer tier on,
+    every other replica can read them from it."""
+    return frozenset(k for k in keys.chunks if any(v.tier_of(k) in (Tier.GPU, Tier.CPU) for v in views))
+
+
 def route(views: Sequence[ReplicaView], keys: RouteKeys, policy: Policy, *, slack: float = ROUTE_SLACK,
-          rng: random.Random | None = None) -> Ranking:
+          rng: random.Random | None = None, peers: bool = False) -> Ranking:
     """Rank the replicas for a request (see the module docstring).
 
     CHUNK: each replica's expected time to first token (`expected_ttft`: its backlog plus its
@@ -331,6 +345,8 @@ def route(views: Sequence[ReplicaView], keys: RouteKeys, policy: Policy, *, slac
     `placement` key), so a chunk set nobody holds goes to its home, and a hot one whose home is
     busy to its second home. The replicas beyond the slack follow, soonest first.
     POW2: two replicas drawn at random, the shorter queue first, then the rest.
+    `peers`: the replicas read each other's host tiers (`kvstore.tiers.peer`): a chunk another
+    replica holds is priced as a peer read, not as a miss, so a busy holder's load spreads sooner.
 
     Raises:
         ValueError: No replica to rank, or `slack` negative.
@@ -342,7 +358,8 @@ def route(views: Sequence[ReplicaView], keys: RouteKeys, policy: Policy, *, slac
     rng = rng or random.Random()
     if policy is Policy.POW2:
         return Ranking(_pow2(views, rng), Reason.POW2)
-    est = {v.replica_id: expected_ttft(v, keys) for v in views}
+    pooled = pooled_keys(views, keys) if peers else frozenset()
+    est = {v.replica_id: expected_ttft(v, keys, pooled) for v in views}
     unit = statistics.median(v.pass_s for v in views)
     bound = min(est.values()) + slack * unit
     within = [v for v in views if est[v.replica_id] <= bound]
@@ -350,7 +367,7 @@ def route(views: Sequence[ReplicaView], keys: RouteKeys, policy: Policy, *, slac
     pinned = next((v for v in within if keys.pinned is not None and v.replica_id == keys.pinned), None)
     if pinned is not None:  # alive (a candidate) and not overloaded: its tree holds the conversation
         others = [v for v in views if v is not pinned]
-        rest = route(others, dataclasses.replace(keys, pinned=None), policy, slack=slack, rng=rng).replicas \
+        rest = route(others, dataclasses.replace(keys, pinned=None), policy, slack=slack, rng=rng, peers=peers).replicas \
             if others else []
         return Ranking([pinned, *rest], Reason.PINNED)
     placement = keys.placement

@@ -78,6 +78,8 @@ module "serving" {
   head_instance_type                = var.head_instance_type
   ray_replicas                      = var.ray_replicas
   ray_routing                       = var.ray_routing
+  ray_object_store_bytes            = var.ray_object_store_bytes
+  ray_peer_tier_bytes               = var.ray_peer_tier_bytes
   http_port                         = var.http_port
   tags                              = local.tags
 }

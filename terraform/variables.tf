@@ -280,6 +280,18 @@ variable "ray_routing" {
   default     = "chunk"
 }
 
+variable "ray_object_store_bytes" {
+  description = "Bytes of Ray's object store on each Ray node (at most 7 GiB): the replicas' peer tier lives there."
+  type        = number
+  default     = 4294967296
+}
+
+variable "ray_peer_tier_bytes" {
+  description = "Bytes of chunk KV each engine replica publishes for its peers (`ragkv serve --peer-tier-bytes`); 0 = the peer tier off."
+  type        = number
+  default     = 2147483648
+}
+
 variable "http_port" {
   description = "Port of the OpenAI-compatible HTTP API in a Ray cluster (Ray Serve's HTTP proxy)."
   type        = number

@@ -86,3 +86,22 @@ def test_an_index_with_neighbours_reads_two_entries_of_one_chunk():
     assert lru_hit_rate(loads, 40) == 0.0
     # focus without handover reads the plain KV everywhere on such an index
     assert plain_reads(neighbours, Mode.FOCUS, focus_handover=False) == (True, True)
+
+
+def test_a_peer_read_counts_toward_local_plus_peer_not_the_fast_tiers():
+    from ragkv.cli.cluster_bench import _bounds, _summary
+
+    tally = _Tally()
+
+    class _Mixed(_Client):
+        def query(self, question, **_):
+            tiers = [Tier.CPU, Tier.PEER, Tier.DISK, Tier.PEER]
+            return _Stream([RetrievedChunk(c, 1.0, "", kv_tier=t, num_tokens=10)
+                            for c, t in zip(self.answers.pop(0), tiers)])
+
+    _ask(_Mixed([("a", "b", "c", "d")]), "q", tally, 1, 4)
+    s = _summary(tally)
+    assert (s["fast_tier_hit_rate"], s["peer_hit_rate"], s["local_plus_peer_hit_rate"]) == (0.25, 0.5, 0.75)
+    assert s["chunks_by_source"] == {"cpu": 1, "peer": 2, "disk": 1}
+    tally.loads = [("a", 10), ("a", 10)]  # the pooled bound holds a on its second read: 0.5
+    assert _bounds(tally, 2, 20)["local_plus_peer_of_pooled"] == 1.5

@@ -24,10 +24,20 @@ def _workload(n: int = 300, topics: int = 8, seed: int = 0) -> list[tuple[str, l
 
 def test_chunk_routing_keeps_more_in_the_tiers_than_pow2_and_every_read_is_a_load() -> None:
     requests = _workload()
-    pow2, pow2_loads = replay(requests, 4, 60, None, seed=1)  # each tier holds two topics
-    best, best_loads = replay(requests, 4, 60, "best", seed=1)
+    pow2, pow2_loads, _ = replay(requests, 4, 60, None, seed=1)  # each tier holds two topics
+    best, best_loads, _ = replay(requests, 4, 60, "best", seed=1)
     assert len(pow2_loads) == len(best_loads) == 3 * len(requests)
     assert best > 1.5 * pow2  # a topic's requests meet its chunks where they are
+
+
+def test_with_peers_a_chunk_another_replica_holds_counts_and_pow2_gains_most() -> None:
+    requests = _workload()
+    pow2, _, pow2_peers = replay(requests, 4, 60, None, seed=1)
+    best, _, best_peers = replay(requests, 4, 60, "best", seed=1, peers=True)
+    assert pow2_peers > 1.5 * pow2  # pow2 scatters topics: their chunks are mostly on another replica
+    assert best_peers >= best and best_peers > pow2
+    one_topic = [("ask", [_Hit("a", "d", 10)])] * 3
+    assert replay(one_topic, 2, 60, None, seed=0)[2] == pytest.approx(2 / 3)  # read once, then held somewhere
 
 
 def test_placement_keys_compared() -> None:

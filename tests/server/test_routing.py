@@ -14,6 +14,7 @@ import pytest
 from ragkv.server.routing import (
     AFFINITY_BONUS,
     DEFAULT_PASS_S,
+    EMPTY,
     SETTLE_S,
     TIER_WEIGHTS,
     ConversationPins,
@@ -29,6 +30,7 @@ from ragkv.server.routing import (
     expected_ttft,
     home_weight,
     note_routed,
+    pooled_keys,
     rank,
     route,
 )
@@ -290,3 +292,28 @@ def test_conversation_pins_remember_the_last_replica_of_each_conversation_bounde
     assert pins.pin(RouteKeys()).pinned is None
     with pytest.raises(ValueError, match="max_conversations"):
         ConversationPins(0)
+
+
+def test_with_peers_a_chunk_another_replica_holds_is_priced_between_local_and_missing() -> None:
+    keys = RouteKeys(tuple(hashlib.sha256(str(i).encode()).hexdigest() for i in range(4)), tokens=(1000,) * 4)
+    holder = ReplicaView("holder", ReplicaSummary({Tier.CPU: KeyFilter.of(keys.chunks)}, EMPTY))
+    other = ReplicaView("other")
+    pooled = pooled_keys([holder, other], keys)
+    assert pooled == frozenset(keys.chunks)
+    local, peer, missing = expected_ttft(holder, keys, pooled), expected_ttft(other, keys, pooled), \
+        expected_ttft(other, keys)
+    assert local < peer < missing
+
+
+def test_with_peers_a_busy_holders_load_spreads_sooner() -> None:
+    """The holder is 0.7 s behind: within a pass (0.5 s) of the others' misses (4 x 0.1 s), not of
+    their peer reads (4 x 0.05 s), so with peers the request goes to a free replica that reads
+    the holder's copies, and without them it waits for the holder."""
+    keys = RouteKeys(tuple(hashlib.sha256(str(i).encode()).hexdigest() for i in range(4)), tokens=(1000,) * 4)
+    holder = ReplicaView("holder", ReplicaSummary({Tier.CPU: KeyFilter.of(keys.chunks)}, EMPTY,
+                                                  speeds=Speeds(backlog_s=0.7)))
+    views = [holder, ReplicaView("b"), ReplicaView("c")]
+    alone = route(views, keys, Policy.CHUNK, rng=random.Random(0))
+    pooled = route(views, keys, Policy.CHUNK, rng=random.Random(0), peers=True)
+    assert alone.replicas[0] is holder and alone.reason is Reason.HELD
+    assert pooled.replicas[0] is not holder

@@ -105,6 +105,7 @@ RAY_VARS = {**TEMPLATE_VARS, "token_parameter": "/ragkv/ray-auth-token",
             "token_key": "arn:aws:kms:us-east-1:123456789012:key/11111111-2222-3333-4444-555555555555",
             "ray_port": "6379", "replicas": "2",
             "routing": "chunk", "http_port": "8000", "head_address": "10.0.1.10",
+            "object_store_bytes": "4294967296", "peer_tier": "--peer-tier on --peer-tier-bytes 2147483648",
             "ray_ports": "--node-manager-port 6380 --object-manager-port 6381 --min-worker-port 10002 "
                          "--max-worker-port 19999"}
 
@@ -341,12 +342,14 @@ def test_ray_nodes_run_ray_start_as_ray_parses_it_and_are_valid_bash(role: str) 
     starts = [c for c in commands if c[:2] == ["ray", "start"]]
     assert len(starts) == 1, commands
     ctx = start.make_context("start", starts[0][2:])  # parses, runs nothing
+    assert ctx.params["object_store_memory"] == 4294967296  # the peer tier's room, on every node
     if role == "head":
         assert ctx.params["head"] and ctx.params["port"] == 6379 and ctx.params["node_manager_port"] == 6380
         (serve,) = [c[c.index("ragkv") + 1:] for c in commands if "ragkv" in c]
         args = build_parser().parse_args(serve)
         assert args.replicas == 2 and args.ray_address == "auto" and args.gpus_per_replica == 1.0
         assert args.port == 50051 and args.http_port == "8000" and args.routing == "chunk"
+        assert args.peer_tier == "on" and args.peer_tier_bytes == 2147483648
     else:
         assert ctx.params["address"] == "10.0.1.10:6379" and ctx.params["num_gpus"] == 1 and ctx.params["block"]
         assert ctx.params["max_worker_port"] == 19999
@@ -359,3 +362,23 @@ def test_ray_nodes_run_ray_start_as_ray_parses_it_and_are_valid_bash(role: str) 
         p = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True, timeout=30)
         assert p.returncode == 0, f"{role} {name} is not valid bash:\n{p.stderr}"
     assert "RAY_AUTH_MODE=token" in user_data  # the nodes share a token; Ray's ports see no client
+
+
+def test_the_peer_tier_fits_the_object_store_and_only_the_cluster_reaches_its_port() -> None:
+    """ray_peer_tier_bytes is bounded by the object store it lives in (a cross-variable validation),
+    0 turns it off, and the object manager's port (the peer tier's bytes between nodes) is among
+    the ports the security group admits from itself alone."""
+    variables = (TERRAFORM_DIR / "modules" / "serving" / "variables.tf").read_text()
+    block = variables[variables.index('variable "ray_peer_tier_bytes"'):]
+    block = block[:block.index("\n}\n")]
+    assert "var.ray_peer_tier_bytes <= var.ray_object_store_bytes" in block
+    main_tf = (TERRAFORM_DIR / "modules" / "serving" / "main.tf").read_text()
+    assert '"--peer-tier off"' in main_tf and "--peer-tier-bytes ${var.ray_peer_tier_bytes}" in main_tf
+    assert "object_manager = var.ray_port + 2" in main_tf
+    assert "gcs_and_agents = { from = var.ray_port, to = var.ray_port + 6 }" in main_tf
+    rule = main_tf[main_tf.index('resource "aws_vpc_security_group_ingress_rule" "ray_internal"'):]
+    rule = rule[:rule.index("\n}\n")]
+    assert "for_each = var.ray_cluster ? local.ray_port_ranges : {}" in rule
+    assert "referenced_security_group_id = aws_security_group.serving.id" in rule and "cidr" not in rule
+    off = build_parser().parse_args(["serve", "--index", "x", "--replicas", "2", "--peer-tier", "off"])
+    assert off.peer_tier == "off"

@@ -82,6 +82,8 @@ locals {
     ray_port           = var.ray_port
     replicas           = var.ray_replicas
     routing            = var.ray_routing
+    object_store_bytes = var.ray_object_store_bytes
+    peer_tier          = var.ray_peer_tier_bytes > 0 ? "--peer-tier on --peer-tier-bytes ${var.ray_peer_tier_bytes}" : "--peer-tier off"
     grpc_port          = var.grpc_port
     http_port          = var.http_port
     metrics_port       = var.metrics_port
@@ -448,7 +450,8 @@ resource "aws_vpc_security_group_ingress_rule" "from_lb" {
 }
 
 # A Ray cluster's nodes talk to each other on Ray's ports (GCS, node and object managers,
-# agents, workers): only inside this security group, never from a client CIDR.
+# agents, workers): only inside this security group, never from a client CIDR. The object
+# manager's port carries the peer tier's chunk KV between replicas.
 resource "aws_vpc_security_group_ingress_rule" "ray_internal" {
   for_each = var.ray_cluster ? local.ray_port_ranges : {}
 

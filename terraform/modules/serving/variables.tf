@@ -373,6 +373,28 @@ variable "ray_routing" {
   }
 }
 
+variable "ray_object_store_bytes" {
+  description = "Bytes of Ray's object store on each node (ray_cluster): where the replicas' peer tier publishes chunk KV for the others to read. It lives in the container's /dev/shm (8 GiB), so at most 7 GiB."
+  type        = number
+  default     = 4294967296
+
+  validation {
+    condition     = var.ray_object_store_bytes >= 1073741824 && var.ray_object_store_bytes <= 7516192768
+    error_message = "ray_object_store_bytes must be between 1 GiB (1073741824) and 7 GiB (7516192768): the object store lives in the container's 8 GiB /dev/shm."
+  }
+}
+
+variable "ray_peer_tier_bytes" {
+  description = "Bytes of chunk KV each engine replica publishes to the object store for its peers (ray_cluster, `ragkv serve --peer-tier-bytes`); 0 turns the peer tier off (`--peer-tier off`)."
+  type        = number
+  default     = 2147483648
+
+  validation {
+    condition     = var.ray_peer_tier_bytes >= 0 && var.ray_peer_tier_bytes <= var.ray_object_store_bytes
+    error_message = "ray_peer_tier_bytes must be between 0 (the peer tier off) and ray_object_store_bytes: what a replica publishes lives in its node's object store."
+  }
+}
+
 variable "ray_port" {
   description = "Port of Ray's GCS on the head node (ray_cluster); like every Ray port, open only inside the cluster's security group."
   type        = number

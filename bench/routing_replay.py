@@ -86,10 +86,13 @@ def _requests(retriever, topics: list[list[str]], plain: tuple[bool, bool], seed
 
 
 def replay(requests: list[tuple[str, list[_Hit]]], replicas: int, capacity_tokens: int, placement: str | None,
-           seed: int, peers: bool = False) -> tuple[float, list[tuple[str, int]], float]:
+           seed: int, peers: bool = False, keep_peer_reads: bool = False) -> tuple[float, list[tuple[str, int]], float]:
     """Route `requests` in order (placement None: power of two choices) over `replicas` LRU
-    tiers; the fast-tier hit rate, the loads in order, and the hit rate counting a chunk
-    another replica's tier holds as a hit too (a peer read: `peers` routes knowing them)."""
+    tiers; the fast-tier hit rate, the loads in order, and the local-plus-peer hit rate.
+    With `peers` the replicas read each other's tiers (the peer tier, and routing that knows it):
+    a chunk another replica's tier holds is a peer hit, read through as the peer tier does
+    (`keep_peer_reads`: copied into the reader's tier too, as a read from disk is). Without,
+    the last is the first."""
     rng = random.Random(seed)
     tiers = [LRUTier(capacity_tokens) for _ in range(replicas)]
     views = [ReplicaView(f"r{i}") for i in range(replicas)]
@@ -104,7 +107,13 @@ def replay(requests: list[tuple[str, list[_Hit]]], replicas: int, capacity_token
                            documents=tuple(c.doc for c in chunks))
             i = views.index(route(views, keys, Policy.CHUNK, rng=rng, peers=peers).replicas[0])
         for c in chunks:
-            elsewhere = any(c.key in t.held for j, t in enumerate(tiers) if j != i)
+            holders = [t for j, t in enumerate(tiers) if peers and j != i and c.key in t.held]
+            if not keep_peer_reads and holders and c.key not in tiers[i].held:  # read through, not kept here
+                holders[0].read(c.key, c.tokens)  # the peer's copy was used: it stays
+                peer_hits += 1
+                loads.append((c.key, c.tokens))
+                continue
+            elsewhere = bool(holders)
             local = tiers[i].read(c.key, c.tokens)
             hits += local
             peer_hits += local or elsewhere
@@ -156,16 +165,17 @@ def main(argv: list[str] | None = None) -> int:
                                        args.top_k) for seed in _seeds(args.seeds)}
         rows = []
         for seed, requests in by_seed.items():
-            pow2, pow2_loads, pow2_peer = replay(requests, args.replicas, capacity, None, seed)
+            pow2, pow2_loads, _ = replay(requests, args.replicas, capacity, None, seed)
             pow2_pooled = lru_hit_rate(pow2_loads, capacity * args.replicas) or 0.0
+            _, _, pow2_peer = replay(requests, args.replicas, capacity, None, seed, peers=True)
             row: dict = {"seed": seed, "pow2": round(pow2, 3),
                          "pow2_with_peers": {"hit_rate": round(pow2_peer, 3), "pooled": pow2_pooled,
                                              "of_pooled": round(pow2_peer / pow2_pooled, 2) if pow2_pooled else None}}
             for placement in placements:
                 rate, loads, _ = replay(requests, args.replicas, capacity, placement, seed)
                 pooled = lru_hit_rate(loads, capacity * args.replicas) or 0.0
-                _, peer_loads, with_peers = replay(requests, args.replicas, capacity, placement, seed, peers=True)
-                peer_pooled = lru_hit_rate(peer_loads, capacity * args.replicas) or 0.0
+                _, _, with_peers = replay(requests, args.replicas, capacity, placement, seed, peers=True)
+                peer_pooled = pooled  # the bound of the same requests' loads
                 row[placement] = {"hit_rate": round(rate, 3), "pooled": pooled, "over_pow2": round(rate / pow2, 2),
                                   "share_of_placement_gain": round((rate - pow2) / (pooled - pow2), 2)
                                   if pooled > pow2 else None,

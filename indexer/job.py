@@ -520,7 +520,11 @@ def _calibrate(db: ChunkDB, manifest: Manifest, kv_uris: Sequence[str], engine: 
     chunk's KV read from the store as the server reads it; None when the corpus gives no set."""
     from ragkv.engine.kv import ChunkKV
     from ragkv.indexer.calibrate import CalibrationSet, measure, sample_prompts, sample_size
+    from ragkv.kvstore import hash_prefix
+    from ragkv.retriever.chunk_keys import serving_keys
     from ragkv.types import Mode
+
+    prefix_hash = hash_prefix(manifest.prefix_ids)
 
     rows, xb = db.all_vectors()
     records = db.chunks_by_rows([int(r) for r in rows])
@@ -529,8 +533,8 @@ def _calibrate(db: ChunkDB, manifest: Manifest, kv_uris: Sequence[str], engine: 
     try:
         for prompt, question in sample_prompts(xb, sample_size(len(rows)), lambda j: records[int(rows[j])].text):
             chunks = [records[int(rows[j])] for j in prompt]
-            keys = [_plain_key(manifest, c.token_ids) if config.neighbours.serves_plain(Mode.BLEND, first=i == 0)
-                    else c.kv_key for i, c in enumerate(chunks)]  # the KV the server reads (serving_key)
+            keys = serving_keys(chunks, Mode.BLEND, config.neighbours, prefix_hash, manifest.model_fp,
+                                manifest.tokenizer_fp)  # the KV the server reads
             hits = [store.read(key) for key in keys]
             if any(h is None for h in hits):  # KV not stored
                 continue

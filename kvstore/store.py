@@ -245,7 +245,7 @@ class TieredStore:
         started = time.perf_counter()
         self._count(lookups=1)
         for depth, tier in enumerate(self._tiers):
-            upper = self._tiers[:depth]
+            upper = self._tiers[:depth] if tier.hits_kept_above else ()
             hit = tier.read(key, layered, self._stream_pool.submit, functools.partial(self._promote, upper=upper))
             if hit is None:
                 continue

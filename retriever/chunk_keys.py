@@ -16,13 +16,22 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ragkv.types import Mode
 
 if TYPE_CHECKING:
     from ragkv.kvstore import ChunkContext, ChunkKey, PrefixHash
-    from ragkv.retriever.search import SearchHit
+
+
+class IndexedChunk(Protocol):
+    """A chunk as the index records it: a search hit, or the indexer's own record."""
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def kv_key(self) -> ChunkKey: ...  # the KV the indexer computed (plain, or after neighbours)
 
 
 class NeighbourChoice(str, enum.Enum):
@@ -113,7 +122,15 @@ def chunk_key(model_fp: str, tokenizer_fp: str, prefix_ids: Sequence[int], chunk
     return ChunkKey.build(model_fp, tokenizer_fp, list(prefix_ids), list(chunk_ids), context)
 
 
-def serving_key(hit: SearchHit, mode: Mode, neighbours: NeighbourOptions, prefix_hash: PrefixHash, model_fp: str,
+def serving_keys(hits: Sequence[IndexedChunk], mode: Mode, neighbours: NeighbourOptions, prefix_hash: PrefixHash,
+                 model_fp: str, tokenizer_fp: str, focus_handover: bool = False) -> list[ChunkKey]:
+    """`serving_key` of each hit of one prompt, in prompt order (the first is the prompt's first
+    chunk): the keys a replica reads, the ingress routes on, and calibration measures."""
+    return [serving_key(h, mode, neighbours, prefix_hash, model_fp, tokenizer_fp, focus_handover, first=i == 0)
+            for i, h in enumerate(hits)]
+
+
+def serving_key(hit: IndexedChunk, mode: Mode, neighbours: NeighbourOptions, prefix_hash: PrefixHash, model_fp: str,
                 tokenizer_fp: str, focus_handover: bool = False, first: bool = False) -> ChunkKey:
     """The key of the KV a search hit is served from in `mode`, the prompt's `first` chunk or a
     later one: its plain KV's, built here for the serving model (an index of an older format

@@ -404,15 +404,15 @@ class IngressBackend:
 
     def search(self, query: Query) -> tuple[list[SearchHit], RouteKeys]:
         """The query's chunks and what routing looks for (the keys the replica will read)."""
-        from ragkv.retriever.chunk_keys import serving_key
+        from ragkv.retriever.chunk_keys import serving_keys
         from ragkv.server.pipeline import search_hits
 
         r = self._retriever(query.collection)
         hits = search_hits(r, query.question, query.top_k, query.search_mode, query.filters)
         m = r.manifest
-        keys = [serving_key(h, query.mode, self._neighbours[query.collection],
-                            self._prefix_hash[query.collection], m.model_fp, m.tokenizer_fp,
-                            self._focus_handover, first=i == 0).hex for i, h in enumerate(hits)]
+        keys = [k.hex for k in serving_keys(hits, query.mode, self._neighbours[query.collection],
+                                            self._prefix_hash[query.collection], m.model_fp, m.tokenizer_fp,
+                                            self._focus_handover)]
         return hits, route_keys(query, keys, [len(h.token_ids) for h in hits])
 
 

@@ -48,7 +48,7 @@ from ragkv.kvstore import (
 )
 from ragkv.kvstore.tree_files import TreeFiles
 from ragkv.retriever import Retriever, SearchHit
-from ragkv.retriever.chunk_keys import NeighbourOptions, serving_key
+from ragkv.retriever.chunk_keys import NeighbourOptions, serving_keys
 from ragkv.retriever.manifest import Calibration
 from ragkv.server.backend import BackendParts, Prepared
 from ragkv.server.fidelity import DEFAULT_RECOMPUTE_RATIO, RequestRatio, ServedRatio, request_ratio, served_ratio
@@ -95,14 +95,11 @@ class Collection:
     # the ratio its requests that set none get (server/fidelity.py, chosen at start-up)
     served: ServedRatio = ServedRatio(DEFAULT_RECOMPUTE_RATIO, None, "the default")
 
-    def kv_key(self, hit: SearchHit, mode: Mode, model_fp: str, tokenizer_fp: str,
-               focus_handover: bool = False, first: bool = False) -> ChunkKey:
-        """The KV a hit is served from in `mode`, `first` in the prompt or not (which one, the index's
-        options say: `NeighbourOptions.serves_plain`). Plain KV: the key is built here, not read from the
-        index, so it names this build's file format and this model (an index written by an
-        older format just misses). Neighbour KV: the key the index recorded (it names the
-        neighbours' context, which only the indexer knows)."""
-        return serving_key(hit, mode, self.neighbours, self.prefix_hash, model_fp, tokenizer_fp, focus_handover, first)
+    def kv_keys(self, hits: Sequence[SearchHit], mode: Mode, model_fp: str, tokenizer_fp: str,
+                focus_handover: bool = False) -> list[ChunkKey]:
+        """The KV each of a prompt's hits is served from in `mode` (`chunk_keys.serving_keys`, as the
+        cluster's ingress routes on them)."""
+        return serving_keys(hits, mode, self.neighbours, self.prefix_hash, model_fp, tokenizer_fp, focus_handover)
 
 
 @dataclass(frozen=True, slots=True)
@@ -466,8 +463,8 @@ class Pipeline:
         ratio = self._ratio(query, c, own)
         plan = PromptPlan(
             output=output, constraint=constraint, prefix_ids=tuple(fmt.prefix_ids()) if own else c.prefix_ids,
-            kv_keys=tuple(c.kv_key(h, query.mode, self.lm.fingerprint, self.lm.tokenizer_fingerprint,
-                                   self._focus.handover, first=i == 0) for i, h in enumerate(found.hits)),
+            kv_keys=tuple(c.kv_keys(found.hits, query.mode, self.lm.fingerprint, self.lm.tokenizer_fingerprint,
+                                    self._focus.handover)),
             token_ids=tuple(tuple(h.token_ids) for h in found.hits), question_ids=tuple(question_ids),
             select_ids=None if select_ids is None else tuple(select_ids),
             options=self._options(DEFAULT_RECOMPUTE_RATIO if ratio.ratio is None else ratio.ratio),
@@ -667,10 +664,11 @@ class Pipeline:
         peers = [t for c in self._collections.values() for t in c.store.stats().tiers if t.tier is Tier.PEER]
         if not peers:
             return {}
+        pending = sum(getattr(c.store.tier(Tier.PEER), "pending_publishes", 0) for c in self._collections.values())
         return {"peer_reads": sum(t.hits for t in peers), "peer_read_bytes": sum(t.bytes_read for t in peers),
                 "peer_read_seconds": sum(t.get_seconds for t in peers), "peer_misses": sum(t.misses for t in peers),
                 "peer_errors": sum(t.errors for t in peers), "peer_rejected": sum(t.rejected for t in peers),
-                "peer_published_bytes": sum(t.bytes_used for t in peers)}
+                "peer_published_bytes": sum(t.bytes_used for t in peers), "peer_publishes_pending": pending}
 
     def flush_writes(self, timeout: float | None = None) -> None:
         """Wait until every write-back submitted so far has reached its durable tiers (or failed)."""

@@ -82,6 +82,9 @@ class StorageTier(abc.ABC):
     # True for a tier that holds a copy of every hit whatever tier gave it (the peer tier publishes
     # what a disk above it gave too); others take only hits from tiers below them (promotion)
     takes_every_hit = False
+    # whether a hit from this tier is copied into the tiers above it (promotion); the peer tier's
+    # are read through by default: a copy on every replica would shrink what the pool holds
+    hits_kept_above = True
 
     def __init__(self, model_fp: str, tokenizer_fp: str, budget_bytes: int | None) -> None:
         if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes < 0):

@@ -32,12 +32,20 @@ def test_chunk_routing_keeps_more_in_the_tiers_than_pow2_and_every_read_is_a_loa
 
 def test_with_peers_a_chunk_another_replica_holds_counts_and_pow2_gains_most() -> None:
     requests = _workload()
-    pow2, _, pow2_peers = replay(requests, 4, 60, None, seed=1)
-    best, _, best_peers = replay(requests, 4, 60, "best", seed=1, peers=True)
+    pow2, _, same = replay(requests, 4, 60, None, seed=1)
+    assert same == pow2  # without peers, local is all there is
+    _, _, pow2_peers = replay(requests, 4, 60, None, seed=1, peers=True)
+    best, _, _ = replay(requests, 4, 60, "best", seed=1)
+    _, _, best_peers = replay(requests, 4, 60, "best", seed=1, peers=True)
     assert pow2_peers > 1.5 * pow2  # pow2 scatters topics: their chunks are mostly on another replica
     assert best_peers >= best and best_peers > pow2
     one_topic = [("ask", [_Hit("a", "d", 10)])] * 3
-    assert replay(one_topic, 2, 60, None, seed=0)[2] == pytest.approx(2 / 3)  # read once, then held somewhere
+    assert replay(one_topic, 2, 60, None, seed=0, peers=True)[2] == pytest.approx(2 / 3)  # read once, then held
+    # read through, a chunk read from a peer stays one copy: a reader's own tier keeps only its own
+    two = [("ask", [_Hit(k, "d", 10)]) for k in ("a", "b", "a", "b", "a", "b")]
+    kept = replay(two, 2, 10, None, seed=3, peers=True, keep_peer_reads=True)[2]
+    through = replay(two, 2, 10, None, seed=3, peers=True)[2]
+    assert through >= kept
 
 
 def test_placement_keys_compared() -> None:

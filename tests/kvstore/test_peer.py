@@ -77,7 +77,7 @@ def _publish(store: TieredStore, peer: PeerTier, entry: KVEntry) -> None:
     assert peer.flush(), "the publish never finished"
 
 
-def test_a_chunk_computed_on_one_replica_is_read_by_another_verified_and_promoted() -> None:
+def test_a_chunk_computed_on_one_replica_is_read_by_another_verified_and_read_through() -> None:
     directory, cluster = PeerDirectory(), Cluster()
     a, peer_a = _store("a", directory, cluster)
     b, peer_b = _store("b", directory, cluster)
@@ -90,10 +90,22 @@ def test_a_chunk_computed_on_one_replica_is_read_by_another_verified_and_promote
     assert_same(hit.entry, entry)
     st = peer_b.stats()
     assert (st.hits, st.bytes_read) == (1, len(encode(entry)))
-    again = b.read(entry.key)  # promoted into b's host tier: not read from the peer again
-    assert again is not None and again.tier is Tier.CPU
-    assert peer_b.stats().hits == 1
+    assert not b.tier(Tier.CPU).contains(entry.key)  # read through: the pool holds it once
+    assert peer_b.stats().entries == 0  # and b does not publish it again
     assert a.tier(Tier.CPU).contains(entry.key) and peer_a.stats().entries == 1
+
+
+def test_a_replica_may_keep_what_it_reads_from_a_peer() -> None:
+    directory, cluster = PeerDirectory(), Cluster()
+    a, peer_a = _store("a", directory, cluster)
+    peer_b = PeerTier("b", directory, cluster.objects("b"), MODEL_FP, TOKENIZER_FP, 1 << 20, keep_reads=True)
+    b = TieredStore.from_tiers([CpuTier(MODEL_FP, TOKENIZER_FP)])
+    b.attach(peer_b)
+    entry = make_entry(11)
+    _publish(a, peer_a, entry)
+    assert b.read(entry.key).tier is Tier.PEER
+    again = b.read(entry.key)  # kept in b's host tier: not read from the peer again
+    assert again is not None and again.tier is Tier.CPU and peer_b.stats().hits == 1
 
 
 def test_the_peer_tier_is_asked_after_the_local_tiers_and_before_s3() -> None:

@@ -167,12 +167,18 @@ def test_the_ingress_metrics_count_every_replicas_answers(served) -> None:
     # the replicas' own gauges, as they published them to the router: one series per replica
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        backlog = [k for k in scrape() if k.startswith("ragkv_replica_backlog_seconds{")]
-        tree = [k for k in scrape() if k.startswith("ragkv_replica_kv_tree_bytes{")]
-        if len(backlog) == 2 and len(tree) == 2:
+        with RagClient(addr, token=TOKEN) as client:  # the router asks the replicas for stats as it routes
+            "".join(client.query(QUESTION, collection="docs", mode="blend", max_new_tokens=1))
+        m = scrape()
+        backlog = [k for k in m if k.startswith("ragkv_replica_backlog_seconds{")]
+        tree = [k for k in m if k.startswith("ragkv_replica_kv_tree_bytes{")]
+        peer = [k for k in m if k.startswith("ragkv_peer_reads_total{")]  # the peer tier is on with replicas
+        published = sum(v for k, v in m.items() if k.startswith("ragkv_replica_peer_published_bytes{"))
+        if len(backlog) == 2 and len(tree) == 2 and len(peer) == 2 and published > 0:
             break
         time.sleep(0.5)
-    assert len(backlog) == 2 and len(tree) == 2, scrape()
+    assert len(backlog) == 2 and len(tree) == 2, m
+    assert len(peer) == 2 and published > 0, m  # what the replicas read, they published for each other
 
 
 def test_health_collections_and_client_errors_keep_their_status(served) -> None:

@@ -28,7 +28,18 @@ def started(monkeypatch: pytest.MonkeyPatch) -> dict:
     monkeypatch.setattr(cluster.serve, "start", lambda **kw: calls.update(kw))
     monkeypatch.setattr(cluster.serve, "run", lambda *a, **kw: None)
     monkeypatch.setattr(cluster, "build_app", lambda s, c: None)
+    from ragkv.kvstore.tiers import peer_ray
+
+    monkeypatch.setattr(peer_ray, "directory_actor", lambda *a, **kw: calls.setdefault("peer_directory", True))
     return calls
+
+
+def test_the_peer_directory_starts_before_the_replicas_only_when_they_have_peers(started: dict) -> None:
+    cluster.start(settings(insecure_no_auth=True), cluster.ClusterSettings(2, None, Policy.CHUNK))
+    assert started.pop("peer_directory")
+    cluster.start(settings(insecure_no_auth=True), cluster.ClusterSettings(2, None, Policy.CHUNK, peer_tier=False))
+    cluster.start(settings(insecure_no_auth=True), cluster.ClusterSettings(1, None, Policy.CHUNK))
+    assert "peer_directory" not in started
 
 
 def test_tls_reaches_ray_serves_http_proxy_and_no_plaintext_grpc_is_started(started: dict, tmp_path: Path) -> None:

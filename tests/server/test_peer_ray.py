@@ -100,7 +100,8 @@ def test_a_chunk_published_on_one_node_is_read_verified_on_another(nodes) -> Non
 
     assert ray.get(b.read.remote(1)) == ("peer", True)
     assert ray.get(b.peer_reads.remote()) == (1, 0)
-    assert ray.get(b.read.remote(1)) == ("cpu", True)  # promoted: read once
+    assert ray.get(b.read.remote(1)) == ("peer", True)  # read through: the pool holds it once
+    assert ray.get(b.peer_reads.remote()) == (2, 0)
 
 
 def test_a_replica_killed_after_publishing_is_a_miss_not_a_hang(nodes) -> None:

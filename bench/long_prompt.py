@@ -37,10 +37,10 @@ def _phase(addr: str, long_top_k: int | None, duration: float, questions: list[s
 
 
 def _kept(pipelines: list, settings: object) -> object:
-    """`Pipeline.from_settings`, the pipeline kept in `pipelines` (to read its engine after)."""
-    from ragkv.server.pipeline import Pipeline
+    """`build_pipeline`, the pipeline kept in `pipelines` (to read its engine after)."""
+    from ragkv.server.assembly import build_pipeline
 
-    pipelines.append(Pipeline.from_settings(settings))  # type: ignore[arg-type]
+    pipelines.append(build_pipeline(settings))  # type: ignore[arg-type]
     return pipelines[-1]
 
 

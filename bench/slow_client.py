@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from ragkv.cli.load_bench import _build_index, _questions
     from ragkv.retriever.manifest import KV_DIR_NAME
+    from ragkv.server.assembly import build_pipeline
     from ragkv.server.inprocess import InProcessServer
-    from ragkv.server.pipeline import Pipeline
     from ragkv.server.settings import CollectionSpec, ServerSettings
 
     with tempfile.TemporaryDirectory(prefix="ragkv-slow-client-") as tmp:
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             **({} if args.index else {"model": args.model}))
         report: dict = {}
         with tiers(slow, args.latency_ms / 1000, nokv):
-            server = InProcessServer(settings, Pipeline.from_settings, load_timeout=600)
+            server = InProcessServer(settings, build_pipeline, load_timeout=600)
             try:
                 _phase(server.addr, None, min(6.0, args.duration), questions, args.max_new_tokens,
                        args.fourth_new_tokens)  # warm up

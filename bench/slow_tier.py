@@ -188,8 +188,8 @@ def _level(addr: str, n: int, duration: float, questions: list[str], max_new: in
 
 def _serve(index: Path, controller: bool, levels: list[int], duration: float, questions: list[str],
            max_new: int) -> dict:
+    from ragkv.server.assembly import build_pipeline
     from ragkv.server.inprocess import InProcessServer
-    from ragkv.server.pipeline import Pipeline
     from ragkv.server.settings import CollectionSpec, ServerSettings
 
     # the KV tree off: the warm-up and each level ask the same questions, and a tree hit reads no
@@ -197,7 +197,7 @@ def _serve(index: Path, controller: bool, levels: list[int], duration: float, qu
     settings = ServerSettings(indexes=(CollectionSpec("default", index),), host="127.0.0.1", port=0,
                               metrics_port=None, kv_cpu_bytes=1, kv_controller=controller, kv_tree_bytes=0,
                               max_queue=max(levels) + 4, max_batch=max(levels))
-    server = InProcessServer(settings, Pipeline.from_settings, load_timeout=600)
+    server = InProcessServer(settings, build_pipeline, load_timeout=600)
     try:
         _level(server.addr, 1, min(6.0, duration), questions, max_new)  # warm up: tiers measured
         return {str(n): _level(server.addr, n, duration, questions, max_new) for n in levels}

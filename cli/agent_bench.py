@@ -60,8 +60,8 @@ def _call(client, step_turns: list[ChatTurn], max_new: int, top_k: int,  # RagCl
 def run_agent_bench(args) -> int:  # argparse.Namespace from cli.bench
     from ragkv.cli.load_bench import _build_index
     from ragkv.client import RagClient
+    from ragkv.server.assembly import build_pipeline
     from ragkv.server.inprocess import InProcessServer
-    from ragkv.server.pipeline import Pipeline
     from ragkv.server.settings import CollectionSpec, ServerSettings
 
     steps, chars = args.agent_steps, args.tool_result_chars
@@ -78,7 +78,7 @@ def run_agent_bench(args) -> int:  # argparse.Namespace from cli.bench
                     model=None if args.index else args.model, kv_tree_bytes=tree_bytes,
                     **({"device": args.device} if args.device else {}),
                     **({"dtype": args.dtype} if args.dtype else {}))
-                servers[name] = InProcessServer(settings, Pipeline.from_settings, load_timeout=600)
+                servers[name] = InProcessServer(settings, build_pipeline, load_timeout=600)
             rows = []
             with RagClient(servers["tree"].addr, timeout=600) as tree, \
                     RagClient(servers["no_tree"].addr, timeout=600) as plain:

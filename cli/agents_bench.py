@@ -100,8 +100,8 @@ def _run_policy(args, index: Path, tree_bytes: int, retain_max_s: float, questio
     """The agents against one fresh in-process server; its calls, their measures and its tree's."""
     from ragkv.cli.agent_bench import LOOKUP, WARM_UP
     from ragkv.client import RagClient
+    from ragkv.server.assembly import build_pipeline
     from ragkv.server.inprocess import InProcessServer
-    from ragkv.server.pipeline import Pipeline
     from ragkv.server.settings import CollectionSpec, ServerSettings
 
     n = len(questions)
@@ -111,7 +111,7 @@ def _run_policy(args, index: Path, tree_bytes: int, retain_max_s: float, questio
         kv_tree_retain_max_s=retain_max_s, max_queue=n + 4, max_batch=max(1, n),
         kv_tree_host_bytes=tree_bytes if spill_dir is not None else 0, kv_tree_dir=spill_dir, kv_tree_disk_bytes=_DISK,
         **({"device": args.device} if args.device else {}), **({"dtype": args.dtype} if args.dtype else {}))
-    server = InProcessServer(settings, Pipeline.from_settings, load_timeout=600)
+    server = InProcessServer(settings, build_pipeline, load_timeout=600)
     try:
         tree = server.server.service.backend.parts().kv_tree
         with RagClient(server.addr, timeout=600) as client:  # first-call allocations and the tools' grammar

@@ -127,6 +127,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     cluster.add_argument("--peer-tier", default="on", metavar="on,off",
                          help="the replicas' peer tier (ragkv serve --peer-tier): on, off, or on,off to run each policy "
                               "both ways and print what pooling adds apart from what routing does (default on)")
+    cluster.add_argument("--shared-tier", default="disk", choices=("disk", "s3"),
+                         help="where every replica finds the corpus's chunk KV below its own tiers: disk (the index's "
+                              "own folder, shared on this host) or s3 (an S3 bucket on loopback, moto, as a deploy "
+                              "keeps it: no disk is shared, so a replica's misses read S3; the test extra) "
+                              "(default disk)")
     cluster.add_argument("--fault", type=int, default=8, metavar="N",
                          help="requests in flight when a replica is killed, 0 = skip (default 8)")
     p.set_defaults(func=run_bench)

@@ -312,6 +312,35 @@ def _route_decisions(metrics_port: int) -> dict[str, int]:
             if f.name == "ragkv_route_decisions" for s in f.samples if s.name.endswith("_total")}
 
 
+def _s3_index(index: Path, tmp: Path):  # -> (Path, moto's ThreadedMotoServer)
+    """A copy of `index` whose chunk KV lives only in an S3 bucket (moto's server on loopback), as
+    a deploy keeps it: each replica reads S3 below its own tiers, and no disk is shared. Sets the
+    AWS variables the replicas' boto3 reads (they inherit this process's environment)."""
+    import shutil
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "ragkv-bench",
+                       "AWS_SECRET_ACCESS_KEY": "ragkv-bench", "AWS_REGION": "us-east-1"})
+    bucket = "ragkv-bench"
+    client = boto3.client("s3")
+    client.create_bucket(Bucket=bucket)
+    kv = index / "kv"
+    for f in sorted(kv.rglob("*")):
+        if f.is_file():  # the disk tier's layout is S3's: <model fp>/<shard>/<key>.safetensors
+            client.upload_file(str(f), bucket, f"kv/{f.relative_to(kv).as_posix()}")
+    copy = tmp / "s3-index"
+    shutil.copytree(index, copy, ignore=shutil.ignore_patterns("kv"))
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["kv_uris"] = [f"s3://{bucket}/kv"]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy, server
+
+
 def _stop_directory() -> None:
     """The peer directory goes with its deploy: the next one's replicas publish afresh."""
     from ragkv.kvstore.tiers.peer_ray import kill_directory
@@ -355,6 +384,9 @@ def run_cluster_bench(args) -> int:  # argparse.Namespace from cli.bench
     with tempfile.TemporaryDirectory(prefix="ragkv-cluster-") as tmp:
         index = args.index or _build_index(Path(tmp), args.model, args.device, args.dtype, args.topics)
         kv_bytes = sum(f.stat().st_size for f in (index / "kv").rglob("*") if f.is_file())
+        s3_server = None
+        if args.shared_tier == "s3":
+            index, s3_server = _s3_index(index, Path(tmp))
         topics, index_tokens = _topics(index)
         cpu_tokens = int(index_tokens * args.cpu_share)  # one replica's CPU tier, in chunk tokens
         items = _workload(topics, args.requests, args.agent_every, args.zipf, seed=args.seed)
@@ -401,6 +433,8 @@ def run_cluster_bench(args) -> int:  # argparse.Namespace from cli.bench
                 print(f"fault: {report['fault']}", file=sys.stderr, flush=True)
         finally:
             cluster.stop()
+            if s3_server is not None:
+                s3_server.stop()
             sys.stdout.flush()
             os.dup2(stdout, 1)
             os.close(stdout)
@@ -419,7 +453,9 @@ def run_cluster_bench(args) -> int:  # argparse.Namespace from cli.bench
                         "cpu_tier_share_of_corpus": args.cpu_share, "route_slack": args.route_slack,
                         "peer_tier": args.peer_tier,
                         "seed": args.seed,
-                        "corpus_kv_bytes": kv_bytes, "model": args.model, "shared_tier": "disk (the index's own)",
+                        "corpus_kv_bytes": kv_bytes, "model": args.model,
+                        "shared_tier": "disk (the index's own)" if args.shared_tier == "disk"
+                        else "s3 (moto on loopback; no disk tier)",
                         "baseline": "pow2 (Ray Serve's default power of two choices), same workload, same run"}
     if args.json:
         print(json.dumps(report))

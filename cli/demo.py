@@ -26,7 +26,7 @@ DEMO_QUESTIONS = (
 
 
 def default_index_dir() -> Path:
-    from ragkv.engine.loading import cache_dir
+    from ragkv.engine.model_loading import cache_dir
 
     return cache_dir() / "demo-index"
 

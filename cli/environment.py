@@ -18,7 +18,7 @@ log = logging.getLogger("ragkv.cli")
 PREFIX = "RAGKV_"
 # read outside the settings objects: name -> where
 OTHER_ENV = {
-    "RAGKV_CACHE_DIR": "engine.loading.cache_dir: converted models, staging, synced indexes",
+    "RAGKV_CACHE_DIR": "engine.model_loading.cache_dir: converted models, staging, synced indexes",
     "RAGKV_AUTH_TOKEN": "server.auth (the server's token) and ragkv query / the SDK (the client's)",
     "RAGKV_HOST_ALLOCATOR": "engine.memory: `default` keeps glibc's malloc as shipped",
     "RAGKV_ADDR": "ragkv query and ragkv.langchain: the server address",

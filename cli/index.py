@@ -159,7 +159,7 @@ def _kv_compression(asked: str | None, index_dir: Path) -> str:
 
 
 def _staging(args: argparse.Namespace, what: str, uri: str) -> Path:
-    from ragkv.engine.loading import cache_dir
+    from ragkv.engine.model_loading import cache_dir
     from ragkv.retriever.remote import S3Location
 
     loc = S3Location.parse(uri)

@@ -144,8 +144,8 @@ def _ttft_ratios(results: dict[str, dict], baseline: str) -> dict[str, dict[str,
 
 
 def run_concurrency_bench(args) -> int:  # argparse.Namespace from cli.bench
+    from ragkv.server.assembly import build_pipeline
     from ragkv.server.inprocess import InProcessServer
-    from ragkv.server.pipeline import Pipeline
     from ragkv.server.settings import CollectionSpec, ServerSettings
 
     levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
@@ -166,7 +166,7 @@ def run_concurrency_bench(args) -> int:  # argparse.Namespace from cli.bench
             **({"prompt_slice_s": args.prompt_slice_s} if args.prompt_slice_s else {}),
             **({"prompt_share": args.prompt_share} if args.prompt_share else {}),
         )
-        server = InProcessServer(settings, Pipeline.from_settings, load_timeout=600)
+        server = InProcessServer(settings, build_pipeline, load_timeout=600)
         try:
             _level(server.addr, 1, min(10.0, args.duration), questions, args.max_new_tokens, args.top_k)  # warm up
             results = {str(n): _level(server.addr, n, args.duration, questions, args.max_new_tokens, args.top_k)

@@ -230,7 +230,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if not settings.indexes:
         raise ValueError("no index to serve: pass --index [NAME=]DIR (or set RAGKV_INDEXES)")
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from ragkv.server.keys import check_exposure
+    from ragkv.server.api_keys import check_exposure
 
     # fail closed before anything is fetched or loaded: no credentials, no network listener
     check_exposure(settings.host, settings.key_ring(), settings.insecure_no_auth)
@@ -239,16 +239,16 @@ def run_serve(args: argparse.Namespace) -> int:
         logging.getLogger(__name__).warning(
             "--replicas with --tls-cert: Ray Serve's HTTP proxy serves HTTPS on --http-port; its gRPC proxy "
             "speaks no TLS, so gRPC is not served (terminate TLS in front of it instead: docs/security.md)")
-    from ragkv.server.pipeline import fetch_indexes
+    from ragkv.server.assembly import fetch_indexes
 
     fetch_indexes(settings)
 
     if args.replicas is not None:
         return _run_cluster(settings, args)
 
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
 
-    return asyncio.run(run(settings, Pipeline.from_settings))
+    return asyncio.run(run(settings, build_pipeline))
 
 
 def _run_cluster(settings, args: argparse.Namespace) -> int:  # settings: ServerSettings

@@ -15,11 +15,12 @@ index, eval, bench) call `tune_host_allocator()` first (engine/memory.py).
 """
 
 from ragkv.engine.blend import BlendOptions, BlendResult, Prompt, Selector
+from ragkv.engine.conversation import TreeConfig
 from ragkv.engine.decode import DecodeStream, SamplingParams
 from ragkv.engine.focus import FocusOptions
 from ragkv.engine.kv import ChunkKV, KVCache, LayerReady
-from ragkv.engine.loading import DEFAULT_MODEL, LoadedModel, load_model
 from ragkv.engine.memory import tune_host_allocator
+from ragkv.engine.model_loading import DEFAULT_MODEL, LoadedModel, load_model
 from ragkv.engine.prompt import PromptFormat
 from ragkv.engine.runtime import Engine
 from ragkv.engine.select import Budget
@@ -27,5 +28,5 @@ from ragkv.engine.select import Budget
 __all__ = [
     "DEFAULT_MODEL", "Budget", "BlendOptions", "BlendResult", "ChunkKV", "DecodeStream",
     "Engine", "FocusOptions", "Prompt", "KVCache", "LayerReady", "LoadedModel", "PromptFormat", "SamplingParams",
-    "Selector", "load_model", "tune_host_allocator",
+    "Selector", "TreeConfig", "load_model", "tune_host_allocator",
 ]

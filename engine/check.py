@@ -33,7 +33,7 @@ from ragkv.errors import ModelCheckError
 
 if TYPE_CHECKING:
     from ragkv.engine.blend import BlendResult
-    from ragkv.engine.loading import LoadedModel
+    from ragkv.engine.model_loading import LoadedModel
     from ragkv.engine.runtime import Engine
 
 log = logging.getLogger(__name__)

@@ -33,10 +33,10 @@ import torch
 
 from ragkv.engine.blend import BlendOptions, BlendResult, Selector, tree_context
 from ragkv.engine.kv import ChunkKV, KVCache
-from ragkv.engine.loading import LoadedModel
+from ragkv.engine.model_loading import LoadedModel
+from ragkv.engine.node_files import NodeFiles
 from ragkv.engine.retention import ToolLatency
 from ragkv.engine.tree import KVTree
-from ragkv.engine.tree_files import NodeFiles
 from ragkv.engine.tree_node import RecurrentSnapshot, TreeContext, TreeKey, TreeLease, TreeStats
 from ragkv.types import Mode
 
@@ -111,31 +111,46 @@ def tree_path(mode: Mode, prefix_ids: Sequence[int], chunk_ids: Sequence[Sequenc
     return tuple(question_ids)
 
 
+@dataclass(frozen=True, slots=True)
+class TreeConfig:
+    """The KV tree's budgets and policies (`ragkv serve --kv-tree-*`), given to the engine as it is
+    built (`Engine(lm, tree=...)`)."""
+
+    budget_bytes: int = 0  # on the engine's device; 0 = no tree
+    tenant_share: float = 1.0  # the largest share of the budget one tenant takes from the others (`KVTree`)
+    host_bytes: int = 0  # KV bytes spilled from the device kept in CPU memory; 0 = none
+    files: NodeFiles | None = None  # the disk tier below that (kvstore.tree_files.TreeFiles); None = none
+    disk_bytes: int = 0  # KV bytes the disk tier may hold
+    retain_max_s: float | None = None  # pins last at most this (0 = plain LRU); None = `ToolLatency`'s default
+    retain_default_s: float = 10.0  # a pin's time-to-live before any tool latency is seen
+    follow_ups: bool = True  # carry a follow-up's earlier turns (`Conversations.follow`)
+
+
+NO_TREE = TreeConfig()  # an engine without a KV tree
+
+
 class Conversations:
     """The KV tree of one engine, behind the calls a served request makes.
 
     Args:
         lm: the engine's model (its fingerprint and dtype are in every key).
-        budget_bytes: the tree's budget on the engine's device; 0 = off.
+        config: the tree's budgets (device, host, disk and their files, whose conversations are
+            found again here), its tenant share, retention and follow-ups.
         recurrent: the model is a hybrid: the tree keeps recurrent states too.
-        tenant_share: the largest share of the budget one tenant takes from the others (`KVTree`).
-        host_bytes: KV bytes spilled from the device kept in CPU memory; 0 = none.
-        files: the disk tier below that (kvstore.tree_files.TreeFiles), whose conversations are
-            found again here; None = none.
-        disk_bytes: KV bytes the disk tier may hold.
         compute_rate: the engine's prompt tokens per second (None until measured): a disk node
             is read at a match only when that is sooner than computing its tokens.
     """
 
-    def __init__(self, lm: LoadedModel, budget_bytes: int, recurrent: bool = False,
-                 tenant_share: float = 1.0, host_bytes: int = 0, files: NodeFiles | None = None,
-                 disk_bytes: int = 0, compute_rate: Callable[[], float | None] | None = None) -> None:
+    def __init__(self, lm: LoadedModel, config: TreeConfig = NO_TREE, recurrent: bool = False,
+                 compute_rate: Callable[[], float | None] | None = None) -> None:
         self.lm = lm
         self._recent: OrderedDict[str, _Recent] = OrderedDict()  # conversation -> its last context
-        self.follow_ups = True  # carry a follow-up's earlier turns (`follow`); False = compute them again
+        self.follow_ups = config.follow_ups  # carry a follow-up's earlier turns (`follow`); False = compute them again
         self._recent_lock = threading.Lock()
-        self.tree = KVTree(budget_bytes, recurrent=recurrent, tenant_share=tenant_share, host_bytes=host_bytes,
-                           files=files, disk_bytes=disk_bytes, compute_rate=compute_rate)
+        latency = None if config.retain_max_s is None else ToolLatency(config.retain_max_s, config.retain_default_s)
+        self.tree = KVTree(config.budget_bytes, recurrent=recurrent, tenant_share=config.tenant_share,
+                           host_bytes=config.host_bytes, files=config.files, disk_bytes=config.disk_bytes,
+                           compute_rate=compute_rate, latency=latency)
 
     @property
     def enabled(self) -> bool:

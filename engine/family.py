@@ -191,7 +191,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
 
 # Multimodal checkpoints (the model types people download: Gemma 3 from 4B up, Gemma 4,
 # Qwen3.5) are served as their language model: the text model's class, its weights read out of
-# the checkpoint (`engine.loading`), the vision and audio towers left on disk.
+# the checkpoint (`engine.model_loading`), the vision and audio towers left on disk.
 LANGUAGE_MODELS: dict[str, str] = {
     "gemma3": "Gemma3ForCausalLM",
     "gemma4": "Gemma4ForCausalLM",

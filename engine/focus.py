@@ -22,7 +22,7 @@ from ragkv.engine.select import layer_mean, question_attention_steps
 from ragkv.engine.work import WaitFor, drain
 
 if TYPE_CHECKING:
-    from ragkv.engine.loading import LoadedModel
+    from ragkv.engine.model_loading import LoadedModel
 
 _SKIP_TOKENS = 4  # each chunk's first tokens collect sink-like attention under reuse: not relevance
 

@@ -32,7 +32,7 @@ from ragkv.engine.rope import RopeTables
 from ragkv.engine.work import WaitFor, wait_for
 
 if TYPE_CHECKING:
-    from ragkv.engine.loading import LoadedModel
+    from ragkv.engine.model_loading import LoadedModel
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ import torch
 
 from ragkv.engine.forward import Keep, layer_steps, span
 from ragkv.engine.kv import ChunkKV, KVCache
-from ragkv.engine.loading import LoadedModel
+from ragkv.engine.model_loading import LoadedModel
 from ragkv.engine.work import WaitFor
 
 

@@ -20,15 +20,14 @@ import torch
 from ragkv.engine.answer import answer_steps
 from ragkv.engine.blend import BlendOptions, BlendResult, Prompt, PromptSteps, prompt_steps, resume_steps
 from ragkv.engine.constrain import Constraint, ConstraintCompiler
-from ragkv.engine.conversation import Conversations, TreeSpot
+from ragkv.engine.conversation import NO_TREE, Conversations, TreeConfig, TreeSpot
 from ragkv.engine.decode import DecodeStream, SamplingParams
 from ragkv.engine.kv import ChunkKV
-from ragkv.engine.loading import LoadedModel
+from ragkv.engine.model_loading import LoadedModel
 from ragkv.engine.prefill import prefill_steps
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT, PromptFormat
 from ragkv.engine.request import Request, Work
 from ragkv.engine.speed import EngineSpeed
-from ragkv.engine.tree_files import NodeFiles
 from ragkv.engine.tree_node import TreeContext
 from ragkv.engine.work import WaitFor, drain
 from ragkv.errors import UnsupportedModelError
@@ -67,7 +66,12 @@ class Engine:
     """The model runtime: prefill chunks, blend a prompt, decode.
 
     Args:
-        tree_bytes: the KV tree's budget on the engine's device (engine.tree); 0 = no tree.
+        tree: the KV tree's budgets and policies (`TreeConfig`; budget 0 = no tree): a served
+            prompt's KV, so a conversation's next call computes only what is new, behind its one
+            door (`engine.conversation`); a hybrid's also holds its recurrent state where prompts
+            end. What leaves the device spills to host memory, then to disk files (whose
+            conversations it finds again), read back only when that is sooner than computing
+            them at the engine's full-prefill rate.
         step_tokens: prompt tokens one step of a prompt pass computes at most: a longer prompt's
             layers run in pieces, one step each (chunked prefill, `engine.forward.layer_steps`),
             so the scheduler can run decode steps between them; 0 = a whole layer per step;
@@ -75,7 +79,7 @@ class Engine:
         step_s: with `step_tokens` None, the seconds one step should last at most.
     """
 
-    def __init__(self, lm: LoadedModel, system_prompt: str = DEFAULT_SYSTEM_PROMPT, tree_bytes: int = 0,
+    def __init__(self, lm: LoadedModel, system_prompt: str = DEFAULT_SYSTEM_PROMPT, tree: TreeConfig = NO_TREE,
                  step_tokens: int | None = None, step_s: float = DEFAULT_STEP_S) -> None:
         if step_tokens is not None and step_tokens < 0:
             raise ValueError(f"step_tokens must be >= 0 (0 = a whole layer per step), got {step_tokens}")
@@ -84,22 +88,11 @@ class Engine:
         self.lm = lm
         self.step_tokens, self.step_s = step_tokens, step_s
         self.speed = EngineSpeed()  # its measured rates: chunk prefill, prompt work (engine.speed)
-        self.use_tree(tree_bytes)
+        self.conversations = Conversations(lm, tree, self.recurrent, lambda: self.speed.prompt_tokens_per_s(Mode.FULL))
         self.prompt = PromptFormat.for_tokenizer(lm.tokenizer, system_prompt)
         self._prefixes: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()
         vocab = lm.model.get_output_embeddings().weight.shape[0]  # V, the logits' width
         self.grammars = ConstraintCompiler(lm.tokenizer, vocab, lm.eos_token_ids)  # constrained decoding
-
-    def use_tree(self, budget_bytes: int, tenant_share: float = 1.0, host_bytes: int = 0,
-                 files: NodeFiles | None = None, disk_bytes: int = 0) -> None:
-        """A fresh KV tree of `budget_bytes` (served prompts' KV, so a conversation's next call
-        computes only what is new) behind its one door (`engine.conversation`); a hybrid's also
-        holds its recurrent state where prompts end. A tenant past `tenant_share` of it makes
-        room from its own paths (`KVTree`). What leaves the device spills to `host_bytes` of
-        CPU memory, then to `disk_bytes` of `files` (whose conversations it finds again), read
-        back only when that is sooner than computing them at the engine's full-prefill rate."""
-        self.conversations = Conversations(self.lm, budget_bytes, self.recurrent, tenant_share, host_bytes,
-                                           files, disk_bytes, lambda: self.speed.prompt_tokens_per_s(Mode.FULL))
 
     def step_rows(self) -> int:
         """Prompt rows one step of the next pass computes at most (0 = a whole layer): `step_tokens`

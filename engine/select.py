@@ -21,7 +21,7 @@ from ragkv.engine.rope import RopeTables
 from ragkv.engine.work import WaitFor, drain
 
 if TYPE_CHECKING:
-    from ragkv.engine.loading import LoadedModel
+    from ragkv.engine.model_loading import LoadedModel
 
 
 def tokens_for_mass(score: torch.Tensor, mass: float) -> int:

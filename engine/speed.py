@@ -3,7 +3,7 @@ whoever plans around it.
 
 The rates, each learned once, as moving averages:
 - **chunk prefill**, tokens per second: every chunk the engine computes (`engine.answer`,
-  and the server's warm-up at start). The loading controller (`server/loading.py`) reads
+  and the server's warm-up at start). The loading controller (`server/loading_controller.py`) reads
   it to decide whether a chunk's KV is read or computed.
 - **prompt work**, `Engine.prompt_cost` units per second of a whole prompt pass, over every
   pass the scheduler finishes and over each mode's own: the cost model's ratios between modes

@@ -58,26 +58,26 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from ragkv.engine.kv import KVCache
+from ragkv.engine.node_files import NodeFiles
 from ragkv.engine.retention import Pins, ToolLatency
 from ragkv.engine.tree_disk import TreeDisk
-from ragkv.engine.tree_files import NodeFiles
 from ragkv.engine.tree_node import (
     LeasedPart,
     Node,
     Rank,
     RecurrentSnapshot,
-    Tier,
     TreeContext,
     TreeKey,
     TreeLease,
     TreeStats,
+    TreeTier,
     cache_bytes,
     common_prefix,
     lineage,
 )
 from ragkv.engine.tree_pool import KVPool
 
-__all__ = ["KVTree", "RecurrentSnapshot", "Tier", "ToolLatency", "TreeContext", "TreeKey", "TreeLease", "TreeStats"]
+__all__ = ["KVTree", "RecurrentSnapshot", "TreeTier", "ToolLatency", "TreeContext", "TreeKey", "TreeLease", "TreeStats"]
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class KVTree(TreeDisk):
         self.disk_budget = disk_bytes if self.files is not None else 0
         self._tenant_bytes: dict[str, int] = {}  # device KV bytes held per tenant
         # each memory tier's KV, in one pool of token slots that its nodes index (`Node.slots`)
-        self._pools = {Tier.DEVICE: KVPool(budget_bytes), Tier.HOST: KVPool(self.host_budget, "cpu")}
+        self._pools = {TreeTier.DEVICE: KVPool(budget_bytes), TreeTier.HOST: KVPool(self.host_budget, "cpu")}
         self._roots: dict[TreeKey, Node] = {}
         self._lock = threading.Lock()
         self._clock = itertools.count(1)
@@ -156,7 +156,7 @@ class KVTree(TreeDisk):
                              self.latency.ttl(), self.latency.observed, self._host_bytes, self.host_budget,
                              self._disk_bytes, self.disk_budget, self._spills, self._spilled_hit_tokens,
                              self._restored, self._read_errors, self._warmed, self._reads_skipped,
-                             self._pools[Tier.DEVICE].nbytes)
+                             self._pools[TreeTier.DEVICE].nbytes)
 
     def match(self, key: TreeKey, ids: Sequence[int], leave_last: bool = True) -> TreeLease | None:
         """The longest path under `key` that `ids` (the tokens after the context) starts with,
@@ -258,11 +258,11 @@ class KVTree(TreeDisk):
             raise RuntimeError(f"KV tree node of context {node.key} on tier {node.tier.name} holds no slots: a bug")
         return self._pools[node.tier].get(node.slots if n is None else node.slots[:n])
 
-    def _hold(self, node: Node, tier: Tier, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _hold(self, node: Node, tier: TreeTier, k: torch.Tensor, v: torch.Tensor) -> None:
         """Put `node`'s K and V ([L, Hkv, T, D]) in `tier`'s pool (the node counted off every tier)."""
         node.slots, node.tier = self._pools[tier].put(k, v), tier
 
-    def _hold_from(self, node: Node, tier: Tier, cache: KVCache) -> None:
+    def _hold_from(self, node: Node, tier: TreeTier, cache: KVCache) -> None:
         """`_hold` of `node`'s tokens as a request's `cache` holds them (slots [start, end))."""
         self._hold(node, tier, cache.k[:, :, node.start:node.end], cache.v[:, :, node.start:node.end])
         node.kv_bytes = cache_bytes(cache, len(node.ids))
@@ -382,17 +382,17 @@ class KVTree(TreeDisk):
         for node in path:
             node.priority = priority
 
-    def _place(self, need: int, keep: Node | None, tenant: str) -> Tier | None:
+    def _place(self, need: int, keep: Node | None, tenant: str) -> TreeTier | None:
         """The tier a new node of `need` bytes goes to: the device when room can be made there,
         else CPU memory (the device full of leased paths: many agents' calls in flight), else
         none (it is not stored)."""
         if self._make_room(need, keep=keep, tenant=tenant):
-            return Tier.DEVICE
+            return TreeTier.DEVICE
         if self.host_budget and not self.recurrent and self._host_room(need):
-            return Tier.HOST
+            return TreeTier.HOST
         return None
 
-    def _new(self, tier: Tier, node: Node, cache: KVCache) -> Node:
+    def _new(self, tier: TreeTier, node: Node, cache: KVCache) -> Node:
         """`node` held on `tier`, its KV copied from the request's `cache`, and counted there."""
         self._hold_from(node, tier, cache)
         self._add(node)
@@ -401,17 +401,17 @@ class KVTree(TreeDisk):
     def _refill(self, node: Node, cache: KVCache) -> None:
         """Put a spilled node back on the device from `cache` (which holds its tokens' KV, as
         the request's pass copied or computed it), when the device budget has room."""
-        if node.tier is Tier.DEVICE or not self._make_room(node.kv_bytes, keep=node, tenant=node.key.owner):
+        if node.tier is TreeTier.DEVICE or not self._make_room(node.kv_bytes, keep=node, tenant=node.key.owner):
             return
         self._leave_tier(node)
-        self._hold_from(node, Tier.DEVICE, cache)
+        self._hold_from(node, TreeTier.DEVICE, cache)
         self._count(node.key.owner, node.kv_bytes)
 
     @property
     def nbytes(self) -> int:
         """Device memory the tree takes now: the KV and recurrent states it holds, and its pool's
         free slots (at most its budget)."""
-        pool = self._pools[Tier.DEVICE]
+        pool = self._pools[TreeTier.DEVICE]
         return self._bytes + (pool.capacity - pool.used) * pool.token_bytes
 
     def shrink(self, limit_bytes: int) -> int:
@@ -421,10 +421,10 @@ class KVTree(TreeDisk):
         with self._lock:
             limit = max(limit_bytes, 0)
             self._make_room(0, budget=limit, pinned=True)
-            self._compact(Tier.DEVICE, limit - self._bytes)
+            self._compact(TreeTier.DEVICE, limit - self._bytes)
             return self.nbytes
 
-    def _compact(self, tier: Tier, spare_bytes: int) -> None:
+    def _compact(self, tier: TreeTier, spare_bytes: int) -> None:
         """Shrink `tier`'s pool to its held slots and at most `spare_bytes` more, renumbering
         its nodes' slots (a lease reads them at its copy, under the lock, so it follows)."""
         pool = self._pools[tier]
@@ -441,8 +441,8 @@ class KVTree(TreeDisk):
                 for node in reversed(root.walk()):
                     if node.refs == 0 and not node.children and (node.parent or self._roots.get(node.key) is node):
                         self._drop(node)
-            self._compact(Tier.DEVICE, 0)
-            self._compact(Tier.HOST, 0)
+            self._compact(TreeTier.DEVICE, 0)
+            self._compact(TreeTier.HOST, 0)
 
     def tenant_bytes(self, tenant: str) -> int:
         """Device KV bytes `tenant`'s paths hold now."""
@@ -459,9 +459,9 @@ class KVTree(TreeDisk):
 
     def _tier_bytes(self, node: Node, sign: int) -> None:
         """Count (sign 1) or uncount (-1) `node`'s bytes on its tier."""
-        if node.tier is Tier.DEVICE:
+        if node.tier is TreeTier.DEVICE:
             self._count(node.key.owner, sign * node.nbytes)
-        elif node.tier is Tier.HOST:
+        elif node.tier is TreeTier.HOST:
             self._host_bytes += sign * node.kv_bytes
         else:
             self._disk_bytes += sign * node.kv_bytes
@@ -518,8 +518,8 @@ class KVTree(TreeDisk):
         lower = bool(self.host_budget) or self.files is not None  # a pin can move without leaving
 
         def candidate(n: Node) -> bool:
-            return (n.tier is Tier.DEVICE and n.refs == 0 and n.nbytes > 0 and id(n) not in kept
-                    and not any(c.tier is Tier.DEVICE for c in n.children.values())
+            return (n.tier is TreeTier.DEVICE and n.refs == 0 and n.nbytes > 0 and id(n) not in kept
+                    and not any(c.tier is TreeTier.DEVICE for c in n.children.values())
                     and (not own_only or n.key.owner == tenant) and (pinned or lower or n.pin <= now))
 
         def spill(n: Node) -> None:
@@ -543,7 +543,7 @@ class KVTree(TreeDisk):
             self._tier_bytes(node, -1)
             k, v = self._kv(node)
             self._let_slots_go(node)
-            self._hold(node, Tier.HOST, k, v)
+            self._hold(node, TreeTier.HOST, k, v)
             self._tier_bytes(node, 1)
             self._spills += 1
         elif (node.state is not None or not self._to_disk(node)) and leave:
@@ -558,7 +558,7 @@ class KVTree(TreeDisk):
             return False
 
         def candidate(n: Node) -> bool:
-            return n.tier is Tier.HOST and n.refs == 0 and all(c.tier is Tier.DISK for c in n.children.values())
+            return n.tier is TreeTier.HOST and n.refs == 0 and all(c.tier is TreeTier.DISK for c in n.children.values())
 
         self._free(lambda: self._host_bytes + need > self.host_budget, candidate,
                    lambda n: None if self._to_disk(n) else self._drop(n), self._rank(self._now()))

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ragkv.engine.kv import LayerReady
-from ragkv.engine.tree_files import NodeFiles, SpilledSpan, file_name, read_span, span_meta
-from ragkv.engine.tree_node import LeasedPart, Node, Rank, Tier, TreeKey, common_prefix, lineage
+from ragkv.engine.node_files import NodeFiles, SpilledSpan, file_name, read_span, span_meta
+from ragkv.engine.tree_node import LeasedPart, Node, Rank, TreeKey, TreeTier, common_prefix, lineage
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class TreeDisk:
         def _free(self, over: Callable[[], bool], candidate: Callable[[Node], bool],
                   act: Callable[[Node], object], rank: Callable[[Node], Rank] | None = None) -> None: ...
         def _kv(self, node: Node, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
-        def _hold(self, node: Node, tier: Tier, k: torch.Tensor, v: torch.Tensor) -> None: ...
+        def _hold(self, node: Node, tier: TreeTier, k: torch.Tensor, v: torch.Tensor) -> None: ...
         def _let_slots_go(self, node: Node) -> None: ...
 
     def _read_spilled(self, parts: list[LeasedPart]) -> list[LeasedPart]:
@@ -152,7 +152,7 @@ class TreeDisk:
             self._read_errors += 1
             attached = (node.parent.children.get(node.ids[0]) is node if node.parent is not None
                         else self._roots.get(node.key) is node)
-            if attached and node.tier is Tier.DISK and node.refs == 0:
+            if attached and node.tier is TreeTier.DISK and node.refs == 0:
                 self._drop(node)
 
     def warm(self, key: TreeKey, ids: Sequence[int]) -> int:
@@ -164,7 +164,7 @@ class TreeDisk:
         if self.files is None or not self.host_budget:
             return 0
         with self._lock:
-            nodes = [n for n in self._path(key, tuple(int(i) for i in ids)) if n.tier is Tier.DISK and n.file]
+            nodes = [n for n in self._path(key, tuple(int(i) for i in ids)) if n.tier is TreeTier.DISK and n.file]
             for node in nodes:
                 node.refs += 1  # held: no budget moves or drops them while their files are read
         read: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -176,10 +176,10 @@ class TreeDisk:
         brought = 0
         with self._lock:
             for node, (k, v) in zip(nodes, read):
-                if node.tier is not Tier.DISK or not self._host_room(node.kv_bytes):
+                if node.tier is not TreeTier.DISK or not self._host_room(node.kv_bytes):
                     break
                 self._leave_tier(node)
-                self._hold(node, Tier.HOST, k, v)
+                self._hold(node, TreeTier.HOST, k, v)
                 self._tier_bytes(node, 1)
                 brought += len(node.ids)
             for node in nodes:
@@ -200,7 +200,7 @@ class TreeDisk:
                 stack = [root]
                 while stack:
                     node = stack.pop()
-                    if node.tier is not Tier.DISK and node.state is None:
+                    if node.tier is not TreeTier.DISK and node.state is None:
                         if node.refs or not self._to_disk(node):  # a lease copies it from its pool still
                             continue  # nor what hangs below it: never matched without it
                         written += 1
@@ -218,7 +218,7 @@ class TreeDisk:
                          node.start, *self._kv(node))
         self._tier_bytes(node, -1)
         self._let_slots_go(node)
-        node.tier, node.file, node.offset = Tier.DISK, name, 0
+        node.tier, node.file, node.offset = TreeTier.DISK, name, 0
         self._file_refs[name] = self._file_refs.get(name, 0) + 1
         self._tier_bytes(node, 1)
         self._spills += 1
@@ -234,7 +234,7 @@ class TreeDisk:
         kept = lineage(keep)
 
         def candidate(n: Node) -> bool:
-            return n.tier is Tier.DISK and n.refs == 0 and not n.children and id(n) not in kept
+            return n.tier is TreeTier.DISK and n.refs == 0 and not n.children and id(n) not in kept
 
         self._free(lambda: self._disk_bytes + need > self.disk_budget, candidate, self._drop)
         return self._disk_bytes + need <= self.disk_budget
@@ -292,7 +292,7 @@ class TreeDisk:
     def _disk_node(self, node: Node, span: SpilledSpan, offset: int) -> None:
         """Count a node found on disk: it reads `span`'s file from its `offset`-th token, at the
         priority its conversation had when the file was written."""
-        node.tier, node.file, node.offset, node.priority = Tier.DISK, span.name, offset, span.priority
+        node.tier, node.file, node.offset, node.priority = TreeTier.DISK, span.name, offset, span.priority
         node.kv_bytes = span.token_bytes * len(node.ids)
         self._file_refs[span.name] = self._file_refs.get(span.name, 0) + 1
         self._add(node)

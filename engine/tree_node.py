@@ -65,7 +65,7 @@ class RecurrentSnapshot:
     nbytes: int
 
 
-class Tier(IntEnum):
+class TreeTier(IntEnum):
     """Where a node keeps its KV (SGLang HiCache's three levels)."""
 
     DEVICE = 0  # the engine's device: the tree's budget, counted in the scheduler's
@@ -101,7 +101,7 @@ class Node:
         # prompt's end, before the answer's header): a match reaching it is that next call
         self.answered: float | None = None
         self.parts_at = 0
-        self.tier = Tier.DEVICE
+        self.tier = TreeTier.DEVICE
         self.kv_bytes = 0  # its tokens' K and V bytes, on whichever tier it is
         self.file: str | None = None  # DISK: the file holding it (perhaps with other tokens before and after)
         self.offset = 0  # DISK: its first token's place among the file's
@@ -152,7 +152,7 @@ class LeasedPart:
 
     @property
     def spilled(self) -> bool:
-        return self.node.tier is not Tier.DEVICE
+        return self.node.tier is not TreeTier.DEVICE
 
 
 @dataclass(slots=True)

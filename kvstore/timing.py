@@ -7,7 +7,7 @@ and device that dequantizes, not of the tier). All are kept per tier as moving a
 updated as reads complete, so an estimate follows the tier as it is now (a cold S3
 prefix, a busy disk) and the files it holds (int4 moves a quarter of bf16's bytes, then
 pays its dequantization). The server's loading controller compares the estimate with the
-time to recompute the chunk (server/loading.py).
+time to recompute the chunk (server/loading_controller.py).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ class Mode(str, enum.Enum):
 
 class DType(str, enum.Enum):
     """What a model's weights and KV compute in: the one dtype spelling, from the command
-    line and settings to the engine (`ragkv.engine.loading.resolve_dtype` maps it to torch)."""
+    line and settings to the engine (`ragkv.engine.model_loading.resolve_dtype` maps it to torch)."""
 
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
@@ -128,7 +128,7 @@ _RANK = {Tier.GPU: 0, Tier.CPU: 1, Tier.DISK: 2, Tier.PEER: 3, Tier.S3: 4}
 
 class KVSource(str, enum.Enum):
     """Where one request's chunk KV came from, and why: the loading controller's decision
-    (server/loading.py), counted per request in `QueryStats.kv_sources` and in a metric."""
+    (server/loading_controller.py), counted per request in `QueryStats.kv_sources` and in a metric."""
 
     LOADED = "loaded"  # read from a tier: the cheaper way
     COMPUTED_MISSING = "computed_missing"  # in no tier: computed (and written back)

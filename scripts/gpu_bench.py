@@ -198,7 +198,7 @@ class ModelBench:
         # tensors as they are); without CUDA there is no gpu tier, and the engine gets them directly
         held: dict[str, Any] = {"via": "kvstore gpu tier" if self.device.type == "cuda" else "ChunkKV on the device"}
         if self.device.type == "cuda":
-            from ragkv.server.loading import ControllerConfig, LoadingController
+            from ragkv.server.loading_controller import ControllerConfig, LoadingController
 
             store, keys = self.store("gpu")
             off = LoadingController(ControllerConfig(enabled=False), self.eng.speed)
@@ -249,7 +249,7 @@ class ModelBench:
     def tiers(self, c: int) -> None:
         """TTFT with the chunks' KV read from kvstore's cpu (pinned) and disk tiers, loads included."""
         from ragkv.kvstore import Tier
-        from ragkv.server.loading import ControllerConfig, LoadingController
+        from ragkv.server.loading_controller import ControllerConfig, LoadingController
 
         t = self.out["ttft"][str(c)]
         est = self.full_s.get(c, 1.0) + t["chunk_kv_bytes"] / 2e9  # a pass and a read at 2 GB/s

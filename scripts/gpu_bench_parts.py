@@ -172,7 +172,7 @@ class NoTokenizer:
 def wrap(model: Any, cfg: Any, name: str, device: Any, dtype: Any, seed: int) -> Any:
     """The model as `load_model` hands it to the engine (loading.py's last steps), minus the tokenizer."""
     from ragkv.engine.family import Adapter
-    from ragkv.engine.loading import LoadedModel, check_supported
+    from ragkv.engine.model_loading import LoadedModel, check_supported
 
     adapter = Adapter(model, check_supported(cfg))
     fp = hashlib.sha256(f"{json.dumps(cfg.to_dict(), sort_keys=True, default=str)} seed={seed}".encode()).hexdigest()

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 from ragkv.engine.request import ChunkComputed, ChunksReady, EndReason, Finished, Output, Request, TokenOut
 from ragkv.engine.scheduler import Scheduler
 from ragkv.server.admission import Admission
-from ragkv.server.backend import QueryBackend
+from ragkv.server.backend import Catalogue, QueryBackend
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.query import Query
 from ragkv.server.structured import ToolCallReader, find_citations
@@ -58,7 +58,7 @@ class Answerer(Protocol):
     this host, or the cluster ingress's `RoutedRunner`, which hands it to a replica
     (`server/cluster.py`)."""
 
-    def run(self, backend: QueryBackend, query: Query, *, arrived: float, cancel: threading.Event,
+    def run(self, backend: Catalogue, query: Query, *, arrived: float, cancel: threading.Event,
             deadline: float | None = None, method: str = "Query") -> AsyncIterator[RunEvent]: ...
 
 
@@ -81,7 +81,7 @@ class QueryRunner:
 
     async def run(
         self,
-        backend: QueryBackend,
+        backend: Catalogue,
         query: Query,
         *,
         arrived: float,
@@ -97,7 +97,7 @@ class QueryRunner:
         model's text here, off the scheduler thread); its stats carry the parsed calls.
 
         Args:
-            backend: The loaded backend.
+            backend: The loaded backend: one that answers here (a `QueryBackend`).
             query: The validated query (`validate_query`); its engine request is prepared here.
             arrived: `time.perf_counter()` when the request arrived (TTFT counts from it).
             cancel: Set by the caller when the client leaves; set here on any exit.
@@ -113,6 +113,8 @@ class QueryRunner:
             OverloadedError: The queue is full. Anything `prepare`, the scheduler or
             the request's work raise, unchanged; TimeoutError when the deadline cut the answer short.
         """
+        if not isinstance(backend, QueryBackend):
+            raise TypeError(f"QueryRunner answers over a QueryBackend; {type(backend).__name__} only searches: a bug")
         loop = asyncio.get_running_loop()
         try:
             with self._admission.query_slot():
@@ -232,7 +234,7 @@ class QueryRunner:
             cancel.set()
 
 
-async def answer_events(runner: Answerer, backend: QueryBackend, query: Query, admission: Admission, *,
+async def answer_events(runner: Answerer, backend: Catalogue, query: Query, admission: Admission, *,
                         arrived: float, cancel: threading.Event, method: str,
                         on_stats: Callable[[QueryStats], None],
                         reserve: Callable[[int], None] | None = None) -> AsyncIterator[RunEvent]:

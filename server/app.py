@@ -22,9 +22,9 @@ from grpc_reflection.v1alpha import reflection
 from ragkv.engine.scheduler import Scheduler
 from ragkv.server.admission import Admission
 from ragkv.server.answering import QueryRunner
+from ragkv.server.api_keys import KeyRing, check_exposure
 from ragkv.server.auth import AuthInterceptor
 from ragkv.server.backend import QueryBackend
-from ragkv.server.keys import KeyRing, check_exposure
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.service import RagService
 from ragkv.server.settings import ServerSettings

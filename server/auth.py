@@ -3,7 +3,7 @@ authentication backend for the HTTP API.
 
 Every RPC except the standard health service, and every HTTP request except `/health`,
 must carry `authorization: Bearer <key>` naming one of the server's keys
-(`server.keys.KeyRing`: the `--api-keys` file's named keys, or the single token); anything
+(`server.api_keys.KeyRing`: the `--api-keys` file's named keys, or the single token); anything
 else ends with UNAUTHENTICATED (HTTP 401) before the handler runs and before its request
 body is parsed (the refusing gRPC handler takes the raw bytes). An HTTP handler finds its
 caller as `request.user.caller` (`KeyUser`).
@@ -19,7 +19,7 @@ import grpc.aio
 from starlette.authentication import AuthCredentials, AuthenticationBackend, AuthenticationError, BaseUser
 from starlette.requests import HTTPConnection
 
-from ragkv.server.keys import ANONYMOUS, Caller, KeyRing, UnauthenticatedError
+from ragkv.server.api_keys import ANONYMOUS, Caller, KeyRing, UnauthenticatedError
 
 log = logging.getLogger(__name__)
 

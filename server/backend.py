@@ -1,4 +1,5 @@
-"""The QueryBackend protocol: what the gRPC layer needs from retrieval and generation.
+"""The backend protocols: what the gRPC layer needs from retrieval (`Catalogue`) and
+generation (`QueryBackend`).
 
 The gRPC layer (validation, status codes, auth, health, metrics, queue, cancellation,
 drain) knows only this protocol; `server.pipeline.Pipeline` implements it over
@@ -80,8 +81,11 @@ class Prepared:
 
 
 @runtime_checkable
-class QueryBackend(Protocol):
-    """Retrieval and generation behind the RagService."""
+class Catalogue(Protocol):
+    """The read-only side of a backend: its collections, their stats, search. What the gRPC
+    service and the HTTP API ask themselves; answers go through their `Answerer`. A cluster's
+    ingress is one (`server.cluster.IngressBackend`: the indexes here, the engines on the
+    replicas); `QueryBackend` is one that answers too."""
 
     @property
     def modes(self) -> frozenset[Mode]:
@@ -112,6 +116,12 @@ class QueryBackend(Protocol):
             UnknownCollectionError: No collection of that name.
         """
         ...
+
+
+@runtime_checkable
+class QueryBackend(Catalogue, Protocol):
+    """Retrieval and generation behind the RagService: a `Catalogue` that prepares and answers
+    queries on this host (`server.pipeline.Pipeline`; a fake in tests)."""
 
     def prepare(self, query: Query, hits: Sequence[SearchHit] | None = None) -> Prepared:
         """Retrieve, and build the engine's request for `query` once: its tokens, its chunks with

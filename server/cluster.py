@@ -42,7 +42,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -56,7 +56,7 @@ from ragkv.engine.scheduler import Scheduler
 from ragkv.server import routing
 from ragkv.server.admission import Admission
 from ragkv.server.answering import ChunksEvent, QueryRunner, RunEvent
-from ragkv.server.backend import BackendParts
+from ragkv.server.backend import BackendParts, Catalogue
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.query import Query
 from ragkv.server.routing import (
@@ -187,7 +187,7 @@ class EngineReplica:
     """One engine with its own tiers: the one-process server's parts without its gRPC server."""
 
     def __init__(self, settings: ServerSettings, peer: PeerSettings | None = None) -> None:
-        from ragkv.server.pipeline import Pipeline, fetch_indexes  # torch and the model, on the replica only
+        from ragkv.server.assembly import build_pipeline, fetch_indexes
 
         logging.basicConfig(level=settings.log_level)
         fetch_indexes(settings)  # an s3:// index, synced onto this replica's host
@@ -196,7 +196,7 @@ class EngineReplica:
         self._admission = Admission(settings.max_queue, self.metrics.queue_depth.set)
         self._pool = ThreadPoolExecutor(settings.retrieve_workers, thread_name_prefix="ragkv-retrieve")
         self._scheduler = Scheduler(settings.scheduler())
-        self.pipeline = Pipeline.from_settings(settings)
+        self.pipeline = build_pipeline(settings)
         engine = self.pipeline.engine
         self._scheduler.share_engine(engine.conversations.tree, engine.speed)
         self._runner = QueryRunner(admission=self._admission, metrics=self.metrics, retrieve_pool=self._pool,
@@ -357,7 +357,8 @@ def _served_modes(model_spec: str | None) -> frozenset[Mode]:
 
 
 class IngressBackend:
-    """The ingress's side of `QueryBackend`: the indexes for search, the replicas for the rest."""
+    """The ingress's `Catalogue`: the indexes for search, the replicas for the rest (answers go
+    through `RoutedRunner`, which searches here and answers on a replica)."""
 
     def __init__(self, settings: ServerSettings, engines: DeploymentHandle) -> None:
         from ragkv.kvstore import hash_prefix
@@ -416,6 +417,14 @@ class IngressBackend:
         return hits, route_keys(query, keys, [len(h.token_ids) for h in hits])
 
 
+@runtime_checkable
+class Searcher(Protocol):
+    """What `RoutedRunner` asks of the ingress's backend (`IngressBackend`): a query's chunks, and
+    what routing looks for."""
+
+    def search(self, query: Query) -> tuple[list[SearchHit], RouteKeys]: ...
+
+
 class RoutedRunner:
     """The ingress's `Answerer`: retrieve here, answer on the replica the router picks."""
 
@@ -428,9 +437,11 @@ class RoutedRunner:
         self._retries = retries
         self.pins = ConversationPins()  # conversation -> the replica that answered it last
 
-    async def run(self, backend: IngressBackend, query: Query, *, arrived: float, cancel: threading.Event,
+    async def run(self, backend: Catalogue, query: Query, *, arrived: float, cancel: threading.Event,
                   deadline: float | None = None, method: str = "Query",
                   reserve: Callable[[int], None] | None = None) -> AsyncIterator[RunEvent]:
+        if not isinstance(backend, Searcher):
+            raise TypeError(f"RoutedRunner searches with the ingress's backend, not {type(backend).__name__}: a bug")
         loop = asyncio.get_running_loop()
         with self._admission.query_slot():
             searched = time.perf_counter()
@@ -528,7 +539,7 @@ class Ingress:
     the OpenAI HTTP API as its ASGI app, each answer routed to an engine replica."""
 
     def __init__(self, settings: ServerSettings, engines: DeploymentHandle, retries: int = 2) -> None:
-        from ragkv.server.pipeline import fetch_indexes
+        from ragkv.server.assembly import fetch_indexes
 
         logging.basicConfig(level=settings.log_level)
         fetch_indexes(settings)  # an s3:// index, synced onto the ingress's host
@@ -543,7 +554,7 @@ class Ingress:
         self.keys = settings.key_ring()
         self.service = RagService(limits=settings.limits(), admission=self._admission, metrics=self.metrics,
                                   retrieve_pool=self._pool, runner=self._runner, keys=self.keys)
-        self.service.backend = self.backend  # type: ignore[assignment]  # retrieval here, answers on replicas
+        self.service.backend = self.backend  # retrieval here, answers on the replicas
         self.metrics.watch_routing(routing.ROUTER_VIEWS.read)  # the router's decisions and the replicas' gauges
         if settings.metrics_port is not None:  # the ingress's own: requests, errors, end-to-end latency
             self.metrics.serve(settings.metrics_port, settings.metrics_host)

@@ -17,7 +17,7 @@ class InProcessServer:
 
     Args:
         settings: The server's settings (port 0 = any free port).
-        factory: Builds the backend from the settings (e.g. `Pipeline.from_settings`).
+        factory: Builds the backend from the settings (e.g. `build_pipeline`).
         wait_loaded: Block until the backend is loaded (health SERVING).
         load_timeout: Seconds to wait for that.
     """

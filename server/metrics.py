@@ -108,7 +108,7 @@ class ServerMetrics:
                                      "(exported as _total).", ["cached", "collection"], registry=r)
         self.requests = Counter("ragkv_requests", "Query RPCs by final status code (exported as _total).",
                                 ["code"], registry=r)
-        # per API key (server.keys; "-" on an open server): who asks how much
+        # per API key (server.api_keys; "-" on an open server): who asks how much
         self.key_requests = Counter("ragkv_key_requests", "Requests by API key name and method, counted when "
                                     "authenticated (exported as _total).", ["key", "method"], registry=r)
         self.key_refusals = Counter("ragkv_key_refusals", "Requests refused by API key name and status code: "

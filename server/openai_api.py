@@ -38,9 +38,9 @@ from starlette.routing import Route
 
 from ragkv.server.admission import Admission
 from ragkv.server.answering import Answerer, ChunksEvent, RunEvent, answer_events, begin
+from ragkv.server.api_keys import Caller, KeyRing, UnauthenticatedError
 from ragkv.server.auth import KeyAuth
-from ragkv.server.backend import QueryBackend
-from ragkv.server.keys import Caller, KeyRing, UnauthenticatedError
+from ragkv.server.backend import Catalogue
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.openai_reply import (
     METHOD,
@@ -79,12 +79,12 @@ class OpenAIApi:
         limits: Request bounds and defaults (the gRPC service's).
         metrics: Where errors are counted.
         backend: Returns the loaded backend, or None while loading.
-        keys: The keys every route but /health needs (server.keys); None or empty = open.
+        keys: The keys every route but /health needs (server.api_keys); None or empty = open.
         max_body_bytes: Larger request bodies are refused (413) before they are parsed.
     """
 
     def __init__(self, *, runner: Answerer, admission: Admission, limits: RequestLimits, metrics: ServerMetrics,
-                 backend: Callable[[], QueryBackend | None], keys: KeyRing | None = None,
+                 backend: Callable[[], Catalogue | None], keys: KeyRing | None = None,
                  max_body_bytes: int = 8 * 1024**2) -> None:
         self._runner = runner
         self._admission = admission
@@ -140,7 +140,7 @@ class OpenAIApi:
         except (ValueError, UnicodeDecodeError) as exc:
             raise InvalidArgumentError("body", f"is not valid JSON ({exc})") from None
 
-    def _ready(self) -> QueryBackend:
+    def _ready(self) -> Catalogue:
         backend = self._backend()
         if backend is None:
             raise NotServingError("the server is still loading its indexes and model")

@@ -20,7 +20,7 @@ import grpc
 from starlette.responses import JSONResponse, StreamingResponse
 
 from ragkv.server.answering import RunEvent, TokenEvent
-from ragkv.server.keys import ANONYMOUS, Caller, PermissionDeniedError, RateLimitedError
+from ragkv.server.api_keys import ANONYMOUS, Caller, PermissionDeniedError, RateLimitedError
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.status import RequestTooLargeError, UnknownCollectionError, status_for
 from ragkv.types import FinishReason, QueryStats, RetrievedChunk, ToolCallDelta

@@ -10,6 +10,8 @@ starts each chunk's KV read at once, building the `engine.request.Request` from 
 engine's own work (`Engine.work`, on the scheduler thread) waits for the reads,
 computes what is missing, blends and decodes. A chunk computed there comes back out
 (`ChunkComputed`) and is kept in the tiers here (`keep`, on the writer thread).
+
+Built from settings by `server/assembly.py` (`build_pipeline`).
 """
 
 from __future__ import annotations
@@ -22,12 +24,8 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import torch
-
-from ragkv.engine import BlendOptions, ChunkKV, Engine, FocusOptions, LoadedModel, load_model
-from ragkv.engine.check import gate_model
+from ragkv.engine import BlendOptions, ChunkKV, Engine, FocusOptions, LoadedModel
 from ragkv.engine.constrain import Constraint, GrammarError
 from ragkv.engine.conversation import CarriedTurns, TreeSpot
 from ragkv.engine.decode import SamplingParams
@@ -37,25 +35,18 @@ from ragkv.engine.request import ChunkComputed, LoadedKV, PromptChunk, Request, 
 from ragkv.errors import IndexMismatchError, StoreError
 from ragkv.kvstore import (
     ChunkKey,
-    Compression,
     KVEntry,
     PrefetchHandle,
     PrefixHash,
-    StoreConfig,
     TieredStore,
-    TierSpec,
-    hash_prefix,
 )
-from ragkv.kvstore.tree_files import TreeFiles
 from ragkv.retriever import Retriever, SearchHit
 from ragkv.retriever.chunk_keys import NeighbourOptions, serving_keys
 from ragkv.retriever.manifest import Calibration
 from ragkv.server.backend import BackendParts, Prepared
-from ragkv.server.fidelity import DEFAULT_RECOMPUTE_RATIO, RequestRatio, ServedRatio, request_ratio, served_ratio
-from ragkv.server.loading import ChunkDecision, ControllerConfig, LoadingController
+from ragkv.server.fidelity import DEFAULT_RECOMPUTE_RATIO, RequestRatio, ServedRatio, request_ratio
+from ragkv.server.loading_controller import ChunkDecision, LoadingController
 from ragkv.server.query import Query
-from ragkv.server.search_config import retriever_options
-from ragkv.server.settings import ServerSettings
 from ragkv.server.status import InvalidArgumentError, UnknownCollectionError
 from ragkv.server.structured import OutputSpec, output_spec, turn_text
 from ragkv.types import (
@@ -73,7 +64,6 @@ from ragkv.types import (
 
 log = logging.getLogger(__name__)
 
-_SEED_TEXT = "The loading controller measures how fast this engine computes a chunk of text like this one."
 _KV_WAIT_LIMIT = 120.0  # seconds a single chunk's KV load may take
 _FORMATS = 256  # requests' own system prompts whose prompt layout is kept (least recently used dropped)
 
@@ -152,30 +142,6 @@ def retrieved_chunk(hit: SearchHit) -> RetrievedChunk:
     return RetrievedChunk(hit.chunk_id, hit.score, hit.text, hit.metadata, None, len(hit.token_ids), hit.found_by)
 
 
-def _store_config(settings: ServerSettings, index_dir: Path, kv_uris: Sequence[str], device: torch.device,
-                  kv_compression: str = "none") -> StoreConfig:
-    """The serving store of one index: memory tiers from the settings, then the index's own
-    durable tiers, except where the settings name a disk or S3 tier of their own."""
-    from ragkv.retriever.manifest import resolve_kv_uris
-
-    memory = [TierSpec(Tier.CPU, budget_bytes=settings.kv_cpu_bytes)]
-    if device.type == "cuda" and settings.kv_gpu_bytes > 0:
-        memory.insert(0, TierSpec(Tier.GPU, budget_bytes=settings.kv_gpu_bytes))
-    # the index's tiers (a relative disk tier lives in the index folder), replaced by the settings' own
-    durable = {spec.tier: spec for spec in map(TierSpec.parse, resolve_kv_uris(kv_uris, index_dir))}
-    if settings.kv_disk_dir is not None:
-        durable[Tier.DISK] = TierSpec(Tier.DISK, path=str(settings.kv_disk_dir))
-    if settings.kv_s3_uri is not None:
-        durable[Tier.S3] = TierSpec.parse(settings.kv_s3_uri)
-    if not durable:
-        durable[Tier.DISK] = TierSpec(Tier.DISK, path=str((index_dir / "kv").resolve()))
-    # computed KV written back is stored as the index's own files are, unless --kv-compression says otherwise
-    compression = kv_compression if settings.kv_compression == "auto" else settings.kv_compression
-    writes = None if settings.kv_s3_writeback else frozenset(t for t in durable if t is not Tier.S3)
-    return StoreConfig(tiers=(*memory, *durable.values()), compression=Compression(compression), write_through=writes,
-                       device=str(device))  # layered reads dequantize compressed files on the engine's device
-
-
 def check_system_prompt(params: Query, index_prompt: str) -> None:
     """Refuse a request whose system message is not the one its collection was indexed with.
 
@@ -192,26 +158,6 @@ def check_system_prompt(params: Query, index_prompt: str) -> None:
         f"the request's system message {params.system_prompt!r} differs from the system prompt collection "
         f"{params.collection!r} was indexed with: {index_prompt!r} (send that one or none, or index the corpus "
         f"again with `ragkv index --system-prompt`)")
-
-
-def fetch_indexes(settings: ServerSettings) -> None:
-    """Sync every s3:// collection into its local folder (files already there and current are
-    kept, so a restart copies only what changed). The shard folders of a merged index stay in S3.
-    `ragkv serve` runs it before loading; in a cluster every replica and the ingress do, on
-    their own hosts.
-
-    Raises:
-        RagKVError: a bucket cannot be read, or holds no index.
-    """
-    from ragkv.retriever.manifest import SHARD_DIR
-    from ragkv.retriever.remote import S3Location, download
-
-    def wanted(rel: str) -> bool:
-        return SHARD_DIR.fullmatch(rel.partition("/")[0]) is None
-
-    for spec in settings.indexes:
-        if spec.source is not None:
-            download(S3Location.parse(spec.source), spec.index_dir, wanted)
 
 
 class Pipeline:
@@ -247,70 +193,6 @@ class Pipeline:
         # durable write-backs run here: a slow or unreachable S3 never stalls the scheduler thread
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ragkv-writeback")
         self._warmer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ragkv-tree-warm")
-
-    @classmethod
-    def from_settings(cls, settings: ServerSettings) -> Pipeline:
-        """Open every index, load the model (the first index's, unless settings name one).
-
-        Raises:
-            FileNotFoundError: An index directory holds no index.
-            ModelLoadError: The model cannot be loaded.
-        """
-        if not settings.indexes:
-            raise ValueError("no index to serve: give at least one --index [NAME=]DIR")
-        settings = settings.resolved()  # --device/--dtype auto: cuda and bfloat16 when torch sees a GPU
-        search = retriever_options(settings)  # search mode, fusion and reranker, shared by every index
-        retrievers = {spec.name: (spec.index_dir, Retriever.open(spec.index_dir, device=settings.device, **search))
-                      for spec in settings.indexes}
-        first = next(iter(retrievers.values()))[1]
-        lm = load_model(settings.served_model(first.manifest.model_spec), device=settings.device,
-                        dtype=settings.dtype.value)
-        gate_model(lm, skip=not settings.model_check)
-        return cls.from_parts(Engine(lm), retrievers, settings)  # from_parts gives it its KV tree
-
-    @classmethod
-    def from_parts(
-        cls, engine: Engine, retrievers: dict[str, tuple[Path, Retriever]], settings: ServerSettings
-    ) -> Pipeline:
-        """Assemble from an engine and opened retrievers (tests share one loaded engine: each
-        pipeline gives it a KV tree of its settings' budget)."""
-        lm = engine.lm
-        engine.step_tokens, engine.step_s = settings.prompt_step_tokens, settings.prompt_slice_s
-        files = (TreeFiles(settings.kv_tree_dir, lm.fingerprint, lm.tokenizer_fingerprint)
-                 if settings.kv_tree_dir is not None else None)
-        engine.use_tree(settings.kv_tree_bytes, settings.kv_tree_key_share, settings.kv_tree_host_bytes, files,
-                        settings.kv_tree_disk_bytes)
-        engine.conversations.use_retention(settings.kv_tree_retain_max_s, settings.kv_tree_retain_default_s)
-        engine.conversations.follow_ups = settings.kv_tree_follow_ups
-        collections = {}
-        for name, (index_dir, retriever) in retrievers.items():
-            manifest = retriever.manifest
-            mismatch = None
-            try:
-                retriever.check_model(lm.fingerprint, lm.tokenizer_fingerprint)
-            except IndexMismatchError as exc:
-                mismatch = f"collection {name!r}: {exc}"
-                log.warning("%s", mismatch)
-            store = TieredStore(_store_config(settings, Path(index_dir), manifest.kv_uris, lm.device,
-                                              manifest.kv_compression),
-                                lm.fingerprint, lm.tokenizer_fingerprint)
-            served = served_ratio(name, manifest.calibration, settings.fidelity_kl, settings.default_recompute_ratio)
-            log.info("%s", served.reason)
-            collections[name] = Collection(name, retriever, store, tuple(manifest.prefix_ids),
-                                           hash_prefix(manifest.prefix_ids), mismatch,
-                                           manifest.system_prompt or DEFAULT_SYSTEM_PROMPT,
-                                           NeighbourOptions.from_dict(manifest.neighbours),
-                                           manifest.calibration, served)
-        controller = LoadingController(ControllerConfig(enabled=settings.kv_controller), engine.speed)
-        first = next(iter(collections.values()), None)
-        if first is not None and not engine.recurrent:  # seed the prefill rate: ~100 tokens after the prefix
-            ids = engine.prompt.chunk_ids(" ".join([_SEED_TEXT] * 4))
-            engine.prefill(list(first.prefix_ids), ids)  # warm-up: the first call allocates
-            t0 = time.perf_counter()
-            engine.prefill(list(first.prefix_ids), ids)
-            engine.speed.observe(len(ids), time.perf_counter() - t0)
-        return cls(engine, collections, settings.focus(), settings.kv_layered, controller, settings.quality_guard_mass,
-                   settings.system_prompt_policy, settings.system_prompt_recompute_ratio)
 
     @property
     def modes(self) -> frozenset[Mode]:

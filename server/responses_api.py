@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ragkv.server.answering import RunEvent, TokenEvent
-from ragkv.server.keys import ANONYMOUS, Caller
+from ragkv.server.api_keys import ANONYMOUS, Caller
 from ragkv.server.openai_reply import METHOD, error_body, error_response, last_stats, ragkv_extra, streaming
 from ragkv.server.openai_request import cache_salt
 from ragkv.server.query import Query

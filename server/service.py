@@ -24,8 +24,8 @@ import grpc.aio
 from ragkv import convert
 from ragkv.server.admission import Admission
 from ragkv.server.answering import Answerer, ChunksEvent, TokenEvent
-from ragkv.server.backend import QueryBackend
-from ragkv.server.keys import ANONYMOUS, Caller, KeyRing, PermissionDeniedError, PromptBill, RateLimitedError
+from ragkv.server.api_keys import ANONYMOUS, Caller, KeyRing, PermissionDeniedError, PromptBill, RateLimitedError
+from ragkv.server.backend import Catalogue
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.status import NotServingError, status_for
 from ragkv.server.validation import RequestLimits, validate_query, validate_retrieve
@@ -46,7 +46,7 @@ class RagService(pb_grpc.RagServiceServicer):
         retrieve_pool: Runs retrieval and KV prefetch starts.
         runner: Answers a validated Query (`QueryRunner` on this host's scheduler, or the
             cluster's ingress runner that routes it to a replica: `server/cluster.py`).
-        keys: Who may call, and what each key may read (server.keys); None = open. The
+        keys: Who may call, and what each key may read (server.api_keys); None = open. The
             interceptor refuses a call with no valid key before its body is parsed; here each
             method learns which key called (the cluster's ingress has no interceptor).
     """
@@ -67,9 +67,9 @@ class RagService(pb_grpc.RagServiceServicer):
         self._metrics = metrics
         self._retrieve_pool = retrieve_pool
         self._runner = runner
-        self.backend: QueryBackend | None = None  # set once indexes and model are loaded
+        self.backend: Catalogue | None = None  # set once indexes and model are loaded
 
-    def _ready_backend(self) -> QueryBackend:
+    def _ready_backend(self) -> Catalogue:
         if self.backend is None:
             raise NotServingError("the server is still loading its indexes and model")
         return self.backend

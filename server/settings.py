@@ -57,7 +57,7 @@ class CollectionSpec:
 
 def index_cache_dir() -> Path:
     """Where `ragkv serve` keeps local copies of s3:// indexes: $RAGKV_CACHE_DIR/indexes
-    (the root engine.loading.cache_dir names; read here so settings never import torch)."""
+    (the root engine.model_loading.cache_dir names; read here so settings never import torch)."""
     import os
 
     return Path(os.environ.get("RAGKV_CACHE_DIR") or Path.home() / ".cache" / "ragkv") / "indexes"
@@ -69,7 +69,7 @@ class ServerSettings:
 
     indexes: tuple[CollectionSpec, ...] = ()  # served collections (--index, repeatable)
     # gRPC (and HTTP) bind address: loopback by default; any other address needs credentials
-    # (api_keys_file, auth_token_file) or insecure_no_auth (server.keys.check_exposure)
+    # (api_keys_file, auth_token_file) or insecure_no_auth (server.api_keys.check_exposure)
     host: str = "127.0.0.1"
     port: int = 50051  # gRPC port; 0 = any free port
     metrics_port: int | None = 9464  # Prometheus /metrics port; None = off
@@ -91,7 +91,7 @@ class ServerSettings:
     retrieve_workers: int = 1  # threads for retrieval and KV prefetch starts
     grace_seconds: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
     auth_token_file: Path | None = None  # bearer token file; else $RAGKV_AUTH_TOKEN; else no auth
-    api_keys_file: Path | None = None  # named API keys, JSON (server.keys: collections, per-minute limits)
+    api_keys_file: Path | None = None  # named API keys, JSON (server.api_keys: collections, per-minute limits)
     insecure_no_auth: bool = False  # serve a non-loopback host with no credentials (logged as a warning)
     # bytes of one request: gRPC messages and HTTP bodies past it are refused before they are parsed
     max_request_bytes: int = 8 * 1024**2
@@ -137,7 +137,7 @@ class ServerSettings:
     # disk and S3 hits go to the engine once their headers pass, each layer as its bytes are
     # verified, so reading overlaps compute (layer-wise pipelining); off = read whole first
     kv_layered: bool = True
-    # the loading controller (server/loading.py): per chunk, read its KV or recompute it, whichever
+    # the loading controller (server/loading_controller.py): per chunk, read its KV or recompute it, whichever
     # its tier's measured speed and the engine's prefill rate say is cheaper; off = always read
     kv_controller: bool = True
     max_question_chars: int = 4096  # characters
@@ -266,13 +266,13 @@ class ServerSettings:
         device = resolve_device(self.device)
         return dataclasses.replace(self, device=device, dtype=resolve_dtype(self.dtype, device))
 
-    def key_ring(self):  # -> server.keys.KeyRing
+    def key_ring(self):  # -> server.api_keys.KeyRing
         """The keys callers must present: the --api-keys file's and the single token's (none = open).
 
         Raises:
             ValueError: the keys file or the token file is unreadable or malformed.
         """
-        from ragkv.server.keys import load_key_ring, read_token
+        from ragkv.server.api_keys import load_key_ring, read_token
 
         return load_key_ring(self.api_keys_file, read_token(self.auth_token_file))
 

@@ -21,7 +21,7 @@ from ragkv.errors import (
     StoreError,
     UnsupportedModelError,
 )
-from ragkv.server.keys import PermissionDeniedError, RateLimitedError, UnauthenticatedError
+from ragkv.server.api_keys import PermissionDeniedError, RateLimitedError, UnauthenticatedError
 
 
 class InvalidArgumentError(RagKVError, ValueError):

@@ -68,7 +68,7 @@ def gemma3():
     import importlib.util
 
     from ragkv.engine import load_model
-    from ragkv.engine.loading import SHIPPED
+    from ragkv.engine.model_loading import SHIPPED
 
     shipped = SHIPPED["gemma3-270m"]
     if importlib.util.find_spec(shipped.module) is None:

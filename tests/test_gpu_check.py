@@ -46,7 +46,7 @@ def test_every_ragkv_command_in_gpu_check_parses(recipe: list[str]) -> None:
 
 
 def test_gpu_check_gates_every_shipped_model_in_bfloat16_and_runs_the_gpu_tests(recipe: list[str]) -> None:
-    from ragkv.engine.loading import SHIPPED
+    from ragkv.engine.model_loading import SHIPPED
 
     checked = {a[1] for line in recipe for a in ragkv_argvs(line)
                if a[0] == "check-model" and a[a.index("--dtype") + 1] == "bfloat16"}

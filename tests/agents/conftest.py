@@ -44,15 +44,14 @@ def smol_index(tmp_path_factory: pytest.TempPathFactory, smollm2) -> Path:
 @pytest.fixture(scope="session")
 def smol_server(smol_index: Path, smollm2):
     """SmolLM2 behind gRPC and the OpenAI HTTP API (mode blend, top_k 2 by default)."""
-    from ragkv.engine import Engine
     from ragkv.retriever import Retriever
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import assemble_pipeline
     from ragkv.server.settings import CollectionSpec
 
     retriever = Retriever.open(smol_index)
 
     def factory(s):  # share the session's loaded model
-        return Pipeline.from_parts(Engine(smollm2), {"default": (smol_index, retriever)}, s)
+        return assemble_pipeline(smollm2, {"default": (smol_index, retriever)}, s)
 
     st = ServerThread(settings(indexes=(CollectionSpec("default", smol_index),), http_port=0), factory)
     yield st
@@ -62,9 +61,9 @@ def smol_server(smol_index: Path, smollm2):
 @pytest.fixture(scope="session")
 def tiny_server(tiny_index: Path):  # noqa: F811
     """The tiny random Llama behind both APIs: the harshest writer a grammar can hold."""
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
     from ragkv.server.settings import CollectionSpec
 
-    st = ServerThread(settings(indexes=(CollectionSpec("default", tiny_index),), http_port=0), Pipeline.from_settings)
+    st = ServerThread(settings(indexes=(CollectionSpec("default", tiny_index),), http_port=0), build_pipeline)
     yield st
     st.stop()

@@ -16,15 +16,14 @@ pytestmark = pytest.mark.real_model
 
 @pytest.fixture(scope="module")
 def tree_server(smol_index: Path, smollm2):
-    from ragkv.engine import Engine
     from ragkv.retriever import Retriever
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import assemble_pipeline
     from ragkv.server.settings import CollectionSpec
 
     retriever = Retriever.open(smol_index)
 
     def factory(s):  # share the session's loaded model
-        return Pipeline.from_parts(Engine(smollm2), {"default": (smol_index, retriever)}, s)
+        return assemble_pipeline(smollm2, {"default": (smol_index, retriever)}, s)
 
     st = ServerThread(settings(indexes=(CollectionSpec("default", smol_index),), http_port=0,
                                kv_tree_bytes=256 << 20), factory)

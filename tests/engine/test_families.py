@@ -21,7 +21,7 @@ import dataclasses
 import pytest
 import torch
 
-from ragkv.engine import Prompt, load_model
+from ragkv.engine import Prompt, TreeConfig, load_model
 from ragkv.engine.blend import BlendOptions
 from ragkv.engine.check import check_model
 from ragkv.engine.decode import decode_batch
@@ -385,7 +385,7 @@ def test_hybrids_serve_full_and_refuse_chunk_kv_modes_by_name(tmp_path_factory, 
     from ragkv.errors import UnsupportedModelError
 
     lm = _lm(tmp_path_factory, name)
-    engine = Engine(lm, tree_bytes=1 << 20)
+    engine = Engine(lm, tree=TreeConfig(1 << 20))
     assert engine.modes() == {Mode.FULL} and engine.conversations.enabled and engine.conversations.tree.recurrent
     fmt = engine.prompt
     prefix, chunk_ids, q_ids = fmt.prefix_ids(), [fmt.chunk_ids(t) for t in TEXTS[:2]], fmt.question_ids(QUESTIONS[0])

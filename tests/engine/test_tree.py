@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from ragkv.engine import BlendOptions, Engine, FocusOptions, Prompt, SamplingParams, load_model
+from ragkv.engine import BlendOptions, Engine, FocusOptions, Prompt, SamplingParams, TreeConfig, load_model
 from ragkv.engine.kv import KVCache
 from ragkv.engine.tree import KVTree, ToolLatency, TreeContext, TreeKey
 from ragkv.evals.testing import FAMILY_CONFIGS, HYBRIDS, tiny_model_dir
@@ -284,7 +284,7 @@ RUNS = [(Mode.FULL, "query", 1.0), (Mode.PREFIX, "query", 1.0), (Mode.REUSE, "qu
 def engine(request, tmp_path_factory):
     family = request.param != "llama"  # qwen2 and gemma2 with sliding windows and their features on
     d = tiny_model_dir(tmp_path_factory.mktemp(request.param), request.param, family=family, seed=11)
-    return Engine(load_model(str(d), device="cpu", dtype="float32"), tree_bytes=256 << 20)
+    return Engine(load_model(str(d), device="cpu", dtype="float32"), tree=TreeConfig(256 << 20))
 
 
 @pytest.mark.parametrize("mode,selector,ratio", RUNS, ids=[f"{m.value}-{s}-{r}" for m, s, r in RUNS])
@@ -297,7 +297,7 @@ def test_the_tree_is_exact_for_every_family(tmp_path_factory, name):
     """Every served family, its features on (tests/engine/test_families.py's configs), blend 0.2.
     Not hybrids: their tree is off (tests/engine/test_families.py)."""
     d = tiny_model_dir(tmp_path_factory.mktemp(f"tree-{name}"), name, family=True, initializer_range=0.2, seed=5)
-    eng = Engine(load_model(str(d), device="cpu", dtype="float32"), tree_bytes=64 << 20)
+    eng = Engine(load_model(str(d), device="cpu", dtype="float32"), tree=TreeConfig(64 << 20))
     _next_call_equals_computing_it(eng, Mode.BLEND, "query", 0.2)
 
 
@@ -360,7 +360,7 @@ def test_a_hybrids_next_call_resumes_from_the_state_where_its_prompt_ended(tmp_p
     resumes there, not at the deepest matched token (whose state is not held), and equals
     call 2 computed whole."""
     d = tiny_model_dir(tmp_path_factory.mktemp(f"tree-{name}"), name, family=True, initializer_range=0.2, seed=5)
-    eng = Engine(load_model(str(d), device="cpu", dtype="float32"), tree_bytes=64 << 20)
+    eng = Engine(load_model(str(d), device="cpu", dtype="float32"), tree=TreeConfig(64 << 20))
     trees = eng.conversations
     assert trees.enabled and trees.tree.recurrent
     fmt = eng.prompt
@@ -393,7 +393,7 @@ def test_a_hybrids_next_call_resumes_from_the_state_where_its_prompt_ended(tmp_p
 def test_a_hybrids_tree_without_a_held_state_matches_nothing(tmp_path_factory):
     """KV without the recurrent state after it is of no use to a hybrid: no lease."""
     d = tiny_model_dir(tmp_path_factory.mktemp("tree-qwen3-next"), "qwen3_next", family=True, seed=5)
-    eng = Engine(load_model(str(d), device="cpu", dtype="float32"), tree_bytes=64 << 20)
+    eng = Engine(load_model(str(d), device="cpu", dtype="float32"), tree=TreeConfig(64 << 20))
     ids = [*eng.prompt.prefix_ids(), *eng.prompt.question_ids(QUESTION)]
     res = eng.run(Prompt(ids), Mode.FULL, reserve_tokens=4)
     trees = eng.conversations

@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from ragkv.engine import BlendOptions, Engine, Prompt, SamplingParams, load_model
+from ragkv.engine import BlendOptions, Engine, Prompt, SamplingParams, TreeConfig, load_model
 from ragkv.engine.kv import KVCache
 from ragkv.engine.request import Finished, PromptChunk, Request, TokenOut
 from ragkv.engine.scheduler import Scheduler
@@ -52,10 +52,10 @@ def restarted_conversation(tmp_path, gated: bool = True):
     same files (`gated`: whose reads the test gates); the second call's prompt, its spot and
     its answer computed alone."""
     d = tiny_model_dir(tmp_path / "model", "llama", seed=11)
-    eng = Engine(load_model(str(d), device="cpu", dtype="float32"))
-    fmt, lm = eng.prompt, eng.lm
+    lm = load_model(str(d), device="cpu", dtype="float32")
     make = lambda: TreeFiles(tmp_path / "tree", lm.fingerprint, lm.tokenizer_fingerprint)  # noqa: E731 - two trees, one folder
-    eng.use_tree(64 << 20, files=make(), disk_bytes=64 << 20)
+    eng = Engine(lm, tree=TreeConfig(64 << 20, files=make(), disk_bytes=64 << 20))
+    fmt = eng.prompt
     prefix_ids, chunks = fmt.prefix_ids(), ["Paris is the capital of France.", "The secret number is 4721."]
     chunk_ids = [fmt.chunk_ids(c) for c in chunks]
     kvs = [eng.prefill(prefix_ids, ids) for ids in chunk_ids]
@@ -68,7 +68,7 @@ def restarted_conversation(tmp_path, gated: bool = True):
     eng.conversations.remember(spot, mode, res, len(first_q), len(prefix_ids), stream.token_ids)
     assert eng.conversations.persist() >= 2
     files = _GatedFiles(make()) if gated else make()
-    eng.use_tree(64 << 20, files=files, disk_bytes=64 << 20)  # the restart
+    eng = Engine(lm, tree=TreeConfig(64 << 20, files=files, disk_bytes=64 << 20))  # the restart: the same model
     second_q = [*first_q, *stream.token_ids[:4], *fmt.chunk_ids("\nTool: done.\n")]
     alone = eng.run(Prompt(second_q, prefix_ids, chunk_ids, kvs, first_q), mode, opts, reserve_tokens=16)
     spot = eng.conversations.lease(mode, prefix_ids, chunk_ids, chunks, second_q, options=opts, select_ids=first_q)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ragkv.engine.kv import KVCache
-from ragkv.engine.tree import KVTree, Tier, TreeKey
+from ragkv.engine.tree import KVTree, TreeKey, TreeTier
 from ragkv.engine.tree_pool import MIN_TOKENS, KVPool
 from tests.engine.test_tree import CTX, _bytes, _cache
 
@@ -54,7 +54,7 @@ def test_the_pool_grows_within_its_budget_and_compacts_to_what_it_holds():
 def test_a_split_moves_no_kv_and_both_halves_still_read_their_own():
     tree, key = KVTree(10**6), TreeKey.of("ctx")
     tree.insert(key, [9], CTX, [1, 2, 3, 4, 5, 6], _cache(7))
-    pool = tree._pools[Tier.DEVICE]
+    pool = tree._pools[TreeTier.DEVICE]
     storage, used = pool.k.data_ptr(), pool.used
     assert tree.insert(key, [9], CTX, [1, 2, 3, 7, 8], _cache(6, fill=100)) == 2  # splits after 1, 2, 3
     assert pool.k.data_ptr() == storage and pool.used == used + 2  # only the new branch's 2 tokens were written
@@ -68,7 +68,7 @@ def test_evicted_nodes_give_their_slots_to_the_next_and_the_pool_stays_within_th
     tree = KVTree(_bytes(8))
     for i in range(20):
         tree.insert(TreeKey.of(i), [], CTX, [1, 2, 3], _cache(3, fill=i))
-    pool = tree._pools[Tier.DEVICE]
+    pool = tree._pools[TreeTier.DEVICE]
     assert pool.capacity == 8 and tree.nbytes <= _bytes(8)  # never more memory than the budget
     n, k, _ = _read(tree, TreeKey.of(19), [1, 2, 3, 0])
     assert n == 3 and torch.equal(k, _cache(3, fill=19).k[:, :, :3])
@@ -96,7 +96,7 @@ def test_spilled_nodes_move_between_the_two_pools_and_free_their_device_slots():
     a, b = TreeKey.of("a"), TreeKey.of("b")
     tree.insert(a, [], CTX, [1, 2, 3, 4], _cache(4, fill=1))
     tree.insert(b, [], CTX, [5, 6, 7, 8], _cache(4, fill=2))  # a goes down to the host pool
-    device, host = tree._pools[Tier.DEVICE], tree._pools[Tier.HOST]
+    device, host = tree._pools[TreeTier.DEVICE], tree._pools[TreeTier.HOST]
     assert device.used == 4 and host.used == 4 and host.k.device.type == "cpu"
     n, k, v = _read(tree, a, [1, 2, 3, 4, 0])
     assert n == 4 and torch.equal(k, _cache(4, fill=1).k[:, :, :4]) and torch.equal(v, _cache(4, fill=1).v[:, :, :4])

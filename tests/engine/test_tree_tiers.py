@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from ragkv.engine import BlendOptions, Engine, Prompt, SamplingParams, load_model
+from ragkv.engine import BlendOptions, Engine, Prompt, SamplingParams, TreeConfig, load_model
 from ragkv.engine.kv import KVCache
-from ragkv.engine.tree import KVTree, Tier, TreeContext, TreeKey
+from ragkv.engine.tree import KVTree, TreeContext, TreeKey, TreeTier
 from ragkv.evals.testing import tiny_model_dir
 from ragkv.kvstore.tree_files import TreeFiles
 from ragkv.types import Mode
@@ -63,15 +63,15 @@ def test_host_overflow_goes_to_disk_and_the_insert_after_a_match_brings_it_back(
         tree.insert(key, [], CTX, [1, 2, 3, 4], _cache(4, fill=100 * i))
     files.flush()
     tiers = {k: tree._roots[k].children[1].tier for k in keys}
-    assert tiers == {keys[0]: Tier.DISK, keys[1]: Tier.HOST, keys[2]: Tier.DEVICE}
+    assert tiers == {keys[0]: TreeTier.DISK, keys[1]: TreeTier.HOST, keys[2]: TreeTier.DEVICE}
     (spilled_file,) = (tmp_path / "tree" / "model-a").glob("*.kv")
     tokens, spilled, k = _read(tree, keys[0], [1, 2, 3, 4, 0])
     assert (tokens, spilled) == (4, 4) and torch.equal(k, _cache(4).k[:, :, :4])
     tree.insert(keys[0], [], CTX, [1, 2, 3, 4, 5], _cache(5))  # the next call's insert: back on the device
-    assert tree._roots[keys[0]].children[1].tier is Tier.DEVICE
+    assert tree._roots[keys[0]].children[1].tier is TreeTier.DEVICE
     files.flush()
     assert not spilled_file.exists()  # its file went with it (k1 went down to disk to make room)
-    assert tree._roots[keys[1]].children[1].tier is Tier.DISK
+    assert tree._roots[keys[1]].children[1].tier is TreeTier.DISK
 
 
 def test_a_restarted_tree_finds_its_conversations_on_disk(tmp_path):
@@ -100,13 +100,13 @@ def test_a_split_inside_a_spilled_node_keeps_both_parts_reading_one_file(tmp_pat
     a, b = TreeKey.of("a"), TreeKey.of("b")
     tree.insert(a, [], CTX, [1, 2, 3, 4, 5, 6], _cache(6, fill=1))
     tree.insert(b, [], CTX, [9, 9, 9], _cache(3))  # a goes to disk, whole
-    assert tree._roots[a].children[1].tier is Tier.DISK
+    assert tree._roots[a].children[1].tier is TreeTier.DISK
     tree.insert(a, [], CTX, [1, 2, 3, 8], _cache(4, fill=1))  # parts inside a's spilled edge
     tokens, _, k = _read(tree, a, [1, 2, 3, 4, 5, 6, 0])
     assert tokens == 6 and torch.equal(k, _cache(6, fill=1).k[:, :, :6])
     top = tree._roots[a].children[1]
     lower = top.children[4]
-    assert top.ids == (1, 2, 3) and (lower.tier, lower.offset, lower.ids) == (Tier.DISK, 3, (4, 5, 6))
+    assert top.ids == (1, 2, 3) and (lower.tier, lower.offset, lower.ids) == (TreeTier.DISK, 3, (4, 5, 6))
     files.flush()
     assert (tmp_path / "tree" / "model-a" / f"{lower.file}.kv").exists()
 
@@ -175,7 +175,7 @@ def test_pinned_paths_move_to_host_to_make_room_and_never_leave_while_pinned():
     spill = KVTree(_bytes(8), clock=lambda: now[0], host_bytes=_bytes(100))
     assert insert_three(spill) == [4, 4, 4]
     tiers = {k: spill._roots[TreeKey.of(k)].children[1].tier for k in "abc"}
-    assert tiers == {"a": Tier.DEVICE, "b": Tier.HOST, "c": Tier.DEVICE}  # b's pin ends first
+    assert tiers == {"a": TreeTier.DEVICE, "b": TreeTier.HOST, "c": TreeTier.DEVICE}  # b's pin ends first
     assert spill.stats().evictions == 0
     tokens, spilled, k = _read(spill, TreeKey.of("b"), [1, 2, 3, 4, 0])
     assert (tokens, spilled) == (4, 4) and torch.equal(k, _cache(4, fill=10).k[:, :, :4])
@@ -195,9 +195,9 @@ def test_warm_brings_a_conversations_disk_path_to_host_before_its_match(tmp_path
         tree.insert(key, [], CTX, [1, 2, 3, 4], _cache(4, fill=100 * i))
     files.flush()
     node = tree._roots[keys[0]].children[1]
-    assert node.tier is Tier.DISK
+    assert node.tier is TreeTier.DISK
     assert tree.warm(keys[0], [1, 2, 3, 4, 9]) == 4
-    assert node.tier is Tier.HOST and node.file is None and tree.stats().warmed_tokens == 4
+    assert node.tier is TreeTier.HOST and node.file is None and tree.stats().warmed_tokens == 4
     files.flush()
     reads = []
     real = files.read
@@ -217,22 +217,22 @@ def test_warm_of_a_damaged_file_brings_nothing_and_raises_nothing(tmp_path):
     tree._host_room(_bytes(100))  # everything on the host goes to disk
     files.flush()
     node = tree._roots[key].children[1]
-    assert node.tier is Tier.DISK
+    assert node.tier is TreeTier.DISK
     path = tmp_path / "tree" / "model-a" / f"{node.file}.kv"
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF
     path.write_bytes(bytes(data))
-    assert tree.warm(key, [1, 2, 3, 4]) == 0 and node.tier is Tier.DISK and node.refs == 0
+    assert tree.warm(key, [1, 2, 3, 4]) == 0 and node.tier is TreeTier.DISK and node.refs == 0
 
 
 def test_a_conversations_prefetch_warms_the_path_its_last_call_left(tmp_path):
     """`Conversations.prefetch` (the pipeline calls it as a call's retrieval starts) brings what
     the conversation's last call left, prompt and answer, from disk to CPU memory."""
     d = tiny_model_dir(tmp_path / "model", "llama", seed=11)
-    eng = Engine(load_model(str(d), device="cpu", dtype="float32"))
-    fmt, lm = eng.prompt, eng.lm
-    eng.use_tree(64 << 20, host_bytes=64 << 20, files=TreeFiles(tmp_path / "tree", lm.fingerprint,
-                                                                 lm.tokenizer_fingerprint), disk_bytes=64 << 20)
+    lm = load_model(str(d), device="cpu", dtype="float32")
+    eng = Engine(lm, tree=TreeConfig(64 << 20, host_bytes=64 << 20, disk_bytes=64 << 20,
+                                     files=TreeFiles(tmp_path / "tree", lm.fingerprint, lm.tokenizer_fingerprint)))
+    fmt = eng.prompt
     trees = eng.conversations
     prefix_ids, chunk_ids = fmt.prefix_ids(), [fmt.chunk_ids("The secret number is 4721.")]
     kvs = [eng.prefill(prefix_ids, ids) for ids in chunk_ids]
@@ -246,7 +246,7 @@ def test_a_conversations_prefetch_warms_the_path_its_last_call_left(tmp_path):
     trees.tree.shrink(0)  # memory pressure: the device's nodes go to the host ...
     with trees.tree._lock:
         trees.tree._host_room(trees.tree.host_budget)  # ... and the host's to disk
-    on_disk = [n for n in trees.tree._all() if n.tier is Tier.DISK and n.ids]
+    on_disk = [n for n in trees.tree._all() if n.tier is TreeTier.DISK and n.ids]
     assert on_disk
     assert trees.prefetch("agent-1") == sum(len(n.ids) for n in on_disk) > len(q)  # the question and the answer
     assert trees.prefetch("agent-2") == 0  # a conversation never seen
@@ -279,7 +279,7 @@ def test_a_new_path_goes_to_host_when_leases_fill_the_device():
     lease = tree.match(a, [1, 2, 3, 4, 0])  # a's next call is in flight
     assert lease is not None
     assert tree.insert(b, [], CTX, [5, 6, 7, 8], _cache(4, fill=7)) == 4
-    assert tree._roots[b].children[5].tier is Tier.HOST and tree._roots[a].children[1].tier is Tier.DEVICE
+    assert tree._roots[b].children[5].tier is TreeTier.HOST and tree._roots[a].children[1].tier is TreeTier.DEVICE
     lease.release()
     tokens, spilled, k = _read(tree, b, [5, 6, 7, 8, 0])
     assert (tokens, spilled) == (4, 4) and torch.equal(k, _cache(4, fill=7).k[:, :, :4])
@@ -303,7 +303,7 @@ def test_a_node_warmed_between_a_match_and_its_read_is_read_from_memory(tmp_path
     assert again.warm(key, [1, 2, 3, 4]) == 5  # then the prefetch brought it up
     read = again._read_spilled(parts)
     assert len(read) == 2 and again.stats().read_errors == 0
-    assert all(p.k is None and p.node.tier is Tier.HOST for p in read)  # copied from the host pool, not read
+    assert all(p.k is None and p.node.tier is TreeTier.HOST for p in read)  # copied from the host pool, not read
     out = KVCache(2, 1, 3, 16, torch.float32, torch.device("cpu"))
     for p in read:
         out.k[:, :, p.node.start:p.node.start + p.n] = again._gather(p.node, p.n)[0]

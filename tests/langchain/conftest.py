@@ -56,9 +56,9 @@ def auth_server(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def real_server(tiny_index):  # noqa: F811
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
     from ragkv.server.settings import CollectionSpec
 
-    st = ServerThread(settings(indexes=(CollectionSpec("default", tiny_index),)), Pipeline.from_settings)
+    st = ServerThread(settings(indexes=(CollectionSpec("default", tiny_index),)), build_pipeline)
     yield st
     st.stop()

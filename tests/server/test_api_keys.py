@@ -17,7 +17,7 @@ import pytest
 from ragkv.cli.main import main
 from ragkv.client import RagClient
 from ragkv.retry import NO_RETRY
-from ragkv.server.keys import KeyRing, check_exposure, is_loopback
+from ragkv.server.api_keys import KeyRing, check_exposure, is_loopback
 from ragkv.server.settings import ServerSettings
 from tests.server.fakes import FakeBackend, ServerThread, settings
 

@@ -40,9 +40,9 @@ def chat_index(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -
 
 @pytest.fixture(scope="module")
 def chat_server(chat_index: Path):
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
 
-    st = ServerThread(settings(indexes=(CollectionSpec("docs", chat_index),), http_port=0), Pipeline.from_settings)
+    st = ServerThread(settings(indexes=(CollectionSpec("docs", chat_index),), http_port=0), build_pipeline)
     yield st
     st.stop()
 

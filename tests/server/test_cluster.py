@@ -87,9 +87,9 @@ class Served(NamedTuple):
 
 
 def _pipeline_factory():
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
 
-    return Pipeline.from_settings
+    return build_pipeline
 
 
 def test_a_query_travels_whole_and_the_engine_request_holds_none_of_what_was_asked() -> None:

@@ -45,11 +45,11 @@ def indexes(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> t
 
 
 def _server(indexes: tuple[Path, Path], **kw: object) -> ServerThread:
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
 
     calibrated, old = indexes
     specs = (CollectionSpec("docs", calibrated), CollectionSpec("old", old))
-    return ServerThread(settings(indexes=specs, http_port=0, **kw), Pipeline.from_settings)
+    return ServerThread(settings(indexes=specs, http_port=0, **kw), build_pipeline)
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,7 @@ def test_grpc_refuses_a_target_on_an_uncalibrated_collection_with_invalid_argume
 def test_an_explicit_default_ratio_wins_over_the_calibration(indexes, caplog) -> None:
     import logging
 
-    caplog.set_level(logging.INFO, logger="ragkv.server.pipeline")
+    caplog.set_level(logging.INFO, logger="ragkv.server.assembly")
     st = _server(indexes, default_recompute_ratio=0.2, fidelity_kl=0.05)
     logged = [r.getMessage() for r in caplog.records if "recompute ratio" in r.getMessage()]
     assert any("'docs'" in m and "0.2 (--default-recompute-ratio)" in m for m in logged), logged

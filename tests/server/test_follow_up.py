@@ -38,12 +38,12 @@ def chat_model(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory, chat_model: Path):
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
 
     index = build_index(tmp_path_factory.mktemp("follow-index"), CORPUS, chat_model)
     spec = (CollectionSpec("docs", index),)
-    with_tree = ServerThread(settings(indexes=spec, kv_tree_bytes=64 << 20), Pipeline.from_settings)
-    without = ServerThread(settings(indexes=spec), Pipeline.from_settings)
+    with_tree = ServerThread(settings(indexes=spec, kv_tree_bytes=64 << 20), build_pipeline)
+    without = ServerThread(settings(indexes=spec), build_pipeline)
     yield with_tree, without
     with_tree.stop()
     without.stop()
@@ -92,12 +92,12 @@ def test_a_tool_loop_after_a_follow_up_finds_the_context_the_follow_up_left(serv
 
 def test_with_follow_ups_off_the_earlier_turns_are_computed_again(servers, chat_model: Path,
                                                                    tmp_path: Path) -> None:
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
 
     _, without = servers
     index = build_index(tmp_path, CORPUS, chat_model)
     off = ServerThread(settings(indexes=(CollectionSpec("docs", index),), kv_tree_bytes=64 << 20,
-                                kv_tree_follow_ups=False), Pipeline.from_settings)
+                                kv_tree_follow_ups=False), build_pipeline)
     try:
         with RagClient(off.addr) as client, RagClient(without.addr) as plain:
             first, _, _ = _ask(client, FIRST, [], 0.2)

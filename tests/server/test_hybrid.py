@@ -23,13 +23,13 @@ CORPUS = {
 @pytest.fixture(scope="module")
 def hybrid_server(tmp_path_factory: pytest.TempPathFactory):
     """The hybrid's index served with the KV tree, and without it."""
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
 
     model = tiny_model_dir(tmp_path_factory.mktemp("qwen3-next"), "qwen3_next", family=True)
     index = build_index(tmp_path_factory.mktemp("hybrid-index"), CORPUS, model)
     spec = (CollectionSpec("docs", index),)
-    server = ServerThread(settings(indexes=spec, model=str(model), kv_tree_bytes=16 << 20), Pipeline.from_settings)
-    plain = ServerThread(settings(indexes=spec, model=str(model)), Pipeline.from_settings)
+    server = ServerThread(settings(indexes=spec, model=str(model), kv_tree_bytes=16 << 20), build_pipeline)
+    plain = ServerThread(settings(indexes=spec, model=str(model)), build_pipeline)
     yield server, index, plain
     server.stop()
     plain.stop()

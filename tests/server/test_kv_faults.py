@@ -66,6 +66,7 @@ def _query(addr: str, mode: str, top_k: int = TOP_K, **kw: object):
 def gated_server(tiny_index: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: F811
     """A server whose layered hits pass through `arm`'s gates while it holds a plan."""
     import ragkv.server.pipeline as sp
+    from ragkv.server.assembly import build_pipeline
 
     real = sp.ChunkKV.from_stored
     plan: list = []  # one gate factory per layered chunk, consumed in order; empty = real gates
@@ -84,7 +85,7 @@ def gated_server(tiny_index: Path, tmp_path_factory: pytest.TempPathFactory):  #
     mp.setattr(sp.ChunkKV, "from_stored", gated)
     index = _copy(tiny_index, tmp_path_factory.mktemp("gated") / "index")
     # no CPU tier to speak of: every request reads layered from disk
-    st = ServerThread(settings(indexes=(CollectionSpec("default", index),), kv_cpu_bytes=1), sp.Pipeline.from_settings)
+    st = ServerThread(settings(indexes=(CollectionSpec("default", index),), kv_cpu_bytes=1), build_pipeline)
     st.plan, st.used = plan, used
     yield st
     st.stop()
@@ -173,7 +174,7 @@ def test_corrupted_files_are_recomputed_and_rewritten(
 ) -> None:
     from ragkv.kvstore.fileformat import decode
     from ragkv.kvstore.tiers.disk import DiskTier
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
 
     # quarantine takes its time: a write-back racing it must not lose the rewritten file
     slow = DiskTier._discard
@@ -188,7 +189,7 @@ def test_corrupted_files_are_recomputed_and_rewritten(
     _reblock(index / "kv", manifest, monkeypatch)
     n = len(list((index / "kv").rglob("*.safetensors")))  # every chunk, in every request
     conf = dict(indexes=(CollectionSpec("default", index),), kv_layered=layered, kv_cpu_bytes=1)
-    st = ServerThread(settings(**conf), Pipeline.from_settings)
+    st = ServerThread(settings(**conf), build_pipeline)
     try:
         clean = _answers(st.addr, n)
     finally:
@@ -197,7 +198,7 @@ def test_corrupted_files_are_recomputed_and_rewritten(
     assert not (index / "kv" / ".quarantine").exists(), "the clean run quarantined a file"
     for mode in ("reuse", "blend", "focus"):  # damage every file anew, then one request reads them all
         damaged = _corrupt(index / "kv")
-        st = ServerThread(settings(**conf), Pipeline.from_settings)
+        st = ServerThread(settings(**conf), build_pipeline)
         try:
             stream, stats = _query(st.addr, mode, top_k=n)
             st.server.service.backend.flush_writes(60)  # write-backs reach the disk on a writer thread
@@ -211,7 +212,7 @@ def test_corrupted_files_are_recomputed_and_rewritten(
                    model_fp=manifest["model_fp"], tokenizer_fp=manifest["tokenizer_fp"])  # KVFormatError if bad
     quarantined = list((index / "kv" / ".quarantine").glob("*.safetensors"))
     assert len(quarantined) >= 3 * len(damaged["flipped"] + damaged["truncated"]), "damaged copies not quarantined"
-    st = ServerThread(settings(**conf), Pipeline.from_settings)  # the next start reads them, computes none
+    st = ServerThread(settings(**conf), build_pipeline)  # the next start reads them, computes none
     try:
         restarted = _answers(st.addr, n)
     finally:

@@ -34,12 +34,12 @@ def tree_index(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -
 @pytest.fixture(scope="module")
 def servers(tree_index: Path):
     """The same index served with the KV tree and without it."""
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
 
     spec = (CollectionSpec("docs", tree_index),)
     with_tree = ServerThread(settings(indexes=spec, http_port=0, metrics_port=0, kv_tree_bytes=64 << 20),
-                             Pipeline.from_settings)
-    without = ServerThread(settings(indexes=spec), Pipeline.from_settings)
+                             build_pipeline)
+    without = ServerThread(settings(indexes=spec), build_pipeline)
     yield with_tree, without
     with_tree.stop()
     without.stop()

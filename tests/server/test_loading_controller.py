@@ -13,7 +13,7 @@ import pytest
 from ragkv.client import RagClient
 from ragkv.kvstore.tiers.disk import DiskTier
 from ragkv.kvstore.timing import ReadEstimate
-from ragkv.server.loading import ControllerConfig, LoadingController
+from ragkv.server.loading_controller import ControllerConfig, LoadingController
 from ragkv.server.settings import CollectionSpec
 from ragkv.types import KVSource, Mode, Tier
 from tests.server.fakes import ServerThread, settings
@@ -141,11 +141,11 @@ def slow_disk(monkeypatch: pytest.MonkeyPatch):
 
 @pytest.fixture()
 def server(tiny_index: Path, tmp_path: Path):  # noqa: F811
-    import ragkv.server.pipeline as sp
+    from ragkv.server.assembly import build_pipeline
 
     index = _copy(tiny_index, tmp_path / "index")
     st = ServerThread(settings(indexes=(CollectionSpec("default", index),), kv_cpu_bytes=1, kv_controller=True),
-                      sp.Pipeline.from_settings)
+                      build_pipeline)
     yield st
     st.stop()
 

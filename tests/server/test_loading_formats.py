@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ragkv.kvstore.compression import Compression, stored_bytes_per_token
 from ragkv.kvstore.timing import ReadEstimate
-from ragkv.server.loading import LoadingController
+from ragkv.server.loading_controller import LoadingController
 from ragkv.types import KVSource, Tier
 
 SMOLLM2 = (30, 3, 512, 64)  # [L, Hkv, T, D]

@@ -28,9 +28,9 @@ QUESTION = {"role": "user", "content": "What is the secret number?"}
 
 
 def _server(index: Path, **kw: object) -> ServerThread:
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
 
-    return ServerThread(settings(indexes=(CollectionSpec("docs", index),), http_port=0, **kw), Pipeline.from_settings)
+    return ServerThread(settings(indexes=(CollectionSpec("docs", index),), http_port=0, **kw), build_pipeline)
 
 
 def _client(st: ServerThread) -> openai.OpenAI:

@@ -18,12 +18,12 @@ from tests.server.test_pipeline import QUESTION, tiny_index  # noqa: F401 - the 
 
 def _replica(index: Path, name: str | None, directory: PeerDirectory, cluster: Cluster, disk: Path | None):
     """A one-process server standing for a replica: its pipeline, with a peer tier unless `name` is None."""
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
 
     made = []
 
     def factory(s):
-        pipeline = Pipeline.from_settings(s)
+        pipeline = build_pipeline(s)
         if name is not None:
             for store in pipeline.stores():
                 store.attach(PeerTier(name, directory, cluster.objects(name), store.model_fp, store.tokenizer_fp,

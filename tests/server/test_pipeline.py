@@ -54,7 +54,7 @@ def _copy(index: Path, dest: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def pipeline_server(tiny_index: Path, tmp_path_factory: pytest.TempPathFactory):
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
 
     other = _copy(tiny_index, tmp_path_factory.mktemp("other") / "index")
     manifest = json.loads((other / "manifest.json").read_text())
@@ -62,7 +62,7 @@ def pipeline_server(tiny_index: Path, tmp_path_factory: pytest.TempPathFactory):
     (other / "manifest.json").write_text(json.dumps(manifest))
     st = ServerThread(
         settings(indexes=(CollectionSpec("default", tiny_index), CollectionSpec("other", other)), max_queue=32),
-        Pipeline.from_settings,
+        build_pipeline,
     )
     yield st
     st.stop()
@@ -122,12 +122,12 @@ def test_focus_mode_names_the_chunks_it_kept(pipeline_server: ServerThread) -> N
 
 def test_focus_keep_setting_reaches_the_engine(tiny_index: Path) -> None:
     """focus_keep 1.0 keeps exactly the best chunk; a tiny one keeps every chunk."""
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
 
     used = {}
     for keep in (1.0, 1e-9):
         st = ServerThread(settings(indexes=(CollectionSpec("default", tiny_index),), focus_keep=keep),
-                          Pipeline.from_settings)
+                          build_pipeline)
         try:
             with RagClient(st.addr, timeout=60) as client:
                 used[keep] = client.query(QUESTION, mode=Mode.FOCUS, top_k=3, max_new_tokens=2).result().used_chunk_ids
@@ -168,10 +168,10 @@ def test_prompt_step_tokens_reaches_the_engine_and_changes_no_answer(
     layer call of the query sees more), and the answer is whole layers' answer."""
     from ragkv.engine import Engine, Prompt, SamplingParams, forward, load_model
     from ragkv.retriever import Retriever
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
 
     st = ServerThread(settings(indexes=(CollectionSpec("default", tiny_index),), prompt_step_tokens=16),
-                      Pipeline.from_settings)
+                      build_pipeline)
     rows: list[int] = []
     real = forward.layer_forward
     monkeypatch.setattr(forward, "layer_forward", lambda ad, i, h, *a, **k: (rows.append(h.shape[0]), real(ad, i, h, *a, **k))[1])
@@ -215,11 +215,11 @@ def test_index_built_with_another_model_is_failed_precondition(pipeline_server: 
 
 
 def test_missing_kv_is_computed_and_written_back(tiny_index: Path, tmp_path: Path) -> None:
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
 
     index = _copy(tiny_index, tmp_path / "index")
     shutil.rmtree(index / "kv")  # every chunk KV gone from every tier
-    st = ServerThread(settings(indexes=(CollectionSpec("default", index),)), Pipeline.from_settings)
+    st = ServerThread(settings(indexes=(CollectionSpec("default", index),)), build_pipeline)
     try:
         with RagClient(st.addr, timeout=60) as client:
             first = client.query(QUESTION, mode="blend", top_k=2, max_new_tokens=4)
@@ -240,11 +240,11 @@ def test_kv_written_by_another_format_version_is_recomputed(
 ) -> None:
     """An index whose KV files (and stored keys) come from an older format still answers."""
     import ragkv.kvstore.keys
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
 
     index = _copy(tiny_index, tmp_path / "index")
     monkeypatch.setattr(ragkv.kvstore.keys, "FORMAT_VERSION", ragkv.kvstore.keys.FORMAT_VERSION + 100)
-    st = ServerThread(settings(indexes=(CollectionSpec("default", index),)), Pipeline.from_settings)
+    st = ServerThread(settings(indexes=(CollectionSpec("default", index),)), build_pipeline)
     try:
         with RagClient(st.addr, timeout=60) as client:
             stream = client.query(QUESTION, mode="blend", top_k=2, max_new_tokens=4)
@@ -277,6 +277,7 @@ def test_a_layered_read_that_fails_mid_prompt_is_recomputed(
     import ragkv.server.pipeline as sp
     from ragkv.errors import KVFormatError
     from ragkv.kvstore import LayerGate
+    from ragkv.server.assembly import build_pipeline
 
     real = sp.ChunkKV.from_stored
     failed = []
@@ -294,7 +295,7 @@ def test_a_layered_read_that_fails_mid_prompt_is_recomputed(
 
     monkeypatch.setattr(sp.ChunkKV, "from_stored", first_chunk_fails_at_layer_1)
     index = _copy(tiny_index, tmp_path / "index")
-    st = ServerThread(settings(indexes=(CollectionSpec("default", index),)), sp.Pipeline.from_settings)
+    st = ServerThread(settings(indexes=(CollectionSpec("default", index),)), build_pipeline)
     try:
         with RagClient(st.addr, timeout=60) as client:
             broken = client.query(QUESTION, mode="blend", top_k=3, max_new_tokens=6, recompute_ratio=0.3)
@@ -310,13 +311,13 @@ def test_a_layered_read_that_fails_mid_prompt_is_recomputed(
 
 
 def test_layered_and_whole_reads_give_the_same_answer(tiny_index: Path, tmp_path: Path) -> None:
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
 
     texts = {}
     for layered in (True, False):
         index = _copy(tiny_index, tmp_path / f"index-{layered}")
         st = ServerThread(settings(indexes=(CollectionSpec("default", index),), kv_layered=layered),
-                          Pipeline.from_settings)
+                          build_pipeline)
         try:
             with RagClient(st.addr, timeout=60) as client:
                 stream = client.query(QUESTION, mode="blend", top_k=3, max_new_tokens=8, recompute_ratio=0.3)
@@ -338,7 +339,7 @@ def test_a_neighbour_index_is_served_from_its_own_kv(tiny_llama_dir: Path, tmp_p
     from ragkv.indexer.job import IndexJobConfig, run_index
     from ragkv.retriever.chunk_keys import NeighbourOptions, chunk_key
     from ragkv.retriever.manifest import read_manifest
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -356,7 +357,7 @@ def test_a_neighbour_index_is_served_from_its_own_kv(tiny_llama_dir: Path, tmp_p
     assert {c.kv_key.to_str() for c in chunks} <= stored  # the neighbour KV of every chunk
     assert bool(plain_files & stored) == (context == "kv")  # and the plain KV only with kv contexts
     st = ServerThread(settings(indexes=(CollectionSpec("default", index),), kv_cpu_bytes=1, focus_handover=False),
-                      Pipeline.from_settings)
+                      build_pipeline)
     try:
         with RagClient(st.addr, timeout=60) as client:
             for mode in ("blend", "reuse"):
@@ -373,7 +374,7 @@ def test_a_neighbour_index_is_served_from_its_own_kv(tiny_llama_dir: Path, tmp_p
             if f.stem in plain_files and f.stem not in {c.kv_key.to_str() for c in chunks}:
                 f.unlink()
         st = ServerThread(settings(indexes=(CollectionSpec("default", index),), kv_cpu_bytes=1, focus_handover=False),
-                          Pipeline.from_settings)
+                          build_pipeline)
         try:
             with RagClient(st.addr, timeout=60) as client:
                 blend = client.query(QUESTION, mode="blend", top_k=2, max_new_tokens=3)
@@ -391,7 +392,7 @@ def test_a_neighbour_index_is_served_from_its_own_kv(tiny_llama_dir: Path, tmp_p
             if f.stem in plain_files and f.stem not in {c.kv_key.to_str() for c in chunks}:
                 f.unlink()  # the write-backs of the run above
         st = ServerThread(settings(indexes=(CollectionSpec("default", index),), kv_cpu_bytes=1),  # handover: default
-                          Pipeline.from_settings)
+                          build_pipeline)
         try:
             with RagClient(st.addr, timeout=60) as client:
                 focus = client.query(QUESTION, mode="focus", top_k=2, max_new_tokens=3)
@@ -406,13 +407,13 @@ def test_the_quality_guard_falls_back_to_full_prefill_and_counts_it(tiny_index: 
     """--quality-guard-mass: a blend whose budget cannot hold that share of the question's
     attention runs as full prefill (its answer is full's), and ragkv_quality_fallbacks_total
     counts it beside ragkv_answers_total; a mass the budget holds changes nothing."""
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
 
     full: list[str] = []
 
     def ask(mass: float | None) -> tuple[object, float, float]:
         st = ServerThread(settings(indexes=(CollectionSpec("default", tiny_index),), quality_guard_mass=mass),
-                          Pipeline.from_settings)
+                          build_pipeline)
         try:
             with RagClient(st.addr, timeout=60) as client:
                 stats = client.query(QUESTION, mode=Mode.BLEND, top_k=3, max_new_tokens=6,
@@ -440,11 +441,11 @@ def test_focus_handovers_are_counted_and_answer_over_every_chunk(tiny_index: Pat
     spread 0 (and keep ~0) every focus answer hands over and is computed over all the
     chunks retrieved; at spread 1 none does, and the answer is focus's own, over the best
     chunk (keep 1); a lookup that keeps every chunk (keep ~0) is blend over them all, counted."""
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
 
     def ask(spread: float, keep: float = 1e-9) -> tuple[object, int, float]:
         st = ServerThread(settings(indexes=(CollectionSpec("default", tiny_index),), focus_keep=keep,
-                                   focus_spread=spread), Pipeline.from_settings)
+                                   focus_spread=spread), build_pipeline)
         try:
             with RagClient(st.addr, timeout=60) as client:
                 stream = client.query(QUESTION, mode=Mode.FOCUS, top_k=3, max_new_tokens=4)

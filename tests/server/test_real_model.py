@@ -22,7 +22,7 @@ def test_smollm2_full_equals_engine_and_blend_serves(smollm2, tmp_path: Path) ->
     from ragkv.indexer.chunking import ChunkingConfig
     from ragkv.indexer.job import IndexJobConfig, run_index
     from ragkv.retriever import Retriever
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import assemble_pipeline
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -34,7 +34,7 @@ def test_smollm2_full_equals_engine_and_blend_serves(smollm2, tmp_path: Path) ->
     retriever = Retriever.open(index)
 
     def factory(s):  # share the session's loaded model
-        return Pipeline.from_parts(Engine(smollm2), {"default": (index, retriever)}, s)
+        return assemble_pipeline(smollm2, {"default": (index, retriever)}, s)
 
     st = ServerThread(settings(indexes=(CollectionSpec("default", index),)), factory)
     try:

@@ -37,10 +37,10 @@ def build_index(root: Path, model_dir: Path) -> Path:
 
 def serve_tiers(index_dir: Path) -> list[Tier]:
     """The tier of every chunk's KV on the first REUSE query of a fresh server over ``index_dir``."""
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
 
     n_chunks = json.loads((index_dir / "manifest.json").read_text())["n_chunks"]
-    st = ServerThread(settings(indexes=(CollectionSpec("default", index_dir),)), Pipeline.from_settings)
+    st = ServerThread(settings(indexes=(CollectionSpec("default", index_dir),)), build_pipeline)
     try:
         with RagClient(st.addr, timeout=60) as client:
             stream = client.query("What is the secret number?", mode=Mode.REUSE, top_k=n_chunks, max_new_tokens=2)

@@ -81,11 +81,11 @@ def _ask(st: ServerThread, mode: str):
 
 
 def test_s3_down_requests_are_served_and_errors_counted(moto, tiny_index: Path, tmp_path: Path) -> None:  # noqa: F811
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
 
     index = _copy(tiny_index, tmp_path / "index")
     st = ServerThread(settings(indexes=(CollectionSpec("default", index),), kv_cpu_bytes=1,
-                               kv_s3_uri=f"s3://{BUCKET}/kv"), Pipeline.from_settings)
+                               kv_s3_uri=f"s3://{BUCKET}/kv"), build_pipeline)
     try:
         clean = {m: _ask(st, m) for m in ("reuse", "blend", "focus")}
         assert set(clean["reuse"][1]) == {Tier.DISK}

@@ -16,7 +16,7 @@ import pytest
 
 from ragkv.cli.main import main
 from ragkv.client import RagClient
-from ragkv.server.pipeline import fetch_indexes
+from ragkv.server.assembly import fetch_indexes
 from ragkv.server.settings import CollectionSpec
 from ragkv.types import Mode, Tier
 from tests.kvstore.conftest import s3_endpoint  # noqa: F401  (the moto server fixture)
@@ -41,7 +41,7 @@ def keys(client, bucket: str, prefix: str) -> set[str]:
 
 
 def test_sharded_index_to_s3_then_serve_from_s3(s3, tmp_path: Path, tiny_llama_dir: Path) -> None:
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
 
     client, bucket = s3
     for name, text in CORPUS.items():
@@ -68,7 +68,7 @@ def test_sharded_index_to_s3_then_serve_from_s3(s3, tmp_path: Path, tiny_llama_d
     fetch_indexes(served)
     assert (spec.index_dir / "manifest.json").is_file()
     assert not any(spec.index_dir.glob("shard-*"))  # the shards stay in S3
-    st = ServerThread(served, Pipeline.from_settings)
+    st = ServerThread(served, build_pipeline)
     try:
         with RagClient(st.addr, timeout=60) as rag:
             stream = rag.query("What is the secret number?", mode=Mode.REUSE, top_k=manifest["n_chunks"],

@@ -51,12 +51,12 @@ def search_index(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path)
 @pytest.fixture(scope="module")
 def server(search_index: Path, tmp_path_factory: pytest.TempPathFactory):
     from ragkv.retriever.rerank import tiny_cross_encoder_dir
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
 
     ce = tiny_cross_encoder_dir(tmp_path_factory.mktemp("ce") / "ce")
-    plain = ServerThread(settings(indexes=(CollectionSpec("default", search_index),)), Pipeline.from_settings)
+    plain = ServerThread(settings(indexes=(CollectionSpec("default", search_index),)), build_pipeline)
     reranked = ServerThread(settings(indexes=(CollectionSpec("default", search_index),), reranker=ce),
-                            Pipeline.from_settings)
+                            build_pipeline)
     yield plain, reranked
     plain.stop()
     reranked.stop()

@@ -143,7 +143,7 @@ def test_the_server_keeps_the_cpu_faiss_index_unless_told() -> None:
 def test_kv_s3_writeback_off_reads_s3_and_writes_only_below_it(tmp_path) -> None:
     import torch
 
-    from ragkv.server.pipeline import _store_config
+    from ragkv.server.assembly import store_config as _store_config
     from ragkv.server.settings import ServerSettings
     from ragkv.types import Tier
 
@@ -194,6 +194,6 @@ def test_ragkv_serve_refuses_an_s3_index_without_model_before_fetching_it(monkey
     from ragkv.cli.main import main
 
     fetched: list = []
-    monkeypatch.setattr("ragkv.server.pipeline.fetch_indexes", lambda s: fetched.append(s))
+    monkeypatch.setattr("ragkv.server.assembly.fetch_indexes", lambda s: fetched.append(s))
     assert main(["serve", "--index", "s3://bucket/index/latest"]) == 1
     assert "--model is required" in capsys.readouterr().err and fetched == []

@@ -22,13 +22,13 @@ ALICE, BOB = "alice-secret-0123456789", "bob-secret-0123456789ab"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path):
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
 
     root = tmp_path_factory.mktemp("tenants")
     keys = root / "keys.json"
     keys.write_text(json.dumps([{"name": "alice", "key": ALICE}, {"name": "bob", "key": BOB}]))
     st = ServerThread(settings(indexes=(CollectionSpec("docs", build_index(root, CORPUS, tiny_llama_dir)),),
-                               api_keys_file=keys, http_port=0, kv_tree_bytes=64 << 20), Pipeline.from_settings)
+                               api_keys_file=keys, http_port=0, kv_tree_bytes=64 << 20), build_pipeline)
     yield st
     st.stop()
 
@@ -108,7 +108,7 @@ def test_a_key_rotating_its_cache_salt_cannot_evict_another_keys_conversation(
     """The attack of issue 71: alice sends a new cache_salt on every request, so each looks like a
     new tenant; the tree's share (--kv-tree-key-share) counts per key, so her flood makes room
     from her own paths and bob's conversation is still served from the tree."""
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
 
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps([{"name": "alice", "key": ALICE}, {"name": "bob", "key": BOB}]))
@@ -118,7 +118,7 @@ def test_a_key_rotating_its_cache_salt_cannot_evict_another_keys_conversation(
     def start(tree_bytes: int) -> ServerThread:
         return ServerThread(settings(indexes=(CollectionSpec("docs", index),), api_keys_file=keys,
                                      kv_tree_bytes=tree_bytes, kv_tree_key_share=0.5, kv_tree_host_bytes=0),
-                            Pipeline.from_settings)
+                            build_pipeline)
 
     probe = start(64 << 20)  # how many bytes one conversation keeps in the tree
     try:

@@ -20,9 +20,9 @@ def index(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Pat
 
 
 def _serve(index: Path, **overrides: object) -> ServerThread:
-    from ragkv.server.pipeline import Pipeline
+    from ragkv.server.assembly import build_pipeline
 
-    return ServerThread(settings(indexes=(CollectionSpec("docs", index),), **overrides), Pipeline.from_settings)
+    return ServerThread(settings(indexes=(CollectionSpec("docs", index),), **overrides), build_pipeline)
 
 
 def _call(server: ServerThread, step: int) -> tuple[str, int, int]:

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from ragkv.engine import load_model, loading
+from ragkv.engine import load_model
+from ragkv.engine import model_loading as loading
 from ragkv.errors import ModelLoadError, UnsupportedModelError
 from ragkv.evals.testing import tiny_model_dir
 

@@ -24,9 +24,11 @@ must end (answered, or UNAVAILABLE), none hangs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import secrets
 import statistics
 import sys
 import tempfile
@@ -174,13 +176,13 @@ def _ask(client, question: str, tally: _Tally, max_new: int, top_k: int,  # RagC
 
 
 def _run_workload(addr: str, items: list[tuple], clients: int, steps: int, max_new: int, top_k: int,
-                  plain: tuple[bool, bool]) -> _Tally:
+                  plain: tuple[bool, bool], token: str | None = None) -> _Tally:
     from ragkv.client import RagClient
 
     tally, todo, lock = _Tally(), list(reversed(items)), threading.Lock()
 
     def worker() -> None:
-        with RagClient(addr, timeout=600) as client:
+        with RagClient(addr, timeout=600, token=token) as client:
             while True:
                 with lock:
                     if not todo:
@@ -262,7 +264,7 @@ def _summary(t: _Tally) -> dict:
             "chunk_loads": loads, "chunks_by_source": dict(t.by_tier), "requests": len(t.ttft), "errors": t.errors}
 
 
-def _fault(addr: str, items: list[tuple], max_new: int, top_k: int, app: str) -> dict:
+def _fault(addr: str, items: list[tuple], max_new: int, top_k: int, app: str, token: str | None = None) -> dict:
     """Kill one engine replica while requests run: count answered, UNAVAILABLE and hung."""
     import ray
 
@@ -273,7 +275,7 @@ def _fault(addr: str, items: list[tuple], max_new: int, top_k: int, app: str) ->
 
     def one(question: str) -> None:
         try:
-            with RagClient(addr, timeout=120) as client:
+            with RagClient(addr, timeout=120, token=token) as client:
                 stream = client.query(question, top_k=top_k, max_new_tokens=max_new)
                 for _ in stream:
                     pass
@@ -386,12 +388,19 @@ def run_cluster_bench(args) -> int:  # argparse.Namespace from cli.bench
         kv_bytes = sum(f.stat().st_size for f in (index / "kv").rglob("*") if f.is_file())
         s3_server = None
         if args.shared_tier == "s3":
-            index, s3_server = _s3_index(index, Path(tmp))
+            with contextlib.redirect_stdout(sys.stderr):  # moto says it started on stdout: --json keeps stdout
+                index, s3_server = _s3_index(index, Path(tmp))
         topics, index_tokens = _topics(index)
         cpu_tokens = int(index_tokens * args.cpu_share)  # one replica's CPU tier, in chunk tokens
         items = _workload(topics, args.requests, args.agent_every, args.zipf, seed=args.seed)
         port, metrics_port = _free_port(), _free_port()
-        settings = ServerSettings(
+        # the cluster serves gRPC only with credentials (its proxy listens on every interface): a
+        # token of this run's own, which the bench's clients send
+        token = secrets.token_urlsafe(24)
+        token_file = Path(tmp) / "token"
+        token_file.write_text(token)
+        token_file.chmod(0o600)
+        settings = ServerSettings(auth_token_file=token_file,
             indexes=(CollectionSpec("default", index),), host="127.0.0.1", port=port, http_port=None,
             metrics_port=metrics_port, model=None if args.index else args.model, kv_cpu_bytes=int(kv_bytes * args.cpu_share),
             **({"device": args.device} if args.device else {}), **({"dtype": args.dtype} if args.dtype else {}))
@@ -418,7 +427,7 @@ def run_cluster_bench(args) -> int:  # argparse.Namespace from cli.bench
                                                                     peer_tier=peers == "on"))
                     t0 = time.perf_counter()
                     tally = _run_workload(addr, items, args.clients, args.loop_steps, args.max_new_tokens,
-                                          args.top_k, plain)
+                                          args.top_k, plain, token)
                     report["routing"][name] = {**_summary(tally), **_bounds(tally, args.replicas, cpu_tokens),
                                                "route_decisions": _route_decisions(metrics_port),
                                                "seconds": round(time.perf_counter() - t0, 1)}
@@ -429,7 +438,8 @@ def run_cluster_bench(args) -> int:  # argparse.Namespace from cli.bench
                 cluster.start(settings, cluster.ClusterSettings(args.replicas, routing=Policy.CHUNK,
                                                                 cpus_per_replica=args.cpus_per_replica,
                                                                 peer_tier="on" in peer_modes))
-                report["fault"] = _fault(addr, items[:args.fault], args.max_new_tokens, args.top_k, cluster.APP_NAME)
+                report["fault"] = _fault(addr, items[:args.fault], args.max_new_tokens, args.top_k, cluster.APP_NAME,
+                                         token)
                 print(f"fault: {report['fault']}", file=sys.stderr, flush=True)
         finally:
             cluster.stop()

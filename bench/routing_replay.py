@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ragkv.cli.cluster_bench import LRUTier, _build_index, _topics, _workload, load_key, lru_hit_rate, plain_reads
-from ragkv.server.routing import EMPTY, KeyFilter, Policy, ReplicaSummary, ReplicaView, RouteKeys, route
+from ragkv.kvstore.key_filter import EMPTY, KeyFilter
+from ragkv.server.routing import Policy, ReplicaSummary, ReplicaView, RouteKeys, route
 from ragkv.types import Tier
 
 PLACEMENTS = ("best", "least", "document")

@@ -53,6 +53,7 @@ from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from ragkv.engine.scheduler import Scheduler
+from ragkv.kvstore.key_filter import KeyFilter
 from ragkv.server import routing
 from ragkv.server.admission import Admission
 from ragkv.server.answering import ChunksEvent, QueryRunner, RunEvent
@@ -62,7 +63,6 @@ from ragkv.server.query import Query
 from ragkv.server.routing import (
     ROUTE_SLACK,
     ConversationPins,
-    KeyFilter,
     KeyHex,
     Policy,
     ReplicaSummary,

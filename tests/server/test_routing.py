@@ -11,14 +11,13 @@ from collections import Counter
 
 import pytest
 
+from ragkv.kvstore.key_filter import EMPTY, KeyFilter
 from ragkv.server.routing import (
     AFFINITY_BONUS,
     DEFAULT_PASS_S,
-    EMPTY,
     SETTLE_S,
     TIER_WEIGHTS,
     ConversationPins,
-    KeyFilter,
     Policy,
     Reason,
     ReplicaSummary,

@@ -20,6 +20,13 @@ together, i.e. perfect placement): on N replicas, no router beats pow2 by more t
 ratio, whatever it scores. Then, with
 the chunk policy deployed again, one replica is killed while requests run: every request
 must end (answered, or UNAVAILABLE), none hangs.
+
+With `--peer-tier on,off` each policy runs with the replicas' peer tier and without it
+(`kvstore.tiers.peer`): beside the fast-tier hit rate, the local-plus-peer hit rate and its share
+of the pooled bound, and TTFT with peers over without. With `--shared-tier s3` the corpus's KV
+lives in an S3 bucket (moto on loopback) and no disk is shared, as a deploy keeps it; with the
+default (the index's own folder, shared on this host) a replica's misses are local disk reads,
+which the peer tier, looked at after the local disk, never sees.
 """
 
 from __future__ import annotations

@@ -327,9 +327,14 @@ class PeerTier(DurableTier):
         assert self.budget_bytes is not None
         if n > self.budget_bytes:
             return False
+        with self._lock:
+            if key in self._published:  # two hits of one key queued it twice: published once
+                return True
         handle = self.objects.put(bytes(data))
         gone: list[ChunkKey] = []
         with self._lock:
+            if key in self._published:
+                return True
             while self._published and self._bytes + n > self.budget_bytes:
                 old, (_, size) = self._published.popitem(last=False)  # the oldest published goes first
                 self._bytes -= size

@@ -302,6 +302,25 @@ class TieredStore:
                 return t.tier
         return None
 
+    def where_many(self, keys: Sequence[ChunkKey]) -> list[Tier | None]:
+        """`where` of each of a request's keys: each tier is asked once for the keys no tier
+        above it holds (the peer tier's directory answers them in one call, not one per key)."""
+        out: list[Tier | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        for t in self._tiers:
+            if not todo:
+                break
+            if t.tier is Tier.S3:
+                for i in todo:
+                    out[i] = Tier.S3
+                break
+            held = t.contains_many([keys[i] for i in todo])
+            for i, h in zip(todo, held):
+                if h:
+                    out[i] = t.tier
+            todo = [i for i, h in zip(todo, held) if not h]
+        return out
+
     def _promote(self, hit: Hit, upper: Sequence[StorageTier]) -> KVEntry:
         """Copy a hit into `upper` (top-down); the entry as held by the topmost that took it."""
         top = hit.entry

@@ -86,8 +86,8 @@ class LoadingController:
         """
         rate = self.tokens_per_s
         base = []
-        for key, n in zip(keys, tokens):
-            tier = store.where(key)
+        where = store.where_many(keys) if hasattr(store, "where_many") else [store.where(k) for k in keys]
+        for n, tier in zip(tokens, where):
             est = store.read_estimate(tier) if tier is not None else None
             base.append(ChunkDecision(tier is not None, KVSource.LOADED if tier is not None
                                       else KVSource.COMPUTED_MISSING, tier,

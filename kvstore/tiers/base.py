@@ -136,6 +136,11 @@ class StorageTier(abc.ABC):
         """`put`, sharing encodings with the other tiers of one store put (`encoded`: by compression)."""
         return self.put(entry)
 
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """`contains` of each key (a tier that can ask for many at once, the peer tier's
+        directory, does so in one call)."""
+        return [self.contains(k) for k in keys]
+
     def held_keys(self) -> list[ChunkKey] | None:
         """The keys this tier holds, for a cluster's router; None: a tier shared by every host
         (S3), whose holdings say nothing about this one. Local tiers list their index."""

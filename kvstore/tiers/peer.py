@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -69,6 +69,7 @@ class Directory(Protocol):
     def publish(self, key: str, replica: str, handle: object, nbytes: int) -> None: ...
     def withdraw(self, replica: str, keys: list[str]) -> None: ...
     def lookup(self, key: str) -> list[PeerCopy]: ...
+    def lookup_many(self, keys: list[str]) -> list[list[PeerCopy]]: ...
     def lost(self, key: str, replica: str) -> None: ...
 
 
@@ -125,6 +126,10 @@ class PeerDirectory:
             self._expire()
             copies = [self._copies[(key, r)] for r in self._by_key.get(key, ())]
         return sorted(copies, key=lambda c: c.published_at, reverse=True)
+
+    def lookup_many(self, keys: list[str]) -> list[list[PeerCopy]]:
+        """`lookup` of each key, in one call (a request's chunks)."""
+        return [self.lookup(k) for k in keys]
 
     def lost(self, key: str, replica: str) -> None:
         """A reader could not read `replica`'s copy of `key` (gone, or damaged): stop naming it."""
@@ -233,6 +238,27 @@ class PeerTier(DurableTier):
             while len(self._memo) > _MEMO_MAX:
                 self._memo.popitem(last=False)
         return found
+
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Whether the directory names a copy of each key: one lookup for the keys it has not
+        answered for lately (a request's chunks, priced by the loading controller)."""
+        now = self._clock()
+        with self._lock:
+            ask = [k for k in keys if (m := self._memo.get(k)) is None or now - m[0] >= LOOKUP_MEMO_S]
+        if ask:
+            try:
+                found = self.directory.lookup_many([k.hex for k in ask])
+            except PeerReadError as e:
+                self._counters.add(errors=1)
+                logger.warning("peer directory lookup of %d keys failed: %s", len(ask), e)
+                found = [[] for _ in ask]
+            with self._lock:
+                for k, copies in zip(ask, found):
+                    self._memo[k] = (now, copies)
+                    self._memo.move_to_end(k)
+                while len(self._memo) > _MEMO_MAX:
+                    self._memo.popitem(last=False)
+        return [bool(self.copies(k)) for k in keys]
 
     def _read(self, key: ChunkKey) -> memoryview | None:
         for copy in self.copies(key):

@@ -69,6 +69,12 @@ class RayDirectory:
         except (GetTimeoutError, RayError) as e:
             raise PeerReadError(f"the peer directory did not answer within {self.timeout_s}s: {e}") from e
 
+    def lookup_many(self, keys: list[str]) -> list[list[PeerCopy]]:
+        try:
+            return ray.get(self.actor.lookup_many.remote(keys), timeout=self.timeout_s)  # type: ignore[no-any-return]
+        except (GetTimeoutError, RayError) as e:
+            raise PeerReadError(f"the peer directory did not answer within {self.timeout_s}s: {e}") from e
+
     def stats(self) -> dict[str, int]:
         try:
             return ray.get(self.actor.stats.remote(), timeout=self.timeout_s)  # type: ignore[no-any-return]

@@ -270,3 +270,28 @@ def test_a_peer_tier_refuses_another_models_entry_and_needs_a_budget() -> None:
         peer.write(make_entry(8, model_fp="model-b"), {})
     with pytest.raises(ValueError, match="budget"):
         PeerTier("a", PeerDirectory(), Cluster().objects("a"), MODEL_FP, TOKENIZER_FP, 0)
+
+
+def test_a_requests_keys_are_looked_up_in_one_directory_call() -> None:
+    class Counting(PeerDirectory):
+        calls = 0
+
+        def lookup(self, key: str) -> list:
+            Counting.calls += 1
+            return super().lookup(key)
+
+        def lookup_many(self, keys: list[str]) -> list[list]:
+            Counting.calls += 1
+            return [PeerDirectory.lookup(self, k) for k in keys]
+
+    directory, cluster = Counting(), Cluster()
+    a, peer_a = _store("a", directory, cluster)
+    b, _ = _store("b", directory, cluster)
+    entries = [make_entry(20 + i) for i in range(4)]
+    for e in entries[:2]:
+        _publish(a, peer_a, e)
+    b.put(entries[2])  # b holds this one itself
+    Counting.calls = 0
+    assert b.where_many([e.key for e in entries]) == [Tier.PEER, Tier.PEER, Tier.CPU, None]
+    assert Counting.calls == 1  # one call for the three keys b's own tiers lack
+    assert b.read(entries[0].key).tier is Tier.PEER and Counting.calls == 1  # the read reuses the answer

@@ -293,18 +293,14 @@ class TieredStore:
         return None if timing is None else timing.estimate()
 
     def where(self, key: ChunkKey) -> Tier | None:
-        """The tier a read of `key` would likely come from, asking no network tier: the first
-        local tier holding it, else S3 when configured (its objects are not listed), else None."""
-        for t in self._tiers:
-            if t.tier is Tier.S3:
-                return Tier.S3
-            if t.contains(key):
-                return t.tier
-        return None
+        """`where_many` of one key."""
+        return self.where_many([key])[0]
 
     def where_many(self, keys: Sequence[ChunkKey]) -> list[Tier | None]:
-        """`where` of each of a request's keys: each tier is asked once for the keys no tier
-        above it holds (the peer tier's directory answers them in one call, not one per key)."""
+        """The tier a read of each key would likely come from: the first tier that says it holds
+        it (S3 is not asked: its objects are not listed, so a key no tier above holds is S3's when
+        configured), else None. Each tier is asked once for the keys no tier above it holds (the
+        peer tier's directory answers them in one call, not one per key)."""
         out: list[Tier | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         for t in self._tiers:

@@ -94,9 +94,10 @@ def tree_config(settings: ServerSettings, lm: LoadedModel) -> TreeConfig:
     """The KV tree the settings ask for (`--kv-tree-*`), its disk tier's files for `lm`."""
     files = (TreeFiles(settings.kv_tree_dir, lm.fingerprint, lm.tokenizer_fingerprint)
              if settings.kv_tree_dir is not None else None)
-    return TreeConfig(settings.kv_tree_bytes, settings.kv_tree_key_share, settings.kv_tree_host_bytes, files,
-                      settings.kv_tree_disk_bytes, settings.kv_tree_retain_max_s, settings.kv_tree_retain_default_s,
-                      settings.kv_tree_follow_ups)
+    return TreeConfig(budget_bytes=settings.kv_tree_bytes, tenant_share=settings.kv_tree_key_share,
+                      host_bytes=settings.kv_tree_host_bytes, files=files, disk_bytes=settings.kv_tree_disk_bytes,
+                      retain_max_s=settings.kv_tree_retain_max_s, retain_default_s=settings.kv_tree_retain_default_s,
+                      follow_ups=settings.kv_tree_follow_ups)
 
 
 def _seed_speed(engine: Engine, prefix_ids: Sequence[int]) -> None:

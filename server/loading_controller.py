@@ -82,12 +82,11 @@ class LoadingController:
         """Read or compute each chunk (`keys[i]` of `tokens[i]` tokens) of one request.
 
         Args:
-            store: a kvstore.TieredStore (`where`, `read_estimate`, `prefetch_workers`).
+            store: a kvstore.TieredStore (`where_many`, `read_estimate`, `prefetch_workers`).
         """
         rate = self.tokens_per_s
         base = []
-        where = store.where_many(keys) if hasattr(store, "where_many") else [store.where(k) for k in keys]
-        for n, tier in zip(tokens, where):
+        for n, tier in zip(tokens, store.where_many(keys)):
             est = store.read_estimate(tier) if tier is not None else None
             base.append(ChunkDecision(tier is not None, KVSource.LOADED if tier is not None
                                       else KVSource.COMPUTED_MISSING, tier,

@@ -36,6 +36,7 @@ from ragkv.errors import IndexMismatchError, StoreError
 from ragkv.kvstore import (
     ChunkKey,
     KVEntry,
+    PeerTier,
     PrefetchHandle,
     PrefixHash,
     TieredStore,
@@ -543,10 +544,10 @@ class Pipeline:
     def peer_counters(self) -> dict[str, float]:
         """The peer tier's counters over every collection (`ragkv serve --replicas`; {} without one):
         reads (hits), their bytes and seconds, misses, errors, refused copies, bytes published now."""
-        peers = [t for c in self._collections.values() for t in c.store.stats().tiers if t.tier is Tier.PEER]
-        if not peers:
+        tiers = [t for c in self._collections.values() for t in c.store.tiers if isinstance(t, PeerTier)]
+        if not tiers:
             return {}
-        pending = sum(getattr(c.store.tier(Tier.PEER), "pending_publishes", 0) for c in self._collections.values())
+        peers, pending = [t.stats() for t in tiers], sum(t.pending_publishes for t in tiers)
         return {"peer_reads": sum(t.hits for t in peers), "peer_read_bytes": sum(t.bytes_read for t in peers),
                 "peer_read_seconds": sum(t.get_seconds for t in peers), "peer_misses": sum(t.misses for t in peers),
                 "peer_errors": sum(t.errors for t in peers), "peer_rejected": sum(t.rejected for t in peers),

@@ -68,7 +68,6 @@ class Directory(Protocol):
 
     def publish(self, key: str, replica: str, handle: object, nbytes: int) -> None: ...
     def withdraw(self, replica: str, keys: list[str]) -> None: ...
-    def lookup(self, key: str) -> list[PeerCopy]: ...
     def lookup_many(self, keys: list[str]) -> list[list[PeerCopy]]: ...
     def lost(self, key: str, replica: str) -> None: ...
 
@@ -219,32 +218,21 @@ class PeerTier(DurableTier):
     # -- reads ----------------------------------------------------------------------------
 
     def copies(self, key: ChunkKey) -> list[PeerCopy]:
-        """The directory's live copies of `key` (its answer reused for `LOOKUP_MEMO_S`); [] when the
-        directory cannot answer in time."""
-        now = self._clock()
-        with self._lock:
-            memo = self._memo.get(key)
-            if memo is not None and now - memo[0] < LOOKUP_MEMO_S:
-                return memo[1]
-        try:
-            found = self.directory.lookup(key.hex)
-        except PeerReadError as e:
-            self._counters.add(errors=1)
-            logger.warning("peer directory lookup of %s failed: %s", key.hex, e)
-            found = []
-        with self._lock:
-            self._memo[key] = (now, found)
-            self._memo.move_to_end(key)
-            while len(self._memo) > _MEMO_MAX:
-                self._memo.popitem(last=False)
-        return found
+        """The directory's live copies of `key`; [] when the directory cannot answer in time."""
+        return self._lookup([key])[0]
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        """Whether the directory names a copy of each key: one lookup for the keys it has not
-        answered for lately (a request's chunks, priced by the loading controller)."""
+        """Whether the directory names a copy of each key, in one lookup (a request's chunks,
+        priced by the loading controller; its reads then reuse the answer)."""
+        return [bool(c) for c in self._lookup(keys)]
+
+    def _lookup(self, keys: Sequence[ChunkKey]) -> list[list[PeerCopy]]:
+        """Each key's live copies: the directory is asked once for the keys it has not answered
+        for within `LOOKUP_MEMO_S`; a directory that cannot answer in time names none."""
         now = self._clock()
         with self._lock:
-            ask = [k for k in keys if (m := self._memo.get(k)) is None or now - m[0] >= LOOKUP_MEMO_S]
+            known = {k: m[1] for k in keys if (m := self._memo.get(k)) is not None and now - m[0] < LOOKUP_MEMO_S}
+        ask = [k for k in dict.fromkeys(keys) if k not in known]
         if ask:
             try:
                 found = self.directory.lookup_many([k.hex for k in ask])
@@ -252,13 +240,14 @@ class PeerTier(DurableTier):
                 self._counters.add(errors=1)
                 logger.warning("peer directory lookup of %d keys failed: %s", len(ask), e)
                 found = [[] for _ in ask]
+            known.update(zip(ask, found))
             with self._lock:
                 for k, copies in zip(ask, found):
                     self._memo[k] = (now, copies)
                     self._memo.move_to_end(k)
                 while len(self._memo) > _MEMO_MAX:
                     self._memo.popitem(last=False)
-        return [bool(self.copies(k)) for k in keys]
+        return [known[k] for k in keys]
 
     def _read(self, key: ChunkKey) -> memoryview | None:
         for copy in self.copies(key):
@@ -321,7 +310,7 @@ class PeerTier(DurableTier):
         return None
 
     def put_file(self, key: ChunkKey, data: bytes | bytearray | memoryview) -> bool:
-        if key in self._published:
+        if key in self._published:  # queued twice (two hits before the first publish): published once
             return True
         return super().put_file(key, data)
 
@@ -353,14 +342,9 @@ class PeerTier(DurableTier):
         assert self.budget_bytes is not None
         if n > self.budget_bytes:
             return False
-        with self._lock:
-            if key in self._published:  # two hits of one key queued it twice: published once
-                return True
         handle = self.objects.put(bytes(data))
         gone: list[ChunkKey] = []
         with self._lock:
-            if key in self._published:
-                return True
             while self._published and self._bytes + n > self.budget_bytes:
                 old, (_, size) = self._published.popitem(last=False)  # the oldest published goes first
                 self._bytes -= size

@@ -64,10 +64,7 @@ class RayDirectory:
         self._send("forget", replica)
 
     def lookup(self, key: str) -> list[PeerCopy]:
-        try:
-            return ray.get(self.actor.lookup.remote(key), timeout=self.timeout_s)  # type: ignore[no-any-return]
-        except (GetTimeoutError, RayError) as e:
-            raise PeerReadError(f"the peer directory did not answer within {self.timeout_s}s: {e}") from e
+        return self.lookup_many([key])[0]
 
     def lookup_many(self, keys: list[str]) -> list[list[PeerCopy]]:
         try:

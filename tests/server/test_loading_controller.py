@@ -29,8 +29,8 @@ class _Store:
     def __init__(self, tiers: dict[str, Tier | None], est: dict[Tier, ReadEstimate | None], workers: int = 4) -> None:
         self.tiers, self.est, self.prefetch_workers = tiers, est, workers
 
-    def where(self, key: str) -> Tier | None:
-        return self.tiers[key]
+    def where_many(self, keys: list[str]) -> list[Tier | None]:
+        return [self.tiers[k] for k in keys]
 
     def read_estimate(self, tier: Tier) -> ReadEstimate | None:
         return self.est[tier]

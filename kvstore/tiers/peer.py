@@ -70,6 +70,7 @@ class Directory(Protocol):
     def withdraw(self, replica: str, keys: list[str]) -> None: ...
     def lookup_many(self, keys: list[str]) -> list[list[PeerCopy]]: ...
     def lost(self, key: str, replica: str) -> None: ...
+    def settled(self, timeout_s: float) -> bool: ...  # the events sent so far have reached the directory
 
 
 class ObjectStore(Protocol):
@@ -135,6 +136,10 @@ class PeerDirectory:
         with self._lock:
             if self._drop((key, replica)):
                 self.dropped += 1
+
+    def settled(self, timeout_s: float) -> bool:
+        """Events reach this directory as they are sent (it is in this process)."""
+        return True
 
     def forget(self, replica: str) -> int:
         """Drop every copy `replica` published (it died, or stopped); returns how many."""
@@ -331,11 +336,12 @@ class PeerTier(DurableTier):
         self._publisher.submit(run)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait for queued publishes (tests, shutdown); False if some are still pending after `timeout_s`."""
+        """Wait until the queued publishes are in the object store and the directory names them
+        (tests, shutdown); False if some are still pending after `timeout_s`."""
         end = time.monotonic() + timeout_s
         while self.pending_publishes and time.monotonic() < end:
             time.sleep(0.005)
-        return not self.pending_publishes
+        return not self.pending_publishes and self.directory.settled(max(0.0, end - time.monotonic()))
 
     def _write(self, key: ChunkKey, data: bytes | bytearray | memoryview) -> bool:
         n = len(data)

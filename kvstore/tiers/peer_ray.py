@@ -50,6 +50,7 @@ class RayDirectory:
 
     def __init__(self, actor: Any, timeout_s: float) -> None:
         self.actor, self.timeout_s = actor, timeout_s
+        self._last: Any = None  # the last event sent: the actor runs one caller's calls in order
 
     def publish(self, key: str, replica: str, handle: object, nbytes: int) -> None:
         self._send("publish", key, replica, handle, nbytes)
@@ -78,9 +79,17 @@ class RayDirectory:
         except (GetTimeoutError, RayError) as e:
             raise PeerReadError(f"the peer directory did not answer within {self.timeout_s}s: {e}") from e
 
+    def settled(self, timeout_s: float) -> bool:
+        """Whether the events sent so far have run on the directory (waiting up to `timeout_s`)."""
+        last = self._last
+        if last is None:
+            return True
+        ready, _ = ray.wait([last], timeout=timeout_s)
+        return bool(ready)
+
     def _send(self, method: str, *args: object) -> None:
         try:
-            getattr(self.actor, method).remote(*args)
+            self._last = getattr(self.actor, method).remote(*args)
         except RayError as e:  # the directory is restarting: the event is lost, its TTL cleans up
             logger.warning("peer directory %s failed: %s", method, e)
 

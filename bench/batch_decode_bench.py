@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = build_parser().parse_args()
 
-    from ragkv.engine.memory import tune_host_allocator
+    from ragkv.engine.kv.memory import tune_host_allocator
 
     tune_host_allocator()
     import torch

@@ -14,12 +14,12 @@ The same agents run against four in-process servers on one index, one after the 
   run are the agents' working set;
 - **lru**: the tree at `--kv-tree-bytes` (default: `--tree-share` of that working set), plain
   least-recently-used eviction (`--kv-tree-retain-max-s 0`);
-- **retention**: the same budget, with retention that knows agents (engine/tree.py): an
+- **retention**: the same budget, with retention that knows agents (engine/kv/tree.py): an
   answer's path is pinned ahead of LRU until the agent's next call, for the tool latency the
   server has learned (at most `--retain-max-s`);
 - **spill**: retention, and what leaves the device spills to CPU memory (as much again as the
   device budget) and below that to disk (a temporary folder), read back when the agent returns
-  (the KV tree's tiers, engine/tree.py).
+  (the KV tree's tiers, engine/kv/tree.py).
 
 Per policy it reports the share of prompt tokens served from the tree
 (`usage.tree_prompt_tokens / prompt_tokens`, over every call; with spill, of it the share read

@@ -11,15 +11,15 @@ Shape legend used in every comment:
     V    vocabulary size
 
 Importing the engine changes nothing in the process: the programs that run it (serve,
-index, eval, bench) call `tune_host_allocator()` first (engine/memory.py).
+index, eval, bench) call `tune_host_allocator()` first (engine/kv/memory.py).
 """
 
 from ragkv.engine.blend import BlendOptions, BlendResult, Prompt, Selector
-from ragkv.engine.conversation import TreeConfig
 from ragkv.engine.decode import DecodeStream, SamplingParams
 from ragkv.engine.focus import FocusOptions
-from ragkv.engine.kv import ChunkKV, KVCache, LayerReady
-from ragkv.engine.memory import tune_host_allocator
+from ragkv.engine.kv.cache import ChunkKV, KVCache, LayerReady
+from ragkv.engine.kv.conversation import TreeConfig
+from ragkv.engine.kv.memory import tune_host_allocator
 from ragkv.engine.model_loading import DEFAULT_MODEL, LoadedModel, load_model
 from ragkv.engine.prompt import PromptFormat
 from ragkv.engine.runtime import Engine

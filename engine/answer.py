@@ -29,9 +29,9 @@ from typing import Protocol
 
 from ragkv.engine.blend import BlendOptions, BlendResult, Prompt, PromptSteps
 from ragkv.engine.constrain import Constraint
-from ragkv.engine.conversation import Conversations, TreeSpot
 from ragkv.engine.decode import FIRST_ROOM, DecodeStream, SamplingParams
-from ragkv.engine.kv import ChunkKV, arriving
+from ragkv.engine.kv.cache import ChunkKV, arriving
+from ragkv.engine.kv.conversation import Conversations, TreeSpot
 from ragkv.engine.prompt import PromptFormat
 from ragkv.engine.request import Answered, ChunkComputed, ChunksReady, Decode, LoadedKV, PromptChunk, Request, Work
 from ragkv.engine.speed import EngineSpeed

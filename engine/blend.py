@@ -48,11 +48,11 @@ import torch
 
 from ragkv.engine.focus import FocusOptions, FocusScores, focus_layers, kept_attention, pick_chunks, score_steps, spread
 from ragkv.engine.forward import Keep, layer_steps, project_kv, span
-from ragkv.engine.kv import ChunkKV, KVCache, layers_pending
+from ragkv.engine.kv.cache import ChunkKV, KVCache, layers_pending
+from ragkv.engine.kv.tree_node import TreeContext, TreeLease
 from ragkv.engine.model_loading import LoadedModel
 from ragkv.engine.rope import RopeTables
 from ragkv.engine.select import Budget, layer_mean, question_attention_steps, select_tokens, tokens_for_mass
-from ragkv.engine.tree_node import TreeContext, TreeLease
 from ragkv.engine.work import WaitFor, wait_for
 from ragkv.types import FocusSignal, Mode
 

@@ -16,7 +16,7 @@ from ragkv.engine.blend import BlendResult
 from ragkv.engine.constrain import Constraint, closing_window
 from ragkv.engine.detokenize import Detokenizer
 from ragkv.engine.forward import layer_steps, span
-from ragkv.engine.kv import KVCache
+from ragkv.engine.kv.cache import KVCache
 from ragkv.engine.model_loading import LoadedModel
 from ragkv.engine.work import drain
 from ragkv.types import FinishReason

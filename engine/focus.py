@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ragkv.engine.kv import ChunkKV, KVCache
+from ragkv.engine.kv.cache import ChunkKV, KVCache
 from ragkv.engine.select import layer_mean, question_attention_steps
 from ragkv.engine.work import WaitFor, drain
 

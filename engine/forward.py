@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from ragkv.engine.family import Adapter, LayerAttention
-from ragkv.engine.kv import KVCache
+from ragkv.engine.kv.cache import KVCache
 from ragkv.engine.rope import RopeTables
 from ragkv.engine.work import WaitFor, wait_for
 

@@ -17,7 +17,7 @@ from collections.abc import Generator, Sequence
 import torch
 
 from ragkv.engine.forward import Keep, layer_steps, span
-from ragkv.engine.kv import ChunkKV, KVCache
+from ragkv.engine.kv.cache import ChunkKV, KVCache
 from ragkv.engine.model_loading import LoadedModel
 from ragkv.engine.work import WaitFor
 

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 from ragkv.engine.blend import BlendOptions
 from ragkv.engine.constrain import Constraint
-from ragkv.engine.conversation import TreeSpot
 from ragkv.engine.decode import DecodeStream, SamplingParams
-from ragkv.engine.kv import ChunkKV
+from ragkv.engine.kv.cache import ChunkKV
+from ragkv.engine.kv.conversation import TreeSpot
 from ragkv.engine.work import WaitFor
 from ragkv.types import (
     FinishReason,
@@ -122,7 +122,7 @@ class Request:
     # the answer may end in tool calls: its tree path is pinned ahead of LRU eviction this many
     # seconds after it (the agent's next call comes back for it; `Conversations.retention`); 0 = not
     tree_retain_s: float = 0.0
-    # how much its tree path matters against its tenant's others (-100..100; `engine.retention`)
+    # how much its tree path matters against its tenant's others (-100..100; `engine.kv.retention`)
     tree_priority: int = 0
     kv_wait_s: float = 120.0  # its reads may take this long; then their chunks are computed instead
     kv_bytes: int = 0  # KV cache bytes it holds at most (admission)

@@ -20,15 +20,15 @@ import torch
 from ragkv.engine.answer import answer_steps
 from ragkv.engine.blend import BlendOptions, BlendResult, Prompt, PromptSteps, prompt_steps, resume_steps
 from ragkv.engine.constrain import Constraint, ConstraintCompiler
-from ragkv.engine.conversation import NO_TREE, Conversations, TreeConfig, TreeSpot
 from ragkv.engine.decode import DecodeStream, SamplingParams
-from ragkv.engine.kv import ChunkKV
+from ragkv.engine.kv.cache import ChunkKV
+from ragkv.engine.kv.conversation import NO_TREE, Conversations, TreeConfig, TreeSpot
+from ragkv.engine.kv.tree_node import TreeContext
 from ragkv.engine.model_loading import LoadedModel
 from ragkv.engine.prefill import prefill_steps
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT, PromptFormat
 from ragkv.engine.request import Request, Work
 from ragkv.engine.speed import EngineSpeed
-from ragkv.engine.tree_node import TreeContext
 from ragkv.engine.work import WaitFor, drain
 from ragkv.errors import UnsupportedModelError
 from ragkv.types import Mode
@@ -68,7 +68,7 @@ class Engine:
     Args:
         tree: the KV tree's budgets and policies (`TreeConfig`; budget 0 = no tree): a served
             prompt's KV, so a conversation's next call computes only what is new, behind its one
-            door (`engine.conversation`); a hybrid's also holds its recurrent state where prompts
+            door (`engine.kv.conversation`); a hybrid's also holds its recurrent state where prompts
             end. What leaves the device spills to host memory, then to disk files (whose
             conversations it finds again), read back only when that is sooner than computing
             them at the engine's full-prefill rate.

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ragkv.engine.forward import layer_steps, span
-from ragkv.engine.kv import KVCache
+from ragkv.engine.kv.cache import KVCache
 from ragkv.engine.rope import RopeTables
 from ragkv.engine.work import WaitFor, drain
 

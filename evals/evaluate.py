@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 from ragkv.engine.blend import BlendOptions, BlendResult, Prompt
 from ragkv.engine.decode import SamplingParams
-from ragkv.engine.kv import ChunkKV
+from ragkv.engine.kv.cache import ChunkKV
 from ragkv.engine.runtime import Engine
 from ragkv.evals.synthetic import EvalCase
 from ragkv.indexer.calibrate import kl_divergence  # one KL for calibration and evals

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     import torch
 
     from ragkv.engine import Engine
-    from ragkv.engine.kv import ChunkKV
+    from ragkv.engine.kv.cache import ChunkKV
 
 METHOD = "cloze"
 SEED = 0

@@ -518,7 +518,7 @@ def _calibrate(db: ChunkDB, manifest: Manifest, kv_uris: Sequence[str], engine: 
                config: IndexJobConfig) -> Calibration | None:
     """Blend against full prefill on a sample of this index's chunk sets (`indexer.calibrate`), each
     chunk's KV read from the store as the server reads it; None when the corpus gives no set."""
-    from ragkv.engine.kv import ChunkKV
+    from ragkv.engine.kv.cache import ChunkKV
     from ragkv.indexer.calibrate import CalibrationSet, measure, sample_prompts, sample_size
     from ragkv.kvstore import hash_prefix
     from ragkv.retriever.chunk_keys import serving_keys

@@ -197,7 +197,7 @@ def encode(entry: KVEntry, compression: Compression = Compression.NONE,
         compression: NONE keeps k and v bit-exact; the others store packed layer rows
             (`kvstore.compression`: INT8/FP8 per channel, INT4/INT2 in KIVI's groups).
         extra: more metadata (strings), covered by the header checksum, under names of its
-            own (the KV tree's spilled nodes carry their place in the tree: engine.node_files).
+            own (the KV tree's spilled nodes carry their place in the tree: engine.kv.node_files).
     """
     compression = check_supported(compression)
     tensors: dict[str, torch.Tensor] = {

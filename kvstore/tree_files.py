@@ -1,4 +1,4 @@
-"""The KV tree's disk tier: spilled conversation KV as chunk-KV files (`engine.node_files.NodeFiles`).
+"""The KV tree's disk tier: spilled conversation KV as chunk-KV files (`engine.kv.node_files.NodeFiles`).
 
 One file per spilled tree node, `<folder>/<model fingerprint>/<name>.kv`, in the chunk-KV
 format (`fileformat`: header checksum, CRC-32C per block of the data, K after RoPE with its

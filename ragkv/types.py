@@ -105,7 +105,7 @@ class Tier(str, enum.Enum):
     PEER = "peer"
     COMPUTED = "computed"  # missing from every tier: computed on the spot, written back
     NOT_LOADED = "not_loaded"  # the mode does not use cached chunk KV
-    TREE = "tree"  # the server's KV tree held it, in an earlier call's context (engine.tree)
+    TREE = "tree"  # the server's KV tree held it, in an earlier call's context (engine.kv.tree)
 
     @property
     def rank(self) -> int:

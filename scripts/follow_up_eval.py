@@ -26,8 +26,8 @@ def run(model: str, dataset: str, pairs: int, ratio: float, ctxs: int, seed: int
     import torch
 
     from ragkv.engine import BlendOptions, Engine, Prompt, SamplingParams, load_model
-    from ragkv.engine.conversation import FOLLOW_MIN_TOKENS
-    from ragkv.engine.kv import ChunkKV
+    from ragkv.engine.kv.cache import ChunkKV
+    from ragkv.engine.kv.conversation import FOLLOW_MIN_TOKENS
     from ragkv.evals.evaluate import kl_divergence, token_f1
     from ragkv.types import Mode
 

@@ -369,7 +369,7 @@ class ModelBench:
         import torch
 
         from ragkv.engine.decode import decode_batch, pick_greedy
-        from ragkv.engine.kv import KVCache
+        from ragkv.engine.kv.cache import KVCache
         from ragkv.types import Mode
 
         lm, steps, warm = self.lm, self.args.decode_steps, 2
@@ -479,7 +479,7 @@ class ModelBench:
         from torch.profiler import ProfilerActivity, profile
 
         from ragkv.engine.decode import decode_batch, pick_greedy
-        from ragkv.engine.kv import KVCache
+        from ragkv.engine.kv.cache import KVCache
         from ragkv.types import Mode
 
         lm, steps = self.lm, 3
@@ -660,9 +660,9 @@ def _bench(args: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
 if __name__ == "__main__":
     from contextlib import suppress
 
-    with suppress(Exception):  # huge pages and glibc tuning, as the server runs (engine/memory.py)
+    with suppress(Exception):  # huge pages and glibc tuning, as the server runs (engine/kv/memory.py)
         bootstrap()
-        from ragkv.engine.memory import tune_host_allocator
+        from ragkv.engine.kv.memory import tune_host_allocator
 
         tune_host_allocator()
     data = main()

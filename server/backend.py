@@ -33,8 +33,8 @@ from ragkv.types import (
 )
 
 if TYPE_CHECKING:
+    from ragkv.engine.kv.tree import KVTree
     from ragkv.engine.speed import EngineSpeed
-    from ragkv.engine.tree import KVTree
     from ragkv.retriever import SearchHit
     from ragkv.server.query import Query
 

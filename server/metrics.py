@@ -183,7 +183,7 @@ class ServerMetrics:
             self.served_kl.labels(name).set(float("nan") if s.predicted_kl is None else s.predicted_kl)
 
     def watch_kv_tree(self, read: Callable[[], object]) -> None:
-        """Export the KV tree's counters (`read()` -> engine.tree.TreeStats) at each scrape:
+        """Export the KV tree's counters (`read()` -> engine.kv.tree.TreeStats) at each scrape:
         ragkv_kv_tree_hits_total, _hit_tokens_total, _misses_total, _evictions_total,
         _evicted_bytes_total, _spills_total, _spilled_hit_tokens_total, _restored_total,
         _read_errors_total, _warmed_tokens_total, _reads_skipped_total, and the gauges

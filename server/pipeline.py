@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 from ragkv.engine import BlendOptions, ChunkKV, Engine, FocusOptions, LoadedModel
 from ragkv.engine.constrain import Constraint, GrammarError
-from ragkv.engine.conversation import CarriedTurns, TreeSpot
 from ragkv.engine.decode import SamplingParams
 from ragkv.engine.detokenize import Detokenizer
+from ragkv.engine.kv.conversation import CarriedTurns, TreeSpot
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT, PromptFormat
 from ragkv.engine.request import ChunkComputed, LoadedKV, PromptChunk, Request, Work
 from ragkv.errors import IndexMismatchError, StoreError

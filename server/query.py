@@ -66,7 +66,7 @@ class Query:
     # None = the tool latency the server has learned
     retain_seconds: float | None = None
     # how much its conversation's KV-tree path matters against the tenant's others (`retain_priority`,
-    # -100..100; engine.retention): lower leaves a tier first
+    # -100..100; engine.kv.retention): lower leaves a tier first
     retain_priority: int = 0
 
     @property

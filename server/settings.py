@@ -101,16 +101,16 @@ class ServerSettings:
     tls_key: Path | None = None  # PEM private key
     kv_cpu_bytes: int = 2 * 1024**3  # bytes of KV kept in the CPU tier
     kv_gpu_bytes: int = 0  # bytes of KV kept in the GPU tier (CUDA only)
-    # the KV tree (engine.tree): served prompts' KV on the engine's device, so a conversation's
+    # the KV tree (engine.kv.tree): served prompts' KV on the engine's device, so a conversation's
     # next call computes only what is new; at most this, and counted in kv_budget_bytes (admission
     # evicts what no request holds to make room); 0 = off
     kv_tree_bytes: int = 1024**3
     # an answer that may end in tool calls pins its tree path ahead of LRU eviction until the agent's
-    # next call (engine.tree): for a request's retain_seconds, at most this; else the learned tool
+    # next call (engine.kv.tree): for a request's retain_seconds, at most this; else the learned tool
     # latency (p90 of the gaps seen, >= 1 s, at most this), kv_tree_retain_default_s before any; 0 = no pins
     kv_tree_retain_max_s: float = 60.0
     kv_tree_retain_default_s: float = 10.0
-    # what the KV tree moves off the device (least recently used first, engine.tree) goes to CPU
+    # what the KV tree moves off the device (least recently used first, engine.kv.tree) goes to CPU
     # memory, at most this, then to kv_tree_dir; 0 = no host tier
     kv_tree_host_bytes: int = 2 * 1024**3
     # the KV tree's disk tier (kvstore.tree_files): spilled conversations as checksummed KV files,
@@ -118,7 +118,7 @@ class ServerSettings:
     kv_tree_dir: Path | None = None
     kv_tree_disk_bytes: int = 16 * 1024**3
     # a follow-up question whose retrieval gives other chunks carries its conversation's earlier turns
-    # from the KV tree as one more chunk, blended (blend mode; engine.conversation); off = computed again
+    # from the KV tree as one more chunk, blended (blend mode; engine.kv.conversation); off = computed again
     kv_tree_follow_ups: bool = True
     # the Responses API's stored responses (server.response_store): in memory, and with a directory
     # also one file each there, so a restarted server finds them; None = memory only (lost on restart)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ragkv.engine.decode import SamplingParams
-from ragkv.engine.retention import MAX_PRIORITY
+from ragkv.engine.kv.retention import MAX_PRIORITY
 from ragkv.server.query import Query
 from ragkv.server.status import InvalidArgumentError
 from ragkv.types import (

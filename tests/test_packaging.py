@@ -67,13 +67,13 @@ def test_the_contract_catches_a_wrong_way_import(wheel_tree: Path, tmp_path: Pat
     tree = tmp_path / "tree"
     shutil.copytree(wheel_tree, tree)
     bad = tree / "ragkv" / "kvstore" / "entry.py"
-    bad.write_text("from ragkv.engine.kv import ChunkKV  # wrong way\n" + bad.read_text())
+    bad.write_text("from ragkv.engine.kv.cache import ChunkKV  # wrong way\n" + bad.read_text())
     lint = Path(sys.executable).with_name("lint-imports")
     proc = subprocess.run([str(lint), "--config", str(REPO / ".importlinter"), "--no-cache"],
                           cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tree)},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
-    assert "ragkv.kvstore.entry -> ragkv.engine.kv" in proc.stdout
+    assert "ragkv.kvstore.entry -> ragkv.engine.kv.cache" in proc.stdout
 
 
 def _import_cycles(tree: Path) -> list[list[str]]:

@@ -111,7 +111,7 @@ def test_smollm2_focus_finds_the_needle_chunk(smollm2):
 def test_question_attention_never_reads_unwritten_cache_slots(tiny, garbage):
     """The cache's question slots are uninitialized memory until the pass writes them: scores
     must come out the same whatever they held (CI once saw NaN there and focus kept nothing)."""
-    from ragkv.engine.kv import KVCache
+    from ragkv.engine.kv.cache import KVCache
     from ragkv.engine.select import question_attention
 
     lm = tiny.lm

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ragkv.engine import BlendOptions, Engine, FocusOptions, Prompt, load_model
-from ragkv.engine.kv import KVCache
+from ragkv.engine.kv.cache import KVCache
 from ragkv.errors import KVFormatError
 from ragkv.evals.testing import tiny_model_dir
 from ragkv.types import Mode

@@ -727,7 +727,7 @@ def test_a_request_waiting_for_its_kv_stalls_nobody(tiny_lm, tmp_path, monkeypat
 
     import numpy as np
 
-    from ragkv.engine.kv import ChunkKV
+    from ragkv.engine.kv.cache import ChunkKV
     from ragkv.engine.request import RequestStatus
     from ragkv.kvstore import ChunkKey, KVEntry, StoreConfig, TieredStore, hash_prefix
     from ragkv.kvstore.tiers.disk import DiskTier

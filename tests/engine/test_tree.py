@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ragkv.engine import BlendOptions, Engine, FocusOptions, Prompt, SamplingParams, TreeConfig, load_model
-from ragkv.engine.kv import KVCache
-from ragkv.engine.tree import KVTree, ToolLatency, TreeContext, TreeKey
+from ragkv.engine.kv.cache import KVCache
+from ragkv.engine.kv.tree import KVTree, ToolLatency, TreeContext, TreeKey
 from ragkv.evals.testing import FAMILY_CONFIGS, HYBRIDS, tiny_model_dir
 from ragkv.types import SALT_SEP, Mode
 

@@ -9,10 +9,10 @@ import threading
 import torch
 
 from ragkv.engine import BlendOptions, Engine, Prompt, SamplingParams, TreeConfig, load_model
-from ragkv.engine.kv import KVCache
+from ragkv.engine.kv.cache import KVCache
+from ragkv.engine.kv.tree import KVTree, TreeContext, TreeKey
 from ragkv.engine.request import Finished, PromptChunk, Request, TokenOut
 from ragkv.engine.scheduler import Scheduler
-from ragkv.engine.tree import KVTree, TreeContext, TreeKey
 from ragkv.engine.work import WaitFor
 from ragkv.errors import KVFormatError
 from ragkv.evals.testing import tiny_model_dir

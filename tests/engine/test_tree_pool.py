@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragkv.engine.kv import KVCache
-from ragkv.engine.tree import KVTree, TreeKey, TreeTier
-from ragkv.engine.tree_pool import MIN_TOKENS, KVPool
+from ragkv.engine.kv.cache import KVCache
+from ragkv.engine.kv.pool import MIN_TOKENS, KVPool
+from ragkv.engine.kv.tree import KVTree, TreeKey, TreeTier
 from tests.engine.test_tree import CTX, _bytes, _cache
 
 

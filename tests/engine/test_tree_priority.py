@@ -3,7 +3,7 @@ leaves a tier first, whatever its recency; above 0 holds only within the tenant'
 
 from __future__ import annotations
 
-from ragkv.engine.tree import KVTree, TreeKey
+from ragkv.engine.kv.tree import KVTree, TreeKey
 from tests.engine.test_tree import CTX, _bytes, _cache
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from ragkv.engine import BlendOptions, Engine, Prompt, SamplingParams, TreeConfig, load_model
-from ragkv.engine.kv import KVCache
-from ragkv.engine.tree import KVTree, TreeContext, TreeKey, TreeTier
+from ragkv.engine.kv.cache import KVCache
+from ragkv.engine.kv.tree import KVTree, TreeContext, TreeKey, TreeTier
 from ragkv.evals.testing import tiny_model_dir
 from ragkv.kvstore.tree_files import TreeFiles
 from ragkv.types import Mode

@@ -1,4 +1,4 @@
-"""The KV tree's disk tier, a part of `engine.tree.KVTree` kept in its own file: what moves a
+"""The KV tree's disk tier, a part of `engine.kv.tree.KVTree` kept in its own file: what moves a
 node to disk and reads it back, and what finds a restarted server's conversations again.
 
 A spilled node is one file of the tree's `NodeFiles` (kvstore's checksummed chunk-KV files).
@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ragkv.engine.kv import LayerReady
-from ragkv.engine.node_files import NodeFiles, SpilledSpan, file_name, read_span, span_meta
-from ragkv.engine.tree_node import LeasedPart, Node, Rank, TreeKey, TreeTier, common_prefix, lineage
+from ragkv.engine.kv.cache import LayerReady
+from ragkv.engine.kv.node_files import NodeFiles, SpilledSpan, file_name, read_span, span_meta
+from ragkv.engine.kv.tree_node import LeasedPart, Node, Rank, TreeKey, TreeTier, common_prefix, lineage
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from typing import Protocol
 
 import torch
 
-from ragkv.engine.kv import LayerReady
-from ragkv.engine.retention import MAX_PRIORITY
-from ragkv.engine.tree_node import TreeContext, TreeKey
+from ragkv.engine.kv.cache import LayerReady
+from ragkv.engine.kv.retention import MAX_PRIORITY
+from ragkv.engine.kv.tree_node import TreeContext, TreeKey
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the chunk-KV header's dtype names
 
@@ -68,7 +68,7 @@ class SpilledSpan:
     ids: tuple[int, ...]  # its tokens
     context: TreeContext | None  # roots only
     token_bytes: int  # KV bytes per token (K and V, every layer)
-    priority: int = 0  # its conversation's priority when it was written (engine.retention)
+    priority: int = 0  # its conversation's priority when it was written (engine.kv.retention)
 
     @property
     def root(self) -> bool:

@@ -19,7 +19,7 @@ hold no device node below them, and inserts nothing when the budget cannot hold 
 leased node is never split or evicted, so a lease's tokens stay as they were matched.
 
 Storage: the device and CPU tiers each keep their nodes' KV in one pool of token slots
-(`engine.tree_pool.KVPool`); a node holds indices into it (`Node.slots`), so a split moves no
+(`engine.kv.pool.KVPool`); a node holds indices into it (`Node.slots`), so a split moves no
 KV and a lease copies its path out once, under the lock, when its pass writes it. Admission's
 `shrink` compacts the device pool and renumbers the nodes' slots.
 
@@ -32,9 +32,9 @@ cache. `persist` (at shutdown) writes what the device and host hold to disk, and
 over the same files finds every spilled conversation again, under the same keys. A file
 that cannot be read is a miss for that node and below (its tokens are computed), never an
 error. Hybrids keep no tiers (a recurrent state is not spilled). The disk tier's part of the
-tree is `engine.tree_disk.TreeDisk`.
+tree is `engine.kv.tree_disk.TreeDisk`.
 
-Retention that knows agents (`engine.retention`): an insert may *pin* its path ahead of LRU
+Retention that knows agents (`engine.kv.retention`): an insert may *pin* its path ahead of LRU
 for a time-to-live (`insert(..., pin_s=)`), until the agent's next call leases it.
 
 A hybrid's recurrent layers (`KVTree(recurrent=True)`) keep a state no K/V stands in for,
@@ -57,11 +57,12 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from ragkv.engine.kv import KVCache
-from ragkv.engine.node_files import NodeFiles
-from ragkv.engine.retention import Pins, ToolLatency
-from ragkv.engine.tree_disk import TreeDisk
-from ragkv.engine.tree_node import (
+from ragkv.engine.kv.cache import KVCache
+from ragkv.engine.kv.node_files import NodeFiles
+from ragkv.engine.kv.pool import KVPool
+from ragkv.engine.kv.retention import Pins, ToolLatency
+from ragkv.engine.kv.tree_disk import TreeDisk
+from ragkv.engine.kv.tree_node import (
     LeasedPart,
     Node,
     Rank,
@@ -75,7 +76,6 @@ from ragkv.engine.tree_node import (
     common_prefix,
     lineage,
 )
-from ragkv.engine.tree_pool import KVPool
 
 __all__ = ["KVTree", "RecurrentSnapshot", "TreeTier", "ToolLatency", "TreeContext", "TreeKey", "TreeLease", "TreeStats"]
 
@@ -284,7 +284,7 @@ class KVTree(TreeDisk):
         this one (the prompt's end, before the answer's header), so that call's match is known
         and its delay learned. Spilled nodes on the path come back to the device from `cache`.
         `priority`: the client's word on how much the path matters against its tenant's others
-        (`engine.retention`); every node on it takes it.
+        (`engine.kv.retention`); every node on it takes it.
 
         Returns:
             The tokens newly stored (0 when all were held, or the budget cannot hold them).

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ragkv.engine.tree_node import LeasedPart, Node
+    from ragkv.engine.kv.tree_node import LeasedPart, Node
 
 
 MAX_PRIORITY = 100  # a conversation's priority is within -MAX_PRIORITY..MAX_PRIORITY (0 unless asked)

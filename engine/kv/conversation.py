@@ -1,6 +1,6 @@
 """The KV tree's one door: where a prompt stands in the tree, and what its answer leaves there.
 
-The tree itself (`engine.tree.KVTree`) is a radix tree of token ids and KV under a byte
+The tree itself (`engine.kv.tree.KVTree`) is a radix tree of token ids and KV under a byte
 budget; this module is everything else about conversations, in one place:
 
 - the **key** of a prompt's context (`Conversations.key`): the tenant, the model, the mode,
@@ -32,12 +32,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from ragkv.engine.blend import BlendOptions, BlendResult, Selector, tree_context
-from ragkv.engine.kv import ChunkKV, KVCache
+from ragkv.engine.kv.cache import ChunkKV, KVCache
+from ragkv.engine.kv.node_files import NodeFiles
+from ragkv.engine.kv.retention import ToolLatency
+from ragkv.engine.kv.tree import KVTree
+from ragkv.engine.kv.tree_node import RecurrentSnapshot, TreeContext, TreeKey, TreeLease, TreeStats
 from ragkv.engine.model_loading import LoadedModel
-from ragkv.engine.node_files import NodeFiles
-from ragkv.engine.retention import ToolLatency
-from ragkv.engine.tree import KVTree
-from ragkv.engine.tree_node import RecurrentSnapshot, TreeContext, TreeKey, TreeLease, TreeStats
 from ragkv.types import Mode
 
 FOLLOW_MIN_TOKENS = 8  # earlier turns shorter than this are computed again, not carried

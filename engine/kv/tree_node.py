@@ -1,4 +1,4 @@
-"""The KV tree's parts (`engine.tree.KVTree`): its keys, its nodes and where each keeps its
+"""The KV tree's parts (`engine.kv.tree.KVTree`): its keys, its nodes and where each keeps its
 KV, a lease on a matched path, and what the tree reports."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from enum import IntEnum
 
 import torch
 
-from ragkv.engine.kv import KVCache, LayerReady, arriving
+from ragkv.engine.kv.cache import KVCache, LayerReady, arriving
 from ragkv.types import SALT_SEP
 
 
@@ -83,7 +83,7 @@ class Node:
                  context: TreeContext | None = None) -> None:
         self.ids = ids  # the tokens of this edge (a root: the whole context)
         # DEVICE and HOST: where its tokens' K (after RoPE) and V lie in its tier's pool
-        # (`engine.tree_pool.KVPool`), [T] int64; None on DISK
+        # (`engine.kv.pool.KVPool`), [T] int64; None on DISK
         self.slots: torch.Tensor | None = None
         self.start = start  # position of the first token
         self.children: dict[int, Node] = {}  # first token -> child
@@ -95,7 +95,7 @@ class Node:
         self.state: object | None = None  # hybrids: the recurrent state after this node's last token
         self.state_bytes = 0
         self.pin = 0.0  # clock time its pin ends (kept ahead of LRU until then); 0 = not pinned
-        self.priority = 0  # the client's word for its conversation (engine.retention): lower leaves a tier first
+        self.priority = 0  # the client's word for its conversation (engine.kv.retention): lower leaves a tier first
         # an answer that may end in tool calls: the clock time it was inserted, and the position
         # where its conversation's next call parts from its prompt (start < parts_at <= end: the
         # prompt's end, before the answer's header): a match reaching it is that next call

@@ -2,7 +2,9 @@
 
 Baseline: B single-token forwards (what one engine thread did per token for B requests).
 Arm: one `decode_batch` over the same B caches of different lengths (weights read once).
-Both run interleaved in the same process; prints ms per step of each and the ratio.
+Second arm (`pooled`): the same step over one decode pool (`engine.decode_graphs`, eager on a
+CPU): the GPU's shape-static step, whose attention is one call per layer over gathered runs.
+All run interleaved in the same process; prints ms per step of each and the ratios.
 
     python bench/batch_decode_bench.py --batch 1,4,8 --steps 20
 """
@@ -10,6 +12,7 @@ Both run interleaved in the same process; prints ms per step of each and the rat
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
@@ -34,6 +37,7 @@ def main() -> None:
 
     from ragkv.engine import Engine, Prompt, SamplingParams, load_model
     from ragkv.engine.decode import decode_batch
+    from ragkv.engine.decode_graphs import PooledDecoder
     from ragkv.types import Mode
 
     engine = Engine(load_model(args.model))
@@ -45,8 +49,11 @@ def main() -> None:
         prompts = [engine.run(Prompt(torch.randint(0, vocab, (n,), generator=g).tolist()), Mode.FULL,
                               reserve_tokens=2 * args.steps + 4) for n in lens]
         streams = [engine.decode(p, SamplingParams(max_new_tokens=4 * args.steps)) for p in prompts]
-        single, batched = [], []
+        pooled_caches = [copy.deepcopy(s.cache) for s in streams]
+        dec = PooledDecoder(engine.lm, pool_tokens=sum(lens) + b * (3 * args.steps + 16) + 64, graphs=False)
+        single, batched, pooled = [], [], []
         with torch.inference_mode():
+            dec.step(pooled_caches, [7] * b)  # admits the caches into the pool (one copy each)
             for _ in range(args.steps):
                 t0 = time.perf_counter()
                 for s in streams:
@@ -55,9 +62,13 @@ def main() -> None:
                 t0 = time.perf_counter()
                 decode_batch(engine.lm, [s.cache for s in streams], [7] * b)
                 batched.append(time.perf_counter() - t0)
-        one, many = statistics.median(single), statistics.median(batched)
+                t0 = time.perf_counter()
+                dec.step(pooled_caches, [7] * b)
+                pooled.append(time.perf_counter() - t0)
+        one, many, pool = statistics.median(single), statistics.median(batched), statistics.median(pooled)
         out[str(b)] = {"one_at_a_time_ms": round(1e3 * one, 2), "batched_ms": round(1e3 * many, 2),
-                       "speedup": round(one / many, 2), "cache_tokens": lens}
+                       "speedup": round(one / many, 2), "pooled_ms": round(1e3 * pool, 2),
+                       "pooled_speedup": round(one / pool, 2), "cache_tokens": lens}
     print(json.dumps({"model": args.model, "steps": args.steps, "batch": out}))
 
 

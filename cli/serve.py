@@ -33,6 +33,11 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
                                 "so decode steps run between them (chunked prefill); 0 = whole layers; auto (the "
                                 "default) = the tokens of one layer that take --prompt-slice-s at the engine's "
                                 "measured speed (2048 until it has measured it)"),
+    ("decode_pool", str, "decode over one KV pool, every step of a batch bucket the same shapes: auto (on CUDA, "
+                         "where a step of many small kernels is launch-bound), on, or off (ragged decode, each "
+                         "request its own cache: the CPU's faster path); the pool holds --kv-budget-bytes"),
+    ("cuda_graphs", str, "capture each batch bucket's pooled decode step as a CUDA graph (1, 2, 4 ... 64 rows): "
+                         "auto (wherever CUDA is) or off"),
     ("retrieve_workers", int, "threads for retrieval and KV prefetch (default 1)"),
     ("grace_seconds", float, "seconds in-flight requests get on SIGTERM (default 30)"),
     ("auth_token_file", Path, "one shared bearer token, in a file (else $RAGKV_AUTH_TOKEN)"),

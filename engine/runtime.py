@@ -21,6 +21,7 @@ from ragkv.engine.answer import answer_steps
 from ragkv.engine.blend import BlendOptions, BlendResult, Prompt, PromptSteps, prompt_steps, resume_steps
 from ragkv.engine.constrain import Constraint, ConstraintCompiler
 from ragkv.engine.decode import DecodeStream, SamplingParams
+from ragkv.engine.decode_graphs import DecodeConfig, PooledDecoder
 from ragkv.engine.kv.cache import ChunkKV
 from ragkv.engine.kv.conversation import NO_TREE, Conversations, TreeConfig, TreeSpot
 from ragkv.engine.kv.tree_node import TreeContext
@@ -80,7 +81,8 @@ class Engine:
     """
 
     def __init__(self, lm: LoadedModel, system_prompt: str = DEFAULT_SYSTEM_PROMPT, tree: TreeConfig = NO_TREE,
-                 step_tokens: int | None = None, step_s: float = DEFAULT_STEP_S) -> None:
+                 step_tokens: int | None = None, step_s: float = DEFAULT_STEP_S,
+                 decode: DecodeConfig = DecodeConfig()) -> None:
         if step_tokens is not None and step_tokens < 0:
             raise ValueError(f"step_tokens must be >= 0 (0 = a whole layer per step), got {step_tokens}")
         if step_s <= 0:
@@ -93,6 +95,8 @@ class Engine:
         self._prefixes: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()
         vocab = lm.model.get_output_embeddings().weight.shape[0]  # V, the logits' width
         self.grammars = ConstraintCompiler(lm.tokenizer, vocab, lm.eos_token_ids)  # constrained decoding
+        # decode steps over one pool, captured per bucket on CUDA (engine.decode_graphs); None = ragged
+        self.decoder: PooledDecoder | None = decode.decoder(lm)
 
     def step_rows(self) -> int:
         """Prompt rows one step of the next pass computes at most (0 = a whole layer): `step_tokens`

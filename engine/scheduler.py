@@ -72,6 +72,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from ragkv.engine.decode import DecodeStream, decode_batch, pick_greedy
+from ragkv.engine.decode_graphs import PooledDecoder
 from ragkv.engine.kv.memory import trim_host_heap
 from ragkv.engine.request import (
     Answered,
@@ -213,17 +214,20 @@ class Scheduler:
         self._decode_s = 0.0  # seconds the last decode step took: what a slice of prompt work is sized by
         self._trimmed = time.monotonic()  # last heap trim
         self._speed = EngineSpeed()  # prompt work's measured rate; the engine's own once shared (share_engine)
+        self._decoder: PooledDecoder | None = None  # the engine's pooled decoder (share_engine); None = ragged
         self._thread = threading.Thread(target=self._loop, name="ragkv-scheduler", daemon=True)
         self._thread.start()
 
-    def share_engine(self, shared: SharedKV, speed: EngineSpeed) -> None:
+    def share_engine(self, shared: SharedKV | None, speed: EngineSpeed, decoder: PooledDecoder | None = None) -> None:
         """Run the engine's requests with what the engine keeps: count `shared`'s bytes (its KV
         tree) in the KV budget (a request is admitted when its KV, the requests' in flight and
         what `shared` holds fit, `shared` first giving up what no request holds to make room),
-        and learn prompt work's rate into the engine's `speed`, where the rest of its rates are."""
+        learn prompt work's rate into the engine's `speed`, where the rest of its rates are, and
+        decode with the engine's `decoder` (`Engine.decoder`: one pool, CUDA graphs) where it has one."""
         with self._lock:
             self._shared = shared
             self._speed = speed
+            self._decoder = decoder
 
     def submit(self, request: Request, work: Work, sink: Sink) -> None:
         """Admit a request with its work (`Engine.work`), or raise SchedulerFullError naming the
@@ -456,7 +460,9 @@ class Scheduler:
             tokens.append(token)
             job.next_token = None
         try:
-            logits = decode_batch(streams[0].lm, [s.cache for s in streams], tokens)  # [B, V]
+            caches = [s.cache for s in streams]
+            logits = self._decoder.step(caches, tokens) if self._decoder is not None \
+                else decode_batch(streams[0].lm, caches, tokens)  # [B, V]
         except Exception as exc:  # a bug or out of memory: every request of the step fails
             for job in live:
                 self._fail(job, exc)
@@ -497,7 +503,8 @@ class Scheduler:
         if stream.finish_reason is not None:  # finished: the job reports its end
             self._decoding.remove(job)
             job.decode = None
-            self._finish(job)
+            self._finish(job)  # its work runs to its end (the KV tree's insert reads the cache)
+            self._give_back(stream)
             return False
         job.next_token = token
         return True
@@ -603,11 +610,18 @@ class Scheduler:
             return
         req.status, req.end_reason, job.wait = RequestStatus.FINISHED, reason, None
         job.work.close()
+        if job.decode is not None:
+            self._give_back(job.decode)
         job.decode = None  # the cache goes with the stream
         with self._lock:
             self._kv_bytes -= req.kv_bytes
         self.stats.kv_bytes = self._kv_bytes
         job.sink(Finished(reason, answered, error))
+
+    def _give_back(self, stream: DecodeStream) -> None:
+        """An ended request's run in the decode pool goes back (no-op when it decoded ragged)."""
+        if self._decoder is not None:
+            self._decoder.release(stream.cache)
 
     # ---- host memory
 

@@ -8,7 +8,8 @@ One run (at most `--budget-s`, 480 s by default) per model of `--models` (Llama 
   `--chunk-tokens` tokens, the chunks' KV held in the GPU, in pinned CPU memory (kvstore's cpu
   tier) and on local disk (kvstore's disk tier, page cache dropped before each read: layered and
   whole reads, the loading controller on and off); warm-up first, median of `--repeats`;
-- decode tokens/s at batch 1, 8, 32, 64 over those prompts (`decode_batch`, one step for all);
+- decode tokens/s at batch 1, 8, 32, 64 over those prompts (`decode_batch`, one step for all), and the
+  same over one KV pool with a CUDA graph per batch bucket (`engine.decode_graphs`, `--cuda-graphs`);
 - baselines on the same weights: transformers' prefill (`model(input_ids)`, sdpa, and
   flash_attention_2 when importable) and `model.generate(cache_implementation="static")`;
 - physical limits: MFU of full prefill against the card's dense bf16 peak, decode bandwidth
@@ -410,13 +411,69 @@ class ModelBench:
                 step = statistics.median(times)
                 mean_len = n + warm + steps / 2
                 read = self.sz["decode_weight_bytes"] + b * mean_len * kv_bpt  # weights once, every sequence's KV
-                return {"step_s": step, "step_mean_s": statistics.mean(times), "tokens_per_s": b / step,
-                        "tokens_per_s_per_sequence": 1 / step, "bytes_per_step": read, "bytes_per_s": read / step}
+                row = {"step_s": step, "step_mean_s": statistics.mean(times), "tokens_per_s": b / step,
+                       "tokens_per_s_per_sequence": 1 / step, "bytes_per_step": read, "bytes_per_s": read / step}
+                del caches
+                row["pooled"] = self._pooled_decode(base, n, b, steps, warm, step)
+                return row
 
             r = self.sec.guard(what, body)
             if r is not None:
                 out[str(b)] = r
             self.run.save()
+
+    def _pooled_decode(self, base: Any, n: int, b: int, steps: int, warm: int, ragged_step: float) -> dict[str, Any]:
+        """The same decode over one pool (engine.decode_graphs), each bucket's step a CUDA graph
+        unless --cuda-graphs off: its step time, its ratio to the ragged step above, and whether
+        its greedy tokens are the ragged path's."""
+        import torch
+
+        from ragkv.engine.decode import decode_batch, pick_greedy
+        from ragkv.engine.decode_graphs import PooledDecoder, unsupported_reason
+        from ragkv.engine.kv.cache import KVCache
+
+        lm = self.lm
+        why = unsupported_reason(lm.adapter)
+        if why is not None:
+            return {"skipped": why}
+
+        def caches() -> list[KVCache]:
+            out = []
+            for _ in range(b):
+                kc = KVCache(lm.kv_layers, lm.num_kv_heads, lm.head_dim, n + steps + warm + 1, lm.dtype, lm.device)
+                kc.k[:, :, :n].copy_(base.cache.k[:, :, :n])
+                kc.v[:, :, :n].copy_(base.cache.v[:, :, :n])
+                kc.length = n
+                out.append(kc)
+            return out
+
+        first = [int(base.logits.argmax())] * b
+        dec = PooledDecoder(lm, pool_tokens=b * (n + steps + warm + 1) + 4 * 16,
+                            graphs=self.args.cuda_graphs == "auto")
+        pooled, tokens, times, got = caches(), list(first), [], []
+        for i in range(warm + steps):
+            sync(self.device)
+            t = time.perf_counter()
+            with torch.inference_mode():
+                tokens = pick_greedy(dec.step(pooled, tokens))
+            if i >= warm:
+                times.append(time.perf_counter() - t)
+            got.append(tokens[0])
+        del pooled
+        ragged, tokens, want = caches(), list(first), []
+        with torch.inference_mode():
+            for _ in range(warm + steps):
+                tokens = pick_greedy(decode_batch(lm, ragged, tokens))
+                want.append(tokens[0])
+        step = statistics.median(times)
+        st = dec.stats
+        row = {"step_s": step, "tokens_per_s": b / step, "speedup_vs_ragged": ragged_step / step,
+               "graphs": dec.graphs, "graph_steps": st.graph_steps, "eager_steps": st.eager_steps,
+               "captures": st.captures, "capture_failures": st.capture_failures,
+               "greedy_tokens_equal_ragged": got == want}
+        if dec.graphs:
+            row["capture_s"] = st.capture_s
+        return row
 
     def generate(self, c: int) -> None:
         """`generate_one` at each of `--generate-batches` (the same prompt in every row)."""
@@ -550,6 +607,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--generate-batches", type=ints, default=[1, 32], help="transformers generate() batch sizes")
     ap.add_argument("--profile-batches", type=ints_or_none, default=[1, 32],
                     help="decode batch sizes profiled with torch.profiler ('none': no profile)")
+    ap.add_argument("--cuda-graphs", choices=("auto", "off"), default="auto",
+                    help="the pooled decode arm captures each bucket's step as a CUDA graph (auto, on CUDA) or not")
     ap.add_argument("--decode-steps", type=int, default=None, help="timed decode steps (default 16; --quick 4)")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats after a warm-up (default 3; --quick 1)")
     ap.add_argument("--budget-s", type=float, default=480.0, help="the whole run's time; what would not fit is skipped")

@@ -62,7 +62,7 @@ def assemble_pipeline(lm: LoadedModel, retrievers: dict[str, tuple[Path, Retriev
     (its KV tree, its step sizes), each collection's store and served ratio, the prefill rate
     measured (tests share one loaded model between pipelines of different settings)."""
     engine = Engine(lm, tree=tree_config(settings, lm), step_tokens=settings.prompt_step_tokens,
-                    step_s=settings.prompt_slice_s)
+                    step_s=settings.prompt_slice_s, decode=settings.decode())
     collections = {}
     for name, (index_dir, retriever) in retrievers.items():
         manifest = retriever.manifest

@@ -33,6 +33,7 @@ from ragkv.types import (
 )
 
 if TYPE_CHECKING:
+    from ragkv.engine.decode_graphs import PooledDecoder
     from ragkv.engine.kv.tree import KVTree
     from ragkv.engine.speed import EngineSpeed
     from ragkv.retriever import SearchHit
@@ -50,6 +51,7 @@ class BackendParts:
     tier_errors: Callable[[], Mapping[tuple[str, Tier], int]] | None = None
     # per collection, the ratio its requests that set none get and the KL predicted for it (server/fidelity.py)
     served: Mapping[str, ServedRatio] = field(default_factory=dict)
+    decoder: PooledDecoder | None = None  # the engine's pooled decoder (one KV pool, CUDA graphs); None = ragged
 
 
 class AnswerText(Protocol):

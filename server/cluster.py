@@ -198,7 +198,7 @@ class EngineReplica:
         self._scheduler = Scheduler(settings.scheduler())
         self.pipeline = build_pipeline(settings)
         engine = self.pipeline.engine
-        self._scheduler.share_engine(engine.conversations.tree, engine.speed)
+        self._scheduler.share_engine(engine.conversations.tree, engine.speed, engine.decoder)
         self._runner = QueryRunner(admission=self._admission, metrics=self.metrics, retrieve_pool=self._pool,
                                    scheduler=self._scheduler)
         self._conversations: OrderedDict[str, None] = OrderedDict()

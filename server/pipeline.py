@@ -207,7 +207,7 @@ class Pipeline:
 
     def parts(self) -> BackendParts:
         return BackendParts(self.engine.conversations.tree, self.engine.speed, self.tier_errors,
-                            {name: c.served for name, c in self._collections.items()})
+                            {name: c.served for name, c in self._collections.items()}, self.engine.decoder)
 
     def collections(self) -> Sequence[CollectionInfo]:
         return [

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ragkv.engine.decode_graphs import DecodeConfig
 from ragkv.engine.focus import FocusOptions
 from ragkv.engine.scheduler import SchedulerConfig
 from ragkv.server.fidelity import DEFAULT_RECOMPUTE_RATIO
@@ -88,6 +89,10 @@ class ServerSettings:
     # (chunked prefill, engine.forward.layer_steps); 0 = a whole layer per step; None ("auto") =
     # the rows of a layer that last prompt_slice_s at the engine's measured speed (Engine.step_rows)
     prompt_step_tokens: int | None = None
+    # decode steps over one KV pool, each batch bucket's step shape-static (engine.decode_graphs): auto =
+    # on CUDA, where a ragged step is launch-bound; on; off. The pool holds kv_budget_bytes of KV.
+    decode_pool: str = "auto"
+    cuda_graphs: str = "auto"  # capture each bucket's pooled step as a CUDA graph: auto (wherever CUDA is) or off
     retrieve_workers: int = 1  # threads for retrieval and KV prefetch starts
     grace_seconds: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
     auth_token_file: Path | None = None  # bearer token file; else $RAGKV_AUTH_TOKEN; else no auth
@@ -242,6 +247,7 @@ class ServerSettings:
                 raise ValueError(f"{name} must be in [0, 1], got {ratio}")
         if self.fidelity_kl is not None and not self.fidelity_kl > 0.0:
             raise ValueError(f"fidelity_kl must be a KL in nats > 0 (e.g. 0.01), or off; got {self.fidelity_kl}")
+        DecodeConfig(self.decode_pool, self.cuda_graphs, self.kv_budget_bytes)  # raises naming a bad value
         if self.system_prompt_policy not in SYSTEM_PROMPT_POLICIES:
             raise ValueError(f"system_prompt_policy must be one of {', '.join(SYSTEM_PROMPT_POLICIES)}, got "
                              f"{self.system_prompt_policy!r}")
@@ -299,6 +305,10 @@ class ServerSettings:
         return FocusOptions(keep=self.focus_keep, handover=self.focus_handover, spread=self.focus_spread,
                             several=self.focus_several,
                             lookup_ratio=self.focus_lookup_ratio, lookup_keep=self.focus_lookup_keep)
+
+    def decode(self) -> DecodeConfig:
+        """How the engine decodes: over one pool and with CUDA graphs, or ragged."""
+        return DecodeConfig(self.decode_pool, self.cuda_graphs, self.kv_budget_bytes)
 
     def scheduler(self) -> SchedulerConfig:
         """The engine scheduler's budgets, from the --kv-budget-bytes, --max-batch and --prompt-* settings."""

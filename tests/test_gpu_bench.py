@@ -89,6 +89,9 @@ def test_tiny_run_writes_every_section(tiny_run):
     for b in ("1", "2"):
         d = m["decode"]["2"][b]
         assert d["tokens_per_s"] > 0 and d["bytes_per_step"] > m["config"]["decode_weight_bytes"] > 0
+        pooled = d["pooled"]  # the same decode over one KV pool: eager on a CPU, graphs on CUDA
+        assert pooled["greedy_tokens_equal_ragged"] is True and pooled["speedup_vs_ragged"] > 0
+        assert pooled["graphs"] is False and pooled["eager_steps"] == 4 and pooled["captures"] == 0
     g = m["generate_static"]["2"]
     assert g["decode_tokens_per_s"] > 0 and g["ttft_s"] > 0 and g["compile"] == "disabled"
     assert m["generate_static_batches"]["2"]["32"]["batch"] == 32  # generate at a batch, as decode runs one

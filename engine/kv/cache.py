@@ -143,6 +143,13 @@ def _when_ready(ready: LayerReady | None, num_layers: int, layer: int) -> Future
     return ready.when_ready(min(layer, num_layers - 1))  # type: ignore[no-any-return]
 
 
+class CachePool(Protocol):
+    """Where a cache's KV may live besides its own tensors (`engine.kv.decode_pool.DecodePool`)."""
+
+    def grow(self, cache: KVCache, tokens: int) -> None:
+        """Give `cache` room for `tokens` tokens, its k and v still views of the pool."""
+
+
 class KVCache:
     """A preallocated decode cache; K after RoPE. Grows by doubling, never per token."""
 
@@ -159,6 +166,9 @@ class KVCache:
         # layer's pass stops there, copies its state into `marked`, and goes on
         self.mark: int | None = None
         self.marked: object | None = None
+        # the decode pool that holds this cache's KV once it decodes there (`engine.kv.decode_pool`):
+        # k and v are then views of the pool's tensors, and the pool grows them
+        self.pool: CachePool | None = None
 
     def write_segments(self, segments: Sequence[ChunkKV], rope: RopeTables) -> int:
         """Write stored segments back to back from slot 0, rotating each K to its final positions.
@@ -258,6 +268,9 @@ class KVCache:
     def ensure(self, capacity: int) -> None:
         """Make room for `capacity` tokens, copying the valid part once if it must grow."""
         if capacity <= self.capacity:
+            return
+        if self.pool is not None:
+            self.pool.grow(self, capacity)
             return
         new_cap = max(capacity, 2 * self.capacity)
         L, H, _, D = self.k.shape

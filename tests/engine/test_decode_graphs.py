@@ -1,0 +1,219 @@
+"""Decode over the decode pool (engine/decode_graphs.py): the same tokens as ragged decode, shapes
+that stay still within a bucket, a pool that holds many requests in place, and (on CUDA) graphs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ragkv.engine import Engine, Prompt
+from ragkv.engine.decode import decode_batch, pick_greedy
+from ragkv.engine.decode_graphs import PooledDecoder, _Inputs, bucket, key_bucket, unsupported_reason
+from ragkv.engine.kv.cache import KVCache
+from ragkv.engine.kv.decode_pool import DecodePool, DecodePoolFullError
+from ragkv.types import Mode
+
+
+def _prompts(engine: Engine, lengths: list[int], seed: int = 0, reserve: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    vocab = engine.lm.tokenizer.vocab_size
+    return [engine.run(Prompt(torch.randint(5, vocab, (n,), generator=g).tolist()), Mode.FULL,
+                       reserve_tokens=reserve) for n in lengths]
+
+
+def _greedy_run(step, caches: list[KVCache], first: list[int], steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    tokens, out, logits_seen = list(first), [[] for _ in caches], []
+    for _ in range(steps):
+        logits = step(caches, tokens)  # [B, V]
+        logits_seen.append(logits.clone())
+        tokens = pick_greedy(logits)
+        for row, t in zip(out, tokens):
+            row.append(t)
+    return out, logits_seen
+
+
+def test_pooled_decode_gives_ragged_decodes_tokens_for_requests_of_different_lengths(tiny_lm) -> None:
+    engine = Engine(tiny_lm)
+    prompts = _prompts(engine, [7, 40, 19], reserve=2)  # room for 2 tokens: every cache must grow
+    first = [int(p.logits.argmax()) for p in prompts]
+    ragged = [copy.deepcopy(p.cache) for p in prompts]
+    pooled = [copy.deepcopy(p.cache) for p in prompts]
+    want, want_logits = _greedy_run(lambda c, t: decode_batch(tiny_lm, c, t), ragged, first, 24)
+    dec = PooledDecoder(tiny_lm, pool_tokens=1024, graphs=False)
+    got, got_logits = _greedy_run(dec.step, pooled, first, 24)
+    assert got == want
+    assert max(float((a - b).abs().max()) for a, b in zip(got_logits, want_logits)) < 1e-4
+    assert dec.stats.eager_steps == 24 and dec.stats.ragged_steps == 0
+    assert all(c.pool is dec.pool for c in pooled)
+    for c, r in zip(pooled, ragged):  # the caches' KV is the ragged path's, now in the pool
+        assert c.length == r.length
+        assert torch.allclose(c.k[:, :, :c.length], r.k[:, :, :r.length], atol=1e-5)
+
+
+def test_a_batch_that_changes_size_mid_run_keeps_each_requests_tokens(tiny_lm) -> None:
+    engine = Engine(tiny_lm)
+    prompts = _prompts(engine, [12, 30, 5, 21], seed=1)
+    first = [int(p.logits.argmax()) for p in prompts]
+    dec = PooledDecoder(tiny_lm, pool_tokens=1024, graphs=False)
+    alone = []
+    for p, t in zip(prompts, first):  # each request by itself, ragged
+        toks, _ = _greedy_run(lambda c, x: decode_batch(tiny_lm, c, x), [copy.deepcopy(p.cache)], [t], 10)
+        alone.append(toks[0])
+    caches = [copy.deepcopy(p.cache) for p in prompts]
+    got: list[list[int]] = [[] for _ in caches]
+    tokens = list(first)
+    live = [0, 1, 2, 3]
+    for step in range(10):
+        if step == 4:  # request 2 ends: its run goes back, the batch shrinks from 4 rows to 3 (bucket 4)
+            dec.release(caches[2])
+            live.remove(2)
+        picks = pick_greedy(dec.step([caches[j] for j in live], [tokens[j] for j in live]))
+        for j, t in zip(live, picks):
+            got[j].append(t)
+            tokens[j] = t
+    for j in (0, 1, 3):
+        assert got[j] == alone[j], f"request {j}"
+    assert got[2] == alone[2][:4]
+    assert caches[2].pool is None and caches[2].length == prompts[2].cache.length + 4  # its KV kept, out of the pool
+
+
+class _Shapes(TorchDispatchMode):
+    """Every op's name and output shapes, in order: a step's whole shape signature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat = out if isinstance(out, (tuple, list)) else (out,)
+        self.seen.append((str(func), tuple(tuple(t.shape) for t in flat if isinstance(t, torch.Tensor))))
+        return out
+
+
+def test_the_pooled_step_is_shape_static_within_a_bucket(tiny_lm) -> None:
+    """What a captured graph needs: step after step of one bucket runs the same ops on the same
+    shapes (positions, lengths and runs are values in buffers, never shapes)."""
+    engine = Engine(tiny_lm)
+    prompts = _prompts(engine, [9, 33, 20], seed=2, reserve=64)
+    dec = PooledDecoder(tiny_lm, pool_tokens=1024, graphs=False)
+    caches = [p.cache for p in prompts]
+    tokens = [int(p.logits.argmax()) for p in prompts]
+    dec.step(caches, tokens)  # the first step admits the caches (copies): not a steady step
+    signatures = []
+    for _ in range(20):
+        x = dec._buckets[(bucket(3), key_bucket(max(c.length for c in caches) + 1))].inputs
+        with _Shapes() as rec:
+            dec._forward(x)
+        signatures.append(rec.seen)
+        tokens = pick_greedy(dec.step(caches, tokens))
+    assert len(signatures[0]) > 50
+    assert all(s == signatures[0] for s in signatures), "a step's shapes changed within one bucket"
+    # and the check can fail: another bucket (4 rows) records another signature
+    with _Shapes() as rec:
+        dec._forward(_Inputs.empty(4, 256, torch.device("cpu")))
+    assert rec.seen != signatures[0]
+
+
+def test_the_pool_grows_runs_in_place_moves_them_when_it_must_and_reuses_what_is_released() -> None:
+    pool = DecodePool(2, 1, 4, capacity_tokens=160, dtype=torch.float32, device="cpu", page_tokens=16)
+    assert pool.capacity == 144  # 10 pages, the last one scratch
+    a, b = (KVCache(2, 1, 4, 8, torch.float32, torch.device("cpu")) for _ in range(2))
+    for c, fill in ((a, 1.0), (b, 2.0)):
+        c.k[:, :, :5], c.v[:, :, :5], c.length = fill, -fill, 5
+    pool.admit(a, 16)
+    pool.admit(b, 16)
+    assert pool.run_of(a).start == 0 and pool.run_of(b).start == 16 and pool.copied_tokens == 10
+    b.ensure(30)  # the pages after b are free: it grows in place, no copy
+    assert pool.run_of(b).start == 16 and pool.run_of(b).size == 32 and pool.moves == 0
+    assert float(b.v[1, 0, 0, 0]) == -2.0 and b.k.data_ptr() == pool.k[:, :, 16:].data_ptr()
+    a.ensure(40)  # b sits right after a: a moves (and doubles), its KV with it
+    assert pool.moves == 1 and pool.run_of(a).start == 48 and pool.run_of(a).size == 48
+    assert float(a.k[0, 0, 4, 0]) == 1.0 and pool.copied_tokens == 15
+    c = KVCache(2, 1, 4, 8, torch.float32, torch.device("cpu"))
+    with pytest.raises(DecodePoolFullError, match="no run of 96 free tokens"):
+        pool.admit(c, 96)
+    pool.release(a)
+    assert a.pool is None and float(a.k[0, 0, 4, 0]) == 1.0 and a.k.shape[2] == 5  # its KV copied out
+    pool.admit(c, 64)  # a's pages, merged with the free ones beside them, are taken again
+    assert pool.run_of(c).start == 48
+    with pytest.raises(ValueError, match="cannot enter a decode pool"):
+        pool.admit(KVCache(3, 1, 4, 8, torch.float32, torch.device("cpu")), 16)
+
+
+def test_a_full_pool_falls_back_to_ragged_decode_and_counts_it(tiny_lm) -> None:
+    engine = Engine(tiny_lm)
+    prompts = _prompts(engine, [40, 40], seed=3)
+    dec = PooledDecoder(tiny_lm, pool_tokens=64, graphs=False)  # 48 slots for requests: one fits, not two
+    want = decode_batch(tiny_lm, [copy.deepcopy(p.cache) for p in prompts], [3, 4])
+    got = dec.step([p.cache for p in prompts], [3, 4])
+    assert dec.stats.ragged_steps == 1 and torch.allclose(got, want, atol=1e-5)
+
+
+def test_families_that_need_more_than_sdpa_say_why(tmp_path) -> None:
+    from ragkv.engine import load_model
+    from ragkv.evals.testing import tiny_model_dir
+
+    gemma2 = load_model(str(tiny_model_dir(tmp_path / "g2", "gemma2", family=True)), device="cpu", dtype="float32")
+    reason = unsupported_reason(gemma2.adapter)
+    assert reason is not None and ("soft-capped" in reason or "sliding" in reason)
+    with pytest.raises(ValueError, match="cannot decode over the pool"):
+        PooledDecoder(gemma2, pool_tokens=256)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_replay_the_eager_steps_tokens(tiny_llama_dir) -> None:
+    from ragkv.engine import load_model
+
+    lm = load_model(str(tiny_llama_dir), device="cuda", dtype="float32")
+    engine = Engine(lm)
+    prompts = _prompts(engine, [17, 50, 33], seed=4, reserve=40)
+    first = [int(p.logits.argmax()) for p in prompts]
+    eager = PooledDecoder(lm, pool_tokens=2048, graphs=False)
+    want, _ = _greedy_run(eager.step, [copy.deepcopy(p.cache) for p in prompts], first, 16)
+    graphs = PooledDecoder(lm, pool_tokens=2048, graphs=True)
+    got, _ = _greedy_run(graphs.step, [copy.deepcopy(p.cache) for p in prompts], first, 16)
+    assert got == want
+    assert graphs.stats.captures >= 1 and graphs.stats.capture_failures == 0
+    assert graphs.stats.graph_steps == 16
+
+
+def test_the_scheduler_decodes_over_the_engines_pool_and_gives_every_run_back(tiny_lm) -> None:
+    """Requests of every mode through the scheduler, batched over the pool (--decode-pool on): the
+    tokens each gets alone with ragged decode; every run goes back when its request ends."""
+    from ragkv.engine.decode_graphs import DecodeConfig
+    from ragkv.engine.scheduler import Scheduler, SchedulerConfig
+    from ragkv.engine.speed import EngineSpeed
+    from tests.engine.test_scheduler import REQUESTS, _alone, _job, _Sink
+
+    alone = _alone(Engine(tiny_lm))
+    engine = Engine(tiny_lm, decode=DecodeConfig(pool="on", pool_bytes=8 << 20))
+    assert engine.decoder is not None and not engine.decoder.graphs  # no CUDA here: eager steps
+    sched = Scheduler(SchedulerConfig(prompt_slice_s=1e-4))
+    sched.share_engine(None, EngineSpeed(), engine.decoder)
+    sinks = []
+    for mode, n, q, m in REQUESTS:
+        sinks.append(_Sink())
+        _job(engine, sched, mode, n, q, m, sinks[-1])
+    for s in sinks:
+        assert s.ended.wait(300)
+    sched.close()
+    assert [s.tokens for s in sinks] == alone
+    stats = engine.decoder.stats
+    assert stats.eager_steps > 0 and stats.ragged_steps == 0
+    assert engine.decoder.pool.used == 0, "a finished request kept its run"
+
+
+def test_decode_settings_are_checked_and_auto_is_ragged_off_cuda(tiny_lm) -> None:
+    from ragkv.engine.decode_graphs import DecodeConfig
+
+    assert DecodeConfig().decoder(tiny_lm) is None  # auto on a CPU: ragged, the faster path here
+    assert DecodeConfig(pool="off").decoder(tiny_lm) is None
+    with pytest.raises(ValueError, match="decode pool must be auto, on or off"):
+        DecodeConfig(pool="yes")
+    with pytest.raises(ValueError, match="cuda graphs must be auto or off"):
+        DecodeConfig(cuda_graphs="on")

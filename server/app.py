@@ -169,6 +169,9 @@ class RagServer:
         if parts.kv_tree is not None:
             self.metrics.watch_kv_tree(parts.kv_tree.stats)
         self.metrics.observe_served(parts.served)
+        if parts.decoder is not None:
+            decoder = parts.decoder
+            self.metrics.watch_decoder(lambda: decoder.stats)
         if parts.speed is not None:  # its tree counts in --kv-budget-bytes; its decoder runs the decode steps
             self._scheduler.share_engine(parts.kv_tree, parts.speed, parts.decoder)
         await self._set_health(_SERVING)

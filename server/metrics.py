@@ -191,6 +191,13 @@ class ServerMetrics:
         _host_budget_bytes, _disk_bytes, _disk_budget_bytes."""
         self.registry.register(_KVTree(read))
 
+    def watch_decoder(self, read: Callable[[], object]) -> None:
+        """Export the pooled decoder's counts (`read()` -> engine.decode_graphs.DecodeStats) at each
+        scrape: ragkv_decode_steps_total{path="graph"|"eager"|"ragged"} (replayed graphs, pooled steps
+        run eagerly, steps the pool could not hold), ragkv_decode_graph_captures_total,
+        ragkv_decode_graph_capture_failures_total and ragkv_decode_graph_capture_seconds_total."""
+        self.registry.register(_Decoder(read))
+
     def watch_routing(self, read: Callable[[], tuple[Mapping[str, int], Mapping[str, Mapping[str, float]]]]) -> None:
         """Export the cluster router's decisions and the replicas' own gauges at each scrape
         (`read()` -> (decisions by reason, {replica: {gauge: value}}), server/routing.py's
@@ -226,6 +233,28 @@ class _TierErrors:
         for (collection, tier), n in sorted(self._read().items(), key=lambda kv: (kv[0][0], kv[0][1].value)):
             family.add_metric([tier.value, collection], n)
         yield family
+
+
+class _Decoder:
+    """A collector of the pooled decoder's counts (kept by the engine, read at scrape time)."""
+
+    def __init__(self, read: Callable[[], object]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        stats = self._read()
+        steps = CounterMetricFamily("ragkv_decode_steps", "Decode steps by path: a replayed CUDA graph, a pooled "
+                                    "step run eagerly, or ragged decode (the pool could not hold the step).",
+                                    labels=["path"])
+        for path in ("graph", "eager", "ragged"):
+            steps.add_metric([path], getattr(stats, f"{path}_steps"))
+        yield steps
+        yield CounterMetricFamily("ragkv_decode_graph_captures", "Decode steps captured as CUDA graphs "
+                                  "(one per batch and key bucket).", value=getattr(stats, "captures"))
+        yield CounterMetricFamily("ragkv_decode_graph_capture_failures", "Buckets whose capture failed "
+                                  "(they run eagerly).", value=getattr(stats, "capture_failures"))
+        yield CounterMetricFamily("ragkv_decode_graph_capture_seconds", "Seconds spent capturing decode graphs.",
+                                  value=getattr(stats, "capture_s"))
 
 
 class _KVTree:

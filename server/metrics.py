@@ -250,11 +250,11 @@ class _Decoder:
             steps.add_metric([path], getattr(stats, f"{path}_steps"))
         yield steps
         yield CounterMetricFamily("ragkv_decode_graph_captures", "Decode steps captured as CUDA graphs "
-                                  "(one per batch and key bucket).", value=getattr(stats, "captures"))
+                                  "(one per batch and key bucket).", value=stats.captures)
         yield CounterMetricFamily("ragkv_decode_graph_capture_failures", "Buckets whose capture failed "
-                                  "(they run eagerly).", value=getattr(stats, "capture_failures"))
+                                  "(they run eagerly).", value=stats.capture_failures)
         yield CounterMetricFamily("ragkv_decode_graph_capture_seconds", "Seconds spent capturing decode graphs.",
-                                  value=getattr(stats, "capture_s"))
+                                  value=stats.capture_s)
 
 
 class _KVTree:

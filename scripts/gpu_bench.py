@@ -370,7 +370,6 @@ class ModelBench:
         import torch
 
         from ragkv.engine.decode import decode_batch, pick_greedy
-        from ragkv.engine.kv.cache import KVCache
         from ragkv.types import Mode
 
         lm, steps, warm = self.lm, self.args.decode_steps, 2
@@ -392,13 +391,7 @@ class ModelBench:
                 continue
 
             def body(b: int = b) -> dict[str, Any]:
-                caches = []
-                for _ in range(b):
-                    kc = KVCache(lm.kv_layers, lm.num_kv_heads, lm.head_dim, n + steps + warm + 1, lm.dtype, lm.device)
-                    kc.k[:, :, :n].copy_(base.cache.k[:, :, :n])
-                    kc.v[:, :, :n].copy_(base.cache.v[:, :, :n])
-                    kc.length = n
-                    caches.append(kc)
+                caches = self._copies(base, b, steps + warm + 1)
                 tokens = [int(base.logits.argmax())] * b
                 times = []
                 for i in range(warm + steps):
@@ -422,6 +415,20 @@ class ModelBench:
                 out[str(b)] = r
             self.run.save()
 
+    def _copies(self, base: Any, b: int, room: int) -> list[Any]:
+        """b decode caches, each a copy of the prompt `base`'s KV with room for `room` more tokens."""
+        from ragkv.engine.kv.cache import KVCache
+
+        lm, n = self.lm, base.n_prompt_tokens
+        caches = []
+        for _ in range(b):
+            kc = KVCache(lm.kv_layers, lm.num_kv_heads, lm.head_dim, n + room, lm.dtype, lm.device)
+            kc.k[:, :, :n].copy_(base.cache.k[:, :, :n])
+            kc.v[:, :, :n].copy_(base.cache.v[:, :, :n])
+            kc.length = n
+            caches.append(kc)
+        return caches
+
     def _pooled_decode(self, base: Any, n: int, b: int, steps: int, warm: int, ragged_step: float) -> dict[str, Any]:
         """The same decode over one pool (engine.decode_graphs), each bucket's step a CUDA graph
         unless --cuda-graphs off: its step time, its ratio to the ragged step above, and whether
@@ -430,27 +437,16 @@ class ModelBench:
 
         from ragkv.engine.decode import decode_batch, pick_greedy
         from ragkv.engine.decode_graphs import PooledDecoder, unsupported_reason
-        from ragkv.engine.kv.cache import KVCache
 
         lm = self.lm
         why = unsupported_reason(lm.adapter)
         if why is not None:
             return {"skipped": why}
 
-        def caches() -> list[KVCache]:
-            out = []
-            for _ in range(b):
-                kc = KVCache(lm.kv_layers, lm.num_kv_heads, lm.head_dim, n + steps + warm + 1, lm.dtype, lm.device)
-                kc.k[:, :, :n].copy_(base.cache.k[:, :, :n])
-                kc.v[:, :, :n].copy_(base.cache.v[:, :, :n])
-                kc.length = n
-                out.append(kc)
-            return out
-
         first = [int(base.logits.argmax())] * b
         dec = PooledDecoder(lm, pool_tokens=b * (n + steps + warm + 1) + 4 * 16,
                             graphs=self.args.cuda_graphs == "auto")
-        pooled, tokens, times, got = caches(), list(first), [], []
+        pooled, tokens, times, got = self._copies(base, b, steps + warm + 1), list(first), [], []
         for i in range(warm + steps):
             sync(self.device)
             t = time.perf_counter()
@@ -460,7 +456,7 @@ class ModelBench:
                 times.append(time.perf_counter() - t)
             got.append(tokens[0])
         del pooled
-        ragged, tokens, want = caches(), list(first), []
+        ragged, tokens, want = self._copies(base, b, steps + warm + 1), list(first), []
         with torch.inference_mode():
             for _ in range(warm + steps):
                 tokens = pick_greedy(decode_batch(lm, ragged, tokens))

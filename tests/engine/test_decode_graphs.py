@@ -186,23 +186,13 @@ def test_the_scheduler_decodes_over_the_engines_pool_and_gives_every_run_back(ti
     """Requests of every mode through the scheduler, batched over the pool (--decode-pool on): the
     tokens each gets alone with ragged decode; every run goes back when its request ends."""
     from ragkv.engine.decode_graphs import DecodeConfig
-    from ragkv.engine.scheduler import Scheduler, SchedulerConfig
-    from ragkv.engine.speed import EngineSpeed
-    from tests.engine.test_scheduler import REQUESTS, _alone, _job, _Sink
+    from tests.engine.test_scheduler import _alone, _together
 
     alone = _alone(Engine(tiny_lm))
     engine = Engine(tiny_lm, decode=DecodeConfig(pool="on", pool_bytes=8 << 20))
     assert engine.decoder is not None and not engine.decoder.graphs  # no CUDA here: eager steps
-    sched = Scheduler(SchedulerConfig(prompt_slice_s=1e-4))
-    sched.share_engine(None, EngineSpeed(), engine.decoder)
-    sinks = []
-    for mode, n, q, m in REQUESTS:
-        sinks.append(_Sink())
-        _job(engine, sched, mode, n, q, m, sinks[-1])
-    for s in sinks:
-        assert s.ended.wait(300)
-    sched.close()
-    assert [s.tokens for s in sinks] == alone
+    together, _, _ = _together(engine, slice_s=1e-4)  # prompts interleave with the pooled decode steps
+    assert together == alone
     stats = engine.decoder.stats
     assert stats.eager_steps > 0 and stats.ragged_steps == 0
     assert engine.decoder.pool.used == 0, "a finished request kept its run"

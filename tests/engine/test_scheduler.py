@@ -96,6 +96,8 @@ def _alone(engine: Engine) -> list[list[int]]:
 
 def _together(engine: Engine, slice_s: float = 0.05) -> tuple[list[list[int]], list[_Sink], Scheduler]:
     sched = Scheduler(SchedulerConfig(prompt_slice_s=slice_s))
+    if engine.decoder is not None:  # decode over the engine's pool (tests/engine/test_decode_graphs.py)
+        sched.share_engine(None, EngineSpeed(), engine.decoder)
     sinks = []
     for mode, n, q, m in REQUESTS:
         sink = _Sink()

@@ -158,6 +158,21 @@ class PooledDecoder:
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool_graphs = torch.cuda.graph_pool_handle() if self.graphs else None
 
+    def warm(self, batches: tuple[int, ...] = BATCH_BUCKETS, keys: int = MIN_KEY_BUCKET) -> int:
+        """Capture the step of each batch bucket at `keys` ahead of the first request (server
+        start-up: its time is logged with the rest of loading); every row a padded one, writing
+        and reading the scratch page. Returns the graphs captured (0 with graphs off)."""
+        if not self.graphs:
+            return 0
+        before = self.stats.captures
+        with torch.inference_mode():
+            for rows in batches:
+                b = self._buckets.setdefault((rows, keys), _Bucket(_Inputs.empty(rows, keys, self.lm.device)))
+                self._fill(b.inputs, [], [], [], rows)
+                if b.graph is None and not b.failed:
+                    self._capture(b)
+        return self.stats.captures - before
+
     def release(self, cache: KVCache) -> None:
         """A request ended: its run goes back to the pool."""
         self.pool.release(cache)

@@ -82,6 +82,10 @@ def assemble_pipeline(lm: LoadedModel, retrievers: dict[str, tuple[Path, Retriev
                                        manifest.system_prompt or DEFAULT_SYSTEM_PROMPT,
                                        NeighbourOptions.from_dict(manifest.neighbours),
                                        manifest.calibration, served)
+    if engine.decoder is not None and engine.decoder.graphs:  # capture now, not on the first requests
+        t0 = time.perf_counter()
+        n = engine.decoder.warm()
+        log.info("captured %d decode graphs (batch buckets 1-64) in %.1f s", n, time.perf_counter() - t0)
     controller = LoadingController(ControllerConfig(enabled=settings.kv_controller), engine.speed)
     first = next(iter(collections.values()), None)
     if first is not None:

@@ -118,6 +118,25 @@ def test_the_pooled_step_is_shape_static_within_a_bucket(tiny_lm) -> None:
     assert rec.seen != signatures[0]
 
 
+def test_padded_rows_touch_only_the_scratch_page(tiny_lm) -> None:
+    """A bucket's padding (and the start-up capture, every row padding) writes and reads the
+    scratch page alone: the requests' runs keep their KV."""
+    engine = Engine(tiny_lm)
+    prompts = _prompts(engine, [10, 20], seed=5, reserve=8)
+    dec = PooledDecoder(tiny_lm, pool_tokens=512, graphs=False)
+    assert dec.warm() == 0  # no CUDA: nothing to capture
+    caches = [p.cache for p in prompts]
+    dec.step(caches, [3, 4])  # 2 rows, no padding: admitted
+    k_before, v_before = dec.pool.k[:, :, :dec.pool.scratch].clone(), dec.pool.v[:, :, :dec.pool.scratch].clone()
+    x = _Inputs.empty(8, 256, torch.device("cpu"))
+    dec._fill(x, [], [], [], 8)  # a bucket of 8 padded rows
+    assert set(x.slots.tolist()) == set(x.starts.tolist()) == {dec.pool.scratch} and set(x.lens.tolist()) == {1}
+    logits = dec._forward(x)
+    assert logits.shape[0] == 8 and torch.isfinite(logits).all()
+    assert torch.equal(dec.pool.k[:, :, :dec.pool.scratch], k_before)
+    assert torch.equal(dec.pool.v[:, :, :dec.pool.scratch], v_before)
+
+
 def test_the_pool_grows_runs_in_place_moves_them_when_it_must_and_reuses_what_is_released() -> None:
     pool = DecodePool(2, 1, 4, capacity_tokens=160, dtype=torch.float32, device="cpu", page_tokens=16)
     assert pool.capacity == 144  # 10 pages, the last one scratch
@@ -176,9 +195,10 @@ def test_cuda_graphs_replay_the_eager_steps_tokens(tiny_llama_dir) -> None:
     eager = PooledDecoder(lm, pool_tokens=2048, graphs=False)
     want, _ = _greedy_run(eager.step, [copy.deepcopy(p.cache) for p in prompts], first, 16)
     graphs = PooledDecoder(lm, pool_tokens=2048, graphs=True)
+    assert graphs.warm((1, 2, 4)) == 3  # start-up: one graph per batch bucket, every row padding
     got, _ = _greedy_run(graphs.step, [copy.deepcopy(p.cache) for p in prompts], first, 16)
     assert got == want
-    assert graphs.stats.captures >= 1 and graphs.stats.capture_failures == 0
+    assert graphs.stats.captures == 3 and graphs.stats.capture_failures == 0  # 3 rows replay bucket 4's graph
     assert graphs.stats.graph_steps == 16
 
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -178,6 +178,17 @@ class Prompt:
         return cls(question_ids, prefix_ids, [ch.token_ids.tolist() for ch in chunks], chunks, select_ids)
 
 
+NewCache = Callable[[int], "KVCache | None"]  # a request cache of N tokens from the engine's pool, or None
+
+
+def request_cache(lm: LoadedModel, capacity: int, new_cache: NewCache | None = None) -> KVCache:
+    """A request's cache for `capacity` tokens: from the engine's decode pool (`new_cache`, its
+    KV then never copied to decode), else one of its own (no pool, or the pool is full)."""
+    cache = new_cache(capacity) if new_cache is not None else None
+    return cache if cache is not None else KVCache(lm.kv_layers, lm.num_kv_heads, lm.head_dim, capacity, lm.dtype,
+                                                   lm.device)
+
+
 def prompt_steps(
     lm: LoadedModel,
     prefix: ChunkKV | None,
@@ -189,6 +200,7 @@ def prompt_steps(
     select_ids: Sequence[int] | torch.Tensor | None = None,
     snapshot_at: int | None = None,
     step_tokens: int = 0,
+    new_cache: NewCache | None = None,
 ) -> PromptSteps:
     """Run a prompt in `mode`, one decoder layer per step. For FULL, `prefix` and `chunks`
     give only their token ids.
@@ -210,6 +222,10 @@ def prompt_steps(
         snapshot_at: a hybrid's prompt position whose recurrent state is kept too (`KVCache.mark`).
         step_tokens: prompt rows a step computes at most (chunked prefill, `layer_steps`); 0 = a
             whole layer per step.
+        new_cache: the engine's decode pool's cache maker (`DecodePool.new_cache`): the request's
+            cache is a run of the pool, where it then decodes with no copy; None = a cache of its
+            own. (A focus pass, and the guard's fallback to full, make their own: they move into
+            the pool once when they decode.)
     """
     mode = Mode(mode)
     if mode is Mode.FOCUS:
@@ -217,9 +233,9 @@ def prompt_steps(
                                           step_tokens))
     if mode is Mode.BLEND and options.selector is Selector.QUERY:  # (no name here holds the cache:
         # the guard's fallback frees it before running full)
-        a = _assemble(lm, prefix, chunks, question_ids, mode, options, reserve_tokens, step_tokens)
+        a = _assemble(lm, prefix, chunks, question_ids, mode, options, reserve_tokens, step_tokens, new_cache)
         return (yield from _query_blend_steps(lm, a, prefix, chunks, options, reserve_tokens, select_ids))
-    a = _assemble(lm, prefix, chunks, question_ids, mode, options, reserve_tokens, step_tokens)
+    a = _assemble(lm, prefix, chunks, question_ids, mode, options, reserve_tokens, step_tokens, new_cache)
     a.cache.mark = snapshot_at
     if mode is Mode.BLEND:  # deviation: every token through the check layer, then the picked ones
         check = min(options.check_layer, lm.num_layers - 1)
@@ -249,7 +265,7 @@ class _Assembled:
 
 def _assemble(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV],
               question_ids: Sequence[int] | torch.Tensor, mode: Mode, options: BlendOptions,
-              reserve_tokens: int, step_tokens: int = 0) -> _Assembled:
+              reserve_tokens: int, step_tokens: int = 0, new_cache: NewCache | None = None) -> _Assembled:
     dev = lm.device
     timer = _PhaseTimer(dev)
     segments = ([prefix] if prefix is not None else []) + list(chunks)
@@ -261,7 +277,7 @@ def _assemble(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV]
     ids = torch.cat([s.token_ids.to(dev) for s in segments] + [q_ids])  # [N]
     n = ids.shape[0]
     p = prefix.num_tokens if prefix is not None else 0
-    cache = KVCache(lm.kv_layers, lm.num_kv_heads, lm.head_dim, n + reserve_tokens, lm.dtype, dev)
+    cache = request_cache(lm, n + reserve_tokens, new_cache)
     cache.length = n
     rope_all = lm.adapter.rotary(torch.arange(n, device=dev), _like(lm))  # N rows
     if mode is not Mode.FULL:  # layers of chunks still loading are written as the pass reaches them
@@ -402,7 +418,8 @@ def _layers(lm: LoadedModel, a: _Assembled, chunks: Sequence[ChunkKV], options: 
 
 def resume_steps(lm: LoadedModel, lease: TreeLease, ids: Sequence[int], mode: Mode,
                  layout: TreeContext | None = None, reserve_tokens: int = 256,
-                 snapshot_at: int | None = None, step_tokens: int = 0) -> PromptSteps:
+                 snapshot_at: int | None = None, step_tokens: int = 0,
+                 new_cache: NewCache | None = None) -> PromptSteps:
     """Run a prompt whose first tokens' KV the KV tree holds: only the rest is computed.
 
     The cache takes the lease's KV (the context, blended as its first request's pass left
@@ -423,7 +440,7 @@ def resume_steps(lm: LoadedModel, lease: TreeLease, ids: Sequence[int], mode: Mo
     ctx = layout or lease.context
     prompt = torch.tensor([*lease.context_ids, *ids], dtype=torch.long, device=dev)  # [N]
     n = int(prompt.shape[0])
-    cache = KVCache(lm.kv_layers, lm.num_kv_heads, lm.head_dim, n + reserve_tokens, lm.dtype, dev)
+    cache = request_cache(lm, n + reserve_tokens, new_cache)
     try:
         first = lease.write_into(cache, layered=True)  # positions [0, first) are the tree's
         cache.recurrent = lease.recurrent_state()  # a hybrid's state after them (a copy; None otherwise)

@@ -97,6 +97,8 @@ class Engine:
         self.grammars = ConstraintCompiler(lm.tokenizer, vocab, lm.eos_token_ids)  # constrained decoding
         # decode steps over one pool, captured per bucket on CUDA (engine.decode_graphs); None = ragged
         self.decoder: PooledDecoder | None = decode.decoder(lm)
+        # requests' prompt caches come from the decoder's pool, so they decode where their prompt left them
+        self._new_cache = None if self.decoder is None else self.decoder.pool.new_cache
 
     def step_rows(self) -> int:
         """Prompt rows one step of the next pass computes at most (0 = a whole layer): `step_tokens`
@@ -232,25 +234,26 @@ class Engine:
                 c = p + sum(len(ids) for ids in chunk_ids)
                 layout = TreeContext(prefix_tokens=p, chunk_end=c, chunk_tokens=c - p)
             return (yield from resume_steps(self.lm, resume.lease, resume.path, mode, layout, reserve_tokens,
-                                            prompt.snapshot_at, step_tokens))
+                                            prompt.snapshot_at, step_tokens, self._new_cache))
         if mode is Mode.FULL:
             ids = [*prefix_ids, *(t for ids in chunk_ids for t in ids), *question_ids]
             return (yield from prompt_steps(self.lm, None, [], ids, Mode.FULL, reserve_tokens=reserve_tokens,
-                                            snapshot_at=prompt.snapshot_at, step_tokens=step_tokens))
+                                            snapshot_at=prompt.snapshot_at, step_tokens=step_tokens,
+                                            new_cache=self._new_cache))
         prefix = prompt.prefix_kv if prompt.prefix_kv is not None else self.prefix_kv(prefix_ids)
         if prefix.num_tokens != len(prefix_ids):
             raise ValueError(f"the prompt's prefix KV holds {prefix.num_tokens} tokens, its prefix_ids {len(prefix_ids)}")
         if mode is Mode.PREFIX:  # every chunk token is recomputed: its KV is never read
             placeholders = [placeholder_kv(ids, len(prefix_ids), self.lm) for ids in chunk_ids]
             res = yield from prompt_steps(self.lm, prefix, placeholders, question_ids, mode, opts, reserve_tokens,
-                                          step_tokens=step_tokens)
+                                          step_tokens=step_tokens, new_cache=self._new_cache)
             res.cached_tokens = len(prefix_ids)  # (PREFIX chooses nothing: no select_ids)
             return res
         if chunks is None or len(chunks) != len(chunk_ids):
             raise ValueError(f"mode {mode.value} reads each chunk's KV: got "
                              f"{'none' if chunks is None else len(chunks)} for {len(chunk_ids)} chunks")
         res = yield from prompt_steps(self.lm, prefix, chunks, question_ids, mode, opts, reserve_tokens,
-                                      prompt.select_ids, step_tokens=step_tokens)
+                                      prompt.select_ids, step_tokens=step_tokens, new_cache=self._new_cache)
         used = res.used_chunks if res.used_chunks is not None else range(len(chunks))
         res.cached_tokens = len(prefix_ids) + sum(chunks[i].num_tokens for i in used if not chunks[i].fresh)
         return res

@@ -155,8 +155,19 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device) -> None:
-        self.k = torch.empty(num_layers, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)  # [L, Hkv, cap, D]
-        self.v = torch.empty_like(self.k)  # [L, Hkv, cap, D]
+        k = torch.empty(num_layers, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)  # [L, Hkv, cap, D]
+        self._start(k, torch.empty_like(k))
+
+    @classmethod
+    def over(cls, k: torch.Tensor, v: torch.Tensor) -> KVCache:
+        """An empty cache over given tensors [L, Hkv, cap, D] (a decode pool's run), allocating none."""
+        cache = cls.__new__(cls)
+        cache._start(k, v)
+        return cache
+
+    def _start(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k = k  # [L, Hkv, cap, D]
+        self.v = v  # [L, Hkv, cap, D]
         self.length = 0  # tokens [0, length) hold valid K/V
         self._staged: _Staged | None = None  # segments whose layers fill as the pass reaches them
         # a hybrid's recurrent layers: their conv and recurrent state after tokens [0, length)
@@ -169,6 +180,7 @@ class KVCache:
         # the decode pool that holds this cache's KV once it decodes there (`engine.kv.decode_pool`):
         # k and v are then views of the pool's tensors, and the pool grows them
         self.pool: CachePool | None = None
+        self.run: object | None = None  # its place in `pool` (the pool's own record)
 
     def write_segments(self, segments: Sequence[ChunkKV], rope: RopeTables) -> int:
         """Write stored segments back to back from slot 0, rotating each K to its final positions.

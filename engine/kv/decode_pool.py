@@ -1,9 +1,10 @@
-"""Decoding requests' KV in one pair of device tensors: what a shape-static decode step reads.
+"""Requests' KV in one pair of device tensors: what a shape-static decode step reads.
 
-A request that starts to decode moves its cache here once (`admit`): its tokens' K/V are
-copied into one run of slots, and its `KVCache` then holds views of the pool, so every
-other part of the engine (the tree's insert after the answer, a follow-up's reads) sees the
-same tensors as before. The pool's tensors never move while it lives, so a captured CUDA
+A request's prompt pass takes its cache from the pool (`new_cache`: one run of slots, the
+`KVCache` holding views of it), so it decodes where its prompt left its KV, with no copy; a
+cache made outside the pool (the pool was full) moves in once when it starts to decode
+(`admit`). Every other part of the engine (the tree's insert after the answer, a follow-up's
+reads) sees the cache's tensors as before. The pool's tensors never move while it lives, so a captured CUDA
 graph can address every request's KV by offsets held in device buffers (`engine.decode_graphs`):
 a request is `(start, length)` in one `[L, Hkv, S, D]` tensor, not a tensor of its own.
 
@@ -15,6 +16,7 @@ when the request ends. Not thread-safe: the scheduler's thread is its only user.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +26,7 @@ from ragkv.engine.kv.cache import KVCache
 PAGE_TOKENS = 16  # slots per page: runs are whole pages
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # one run is one object: held in sets by identity
 class Run:
     """One request's slots: [start, start + size)."""
 
@@ -50,7 +52,8 @@ class DecodePool:
         self.v = torch.zeros_like(self.k)  # [L, Hkv, S, D]
         self.scratch = slots - page_tokens  # the last page: padded rows write and read here
         self._free: list[Run] = [Run(0, self.scratch)]  # by start, adjacent runs merged
-        self._runs: dict[int, Run] = {}  # id(cache) -> its run
+        self._held: dict[Run, weakref.finalize[[Run], KVCache]] = {}  # each run held -> what frees it if its cache is dropped
+        self._dropped: list[Run] = []  # runs of caches dropped unreleased (any thread): back at the next take
         self.copied_tokens = 0  # tokens' KV copied in by admit and moves (a lease or insert would add none)
         self.moves = 0  # runs that had to move to grow
 
@@ -61,8 +64,8 @@ class DecodePool:
 
     @property
     def used(self) -> int:
-        """Token slots held by runs."""
-        return sum(r.size for r in self._runs.values())
+        """Token slots held by runs (a dropped cache's until the next take)."""
+        return sum(r.size for r in self._held)
 
     @property
     def nbytes(self) -> int:
@@ -70,7 +73,20 @@ class DecodePool:
 
     def run_of(self, cache: KVCache) -> Run | None:
         """The run `cache` holds, or None when it is not in the pool."""
-        return self._runs.get(id(cache))
+        run = cache.run
+        return run if cache.pool is self and isinstance(run, Run) else None
+
+    def new_cache(self, capacity: int) -> KVCache | None:
+        """An empty cache of `capacity` tokens in a run of the pool, or None when no run is that
+        large (the caller makes one of its own). A cache dropped without `release` (a pass that
+        failed or was cancelled before it decoded) gives its run back when it is collected."""
+        try:
+            run = self._take(capacity)
+        except DecodePoolFullError:
+            return None
+        cache = KVCache.over(self.k[:, :, run.start:run.start + run.size], self.v[:, :, run.start:run.start + run.size])
+        self._own(cache, run)
+        return cache
 
     def admit(self, cache: KVCache, room: int) -> Run:
         """Move `cache` into a run with room for `room` tokens (at least its length), copying its
@@ -80,9 +96,10 @@ class DecodePool:
             DecodePoolFullError: no free run is that large.
             ValueError: the cache's shape or dtype is not the pool's.
         """
-        if id(cache) in self._runs:
+        held = self.run_of(cache)
+        if held is not None:
             self.grow(cache, room)
-            return self._runs[id(cache)]
+            return self.run_of(cache) or held
         L, H, _, D = cache.k.shape
         if (L, H, D) != (self.k.shape[0], self.k.shape[1], self.k.shape[3]) or cache.k.dtype != self.k.dtype:
             raise ValueError(f"a cache of [L={L}, Hkv={H}, D={D}] {cache.k.dtype} cannot enter a decode pool of "
@@ -92,14 +109,19 @@ class DecodePool:
         self.k[:, :, run.start:run.start + n] = cache.k[:, :, :n]
         self.v[:, :, run.start:run.start + n] = cache.v[:, :, :n]
         self.copied_tokens += n
-        self._runs[id(cache)] = run
+        self._own(cache, run)
         self._point(cache, run)
-        cache.pool = self
         return run
+
+    def _own(self, cache: KVCache, run: Run) -> None:
+        self._held[run] = weakref.finalize(cache, self._dropped.append, run)
+        cache.pool, cache.run = self, run
 
     def grow(self, cache: KVCache, tokens: int) -> None:
         """Give `cache`'s run room for `tokens` tokens: the free pages right after it, else a move."""
-        run = self._runs[id(cache)]
+        run = self.run_of(cache)
+        if run is None:
+            raise RuntimeError("DecodePool.grow of a cache not in the pool: a bug")
         if tokens <= run.size:
             return
         need = self._pages(tokens)
@@ -118,19 +140,21 @@ class DecodePool:
         self.v[:, :, new.start:new.start + n] = self.v[:, :, run.start:run.start + n]
         self.copied_tokens += n
         self.moves += 1
+        self._held.pop(run).detach()
         self._give(run)
-        self._runs[id(cache)] = new
+        self._own(cache, new)
         self._point(cache, new)
 
     def release(self, cache: KVCache) -> None:
         """The request ended: its run goes back. Its cache keeps a copy of its KV (a caller may still
         read it, e.g. a late insert into the KV tree), and is no longer the pool's."""
-        run = self._runs.pop(id(cache), None)
+        run = self.run_of(cache)
         if run is None:
             return
+        self._held.pop(run).detach()
         n = cache.length
         cache.k, cache.v = cache.k[:, :, :n].clone(), cache.v[:, :, :n].clone()  # [L, Hkv, n, D]
-        cache.pool = None
+        cache.pool, cache.run = None, None
         self._give(run)
 
     def _point(self, cache: KVCache, run: Run) -> None:
@@ -143,6 +167,10 @@ class DecodePool:
         return -(-tokens // p) * p
 
     def _take(self, tokens: int) -> Run:
+        while self._dropped:  # caches collected unreleased: their runs come back first
+            run = self._dropped.pop()
+            if self._held.pop(run, None) is not None:
+                self._give(run)
         size = self._pages(max(tokens, 1))
         for f in self._free:  # first fit
             if f.size >= size:

@@ -16,8 +16,9 @@ def _settings(*flags: str):
 def test_decode_flags_reach_the_engines_decode_settings() -> None:
     default = _settings().decode()
     assert (default.pool, default.cuda_graphs) == ("auto", "auto")
-    chosen = _settings("--decode-pool", "on", "--cuda-graphs", "off", "--kv-budget-bytes", str(1 << 30)).decode()
-    assert (chosen.pool, chosen.cuda_graphs, chosen.pool_bytes) == ("on", "off", 1 << 30)
+    chosen = _settings("--decode-pool", "on", "--cuda-graphs", "off", "--kv-budget-bytes", str(1 << 30),
+                       "--kv-tree-bytes", str(256 << 20)).decode()
+    assert (chosen.pool, chosen.cuda_graphs, chosen.pool_bytes) == ("on", "off", 768 << 20)  # the tree's share apart
 
 
 @pytest.mark.parametrize(("flag", "value", "named"), [("--decode-pool", "yes", "decode pool"),

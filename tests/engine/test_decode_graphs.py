@@ -227,3 +227,26 @@ def test_decode_settings_are_checked_and_auto_is_ragged_off_cuda(tiny_lm) -> Non
         DecodeConfig(pool="yes")
     with pytest.raises(ValueError, match="cuda graphs must be auto or off"):
         DecodeConfig(cuda_graphs="on")
+
+
+def test_a_requests_prompt_cache_is_a_run_of_the_pool_so_it_decodes_with_no_copy(tiny_lm) -> None:
+    import gc
+
+    from ragkv.engine.decode_graphs import DecodeConfig
+
+    engine = Engine(tiny_lm, decode=DecodeConfig(pool="on", pool_bytes=8 << 20))
+    dec = engine.decoder
+    want = _prompts(Engine(tiny_lm), [12, 25], seed=6, reserve=8)  # the same prompts, caches of their own
+    got = _prompts(engine, [12, 25], seed=6, reserve=8)
+    assert all(r.cache.pool is dec.pool for r in got) and dec.pool.used > 0
+    first = [int(r.logits.argmax()) for r in got]
+    assert first == [int(r.logits.argmax()) for r in want]
+    toks, _ = _greedy_run(dec.step, [r.cache for r in got], first, 6)
+    ragged, _ = _greedy_run(lambda c, t: decode_batch(tiny_lm, c, t), [r.cache for r in want], first, 6)
+    assert toks == ragged
+    assert dec.pool.copied_tokens == 0  # the prompt pass wrote where decode reads: nothing moved
+    held = dec.pool.used
+    del got  # a pass dropped without release (failed, cancelled): its run comes back at the next take
+    gc.collect()
+    spare = dec.pool.new_cache(16)
+    assert spare is not None and dec.pool.used == 16 < held

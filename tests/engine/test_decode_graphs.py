@@ -137,6 +137,34 @@ def test_padded_rows_touch_only_the_scratch_page(tiny_lm) -> None:
     assert torch.equal(dec.pool.v[:, :, :dec.pool.scratch], v_before)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma", "olmo2", "granite", "cohere", "seed_oss", "apertus"])
+def test_the_pooled_step_reads_no_value_on_the_host(arch: str, tmp_path) -> None:
+    """What a CUDA graph needs besides still shapes, checked on the CPU for dense families that
+    decode over the pool: run on fake tensors (values unknown), the step never needs a tensor's
+    value on the host (`.item()`, `int(t)`, `bool(t)`, `.tolist()`) nor makes an output whose shape
+    depends on values (`nonzero`): either would raise. (A planted `int(t)` does.)"""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    from ragkv.engine import load_model
+    from ragkv.evals.testing import tiny_model_dir
+
+    lm = load_model(str(tiny_model_dir(tmp_path / arch, arch, family=arch != "llama")), device="cpu",
+                    dtype="float32")
+    assert unsupported_reason(lm.adapter) is None, arch
+    prompts = _prompts(Engine(lm), [9, 21], seed=7, reserve=8)
+    dec = PooledDecoder(lm, pool_tokens=512, graphs=False)
+    dec.step([p.cache for p in prompts], [3, 4])
+    x = dec._buckets[(2, 256)].inputs
+    fake = FakeTensorMode(allow_non_fake_inputs=True)  # the weights are constants; inputs and pool unknown
+    with torch.inference_mode(), fake:
+        fx = _Inputs(*(fake.from_tensor(t) for t in (x.tokens, x.pos, x.slots, x.starts, x.lens, x.keys)))
+        dec.pool.k, dec.pool.v = fake.from_tensor(dec.pool.k), fake.from_tensor(dec.pool.v)
+        logits = dec._forward(fx)  # raises on a host read or a value-dependent shape
+        assert tuple(logits.shape) == (2, lm.model.get_output_embeddings().weight.shape[0])
+        with pytest.raises(DataDependentOutputException):
+            int(fx.lens[0])
+
+
 def test_the_pool_grows_runs_in_place_moves_them_when_it_must_and_reuses_what_is_released() -> None:
     pool = DecodePool(2, 1, 4, capacity_tokens=160, dtype=torch.float32, device="cpu", page_tokens=16)
     assert pool.capacity == 144  # 10 pages, the last one scratch

@@ -31,8 +31,8 @@ leases), and the insert after its answer puts it back on the device from the req
 cache. `persist` (at shutdown) writes what the device and host hold to disk, and a tree made
 over the same files finds every spilled conversation again, under the same keys. A file
 that cannot be read is a miss for that node and below (its tokens are computed), never an
-error. Hybrids keep no tiers (a recurrent state is not spilled). The disk tier's part of the
-tree is `engine.kv.tree_disk.TreeDisk`.
+error. Hybrids keep no tiers (a recurrent state is not spilled). The disk tier is an object
+the tree owns (`KVTree.disk`, `engine.kv.tree_disk.TreeDisk`).
 
 Retention that knows agents (`engine.kv.retention`): an insert may *pin* its path ahead of LRU
 for a time-to-live (`insert(..., pin_s=)`), until the agent's next call leases it.
@@ -83,7 +83,7 @@ log = logging.getLogger(__name__)
 
 
 
-class KVTree(TreeDisk):
+class KVTree:
     """Radix tree of served prompts' KV under a byte budget per tier; see the module docstring.
 
     Args:
@@ -113,8 +113,6 @@ class KVTree(TreeDisk):
         self.recurrent = recurrent
         self.tenant_share = tenant_share
         self.host_budget = 0 if recurrent or not budget_bytes else host_bytes
-        self.files = None if recurrent or not budget_bytes or not disk_bytes else files
-        self.disk_budget = disk_bytes if self.files is not None else 0
         self._tenant_bytes: dict[str, int] = {}  # device KV bytes held per tenant
         # each memory tier's KV, in one pool of token slots that its nodes index (`Node.slots`)
         self._pools = {TreeTier.DEVICE: KVPool(budget_bytes), TreeTier.HOST: KVPool(self.host_budget, "cpu")}
@@ -123,17 +121,19 @@ class KVTree(TreeDisk):
         self._clock = itertools.count(1)
         self._now = clock
         self.pins = Pins(clock, latency or ToolLatency())  # retention: paths kept ahead of LRU
-        self._bytes = self._host_bytes = self._disk_bytes = self._nodes = 0
-        self._file_refs: dict[str, int] = {}  # file -> nodes reading it
+        self._bytes = self._host_bytes = self._nodes = 0
         self._hits = self._hit_tokens = self._misses = self._evictions = self._evicted_bytes = 0
-        self._spills = self._spilled_hit_tokens = self._restored = self._read_errors = self._warmed = 0
-        self._reads_skipped = 0
-        # a disk node is read only when that is sooner than computing its tokens: the engine's
-        # prompt tokens per second (None: not measured, read) against the disk's measured bytes per second
-        self.compute_rate = compute_rate
-        self._disk_rate: float | None = None  # bytes per second of the tree's disk reads, a moving average
-        if self.files is not None:
-            self._restore(self.files)
+        self._spills = self._spilled_hit_tokens = 0  # spills: device to host (the disk counts its own)
+        # the disk tier (its files, budget, reads and counts); None = no disk tier
+        self.disk = TreeDisk(self, files, disk_bytes, compute_rate) if (
+            files is not None and disk_bytes and budget_bytes and not recurrent) else None
+        if self.disk is not None:
+            self.disk.restore()  # a restarted server's conversations, back on the tree
+
+    @property
+    def files(self) -> NodeFiles | None:
+        """The disk tier's files; None = no disk tier."""
+        return None if self.disk is None else self.disk.files
 
     @property
     def enabled(self) -> bool:
@@ -151,12 +151,23 @@ class KVTree(TreeDisk):
     def stats(self) -> TreeStats:
         with self._lock:
             pinned = sum(n.nbytes for n in self.pins.live())
+            d = self.disk
             return TreeStats(self._bytes, self.budget_bytes, self._nodes, len(self._roots), self._hits,
                              self._hit_tokens, self._misses, self._evictions, self._evicted_bytes, pinned,
                              self.latency.ttl(), self.latency.observed, self._host_bytes, self.host_budget,
-                             self._disk_bytes, self.disk_budget, self._spills, self._spilled_hit_tokens,
-                             self._restored, self._read_errors, self._warmed, self._reads_skipped,
-                             self._pools[TreeTier.DEVICE].nbytes)
+                             d.bytes if d else 0, d.budget if d else 0, self._spills + (d.spills if d else 0),
+                             self._spilled_hit_tokens, d.restored if d else 0, d.read_errors if d else 0,
+                             d.warmed if d else 0, d.reads_skipped if d else 0, self._pools[TreeTier.DEVICE].nbytes)
+
+    def warm(self, key: TreeKey, ids: Sequence[int]) -> int:
+        """Bring the disk nodes of the path under `key` that `ids` starts with up to CPU memory,
+        ahead of the call that will match it (`TreeDisk.warm`); the tokens brought up."""
+        return 0 if self.disk is None else self.disk.warm(key, ids)
+
+    def persist(self) -> int:
+        """Write what the device and host tiers hold to disk, for the next server over the same
+        files (`TreeDisk.persist`); the nodes written (0 without a disk tier)."""
+        return 0 if self.disk is None else self.disk.persist()
 
     def match(self, key: TreeKey, ids: Sequence[int], leave_last: bool = True) -> TreeLease | None:
         """The longest path under `key` that `ids` (the tokens after the context) starts with,
@@ -175,7 +186,7 @@ class KVTree(TreeDisk):
             for part in parts:
                 part.node.refs += 1
             self.pins.resumed(parts)
-        parts = self._read_spilled(parts)
+        parts = self.disk.read(parts) if self.disk is not None else parts
         if not parts:
             with self._lock:
                 self._misses += 1
@@ -464,7 +475,8 @@ class KVTree(TreeDisk):
         elif node.tier is TreeTier.HOST:
             self._host_bytes += sign * node.kv_bytes
         else:
-            self._disk_bytes += sign * node.kv_bytes
+            assert self.disk is not None, "a node on disk with no disk tier: a bug"
+            self.disk.bytes += sign * node.kv_bytes
 
     def _add(self, node: Node) -> None:
         self._tier_bytes(node, 1)
@@ -480,8 +492,8 @@ class KVTree(TreeDisk):
             lower.slots, node.slots = node.slots[n:], node.slots[:n]
         per_token = node.kv_bytes // len(node.ids)
         lower.kv_bytes, node.kv_bytes = per_token * len(lower.ids), per_token * n
-        if node.file is not None:
-            self._file_refs[node.file] += 1
+        if node.file is not None and self.disk is not None:
+            self.disk.share(node.file)
         lower.children, lower.used, lower.pin, lower.priority = node.children, node.used, node.pin, node.priority
         if node.answered is not None and node.parts_at > node.start + n:  # the parting point is below
             lower.answered, lower.parts_at, node.answered = node.answered, node.parts_at, None
@@ -515,7 +527,7 @@ class KVTree(TreeDisk):
                     and self._tenant_bytes.get(tenant, 0) + need > self.tenant_share * budget
                     and any(t != tenant for t in self._tenant_bytes))
         now = self._now()
-        lower = bool(self.host_budget) or self.files is not None  # a pin can move without leaving
+        lower = bool(self.host_budget) or self.disk is not None  # a pin can move without leaving
 
         def candidate(n: Node) -> bool:
             return (n.tier is TreeTier.DEVICE and n.refs == 0 and n.nbytes > 0 and id(n) not in kept
@@ -564,6 +576,10 @@ class KVTree(TreeDisk):
                    lambda n: None if self._to_disk(n) else self._drop(n), self._rank(self._now()))
         return self._host_bytes + need <= self.host_budget
 
+    def _to_disk(self, node: Node) -> bool:
+        """Move a device or host node to the disk tier; False without one, or without room."""
+        return self.disk is not None and self.disk.write(node)
+
     def _free(self, over: Callable[[], bool], candidate: Callable[[Node], bool], act: Callable[[Node], object],
               rank: Callable[[Node], Rank] | None = None) -> None:
         """While `over()`, `act` on the first `candidate` by `rank` (default lowest priority,
@@ -587,13 +603,8 @@ class KVTree(TreeDisk):
         self._tier_bytes(node, -1)
         self._let_slots_go(node)
         if node.file is not None:
-            refs = self._file_refs[node.file] - 1
-            if refs:
-                self._file_refs[node.file] = refs
-            else:
-                del self._file_refs[node.file]
-                if self.files is not None:
-                    self.files.delete(node.file)
+            if self.disk is not None:
+                self.disk.let_go(node.file)
             node.file, node.offset = None, 0
 
     def _drop(self, node: Node) -> None:

@@ -1,5 +1,6 @@
-"""The KV tree's disk tier, a part of `engine.kv.tree.KVTree` kept in its own file: what moves a
-node to disk and reads it back, and what finds a restarted server's conversations again.
+"""The KV tree's disk tier, an object its tree owns (`KVTree.disk`): the tree's files, their
+budget and what they hold; what moves a node to disk and reads it back, and what finds a
+restarted server's conversations again.
 
 A spilled node is one file of the tree's `NodeFiles` (kvstore's checksummed chunk-KV files).
 A match reads a disk node only when that is sooner than computing its tokens (the disk's rate,
@@ -9,80 +10,78 @@ the match fails that read, and the node leaves the tree once no lease holds it. 
 conversation's path into CPU memory ahead of its call; `persist` writes the device and host
 tiers to disk at a stop; a tree made over the same files hangs every file back on the tree.
 
-Every method here runs with the tree's state as `KVTree` keeps it: under its lock, but the
-file reads, which run off it.
+It works on the tree's nodes with the tree's own operations (drop, split, count, hold), as a
+part of it: under the tree's lock, but the file reads, which run off it.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from ragkv.engine.kv.cache import LayerReady
 from ragkv.engine.kv.node_files import NodeFiles, SpilledSpan, file_name, read_span, span_meta
-from ragkv.engine.kv.tree_node import LeasedPart, Node, Rank, TreeKey, TreeTier, common_prefix, lineage
+from ragkv.engine.kv.tree_node import LeasedPart, Node, TreeKey, TreeTier, common_prefix, lineage
+
+if TYPE_CHECKING:
+    from ragkv.engine.kv.tree import KVTree
 
 log = logging.getLogger(__name__)
 
 
 class TreeDisk:
-    """`KVTree`'s disk tier (see the module docstring); the state it reads is the tree's."""
+    """`KVTree`'s disk tier (see the module docstring): made and owned by one tree."""
 
-    files: NodeFiles | None
-    host_budget: int
-    disk_budget: int
-    compute_rate: Callable[[], float | None] | None
-    _lock: threading.Lock
-    _roots: dict[TreeKey, Node]
-    _file_refs: dict[str, int]
-    _disk_rate: float | None
-    _disk_bytes: int
-    _read_errors: int
-    _reads_skipped: int
-    _warmed: int
-    _restored: int
-    _spills: int
+    def __init__(self, tree: KVTree, files: NodeFiles, budget: int,
+                 compute_rate: Callable[[], float | None] | None = None) -> None:
+        self.tree = tree
+        self.files = files
+        self.budget = budget  # KV bytes the tier may keep
+        # a disk node is read only when that is sooner than computing its tokens: the engine's
+        # prompt tokens per second (None: not measured, read) against the disk's measured bytes per second
+        self.compute_rate = compute_rate
+        self.rate: float | None = None  # bytes per second of the tier's reads, a moving average
+        self.bytes = 0  # KV bytes its nodes hold (a split node's parts each count their share)
+        self._refs: dict[str, int] = {}  # file -> nodes reading it
+        self.spills = self.read_errors = self.reads_skipped = self.warmed = self.restored = 0
 
-    if TYPE_CHECKING:  # the tree's own, which these methods use
-        def _release(self, nodes: Iterable[Node]) -> None: ...
-        def _drop(self, node: Node) -> None: ...
-        def _path(self, key: TreeKey, ids: tuple[int, ...]) -> list[Node]: ...
-        def _host_room(self, need: int) -> bool: ...
-        def _leave_tier(self, node: Node) -> None: ...
-        def _tier_bytes(self, node: Node, sign: int) -> None: ...
-        def _add(self, node: Node) -> None: ...
-        def _split(self, node: Node, n: int) -> None: ...
-        def _free(self, over: Callable[[], bool], candidate: Callable[[Node], bool],
-                  act: Callable[[Node], object], rank: Callable[[Node], Rank] | None = None) -> None: ...
-        def _kv(self, node: Node, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
-        def _hold(self, node: Node, tier: TreeTier, k: torch.Tensor, v: torch.Tensor) -> None: ...
-        def _let_slots_go(self, node: Node) -> None: ...
+    def share(self, name: str) -> None:
+        """One more node reads file `name` (a split node's two parts)."""
+        self._refs[name] += 1
 
-    def _read_spilled(self, parts: list[LeasedPart]) -> list[LeasedPart]:
+    def let_go(self, name: str) -> None:
+        """A node no longer reads file `name`: the file goes with its last reader."""
+        refs = self._refs[name] - 1
+        if refs:
+            self._refs[name] = refs
+        else:
+            del self._refs[name]
+            self.files.delete(name)
+
+    def read(self, parts: list[LeasedPart]) -> list[LeasedPart]:
         """Read the disk parts of a leased path (off the lock); the path ends before the first
         that cannot be read, which leaves the tree with what is below it."""
         for j, part in enumerate(parts):
             node = part.node
-            with self._lock:  # held in a pool (perhaps brought up to CPU memory since the match: warm)
+            with self.tree._lock:  # held in a pool (perhaps brought up to CPU memory since the match: warm)
                 pooled = node.slots is not None
             if pooled:
                 continue
             if j and not self._worth_reading(node, part.n):  # computing the rest is sooner
-                self._release([p.node for p in parts[j:]])
-                with self._lock:
-                    self._reads_skipped += 1
+                self.tree._release([p.node for p in parts[j:]])
+                with self.tree._lock:
+                    self.reads_skipped += 1
                 return parts[:j]
             try:
                 part.k, part.v, part.ready = self._open_node(node)
             except Exception as e:  # a damaged or missing file is a miss for this node and below
                 log.warning("KV tree: spilled node %s of context %s unreadable (%s); its tokens will be computed",
                             node.file, node.key, e)
-                self._release([p.node for p in parts[j:]])
+                self.tree._release([p.node for p in parts[j:]])
                 self._read_failed(node)
                 return parts[:j]
         return parts
@@ -91,13 +90,13 @@ class TreeDisk:
         """Whether reading a disk node's file is sooner than computing its `tokens`, by the
         disk's measured rate and the engine's (either unmeasured: read it)."""
         rate = None if self.compute_rate is None else self.compute_rate()
-        disk = self._disk_rate
+        disk = self.rate
         return not rate or not disk or node.kv_bytes / disk <= tokens / rate
 
     def _read_node(self, node: Node) -> tuple[torch.Tensor, torch.Tensor]:
         """A disk node's K and V ([L, Hkv, T, D], views of its file), read whole and verified;
         the read's bytes per second go into the disk's rate. Raises when missing or damaged."""
-        if self.files is None or node.file is None:
+        if node.file is None:
             raise LookupError("no file")
         t0 = time.perf_counter()
         k, v = self.files.read(node.file)  # [L, Hkv, T_file, D]
@@ -109,7 +108,7 @@ class TreeDisk:
         them in (`NodeFiles.open`), and the gate that says how far; the whole read's bytes per
         second go into the disk's rate when it ends. A read that fails later drops the node
         once no lease holds it. Raises when the file is missing or its header is bad."""
-        if self.files is None or node.file is None:
+        if node.file is None:
             raise LookupError("no file")
         t0 = time.perf_counter()
         k, v, ready = self.files.open(node.file)  # [L, Hkv, T_file, D]
@@ -140,20 +139,20 @@ class TreeDisk:
         """A disk read's bytes per second, into the disk's moving-average rate."""
         if seconds > 0:
             r = nbytes / seconds
-            with self._lock:
-                self._disk_rate = r if self._disk_rate is None else 0.7 * self._disk_rate + 0.3 * r
+            with self.tree._lock:
+                self.rate = r if self.rate is None else 0.7 * self.rate + 0.3 * r
 
     def _read_failed(self, node: Node) -> None:
         """A read of `node`'s file failed (at its open, or layer by layer after its match):
         counted, and the node (with what hangs below it) leaves the tree when it is still the
         tree's, on disk, and no lease holds it (a lease below holds it too); otherwise a
         damaged file is gone (`NodeFiles.open`), so its next match is a miss."""
-        with self._lock:
-            self._read_errors += 1
+        with self.tree._lock:
+            self.read_errors += 1
             attached = (node.parent.children.get(node.ids[0]) is node if node.parent is not None
-                        else self._roots.get(node.key) is node)
+                        else self.tree._roots.get(node.key) is node)
             if attached and node.tier is TreeTier.DISK and node.refs == 0:
-                self._drop(node)
+                self.tree._drop(node)
 
     def warm(self, key: TreeKey, ids: Sequence[int]) -> int:
         """Bring the disk nodes of the path under `key` that `ids` starts with up to the host
@@ -161,10 +160,10 @@ class TreeDisk:
         files read while its retrieval runs, so its match reads memory. Files are read off the
         lock, top down, until one fails (a miss later, as `match` finds it). Returns the
         tokens brought up."""
-        if self.files is None or not self.host_budget:
+        if not self.tree.host_budget:
             return 0
-        with self._lock:
-            nodes = [n for n in self._path(key, tuple(int(i) for i in ids)) if n.tier is TreeTier.DISK and n.file]
+        with self.tree._lock:
+            nodes = [n for n in self.tree._path(key, tuple(int(i) for i in ids)) if n.tier is TreeTier.DISK and n.file]
             for node in nodes:
                 node.refs += 1  # held: no budget moves or drops them while their files are read
         read: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -174,76 +173,75 @@ class TreeDisk:
         except Exception as e:  # the call's own match finds it unreadable, and counts it
             log.warning("KV tree: warming %s of context %s failed (%s)", nodes[len(read)].file, key, e)
         brought = 0
-        with self._lock:
+        with self.tree._lock:
             for node, (k, v) in zip(nodes, read):
-                if node.tier is not TreeTier.DISK or not self._host_room(node.kv_bytes):
+                if node.tier is not TreeTier.DISK or not self.tree._host_room(node.kv_bytes):
                     break
-                self._leave_tier(node)
-                self._hold(node, TreeTier.HOST, k, v)
-                self._tier_bytes(node, 1)
+                self.tree._leave_tier(node)
+                self.tree._hold(node, TreeTier.HOST, k, v)
+                self.tree._tier_bytes(node, 1)
                 brought += len(node.ids)
             for node in nodes:
                 node.refs -= 1
-            self._warmed += brought
+            self.warmed += brought
         return brought
 
     def persist(self) -> int:
         """Write what the device and host tiers hold to the disk tier (a server stopping: the
         next one over the same files finds these conversations), the most recently used
         contexts first, parents before children, while the disk budget holds; returns the
-        nodes written. Nothing without files."""
-        if self.files is None:
-            return 0
+        nodes written."""
         written = 0
-        with self._lock:
-            for root in sorted(self._roots.values(), key=lambda r: -r.used):
+        with self.tree._lock:
+            for root in sorted(self.tree._roots.values(), key=lambda r: -r.used):
                 stack = [root]
                 while stack:
                     node = stack.pop()
                     if node.tier is not TreeTier.DISK and node.state is None:
-                        if node.refs or not self._to_disk(node):  # a lease copies it from its pool still
+                        if node.refs or not self.write(node):  # a lease copies it from its pool still
                             continue  # nor what hangs below it: never matched without it
                         written += 1
                     stack.extend(node.children.values())
         self.files.flush()
         return written
 
-    def _to_disk(self, node: Node) -> bool:
+    def write(self, node: Node) -> bool:
         """Write a device or host node to the disk tier (when its budget has room)."""
-        if self.files is None or node.slots is None or not self._disk_room(node.kv_bytes, node):
+        if node.slots is None or not self.room(node.kv_bytes, node):
             return False
         before = node.path_ids()
         name = file_name(node.key, before, node.ids)
         self.files.write(name, span_meta(node.key, node.start, before, node.ids, node.context, node.priority), node.ids,
-                         node.start, *self._kv(node))
-        self._tier_bytes(node, -1)
-        self._let_slots_go(node)
+                         node.start, *self.tree._kv(node))
+        self.tree._tier_bytes(node, -1)
+        self.tree._let_slots_go(node)
         node.tier, node.file, node.offset = TreeTier.DISK, name, 0
-        self._file_refs[name] = self._file_refs.get(name, 0) + 1
-        self._tier_bytes(node, 1)
-        self._spills += 1
+        self._refs[name] = self._refs.get(name, 0) + 1
+        self.tree._tier_bytes(node, 1)
+        self.spills += 1
         return True
 
-    def _disk_room(self, need: int, keep: Node | None = None) -> bool:
+    def room(self, need: int, keep: Node | None = None) -> bool:
         """Make room for `need` bytes on disk: drop least-recently-used unleased disk leaves
         (never `keep`'s ancestors)."""
-        if self._disk_bytes + need <= self.disk_budget:
+        if self.bytes + need <= self.budget:
             return True
-        if need > self.disk_budget:
+        if need > self.budget:
             return False
         kept = lineage(keep)
 
         def candidate(n: Node) -> bool:
             return n.tier is TreeTier.DISK and n.refs == 0 and not n.children and id(n) not in kept
 
-        self._free(lambda: self._disk_bytes + need > self.disk_budget, candidate, self._drop)
-        return self._disk_bytes + need <= self.disk_budget
+        self.tree._free(lambda: self.bytes + need > self.budget, candidate, self.tree._drop)
+        return self.bytes + need <= self.budget
 
-    def _restore(self, files: NodeFiles) -> None:
+    def restore(self) -> None:
         """Hang every span the disk tier holds back in the tree (a restarted server's
         conversations): contexts first, then by position, longer spans first; a span whose
         context or path before it is gone, or that adds nothing, is deleted."""
         spans: list[SpilledSpan] = []
+        files = self.files
         for name, meta in files.listing():
             try:
                 spans.append(read_span(name, meta))
@@ -254,18 +252,18 @@ class TreeDisk:
         for span in spans:
             if not self._attach(span):
                 files.delete(span.name)
-        self._disk_room(0)
+        self.room(0)
 
     def _attach(self, span: SpilledSpan) -> bool:
         """Hang a spilled span on the tree (all on disk); False when it adds nothing."""
         if span.root:
-            if span.key in self._roots:
+            if span.key in self.tree._roots:
                 return False
             made = Node(span.ids, 0, None, span.key, span.context)
             self._disk_node(made, span, 0)
-            self._roots[span.key] = made
+            self.tree._roots[span.key] = made
             return True
-        root = self._roots.get(span.key)
+        root = self.tree._roots.get(span.key)
         if root is None or span.start != len(root.ids) + len(span.before):
             return False
         path = span.before + span.ids
@@ -280,7 +278,7 @@ class TreeDisk:
             if n < len(child.ids):
                 if pos + n == len(path) or pos + n < len(span.before) or child.refs:
                     return False  # nothing new, or the path before it parts from the tree's
-                self._split(child, n)
+                self.tree._split(child, n)
             node, pos = child, pos + n
         if pos == len(path):
             return False
@@ -294,6 +292,6 @@ class TreeDisk:
         priority its conversation had when the file was written."""
         node.tier, node.file, node.offset, node.priority = TreeTier.DISK, span.name, offset, span.priority
         node.kv_bytes = span.token_bytes * len(node.ids)
-        self._file_refs[span.name] = self._file_refs.get(span.name, 0) + 1
-        self._add(node)
-        self._restored += 1
+        self._refs[span.name] = self._refs.get(span.name, 0) + 1
+        self.tree._add(node)
+        self.restored += 1

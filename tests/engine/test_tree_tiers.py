@@ -301,7 +301,7 @@ def test_a_node_warmed_between_a_match_and_its_read_is_read_from_memory(tmp_path
             part.node.refs += 1
     assert all(p.k is None for p in parts)  # the match saw the path on disk
     assert again.warm(key, [1, 2, 3, 4]) == 5  # then the prefetch brought it up
-    read = again._read_spilled(parts)
+    read = again.disk.read(parts)
     assert len(read) == 2 and again.stats().read_errors == 0
     assert all(p.k is None and p.node.tier is TreeTier.HOST for p in read)  # copied from the host pool, not read
     out = KVCache(2, 1, 3, 16, torch.float32, torch.device("cpu"))

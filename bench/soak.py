@@ -3,8 +3,8 @@
     python -m bench.soak --index DIR --clients 4 --minutes 10            # a built index
     python -m bench.soak --tiny --clients 1 --minutes 0.5                  # tiny random model (CI)
 
-Starts a moto S3 server on loopback and `ragkv serve` in a subprocess (CPU tier off, so
-every request reads the disk or S3 tier; S3 tier on moto; layered loading unless
+Starts a moto S3 server on loopback and `ragkv serve` in a subprocess (CPU tier and KV tree
+off, so every request reads the disk or S3 tier; S3 tier on moto; layered loading unless
 --whole). A clean pass asks every (question, mode) once, one at a time, before any fault:
 those greedy answers are the reference. Then N client threads ask in rotation (modes
 full, reuse, blend, focus) for the duration, while a fault injector, every --fault-every
@@ -130,7 +130,11 @@ class Server:
         env.pop("AWS_PROFILE", None)
         cmd = [sys.executable, "-m", "ragkv.cli", "serve", "--index", f"soak={index}", "--host", "127.0.0.1",
                "--port", str(self.port), "--kv-cpu-bytes", "1", "--kv-s3-uri", f"s3://{BUCKET}/kv",
-               "--kv-layered", "on" if layered else "off", "--max-queue", "64", *extra]
+               "--kv-layered", "on" if layered else "off", "--max-queue", "64",
+               # the KV tree off too: a repeated question must read its tier, not an earlier call's KV
+               # (which is also not bit-exact here: a resumed pass computes its last token alone, and a
+               # row of a CPU matmul differs by ~1e-6 between 1 row and 100; near-ties of a random model flip)
+               "--kv-tree-bytes", "0", *extra]
         self._log = open(log_path, "wb")  # closed in stop()
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 

@@ -134,7 +134,8 @@ class Server:
                # the KV tree off too: a repeated question must read its tier, not an earlier call's KV
                # (which is also not bit-exact here: a resumed pass computes its last token alone, and a
                # row of a CPU matmul differs by ~1e-6 between 1 row and 100; near-ties of a random model flip)
-               "--kv-tree-bytes", "0", *extra]
+               "--kv-tree-bytes", "0",
+               "--metrics-port", "0", *extra]  # any free port: CI runs other servers beside it
         self._log = open(log_path, "wb")  # closed in stop()
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 

@@ -17,18 +17,41 @@ part of it: under the tree's lock, but the file reads, which run off it.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 import torch
 
 from ragkv.engine.kv.cache import LayerReady
 from ragkv.engine.kv.node_files import NodeFiles, SpilledSpan, file_name, read_span, span_meta
-from ragkv.engine.kv.tree_node import LeasedPart, Node, TreeKey, TreeTier, common_prefix, lineage
+from ragkv.engine.kv.tree_node import LeasedPart, Node, Rank, TreeKey, TreeTier, common_prefix, lineage
 
-if TYPE_CHECKING:
-    from ragkv.engine.kv.tree import KVTree
+
+class TreeParts(Protocol):
+    """What the disk tier works on of the tree that owns it (`engine.kv.tree.KVTree`): its lock,
+    roots and host budget, and the operations that keep its counts (named here so this module
+    need not import the tree, which imports it)."""
+
+    _lock: threading.Lock
+    _roots: dict[TreeKey, Node]
+    host_budget: int
+
+    def _release(self, nodes: Iterable[Node]) -> None: ...
+    def _drop(self, node: Node) -> None: ...
+    def _path(self, key: TreeKey, ids: tuple[int, ...]) -> list[Node]: ...
+    def _host_room(self, need: int) -> bool: ...
+    def _leave_tier(self, node: Node) -> None: ...
+    def _tier_bytes(self, node: Node, sign: int) -> None: ...
+    def _add(self, node: Node) -> None: ...
+    def _split(self, node: Node, n: int) -> None: ...
+    def _free(self, over: Callable[[], bool], candidate: Callable[[Node], bool], act: Callable[[Node], object],
+              rank: Callable[[Node], Rank] | None = None) -> None: ...
+    def _kv(self, node: Node, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def _hold(self, node: Node, tier: TreeTier, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def _let_slots_go(self, node: Node) -> None: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +59,7 @@ log = logging.getLogger(__name__)
 class TreeDisk:
     """`KVTree`'s disk tier (see the module docstring): made and owned by one tree."""
 
-    def __init__(self, tree: KVTree, files: NodeFiles, budget: int,
+    def __init__(self, tree: TreeParts, files: NodeFiles, budget: int,
                  compute_rate: Callable[[], float | None] | None = None) -> None:
         self.tree = tree
         self.files = files

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -115,7 +115,6 @@ class DecodeStats:
     captures: int = 0  # graphs captured
     capture_failures: int = 0  # buckets whose capture failed (they run eagerly)
     capture_s: float = 0.0  # seconds spent capturing
-    shapes: set[tuple[int, int]] = field(default_factory=set)  # (batch bucket, key bucket) run so far
 
 
 @dataclass(slots=True)
@@ -191,7 +190,6 @@ class PooledDecoder:
         if b is None:
             b = self._buckets[(rows, keys)] = _Bucket(_Inputs.empty(rows, keys, self.lm.device))
         self._fill(b.inputs, caches, tokens, lens, rows)
-        self.stats.shapes.add((rows, keys))
         if self.graphs and not b.failed:
             if b.graph is None:
                 self._capture(b)
@@ -209,11 +207,8 @@ class PooledDecoder:
     def _admit(self, caches: list[KVCache]) -> bool:
         """Every cache in the pool with room for this step's token; False when one cannot be."""
         try:
-            for c in caches:
-                if c.pool is None:
-                    self.pool.admit(c, max(c.capacity, c.length + 1))
-                else:
-                    c.ensure(c.length + 1)
+            for c in caches:  # one already in the pool grows, if its run is full
+                self.pool.admit(c, max(c.capacity, c.length + 1))
         except DecodePoolFullError as exc:
             log.debug("decode pool full, this step decodes ragged: %s", exc)
             return False

@@ -386,15 +386,15 @@ class ModelBench:
                     self.run.skip(what, f"its caches need {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
                     continue
             per_step = (self.full_s.get(c, 1.0) * 0.05 + 0.002 * b)
-            # ragged, then pooled (its captures), then ragged again for the tokens: about 3 runs
-            if not self.sec.budget.fits(3 * per_step * (steps + warm) + 1.0):
-                self.run.skip(what, f"~{3 * per_step * (steps + warm):.1f} s, {self.sec.budget.left():.1f} s left")
+            # ragged, then pooled (and its captures): about 2 runs
+            if not self.sec.budget.fits(2 * per_step * (steps + warm) + 1.0):
+                self.run.skip(what, f"~{2 * per_step * (steps + warm):.1f} s, {self.sec.budget.left():.1f} s left")
                 continue
 
             def body(b: int = b) -> dict[str, Any]:
                 caches = self._copies(base, b, steps + warm + 1)
                 tokens = [int(base.logits.argmax())] * b
-                times = []
+                times, firsts = [], []  # firsts: row 0's token each step, which the pooled arm must repeat
                 for i in range(warm + steps):
                     sync(self.device)
                     t = time.perf_counter()
@@ -402,13 +402,14 @@ class ModelBench:
                         tokens = pick_greedy(decode_batch(lm, caches, tokens))
                     if i >= warm:
                         times.append(time.perf_counter() - t)
+                    firsts.append(tokens[0])
                 step = statistics.median(times)
                 mean_len = n + warm + steps / 2
                 read = self.sz["decode_weight_bytes"] + b * mean_len * kv_bpt  # weights once, every sequence's KV
                 row = {"step_s": step, "step_mean_s": statistics.mean(times), "tokens_per_s": b / step,
                        "tokens_per_s_per_sequence": 1 / step, "bytes_per_step": read, "bytes_per_s": read / step}
                 del caches
-                row["pooled"] = self._pooled_decode(base, n, b, steps, warm, step)
+                row["pooled"] = self._pooled_decode(base, n, b, steps, warm, step, firsts)
                 return row
 
             r = self.sec.guard(what, body)
@@ -430,13 +431,14 @@ class ModelBench:
             caches.append(kc)
         return caches
 
-    def _pooled_decode(self, base: Any, n: int, b: int, steps: int, warm: int, ragged_step: float) -> dict[str, Any]:
+    def _pooled_decode(self, base: Any, n: int, b: int, steps: int, warm: int, ragged_step: float,
+                       want: list[int]) -> dict[str, Any]:
         """The same decode over one pool (engine.decode_graphs), each bucket's step a CUDA graph
         unless --cuda-graphs off: its step time, its ratio to the ragged step above, and whether
-        its greedy tokens are the ragged path's."""
+        its greedy tokens are the ragged path's (`want`: row 0's token at each of its steps)."""
         import torch
 
-        from ragkv.engine.decode import decode_batch, pick_greedy
+        from ragkv.engine.decode import pick_greedy
         from ragkv.engine.decode_graphs import PooledDecoder, unsupported_reason
 
         lm = self.lm
@@ -456,12 +458,6 @@ class ModelBench:
             if i >= warm:
                 times.append(time.perf_counter() - t)
             got.append(tokens[0])
-        del pooled
-        ragged, tokens, want = self._copies(base, b, steps + warm + 1), list(first), []
-        with torch.inference_mode():
-            for _ in range(warm + steps):
-                tokens = pick_greedy(decode_batch(lm, ragged, tokens))
-                want.append(tokens[0])
         step = statistics.median(times)
         st = dec.stats
         row = {"step_s": step, "tokens_per_s": b / step, "speedup_vs_ragged": ragged_step / step,

@@ -248,7 +248,7 @@ class ServerSettings:
                 raise ValueError(f"{name} must be in [0, 1], got {ratio}")
         if self.fidelity_kl is not None and not self.fidelity_kl > 0.0:
             raise ValueError(f"fidelity_kl must be a KL in nats > 0 (e.g. 0.01), or off; got {self.fidelity_kl}")
-        DecodeConfig(self.decode_pool, self.cuda_graphs, self.kv_budget_bytes)  # raises naming a bad value
+        self.decode()  # raises naming a bad value
         if self.system_prompt_policy not in SYSTEM_PROMPT_POLICIES:
             raise ValueError(f"system_prompt_policy must be one of {', '.join(SYSTEM_PROMPT_POLICIES)}, got "
                              f"{self.system_prompt_policy!r}")

@@ -88,7 +88,7 @@ class DecodePool:
         self._own(cache, run)
         return cache
 
-    def admit(self, cache: KVCache, room: int) -> Run:
+    def admit(self, cache: KVCache, room: int) -> None:
         """Move `cache` into a run with room for `room` tokens (at least its length), copying its
         valid KV once; its k and v become views of the pool. A cache already here is grown to `room`.
 
@@ -96,10 +96,9 @@ class DecodePool:
             DecodePoolFullError: no free run is that large.
             ValueError: the cache's shape or dtype is not the pool's.
         """
-        held = self.run_of(cache)
-        if held is not None:
+        if self.run_of(cache) is not None:
             self.grow(cache, room)
-            return self.run_of(cache) or held
+            return
         L, H, _, D = cache.k.shape
         if (L, H, D) != (self.k.shape[0], self.k.shape[1], self.k.shape[3]) or cache.k.dtype != self.k.dtype:
             raise ValueError(f"a cache of [L={L}, Hkv={H}, D={D}] {cache.k.dtype} cannot enter a decode pool of "
@@ -111,7 +110,6 @@ class DecodePool:
         self.copied_tokens += n
         self._own(cache, run)
         self._point(cache, run)
-        return run
 
     def _own(self, cache: KVCache, run: Run) -> None:
         self._held[run] = weakref.finalize(cache, self._dropped.append, run)

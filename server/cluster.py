@@ -97,6 +97,7 @@ _SERVICER_FUNCTIONS = (
     "ragkv.v1.ragkv_pb2_grpc.add_RagServiceServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
 )
+PROXY_READY_S = 30.0  # how long Serve's controller waits for a proxy to start (Ray's default: 5 s)
 _CONVERSATIONS_KEPT = 4096  # conversation ids a replica remembers serving (published as a Bloom filter)
 
 
@@ -639,6 +640,10 @@ def start(settings: ServerSettings, cluster: ClusterSettings, *, blocking: bool 
     # Ray Serve's gRPC proxy reads a message whole before RagService checks its key: bound it as one
     # process is (a proxy started by this process's Ray inherits it; remote nodes set it themselves)
     os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(settings.max_request_bytes))
+    # Serve's controller kills a proxy not ready within 5 s and starts another, and serve.start,
+    # waiting on the first, then fails; a loaded host starts one slower than that (a local Ray's
+    # controller inherits this process's environment)
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", str(PROXY_READY_S))
     if not ray.is_initialized():
         _signal_handlers.setdefault(signal.SIGTERM, signal.getsignal(signal.SIGTERM))  # ray.init installs its own
         ray.init(address=cluster.ray_address, include_dashboard=False, log_to_driver=False,
@@ -650,12 +655,13 @@ def start(settings: ServerSettings, cluster: ClusterSettings, *, blocking: bool 
     http = {"host": settings.host, "port": settings.http_port or 8000}
     if settings.tls_cert is not None and settings.tls_key is not None:
         http |= {"ssl_certfile": str(settings.tls_cert), "ssl_keyfile": str(settings.tls_key)}
-    serve.start(  # a proxy on every node: a load balancer may send a request to any of them
-        proxy_location="EveryNode",
-        http_options=http,
-        grpc_options=gRPCOptions(port=settings.port, grpc_servicer_functions=list(_SERVICER_FUNCTIONS))
-        if grpc_served(settings) else None,
-    )
+    grpc = (gRPCOptions(port=settings.port, grpc_servicer_functions=list(_SERVICER_FUNCTIONS))
+            if grpc_served(settings) else None)
+    try:  # a proxy on every node: a load balancer may send a request to any of them
+        serve.start(proxy_location="EveryNode", http_options=http, grpc_options=grpc)
+    except RayActorError as e:  # the controller replaced a proxy slow to start: it runs, wait on it in serve.run
+        log.warning("a Serve proxy was restarted while starting (%s); waiting for its replacement",
+                    str(e).splitlines()[0])
     return serve.run(build_app(settings, cluster), name=APP_NAME, route_prefix="/", blocking=blocking)
 
 

@@ -11,7 +11,9 @@ One run (at most `--budget-s`, 480 s by default) per model of `--models` (Llama 
 - decode tokens/s at batch 1, 8, 32, 64 over those prompts (`decode_batch`, one step for all), and the
   same over one KV pool with a CUDA graph per batch bucket (`engine.decode_graphs`, `--cuda-graphs`);
 - baselines on the same weights: transformers' prefill (`model(input_ids)`, sdpa, and
-  flash_attention_2 when importable) and `model.generate(cache_implementation="static")`;
+  flash_attention_2 when importable) and `model.generate(cache_implementation="static")`, eager
+  and compiled (transformers' own torch.compile over the static cache, last: it takes a while);
+- int4 KV files (KIVI) on the disk tier, read layer by layer, cold and through the page cache;
 - physical limits: MFU of full prefill against the card's dense bf16 peak, decode bandwidth
   utilisation against its HBM bandwidth, KV bytes per second CPU->GPU and disk->GPU.
 Everything goes to DIR/gpu_bench.json (rewritten after each section, so a run cut short
@@ -40,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 RESERVE_S = 10.0  # of --budget-s, kept for the ratios, the table and cleaning up
+COMPILE_EST_S = 90.0  # what generate()'s torch.compile of an 8B model is budgeted for, on its warm-up run
 _STARTED = time.monotonic()
 if str(Path(__file__).resolve().parent) not in sys.path:  # gpu_bench_parts, beside this file
     sys.path.append(str(Path(__file__).resolve().parent))
@@ -60,6 +63,7 @@ from gpu_bench_parts import (  # noqa: E402 - after sys.path names this folder (
     describe,
     drop_page_cache,
     filesystem_of,
+    generate_modes,
     hf_forward,
     ints,
     ints_or_none,
@@ -248,22 +252,31 @@ class ModelBench:
                 t[f"hf_{impl}"] = m
 
     def tiers(self, c: int) -> None:
-        """TTFT with the chunks' KV read from kvstore's cpu (pinned) and disk tiers, loads included."""
+        """TTFT with the chunks' KV read from kvstore's cpu (pinned) and disk tiers, loads included:
+        bf16 files, and int4 ones (KIVI, 0.31 of the bytes) read layer by layer, cold (page cache
+        dropped) and through the page cache, the loading controller choosing read or recompute."""
         from ragkv.kvstore import Tier
         from ragkv.server.loading_controller import ControllerConfig, LoadingController
 
         t = self.out["ttft"][str(c)]
         est = self.full_s.get(c, 1.0) + t["chunk_kv_bytes"] / 2e9  # a pass and a read at 2 GB/s
-        variants = [("cpu", "whole", False), ("cpu", "whole", True),
-                    ("disk", "layered", False), ("disk", "layered", True), ("disk", "whole", False)]
+        # (tier, compression, load, controller, page cache dropped before each read)
+        variants = [("cpu", "none", "whole", False, False), ("cpu", "none", "whole", True, False),
+                    ("disk", "none", "layered", False, True), ("disk", "none", "layered", True, True),
+                    ("disk", "none", "whole", False, True),
+                    ("disk", "int4", "layered", False, True), ("disk", "int4", "layered", True, True),
+                    ("disk", "int4", "layered", True, False)]
         if self.args.quick:
-            variants = [v for v in variants if not v[2]][:2] + [("disk", "layered", True)]
-        for tier, load, ctl in variants:
-            store, keys = self.store(tier)
-            label = f"{tier}_{load}_controller_{'on' if ctl else 'off'}"
+            variants = [v for v in variants if not v[3]][:2] + [("disk", "none", "layered", True, True),
+                                                               ("disk", "int4", "layered", True, False)]
+        for tier, compression, load, ctl, cold in variants:
+            store, keys = self.store(tier, compression)
+            label = (f"{tier}{'' if compression == 'none' else '_' + compression}_{load}_controller_"
+                     f"{'on' if ctl else 'off'}{'_page_cache' if tier == 'disk' and not cold else ''}")
             controller = LoadingController(ControllerConfig(enabled=ctl), self.eng.speed)
-            setup = (lambda: drop_page_cache(self.disk_root)) if tier == "disk" else None
-            res: dict[str, Any] = {"tier": tier, "load": load, "controller": ctl,
+            root = getattr(self, f"_root_{compression}", None)
+            setup = (lambda root=root: drop_page_cache(root)) if cold and root else None
+            res: dict[str, Any] = {"tier": tier, "compression": compression, "load": load, "controller": ctl,
                                    "pinned": bool(tier == "cpu" and self.device.type == "cuda")}
             for mode in MODES:
                 m = self.sec.measure(
@@ -274,8 +287,9 @@ class ModelBench:
                 if m is not None:
                     res[mode] = m
             if tier == "disk":
-                res["page_cache"] = "dropped before each read (posix_fadvise DONTNEED)"
-                res["filesystem"] = filesystem_of(self.disk_root)
+                res["page_cache"] = ("dropped before each read (posix_fadvise DONTNEED)" if cold
+                                     else "warm (the warm-up read it in)")
+                res["filesystem"] = filesystem_of(root)
             est_read = store.read_estimate(Tier(tier))
             if est_read is not None:
                 res["read_estimate"] = {"latency_s": est_read.latency_s, "bytes_per_s": est_read.bytes_per_s}
@@ -307,20 +321,23 @@ class ModelBench:
         res.logits.float().cpu()
         return res, len(computed)
 
-    def store(self, tier: str) -> tuple[Any, list[Any]]:
-        """The store of one tier holding every chunk's KV (made once per model)."""
+    def store(self, tier: str, compression: str = "none") -> tuple[Any, list[Any]]:
+        """The store of one tier holding every chunk's KV (made once per model and compression:
+        the disk tier's files are written `compression`-coded)."""
         from ragkv.kvstore import ChunkKey, KVEntry, StoreConfig, TieredStore, hash_prefix
 
-        cached = getattr(self, f"_store_{tier}", None)
+        cached = getattr(self, f"_store_{tier}_{compression}", None)
         if cached is not None:
             return cached
         lm = self.lm
         uri = tier
         if tier == "disk":
-            self.disk_root = tempfile.mkdtemp(prefix="ragkv-gpu-bench-", dir=self.args.disk_dir)
-            self.tmp.append(self.disk_root)
-            uri = f"disk:{self.disk_root}"
-        store = TieredStore(StoreConfig.from_uris([uri]), lm.fingerprint, lm.tokenizer_fingerprint)
+            root = tempfile.mkdtemp(prefix="ragkv-gpu-bench-", dir=self.args.disk_dir)
+            setattr(self, f"_root_{compression}", root)
+            self.tmp.append(root)
+            uri = f"disk:{root}"
+        store = TieredStore(StoreConfig.from_uris([uri], compression=compression), lm.fingerprint,
+                            lm.tokenizer_fingerprint)
         self.stores.append(store)
         keys = []
         t0 = time.perf_counter()
@@ -329,8 +346,9 @@ class ModelBench:
             held = kv if tier == "gpu" else kv.to("cpu")
             store.put(KVEntry.of(held, key, lm.fingerprint, lm.tokenizer_fingerprint, hash_prefix(self.prefix_ids)))
             keys.append(key)
-        self.out.setdefault("store_put_s", {})[tier] = round(time.perf_counter() - t0, 3)
-        setattr(self, f"_store_{tier}", (store, keys))
+        self.out.setdefault("store_put_s", {})[tier if compression == "none" else f"{tier}_{compression}"] = round(
+            time.perf_counter() - t0, 3)
+        setattr(self, f"_store_{tier}_{compression}", (store, keys))
         return store, keys
 
     def transfers(self, c: int) -> None:
@@ -360,7 +378,7 @@ class ModelBench:
                 hits = [h.hit() for h in store.prefetch(keys[:c])]
                 return [ChunkKV.from_stored(h.entry, lm.device, lm.dtype) for h in hits]
 
-            setup = (lambda: drop_page_cache(self.disk_root)) if cold else None
+            setup = (lambda: drop_page_cache(self._root_none)) if cold else None
             name = f"{tier}_to_device" + ("_cold" if cold else "_page_cache" if tier == "disk" else "")
             rate(self.sec.measure(f"{self.name} c{c} {name}", load, setup=setup, est_s=est), name)
         self.run.save()
@@ -468,25 +486,36 @@ class ModelBench:
             row["capture_s"] = st.capture_s
         return row
 
-    def generate(self, c: int) -> None:
-        """`generate_one` at each of `--generate-batches` (the same prompt in every row)."""
-        for b in self.args.generate_batches:
-            self.sec.guard(f"{self.name} c{c} generate static b{b}", lambda b=b: self.generate_one(c, b))
+    def generate(self, c: int, modes: list[str]) -> None:
+        """`generate_one` at each of `--generate-batches` (the same prompt in every row), in each of
+        `modes` (eager, compiled)."""
+        for compiled in [m == "compiled" for m in modes if m in self.args.generate_modes]:
+            label = "compiled" if compiled else "static"
+            if compiled and self.device.type != "cuda":
+                self.run.skip(f"{self.name} c{c} generate compiled", "transformers compiles generate() on CUDA only")
+                continue
+            for b in self.args.generate_batches:
+                self.sec.guard(f"{self.name} c{c} generate {label} b{b}",
+                               lambda b=b, compiled=compiled: self.generate_one(c, b, compiled))
 
-    def generate_one(self, c: int, batch: int) -> None:
+    def generate_one(self, c: int, batch: int, compiled: bool = False) -> None:
         """transformers' `generate` with a static cache, greedy, `batch` rows of the same prompt: a
         streamer stamps each new token, so a decode step is the median interval after the first
-        token, and the first token's time is generate's own TTFT."""
+        token, and the first token's time is generate's own TTFT. Eager (`disable_compile`), or
+        `compiled`: transformers' own torch.compile of the forward over the static cache, the
+        stronger baseline (the warm-up run pays the compile)."""
         import torch
 
+        label = "compiled" if compiled else "static"
         x = torch.tensor([self.full_ids(c)] * batch, device=self.device)
         n = 4 + self.args.decode_steps
         est = 2 * batch * self.full_s.get(c, 1.0) + n * 0.05
-        if not self.sec.budget.fits((1 + self.args.repeats) * est):
-            self.run.skip(f"{self.name} c{c} generate static b{batch}",
-                          f"~{3 * est:.0f} s, {self.sec.budget.left():.0f} s left")
+        first = est + (COMPILE_EST_S if compiled else 0.0)
+        if not self.sec.budget.fits(first + self.args.repeats * est):
+            self.run.skip(f"{self.name} c{c} generate {label} b{batch}",
+                          f"~{first + self.args.repeats * est:.0f} s, {self.sec.budget.left():.0f} s left")
             return
-        flags = {"disable_compile": not self.args.generate_compile}
+        flags = {"disable_compile": not compiled}
 
         def gen(stamps: list[float]) -> Any:
             kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False,
@@ -514,11 +543,12 @@ class ModelBench:
             step = statistics.median(steps)
             got = {"batch": batch, "prompt_tokens": x.shape[1], "new_tokens": n, "step_s": step,
                    "decode_tokens_per_s": batch / step, "ttft_s": statistics.median(ttfts),
-                   "compile": "disabled" if flags else "transformers' default (no disable_compile flag)"}
+                   "compile": ("disabled" if flags.get("disable_compile") else "transformers' torch.compile")
+                   if flags else "transformers' default (no disable_compile flag)"}
             if batch == 1:
-                self.out.setdefault("generate_static", {})[str(c)] = got
+                self.out.setdefault(f"generate_{label}", {})[str(c)] = got
             else:
-                self.out.setdefault("generate_static_batches", {}).setdefault(str(c), {})[str(batch)] = got
+                self.out.setdefault(f"generate_{label}_batches", {}).setdefault(str(c), {})[str(batch)] = got
 
     def profile_decode(self, c: int) -> None:
         """Where a decode step's time goes, at each of `--profile-batches`: torch.profiler over
@@ -579,7 +609,7 @@ class ModelBench:
             s.close()
         for d in self.tmp:
             shutil.rmtree(d, ignore_errors=True)
-        for name in ("eng", "lm", "model", "kvs", "stores", "_store_gpu", "_store_cpu", "_store_disk"):
+        for name in [n for n in self.__dict__ if n.startswith("_store_")] + ["eng", "lm", "model", "kvs", "stores"]:
             self.__dict__.pop(name, None)  # the weights and every KV: freed before the next model
 
 
@@ -607,7 +637,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=480.0, help="the whole run's time; what would not fit is skipped")
     ap.add_argument("--quick", action="store_true", help="1 repeat, 4 decode steps, fewer tier variants")
     ap.add_argument("--disk-dir", default=None, help="where the disk tier's files go (default: the temp folder)")
-    ap.add_argument("--generate-compile", action="store_true", help="let generate() compile (transformers' default)")
+    ap.add_argument("--generate-modes", type=generate_modes, default=["eager", "compiled"],
+                    help="transformers generate() baselines: eager (disable_compile) and compiled (its own "
+                         "torch.compile over the static cache, CUDA only), e.g. eager")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: 1 for --shape tiny on the CPU, else torch's own)")
     ap.add_argument("--seed", type=int, default=0)
@@ -687,7 +719,7 @@ def _bench(args: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
                     mb.sec.guard(f"{name} c{c} decode", lambda c=c, mb=mb: mb.decode(c))
                 if c == args.chunks[0]:
                     if "generate" in on:
-                        mb.sec.guard(f"{name} c{c} generate static", lambda c=c, mb=mb: mb.generate(c))
+                        mb.sec.guard(f"{name} c{c} generate static", lambda c=c, mb=mb: mb.generate(c, ["eager"]))
                     if "profile" in on and args.profile_batches:
                         mb.sec.guard(f"{name} c{c} decode profile", lambda c=c, mb=mb: mb.profile_decode(c))
                 if "tiers" in on:
@@ -695,6 +727,9 @@ def _bench(args: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
                 if "transfers" in on:
                     mb.sec.guard(f"{name} c{c} kv transfer", lambda c=c, mb=mb: mb.transfers(c))
                 run.save()
+            if "generate" in on and args.chunks[0] in mb.full_s:  # last: its compile takes a minute or more
+                c0 = args.chunks[0]
+                mb.sec.guard(f"{name} c{c0} generate compiled", lambda c=c0, mb=mb: mb.generate(c, ["compiled"]))
         finally:
             mb.close()
             derive(run.data["models"][name], card)

@@ -430,15 +430,22 @@ def derive(m: dict[str, Any], card: dict[str, Any]) -> None:
         for b, v in d.items():
             if isinstance(v, dict):
                 limits["decode_bandwidth_util"][f"{c}/b{b}"] = v["bytes_per_s"] / bw if bw else None
-    for c, g in m.get("generate_static", {}).items():
-        one = m.get("decode", {}).get(c, {}).get("1")
-        if one:
-            ratios.setdefault(c, {})["ragkv_decode/generate_static@b1"] = one["tokens_per_s"] / g["decode_tokens_per_s"]
-    for c, gs in m.get("generate_static_batches", {}).items():
-        for b, g in gs.items():
-            ours = m.get("decode", {}).get(c, {}).get(b)
-            if ours:
-                ratios.setdefault(c, {})[f"ragkv_decode/generate_static@b{b}"] = ours["tokens_per_s"] / g["decode_tokens_per_s"]
+    # ours (ragged decode_batch, and the pool's step: graphs on CUDA) over transformers' generate,
+    # eager and compiled, at each batch both ran
+    for label in ("static", "compiled"):
+        gens = {c: {"1": g} for c, g in m.get(f"generate_{label}", {}).items()}
+        for c, gs in m.get(f"generate_{label}_batches", {}).items():
+            gens.setdefault(c, {}).update(gs)
+        for c, gs in gens.items():
+            for b, g in gs.items():
+                ours = m.get("decode", {}).get(c, {}).get(b)
+                if not ours:
+                    continue
+                r = ratios.setdefault(c, {})
+                r[f"ragkv_decode/generate_{label}@b{b}"] = ours["tokens_per_s"] / g["decode_tokens_per_s"]
+                pooled = ours.get("pooled", {})
+                if "tokens_per_s" in pooled:
+                    r[f"ragkv_pooled/generate_{label}@b{b}"] = pooled["tokens_per_s"] / g["decode_tokens_per_s"]
     for c, tr in m.get("kv_transfer", {}).items():
         limits.setdefault("kv_GB_per_s", {})[c] = {k: v["GB_per_s"] for k, v in tr.items() if isinstance(v, dict)}
     m["ratios"], m["limits"] = ratios, limits
@@ -454,11 +461,12 @@ def table(data: dict[str, Any]) -> str:
             lines.append(f"\n{name} ({m.get('shape')}) {c} chunks x {data['args']['chunk_tokens']} tokens, "
                          f"prompt {t['prompt_tokens']}: TTFT ms (x of ragkv full {full * 1e3:.1f} ms)")
             tiers = [k for k, v in t.items() if isinstance(v, dict) and any(mo in v for mo in MODES)]
-            lines.append("  " + "mode".ljust(7) + "".join(k.replace("_controller", " ctl")[:22].rjust(24) for k in tiers))
+            heads = [k.replace("_controller_", " ctl ").replace("_page_cache", " warm")[:26] for k in tiers]
+            lines.append("  " + "mode".ljust(7) + "".join(h.rjust(28) for h in heads))
             for mo in MODES:
                 cells = [f"{t[k][mo]['median_s'] * 1e3:9.1f} ({t[k][mo]['median_s'] / full:5.2f})" if mo in t[k] else "-"
                          for k in tiers]
-                lines.append("  " + mo.ljust(7) + "".join(x.rjust(24) for x in cells))
+                lines.append("  " + mo.ljust(7) + "".join(x.rjust(28) for x in cells))
             for key in ("hf_sdpa", "hf_flash_attention_2"):
                 if key in t:
                     lines.append(f"  transformers {key[3:]} prefill {t[key]['median_s'] * 1e3:.1f} ms: "
@@ -475,18 +483,20 @@ def table(data: dict[str, Any]) -> str:
                    for b, v in d.items() if isinstance(v, dict)]
             lines.append(f"{name} decode over {d['prompt_tokens']} tokens: " + "; ".join(row))
         for c, r in m.get("ratios", {}).items():
-            if "ragkv_decode/generate_static@b1" in r:
-                g = m["generate_static"][c]
-                lines.append(f"{name} generate static b1 {g['decode_tokens_per_s']:.1f} tok/s (its TTFT "
-                             f"{g['ttft_s'] * 1e3:.1f} ms): ragkv decode / generate static = "
-                             f"{r['ragkv_decode/generate_static@b1']:.2f}")
-            for b, g in m.get("generate_static_batches", {}).get(c, {}).items():
-                if f"ragkv_decode/generate_static@b{b}" in r:
-                    lines.append(f"{name} generate static b{b} {g['decode_tokens_per_s']:.1f} tok/s: ragkv decode / "
-                                 f"generate static = {r[f'ragkv_decode/generate_static@b{b}']:.2f}")
+            for label in ("static", "compiled"):
+                gens = {"1": m[f"generate_{label}"][c]} if c in m.get(f"generate_{label}", {}) else {}
+                gens |= m.get(f"generate_{label}_batches", {}).get(c, {})
+                for b, g in gens.items():
+                    if f"ragkv_decode/generate_{label}@b{b}" not in r:
+                        continue
+                    pooled = r.get(f"ragkv_pooled/generate_{label}@b{b}")
+                    lines.append(f"{name} generate {label} b{b} {g['decode_tokens_per_s']:.1f} tok/s (its TTFT "
+                                 f"{g['ttft_s'] * 1e3:.1f} ms): ragkv decode / generate {label} = "
+                                 f"{r[f'ragkv_decode/generate_{label}@b{b}']:.2f}"
+                                 + (f", pooled {pooled:.2f}" if pooled is not None else ""))
             held = r.get("device_held", {})
             parts = [f"{k} {v:.2f}" for k, v in held.items()] + [
-                f"{k} {v:.2f}" for k, v in r.items() if k.startswith(("ragkv_full/", "ragkv_decode/"))]
+                f"{k} {v:.2f}" for k, v in r.items() if k.startswith(("ragkv_full/", "ragkv_decode/", "ragkv_pooled/"))]
             if parts:
                 lines.append(f"{name} ratios at {c} chunks (KV held on the device): " + ", ".join(parts))
         if "check" in m:
@@ -528,6 +538,14 @@ def sections(s: str) -> list[str]:
     bad = [x for x in got if x not in SECTIONS]
     if bad:
         raise argparse.ArgumentTypeError(f"unknown section(s) {', '.join(bad)}; of {', '.join(SECTIONS)}")
+    return got
+
+
+def generate_modes(s: str) -> list[str]:
+    got = [x.strip() for x in s.split(",") if x.strip()]
+    bad = [x for x in got if x not in ("eager", "compiled")]
+    if bad or not got:
+        raise argparse.ArgumentTypeError(f"generate modes are eager and compiled, got {s!r}")
     return got
 
 

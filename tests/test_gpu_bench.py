@@ -73,7 +73,8 @@ def test_tiny_run_writes_every_section(tiny_run):
     for key in ("ragkv_full", "hf_sdpa"):
         assert t[key]["median_s"] > 0, key
     variants = {"device_held", "cpu_whole_controller_off", "cpu_whole_controller_on", "disk_layered_controller_off",
-                "disk_layered_controller_on", "disk_whole_controller_off"}
+                "disk_layered_controller_on", "disk_whole_controller_off", "disk_int4_layered_controller_off",
+                "disk_int4_layered_controller_on", "disk_int4_layered_controller_on_page_cache"}
     assert variants <= t.keys(), t.keys()
     for v in variants:
         for mode in MODES:
@@ -82,6 +83,11 @@ def test_tiny_run_writes_every_section(tiny_run):
     assert t["device_held"]["reuse"]["recompute_fraction"] == 0.0
     assert "used_chunks" in t["device_held"]["focus"]
     assert t["disk_layered_controller_off"]["filesystem"] is not None
+    # int4 files (KIVI) read layer by layer: cold, and through the page cache the warm-up filled
+    assert t["disk_int4_layered_controller_on"]["compression"] == "int4"
+    assert t["disk_int4_layered_controller_on"]["page_cache"].startswith("dropped")
+    assert t["disk_int4_layered_controller_on_page_cache"]["page_cache"].startswith("warm")
+    assert m["store_put_s"].keys() >= {"cpu", "disk", "disk_int4"}
     # KV loads, decode at every batch, generate with a static cache
     tr = m["kv_transfer"]["2"]
     for key in ("cpu_to_device", "disk_to_device_cold", "disk_to_device_page_cache"):
@@ -95,6 +101,9 @@ def test_tiny_run_writes_every_section(tiny_run):
     g = m["generate_static"]["2"]
     assert g["decode_tokens_per_s"] > 0 and g["ttft_s"] > 0 and g["compile"] == "disabled"
     assert m["generate_static_batches"]["2"]["32"]["batch"] == 32  # generate at a batch, as decode runs one
+    # the compiled baseline is transformers' own torch.compile, which it does on CUDA only: skipped, saying so
+    assert "generate_compiled" not in m
+    assert any(s["what"].endswith("generate compiled") and "CUDA only" in s["why"] for s in written["skipped"])
     # where a decode step goes: a batch of 32 makes more host calls than a batch of 1 (attention per sequence)
     prof = m["decode_profile"]["2"]
     assert prof["32"]["aten_calls_per_step"] > prof["1"]["aten_calls_per_step"] > 0 and prof["1"]["top_host"]
@@ -103,7 +112,7 @@ def test_tiny_run_writes_every_section(tiny_run):
     r = m["ratios"]["2"]
     for v in variants:
         assert set(r[v]) == {"blend/full", "reuse/full", "focus/full"}, v
-    for key in ("ragkv_full/hf_sdpa", "ragkv_decode/generate_static@b1"):
+    for key in ("ragkv_full/hf_sdpa", "ragkv_decode/generate_static@b1", "ragkv_pooled/generate_static@b1"):
         assert math.isfinite(r[key]) and r[key] > 0, key
     assert m["limits"]["mfu"]["ragkv_full@2"]["tflops"] > 0
     assert {"cpu_to_device", "disk_to_device_cold"} <= m["limits"]["kv_GB_per_s"]["2"].keys()
@@ -221,8 +230,12 @@ def test_limits_against_the_card(gpu_bench, monkeypatch):
     m = {"config": sz,
          "ttft": {"8": {"prompt_tokens": 4160, "ragkv_full": {"median_s": 0.5}, "hf_sdpa": {"median_s": 0.4},
                         "device_held": {"reuse": {"median_s": 0.05}, "blend": {"median_s": 0.1}}}},
-         "decode": {"8": {"prompt_tokens": 4160, "1": {"tokens_per_s": 50.0, "bytes_per_s": 2e12}}},
-         "generate_static": {"8": {"decode_tokens_per_s": 25.0}}}
+         "decode": {"8": {"prompt_tokens": 4160, "1": {"tokens_per_s": 50.0, "bytes_per_s": 2e12,
+                                                       "pooled": {"tokens_per_s": 150.0}},
+                          "32": {"tokens_per_s": 800.0, "bytes_per_s": 3e12}}},
+         "generate_static": {"8": {"decode_tokens_per_s": 25.0}},
+         "generate_compiled": {"8": {"decode_tokens_per_s": 100.0}},
+         "generate_compiled_batches": {"8": {"32": {"decode_tokens_per_s": 1600.0}}}}
     parts.derive(m, card)
     flops = parts.prefill_flops(sz, 4160)
     assert m["limits"]["mfu"]["ragkv_full@8"]["mfu"] == pytest.approx(flops / 0.5 / 1e15)
@@ -231,6 +244,10 @@ def test_limits_against_the_card(gpu_bench, monkeypatch):
     r = m["ratios"]["8"]
     assert r["device_held"] == {"reuse/full": pytest.approx(0.1), "blend/full": pytest.approx(0.2)}
     assert r["ragkv_full/hf_sdpa"] == pytest.approx(1.25) and r["ragkv_decode/generate_static@b1"] == 2.0
+    # the pool's step, and the compiled generate baseline (issue 70's "1.0x compiled generate")
+    assert r["ragkv_pooled/generate_static@b1"] == 6.0 and r["ragkv_pooled/generate_compiled@b1"] == 1.5
+    assert r["ragkv_decode/generate_compiled@b1"] == 0.5 and r["ragkv_decode/generate_compiled@b32"] == 0.5
+    assert "ragkv_pooled/generate_compiled@b32" not in r  # no pooled figure at 32: no ratio made up
 
 
 def test_sections_choose_what_runs_and_name_what_is_wrong(gpu_bench, capsys) -> None:

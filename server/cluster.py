@@ -54,7 +54,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Reque
 
 from ragkv.engine.scheduler import Scheduler
 from ragkv.kvstore.key_filter import KeyFilter
-from ragkv.server import routing
+from ragkv.server import ray_proxy, routing
 from ragkv.server.admission import Admission
 from ragkv.server.answering import ChunksEvent, QueryRunner, RunEvent
 from ragkv.server.backend import BackendParts, Catalogue
@@ -644,6 +644,9 @@ def start(settings: ServerSettings, cluster: ClusterSettings, *, blocking: bool 
     # waiting on the first, then fails; a loaded host starts one slower than that (a local Ray's
     # controller inherits this process's environment)
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", str(PROXY_READY_S))
+    # the HTTP proxy's own /-/routes answers without a key: the proxy wraps itself in what this
+    # names, which refuses it (a proxy on a node you start yourself needs it set there)
+    os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", ray_proxy.CALLBACK)
     if not ray.is_initialized():
         _signal_handlers.setdefault(signal.SIGTERM, signal.getsignal(signal.SIGTERM))  # ray.init installs its own
         ray.init(address=cluster.ray_address, include_dashboard=False, log_to_driver=False,
@@ -655,7 +658,10 @@ def start(settings: ServerSettings, cluster: ClusterSettings, *, blocking: bool 
     http = {"host": settings.host, "port": settings.http_port or 8000}
     if settings.tls_cert is not None and settings.tls_key is not None:
         http |= {"ssl_certfile": str(settings.tls_cert), "ssl_keyfile": str(settings.tls_key)}
-    grpc = (gRPCOptions(port=settings.port, grpc_servicer_functions=list(_SERVICER_FUNCTIONS))
+    # no server reflection: Ray's proxy serves it beside the key check (RagService makes that
+    # check itself: the proxy takes no interceptor), so it would describe the API to anyone
+    no_reflection = {"enable_reflection": False} if "enable_reflection" in gRPCOptions.model_fields else {}
+    grpc = (gRPCOptions(port=settings.port, grpc_servicer_functions=list(_SERVICER_FUNCTIONS), **no_reflection)
             if grpc_served(settings) else None)
     try:  # a proxy on every node: a load balancer may send a request to any of them
         serve.start(proxy_location="EveryNode", http_options=http, grpc_options=grpc)

@@ -222,6 +222,29 @@ def test_without_the_token_the_cluster_answers_only_health(served) -> None:
     assert http_err.value.code == 401
 
 
+def test_ray_serves_neither_reflection_nor_its_route_list_without_a_key(served) -> None:
+    """Issue 71: Ray Serve's proxies answer some calls themselves, before RagService checks the
+    key. Server reflection (on by default in Ray's gRPC proxy) would describe the API to anyone,
+    and the HTTP proxy's /-/routes lists the applications: neither is served. The health
+    probes a load balancer makes still answer."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    addr, http, _, _ = served
+    with grpc.insecure_channel(addr) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                           timeout=30))
+        assert err.value.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED), err.value
+    for path in ("/-/routes", "/-/routes/"):
+        with pytest.raises(urllib.error.HTTPError) as http_err:
+            urllib.request.urlopen(f"{http}{path}", timeout=30)
+        assert http_err.value.code == 404, path
+        assert b"routes" not in http_err.value.read().replace(b"list its routes", b"")  # no route named
+    with urllib.request.urlopen(f"{http}/-/healthz", timeout=30) as reply:
+        assert reply.status == 200
+
+
 def _code(exc: BaseException) -> grpc.StatusCode | None:
     code = getattr(exc, "code", None)
     return code() if callable(code) else code

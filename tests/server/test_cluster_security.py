@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="the ray extra (pip install 'ragkv[ray]') is not installed")
 
-from ragkv.server import cluster
+from ragkv.server import cluster, ray_proxy
 from ragkv.server.query import Query
 from ragkv.server.routing import Policy
 from tests.server.fakes import settings
@@ -27,6 +27,8 @@ def started(monkeypatch: pytest.MonkeyPatch) -> dict:
     monkeypatch.delenv("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE")
     monkeypatch.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "0")
     monkeypatch.delenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S")
+    monkeypatch.setenv("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "x")
+    monkeypatch.delenv("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH")
     monkeypatch.setattr(cluster.serve, "start", lambda **kw: calls.update(kw))
     monkeypatch.setattr(cluster.serve, "run", lambda *a, **kw: None)
     monkeypatch.setattr(cluster, "build_app", lambda s, c: None)
@@ -70,7 +72,12 @@ def test_without_credentials_the_grpc_proxy_that_binds_every_interface_is_not_st
     assert os.environ["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] == str(1 << 20)
     started.clear()
     cluster.start(settings(insecure_no_auth=True), cluster.ClusterSettings(1, None, Policy.CHUNK))
-    assert started["grpc_options"] is not None
+    assert started["grpc_options"] is not None and started["grpc_options"].enable_reflection is False
+    # Ray's HTTP proxy wraps itself in what this names: its /-/routes is refused (tests/server/test_cluster.py)
+    from ray._common.utils import import_attr
+
+    assert [m.cls for m in import_attr(os.environ["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"])()] == [
+        ray_proxy.RefuseRayRoutes]
 
 
 def test_a_proxy_restarted_while_serve_starts_does_not_fail_the_start(

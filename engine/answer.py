@@ -32,6 +32,7 @@ from ragkv.engine.constrain import Constraint
 from ragkv.engine.decode import FIRST_ROOM, DecodeStream, SamplingParams
 from ragkv.engine.kv.cache import ChunkKV, arriving
 from ragkv.engine.kv.conversation import Conversations, TreeSpot
+from ragkv.engine.prefill import context_segments
 from ragkv.engine.prompt import PromptFormat
 from ragkv.engine.request import Answered, ChunkComputed, ChunksReady, Decode, LoadedKV, PromptChunk, Request, Work
 from ragkv.engine.speed import EngineSpeed
@@ -51,8 +52,8 @@ class PromptEngine(Protocol):
 
     def reads_chunk_kv(self, mode: Mode) -> bool: ...
 
-    def prefill_steps(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int]
-                      ) -> Generator[int | WaitFor, None, ChunkKV]: ...
+    def prefill_steps(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int], context_ids: Sequence[int] = (),
+                      context_kv: Sequence[ChunkKV] = ()) -> Generator[int | WaitFor, None, ChunkKV]: ...
 
     def run_steps(self, prompt: Prompt, mode: Mode, options: BlendOptions | None = None, reserve_tokens: int = 256,
                   resume: TreeSpot | None = None) -> PromptSteps: ...
@@ -237,7 +238,7 @@ def _compute_or_read(engine: PromptEngine, req: Request, ch: PromptChunk, race: 
     With `race` (the chunk's read, which overran its estimate), the read's KV instead if it
     lands before the compute ends: the compute stops at that layer (a read that fails or finds
     nothing leaves the compute to finish)."""
-    steps = engine.prefill_steps(req.kv_prefix_ids, ch.token_ids)  # the index's prefix: the tiers keep it
+    steps = _chunk_steps(engine, req, ch)
     own = 0.0
     while True:
         if race is not None and race.done():
@@ -259,6 +260,29 @@ def _compute_or_read(engine: PromptEngine, req: Request, ch: PromptChunk, race: 
             return kv
         own += time.perf_counter() - t0
         yield item
+
+
+def _chunk_steps(engine: PromptEngine, req: Request, ch: PromptChunk) -> Generator[int | WaitFor, None, ChunkKV]:
+    """A chunk's KV computed as the index computed the KV its key names (the tiers keep it under
+    that key): after the index's prefix, and after its context when it has one (`ChunkContextKV`:
+    the context's tokens, or the neighbours' plain KV, read or else computed here too)."""
+    ctx = ch.context
+    if ctx is None or not (ctx.ids or ctx.plain):
+        return (yield from engine.prefill_steps(req.kv_prefix_ids, ch.token_ids))
+    if not ctx.plain:
+        return (yield from engine.prefill_steps(req.kv_prefix_ids, ch.token_ids, ctx.ids))
+    reads = [read() for _, read in ctx.plain]
+    if (w := wait_for(reads)) is not None:
+        yield WaitFor(w.futures, req.kv_wait_s)
+    plain = []
+    for (ids, _), read in zip(ctx.plain, reads):
+        got = read.result() if read.done() and read.exception() is None else None
+        if got is None:  # missing, failed or still reading: computed (as the indexer does then)
+            plain.append((yield from engine.prefill_steps(req.kv_prefix_ids, ids)))
+        else:
+            plain.append(got.kv)
+    context = context_segments(plain, ctx.budget_tokens)
+    return (yield from engine.prefill_steps(req.kv_prefix_ids, ch.token_ids, context_kv=context))
 
 
 def _bounded(steps: PromptSteps, limit_s: float) -> PromptSteps:

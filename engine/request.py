@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Generator, Hashable, Mapping
+from collections.abc import Callable, Generator, Hashable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -73,6 +73,22 @@ class LoadedKV:
 
 
 @dataclass(frozen=True, slots=True)
+class ChunkContextKV:
+    """What a chunk's stored KV was computed after, between the prefix and its tokens (the index's
+    neighbour-conditioned KV, `ragkv index --neighbours`): a chunk whose KV must be computed here
+    is computed after the same, so its KV is the one its key names, whether read or computed."""
+
+    # the context's tokens, prefilled before the chunk (the index's NeighbourContext.TOKENS)
+    ids: tuple[int, ...] = ()
+    # or the neighbours' own plain KV before the chunk, most similar first (NeighbourContext.KV):
+    # each neighbour's tokens and a read of its plain KV started on demand (its future's None:
+    # missing, then that KV is computed), cut to `budget_tokens` as the indexer cut it
+    plain: tuple[tuple[tuple[int, ...], Callable[[], Future[LoadedKV | None]]], ...] = ()
+    budget_tokens: int = 0
+    key_context: Hashable = None  # what the chunk's key says it was computed after (the server keeps it so)
+
+
+@dataclass(frozen=True, slots=True)
 class PromptChunk:
     """One retrieved chunk of the prompt, and where its KV comes from."""
 
@@ -85,6 +101,7 @@ class PromptChunk:
     source: KVSource = KVSource.COMPUTED_MISSING
     key: Hashable = None  # its name in the store (`kvstore.ChunkKey`), opaque here: the KV tree's key uses it
     load_s: float | None = None  # the read's estimated seconds (logged when it overruns)
+    context: ChunkContextKV | None = None  # computed after a context (neighbour KV); None: after the prefix alone
 
 
 @dataclass(eq=False, slots=True)  # identity: a request is itself, whatever its fields

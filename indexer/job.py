@@ -403,14 +403,16 @@ def _neighbour_contexts(db: ChunkDB, manifest: Manifest, options: NeighbourOptio
         return {}
     records = db.chunks_by_rows([int(r) for r in rows])
     ids_of = [records[int(r)].token_ids for r in rows]
-    contexts, keys = {}, {}
+    contexts, keys, recorded = {}, {}, {}
     for r, chunk_ids, nbrs in zip(rows, ids_of, select_neighbours(xb, options)):
+        recorded[int(r)] = [int(rows[j]) for j in nbrs]
         ctx = tuple(context_ids([ids_of[j] for j in nbrs], options.budget_tokens))
         contexts[int(r)] = _Context(ctx, tuple((_plain_key(manifest, ids_of[j]), tuple(ids_of[j])) for j in nbrs),
                                     (_plain_key(manifest, chunk_ids), tuple(chunk_ids)))
         keys[int(r)] = chunk_key(manifest.model_fp, manifest.tokenizer_fp, manifest.prefix_ids, chunk_ids,
                               ChunkContext(options.tag(), ctx))
     changed = db.set_kv_keys(keys)
+    db.set_neighbours(recorded)  # the server computes a missing chunk's KV after the same (retriever.chunk_keys)
     if changed:
         log.info("%d chunks have new neighbours or options: their KV is computed again", changed)
     return contexts

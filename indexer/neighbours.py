@@ -16,10 +16,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ragkv.retriever.chunk_keys import NeighbourChoice, NeighbourContext, NeighbourOptions
+from ragkv.retriever.chunk_keys import NeighbourChoice, NeighbourContext, NeighbourOptions, context_ids
 
 if TYPE_CHECKING:
     import numpy as np
+
+__all__ = ["INDEX_DEFAULT", "INDEX_KV_COMPRESSION", "PLAIN_COPY_COMPRESSION", "context_ids", "select_neighbours"]
 
 _BLOCK = 1024  # rows whose similarities to every chunk are held at once
 _DUPLICATE = 1.0 - 1e-6  # cosine similarity at which two chunks count as the same text
@@ -82,21 +84,4 @@ def select_neighbours(xb: np.ndarray, options: NeighbourOptions,
             else:
                 pool = np.flatnonzero(~same[i])
                 out.append([int(j) for j in rng.permutation(pool)[: options.m]])
-    return out
-
-
-def context_ids(neighbour_ids: Sequence[Sequence[int]], budget_tokens: int) -> list[int]:
-    """The context a chunk is prefilled after: its neighbours' tokens, most similar nearest the chunk.
-
-    Args:
-        neighbour_ids: each neighbour's token ids, most similar first.
-        budget_tokens: the most tokens kept; the farthest neighbours go (or lose their first
-            tokens) first.
-    """
-    out: list[int] = []
-    for ids in neighbour_ids:  # most similar first: it ends up last, next to the chunk
-        room = budget_tokens - len(out)
-        if room <= 0:
-            break
-        out = list(ids)[-room:] + out
     return out

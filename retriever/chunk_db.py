@@ -46,6 +46,10 @@ CREATE TABLE IF NOT EXISTS chunks (
 );
 CREATE INDEX IF NOT EXISTS chunks_doc ON chunks(doc_id, ordinal);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS neighbours (  -- neighbour-conditioned KV: what each chunk was computed after
+    row INTEGER PRIMARY KEY REFERENCES chunks(row) ON DELETE CASCADE,
+    rows TEXT NOT NULL                -- JSON list of its neighbours' rows, most similar first
+);
 """
 
 # meta keys
@@ -261,6 +265,40 @@ class ChunkDB:
             with self._lock, self._tx():
                 self._conn.executemany("UPDATE chunks SET kv_key=?, kv_done=0 WHERE row=?", changed)
         return len(changed)
+
+    def set_neighbours(self, neighbours: dict[int, Sequence[int]]) -> None:
+        """Record each row's neighbours (rows, most similar first), replacing every earlier record:
+        a server missing a chunk's neighbour KV computes it after the same (`neighbours_of`)."""
+        with self._lock, self._tx():
+            self._conn.execute("DELETE FROM neighbours")
+            self._conn.executemany("INSERT INTO neighbours(row, rows) VALUES(?, ?)",
+                                   [(int(r), json.dumps([int(n) for n in ns])) for r, ns in neighbours.items()])
+
+    def neighbours_of(self, chunk_ids: Sequence[str]) -> dict[str, tuple[tuple[int, ...], ...]]:
+        """Each chunk's neighbours' token ids, most similar first, as the indexer recorded them; a
+        chunk without a record (an index built without neighbours, or before they were recorded)
+        is left out."""
+        if not chunk_ids:
+            return {}
+        marks = ",".join("?" * len(chunk_ids))
+        with self._lock:
+            try:
+                found = self._conn.execute(
+                    f"SELECT c.chunk_id, n.rows FROM chunks c JOIN neighbours n ON n.row = c.row "
+                    f"WHERE c.chunk_id IN ({marks})", list(chunk_ids)).fetchall()
+            except sqlite3.OperationalError as exc:  # an index from before the table (opened read-only)
+                if "no such table" not in str(exc):
+                    raise
+                return {}
+        wanted = {cid: [int(r) for r in json.loads(rows)] for cid, rows in found}
+        rows = sorted({r for rs in wanted.values() for r in rs})
+        if not rows:
+            return {}
+        with self._lock:
+            ids = dict(self._conn.execute(
+                f"SELECT row, token_ids FROM chunks WHERE row IN ({','.join('?' * len(rows))})", rows).fetchall())
+        return {cid: tuple(_ids_from_blob(ids[r]) for r in rs) for cid, rs in wanted.items()
+                if all(r in ids for r in rs)}
 
     def count_kv_pending(self) -> int:
         with self._lock:

@@ -113,6 +113,51 @@ class NeighbourOptions:
                                        int(d.get("seed", 0)), NeighbourContext(d.get("context", "tokens")))
 
 
+def context_ids(neighbour_ids: Sequence[Sequence[int]], budget_tokens: int) -> list[int]:
+    """The context a chunk is prefilled after: its neighbours' tokens, most similar nearest the chunk
+    (what its neighbour key names: the indexer computes after it, the server again after it).
+
+    Args:
+        neighbour_ids: each neighbour's token ids, most similar first.
+        budget_tokens: the most tokens kept; the farthest neighbours go (or lose their first
+            tokens) first.
+    """
+    out: list[int] = []
+    for ids in neighbour_ids:  # most similar first: it ends up last, next to the chunk
+        room = budget_tokens - len(out)
+        if room <= 0:
+            break
+        out = list(ids)[-room:] + out
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class NeighbourRecipe:
+    """How the indexer computed a chunk's neighbour KV, found again from the index's record of its
+    neighbours and checked against its key: a server missing that KV computes the same, and keeps
+    it under the same key."""
+
+    context: ChunkContext  # the options' tag and the context's tokens: what the key names
+    neighbours: tuple[tuple[int, ...], ...]  # each neighbour's token ids, most similar first
+    options: NeighbourOptions  # as tokens before the chunk, or as the neighbours' plain KV
+
+
+def neighbour_recipe(hit: IndexedChunk, neighbour_ids: Sequence[Sequence[int]], options: NeighbourOptions,
+                     prefix_hash: PrefixHash, model_fp: str, tokenizer_fp: str) -> NeighbourRecipe | None:
+    """The context `hit`'s neighbour KV was computed after, given its neighbours' tokens as the index
+    records them (most similar first); None when the key the index recorded names another (an index
+    rebuilt since, or one whose neighbours are not recorded): its KV cannot be computed again here."""
+    from ragkv.kvstore import ChunkContext, ChunkKey
+
+    if not options.enabled or not neighbour_ids:
+        return None
+    context = ChunkContext(options.tag(), tuple(context_ids(neighbour_ids, options.budget_tokens)))
+    key = ChunkKey.from_prefix_hash(model_fp, tokenizer_fp, prefix_hash, hit.token_ids, context.hash())
+    if key != hit.kv_key:
+        return None
+    return NeighbourRecipe(context, tuple(tuple(int(i) for i in ids) for ids in neighbour_ids), options)
+
+
 def chunk_key(model_fp: str, tokenizer_fp: str, prefix_ids: Sequence[int], chunk_ids: Sequence[int],
               context: ChunkContext | None = None) -> ChunkKey:
     """The key of a chunk's KV computed after `prefix_ids` (and `context`, when the chunk was

@@ -258,6 +258,10 @@ class Retriever:
         top = top[np.lexsort((lex.rows[top], -scores[top]))]  # score desc, then row asc
         return [(int(lex.rows[i]), float(scores[i])) for i in top]
 
+    def neighbours_of(self, chunk_ids: Sequence[str]) -> dict[str, tuple[tuple[int, ...], ...]]:
+        """Each chunk's neighbours' token ids as the index recorded them (`ChunkDB.neighbours_of`)."""
+        return self._db.neighbours_of(chunk_ids)
+
     def close(self) -> None:
         """Release the database; the retriever is unusable afterwards."""
         self._db.close()

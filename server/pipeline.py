@@ -31,9 +31,10 @@ from ragkv.engine.decode import SamplingParams
 from ragkv.engine.detokenize import Detokenizer
 from ragkv.engine.kv.conversation import CarriedTurns, TreeSpot
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT, PromptFormat
-from ragkv.engine.request import ChunkComputed, LoadedKV, PromptChunk, Request, Work
+from ragkv.engine.request import ChunkComputed, ChunkContextKV, LoadedKV, PromptChunk, Request, Work
 from ragkv.errors import IndexMismatchError, StoreError
 from ragkv.kvstore import (
+    ChunkContext,
     ChunkKey,
     KVEntry,
     PeerTier,
@@ -42,7 +43,7 @@ from ragkv.kvstore import (
     TieredStore,
 )
 from ragkv.retriever import Retriever, SearchHit
-from ragkv.retriever.chunk_keys import NeighbourOptions, serving_keys
+from ragkv.retriever.chunk_keys import NeighbourContext, NeighbourOptions, NeighbourRecipe, neighbour_recipe, serving_keys
 from ragkv.retriever.manifest import Calibration
 from ragkv.server.backend import BackendParts, Prepared
 from ragkv.server.fidelity import DEFAULT_RECOMPUTE_RATIO, RequestRatio, ServedRatio, request_ratio
@@ -92,6 +93,17 @@ class Collection:
         cluster's ingress routes on them)."""
         return serving_keys(hits, mode, self.neighbours, self.prefix_hash, model_fp, tokenizer_fp, focus_handover)
 
+    def recipes(self, hits: Sequence[SearchHit], keys: Sequence[ChunkKey], model_fp: str, tokenizer_fp: str
+                ) -> tuple[NeighbourRecipe | None, ...]:
+        """Per hit served from its neighbour KV (its `keys` entry is the one the index recorded),
+        what that KV was computed after, as the index records its neighbours (`neighbour_recipe`);
+        None for the others, and where the index records none (built before it did)."""
+        served = [h for h, k in zip(hits, keys) if self.neighbours.enabled and k == h.kv_key]
+        recorded = self.retriever.neighbours_of([h.chunk_id for h in served]) if served else {}
+        return tuple(None if h.chunk_id not in recorded or k != h.kv_key else neighbour_recipe(
+            h, recorded[h.chunk_id], self.neighbours, self.prefix_hash, model_fp, tokenizer_fp)
+            for h, k in zip(hits, keys))
+
 
 @dataclass(frozen=True, slots=True)
 class Retrieved:
@@ -122,6 +134,9 @@ class PromptPlan:
     chunk_prefix_ids: tuple[int, ...] | None = None
     system_prompt: SystemPromptPath = SystemPromptPath.INDEXED  # how its system message is served
     ratio: RequestRatio = RequestRatio(None, None)  # the ratio blend runs at, and the KL predicted for it
+    # per retrieved chunk served from its neighbour KV, what that KV was computed after (a chunk
+    # computed here is computed after it too); None: after the prefix alone
+    recipes: tuple[NeighbourRecipe | None, ...] = ()
 
     @property
     def chunk_tokens(self) -> int:
@@ -344,10 +359,11 @@ class Pipeline:
         question_ids, select_ids = self._question_ids(query, output, fmt, before)
         own = path is SystemPromptPath.PREFIX
         ratio = self._ratio(query, c, own)
+        lm = self.lm
+        keys = c.kv_keys(found.hits, query.mode, lm.fingerprint, lm.tokenizer_fingerprint, self._focus.handover)
         plan = PromptPlan(
             output=output, constraint=constraint, prefix_ids=tuple(fmt.prefix_ids()) if own else c.prefix_ids,
-            kv_keys=tuple(c.kv_keys(found.hits, query.mode, self.lm.fingerprint, self.lm.tokenizer_fingerprint,
-                                    self._focus.handover)),
+            kv_keys=tuple(keys), recipes=c.recipes(found.hits, keys, lm.fingerprint, lm.tokenizer_fingerprint),
             token_ids=tuple(tuple(h.token_ids) for h in found.hits), question_ids=tuple(question_ids),
             select_ids=None if select_ids is None else tuple(select_ids),
             options=self._options(DEFAULT_RECOMPUTE_RATIO if ratio.ratio is None else ratio.ratio),
@@ -404,12 +420,30 @@ class Pipeline:
                          for ids, key in zip(plan.token_ids, plan.kv_keys)), _KV_WAIT_LIMIT
         n = len(decisions)
         reads = iter(c.store.prefetch([k for k, d in zip(plan.kv_keys, decisions) if d.load], layered=self._kv_layered))
-        chunks = tuple(PromptChunk(ids, self._loaded(next(reads)) if d.load else None, d.source, key, d.load_s)
-                       for ids, key, d in zip(plan.token_ids, plan.kv_keys, decisions))
+        recipes = (*plan.recipes, *[None] * (n - len(plan.recipes)))
+        chunks = tuple(PromptChunk(ids, self._loaded(next(reads)) if d.load else None, d.source, key, d.load_s,
+                                   self._context(c, recipe))
+                       for ids, key, d, recipe in zip(plan.token_ids, plan.kv_keys, decisions, recipes))
         if n < len(plan.token_ids) and turns is not None and turns.kv is not None:
             chunks += (PromptChunk(turns.ids, LoadedKV(turns.kv, Tier.TREE, turns.kv.nbytes), KVSource.LOADED,
                                    turns.key),)
         return chunks, self.controller.wait_limit(decisions, _KV_WAIT_LIMIT, c.store.prefetch_workers)
+
+    def _context(self, c: Collection, recipe: NeighbourRecipe | None) -> ChunkContextKV | None:
+        """A chunk's context as the engine computes it when its KV must be computed: the context's
+        tokens, or the neighbours' plain KV, each read (whole) only if the engine asks."""
+        if recipe is None:
+            return None
+        if recipe.options.context is not NeighbourContext.KV:
+            return ChunkContextKV(recipe.context.token_ids, key_context=recipe.context)
+        lm = self.lm
+
+        def read(ids: tuple[int, ...]) -> Future[LoadedKV | None]:
+            key = ChunkKey.from_prefix_hash(lm.fingerprint, lm.tokenizer_fingerprint, c.prefix_hash, ids)
+            return self._loaded(c.store.prefetch([key], layered=False)[0])
+
+        return ChunkContextKV(plain=tuple((ids, functools.partial(read, ids)) for ids in recipe.neighbours),
+                              budget_tokens=recipe.options.budget_tokens, key_context=recipe.context)
 
     def _loaded(self, handle: PrefetchHandle) -> Future[LoadedKV | None]:
         """A read in flight as the engine takes it: the KV on the engine's device, converted on
@@ -439,9 +473,11 @@ class Pipeline:
     def keep(self, collection: str, request: Request, computed: ChunkComputed) -> None:
         """Store a chunk KV the answer computed, on the writer thread (memory tiers first, then
         the durable ones); the answer does not depend on it."""
-        key = request.chunks[computed.index].key
-        if isinstance(key, ChunkKey):
-            self._writer.submit(self._persist, self._collection(collection), key, computed.kv)
+        chunk = request.chunks[computed.index]
+        if isinstance(chunk.key, ChunkKey):
+            context = chunk.context.key_context if chunk.context is not None else None
+            self._writer.submit(self._persist, self._collection(collection), chunk.key, computed.kv,
+                                context if isinstance(context, ChunkContext) else None)
 
     def _question_ids(self, params: Query, output: OutputSpec, fmt: PromptFormat, instructions: str = ""
                       ) -> tuple[list[int], list[int] | None]:
@@ -506,10 +542,11 @@ class Pipeline:
             "adaptive_mass": self._guard_mass, "min_ratio": ratio, "fallback_full": True}
         return BlendOptions(recompute_ratio=ratio, focus=self._focus, **guard)
 
-    def _persist(self, c: Collection, key: ChunkKey, kv: ChunkKV) -> None:
+    def _persist(self, c: Collection, key: ChunkKey, kv: ChunkKV, context: ChunkContext | None = None) -> None:
         try:
-            entry = KVEntry.of(kv, key, self.lm.fingerprint, self.lm.tokenizer_fingerprint, c.prefix_hash)
-        except ValueError:  # the key names neighbour-conditioned KV (ragkv index --neighbours): the
+            entry = KVEntry.of(kv, key, self.lm.fingerprint, self.lm.tokenizer_fingerprint, c.prefix_hash,
+                               None if context is None else context.hash())
+        except ValueError:  # the key names neighbour KV the index records no neighbours for: the
             return  # plain KV computed here serves this request but is not that entry
         c.store.put(entry, durable=False)  # the next request finds it in memory
         try:

@@ -162,6 +162,50 @@ def test_index_with_neighbours_records_options_keys_and_stores_context_kv(job_co
     assert other.kv_chunks == len(chunks)  # another m: other keys, computed again
 
 
+def test_the_index_records_each_chunks_neighbours_and_they_name_its_key(job_config, tiny_lm, embedder):
+    """What a server needs to compute a lost neighbour KV again: each chunk's neighbours (their
+    tokens), recorded by the index job, whose context gives exactly the key the index recorded; a
+    record that no longer names the key (neighbours changed since) gives no recipe, and an index
+    from before the record (no table, opened read-only) gives none either."""
+    import sqlite3
+
+    from ragkv.indexer.job import run_index
+    from ragkv.kvstore import hash_prefix
+    from ragkv.retriever.chunk_db import DB_NAME, ChunkDB
+    from ragkv.retriever.chunk_keys import context_ids as served_context_ids
+    from ragkv.retriever.chunk_keys import neighbour_recipe
+    from ragkv.retriever.manifest import read_manifest
+
+    opts = NeighbourOptions(m=2, budget_tokens=40)
+    cfg = dataclasses.replace(job_config, neighbours=opts)
+    run_index(cfg, lm=tiny_lm, embedder=embedder)
+    m = read_manifest(cfg.out)
+    chunks = index_chunks(cfg.out)
+    db = ChunkDB.open(cfg.out, readonly=True)
+    try:
+        recorded = db.neighbours_of([c.chunk_id for c in chunks])
+    finally:
+        db.close()
+    assert recorded.keys() == {c.chunk_id for c in chunks}
+    ph = hash_prefix(m.prefix_ids)
+    for c in chunks:
+        nbrs = recorded[c.chunk_id]
+        assert len(nbrs) == 2 and tuple(c.token_ids) not in nbrs
+        recipe = neighbour_recipe(c, nbrs, opts, ph, m.model_fp, m.tokenizer_fp)
+        assert recipe is not None and recipe.neighbours == nbrs
+        assert recipe.context.token_ids == tuple(served_context_ids(nbrs, 40))
+        assert neighbour_recipe(c, nbrs[::-1], opts, ph, m.model_fp, m.tokenizer_fp) is None  # another context
+        assert neighbour_recipe(c, nbrs, NeighbourOptions(m=2, budget_tokens=30), ph, m.model_fp,
+                                m.tokenizer_fp) is None  # other options
+    with sqlite3.connect(cfg.out / DB_NAME) as conn:  # an index from before the record
+        conn.execute("DROP TABLE neighbours")
+    db = ChunkDB.open(cfg.out, readonly=True)
+    try:
+        assert db.neighbours_of([c.chunk_id for c in chunks]) == {}
+    finally:
+        db.close()
+
+
 def test_index_with_kv_context_stores_plain_kv_and_the_same_kv_as_tokens_for_one_neighbour(
         job_config, tiny_lm, embedder):
     """--neighbour-context kv: a plain pass writes every chunk's plain KV (under plain keys: it

@@ -403,6 +403,75 @@ def test_a_neighbour_index_is_served_from_its_own_kv(tiny_llama_dir: Path, tmp_p
             st.stop()
 
 
+@pytest.mark.parametrize("context", ["tokens", "kv"])
+def test_a_lost_neighbour_kv_is_computed_after_its_neighbours_and_kept_under_its_key(
+        tiny_llama_dir: Path, tmp_path: Path, context: str) -> None:
+    """A chunk whose neighbour-conditioned KV is gone (deleted, damaged, evicted) is computed after
+    the neighbours the index records for it, as the indexer computed it (their tokens, or their
+    plain KV: read, or computed when that is gone too): the answer is the one the stored KV gives,
+    and the KV is written back under the chunk's own key, equal to what was lost. Before, the
+    server computed the chunk's plain KV, which changed the answer and could not be kept (so every
+    later request computed it again)."""
+    import torch
+
+    from ragkv.indexer.chunking import ChunkingConfig
+    from ragkv.indexer.job import IndexJobConfig, run_index
+    from ragkv.kvstore import StoreConfig, TieredStore
+    from ragkv.retriever.chunk_keys import NeighbourOptions, chunk_key
+    from ragkv.retriever.manifest import read_manifest
+    from ragkv.server.assembly import build_pipeline
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name, text in CORPUS.items():
+        (corpus / name).write_text(text)
+    index = tmp_path / "index"
+    run_index(IndexJobConfig(corpus=corpus, out=index, model=str(tiny_llama_dir), progress=False,
+                             chunking=ChunkingConfig(size=32, overlap=0), plain_kv_compression="none",
+                             neighbours=NeighbourOptions(m=1, budget_tokens=256, context=context)))
+    m = read_manifest(index)
+    by_key = {c.kv_key.to_str(): c for c in index_chunks(index)}
+
+    def ask() -> tuple[str, list[Tier], list[str]]:
+        st = ServerThread(settings(indexes=(CollectionSpec("default", index),), kv_cpu_bytes=1), build_pipeline)
+        try:
+            with RagClient(st.addr, timeout=60) as client:
+                q = client.query(QUESTION, mode="blend", top_k=3, max_new_tokens=8, recompute_ratio=0.2)
+                text = q.result().text
+                return text, [c.kv_tier for c in q.chunks], [c.chunk_id for c in q.chunks]
+        finally:
+            st.stop()  # (after the writer thread's write-backs)
+
+    def read(key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        store = TieredStore(StoreConfig.from_uris([f"disk:{index / 'kv'}"]), m.model_fp, m.tokenizer_fp)
+        try:
+            hit = store.read(by_key[key].kv_key)
+            return None if hit is None else (hit.entry.k.clone(), hit.entry.v.clone())
+        finally:
+            store.close()
+
+    clean, tiers, ids = ask()
+    assert tiers == [Tier.DISK] * 3
+    lost = next(k for k, c in by_key.items() if c.chunk_id == ids[1])  # the second chunk: its neighbour KV
+    was = read(lost)
+    assert was is not None
+    files = {f.stem: f for f in (index / "kv").rglob("*.safetensors")}
+    files[lost].unlink()
+    if context == "kv":  # the neighbour's plain KV goes too: the server computes that as well
+        plain = {chunk_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids).to_str() for c in by_key.values()}
+        for stem in set(files) & plain - {lost}:
+            files[stem].unlink()
+    text, tiers, _ = ask()
+    assert tiers[1] is Tier.COMPUTED
+    assert text == clean  # the KV the index stored, computed again: the same answer
+    back = read(lost)
+    assert back is not None, "the computed neighbour KV was not written back under its key"
+    torch.testing.assert_close(back[0], was[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(back[1], was[1], rtol=0, atol=1e-6)
+    text, tiers, _ = ask()
+    assert tiers[1] is Tier.DISK and text == clean  # read again, not computed
+
+
 def test_the_quality_guard_falls_back_to_full_prefill_and_counts_it(tiny_index: Path) -> None:
     """--quality-guard-mass: a blend whose budget cannot hold that share of the question's
     attention runs as full prefill (its answer is full's), and ragkv_quality_fallbacks_total

@@ -192,8 +192,9 @@ def _chunk_kv(engine: PromptEngine, req: Request, phases: dict[str, float], sour
             compute_s += time.perf_counter() - t0
             if isinstance(kv, ChunkKV):
                 sources[source] += 1
-                yield ChunkComputed(i, kv)
-                kvs.append(kv)
+                served = _as_stored(ch, kv)
+                yield ChunkComputed(i, kv, served)
+                kvs.append(served)
                 tiers.append(Tier.COMPUTED)
                 continue
             got, source = kv, KVSource.LOADED
@@ -277,8 +278,9 @@ def _chunk_steps(engine: PromptEngine, req: Request, ch: PromptChunk) -> Generat
     plain = []
     for (ids, _), read in zip(ctx.plain, reads):
         got = read.result() if read.done() and read.exception() is None else None
-        if got is None:  # missing, failed or still reading: computed (as the indexer does then)
-            plain.append((yield from engine.prefill_steps(req.kv_prefix_ids, ids)))
+        if got is None:  # missing, failed or still reading: computed (as the indexer does then), as stored
+            kv = yield from engine.prefill_steps(req.kv_prefix_ids, ids)
+            plain.append(kv if ctx.stored is None else ctx.stored(kv))
         else:
             plain.append(got.kv)
     context = context_segments(plain, ctx.budget_tokens)
@@ -332,7 +334,13 @@ def _recompute_failed(engine: PromptEngine, req: Request, kvs: list[ChunkKV], ti
     log.warning("layered KV read of %d chunk(s) failed mid-prompt (%s); recomputing them", len(failed), exc)
     kvs = list(kvs)
     for i in failed:
-        kvs[i] = yield from _compute(engine, req, req.chunks[i])
-        tiers[i] = Tier.COMPUTED
-        yield ChunkComputed(i, kvs[i])
+        kv = yield from _compute(engine, req, req.chunks[i])
+        kvs[i], tiers[i] = _as_stored(req.chunks[i], kv), Tier.COMPUTED
+        yield ChunkComputed(i, kv, kvs[i])
     return kvs
+
+
+def _as_stored(ch: PromptChunk, kv: ChunkKV) -> ChunkKV:
+    """A computed chunk's KV as its stored copy will read (`PromptChunk.stored`): what the answer
+    uses, so computing a chunk gives the answer reading it gives."""
+    return kv if ch.stored is None else ch.stored(kv)

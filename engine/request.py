@@ -86,6 +86,9 @@ class ChunkContextKV:
     plain: tuple[tuple[tuple[int, ...], Callable[[], Future[LoadedKV | None]]], ...] = ()
     budget_tokens: int = 0
     key_context: Hashable = None  # what the chunk's key says it was computed after (the server keeps it so)
+    # a neighbour's plain KV computed here as its stored copy reads (`PromptChunk.stored`), as the
+    # indexer read it back before its neighbour pass; None = files keep it bit-exact
+    stored: Callable[[ChunkKV], ChunkKV] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +105,9 @@ class PromptChunk:
     key: Hashable = None  # its name in the store (`kvstore.ChunkKey`), opaque here: the KV tree's key uses it
     load_s: float | None = None  # the read's estimated seconds (logged when it overruns)
     context: ChunkContextKV | None = None  # computed after a context (neighbour KV); None: after the prefix alone
+    # what KV computed here becomes once stored (its file's compression, quantized and back): the
+    # answer uses that, so it is the answer the stored copy gives; None = files keep it bit-exact
+    stored: Callable[[ChunkKV], ChunkKV] | None = None
 
 
 @dataclass(eq=False, slots=True)  # identity: a request is itself, whatever its fields
@@ -185,7 +191,8 @@ class ChunkComputed:
     """A chunk's KV the answer computed (missing, cheaper, failed or overrun): the server keeps it."""
 
     index: int  # into Request.chunks
-    kv: ChunkKV
+    kv: ChunkKV  # as computed (what the durable tiers encode)
+    served: ChunkKV | None = None  # as the answer used it (`PromptChunk.stored`); None = `kv`
 
 
 @dataclass(frozen=True, slots=True)

@@ -234,6 +234,7 @@ def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Loa
         created_at=old.created_at if old else now, updated_at=now,
         system_prompt=system_prompt, kv_compression=config.kv_compression,
         neighbours=config.neighbours.as_dict() if config.neighbours.enabled else None,
+        plain_kv_compression=config.plain_kv_compression if config.neighbours.plain_first else None,
     )
     if old is not None:
         _check_compatible(index_dir, old, manifest)

@@ -245,6 +245,22 @@ def pack(x: torch.Tensor, compression: Compression, role: str) -> torch.Tensor:
     return rows
 
 
+def round_trip(x: torch.Tensor, compression: Compression | str, role: str) -> torch.Tensor:
+    """`x` `[L, Hkv, T, D]` as a file stored with `compression` gives it back: quantized and
+    dequantized on x's device, in x's dtype (NONE: `x` itself, files keep it bit-exact). KV
+    computed at serving time is served this way, so a chunk computed answers as its stored
+    copy will (a cache that reuses KV changes no answer).
+
+    Args:
+        role: "k" or "v".
+    """
+    compression = check_supported(compression)
+    if compression is Compression.NONE:
+        return x
+    _, hkv, t, d = x.shape
+    return unpack(pack(x, compression, role), compression, role, (hkv, t, d), x.dtype)
+
+
 def unpack(rows: torch.Tensor, compression: Compression, role: str, shape: tuple[int, int, int],
            dtype: torch.dtype, clock: DequantClock | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantize packed rows `[n, B]` uint8 (n layers, on any device) into `[n, Hkv, T, D]` in `dtype`.

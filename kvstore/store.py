@@ -336,7 +336,8 @@ class TieredStore:
         """Whether any tier holds a copy (unverified; a get may still miss)."""
         return any(t.contains(key) for t in self._tiers)
 
-    def put(self, entry: KVEntry, *, memory: bool = True, durable: bool = True) -> int:
+    def put(self, entry: KVEntry, *, memory: bool = True, durable: bool = True,
+            compression: Compression | None = None) -> int:
         """Store `entry` in every memory tier and write it through to the configured durable tiers.
 
         Every tier is tried; then, if any durable write failed, StoreError names them.
@@ -344,6 +345,8 @@ class TieredStore:
         Args:
             memory, durable: which kinds of tier to write (a caller may write the durable
                 ones later, off its hot path).
+            compression: how the durable tiers encode this entry; None: the store's own
+                (an index keeps its plain copies in another than its chunks' KV).
 
         Returns:
             The bytes one copy takes as kept: its encoded file in the durable tiers (the largest,
@@ -363,7 +366,7 @@ class TieredStore:
                 if not durable or tier.tier not in self.write_through:
                     continue
                 try:
-                    tier.write(entry, encoded)
+                    tier.write(entry, encoded, compression)
                 except StoreError as e:
                     failures.append(f"{tier.tier.value}: {e}")
             elif memory:

@@ -160,6 +160,9 @@ class Manifest:
     # blend's measured distance from full prefill at each setting on this corpus (`ragkv index
     # --calibrate`); None = not calibrated (an index from before, or --calibrate off): the server's default
     calibration: Calibration | None = None
+    # how the plain copies of a neighbour index's chunks are stored (`ragkv index --neighbour-context
+    # kv` keeps them beside the neighbour KV); None = as kv_compression (a manifest from before, or no copies)
+    plain_kv_compression: str | None = None
 
     def check_model(self, model_fp: str, tokenizer_fp: str) -> None:
         """Raise IndexMismatchError unless the index was built for this model and tokenizer."""

@@ -81,7 +81,10 @@ def assemble_pipeline(lm: LoadedModel, retrievers: dict[str, tuple[Path, Retriev
                                        hash_prefix(manifest.prefix_ids), mismatch,
                                        manifest.system_prompt or DEFAULT_SYSTEM_PROMPT,
                                        NeighbourOptions.from_dict(manifest.neighbours),
-                                       manifest.calibration, served)
+                                       manifest.calibration, served,
+                                       # the index's plain copies' own compression, unless --kv-compression names one
+                                       Compression(manifest.plain_kv_compression)
+                                       if manifest.plain_kv_compression and settings.kv_compression == "auto" else None)
     if engine.decoder is not None and engine.decoder.graphs:  # capture now, not on the first requests
         t0 = time.perf_counter()
         n = engine.decoder.warm()

@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -36,12 +36,14 @@ from ragkv.errors import IndexMismatchError, StoreError
 from ragkv.kvstore import (
     ChunkContext,
     ChunkKey,
+    Compression,
     KVEntry,
     PeerTier,
     PrefetchHandle,
     PrefixHash,
     TieredStore,
 )
+from ragkv.kvstore.compression import round_trip
 from ragkv.retriever import Retriever, SearchHit
 from ragkv.retriever.chunk_keys import NeighbourContext, NeighbourOptions, NeighbourRecipe, neighbour_recipe, serving_keys
 from ragkv.retriever.manifest import Calibration
@@ -86,6 +88,18 @@ class Collection:
     calibration: Calibration | None = None  # blend's measured distance from full prefill (ragkv index --calibrate)
     # the ratio its requests that set none get (server/fidelity.py, chosen at start-up)
     served: ServedRatio = ServedRatio(DEFAULT_RECOMPUTE_RATIO, None, "the default")
+    # how the index stores the plain copies of its chunks' KV, where it keeps them beside the
+    # neighbour KV in another compression; None = as the store writes every file
+    plain_compression: Compression | None = None
+
+    def compression(self, key: ChunkKey, token_ids: Sequence[int], model_fp: str, tokenizer_fp: str) -> Compression:
+        """How the durable tiers store `key`'s KV, a chunk's (of `token_ids`) plain copy or the KV
+        the index recorded for it: a chunk computed here is served as that file will read
+        (`kvstore.compression.round_trip`) and written back in it."""
+        if self.plain_compression is None or not self.neighbours.enabled:
+            return self.store.compression
+        plain = key == ChunkKey.from_prefix_hash(model_fp, tokenizer_fp, self.prefix_hash, token_ids)
+        return self.plain_compression if plain else self.store.compression
 
     def kv_keys(self, hits: Sequence[SearchHit], mode: Mode, model_fp: str, tokenizer_fp: str,
                 focus_handover: bool = False) -> list[ChunkKey]:
@@ -137,6 +151,8 @@ class PromptPlan:
     # per retrieved chunk served from its neighbour KV, what that KV was computed after (a chunk
     # computed here is computed after it too); None: after the prefix alone
     recipes: tuple[NeighbourRecipe | None, ...] = ()
+    # per retrieved chunk, how its durable tiers store its KV (`Collection.compression`)
+    compressions: tuple[Compression, ...] = ()
 
     @property
     def chunk_tokens(self) -> int:
@@ -145,6 +161,18 @@ class PromptPlan:
     @property
     def prompt_tokens(self) -> int:
         return len(self.prefix_ids) + self.chunk_tokens + len(self.question_ids)
+
+
+def _stored_as(compression: Compression) -> Callable[[ChunkKV], ChunkKV] | None:
+    """What a chunk's KV computed here becomes once stored with `compression` (None: files keep it
+    bit-exact): the engine serves that, so the answer is the one the stored copy will give."""
+    if compression is Compression.NONE:
+        return None
+
+    def as_stored(kv: ChunkKV) -> ChunkKV:
+        return dataclasses.replace(kv, k=round_trip(kv.k, compression, "k"), v=round_trip(kv.v, compression, "v"))
+
+    return as_stored
 
 
 def search_hits(retriever: Retriever, question: str, top_k: int, search_mode: SearchMode | None,
@@ -364,6 +392,8 @@ class Pipeline:
         plan = PromptPlan(
             output=output, constraint=constraint, prefix_ids=tuple(fmt.prefix_ids()) if own else c.prefix_ids,
             kv_keys=tuple(keys), recipes=c.recipes(found.hits, keys, lm.fingerprint, lm.tokenizer_fingerprint),
+            compressions=tuple(c.compression(k, h.token_ids, lm.fingerprint, lm.tokenizer_fingerprint)
+                               for k, h in zip(keys, found.hits)),
             token_ids=tuple(tuple(h.token_ids) for h in found.hits), question_ids=tuple(question_ids),
             select_ids=None if select_ids is None else tuple(select_ids),
             options=self._options(DEFAULT_RECOMPUTE_RATIO if ratio.ratio is None else ratio.ratio),
@@ -421,9 +451,10 @@ class Pipeline:
         n = len(decisions)
         reads = iter(c.store.prefetch([k for k, d in zip(plan.kv_keys, decisions) if d.load], layered=self._kv_layered))
         recipes = (*plan.recipes, *[None] * (n - len(plan.recipes)))
+        stored = (*map(_stored_as, plan.compressions), *[None] * (n - len(plan.compressions)))
         chunks = tuple(PromptChunk(ids, self._loaded(next(reads)) if d.load else None, d.source, key, d.load_s,
-                                   self._context(c, recipe))
-                       for ids, key, d, recipe in zip(plan.token_ids, plan.kv_keys, decisions, recipes))
+                                   self._context(c, recipe), as_stored)
+                       for ids, key, d, recipe, as_stored in zip(plan.token_ids, plan.kv_keys, decisions, recipes, stored))
         if n < len(plan.token_ids) and turns is not None and turns.kv is not None:
             chunks += (PromptChunk(turns.ids, LoadedKV(turns.kv, Tier.TREE, turns.kv.nbytes), KVSource.LOADED,
                                    turns.key),)
@@ -443,7 +474,8 @@ class Pipeline:
             return self._loaded(c.store.prefetch([key], layered=False)[0])
 
         return ChunkContextKV(plain=tuple((ids, functools.partial(read, ids)) for ids in recipe.neighbours),
-                              budget_tokens=recipe.options.budget_tokens, key_context=recipe.context)
+                              budget_tokens=recipe.options.budget_tokens, key_context=recipe.context,
+                              stored=_stored_as(c.plain_compression or c.store.compression))
 
     def _loaded(self, handle: PrefetchHandle) -> Future[LoadedKV | None]:
         """A read in flight as the engine takes it: the KV on the engine's device, converted on
@@ -477,7 +509,7 @@ class Pipeline:
         if isinstance(chunk.key, ChunkKey):
             context = chunk.context.key_context if chunk.context is not None else None
             self._writer.submit(self._persist, self._collection(collection), chunk.key, computed.kv,
-                                context if isinstance(context, ChunkContext) else None)
+                                context if isinstance(context, ChunkContext) else None, computed.served)
 
     def _question_ids(self, params: Query, output: OutputSpec, fmt: PromptFormat, instructions: str = ""
                       ) -> tuple[list[int], list[int] | None]:
@@ -542,15 +574,23 @@ class Pipeline:
             "adaptive_mass": self._guard_mass, "min_ratio": ratio, "fallback_full": True}
         return BlendOptions(recompute_ratio=ratio, focus=self._focus, **guard)
 
-    def _persist(self, c: Collection, key: ChunkKey, kv: ChunkKV, context: ChunkContext | None = None) -> None:
+    def _persist(self, c: Collection, key: ChunkKey, kv: ChunkKV, context: ChunkContext | None = None,
+                 served: ChunkKV | None = None) -> None:
+        """Keep a chunk's computed KV: in memory as the answer used it (`served`: as its durable
+        copy will read), in the durable tiers as computed, encoded as the index encodes that
+        file (`Collection.compression`), so the file is the one the indexer wrote."""
+        lm = self.lm
+        compression = c.compression(key, kv.token_ids.tolist(), lm.fingerprint, lm.tokenizer_fingerprint)
         try:
-            entry = KVEntry.of(kv, key, self.lm.fingerprint, self.lm.tokenizer_fingerprint, c.prefix_hash,
-                               None if context is None else context.hash())
+            ctx = None if context is None else context.hash()
+            of = functools.partial(KVEntry.of, key=key, model_fp=self.lm.fingerprint,
+                                   tokenizer_fp=self.lm.tokenizer_fingerprint, prefix_hash=c.prefix_hash, context_hash=ctx)
+            entry, held = of(kv), of(served if served is not None else kv)
         except ValueError:  # the key names neighbour KV the index records no neighbours for: the
             return  # plain KV computed here serves this request but is not that entry
-        c.store.put(entry, durable=False)  # the next request finds it in memory
+        c.store.put(held, durable=False)  # the next request finds it in memory
         try:
-            c.store.put(entry, memory=False)
+            c.store.put(entry, memory=False, compression=compression)
         except StoreError as exc:
             log.warning("writing back computed KV of %s failed: %s", entry.key, exc)
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from ragkv.kvstore.compression import DequantClock
+from ragkv.kvstore.compression import Compression, DequantClock
 from ragkv.kvstore.entry import KVEntry
 from ragkv.kvstore.keys import ChunkKey, check_fingerprint
 from ragkv.kvstore.layered import LayerGate
@@ -132,8 +132,9 @@ class StorageTier(abc.ABC):
         self.put(hit.entry)
         return None
 
-    def write(self, entry: KVEntry, encoded: dict[object, bytes]) -> bool:
-        """`put`, sharing encodings with the other tiers of one store put (`encoded`: by compression)."""
+    def write(self, entry: KVEntry, encoded: dict[object, bytes], compression: Compression | None = None) -> bool:
+        """`put`, sharing encodings with the other tiers of one store put (`encoded`: by
+        compression); a durable tier encodes with `compression` when given, else its own."""
         return self.put(entry)
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:

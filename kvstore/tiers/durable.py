@@ -175,12 +175,14 @@ class DurableTier(StorageTier):
             self.put(hit.entry)
         return None
 
-    def write(self, entry: KVEntry, encoded: dict[object, bytes]) -> bool:
-        """`put`, encoding once per compression across one store put's durable tiers."""
+    def write(self, entry: KVEntry, encoded: dict[object, bytes], compression: Compression | None = None) -> bool:
+        """`put`, encoding once per compression across one store put's durable tiers (with
+        `compression` when given, else the tier's own)."""
         self._check_entry(entry)
-        if self.compression not in encoded:
-            encoded[self.compression] = encode(entry, self.compression)
-        return self.put_file(entry.key, encoded[self.compression])
+        c = self.compression if compression is None else check_supported(compression)
+        if c not in encoded:
+            encoded[c] = encode(entry, c)
+        return self.put_file(entry.key, encoded[c])
 
     def put_file(self, key: ChunkKey, data: bytes | bytearray | memoryview) -> bool:
         """Store already encoded (or verified) file bytes under `key`."""

@@ -299,8 +299,9 @@ class PeerTier(DurableTier):
 
     # -- writes ---------------------------------------------------------------------------
 
-    def write(self, entry: KVEntry, encoded: dict[object, bytes]) -> bool:
-        """Publish computed KV, encoded on the publisher's thread (the caller's put goes on)."""
+    def write(self, entry: KVEntry, encoded: dict[object, bytes], compression: Compression | None = None) -> bool:
+        """Publish computed KV, encoded on the publisher's thread (the caller's put goes on), in
+        the peer tier's own compression."""
         self._check_entry(entry)
         if entry.key in self._published:
             return True

@@ -427,7 +427,8 @@ def test_a_lost_neighbour_kv_is_computed_after_its_neighbours_and_kept_under_its
         (corpus / name).write_text(text)
     index = tmp_path / "index"
     run_index(IndexJobConfig(corpus=corpus, out=index, model=str(tiny_llama_dir), progress=False,
-                             chunking=ChunkingConfig(size=32, overlap=0), plain_kv_compression="none",
+                             chunking=ChunkingConfig(size=32, overlap=0), kv_compression="int4",
+                             plain_kv_compression="int8",  # as `ragkv index` stores them
                              neighbours=NeighbourOptions(m=1, budget_tokens=256, context=context)))
     m = read_manifest(index)
     by_key = {c.kv_key.to_str(): c for c in index_chunks(index)}
@@ -470,6 +471,70 @@ def test_a_lost_neighbour_kv_is_computed_after_its_neighbours_and_kept_under_its
     torch.testing.assert_close(back[1], was[1], rtol=0, atol=1e-6)
     text, tiers, _ = ask()
     assert tiers[1] is Tier.DISK and text == clean  # read again, not computed
+
+
+@pytest.mark.parametrize("compression", ["int4", "int8"])
+def test_a_chunk_computed_answers_as_its_stored_copy_will(tiny_llama_dir: Path, tmp_path: Path,
+                                                           compression: str) -> None:
+    """A cache that reuses KV changes no answer: over an index whose files are compressed, a chunk
+    whose KV is computed (its file lost, or the loading controller finding compute cheaper) is
+    served as its stored copy reads back (quantized and dequantized), so the answer is the one
+    reading gives; the memory tier keeps it so, and the file written back is the index's own."""
+    import torch
+
+    from ragkv.indexer.chunking import ChunkingConfig
+    from ragkv.indexer.job import IndexJobConfig, run_index
+    from ragkv.kvstore import StoreConfig, TieredStore
+    from ragkv.retriever.manifest import read_manifest
+    from ragkv.server.assembly import build_pipeline
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name, text in CORPUS.items():
+        (corpus / name).write_text(text)
+    index = tmp_path / "index"
+    run_index(IndexJobConfig(corpus=corpus, out=index, model=str(tiny_llama_dir), progress=False,
+                             chunking=ChunkingConfig(size=32, overlap=0), kv_compression=compression))
+    m = read_manifest(index)
+    chunks = {c.chunk_id: c for c in index_chunks(index)}
+
+    def read(key):
+        store = TieredStore(StoreConfig.from_uris([f"disk:{index / 'kv'}"]), m.model_fp, m.tokenizer_fp)
+        try:
+            hit = store.read(key)
+            return None if hit is None else (hit.entry.k.clone(), hit.entry.v.clone())
+        finally:
+            store.close()
+
+    def serve(cpu_bytes: int) -> ServerThread:
+        return ServerThread(settings(indexes=(CollectionSpec("default", index),), kv_cpu_bytes=cpu_bytes),
+                            build_pipeline)
+
+    def ask(client: RagClient) -> tuple[str, list[Tier], list[str]]:
+        q = client.query(QUESTION, mode="blend", top_k=3, max_new_tokens=8, recompute_ratio=0.2)
+        return q.result().text, [c.kv_tier for c in q.chunks], [c.chunk_id for c in q.chunks]
+
+    st = serve(1)
+    try:
+        with RagClient(st.addr, timeout=60) as client:
+            clean, tiers, ids = ask(client)
+    finally:
+        st.stop()
+    assert tiers == [Tier.DISK] * 3
+    lost = chunks[ids[1]].kv_key
+    was = read(lost)
+    next(f for f in (index / "kv").rglob("*.safetensors") if f.stem == lost.to_str()).unlink()
+    st = serve(64 << 20)
+    try:
+        with RagClient(st.addr, timeout=60) as client:
+            text, tiers, _ = ask(client)
+            assert tiers[1] is Tier.COMPUTED and text == clean
+            text, tiers, _ = ask(client)
+            assert tiers[1] is Tier.CPU and text == clean  # the memory tier holds it as the file reads
+    finally:
+        st.stop()
+    back = read(lost)
+    assert back is not None and torch.equal(back[0], was[0]) and torch.equal(back[1], was[1])  # the index's own file
 
 
 def test_the_quality_guard_falls_back_to_full_prefill_and_counts_it(tiny_index: Path) -> None:

@@ -3,11 +3,13 @@
     python -m bench.soak --index DIR --clients 4 --minutes 10            # a built index
     python -m bench.soak --tiny --clients 1 --minutes 0.5                  # tiny random model (CI)
 
-Starts a moto S3 server on loopback and `ragkv serve` in a subprocess (CPU tier off, so
-every request reads the disk or S3 tier, or its KV tree; S3 tier on moto; layered loading unless
---whole). A clean pass asks every (question, mode) twice, one at a time, before any fault:
-the second greedy answers (served as every later ask is: from the KV tree) are the
-reference. Then N client threads ask in rotation (modes
+Starts a moto S3 server on loopback and `ragkv serve` in a subprocess (CPU tier and KV tree
+off, so every request reads the disk or S3 tier, or computes what they cannot give; S3 tier
+on moto; layered loading unless --whole; `--serve-arg=--kv-tree-bytes=...` turns the tree on).
+A chunk computed is served as its stored copy reads, so computing and reading give one answer.
+A clean pass asks every (question, mode) twice, one at a time, before any fault: the second
+greedy answers are the reference (with the tree on, it is served as every later ask is: from
+the tree). Then N client threads ask in rotation (modes
 full, reuse, blend, focus) for the duration, while a fault injector, every --fault-every
 seconds, in turn flips a byte in a KV file, truncates one, deletes one, stops the S3
 server, or starts it again. The server's RSS and open file descriptors are sampled
@@ -135,7 +137,7 @@ class Server:
         env.pop("AWS_PROFILE", None)
         cmd = [sys.executable, "-m", "ragkv.cli", "serve", "--index", f"soak={index}", "--host", "127.0.0.1",
                "--port", str(self.port), "--kv-cpu-bytes", "1", "--kv-s3-uri", f"s3://{BUCKET}/kv",
-               "--kv-layered", "on" if layered else "off", "--max-queue", "64",
+               "--kv-layered", "on" if layered else "off", "--max-queue", "64", "--kv-tree-bytes", "0",
                "--metrics-port", "0", *extra]  # any free port: CI runs other servers beside it
         self._log = open(log_path, "wb")  # closed in stop()
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
@@ -361,11 +363,14 @@ def build_tiny(work: Path) -> tuple[Path, list[str]]:
     from ragkv.evals.testing import tiny_model_dir
     from ragkv.indexer.chunking import ChunkingConfig
     from ragkv.indexer.job import IndexJobConfig, run_index
+    from ragkv.indexer.neighbours import INDEX_DEFAULT, INDEX_KV_COMPRESSION, PLAIN_COPY_COMPRESSION
 
     model = tiny_model_dir(work / "tiny-llama", "llama")
     questions = write_corpus(work / "corpus", 12)
+    # as `ragkv index` builds it: neighbour KV in int4, plain copies in int8 (the files the faults break)
     run_index(IndexJobConfig(corpus=work / "corpus", out=work / "index", model=str(model),
-                             chunking=ChunkingConfig(size=32, overlap=0), progress=False))
+                             chunking=ChunkingConfig(size=32, overlap=0), progress=False, neighbours=INDEX_DEFAULT,
+                             kv_compression=INDEX_KV_COMPRESSION, plain_kv_compression=PLAIN_COPY_COMPRESSION))
     return work / "index", questions
 
 

@@ -164,6 +164,15 @@ class Manifest:
     # kv` keeps them beside the neighbour KV); None = as kv_compression (a manifest from before, or no copies)
     plain_kv_compression: str | None = None
 
+    @property
+    def plain_compression(self) -> str | None:
+        """How the plain copies are stored, where the index keeps them (None: it keeps none). A
+        manifest from before the record is taken to hold them in int8, `ragkv index`'s default."""
+        if self.plain_kv_compression is not None:
+            return self.plain_kv_compression
+        kept = bool(self.neighbours) and self.neighbours.get("m", 0) > 0 and self.neighbours.get("context") == "kv"
+        return "int8" if kept else None
+
     def check_model(self, model_fp: str, tokenizer_fp: str) -> None:
         """Raise IndexMismatchError unless the index was built for this model and tokenizer."""
         if model_fp != self.model_fp:

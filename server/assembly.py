@@ -83,8 +83,8 @@ def assemble_pipeline(lm: LoadedModel, retrievers: dict[str, tuple[Path, Retriev
                                        NeighbourOptions.from_dict(manifest.neighbours),
                                        manifest.calibration, served,
                                        # the index's plain copies' own compression, unless --kv-compression names one
-                                       Compression(manifest.plain_kv_compression)
-                                       if manifest.plain_kv_compression and settings.kv_compression == "auto" else None)
+                                       Compression(manifest.plain_compression)
+                                       if manifest.plain_compression and settings.kv_compression == "auto" else None)
     if engine.decoder is not None and engine.decoder.graphs:  # capture now, not on the first requests
         t0 = time.perf_counter()
         n = engine.decoder.warm()

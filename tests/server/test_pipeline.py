@@ -431,6 +431,7 @@ def test_a_lost_neighbour_kv_is_computed_after_its_neighbours_and_kept_under_its
                              plain_kv_compression="int8",  # as `ragkv index` stores them
                              neighbours=NeighbourOptions(m=1, budget_tokens=256, context=context)))
     m = read_manifest(index)
+    assert m.plain_kv_compression == ("int8" if context == "kv" else None)  # the plain copies' own, recorded
     by_key = {c.kv_key.to_str(): c for c in index_chunks(index)}
 
     def ask() -> tuple[str, list[Tier], list[str]]:

@@ -328,6 +328,34 @@ def test_layered_and_whole_reads_give_the_same_answer(tiny_index: Path, tmp_path
     assert texts[True] == texts[False]
 
 
+def _index_of_corpus(tmp_path: Path, model_dir: Path, **config: object) -> Path:
+    """An index of CORPUS by the model in `model_dir`, chunks of 32 tokens, built with `config`."""
+    from ragkv.indexer.chunking import ChunkingConfig
+    from ragkv.indexer.job import IndexJobConfig, run_index
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name, text in CORPUS.items():
+        (corpus / name).write_text(text)
+    run_index(IndexJobConfig(corpus=corpus, out=tmp_path / "index", model=str(model_dir), progress=False,
+                             chunking=ChunkingConfig(size=32, overlap=0), **config))
+    return tmp_path / "index"
+
+
+def _stored_kv(index: Path, key):
+    """Copies of the K and V an index's own disk tier holds under `key`; None when it holds none."""
+    from ragkv.kvstore import StoreConfig, TieredStore
+    from ragkv.retriever.manifest import read_manifest
+
+    m = read_manifest(index)
+    store = TieredStore(StoreConfig.from_uris([f"disk:{index / 'kv'}"]), m.model_fp, m.tokenizer_fp)
+    try:
+        hit = store.read(key)
+        return None if hit is None else (hit.entry.k.clone(), hit.entry.v.clone())
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("context", ["tokens", "kv"])
 def test_a_neighbour_index_is_served_from_its_own_kv(tiny_llama_dir: Path, tmp_path: Path, context: str) -> None:
     """Blend and reuse read the neighbour-conditioned KV the index stored (the index's keys),
@@ -335,20 +363,12 @@ def test_a_neighbour_index_is_served_from_its_own_kv(tiny_llama_dir: Path, tmp_p
     kv, the default): it follows the prefix alone, so its plain KV serves it. Focus without handover
     reads the plain KV of every chunk there; focus with handover (the default) reads the neighbour KV
     of the later chunks."""
-    from ragkv.indexer.chunking import ChunkingConfig
-    from ragkv.indexer.job import IndexJobConfig, run_index
     from ragkv.retriever.chunk_keys import NeighbourOptions, chunk_key
     from ragkv.retriever.manifest import read_manifest
     from ragkv.server.assembly import build_pipeline
 
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for name, text in CORPUS.items():
-        (corpus / name).write_text(text)
-    index = tmp_path / "index"
-    run_index(IndexJobConfig(corpus=corpus, out=index, model=str(tiny_llama_dir), progress=False,
-                             chunking=ChunkingConfig(size=32, overlap=0),
-                             neighbours=NeighbourOptions(m=1, budget_tokens=256, context=context)))
+    index = _index_of_corpus(tmp_path, tiny_llama_dir, neighbours=NeighbourOptions(m=1, budget_tokens=256,
+                                                                                 context=context))
     m = read_manifest(index)
     chunks = index_chunks(index)
     plain_files = {chunk_key(m.model_fp, m.tokenizer_fp, m.prefix_ids, c.token_ids).to_str()
@@ -414,22 +434,12 @@ def test_a_lost_neighbour_kv_is_computed_after_its_neighbours_and_kept_under_its
     later request computed it again)."""
     import torch
 
-    from ragkv.indexer.chunking import ChunkingConfig
-    from ragkv.indexer.job import IndexJobConfig, run_index
-    from ragkv.kvstore import StoreConfig, TieredStore
     from ragkv.retriever.chunk_keys import NeighbourOptions, chunk_key
     from ragkv.retriever.manifest import read_manifest
     from ragkv.server.assembly import build_pipeline
 
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for name, text in CORPUS.items():
-        (corpus / name).write_text(text)
-    index = tmp_path / "index"
-    run_index(IndexJobConfig(corpus=corpus, out=index, model=str(tiny_llama_dir), progress=False,
-                             chunking=ChunkingConfig(size=32, overlap=0), kv_compression="int4",
-                             plain_kv_compression="int8",  # as `ragkv index` stores them
-                             neighbours=NeighbourOptions(m=1, budget_tokens=256, context=context)))
+    index = _index_of_corpus(tmp_path, tiny_llama_dir, kv_compression="int4", plain_kv_compression="int8",
+                             neighbours=NeighbourOptions(m=1, budget_tokens=256, context=context))  # as ragkv index
     m = read_manifest(index)
     assert m.plain_kv_compression == ("int8" if context == "kv" else None)  # the plain copies' own, recorded
     by_key = {c.kv_key.to_str(): c for c in index_chunks(index)}
@@ -445,12 +455,7 @@ def test_a_lost_neighbour_kv_is_computed_after_its_neighbours_and_kept_under_its
             st.stop()  # (after the writer thread's write-backs)
 
     def read(key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        store = TieredStore(StoreConfig.from_uris([f"disk:{index / 'kv'}"]), m.model_fp, m.tokenizer_fp)
-        try:
-            hit = store.read(by_key[key].kv_key)
-            return None if hit is None else (hit.entry.k.clone(), hit.entry.v.clone())
-        finally:
-            store.close()
+        return _stored_kv(index, by_key[key].kv_key)
 
     clean, tiers, ids = ask()
     assert tiers == [Tier.DISK] * 3
@@ -483,29 +488,10 @@ def test_a_chunk_computed_answers_as_its_stored_copy_will(tiny_llama_dir: Path, 
     reading gives; the memory tier keeps it so, and the file written back is the index's own."""
     import torch
 
-    from ragkv.indexer.chunking import ChunkingConfig
-    from ragkv.indexer.job import IndexJobConfig, run_index
-    from ragkv.kvstore import StoreConfig, TieredStore
-    from ragkv.retriever.manifest import read_manifest
     from ragkv.server.assembly import build_pipeline
 
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for name, text in CORPUS.items():
-        (corpus / name).write_text(text)
-    index = tmp_path / "index"
-    run_index(IndexJobConfig(corpus=corpus, out=index, model=str(tiny_llama_dir), progress=False,
-                             chunking=ChunkingConfig(size=32, overlap=0), kv_compression=compression))
-    m = read_manifest(index)
+    index = _index_of_corpus(tmp_path, tiny_llama_dir, kv_compression=compression)
     chunks = {c.chunk_id: c for c in index_chunks(index)}
-
-    def read(key):
-        store = TieredStore(StoreConfig.from_uris([f"disk:{index / 'kv'}"]), m.model_fp, m.tokenizer_fp)
-        try:
-            hit = store.read(key)
-            return None if hit is None else (hit.entry.k.clone(), hit.entry.v.clone())
-        finally:
-            store.close()
 
     def serve(cpu_bytes: int) -> ServerThread:
         return ServerThread(settings(indexes=(CollectionSpec("default", index),), kv_cpu_bytes=cpu_bytes),
@@ -523,7 +509,7 @@ def test_a_chunk_computed_answers_as_its_stored_copy_will(tiny_llama_dir: Path, 
         st.stop()
     assert tiers == [Tier.DISK] * 3
     lost = chunks[ids[1]].kv_key
-    was = read(lost)
+    was = _stored_kv(index, lost)
     next(f for f in (index / "kv").rglob("*.safetensors") if f.stem == lost.to_str()).unlink()
     st = serve(64 << 20)
     try:
@@ -534,7 +520,7 @@ def test_a_chunk_computed_answers_as_its_stored_copy_will(tiny_llama_dir: Path, 
             assert tiers[1] is Tier.CPU and text == clean  # the memory tier holds it as the file reads
     finally:
         st.stop()
-    back = read(lost)
+    back = _stored_kv(index, lost)
     assert back is not None and torch.equal(back[0], was[0]) and torch.equal(back[1], was[1])  # the index's own file
 
 

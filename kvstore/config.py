@@ -1,8 +1,9 @@
 """StoreConfig: which tiers a store has, their budgets and policies, and how files are compressed.
 
 Built in code or from the CLI's simple specs with `StoreConfig.from_uris`:
-`gpu`, `cpu`, `disk:/path`, `s3://bucket/prefix`. Tiers are always looked at in
-the order GPU, CPU, disk, S3, whatever order the specs come in.
+`gpu`, `cpu`, `disk:/path`, `s3://bucket/prefix` (the kinds of `kvstore.tiers.kinds`, which
+also say what a spec of each takes). Tiers are always looked at in their kinds' order (GPU,
+CPU, disk, S3), whatever order the specs come in.
 
 Knows nothing of the tiers' implementations.
 """
@@ -17,6 +18,7 @@ import torch
 
 from ragkv.kvstore.compression import Compression, check_supported
 from ragkv.kvstore.eviction import Policy
+from ragkv.kvstore.tiers import kinds as tier_kinds
 from ragkv.kvstore.tiers.base import Tier
 from ragkv.kvstore.tiers.s3 import S3Settings, check_bucket, check_prefix
 
@@ -48,50 +50,64 @@ def parse_bytes(size: int | str) -> int:
 
 @dataclass(frozen=True, slots=True)
 class TierSpec:
-    """One tier of a store."""
+    """One tier of a store: its kind (`kvstore.tiers.kinds`) and what that kind takes."""
 
-    tier: Tier  # which tier
-    path: str | None = None  # DISK: root directory (files go under {path}/{model_fp}/)
-    bucket: str | None = None  # S3: bucket name
-    prefix: str = ""  # S3: object name prefix, without surrounding slashes
-    budget_bytes: int | None = None  # GPU/CPU/DISK: byte budget; None is unbounded (S3 has none)
-    policy: Policy = Policy.LRU  # GPU/CPU/DISK: eviction policy
+    kind: str  # the kind's name ("cpu", "disk", ...): a wire `Tier` names its built-in kind
+    path: str | None = None  # a path kind (disk): root directory (files go under {path}/{model_fp}/)
+    bucket: str | None = None  # a bucket kind (s3): bucket name
+    prefix: str = ""  # a bucket kind: object name prefix, without surrounding slashes
+    budget_bytes: int | None = None  # byte budget of a budgeted kind; None is unbounded
+    policy: Policy = Policy.LRU  # eviction policy of a budgeted kind
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "tier", Tier(self.tier))
-        if self.tier not in Tier.storage():
-            raise ValueError(f"{self.tier.value!r} is not a storage tier ({[t.value for t in Tier.storage()]})")
+        k = tier_kinds.kind(self.kind)  # ValueError naming the kinds there are
+        if not k.configurable:
+            raise ValueError(f"{k.name!r} is not a tier a store is configured with "
+                             f"({', '.join(c.uri for c in tier_kinds.kinds(configurable=True))})")
+        object.__setattr__(self, "kind", k.name)
         object.__setattr__(self, "policy", Policy(self.policy))
-        if self.tier is Tier.DISK and not self.path:
-            raise ValueError("disk tier needs a path, e.g. 'disk:/var/cache/ragkv'")
-        if self.tier is not Tier.DISK and self.path is not None:
-            raise ValueError(f"{self.tier.value} tier takes no path, got {self.path!r}")
-        if self.tier is Tier.S3:
+        if k.path and not self.path:
+            raise ValueError(f"{k.name} tier needs a path, e.g. '{k.name}:/var/cache/ragkv'")
+        if not k.path and self.path is not None:
+            raise ValueError(f"{k.name} tier takes no path, got {self.path!r}")
+        if k.bucket:
             check_bucket(self.bucket or "")
             object.__setattr__(self, "prefix", check_prefix(self.prefix))
-            if self.budget_bytes is not None:
-                raise ValueError(f"s3 tier has no byte budget, got {self.budget_bytes}")
         elif self.bucket is not None or self.prefix:
-            raise ValueError(f"{self.tier.value} tier takes no bucket or prefix, got {self.bucket!r} {self.prefix!r}")
+            raise ValueError(f"{k.name} tier takes no bucket or prefix, got {self.bucket!r} {self.prefix!r}")
+        if not k.budgeted and self.budget_bytes is not None:
+            raise ValueError(f"{k.name} tier has no byte budget, got {self.budget_bytes}")
         if self.budget_bytes is not None:
             object.__setattr__(self, "budget_bytes", parse_bytes(self.budget_bytes))
 
+    @property
+    def tier_kind(self) -> tier_kinds.TierKind:
+        return tier_kinds.kind(self.kind)
+
+    @property
+    def tier(self) -> Tier:
+        """The tier its hits report (the wire's)."""
+        return self.tier_kind.reports
+
     @classmethod
     def parse(cls, uri: str, budget_bytes: int | None = None, policy: Policy = Policy.LRU) -> TierSpec:
-        """A spec from `gpu`, `cpu`, `disk:/path` or `s3://bucket/prefix`."""
+        """A spec from a kind's name (`gpu`, `cpu`), `NAME:/path` (`disk:/path`) or
+        `NAME://bucket/prefix` (`s3://bucket/prefix`)."""
         if not isinstance(uri, str):
             raise TypeError(f"tier spec must be a str, got {type(uri).__name__}")
-        if uri in ("gpu", "cpu"):
-            return cls(Tier(uri), budget_bytes=budget_bytes, policy=policy)
-        if uri.startswith("disk:"):
-            path = uri.removeprefix("disk:")
-            if path.startswith("//"):
-                path = path[2:]  # disk:///abs/path
-            return cls(Tier.DISK, path=path, budget_bytes=budget_bytes, policy=policy)
-        if uri.startswith("s3://"):
-            bucket, _, prefix = uri.removeprefix("s3://").partition("/")
-            return cls(Tier.S3, bucket=bucket, prefix=prefix)
-        raise ValueError(f"tier spec {uri!r} is not one of: gpu, cpu, disk:/path, s3://bucket/prefix")
+        for k in tier_kinds.kinds(configurable=True):
+            if k.bucket and uri.startswith(f"{k.name}://"):
+                bucket, _, prefix = uri.removeprefix(f"{k.name}://").partition("/")
+                return cls(k.name, bucket=bucket, prefix=prefix)
+            if k.path and uri.startswith(f"{k.name}:"):
+                path = uri.removeprefix(f"{k.name}:")
+                if path.startswith("//"):
+                    path = path[2:]  # disk:///abs/path
+                return cls(k.name, path=path, budget_bytes=budget_bytes, policy=policy)
+            if not (k.path or k.bucket) and uri == k.name:
+                return cls(k.name, budget_bytes=budget_bytes, policy=policy)
+        raise ValueError(f"tier spec {uri!r} is not one of: "
+                         f"{', '.join(k.uri for k in tier_kinds.kinds(configurable=True))}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +122,8 @@ class StoreConfig:
     device: str = "cpu"  # where layered reads dequantize compressed files: the engine's device ("cuda:0")
 
     def __post_init__(self) -> None:
-        specs = tuple(sorted(self.tiers, key=lambda s: s.tier.rank))
-        kinds = [s.tier for s in specs]
+        specs = tuple(sorted(self.tiers, key=lambda s: s.tier_kind.rank))
+        kinds = [s.tier for s in specs]  # the tiers their hits report: one of each in a store
         if not specs:
             raise ValueError("a store needs at least one tier")
         if len(set(kinds)) != len(kinds):
@@ -116,11 +132,12 @@ class StoreConfig:
         object.__setattr__(self, "compression", check_supported(self.compression))
         if self.write_through is not None:
             wt = frozenset(Tier(t) for t in self.write_through)
-            bad = [t.value for t in wt if not t.durable or t not in kinds]
+            durable = [s.tier for s in specs if s.tier_kind.durable]
+            bad = [t.value for t in wt if t not in durable]
             if bad:
                 raise ValueError(
                     f"write_through {sorted(bad)} must name durable tiers of this store "
-                    f"({[k.value for k in kinds if k.durable]})"
+                    f"({[k.value for k in durable]})"
                 )
             object.__setattr__(self, "write_through", wt)
         if self.prefetch_workers < 1:
@@ -135,7 +152,7 @@ class StoreConfig:
         """The durable tiers a put writes to."""
         if self.write_through is not None:
             return self.write_through
-        return frozenset(s.tier for s in self.tiers if s.tier.durable)
+        return frozenset(s.tier for s in self.tiers if s.tier_kind.durable)
 
     @classmethod
     def from_uris(
@@ -166,22 +183,23 @@ class StoreConfig:
             s3: full S3 settings; endpoint_url/region, when given, override its fields.
             device: where layered reads dequantize compressed files (the engine's device).
         """
-        budget_of: dict[Tier, int] = {}
+        budget_of: dict[str, int] = {}
+        configured = tier_kinds.kinds(configurable=True)
         for name, size in (budgets or {}).items():
             try:
-                tier = Tier(name)
-                if tier not in Tier.storage():
+                k = tier_kinds.kind(name)
+                if not k.configurable:
                     raise ValueError
             except ValueError:
-                raise ValueError(f"budget for {name!r}: not a tier ({[t.value for t in Tier.storage()]})") from None
-            budget_of[tier] = parse_bytes(size)
-        if Tier.S3 in budget_of:
-            raise ValueError(f"s3 tier has no byte budget, got {budget_of[Tier.S3]}")
+                raise ValueError(f"budget for {name!r}: not a tier ({[c.name for c in configured]})") from None
+            if not k.budgeted:
+                raise ValueError(f"{k.name} tier has no byte budget, got {size}")
+            budget_of[k.name] = parse_bytes(size)
         specs = []
         for uri in uris:
             spec = TierSpec.parse(uri)
-            if spec.tier is not Tier.S3:
-                spec = replace(spec, budget_bytes=budget_of.get(spec.tier), policy=Policy(policy))
+            if spec.tier_kind.budgeted:
+                spec = replace(spec, budget_bytes=budget_of.get(spec.kind), policy=Policy(policy))
             specs.append(spec)
         settings = s3 or S3Settings()
         if endpoint_url is not None:

@@ -39,11 +39,9 @@ from ragkv.kvstore.config import StoreConfig, TierSpec
 from ragkv.kvstore.entry import KVEntry
 from ragkv.kvstore.keys import ChunkKey, check_fingerprint
 from ragkv.kvstore.layered import LayerGate
+from ragkv.kvstore.tiers import kinds as tier_kinds
 from ragkv.kvstore.tiers.base import Hit, StorageTier, Tier, TierStats
-from ragkv.kvstore.tiers.disk import DiskTier
 from ragkv.kvstore.tiers.durable import DurableTier
-from ragkv.kvstore.tiers.memory import CpuTier, GpuTier
-from ragkv.kvstore.tiers.s3 import S3Tier
 from ragkv.kvstore.timing import ReadEstimate, ReadTiming
 
 logger = logging.getLogger(__name__)
@@ -101,16 +99,19 @@ class PrefetchHandle:
 def build_tier(
     spec: TierSpec, config: StoreConfig, model_fp: str, tokenizer_fp: str
 ) -> StorageTier:
-    """The tier object a spec describes."""
-    if spec.tier is Tier.GPU:
-        return GpuTier(model_fp, tokenizer_fp, spec.budget_bytes, spec.policy)
-    if spec.tier is Tier.CPU:
-        return CpuTier(model_fp, tokenizer_fp, spec.budget_bytes, spec.policy)
-    if spec.tier is Tier.DISK and spec.path is not None:
-        return DiskTier(spec.path, model_fp, tokenizer_fp, spec.budget_bytes, spec.policy, config.compression)
-    if spec.tier is Tier.S3 and spec.bucket is not None:
-        return S3Tier(spec.bucket, spec.prefix, model_fp, tokenizer_fp, config.s3, config.compression)
-    raise RuntimeError(f"bug: TierSpec {spec!r} passed its checks but names no buildable tier")
+    """The tier object a spec describes (its kind's builder, `kvstore.tiers.kinds`)."""
+    build = spec.tier_kind.build
+    if build is None:
+        raise RuntimeError(f"bug: TierSpec {spec!r} passed its checks but names a kind with no builder")
+    return build(spec, config, model_fp, tokenizer_fp)
+
+
+def _rank(t: StorageTier) -> int:
+    return tier_kinds.kind(t.kind).rank
+
+
+def _durable(t: StorageTier) -> bool:
+    return tier_kinds.kind(t.kind).durable
 
 
 class TieredStore:
@@ -167,7 +168,7 @@ class TieredStore:
     ) -> None:
         if not tiers:
             raise ValueError("a store needs at least one tier")
-        self._tiers = tuple(sorted(tiers, key=lambda t: t.tier.rank))
+        self._tiers = tuple(sorted(tiers, key=_rank))
         self._timing = {t.tier: ReadTiming() for t in self._tiers}  # measured read speed per tier
         kinds = [t.tier for t in self._tiers]
         if len(set(kinds)) != len(kinds):
@@ -176,7 +177,7 @@ class TieredStore:
         if len(fps) != 1:
             raise ValueError(f"tiers serve different (model, tokenizer) pairs: {sorted(fps)}")
         self.model_fp, self.tokenizer_fp = fps.pop()
-        durable = {k for k in kinds if k.durable}
+        durable = {t.tier for t in self._tiers if _durable(t)}
         wt = durable if write_through is None else {Tier(t) for t in write_through}
         if not wt <= durable:
             raise ValueError(
@@ -212,13 +213,13 @@ class TieredStore:
         if (tier.model_fp, tier.tokenizer_fp) != (self.model_fp, self.tokenizer_fp):
             raise ValueError(f"a {tier.tier.value} tier for model {tier.model_fp!r} cannot join a store of "
                              f"{self.model_fp!r}")
-        if tier.tier.durable:
+        if _durable(tier):
             raise ValueError(f"attach takes a tier that is not written through; {tier.tier.value} is")
         with self._lock:
             if any(t.tier is tier.tier for t in self._tiers):
                 raise ValueError(f"this store has a {tier.tier.value} tier already")
             self._timing[tier.tier] = ReadTiming()
-            self._tiers = tuple(sorted((*self._tiers, tier), key=lambda t: t.tier.rank))
+            self._tiers = tuple(sorted((*self._tiers, tier), key=_rank))
 
     def tier(self, tier: Tier) -> StorageTier:
         """One tier by kind; KeyError if the store has none."""
@@ -362,7 +363,7 @@ class TieredStore:
         encoded: dict[object, bytes] = {}  # by compression, shared by the durable tiers
         failures: list[str] = []
         for tier in self._tiers:
-            if tier.tier.durable:
+            if _durable(tier):
                 if not durable or tier.tier not in self.write_through:
                     continue
                 try:

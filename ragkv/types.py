@@ -92,8 +92,9 @@ class Tier(str, enum.Enum):
     """Where a chunk's KV lives (the storage tiers, fastest first) or came from for one request.
 
     The one tier enum, from kvstore's tiers to the wire. The first five hold KV: four a store
-    is configured with (`Tier.storage`), and PEER, which a cluster's replicas attach to their
-    stores (`kvstore.tiers.peer`).
+    is configured with, and PEER, which a cluster's replicas attach to their stores
+    (`kvstore.tiers.peer`). Where each sits in the lookup order, whether it outlives the
+    process and how it is built are its kind's, in kvstore (`kvstore.tiers.kinds`).
     """
 
     GPU = "gpu"  # device memory (CUDA only)
@@ -106,24 +107,6 @@ class Tier(str, enum.Enum):
     COMPUTED = "computed"  # missing from every tier: computed on the spot, written back
     NOT_LOADED = "not_loaded"  # the mode does not use cached chunk KV
     TREE = "tree"  # the server's KV tree held it, in an earlier call's context (engine.kv.tree)
-
-    @property
-    def rank(self) -> int:
-        """Lookup order of a storage tier: 0 is looked at first."""
-        return _RANK[self]
-
-    @property
-    def durable(self) -> bool:
-        """Whether the tier's contents outlive the process."""
-        return self in (Tier.DISK, Tier.S3)
-
-    @classmethod
-    def storage(cls) -> tuple[Tier, ...]:
-        """The tiers a store is configured with (`TierSpec`), fastest first; a cluster adds PEER."""
-        return (cls.GPU, cls.CPU, cls.DISK, cls.S3)
-
-
-_RANK = {Tier.GPU: 0, Tier.CPU: 1, Tier.DISK: 2, Tier.PEER: 3, Tier.S3: 4}
 
 
 class KVSource(str, enum.Enum):

@@ -86,6 +86,11 @@ class StorageTier(abc.ABC):
     # are read through by default: a copy on every replica would shrink what the pool holds
     hits_kept_above = True
 
+    @property
+    def kind(self) -> str:
+        """Its kind's name in `kvstore.tiers.kinds` (a built-in kind is named as the tier it reports)."""
+        return self.tier.value
+
     def __init__(self, model_fp: str, tokenizer_fp: str, budget_bytes: int | None) -> None:
         if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes < 0):
             raise ValueError(f"budget_bytes must be a non-negative int or None, got {budget_bytes!r}")

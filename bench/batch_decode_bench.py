@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = build_parser().parse_args()
 
-    from ragkv.engine.kv.memory import tune_host_allocator
+    from ragkv.engine.kv.host_allocator import tune_host_allocator
 
     tune_host_allocator()
     import torch

@@ -1,4 +1,4 @@
-"""Host allocator: glibc's defaults against engine.kv.memory's tuning, in the same run.
+"""Host allocator: glibc's defaults against engine.kv.host_allocator's tuning, in the same run.
 
 Each arm runs in its own process (glibc's parameters hold for a whole process): one
 with RAGKV_HOST_ALLOCATOR=default (transparent huge pages on, glibc as shipped), one
@@ -24,7 +24,7 @@ _ARM = r"""
 import json, time, sys
 sys.path.insert(0, {root!r})
 # applies (or, with RAGKV_HOST_ALLOCATOR=default, skips) the tuning first
-from ragkv.engine.kv.memory import tune_host_allocator; tune_host_allocator()  # noqa: E702 - before torch loads
+from ragkv.engine.kv.host_allocator import tune_host_allocator; tune_host_allocator()  # noqa: E702 - before torch loads
 import torch
 import torch.nn.functional as F
 

@@ -20,7 +20,7 @@ PREFIX = "RAGKV_"
 OTHER_ENV = {
     "RAGKV_CACHE_DIR": "engine.model_loading.cache_dir: converted models, staging, synced indexes",
     "RAGKV_AUTH_TOKEN": "server.auth (the server's token) and ragkv query / the SDK (the client's)",
-    "RAGKV_HOST_ALLOCATOR": "engine.kv.memory: `default` keeps glibc's malloc as shipped",
+    "RAGKV_HOST_ALLOCATOR": "engine.kv.host_allocator: `default` keeps glibc's malloc as shipped",
     "RAGKV_ADDR": "ragkv query and ragkv.langchain: the server address",
 }
 

@@ -188,7 +188,7 @@ def run_index_command(args: argparse.Namespace) -> int:
               f"{manifest.n_tokens} tokens")
         return 0
 
-    from ragkv.engine.kv.memory import tune_host_allocator
+    from ragkv.engine.kv.host_allocator import tune_host_allocator
 
     tune_host_allocator()  # before torch's first large allocation
     from ragkv.indexer.chunking import ChunkingConfig

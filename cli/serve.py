@@ -227,7 +227,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from ragkv.engine.kv.memory import tune_host_allocator
+    from ragkv.engine.kv.host_allocator import tune_host_allocator
 
     tune_host_allocator()  # before torch's first large allocation
     from ragkv.server.app import run

@@ -11,7 +11,7 @@ Shape legend used in every comment:
     V    vocabulary size
 
 Importing the engine changes nothing in the process: the programs that run it (serve,
-index, eval, bench) call `tune_host_allocator()` first (engine/kv/memory.py).
+index, eval, bench) call `tune_host_allocator()` first (engine/kv/host_allocator.py).
 """
 
 from ragkv.engine.blend import BlendOptions, BlendResult, Prompt, Selector
@@ -19,7 +19,7 @@ from ragkv.engine.decode import DecodeStream, SamplingParams
 from ragkv.engine.focus import FocusOptions
 from ragkv.engine.kv.cache import ChunkKV, KVCache, LayerReady
 from ragkv.engine.kv.conversation import TreeConfig
-from ragkv.engine.kv.memory import tune_host_allocator
+from ragkv.engine.kv.host_allocator import tune_host_allocator
 from ragkv.engine.model_loading import DEFAULT_MODEL, LoadedModel, load_model
 from ragkv.engine.prompt import PromptFormat
 from ragkv.engine.runtime import Engine

@@ -49,7 +49,7 @@ QUEUED (submitted) -> PROMPT (its prompt pass runs, layer by layer) <-> WAITING_
 from any status.
 
 When it goes idle, and every `heap_trim_s` seconds under load, it hands the host heap's
-free pages back to the OS (`engine.kv.memory.trim_host_heap`).
+free pages back to the OS (`engine.kv.host_allocator.trim_host_heap`).
 
 Admission counts KV bytes in flight as well as requests: `submit` refuses, with
 `SchedulerFullError`, a request whose cache would take the total past `kv_budget_bytes`.
@@ -73,7 +73,7 @@ from typing import Protocol, TypeVar
 
 from ragkv.engine.decode import DecodeStream, decode_batch, pick_greedy
 from ragkv.engine.decode_graphs import PooledDecoder
-from ragkv.engine.kv.memory import trim_host_heap
+from ragkv.engine.kv.host_allocator import trim_host_heap
 from ragkv.engine.request import (
     Answered,
     ChunkComputed,
@@ -630,5 +630,5 @@ class Scheduler:
             self._trim()
 
     def _trim(self) -> None:
-        trim_host_heap()  # the holes requests of different sizes leave (engine/kv/memory.py)
+        trim_host_heap()  # the holes requests of different sizes leave (engine/kv/host_allocator.py)
         self._trimmed = time.monotonic()

@@ -747,9 +747,9 @@ def _bench(args: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
 if __name__ == "__main__":
     from contextlib import suppress
 
-    with suppress(Exception):  # huge pages and glibc tuning, as the server runs (engine/kv/memory.py)
+    with suppress(Exception):  # huge pages and glibc tuning, as the server runs (engine/kv/host_allocator.py)
         bootstrap()
-        from ragkv.engine.kv.memory import tune_host_allocator
+        from ragkv.engine.kv.host_allocator import tune_host_allocator
 
         tune_host_allocator()
     data = main()

@@ -1,4 +1,4 @@
-"""engine.kv.memory: the host allocator tuning applies on glibc and can be turned off."""
+"""engine.kv.host_allocator: the host allocator tuning applies on glibc and can be turned off."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-_PROBE = "import os, ragkv.engine.kv.memory as m; print(m.tune_host_allocator(), os.environ['THP_MEM_ALLOC_ENABLE'])"
+_PROBE = "import os, ragkv.engine.kv.host_allocator as m; print(m.tune_host_allocator(), os.environ['THP_MEM_ALLOC_ENABLE'])"
 
 
 def _probe(**env: str) -> str:
@@ -29,7 +29,7 @@ def test_tuned_on_glibc_unless_asked_not_to():
 
 
 _HOLE = """
-import ctypes, ragkv.engine.kv.memory as m
+import ctypes, ragkv.engine.kv.host_allocator as m
 m.tune_host_allocator()
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p

@@ -111,7 +111,8 @@ class DecodeStats:
 
     graph_steps: int = 0  # steps replayed from a captured graph
     eager_steps: int = 0  # pooled steps run eagerly (graphs off, or a bucket that failed to capture)
-    ragged_steps: int = 0  # steps that fell back to ragged decode (no room, too many rows)
+    ragged_steps: int = 0  # steps with rows decoded ragged (the pool had no room for them, or too many rows)
+    left_pool: int = 0  # requests whose run could not grow: their KV copied out, decoding ragged until there is room
     captures: int = 0  # graphs captured
     capture_failures: int = 0  # buckets whose capture failed (they run eagerly)
     capture_s: float = 0.0  # seconds spent capturing
@@ -178,12 +179,30 @@ class PooledDecoder:
 
     @torch.inference_mode()
     def step(self, caches: list[KVCache], tokens: list[int]) -> torch.Tensor:
-        """One decode step for B requests, as `decode_batch` (same arguments, [B, V] float32 logits)."""
-        n = len(caches)
-        rows = bucket(n)
-        if rows is None or not self._admit(caches):
+        """One decode step for B requests, as `decode_batch` (same arguments, [B, V] float32 logits).
+
+        The requests the pool holds (or takes now) decode over it, up to the largest bucket; the
+        rest (no room, or past the largest bucket) decode ragged beside them in the same step, so
+        a pool too small for everyone slows only those it cannot hold."""
+        inside = self._admit(caches)[:BATCH_BUCKETS[-1]]
+        if not inside:
             self.stats.ragged_steps += 1
             return decode_batch(self.lm, caches, tokens)
+        if len(inside) == len(caches):
+            return self._pooled(caches, tokens)
+        outside = sorted(set(range(len(caches))) - set(inside))
+        pooled = self._pooled([caches[i] for i in inside], [tokens[i] for i in inside])  # [B_in, V]
+        self.stats.ragged_steps += 1
+        ragged = decode_batch(self.lm, [caches[i] for i in outside], [tokens[i] for i in outside])  # [B_out, V]
+        logits = pooled.new_empty(len(caches), pooled.shape[1])  # [B, V]
+        logits[inside], logits[outside] = pooled, ragged.to(pooled.device)
+        return logits
+
+    def _pooled(self, caches: list[KVCache], tokens: list[int]) -> torch.Tensor:
+        """The step of requests the pool holds, with room for their token: [B, V] float32 logits."""
+        n = len(caches)
+        rows = bucket(n)
+        assert rows is not None, "more pooled rows than the largest bucket: a bug"
         lens = [c.length for c in caches]
         keys = key_bucket(max(lens) + 1)
         b = self._buckets.get((rows, keys))
@@ -204,15 +223,21 @@ class PooledDecoder:
         self._advance(caches, lens)
         return logits
 
-    def _admit(self, caches: list[KVCache]) -> bool:
-        """Every cache in the pool with room for this step's token; False when one cannot be."""
-        try:
-            for c in caches:  # one already in the pool grows, if its run is full
+    def _admit(self, caches: list[KVCache]) -> list[int]:
+        """The rows whose caches are in the pool with room for this step's token (one already
+        there grows when its run is full; one outside moves in when a run is free)."""
+        inside = []
+        for i, c in enumerate(caches):
+            try:
                 self.pool.admit(c, max(c.capacity, c.length + 1))
-        except DecodePoolFullError as exc:
-            log.debug("decode pool full, this step decodes ragged: %s", exc)
-            return False
-        return True
+            except DecodePoolFullError as exc:
+                log.debug("decode pool full, a request decodes ragged this step: %s", exc)
+                if self.pool.run_of(c) is not None:  # its run is full and cannot grow: its KV leaves
+                    self.pool.release(c)  # the pool (copied out) and comes back when a run is free
+                    self.stats.left_pool += 1
+                continue
+            inside.append(i)
+        return inside
 
     def _fill(self, x: _Inputs, caches: list[KVCache], tokens: list[int], lens: list[int], rows: int) -> None:
         """The step's values into the bucket's buffers, in one host-to-device copy; padded rows

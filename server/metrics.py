@@ -194,7 +194,8 @@ class ServerMetrics:
     def watch_decoder(self, read: Callable[[], object]) -> None:
         """Export the pooled decoder's counts (`read()` -> engine.decode_graphs.DecodeStats) at each
         scrape: ragkv_decode_steps_total{path="graph"|"eager"|"ragged"} (replayed graphs, pooled steps
-        run eagerly, steps the pool could not hold), ragkv_decode_graph_captures_total,
+        run eagerly, steps with rows the pool could not hold), ragkv_decode_pool_evictions_total,
+        ragkv_decode_graph_captures_total,
         ragkv_decode_graph_capture_failures_total and ragkv_decode_graph_capture_seconds_total."""
         self.registry.register(_Decoder(read))
 
@@ -244,11 +245,14 @@ class _Decoder:
     def collect(self) -> Iterator[CounterMetricFamily]:
         stats = self._read()
         steps = CounterMetricFamily("ragkv_decode_steps", "Decode steps by path: a replayed CUDA graph, a pooled "
-                                    "step run eagerly, or ragged decode (the pool could not hold the step).",
-                                    labels=["path"])
+                                    "step run eagerly, or ragged decode (rows the pool could not hold: a step "
+                                    "may count under two paths).", labels=["path"])
         for path in ("graph", "eager", "ragged"):
             steps.add_metric([path], getattr(stats, f"{path}_steps"))
         yield steps
+        yield CounterMetricFamily("ragkv_decode_pool_evictions", "Requests whose run in the decode pool could not "
+                                  "grow: their KV copied out, decoding ragged until a run is free.",
+                                  value=stats.left_pool)
         yield CounterMetricFamily("ragkv_decode_graph_captures", "Decode steps captured as CUDA graphs "
                                   "(one per batch and key bucket).", value=stats.captures)
         yield CounterMetricFamily("ragkv_decode_graph_capture_failures", "Buckets whose capture failed "

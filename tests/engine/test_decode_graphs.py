@@ -246,6 +246,64 @@ def test_the_scheduler_decodes_over_the_engines_pool_and_gives_every_run_back(ti
     assert engine.decoder.pool.used == 0, "a finished request kept its run"
 
 
+def test_a_pool_too_small_for_everyone_stays_within_itself_and_changes_no_answer(tiny_lm) -> None:
+    """The pool under pressure: 12 requests of every mode at once through a pool that holds about
+    one of them. A prompt pass that finds no run makes a cache of its own and decodes ragged, the
+    others decode over the pool; each request's tokens are the ones it gets alone, the pool never
+    holds more than it has, and every run comes back."""
+    from ragkv.engine.decode_graphs import DecodeConfig
+    from ragkv.engine.scheduler import Scheduler, SchedulerConfig
+    from ragkv.engine.speed import EngineSpeed
+    from tests.engine.test_scheduler import REQUESTS, _alone, _job, _Sink
+
+    alone = _alone(Engine(tiny_lm))
+    per_token = Engine(tiny_lm).kv_bytes_per_token
+    engine = Engine(tiny_lm, decode=DecodeConfig(pool="on", pool_bytes=300 * per_token))  # ~1 request's room
+    dec = engine.decoder
+    assert dec is not None
+    held: list[int] = []
+    step = dec.step
+
+    def watched(caches, tokens):  # the pool's holding at every step, against its capacity
+        held.append(dec.pool.used)
+        return step(caches, tokens)
+
+    dec.step = watched  # type: ignore[method-assign]
+    sched = Scheduler(SchedulerConfig(prompt_slice_s=1e-4))
+    sched.share_engine(None, EngineSpeed(), dec)
+    sinks = []
+    for _ in range(3):
+        for mode, n, q, m in REQUESTS:
+            sink = _Sink()
+            _job(engine, sched, mode, n, q, m, sink)
+            sinks.append(sink)
+    for s in sinks:
+        assert s.ended.wait(300)
+    sched.close()
+    assert [s.tokens for s in sinks] == alone * 3
+    assert held and max(held) <= dec.pool.capacity
+    assert dec.stats.ragged_steps > 0 and dec.stats.eager_steps > 0, dec.stats  # some ragged, some over the pool
+    assert dec.pool.used == 0, "a finished request kept its run"
+
+
+def test_a_run_that_cannot_grow_leaves_the_pool_with_its_kv_and_decodes_on(tiny_lm) -> None:
+    """Two requests fill the pool exactly; when their runs must grow there is no page free: each
+    one's KV is copied out of the pool and it decodes ragged from there (before, the step raised
+    DecodePoolFullError), with the tokens ragged decode gives, and every page comes back."""
+    engine = Engine(tiny_lm)
+    prompts = _prompts(engine, [30, 30], seed=9, reserve=2)  # caches of 32 tokens: two pages each
+    ragged_caches = [copy.deepcopy(p.cache) for p in prompts]
+    dec = PooledDecoder(tiny_lm, pool_tokens=4 * 16 + 16, graphs=False)  # four pages and the scratch one
+    first = [int(p.logits.argmax()) for p in prompts]
+    got, _ = _greedy_run(dec.step, [p.cache for p in prompts], first, 6)
+    want, _ = _greedy_run(lambda c, t: decode_batch(tiny_lm, c, t), ragged_caches, first, 6)
+    assert got == want
+    assert dec.stats.left_pool >= 1 and dec.stats.eager_steps >= 1 and dec.stats.ragged_steps >= 1, dec.stats
+    for p in prompts:
+        dec.release(p.cache)
+    assert dec.pool.used == 0
+
+
 def test_decode_settings_are_checked_and_auto_is_ragged_off_cuda(tiny_lm) -> None:
     from ragkv.engine.decode_graphs import DecodeConfig
 

@@ -170,7 +170,11 @@ def _stored_as(compression: Compression) -> Callable[[ChunkKV], ChunkKV] | None:
         return None
 
     def as_stored(kv: ChunkKV) -> ChunkKV:
-        return dataclasses.replace(kv, k=round_trip(kv.k, compression, "k"), v=round_trip(kv.v, compression, "v"))
+        try:
+            return dataclasses.replace(kv, k=round_trip(kv.k, compression, "k"), v=round_trip(kv.v, compression, "v"))
+        except ValueError as exc:  # values the codec cannot hold (int4's float16 scales): no file holds
+            log.warning("computed KV served as computed, not as %s stores it: %s", compression.value, exc)
+            return kv  # them either (the write-back fails the same way, and is logged)
 
     return as_stored
 

@@ -524,6 +524,27 @@ def test_a_chunk_computed_answers_as_its_stored_copy_will(tiny_llama_dir: Path, 
     assert back is not None and torch.equal(back[0], was[0]) and torch.equal(back[1], was[1])  # the index's own file
 
 
+def test_computed_kv_is_served_as_the_file_decodes_and_as_computed_where_no_file_can_hold_it() -> None:
+    import torch
+
+    from ragkv.engine.kv.cache import ChunkKV
+    from ragkv.kvstore import ChunkKey, Compression, KVEntry, hash_prefix
+    from ragkv.kvstore.fileformat import decode, encode
+    from ragkv.server.pipeline import _stored_as
+
+    assert _stored_as(Compression.NONE) is None  # files keep it bit-exact
+    fp, ids = "f" * 64, [7, 8, 9]
+    kv = ChunkKV(torch.tensor(ids), torch.randn(2, 1, 3, 64), torch.randn(2, 1, 3, 64), torch.arange(4, 7))
+    for c in (Compression.INT8, Compression.INT4):
+        served = _stored_as(c)(kv)
+        entry = KVEntry.of(kv, ChunkKey.build(fp, fp, [1, 2, 3, 4], ids), fp, fp, hash_prefix([1, 2, 3, 4]))
+        stored = decode(encode(entry, c), expected_key=entry.key, model_fp=fp, tokenizer_fp=fp)
+        assert torch.equal(served.k, stored.k) and torch.equal(served.v, stored.v), c  # what a read gives
+        assert not torch.equal(served.k, kv.k)
+    huge = ChunkKV(kv.token_ids, kv.k * 1e6, kv.v, kv.positions)  # past int4's float16 scales
+    assert _stored_as(Compression.INT4)(huge) is huge
+
+
 def test_the_quality_guard_falls_back_to_full_prefill_and_counts_it(tiny_index: Path) -> None:
     """--quality-guard-mass: a blend whose budget cannot hold that share of the question's
     attention runs as full prefill (its answer is full's), and ragkv_quality_fallbacks_total

@@ -178,6 +178,42 @@ def test_a_tier_slower_than_recompute_is_not_read(server: ServerThread, slow_dis
     assert second.phase_seconds["kv_wait"] < 0.2  # nothing waited on the slow tier
 
 
+def test_over_compressed_files_computing_instead_of_reading_changes_no_answer(
+        tmp_path: Path, tiny_llama_dir: Path, slow_disk: list[float]) -> None:
+    """The controller's choice is a matter of time, never of the answer: over an index of int4
+    files (as `ragkv index` writes its chunks' KV), the chunks it computes because the tier is
+    slow are served as their files read back, so the answer is the one reading gives."""
+    from ragkv.server.assembly import build_pipeline
+    from tests.server.test_pipeline import _index_of_corpus
+
+    index = _index_of_corpus(tmp_path, tiny_llama_dir, kv_compression="int4")
+
+    def serve(controller: bool) -> ServerThread:
+        return ServerThread(settings(indexes=(CollectionSpec("default", index),), kv_cpu_bytes=1,
+                                     kv_controller=controller), build_pipeline)
+
+    st = serve(False)  # every chunk read
+    try:
+        _, read = _ask(st.addr, "blend", max_new_tokens=12)
+    finally:
+        st.stop()
+    assert read.kv_sources == {KVSource.LOADED: TOP_K}
+    slow_disk[0] = 0.4  # a tier 0.4 s away, a tiny model computing a chunk in milliseconds
+    st = serve(True)
+    try:
+        _, first = _ask(st.addr, "blend", max_new_tokens=12)  # its reads overrun: computed, and measured
+        deadline = time.monotonic() + 10
+        while _pipeline(st)._collections["default"].store.read_estimate(Tier.DISK) is None:
+            assert time.monotonic() < deadline, "the abandoned reads were never measured"
+            time.sleep(0.05)
+        _, computed = _ask(st.addr, "blend", max_new_tokens=12)
+    finally:
+        st.stop()
+    assert first.kv_sources == {KVSource.COMPUTED_OVERRUN: TOP_K}
+    assert computed.kv_sources == {KVSource.COMPUTED_CHEAPER: TOP_K}
+    assert first.text == computed.text == read.text
+
+
 def test_a_tier_faster_than_recompute_is_read(server: ServerThread, slow_disk: list[float]) -> None:
     controller = _pipeline(server).controller
     for _ in range(20):  # an engine computing 20 tokens a second: any disk read is cheaper

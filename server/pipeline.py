@@ -92,6 +92,11 @@ class Collection:
     # neighbour KV in another compression; None = as the store writes every file
     plain_compression: Compression | None = None
 
+    @property
+    def plain_copy_compression(self) -> Compression:
+        """How the durable tiers store a chunk's plain copy (its KV after the prefix alone)."""
+        return self.plain_compression or self.store.compression
+
     def compression(self, key: ChunkKey, token_ids: Sequence[int], model_fp: str, tokenizer_fp: str) -> Compression:
         """How the durable tiers store `key`'s KV, a chunk's (of `token_ids`) plain copy or the KV
         the index recorded for it: a chunk computed here is served as that file will read
@@ -99,7 +104,7 @@ class Collection:
         if self.plain_compression is None or not self.neighbours.enabled:
             return self.store.compression
         plain = key == ChunkKey.from_prefix_hash(model_fp, tokenizer_fp, self.prefix_hash, token_ids)
-        return self.plain_compression if plain else self.store.compression
+        return self.plain_copy_compression if plain else self.store.compression
 
     def kv_keys(self, hits: Sequence[SearchHit], mode: Mode, model_fp: str, tokenizer_fp: str,
                 focus_handover: bool = False) -> list[ChunkKey]:
@@ -112,11 +117,10 @@ class Collection:
         """Per hit served from its neighbour KV (its `keys` entry is the one the index recorded),
         what that KV was computed after, as the index records its neighbours (`neighbour_recipe`);
         None for the others, and where the index records none (built before it did)."""
-        served = [h for h, k in zip(hits, keys) if self.neighbours.enabled and k == h.kv_key]
-        recorded = self.retriever.neighbours_of([h.chunk_id for h in served]) if served else {}
-        return tuple(None if h.chunk_id not in recorded or k != h.kv_key else neighbour_recipe(
-            h, recorded[h.chunk_id], self.neighbours, self.prefix_hash, model_fp, tokenizer_fp)
-            for h, k in zip(hits, keys))
+        served = [self.neighbours.enabled and k == h.kv_key for h, k in zip(hits, keys)]
+        recorded = self.retriever.neighbours_of([h.chunk_id for h, s in zip(hits, served) if s]) if any(served) else {}
+        return tuple(neighbour_recipe(h, recorded[h.chunk_id], self.neighbours, self.prefix_hash, model_fp, tokenizer_fp)
+                     if s and h.chunk_id in recorded else None for h, s in zip(hits, served))
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,8 +155,6 @@ class PromptPlan:
     # per retrieved chunk served from its neighbour KV, what that KV was computed after (a chunk
     # computed here is computed after it too); None: after the prefix alone
     recipes: tuple[NeighbourRecipe | None, ...] = ()
-    # per retrieved chunk, how its durable tiers store its KV (`Collection.compression`)
-    compressions: tuple[Compression, ...] = ()
 
     @property
     def chunk_tokens(self) -> int:
@@ -396,8 +398,6 @@ class Pipeline:
         plan = PromptPlan(
             output=output, constraint=constraint, prefix_ids=tuple(fmt.prefix_ids()) if own else c.prefix_ids,
             kv_keys=tuple(keys), recipes=c.recipes(found.hits, keys, lm.fingerprint, lm.tokenizer_fingerprint),
-            compressions=tuple(c.compression(k, h.token_ids, lm.fingerprint, lm.tokenizer_fingerprint)
-                               for k, h in zip(keys, found.hits)),
             token_ids=tuple(tuple(h.token_ids) for h in found.hits), question_ids=tuple(question_ids),
             select_ids=None if select_ids is None else tuple(select_ids),
             options=self._options(DEFAULT_RECOMPUTE_RATIO if ratio.ratio is None else ratio.ratio),
@@ -455,10 +455,11 @@ class Pipeline:
         n = len(decisions)
         reads = iter(c.store.prefetch([k for k, d in zip(plan.kv_keys, decisions) if d.load], layered=self._kv_layered))
         recipes = (*plan.recipes, *[None] * (n - len(plan.recipes)))
-        stored = (*map(_stored_as, plan.compressions), *[None] * (n - len(plan.compressions)))
+        lm = self.lm
         chunks = tuple(PromptChunk(ids, self._loaded(next(reads)) if d.load else None, d.source, key, d.load_s,
-                                   self._context(c, recipe), as_stored)
-                       for ids, key, d, recipe, as_stored in zip(plan.token_ids, plan.kv_keys, decisions, recipes, stored))
+                                   self._context(c, recipe),
+                                   _stored_as(c.compression(key, ids, lm.fingerprint, lm.tokenizer_fingerprint)))
+                       for ids, key, d, recipe in zip(plan.token_ids, plan.kv_keys, decisions, recipes))
         if n < len(plan.token_ids) and turns is not None and turns.kv is not None:
             chunks += (PromptChunk(turns.ids, LoadedKV(turns.kv, Tier.TREE, turns.kv.nbytes), KVSource.LOADED,
                                    turns.key),)
@@ -479,7 +480,7 @@ class Pipeline:
 
         return ChunkContextKV(plain=tuple((ids, functools.partial(read, ids)) for ids in recipe.neighbours),
                               budget_tokens=recipe.options.budget_tokens, key_context=recipe.context,
-                              stored=_stored_as(c.plain_compression or c.store.compression))
+                              stored=_stored_as(c.plain_copy_compression))
 
     def _loaded(self, handle: PrefetchHandle) -> Future[LoadedKV | None]:
         """A read in flight as the engine takes it: the KV on the engine's device, converted on
@@ -587,8 +588,8 @@ class Pipeline:
         compression = c.compression(key, kv.token_ids.tolist(), lm.fingerprint, lm.tokenizer_fingerprint)
         try:
             ctx = None if context is None else context.hash()
-            of = functools.partial(KVEntry.of, key=key, model_fp=self.lm.fingerprint,
-                                   tokenizer_fp=self.lm.tokenizer_fingerprint, prefix_hash=c.prefix_hash, context_hash=ctx)
+            of = functools.partial(KVEntry.of, key=key, model_fp=lm.fingerprint, tokenizer_fp=lm.tokenizer_fingerprint,
+                                   prefix_hash=c.prefix_hash, context_hash=ctx)
             entry, held = of(kv), of(served if served is not None else kv)
         except ValueError:  # the key names neighbour KV the index records no neighbours for: the
             return  # plain KV computed here serves this request but is not that entry

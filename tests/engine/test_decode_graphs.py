@@ -252,9 +252,7 @@ def test_a_pool_too_small_for_everyone_stays_within_itself_and_changes_no_answer
     others decode over the pool; each request's tokens are the ones it gets alone, the pool never
     holds more than it has, and every run comes back."""
     from ragkv.engine.decode_graphs import DecodeConfig
-    from ragkv.engine.scheduler import Scheduler, SchedulerConfig
-    from ragkv.engine.speed import EngineSpeed
-    from tests.engine.test_scheduler import REQUESTS, _alone, _job, _Sink
+    from tests.engine.test_scheduler import _alone, _together
 
     alone = _alone(Engine(tiny_lm))
     per_token = Engine(tiny_lm).kv_bytes_per_token
@@ -269,18 +267,8 @@ def test_a_pool_too_small_for_everyone_stays_within_itself_and_changes_no_answer
         return step(caches, tokens)
 
     dec.step = watched  # type: ignore[method-assign]
-    sched = Scheduler(SchedulerConfig(prompt_slice_s=1e-4))
-    sched.share_engine(None, EngineSpeed(), dec)
-    sinks = []
-    for _ in range(3):
-        for mode, n, q, m in REQUESTS:
-            sink = _Sink()
-            _job(engine, sched, mode, n, q, m, sink)
-            sinks.append(sink)
-    for s in sinks:
-        assert s.ended.wait(300)
-    sched.close()
-    assert [s.tokens for s in sinks] == alone * 3
+    together, _, _ = _together(engine, slice_s=1e-4, rounds=3)
+    assert together == alone * 3
     assert held and max(held) <= dec.pool.capacity
     assert dec.stats.ragged_steps > 0 and dec.stats.eager_steps > 0, dec.stats  # some ragged, some over the pool
     assert dec.pool.used == 0, "a finished request kept its run"

@@ -94,12 +94,13 @@ def _alone(engine: Engine) -> list[list[int]]:
     return outs
 
 
-def _together(engine: Engine, slice_s: float = 0.05) -> tuple[list[list[int]], list[_Sink], Scheduler]:
+def _together(engine: Engine, slice_s: float = 0.05, rounds: int = 1) -> tuple[list[list[int]], list[_Sink], Scheduler]:
+    """REQUESTS `rounds` times over, all submitted at once to one scheduler."""
     sched = Scheduler(SchedulerConfig(prompt_slice_s=slice_s))
     if engine.decoder is not None:  # decode over the engine's pool (tests/engine/test_decode_graphs.py)
         sched.share_engine(None, EngineSpeed(), engine.decoder)
     sinks = []
-    for mode, n, q, m in REQUESTS:
+    for mode, n, q, m in REQUESTS * rounds:
         sink = _Sink()
         _job(engine, sched, mode, n, q, m, sink)
         sinks.append(sink)

@@ -96,6 +96,7 @@ APP_NAME = "ragkv"
 _SERVICER_FUNCTIONS = (
     "ragkv.v1.ragkv_pb2_grpc.add_RagServiceServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+    ray_proxy.GUARD,  # last: after Ray's own service, which it makes refuse ListApplications
 )
 PROXY_READY_S = 30.0  # how long Serve's controller waits for a proxy to start (Ray's default: 5 s)
 _CONVERSATIONS_KEPT = 4096  # conversation ids a replica remembers serving (published as a Bloom filter)

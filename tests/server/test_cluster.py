@@ -225,8 +225,8 @@ def test_without_the_token_the_cluster_answers_only_health(served) -> None:
 def test_ray_serves_neither_reflection_nor_its_route_list_without_a_key(served) -> None:
     """Issue 71: Ray Serve's proxies answer some calls themselves, before RagService checks the
     key. Server reflection (on by default in Ray's gRPC proxy) would describe the API to anyone,
-    and the HTTP proxy's /-/routes lists the applications: neither is served. The health
-    probes a load balancer makes still answer."""
+    and Ray's own RayServeAPIService.ListApplications and the HTTP proxy's /-/routes list the
+    applications: none is served. The health probes a load balancer makes still answer."""
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     addr, http, _, _ = served
@@ -236,6 +236,19 @@ def test_ray_serves_neither_reflection_nor_its_route_list_without_a_key(served) 
             list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
                                            timeout=30))
         assert err.value.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED), err.value
+        from ray.serve.generated import serve_pb2  # Ray's own service: its application list is not served either
+
+        listed = channel.unary_unary("/ray.serve.RayServeAPIService/ListApplications",
+                                     request_serializer=serve_pb2.ListApplicationsRequest.SerializeToString,
+                                     response_deserializer=serve_pb2.ListApplicationsResponse.FromString)
+        with pytest.raises(grpc.RpcError) as err:
+            listed(serve_pb2.ListApplicationsRequest(), timeout=30)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED, err.value
+        assert cluster.APP_NAME not in (err.value.details() or "").replace("ragkv's cluster", "")
+        health = channel.unary_unary("/ray.serve.RayServeAPIService/Healthz",
+                                     request_serializer=serve_pb2.HealthzRequest.SerializeToString,
+                                     response_deserializer=serve_pb2.HealthzResponse.FromString)
+        assert health(serve_pb2.HealthzRequest(), timeout=30).message  # a load balancer's probe still answers
     for path in ("/-/routes", "/-/routes/"):
         with pytest.raises(urllib.error.HTTPError) as http_err:
             urllib.request.urlopen(f"{http}{path}", timeout=30)

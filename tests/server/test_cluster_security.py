@@ -132,3 +132,55 @@ def test_the_tenant_travels_with_the_request_to_its_replica() -> None:
     a, b = (cluster.route_keys(Query("q", collection="docs", tenant=t), ()).conversation
             for t in ("alice", "bob"))
     assert a != b
+
+
+def test_ray_api_list_applications_is_not_served_on_rays_own_grpc_server() -> None:
+    """Issue 71: Ray's gRPC proxy registers its own RayServeAPIService, whose ListApplications
+    answers anyone, before any replica checks a key. The cluster's last servicer function swaps
+    that handler: over Ray's own server class, started as the proxy starts it, the call gets
+    UNIMPLEMENTED and names no application, while Healthz still answers through the proxy's
+    handler factory. Without the swap, the factory's handler answers with the application list."""
+    import asyncio
+    from unittest.mock import Mock
+
+    import grpc
+    from ray._common.utils import import_attr
+    from ray.serve._private.grpc_util import gRPCGenericServer
+    from ray.serve.generated import serve_pb2
+    from ray.serve.generated.serve_pb2_grpc import add_RayServeAPIServiceServicer_to_server
+
+    assert cluster._SERVICER_FUNCTIONS[-1] == ray_proxy.GUARD
+
+    def factory(service_method: str, streaming_type: object):  # the proxy's: every call routed by its name
+        async def answer(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            return serve_pb2.ListApplicationsResponse(application_names=["ragkv"]).SerializeToString()
+        return answer
+
+    async def call(guard: bool) -> tuple[grpc.StatusCode, str, grpc.StatusCode]:
+        server = gRPCGenericServer(factory)
+        port = server.add_insecure_port("127.0.0.1:0")
+        for fn in [add_RayServeAPIServiceServicer_to_server] + ([import_attr(ray_proxy.GUARD)] if guard else []):
+            fn(Mock(), server)
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                listed = channel.unary_unary("/ray.serve.RayServeAPIService/ListApplications",
+                                             request_serializer=serve_pb2.ListApplicationsRequest.SerializeToString,
+                                             response_deserializer=serve_pb2.ListApplicationsResponse.FromString)
+                try:
+                    reply = await listed(serve_pb2.ListApplicationsRequest(), timeout=10)
+                    code, text = grpc.StatusCode.OK, " ".join(reply.application_names)
+                except grpc.aio.AioRpcError as e:
+                    code, text = e.code(), e.details() or ""
+                health = channel.unary_unary("/ray.serve.RayServeAPIService/Healthz",
+                                             request_serializer=serve_pb2.HealthzRequest.SerializeToString,
+                                             response_deserializer=lambda b: b)
+                await health(serve_pb2.HealthzRequest(), timeout=10)
+                return code, text, grpc.StatusCode.OK
+        finally:
+            await server.stop(None)
+
+    code, text, health = asyncio.run(call(guard=True))
+    assert code == grpc.StatusCode.UNIMPLEMENTED and "ragkv" not in text.replace("ragkv's cluster", ""), text
+    assert health == grpc.StatusCode.OK
+    assert asyncio.run(call(guard=False))[:2] == (grpc.StatusCode.OK, "ragkv")  # what the guard stops

@@ -11,7 +11,7 @@
 # image-models.lock (the shipped models). They are
 # resolved for this base image (CPython 3.11, glibc 2.36, x86_64). After changing
 # pyproject.toml's dependencies, its gpu or server extra, its build backend or
-# PYTHON_VERSION, regenerate them: `python scripts/lock_image.py` (tests/test_image_lock.py
+# BASE_IMAGE's Python, regenerate them: `python scripts/lock_image.py` (tests/test_image_lock.py
 # fails on a lock that no longer matches pyproject.toml).
 #
 # The NVIDIA driver comes from the host (Batch's ECS_AL2023_NVIDIA AMI, the Deep
@@ -33,9 +33,13 @@
 # /metrics (no credentials) stays on the container's loopback unless the command
 # adds `--metrics-host 0.0.0.0` where the network admits only the scraper.
 
-ARG PYTHON_VERSION=3.11
+# The base image, pulled by digest: a tag is moved by each rebuild upstream, a digest is one
+# image, so every build starts from the bytes the locks were resolved for. To move to a newer
+# build of the same tag: `docker buildx imagetools inspect python:3.11-slim-bookworm` prints
+# its digest (the index's, every platform's); a new Python or glibc also needs new locks.
+ARG BASE_IMAGE=python:3.11-slim-bookworm@sha256:2e32f7d302adc1c37428355c1e646897c0c53f4fd60b6a551245fb90ee129f91
 
-FROM python:${PYTHON_VERSION}-slim-bookworm AS build
+FROM ${BASE_IMAGE} AS build
 WORKDIR /src
 # The build backend ([build-system] requires) from its lock, so that pip wheel builds
 # without isolation instead of fetching setuptools unpinned.
@@ -52,7 +56,7 @@ COPY server ./server
 COPY evals ./evals
 RUN pip wheel --no-cache-dir --no-build-isolation --no-deps --wheel-dir /wheels .
 
-FROM python:${PYTHON_VERSION}-slim-bookworm
+FROM ${BASE_IMAGE}
 ARG EXTRAS=gpu
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

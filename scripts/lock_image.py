@@ -26,7 +26,7 @@ uv keeps the versions an existing -o file pins when they still satisfy the input
 rerun changes only what pyproject.toml forces; --upgrade (passed on to uv) takes new releases.
 Rerun it after changing pyproject.toml's dependencies, its server or gpu extra, or its
 [build-system]; tests/test_image_lock.py fails when a lock no longer covers pyproject.toml.
-The locks are for Python 3.11 only: building with another PYTHON_VERSION needs new locks.
+The locks are for Python 3.11 only: a BASE_IMAGE of another Python needs new locks.
 """
 
 from __future__ import annotations

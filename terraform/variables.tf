@@ -100,7 +100,7 @@ variable "image_tag" {
 }
 
 variable "image_digest" {
-  description = "Digest (sha256:...) of the pushed image_tag: the serving hosts and the Batch jobs pull the image by it (REPOSITORY:TAG@DIGEST). The serving tier requires it: create the repository first (`terraform apply -target=module.registry`), push, then apply with the digest."
+  description = "Digest (sha256:...) of the pushed image_tag: the serving hosts and the Batch jobs pull the image by it (REPOSITORY:TAG@DIGEST). Every tier that runs the image requires it (serving and indexing refuse an image without one); only the first step, creating the repository (`terraform apply -target=module.registry`), runs before there is an image to name. Push, then apply with the digest."
   type        = string
   default     = null
 

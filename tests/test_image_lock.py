@@ -195,9 +195,17 @@ def test_build_stage_copies_every_package_directory() -> None:
     assert dirs <= copied, f"setuptools needs {sorted(dirs - copied)}, which the build stage does not copy"
 
 
-def test_python_version_is_the_locks_one() -> None:
-    assert _default_arg("PYTHON_VERSION") == _lock_script().PYTHON_VERSION
-    assert "slim-bookworm" in DOCKERFILE.read_text()  # glibc 2.36: x86_64-manylinux_2_36
+def test_base_image_is_pulled_by_digest_at_the_locks_python() -> None:
+    """Issue 71: every stage starts from BASE_IMAGE, whose default names the locks' Python on
+    bookworm (glibc 2.36: x86_64-manylinux_2_36) and pins it by digest, not by a tag that moves."""
+    import re
+
+    base = _default_arg("BASE_IMAGE")
+    version = re.escape(_lock_script().PYTHON_VERSION)
+    assert re.fullmatch(rf"python:{version}-slim-bookworm@sha256:[0-9a-f]{{64}}", base), base
+    froms = [rest.split()[0] for word, rest in _instructions() if word == "FROM"]
+    assert froms and all(f == "${BASE_IMAGE}" for f in froms), froms
+    assert _lock_script().PYTHON_PLATFORM == "x86_64-manylinux_2_36"
     assert _lock_script().PYTHON_PLATFORM == "x86_64-manylinux_2_36"
 
 

@@ -18,7 +18,7 @@ variables {
   name            = "ragkv-test"
   vpc_id          = "vpc-0123456789abcdef0"
   subnet_ids      = ["subnet-0aaaaaaaaaaaaaaaa", "subnet-0bbbbbbbbbbbbbbbb"]
-  container_image = "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv:0.1.0"
+  container_image = "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv:0.1.0@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
   kv_bucket_arn   = "arn:aws:s3:::ragkv-test-kv"
   kv_bucket_name  = "ragkv-test-kv"
   kms_key_arn     = "arn:aws:kms:us-east-1:123456789012:key/11111111-2222-3333-4444-555555555555"
@@ -257,4 +257,18 @@ run "session_manager_without_account_wide_parameter_reads" {
     ])
     error_message = "Session Manager gets the agent's own actions only, not AmazonSSMManagedInstanceCore's account-wide ssm:GetParameter*."
   }
+}
+
+run "image_must_be_pinned_by_digest" {
+  command = plan
+
+  module {
+    source = "./modules/indexing"
+  }
+
+  variables {
+    container_image = "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv:0.1.0"
+  }
+
+  expect_failures = [var.container_image]
 }

@@ -140,19 +140,18 @@ run "serving_needs_api_keys" {
   expect_failures = [var.api_keys_json]
 }
 
-run "indexing_alone_needs_no_api_keys_or_digest" {
+run "indexing_alone_needs_no_api_keys_but_a_digest" {
   command = plan
 
   variables {
     enable_serving  = false
     enable_indexing = true
     api_keys_json   = null
-    image_digest    = null
   }
 
   assert {
-    condition     = length(module.serving) == 0 && output.container_image == "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv:0.1.0"
-    error_message = "Without serving, neither keys nor a digest are needed (the jobs run the tag)."
+    condition     = length(module.serving) == 0 && output.container_image == "123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv:0.1.0@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
+    error_message = "Without serving no keys are needed, and the jobs run the image by its digest."
   }
 }
 

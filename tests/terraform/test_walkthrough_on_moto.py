@@ -229,7 +229,11 @@ def test_spot_indexing_example_applies_and_destroys(terraform_env, moto_url, acc
     (work / "moto_override.tf").write_text(_provider(moto_url, region=False) + f'\nmodule "ragkv" {{\n{overrides}\n}}\n')
     args = ["-auto-approve", "-input=false", "-var", f"vpc_id={account['vpc_id']}",
             "-var", f"subnet_ids={_hcl(account['subnet_ids'])}"]
-    created = _apply_then_destroy(terraform_env, work, [["init", "-input=false"], ["apply", *args], ["destroy", *args]])
+    pinned = [*args, "-var", f"image_digest=sha256:{'ab' * 32}"]
+    # as the example's header says: the repository first (no image, so no digest yet), then the jobs by digest
+    created = _apply_then_destroy(terraform_env, work, [["init", "-input=false"],
+                                                        ["apply", "-target=module.ragkv.module.registry", *args],
+                                                        ["apply", *pinned], ["destroy", *pinned]])
     print(f"spot-indexing: {len(created)} resources")
     assert {"aws_batch_compute_environment", "aws_batch_job_queue", "aws_batch_job_definition",
             "aws_ecr_repository"} <= _types(created)

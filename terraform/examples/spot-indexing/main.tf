@@ -3,8 +3,9 @@
 # followed by the merge step. No serving tier: add one with enable_serving.
 #
 #   terraform init
-#   terraform apply -var vpc_id=vpc-... -var 'subnet_ids=["subnet-a","subnet-b"]'
-#   # push the image: docker build/push to $(terraform output -raw image_repository_url):0.1.0
+#   terraform apply -target=module.ragkv.module.registry -var vpc_id=vpc-... -var 'subnet_ids=["subnet-a","subnet-b"]'
+#   # push the image: docker build/push to $(terraform output -raw image_repository_url):0.1.0, and take its digest
+#   terraform apply -var vpc_id=vpc-... -var 'subnet_ids=["subnet-a","subnet-b"]' -var image_digest=sha256:...
 #   terraform output -raw batch_submit_commands   # then run them
 
 terraform {
@@ -48,6 +49,12 @@ variable "image_tag" {
   default     = "0.1.0"
 }
 
+variable "image_digest" {
+  description = "Digest (sha256:...) of the pushed image_tag: the jobs pull the image by it. Null only for the first apply, which creates the repository to push to (-target=module.ragkv.module.registry); the jobs refuse an image without one."
+  type        = string
+  default     = null
+}
+
 variable "corpus_s3_uri" {
   description = "S3 URI of the corpus to index; null uses s3://{kv bucket}/corpus."
   type        = string
@@ -63,6 +70,7 @@ module "ragkv" {
   enable_serving  = false
   enable_indexing = true
   image_tag       = var.image_tag
+  image_digest    = var.image_digest
   corpus_s3_uri   = var.corpus_s3_uri
   index_version   = "v1"
   index_max_vcpus = 32

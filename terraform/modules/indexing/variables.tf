@@ -25,8 +25,13 @@ variable "subnet_ids" {
 }
 
 variable "container_image" {
-  description = "Image that runs `ragkv index` (built from the repository's Dockerfile), e.g. 123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv:0.1.0."
+  description = "Image that runs `ragkv index` (built from the repository's Dockerfile), pinned by digest: REGISTRY/NAME[:TAG]@sha256:DIGEST, e.g. 123456789012.dkr.ecr.us-east-1.amazonaws.com/ragkv:0.1.0@sha256:... The digest is what the jobs pull; the tag only names it."
   type        = string
+
+  validation {
+    condition     = can(regex("^[^@\\s]+@sha256:[0-9a-f]{64}$", var.container_image))
+    error_message = "container_image must be pinned by digest, REGISTRY/NAME[:TAG]@sha256:DIGEST (the root module: set image_digest to the pushed image_tag's digest): a job runs exactly the image that was built and pushed, not whatever the tag names when it starts."
+  }
 }
 
 variable "service_role_arn" {

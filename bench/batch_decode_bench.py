@@ -6,6 +6,12 @@ Second arm (`pooled`): the same step over one decode pool (`engine.decode_graphs
 CPU): the GPU's shape-static step, whose attention is one call per layer over gathered runs.
 All run interleaved in the same process; prints ms per step of each and the ratios.
 
+Also the ceiling of batching on this host: a step of one request over a 16-token cache is the
+weights' time W (its attention is next to nothing), each request's own step less W its
+attention, so no batched step can beat W plus every request's attention:
+`ceiling = one_at_a_time / (one_at_a_time - (B - 1) * W)`. On a CPU whose one-row products
+already run at memory speed, that bounds `speedup` whatever the attention does.
+
     python bench/batch_decode_bench.py --batch 1,4,8 --steps 20
 """
 
@@ -51,10 +57,16 @@ def main() -> None:
         streams = [engine.decode(p, SamplingParams(max_new_tokens=4 * args.steps)) for p in prompts]
         pooled_caches = [copy.deepcopy(s.cache) for s in streams]
         dec = PooledDecoder(engine.lm, pool_tokens=sum(lens) + b * (3 * args.steps + 16) + 64, graphs=False)
-        single, batched, pooled = [], [], []
+        weights = engine.decode(engine.run(Prompt(torch.randint(0, vocab, (16,), generator=g).tolist()), Mode.FULL,
+                                           reserve_tokens=2 * args.steps + 4),
+                                SamplingParams(max_new_tokens=4 * args.steps))  # W: a step whose attention is ~0
+        single, batched, pooled, weight = [], [], [], []
         with torch.inference_mode():
             dec.step(pooled_caches, [7] * b)  # admits the caches into the pool (one copy each)
             for _ in range(args.steps):
+                t0 = time.perf_counter()
+                weights._forward(7)
+                weight.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 for s in streams:
                     s._forward(7)
@@ -66,9 +78,13 @@ def main() -> None:
                 dec.step(pooled_caches, [7] * b)
                 pooled.append(time.perf_counter() - t0)
         one, many, pool = statistics.median(single), statistics.median(batched), statistics.median(pooled)
+        w = min(statistics.median(weight), one / b)  # a request's step is at least the weights' time
+        ceiling = one / (one - (b - 1) * w)  # no step beats W plus every request's attention
         out[str(b)] = {"one_at_a_time_ms": round(1e3 * one, 2), "batched_ms": round(1e3 * many, 2),
                        "speedup": round(one / many, 2), "pooled_ms": round(1e3 * pool, 2),
-                       "pooled_speedup": round(one / pool, 2), "cache_tokens": lens}
+                       "pooled_speedup": round(one / pool, 2), "weights_ms": round(1e3 * w, 2),
+                       "ceiling": round(ceiling, 2), "of_ceiling": round(one / many / ceiling, 2),
+                       "cache_tokens": lens}
     print(json.dumps({"model": args.model, "steps": args.steps, "batch": out}))
 
 

@@ -228,8 +228,9 @@ class PooledDecoder:
         there grows when its run is full; one outside moves in when a run is free)."""
         inside = []
         for i, c in enumerate(caches):
-            try:
-                self.pool.admit(c, max(c.capacity, c.length + 1))
+            try:  # room for this step's token: a cache from outside moves in at its length, not at the
+                # capacity its own growth reserved (up to twice that), and grows in the pool as it decodes
+                self.pool.admit(c, c.length + 1)
             except DecodePoolFullError as exc:
                 log.debug("decode pool full, a request decodes ragged this step: %s", exc)
                 if self.pool.run_of(c) is not None:  # its run is full and cannot grow: its KV leaves

@@ -324,3 +324,22 @@ def test_a_requests_prompt_cache_is_a_run_of_the_pool_so_it_decodes_with_no_copy
     gc.collect()
     spare = dec.pool.new_cache(16)
     assert spare is not None and dec.pool.used == 16 < held
+
+
+def test_a_cache_from_outside_enters_the_pool_at_its_length_not_its_reserved_room(tiny_lm) -> None:
+    """A cache made outside the pool (a focus pass, a guard's fallback) may hold twice its length in
+    room (its own growth doubles). It moves in at its length and grows in the pool: a pool with room
+    for what the requests hold, not for what their caches reserved, decodes every row pooled. (It
+    asked for the reserved room before: every step of batch_decode_bench's pooled arm went ragged.)"""
+    engine = Engine(tiny_lm)
+    prompts = _prompts(engine, [40, 33, 50], seed=3, reserve=60)
+    caches = [copy.deepcopy(p.cache) for p in prompts]
+    assert all(c.capacity >= c.length + 60 for c in caches)
+    dec = PooledDecoder(tiny_lm, pool_tokens=sum(c.length for c in caches) + 8 * 16, graphs=False)
+    assert dec.pool.capacity < sum(c.capacity for c in caches)
+    first = [int(p.logits.argmax()) for p in prompts]
+    want, _ = _greedy_run(lambda c, t: decode_batch(tiny_lm, c, t), [copy.deepcopy(p.cache) for p in prompts], first, 6)
+    got, _ = _greedy_run(dec.step, caches, first, 6)
+    assert got == want
+    assert dec.stats.ragged_steps == 0 and dec.stats.eager_steps == 6
+    assert all(c.pool is dec.pool for c in caches)

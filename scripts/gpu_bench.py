@@ -480,6 +480,7 @@ class ModelBench:
         st = dec.stats
         row = {"step_s": step, "tokens_per_s": b / step, "speedup_vs_ragged": ragged_step / step,
                "graphs": dec.graphs, "graph_steps": st.graph_steps, "eager_steps": st.eager_steps,
+               "ragged_steps": st.ragged_steps,  # steps with rows the pool did not hold: not a pooled step's time
                "captures": st.captures, "capture_failures": st.capture_failures,
                "greedy_tokens_equal_ragged": got == want}
         if dec.graphs:

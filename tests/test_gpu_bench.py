@@ -98,6 +98,7 @@ def test_tiny_run_writes_every_section(tiny_run):
         pooled = d["pooled"]  # the same decode over one KV pool: eager on a CPU, graphs on CUDA
         assert pooled["greedy_tokens_equal_ragged"] is True and pooled["speedup_vs_ragged"] > 0
         assert pooled["graphs"] is False and pooled["eager_steps"] == 4 and pooled["captures"] == 0
+        assert pooled["ragged_steps"] == 0  # every step over the pool: its time is the pooled step's
     g = m["generate_static"]["2"]
     assert g["decode_tokens_per_s"] > 0 and g["ttft_s"] > 0 and g["compile"] == "disabled"
     assert m["generate_static_batches"]["2"]["32"]["batch"] == 32  # generate at a batch, as decode runs one

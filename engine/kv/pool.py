@@ -29,6 +29,7 @@ class KVPool:
         self.v: torch.Tensor | None = None  # [L, Hkv, S, Dv]
         self._free = torch.empty(0, dtype=torch.long)  # [F] free slot indices, ascending (CPU)
         self._given: list[torch.Tensor] = []  # slots given back since, merged into `_free` when next needed
+        self.gathered_tokens = 0  # tokens' KV gathered into new tensors (`get`, `copy_into` of scattered slots)
 
     @property
     def capacity(self) -> int:
@@ -73,7 +74,27 @@ class KVPool:
         """Copies of the K and V held in `slots` ([T]): [L, Hkv, T, D] each."""
         if self.k is None or self.v is None:
             raise RuntimeError("KVPool.get before any put: a bug")
+        self.gathered_tokens += len(slots)
         return self.k.index_select(2, slots), self.v.index_select(2, slots)
+
+    def copy_into(self, slots: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        """Write the K and V held in `slots` ([T], ascending, as a node holds them) into `k_out` and
+        `v_out` ([L, Hkv, T, D], e.g. a request's cache at the node's positions): one copy, straight
+        from the pool's tensors when the slots are one run (as `put` hands them out from a free
+        list that is not fragmented), else through a gather."""
+        if self.k is None or self.v is None:
+            raise RuntimeError("KVPool.copy_into before any put: a bug")
+        n = len(slots)
+        if n == 0:
+            return
+        first, last = int(slots[0]), int(slots[-1])
+        if last - first + 1 == n:  # ascending and distinct: exactly the run [first, last]
+            k_out.copy_(self.k[:, :, first:last + 1])
+            v_out.copy_(self.v[:, :, first:last + 1])
+            return
+        k, v = self.get(slots)
+        k_out.copy_(k)
+        v_out.copy_(v)
 
     def release(self, slots: torch.Tensor) -> None:
         """Give `slots` back; their KV may be overwritten by the next `put`. (An eviction gives

@@ -199,7 +199,7 @@ class KVTree:
             self._hits += 1
             self._hit_tokens += len(root.ids) + pos
             self._spilled_hit_tokens += spilled
-        return TreeLease(self._release, self._gather, root.ids, root.context, pos, parts, _state=state,
+        return TreeLease(self._release, self._gather, self._copy_into, root.ids, root.context, pos, parts, _state=state,
                          spilled=spilled)
 
     def _find(self, key: TreeKey, ids: tuple[int, ...], leave_last: bool = True
@@ -262,6 +262,14 @@ class KVTree:
         """A lease's copy of a pool-held node's first `n` tokens' K and V, [L, Hkv, n, D]."""
         with self._lock:
             return self._kv(node, n)
+
+    def _copy_into(self, node: Node, n: int, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        """A lease's pool-held node's first `n` tokens' K and V written into `k_out`, `v_out`
+        ([L, Hkv, n, D]: the request's cache there), in one copy (`KVPool.copy_into`)."""
+        with self._lock:
+            if node.slots is None:
+                raise RuntimeError(f"KV tree node of context {node.key} on tier {node.tier.name} holds no slots: a bug")
+            self._pools[node.tier].copy_into(node.slots[:n], k_out, v_out)
 
     def _kv(self, node: Node, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the KV a DEVICE or HOST node holds in its tier's pool (its first `n` tokens)."""

@@ -162,6 +162,8 @@ class TreeLease:
     _let_go: Callable[[list[Node]], None]  # the tree's: drops the lease's reference counts
     # the tree's: copies of a pool-held node's first n tokens' K and V, [L, Hkv, n, D]
     _gather: Callable[[Node, int], tuple[torch.Tensor, torch.Tensor]]
+    # the tree's: a pool-held node's first n tokens' K and V written into the two [L, Hkv, n, D] views given
+    _copy_into: Callable[[Node, int, torch.Tensor, torch.Tensor], None]
     context_ids: tuple[int, ...]  # the context's tokens (the root's)
     context: TreeContext
     matched: int  # tokens matched past the context
@@ -200,9 +202,8 @@ class TreeLease:
             raise RuntimeError("TreeLease.write_into after release: a bug")
         for part in self._parts:
             s, n = part.node.start, part.n
-            if part.k is None or part.v is None:  # held in a pool: copied out, then in
-                k, v = self._gather(part.node, n)
-                cache.k[:, :, s:s + n], cache.v[:, :, s:s + n] = k, v
+            if part.k is None or part.v is None:  # held in a pool: one copy into the cache
+                self._copy_into(part.node, n, cache.k[:, :, s:s + n], cache.v[:, :, s:s + n])
                 continue
             if part.ready is not None and layered:
                 cache.place(s, part.k[:, :, :n], part.v[:, :, :n], part.ready)

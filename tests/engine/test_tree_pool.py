@@ -102,3 +102,26 @@ def test_spilled_nodes_move_between_the_two_pools_and_free_their_device_slots():
     assert n == 4 and torch.equal(k, _cache(4, fill=1).k[:, :, :4]) and torch.equal(v, _cache(4, fill=1).v[:, :, :4])
     tree.clear()
     assert device.capacity == host.capacity == 0 and tree.nbytes == 0
+
+
+def test_a_lease_copies_its_path_into_the_request_once_with_no_gather():
+    """Issue 70: a lease of device-held nodes writes their KV straight from the pool's tensors into
+    the request's cache (one copy), where it went through a gathered copy first (two). Nodes whose
+    slots are scattered (a pool fragmented by evictions) are still read right, through a gather."""
+    tree = KVTree(10**6)
+    key = TreeKey.of("conv")
+    tree.insert(key, [], CTX, [1, 2, 3, 4, 5, 6], _cache(6, fill=3))
+    tree.insert(key, [], CTX, [1, 2, 3, 4, 5, 6, 7, 8, 9], _cache(9, fill=3))  # a second node below the first
+    pool = tree._pools[TreeTier.DEVICE]
+    n, k, v = _read(tree, key, [1, 2, 3, 4, 5, 6, 7, 8, 9, 0])
+    assert n == 9 and torch.equal(k, _cache(9, fill=3).k[:, :, :9]) and torch.equal(v, _cache(9, fill=3).v[:, :, :9])
+    assert pool.gathered_tokens == 0  # no token went through a gather on its way to the request
+
+    scattered = KVPool(10**6)  # slots 0, 2, 4: not one run
+    c = _cache(6, fill=7)
+    slots = scattered.put(c.k[:, :, :6], c.v[:, :, :6])
+    scattered.release(slots[1::2])
+    k_out, v_out = torch.empty_like(c.k[:, :, :3]), torch.empty_like(c.v[:, :, :3])
+    scattered.copy_into(slots[0::2], k_out, v_out)
+    assert torch.equal(k_out, c.k[:, :, 0:6:2]) and torch.equal(v_out, c.v[:, :, 0:6:2])
+    assert scattered.gathered_tokens == 3

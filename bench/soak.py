@@ -9,7 +9,11 @@ on moto; layered loading unless --whole; `--serve-arg=--kv-tree-bytes=...` turns
 A chunk computed is served as its stored copy reads, so computing and reading give one answer.
 A clean pass asks every (question, mode) twice, one at a time, before any fault: the second
 greedy answers are the reference (with the tree on, it is served as every later ask is: from
-the tree). Then N client threads ask in rotation (modes
+the tree). The loading controller may serve a request of a mode that reads chunk KV by full
+prefill when its measured rates say that is sooner (the machine's load decides): such an
+answer (every chunk counted computed because cheaper) is full prefill's, so it is checked
+against full's reference, and the clean pass takes its references from answers served as asked.
+Then N client threads ask in rotation (modes
 full, reuse, blend, focus) for the duration, while a fault injector, every --fault-every
 seconds, in turn flips a byte in a KV file, truncates one, deletes one, stops the S3
 server, or starts it again. The server's RSS and open file descriptors are sampled
@@ -216,15 +220,28 @@ def inject(kind: str, index: Path, s3: MotoS3, rng: random.Random) -> bool:
     return True
 
 
-def _ask(client, question: str, mode: str, args: argparse.Namespace) -> tuple[str, str | None]:
+def _ask(client, question: str, mode: str, args: argparse.Namespace) -> tuple[str, str | None, bool]:
+    """(status code, answer text, whether it may have been served by full prefill: `_as_full`)."""
     import grpc
 
     try:
         stream = client.query(question, collection="soak", mode=mode, top_k=args.top_k,
                               max_new_tokens=args.max_new_tokens, temperature=0.0)
-        return "OK", stream.result().text
+        stats = stream.result()
+        return "OK", stats.text, mode != "full" and _as_full(stats.kv_sources)
     except grpc.RpcError as e:
-        return e.code().name, None
+        return e.code().name, None, False
+
+
+def _as_full(kv_sources) -> bool:
+    """Whether every chunk counted as computed because cheaper: so the loading controller may have
+    served the request by full prefill, which it does when its measured rates say that is clearly
+    sooner (`LoadingController.prefers_full`). That is timing, which the machine's load decides, and
+    the answer is then full prefill's (a CI run's clean pass got it for blend once, and every later
+    blend answer "differed")."""
+    from ragkv.types import KVSource
+
+    return {k for k, n in kv_sources.items() if n} == {KVSource.COMPUTED_CHEAPER}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -264,14 +281,21 @@ def run(args: argparse.Namespace) -> dict:
         reference: dict[tuple[str, str], str] = {}
         with RagClient(server.addr, timeout=args.timeout, retry=NO_RETRY) as client:
             for q in questions:  # the clean pass, each (question, mode) twice: the second is the reference
-                for mode in MODES:
-                    for ask in range(2):
-                        code, text = _ask(client, q, mode, args)
-                        if code != "OK":
+                for mode in MODES:  # (full first: a request served by full prefill is checked against it)
+                    seen: list[str] = []
+                    for _ in range(6):  # answers served as asked, not by full prefill instead (`_as_full`)
+                        code, text, as_full = _ask(client, q, mode, args)
+                        if code != "OK" or text is None:
                             raise RuntimeError(f"the clean pass got {code} for {mode} {q!r}: see {work / 'server.log'}")
-                        if ask == 1 and text != reference[(q, mode)]:
-                            report.first_pass_differs += 1
-                        reference[(q, mode)] = text
+                        if not as_full:
+                            seen.append(text)
+                        if len(seen) == 2:
+                            break
+                    if not seen:
+                        raise RuntimeError(f"the clean pass got {mode} {q!r} served by full prefill every time")
+                    if len(seen) == 2 and seen[0] != seen[1]:
+                        report.first_pass_differs += 1
+                    reference[(q, mode)] = seen[-1]
 
         def sampler() -> None:
             while not stop.is_set():
@@ -290,9 +314,10 @@ def run(args: argparse.Namespace) -> dict:
                 while not stop.is_set():
                     q, mode = rng.choice(questions), MODES[n % len(MODES)]
                     n += 1
-                    code, text = _ask(client, q, mode, args)
+                    code, text, as_full = _ask(client, q, mode, args)
                     report.add(mode, code)
-                    if code == "OK" and text != reference[(q, mode)]:
+                    if code == "OK" and text != reference[(q, mode)] \
+                            and not (as_full and text == reference[(q, "full")]):
                         with report.lock:
                             report.n_differing += 1
                             if len(report.differing) < 20:

@@ -20,6 +20,23 @@ def test_failures_names_each_way_a_soak_fails() -> None:
     assert soak.failures(dict(good, codes={}), 0.10) == ["no request was answered"]
 
 
+def test_each_answer_is_checked_against_the_mode_it_ran_in() -> None:
+    """A blend ask the loading controller served by full prefill is held to full's answer; a pair
+    the clean pass never saw served as asked takes its first answer, and later ones are held to it."""
+    report = soak.Report()
+    reference = {("q", "full"): "F", ("q", "blend"): "B"}
+    report.check(reference, "q", "blend", "full", "F")  # served by full prefill, full's answer
+    report.check(reference, "q", "blend", "blend", "B")
+    assert report.n_differing == 0
+    report.check(reference, "q", "blend", "full", "B")  # blend's text, but it ran full: differs
+    assert report.n_differing == 1 and report.differing[0] == ("q", "blend (ran full)", "B", "F")
+    report.check(reference, "q", "reuse", "reuse", "R")  # no clean-pass reference: taken from load
+    report.check(reference, "q", "reuse", "reuse", "R")
+    assert report.references_under_load == 1 and report.n_differing == 1
+    report.check(reference, "q", "reuse", "reuse", "X")
+    assert report.n_differing == 2
+
+
 def test_rss_growth_sees_a_leak_through_the_noise_of_requests_in_flight() -> None:
     import random
 

@@ -3,6 +3,8 @@ by index (SGLang's token-to-KV pool under its radix cache, arXiv 2312.07104).
 
 A node holds the indices of its tokens' slots, not tensors of its own, so a split cuts an
 index list and copies no KV, and a node leaving the tier gives its slots back for the next.
+The indices live on the host whatever the pool's device: reading one (is a node's run of slots
+contiguous?) never waits for the device.
 The pool takes its shape, dtype and device from the first KV written to it, and grows by
 half again as nodes come, never past the tier's budget. `compact` moves the held slots to
 the front and gives the rest of the memory back (admission taking the tree's bytes for
@@ -55,8 +57,8 @@ class KVPool:
         return self.capacity * self.token_bytes
 
     def put(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Copy `k`, `v` ([L, Hkv, T, D]) into T free slots; returns their indices ([T] int64 on
-        the pool's device). Raises MemoryError when the budget cannot hold T more tokens (the
+        """Copy `k`, `v` ([L, Hkv, T, D]) into T free slots; returns their indices ([T] int64, on
+        the host). Raises MemoryError when the budget cannot hold T more tokens (the
         tree makes room first, so that is a bug), ValueError when the KV's shape is not the pool's."""
         self._shape_check(k, v)
         self._merge()
@@ -64,24 +66,27 @@ class KVPool:
         if n > len(self._free):
             self._grow(self.used + n)
         assert self.k is not None and self.v is not None
-        slots = self._free[:n].to(self.k.device)
+        slots = self._free[:n]  # [T] (CPU)
         self._free = self._free[n:]
-        self.k.index_copy_(2, slots, k.to(self.k.device, self.k.dtype))
-        self.v.index_copy_(2, slots, v.to(self.v.device, self.v.dtype))
+        at = slots.to(self.k.device, non_blocking=True)
+        self.k.index_copy_(2, at, k.to(self.k.device, self.k.dtype))
+        self.v.index_copy_(2, at, v.to(self.v.device, self.v.dtype))
         return slots
 
     def get(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the K and V held in `slots` ([T]): [L, Hkv, T, D] each."""
+        """Copies of the K and V held in `slots` ([T], on the host): [L, Hkv, T, D] each."""
         if self.k is None or self.v is None:
             raise RuntimeError("KVPool.get before any put: a bug")
         self.gathered_tokens += len(slots)
-        return self.k.index_select(2, slots), self.v.index_select(2, slots)
+        at = slots.to(self.k.device, non_blocking=True)
+        return self.k.index_select(2, at), self.v.index_select(2, at)
 
     def copy_into(self, slots: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
         """Write the K and V held in `slots` ([T], ascending, as a node holds them) into `k_out` and
         `v_out` ([L, Hkv, T, D], e.g. a request's cache at the node's positions): one copy, straight
         from the pool's tensors when the slots are one run (as `put` hands them out from a free
-        list that is not fragmented), else through a gather."""
+        list that is not fragmented), else through a gather. The slots are on the host, so telling
+        which never waits for the device."""
         if self.k is None or self.v is None:
             raise RuntimeError("KVPool.copy_into before any put: a bug")
         n = len(slots)
@@ -101,7 +106,7 @@ class KVPool:
         back many nodes' slots in a row: they are merged into the free list once, at the next
         `put` or `compact`.)"""
         if len(slots):
-            self._given.append(slots.to("cpu"))
+            self._given.append(slots)
 
     def _merge(self) -> None:
         """The slots given back, into the free list (ascending: a node's slots stay near each other)."""
@@ -111,8 +116,8 @@ class KVPool:
 
     def compact(self, capacity_bytes: int) -> torch.Tensor | None:
         """Shrink the tensors to at most `capacity_bytes` (never below the held slots) by moving
-        the held slots to the front; returns the map old slot -> new slot ([S_old] int64, -1 for
-        a free slot) that the holders' indices go through, or None when nothing moved."""
+        the held slots to the front; returns the map old slot -> new slot ([S_old] int64 on the
+        host, -1 for a free slot) that the holders' indices go through, or None when nothing moved."""
         if self.k is None or self.v is None:
             return None
         self._merge()
@@ -130,7 +135,7 @@ class KVPool:
         v[:, :, :len(old)] = self.v.index_select(2, moved)
         self.k, self.v = k, v
         self._free = torch.arange(len(old), keep)
-        return remap.to(self.k.device)
+        return remap
 
     def _grow(self, tokens: int) -> None:
         """Reallocate for at least `tokens` slots: half again the capacity, within the budget."""

@@ -267,15 +267,18 @@ class KVTree:
         """A lease's pool-held node's first `n` tokens' K and V written into `k_out`, `v_out`
         ([L, Hkv, n, D]: the request's cache there), in one copy (`KVPool.copy_into`)."""
         with self._lock:
-            if node.slots is None:
-                raise RuntimeError(f"KV tree node of context {node.key} on tier {node.tier.name} holds no slots: a bug")
-            self._pools[node.tier].copy_into(node.slots[:n], k_out, v_out)
+            self._pools[node.tier].copy_into(self._slots(node)[:n], k_out, v_out)
 
     def _kv(self, node: Node, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the KV a DEVICE or HOST node holds in its tier's pool (its first `n` tokens)."""
+        return self._pools[node.tier].get(self._slots(node)[:n])
+
+    @staticmethod
+    def _slots(node: Node) -> torch.Tensor:
+        """The slot indices ([T], on the host) a DEVICE or HOST node holds in its tier's pool."""
         if node.slots is None:
             raise RuntimeError(f"KV tree node of context {node.key} on tier {node.tier.name} holds no slots: a bug")
-        return self._pools[node.tier].get(node.slots if n is None else node.slots[:n])
+        return node.slots
 
     def _hold(self, node: Node, tier: TreeTier, k: torch.Tensor, v: torch.Tensor) -> None:
         """Put `node`'s K and V ([L, Hkv, T, D]) in `tier`'s pool (the node counted off every tier)."""

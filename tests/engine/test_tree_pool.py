@@ -125,3 +125,22 @@ def test_a_lease_copies_its_path_into_the_request_once_with_no_gather():
     scattered.copy_into(slots[0::2], k_out, v_out)
     assert torch.equal(k_out, c.k[:, :, 0:6:2]) and torch.equal(v_out, c.v[:, :, 0:6:2])
     assert scattered.gathered_tokens == 3
+
+
+def test_slot_indices_live_on_the_host_so_a_lease_never_reads_the_device():
+    """Issue 70: a lease tells whether a node's slots are one run by reading their indices; were
+    they on the pool's device (a GPU), each read would wait for every kernel queued before it. A
+    pool on the meta device holds no values at all: putting, copying a run and gathering scattered
+    slots all work there only if no slot index is read from the device."""
+    pool = KVPool(10**6, device="meta")
+    c = _cache(6, fill=2)
+    slots = pool.put(c.k[:, :, :6], c.v[:, :, :6])
+    assert slots.device.type == "cpu" and pool.k.device.type == "meta"
+    k_out, v_out = torch.empty_like(c.k[:, :, :6], device="meta"), torch.empty_like(c.v[:, :, :6], device="meta")
+    pool.copy_into(slots, k_out, v_out)  # one run: a slice of the pool
+    assert pool.gathered_tokens == 0
+    pool.copy_into(slots[0::2], k_out[:, :, :3], v_out[:, :, :3])  # scattered: a gather
+    assert pool.gathered_tokens == 3
+    pool.release(slots[1::2])
+    remap = pool.compact(0)
+    assert remap is not None and remap.device.type == "cpu" and remap[slots[0::2]].tolist() == [0, 1, 2]

@@ -132,6 +132,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                               "own folder, shared on this host) or s3 (an S3 bucket on loopback, moto, as a deploy "
                               "keeps it: no disk is shared, so a replica's misses read S3; the test extra) "
                               "(default disk)")
+    cluster.add_argument("--s3-latency-ms", type=float, default=0.0, metavar="MS",
+                         help="with --shared-tier s3: each S3 request waits this long before its first byte, as "
+                              "a bucket a network away does (same-region S3: about 20-30 ms; default 0, loopback)")
+    cluster.add_argument("--s3-mbps", type=float, default=0.0, metavar="MB/S",
+                         help="with --shared-tier s3: each S3 response's bytes come at this many MB/s, as one "
+                              "GET stream from S3 does (about 90; default 0 = loopback speed)")
     cluster.add_argument("--fault", type=int, default=8, metavar="N",
                          help="requests in flight when a replica is killed, 0 = skip (default 8)")
     p.set_defaults(func=run_bench)

@@ -24,7 +24,9 @@ must end (answered, or UNAVAILABLE), none hangs.
 With `--peer-tier on,off` each policy runs with the replicas' peer tier and without it
 (`kvstore.tiers.peer`): beside the fast-tier hit rate, the local-plus-peer hit rate and its share
 of the pooled bound, and TTFT with peers over without. With `--shared-tier s3` the corpus's KV
-lives in an S3 bucket (moto on loopback) and no disk is shared, as a deploy keeps it; with the
+lives in an S3 bucket (moto on loopback) and no disk is shared, as a deploy keeps it
+(`--s3-latency-ms` and `--s3-mbps` make each S3 answer come as from a bucket a network away,
+first byte late and bytes paced: loopback answers at memory speed, which no deploy sees); with the
 default (the index's own folder, shared on this host) a replica's misses are local disk reads,
 which the peer tier, looked at after the local disk, never sees.
 """
@@ -321,17 +323,60 @@ def _route_decisions(metrics_port: int) -> dict[str, int]:
             if f.name == "ragkv_route_decisions" for s in f.samples if s.name.endswith("_total")}
 
 
-def _s3_index(index: Path, tmp: Path):  # -> (Path, moto's ThreadedMotoServer)
-    """A copy of `index` whose chunk KV lives only in an S3 bucket (moto's server on loopback), as
-    a deploy keeps it: each replica reads S3 below its own tiers, and no disk is shared. Sets the
+class NetworkDelay:
+    """WSGI middleware that makes a loopback S3 answer as one a network away does: each request
+    waits `latency_s` before its first byte, and a body comes at `bytes_per_s` (per request, as
+    S3 paces each GET stream; 0 = as fast as it is made). Sleeping costs no CPU, so the replicas
+    sharing this host's cores are not slowed by it."""
+
+    def __init__(self, app, latency_s: float, bytes_per_s: float) -> None:
+        if latency_s < 0 or bytes_per_s < 0:
+            raise ValueError(f"S3 latency and bandwidth must be >= 0, got {latency_s} s and {bytes_per_s} B/s")
+        self.app, self.latency_s, self.bytes_per_s = app, latency_s, bytes_per_s
+
+    def __call__(self, environ, start_response):
+        if self.latency_s:
+            time.sleep(self.latency_s)
+        body = self.app(environ, start_response)
+        return body if not self.bytes_per_s else self._paced(body)
+
+    def _paced(self, body):
+        try:
+            for piece in body:
+                time.sleep(len(piece) / self.bytes_per_s)
+                yield piece
+        finally:
+            close = getattr(body, "close", None)
+            if close is not None:
+                close()
+
+
+def _moto_server(port: int, latency_s: float = 0.0, bytes_per_s: float = 0.0):
+    """moto's S3 server on loopback `port`, its answers delayed as a network's (`NetworkDelay`)."""
+    from moto.server import DomainDispatcherApplication, MotoRequestHandler, ThreadedMotoServer, create_backend_app
+    from werkzeug.serving import make_server
+
+    class _Delayed(ThreadedMotoServer):
+        def _server_entry(self) -> None:  # moto's own, with the app wrapped
+            app = NetworkDelay(DomainDispatcherApplication(create_backend_app), latency_s, bytes_per_s)
+            self._server = make_server(self._ip_address, self._port, app, True, request_handler=MotoRequestHandler)
+            self._server_ready_event.set()
+            self._server.serve_forever()
+
+    return _Delayed(ip_address="127.0.0.1", port=port, verbose=False)
+
+
+def _s3_index(index: Path, tmp: Path, latency_s: float = 0.0, bytes_per_s: float = 0.0):
+    """A copy of `index` whose chunk KV lives only in an S3 bucket (moto's server on loopback, its
+    answers delayed by `latency_s` and paced at `bytes_per_s` when given: `NetworkDelay`), as a
+    deploy keeps it: each replica reads S3 below its own tiers, and no disk is shared. Sets the
     AWS variables the replicas' boto3 reads (they inherit this process's environment)."""
     import shutil
 
     import boto3
-    from moto.server import ThreadedMotoServer
 
     port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server = _moto_server(port, latency_s, bytes_per_s)
     server.start()
     os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "ragkv-bench",
                        "AWS_SECRET_ACCESS_KEY": "ragkv-bench", "AWS_REGION": "us-east-1"})
@@ -394,9 +439,11 @@ def run_cluster_bench(args) -> int:  # argparse.Namespace from cli.bench
         index = args.index or _build_index(Path(tmp), args.model, args.device, args.dtype, args.topics)
         kv_bytes = sum(f.stat().st_size for f in (index / "kv").rglob("*") if f.is_file())
         s3_server = None
+        if (args.s3_latency_ms or args.s3_mbps) and args.shared_tier != "s3":
+            raise ValueError("--s3-latency-ms and --s3-mbps delay the S3 tier: give --shared-tier s3 with them")
         if args.shared_tier == "s3":
             with contextlib.redirect_stdout(sys.stderr):  # moto says it started on stdout: --json keeps stdout
-                index, s3_server = _s3_index(index, Path(tmp))
+                index, s3_server = _s3_index(index, Path(tmp), args.s3_latency_ms / 1000, args.s3_mbps * 1e6)
         topics, index_tokens = _topics(index)
         cpu_tokens = int(index_tokens * args.cpu_share)  # one replica's CPU tier, in chunk tokens
         items = _workload(topics, args.requests, args.agent_every, args.zipf, seed=args.seed)
@@ -473,6 +520,7 @@ def run_cluster_bench(args) -> int:  # argparse.Namespace from cli.bench
                         "corpus_kv_bytes": kv_bytes, "model": args.model,
                         "shared_tier": "disk (the index's own)" if args.shared_tier == "disk"
                         else "s3 (moto on loopback; no disk tier)",
+                        "s3_latency_ms": args.s3_latency_ms, "s3_mbps": args.s3_mbps or None,
                         "baseline": "pow2 (Ray Serve's default power of two choices), same workload, same run"}
     if args.json:
         print(json.dumps(report))

@@ -105,3 +105,50 @@ def test_a_peer_read_counts_toward_local_plus_peer_not_the_fast_tiers():
     assert s["chunks_by_source"] == {"cpu": 1, "peer": 2, "disk": 1}
     tally.loads = [("a", 10), ("a", 10)]  # the pooled bound holds a on its second read: 0.5
     assert _bounds(tally, 2, 20)["local_plus_peer_of_pooled"] == 1.5
+
+
+def test_network_delay_holds_each_answer_back_by_its_latency_and_paces_its_bytes(monkeypatch):
+    """`--s3-latency-ms` / `--s3-mbps`: the loopback S3's answers wait before their first byte and
+    come at the given rate, bytes unchanged; the sleeps are what is asserted (no clock read)."""
+    from ragkv.cli import cluster_bench
+
+    slept: list[float] = []
+    monkeypatch.setattr(cluster_bench.time, "sleep", slept.append)
+    closed = []
+
+    class Body(list):
+        def close(self):
+            closed.append(True)
+
+    def app(environ, start_response):
+        start_response("200 OK", [])
+        return Body([b"x" * 1000, b"y" * 3000])
+
+    delayed = cluster_bench.NetworkDelay(app, 0.02, 1e5)
+    assert b"".join(delayed({}, lambda *a: None)) == b"x" * 1000 + b"y" * 3000
+    assert slept == [0.02, 0.01, 0.03] and closed == [True]
+    slept.clear()
+    assert b"".join(cluster_bench.NetworkDelay(app, 0.0, 0.0)({}, lambda *a: None)) == b"x" * 1000 + b"y" * 3000
+    assert slept == []  # loopback as it is
+    with pytest.raises(ValueError, match="latency and bandwidth must be >= 0"):
+        cluster_bench.NetworkDelay(app, -1.0, 0.0)
+
+
+def test_a_delayed_moto_server_serves_s3(tmp_path):
+    """The delayed server is moto's own, answering boto3 over HTTP."""
+    import boto3
+
+    from ragkv.cli.cluster_bench import _free_port, _moto_server
+
+    port = _free_port()
+    server = _moto_server(port, 0.001, 50e6)
+    server.start()
+    try:
+        s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1",
+                          aws_access_key_id="t", aws_secret_access_key="t")
+        s3.create_bucket(Bucket="ragkv-net")
+        s3.put_object(Bucket="ragkv-net", Key="k", Body=b"kv" * 5000)
+        assert s3.get_object(Bucket="ragkv-net", Key="k", Range="bytes=2-5")["Body"].read() == b"kvkv"
+        assert s3.get_object(Bucket="ragkv-net", Key="k")["Body"].read() == b"kv" * 5000
+    finally:
+        server.stop()

@@ -1,8 +1,11 @@
 """Agents' own instructions over an index built under another system prompt: which path serves
 them closest to full prefill of the prompt the user sent (issue 74, docs/quality.md).
 
-Every chunk's KV is computed once, after the index's prefix (its system prompt), as `ragkv
-index` stores it. A request then brings its own system prompt, and two paths can serve it:
+Every chunk's KV is the KV the served index holds for it (`--kv served`, the default): computed
+once, after the index's prefix (its system prompt), as `ragkv index` builds it, its plain copy
+for the prompt's first chunk and neighbour KV for the others, which is what the server reads
+(`--kv plain`: every chunk computed right after the index's prefix, KV no index serves to blend).
+A request then brings its own system prompt, and two paths can serve it:
 
 - **prefix**: its instructions computed in front (the chat template's system turn with them),
   the chunks' KV moved after them and blended at the served ratio (`ChunkKV.moved`);
@@ -27,7 +30,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,9 +107,11 @@ class Split:
 
 
 def run(engine, cases: Sequence, prompts: Sequence[str], ratios: Sequence[float], max_new_tokens: int,
-        progress=lambda x: x) -> Split:
+        kv_of: Callable | None = None, progress=lambda x: x) -> Split:
     """Both paths on every (case, system prompt) pair of the cases and prompts given: the suffix
-    path and the indexed prompt at `ratios[0]` (the server's default), the prefix path at each."""
+    path and the indexed prompt at `ratios[0]` (the server's default), the prefix path at each.
+    `kv_of(case)` gives each chunk's KV as the index stores it (default: every chunk computed
+    right after the index's prefix)."""
     import torch
 
     from ragkv.engine import BlendOptions
@@ -137,7 +142,7 @@ def run(engine, cases: Sequence, prompts: Sequence[str], ratios: Sequence[float]
 
     for case in progress(list(cases)):
         chunk_ids = [idx.chunk_ids(c) for c in case.chunks]
-        kvs = [engine.prefill(index_prefix, ids) for ids in chunk_ids]  # as the index stores them
+        kvs = kv_of(case) if kv_of is not None else [engine.prefill(index_prefix, ids) for ids in chunk_ids]
         q_index = idx.question_ids(case.question)
         _, t_indexed = timed(Prompt(q_index, index_prefix, chunk_ids, kvs), Mode.BLEND)
         for system in prompts:
@@ -163,6 +168,21 @@ def run(engine, cases: Sequence, prompts: Sequence[str], ratios: Sequence[float]
                 out.ttft[f"prefix_first@{r:g}"].append(t_own + t_pre)
                 out.ttft[f"prefix_second@{r:g}"].append(t_pre)  # a second call reads them (the KV tree)
     return out
+
+
+def served_kv(engine, cases: Sequence, passages: Sequence[str]) -> Callable:
+    """case -> its chunks' KV as the served index holds them: `ragkv index`'s neighbour KV
+    (`indexer.neighbours.INDEX_DEFAULT`), its neighbours chosen among `passages` by their
+    embeddings, and the plain copy for the prompt's first chunk, as `ragkv eval` computes them."""
+    from ragkv.cli.eval import neighbour_variants
+    from ragkv.evals.evaluate import variant_kvs
+    from ragkv.indexer.neighbours import INDEX_DEFAULT
+
+    args = argparse.Namespace(neighbours=str(INDEX_DEFAULT.m), neighbour_context=INDEX_DEFAULT.context.value,
+                              neighbour_budget=INDEX_DEFAULT.budget_tokens, neighbour_choice=INDEX_DEFAULT.choice.value,
+                              seed=INDEX_DEFAULT.seed, pool_embeddings=None, index=None)
+    (variant,) = neighbour_variants(args, engine, cases, list(passages))
+    return lambda case: variant_kvs(engine, variant, case)
 
 
 def choose(tune: Split, kl_target: float) -> tuple[str, float]:
@@ -201,6 +221,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, default=len(SYSTEM_PROMPTS),
                    help=f"system prompts used, of the {len(SYSTEM_PROMPTS)} built in (default all)")
     p.add_argument("--max-new-tokens", type=int, default=24, help="greedy answer length (default 24)")
+    p.add_argument("--kv", choices=("served", "plain"), default="served",
+                   help="the chunks' KV: served (what `ragkv index` builds and the server reads: neighbour KV, "
+                        "the first chunk's plain copy; its neighbours are chosen among the file's passages by "
+                        "the MiniLM embedder) or plain (every chunk right after the index's prefix) (default served)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
 
 
@@ -236,19 +260,20 @@ def run_command(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
         p.error(f"--ratios must be numbers separated by commas, got {args.ratios!r}")
     if not all(0 <= r <= 1 for r in ratios):
         p.error(f"--ratios must be in [0, 1], got {args.ratios!r}")
-    cases, _ = load_dataset(args.dataset, n=args.n, ctxs=args.ctxs)
+    cases, passages = load_dataset(args.dataset, n=args.n, ctxs=args.ctxs)
     prompts = SYSTEM_PROMPTS[:args.prompts]
     engine = Engine(load_model(args.model), system_prompt=DEFAULT_INSTRUCTION)
+    kv_of = served_kv(engine, cases, passages) if args.kv == "served" else None
     half = len(cases) // 2
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
     say(f"tune: {half} questions x {len(prompts[0::2])} prompts; report: {len(cases) - half} x {len(prompts[1::2])}")
-    tune = run(engine, cases[:half], prompts[0::2], ratios, args.max_new_tokens)
+    tune = run(engine, cases[:half], prompts[0::2], ratios, args.max_new_tokens, kv_of)
     path, ratio = choose(tune, args.kl_target)
-    report = run(engine, cases[half:], prompts[1::2], ratios, args.max_new_tokens)
+    report = run(engine, cases[half:], prompts[1::2], ratios, args.max_new_tokens, kv_of)
     index_prefix = len(engine.prompt.prefix_ids())
     name = "suffix" if path == "suffix" else f"prefix@{ratio:g}"
     reported = report.summary()
-    result = {"model": args.model, "ratios": ratios, "ctxs": args.ctxs, "kl_target": args.kl_target,
+    result = {"model": args.model, "ratios": ratios, "ctxs": args.ctxs, "kl_target": args.kl_target, "kv": args.kv,
               "chosen_on_tune": {"path": path, "ratio": ratio},
               "report_of_chosen": {**reported[name],
                                    **({} if path == "suffix" else {

@@ -67,3 +67,18 @@ def test_bad_arguments_name_what_is_wrong(dataset: Path, capsys: pytest.CaptureF
     with pytest.raises(SystemExit):
         system_prompts.main(["--dataset", str(dataset.parent / "missing.json")])
     assert "is not a file" in capsys.readouterr().err
+
+
+def test_the_chunks_kv_is_what_the_served_index_holds(dataset: Path, tiny_llama_dir: Path) -> None:
+    """The eval measures the KV the server reads: the first chunk's plain copy, then neighbour KV
+    (computed after a neighbouring passage), as `ragkv index` builds it; not every chunk computed
+    right after the prefix, KV no index serves to blend (the eval measured that once, and it put
+    the prefix path at 2-3x the KL from full prefill that the served KV gives)."""
+    from ragkv.cli.dataset import DEFAULT_INSTRUCTION, load_dataset
+    from ragkv.engine import Engine, load_model
+
+    engine = Engine(load_model(str(tiny_llama_dir)), system_prompt=DEFAULT_INSTRUCTION)
+    cases, passages = load_dataset(dataset, n=2, ctxs=2)
+    kvs = system_prompts.served_kv(engine, cases, passages)(cases[0])
+    assert [kv.after_context for kv in kvs] == [False, True]
+    assert [kv.token_ids.tolist() for kv in kvs] == [engine.prompt.chunk_ids(c) for c in cases[0].chunks]

@@ -353,6 +353,9 @@ class NetworkDelay:
 
 def _moto_server(port: int, latency_s: float = 0.0, bytes_per_s: float = 0.0):
     """moto's S3 server on loopback `port`, its answers delayed as a network's (`NetworkDelay`)."""
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # its access log: a line per S3 call
     from moto.server import DomainDispatcherApplication, MotoRequestHandler, ThreadedMotoServer, create_backend_app
     from werkzeug.serving import make_server
 

@@ -289,7 +289,7 @@ def run(args: argparse.Namespace) -> dict:
         reference: dict[tuple[str, str], str] = {}
         with RagClient(server.addr, timeout=args.timeout, retry=NO_RETRY) as client:
             for q in questions:  # the clean pass, each (question, mode) twice: the second is the reference
-                for mode in MODES:  # (full first: a request served by full prefill is checked against it)
+                for mode in MODES:
                     seen: list[str] = []
                     for _ in range(6):  # answers served as asked, not by full prefill instead
                         code, text, served = _ask(client, q, mode, args)

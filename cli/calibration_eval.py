@@ -1,7 +1,7 @@
 """`ragkv eval --calibration`: does an index's calibration predict blend's fidelity on real questions?
 
 `ragkv index` calibrates on its own corpus with no question from anyone (`indexer.calibrate`):
-chunk sets made from its embeddings, cloze questions made from the chunks. This eval does
+chunk sets made from its embeddings, questions made from the chunks. This eval does
 exactly that on a QA file's passages (`--dataset`, CacheBlend's MuSiQue format: every passage
 of the `--n` questions is the corpus), then measures blend at the same ratios on the file's
 real questions, none of which calibration saw (the report part of the seeded split, or
@@ -55,12 +55,13 @@ def run_calibration_eval(args: argparse.Namespace, inputs: EvalInputs) -> dict[s
     engine, cases = inputs.engine, inputs.cases
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
 
-    # calibration, as the index does it: chunk sets from the corpus's embeddings, cloze questions
+    # calibration, as the index does it: chunk sets from the corpus's embeddings, questions from the chunks
     started = time.perf_counter()
     texts, xb = inputs.neighbour_pool(cases)
     n_sets = args.calibration_sets or sample_size(len(texts))
     sample = [EvalCase(f"calibration-{i}", tuple(texts[j] for j in rows), question, ())
-              for i, (rows, question) in enumerate(sample_prompts(xb, n_sets, texts.__getitem__))]
+              for i, (rows, question) in enumerate(sample_prompts(xb, n_sets, texts.__getitem__,
+                                                                  args.calibration_questions))]
     # the KV `ragkv index` builds (served defaults), for the questions' chunks and the sample's
     variants = inputs.variants([*cases, *sample])
     if len(variants) != 1:
@@ -71,7 +72,8 @@ def run_calibration_eval(args: argparse.Namespace, inputs: EvalInputs) -> dict[s
         kvs = variant_kvs(engine, variant, case)
         sets.append(CalibrationSet(tuple(tuple(kv.token_ids.tolist()) for kv in kvs), tuple(kvs), case.question))
     say(f"calibrating on {len(sets)} chunk sets of {len(texts)} passages")
-    calibration = measure(engine, sets, RATIOS, progress=lambda x: tqdm(x, desc="calibrate", disable=args.json))
+    calibration = measure(engine, sets, RATIOS, method=args.calibration_questions,
+                          progress=lambda x: tqdm(x, desc="calibrate", disable=args.json))
     calibration_s = time.perf_counter() - started
 
     # the real questions, held out

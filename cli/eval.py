@@ -151,11 +151,15 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     c = p.add_argument_group("calibration (ragkv index --calibrate) against held-out questions")
     c.add_argument("--calibration", action="store_true",
                    help="calibrate on --dataset's passages as `ragkv index` does (chunk sets from their embeddings, "
-                        "cloze questions from the passages), then measure blend at the same ratios on the held-out "
+                        "questions made from the passages), then measure blend at the same ratios on the held-out "
                         "real questions (--split, default report): predicted against measured KL per ratio, and "
                         "the ratio --fidelity-kl serves")
     c.add_argument("--calibration-sets", type=int, default=None, metavar="N",
                    help="chunk sets to calibrate on (default: as many as ragkv index takes for the corpus)")
+    c.add_argument("--calibration-questions", choices=("entity", "cloze"), default="entity",
+                   help="the questions calibration makes from the chunks: entity (what ragkv index makes: "
+                        "'Who or what is NAME?' of a name or number of the set's seed chunk) or cloze (a sentence "
+                        "of it with its key words blanked, the first method), to compare their predictions")
     c.add_argument("--fidelity-kl", type=float, default=0.01, help="the serving target whose pick is reported "
                                                                    "(ragkv serve --fidelity-kl; default 0.01)")
     r = p.add_argument_group("retrieval only (no LLM decoding)")

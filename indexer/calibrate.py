@@ -7,9 +7,12 @@ measures it, on the corpus it serves, with no question from anyone:
 1. **Chunk sets** like the ones retrieval makes: a seed chunk and its nearest chunks by the
    index's own embeddings (`CHUNKS_PER_SET`, the server's default top_k), in a shuffled order,
    so the chunk a question is about sits anywhere in the prompt.
-2. **A question from the chunks** (`cloze`): a sentence of the seed chunk with its key words
-   (a name, a number, else its last word) blanked out. Answering it needs the chunk's own
-   tokens, as a real question's answer does.
+2. **A question from the chunks** (`entity_question`): "Who or what is NAME?", NAME one of the
+   names the seed chunk holds (a run of capitalized words inside a sentence). On held-out MuSiQue
+   questions its KL is the real questions' on both models shipped; a sentence of the chunk with
+   its key words blanked (`cloze`, the first method) is on SmolLM2 but a third of it on Gemma
+   (docs/quality.md): a cloze is answered by copying the sentence around its blank, a real
+   question by finding a name in one passage and what the passages say of it.
 3. **Each setting against full prefill** of the same prompt: next-token KL at the answer's
    first position (the figure `ragkv eval` reports), and whether the first token agrees.
    The chunks' KV is the KV the server reads: the plain copy for the first chunk and
@@ -43,7 +46,7 @@ if TYPE_CHECKING:
     from ragkv.engine import Engine
     from ragkv.engine.kv.cache import ChunkKV
 
-METHOD = "cloze"
+METHOD = "entity"  # the questions (`QUESTIONS`): "Who or what is NAME?"; "cloze" was the first
 SEED = 0
 RATIOS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)  # the recompute ratios measured (query selector)
 SELECTOR = "query"
@@ -55,10 +58,13 @@ MIN_SETS, MAX_SETS = 4, 32
 # gets MIN_SETS (docs/quality.md: smaller samples predict nothing)
 SETS_PER_CHUNK = 0.01
 BLANK = "____"
+ENTITY_QUESTION = "Who or what is {name}? Answer in at most five words."
 
 _SENTENCE = re.compile(r"(?<=[.!?])\s+")
 _WORD = re.compile(r"\S+")
 _KEY = re.compile(r"^[\"'(\[]*([A-Z][\w'-]*|\d[\d,.:/-]*)[\"')\],;:.!?]*$")  # a capitalized word or a number
+# a capitalized word or a number, then its punctuation
+_TERM = re.compile(r"^[\"'(\[]*([A-Z][\w'-]*|\d[\d,.:/-]*\d|\d)([\"')\],;:.!?]*)$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +102,37 @@ def cloze(text: str, rng: random.Random) -> str | None:
     return f'Fill in the blank ({BLANK}) with the words the passages use: "{masked}"'
 
 
+def key_terms(text: str) -> list[str]:
+    """The names and numbers `text` holds, in order and once each: runs of capitalized words and
+    numbers inside a sentence (not its first word), a run ending at punctuation; terms of 3
+    characters or fewer left out (a year stays, "He" does not)."""
+    out: list[str] = []
+    for sentence in _SENTENCE.split(" ".join(text.split())):
+        run: list[str] = []
+        for i, word in enumerate(sentence.split()):
+            m = _TERM.match(word) if i > 0 else None
+            if m is not None:
+                run.append(m.group(1))
+            if run and (m is None or m.group(2)):  # the run ends here
+                out.append(" ".join(run))
+                run = []
+        if run:
+            out.append(" ".join(run))
+    return [t for t in dict.fromkeys(out) if len(t) > 3]
+
+
+def entity_question(text: str, rng: random.Random) -> str | None:
+    """A question about a name or number of the chunk (`key_terms`, one chosen by `rng`): "Who or
+    what is TERM?", with the answer's length asked as the eval's questions ask it. None when the
+    chunk holds none. Its answer is not a copy of the chunk's words around the term, as a cloze's
+    is: the model must find the term and say what the passages make of it."""
+    found = key_terms(text)
+    return ENTITY_QUESTION.format(name=rng.choice(found)) if found else None
+
+
+QUESTIONS: dict[str, Callable[[str, random.Random], str | None]] = {"entity": entity_question, "cloze": cloze}
+
+
 def chunk_sets(xb: np.ndarray, n_sets: int, k: int = CHUNKS_PER_SET, seed: int = SEED) -> list[tuple[int, list[int]]]:
     """`n_sets` chunk sets over the rows of `xb` ([n, d] embeddings), each (seed row, its k rows in
     prompt order): the seed (its question is made from it) and its k - 1 most similar rows, in an
@@ -116,14 +153,17 @@ def chunk_sets(xb: np.ndarray, n_sets: int, k: int = CHUNKS_PER_SET, seed: int =
     return out
 
 
-def sample_prompts(xb: np.ndarray, n_sets: int, text_of: Callable[[int], str]) -> list[tuple[list[int], str]]:
+def sample_prompts(xb: np.ndarray, n_sets: int, text_of: Callable[[int], str],
+                   method: str = METHOD) -> list[tuple[list[int], str]]:
     """The sample: `n_sets` chunk sets over the rows of `xb` (`chunk_sets`), each (its rows in prompt
-    order, the cloze question made from its seed row's text, `text_of(row)`); a set whose seed has
-    no sentence to blank is left out. Fixed by `SEED`: the index and `ragkv eval --calibration` draw alike."""
+    order, the question `QUESTIONS[method]` makes from its seed row's text, `text_of(row)`); a set
+    whose seed gives no question is left out. Fixed by `SEED`: the index and `ragkv eval
+    --calibration` draw alike."""
+    make = QUESTIONS[method]
     rng = random.Random(SEED)
     out = []
     for seed, rows in chunk_sets(xb, n_sets, CHUNKS_PER_SET, SEED):
-        question = cloze(text_of(seed), rng)
+        question = make(text_of(seed), rng)
         if question is not None:
             out.append((rows, question))
     return out

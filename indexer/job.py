@@ -292,7 +292,10 @@ def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Loa
         kv_done = db.count_kv_pending() == 0
         calibration, calibration_s = None, 0.0
         if config.calibrate and config.precompute_kv and kv_done:
-            unchanged = old is not None and old.calibration is not None and not (added or deleted or kv_chunks)
+            from ragkv.indexer.calibrate import METHOD
+
+            unchanged = old is not None and old.calibration is not None and old.calibration.method == METHOD \
+                and not (added or deleted or kv_chunks)  # (an older method's calibration is measured again)
             t_cal = time.perf_counter()
             calibration = old.calibration if unchanged and old is not None else \
                 _calibrate(db, manifest, kv_uris, engine, lm, config)

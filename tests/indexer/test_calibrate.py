@@ -1,10 +1,12 @@
 """Calibration (issue 73): `ragkv index` measures blend against full prefill on its own corpus.
 
-- questions made from the chunks (a sentence with its key words blanked) and chunk sets made
-  from the index's embeddings are fixed by their seed;
+- questions made from the chunks ("Who or what is NAME?" of a name or number of the chunk; the
+  first method's sentence with its key words blanked) and chunk sets made from the index's
+  embeddings are fixed by their seed;
 - the measured prompt is the one full prefill runs: at ratio 1.0 blend is full prefill, KL 0;
 - the manifest keeps the calibration (and reads one without it), a rerun that changed nothing
-  keeps it, and a second build of the same corpus measures the same KLs;
+  keeps it (one made by an older method is measured again), and a second build of the same
+  corpus measures the same KLs;
 - a model whose chunks interact more gets a higher ratio for the same target: a one-layer
   model's KV depends on no other token, so blend is exact at any ratio, and four layers are not.
 """
@@ -19,7 +21,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ragkv.indexer.calibrate import BLANK, CHUNKS_PER_SET, RATIOS, chunk_sets, cloze, sample_size
+from ragkv.indexer.calibrate import (
+    BLANK,
+    CHUNKS_PER_SET,
+    METHOD,
+    RATIOS,
+    chunk_sets,
+    cloze,
+    entity_question,
+    key_terms,
+    sample_prompts,
+    sample_size,
+)
 from ragkv.indexer.job import run_index
 from ragkv.retriever.manifest import Calibration, Manifest, read_manifest
 
@@ -36,6 +49,27 @@ def test_cloze_blanks_a_name_or_a_number_and_is_fixed_by_its_seed() -> None:
     assert cloze("Too short. Also short.", random.Random(0)) is None
     plain = cloze("the cat sat on the warm mat all day long today", random.Random(0))
     assert plain is not None and plain.endswith(f'long {BLANK}"')  # no key word: the last one
+
+
+def test_the_entity_question_asks_of_a_name_or_number_of_the_chunk_fixed_by_its_seed() -> None:
+    text = ("Mars is the fourth planet from the Sun. The probe landed on Mars in 1976, after Viking One "
+            "left orbit. It cost 1,696 dollars. He said so.")
+    # runs of capitalized words and numbers, not a sentence's first word, cut at punctuation; short ones out
+    assert key_terms(text) == ["Mars", "1976", "Viking One", "1,696"]
+    q = entity_question(text, random.Random(0))
+    assert q is not None and q.startswith("Who or what is ") and q.endswith("? Answer in at most five words.")
+    assert q[len("Who or what is "):q.index("?")] in key_terms(text)
+    assert entity_question(text, random.Random(0)) == q  # the same seed, the same question
+    asked = {entity_question(text, random.Random(s)) for s in range(20)}
+    assert len(asked) > 1  # the seed chooses among the terms
+    assert entity_question("the cat sat on the warm mat. it was all day long.", random.Random(0)) is None
+    # the sample skips a set whose seed chunk holds no term, and the method chooses the question
+    xb = np.eye(6, dtype=np.float32) + 0.1
+    texts = [text] * 3 + ["no names here at all."] * 3
+    by_entity = sample_prompts(xb, 6, texts.__getitem__)
+    assert METHOD == "entity" and by_entity and all(q.startswith("Who or what is ") for _, q in by_entity)
+    assert len(by_entity) < 6  # the seeds without a term gave no set
+    assert all(q.startswith("Fill in the blank") for _, q in sample_prompts(xb, 6, texts.__getitem__, "cloze"))
 
 
 def test_chunk_sets_are_a_seed_and_its_nearest_chunks_fixed_by_the_seed() -> None:
@@ -80,7 +114,7 @@ def test_the_index_records_its_calibration_and_a_rebuild_measures_the_same(calib
     config, summary = build("a")
     cal = read_manifest(config.out).calibration
     assert summary.calibration == cal and any(line.startswith("calibration (") for line in summary.lines())
-    assert cal is not None and cal.method == "cloze" and cal.sets >= 1 and cal.chunks_per_set == CHUNKS_PER_SET
+    assert cal is not None and cal.method == METHOD and cal.sets >= 1 and cal.chunks_per_set == CHUNKS_PER_SET
     assert [s.recompute_ratio for s in cal.settings] == sorted(RATIOS)
     assert all(s.kl_mean >= 0 and s.kl_max >= s.kl_mean and s.kl_stderr >= 0 for s in cal.settings)
     assert all(0 <= s.top_token_agreement <= 1 and s.seconds_median > 0 for s in cal.settings)
@@ -91,6 +125,15 @@ def test_the_index_records_its_calibration_and_a_rebuild_measures_the_same(calib
     # a rerun that changes nothing keeps it as it was (not measured again)
     run_index(config, lm=calibrated[1], embedder=calibrated[2])
     assert read_manifest(config.out).calibration == cal
+    # one an older method made is measured again by this one
+    d = json.loads((config.out / "manifest.json").read_text())
+    d["calibration"]["method"] = "cloze"
+    (config.out / "manifest.json").write_text(json.dumps(d))
+    assert read_manifest(config.out).calibration.method == "cloze"
+    run_index(config, lm=calibrated[1], embedder=calibrated[2])
+    again = read_manifest(config.out).calibration
+    assert again is not None and again.method == METHOD and again.full_seconds_median != cal.full_seconds_median
+    assert [s.kl_mean for s in again.settings] == [s.kl_mean for s in cal.settings]
     # another build of the same corpus: the same sets and questions, so the same KLs and choice
     other, _ = build("b")
     again = read_manifest(other.out).calibration

@@ -59,18 +59,18 @@ def run_calibration_eval(args: argparse.Namespace, inputs: EvalInputs) -> dict[s
     started = time.perf_counter()
     texts, xb = inputs.neighbour_pool(cases)
     n_sets = args.calibration_sets or sample_size(len(texts))
+    drawn = sample_prompts(xb, n_sets, texts.__getitem__, args.calibration_questions)
     sample = [EvalCase(f"calibration-{i}", tuple(texts[j] for j in rows), question, ())
-              for i, (rows, question) in enumerate(sample_prompts(xb, n_sets, texts.__getitem__,
-                                                                  args.calibration_questions))]
+              for i, (rows, question, _) in enumerate(drawn)]
     # the KV `ragkv index` builds (served defaults), for the questions' chunks and the sample's
     variants = inputs.variants([*cases, *sample])
     if len(variants) != 1:
         raise ValueError("--calibration measures one KV variant: give one --neighbours and --neighbour-context")
     variant = variants[0]
     sets = []
-    for case in sample:
+    for case, (_, _, kind) in zip(sample, drawn):
         kvs = variant_kvs(engine, variant, case)
-        sets.append(CalibrationSet(tuple(tuple(kv.token_ids.tolist()) for kv in kvs), tuple(kvs), case.question))
+        sets.append(CalibrationSet(tuple(tuple(kv.token_ids.tolist()) for kv in kvs), tuple(kvs), case.question, kind))
     say(f"calibrating on {len(sets)} chunk sets of {len(texts)} passages")
     calibration = measure(engine, sets, RATIOS, method=args.calibration_questions,
                           progress=lambda x: tqdm(x, desc="calibrate", disable=args.json))

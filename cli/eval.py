@@ -156,10 +156,11 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                         "the ratio --fidelity-kl serves")
     c.add_argument("--calibration-sets", type=int, default=None, metavar="N",
                    help="chunk sets to calibrate on (default: as many as ragkv index takes for the corpus)")
-    c.add_argument("--calibration-questions", choices=("entity", "cloze"), default="entity",
-                   help="the questions calibration makes from the chunks: entity (what ragkv index makes: "
-                        "'Who or what is NAME?' of a name or number of the set's seed chunk) or cloze (a sentence "
-                        "of it with its key words blanked, the first method), to compare their predictions")
+    c.add_argument("--calibration-questions", choices=("entity+cloze", "entity", "cloze"), default="entity+cloze",
+                   help="the questions calibration makes from the chunks, to compare their predictions: "
+                        "entity+cloze (what ragkv index makes: the two kinds in turn, each setting predicted by the "
+                        "worse kind's mean), entity ('Who or what is NAME?' of a name or number of the set's seed "
+                        "chunk) or cloze (a sentence of it with its key words blanked, the first method)")
     c.add_argument("--fidelity-kl", type=float, default=0.01, help="the serving target whose pick is reported "
                                                                    "(ragkv serve --fidelity-kl; default 0.01)")
     r = p.add_argument_group("retrieval only (no LLM decoding)")

@@ -537,7 +537,7 @@ def _calibrate(db: ChunkDB, manifest: Manifest, kv_uris: Sequence[str], engine: 
     sets = []
     store = open_store(kv_uris, lm.fingerprint, lm.tokenizer_fingerprint)
     try:
-        for prompt, question in sample_prompts(xb, sample_size(len(rows)), lambda j: records[int(rows[j])].text):
+        for prompt, question, kind in sample_prompts(xb, sample_size(len(rows)), lambda j: records[int(rows[j])].text):
             chunks = [records[int(rows[j])] for j in prompt]
             keys = serving_keys(chunks, Mode.BLEND, config.neighbours, prefix_hash, manifest.model_fp,
                                 manifest.tokenizer_fp)  # the KV the server reads
@@ -546,14 +546,14 @@ def _calibrate(db: ChunkDB, manifest: Manifest, kv_uris: Sequence[str], engine: 
                 continue
             sets.append(CalibrationSet(tuple(c.token_ids for c in chunks),
                                        tuple(ChunkKV.from_stored(h.entry, lm.device, lm.dtype) for h in hits if h),
-                                       question))
+                                       question, kind))
     finally:
         close = getattr(store, "close", None)
         if close is not None:
             close()
     if not sets:
-        log.info("no chunk set to calibrate on (fewer chunks than a set, or no sentence to make a question "
-                 "of): the server will serve its default ratio")
+        log.info("no chunk set to calibrate on (fewer chunks than a set, or no name or number to ask of in the "
+                 "seed chunks): the server will serve its default ratio")
         return None
     with _bar(len(sets), "calibrating (blend against full prefill)", config.progress) as bar:
         def progress(items):

@@ -66,10 +66,40 @@ def test_the_entity_question_asks_of_a_name_or_number_of_the_chunk_fixed_by_its_
     # the sample skips a set whose seed chunk holds no term, and the method chooses the question
     xb = np.eye(6, dtype=np.float32) + 0.1
     texts = [text] * 3 + ["no names here at all."] * 3
-    by_entity = sample_prompts(xb, 6, texts.__getitem__)
-    assert METHOD == "entity" and by_entity and all(q.startswith("Who or what is ") for _, q in by_entity)
+    by_entity = sample_prompts(xb, 6, texts.__getitem__, "entity")
+    assert by_entity and all(q.startswith("Who or what is ") and kind == "entity" for _, q, kind in by_entity)
     assert len(by_entity) < 6  # the seeds without a term gave no set
-    assert all(q.startswith("Fill in the blank") for _, q in sample_prompts(xb, 6, texts.__getitem__, "cloze"))
+    assert all(q.startswith("Fill in the blank") for _, q, _ in sample_prompts(xb, 6, texts.__getitem__, "cloze"))
+    # the index's method: the two kinds take the sets in turn
+    both = sample_prompts(xb, 6, lambda row: text)
+    assert METHOD == "entity+cloze" and [kind for _, _, kind in both] == ["entity", "cloze"] * 3
+    with pytest.raises(ValueError, match="unknown calibration question kind 'riddle'"):
+        sample_prompts(xb, 6, texts.__getitem__, "entity+riddle")
+
+
+def test_each_setting_is_predicted_by_the_kind_of_question_blend_serves_worse(calibrated) -> None:
+    """Two kinds of question, one set each: a setting's KL is the worse kind's mean, not the mean of both."""
+    from ragkv.engine import Engine
+    from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT
+    from ragkv.indexer.calibrate import CalibrationSet, measure
+
+    engine = Engine(calibrated[1], system_prompt=DEFAULT_SYSTEM_PROMPT)
+    p = engine.prompt
+    texts = ["Mars has two small moons named Phobos and Deimos.", "Jupiter is the largest planet of all.",
+             "The launch code of project Bluebird is 4721."]
+    ids = [p.chunk_ids(t) for t in texts]
+    kvs = tuple(engine.prefill(p.prefix_ids(), x) for x in ids)
+    chunk_ids = tuple(tuple(x) for x in ids)
+    a = CalibrationSet(chunk_ids, kvs, "What is the launch code of project Bluebird?", "cloze")
+    b = CalibrationSet(chunk_ids, kvs, "Who or what is Phobos? Answer in at most five words.", "entity")
+    ka, kb = (measure(engine, [one], ratios=(0.05,)).setting(0.05).kl_mean for one in (a, b))
+    assert ka != kb
+    both = measure(engine, [a, b], ratios=(0.05,), method="entity+cloze")
+    assert both.setting(0.05).kl_mean == max(ka, kb) and both.setting(0.05).kl_max == max(ka, kb)
+    assert both.sets == 2 and both.method == "entity+cloze"
+    # one kind: every set counts, as before
+    same = measure(engine, [a, dataclasses.replace(b, kind="cloze")], ratios=(0.05,))
+    assert abs(same.setting(0.05).kl_mean - (ka + kb) / 2) < 1e-12
 
 
 def test_chunk_sets_are_a_seed_and_its_nearest_chunks_fixed_by_the_seed() -> None:

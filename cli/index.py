@@ -98,7 +98,7 @@ def add_index_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    help="on (default): measure blend against full prefill at a few recompute ratios on a sample of "
                         "the corpus's own chunk sets, with questions made from the chunks, and record it in the "
                         "manifest; `ragkv serve` then serves the cheapest ratio that meets --fidelity-kl (1 set per "
-                        "100 chunks, 4 to 32: a few percent of a large corpus's indexing, +23%% on the demo's 54 "
+                        "100 chunks, 4 to 32: a few percent of a large corpus's indexing, +49%% on the demo's 54 "
                         "chunks; repeated only when chunks change). off: the server's default ratio")
     p.add_argument("--shard", metavar="i/N",
                    help="index only shard i of N (default: AWS_BATCH_JOB_ARRAY_INDEX/_SIZE when set)")

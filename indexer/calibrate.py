@@ -22,7 +22,7 @@ measures it, on the corpus it serves, with no question from anyone:
 
 The sample is fixed by its seed, so indexing the same corpus again gives the same sets,
 questions and choice. It is sized to a few percent of a large index's own work
-(`sample_size`; at least 4 sets, which is +23% on the demo's 54 chunks). The result goes
+(`sample_size`; at least 4 sets, which is +49% on the demo's 54 chunks). The result goes
 into the manifest (`retriever.manifest.Calibration`), and `ragkv serve` serves the cheapest
 setting whose predicted KL meets `--fidelity-kl`.
 How well it predicts KL on held-out questions: `ragkv eval --calibration`, docs/quality.md.

@@ -65,7 +65,7 @@ ENTITY_QUESTION = "Who or what is {name}? Answer in at most five words."
 _SENTENCE = re.compile(r"(?<=[.!?])\s+")
 _WORD = re.compile(r"\S+")
 _KEY = re.compile(r"^[\"'(\[]*([A-Z][\w'-]*|\d[\d,.:/-]*)[\"')\],;:.!?]*$")  # a capitalized word or a number
-# a capitalized word or a number, then its punctuation
+# `_KEY`'s word for `key_terms`: its punctuation captured (a run of terms ends there), a number ending in a digit
 _TERM = re.compile(r"^[\"'(\[]*([A-Z][\w'-]*|\d[\d,.:/-]*\d|\d)([\"')\],;:.!?]*)$")
 
 

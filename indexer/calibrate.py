@@ -35,7 +35,7 @@ import random
 import re
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -59,6 +59,7 @@ MIN_SETS, MAX_SETS = 4, 32
 # neighbour KV), so 1 set per 100 chunks is about 5% of a large index's time; a small corpus still
 # gets MIN_SETS (docs/quality.md: smaller samples predict nothing)
 SETS_PER_CHUNK = 0.01
+REDRAWS = 4  # a set whose seed gives no question is drawn again, up to this many times the sample in all
 BLANK = "____"
 ENTITY_QUESTION = "Who or what is {name}? Answer in at most five words."
 
@@ -145,32 +146,69 @@ def chunk_sets(xb: np.ndarray, n_sets: int, k: int = CHUNKS_PER_SET, seed: int =
     n = xb.shape[0]
     if n < k or n_sets < 1:
         return []
-    norm = xb / np.maximum(np.linalg.norm(xb, axis=1, keepdims=True), 1e-12)
+    norm = _unit(xb)
     rng = np.random.default_rng(seed)
-    out = []
-    for s in rng.choice(n, size=min(n_sets, n), replace=False).tolist():
-        sims = norm @ norm[s]  # [n]
-        sims[s] = np.inf  # the seed, then the nearest
-        rows = np.argsort(-sims, kind="stable")[:k]
-        out.append((s, rows[rng.permutation(k)].tolist()))
-    return out
+    return [_set_of(norm, s, k, rng) for s in rng.choice(n, size=min(n_sets, n), replace=False).tolist()]
+
+
+def spare_sets(xb: np.ndarray, taken: set[int], k: int = CHUNKS_PER_SET,
+               seed: int = SEED) -> Iterator[tuple[int, list[int]]]:
+    """More chunk sets, as `chunk_sets` makes them, seeded by the rows not in `taken`, in an order
+    `seed` fixes (a stream of its own: `chunk_sets`' draws stay as they are). Lazy: a set's
+    similarities are computed when it is asked for."""
+    import numpy as np
+
+    n = xb.shape[0]
+    if n < k:
+        return
+    norm = _unit(xb)
+    rng = np.random.default_rng([seed, 1])
+    for s in rng.permutation(n).tolist():
+        if s not in taken:
+            yield _set_of(norm, s, k, rng)
+
+
+def _unit(xb: np.ndarray) -> np.ndarray:
+    import numpy as np
+
+    return xb / np.maximum(np.linalg.norm(xb, axis=1, keepdims=True), 1e-12)
+
+
+def _set_of(norm: np.ndarray, s: int, k: int, rng: np.random.Generator) -> tuple[int, list[int]]:
+    """The set seeded by row `s` of `norm` ([n, d], unit rows): `s` and its k - 1 nearest rows,
+    in an order `rng` draws."""
+    import numpy as np
+
+    sims = norm @ norm[s]  # [n]
+    sims[s] = np.inf  # the seed, then the nearest
+    rows = np.argsort(-sims, kind="stable")[:k]
+    return s, rows[rng.permutation(k)].tolist()
 
 
 def sample_prompts(xb: np.ndarray, n_sets: int, text_of: Callable[[int], str],
                    method: str = METHOD) -> list[tuple[list[int], str, str]]:
     """The sample: `n_sets` chunk sets over the rows of `xb` (`chunk_sets`), each (its rows in prompt
     order, a question made from its seed row's text `text_of(row)`, the question's kind). The kinds
-    of `method` ("entity+cloze": `QUESTIONS`' names joined by "+") take the sets in turn; a set whose
-    seed gives its kind no question is left out. Fixed by `SEED`: the index and `ragkv eval
-    --calibration` draw alike."""
+    of `method` ("entity+cloze": `QUESTIONS`' names joined by "+") take the sets in turn. A set whose
+    seed gives its kind no question (a chunk with no name or number, or no sentence to blank) gives
+    way to a set drawn from the other rows (`spare_sets`), asked the same kind, up to `REDRAWS` x
+    `n_sets` draws in all: the kinds keep their shares of the sample. Fixed by `SEED`: the index and
+    `ragkv eval --calibration` draw alike."""
     kinds = method.split("+")
     if unknown := [k for k in kinds if k not in QUESTIONS]:
         raise ValueError(f"unknown calibration question kind {unknown[0]!r}: the kinds are {', '.join(QUESTIONS)}")
     rng = random.Random(SEED)
+    first = chunk_sets(xb, n_sets, CHUNKS_PER_SET, SEED)
+    spare = spare_sets(xb, {s for s, _ in first}, CHUNKS_PER_SET, SEED)
+    redraws = REDRAWS * n_sets
     out = []
-    for i, (seed, rows) in enumerate(chunk_sets(xb, n_sets, CHUNKS_PER_SET, SEED)):
+    for i, (seed, rows) in enumerate(first):
         kind = kinds[i % len(kinds)]
         question = QUESTIONS[kind](text_of(seed), rng)
+        while question is None and redraws > 0 and (drawn := next(spare, None)) is not None:
+            redraws -= 1
+            seed, rows = drawn
+            question = QUESTIONS[kind](text_of(seed), rng)
         if question is not None:
             out.append((rows, question, kind))
     return out

@@ -26,6 +26,7 @@ from ragkv.indexer.calibrate import (
     CHUNKS_PER_SET,
     METHOD,
     RATIOS,
+    REDRAWS,
     chunk_sets,
     cloze,
     entity_question,
@@ -75,6 +76,34 @@ def test_the_entity_question_asks_of_a_name_or_number_of_the_chunk_fixed_by_its_
     assert METHOD == "entity+cloze" and [kind for _, _, kind in both] == ["entity", "cloze"] * 3
     with pytest.raises(ValueError, match="unknown calibration question kind 'riddle'"):
         sample_prompts(xb, 6, texts.__getitem__, "entity+riddle")
+
+
+def test_a_seed_that_gives_no_question_gives_way_to_another_and_the_kinds_keep_their_shares() -> None:
+    """A set whose seed chunk has no name or number is drawn again from the other chunks, asked the same
+    kind; the sets whose seeds gave a question stay as they were drawn; the redraws are bounded."""
+    rng = np.random.default_rng(7)
+    xb = rng.normal(size=(40, 8)).astype(np.float32)
+    named = "The probe landed on Mars in 1976, after Viking One left orbit. It cost 1,696 dollars in all."
+    plain = "the cat sat on the warm mat. it was there for the whole of a long and quiet day."
+    first = chunk_sets(xb, 6)
+    nameless = {first[0][0], first[2][0]}  # two entity seeds (the kinds alternate: entity, cloze, ...)
+    texts = [plain if row in nameless else named for row in range(40)]
+    got = sample_prompts(xb, 6, texts.__getitem__)
+    assert len(got) == 6 and [kind for _, _, kind in got] == ["entity", "cloze"] * 3
+    assert all(q.startswith("Who or what is ") for _, q, kind in got if kind == "entity")
+    kept = [rows for (_, rows), (rows2, _, _) in zip(first, got) if rows == rows2]
+    assert len(kept) == 4 and got[0][0] != first[0][1] and got[2][0] != first[2][1]  # only the two redrawn
+    assert sample_prompts(xb, 6, texts.__getitem__) == got  # fixed by the seed
+    # a corpus with no name or number anywhere: the entity sets are left out, after a bounded search
+    asked: list[int] = []
+
+    def text_of(row: int) -> str:
+        asked.append(row)
+        return plain
+
+    only_cloze = sample_prompts(xb, 6, text_of)
+    assert [kind for _, _, kind in only_cloze] == ["cloze"] * 3
+    assert len(asked) <= 6 + REDRAWS * 6
 
 
 def test_each_setting_is_predicted_by_the_kind_of_question_blend_serves_worse(calibrated) -> None:

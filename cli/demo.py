@@ -5,7 +5,9 @@
 2. Start `ragkv serve` on a free loopback port (CPU + disk tiers, shipped models).
 3. Ask questions through the Python SDK in `full`, `blend` and `focus` mode, streaming each
    answer with its sources (which search found each: dense, lexical or both, fused by
-   the default hybrid search) and time to first token, then stop the server.
+   the default hybrid search) and time to first token, then stop the server. Blend runs at
+   the server's default: the cheapest ratio the index's calibration predicts within
+   `--fidelity-kl` of full prefill, and the demo prints the ratio and that prediction.
 """
 
 from __future__ import annotations
@@ -37,6 +39,25 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def demo_commands(index_dir: Path, model_spec: str, port: int) -> tuple[list[str], list[str]]:
+    """The `ragkv` command lines the demo runs (after `python -m ragkv.cli`): index, then serve."""
+    index = ["index", "demo", "--out", str(index_dir), "--model", model_spec]
+    serve = ["serve", "--index", str(index_dir), "--host", "127.0.0.1", "--port", str(port),
+             "--metrics-port", "off", "--log-level", "warning"]
+    return index, serve
+
+
+def describe_run(stats) -> str:
+    """What a demo answer ran, from its final stats (`ragkv.types.QueryStats`)."""
+    ran = f"{stats.mode.value}"
+    if stats.recompute_ratio is not None:
+        ran += f" at ratio {stats.recompute_ratio:g}"
+    if stats.predicted_kl is not None and stats.mode.value != "full":
+        ran += f" (calibrated KL to full prefill {stats.predicted_kl:.4f})"
+    return (f"TTFT {stats.ttft_seconds:.2f} s (server); ran {ran}; recomputed {stats.recompute_fraction:.0%} of "
+            f"chunk tokens; answered over {len(stats.used_chunk_ids)} chunks")
+
+
 def run_demo(index_dir: Path | None, model_spec: str, max_new_tokens: int, questions: tuple[str, ...] = DEMO_QUESTIONS,
              out: TextIO = sys.stdout) -> int:
     from ragkv import RagClient
@@ -45,24 +66,22 @@ def run_demo(index_dir: Path | None, model_spec: str, max_new_tokens: int, quest
     ragkv = [sys.executable, "-m", "ragkv.cli"]
     print(f"[1/3] indexing the demo corpus into {index_dir} (first run: a few minutes on 2 cores)",
           file=out, flush=True)
-    subprocess.run(ragkv + ["index", "demo", "--out", str(index_dir), "--model", model_spec], check=True)
-
     port = _free_port()
+    index, serve = demo_commands(index_dir, model_spec, port)
+    subprocess.run(ragkv + index, check=True)
+
     addr = f"127.0.0.1:{port}"
     print(f"[2/3] starting the server on {addr}", file=out, flush=True)
-    server = subprocess.Popen(ragkv + ["serve", "--index", str(index_dir), "--host", "127.0.0.1", "--port",
-                                       str(port), "--metrics-port", "off", "--log-level", "warning"],
-                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    server = subprocess.Popen(ragkv + serve, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     try:
         with RagClient(addr, timeout=300) as client:
             _wait_until_serving(client, server)
-            print("[3/3] asking through the SDK (full prefill, blend with 15% recompute, focus)\n",
-                  file=out, flush=True)
+            print("[3/3] asking through the SDK (full prefill; blend at the ratio the index's calibration "
+                  "chose; focus)\n", file=out, flush=True)
             for question in questions:
                 print(f"Q: {question}", file=out)
                 for mode in ("full", "blend", "focus"):
-                    stream = client.query(question, mode=mode, recompute_ratio=0.15, top_k=4,
-                                          max_new_tokens=max_new_tokens)
+                    stream = client.query(question, mode=mode, top_k=4, max_new_tokens=max_new_tokens)
                     t0 = time.perf_counter()
                     first = None
                     print(f"  [{mode:5s}] ", end="", file=out, flush=True)
@@ -70,9 +89,8 @@ def run_demo(index_dir: Path | None, model_spec: str, max_new_tokens: int, quest
                         first = first or time.perf_counter() - t0
                         print(piece, end="", file=out, flush=True)
                     stats = stream.result()
-                    print(f"\n          TTFT {stats.ttft_seconds:.2f} s (server), {first or 0:.2f} s (client); "
-                          f"recomputed {stats.recompute_fraction:.0%} of chunk tokens; answered over "
-                          f"{len(stats.used_chunk_ids)} of {len(stream.chunks)} chunks", file=out)
+                    print(f"\n          {describe_run(stats)} of {len(stream.chunks)}; first piece at the client "
+                          f"after {first or 0:.2f} s", file=out)
                 sources = ", ".join(f"{c.metadata.get('source', c.chunk_id)} ({c.score:.3f}, found by "
                                     f"{'+'.join(m.value for m in c.found_by) or '-'}, KV from "
                                     f"{c.kv_tier.name.lower() if c.kv_tier else '-'})" for c in stream.chunks)

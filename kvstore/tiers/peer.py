@@ -15,7 +15,7 @@ next tier or computed.
 Faults are misses, never hangs: a lookup or read past `read_timeout_s`, an object lost with
 its replica, or bytes that fail their checksums each fall through to the next tier, and the
 copy is reported lost so the directory stops naming it. What a replica publishes is bounded
-(`budget_bytes`): the oldest published entries are withdrawn first.
+(`budget_bytes`): the entries it used least recently are withdrawn first.
 
 Chunk KV is the index's, shared by every tenant of a collection as the local tiers are. The KV
 tree (conversations) is never published. This module knows no Ray: the cluster hands it a
@@ -43,6 +43,7 @@ from ragkv.kvstore.tiers.durable import DurableTier
 logger = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 600.0  # a directory entry not published again within this is dropped
+REANNOUNCE_S = DEFAULT_TTL_S / 2  # a replica names what it still holds to the directory again this often
 DEFAULT_MAX_ENTRIES = 100_000  # copies a directory names at most (the oldest go first)
 LOOKUP_MEMO_S = 1.0  # a replica reuses a directory answer this long (a request asks per chunk twice)
 _MEMO_MAX = 4096  # directory answers a replica remembers
@@ -191,7 +192,8 @@ class PeerTier(DurableTier):
 
     def __init__(self, replica: str, directory: Directory, objects: ObjectStore, model_fp: str, tokenizer_fp: str,
                  budget_bytes: int, compression: Compression = Compression.NONE, read_timeout_s: float = 2.0,
-                 keep_reads: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
+                 keep_reads: bool = False, clock: Callable[[], float] = time.monotonic,
+                 reannounce_s: float = REANNOUNCE_S) -> None:
         """
         Args:
             replica: this replica's name in the directory.
@@ -202,6 +204,9 @@ class PeerTier(DurableTier):
                 read it (replayed on 20 held-out seeds of the cluster bench's workload, chunk
                 routing's local-plus-peer hits go from 0.84 to 0.89 of one pooled tier's, pow2's
                 from 0.80 to 0.96: docs/quality.md), at the price of a peer read each time.
+            reannounce_s: what this replica still publishes is named to the directory again once
+                its last announcement is this old (under the directory's time-to-live, which
+                drops a copy nobody names again: one the replica keeps using stays found).
         """
         if budget_bytes is None or budget_bytes <= 0:
             raise ValueError(f"a peer tier needs a byte budget > 0, got {budget_bytes!r}")
@@ -213,7 +218,10 @@ class PeerTier(DurableTier):
         self.hits_kept_above = keep_reads
         self._clock = clock
         self._lock = threading.Lock()
-        self._published: OrderedDict[ChunkKey, tuple[object, int]] = OrderedDict()  # oldest first
+        self._published: OrderedDict[ChunkKey, tuple[object, int]] = OrderedDict()  # least recently used first
+        self._announced: OrderedDict[ChunkKey, float] = OrderedDict()  # when the directory was last told, oldest first
+        self.reannounce_s = reannounce_s
+        self._reannouncing = False  # a pass over the oldest announcements is queued
         self._bytes = 0
         self._memo: OrderedDict[ChunkKey, tuple[float, list[PeerCopy]]] = OrderedDict()
         self._reading: dict[ChunkKey, str] = {}  # the replica whose copy a read of the key took
@@ -303,17 +311,60 @@ class PeerTier(DurableTier):
         """Publish computed KV, encoded on the publisher's thread (the caller's put goes on), in
         the peer tier's own compression."""
         self._check_entry(entry)
-        if entry.key in self._published:
+        if self._touch(entry.key):
             return True
         data = encoded.get(self.compression)
         self._queue(lambda: self.put(entry) if data is None else self.put_file(entry.key, data))
         return True
 
     def take(self, hit: Hit) -> KVEntry | None:
-        """Publish what another tier gave (disk, S3): its verified bytes as they are."""
-        if hit.entry.key not in self._published:
+        """Publish what another tier gave (disk, S3): its verified bytes as they are. A chunk
+        already published is this replica's most recent again: the store hands every hit here
+        (`takes_every_hit`), the host tier's too, so what goes first when the budget is full is
+        what this replica has used least recently, as its host tier's LRU would (first published,
+        first withdrawn kept a hot chunk's copy no longer than a cold one's)."""
+        if not self._touch(hit.entry.key):
             self._queue(lambda: DurableTier.take(self, hit))
         return None
+
+    def _touch(self, key: ChunkKey) -> bool:
+        """Whether `key` is published; if so it becomes the last to be withdrawn (and what this
+        replica has not named to the directory for `reannounce_s` is named again, off this thread)."""
+        with self._lock:
+            if key not in self._published:
+                return False
+            self._published.move_to_end(key)
+            due = self._reannounce_due()
+        if due:
+            self._queue(self._reannounce)
+        return True
+
+    def _reannounce_due(self) -> bool:
+        """(Under the lock.) Whether the oldest announcement is due and no pass is queued yet."""
+        if self._reannouncing or not self._announced:
+            return False
+        if self._clock() - next(iter(self._announced.values())) < self.reannounce_s:
+            return False
+        self._reannouncing = True
+        return True
+
+    def _reannounce(self) -> None:
+        """Name every copy announced `reannounce_s` ago or more to the directory again (the
+        directory drops a copy not named within its time-to-live, held or not)."""
+        now = self._clock()
+        again = []
+        with self._lock:
+            self._reannouncing = False
+            while self._announced:
+                key, at = next(iter(self._announced.items()))
+                if now - at < self.reannounce_s:
+                    break
+                del self._announced[key]
+                if key in self._published:
+                    self._announced[key] = now
+                    again.append((key, *self._published[key]))
+        for key, handle, n in again:
+            self.directory.publish(key.hex, self.replica, handle, n)
 
     def put_file(self, key: ChunkKey, data: bytes | bytearray | memoryview) -> bool:
         if key in self._published:  # queued twice (two hits before the first publish): published once
@@ -353,11 +404,16 @@ class PeerTier(DurableTier):
         gone: list[ChunkKey] = []
         with self._lock:
             while self._published and self._bytes + n > self.budget_bytes:
-                old, (_, size) = self._published.popitem(last=False)  # the oldest published goes first
+                old, (_, size) = self._published.popitem(last=False)  # the least recently used goes first
+                self._announced.pop(old, None)
                 self._bytes -= size
                 gone.append(old)
             self._published[key] = (handle, n)
+            self._announced[key] = self._clock()
             self._bytes += n
+            due = self._reannounce_due()
+        if due:
+            self._reannounce()  # (on the publisher's thread already)
         if gone:
             self._counters.add(evictions=len(gone))
             self.directory.withdraw(self.replica, [k.hex for k in gone])
@@ -367,6 +423,7 @@ class PeerTier(DurableTier):
     def delete(self, key: ChunkKey) -> bool:
         with self._lock:
             held = self._published.pop(key, None)
+            self._announced.pop(key, None)
             if held is not None:
                 self._bytes -= held[1]
         if held is not None:
@@ -383,6 +440,7 @@ class PeerTier(DurableTier):
         with self._lock:
             keys = [k.hex for k in self._published]
             self._published.clear()
+            self._announced.clear()
             self._bytes = 0
         if keys:
             try:

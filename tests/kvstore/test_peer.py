@@ -1,7 +1,7 @@
 """The peer tier (kvstore/tiers/peer.py) with an in-process directory and object store: what
 one replica computes another reads, verified; a lost, slow or damaged copy is a miss that
 falls through to the next tier, and the directory stops naming it; what a replica publishes
-stays within its budget, oldest out first. The same tier over Ray: tests/server/test_peer_ray.py."""
+stays within its budget, least recently used out first. The same tier over Ray: tests/server/test_peer_ray.py."""
 
 from __future__ import annotations
 
@@ -211,6 +211,51 @@ def test_what_a_replica_publishes_stays_in_its_budget_oldest_out_first() -> None
     st = peer_a.stats()
     assert (st.entries, st.bytes_used, st.evictions) == (2, 2 * size, 2)
     assert [bool(directory.lookup(e.key.hex)) for e in entries] == [False, False, True, True]
+
+
+def test_a_published_chunk_the_replica_uses_again_is_withdrawn_after_ones_it_did_not() -> None:
+    """What goes first is what this replica used least recently (its host tier's hits count), not what
+    it published first: a hot chunk stays published while colder ones come and go."""
+    directory, cluster = PeerDirectory(), Cluster()
+    hot, *cold = [make_entry(20 + i) for i in range(4)]
+    size = len(encode(hot))
+    a, peer_a = _store("a", directory, cluster, budget=2 * size)
+    _publish(a, peer_a, hot)
+    for e in cold:
+        _publish(a, peer_a, e)
+        hit = a.read(hot.key)  # the replica serves the hot chunk from its host tier again
+        assert hit is not None and hit.tier is Tier.CPU
+        assert peer_a.flush()
+    assert directory.lookup(hot.key.hex), "the chunk this replica keeps using was withdrawn"
+    assert [bool(directory.lookup(e.key.hex)) for e in cold] == [False, False, True]
+    assert peer_a.stats().evictions == 2
+
+
+def test_a_copy_the_replica_still_holds_is_named_again_before_the_directorys_ttl_drops_it() -> None:
+    """The directory forgets a copy not named within its time-to-live; a replica names what it still
+    publishes again as it goes on serving, so a chunk published once stays found for as long as it is
+    held (before, every copy vanished from the directory 10 minutes after its first publish)."""
+    now = [0.0]
+    clock = lambda: now[0]  # noqa: E731
+    directory, cluster = PeerDirectory(ttl_s=600.0, clock=clock), Cluster()
+    peer = PeerTier("a", directory, cluster.objects("a"), MODEL_FP, TOKENIZER_FP, 1 << 20, clock=clock,
+                    reannounce_s=300.0)
+    store = TieredStore.from_tiers([CpuTier(MODEL_FP, TOKENIZER_FP)])
+    store.attach(peer)
+    old, used = make_entry(40), make_entry(41)
+    _publish(store, peer, old)
+    now[0] = 200.0
+    _publish(store, peer, used)
+    now[0] = 350.0  # `old` was named 350 s ago: the next hit names it again
+    assert store.read(used.key) is not None and peer.flush()
+    now[0] = 700.0  # past `old`'s first publish plus the TTL
+    assert directory.lookup(old.key.hex), "a copy still held vanished from the directory at its TTL"
+    assert directory.lookup(used.key.hex)
+    # a copy the replica withdrew is not named again
+    peer.delete(old.key)
+    now[0] = 1000.0
+    assert store.read(used.key) is not None and peer.flush()
+    assert not directory.lookup(old.key.hex) and directory.lookup(used.key.hex)
 
 
 def test_publishing_runs_off_the_callers_thread() -> None:

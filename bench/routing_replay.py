@@ -36,7 +36,7 @@ import random
 import statistics
 import sys
 import tempfile
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,16 +86,47 @@ def _requests(retriever, topics: list[list[str]], plain: tuple[bool, bool], seed
     return out
 
 
+PUBLISHED = ("holder", "lru", "fifo")  # what a peer finds (`replay`'s `published`)
+
+
+class Published:
+    """What one replica publishes to the peer tier, as `kvstore.tiers.peer.PeerTier` keeps it:
+    every chunk its own tiers read, within `capacity_tokens`; "lru": a chunk it reads again is
+    withdrawn last (the peer tier now), "fifo": the first published is the first withdrawn,
+    however often it is read (the peer tier before). A peer's read of it changes nothing."""
+
+    def __init__(self, capacity_tokens: int, policy: str) -> None:
+        self.policy, self.capacity_tokens = policy, capacity_tokens
+        self.held: OrderedDict[str, int] = OrderedDict()  # chunk -> tokens, first withdrawn first
+        self._tokens = 0
+
+    def offer(self, chunk: str, tokens: int) -> None:
+        if chunk in self.held:
+            if self.policy == "lru":
+                self.held.move_to_end(chunk)
+            return
+        self.held[chunk] = tokens
+        self._tokens += tokens
+        while self._tokens > self.capacity_tokens and self.held:
+            self._tokens -= self.held.popitem(last=False)[1]
+
+
 def replay(requests: list[tuple[str, list[_Hit]]], replicas: int, capacity_tokens: int, placement: str | None,
-           seed: int, peers: bool = False, keep_peer_reads: bool = False) -> tuple[float, list[tuple[str, int]], float]:
+           seed: int, peers: bool = False, keep_peer_reads: bool = False,
+           published: str = "holder") -> tuple[float, list[tuple[str, int]], float]:
     """Route `requests` in order (placement None: power of two choices) over `replicas` LRU
     tiers; the fast-tier hit rate, the loads in order, and the local-plus-peer hit rate.
     With `peers` the replicas read each other's tiers (the peer tier, and routing that knows it):
     a chunk another replica's tier holds is a peer hit, read through as the peer tier does
     (`keep_peer_reads`: copied into the reader's tier too, as a read from disk is). Without,
-    the last is the first."""
+    the last is the first. `published`: what a peer finds: "holder", the holder's own LRU tier,
+    which the peer's read keeps (the bound); "lru" or "fifo", what the holder published, a copy
+    of the same size beside its tier (`Published`)."""
+    if published not in PUBLISHED:
+        raise ValueError(f"published must be one of {', '.join(PUBLISHED)}, got {published!r}")
     rng = random.Random(seed)
     tiers = [LRUTier(capacity_tokens) for _ in range(replicas)]
+    shown = [Published(capacity_tokens, published) for _ in range(replicas)] if published != "holder" else None
     views = [ReplicaView(f"r{i}") for i in range(replicas)]
     hits, peer_hits, loads = 0, 0, []
     for _kind, chunks in requests:  # an agent loop's later calls read the KV tree: no loads
@@ -108,14 +139,20 @@ def replay(requests: list[tuple[str, list[_Hit]]], replicas: int, capacity_token
                            documents=tuple(c.doc for c in chunks))
             i = views.index(route(views, keys, Policy.CHUNK, rng=rng, peers=peers).replicas[0])
         for c in chunks:
-            holders = [t for j, t in enumerate(tiers) if peers and j != i and c.key in t.held]
+            if shown is None:
+                holders = [t for j, t in enumerate(tiers) if peers and j != i and c.key in t.held]
+            else:
+                holders = [tiers[j] for j, p in enumerate(shown) if peers and j != i and c.key in p.held]
             if not keep_peer_reads and holders and c.key not in tiers[i].held:  # read through, not kept here
-                holders[0].read(c.key, c.tokens)  # the peer's copy was used: it stays
+                if shown is None:
+                    holders[0].read(c.key, c.tokens)  # the peer's copy was used: it stays
                 peer_hits += 1
                 loads.append((c.key, c.tokens))
                 continue
             elsewhere = bool(holders)
             local = tiers[i].read(c.key, c.tokens)
+            if shown is not None:
+                shown[i].offer(c.key, c.tokens)  # what its own tiers read, it publishes (or uses again)
             hits += local
             peer_hits += local or elsewhere
             loads.append((c.key, c.tokens))
@@ -144,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agent-every", type=int, default=5)
     p.add_argument("--index", type=Path, default=None, help="the cluster bench's index (default: built here, 2 min)")
     p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--published", choices=PUBLISHED, default="holder",
+                   help="what a peer finds: holder = the holder's own LRU tier, which a peer's read keeps (the "
+                        "bound); lru / fifo = what the holder published, withdrawn least recently used first "
+                        "(the peer tier) or first published first (default holder)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
     from ragkv.retriever.manifest import read_manifest
@@ -168,14 +209,16 @@ def main(argv: list[str] | None = None) -> int:
         for seed, requests in by_seed.items():
             pow2, pow2_loads, _ = replay(requests, args.replicas, capacity, None, seed)
             pow2_pooled = lru_hit_rate(pow2_loads, capacity * args.replicas) or 0.0
-            _, _, pow2_peer = replay(requests, args.replicas, capacity, None, seed, peers=True)
+            _, _, pow2_peer = replay(requests, args.replicas, capacity, None, seed, peers=True,
+                                     published=args.published)
             row: dict = {"seed": seed, "pow2": round(pow2, 3),
                          "pow2_with_peers": {"hit_rate": round(pow2_peer, 3), "pooled": pow2_pooled,
                                              "of_pooled": round(pow2_peer / pow2_pooled, 2) if pow2_pooled else None}}
             for placement in placements:
                 rate, loads, _ = replay(requests, args.replicas, capacity, placement, seed)
                 pooled = lru_hit_rate(loads, capacity * args.replicas) or 0.0
-                _, _, with_peers = replay(requests, args.replicas, capacity, placement, seed, peers=True)
+                _, _, with_peers = replay(requests, args.replicas, capacity, placement, seed, peers=True,
+                                          published=args.published)
                 peer_pooled = pooled  # the bound of the same requests' loads
                 row[placement] = {"hit_rate": round(rate, 3), "pooled": pooled, "over_pow2": round(rate / pow2, 2),
                                   "share_of_placement_gain": round((rate - pow2) / (pooled - pow2), 2)

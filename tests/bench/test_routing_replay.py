@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from bench.routing_replay import _Hit, _Placed, main, replay
+from bench.routing_replay import Published, _Hit, _Placed, main, replay
 
 
 def _workload(n: int = 300, topics: int = 8, seed: int = 0) -> list[tuple[str, list[_Hit]]]:
@@ -46,6 +46,23 @@ def test_with_peers_a_chunk_another_replica_holds_counts_and_pow2_gains_most() -
     kept = replay(two, 2, 10, None, seed=3, peers=True, keep_peer_reads=True)[2]
     through = replay(two, 2, 10, None, seed=3, peers=True)[2]
     assert through >= kept
+
+
+def test_what_a_replica_published_is_withdrawn_as_its_policy_says_and_a_peer_finds_only_that() -> None:
+    lru, fifo = Published(20, "lru"), Published(20, "fifo")
+    for p in (lru, fifo):
+        p.offer("a", 10)
+        p.offer("b", 10)
+        p.offer("a", 10)  # read again by its own replica
+        p.offer("c", 10)
+    assert list(lru.held) == ["a", "c"] and list(fifo.held) == ["b", "c"]
+    seq = [("ask", [_Hit(k, "d", 10)]) for k in ("x", "y", "z", "w")]
+    with pytest.raises(ValueError, match="published must be one of holder, lru, fifo"):
+        replay(seq, 2, 20, None, seed=0, peers=True, published="random")
+    # a peer finds only what the holder published (not its tier, nor kept by the peer's read)
+    requests = _workload()
+    rates = {pub: replay(requests, 4, 60, None, seed=1, peers=True, published=pub)[2] for pub in ("holder", "lru", "fifo")}
+    assert rates["holder"] >= rates["lru"] >= rates["fifo"] and rates["holder"] > rates["fifo"]
 
 
 def test_placement_keys_compared() -> None:

@@ -375,7 +375,8 @@ def _layers(lm: LoadedModel, a: _Assembled, chunks: Sequence[ChunkKV], options: 
         first_active: the active tokens are [first_active, N); -1: exactly `pos`.
         check: deviation blend's check layer (-1: none): from it on only the picked tokens
             and the question run.
-        pos: [S] sorted positions of the active tokens, with first_active -1.
+        pos: [S] sorted positions of the active tokens, with first_active -1: the picked chunk
+            tokens' (each < c), then every question token's.
     """
     dev, ad = lm.device, lm.adapter
     p, c, n, cache, timer = a.p, a.c, a.n, a.cache, a.timer
@@ -386,7 +387,10 @@ def _layers(lm: LoadedModel, a: _Assembled, chunks: Sequence[ChunkKV], options: 
     rope = a.rope_all[pos]  # S rows
     # contiguous active tokens from first_active on recompute every chunk token past it (none
     # for reuse); deviation blend replaces this with its pick at the check layer
-    recomputed = pos[pos < c] if first_active < 0 else torch.arange(min(max(first_active, p), c), c, device=dev)
+    # (`pos` given: the picked chunk positions, then the question's [c, n), so the first rows are
+    # the picks; a boolean mask here made the host wait for the device once a pass)
+    recomputed = pos[:pos.shape[0] - (n - c)] if first_active < 0 else \
+        torch.arange(min(max(first_active, p), c), c, device=dev)
     if check >= 0:  # every active token through the layers before the check layer
         h = yield from layer_steps(lm, h, rope, span(cache, slots, pos, n, lm), range(check), pos=pos,
                                    step_tokens=a.step_tokens)

@@ -73,3 +73,25 @@ def test_the_counter_sees_a_planted_read() -> None:
         int(t[2])
         t[t > 2]
     assert [op.split(".")[1] for op in waits.ops] == ["_local_scalar_dense", "index"]
+
+
+def test_a_pass_resumed_from_the_kv_tree_reads_no_device_value_on_the_host(tiny_lm) -> None:
+    """A conversation's next call: the lease's KV goes into the pass and only the new tokens run."""
+    from ragkv.engine import SamplingParams, TreeConfig
+
+    engine = Engine(tiny_lm, tree=TreeConfig(64 << 20))
+    trees = engine.conversations
+    g = torch.Generator().manual_seed(1)
+    first = torch.randint(5, engine.lm.tokenizer.vocab_size, (120,), generator=g).tolist()
+    place = trees.lease(Mode.FULL, (), [], (), first)
+    res = engine.run(Prompt(first), Mode.FULL, reserve_tokens=16)
+    stream = engine.decode(res, SamplingParams(max_new_tokens=5))
+    list(stream)
+    assert trees.remember(place, Mode.FULL, res, len(first), 0, stream.token_ids, None) > 0
+    second = [*first, *stream.token_ids[:4], *torch.randint(5, 200, (20,), generator=g).tolist()]
+    spot = trees.lease(Mode.FULL, (), [], (), second)
+    assert spot.lease is not None
+    with HostWaits() as waits:
+        resumed = engine.run(Prompt(second), Mode.FULL, reserve_tokens=16, resume=spot)
+    assert resumed.cached_tokens == spot.tokens > len(first)
+    assert waits.ops == [], f"a resumed pass waits on the device {len(waits.ops)} times: {sorted(set(waits.ops))}"

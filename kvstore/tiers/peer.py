@@ -68,6 +68,7 @@ class Directory(Protocol):
     Ray actor behind `kvstore.peer_ray.RayDirectory` in a cluster."""
 
     def publish(self, key: str, replica: str, handle: object, nbytes: int) -> None: ...
+    def publish_many(self, replica: str, copies: list[tuple[str, object, int]]) -> None: ...  # (key, handle, nbytes)
     def withdraw(self, replica: str, keys: list[str]) -> None: ...
     def lookup_many(self, keys: list[str]) -> list[list[PeerCopy]]: ...
     def lost(self, key: str, replica: str) -> None: ...
@@ -114,6 +115,11 @@ class PeerDirectory:
             while len(self._copies) > self.max_entries:
                 self._drop(next(iter(self._copies)))
                 self.dropped += 1
+
+    def publish_many(self, replica: str, copies: list[tuple[str, object, int]]) -> None:
+        """`publish` of each (key, handle, nbytes), in one call (a replica naming what it still holds)."""
+        for key, handle, nbytes in copies:
+            self.publish(key, replica, handle, nbytes)
 
     def withdraw(self, replica: str, keys: list[str]) -> None:
         """`replica` no longer publishes `keys` (it evicted them)."""
@@ -355,16 +361,18 @@ class PeerTier(DurableTier):
         again = []
         with self._lock:
             self._reannouncing = False
-            while self._announced:
-                key, at = next(iter(self._announced.items()))
+            due = []
+            for key, at in self._announced.items():  # oldest first: stop at the first not yet due
                 if now - at < self.reannounce_s:
                     break
+                due.append(key)
+            for key in due:  # (named now: to the back)
                 del self._announced[key]
                 if key in self._published:
                     self._announced[key] = now
                     again.append((key, *self._published[key]))
-        for key, handle, n in again:
-            self.directory.publish(key.hex, self.replica, handle, n)
+        if again:
+            self.directory.publish_many(self.replica, [(key.hex, handle, n) for key, handle, n in again])
 
     def put_file(self, key: ChunkKey, data: bytes | bytearray | memoryview) -> bool:
         if key in self._published:  # queued twice (two hits before the first publish): published once

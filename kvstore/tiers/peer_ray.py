@@ -55,6 +55,9 @@ class RayDirectory:
     def publish(self, key: str, replica: str, handle: object, nbytes: int) -> None:
         self._send("publish", key, replica, handle, nbytes)
 
+    def publish_many(self, replica: str, copies: list[tuple[str, object, int]]) -> None:
+        self._send("publish_many", replica, copies)  # (the handles, lists inside a list, stay references)
+
     def withdraw(self, replica: str, keys: list[str]) -> None:
         self._send("withdraw", replica, keys)
 

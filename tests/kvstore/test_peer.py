@@ -237,7 +237,15 @@ def test_a_copy_the_replica_still_holds_is_named_again_before_the_directorys_ttl
     held (before, every copy vanished from the directory 10 minutes after its first publish)."""
     now = [0.0]
     clock = lambda: now[0]  # noqa: E731
-    directory, cluster = PeerDirectory(ttl_s=600.0, clock=clock), Cluster()
+
+    class Counting(PeerDirectory):
+        renamed = 0
+
+        def publish_many(self, replica: str, copies: list) -> None:
+            self.renamed += 1
+            super().publish_many(replica, copies)
+
+    directory, cluster = Counting(ttl_s=600.0, clock=clock), Cluster()
     peer = PeerTier("a", directory, cluster.objects("a"), MODEL_FP, TOKENIZER_FP, 1 << 20, clock=clock,
                     reannounce_s=300.0)
     store = TieredStore.from_tiers([CpuTier(MODEL_FP, TOKENIZER_FP)])
@@ -251,6 +259,13 @@ def test_a_copy_the_replica_still_holds_is_named_again_before_the_directorys_ttl
     now[0] = 700.0  # past `old`'s first publish plus the TTL
     assert directory.lookup(old.key.hex), "a copy still held vanished from the directory at its TTL"
     assert directory.lookup(used.key.hex)
+    assert directory.renamed == 1  # (`old`, once, in one call with whatever else was due)
+    # every announcement due at once (reannounce_s 0): one pass names each copy once and ends
+    peer.reannounce_s = 0.0
+    before = directory.renamed
+    assert store.read(used.key) is not None and peer.flush(timeout_s=5.0)
+    assert directory.renamed == before + 1
+    peer.reannounce_s = 300.0
     # a copy the replica withdrew is not named again
     peer.delete(old.key)
     now[0] = 1000.0

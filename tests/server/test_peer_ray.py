@@ -55,6 +55,12 @@ class Replica:
             return None
         return hit.tier.value, bool(torch.equal(hit.entry.k, want.k) and torch.equal(hit.entry.v, want.v))
 
+    def name_again(self, seed: int) -> bool:
+        """Use a chunk it holds, with every announcement due: it names its copies to the directory again."""
+        self.peer.reannounce_s = 0.0
+        assert self.store.read(_entry(seed).key) is not None
+        return self.peer.flush(timeout_s=10.0)
+
     def peer_reads(self) -> tuple[int, int]:
         st = self.peer.stats()
         return st.hits, st.errors
@@ -102,6 +108,22 @@ def test_a_chunk_published_on_one_node_is_read_verified_on_another(nodes) -> Non
     assert ray.get(b.peer_reads.remote()) == (1, 0)
     assert ray.get(b.read.remote(1)) == ("peer", True)  # read through: the pool holds it once
     assert ray.get(b.peer_reads.remote()) == (2, 0)
+
+
+def test_a_copy_the_directory_lost_is_named_again_and_read_across_nodes(nodes) -> None:
+    """The directory forgets a copy (its TTL, or a restart of its actor); the replica that still holds
+    it names it again, in one call, with its object's reference intact: a peer reads it."""
+    e, f = _replica("node_a", "e"), _replica("node_b", "f")
+    assert ray.get(e.publish.remote(3))
+    key = _entry(3).key.hex
+    _directory().withdraw("e", [key])
+    deadline = time.monotonic() + 5
+    while _directory().lookup(key) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _directory().lookup(key)
+    assert ray.get(e.name_again.remote(3), timeout=60)
+    assert [x.replica for x in _directory().lookup(key)] == ["e"]
+    assert ray.get(f.read.remote(3), timeout=60) == ("peer", True)
 
 
 def test_a_replica_killed_after_publishing_is_a_miss_not_a_hang(nodes) -> None:

@@ -195,8 +195,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                               "disk or S3 to Ray's object store, and a replica missing a chunk reads a peer's copy "
                               "(verified by its checksums) before S3 or computing it (default on)")
     cluster.add_argument("--peer-tier-bytes", type=_byte_count, default=None, metavar="BYTES",
-                         help="bytes of chunk KV each replica publishes at most, oldest out first (e.g. 8GiB; "
-                              "default: its --kv-cpu-bytes)")
+                         help="bytes of chunk KV each replica publishes at most, least recently used out first "
+                              "(e.g. 8GiB; default: its --kv-cpu-bytes). They are copies in Ray's object store (shared "
+                              "memory), beside the replica's CPU tier: size the object store for them")
     p.set_defaults(func=run_serve)
     return p
 

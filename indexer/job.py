@@ -110,6 +110,13 @@ class IndexJobConfig:
     # measure blend against full prefill on a sample of the corpus's own chunk sets and record it in
     # the manifest (indexer.calibrate; `ragkv index` does by default); False: the server's default ratio
     calibrate: bool = False
+    # chunk sets calibration measures (None: `indexer.calibrate.sample_size`, 1 per 100 chunks, 4 to 32);
+    # a calibration of another size is measured again
+    calibration_sets: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.calibration_sets is not None and self.calibration_sets < 1:
+            raise ValueError(f"calibration_sets must be >= 1 (or None for the default), got {self.calibration_sets}")
 
     def index_dir(self) -> Path:
         """Where this run writes: ``out``, or its shard's subfolder."""
@@ -157,7 +164,8 @@ class IndexSummary:
         if self.calibration is not None:
             c = self.calibration
             kls = ", ".join(f"{s.recompute_ratio:g}: {s.kl_mean:.4f}" for s in c.settings)
-            took = f", {self.calibration_seconds:.1f} s" if self.calibration_seconds else ", kept"
+            took = f", {self.calibration_seconds:.1f} s, {self.calibration_seconds / self.seconds:.0%} of this run" \
+                if self.calibration_seconds and self.seconds else ", kept"
             out.append(f"calibration ({c.sets} chunk sets of {c.chunks_per_set}, {c.method} questions{took}): "
                        f"blend's next-token KL to full prefill by recompute ratio: {kls}")
         if self.skipped_files:
@@ -295,7 +303,8 @@ def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Loa
             from ragkv.indexer.calibrate import METHOD
 
             unchanged = old is not None and old.calibration is not None and old.calibration.method == METHOD \
-                and not (added or deleted or kv_chunks)  # (an older method's calibration is measured again)
+                and not (added or deleted or kv_chunks) \
+                and config.calibration_sets in (None, old.calibration.sets)  # (an older method's or size's: again)
             t_cal = time.perf_counter()
             calibration = old.calibration if unchanged and old is not None else \
                 _calibrate(db, manifest, kv_uris, engine, lm, config)
@@ -537,7 +546,8 @@ def _calibrate(db: ChunkDB, manifest: Manifest, kv_uris: Sequence[str], engine: 
     sets = []
     store = open_store(kv_uris, lm.fingerprint, lm.tokenizer_fingerprint)
     try:
-        for prompt, question, kind in sample_prompts(xb, sample_size(len(rows)), lambda j: records[int(rows[j])].text):
+        n_sets = config.calibration_sets or sample_size(len(rows))
+        for prompt, question, kind in sample_prompts(xb, n_sets, lambda j: records[int(rows[j])].text):
             chunks = [records[int(rows[j])] for j in prompt]
             keys = serving_keys(chunks, Mode.BLEND, config.neighbours, prefix_hash, manifest.model_fp,
                                 manifest.tokenizer_fp)  # the KV the server reads

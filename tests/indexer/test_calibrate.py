@@ -201,6 +201,28 @@ def test_the_index_records_its_calibration_and_a_rebuild_measures_the_same(calib
         [(s.recompute_ratio, s.kl_mean, s.kl_max) for s in cal.settings]
 
 
+def test_calibration_sets_asks_its_sample_size_and_another_size_is_measured_again(calibrated) -> None:
+    """`ragkv index --calibration-sets N`: the manifest records N sets, the summary says the share of the
+    run calibration took, a rerun asking the same keeps it, and the option is checked."""
+    from dataclasses import replace
+
+    from ragkv.indexer.job import IndexJobConfig
+
+    build, lm, embedder = calibrated
+    config, first = build("sets")
+    assert first.calibration is not None and first.calibration.sets != 2
+    two = replace(config, calibration_sets=2)
+    summary = run_index(two, lm=lm, embedder=embedder)
+    cal = read_manifest(config.out).calibration
+    assert cal is not None and cal.sets == 2 and summary.calibration == cal
+    line = next(x for x in summary.lines() if x.startswith("calibration ("))
+    assert "2 chunk sets of 4" in line and "% of this run)" in line
+    run_index(two, lm=lm, embedder=embedder)  # the same size asked again: kept
+    assert read_manifest(config.out).calibration == cal
+    with pytest.raises(ValueError, match="calibration_sets must be >= 1"):
+        IndexJobConfig(corpus=config.corpus, out=config.out, calibration_sets=0)
+
+
 def test_a_manifest_from_before_calibration_reads_as_uncalibrated(calibrated) -> None:
     config, _ = calibrated[0]("old")
     d = json.loads((config.out / "manifest.json").read_text())
@@ -253,3 +275,14 @@ def test_a_model_whose_chunks_interact_more_is_served_a_higher_ratio(calibrated,
     assert chosen is not None and chosen.kl_mean <= target
     assert all(s.kl_mean > target for s in deep.settings if s.recompute_ratio < chosen.recompute_ratio)
     assert dataclasses.replace(deep, settings=()).choose(target) is None
+
+
+def test_the_cli_takes_a_positive_number_of_calibration_sets(capsys) -> None:
+    from ragkv.cli.main import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["index", "demo", "--out", "x", "--calibration-sets", "3"]).calibration_sets == 3
+    assert parser.parse_args(["index", "demo", "--out", "x"]).calibration_sets is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["index", "demo", "--out", "x", "--calibration-sets", "0"])
+    assert "--calibration-sets: must be at least 1, got 0" in capsys.readouterr().err

@@ -138,14 +138,12 @@ def replay(requests: list[tuple[str, list[_Hit]]], replicas: int, capacity_token
             keys = _Placed(tuple(c.key for c in chunks), tokens=tuple(c.tokens for c in chunks), by=placement,
                            documents=tuple(c.doc for c in chunks))
             i = views.index(route(views, keys, Policy.CHUNK, rng=rng, peers=peers).replicas[0])
+        found = tiers if shown is None else shown  # what a peer finds
         for c in chunks:
-            if shown is None:
-                holders = [t for j, t in enumerate(tiers) if peers and j != i and c.key in t.held]
-            else:
-                holders = [tiers[j] for j, p in enumerate(shown) if peers and j != i and c.key in p.held]
+            holders = [j for j, t in enumerate(found) if peers and j != i and c.key in t.held]
             if not keep_peer_reads and holders and c.key not in tiers[i].held:  # read through, not kept here
                 if shown is None:
-                    holders[0].read(c.key, c.tokens)  # the peer's copy was used: it stays
+                    tiers[holders[0]].read(c.key, c.tokens)  # the peer's copy was used: it stays
                 peer_hits += 1
                 loads.append((c.key, c.tokens))
                 continue

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from ragkv.types import Mode, QueryStats
+
 DEMO_QUESTIONS = (
     "What does the json module's dumps function do?",
     "How do I create a temporary directory that is removed automatically?",
@@ -47,12 +49,12 @@ def demo_commands(index_dir: Path, model_spec: str, port: int) -> tuple[list[str
     return index, serve
 
 
-def describe_run(stats) -> str:
-    """What a demo answer ran, from its final stats (`ragkv.types.QueryStats`)."""
-    ran = f"{stats.mode.value}"
+def describe_run(stats: QueryStats) -> str:
+    """What a demo answer ran, from its final stats."""
+    ran = stats.mode.value
     if stats.recompute_ratio is not None:
         ran += f" at ratio {stats.recompute_ratio:g}"
-    if stats.predicted_kl is not None and stats.mode.value != "full":
+    if stats.predicted_kl is not None and stats.mode is not Mode.FULL:
         ran += f" (calibrated KL to full prefill {stats.predicted_kl:.4f})"
     return (f"TTFT {stats.ttft_seconds:.2f} s (server); ran {ran}; recomputed {stats.recompute_fraction:.0%} of "
             f"chunk tokens; answered over {len(stats.used_chunk_ids)} chunks")

@@ -34,7 +34,6 @@ DEMO = "demo"
 MERGE = "merge"
 
 
-
 def _positive_int(text: str) -> int:
     """argparse type: an integer of at least 1."""
     try:
@@ -44,6 +43,7 @@ def _positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
     return n
+
 
 def add_index_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``index`` on the ``ragkv`` subcommands."""

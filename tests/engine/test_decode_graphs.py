@@ -50,7 +50,8 @@ def test_pooled_decode_gives_ragged_decodes_tokens_for_requests_of_different_len
     assert all(c.pool is dec.pool for c in pooled)
     for c, r in zip(pooled, ragged):  # the caches' KV is the ragged path's, now in the pool
         assert c.length == r.length
-        assert torch.allclose(c.k[:, :, :c.length], r.k[:, :, :r.length], atol=1e-5)
+        # float32 noise of batched against one-at-a-time matmuls: up to 1.4e-5 on |K| ~6 (host-dependent)
+        assert torch.allclose(c.k[:, :, :c.length], r.k[:, :, :r.length], atol=1e-4)
 
 
 def test_a_batch_that_changes_size_mid_run_keeps_each_requests_tokens(tiny_lm) -> None:

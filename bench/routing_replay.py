@@ -113,7 +113,8 @@ class Published:
 
 def replay(requests: list[tuple[str, list[_Hit]]], replicas: int, capacity_tokens: int, placement: str | None,
            seed: int, peers: bool = False, keep_peer_reads: bool = False,
-           published: str = "holder") -> tuple[float, list[tuple[str, int]], float]:
+           published: str = "holder", published_tokens: int | None = None,
+           memory: list[float] | None = None) -> tuple[float, list[tuple[str, int]], float]:
     """Route `requests` in order (placement None: power of two choices) over `replicas` LRU
     tiers; the fast-tier hit rate, the loads in order, and the local-plus-peer hit rate.
     With `peers` the replicas read each other's tiers (the peer tier, and routing that knows it):
@@ -121,12 +122,16 @@ def replay(requests: list[tuple[str, list[_Hit]]], replicas: int, capacity_token
     (`keep_peer_reads`: copied into the reader's tier too, as a read from disk is). Without,
     the last is the first. `published`: what a peer finds: "holder", the holder's own LRU tier,
     which the peer's read keeps (the bound); "lru" or "fifo", what the holder published, a copy
-    of the same size beside its tier (`Published`)."""
+    of `published_tokens` (default: the tier's size) beside its tier (`Published`). `memory`, when
+    given, gets after each request the most host memory a replica's chunk KV takes, in tiers' sizes,
+    when the host tier holds what is published in the published copy's memory (`MemoryTier.share`):
+    the chunks either holds, counted once."""
     if published not in PUBLISHED:
         raise ValueError(f"published must be one of {', '.join(PUBLISHED)}, got {published!r}")
     rng = random.Random(seed)
     tiers = [LRUTier(capacity_tokens) for _ in range(replicas)]
-    shown = [Published(capacity_tokens, published) for _ in range(replicas)] if published != "holder" else None
+    shown = [Published(capacity_tokens if published_tokens is None else published_tokens, published)
+             for _ in range(replicas)] if published != "holder" else None
     views = [ReplicaView(f"r{i}") for i in range(replicas)]
     hits, peer_hits, loads = 0, 0, []
     for _kind, chunks in requests:  # an agent loop's later calls read the KV tree: no loads
@@ -154,6 +159,9 @@ def replay(requests: list[tuple[str, list[_Hit]]], replicas: int, capacity_token
             hits += local
             peer_hits += local or elsewhere
             loads.append((c.key, c.tokens))
+        if memory is not None:
+            memory.append(max(sum({**t.held, **(shown[j].held if shown else {})}.values())
+                              for j, t in enumerate(tiers)) / capacity_tokens)
     n = len(loads) or 1
     return hits / n, loads, peer_hits / n
 
@@ -207,16 +215,20 @@ def main(argv: list[str] | None = None) -> int:
         for seed, requests in by_seed.items():
             pow2, pow2_loads, _ = replay(requests, args.replicas, capacity, None, seed)
             pow2_pooled = lru_hit_rate(pow2_loads, capacity * args.replicas) or 0.0
+            pow2_memory: list[float] = []
             _, _, pow2_peer = replay(requests, args.replicas, capacity, None, seed, peers=True,
-                                     published=args.published)
+                                     published=args.published, memory=pow2_memory)
             row: dict = {"seed": seed, "pow2": round(pow2, 3),
                          "pow2_with_peers": {"hit_rate": round(pow2_peer, 3), "pooled": pow2_pooled,
-                                             "of_pooled": round(pow2_peer / pow2_pooled, 2) if pow2_pooled else None}}
+                                             "of_pooled": round(pow2_peer / pow2_pooled, 2) if pow2_pooled else None,
+                                             "host_memory": round(max(pow2_memory, default=0.0), 3)},
+                         "pow2_twice_the_tier": round(replay(requests, args.replicas, 2 * capacity, None, seed)[0], 3)}
             for placement in placements:
                 rate, loads, _ = replay(requests, args.replicas, capacity, placement, seed)
                 pooled = lru_hit_rate(loads, capacity * args.replicas) or 0.0
+                used: list[float] = []
                 _, _, with_peers = replay(requests, args.replicas, capacity, placement, seed, peers=True,
-                                          published=args.published)
+                                          published=args.published, memory=used)
                 peer_pooled = pooled  # the bound of the same requests' loads
                 row[placement] = {"hit_rate": round(rate, 3), "pooled": pooled, "over_pow2": round(rate / pow2, 2),
                                   "share_of_placement_gain": round((rate - pow2) / (pooled - pow2), 2)
@@ -224,7 +236,11 @@ def main(argv: list[str] | None = None) -> int:
                                   "of_pooled": round(rate / pooled, 2) if pooled else None,
                                   "with_peers": {"hit_rate": round(with_peers, 3), "pooled": peer_pooled,
                                                  "of_pooled": round(with_peers / peer_pooled, 2)
-                                                 if peer_pooled else None}}
+                                                 if peer_pooled else None,
+                                                 "host_memory": round(max(used, default=0.0), 3)},
+                                  # what a second copy's memory buys without peers: the tier twice as large
+                                  "twice_the_tier": round(replay(requests, args.replicas, 2 * capacity, placement,
+                                                                 seed)[0], 3)}
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     half = len(rows) // 2 or 1
@@ -236,7 +252,12 @@ def main(argv: list[str] | None = None) -> int:
                                     r[pl]["share_of_placement_gain"] or 0.0 for r in part), 2),
                                 "of_pooled": round(statistics.mean(r[pl]["of_pooled"] or 0.0 for r in part), 2),
                                 "with_peers_of_pooled": round(statistics.mean(
-                                    r[pl]["with_peers"]["of_pooled"] or 0.0 for r in part), 2)}
+                                    r[pl]["with_peers"]["of_pooled"] or 0.0 for r in part), 2),
+                                "hit_rate": round(statistics.mean(r[pl]["hit_rate"] for r in part), 3),
+                                "with_peers_hit_rate": round(statistics.mean(
+                                    r[pl]["with_peers"]["hit_rate"] for r in part), 3),
+                                "with_peers_host_memory": round(max(r[pl]["with_peers"]["host_memory"] for r in part), 3),
+                                "twice_the_tier_hit_rate": round(statistics.mean(r[pl]["twice_the_tier"] for r in part), 3)}
                            for pl in placements}
             means[name]["pow2_with_peers_of_pooled"] = round(statistics.mean(  # type: ignore[assignment]
                 r["pow2_with_peers"]["of_pooled"] or 0.0 for r in part), 2)
@@ -254,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {pl:<9} hits over pow2 {v['over_pow2']:.2f}x, share of placement's gain "
                       f"{v['share_of_placement_gain']:.2f}, {v['of_pooled']:.2f} of the pooled bound; with peers "
                       f"{v['with_peers_of_pooled']:.2f} of it")
+                print(f"            host memory: without peers {v['hit_rate']:.3f}; with peers {v['with_peers_hit_rate']:.3f} "
+                      f"in at most {v['with_peers_host_memory']:.2f}x the tier (one copy); the tier twice as "
+                      f"large, without peers {v['twice_the_tier_hit_rate']:.3f} (what two copies' memory buys)")
     return 0
 
 

@@ -196,8 +196,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                               "(verified by its checksums) before S3 or computing it (default on)")
     cluster.add_argument("--peer-tier-bytes", type=_byte_count, default=None, metavar="BYTES",
                          help="bytes of chunk KV each replica publishes at most, least recently used out first "
-                              "(e.g. 8GiB; default: its --kv-cpu-bytes). They are copies in Ray's object store (shared "
-                              "memory), beside the replica's CPU tier: size the object store for them")
+                              "(e.g. 8GiB; default: its --kv-cpu-bytes). They live in Ray's object store (shared "
+                              "memory): size the object store for them. On a host without CUDA the CPU tier holds "
+                              "what is published there, once; a GPU host's CPU tier (pinned) keeps a copy of its own")
     p.set_defaults(func=run_serve)
     return p
 

@@ -39,6 +39,7 @@ import json
 import os
 import struct
 import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -393,11 +394,12 @@ def decode(
     tokenizer_fp: str,
     block_crcs: BlockCrcs | None = None,
     clock: DequantClock | None = None,
+    shared: bool = False,
 ) -> KVEntry:
     """Verify and parse a file's bytes into a KVEntry.
 
     Tensors of an uncompressed file are views of `data` when it is writable (pass a
-    bytearray to avoid a copy).
+    bytearray to avoid a copy), or when `shared`.
 
     Args:
         data: the whole file.
@@ -407,12 +409,16 @@ def decode(
         block_crcs: CRC-32s of the data section's blocks, taken while `data` was read
             (used only when their block size is the file's; otherwise computed here).
         clock: adds the time spent dequantizing (a compressed file).
+        shared: view `data` even when it is read-only: memory shared with other processes
+            (an object in Ray's object store) that the caller keeps alive and nobody writes.
+            The entry's tensors are then read-only in fact: writing one is a bug, as it is
+            for any memory tier's entry.
 
     Raises:
         KVFormatError: truncated, corrupt, another model's or another key's file.
     """
     buf = memoryview(data)
-    if buf.readonly:
+    if buf.readonly and not shared:
         buf = memoryview(bytearray(buf))
     head = check_head(buf, expected_key=expected_key, model_fp=model_fp, tokenizer_fp=tokenizer_fp)
     _verify_data(head.meta, buf[head.base:], expected_key, block_crcs)
@@ -481,7 +487,12 @@ def tensor_view(buf: memoryview, head: FileHead, name: str) -> torch.Tensor:
         raise KVFormatError(f"file has no tensor {name!r} (has {sorted(head.layout)})")
     dt, shape, s, e = head.layout[name]
     s, e = head.base + s, head.base + e
-    flat = torch.frombuffer(buf, dtype=torch.uint8, count=e - s, offset=s)  # [nbytes]
+    if buf.readonly:  # shared memory (`decode`'s `shared`): torch warns that it cannot protect it
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+            flat = torch.frombuffer(buf, dtype=torch.uint8, count=e - s, offset=s)  # [nbytes]
+    else:
+        flat = torch.frombuffer(buf, dtype=torch.uint8, count=e - s, offset=s)  # [nbytes]
     return flat.view(_ST_DTYPES[dt]).view(shape)
 
 
@@ -489,7 +500,7 @@ def entry_views(buf: memoryview, head: FileHead, kv: tuple[torch.Tensor, torch.T
                 clock: DequantClock | None = None) -> KVEntry:
     """The entry whose tensors view (uncompressed) or are decoded from (compressed) `buf`.
 
-    `buf` is the whole file, writable; the caller has verified what it will read.
+    `buf` is the whole file, writable (or shared: `decode`); the caller has verified what it will read.
 
     Args:
         kv: (k, v) to hand out in place of the file's (a layered read of a compressed file

@@ -220,6 +220,7 @@ class TieredStore:
                 raise ValueError(f"this store has a {tier.tier.value} tier already")
             self._timing[tier.tier] = ReadTiming()
             self._tiers = tuple(sorted((*self._tiers, tier), key=_rank))
+        tier.joined(self._tiers)
 
     def tier(self, tier: Tier) -> StorageTier:
         """One tier by kind; KeyError if the store has none."""

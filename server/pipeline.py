@@ -38,6 +38,7 @@ from ragkv.kvstore import (
     ChunkKey,
     Compression,
     KVEntry,
+    MemoryTier,
     PeerTier,
     PrefetchHandle,
     PrefixHash,
@@ -625,15 +626,21 @@ class Pipeline:
 
     def peer_counters(self) -> dict[str, float]:
         """The peer tier's counters over every collection (`ragkv serve --replicas`; {} without one):
-        reads (hits), their bytes and seconds, misses, errors, refused copies, bytes published now."""
+        reads (hits), their bytes and seconds, misses, errors, refused copies, bytes published now;
+        and the host memory chunk KV takes: the host tier's bytes, and how many of them are its
+        published copies' (`MemoryTier.share`: held once, not twice)."""
         tiers = [t for c in self._collections.values() for t in c.store.tiers if isinstance(t, PeerTier)]
         if not tiers:
             return {}
+        hosts = [t for c in self._collections.values() for t in c.store.tiers
+                 if isinstance(t, MemoryTier) and t.tier is Tier.CPU]
         peers, pending = [t.stats() for t in tiers], sum(t.pending_publishes for t in tiers)
         return {"peer_reads": sum(t.hits for t in peers), "peer_read_bytes": sum(t.bytes_read for t in peers),
                 "peer_read_seconds": sum(t.get_seconds for t in peers), "peer_misses": sum(t.misses for t in peers),
                 "peer_errors": sum(t.errors for t in peers), "peer_rejected": sum(t.rejected for t in peers),
-                "peer_published_bytes": sum(t.bytes_used for t in peers), "peer_publishes_pending": pending}
+                "peer_published_bytes": sum(t.bytes_used for t in peers), "peer_publishes_pending": pending,
+                "host_tier_bytes": sum(t.stats().bytes_used for t in hosts),
+                "host_tier_shared_bytes": sum(t.shared_bytes for t in hosts)}
 
     def flush_writes(self, timeout: float | None = None) -> None:
         """Wait until every write-back submitted so far has reached its durable tiers (or failed)."""

@@ -176,6 +176,11 @@ class StorageTier(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional to override: most tiers hold nothing open
         """Release what the tier holds open (nothing by default)."""
 
+    def joined(self, tiers: Sequence[StorageTier]) -> None:  # noqa: B027 - optional: most tiers need no other
+        """Called when this tier is attached to a running store (`TieredStore.attach`) with the
+        store's tiers, itself among them: the peer tier shares its objects' memory with the host
+        tier. Nothing by default."""
+
     def _check_entry(self, entry: KVEntry) -> None:
         """Refuse an entry of another model or tokenizer: a store serves one pair."""
         if not isinstance(entry, KVEntry):

@@ -2,14 +2,18 @@
 
 They hold ready-to-use KVEntry objects in the entry's own dtype (the store's file
 compression does not apply here) under a byte budget, evicting by policy. Entries
-are returned without a copy: callers must not modify their tensors in place.
+are returned without a copy: callers must not modify their tensors in place. In a cluster
+the host tier holds what it has published to the peer tier in the object store's shared
+memory, not a second copy of its own (`MemoryTier.share`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -18,6 +22,8 @@ from ragkv.kvstore.entry import KVEntry
 from ragkv.kvstore.eviction import EvictionTracker, Policy
 from ragkv.kvstore.keys import ChunkKey
 from ragkv.kvstore.tiers.base import Hit, StorageTier, Tier
+
+logger = logging.getLogger(__name__)
 
 
 class MemoryTier(StorageTier):
@@ -40,6 +46,7 @@ class MemoryTier(StorageTier):
         self._lock = threading.Lock()
         self._entries: dict[ChunkKey, KVEntry] = {}
         self._bytes = 0
+        self._shared: set[ChunkKey] = set()  # entries whose tensors view shared memory (`share`)
         self._tracker: EvictionTracker[ChunkKey] = EvictionTracker(policy)
 
     @property
@@ -135,6 +142,44 @@ class MemoryTier(StorageTier):
         entry = self._entries.pop(key)
         self._bytes -= entry.nbytes
         self._tracker.remove(key)
+        self._shared.discard(key)
+
+    def can_share(self, key: ChunkKey) -> bool:
+        """Whether `share` would take a shared copy of `key` now: held here in its own memory, on
+        the host and not pinned (pinned memory is what a GPU host copies from; shared memory is not)."""
+        with self._lock:
+            return self.device.type == "cpu" and not self.pin and key in self._entries and key not in self._shared
+
+    def share(self, key: ChunkKey, decode: Callable[[], KVEntry]) -> bool:
+        """Hold `key`'s KV in memory shared with other processes (its published copy in the
+        cluster's object store, `kvstore.tiers.peer`) instead of this tier's own, which goes.
+
+        `decode()` gives the entry whose tensors view that memory; it must equal the entry held
+        (the same file's bytes). The tier's budget still counts the entry: it is this host's
+        memory either way, now held once. False (nothing changes) when `key` is not held here,
+        or is shared already, or `can_share` says no, or the shared copy does not match.
+        """
+        if not self.can_share(key):
+            return False
+        shared = decode()  # outside the lock: parses and verifies the file
+        with self._lock:
+            held = self._entries.get(key)
+            if held is None or key in self._shared:
+                return False
+            if (shared.k.shape, shared.v.shape, shared.k.dtype) != (held.k.shape, held.v.shape, held.k.dtype) \
+                    or shared.k.device != held.k.device:
+                logger.warning("the shared copy of %s is %s %s, the held one %s %s: keeping the held one",
+                               key.hex, shared.k.dtype, tuple(shared.k.shape), held.k.dtype, tuple(held.k.shape))
+                return False
+            self._entries[key] = shared
+            self._shared.add(key)
+        return True
+
+    @property
+    def shared_bytes(self) -> int:
+        """Bytes of the entries held in shared memory (`share`), within `bytes_used`."""
+        with self._lock:
+            return sum(self._entries[k].nbytes for k in self._shared)
 
     def contains(self, key: ChunkKey) -> bool:
         with self._lock:

@@ -33,12 +33,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
+from ragkv.errors import KVFormatError
+from ragkv.kvstore import fileformat
 from ragkv.kvstore.compression import Compression
 from ragkv.kvstore.entry import KVEntry
 from ragkv.kvstore.keys import ChunkKey
 from ragkv.kvstore.layered import ByteSource
-from ragkv.kvstore.tiers.base import Hit, Tier
+from ragkv.kvstore.tiers.base import Hit, StorageTier, Tier
 from ragkv.kvstore.tiers.durable import DurableTier
+from ragkv.kvstore.tiers.memory import MemoryTier
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +86,11 @@ class ObjectStore(Protocol):
 
     def get(self, handle: object, timeout_s: float) -> bytes | memoryview:
         """The bytes under `handle`. Raises PeerReadError: lost, evicted, or not within `timeout_s`."""
+
+    def view(self, handle: object) -> memoryview | None:
+        """The bytes of an object this process put, read-only, in the store's own memory with no
+        copy (the host tier then holds them: one copy on this host, not two); None where the store
+        cannot give such a view."""
 
 
 class PeerDirectory:
@@ -195,6 +203,7 @@ class PeerTier(DurableTier):
 
     tier = Tier.PEER
     takes_every_hit = True  # what a local disk gives the host tier is published too
+    _host: MemoryTier | None = None  # the store's host tier, which holds what is published in its memory
 
     def __init__(self, replica: str, directory: Directory, objects: ObjectStore, model_fp: str, tokenizer_fp: str,
                  budget_bytes: int, compression: Compression = Compression.NONE, read_timeout_s: float = 2.0,
@@ -311,6 +320,35 @@ class PeerTier(DurableTier):
     def held_keys(self) -> list[ChunkKey] | None:
         return None  # the cluster's, not this host's: routing summaries leave it out
 
+    # -- one copy on the host ---------------------------------------------------------------
+
+    def joined(self, tiers: Sequence[StorageTier]) -> None:
+        """Share published memory with the store's host tier: a chunk this replica publishes is
+        held by its host tier in the published object's memory, not in a second copy of its own.
+        (Replayed on 20 held-out seeds, two copies in the same memory made the peer tier a loss:
+        docs/quality.md.) Only uncompressed copies can be shared: a compressed one is not the
+        host tier's KV."""
+        host = [t for t in tiers if isinstance(t, MemoryTier) and t.tier is Tier.CPU]
+        self._host = host[0] if host and self.compression is Compression.NONE else None
+
+    def _share(self, key: ChunkKey, handle: object) -> None:
+        """(On the publisher's thread.) Have the host tier hold `key` in its published object's memory."""
+        host = self._host
+        if host is None or not host.can_share(key):
+            return
+        view = self.objects.view(handle)
+        if view is None:
+            return
+
+        def decode() -> KVEntry:
+            return fileformat.decode(view, expected_key=key, model_fp=self.model_fp,
+                                     tokenizer_fp=self.tokenizer_fp, shared=True)
+        try:
+            host.share(key, decode)
+        except KVFormatError as e:  # the object is what this replica wrote: a bug or damage in memory
+            self._counters.add(errors=1)
+            logger.warning("sharing the published copy of %s with the host tier failed: %s", key.hex, e)
+
     # -- writes ---------------------------------------------------------------------------
 
     def write(self, entry: KVEntry, encoded: dict[object, bytes], compression: Compression | None = None) -> bool:
@@ -340,9 +378,12 @@ class PeerTier(DurableTier):
             if key not in self._published:
                 return False
             self._published.move_to_end(key)
+            handle = self._published[key][0]
             due = self._reannounce_due()
         if due:
             self._queue(self._reannounce)
+        if self._host is not None and self._host.can_share(key):  # the host tier read it again: one copy
+            self._queue(lambda: self._share(key, handle))
         return True
 
     def _reannounce_due(self) -> bool:
@@ -426,6 +467,7 @@ class PeerTier(DurableTier):
             self._counters.add(evictions=len(gone))
             self.directory.withdraw(self.replica, [k.hex for k in gone])
         self.directory.publish(key.hex, self.replica, handle, n)
+        self._share(key, handle)
         return True
 
     def delete(self, key: ChunkKey) -> bool:

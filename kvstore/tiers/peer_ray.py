@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
@@ -101,9 +102,19 @@ class RayObjects:
     """`kvstore.tiers.peer.ObjectStore` over Ray's object store."""
 
     def put(self, data: bytes) -> object:
-        # boxed: an ObjectRef at the top level of an actor call's arguments would be resolved to
-        # its bytes; inside a list the directory holds the reference itself
-        return [ray.put(data)]
+        # as a uint8 array: Ray reads it back as a view of the object store's shared memory
+        # (`view`), where bytes come back copied. Boxed: an ObjectRef at the top level of an actor
+        # call's arguments would be resolved to its bytes; inside a list the directory holds it.
+        return [ray.put(np.frombuffer(data, dtype=np.uint8))]
+
+    def view(self, handle: object) -> memoryview | None:
+        """The object's bytes in the object store's shared memory, read-only, with no copy (an
+        object of this node; None if it cannot be read at once)."""
+        try:
+            data = self.get(handle, 1.0)
+        except PeerReadError:
+            return None
+        return data if isinstance(data, memoryview) else None
 
     def get(self, handle: object, timeout_s: float) -> bytes | memoryview:
         if not isinstance(handle, list) or len(handle) != 1:
@@ -112,6 +123,8 @@ class RayObjects:
             data = ray.get(handle[0], timeout=timeout_s)
         except (GetTimeoutError, RayError) as e:  # lost with its owner, or past the deadline
             raise PeerReadError(f"{type(e).__name__}: {e}") from e
+        if isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 1:
+            return memoryview(data)  # read-only: the object store's memory
         if not isinstance(data, bytes | memoryview):
             raise PeerReadError(f"a peer object held {type(data).__name__}, not bytes")
         return data

@@ -65,6 +65,17 @@ def test_what_a_replica_published_is_withdrawn_as_its_policy_says_and_a_peer_fin
     assert rates["holder"] >= rates["lru"] >= rates["fifo"] and rates["holder"] > rates["fifo"]
 
 
+def test_the_host_memory_a_replica_takes_counts_a_published_chunk_its_tier_holds_once() -> None:
+    # one replica reads a, b, c (its tier holds two: b, c); it published all three, within 30 tokens
+    seq = [("ask", [_Hit(k, "d", 10)]) for k in ("a", "b", "c")]
+    used: list[float] = []
+    replay(seq, 1, 20, "best", seed=0, peers=True, published="lru", published_tokens=30, memory=used)
+    assert used[-1] == pytest.approx(30 / 20)  # a (published only), b and c (both, one copy)
+    used.clear()
+    replay(_workload(), 4, 60, "best", seed=1, peers=True, published="lru", memory=used)
+    assert max(used) <= 1.0  # the same budget, the same reads: what is published is what the tier holds
+
+
 def test_placement_keys_compared() -> None:
     chunks = ("k3", "k1", "k2")
     assert _Placed(chunks, by="best").placement == "k3"

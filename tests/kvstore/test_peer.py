@@ -1,14 +1,17 @@
 """The peer tier (kvstore/tiers/peer.py) with an in-process directory and object store: what
 one replica computes another reads, verified; a lost, slow or damaged copy is a miss that
 falls through to the next tier, and the directory stops naming it; what a replica publishes
-stays within its budget, least recently used out first. The same tier over Ray: tests/server/test_peer_ray.py."""
+stays within its budget, least recently used out first; the host tier holds what is published in
+the object's memory, once. The same tier over Ray: tests/server/test_peer_ray.py."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import numpy as np
 import pytest
+import torch
 
 from ragkv.kvstore import (
     CpuTier,
@@ -22,6 +25,7 @@ from ragkv.kvstore import (
     Tier,
     TieredStore,
 )
+from ragkv.kvstore.compression import Compression
 from ragkv.kvstore.fileformat import encode
 from tests.kvstore.conftest import MODEL_FP, TOKENIZER_FP, assert_same, make_entry
 
@@ -62,6 +66,10 @@ class Objects:
         if handle not in c.data:
             raise PeerReadError("lost with its owner")
         return c.data[handle]
+
+    def view(self, handle: object) -> memoryview | None:
+        data = self.cluster.data.get(handle)  # type: ignore[call-overload]
+        return None if data is None else memoryview(data)  # read-only: the object's own memory
 
 
 def _store(name: str, directory: PeerDirectory, cluster: Cluster, *, budget: int = 1 << 20,
@@ -355,3 +363,50 @@ def test_a_requests_keys_are_looked_up_in_one_directory_call() -> None:
     assert b.where_many([e.key for e in entries]) == [Tier.PEER, Tier.PEER, Tier.CPU, None]
     assert Counting.calls == 1  # one call for the three keys b's own tiers lack
     assert b.read(entries[0].key).tier is Tier.PEER and Counting.calls == 1  # the read reuses the answer
+
+
+def _inside(t: torch.Tensor, data: bytes) -> bool:
+    """Whether tensor `t`'s memory lies inside `data`'s buffer (a view of it, not a copy)."""
+    start = np.frombuffer(data, dtype=np.uint8).ctypes.data
+    return start <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= start + len(data)
+
+
+def test_the_host_tier_holds_what_it_published_in_the_published_objects_memory() -> None:
+    """One copy on the host: two (the host tier's and the object store's) in the same memory made
+    the peer tier a loss against no peer tier at all (docs/quality.md)."""
+    directory, cluster = PeerDirectory(), Cluster()
+    store, peer = _store("a", directory, cluster)
+    host = store.tier(Tier.CPU)
+    assert isinstance(host, CpuTier)
+    entry = make_entry(1)
+    _publish(store, peer, entry)
+    (copy,) = directory.lookup(entry.key.hex)
+    held = host.get(entry.key)
+    assert held is not None
+    assert _inside(held.k, cluster.data[copy.handle]) and _inside(held.v, cluster.data[copy.handle])
+    assert host.shared_bytes == entry.nbytes == host.stats().bytes_used  # counted once, in the host's budget
+    hit = store.read(entry.key)
+    assert hit is not None and hit.tier is Tier.CPU
+    assert_same(hit.entry, entry)
+
+    host.delete(entry.key)  # evicted here, still published: computed again, it is held in the object once more
+    assert host.shared_bytes == 0
+    store.put(entry)
+    assert peer.flush() and host.shared_bytes == entry.nbytes
+    again = host.get(entry.key)
+    assert again is not None and _inside(again.k, cluster.data[copy.handle])
+    assert cluster.puts == 1  # published once
+
+
+def test_a_compressed_peer_copy_is_not_the_host_tiers_kv_and_is_not_shared() -> None:
+    directory, cluster = PeerDirectory(), Cluster()
+    peer = PeerTier("a", directory, cluster.objects("a"), MODEL_FP, TOKENIZER_FP, 1 << 20, Compression.INT8)
+    store = TieredStore.from_tiers([CpuTier(MODEL_FP, TOKENIZER_FP)])
+    store.attach(peer)
+    entry = make_entry(2)
+    _publish(store, peer, entry)
+    host = store.tier(Tier.CPU)
+    assert isinstance(host, CpuTier) and host.shared_bytes == 0
+    held = host.get(entry.key)
+    assert held is not None
+    assert_same(held, entry)

@@ -17,16 +17,16 @@ from ray.cluster_utils import Cluster
 MODEL_FP, TOKENIZER_FP = "model-a", "tok-a"
 
 
-def _entry(seed: int):  # -> KVEntry; built on the replicas too, so nothing here is imported by them
+def _entry(seed: int, tokens: int = 16):  # -> KVEntry; built on the replicas too, so nothing here is imported by them
     import torch
 
     from ragkv.kvstore import ChunkKey, KVEntry, hash_prefix
 
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 50_000, (16,), generator=g)  # [T]
+    ids = torch.randint(0, 50_000, (tokens,), generator=g)  # [T]
     return KVEntry(key=ChunkKey.build(MODEL_FP, TOKENIZER_FP, [1, 2], ids.tolist()),
-                   k=torch.randn(2, 2, 16, 8, generator=g), v=torch.randn(2, 2, 16, 8, generator=g),  # [L, Hkv, T, D]
-                   token_ids=ids, positions=torch.arange(2, 18), model_fp=MODEL_FP, tokenizer_fp=TOKENIZER_FP,
+                   k=torch.randn(2, 2, tokens, 8, generator=g), v=torch.randn(2, 2, tokens, 8, generator=g),  # [L, Hkv, T, D]
+                   token_ids=ids, positions=torch.arange(2, 2 + tokens), model_fp=MODEL_FP, tokenizer_fp=TOKENIZER_FP,
                    prefix_hash=hash_prefix([1, 2]))
 
 
@@ -42,14 +42,32 @@ class Replica:
         self.store = TieredStore.from_tiers([CpuTier(MODEL_FP, TOKENIZER_FP)])
         self.store.attach(self.peer)
 
-    def publish(self, seed: int) -> bool:
-        self.store.put(_entry(seed))  # computed here: into the host tier, and published
+    def publish(self, seed: int, tokens: int = 16) -> bool:
+        self.store.put(_entry(seed, tokens))  # computed here: into the host tier, and published
         return self.peer.flush()
 
-    def read(self, seed: int) -> tuple[str, bool] | None:
+    def held_in_the_object_store(self, seed: int, tokens: int) -> tuple[int, int, bool]:
+        """(the host tier's shared bytes, the entry's bytes, whether its K and V lie inside the
+        published object's memory in this node's object store)."""
+        import numpy as np
+
+        from ragkv.kvstore import Tier
+        from ragkv.kvstore.tiers.peer_ray import RayObjects
+
+        want = _entry(seed, tokens)
+        host = self.store.tier(Tier.CPU)
+        held = host.get(want.key)
+        (copy,) = [c for c in self.peer.copies(want.key) if c.replica == self.peer.replica]
+        view = RayObjects().view(copy.handle)
+        start = np.frombuffer(view, dtype=np.uint8).ctypes.data
+        inside = all(start <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= start + len(view)
+                     for t in (held.k, held.v))
+        return host.shared_bytes, want.nbytes, inside
+
+    def read(self, seed: int, tokens: int = 16) -> tuple[str, bool] | None:
         import torch
 
-        want = _entry(seed)
+        want = _entry(seed, tokens)
         hit = self.store.read(want.key)
         if hit is None:
             return None
@@ -108,6 +126,17 @@ def test_a_chunk_published_on_one_node_is_read_verified_on_another(nodes) -> Non
     assert ray.get(b.peer_reads.remote()) == (1, 0)
     assert ray.get(b.read.remote(1)) == ("peer", True)  # read through: the pool holds it once
     assert ray.get(b.peer_reads.remote()) == (2, 0)
+
+
+def test_a_replicas_host_tier_holds_what_it_published_in_the_object_stores_shared_memory(nodes) -> None:
+    """One copy on the host: 2048 tokens (256 KiB of K, past what Ray keeps in a process's own heap)
+    go into the node's object store, and the host tier's entry views them there."""
+    a, b = _replica("node_a", "g"), _replica("node_b", "h")
+    assert ray.get(a.publish.remote(5, 2048))
+    shared, nbytes, inside = ray.get(a.held_in_the_object_store.remote(5, 2048))
+    assert shared == nbytes > 256 << 10 and inside
+    assert ray.get(a.read.remote(5, 2048)) == ("cpu", True)  # the shared copy is the KV that was computed
+    assert ray.get(b.read.remote(5, 2048)) == ("peer", True)
 
 
 def test_a_copy_the_directory_lost_is_named_again_and_read_across_nodes(nodes) -> None:

@@ -55,9 +55,13 @@ def test_a_replica_without_the_kv_reads_its_peers_copy_and_answers_as_from_scrat
             assert store.tier(Tier.PEER).flush()
         tiers_b, answer_b = _ask(b)
         tiers_s, answer_s = _ask(scratch)
+        again_a, answer_a2 = _ask(a)  # its host tier's KV, now in the published objects' memory
     finally:
         for server in (a, b, scratch):
             server.stop()
+    assert again_a == [Tier.CPU] * 3 and answer_a2.text == answer_a.text
+    held = pa.peer_counters()
+    assert held["host_tier_shared_bytes"] == held["host_tier_bytes"] > 0  # one copy of each chunk on A's host
     assert tiers_b == [Tier.PEER] * 3 and set(tiers_s) == {Tier.COMPUTED}
     assert answer_b.text == answer_s.text == answer_a.text
     counters = pb.peer_counters()

@@ -311,16 +311,29 @@ def _fault(addr: str, items: list[tuple], max_new: int, top_k: int, app: str, to
     return {"requests": len(items), "hung": hung, **dict(outcomes)}
 
 
-def _route_decisions(metrics_port: int) -> dict[str, int]:
-    """The ingress's routing decisions by reason (its ragkv_route_decisions_total), scraped."""
+_HOST_GAUGES = ("host_tier_bytes", "host_tier_shared_bytes", "peer_published_bytes")
+
+
+def _scrape(metrics_port: int) -> dict:
+    """From the ingress's /metrics: its routing decisions by reason (ragkv_route_decisions_total),
+    and with the peer tier the host memory chunk KV takes, over the replicas as they last
+    reported it: their host tiers', what they published, how much of the first is the second
+    (`MemoryTier.share`), and so what the hosts hold (`held`: each chunk once)."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return {s.labels["reason"]: int(s.value) for f in text_string_to_metric_families(text)
-            if f.name == "ragkv_route_decisions" for s in f.samples if s.name.endswith("_total")}
+        families = list(text_string_to_metric_families(r.read().decode()))
+    out: dict = {"route_decisions": {s.labels["reason"]: int(s.value) for f in families
+                                     if f.name == "ragkv_route_decisions" for s in f.samples
+                                     if s.name.endswith("_total")}}
+    gauges = {name: sum(int(s.value) for f in families if f.name == f"ragkv_replica_{name}" for s in f.samples)
+              for name in _HOST_GAUGES}
+    if any(gauges.values()):
+        out["host_kv_bytes"] = {**gauges, "held": gauges["host_tier_bytes"] + gauges["peer_published_bytes"]
+                                - gauges["host_tier_shared_bytes"]}
+    return out
 
 
 class NetworkDelay:
@@ -486,7 +499,7 @@ def run_cluster_bench(args) -> int:  # argparse.Namespace from cli.bench
                     tally = _run_workload(addr, items, args.clients, args.loop_steps, args.max_new_tokens,
                                           args.top_k, plain, token)
                     report["routing"][name] = {**_summary(tally), **_bounds(tally, args.replicas, cpu_tokens),
-                                               "route_decisions": _route_decisions(metrics_port),
+                                               **_scrape(metrics_port),
                                                "seconds": round(time.perf_counter() - t0, 1)}
                     print(f"routing {name}: {report['routing'][name]}", file=sys.stderr, flush=True)
                     cluster.undeploy()

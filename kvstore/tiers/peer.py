@@ -326,7 +326,8 @@ class PeerTier(DurableTier):
         """Share published memory with the store's host tier: a chunk this replica publishes is
         held by its host tier in the published object's memory, not in a second copy of its own.
         (Replayed on 20 held-out seeds, two copies in the same memory made the peer tier a loss:
-        docs/quality.md.) Only uncompressed copies can be shared: a compressed one is not the
+        docs/quality.md.) Only uncompressed copies can be shared: a compressed one (the tier's
+        compression, or a file published as it was stored, an index's int8 plain copy) is not the
         host tier's KV."""
         host = [t for t in tiers if isinstance(t, MemoryTier) and t.tier is Tier.CPU]
         self._host = host[0] if host and self.compression is Compression.NONE else None
@@ -344,6 +345,10 @@ class PeerTier(DurableTier):
             return fileformat.decode(view, expected_key=key, model_fp=self.model_fp,
                                      tokenizer_fp=self.tokenizer_fp, shared=True)
         try:
+            head = fileformat.check_head(view, expected_key=key, model_fp=self.model_fp,
+                                         tokenizer_fp=self.tokenizer_fp)
+            if head.header.compression is not Compression.NONE:  # a compressed file read as it was stored
+                return  # (an index's int8 plain copy): the host tier holds it dequantized, a view cannot be that
             host.share(key, decode)
         except KVFormatError as e:  # the object is what this replica wrote: a bug or damage in memory
             self._counters.add(errors=1)

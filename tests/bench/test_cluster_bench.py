@@ -152,3 +152,43 @@ def test_a_delayed_moto_server_serves_s3(tmp_path):
         assert s3.get_object(Bucket="ragkv-net", Key="k")["Body"].read() == b"kv" * 5000
     finally:
         server.stop()
+
+
+def test_the_scrape_reads_route_decisions_and_counts_a_shared_chunk_once(monkeypatch):
+    """`_scrape` over /metrics as the ingress writes it: the hosts hold the host tiers' bytes plus
+    what was published, less what the host tiers hold in the published copies' memory."""
+    import io
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    from ragkv.cli.cluster_bench import _scrape
+
+    def exposition(replicas: dict[str, dict[str, float]]) -> bytes:
+        class Ingress:
+            def collect(self):
+                decisions = CounterMetricFamily("ragkv_route_decisions", "decisions", labels=["reason"])
+                decisions.add_metric(["held"], 7)
+                decisions.add_metric(["pow2"], 2)
+                yield decisions
+                for name in sorted({n for g in replicas.values() for n in g}):
+                    gauge = GaugeMetricFamily(f"ragkv_replica_{name}", name, labels=["replica"])
+                    for replica, gauges in replicas.items():
+                        gauge.add_metric([replica], gauges[name])
+                    yield gauge
+
+        registry = CollectorRegistry()
+        registry.register(Ingress())
+        return generate_latest(registry)
+
+    text = exposition({"a": {"host_tier_bytes": 100, "host_tier_shared_bytes": 80, "peer_published_bytes": 90},
+                       "b": {"host_tier_bytes": 50, "host_tier_shared_bytes": 0, "peer_published_bytes": 0}})
+    monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout: io.BytesIO(text))
+    got = _scrape(9)
+    assert got["route_decisions"] == {"held": 7, "pow2": 2}
+    assert got["host_kv_bytes"] == {"host_tier_bytes": 150, "host_tier_shared_bytes": 80,
+                                    "peer_published_bytes": 90, "held": 160}
+    bare = exposition({})
+    monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout: io.BytesIO(bare))
+    assert "host_kv_bytes" not in _scrape(9)  # no peer tier: no gauges

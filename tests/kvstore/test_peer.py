@@ -410,3 +410,17 @@ def test_a_compressed_peer_copy_is_not_the_host_tiers_kv_and_is_not_shared() -> 
     held = host.get(entry.key)
     assert held is not None
     assert_same(held, entry)
+
+
+def test_a_compressed_file_published_as_stored_is_not_shared(tmp_path) -> None:
+    """An index's plain copies are int8 on disk: the host tier holds them dequantized, and their
+    published bytes (as stored) are not that KV."""
+    directory, cluster = PeerDirectory(), Cluster()
+    disk = DiskTier(tmp_path, MODEL_FP, TOKENIZER_FP, compression=Compression.INT8)
+    entry = make_entry(3)
+    disk.put(entry)
+    store, peer = _store("a", directory, cluster, below=[disk])
+    assert store.read(entry.key) is not None and peer.flush()
+    assert len(directory.lookup(entry.key.hex)) == 1  # published
+    host = store.tier(Tier.CPU)
+    assert isinstance(host, CpuTier) and host.contains(entry.key) and host.shared_bytes == 0

@@ -322,8 +322,11 @@ class TieredStore:
     def _promote(self, hit: Hit, upper: Sequence[StorageTier]) -> KVEntry:
         """Copy a hit into `upper` (top-down); the entry as held by the topmost that took it."""
         top = hit.entry
-        publish = [t for t in self._tiers if t.takes_every_hit and t.tier is not hit.tier and t not in upper]
-        for tier in [*reversed(upper), *publish]:  # nearest first, so a failure high up still fills the rest
+        above = [t for t in reversed(upper) if not t.takes_every_hit]  # nearest first, so a failure high up still fills the rest
+        # then the tiers that take every hit, wherever they sit: they mirror what the tiers above now
+        # hold (the peer tier publishes what the host tier took, in its memory: `PeerTier.joined`)
+        mirrors = [t for t in self._tiers if t.takes_every_hit and t.tier is not hit.tier]
+        for tier in [*above, *mirrors]:
             try:
                 placed = tier.take(hit)
                 if placed is not None:

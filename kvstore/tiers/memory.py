@@ -47,6 +47,7 @@ class MemoryTier(StorageTier):
         self._entries: dict[ChunkKey, KVEntry] = {}
         self._bytes = 0
         self._shared: set[ChunkKey] = set()  # entries whose tensors view shared memory (`share`)
+        self._leaving: list[Callable[[list[ChunkKey]], object]] = []  # told of keys evicted or deleted
         self._tracker: EvictionTracker[ChunkKey] = EvictionTracker(policy)
 
     @property
@@ -116,7 +117,7 @@ class MemoryTier(StorageTier):
             self._counters.add(put_seconds=time.perf_counter() - started)
             return held
         placed = self._placed(entry, copy)  # copies outside the lock
-        evicted = 0
+        evicted: list[ChunkKey] = []
         with self._lock:
             if entry.key in self._entries:  # another thread won the race
                 placed = self._entries[entry.key]
@@ -127,15 +128,26 @@ class MemoryTier(StorageTier):
                     if victim is None:
                         raise RuntimeError(f"bug: {self._bytes} bytes held but no key to evict")
                     self._drop(victim)
-                    evicted += 1
+                    evicted.append(victim)
                 self._entries[entry.key] = placed
                 self._bytes += size
                 self._tracker.add(entry.key)
         self._counters.add(
-            puts=1 if size else 0, bytes_written=size, evictions=evicted,
+            puts=1 if size else 0, bytes_written=size, evictions=len(evicted),
             put_seconds=time.perf_counter() - started,
         )
+        self._left(evicted)
         return placed
+
+    def on_leaving(self, listener: Callable[[list[ChunkKey]], object]) -> None:
+        """Call `listener` with the keys that leave this tier (evicted or deleted), on the thread
+        that made them leave, after the fact: it must be quick (the peer tier queues a withdrawal)."""
+        self._leaving.append(listener)
+
+    def _left(self, keys: list[ChunkKey]) -> None:
+        if keys:
+            for listener in self._leaving:
+                listener(keys)
 
     def _drop(self, key: ChunkKey) -> None:
         """Remove `key` (lock held)."""
@@ -190,7 +202,8 @@ class MemoryTier(StorageTier):
             if key not in self._entries:
                 return False
             self._drop(key)
-            return True
+        self._left([key])
+        return True
 
     def keys_by_eviction_order(self) -> list[ChunkKey]:
         """Held keys, least recently used first (eviction order under LRU)."""

@@ -323,14 +323,49 @@ class PeerTier(DurableTier):
     # -- one copy on the host ---------------------------------------------------------------
 
     def joined(self, tiers: Sequence[StorageTier]) -> None:
-        """Share published memory with the store's host tier: a chunk this replica publishes is
-        held by its host tier in the published object's memory, not in a second copy of its own.
-        (Replayed on 20 held-out seeds, two copies in the same memory made the peer tier a loss:
-        docs/quality.md.) Only uncompressed copies can be shared: a compressed one (the tier's
-        compression, or a file published as it was stored, an index's int8 plain copy) is not the
-        host tier's KV."""
+        """Publish what the store's host tier holds, in the host tier's memory:
+        - a chunk this replica publishes is held by its host tier in the published object's
+          memory, not in a second copy of its own (`_share`). Only uncompressed copies can be: a
+          compressed one (the tier's compression, or a file published as it was stored, an
+          index's int8 plain copy) is not the host tier's KV;
+        - what the host tier evicts is withdrawn, and what it no longer holds when its turn to
+          be published comes (the publisher runs behind under load) is not published: the objects
+          stay within what the host tier holds, not its size again beside it.
+        Replayed on 20 held-out seeds, two copies in the same memory made the peer tier a loss
+        (docs/quality.md)."""
         host = [t for t in tiers if isinstance(t, MemoryTier) and t.tier is Tier.CPU]
-        self._host = host[0] if host and self.compression is Compression.NONE else None
+        self._host = host[0] if host else None
+        if self._host is not None:
+            self._host.on_leaving(self._host_left)
+
+    def _host_left(self, keys: list[ChunkKey]) -> None:
+        """(On the thread the host tier evicted on.) Withdraw those keys, after any publish queued."""
+        with self._lock:
+            if not any(k in self._published for k in keys) and not self.pending_publishes:
+                return
+        self._queue(lambda: self._withdraw(keys))
+
+    def _withdraw(self, keys: list[ChunkKey]) -> None:
+        """(On the publisher's thread.) Stop publishing `keys` that the host tier no longer holds."""
+        host = self._host
+        gone = []
+        with self._lock:
+            for key in keys:
+                if host is not None and host.contains(key):  # back in the host tier since
+                    continue
+                held = self._published.pop(key, None)
+                self._announced.pop(key, None)
+                if held is not None:
+                    self._bytes -= held[1]
+                    gone.append(key.hex)
+        if gone:
+            self._counters.add(evictions=len(gone))
+            self.directory.withdraw(self.replica, gone)
+
+    def _publish_held(self, key: ChunkKey, publish: Callable[[], object]) -> None:
+        """(On the publisher's thread.) `publish()`, unless the host tier has let `key` go since it was queued."""
+        if self._host is None or self._host.contains(key):
+            publish()
 
     def _share(self, key: ChunkKey, handle: object) -> None:
         """(On the publisher's thread.) Have the host tier hold `key` in its published object's memory."""
@@ -363,7 +398,8 @@ class PeerTier(DurableTier):
         if self._touch(entry.key):
             return True
         data = encoded.get(self.compression)
-        self._queue(lambda: self.put(entry) if data is None else self.put_file(entry.key, data))
+        self._queue(lambda: self._publish_held(entry.key, lambda: self.put(entry) if data is None
+                                               else self.put_file(entry.key, data)))
         return True
 
     def take(self, hit: Hit) -> KVEntry | None:
@@ -373,7 +409,7 @@ class PeerTier(DurableTier):
         what this replica has used least recently, as its host tier's LRU would (first published,
         first withdrawn kept a hot chunk's copy no longer than a cold one's)."""
         if not self._touch(hit.entry.key):
-            self._queue(lambda: DurableTier.take(self, hit))
+            self._queue(lambda: self._publish_held(hit.entry.key, lambda: DurableTier.take(self, hit)))
         return None
 
     def _touch(self, key: ChunkKey) -> bool:

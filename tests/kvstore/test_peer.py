@@ -185,6 +185,8 @@ def test_what_s3_gives_is_published_as_its_verified_bytes(bucket: str, s3_settin
     hit = b.read(entry.key)  # b has no S3 tier at all: only a's read of it
     assert hit is not None and hit.tier is Tier.PEER
     assert_same(hit.entry, entry)
+    host = a.tier(Tier.CPU)  # a's host tier took S3's read before the peer tier published it: held once
+    assert isinstance(host, CpuTier) and host.shared_bytes == entry.nbytes
 
 
 def test_what_a_local_disk_gives_the_host_tier_is_published_too(tmp_path) -> None:
@@ -424,3 +426,39 @@ def test_a_compressed_file_published_as_stored_is_not_shared(tmp_path) -> None:
     assert len(directory.lookup(entry.key.hex)) == 1  # published
     host = store.tier(Tier.CPU)
     assert isinstance(host, CpuTier) and host.contains(entry.key) and host.shared_bytes == 0
+
+
+def test_what_the_host_tier_evicts_is_withdrawn_and_what_it_let_go_before_its_publish_is_not_published() -> None:
+    """The published objects stay within what the host tier holds, not its size again beside it."""
+    directory, cluster = PeerDirectory(), Cluster()
+    entries = [make_entry(10 + i) for i in range(3)]
+    peer = PeerTier("a", directory, cluster.objects("a"), MODEL_FP, TOKENIZER_FP, 1 << 20)
+    host = CpuTier(MODEL_FP, TOKENIZER_FP, budget_bytes=2 * entries[0].nbytes)  # two entries
+    store = TieredStore.from_tiers([host])
+    store.attach(peer)
+    for e in entries:
+        _publish(store, peer, e)
+    assert not host.contains(entries[0].key)
+    assert peer.flush() and directory.lookup(entries[0].key.hex) == []  # evicted there: withdrawn
+    assert all(len(directory.lookup(e.key.hex)) == 1 for e in entries[1:])
+    assert peer.stats().entries == 2 and host.shared_bytes == 2 * entries[0].nbytes
+
+    gate = threading.Event()
+
+    class Held(Objects):
+        def put(self, data: bytes) -> object:
+            gate.wait(5)
+            return super().put(data)
+
+    directory, cluster = PeerDirectory(), Cluster()
+    peer = PeerTier("b", directory, Held(cluster, "b"), MODEL_FP, TOKENIZER_FP, 1 << 20)
+    host = CpuTier(MODEL_FP, TOKENIZER_FP)
+    store = TieredStore.from_tiers([host])
+    store.attach(peer)
+    store.put(entries[0])  # published once the gate opens: it is still held then
+    store.put(entries[1])  # queued behind it, and gone from the host tier before its turn
+    assert host.delete(entries[1].key)
+    gate.set()
+    assert peer.flush()
+    assert len(directory.lookup(entries[0].key.hex)) == 1 and directory.lookup(entries[1].key.hex) == []
+    assert cluster.puts == 1  # never put in the object store

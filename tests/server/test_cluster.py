@@ -174,11 +174,13 @@ def test_the_ingress_metrics_count_every_replicas_answers(served) -> None:
         tree = [k for k in m if k.startswith("ragkv_replica_kv_tree_bytes{")]
         peer = [k for k in m if k.startswith("ragkv_peer_reads_total{")]  # the peer tier is on with replicas
         published = sum(v for k, v in m.items() if k.startswith("ragkv_replica_peer_published_bytes{"))
-        if len(backlog) == 2 and len(tree) == 2 and len(peer) == 2 and published > 0:
+        shared = sum(v for k, v in m.items() if k.startswith("ragkv_replica_host_tier_shared_bytes{"))
+        if len(backlog) == 2 and len(tree) == 2 and len(peer) == 2 and published > 0 and shared > 0:
             break
         time.sleep(0.5)
     assert len(backlog) == 2 and len(tree) == 2, m
     assert len(peer) == 2 and published > 0, m  # what the replicas read, they published for each other
+    assert shared > 0, m  # and their host tiers hold it in the published objects' memory
 
 
 def test_health_collections_and_client_errors_keep_their_status(served) -> None:

@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from ragkv.errors import KVFormatError
 from ragkv.kvstore import fileformat
@@ -64,6 +64,14 @@ class PeerCopy:
     handle: object  # the object store's handle to its bytes (a Ray ObjectRef, boxed in a list)
     nbytes: int  # the file's size
     published_at: float  # the directory's clock when it was published
+
+
+class _Published(NamedTuple):
+    """One copy this replica published."""
+
+    handle: object  # the object store's handle
+    nbytes: int  # the file's size
+    plain: bool  # uncompressed: the host tier can hold the chunk in the object's memory (`PeerTier._share`)
 
 
 class Directory(Protocol):
@@ -203,7 +211,6 @@ class PeerTier(DurableTier):
 
     tier = Tier.PEER
     takes_every_hit = True  # what a local disk gives the host tier is published too
-    _host: MemoryTier | None = None  # the store's host tier, which holds what is published in its memory
 
     def __init__(self, replica: str, directory: Directory, objects: ObjectStore, model_fp: str, tokenizer_fp: str,
                  budget_bytes: int, compression: Compression = Compression.NONE, read_timeout_s: float = 2.0,
@@ -233,7 +240,8 @@ class PeerTier(DurableTier):
         self.hits_kept_above = keep_reads
         self._clock = clock
         self._lock = threading.Lock()
-        self._published: OrderedDict[ChunkKey, tuple[object, int]] = OrderedDict()  # least recently used first
+        self._published: OrderedDict[ChunkKey, _Published] = OrderedDict()  # least recently used first
+        self._host: MemoryTier | None = None  # the store's host tier, which holds what is published in its memory
         self._announced: OrderedDict[ChunkKey, float] = OrderedDict()  # when the directory was last told, oldest first
         self.reannounce_s = reannounce_s
         self._reannouncing = False  # a pass over the oldest announcements is queued
@@ -353,10 +361,7 @@ class PeerTier(DurableTier):
             for key in keys:
                 if host is not None and host.contains(key):  # back in the host tier since
                     continue
-                held = self._published.pop(key, None)
-                self._announced.pop(key, None)
-                if held is not None:
-                    self._bytes -= held[1]
+                if self._unpublish(key):
                     gone.append(key.hex)
         if gone:
             self._counters.add(evictions=len(gone))
@@ -368,7 +373,8 @@ class PeerTier(DurableTier):
             publish()
 
     def _share(self, key: ChunkKey, handle: object) -> None:
-        """(On the publisher's thread.) Have the host tier hold `key` in its published object's memory."""
+        """(On the publisher's thread.) Have the host tier hold `key` in its published object's memory
+        (an uncompressed copy: `_Published.plain`)."""
         host = self._host
         if host is None or not host.can_share(key):
             return
@@ -380,10 +386,6 @@ class PeerTier(DurableTier):
             return fileformat.decode(view, expected_key=key, model_fp=self.model_fp,
                                      tokenizer_fp=self.tokenizer_fp, shared=True)
         try:
-            head = fileformat.check_head(view, expected_key=key, model_fp=self.model_fp,
-                                         tokenizer_fp=self.tokenizer_fp)
-            if head.header.compression is not Compression.NONE:  # a compressed file read as it was stored
-                return  # (an index's int8 plain copy): the host tier holds it dequantized, a view cannot be that
             host.share(key, decode)
         except KVFormatError as e:  # the object is what this replica wrote: a bug or damage in memory
             self._counters.add(errors=1)
@@ -419,12 +421,12 @@ class PeerTier(DurableTier):
             if key not in self._published:
                 return False
             self._published.move_to_end(key)
-            handle = self._published[key][0]
+            copy = self._published[key]
             due = self._reannounce_due()
         if due:
             self._queue(self._reannounce)
-        if self._host is not None and self._host.can_share(key):  # the host tier read it again: one copy
-            self._queue(lambda: self._share(key, handle))
+        if copy.plain and self._host is not None and self._host.can_share(key):  # the host tier read it again
+            self._queue(lambda: self._share(key, copy.handle))
         return True
 
     def _reannounce_due(self) -> bool:
@@ -452,9 +454,10 @@ class PeerTier(DurableTier):
                 del self._announced[key]
                 if key in self._published:
                     self._announced[key] = now
-                    again.append((key, *self._published[key]))
+                    copy = self._published[key]
+                    again.append((key.hex, copy.handle, copy.nbytes))
         if again:
-            self.directory.publish_many(self.replica, [(key.hex, handle, n) for key, handle, n in again])
+            self.directory.publish_many(self.replica, again)
 
     def put_file(self, key: ChunkKey, data: bytes | bytearray | memoryview) -> bool:
         if key in self._published:  # queued twice (two hits before the first publish): published once
@@ -490,15 +493,18 @@ class PeerTier(DurableTier):
         assert self.budget_bytes is not None
         if n > self.budget_bytes:
             return False
+        # a compressed file (this tier's compression, or one published as it was stored: an index's
+        # int8 plain copy) is not the KV the host tier holds, which is dequantized
+        plain = fileformat.check_head(memoryview(data), expected_key=key, model_fp=self.model_fp,
+                                      tokenizer_fp=self.tokenizer_fp).header.compression is Compression.NONE
         handle = self.objects.put(bytes(data))
         gone: list[ChunkKey] = []
         with self._lock:
             while self._published and self._bytes + n > self.budget_bytes:
-                old, (_, size) = self._published.popitem(last=False)  # the least recently used goes first
-                self._announced.pop(old, None)
-                self._bytes -= size
+                old = next(iter(self._published))  # the least recently used goes first
+                self._unpublish(old)
                 gone.append(old)
-            self._published[key] = (handle, n)
+            self._published[key] = _Published(handle, n, plain)
             self._announced[key] = self._clock()
             self._bytes += n
             due = self._reannounce_due()
@@ -508,18 +514,25 @@ class PeerTier(DurableTier):
             self._counters.add(evictions=len(gone))
             self.directory.withdraw(self.replica, [k.hex for k in gone])
         self.directory.publish(key.hex, self.replica, handle, n)
-        self._share(key, handle)
+        if plain:
+            self._share(key, handle)
         return True
+
+    def _unpublish(self, key: ChunkKey) -> bool:
+        """(Under the lock.) Forget this replica's copy of `key`; whether there was one (the caller
+        withdraws it from the directory)."""
+        held = self._published.pop(key, None)
+        self._announced.pop(key, None)
+        if held is not None:
+            self._bytes -= held.nbytes
+        return held is not None
 
     def delete(self, key: ChunkKey) -> bool:
         with self._lock:
-            held = self._published.pop(key, None)
-            self._announced.pop(key, None)
-            if held is not None:
-                self._bytes -= held[1]
-        if held is not None:
+            held = self._unpublish(key)
+        if held:
             self.directory.withdraw(self.replica, [key.hex])
-        return held is not None
+        return held
 
     def _usage(self) -> tuple[int, int]:
         with self._lock:

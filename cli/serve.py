@@ -35,8 +35,9 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
                                 "measured speed (2048 until it has measured it)"),
     ("decode_pool", str, "decode over one KV pool, every step of a batch bucket the same shapes: auto (on CUDA, "
                          "where a step of many small kernels is launch-bound), on, or off (ragged decode, each "
-                         "request its own cache: the CPU's faster path); the pool holds --kv-budget-bytes less "
-                         "--kv-tree-bytes, and requests' prompt caches are runs of it"),
+                         "request its own cache: the CPU's faster path); the pool holds --kv-budget-bytes, "
+                         "requests' prompt caches are runs of it, and the KV tree keeps its --kv-tree-bytes "
+                         "in it, so a conversation's KV passes between its calls and the tree with no copy"),
     ("cuda_graphs", str, "capture each batch bucket's pooled decode step as a CUDA graph (1, 2, 4 ... 64 rows): "
                          "auto (wherever CUDA is) or off"),
     ("retrieve_workers", int, "threads for retrieval and KV prefetch (default 1)"),

@@ -429,7 +429,9 @@ def resume_steps(lm: LoadedModel, lease: TreeLease, ids: Sequence[int], mode: Mo
     The cache takes the lease's KV (the context, blended as its first request's pass left
     it, and the matched tokens after it; a part still being read from disk, layer by layer as
     the pass reaches each), the lease is released, and every later token runs through every
-    layer, as the question does in any mode.
+    layer, as the question does in any mode. Where the tree shares the engine's decode pool
+    and holds the path in one run with free slots after it, the cache runs on from the path
+    in place instead (`TreeLease.lend`): nothing is copied, and the lease lasts the request.
 
     Args:
         lease: the matched path (`KVTree.match`): context tokens and `matched` tokens of `ids`.
@@ -444,12 +446,16 @@ def resume_steps(lm: LoadedModel, lease: TreeLease, ids: Sequence[int], mode: Mo
     ctx = layout or lease.context
     prompt = torch.tensor([*lease.context_ids, *ids], dtype=torch.long, device=dev)  # [N]
     n = int(prompt.shape[0])
-    cache = request_cache(lm, n + reserve_tokens, new_cache)
-    try:
-        first = lease.write_into(cache, layered=True)  # positions [0, first) are the tree's
-        cache.recurrent = lease.recurrent_state()  # a hybrid's state after them (a copy; None otherwise)
-    finally:
-        lease.release()
+    lent = lease.lend(n + reserve_tokens)  # the path read where the tree holds it, in the engine's pool
+    if lent is not None:  # the lease is the cache's now: let go when its run goes back
+        cache, first = lent, lease.tokens
+    else:
+        cache = request_cache(lm, n + reserve_tokens, new_cache)
+        try:
+            first = lease.write_into(cache, layered=True)  # positions [0, first) are the tree's
+            cache.recurrent = lease.recurrent_state()  # a hybrid's state after them (a copy; None otherwise)
+        finally:
+            lease.release()
     cache.mark = snapshot_at
     cache.length = n
     rope_all = lm.adapter.rotary(torch.arange(n, device=dev), _like(lm))  # N rows

@@ -63,9 +63,14 @@ class DecodeConfig:
         if self.pool_bytes < 1:
             raise ValueError(f"decode pool bytes must be > 0, got {self.pool_bytes}")
 
-    def decoder(self, lm: LoadedModel) -> PooledDecoder | None:
+    def decoder(self, lm: LoadedModel, tree_bytes: int = 0) -> PooledDecoder | None:
         """The pooled decoder these settings give `lm`, or None (ragged decode): pool "off", "auto"
-        off CUDA, or a family that cannot decode over the pool (logged, with why)."""
+        off CUDA, or a family that cannot decode over the pool (logged, with why).
+
+        Args:
+            tree_bytes: the KV tree's device budget, which it keeps in the same pool
+                (`DecodePool.share`): the pool is `pool_bytes` for requests and this besides.
+        """
         if self.pool == "off" or (self.pool == "auto" and lm.device.type != "cuda"):
             return None
         reason = unsupported_reason(lm.adapter)
@@ -73,7 +78,8 @@ class DecodeConfig:
             log.info("%s decodes ragged, not over the decode pool: %s", lm.adapter.family.model_type, reason)
             return None
         token_bytes = 2 * lm.kv_layers * lm.num_kv_heads * lm.head_dim * lm.dtype.itemsize
-        return PooledDecoder(lm, max(self.pool_bytes // token_bytes, 2 * 16), graphs=self.cuda_graphs == "auto")
+        return PooledDecoder(lm, max(self.pool_bytes // token_bytes, 2 * 16) + tree_bytes // token_bytes,
+                             graphs=self.cuda_graphs == "auto")
 
 
 def unsupported_reason(ad: Adapter) -> str | None:

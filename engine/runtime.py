@@ -90,13 +90,17 @@ class Engine:
         self.lm = lm
         self.step_tokens, self.step_s = step_tokens, step_s
         self.speed = EngineSpeed()  # its measured rates: chunk prefill, prompt work (engine.speed)
-        self.conversations = Conversations(lm, tree, self.recurrent, lambda: self.speed.prompt_tokens_per_s(Mode.FULL))
         self.prompt = PromptFormat.for_tokenizer(lm.tokenizer, system_prompt)
         self._prefixes: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()
         vocab = lm.model.get_output_embeddings().weight.shape[0]  # V, the logits' width
         self.grammars = ConstraintCompiler(lm.tokenizer, vocab, lm.eos_token_ids)  # constrained decoding
-        # decode steps over one pool, captured per bucket on CUDA (engine.decode_graphs); None = ragged
-        self.decoder: PooledDecoder | None = decode.decoder(lm)
+        # decode steps over one pool, captured per bucket on CUDA (engine.decode_graphs); None = ragged.
+        # The KV tree keeps its device tier in the same pool, so a lease and an insert move no KV
+        share_tree = tree.budget_bytes > 0 and not self.recurrent
+        self.decoder: PooledDecoder | None = decode.decoder(lm, tree.budget_bytes if share_tree else 0)
+        shared = self.decoder.pool.share(tree.budget_bytes) if self.decoder is not None and share_tree else None
+        self.conversations = Conversations(lm, tree, self.recurrent, lambda: self.speed.prompt_tokens_per_s(Mode.FULL),
+                                           device_pool=shared)
         # requests' prompt caches come from the decoder's pool, so they decode where their prompt left them
         self._new_cache = None if self.decoder is None else self.decoder.pool.new_cache
 

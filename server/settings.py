@@ -91,7 +91,7 @@ class ServerSettings:
     prompt_step_tokens: int | None = None
     # decode steps over one KV pool, each batch bucket's step shape-static (engine.decode_graphs): auto =
     # on CUDA, where a ragged step is launch-bound; on; off. Requests' caches are runs of the pool, which
-    # holds kv_budget_bytes less kv_tree_bytes (the tree keeps its own).
+    # holds kv_budget_bytes less kv_tree_bytes for them, and the KV tree's kv_tree_bytes (its device tier).
     decode_pool: str = "auto"
     cuda_graphs: str = "auto"  # capture each bucket's pooled step as a CUDA graph: auto (wherever CUDA is) or off
     retrieve_workers: int = 1  # threads for retrieval and KV prefetch starts
@@ -309,7 +309,8 @@ class ServerSettings:
 
     def decode(self) -> DecodeConfig:
         """How the engine decodes: over one pool and with CUDA graphs, or ragged. The pool holds the
-        requests' KV: the KV budget less what the KV tree may keep (its own pool, in the same budget)."""
+        requests' KV, the KV budget less what the KV tree may keep (the engine adds the tree's budget:
+        the tree keeps its device tier in the same pool, `DecodePool.share`)."""
         return DecodeConfig(self.decode_pool, self.cuda_graphs,
                             max(self.kv_budget_bytes - self.kv_tree_bytes, 64 << 20))
 

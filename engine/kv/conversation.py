@@ -34,6 +34,7 @@ import torch
 from ragkv.engine.blend import BlendOptions, BlendResult, Selector, tree_context
 from ragkv.engine.kv.cache import ChunkKV, KVCache
 from ragkv.engine.kv.node_files import NodeFiles
+from ragkv.engine.kv.pool import KVPool
 from ragkv.engine.kv.retention import ToolLatency
 from ragkv.engine.kv.tree import KVTree
 from ragkv.engine.kv.tree_node import RecurrentSnapshot, TreeContext, TreeKey, TreeLease, TreeStats
@@ -139,10 +140,13 @@ class Conversations:
         recurrent: the model is a hybrid: the tree keeps recurrent states too.
         compute_rate: the engine's prompt tokens per second (None until measured): a disk node
             is read at a match only when that is sooner than computing its tokens.
+        device_pool: where the tree keeps its device tier: the engine's decode pool's share
+            (`DecodePool.share`), so requests and the tree pass KV with no copy; None = a pool
+            of its own.
     """
 
     def __init__(self, lm: LoadedModel, config: TreeConfig = NO_TREE, recurrent: bool = False,
-                 compute_rate: Callable[[], float | None] | None = None) -> None:
+                 compute_rate: Callable[[], float | None] | None = None, device_pool: KVPool | None = None) -> None:
         self.lm = lm
         self._recent: OrderedDict[str, _Recent] = OrderedDict()  # conversation -> its last context
         self.follow_ups = config.follow_ups  # carry a follow-up's earlier turns (`follow`); False = compute them again
@@ -150,7 +154,7 @@ class Conversations:
         latency = None if config.retain_max_s is None else ToolLatency(config.retain_max_s, config.retain_default_s)
         self.tree = KVTree(config.budget_bytes, recurrent=recurrent, tenant_share=config.tenant_share,
                            host_bytes=config.host_bytes, files=config.files, disk_bytes=config.disk_bytes,
-                           compute_rate=compute_rate, latency=latency)
+                           compute_rate=compute_rate, latency=latency, device_pool=device_pool)
 
     @property
     def enabled(self) -> bool:

@@ -15,7 +15,13 @@ Not thread-safe: the tree calls it under its lock.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from ragkv.engine.kv.cache import KVCache
 
 GROW = 1.5  # capacity grows by this factor (at least to what a write needs)
 MIN_TOKENS = 256  # the smallest capacity the pool takes
@@ -32,6 +38,8 @@ class KVPool:
         self._free = torch.empty(0, dtype=torch.long)  # [F] free slot indices, ascending (CPU)
         self._given: list[torch.Tensor] = []  # slots given back since, merged into `_free` when next needed
         self.gathered_tokens = 0  # tokens' KV gathered into new tensors (`get`, `copy_into` of scattered slots)
+        self.written_tokens = 0  # tokens' KV copied in (`put`)
+        self.read_tokens = 0  # tokens' KV copied out (`get`, `copy_into`)
 
     @property
     def capacity(self) -> int:
@@ -68,6 +76,7 @@ class KVPool:
         assert self.k is not None and self.v is not None
         slots = self._free[:n]  # [T] (CPU)
         self._free = self._free[n:]
+        self.written_tokens += n
         at = slots.to(self.k.device, non_blocking=True)
         self.k.index_copy_(2, at, k.to(self.k.device, self.k.dtype))
         self.v.index_copy_(2, at, v.to(self.v.device, self.v.dtype))
@@ -78,6 +87,7 @@ class KVPool:
         if self.k is None or self.v is None:
             raise RuntimeError("KVPool.get before any put: a bug")
         self.gathered_tokens += len(slots)
+        self.read_tokens += len(slots)
         at = slots.to(self.k.device, non_blocking=True)
         return self.k.index_select(2, at), self.v.index_select(2, at)
 
@@ -94,12 +104,26 @@ class KVPool:
             return
         first, last = int(slots[0]), int(slots[-1])
         if last - first + 1 == n:  # ascending and distinct: exactly the run [first, last]
+            self.read_tokens += n
             k_out.copy_(self.k[:, :, first:last + 1])
             v_out.copy_(self.v[:, :, first:last + 1])
             return
         k, v = self.get(slots)
         k_out.copy_(k)
         v_out.copy_(v)
+
+    def adopt(self, cache: KVCache, start: int, stop: int, let_go: Callable[[], None]) -> torch.Tensor | None:
+        """Slots that already hold positions [start, stop) of a request's `cache`, now the
+        pool's, with no copy (`let_go` is called once the request no longer reads them); None
+        here (a pool of its own copies them in: `put`). The decode pool's share does take them
+        (`engine.kv.decode_pool.SharedSlots`)."""
+        return None
+
+    def lend(self, slots: torch.Tensor, capacity: int, let_go: Callable[[], None]) -> KVCache | None:
+        """A request cache of `capacity` tokens whose first tokens are these slots, read in
+        place; None here (a lease copies its path out of a pool of its own). The decode pool's
+        share lends (`engine.kv.decode_pool.SharedSlots`)."""
+        return None
 
     def release(self, slots: torch.Tensor) -> None:
         """Give `slots` back; their KV may be overwritten by the next `put`. (An eviction gives

@@ -21,7 +21,11 @@ leased node is never split or evicted, so a lease's tokens stay as they were mat
 Storage: the device and CPU tiers each keep their nodes' KV in one pool of token slots
 (`engine.kv.pool.KVPool`); a node holds indices into it (`Node.slots`), so a split moves no
 KV and a lease copies its path out once, under the lock, when its pass writes it. Admission's
-`shrink` compacts the device pool and renumbers the nodes' slots.
+`shrink` compacts the device pool and renumbers the nodes' slots. Where the engine decodes
+over one pool, the device tier is a share of it (`engine.kv.decode_pool.SharedSlots`): an
+insert takes the request's slots where its KV lies, and a lease whose path lies in one run
+lends it to the next request in place (`TreeLease.lend`), held until that request ends; that
+pool never compacts.
 
 Tiers (SGLang HiCache's, over conversations): a node that makes room on the device moves
 down to CPU memory (`host_bytes`), and from there to disk (`files`, `disk_bytes`: kvstore's
@@ -58,6 +62,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from ragkv.engine.kv.cache import KVCache
+from ragkv.engine.kv.decode_pool import SharedSlots
 from ragkv.engine.kv.node_files import NodeFiles
 from ragkv.engine.kv.pool import KVPool
 from ragkv.engine.kv.retention import Pins, ToolLatency
@@ -98,12 +103,16 @@ class KVTree:
         host_bytes: KV bytes the tree may keep in CPU memory below the device; 0 = no host tier.
         files: the disk tier's files (`NodeFiles`); what they hold is found again here. None = no disk tier.
         disk_bytes: KV bytes the tree may keep in `files`.
+        compute_rate: the engine's prompt tokens per second (None until measured).
+        device_pool: the device tier's pool: a share of the engine's decode pool
+            (`engine.kv.decode_pool.SharedSlots`: an insert takes a request's KV where it lies, a
+            lease lends its path in place), or None for a pool of its own (`budget_bytes`).
     """
 
     def __init__(self, budget_bytes: int, recurrent: bool = False, tenant_share: float = 1.0,
                  clock: Callable[[], float] = time.monotonic, latency: ToolLatency | None = None,
                  host_bytes: int = 0, files: NodeFiles | None = None, disk_bytes: int = 0,
-                 compute_rate: Callable[[], float | None] | None = None) -> None:
+                 compute_rate: Callable[[], float | None] | None = None, device_pool: KVPool | None = None) -> None:
         if budget_bytes < 0 or host_bytes < 0 or disk_bytes < 0:
             raise ValueError(f"the KV tree's budgets must be >= 0 bytes, got device {budget_bytes}, host "
                              f"{host_bytes}, disk {disk_bytes}")
@@ -115,7 +124,9 @@ class KVTree:
         self.host_budget = 0 if recurrent or not budget_bytes else host_bytes
         self._tenant_bytes: dict[str, int] = {}  # device KV bytes held per tenant
         # each memory tier's KV, in one pool of token slots that its nodes index (`Node.slots`)
-        self._pools = {TreeTier.DEVICE: KVPool(budget_bytes), TreeTier.HOST: KVPool(self.host_budget, "cpu")}
+        # (the device tier's may be a share of the engine's decode pool: `device_pool`, engine.kv.decode_pool)
+        self._pools = {TreeTier.DEVICE: device_pool if device_pool is not None else KVPool(budget_bytes),
+                       TreeTier.HOST: KVPool(self.host_budget, "cpu")}
         self._roots: dict[TreeKey, Node] = {}
         self._lock = threading.Lock()
         self._clock = itertools.count(1)
@@ -200,7 +211,7 @@ class KVTree:
             self._hit_tokens += len(root.ids) + pos
             self._spilled_hit_tokens += spilled
         return TreeLease(self._release, self._gather, self._copy_into, root.ids, root.context, pos, parts, _state=state,
-                         spilled=spilled)
+                         spilled=spilled, _lend=self._lend)
 
     def _find(self, key: TreeKey, ids: tuple[int, ...], leave_last: bool = True
               ) -> tuple[object | None, list[LeasedPart]] | None:
@@ -258,6 +269,38 @@ class KVTree:
             for node in nodes:
                 node.refs -= 1
 
+    def _lend(self, parts: list[LeasedPart], capacity: int, let_go: Callable[[], None]) -> KVCache | None:
+        """A request cache over a leased path where the device tier holds it (`SharedSlots.lend`),
+        or None (a part spilled, a pool of its own, no free slots after the path). Leased nodes
+        are never moved or evicted, and split only here, by the one lease that holds them, so
+        the path's slots stay as read here once the lock is let go."""
+        pool = self._pools[TreeTier.DEVICE]
+        if not isinstance(pool, SharedSlots):
+            return None
+        with self._lock:
+            if any(p.k is not None or p.node.tier is not TreeTier.DEVICE for p in parts):
+                return None
+            last = parts[-1]
+            if last.n < len(last.node.ids) and not self._clear_after(last, pool):
+                return None
+            slots = torch.cat([self._slots(p.node)[:p.n] for p in parts])  # [tokens] (CPU)
+        return pool.lend(slots, capacity, let_go)
+
+    def _clear_after(self, part: LeasedPart, pool: SharedSlots) -> bool:
+        """The match ends inside `part.node`: cut it there and move the rest's KV to other slots,
+        so the request can run on after the path (the rest, an earlier answer this call did not
+        repeat, stays in the tree). False when another lease holds the node or no slots are free."""
+        node = part.node
+        if node.refs > 1:
+            return False
+        self._split(node, part.n)
+        lower = next(iter(node.children.values()))  # the split's new child: the rest
+        new = pool.relocate(self._slots(lower))
+        if new is None:
+            return False
+        lower.slots = new
+        return True
+
     def _gather(self, node: Node, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A lease's copy of a pool-held node's first `n` tokens' K and V, [L, Hkv, n, D]."""
         with self._lock:
@@ -285,8 +328,13 @@ class KVTree:
         node.slots, node.tier = self._pools[tier].put(k, v), tier
 
     def _hold_from(self, node: Node, tier: TreeTier, cache: KVCache) -> None:
-        """`_hold` of `node`'s tokens as a request's `cache` holds them (slots [start, end))."""
-        self._hold(node, tier, cache.k[:, :, node.start:node.end], cache.v[:, :, node.start:node.end])
+        """`_hold` of `node`'s tokens as a request's `cache` holds them (slots [start, end)): taken
+        where they lie when the cache is in the pool the tier shares with requests, else copied."""
+        slots = self._pools[tier].adopt(cache, node.start, node.end, lambda: self._release([node]))
+        if slots is not None:  # held (never evicted) while the request may still read it there
+            node.slots, node.tier, node.refs = slots, tier, node.refs + 1
+        else:
+            self._hold(node, tier, cache.k[:, :, node.start:node.end], cache.v[:, :, node.start:node.end])
         node.kv_bytes = cache_bytes(cache, len(node.ids))
 
     def _let_slots_go(self, node: Node) -> None:

@@ -167,27 +167,30 @@ def test_the_pooled_step_reads_no_value_on_the_host(arch: str, tmp_path) -> None
 
 
 def test_the_pool_grows_runs_in_place_moves_them_when_it_must_and_reuses_what_is_released() -> None:
-    pool = DecodePool(2, 1, 4, capacity_tokens=160, dtype=torch.float32, device="cpu", page_tokens=16)
-    assert pool.capacity == 144  # 10 pages, the last one scratch
+    pool = DecodePool(2, 1, 4, capacity_tokens=320, dtype=torch.float32, device="cpu", page_tokens=16)
+    assert pool.capacity == 304  # 20 pages, the last one scratch
     a, b = (KVCache(2, 1, 4, 8, torch.float32, torch.device("cpu")) for _ in range(2))
     for c, fill in ((a, 1.0), (b, 2.0)):
         c.k[:, :, :5], c.v[:, :, :5], c.length = fill, -fill, 5
-    pool.admit(a, 16)
-    pool.admit(b, 16)
-    assert pool.run_of(a).start == 0 and pool.run_of(b).start == 16 and pool.copied_tokens == 10
+    pool.admit(a, 16)  # the first run starts the pool
+    pool.admit(b, 16)  # the next keeps half the slack after a before it: room for a to grow
+    assert pool.run_of(a).start == 0 and pool.run_of(b).start == 144 and pool.copied_tokens == 10
     b.ensure(30)  # the pages after b are free: it grows in place, no copy
-    assert pool.run_of(b).start == 16 and pool.run_of(b).size == 32 and pool.moves == 0
-    assert float(b.v[1, 0, 0, 0]) == -2.0 and b.k.data_ptr() == pool.k[:, :, 16:].data_ptr()
-    a.ensure(40)  # b sits right after a: a moves (and doubles), its KV with it
-    assert pool.moves == 1 and pool.run_of(a).start == 48 and pool.run_of(a).size == 48
-    assert float(a.k[0, 0, 4, 0]) == 1.0 and pool.copied_tokens == 15
+    assert pool.run_of(b).start == 144 and pool.run_of(b).size == 32 and pool.moves == 0
+    assert float(b.v[1, 0, 0, 0]) == -2.0 and b.k.data_ptr() == pool.k[:, :, 144:].data_ptr()
     c = KVCache(2, 1, 4, 8, torch.float32, torch.device("cpu"))
+    pool.admit(c, 96)  # no range has 96 of slack to halve: c starts the largest, right after a
+    assert pool.run_of(c).start == 16
+    a.ensure(40)  # c sits right after a: a moves (and doubles), its KV with it
+    assert pool.moves == 1 and pool.run_of(a).start == 208 and pool.run_of(a).size == 48
+    assert float(a.k[0, 0, 4, 0]) == 1.0 and pool.copied_tokens == 15
+    d = KVCache(2, 1, 4, 8, torch.float32, torch.device("cpu"))
     with pytest.raises(DecodePoolFullError, match="no run of 96 free tokens"):
-        pool.admit(c, 96)
+        pool.admit(d, 96)  # 128 slots are free, in four pieces
     pool.release(a)
     assert a.pool is None and float(a.k[0, 0, 4, 0]) == 1.0 and a.k.shape[2] == 5  # its KV copied out
-    pool.admit(c, 64)  # a's pages, merged with the free ones beside them, are taken again
-    assert pool.run_of(c).start == 48
+    pool.admit(d, 64)  # a's pages, merged with the free ones beside them, are taken again
+    assert pool.run_of(d).start == 208
     with pytest.raises(ValueError, match="cannot enter a decode pool"):
         pool.admit(KVCache(3, 1, 4, 8, torch.float32, torch.device("cpu")), 16)
 

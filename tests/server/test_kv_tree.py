@@ -206,3 +206,45 @@ def test_retain_priority_reaches_the_tree_and_bad_values_are_refused_naming_it(s
             "".join(client.query("Where does the fox jump?", collection="docs", max_new_tokens=3,
                                  retain_priority=500))
         assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "retain_priority" in err.value.details()
+
+
+@pytest.fixture(scope="module")
+def pooled_tree(tree_index: Path):
+    """The index served with the KV tree and decode over one pool (as on CUDA): the tree's device
+    tier is a share of the decode pool."""
+    from ragkv.server.assembly import build_pipeline
+
+    server = ServerThread(settings(indexes=(CollectionSpec("docs", tree_index),), kv_tree_bytes=16 << 20,
+                                   decode_pool="on"), build_pipeline)
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("mode", ["reuse", "blend"])
+def test_over_one_pool_a_tool_loop_moves_no_kv_between_its_calls_and_the_tree(servers, pooled_tree, mode: str) -> None:
+    """Issue 70: where the engine decodes over one pool, the tree keeps its device tier in it. Each
+    call's answer goes into the tree where the request left it (no copy in), and the next call
+    runs on from its leased path in place (no copy out): the answers are the tree-less server's."""
+    from ragkv.engine.kv.tree import TreeTier
+
+    _, without = servers
+    engine = pooled_tree.server.service.backend.engine
+    pool, shared = engine.decoder.pool, engine.conversations.tree._pools[TreeTier.DEVICE]
+    assert shared.k is pool.k  # one pair of tensors for requests and the tree
+
+    def counts() -> tuple[int, ...]:
+        return pool.borrowed_tokens, pool.handed_tokens, pool.copied_tokens, shared.written_tokens, shared.read_tokens
+
+    before, leased = counts(), 0
+    with RagClient(pooled_tree.addr) as tree_client, RagClient(without.addr) as plain_client:
+        for step in range(4):
+            kwargs = dict(collection="docs", mode=mode, top_k=3, max_new_tokens=6, recompute_ratio=0.2,
+                          agent_turns=_loop_turns(step))
+            a, b = tree_client.query(QUESTION, **kwargs), plain_client.query(QUESTION, **kwargs)
+            assert "".join(a) == "".join(b), f"{mode} step {step}: the tree changed the answer"
+            leased += a.result().usage.tree_prompt_tokens
+    borrowed, handed, copied, written, read = (x - y for x, y in zip(counts(), before))
+    assert leased > 0 and borrowed == leased  # every token the tree supplied was read where it lies
+    assert handed > 0 and written == 0  # every insert took the request's KV in place
+    assert read == 0 and copied == 0  # nothing went through a copy either way
+    assert pool.used == pool.tree_tokens  # every request's run went back

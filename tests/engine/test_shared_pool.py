@@ -1,0 +1,150 @@
+"""The KV tree's device tier as a share of the decode pool (engine/kv/decode_pool.py `SharedSlots`):
+an insert takes a request's KV where it lies, a lease lends its path in place, and under pressure
+the pool stays within itself with every lease reading what was kept (issue 70)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ragkv.engine.kv.cache import KVCache
+from ragkv.engine.kv.decode_pool import DecodePool
+from ragkv.engine.kv.tree import KVTree, TreeKey, TreeTier
+from tests.engine.test_tree import CTX, _bytes
+
+
+def _shared(capacity: int, tree_tokens: int) -> tuple[DecodePool, KVTree]:
+    pool = DecodePool(2, 1, 3, capacity_tokens=capacity, dtype=torch.float32, device="cpu")
+    return pool, KVTree(_bytes(tree_tokens), device_pool=pool.share(_bytes(tree_tokens)))
+
+
+def _write(cache: KVCache, ids: list[int], start: int = 0) -> None:
+    """What a prompt pass would leave: K of position j is ids[j] (V its negative), from `start` on."""
+    values = torch.tensor(ids[start:], dtype=torch.float32)[None, None, :, None]  # [1, 1, T, 1]
+    cache.k[:, :, start:len(ids)] = values
+    cache.v[:, :, start:len(ids)] = -values
+    cache.length = len(ids)
+
+
+def _holds(cache: KVCache, ids: list[int]) -> bool:
+    want = torch.tensor(ids, dtype=torch.float32)[None, None, :, None].expand(2, 1, len(ids), 3)
+    return torch.equal(cache.k[:, :, :len(ids)], want) and torch.equal(cache.v[:, :, :len(ids)], -want)
+
+
+def test_an_insert_takes_the_requests_kv_where_it_lies_and_the_next_call_runs_on_from_it_in_place() -> None:
+    pool, tree = _shared(512, 128)
+    shared = tree._pools[TreeTier.DEVICE]
+    key, ctx, turn = TreeKey.of("conv"), [7, 8], [1, 2, 3, 4, 5, 6, 7, 8]
+    first = pool.new_cache(16)
+    _write(first, ctx + turn)
+    run = pool.run_of(first)
+    tree.insert(key, ctx, CTX, turn, first)
+    assert pool.handed_tokens == 10 and shared.written_tokens == 0  # nothing copied into the tree
+    assert tree._roots[key].slots.tolist() == [run.start, run.start + 1]  # the context where the request left it
+    pool.release(first)
+    assert pool.used == pool.tree_tokens == 10  # the run gave back all but what the tree took
+
+    lease = tree.match(key, turn + [9, 10])
+    assert lease is not None and lease.tokens == 10
+    nxt = lease.lend(24)
+    assert nxt is not None
+    assert nxt.k.data_ptr() == pool.k[:, :, run.start:].data_ptr()  # the tree's own slots, not a copy
+    assert _holds(nxt, ctx + turn) and shared.read_tokens == 0 and pool.borrowed_tokens == 10
+    assert tree._roots[key].refs == 1  # the lease lasts the request
+    _write(nxt, ctx + turn + [9, 10, 11], start=10)  # the new call's own tokens, after the path
+    tree.insert(key, ctx, CTX, turn + [9, 10, 11], nxt)
+    assert pool.handed_tokens == 13 and shared.written_tokens == 0
+    pool.release(nxt)
+    assert tree._roots[key].refs == 0 and pool.used == pool.tree_tokens == 13
+    again = tree.match(key, turn + [9, 10, 11, 12])
+    out = KVCache(2, 1, 3, 16, torch.float32, torch.device("cpu"))
+    assert again.write_into(out) == 13 and _holds(out, ctx + turn + [9, 10, 11])
+    again.release()
+
+
+def test_a_match_that_ends_inside_a_node_moves_the_rest_out_of_the_way_and_keeps_it() -> None:
+    pool, tree = _shared(512, 128)
+    key, answer = TreeKey.of("conv"), [1, 2, 3, 4, 5, 6, 7, 8]
+    req = pool.new_cache(16)
+    _write(req, answer)
+    tree.insert(key, [], CTX, answer, req)
+    pool.release(req)
+    other = tree.match(key, [1, 2, 3, 4, 50, 51])  # a second lease on the same node: it cannot be cut
+    lease = tree.match(key, [1, 2, 3, 4, 60, 61])
+    assert lease.lend(16) is None and pool.relocated_tokens == 0  # the caller copies the path instead
+    other.release()
+    nxt = lease.lend(16)
+    assert nxt is not None and pool.relocated_tokens == 4  # [5, 6, 7, 8] moved; the cut path lent in place
+    assert _holds(nxt, [1, 2, 3, 4])
+    _write(nxt, [1, 2, 3, 4, 60, 61, 62], start=4)
+    pool.release(nxt)
+    full = tree.match(key, answer + [0])  # the earlier answer is still there, moved, as it was
+    out = KVCache(2, 1, 3, 16, torch.float32, torch.device("cpu"))
+    assert full.write_into(out) == 8 and _holds(out, answer)
+    full.release()
+
+
+@pytest.mark.parametrize("seed", [0, 5, 8])  # 5 and 8 caught a tree evicting what a live request had handed it
+def test_twenty_conversations_through_a_small_shared_pool_stay_within_it_and_every_lease_reads_what_was_kept(
+        seed: int) -> None:
+    """Issue 70's pool under pressure: 20 conversations, each call leasing its path (lent in place,
+    or copied when it cannot be), requests in flight side by side, chunk-sized requests with no
+    lease, the tree shrunk by admission now and then. After every call: the requests' runs, the
+    tree's slots and the free list partition the pool exactly, each within its share, and every
+    request's KV (lent, copied or its own) is what its tokens wrote."""
+    rng = random.Random(seed)
+    pool, tree = _shared(1024, 384)
+    shared = tree._pools[TreeTier.DEVICE]
+    convs = {i: [100 * i + 1] for i in range(20)}  # each conversation's tokens so far
+    live: list[tuple[KVCache, list[int]]] = []
+
+    def check() -> None:
+        owned = [set(range(a, b)) for c, _ in live if (r := pool.run_of(c)) is not None for a, b in r.own()]
+        tree_slots = [set(n.slots.tolist()) for n in tree._all() if n.tier is TreeTier.DEVICE and n.slots is not None]
+        free = [set(range(f.start, f.start + f.size)) for f in pool._free]
+        parts = owned + tree_slots + free
+        assert sum(len(p) for p in parts) == len(set().union(*parts)) == pool.capacity  # no slot twice, none lost
+        assert pool.tree_tokens == sum(len(s) for s in tree_slots) <= pool.tree_room
+        assert sum(len(s) for s in owned) <= pool.capacity - pool.tree_room
+        for cache, ids in live:
+            assert _holds(cache, ids)
+
+    for call in range(200):
+        if rng.random() < 0.2:  # a chunk-sized request with no conversation
+            cache = pool.new_cache(rng.randint(16, 96))
+            if cache is not None:
+                ids = [9000 + call] * min(cache.capacity, 40)
+                _write(cache, ids)
+                live.append((cache, ids))
+        else:
+            i = rng.randrange(20)
+            base = convs[i]
+            if rng.random() < 0.25 and len(base) > 2:  # a call that parts from the last answer before its end
+                base = base[:len(base) - rng.randint(1, 2)]
+            key, ids = TreeKey.of(f"conv{i}"), base + [100 * i + rng.randint(2, 99) for _ in range(rng.randint(1, 12))]
+            lease = tree.match(key, ids[1:] + [0])
+            held = 0 if lease is None else lease.tokens
+            cache = lease.lend(len(ids) + 8) if lease is not None else None
+            if cache is None:
+                cache = pool.new_cache(len(ids) + 8) or KVCache(2, 1, 3, len(ids) + 8, torch.float32, torch.device("cpu"))
+                if lease is not None:
+                    lease.write_into(cache)
+                    lease.release()
+            assert _holds(cache, ids[:held])  # what the lease supplied is what was kept
+            _write(cache, ids, start=held)
+            tree.insert(key, ids[:1], CTX, ids[1:], cache)
+            convs[i] = ids
+            live.append((cache, ids))
+        while len(live) > 4 or (live and rng.random() < 0.3):  # requests end, oldest first
+            pool.release(live.pop(0)[0])
+        if call % 25 == 24:  # admission takes the tree's memory back
+            tree.shrink(_bytes(rng.randint(0, 384)))
+        check()
+    assert pool.borrowed_tokens > 0 and pool.handed_tokens > 0 and pool.relocated_tokens > 0
+    assert shared.read_tokens > 0  # some paths could not be lent (shared contexts, no room after): copied
+    for cache, _ in live:
+        pool.release(cache)
+    tree.clear()
+    assert pool.used == 0 and [(f.start, f.size) for f in pool._free] == [(0, pool.capacity)]

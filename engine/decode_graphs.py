@@ -180,8 +180,8 @@ class PooledDecoder:
         return self.stats.captures - before
 
     def release(self, cache: KVCache) -> None:
-        """A request ended: its run goes back to the pool."""
-        self.pool.release(cache)
+        """A request ended: its run goes back to the pool, its KV with it (no copy out)."""
+        self.pool.release(cache, keep=False)
 
     @torch.inference_mode()
     def step(self, caches: list[KVCache], tokens: list[int]) -> torch.Tensor:

@@ -332,17 +332,19 @@ class DecodePool:
             self._point(cache, new)
         self._let_go()
 
-    def release(self, cache: KVCache) -> None:
-        """The request ended: its run goes back (what it handed the tree stays the tree's, a
-        borrowed path's lease is let go). Its cache keeps a copy of its KV (a caller may still
-        read it, e.g. a late insert into the KV tree), and is no longer the pool's."""
+    def release(self, cache: KVCache, keep: bool = True) -> None:
+        """`cache`'s run goes back (what it handed the tree stays the tree's, a borrowed path's
+        lease is let go), and the cache is no longer the pool's. `keep`: it keeps a copy of its
+        KV (it decodes on outside the pool); else it is left empty (its request ended: the tree
+        took what it keeps before, so nothing is copied)."""
         run = self.run_of(cache)
         if run is None:
             return
         with self._lock:
             self._held.pop(run).detach()
-            n = cache.length
+            n = cache.length if keep else 0
             cache.k, cache.v = cache.k[:, :, :n].clone(), cache.v[:, :, :n].clone()  # [L, Hkv, n, D]
+            cache.length = n
             cache.pool, cache.run = None, None
             self._give_back(run)
         self._let_go()

@@ -1,0 +1,33 @@
+"""The tree-lease bench: its command lines as the docs cite them, and a tiny run of both arms."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_tree_lease_bench_command_in_the_docs_parses() -> None:
+    from bench.tree_lease_bench import build_parser
+
+    found = [m for doc in (ROOT / "docs").glob("*.md")
+             for m in re.findall(r"python bench/tree_lease_bench\.py([^`\n]*)", doc.read_text())]
+    assert found, "docs/*.md cite the bench"
+    for args in found:
+        parsed = build_parser().parse_args(shlex.split(args))
+        assert all(int(t) > 0 for t in parsed.tokens.split(",")), args
+
+
+def test_a_tiny_run_times_both_arms_and_the_shared_pool_holds_one_copy() -> None:
+    out = subprocess.run([sys.executable, "bench/tree_lease_bench.py", "--tokens", "64,128", "--repeats", "2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(report["tokens"]) == {"64", "128"}
+    for row in report["tokens"].values():
+        assert row["copy_ms"] > 0 and row["shared_ms"] > 0 and row["speedup"] > 0
+        assert row["shared_held_bytes"] * 2 == row["copy_held_bytes"]

@@ -8,7 +8,9 @@ ragkv's engine, and checks four things:
 - blend at ratio 1.0 against full prefill (every chunk token recomputed: the same sums);
 - reuse of a chunk at the positions it was computed at against full prefill (its KV
   is exact there, so any difference is a bug in storing or re-rotating K);
-- greedy decode against transformers' `generate` (token for token).
+- greedy decode against transformers' `generate` (token for token);
+- where the family decodes over one KV pool (`engine.decode_graphs`, CUDA's default path),
+  greedy decode over the pool, eagerly, against the same `generate` tokens.
 
 `ragkv check-model MODEL` prints the verdicts; `ragkv serve` and `ragkv index` run the
 quick form at start and refuse a model that fails it (`--skip-model-check` overrides).
@@ -22,6 +24,7 @@ differs from float32: 5e-2 of the scale, with the top-1 token the same.
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ragkv.engine.blend import Prompt
+from ragkv.engine.decode_graphs import unsupported_reason
 from ragkv.errors import ModelCheckError
 
 if TYPE_CHECKING:
@@ -92,6 +96,7 @@ def check_model(lm: LoadedModel, quick: bool = False, decode_tokens: int | None 
     if not engine.recurrent:  # a hybrid serves FULL only: no chunk KV to blend or reuse
         checks += _chunk_checks(engine, prefix_ids, chunk_ids, q_ids, full, tol_self * scale)
 
+    pooled_from = copy.deepcopy(full)  # the decode below writes into full's cache
     stream = engine.decode(full, SamplingParams(max_new_tokens=n_new))
     for _ in stream:
         pass
@@ -107,7 +112,30 @@ def check_model(lm: LoadedModel, quick: bool = False, decode_tokens: int | None 
     checks.append(Check("greedy decode vs generate", ours == theirs, agree,
                         f"{agree} of {max(len(ours), len(theirs))} tokens "
                         "agree" + ("" if ours == theirs else f" (ours {ours[:8]}..., theirs {theirs[:8]}...)")))
+    if unsupported_reason(lm.adapter) is None:
+        pooled = _pooled_greedy(lm, pooled_from, n_new)
+        agree = sum(a == b for a, b in zip(pooled, theirs))
+        checks.append(Check("pooled decode vs generate", pooled == theirs, agree,
+                            f"{agree} of {max(len(pooled), len(theirs))} tokens agree" + (
+                                "" if pooled == theirs else f" (ours {pooled[:8]}..., theirs {theirs[:8]}...)")))
     return checks
+
+
+def _pooled_greedy(lm: LoadedModel, prompt: BlendResult, n_new: int) -> list[int]:
+    """Up to `n_new` greedy tokens after `prompt`, decoded over one decode pool (eagerly: the
+    step a CUDA graph captures), ending before an end-of-sequence token as a stream does."""
+    from ragkv.engine.decode_graphs import PooledDecoder
+
+    cache = prompt.cache
+    dec = PooledDecoder(lm, pool_tokens=cache.length + n_new + 64, graphs=False)
+    tokens: list[int] = []
+    token = int(prompt.logits.argmax())
+    while len(tokens) < n_new and token not in lm.eos_token_ids:
+        tokens.append(token)
+        if len(tokens) < n_new:
+            token = int(dec.step([cache], [token])[0].argmax())
+    dec.release(cache)
+    return tokens
 
 
 def _chunk_checks(engine: Engine, prefix_ids: list[int], chunk_ids: list[list[int]], q_ids: list[int],

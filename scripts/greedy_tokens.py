@@ -3,8 +3,9 @@
 The before/after check for engine changes that must not change answers: run it before a
 change and after it, and compare the two files (`--compare OLD.json`). The prompts are the
 demo questions over passages of the demo corpus's kind; every mode and selector runs, and
-each answer is decoded alone (`DecodeStream`) and with the others in one batch
-(`decode_batch` through the scheduler's path), so both decode paths are covered.
+each answer is decoded alone (`DecodeStream`), with the others in one batch
+(`decode_batch` through the scheduler's path), and with the others in one batch over one
+decode pool (`PooledDecoder`, CUDA's path, eager here), so every decode path is covered.
 
     python scripts/greedy_tokens.py --out before.json
     python scripts/greedy_tokens.py --out after.json --compare before.json
@@ -13,6 +14,7 @@ each answer is decoded alone (`DecodeStream`) and with the others in one batch
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 
@@ -39,6 +41,7 @@ def record(model: str, max_new_tokens: int) -> dict[str, list[int]]:
     from ragkv.engine import Prompt, load_model
     from ragkv.engine.blend import BlendOptions
     from ragkv.engine.decode import SamplingParams, decode_batch
+    from ragkv.engine.decode_graphs import PooledDecoder
     from ragkv.engine.runtime import Engine
 
     torch.manual_seed(0)
@@ -56,31 +59,34 @@ def record(model: str, max_new_tokens: int) -> dict[str, list[int]]:
             res = engine.run(Prompt(q_ids, prefix_ids, chunk_ids, chunks), mode, opts, reserve_tokens=max_new_tokens + 1)
             name = f"q{q_i}/{mode}/{selector}"
             prompts[name] = res
-    # alone: each prompt decoded by itself (its cache is cloned so the batch gets a fresh one)
+    # alone: each prompt decoded by itself (its cache is cloned so the batches get fresh ones)
     for name, res in prompts.items():
-        import copy
-
         stream = engine.decode(copy.deepcopy(res), SamplingParams(max_new_tokens=max_new_tokens))
         for _ in stream:
             pass
         out[f"{name}/alone"] = list(stream.token_ids)
-    # batched: every prompt in one ragged batch, step by step
-    streams = {name: engine.decode(res, SamplingParams(max_new_tokens=max_new_tokens)) for name, res in prompts.items()}
-    live = dict(streams)
-    while live:
-        step = {}
-        for name, s in list(live.items()):
-            token = s.advance()
-            if s.finish_reason is not None:
-                del live[name]
-            else:
-                step[name] = token
-        if step:
-            logits = decode_batch(engine.lm, [live[n].cache for n in step], list(step.values()))  # [B, V]
-            for row, name in enumerate(step):
-                live[name].logits = logits[row]
-    for name, s in streams.items():
-        out[f"{name}/batched"] = list(s.token_ids)
+    # batched: every prompt in one ragged batch, step by step; then in one batch over a decode pool
+    pool_tokens = sum(res.cache.length + max_new_tokens + 16 for res in prompts.values())
+    pooled = PooledDecoder(engine.lm, pool_tokens, graphs=False)
+    for arm, step_fn in (("batched", lambda caches, tokens: decode_batch(engine.lm, caches, tokens)),
+                         ("pooled", pooled.step)):
+        streams = {name: engine.decode(copy.deepcopy(res), SamplingParams(max_new_tokens=max_new_tokens))
+                   for name, res in prompts.items()}
+        live = dict(streams)
+        while live:
+            step = {}
+            for name, s in list(live.items()):
+                token = s.advance()
+                if s.finish_reason is not None:
+                    del live[name]
+                else:
+                    step[name] = token
+            if step:
+                logits = step_fn([live[n].cache for n in step], list(step.values()))  # [B, V]
+                for row, name in enumerate(step):
+                    live[name].logits = logits[row]
+        for name, s in streams.items():
+            out[f"{name}/{arm}"] = list(s.token_ids)
     return out
 
 
@@ -98,11 +104,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         with open(args.compare) as f:
             old = json.load(f)
-        diff = sorted(k for k in old.keys() | got.keys() if old.get(k) != got.get(k))
-        print(f"{len(old) - len(diff)} of {len(old)} answers token-identical to {args.compare}")
+        diff = sorted(k for k in old.keys() & got.keys() if old[k] != got[k])
+        print(f"{len(old.keys() & got.keys()) - len(diff)} of {len(old)} answers token-identical to {args.compare}")
+        for k in sorted(old.keys() - got.keys()):
+            print(f"  missing: {k}")
         for k in diff:
             print(f"  differs: {k}")
-        return 1 if diff else 0
+        new = got.keys() - old.keys()
+        if new:
+            print(f"  {len(new)} answers {args.compare} does not have (a newer script's decode paths)")
+        return 1 if diff or old.keys() - got.keys() else 0
     return 0
 
 

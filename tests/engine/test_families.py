@@ -24,6 +24,7 @@ import torch
 from ragkv.engine import Prompt, TreeConfig, load_model
 from ragkv.engine.blend import BlendOptions
 from ragkv.engine.check import check_model
+from ragkv.engine.decode_graphs import unsupported_reason
 from ragkv.engine.decode import decode_batch
 from ragkv.engine.family import FAMILIES, Adapter, _lm_head
 from ragkv.engine.runtime import Engine
@@ -67,6 +68,10 @@ def test_gate_passes_with_exact_numbers(tmp_path_factory, name):
     assert all(c.passed for c in checks.values()), "\n".join(c.line() for c in checks.values())
     assert checks["logits vs transformers"].value <= 1e-4
     assert checks["greedy decode vs generate"].value == 16  # tokens compared, all equal
+    if unsupported_reason(lm.adapter) is None:  # decodes over one pool on CUDA: that path is gated too
+        assert checks["pooled decode vs generate"].value == 16
+    else:
+        assert "pooled decode vs generate" not in checks
     if name in HYBRIDS:  # no chunk KV to check: the gate says nothing of modes a hybrid is not served in
         assert set(checks) == {"logits vs transformers", "greedy decode vs generate"}
     else:

@@ -24,8 +24,8 @@ import torch
 from ragkv.engine import Prompt, TreeConfig, load_model
 from ragkv.engine.blend import BlendOptions
 from ragkv.engine.check import check_model
-from ragkv.engine.decode_graphs import unsupported_reason
 from ragkv.engine.decode import decode_batch
+from ragkv.engine.decode_graphs import unsupported_reason
 from ragkv.engine.family import FAMILIES, Adapter, _lm_head
 from ragkv.engine.runtime import Engine
 from ragkv.evals.testing import FAMILY_CONFIGS, HYBRIDS, tiny_model_dir

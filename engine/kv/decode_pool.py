@@ -8,8 +8,9 @@ reads) sees the cache's tensors as before. The pool's tensors never move while i
 graph can address every request's KV by offsets held in device buffers (`engine.decode_graphs`):
 a request is `(start, length)` in one `[L, Hkv, S, D]` tensor, not a tensor of its own.
 
-Runs are whole pages (`page_tokens`) and first-fit; a run that must grow takes the pages after
-it when they are free, else moves once to a larger run. The last page is scratch: the padded
+Runs are whole pages (`page_tokens`), each in the largest free range (`_take` says where in
+it); a run that must grow takes the pages after it when they are free, else moves once to a
+larger run. The last page is scratch: the padded
 rows of a batch bucket write their K/V there and attend to it alone. `release` gives a run back
 when the request ends.
 
@@ -96,7 +97,7 @@ class DecodePool:
         self._held: dict[Run, weakref.finalize[[Run], KVCache]] = {}  # each run held -> what frees it if its cache is dropped
         self._dropped: list[Run] = []  # runs of caches dropped unreleased (any thread): back at the next take
         self._lock = threading.RLock()
-        self._leases_done: list[Callable[[], None]] = []  # borrowed paths' lets-go, called outside the lock
+        self._leases_done: list[Callable[[], None]] = []  # what runs that went back held in the tree: let go outside the lock
         self.tree_tokens = 0  # slots the KV tree holds (`SharedSlots`)
         self.tree_room = 0  # slots kept for the tree (its budget): runs take at most the rest
         self.copied_tokens = 0  # tokens' KV copied in by admit and moves (a lease or insert would add none)

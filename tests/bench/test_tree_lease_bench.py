@@ -12,12 +12,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_every_tree_lease_bench_command_in_the_docs_parses() -> None:
+def test_every_tree_lease_bench_command_in_the_docs_and_gpu_check_parses() -> None:
     from bench.tree_lease_bench import build_parser
 
-    found = [m for doc in (ROOT / "docs").glob("*.md")
-             for m in re.findall(r"python bench/tree_lease_bench\.py([^`\n]*)", doc.read_text())]
+    pattern = r"python bench/tree_lease_bench\.py([^`\n]*)"
+    found = [m for doc in (ROOT / "docs").glob("*.md") for m in re.findall(pattern, doc.read_text())]
     assert found, "docs/*.md cite the bench"
+    gpu = re.findall(pattern, (ROOT / "Makefile").read_text())
+    assert any("--device cuda" in args for args in gpu), "make gpu-check runs it on the GPU"
+    found += gpu
     for args in found:
         parsed = build_parser().parse_args(shlex.split(args))
         assert all(int(t) > 0 for t in parsed.tokens.split(",")), args

@@ -171,7 +171,7 @@ class RagServer:
         self.metrics.observe_served(parts.served)
         if parts.decoder is not None:
             decoder = parts.decoder
-            self.metrics.watch_decoder(lambda: decoder.stats)
+            self.metrics.watch_decoder(lambda: decoder.stats, lambda: decoder.pool)
         if parts.speed is not None:  # its tree counts in --kv-budget-bytes; its decoder runs the decode steps
             self._scheduler.share_engine(parts.kv_tree, parts.speed, parts.decoder)
         await self._set_health(_SERVING)

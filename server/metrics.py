@@ -191,13 +191,18 @@ class ServerMetrics:
         _host_budget_bytes, _disk_bytes, _disk_budget_bytes."""
         self.registry.register(_KVTree(read))
 
-    def watch_decoder(self, read: Callable[[], object]) -> None:
+    def watch_decoder(self, read: Callable[[], object], pool: Callable[[], object] | None = None) -> None:
         """Export the pooled decoder's counts (`read()` -> engine.decode_graphs.DecodeStats) at each
         scrape: ragkv_decode_steps_total{path="graph"|"eager"|"ragged"} (replayed graphs, pooled steps
         run eagerly, steps with rows the pool could not hold), ragkv_decode_pool_evictions_total,
         ragkv_decode_graph_captures_total,
-        ragkv_decode_graph_capture_failures_total and ragkv_decode_graph_capture_seconds_total."""
-        self.registry.register(_Decoder(read))
+        ragkv_decode_graph_capture_failures_total and ragkv_decode_graph_capture_seconds_total; and
+        with `pool()` (-> engine.kv.decode_pool.DecodePool) how KV moved between requests and the
+        KV tree in it: ragkv_decode_pool_kv_tokens_total{how="lent"|"handed"|"copied"|"relocated"}
+        (a leased path read in place, an insert taken in place, tokens copied into a run, the
+        tree's tokens moved out of a lent path's way) and the gauges ragkv_decode_pool_tokens
+        {holder="requests"|"tree"} and ragkv_decode_pool_capacity_tokens."""
+        self.registry.register(_Decoder(read, pool))
 
     def watch_routing(self, read: Callable[[], tuple[Mapping[str, int], Mapping[str, Mapping[str, float]]]]) -> None:
         """Export the cluster router's decisions and the replicas' own gauges at each scrape
@@ -239,11 +244,14 @@ class _TierErrors:
 class _Decoder:
     """A collector of the pooled decoder's counts (kept by the engine, read at scrape time)."""
 
-    def __init__(self, read: Callable[[], object]) -> None:
+    def __init__(self, read: Callable[[], object], pool: Callable[[], object] | None = None) -> None:
         self._read = read
+        self._pool = pool
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         stats = self._read()
+        if self._pool is not None:
+            yield from self._moves(self._pool())
         steps = CounterMetricFamily("ragkv_decode_steps", "Decode steps by path: a replayed CUDA graph, a pooled "
                                     "step run eagerly, or ragged decode (rows the pool could not hold: a step "
                                     "may count under two paths).", labels=["path"])
@@ -259,6 +267,25 @@ class _Decoder:
                                   "(they run eagerly).", value=stats.capture_failures)
         yield CounterMetricFamily("ragkv_decode_graph_capture_seconds", "Seconds spent capturing decode graphs.",
                                   value=stats.capture_s)
+
+    @staticmethod
+    def _moves(pool: object) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        moved = CounterMetricFamily("ragkv_decode_pool_kv_tokens", "Tokens of KV between requests and the KV tree in "
+                                    "the decode pool: a leased path lent in place, an insert handed in place, "
+                                    "KV copied into a run, the tree's KV moved out of a lent path's way.",
+                                    labels=["how"])
+        for how, attr in (("lent", "borrowed_tokens"), ("handed", "handed_tokens"), ("copied", "copied_tokens"),
+                          ("relocated", "relocated_tokens")):
+            moved.add_metric([how], getattr(pool, attr))
+        yield moved
+        held = GaugeMetricFamily("ragkv_decode_pool_tokens", "Token slots of the decode pool held now, by holder.",
+                                 labels=["holder"])
+        tree = pool.tree_tokens
+        held.add_metric(["requests"], pool.used - tree)
+        held.add_metric(["tree"], tree)
+        yield held
+        yield GaugeMetricFamily("ragkv_decode_pool_capacity_tokens", "Token slots of the decode pool (requests "
+                                "and the KV tree).", value=pool.capacity)
 
 
 class _KVTree:

@@ -215,7 +215,7 @@ def pooled_tree(tree_index: Path):
     from ragkv.server.assembly import build_pipeline
 
     server = ServerThread(settings(indexes=(CollectionSpec("docs", tree_index),), kv_tree_bytes=16 << 20,
-                                   decode_pool="on"), build_pipeline)
+                                   decode_pool="on", metrics_port=0), build_pipeline)
     yield server
     server.stop()
 
@@ -248,3 +248,12 @@ def test_over_one_pool_a_tool_loop_moves_no_kv_between_its_calls_and_the_tree(se
     assert handed > 0 and written == 0  # every insert took the request's KV in place
     assert read == 0 and copied == 0  # nothing went through a copy either way
     assert pool.used == pool.tree_tokens  # every request's run went back
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{pooled_tree.server.metrics_port}/metrics",
+                                     timeout=10).read().decode()
+    lines = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in metrics.splitlines()
+             if ln.startswith("ragkv_decode_pool_")}
+    assert lines['ragkv_decode_pool_kv_tokens_total{how="lent"}'] == pool.borrowed_tokens > 0
+    assert lines['ragkv_decode_pool_kv_tokens_total{how="handed"}'] == pool.handed_tokens > 0
+    assert lines['ragkv_decode_pool_tokens{holder="tree"}'] == pool.tree_tokens > 0
+    assert lines['ragkv_decode_pool_tokens{holder="requests"}'] == 0
+    assert lines["ragkv_decode_pool_capacity_tokens"] == pool.capacity

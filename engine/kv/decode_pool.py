@@ -90,8 +90,14 @@ class DecodePool:
         self.page_tokens = page_tokens
         pages = capacity_tokens // page_tokens
         slots = pages * page_tokens
-        self.k = torch.zeros(num_layers, num_kv_heads, slots, head_dim, dtype=dtype, device=device)  # [L, Hkv, S, D]
-        self.v = torch.zeros_like(self.k)  # [L, Hkv, S, D]
+        try:
+            self.k = torch.zeros(num_layers, num_kv_heads, slots, head_dim, dtype=dtype, device=device)  # [L, Hkv, S, D]
+            self.v = torch.zeros_like(self.k)  # [L, Hkv, S, D]
+        except torch.OutOfMemoryError as exc:
+            need = 2 * num_layers * num_kv_heads * slots * head_dim * dtype.itemsize
+            raise MemoryError(f"the decode pool's {need / 2**30:.1f} GiB of KV ({slots} tokens) do not fit on {device}: "
+                              "it holds --kv-budget-bytes, the KV tree's --kv-tree-bytes among them; lower them, "
+                              "or --decode-pool off") from exc
         self.scratch = slots - page_tokens  # the last page: padded rows write and read here
         self._free: list[Run] = [Run(0, self.scratch)]  # by start, adjacent runs merged
         self._held: dict[Run, weakref.finalize[[Run], KVCache]] = {}  # each run held -> what frees it if its cache is dropped

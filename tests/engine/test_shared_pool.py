@@ -148,3 +148,12 @@ def test_twenty_conversations_through_a_small_shared_pool_stay_within_it_and_eve
         pool.release(cache)
     tree.clear()
     assert pool.used == 0 and [(f.start, f.size) for f in pool._free] == [(0, pool.capacity)]
+
+
+def test_a_pool_that_does_not_fit_the_device_says_which_settings_to_lower(monkeypatch) -> None:
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(torch, "zeros", oom)
+    with pytest.raises(MemoryError, match="--kv-budget-bytes, the KV tree's --kv-tree-bytes among them"):
+        DecodePool(2, 1, 3, capacity_tokens=1 << 20, dtype=torch.float32, device="cpu")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,10 +25,12 @@ def test_every_tree_lease_bench_command_in_the_docs_and_gpu_check_parses() -> No
         assert all(int(t) > 0 for t in parsed.tokens.split(",")), args
 
 
-def test_a_tiny_run_times_both_arms_and_the_shared_pool_holds_one_copy() -> None:
-    out = subprocess.run([sys.executable, "bench/tree_lease_bench.py", "--tokens", "64,128", "--repeats", "2"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+def test_a_tiny_run_times_both_arms_and_the_shared_pool_holds_one_copy(monkeypatch, capsys) -> None:
+    from bench.tree_lease_bench import main
+
+    monkeypatch.setattr(sys, "argv", ["tree_lease_bench.py", "--tokens", "64,128", "--repeats", "2"])
+    main()
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(report["tokens"]) == {"64", "128"}
     for row in report["tokens"].values():
         assert row["copy_ms"] > 0 and row["shared_ms"] > 0 and row["speedup"] > 0

@@ -220,7 +220,7 @@ def pooled_tree(tree_index: Path):
     server.stop()
 
 
-@pytest.mark.parametrize("mode", ["reuse", "blend"])
+@pytest.mark.parametrize("mode", ["full", "reuse", "blend", "focus"])
 def test_over_one_pool_a_tool_loop_moves_no_kv_between_its_calls_and_the_tree(servers, pooled_tree, mode: str) -> None:
     """Issue 70: where the engine decodes over one pool, the tree keeps its device tier in it. Each
     call's answer goes into the tree where the request left it (no copy in), and the next call
@@ -246,7 +246,9 @@ def test_over_one_pool_a_tool_loop_moves_no_kv_between_its_calls_and_the_tree(se
     borrowed, handed, copied, written, read = (x - y for x, y in zip(counts(), before))
     assert leased > 0 and borrowed == leased  # every token the tree supplied was read where it lies
     assert handed > 0 and written == 0  # every insert took the request's KV in place
-    assert read == 0 and copied == 0  # nothing went through a copy either way
+    assert read == 0  # no lease copied its path out of the tree
+    if mode != "focus":  # a focus pass runs in a cache of its own and moves into the pool to decode (not the tree's)
+        assert copied == 0
     assert pool.used == pool.tree_tokens  # every request's run went back
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{pooled_tree.server.metrics_port}/metrics",
                                      timeout=10).read().decode()

@@ -96,7 +96,8 @@ def check_model(lm: LoadedModel, quick: bool = False, decode_tokens: int | None 
     if not engine.recurrent:  # a hybrid serves FULL only: no chunk KV to blend or reuse
         checks += _chunk_checks(engine, prefix_ids, chunk_ids, q_ids, full, tol_self * scale)
 
-    pooled_from = copy.deepcopy(full)  # the decode below writes into full's cache
+    pools = unsupported_reason(lm.adapter) is None  # the family decodes over one pool on CUDA: gate that too
+    pooled_from = copy.deepcopy(full) if pools else None  # the decode below writes into full's cache
     stream = engine.decode(full, SamplingParams(max_new_tokens=n_new))
     for _ in stream:
         pass
@@ -112,7 +113,7 @@ def check_model(lm: LoadedModel, quick: bool = False, decode_tokens: int | None 
     checks.append(Check("greedy decode vs generate", ours == theirs, agree,
                         f"{agree} of {max(len(ours), len(theirs))} tokens "
                         "agree" + ("" if ours == theirs else f" (ours {ours[:8]}..., theirs {theirs[:8]}...)")))
-    if unsupported_reason(lm.adapter) is None:
+    if pooled_from is not None:
         pooled = _pooled_greedy(lm, pooled_from, n_new)
         agree = sum(a == b for a, b in zip(pooled, theirs))
         checks.append(Check("pooled decode vs generate", pooled == theirs, agree,

@@ -103,7 +103,7 @@ class DecodePool:
         self._held: dict[Run, weakref.finalize[[Run], KVCache]] = {}  # each run held -> what frees it if its cache is dropped
         self._dropped: list[Run] = []  # runs of caches dropped unreleased (any thread): back at the next take
         self._lock = threading.RLock()
-        self._leases_done: list[Callable[[], None]] = []  # what runs that went back held in the tree: let go outside the lock
+        self._to_let_go: list[Callable[[], None]] = []  # what runs that went back held in the tree: let go outside the lock
         self.tree_tokens = 0  # slots the KV tree holds (`SharedSlots`)
         self.tree_room = 0  # slots kept for the tree (its budget): runs take at most the rest
         self.copied_tokens = 0  # tokens' KV copied in by admit and moves (a lease or insert would add none)
@@ -402,7 +402,7 @@ class DecodePool:
         """A run that ended or moved: its own slots back to the free list; a borrowed path's lease let go."""
         for a, b in run.own():
             self._give(Run(a, b - a))
-        self._leases_done.extend(run.holds)  # called by `_let_go`, outside the lock: they take the tree's
+        self._to_let_go.extend(run.holds)  # called by `_let_go`, outside the lock: they take the tree's
         run.holds, run.borrowed = [], 0
 
     def _let_go(self) -> None:
@@ -411,7 +411,7 @@ class DecodePool:
         never from the tree's calls (`take_slots`, `give_slots`: they come under the tree's lock)."""
         while True:
             try:
-                done = self._leases_done.pop()
+                done = self._to_let_go.pop()
             except IndexError:  # none left (or another thread took the last)
                 return
             done()

@@ -119,12 +119,6 @@ class KVPool:
         (`engine.kv.decode_pool.SharedSlots`)."""
         return None
 
-    def lend(self, slots: torch.Tensor, capacity: int, let_go: Callable[[], None]) -> KVCache | None:
-        """A request cache of `capacity` tokens whose first tokens are these slots, read in
-        place; None here (a lease copies its path out of a pool of its own). The decode pool's
-        share lends (`engine.kv.decode_pool.SharedSlots`)."""
-        return None
-
     def release(self, slots: torch.Tensor) -> None:
         """Give `slots` back; their KV may be overwritten by the next `put`. (An eviction gives
         back many nodes' slots in a row: they are merged into the free list once, at the next

@@ -26,6 +26,13 @@ no copy either way:
 
 A path that does not lie so (a context shared by conversations whose turns lie elsewhere, a
 match that ends inside a node) is copied into a new run, as before; `copied_tokens` counts it.
+
+Requests come first. The tree's budget caps its share and reserves none of it: a run takes any
+free slot, and one that finds no free range large enough has the tree move the unleased nodes
+in its way down a tier (`reclaim`, `window`; host memory, else disk, as admission's shrink
+moves them), so the requests admitted within `--kv-budget-bytes` decode inside the pool
+whatever the tree holds. The tree keeps a new node on the device only in free slots
+(`free_tokens`) or in the request's own (`hand`).
 Thread-safe: the scheduler's thread takes and grows runs, the tree gives slots back from
 whichever thread makes room (admission's `shrink` too).
 """
@@ -105,7 +112,10 @@ class DecodePool:
         self._lock = threading.RLock()
         self._to_let_go: list[Callable[[], None]] = []  # what runs that went back held in the tree: let go outside the lock
         self.tree_tokens = 0  # slots the KV tree holds (`SharedSlots`)
-        self.tree_room = 0  # slots kept for the tree (its budget): runs take at most the rest
+        self.tree_room = 0  # slots the tree may hold at most (its budget): a cap, runs take any free slot
+        # the tree's `reclaim(tokens)`: give up unleased nodes so a run of `tokens` fits (None: no tree)
+        self.reclaim: Callable[[int], bool] | None = None
+        self.reclaimed_tokens = 0  # the tree's tokens that left the pool to make room for a run
         self.copied_tokens = 0  # tokens' KV copied in by admit and moves (a lease or insert would add none)
         self.moves = 0  # runs that had to move to grow
         self.borrowed_tokens = 0  # tokens of leased paths that requests ran after in place (no copy)
@@ -126,6 +136,13 @@ class DecodePool:
         return sum(r.held for r in self._held)
 
     @property
+    def free_tokens(self) -> int:
+        """Token slots neither a run nor the tree holds."""
+        with self._lock:
+            self._take_dropped()
+            return sum(f.size for f in self._free)
+
+    @property
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
@@ -136,8 +153,8 @@ class DecodePool:
         return 2 * L * H * D * self.k.element_size()
 
     def share(self, budget_bytes: int) -> SharedSlots:
-        """The KV tree's device tier in this pool: `budget_bytes` of its slots kept for the tree
-        (runs take at most the rest), handed out as the tree's `KVPool` is."""
+        """The KV tree's device tier in this pool: at most `budget_bytes` of its slots, handed
+        out as the tree's `KVPool` is (the tree sets `reclaim`, so runs can take its room back)."""
         with self._lock:
             room = budget_bytes // self.token_bytes
             if room > self.capacity - 2 * self.page_tokens:
@@ -156,14 +173,51 @@ class DecodePool:
         large (the caller makes one of its own). A cache dropped without `release` (a pass that
         failed or was cancelled before it decoded) gives its run back when it is collected."""
         try:
+            run = self._run_for(capacity)
+        except DecodePoolFullError:
+            return None
+        with self._lock:
+            return self._cache(run)
+
+    def _run_for(self, tokens: int) -> Run:
+        """A new run of `tokens` (`_take`); when no free range holds it and the tree shares the pool,
+        once more after the tree gave up the nodes in the way (`reclaim`, outside the pool's lock:
+        the tree takes its own lock, then this one)."""
+        try:
             with self._lock:
-                try:
-                    run = self._take(capacity)
-                except DecodePoolFullError:
-                    return None
-                return self._cache(run)
+                return self._take(tokens)
+        except DecodePoolFullError:
+            if self.reclaim is None:
+                raise
         finally:
             self._let_go()
+        before = self.tree_tokens
+        if not self.reclaim(self._pages(max(tokens, 1))):
+            raise DecodePoolFullError(f"the decode pool has no run of {self._pages(max(tokens, 1))} tokens, "
+                                      "even with the KV tree's unleased nodes moved out")
+        with self._lock:
+            self.reclaimed_tokens += max(before - self.tree_tokens, 0)
+            return self._take(tokens)
+
+    def window(self, tokens: int, evictable: torch.Tensor) -> tuple[int, int] | None:
+        """Where a run of `tokens` could go once the tree gives up some of `evictable` (the slots
+        it may let go, [T] on the host): the slots [a, a + tokens), each free or evictable, with the
+        fewest evictable; None when no such slots lie together."""
+        with self._lock:
+            self._take_dropped()
+            if tokens > self.scratch:
+                return None
+            state = torch.full((self.scratch,), 2, dtype=torch.int8)  # [S]: 0 free, 1 evictable, 2 held
+            for f in self._free:
+                state[f.start:f.start + f.size] = 0
+            state[evictable] = 1
+            zero = torch.zeros(1, dtype=torch.int64)
+            held = torch.cat([zero, torch.cumsum(state == 2, 0)])  # [S + 1]
+            taken = torch.cat([zero, torch.cumsum(state == 1, 0)])  # [S + 1]
+            cost = (taken[tokens:] - taken[:-tokens]).float()  # [S - tokens + 1] evictable slots in each window
+            cost[(held[tokens:] - held[:-tokens]) > 0] = float("inf")
+            a = int(torch.argmin(cost))
+            return None if cost[a] == float("inf") else (a, a + tokens)
 
     def borrow(self, start: int, held: int, capacity: int, let_go: Callable[[], None]) -> KVCache | None:
         """A cache of `capacity` tokens whose first `held` are the KV tree's slots [start, start +
@@ -178,7 +232,7 @@ class DecodePool:
                 size = held + self._pages(max(capacity - held, 1))
                 a, b = start + held, start + size
                 f = next((f for f in self._free if f.start <= a and b <= f.start + f.size), None)
-                if f is None or self._run_tokens() + size - held > self.capacity - self.tree_room:
+                if f is None:
                     return None
                 self._carve(f, a, b)
                 run = Run(start, size, borrowed=held, holds=[let_go])
@@ -293,9 +347,7 @@ class DecodePool:
         if (L, H, D) != (self.k.shape[0], self.k.shape[1], self.k.shape[3]) or cache.k.dtype != self.k.dtype:
             raise ValueError(f"a cache of [L={L}, Hkv={H}, D={D}] {cache.k.dtype} cannot enter a decode pool of "
                              f"{tuple(self.k.shape)} {self.k.dtype}")
-        with self._lock:
-            run = self._take(max(room, cache.length))
-        self._let_go()
+        run = self._run_for(max(room, cache.length))
         n = cache.length
         self.k[:, :, run.start:run.start + n] = cache.k[:, :, :n]
         self.v[:, :, run.start:run.start + n] = cache.v[:, :, :n]
@@ -318,8 +370,7 @@ class DecodePool:
         with self._lock:
             need = run.borrowed + self._pages(tokens - run.borrowed)
             after = next((f for f in self._free if f.start == run.start + run.size), None)
-            if (after is not None and run.size + after.size >= need
-                    and self._run_tokens() + need - run.size <= self.capacity - self.tree_room):
+            if after is not None and run.size + after.size >= need:
                 extra = need - run.size
                 after.start, after.size = after.start + extra, after.size - extra
                 if after.size == 0:
@@ -327,7 +378,12 @@ class DecodePool:
                 run.size = need
                 self._point(cache, run)
                 return
-            new = self._take(max(tokens, 2 * run.size))  # doubling, as a cache of its own would
+        try:
+            with self._lock:
+                new = self._take(max(tokens, 2 * run.size))  # doubling, as a cache of its own would
+        except DecodePoolFullError:
+            new = self._run_for(tokens)  # what it needs: the tree gives up room for that much only
+        with self._lock:
             n = cache.length
             self.k[:, :, new.start:new.start + n] = self.k[:, :, run.start:run.start + n]
             self.v[:, :, new.start:new.start + n] = self.v[:, :, run.start:run.start + n]
@@ -378,9 +434,6 @@ class DecodePool:
         size; else the run starts the range (so a full pool packs as first fit would)."""
         self._take_dropped()
         size = self._pages(max(tokens, 1))
-        if self._run_tokens() + size > self.capacity - self.tree_room:
-            raise DecodePoolFullError(f"the decode pool has no run of {size} free tokens (requests hold "
-                                      f"{self._run_tokens()} of their {self.capacity - self.tree_room})")
         f = max(self._free, key=lambda f: f.size, default=None)
         if f is None or f.size < size:
             raise DecodePoolFullError(f"the decode pool has no run of {size} free tokens "

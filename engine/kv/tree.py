@@ -138,6 +138,8 @@ class KVTree:
         # the disk tier (its files, budget, reads and counts); None = no disk tier
         self.disk = TreeDisk(self, files, disk_bytes, compute_rate) if (
             files is not None and disk_bytes and budget_bytes and not recurrent) else None
+        if isinstance(device_pool, SharedSlots):  # requests come first in the pool the tree shares
+            device_pool.decode_pool.reclaim = self._reclaim
         if self.disk is not None:
             self.disk.restore()  # a restarted server's conversations, back on the tree
 
@@ -400,7 +402,7 @@ class KVTree:
             now = next(self._clock)
             root = self._roots.get(key)
             if root is None:
-                tier = self._place(cache_bytes(cache, c), None, key.owner)
+                tier = self._place(cache_bytes(cache, c), None, key.owner, cache)
                 if tier is None:
                     return 0
                 root = self._new(tier, Node(context_ids, 0, None, key, context), cache)
@@ -413,7 +415,7 @@ class KVTree:
             while pos < len(ids):
                 child = node.children.get(ids[pos])
                 if child is None:  # a new leaf for the rest
-                    tier = self._place(cache_bytes(cache, len(ids) - pos), node, key.owner)
+                    tier = self._place(cache_bytes(cache, len(ids) - pos), node, key.owner, cache)
                     if tier is None:
                         break
                     leaf = self._new(tier, Node(ids[pos:], c + pos, node, key), cache)
@@ -452,11 +454,11 @@ class KVTree:
         for node in path:
             node.priority = priority
 
-    def _place(self, need: int, keep: Node | None, tenant: str) -> TreeTier | None:
-        """The tier a new node of `need` bytes goes to: the device when room can be made there,
-        else CPU memory (the device full of leased paths: many agents' calls in flight), else
-        none (it is not stored)."""
-        if self._make_room(need, keep=keep, tenant=tenant):
+    def _place(self, need: int, keep: Node | None, tenant: str, cache: KVCache) -> TreeTier | None:
+        """The tier a new node of `need` bytes from `cache` goes to: the device when room can be
+        made there, else CPU memory (the device full of leased paths, or of requests: many
+        agents' calls in flight), else none (it is not stored)."""
+        if self._make_room(need, keep=keep, tenant=tenant, budget=self._device_budget(cache)):
             return TreeTier.DEVICE
         if self.host_budget and not self.recurrent and self._host_room(need):
             return TreeTier.HOST
@@ -471,11 +473,49 @@ class KVTree:
     def _refill(self, node: Node, cache: KVCache) -> None:
         """Put a spilled node back on the device from `cache` (which holds its tokens' KV, as
         the request's pass copied or computed it), when the device budget has room."""
-        if node.tier is TreeTier.DEVICE or not self._make_room(node.kv_bytes, keep=node, tenant=node.key.owner):
+        if node.tier is TreeTier.DEVICE or not self._make_room(node.kv_bytes, keep=node, tenant=node.key.owner,
+                                                                budget=self._device_budget(cache)):
             return
         self._leave_tier(node)
         self._hold_from(node, TreeTier.DEVICE, cache)
         self._count(node.key.owner, node.kv_bytes)
+
+    def _device_budget(self, cache: KVCache) -> int:
+        """What the device tier may hold for KV from `cache`: its budget; in a pool shared with
+        requests, whose runs may take any free slot, at most what it holds and the free slots
+        besides, unless it takes the KV where `cache` holds it in the pool (`adopt`: no slot more)."""
+        pool = self._pools[TreeTier.DEVICE]
+        if not isinstance(pool, SharedSlots) or pool.decode_pool.run_of(cache) is not None:
+            return self.budget_bytes
+        return min(self.budget_bytes, self._bytes + pool.decode_pool.free_tokens * pool.token_bytes)
+
+    def _reclaim(self, tokens: int) -> bool:
+        """Room in the decode pool the device tier shares for a request's run of `tokens` slots
+        (`DecodePool.reclaim`): the nodes no lease holds (nor any below them) that lie where the
+        run could go (`DecodePool.window`) move down a tier, with their device nodes below, as
+        admission's `shrink` moves them (host memory, else disk, else out; pins too). False when
+        leased paths and runs leave no such room."""
+        pool = self._pools[TreeTier.DEVICE]
+        assert isinstance(pool, SharedSlots), "only a tree in the decode pool gives room to its runs"
+        with self._lock:
+            held: set[int] = set()  # nodes at or above a held one
+            free: list[tuple[Node, torch.Tensor]] = []  # (a device node nothing holds, its slots)
+            for root in list(self._roots.values()):
+                for n in reversed(root.walk()):  # children before their parents
+                    if n.refs or any(id(c) in held for c in n.children.values()):
+                        held.add(id(n))
+                    elif n.tier is TreeTier.DEVICE and n.slots is not None and len(n.slots):
+                        free.append((n, n.slots))
+            evictable = torch.cat([s for _, s in free]) if free else torch.empty(0, dtype=torch.long)  # [T]
+            where = pool.decode_pool.window(tokens, evictable)
+            if where is None:
+                return False
+            a, b = where
+            for victim in [n for n, s in free if bool(torch.any((s >= a) & (s < b)))]:
+                for n in reversed(victim.walk()):
+                    if n.tier is TreeTier.DEVICE and n.slots is not None:
+                        self._spill(n)
+            return True
 
     @property
     def nbytes(self) -> int:

@@ -53,7 +53,9 @@ class DecodeConfig:
 
     pool: str = "auto"  # decode over one pool: "auto" = on CUDA, where a step is launch-bound; "on"; "off"
     cuda_graphs: str = "auto"  # capture each bucket's step: "auto" = wherever the pool is used on CUDA; "off"
-    pool_bytes: int = 2 << 30  # the pool's K and V bytes (requests that do not fit decode ragged)
+    # the pool's K and V bytes: the requests' KV and the KV tree's device tier, which reserves none of
+    # it (`DecodePool.share`); requests that do not fit decode ragged
+    pool_bytes: int = 2 << 30
 
     def __post_init__(self) -> None:
         if self.pool not in ("auto", "on", "off"):
@@ -63,14 +65,9 @@ class DecodeConfig:
         if self.pool_bytes < 1:
             raise ValueError(f"decode pool bytes must be > 0, got {self.pool_bytes}")
 
-    def decoder(self, lm: LoadedModel, tree_bytes: int = 0) -> PooledDecoder | None:
+    def decoder(self, lm: LoadedModel) -> PooledDecoder | None:
         """The pooled decoder these settings give `lm`, or None (ragged decode): pool "off", "auto"
-        off CUDA, or a family that cannot decode over the pool (logged, with why).
-
-        Args:
-            tree_bytes: the KV tree's device budget, which it keeps in the same pool
-                (`DecodePool.share`): the pool is `pool_bytes` for requests and this besides.
-        """
+        off CUDA, or a family that cannot decode over the pool (logged, with why)."""
         if self.pool == "off" or (self.pool == "auto" and lm.device.type != "cuda"):
             return None
         reason = unsupported_reason(lm.adapter)
@@ -78,8 +75,7 @@ class DecodeConfig:
             log.info("%s decodes ragged, not over the decode pool: %s", lm.adapter.family.model_type, reason)
             return None
         token_bytes = 2 * lm.kv_layers * lm.num_kv_heads * lm.head_dim * lm.dtype.itemsize
-        return PooledDecoder(lm, max(self.pool_bytes // token_bytes, 2 * 16) + tree_bytes // token_bytes,
-                             graphs=self.cuda_graphs == "auto")
+        return PooledDecoder(lm, max(self.pool_bytes // token_bytes, 2 * 16), graphs=self.cuda_graphs == "auto")
 
 
 def unsupported_reason(ad: Adapter) -> str | None:

@@ -97,7 +97,7 @@ class Engine:
         # decode steps over one pool, captured per bucket on CUDA (engine.decode_graphs); None = ragged.
         # The KV tree keeps its device tier in the same pool, so a lease and an insert move no KV
         share_tree = tree.budget_bytes > 0 and not self.recurrent
-        self.decoder: PooledDecoder | None = decode.decoder(lm, tree.budget_bytes if share_tree else 0)
+        self.decoder: PooledDecoder | None = decode.decoder(lm)
         shared = self.decoder.pool.share(tree.budget_bytes) if self.decoder is not None and share_tree else None
         self.conversations = Conversations(lm, tree, self.recurrent, lambda: self.speed.prompt_tokens_per_s(Mode.FULL),
                                            device_pool=shared)

@@ -90,8 +90,8 @@ class ServerSettings:
     # the rows of a layer that last prompt_slice_s at the engine's measured speed (Engine.step_rows)
     prompt_step_tokens: int | None = None
     # decode steps over one KV pool, each batch bucket's step shape-static (engine.decode_graphs): auto =
-    # on CUDA, where a ragged step is launch-bound; on; off. Requests' caches are runs of the pool, which
-    # holds kv_budget_bytes less kv_tree_bytes for them, and the KV tree's kv_tree_bytes (its device tier).
+    # on CUDA, where a ragged step is launch-bound; on; off. The pool is kv_budget_bytes: requests' caches
+    # are runs of it, and the KV tree keeps its device tier (at most kv_tree_bytes) in it, reserving none.
     decode_pool: str = "auto"
     cuda_graphs: str = "auto"  # capture each bucket's pooled step as a CUDA graph: auto (wherever CUDA is) or off
     retrieve_workers: int = 1  # threads for retrieval and KV prefetch starts
@@ -308,11 +308,10 @@ class ServerSettings:
                             lookup_ratio=self.focus_lookup_ratio, lookup_keep=self.focus_lookup_keep)
 
     def decode(self) -> DecodeConfig:
-        """How the engine decodes: over one pool and with CUDA graphs, or ragged. The pool holds the
-        requests' KV, the KV budget less what the KV tree may keep (the engine adds the tree's budget:
-        the tree keeps its device tier in the same pool, `DecodePool.share`)."""
-        return DecodeConfig(self.decode_pool, self.cuda_graphs,
-                            max(self.kv_budget_bytes - self.kv_tree_bytes, 64 << 20))
+        """How the engine decodes: over one pool and with CUDA graphs, or ragged. The pool is the KV
+        budget: the requests' KV and the KV tree's device tier (`DecodePool.share`), which admission
+        counts together against it."""
+        return DecodeConfig(self.decode_pool, self.cuda_graphs, self.kv_budget_bytes)
 
     def scheduler(self) -> SchedulerConfig:
         """The engine scheduler's budgets, from the --kv-budget-bytes, --max-batch and --prompt-* settings."""

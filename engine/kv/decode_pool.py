@@ -103,7 +103,7 @@ class DecodePool:
         except torch.OutOfMemoryError as exc:
             need = 2 * num_layers * num_kv_heads * slots * head_dim * dtype.itemsize
             raise MemoryError(f"the decode pool's {need / 2**30:.1f} GiB of KV ({slots} tokens) do not fit on {device}: "
-                              "it holds --kv-budget-bytes, the KV tree's --kv-tree-bytes among them; lower them, "
+                              "it holds --kv-budget-bytes (the KV tree's device tier within it); lower it, "
                               "or --decode-pool off") from exc
         self.scratch = slots - page_tokens  # the last page: padded rows write and read here
         self._free: list[Run] = [Run(0, self.scratch)]  # by start, adjacent runs merged
@@ -153,14 +153,11 @@ class DecodePool:
         return 2 * L * H * D * self.k.element_size()
 
     def share(self, budget_bytes: int) -> SharedSlots:
-        """The KV tree's device tier in this pool: at most `budget_bytes` of its slots, handed
-        out as the tree's `KVPool` is (the tree sets `reclaim`, so runs can take its room back)."""
+        """The KV tree's device tier in this pool: at most `budget_bytes` of its slots (and at most
+        the pool), handed out as the tree's `KVPool` is. It reserves none of them: the tree sets
+        `reclaim`, so a run takes back the room of nodes no lease holds."""
         with self._lock:
-            room = budget_bytes // self.token_bytes
-            if room > self.capacity - 2 * self.page_tokens:
-                raise ValueError(f"the KV tree's {budget_bytes} bytes leave the decode pool's {self.capacity} "
-                                 "tokens no room for a request: give the pool the tree's budget and more")
-            self.tree_room = room
+            self.tree_room = min(budget_bytes // self.token_bytes, self.capacity)
             return SharedSlots(self, budget_bytes)
 
     def run_of(self, cache: KVCache) -> Run | None:

@@ -18,7 +18,7 @@ def test_decode_flags_reach_the_engines_decode_settings() -> None:
     assert (default.pool, default.cuda_graphs) == ("auto", "auto")
     chosen = _settings("--decode-pool", "on", "--cuda-graphs", "off", "--kv-budget-bytes", str(1 << 30),
                        "--kv-tree-bytes", str(256 << 20)).decode()
-    assert (chosen.pool, chosen.cuda_graphs, chosen.pool_bytes) == ("on", "off", 768 << 20)  # the tree's share apart
+    assert (chosen.pool, chosen.cuda_graphs, chosen.pool_bytes) == ("on", "off", 1 << 30)  # the tree's share within
 
 
 @pytest.mark.parametrize(("flag", "value", "named"), [("--decode-pool", "yes", "decode pool"),

@@ -113,6 +113,24 @@ def test_a_request_takes_the_room_the_tree_does_not_hold() -> None:
     assert pool.free_tokens == pool.capacity
 
 
+def test_a_tree_budget_past_the_pool_is_held_to_the_pool_and_requests_still_come_first() -> None:
+    """`--kv-tree-bytes` past `--kv-budget-bytes` (the pool): the tree may fill the pool, not
+    more (before, the engine allocated the tree's budget beside the pool, past the KV budget),
+    and a request still gets its run: the tree moves nodes out of its way."""
+    pool = DecodePool(2, 1, 3, capacity_tokens=512, dtype=torch.float32, device="cpu")
+    tree = KVTree(_bytes(4096), host_bytes=_bytes(4096), device_pool=pool.share(_bytes(4096)))
+    assert pool.tree_room == pool.capacity == 496
+    convs = _conversations(tree, pool, 7, 64)  # 448 of the 496 slots
+    assert pool.tree_tokens == 448
+    req = pool.new_cache(200)
+    assert req is not None and pool.reclaimed_tokens >= 152
+    for i, ids in enumerate(convs):
+        lease = tree.match(TreeKey.of(f"c{i}"), ids + [0])
+        out = KVCache(2, 1, 3, 64, torch.float32, torch.device("cpu"))
+        assert lease.write_into(out) == 64 and _holds(out, ids), f"conversation {i} lost its KV"
+        lease.release()
+
+
 def test_a_request_that_finds_no_room_has_the_tree_move_its_unleased_nodes_down_and_keep_them() -> None:
     """The tree holds 5 conversations of 64 tokens (320 of the pool's 496 slots), one of them
     leased by a call in flight. A request of 256 tokens finds no free range that large: the
@@ -246,5 +264,5 @@ def test_a_pool_that_does_not_fit_the_device_says_which_settings_to_lower(monkey
         raise torch.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(torch, "zeros", oom)
-    with pytest.raises(MemoryError, match="--kv-budget-bytes, the KV tree's --kv-tree-bytes among them"):
+    with pytest.raises(MemoryError, match=r"--kv-budget-bytes \(the KV tree's device tier within it\); lower it"):
         DecodePool(2, 1, 3, capacity_tokens=1 << 20, dtype=torch.float32, device="cpu")

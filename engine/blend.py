@@ -446,13 +446,15 @@ def resume_steps(lm: LoadedModel, lease: TreeLease, ids: Sequence[int], mode: Mo
     ctx = layout or lease.context
     prompt = torch.tensor([*lease.context_ids, *ids], dtype=torch.long, device=dev)  # [N]
     n = int(prompt.shape[0])
-    lent = lease.lend(n + reserve_tokens)  # the path read where the tree holds it, in the engine's pool
+    # the path read where the tree holds it, in the engine's pool: room for the prompt at least (the decode grows it)
+    lent = lease.lend(n + reserve_tokens, least=n + 1)
     if lent is not None:  # the lease is the cache's now: let go when its run goes back
         cache, first = lent, lease.tokens
     else:
         cache = request_cache(lm, n + reserve_tokens, new_cache)
         try:
             first = lease.write_into(cache, layered=True)  # positions [0, first) are the tree's
+            cache.from_tree = first
             cache.recurrent = lease.recurrent_state()  # a hybrid's state after them (a copy; None otherwise)
         finally:
             lease.release()

@@ -199,10 +199,10 @@ class ServerMetrics:
         ragkv_decode_graph_capture_failures_total and ragkv_decode_graph_capture_seconds_total; and
         with `pool()` (-> engine.kv.decode_pool.DecodePool) how KV moved between requests and the
         KV tree in it: ragkv_decode_pool_kv_tokens_total{how="lent"|"handed"|"copied"|"relocated"|
-        "reclaimed"} (a leased path read in place, an insert taken in place, tokens copied into a
-        run, the tree's tokens moved out of a lent path's way, or down a tier to make room for a
-        run) and the gauges ragkv_decode_pool_tokens{holder="requests"|"tree"} and
-        ragkv_decode_pool_capacity_tokens."""
+        "reclaimed"|"rehomed"} (a leased path read in place, an insert taken in place, tokens
+        copied into a run, the tree's tokens moved out of a lent path's way, or down a tier to
+        make room for a run, or kept in a request's copy of them) and the gauges
+        ragkv_decode_pool_tokens{holder="requests"|"tree"} and ragkv_decode_pool_capacity_tokens."""
         self.registry.register(_Decoder(read, pool))
 
     def watch_routing(self, read: Callable[[], tuple[Mapping[str, int], Mapping[str, Mapping[str, float]]]]) -> None:
@@ -274,10 +274,12 @@ class _Decoder:
         moved = CounterMetricFamily("ragkv_decode_pool_kv_tokens", "Tokens of KV between requests and the KV tree in "
                                     "the decode pool: a leased path lent in place, an insert handed in place, "
                                     "KV copied into a run, the tree's KV moved out of a lent path's way, the "
-                                    "tree's KV moved down a tier to make room for a request's run.",
+                                    "tree's KV moved down a tier to make room for a request's run, the tree's KV "
+                                    "kept in a request's copy of it (its own slots given back).",
                                     labels=["how"])
         for how, attr in (("lent", "borrowed_tokens"), ("handed", "handed_tokens"), ("copied", "copied_tokens"),
-                          ("relocated", "relocated_tokens"), ("reclaimed", "reclaimed_tokens")):
+                          ("relocated", "relocated_tokens"), ("reclaimed", "reclaimed_tokens"),
+                          ("rehomed", "rehomed_tokens")):
             moved.add_metric([how], getattr(pool, attr))
         yield moved
         held = GaugeMetricFamily("ragkv_decode_pool_tokens", "Token slots of the decode pool held now, by holder.",

@@ -181,6 +181,9 @@ class KVCache:
         # k and v are then views of the pool's tensors, and the pool grows them
         self.pool: CachePool | None = None
         self.run: object | None = None  # its place in `pool` (the pool's own record)
+        # slots [0, from_tree) hold a copy of a KV tree path (a lease's `write_into`): the tree may
+        # keep those nodes in these slots instead of its own, when both are the same pool's (`KVTree._rehome`)
+        self.from_tree = 0
 
     def write_segments(self, segments: Sequence[ChunkKV], rope: RopeTables) -> int:
         """Write stored segments back to back from slot 0, rotating each K to its final positions.

@@ -121,6 +121,7 @@ class DecodePool:
         self.borrowed_tokens = 0  # tokens of leased paths that requests ran after in place (no copy)
         self.handed_tokens = 0  # tokens' KV given to the KV tree in place (no copy)
         self.relocated_tokens = 0  # the tree's tokens moved out of a lent path's way (`relocate`)
+        self.rehomed_tokens = 0  # the tree's tokens kept in a request's copy of them instead (`rehome`)
 
     @property
     def capacity(self) -> int:
@@ -216,21 +217,27 @@ class DecodePool:
             a = int(torch.argmin(cost))
             return None if cost[a] == float("inf") else (a, a + tokens)
 
-    def borrow(self, start: int, held: int, capacity: int, let_go: Callable[[], None]) -> KVCache | None:
+    def borrow(self, start: int, held: int, capacity: int, let_go: Callable[[], None],
+               least: int = 0) -> KVCache | None:
         """A cache of `capacity` tokens whose first `held` are the KV tree's slots [start, start +
         held) (a leased path, K after RoPE where the request's prompt puts them), running on into
-        the free slots after them: the lease's KV is read where it lies, not copied. None when
-        those slots are not free (the caller copies the path into a new run). `let_go` (the
-        lease's release) is called once the run no longer reads the tree's slots: when it goes
-        back, or moves to grow."""
+        the free slots after them: the lease's KV is read where it lies, not copied. Fewer free
+        there than `capacity`, but at least `least` (its prompt: its decode grows the run, in
+        place or by a move): the cache holds what is free, in whole pages. None when fewer are
+        free (the caller copies the path into a new run). `let_go` (the lease's release) is
+        called once the run no longer reads the tree's slots: when it goes back, or moves to grow."""
         try:
             with self._lock:
                 self._take_dropped()
-                size = held + self._pages(max(capacity - held, 1))
-                a, b = start + held, start + size
-                f = next((f for f in self._free if f.start <= a and b <= f.start + f.size), None)
+                a = start + held
+                f = next((f for f in self._free if f.start <= a < f.start + f.size), None)
                 if f is None:
                     return None
+                room = (f.start + f.size - a) // self.page_tokens * self.page_tokens  # whole pages free after the path
+                size = held + min(self._pages(max(capacity - held, 1)), room)
+                if size < max(least or capacity, held + 1):
+                    return None
+                b = start + size
                 self._carve(f, a, b)
                 run = Run(start, size, borrowed=held, holds=[let_go])
                 self.borrowed_tokens += held
@@ -262,6 +269,23 @@ class DecodePool:
             self.tree_tokens += b - a
             self.handed_tokens += b - a
             return torch.arange(a, b)
+
+    def rehome(self, cache: KVCache, start: int, stop: int, old: torch.Tensor,
+               let_go: Callable[[], None]) -> torch.Tensor | None:
+        """The KV tree's node of positions [start, stop), of which `cache` holds a copy in its own
+        slots (its lease's path, copied in), is kept there from now on: those slots become the
+        tree's, held as `hand` holds them, and the node's `old` slots ([stop - start] on the host)
+        go back free. No KV moves; the conversation's path lies in the request's run again, so
+        its next call can run on from it in place. None when they are not the run's own."""
+        with self._lock:
+            slots = self.hand(cache, start, stop, let_go)
+            if slots is None:
+                return None
+            self.handed_tokens -= stop - start  # kept, not handed: counted apart
+            self.rehomed_tokens += stop - start
+            self._give_slots(old)
+            self.tree_tokens -= len(old)
+            return slots
 
     def take_slots(self, n: int) -> torch.Tensor:
         """`n` free slots for the tree: their indices, [n] int64 ascending, on the host. Raises
@@ -518,17 +542,21 @@ class SharedSlots(KVPool):
     def relocate(self, slots: torch.Tensor) -> torch.Tensor | None:
         return self.decode_pool.relocate(slots)
 
+    def rehome(self, cache: KVCache, start: int, stop: int, old: torch.Tensor,
+               let_go: Callable[[], None]) -> torch.Tensor | None:
+        return self.decode_pool.rehome(cache, start, stop, old, let_go)
+
     def compact(self, capacity_bytes: int) -> torch.Tensor | None:
         return None
 
-    def lend(self, slots: torch.Tensor, capacity: int, let_go: Callable[[], None]) -> KVCache | None:
-        """A request cache of `capacity` tokens running on from the tree's `slots` (a leased path,
-        one ascending run), or None when they are not one run or the slots after them are not
-        free (`DecodePool.borrow`)."""
+    def lend(self, slots: torch.Tensor, capacity: int, least: int, let_go: Callable[[], None]) -> KVCache | None:
+        """A request cache of `capacity` tokens (at least `least`) running on from the tree's
+        `slots` (a leased path, one ascending run), or None when they are not one run or the slots
+        after them are not free (`DecodePool.borrow`)."""
         n = len(slots)
         if n == 0 or int(slots[-1]) - int(slots[0]) + 1 != n:
             return None
-        return self.decode_pool.borrow(int(slots[0]), n, capacity, let_go)
+        return self.decode_pool.borrow(int(slots[0]), n, capacity, let_go, least)
 
     def _shape_check(self, k: torch.Tensor, v: torch.Tensor) -> None:
         pk, pv = self.decode_pool.k, self.decode_pool.v

@@ -271,7 +271,8 @@ class KVTree:
             for node in nodes:
                 node.refs -= 1
 
-    def _lend(self, parts: list[LeasedPart], capacity: int, let_go: Callable[[], None]) -> KVCache | None:
+    def _lend(self, parts: list[LeasedPart], capacity: int, least: int,
+              let_go: Callable[[], None]) -> KVCache | None:
         """A request cache over a leased path where the device tier holds it (`SharedSlots.lend`),
         or None (a part spilled, a pool of its own, no free slots after the path). Leased nodes
         are never moved or evicted, and split only here, by the one lease that holds them, so
@@ -286,7 +287,7 @@ class KVTree:
             if last.n < len(last.node.ids) and not self._clear_after(last, pool):
                 return None
             slots = torch.cat([self._slots(p.node)[:p.n] for p in parts])  # [tokens] (CPU)
-        return pool.lend(slots, capacity, let_go)
+        return pool.lend(slots, capacity, least, let_go)
 
     def _clear_after(self, part: LeasedPart, pool: SharedSlots) -> bool:
         """The match ends inside `part.node`: cut it there and move the rest's KV to other slots,
@@ -411,6 +412,7 @@ class KVTree:
                 raise ValueError(f"KV tree context {key} holds other tokens than the ones inserted under it")
             root.used = now
             self._refill(root, cache)
+            self._rehome(root, cache)
             node, pos, added, path = root, 0, 0, [root]
             while pos < len(ids):
                 child = node.children.get(ids[pos])
@@ -433,6 +435,7 @@ class KVTree:
                         break
                     self._split(child, n)
                 self._refill(child, cache)
+                self._rehome(child, cache)
                 path.append(child)
                 node, pos = child, pos + n
             if pin_s > 0:
@@ -479,6 +482,20 @@ class KVTree:
         self._leave_tier(node)
         self._hold_from(node, TreeTier.DEVICE, cache)
         self._count(node.key.owner, node.kv_bytes)
+
+    def _rehome(self, node: Node, cache: KVCache) -> None:
+        """Keep a device node in the request's slots that hold a copy of it (`cache.from_tree`:
+        the request's lease copied its path in, the path not lying where it could be lent) and
+        give its own back (`DecodePool.rehome`): no KV moves, and the conversation's path lies
+        in one run again, so its next call is lent in place rather than copied once more. Only
+        a node no lease holds (another call may read its slots)."""
+        pool = self._pools[TreeTier.DEVICE]
+        if (not isinstance(pool, SharedSlots) or node.tier is not TreeTier.DEVICE or node.refs
+                or node.slots is None or not node.ids or node.end > cache.from_tree):
+            return
+        slots = pool.rehome(cache, node.start, node.end, node.slots, lambda: self._release([node]))
+        if slots is not None:  # held (never evicted) while the request may still read it there, as an insert's
+            node.slots, node.refs = slots, node.refs + 1
 
     def _device_budget(self, cache: KVCache) -> int:
         """What the device tier may hold for KV from `cache`: its budget; in a pool shared with

@@ -173,7 +173,7 @@ class TreeLease:
     _state: object | None = None  # hybrids: the recurrent state after the leased tokens
     spilled: int = 0  # of `tokens`, those read back from the host or disk tier
     # the tree's: a request cache running on from the path where the device tier holds it (`lend`)
-    _lend: Callable[[list[LeasedPart], int, Callable[[], None]], KVCache | None] | None = None
+    _lend: Callable[[list[LeasedPart], int, int, Callable[[], None]], KVCache | None] | None = None
 
     def recurrent_state(self) -> object | None:
         """A copy of the recurrent state after the leased tokens (the pass updates it in place)."""
@@ -194,14 +194,16 @@ class TreeLease:
         """Whether a disk read of the lease failed (damage found layer by layer, after the match)."""
         return any(p.ready is not None and p.ready.error is not None for p in self._parts)
 
-    def lend(self, capacity: int) -> KVCache | None:
+    def lend(self, capacity: int, least: int = 0) -> KVCache | None:
         """A request cache of `capacity` tokens whose first `tokens` are the leased KV read where
         the tree holds it (a decode pool the tree shares: `engine.kv.decode_pool`), with no copy;
-        the lease is then the cache's, let go when its run goes back. None: the caller copies the
-        path (`write_into`) into a cache of its own."""
+        the lease is then the cache's, let go when its run goes back. `least` (default
+        `capacity`): the fewest tokens the cache may hold, when fewer than `capacity` are free
+        after the path (its prompt; its decode grows it). None: the caller copies the path
+        (`write_into`) into a cache of its own."""
         if not self._held:
             raise RuntimeError("TreeLease.lend after release: a bug")
-        return None if self._lend is None else self._lend(self._parts, capacity, self.release)
+        return None if self._lend is None else self._lend(self._parts, capacity, least or capacity, self.release)
 
     def write_into(self, cache: KVCache, layered: bool = False) -> int:
         """Copy the leased KV into slots [0, tokens) of `cache`; returns the tokens written.

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ragkv.engine.kv.cache import KVCache
-from ragkv.engine.kv.decode_pool import DecodePool
+from ragkv.engine.kv.decode_pool import DecodePool, Run
 from ragkv.engine.kv.tree import KVTree, TreeKey, TreeTier
 from tests.engine.test_tree import CTX, _bytes
 
@@ -86,17 +86,31 @@ def test_a_match_that_ends_inside_a_node_moves_the_rest_out_of_the_way_and_keeps
     full.release()
 
 
+def _run_at(pool: DecodePool, start: int, size: int) -> KVCache:
+    """A request's run at slots [start, start + size) (free now): where another call's run may lie."""
+    with pool._lock:
+        f = next(f for f in pool._free if f.start <= start and start + size <= f.start + f.size)
+        pool._carve(f, start, start + size)
+        return pool._cache(Run(start, size))
+
+
 def _conversations(tree: KVTree, pool: DecodePool, n: int, tokens: int) -> list[list[int]]:
     """`n` conversations of `tokens` tokens each kept by the tree, inserted from requests that then ended."""
     out = []
     for i in range(n):
-        ids = [1000 * (i + 1) + j for j in range(tokens)]
-        req = pool.new_cache(tokens)
-        _write(req, ids)
-        tree.insert(TreeKey.of(f"c{i}"), [], CTX, ids, req)
-        pool.release(req, keep=False)
-        out.append(ids)
+        out.append([1000 * (i + 1) + j for j in range(tokens)])
+        _kept(pool, tree, TreeKey.of(f"c{i}"), out[-1])
     return out
+
+
+def _kept(pool: DecodePool, tree: KVTree, key: TreeKey, ids: list[int]) -> int:
+    """A conversation's first call `ids` kept by the tree, inserted from a request that then ended:
+    the slot after its path."""
+    req = pool.new_cache(len(ids))
+    _write(req, ids)
+    tree.insert(key, [], CTX, ids, req)
+    pool.release(req, keep=False)
+    return int(tree._roots[key].children[ids[0]].slots[-1]) + 1
 
 
 def test_a_request_takes_the_room_the_tree_does_not_hold() -> None:
@@ -111,6 +125,58 @@ def test_a_request_takes_the_room_the_tree_does_not_hold() -> None:
     assert _holds(big, list(range(400)))
     pool.release(big, keep=False)
     assert pool.free_tokens == pool.capacity
+
+
+def test_a_path_copied_for_a_call_is_kept_where_the_copy_lies_so_the_next_call_runs_on_from_it() -> None:
+    """A conversation's path has a request's run right after it, so its next call cannot run on
+    from it: the path is copied into the call's run. At the insert after the answer the tree keeps
+    the path's nodes in that copy and gives its old slots back (`rehome`: no KV moves), so the
+    path lies in one run again and the call after is lent in place (before, the path stayed
+    split between two places and every later call copied it)."""
+    pool, tree = _shared(1024, 512)
+    key, turn = TreeKey.of("conv"), list(range(1, 65))
+    after = _run_at(pool, _kept(pool, tree, key, turn), 16)  # another agent's call right after the path
+
+    second = turn + list(range(100, 120))
+    lease = tree.match(key, second + [0])
+    assert lease.lend(len(second) + 8) is None  # no room after the path: copied
+    cache = pool.new_cache(len(second) + 8)
+    cache.from_tree = lease.write_into(cache)
+    lease.release()
+    _write(cache, second, start=64)
+    written = tree._pools[TreeTier.DEVICE].written_tokens
+    tree.insert(key, [], CTX, second, cache)
+    run = pool.run_of(cache)
+    node = tree._roots[key].children[1]
+    assert node.slots.tolist() == list(range(run.start, run.start + 64))  # kept in the call's copy
+    assert pool.rehomed_tokens == 64 and tree._pools[TreeTier.DEVICE].written_tokens == written
+    assert pool.tree_tokens == 84  # the old 64 slots went back: the tree holds the path once
+    pool.release(cache, keep=False)
+    pool.release(after, keep=False)
+
+    third = second + [7, 8, 9]
+    lease = tree.match(key, third + [0])
+    nxt = lease.lend(len(third) + 8)
+    assert nxt is not None and nxt.k.data_ptr() == pool.k[:, :, run.start:].data_ptr()  # lent in place
+    assert _holds(nxt, second)
+    pool.release(nxt, keep=False)
+
+
+def test_a_path_with_room_for_its_prompt_but_not_its_whole_reserve_is_lent_in_place() -> None:
+    """Free slots after a path hold the next call's prompt but not the decode room it asks for:
+    the call still runs on from the path in place, in a shorter run its decode grows (before,
+    the whole path was copied for want of room that the answer may never use)."""
+    pool, tree = _shared(1024, 512)
+    key, turn = TreeKey.of("conv"), list(range(1, 65))
+    after = _run_at(pool, _kept(pool, tree, key, turn) + 32, 16)  # 32 free slots after the path, then a run
+    second = turn + list(range(100, 120))  # 20 new tokens: fits in 32, its 256 of decode room do not
+    lease = tree.match(key, second + [0])
+    assert lease.lend(len(second) + 256) is None  # all of it asked: not there
+    nxt = lease.lend(len(second) + 256, least=len(second) + 1)
+    assert nxt is not None and nxt.capacity == 96 and pool.borrowed_tokens == 64
+    assert _holds(nxt, turn)
+    pool.release(nxt, keep=False)
+    pool.release(after, keep=False)
 
 
 def test_a_tree_budget_past_the_pool_is_held_to_the_pool_and_requests_still_come_first() -> None:

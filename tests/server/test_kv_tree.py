@@ -256,6 +256,8 @@ def test_over_one_pool_a_tool_loop_moves_no_kv_between_its_calls_and_the_tree(se
              if ln.startswith("ragkv_decode_pool_")}
     assert lines['ragkv_decode_pool_kv_tokens_total{how="lent"}'] == pool.borrowed_tokens > 0
     assert lines['ragkv_decode_pool_kv_tokens_total{how="handed"}'] == pool.handed_tokens > 0
+    assert lines['ragkv_decode_pool_kv_tokens_total{how="rehomed"}'] == pool.rehomed_tokens
+    assert lines['ragkv_decode_pool_kv_tokens_total{how="reclaimed"}'] == pool.reclaimed_tokens
     assert lines['ragkv_decode_pool_tokens{holder="tree"}'] == pool.tree_tokens > 0
     assert lines['ragkv_decode_pool_tokens{holder="requests"}'] == 0
     assert lines["ragkv_decode_pool_capacity_tokens"] == pool.capacity

@@ -16,8 +16,8 @@ weights: only where KV lies is measured):
   pass does both (`engine.blend.resume_steps`).
 
 Each agent's first call is 200-400 tokens; each later call adds a tool result and an answer of
-40-120 tokens; `--inflight` calls hold their runs at once; the tree's budget is `--tree-share`
-of the pool. Prints, per arm, the share of leased tokens lent in place, tokens copied, calls
+40-120 tokens; `--inflight` calls hold their runs at once (other agents' calls: an agent's own
+call has ended before its next one); the tree's budget is `--tree-share` of the pool. Prints, per arm, the share of leased tokens lent in place, tokens copied, calls
 copied and why (the path not on the device, not in one run, no room after it), and the ratio.
 
     python bench/pool_agents_bench.py --agents 16 --calls 8 --seeds 0,1,2
@@ -63,11 +63,14 @@ def run(arm: str, seed: int, args: argparse.Namespace) -> dict:
     ctx = TreeContext(0, 0, 0)
     convs = {i: [10**6 * (i + 1) + j for j in range(rng.randint(200, 400))] for i in range(args.agents)}
     order = [i for _ in range(args.calls) for i in rng.sample(range(args.agents), args.agents)]
-    live: list[KVCache] = []
+    live: list[tuple[int, KVCache]] = []  # (agent, its call's cache) of the calls holding runs
     leased = copied_calls = 0
     why: collections.Counter[str] = collections.Counter()
     for n, i in enumerate(order):
         ids = convs[i] + [10**6 * (i + 1) + 5000 + 7 * n + j for j in range(rng.randint(40, 120))]
+        for mine in [c for a, c in live if a == i]:  # its last call answered before its tool ran
+            pool.release(mine, keep=False)
+        live = [(a, c) for a, c in live if a != i]
         key = TreeKey.of(f"agent{i}")
         lease = tree.match(key, ids[1:] + [0])
         held = 0 if lease is None else lease.tokens
@@ -92,10 +95,10 @@ def run(arm: str, seed: int, args: argparse.Namespace) -> dict:
         cache.length = len(ids)
         tree.insert(key, ids[:1], ctx, ids[1:], cache)
         convs[i] = ids
-        live.append(cache)
+        live.append((i, cache))
         while len(live) > args.inflight:
-            pool.release(live.pop(0), keep=False)
-    for cache in live:
+            pool.release(live.pop(0)[1], keep=False)
+    for _, cache in live:
         pool.release(cache, keep=False)
     return {"leased_tokens": leased, "lent_tokens": pool.borrowed_tokens, "copied_tokens": shared.read_tokens,
             "lent_share": pool.borrowed_tokens / max(leased, 1), "calls_copied": copied_calls,
@@ -140,8 +143,9 @@ def main() -> None:
               f"{report[arm]['calls_copied']} calls: {report[arm]['copied_because']}")
     before, now = report["before"], report["now"]
     assert isinstance(before, dict) and isinstance(now, dict)
-    report["copied_tokens_now_over_before"] = now["copied_tokens"] / max(before["copied_tokens"], 1)
-    print(f"tokens copied, now over before: {report['copied_tokens_now_over_before']:.2f}x")
+    ratio = now["copied_tokens"] / before["copied_tokens"] if before["copied_tokens"] else None
+    report["copied_tokens_now_over_before"] = ratio
+    print("tokens copied, now over before: " + ("none copied before" if ratio is None else f"{ratio:.2f}x"))
     print(json.dumps(report))
 
 

@@ -23,12 +23,12 @@ def test_every_pool_agents_bench_command_in_the_docs_parses() -> None:
 
 
 def test_a_small_run_counts_every_leased_token_lent_or_copied_in_both_arms(monkeypatch, capsys) -> None:
-    """Every leased token is either lent in place or copied (none lost, none counted twice), and
-    with room for every path in the tree the arm that keeps copied paths in one run copies less."""
+    """Every copied call has its reason, and in a pool too small for every path the arm that keeps
+    copied paths in one run, and lends with room for the prompt, copies less."""
     from bench.pool_agents_bench import main
 
     monkeypatch.setattr(sys, "argv", ["pool_agents_bench.py", "--agents", "6", "--calls", "4", "--seeds", "0",
-                                      "--pool-tokens", "12288", "--inflight", "3"])
+                                      "--pool-tokens", "4096", "--inflight", "3"])
     main()
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for arm in ("before", "now"):

@@ -17,8 +17,9 @@ weights: only where KV lies is measured):
 
 Each agent's first call is 200-400 tokens; each later call adds a tool result and an answer of
 40-120 tokens; `--inflight` calls hold their runs at once (other agents' calls: an agent's own
-call has ended before its next one); the tree's budget is `--tree-share` of the pool. Prints, per arm, the share of leased tokens lent in place, tokens copied, calls
-copied and why (the path not on the device, not in one run, no room after it), and the ratio.
+call has ended before its next one); the tree's budget is `--tree-share` of the pool. Prints,
+per arm, the share of leased tokens lent in place, tokens copied, calls copied and why (the
+path not on the device, not in one run, no room after it), and the ratio.
 
     python bench/pool_agents_bench.py --agents 16 --calls 8 --seeds 0,1,2
 """

@@ -410,6 +410,8 @@ class DecodePool:
             self.v[:, :, new.start:new.start + n] = self.v[:, :, run.start:run.start + n]
             self.copied_tokens += n
             self.moves += 1
+            if run.borrowed:  # its copy of the leased path: the tree may keep the path there (`rehome`)
+                cache.from_tree = max(cache.from_tree, run.borrowed)
             self._held.pop(run).detach()
             self._give_back(run)
             self._own(cache, new)

@@ -179,6 +179,34 @@ def test_a_path_with_room_for_its_prompt_but_not_its_whole_reserve_is_lent_in_pl
     pool.release(after, keep=False)
 
 
+def test_a_lent_run_that_moves_to_grow_leaves_the_path_in_one_run_at_the_insert() -> None:
+    """A call lent its path in a short run (room for its prompt) grows past the free slots after
+    it: the run moves, copying the path and letting its lease go. The insert after the answer
+    keeps the path in that copy (`rehome`), so the path and the new turn lie in one run and
+    the next call is lent in place."""
+    pool, tree = _shared(1024, 512)
+    key, turn = TreeKey.of("conv"), list(range(1, 65))
+    after = _run_at(pool, _kept(pool, tree, key, turn) + 32, 16)
+    second = turn + list(range(100, 120))
+    lease = tree.match(key, second + [0])
+    cache = lease.lend(len(second) + 256, least=len(second) + 1)
+    assert cache is not None and pool.run_of(cache).borrowed == 64
+    _write(cache, second, start=64)
+    pool.grow(cache, len(second) + 100)  # the answer outgrows the 32 free slots: a move
+    assert pool.moves == 1 and tree._roots[key].children[1].refs == 0  # the lease let go
+    answer = second + list(range(200, 260))
+    _write(cache, answer, start=len(second))
+    tree.insert(key, [], CTX, answer, cache)
+    run = pool.run_of(cache)
+    assert tree._roots[key].children[1].slots.tolist() == list(range(run.start, run.start + 64))
+    assert pool.rehomed_tokens == 64
+    pool.release(cache, keep=False)
+    pool.release(after, keep=False)
+    nxt = tree.match(key, answer + [0]).lend(len(answer) + 8)
+    assert nxt is not None and _holds(nxt, answer)
+    pool.release(nxt, keep=False)
+
+
 def test_a_tree_budget_past_the_pool_is_held_to_the_pool_and_requests_still_come_first() -> None:
     """`--kv-tree-bytes` past `--kv-budget-bytes` (the pool): the tree may fill the pool, not
     more (before, the engine allocated the tree's budget beside the pool, past the KV budget),

@@ -62,7 +62,11 @@ class DecodeStream(Iterator[str]):
                  constraint: Constraint | None = None) -> None:
         self.lm, self.params = lm, params
         self.cache = prompt.cache
-        self.cache.ensure(self.cache.length + min(params.max_new_tokens, FIRST_ROOM))  # grows past it, doubling
+        self.cache.most = self.cache.length + params.max_new_tokens  # what admission counted: it grows no further
+        if self.cache.pool is None:  # room for the answer's start now; it grows past it, doubling. A run of
+            # the decode pool grows a page at a time as it decodes (`DecodePool.grow`): a path lent with room
+            # for its prompt only moves (a copy) only if its answer outgrows the free pages after it
+            self.cache.ensure(self.cache.length + min(params.max_new_tokens, FIRST_ROOM))
         self.constraint = constraint  # the grammar the answer must follow; None = free text
         if constraint is not None:
             constraint.window = closing_window(params.max_new_tokens)

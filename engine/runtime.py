@@ -166,6 +166,15 @@ class Engine:
         """`prefill_steps` to its end."""
         return drain(self.prefill_steps(prefix_ids, chunk_ids, context_ids, context_kv))
 
+    def request_kv_bytes(self, tokens: int) -> int:
+        """The KV bytes a request of `tokens` tokens (prompt and max_new_tokens) holds at most, as
+        admission counts them: over a decode pool, whole pages of it (its run never grows past
+        them: `KVCache.most`)."""
+        if self.decoder is not None:
+            page = self.decoder.pool.page_tokens
+            tokens = -(-tokens // page) * page
+        return tokens * self.kv_bytes_per_token
+
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of decode cache (K and V, every layer) one token takes at the model's dtype."""

@@ -315,7 +315,7 @@ class Pipeline:
             options=plan.options, constraint=plan.constraint, reads_tool_calls=plan.output.reads_tool_calls,
             tree=tree, tree_retain_s=retain_s if plan.output.reads_tool_calls else 0.0,
             tree_priority=query.retain_priority, kv_wait_s=kv_wait_s,
-            kv_bytes=(plan.prompt_tokens + plan.sampling.max_new_tokens) * self.engine.kv_bytes_per_token,
+            kv_bytes=self.engine.request_kv_bytes(plan.prompt_tokens + plan.sampling.max_new_tokens),
             prompt_cost=max(1, cost * todo // whole), prompt_rows=max(1, rows * todo // whole),
             phase_seconds={"retrieve": found.seconds}), found.chunks, plan.system_prompt, plan.length_limit,
             plan.ratio if mode in (Mode.BLEND, Mode.FOCUS) or plan.ratio.ratio is None else RequestRatio(None, None))

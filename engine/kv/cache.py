@@ -184,6 +184,9 @@ class KVCache:
         # slots [0, from_tree) hold a copy of a KV tree path (a lease's `write_into`): the tree may
         # keep those nodes in these slots instead of its own, when both are the same pool's (`KVTree._rehome`)
         self.from_tree = 0
+        # the most tokens it will hold (its prompt and max_new_tokens: what admission counted); None =
+        # unknown. Growth by doubling stops there, so a request never holds more than it was admitted for
+        self.most: int | None = None
 
     def write_segments(self, segments: Sequence[ChunkKV], rope: RopeTables) -> int:
         """Write stored segments back to back from slot 0, rotating each K to its final positions.
@@ -280,6 +283,10 @@ class KVCache:
     def capacity(self) -> int:
         return int(self.k.shape[2])
 
+    def doubled(self) -> int:
+        """Twice its capacity, or the most it will hold when that is less (`most`)."""
+        return 2 * self.capacity if self.most is None else min(2 * self.capacity, self.most)
+
     def ensure(self, capacity: int) -> None:
         """Make room for `capacity` tokens, copying the valid part once if it must grow."""
         if capacity <= self.capacity:
@@ -287,7 +294,7 @@ class KVCache:
         if self.pool is not None:
             self.pool.grow(self, capacity)
             return
-        new_cap = max(capacity, 2 * self.capacity)
+        new_cap = max(capacity, self.doubled())
         L, H, _, D = self.k.shape
         k = torch.empty(L, H, new_cap, D, dtype=self.k.dtype, device=self.k.device)  # [L, Hkv, cap, D]
         v = torch.empty_like(k)

@@ -401,7 +401,7 @@ class DecodePool:
                 return
         try:
             with self._lock:
-                new = self._take(max(tokens, 2 * run.size))  # doubling, as a cache of its own would
+                new = self._take(max(tokens, cache.doubled()))  # doubling as a cache of its own would, to its most
         except DecodePoolFullError:
             new = self._run_for(tokens)  # what it needs: the tree gives up room for that much only
         with self._lock:

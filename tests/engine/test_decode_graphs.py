@@ -348,3 +348,51 @@ def test_a_cache_from_outside_enters_the_pool_at_its_length_not_its_reserved_roo
     assert got == want
     assert dec.stats.ragged_steps == 0 and dec.stats.eager_steps == 6
     assert all(c.pool is dec.pool for c in caches)
+
+
+def test_a_request_never_holds_more_than_admission_counted_for_it(tiny_lm) -> None:
+    """Admission counts a request's prompt and max_new_tokens, in whole pages over a pool
+    (`Engine.request_kv_bytes`); its cache's growth by doubling stops there (`KVCache.most`, set
+    as it starts to decode), in a cache of its own and in a run that moves to grow. Before, a
+    run that moved took twice its size, past what admission had counted."""
+    from ragkv.engine.decode_graphs import DecodeConfig
+    from ragkv.engine.kv.cache import KVCache
+
+    ragged, pooled = Engine(tiny_lm), Engine(tiny_lm, decode=DecodeConfig(pool="on", pool_bytes=8 << 20))
+    per_token = ragged.kv_bytes_per_token
+    assert ragged.request_kv_bytes(100) == 100 * per_token
+    assert pooled.request_kv_bytes(100) == 112 * per_token  # 7 pages of 16
+    own = KVCache(2, 1, 4, 64, torch.float32, torch.device("cpu"))
+    own.most = 80
+    own.ensure(65)
+    assert own.capacity == 80  # not 128
+    from tests.engine.test_shared_pool import _run_at
+
+    pool = pooled.decoder.pool
+    cache = pool.new_cache(64)
+    cache.length, cache.most = 64, 90
+    run = pool.run_of(cache)
+    _run_at(pool, run.start + run.size, 16)  # another request's run right after it: it moves to grow
+    pool.grow(cache, 65)
+    assert pool.moves == 1 and cache.capacity == 96  # its most, in whole pages (not 128)
+
+
+def test_a_run_of_the_pool_grows_as_its_answer_does_not_at_the_decode_start(tiny_lm) -> None:
+    """A request's run holds its prompt and a page, another request's run right after it. Its
+    decode starts without asking for room for the answer's start (a cache of its own does): the
+    run grows a page at a time as it decodes, and moves (a copy of all its KV, a lent path's too)
+    only when its answer outgrows the pages after it. Before, the decode's start moved it at once."""
+    from ragkv.engine.decode import SamplingParams
+    from ragkv.engine.decode_graphs import DecodeConfig
+    from tests.engine.test_shared_pool import _run_at
+
+    engine = Engine(tiny_lm, decode=DecodeConfig(pool="on", pool_bytes=8 << 20))
+    pool = engine.decoder.pool
+    (res,) = _prompts(engine, [30], seed=4, reserve=1)
+    run = pool.run_of(res.cache)
+    assert run.size == 32
+    _run_at(pool, run.start + run.size, 16)
+    stream = engine.decode(res, SamplingParams(max_new_tokens=100))
+    assert pool.moves == 0 and stream.cache.capacity == 32
+    engine.decoder.step([stream.cache], [int(res.logits.argmax())])  # token 31 of 32: in place
+    assert pool.moves == 0 and stream.cache.length == 31

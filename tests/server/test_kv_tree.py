@@ -261,3 +261,30 @@ def test_over_one_pool_a_tool_loop_moves_no_kv_between_its_calls_and_the_tree(se
     assert lines['ragkv_decode_pool_tokens{holder="tree"}'] == pool.tree_tokens > 0
     assert lines['ragkv_decode_pool_tokens{holder="requests"}'] == 0
     assert lines["ragkv_decode_pool_capacity_tokens"] == pool.capacity
+
+
+def test_over_one_pool_a_path_copied_for_its_call_is_kept_where_the_copy_lies(servers, pooled_tree,
+                                                                              monkeypatch) -> None:
+    """Every lease refused its place (as when another call's run lies right after the path): each
+    call copies its path in, and the insert after its answer keeps the path's device nodes in that
+    copy (`KVCache.from_tree`, `DecodePool.rehome`) rather than where they were: the tree holds
+    each conversation once, no KV moves for it, and the answers are the tree-less server's."""
+    from ragkv.engine.kv.tree import TreeTier
+    from ragkv.engine.kv.tree_node import TreeLease
+
+    monkeypatch.setattr(TreeLease, "lend", lambda self, capacity, least=0: None)
+    _, without = servers
+    engine = pooled_tree.server.service.backend.engine
+    pool, shared = engine.decoder.pool, engine.conversations.tree._pools[TreeTier.DEVICE]
+    before = pool.rehomed_tokens, shared.read_tokens, shared.written_tokens
+    with RagClient(pooled_tree.addr) as tree_client, RagClient(without.addr) as plain_client:
+        for step in range(3):
+            kwargs = dict(collection="docs", mode="reuse", top_k=3, max_new_tokens=6, agent_turns=_loop_turns(step))
+            question = "Who chose the secret number? (its own conversation)"
+            a, b = tree_client.query(question, **kwargs), plain_client.query(question, **kwargs)
+            assert "".join(a) == "".join(b), f"step {step}: the tree changed the answer"
+    rehomed, read, written = (x - y for x, y in zip((pool.rehomed_tokens, shared.read_tokens, shared.written_tokens),
+                                                    before))
+    assert read > 0  # the paths were copied in
+    assert rehomed > 0 and written == 0  # and kept where the copies lay, nothing copied into the tree
+    assert pool.used == pool.tree_tokens  # every request's run went back

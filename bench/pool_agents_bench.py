@@ -19,7 +19,8 @@ Each agent's first call is 200-400 tokens; each later call adds a tool result an
 40-120 tokens; `--inflight` calls hold their runs at once (other agents' calls: an agent's own
 call has ended before its next one); the tree's budget is `--tree-share` of the pool. Prints,
 per arm, the share of leased tokens lent in place, tokens copied, calls copied and why (the
-path not on the device, not in one run, no room after it), and the ratio.
+path not on the device, not in one run, no room after it), and the ratio. Every lease's KV,
+lent or copied, is checked against what its conversation's calls wrote (an error if not).
 
     python bench/pool_agents_bench.py --agents 16 --calls 8 --seeds 0,1,2
 """
@@ -62,13 +63,13 @@ def run(arm: str, seed: int, args: argparse.Namespace) -> dict:
     tree = KVTree(budget, host_bytes=64 * budget, device_pool=pool.share(budget))
     shared = tree._pools[TreeTier.DEVICE]
     ctx = TreeContext(0, 0, 0)
-    convs = {i: [10**6 * (i + 1) + j for j in range(rng.randint(200, 400))] for i in range(args.agents)}
+    convs = {i: [10**5 * (i + 1) + j for j in range(rng.randint(200, 400))] for i in range(args.agents)}
     order = [i for _ in range(args.calls) for i in rng.sample(range(args.agents), args.agents)]
     live: list[tuple[int, KVCache]] = []  # (agent, its call's cache) of the calls holding runs
     leased = copied_calls = 0
     why: collections.Counter[str] = collections.Counter()
     for n, i in enumerate(order):
-        ids = convs[i] + [10**6 * (i + 1) + 5000 + 7 * n + j for j in range(rng.randint(40, 120))]
+        ids = convs[i] + [10**5 * (i + 1) + 5000 + 7 * n + j for j in range(rng.randint(40, 120))]
         for mine in [c for a, c in live if a == i]:  # its last call answered before its tool ran
             pool.release(mine, keep=False)
         live = [(a, c) for a, c in live if a != i]
@@ -90,6 +91,9 @@ def run(arm: str, seed: int, args: argparse.Namespace) -> dict:
                     cache.from_tree = first
                 lease.release()
                 copied_calls += 1
+        kept = cache.k[0, 0, :held, 0].tolist()  # K of position j is its token id (written below)
+        if kept != torch.tensor(ids[:held], dtype=torch.float32).tolist():
+            raise AssertionError(f"agent {i}'s call {n}: the lease supplied other KV than was kept")
         values = torch.tensor(ids[held:], dtype=torch.float32)[None, None, :, None]  # [1, 1, T, 1]
         cache.k[:, :, held:len(ids)] = values
         cache.v[:, :, held:len(ids)] = -values

@@ -556,7 +556,7 @@ class SharedSlots(KVPool):
         `slots` (a leased path, one ascending run), or None when they are not one run or the slots
         after them are not free (`DecodePool.borrow`)."""
         n = len(slots)
-        if n == 0 or int(slots[-1]) - int(slots[0]) + 1 != n:
+        if n == 0 or not torch.equal(slots, torch.arange(int(slots[0]), int(slots[0]) + n)):  # one ascending run
             return None
         return self.decode_pool.borrow(int(slots[0]), n, capacity, let_go, least)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ragkv.engine.kv.cache import KVCache
-from ragkv.engine.kv.decode_pool import DecodePool, Run
+from ragkv.engine.kv.decode_pool import DecodePool, DecodePoolFullError, Run
 from ragkv.engine.kv.tree import KVTree, TreeKey, TreeTier
 from tests.engine.test_tree import CTX, _bytes
 
@@ -287,14 +287,15 @@ def test_the_tree_keeps_new_nodes_on_the_device_only_in_free_slots() -> None:
 
 
 # 5 and 8 caught a tree evicting what a live request had handed it; requests of up to 400 tokens
-# (of the pool's 1008 slots) press harder on the tree's room (`reclaim`)
-@pytest.mark.parametrize(("seed", "largest"), [(0, 96), (5, 96), (8, 96), (0, 400), (1, 400)])
+# (of the pool's 1008 slots) press harder on the tree's room (`reclaim`); 38 caught a path lent in
+# place whose middle lay elsewhere (its first and last slots as far apart as its length)
+@pytest.mark.parametrize(("seed", "largest"), [(0, 96), (5, 96), (8, 96), (0, 400), (1, 400), (38, 400)])
 def test_twenty_conversations_through_a_small_shared_pool_stay_within_it_and_every_lease_reads_what_was_kept(
         seed: int, largest: int) -> None:
     """Issue 70's pool under pressure: 20 conversations, each call leasing its path (lent in place,
     or copied when it cannot be), requests in flight side by side, chunk-sized requests with no
-    lease, the tree shrunk by admission now and then, and requests that find no free range have the
-    tree move its unleased nodes out of the way. After every call: the requests' runs, the tree's
+    lease, answers that grow their runs, the tree shrunk by admission now and then, and requests
+    that find no free range have the tree move its unleased nodes out of the way. After every call: the requests' runs, the tree's
     slots and the free list partition the pool exactly, the tree within its budget, and every
     request's KV (lent, copied or its own) is what its tokens wrote."""
     rng = random.Random(seed)
@@ -328,14 +329,23 @@ def test_twenty_conversations_through_a_small_shared_pool_stay_within_it_and_eve
             key, ids = TreeKey.of(f"conv{i}"), base + [100 * i + rng.randint(2, 99) for _ in range(rng.randint(1, 12))]
             lease = tree.match(key, ids[1:] + [0])
             held = 0 if lease is None else lease.tokens
-            cache = lease.lend(len(ids) + 8) if lease is not None else None
+            # as the engine's prompt pass: lent with room for the prompt at least, else copied (and marked so)
+            cache = lease.lend(len(ids) + 8, least=len(ids) + 1) if lease is not None else None
             if cache is None:
                 cache = pool.new_cache(len(ids) + 8) or KVCache(2, 1, 3, len(ids) + 8, torch.float32, torch.device("cpu"))
                 if lease is not None:
-                    lease.write_into(cache)
+                    cache.from_tree = lease.write_into(cache)
                     lease.release()
             assert _holds(cache, ids[:held])  # what the lease supplied is what was kept
             _write(cache, ids, start=held)
+            answer = ids + [100 * i + rng.randint(2, 99) for _ in range(rng.randint(0, 24))]
+            try:  # its decode grows the cache: in place, or a move
+                cache.ensure(len(answer))
+            except DecodePoolFullError:  # as the pooled decoder does: its KV leaves the pool, it decodes on
+                pool.release(cache)
+                cache.ensure(len(answer))
+            _write(cache, answer, start=len(ids))
+            ids = answer
             tree.insert(key, ids[:1], CTX, ids[1:], cache)
             convs[i] = ids
             live.append((cache, ids))
@@ -346,6 +356,7 @@ def test_twenty_conversations_through_a_small_shared_pool_stay_within_it_and_eve
         check()
     assert pool.borrowed_tokens > 0 and pool.handed_tokens > 0 and pool.relocated_tokens > 0
     assert pool.reclaimed_tokens > 0  # runs found the tree in their way and had it give up room
+    assert pool.rehomed_tokens > 0  # copied paths kept where the copies lay
     assert shared.read_tokens > 0  # some paths could not be lent (shared contexts, no room after): copied
     for cache, _ in live:
         pool.release(cache)

@@ -463,7 +463,7 @@ class KVTree:
         agents' calls in flight), else none (it is not stored)."""
         if self._make_room(need, keep=keep, tenant=tenant, budget=self._device_budget(cache)):
             return TreeTier.DEVICE
-        if self.host_budget and not self.recurrent and self._host_room(need):
+        if self.host_budget and not self.recurrent and self._host_room(need, keep):
             return TreeTier.HOST
         return None
 
@@ -651,7 +651,7 @@ class KVTree:
                     and (not own_only or n.key.owner == tenant) and (pinned or lower or n.pin <= now))
 
         def spill(n: Node) -> None:
-            self._spill(n, leave=pinned or n.pin <= now)
+            self._spill(n, leave=pinned or n.pin <= now, keep=keep)
 
         self._free(lambda: self._bytes + need > budget, candidate, spill, self._rank(now))
         return self._bytes + need <= budget
@@ -664,10 +664,11 @@ class KVTree:
             return (n.priority, 1, n.pin, id(n)) if n.pin > now else (n.priority, 0, float(n.used), id(n))
         return rank
 
-    def _spill(self, node: Node, leave: bool = True) -> None:
+    def _spill(self, node: Node, leave: bool = True, keep: Node | None = None) -> None:
         """Move a device node down: to the host tier, else to disk, else out of the tree (when
-        it may `leave`: a live pin stays on the device rather than leave)."""
-        if node.state is None and self.host_budget and self._host_room(node.kv_bytes):
+        it may `leave`: a live pin stays on the device rather than leave). Room on the host is
+        never made from `keep` or its ancestors (`_host_room`)."""
+        if node.state is None and self.host_budget and self._host_room(node.kv_bytes, keep):
             self._tier_bytes(node, -1)
             k, v = self._kv(node)
             self._let_slots_go(node)
@@ -677,16 +678,20 @@ class KVTree:
         elif (node.state is not None or not self._to_disk(node)) and leave:
             self._drop(node)
 
-    def _host_room(self, need: int) -> bool:
+    def _host_room(self, need: int, keep: Node | None = None) -> bool:
         """Make room for `need` bytes on the host tier: its least-recently-used unleased nodes
-        holding nothing above the disk below them go to disk, else out of the tree."""
+        holding nothing above the disk below them go to disk, else out of the tree; never
+        `keep` or its ancestors (an insert's path, whose node it is refilling or hanging a new
+        one under: out of the tree, it would take the insert's KV with it)."""
         if self._host_bytes + need <= self.host_budget:
             return True
         if need > self.host_budget:
             return False
+        kept = lineage(keep)
 
         def candidate(n: Node) -> bool:
-            return n.tier is TreeTier.HOST and n.refs == 0 and all(c.tier is TreeTier.DISK for c in n.children.values())
+            return (n.tier is TreeTier.HOST and n.refs == 0 and id(n) not in kept
+                    and all(c.tier is TreeTier.DISK for c in n.children.values()))
 
         self._free(lambda: self._host_bytes + need > self.host_budget, candidate,
                    lambda n: None if self._to_disk(n) else self._drop(n), self._rank(self._now()))

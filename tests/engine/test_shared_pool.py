@@ -288,10 +288,12 @@ def test_the_tree_keeps_new_nodes_on_the_device_only_in_free_slots() -> None:
 
 # 5 and 8 caught a tree evicting what a live request had handed it; requests of up to 400 tokens
 # (of the pool's 1008 slots) press harder on the tree's room (`reclaim`); 38 caught a path lent in
-# place whose middle lay elsewhere (its first and last slots as far apart as its length)
-@pytest.mark.parametrize(("seed", "largest"), [(0, 96), (5, 96), (8, 96), (0, 400), (1, 400), (38, 400)])
+# place whose middle lay elsewhere (its first and last slots as far apart as its length); with a host
+# tier, 0 caught an insert's refill making host room from the node it was bringing back
+@pytest.mark.parametrize(("seed", "largest", "host"), [(0, 96, 0), (5, 96, 0), (8, 96, 0), (0, 400, 0), (1, 400, 0),
+                                                       (38, 400, 0), (0, 96, 256), (7, 400, 256)])
 def test_twenty_conversations_through_a_small_shared_pool_stay_within_it_and_every_lease_reads_what_was_kept(
-        seed: int, largest: int) -> None:
+        seed: int, largest: int, host: int) -> None:
     """Issue 70's pool under pressure: 20 conversations, each call leasing its path (lent in place,
     or copied when it cannot be), requests in flight side by side, chunk-sized requests with no
     lease, answers that grow their runs, the tree shrunk by admission now and then, and requests
@@ -299,7 +301,8 @@ def test_twenty_conversations_through_a_small_shared_pool_stay_within_it_and_eve
     slots and the free list partition the pool exactly, the tree within its budget, and every
     request's KV (lent, copied or its own) is what its tokens wrote."""
     rng = random.Random(seed)
-    pool, tree = _shared(1024, 384)
+    pool = DecodePool(2, 1, 3, capacity_tokens=1024, dtype=torch.float32, device="cpu")
+    tree = KVTree(_bytes(384), host_bytes=_bytes(host), device_pool=pool.share(_bytes(384)))
     shared = tree._pools[TreeTier.DEVICE]
     convs = {i: [100 * i + 1] for i in range(20)}  # each conversation's tokens so far
     live: list[tuple[KVCache, list[int]]] = []

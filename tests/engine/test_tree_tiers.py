@@ -327,3 +327,26 @@ def test_spilled_nodes_are_readable_by_the_servers_user_only(tmp_path):
     assert {stat.S_IMODE(p.stat().st_mode) for p in spilled} == {0o600}
     for folder in (tmp_path / "tree", tmp_path / "tree" / "model-a"):
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+
+
+def test_room_on_the_host_is_never_made_from_the_node_an_insert_brings_back():
+    """A conversation's node is on the host (full); its next call's insert brings it back to the
+    device, and the device room for it spills another node, for which the host makes room. That
+    room must not come from the node being brought back: dropped from the tree there (before),
+    it took the insert's new turn with it, and the tree went on counting its device bytes."""
+    tree = KVTree(_bytes(8), host_bytes=_bytes(4))
+    a, b, c = TreeKey.of("a"), TreeKey.of("b"), TreeKey.of("c")
+    tree.insert(a, [], CTX, [1, 2, 3, 4], _cache(4, fill=10))
+    tree.insert(b, [], CTX, [5, 6, 7, 8], _cache(4, fill=20))
+    tree.insert(c, [], CTX, [9, 10, 11, 12], _cache(4, fill=30))  # the device full: a's turn spills to the host
+    assert tree._roots[a].children[1].tier is TreeTier.HOST and tree.stats().host_bytes == _bytes(4)
+    call = _cache(6, fill=10)  # a's next call: its path as kept, then two new tokens
+    lease = tree.match(a, [1, 2, 3, 4, 13, 14])
+    assert lease is not None and lease.tokens == 4
+    lease.write_into(call)
+    lease.release()
+    tree.insert(a, [], CTX, [1, 2, 3, 4, 13, 14], call)
+    tokens, _, k = _read(tree, a, [1, 2, 3, 4, 13, 14, 0])
+    assert tokens == 6 and torch.equal(k, _cache(6, fill=10).k[:, :, :6])  # the path and its new turn, kept
+    on_device = sum(n.nbytes for n in tree._all() if n.tier is TreeTier.DEVICE)
+    assert tree.stats().nbytes == on_device <= _bytes(8)  # the tree counts what it holds, no more

@@ -169,18 +169,22 @@ class KVPool:
         self.k, self.v = k, v
 
     def _empty(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """New K and V tensors of `tokens` slots: plain tensors even when made under inference
+        mode (a prompt pass making room), so writes from any thread can go on updating them."""
         assert self.k is not None and self.v is not None
         L, H, _, D = self.k.shape
-        k = torch.empty(L, H, tokens, D, dtype=self.k.dtype, device=self.k.device)  # [L, Hkv, S, D]
-        v = torch.empty(L, self.v.shape[1], tokens, self.v.shape[3], dtype=self.v.dtype, device=self.v.device)
+        with torch.inference_mode(False):
+            k = torch.empty(L, H, tokens, D, dtype=self.k.dtype, device=self.k.device)  # [L, Hkv, S, D]
+            v = torch.empty(L, self.v.shape[1], tokens, self.v.shape[3], dtype=self.v.dtype, device=self.v.device)
         return k, v
 
     def _shape_check(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Take the first write's shape, dtype and device; refuse another shape after it."""
         if self.k is None:
             device = self.device or k.device
-            self.k = torch.empty(k.shape[0], k.shape[1], 0, k.shape[3], dtype=k.dtype, device=device)
-            self.v = torch.empty(v.shape[0], v.shape[1], 0, v.shape[3], dtype=v.dtype, device=device)
+            with torch.inference_mode(False):  # see `_empty`
+                self.k = torch.empty(k.shape[0], k.shape[1], 0, k.shape[3], dtype=k.dtype, device=device)
+                self.v = torch.empty(v.shape[0], v.shape[1], 0, v.shape[3], dtype=v.dtype, device=device)
             return
         assert self.v is not None
         if (k.shape[:2], k.shape[3], v.shape[:2], v.shape[3]) != (self.k.shape[:2], self.k.shape[3],

@@ -87,6 +87,28 @@ __all__ = ["KVTree", "RecurrentSnapshot", "TreeTier", "ToolLatency", "TreeContex
 log = logging.getLogger(__name__)
 
 
+class _TreeLock:
+    """The tree's lock. Taking it first lets go of the leases dropped unreleased since it was last
+    taken (`KVTree._release_late`): a lease's finalizer may run in a thread that holds it already
+    (the collector runs where memory is allocated), where taking it again would wait forever."""
+
+    def __init__(self, let_late_go: Callable[[], None]) -> None:
+        self._lock = threading.Lock()
+        self._let_late_go = let_late_go
+
+    def __enter__(self) -> _TreeLock:
+        self._lock.acquire()
+        try:
+            self._let_late_go()
+        except BaseException:
+            self._lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
 
 class KVTree:
     """Radix tree of served prompts' KV under a byte budget per tier; see the module docstring.
@@ -128,7 +150,8 @@ class KVTree:
         self._pools = {TreeTier.DEVICE: device_pool if device_pool is not None else KVPool(budget_bytes),
                        TreeTier.HOST: KVPool(self.host_budget, "cpu")}
         self._roots: dict[TreeKey, Node] = {}
-        self._lock = threading.Lock()
+        self._late: list[list[Node]] = []  # leases dropped unreleased: let go as the lock is next taken
+        self._lock = _TreeLock(self._let_late_go)
         self._clock = itertools.count(1)
         self._now = clock
         self.pins = Pins(clock, latency or ToolLatency())  # retention: paths kept ahead of LRU
@@ -213,6 +236,7 @@ class KVTree:
             self._hit_tokens += len(root.ids) + pos
             self._spilled_hit_tokens += spilled
         return TreeLease(self._release, self._gather, self._copy_into, root.ids, root.context, pos, parts, _state=state,
+                         _let_go_late=self._release_late,
                          spilled=spilled, _lend=self._lend)
 
     def _find(self, key: TreeKey, ids: tuple[int, ...], leave_last: bool = True
@@ -269,6 +293,16 @@ class KVTree:
     def _release(self, nodes: Iterable[Node]) -> None:
         with self._lock:
             for node in nodes:
+                node.refs -= 1
+
+    def _release_late(self, nodes: list[Node]) -> None:
+        """`_release` for a lease's finalizer: no lock (the thread the collector runs in may hold
+        this tree's, or take locks in another order); done as the lock is next taken."""
+        self._late.append(nodes)  # atomic
+
+    def _let_late_go(self) -> None:
+        while self._late:
+            for node in self._late.pop():
                 node.refs -= 1
 
     def _lend(self, parts: list[LeasedPart], capacity: int, least: int,
@@ -669,10 +703,10 @@ class KVTree:
         it may `leave`: a live pin stays on the device rather than leave). Room on the host is
         never made from `keep` or its ancestors (`_host_room`)."""
         if node.state is None and self.host_budget and self._host_room(node.kv_bytes, keep):
+            slots = self._pools[TreeTier.HOST].put(*self._kv(node))  # first: should it raise, the node is as it was
             self._tier_bytes(node, -1)
-            k, v = self._kv(node)
             self._let_slots_go(node)
-            self._hold(node, TreeTier.HOST, k, v)
+            node.slots, node.tier = slots, TreeTier.HOST
             self._tier_bytes(node, 1)
             self._spills += 1
         elif (node.state is not None or not self._to_disk(node)) and leave:

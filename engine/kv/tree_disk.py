@@ -17,7 +17,6 @@ part of it: under the tree's lock, but the file reads, which run off it.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
@@ -29,12 +28,21 @@ from ragkv.engine.kv.node_files import NodeFiles, SpilledSpan, file_name, read_s
 from ragkv.engine.kv.tree_node import LeasedPart, Node, Rank, TreeKey, TreeTier, common_prefix, lineage
 
 
+class _Lock(Protocol):
+    """The tree's lock, as `with` takes it."""
+
+    def __enter__(self) -> object: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
 class TreeParts(Protocol):
     """What the disk tier works on of the tree that owns it (`engine.kv.tree.KVTree`): its lock,
     roots and host budget, and the operations that keep its counts (named here so this module
     need not import the tree, which imports it)."""
 
-    _lock: threading.Lock
+    @property
+    def _lock(self) -> _Lock: ...
     _roots: dict[TreeKey, Node]
     host_budget: int
 

@@ -174,6 +174,8 @@ class TreeLease:
     spilled: int = 0  # of `tokens`, those read back from the host or disk tier
     # the tree's: a request cache running on from the path where the device tier holds it (`lend`)
     _lend: Callable[[list[LeasedPart], int, int, Callable[[], None]], KVCache | None] | None = None
+    # the tree's: `_let_go` for a finalizer, which takes no lock (`KVTree._release_late`)
+    _let_go_late: Callable[[list[Node]], None] | None = None
 
     def recurrent_state(self) -> object | None:
         """A copy of the recurrent state after the leased tokens (the pass updates it in place)."""
@@ -252,8 +254,12 @@ class TreeLease:
             self._let_go([p.node for p in self._parts])
 
     def __del__(self) -> None:  # a lease dropped unreleased (a request refused after prepare)
+        # The collector runs this in whatever thread allocates, perhaps one holding the tree's lock
+        # (or the decode pool's): the references go back when the tree's lock is next taken
         try:
-            self.release()
+            if self._held:
+                self._held = False
+                (self._let_go_late or self._let_go)([p.node for p in self._parts])
         except Exception:  # interpreter shutdown: nothing left to release
             pass
 

@@ -144,3 +144,68 @@ def test_slot_indices_live_on_the_host_so_a_lease_never_reads_the_device():
     pool.release(slots[1::2])
     remap = pool.compact(0)
     assert remap is not None and remap.device.type == "cpu" and remap[slots[0::2]].tolist() == [0, 1, 2]
+
+
+def test_a_pool_first_written_under_inference_mode_takes_writes_from_outside_it() -> None:
+    """The host tier's pool may first be written under inference mode (a prompt pass makes room in
+    the decode pool, and the tree spills there: `KVTree._reclaim`); admission's shrink writes to it
+    later from another thread, outside inference mode. Its tensors are plain ones, so that write
+    works (before: "Inplace update to inference tensor outside InferenceMode", an INTERNAL error)."""
+    pool = KVPool(_bytes(64), "cpu")
+    with torch.inference_mode():
+        first = pool.put(torch.ones(2, 1, 4, 3), torch.ones(2, 1, 4, 3))
+    assert not pool.k.is_inference()
+    later = pool.put(torch.full((2, 1, 40, 3), 2.0), torch.full((2, 1, 40, 3), 2.0))  # grows, outside it
+    k, _ = pool.get(torch.cat([first, later]))
+    assert torch.equal(k[:, :, :4], torch.ones(2, 1, 4, 3)) and torch.equal(k[:, :, 4:], torch.full((2, 1, 40, 3), 2.0))
+
+
+def test_a_spill_whose_host_write_fails_leaves_the_node_where_it_was(monkeypatch) -> None:
+    """A node moving to the host tier is written there before its device slots go: when that write
+    raises, the node is still on the device with its KV, not a device node with no slots (which
+    failed every later read of it: "holds no slots: a bug")."""
+    tree = KVTree(_bytes(8), host_bytes=_bytes(100))
+    key = TreeKey.of("a")
+    tree.insert(key, [7], CTX, [1, 2, 3, 4], _cache(5, fill=10))
+    node = tree._roots[key].children[1]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the host write failed")
+
+    monkeypatch.setattr(tree._pools[TreeTier.HOST], "put", broken)
+    with pytest.raises(RuntimeError, match="host write failed"):
+        tree.shrink(0)
+    assert node.tier is TreeTier.DEVICE and node.slots is not None
+    monkeypatch.undo()
+    lease = tree.match(key, [1, 2, 3, 4, 0])
+    out = KVCache(2, 1, 3, 8, torch.float32, torch.device("cpu"))
+    assert lease.write_into(out) == 5 and torch.equal(out.k[:, :, :5], _cache(5, fill=10).k[:, :, :5])
+    lease.release()
+
+
+def test_a_lease_collected_while_its_thread_holds_the_tree_lets_go_later_without_a_deadlock() -> None:
+    """A lease dropped unreleased is let go by its finalizer, which the collector runs in whatever
+    thread allocates: here one holding the tree's lock (as admission's shrink holds it walking
+    the tree). It gives its references back when the lock is next taken (before, it took the
+    lock again and that thread waited forever, with every call behind it: DEADLINE_EXCEEDED)."""
+    import threading
+
+    tree = KVTree(_bytes(100))
+    key = TreeKey.of("a")
+    tree.insert(key, [7], CTX, [1, 2, 3, 4], _cache(5))
+    node = tree._roots[key].children[1]
+    held = [tree.match(key, [1, 2, 3, 4, 0])]
+    assert node.refs == 1
+    done = threading.Event()
+
+    def drop_under_the_lock() -> None:
+        with tree._lock:
+            held.clear()  # the last reference: its finalizer runs here
+        done.set()
+
+    worker = threading.Thread(target=drop_under_the_lock, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert done.is_set(), "the finalizer waited for the lock its own thread held"
+    assert tree.match(key, [1, 2, 3, 4, 0]) is not None  # takes the lock: the dropped lease let go first
+    assert node.refs == 1  # the new match's, the dropped one's gone

@@ -288,3 +288,58 @@ def test_over_one_pool_a_path_copied_for_its_call_is_kept_where_the_copy_lies(se
     assert read > 0  # the paths were copied in
     assert rehomed > 0 and written == 0  # and kept where the copies lay, nothing copied into the tree
     assert pool.used == pool.tree_tokens  # every request's run went back
+
+
+def test_agents_side_by_side_through_a_small_pool_answer_as_without_the_tree(tmp_path, tiny_llama_dir) -> None:
+    """Four agents' tool loops at once through one decode pool that holds a few of their calls,
+    its tree's share most of it, with a host tier below: runs make the tree move nodes out of
+    their way, paths are lent, copied and kept where copies lie, spilled and brought back, and
+    admission turns calls away to be retried. Every answer is the tree-less server's, no call
+    fails but for a full budget (RESOURCE_EXHAUSTED, retried), and every run goes back. (Run so,
+    it found a host pool first written under inference mode, which admission's shrink could not
+    write to after: INTERNAL errors.)"""
+    import threading
+    import time
+
+    from ragkv.server.assembly import build_pipeline
+
+    spec = (CollectionSpec("docs", build_index(tmp_path, CORPUS, tiny_llama_dir)),)
+    plain = ServerThread(settings(indexes=spec), build_pipeline)
+    per_token = plain.server.service.backend.engine.kv_bytes_per_token
+    pooled = ServerThread(settings(indexes=spec, decode_pool="on", kv_budget_bytes=1500 * per_token,
+                                   kv_tree_bytes=900 * per_token, kv_tree_host_bytes=1 << 20), build_pipeline)
+    questions = [f"What is the secret number? Agent {i} asks." for i in range(4)]
+    kwargs = dict(collection="docs", mode="blend", top_k=3, max_new_tokens=12, recompute_ratio=0.3)
+    try:
+        with RagClient(plain.addr) as client:
+            want = {(q, s): "".join(client.query(q, agent_turns=_loop_turns(s), **kwargs))
+                    for q in questions for s in range(4)}
+        got: dict[tuple[str, int], str] = {}
+        errors: list[str] = []
+
+        def agent(q: str) -> None:
+            with RagClient(pooled.addr) as client:
+                for s in range(4):
+                    for _ in range(400):
+                        try:
+                            got[(q, s)] = "".join(client.query(q, agent_turns=_loop_turns(s), **kwargs))
+                            break
+                        except grpc.RpcError as err:
+                            if err.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+                                errors.append(f"{err.code()}: {err.details()}")
+                                return
+                            time.sleep(0.05)
+
+        threads = [threading.Thread(target=agent, args=(q,)) for q in questions]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        pool = pooled.server.service.backend.engine.decoder.pool
+        assert not errors
+        assert got == want
+        assert pool.reclaimed_tokens > 0 and pool.handed_tokens > 0  # the pool was pressed, the tree kept calls
+        assert pool.used == pool.tree_tokens  # every request's run went back
+    finally:
+        plain.stop()
+        pooled.stop()

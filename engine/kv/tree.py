@@ -109,7 +109,6 @@ class _TreeLock:
         self._lock.release()
 
 
-
 class KVTree:
     """Radix tree of served prompts' KV under a byte budget per tier; see the module docstring.
 

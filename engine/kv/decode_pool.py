@@ -258,17 +258,24 @@ class DecodePool:
         back or moves. None when `cache` is not in this pool, or the positions are not its own
         (the tree copies them)."""
         with self._lock:
-            run = self.run_of(cache)
-            if run is None or start < run.borrowed or stop > cache.length or start >= stop:
-                return None
-            a, b = run.start + start, run.start + stop
-            if any(x < b and a < y for x, y in run.handed):
-                return None
-            run.handed.append((a, b))
-            run.holds.append(let_go)
-            self.tree_tokens += b - a
-            self.handed_tokens += b - a
-            return torch.arange(a, b)
+            slots = self._from_run(cache, start, stop, let_go)
+            if slots is not None:
+                self.tree_tokens += len(slots)
+                self.handed_tokens += len(slots)
+            return slots
+
+    def _from_run(self, cache: KVCache, start: int, stop: int, let_go: Callable[[], None]) -> torch.Tensor | None:
+        """The slots of `cache`'s positions [start, stop), taken from its run for the tree (held
+        until `let_go`), or None when they are not the run's own (under the lock)."""
+        run = self.run_of(cache)
+        if run is None or start < run.borrowed or stop > cache.length or start >= stop:
+            return None
+        a, b = run.start + start, run.start + stop
+        if any(x < b and a < y for x, y in run.handed):
+            return None
+        run.handed.append((a, b))
+        run.holds.append(let_go)
+        return torch.arange(a, b)
 
     def rehome(self, cache: KVCache, start: int, stop: int, old: torch.Tensor,
                let_go: Callable[[], None]) -> torch.Tensor | None:
@@ -278,13 +285,10 @@ class DecodePool:
         go back free. No KV moves; the conversation's path lies in the request's run again, so
         its next call can run on from it in place. None when they are not the run's own."""
         with self._lock:
-            slots = self.hand(cache, start, stop, let_go)
-            if slots is None:
-                return None
-            self.handed_tokens -= stop - start  # kept, not handed: counted apart
-            self.rehomed_tokens += stop - start
-            self._give_slots(old)
-            self.tree_tokens -= len(old)
+            slots = self._from_run(cache, start, stop, let_go)
+            if slots is not None:  # as many as it gives back: the tree holds as many slots as before
+                self._give_slots(old)
+                self.rehomed_tokens += len(slots)
             return slots
 
     def take_slots(self, n: int) -> torch.Tensor:

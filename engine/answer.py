@@ -30,6 +30,7 @@ from typing import Protocol
 from ragkv.engine.blend import BlendOptions, BlendResult, Prompt, PromptSteps
 from ragkv.engine.constrain import Constraint
 from ragkv.engine.decode import FIRST_ROOM, DecodeStream, SamplingParams
+from ragkv.engine.forward import LayerWork, Step
 from ragkv.engine.kv.cache import ChunkKV, arriving
 from ragkv.engine.kv.conversation import Conversations, TreeSpot
 from ragkv.engine.prefill import context_segments
@@ -53,7 +54,7 @@ class PromptEngine(Protocol):
     def reads_chunk_kv(self, mode: Mode) -> bool: ...
 
     def prefill_steps(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int], context_ids: Sequence[int] = (),
-                      context_kv: Sequence[ChunkKV] = ()) -> Generator[int | WaitFor, None, ChunkKV]: ...
+                      context_kv: Sequence[ChunkKV] = ()) -> Generator[Step, None, ChunkKV]: ...
 
     def run_steps(self, prompt: Prompt, mode: Mode, options: BlendOptions | None = None, reserve_tokens: int = 256,
                   resume: TreeSpot | None = None) -> PromptSteps: ...
@@ -144,7 +145,7 @@ def _answer(engine: PromptEngine, req: Request) -> Work:
 
 
 def _instructions(engine: PromptEngine, req: Request, phases: dict[str, float]
-                  ) -> Generator[int | WaitFor, None, tuple[ChunkKV, int]]:
+                  ) -> Generator[Step, None, tuple[ChunkKV, int]]:
     """The KV of the request's own prefix (its instructions): read from its tenant's KV tree when
     an earlier call left it there, else computed one layer per step and kept there for the next
     call. Returns it and the tokens the tree supplied (0 when computed)."""
@@ -170,7 +171,7 @@ def _placed(req: Request, kvs: list[ChunkKV] | None, tiers: Sequence[Tier]) -> l
 
 
 def _chunk_kv(engine: PromptEngine, req: Request, phases: dict[str, float], sources: Counter[KVSource],
-              loaded: dict[Tier, int]) -> Generator[int | WaitFor | ChunkComputed, None, tuple[list[ChunkKV], list[Tier]]]:
+              loaded: dict[Tier, int]) -> Generator[Step | ChunkComputed, None, tuple[list[ChunkKV], list[Tier]]]:
     """Each chunk's KV: its read's, or computed one layer per step (and handed out to be
     kept). The request waits for its reads parked (`WaitFor`), never polling; a read still
     pending after `kv_wait_s` is abandoned and its chunk computed."""
@@ -224,7 +225,7 @@ def _read(ch: PromptChunk) -> tuple[LoadedKV | None, KVSource]:
     return (got, KVSource.LOADED) if got is not None else (None, KVSource.COMPUTED_MISSING)
 
 
-def _compute(engine: PromptEngine, req: Request, ch: PromptChunk) -> Generator[int | WaitFor, None, ChunkKV]:
+def _compute(engine: PromptEngine, req: Request, ch: PromptChunk) -> Generator[Step, None, ChunkKV]:
     """A chunk's KV computed one layer per step (`_compute_or_read` with no read to race)."""
     kv = yield from _compute_or_read(engine, req, ch, None)
     assert isinstance(kv, ChunkKV), "with no read to race, the chunk is computed"
@@ -232,7 +233,7 @@ def _compute(engine: PromptEngine, req: Request, ch: PromptChunk) -> Generator[i
 
 
 def _compute_or_read(engine: PromptEngine, req: Request, ch: PromptChunk, race: Future[LoadedKV | None] | None
-                     ) -> Generator[int | WaitFor, None, ChunkKV | LoadedKV]:
+                     ) -> Generator[Step, None, ChunkKV | LoadedKV]:
     """A chunk's KV computed one layer per step; its own compute seconds (not the time other
     requests ran between its steps) teach the engine its prefill rate (`Engine.speed`).
 
@@ -261,9 +262,11 @@ def _compute_or_read(engine: PromptEngine, req: Request, ch: PromptChunk, race: 
             return kv
         own += time.perf_counter() - t0
         yield item
+        if isinstance(item, LayerWork):  # its driver ran it (with other passes' same layer): its share counts
+            own += item.took_s
 
 
-def _chunk_steps(engine: PromptEngine, req: Request, ch: PromptChunk) -> Generator[int | WaitFor, None, ChunkKV]:
+def _chunk_steps(engine: PromptEngine, req: Request, ch: PromptChunk) -> Generator[Step, None, ChunkKV]:
     """A chunk's KV computed as the index computed the KV its key names (the tiers keep it under
     that key): after the index's prefix, and after its context when it has one (`ChunkContextKV`:
     the context's tokens, or the neighbours' plain KV, read or else computed here too)."""
@@ -308,7 +311,7 @@ def _bounded(steps: PromptSteps, limit_s: float) -> PromptSteps:
 
 def _without_tree(engine: PromptEngine, req: Request, tree: TreeSpot, phases: dict[str, float],
                   sources: Counter[KVSource], loaded: dict[Tier, int], exc: Exception
-                  ) -> Generator[int | WaitFor | ChunkComputed, None, tuple[list[ChunkKV] | None, list[Tier]]]:
+                  ) -> Generator[Step | ChunkComputed, None, tuple[list[ChunkKV] | None, list[Tier]]]:
     """The KV tree's disk read of this prompt failed mid-pass (damage found layer by layer):
     the request lets go of its lease and runs as the tree had held nothing, its chunks' KV
     computed (none was read: the tree held the context). Its answer is still kept under its
@@ -323,7 +326,7 @@ def _without_tree(engine: PromptEngine, req: Request, tree: TreeSpot, phases: di
 
 
 def _recompute_failed(engine: PromptEngine, req: Request, kvs: list[ChunkKV], tiers: list[Tier], exc: Exception
-                      ) -> Generator[int | WaitFor | ChunkComputed, None, list[ChunkKV]]:
+                      ) -> Generator[Step | ChunkComputed, None, list[ChunkKV]]:
     """`kvs` with every chunk whose layered read failed computed anew (layer by layer) and
     handed out to be kept (a damaged copy is already out of its tier). `tiers` is updated in place."""
     stalled = isinstance(exc, KVReadStalledError)  # then a read with layers still to come is given up

@@ -47,13 +47,13 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ragkv.engine.focus import FocusOptions, FocusScores, focus_layers, kept_attention, pick_chunks, score_steps, spread
-from ragkv.engine.forward import Keep, layer_steps, project_kv, span
+from ragkv.engine.forward import Keep, Step, layer_steps, project_kv, span
 from ragkv.engine.kv.cache import ChunkKV, KVCache, layers_pending
 from ragkv.engine.kv.tree_node import TreeContext, TreeLease
 from ragkv.engine.model_loading import LoadedModel
 from ragkv.engine.rope import RopeTables
 from ragkv.engine.select import Budget, layer_mean, question_attention_steps, select_tokens, tokens_for_mass
-from ragkv.engine.work import WaitFor, wait_for
+from ragkv.engine.work import wait_for
 from ragkv.types import FocusSignal, Mode
 
 
@@ -148,7 +148,7 @@ class BlendResult:
 
 # yields the tokens each layer computed, or a WaitFor while a chunk's next layer is still
 # arriving (layer-wise loading); returns the result
-PromptSteps = Generator[int | WaitFor, None, BlendResult]
+PromptSteps = Generator[Step, None, BlendResult]
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,7 +350,7 @@ def _exact_first(chunks: Sequence[ChunkKV], p: int) -> bool:
 
 
 def _token_scores(lm: LoadedModel, a: _Assembled, layers: Sequence[int],
-                  select_ids: Sequence[int] | torch.Tensor | None) -> Generator[int | WaitFor, None, torch.Tensor]:
+                  select_ids: Sequence[int] | torch.Tensor | None) -> Generator[Step, None, torch.Tensor]:
     """The query selector's pass, one layer per step: the choosing tokens' attention onto every
     chunk token, [C-P]."""
     p, c = a.p, a.c

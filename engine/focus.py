@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ragkv.engine.forward import Step
 from ragkv.engine.kv.cache import ChunkKV, KVCache
 from ragkv.engine.select import layer_mean, question_attention_steps
-from ragkv.engine.work import WaitFor, drain
+from ragkv.engine.work import drain
 
 if TYPE_CHECKING:
     from ragkv.engine.model_loading import LoadedModel
@@ -112,7 +113,7 @@ def score_chunks(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[Chunk
 
 def score_steps(lm: LoadedModel, prefix: ChunkKV | None, chunks: Sequence[ChunkKV],
                 question_ids: torch.Tensor, layers: Sequence[int], token_layers: Sequence[int] = (),
-                staged: KVCache | None = None, step_tokens: int = 0) -> Generator[int | WaitFor, None, FocusScores]:
+                staged: KVCache | None = None, step_tokens: int = 0) -> Generator[Step, None, FocusScores]:
     """How strongly the question attends to each chunk over the reused cache, one layer (or a
     piece of `step_tokens` question rows) per step (`question_attention_steps`).
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import time
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,8 @@ from ragkv.engine.work import WaitFor, wait_for
 
 if TYPE_CHECKING:
     from ragkv.engine.model_loading import LoadedModel
+
+T = TypeVar("T")  # a pass's result
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +183,131 @@ def project_kv(ad: Adapter, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torc
     return k, v
 
 
+@dataclass(slots=True, eq=False)  # identity: one pass's layer, whatever its fields
+class LayerWork:
+    """One decoder layer over one pass's rows, yielded by `layer_steps` for its driver to run.
+
+    The scheduler runs the layer works of several passes that stand at the same layer as one
+    forward (`run_layers`: their rows side by side, each attending over its own cache), so a
+    layer's weights are read once for all of them. A driver that does not run it (`drain`, a
+    test stepping the pass) leaves `out` unset, and the pass runs it itself as it resumes.
+    """
+
+    adapter: Adapter = dataclasses.field(repr=False)
+    layer: int  # i
+    h: torch.Tensor = dataclasses.field(repr=False)  # [S, hidden] the pass's active rows
+    rope: RopeTables = dataclasses.field(repr=False)  # S rows
+    # where their K/V go and which keys they see (rows among these S)
+    spans: Sequence[Span] = dataclasses.field(repr=False)
+    # the scoring pass's: [n_keys] float32, this layer's attention weights over its keys are added to it
+    mass: torch.Tensor | None = dataclasses.field(default=None, repr=False)
+    # once run: h_out [S, hidden], k before RoPE [Hkv, S, D], v [Hkv, S, D]
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
+    error: Exception | None = None  # the run failed: the pass raises it as it resumes
+    took_s: float = 0.0  # seconds of the run that were this pass's (a shared run's, by its share of the rows)
+
+    @property
+    def rows(self) -> int:
+        return int(self.h.shape[0])
+
+    def joins(self, other: LayerWork) -> bool:
+        """Whether the two can run as one forward: one model's same attention layer (a hybrid's
+        recurrent layers run pass by pass), neither run yet."""
+        return (self.adapter is other.adapter and self.layer == other.layer and self.out is None is other.out
+                and self.error is None is other.error
+                and self.layer not in self.adapter.recurrent_layers and self.h.dtype == other.h.dtype
+                and self.h.device == other.h.device)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's output, run here unless the driver ran it; the driver's error raised here."""
+        if self.error is not None:
+            raise self.error
+        if self.out is None:
+            with torch.inference_mode():  # as the pass's own steps run, whoever calls it
+                self.out = layer_forward(self.adapter, self.layer, self.h, self.rope, self.spans,
+                                         [self.mass] * len(self.spans))
+        return self.out
+
+
+@torch.inference_mode()  # as the passes' own steps run (their caches are inference tensors)
+def run_layers(works: Sequence[LayerWork]) -> None:
+    """Run several passes' layer works: those that `join` the first as one forward, their rows
+    side by side (each pass's attention over its own cache, as batched decode's spans), each
+    work's `out` its own rows'. A shared run that fails is run again pass by pass, so one
+    pass's bad input fails that pass alone (its `error`, raised as it resumes)."""
+    t0 = time.perf_counter()
+    first = works[0]
+    if len(works) > 1 and all(first.joins(w) for w in works[1:]):
+        try:
+            _run_shared(works)
+        except Exception:  # out of memory, or one pass's bad shape: pass by pass below
+            for w in works:
+                w.out = None
+    total = sum(w.rows for w in works) or 1
+    for w in works:
+        if w.out is None:
+            t1 = time.perf_counter()
+            try:
+                w.result()
+            except Exception as exc:
+                w.error = exc
+            w.took_s = time.perf_counter() - t1
+        else:
+            w.took_s = (time.perf_counter() - t0) * w.rows / total
+
+
+def _run_shared(works: Sequence[LayerWork]) -> None:
+    """One forward of layer i over every work's rows (`run_layers`)."""
+    spans: list[Span] = []
+    mass: list[torch.Tensor | None] = []
+    off = 0
+    for w in works:
+        spans.extend(Span(sp.cache, slice(off + sp.rows.start, off + sp.rows.stop), sp.slots, sp.plans)
+                     for sp in w.spans)
+        mass.extend([w.mass] * len(w.spans))
+        off += w.rows
+    first = works[0]
+    h = torch.cat([w.h for w in works])  # [sum S, hidden]
+    out, k, v = layer_forward(first.adapter, first.layer, h, RopeTables.cat([w.rope for w in works]), spans, mass)
+    off = 0
+    for w in works:
+        rows = slice(off, off + w.rows)
+        w.out = (out[rows], k[:, rows], v[:, rows])
+        off += w.rows
+
+
+Step = int | WaitFor | LayerWork  # what a pass yields: rows computed, a wait on its KV, a layer to run
+
+
+def drain_together(passes: Sequence[Generator[Step, None, T]]) -> list[T]:
+    """Run several passes to their ends side by side, as the scheduler's `prompt_batch_rows`
+    does: each round, the passes standing at the lowest layer run it as one forward
+    (`run_layers`), so a pass behind catches up and then goes on with the others; waits block.
+    For evals, benches and tests (the scheduler is the serving path). Returns their results,
+    in order."""
+    live = dict(enumerate(passes))
+    results: dict[int, T] = {}
+    standing: dict[int, LayerWork] = {}
+    while live:
+        for n, steps in list(live.items()):
+            while n not in standing:
+                try:
+                    item = next(steps)
+                except StopIteration as done:
+                    results[n] = cast(T, done.value)  # StopIteration.value is untyped: the pass's result
+                    del live[n]
+                    break
+                if isinstance(item, WaitFor):
+                    item.block()
+                elif isinstance(item, LayerWork):
+                    standing[n] = item
+        if standing:
+            lead = min(standing, key=lambda n: standing[n].layer)
+            group = [lead, *(n for n in standing if n != lead and standing[lead].joins(standing[n]))]
+            run_layers([standing.pop(n) for n in group])
+    return [results[n] for n in range(len(passes))]
+
+
 class Keep(str, enum.Enum):
     """Which rows' output a pass's last layer computes (its K/V are written for every row)."""
 
@@ -192,12 +320,14 @@ def layer_steps(lm: LoadedModel, h: torch.Tensor, rope: RopeTables, spans: Seque
                 keep: Keep = Keep.ALL, *, pos: torch.Tensor | None = None, n_keys: int = 0,
                 kv_out: tuple[torch.Tensor, torch.Tensor] | None = None,
                 mass: Mapping[int, torch.Tensor] | None = None,
-                step_tokens: int = 0) -> Generator[int | WaitFor, None, torch.Tensor]:
+                step_tokens: int = 0) -> Generator[Step, None, torch.Tensor]:
     """The one layer loop: `layers` of the model for the active rows, one layer per step.
 
     Before each layer a staged cache's layer is made present (a chunk still loading parks
-    the pass on its read: `WaitFor`); after it, the step yields the rows it computed. The
-    last layer of the range computes output for the rows `keep` says, K/V for all.
+    the pass on its read: `WaitFor`); then the step yields the layer as a `LayerWork` for
+    its driver to run (the scheduler runs several passes' same layer as one forward) and
+    reads its output as it resumes. The last layer of the range computes output for the
+    rows `keep` says, K/V for all.
 
     With `step_tokens`, a prompt pass of more rows than that runs each layer in pieces of
     rows, in prompt order, at most `step_tokens` each and one step each (chunked prefill:
@@ -242,20 +372,23 @@ def layer_steps(lm: LoadedModel, h: torch.Tensor, rope: RopeTables, spans: Seque
                 raise ValueError("layer_steps with Keep.LAST needs the rows' positions (pos)")
             h, pos, rope = h[-1:], pos[-1:], rope[-1:]
             spans, pieces = span(spans[0].cache, pos, pos, n_keys, lm), None
+        scores = None if mass is None else mass.get(i)  # a scored layer's accumulator
         if pieces is not None and i not in ad.recurrent_layers:  # chunked prefill: piece by piece
             outs = []
             for rows, piece in pieces:
-                out, k, v = layer_forward(ad, i, h[rows], rope[rows], piece, mass)  # [S_p, hidden]
+                work = LayerWork(ad, i, h[rows], rope[rows], piece, scores)
+                yield work
+                out, k, v = work.result()  # [S_p, hidden]
                 outs.append(out)
                 if kv_out is not None:
                     kv_out[0][i, :, rows], kv_out[1][i, :, rows] = k, v
-                yield out.shape[0]
             h = torch.cat(outs)  # [S, hidden]
             continue
-        h, k, v = layer_forward(ad, i, h, rope, spans, mass)
+        work = LayerWork(ad, i, h, rope, spans, scores)
+        yield work
+        h, k, v = work.result()
         if kv_out is not None:
             kv_out[0][i], kv_out[1][i] = k, v
-        yield h.shape[0]
     return h
 
 
@@ -279,7 +412,7 @@ def _pieces(lm: LoadedModel, spans: Sequence[Span], pos: torch.Tensor | None,
 
 
 def layer_forward(ad: Adapter, i: int, h: torch.Tensor, rope: RopeTables, spans: Sequence[Span],
-                  mass: Mapping[int, torch.Tensor] | None = None,
+                  mass: Sequence[torch.Tensor | None] = (),
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run decoder layer i for the active tokens.
 
@@ -288,8 +421,9 @@ def layer_forward(ad: Adapter, i: int, h: torch.Tensor, rope: RopeTables, spans:
         rope: rotary tables at the active tokens' positions (S rows).
         spans: where the active tokens' K/V go and which keys they attend to: one span
             for a prompt pass, one per request for batched decode (rows in order).
-        mass: when it holds layer i ([n_keys] float32): the attention weights this layer
-            applies, summed over heads and rows, are added to it (the scoring pass).
+        mass: per span, None or an [n_keys] float32 accumulator: the attention weights this
+            layer applies to that span's rows, summed over heads and rows, are added to it (the
+            scoring pass); () = none.
 
     Returns:
         h_out [S, hidden], k before RoPE [Hkv, S, D], v [Hkv, S, D].
@@ -307,17 +441,17 @@ def layer_forward(ad: Adapter, i: int, h: torch.Tensor, rope: RopeTables, spans:
     # an earlier layer's KV; their own slots get zeros)
     own, src = ad.cache_layer[i], ad.cache_layer[ad.kv_source[i]]
     outs: list[torch.Tensor] = []
-    for sp in spans:
+    for n, sp in enumerate(spans):
         sp.cache.k[own][:, sp.slots], sp.cache.v[own][:, sp.slots] = k_rot[:, sp.rows], v[:, sp.rows]
         k_cache, v_cache = sp.cache.k[src], sp.cache.v[src]  # [Hkv, cap, D]
         q_sp = q[:, sp.rows] if len(spans) > 1 else q
         plan = sp.plans[la.locality]
         outs.extend(attention(q_sp[:, a.rows] if len(plan) > 1 else q_sp, k_cache, v_cache, a, ad, la)
                     for a in plan)  # each [H, S_g, D]
-        if mass is not None and i in mass:  # the weights that attention applied, with its mask and windows
+        if mass and (acc := mass[n]) is not None:  # the weights that attention applied, with its mask and windows
             for a in plan:
                 q_g = q_sp[:, a.rows] if len(plan) > 1 else q_sp
-                mass[i][a.first_key:a.n_keys] += attention_weights(q_g, k_cache, a, ad, la).sum((0, 1))  # [N_g]
+                acc[a.first_key:a.n_keys] += attention_weights(q_g, k_cache, a, ad, la).sum((0, 1))  # [N_g]
     out = torch.cat(outs, 1) if len(outs) > 1 else outs[0]  # [H, S, D]
     a_out = ad.attn_output(i, out.transpose(0, 1).reshape(s, ad.num_heads * ad.head_dim), x)  # [S, hidden]
     return ad.residual(i, h, x, a_out), k, v

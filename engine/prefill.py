@@ -16,16 +16,15 @@ from collections.abc import Generator, Sequence
 
 import torch
 
-from ragkv.engine.forward import Keep, layer_steps, span
+from ragkv.engine.forward import Keep, Step, layer_steps, span
 from ragkv.engine.kv.cache import ChunkKV, KVCache
 from ragkv.engine.model_loading import LoadedModel
-from ragkv.engine.work import WaitFor
 
 
 @torch.inference_mode()
 def prefill_steps(lm: LoadedModel, prefix: ChunkKV | None, token_ids: Sequence[int] | torch.Tensor,
                   context_ids: Sequence[int] = (), context_kv: Sequence[ChunkKV] = (),
-                  ) -> Generator[int | WaitFor, None, ChunkKV]:
+                  ) -> Generator[Step, None, ChunkKV]:
     """KV of `token_ids` computed after `prefix` (positions P..P+T-1), K before RoPE, one
     decoder layer per step (it yields the tokens each layer computed, so a chunk computed
     while serving is prompt work the scheduler slices like any other).

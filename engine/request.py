@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from ragkv.engine.blend import BlendOptions
 from ragkv.engine.constrain import Constraint
 from ragkv.engine.decode import DecodeStream, SamplingParams
+from ragkv.engine.forward import Step
 from ragkv.engine.kv.cache import ChunkKV
 from ragkv.engine.kv.conversation import TreeSpot
-from ragkv.engine.work import WaitFor
 from ragkv.types import (
     FinishReason,
     FocusSignal,
@@ -245,4 +245,4 @@ class Decode:
 # parks it on its reads, `Decode` hands its stream to the batched decode (whose tokens the
 # scheduler sends out), and outputs go to its consumer as they come; it returns the
 # answer's counts.
-Work = Generator[int | WaitFor | Decode | ChunksReady | ChunkComputed | TokenOut, None, Answered]
+Work = Generator[Step | Decode | ChunksReady | ChunkComputed | TokenOut, None, Answered]

@@ -10,6 +10,7 @@ holds one table per rotary kind and says which kind each layer uses.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,17 @@ class RopeTables:
         """The tables at a subset of the positions (rows)."""
         return RopeTables(tuple(c[rows] for c in self.cos), tuple(s[rows] for s in self.sin), self.kind,
                           self.interleaved, None if self.q_scale is None else self.q_scale[rows])
+
+    @staticmethod
+    def cat(tables: Sequence[RopeTables]) -> RopeTables:
+        """Several passes' tables, one after the other (their rows side by side in one step:
+        `engine.forward.run_layers`); they must be of one model (the same kinds)."""
+        first = tables[0]
+        scales = [t.q_scale for t in tables if t.q_scale is not None]
+        q_scale = torch.cat(scales) if len(scales) == len(tables) else None
+        return RopeTables(tuple(torch.cat([t.cos[j] for t in tables]) for j in range(len(first.cos))),
+                          tuple(torch.cat([t.sin[j] for t in tables]) for j in range(len(first.sin))),
+                          first.kind, first.interleaved, q_scale)
 
     def inverse(self) -> RopeTables:
         """The tables that undo these rotations (`apply` with them turns K after RoPE back into K

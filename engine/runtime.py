@@ -22,6 +22,7 @@ from ragkv.engine.blend import BlendOptions, BlendResult, Prompt, PromptSteps, p
 from ragkv.engine.constrain import Constraint, ConstraintCompiler
 from ragkv.engine.decode import DecodeStream, SamplingParams
 from ragkv.engine.decode_graphs import DecodeConfig, PooledDecoder
+from ragkv.engine.forward import Step
 from ragkv.engine.kv.cache import ChunkKV
 from ragkv.engine.kv.conversation import NO_TREE, Conversations, TreeConfig, TreeSpot
 from ragkv.engine.kv.tree_node import TreeContext
@@ -30,7 +31,7 @@ from ragkv.engine.prefill import prefill_steps
 from ragkv.engine.prompt import DEFAULT_SYSTEM_PROMPT, PromptFormat
 from ragkv.engine.request import Request, Work
 from ragkv.engine.speed import EngineSpeed
-from ragkv.engine.work import WaitFor, drain
+from ragkv.engine.work import drain
 from ragkv.errors import UnsupportedModelError
 from ragkv.types import Mode
 
@@ -153,7 +154,7 @@ class Engine:
         return kv
 
     def prefill_steps(self, prefix_ids: Sequence[int], chunk_ids: Sequence[int], context_ids: Sequence[int] = (),
-                      context_kv: Sequence[ChunkKV] = ()) -> Generator[int | WaitFor, None, ChunkKV]:
+                      context_kv: Sequence[ChunkKV] = ()) -> Generator[Step, None, ChunkKV]:
         """A chunk's KV computed after the shared prefix (and its context: neighbour-conditioned
         KV, `engine.prefill.prefill_steps`), one decoder layer per step: K before RoPE, V,
         both [L, Hkv, T, D]."""

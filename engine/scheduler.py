@@ -19,16 +19,21 @@ Each iteration is schedule, execute, update:
    after a decode step. A slice runs one step at least (no pass starves) and lasts
    `prompt_slice_s` at least. A short pass (reuse over a few chunks) fits one slice whole;
    a long one (full prefill) goes on across many. With nobody decoding, prompt work goes on;
-2. **execute** runs that step: the request's work generator for a prompt step,
-   `engine.decode.decode_batch` for a decode step (the weights are read once per step
-   for all of them);
+2. **execute** runs that step: for a prompt step, the request's work generator to its next
+   layer (a `LayerWork` it yields) and that layer, as one forward with the same layer of the
+   other passes that stand there, within `prompt_batch_rows` rows (`engine.forward.run_layers`;
+   with it, every pass first goes to its next layer, so passes that came in together go on
+   together); `engine.decode.decode_batch` for a decode step (the weights are read once per
+   step for all of them);
 3. **update** moves the requests on from what the step returned (below). A request
    submitted meanwhile, or whose KV has arrived, is admitted before the next schedule:
    it can take the very next step.
 
 A request is an `engine.request.Request`, submitted with its work (`Engine.work`), a
 generator that yields
-- an `int`: one step of prompt work done (the scheduler may switch to other work here);
+- a `LayerWork`: one layer of its prompt pass for the scheduler to run, alone or with other
+  passes' same layer (the pass reads the output as it resumes); an `int`: a step of prompt
+  work it did itself (either way the scheduler may switch to other work here);
 - `WaitFor(futures, timeout_s)`: the work cannot go on until these are done (its chunks' KV
   reads): the scheduler parks it and resumes it from a future's done-callback, or once
   `timeout_s` has passed. A parked request costs nothing: the scheduler never polls, sleeps
@@ -73,6 +78,8 @@ from typing import Protocol, TypeVar
 
 from ragkv.engine.decode import DecodeStream, decode_batch, pick_greedy
 from ragkv.engine.decode_graphs import PooledDecoder
+from ragkv.engine.device import resolve_device
+from ragkv.engine.forward import LayerWork, Step, run_layers
 from ragkv.engine.kv.host_allocator import trim_host_heap
 from ragkv.engine.request import (
     Answered,
@@ -131,11 +138,24 @@ class SchedulerConfig:
     # at 0.1 a full prefill with 1 s left goes before a newcomer's 0.2 s pass after 8 s)
     aging: float = 0.1
     heap_trim_s: float = 10.0  # under load, free host heap pages go back to the OS this often; 0 = never
+    # prompt rows one step may carry from several passes at the same layer, run as one forward (a
+    # layer's weights read once for all of them); 0 = one pass per step
+    prompt_batch_rows: int = 0
 
     def __post_init__(self) -> None:
         if (self.kv_budget_bytes < 1 or self.max_batch < 1 or self.prompt_slice_s <= 0
-                or not 0 < self.prompt_share < 1 or self.aging < 0 or self.heap_trim_s < 0):
+                or not 0 < self.prompt_share < 1 or self.aging < 0 or self.heap_trim_s < 0
+                or self.prompt_batch_rows < 0):
             raise ValueError(f"scheduler budgets must be positive, got {self}")
+
+
+def default_prompt_batch_rows(device: str) -> int:
+    """`prompt_batch_rows` for "auto" on `device` ("auto", "cuda", "cpu"...): 2048 on CUDA, where a
+    layer over a few hundred rows is bound by reading its weights and launching its kernels, so
+    passes side by side cost about what one does; 0 on a CPU, where a layer's time grows with its
+    rows and sharing a step only trades one pass's first token for another's (see
+    bench/prompt_batch_bench.py)."""
+    return 2048 if resolve_device(device).startswith("cuda") else 0
 
 
 Sink = Callable[[Output], None]  # where a request's outputs go (called on the scheduler thread)
@@ -156,6 +176,7 @@ class _Job:
     step_s: float = 0.0  # seconds its last prompt step took: what its next one is expected to (0 = unknown)
     rows_done: int = 0  # rows its prompt steps have computed: its progress, against request.prompt_rows
     passed_over_s: float = 0.0  # seconds of other passes' prompt steps it waited through, ready to run
+    layer: LayerWork | None = None  # PROMPT: the layer its pass stands at, yielded and not run yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +212,9 @@ class SchedulerStats:
     backlog_s: float = 0.0  # estimated seconds of prompt work left in the passes it holds (`Scheduler.backlog_s`)
     steps: int = 0  # decode steps run
     on_step: list[Callable[[int, float], None]] = field(default_factory=list)  # (batch size, seconds)
+    prompt_layers: int = 0  # prompt steps that ran a layer
+    shared_layers: int = 0  # ... of them, those that ran several passes' same layer as one forward
+    on_prompt_layer: list[Callable[[int, int], None]] = field(default_factory=list)  # (passes, rows)
 
 
 class Scheduler:
@@ -419,22 +443,69 @@ class Scheduler:
         self._slice_t0, self._slice_steps = time.perf_counter(), 0
 
     def _prompt_step(self, job: _Job) -> None:
-        """Run one step of a prompt pass; a pass that ends has its first token picked and sent
-        at once (then DECODING), one that waits is parked (WAITING_KV)."""
-        now = time.perf_counter()
-        req = job.request
-        if req.started_at is None:
-            req.started_at = now
-        item = self._resume(job)
-        took = time.perf_counter() - now
-        req.prompt_s += took
-        for other in self._prompting:  # ready, and passed over for this step
-            if other is not job:
-                other.passed_over_s += took
-        if type(item) is int and item > 0:  # a layer over `item` tokens: its pass's next step is expected to take as long
-            job.step_s = took
+        """Run one step of a prompt pass: its next layer, as one forward with the same layer of the
+        other passes that stand there (`prompt_batch_rows`; each first goes to its next layer, so
+        passes that came in together go on together). A pass that ends has its first token picked
+        and sent at once (then DECODING), one that waits is parked (WAITING_KV)."""
+        t0 = time.perf_counter()
+        if self.config.prompt_batch_rows:
+            for other in [j for j in self._prompting if j is not job and j.layer is None]:
+                self._advance(other)
+        item = job.layer if job.layer is not None else self._advance(job)
+        ran = [job]
+        if isinstance(item, LayerWork):
+            ran += self._joining(job, item)
+            works = [j.layer for j in ran if j.layer is not None]
+            run_layers(works)
+            st = self.stats
+            st.prompt_layers += 1
+            st.shared_layers += len(works) > 1
+            for hook in st.on_prompt_layer:
+                hook(len(works), sum(w.rows for w in works))
+            for j in ran:
+                assert j.layer is not None, "a job runs the layer it stands at"
+                j.request.prompt_s += j.layer.took_s
+                j.rows_done += j.layer.rows
+                j.layer = None
+        elif type(item) is int and item > 0:  # a step that computed `item` rows itself
             job.rows_done += item
-        if isinstance(item, WaitFor):  # waiting for its KV: parked, off the prompt work
+        took = time.perf_counter() - t0
+        if isinstance(item, LayerWork) or (type(item) is int and item > 0):
+            for j in ran:  # its pass's next step is expected to take as long
+                j.step_s = took
+        for other in self._prompting:  # ready, and passed over for this step
+            if other not in ran:
+                other.passed_over_s += took
+
+    def _joining(self, job: _Job, work: LayerWork) -> list[_Job]:
+        """The passes whose next layer runs with `job`'s (`work`): those standing at the same layer
+        (`LayerWork.joins`), least work left first, while the step's rows stay within
+        `prompt_batch_rows` (none when it is 0)."""
+        room = self.config.prompt_batch_rows - work.rows
+        if room <= 0:
+            return []
+        out = []
+        for other in sorted((j for j in self._prompting if j is not job and j.layer is not None
+                             and work.joins(j.layer)), key=self._priority):
+            assert other.layer is not None
+            if other.layer.rows <= room:
+                out.append(other)
+                room -= other.layer.rows
+        return out
+
+    def _advance(self, job: _Job) -> Step | Decode | None:
+        """Run a prompt pass's work to its next step (it starts, the first time): a layer to run is
+        kept as its `layer`; a wait parks it (WAITING_KV); a pass that ends has its first token
+        picked and sent at once (DECODING), or has ended."""
+        req = job.request
+        t0 = time.perf_counter()
+        if req.started_at is None:
+            req.started_at = t0
+        item = self._resume(job)
+        req.prompt_s += time.perf_counter() - t0
+        if isinstance(item, LayerWork):
+            job.layer = item
+        elif isinstance(item, WaitFor):  # waiting for its KV: parked, off the prompt work
             self._prompting.remove(job)
             self._park(job, item)
         elif job.decode is not None or item is None:  # decoding now, or ended
@@ -444,6 +515,7 @@ class Scheduler:
                 job.request.status = RequestStatus.DECODING
                 self._decoding.append(job)
                 self._pick(job)  # its first token goes out now
+        return item
 
     def _decode_step(self, jobs: list[_Job]) -> None:
         """Pick each decoding request's next token, then one batched forward for those that go on."""
@@ -509,13 +581,13 @@ class Scheduler:
         job.next_token = token
         return True
 
-    def _resume(self, job: _Job) -> int | WaitFor | Decode | None:
+    def _resume(self, job: _Job) -> Step | Decode | None:
         """Run the job's work to its next step, its outputs to its sink; None once it has
         ended (Finished sent)."""
         try:
             while True:
                 match next(job.work):
-                    case int() | WaitFor() as step:
+                    case int() | WaitFor() | LayerWork() as step:
                         return step
                     case Decode(stream) as decode:
                         job.decode = stream

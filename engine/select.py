@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ragkv.engine.forward import layer_steps, span
+from ragkv.engine.forward import Step, layer_steps, span
 from ragkv.engine.kv.cache import KVCache
 from ragkv.engine.rope import RopeTables
-from ragkv.engine.work import WaitFor, drain
+from ragkv.engine.work import drain
 
 if TYPE_CHECKING:
     from ragkv.engine.model_loading import LoadedModel
@@ -149,7 +149,7 @@ def layer_mean(attn: torch.Tensor) -> torch.Tensor:
 
 
 def question_attention_steps(lm: LoadedModel, ids: torch.Tensor, cache: KVCache, rope_all: RopeTables, c: int,
-                             layers: Sequence[int], step_tokens: int = 0) -> Generator[int | WaitFor, None, torch.Tensor]:
+                             layers: Sequence[int], step_tokens: int = 0) -> Generator[Step, None, torch.Tensor]:
     """Attention of the question tokens onto every context token at each of `layers`.
 
     Runs only the question (prompt positions [c, N)) through layers [0, max(layers)] over

@@ -1,7 +1,8 @@
 """What a request's work hands the scheduler besides a finished step: a wait.
 
 A prompt pass (`engine.blend.prompt_steps`) and a server's answer are generators; each
-`int` they yield is one step of prompt work done. A `WaitFor` says the work cannot go on
+layer they yield (`engine.forward.LayerWork`, run by the scheduler, or by the pass itself as
+it resumes when its driver did not) or `int` is one step of prompt work. A `WaitFor` says the work cannot go on
 until some futures are done (a chunk's KV read, the next layer of a layer-wise read): the
 scheduler parks the request and resumes it from the futures' callbacks, so no thread
 sleeps on I/O. Outside the scheduler (`drain`, evals, tests) a wait simply blocks.
@@ -38,7 +39,7 @@ def wait_for(futures: Sequence[Future[Any] | None]) -> WaitFor | None:
     return WaitFor(pending) if pending else None
 
 
-def drain(steps: Generator[int | WaitFor, None, T]) -> T:
+def drain(steps: Generator[object, None, T]) -> T:
     """Run work's steps to the end and return its result, blocking on its waits (not the
     scheduler's way: for evals, tests and one-off calls)."""
     while True:

@@ -13,6 +13,8 @@ One run (at most `--budget-s`, 480 s by default) per model of `--models` (Llama 
 - baselines on the same weights: transformers' prefill (`model(input_ids)`, sdpa, and
   flash_attention_2 when importable) and `model.generate(cache_implementation="static")`, eager
   and compiled (transformers' own torch.compile over the static cache, last: it takes a while);
+- 4 and 8 requests' reuse and blend passes side by side (each layer run once for all of them,
+  the scheduler's --prompt-batch-rows) against one after another;
 - int4 KV files (KIVI) on the disk tier, read layer by layer, cold and through the page cache;
 - physical limits: MFU of full prefill against the card's dense bf16 peak, decode bandwidth
   utilisation against its HBM bandwidth, KV bytes per second CPU->GPU and disk->GPU.
@@ -217,6 +219,37 @@ class ModelBench:
                 held[mode] = m
                 self.eng.speed.observe_prompt(Mode(mode), len(ids), m["median_s"])  # the pass over KV at hand
         t["device_held"] = held
+        self.run.save()
+
+    def side_by_side(self, c: int, passes: tuple[int, ...] = (4, 8)) -> None:
+        """N requests' prompt passes (reuse, blend) over the same c chunks with other questions, one
+        after another against side by side (each layer they stand at together run as one forward:
+        `drain_together`, the scheduler's --prompt-batch-rows): the seconds until all N are done."""
+        import torch
+
+        from ragkv.engine import Prompt
+        from ragkv.engine.forward import drain_together
+        from ragkv.engine.work import drain
+        from ragkv.types import Mode
+
+        g = torch.Generator().manual_seed(self.args.seed + 1)
+        out = self.out.setdefault("side_by_side", {}).setdefault(str(c), {})
+        for mode in ("reuse", "blend"):
+            for n in passes:
+                qs = [torch.randint(3, self.sz["vocab"], (QUESTION_TOKENS,), generator=g).tolist() for _ in range(n)]
+                steps = lambda qs=qs, mode=mode: [  # noqa: E731 - the passes, built afresh for each timed call
+                    self.eng.run_steps(Prompt(q, self.prefix_ids, self.chunk_ids[:c], self.kvs[:c]), Mode(mode),
+                                       self._options(mode)) for q in qs]
+                est = n * self.full_s.get(c, 1.0)
+                one = self.sec.measure(f"{self.name} c{c} {mode} x{n} one by one",
+                                       lambda steps=steps: [drain(p) for p in steps()], est_s=est)
+                both = self.sec.measure(f"{self.name} c{c} {mode} x{n} side by side",
+                                        lambda steps=steps: drain_together(steps()), est_s=est)
+                if one is not None and both is not None:
+                    out[f"{mode}_x{n}"] = {"one_by_one": one, "side_by_side": both,
+                                           "speedup": one["median_s"] / both["median_s"]}
+                    print(f"[{self.name}] c{c} {mode} x{n}: side by side {out[f'{mode}_x{n}']['speedup']:.2f}x "
+                          f"one by one", flush=True)
         self.run.save()
 
     def _full_prompt(self, ids: list[int]) -> Any:
@@ -723,6 +756,8 @@ def _bench(args: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
                         mb.sec.guard(f"{name} c{c} generate static", lambda c=c, mb=mb: mb.generate(c, ["eager"]))
                     if "profile" in on and args.profile_batches:
                         mb.sec.guard(f"{name} c{c} decode profile", lambda c=c, mb=mb: mb.profile_decode(c))
+                if "side" in on and c == args.chunks[0]:
+                    mb.sec.guard(f"{name} c{c} side by side", lambda c=c, mb=mb: mb.side_by_side(c))
                 if "tiers" in on:
                     mb.sec.guard(f"{name} c{c} tiers", lambda c=c, mb=mb: mb.tiers(c))
                 if "transfers" in on:

@@ -530,7 +530,7 @@ def ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
-SECTIONS = ("hf", "decode", "generate", "profile", "tiers", "transfers")
+SECTIONS = ("hf", "decode", "generate", "profile", "side", "tiers", "transfers")
 
 
 def sections(s: str) -> list[str]:

@@ -5,7 +5,9 @@ change and after it, and compare the two files (`--compare OLD.json`). The promp
 demo questions over passages of the demo corpus's kind; every mode and selector runs, and
 each answer is decoded alone (`DecodeStream`), with the others in one batch
 (`decode_batch` through the scheduler's path), and with the others in one batch over one
-decode pool (`PooledDecoder`, CUDA's path, eager here), so every decode path is covered.
+decode pool (`PooledDecoder`, CUDA's path, eager here), so every decode path is covered;
+and the prompt passes run side by side, each layer they stand at together run as one
+forward (`drain_together`, the scheduler's `--prompt-batch-rows`), each then decoded alone.
 
     python scripts/greedy_tokens.py --out before.json
     python scripts/greedy_tokens.py --out after.json --compare before.json
@@ -42,6 +44,7 @@ def record(model: str, max_new_tokens: int) -> dict[str, list[int]]:
     from ragkv.engine.blend import BlendOptions
     from ragkv.engine.decode import SamplingParams, decode_batch
     from ragkv.engine.decode_graphs import PooledDecoder
+    from ragkv.engine.forward import drain_together
     from ragkv.engine.runtime import Engine
 
     torch.manual_seed(0)
@@ -52,6 +55,7 @@ def record(model: str, max_new_tokens: int) -> dict[str, list[int]]:
     chunks = [engine.prefill(prefix_ids, ids) for ids in chunk_ids]
     out: dict[str, list[int]] = {}
     prompts = {}
+    steps = {}
     for q_i, question in enumerate(QUESTIONS):
         q_ids = fmt.question_ids(question)
         for mode, selector in RUNS:
@@ -59,6 +63,16 @@ def record(model: str, max_new_tokens: int) -> dict[str, list[int]]:
             res = engine.run(Prompt(q_ids, prefix_ids, chunk_ids, chunks), mode, opts, reserve_tokens=max_new_tokens + 1)
             name = f"q{q_i}/{mode}/{selector}"
             prompts[name] = res
+            steps[name] = (Prompt(q_ids, prefix_ids, chunk_ids, chunks), mode, opts)
+    # prompts side by side: every pass at once, each layer they stand at together run as one forward
+    # (the scheduler's --prompt-batch-rows); each then decoded alone
+    together = drain_together([engine.run_steps(p, m, o, reserve_tokens=max_new_tokens + 1)
+                               for p, m, o in steps.values()])
+    for name, res in zip(steps, together):
+        stream = engine.decode(res, SamplingParams(max_new_tokens=max_new_tokens))
+        for _ in stream:
+            pass
+        out[f"{name}/together"] = list(stream.token_ids)
     # alone: each prompt decoded by itself (its cache is cloned so the batches get fresh ones)
     for name, res in prompts.items():
         stream = engine.decode(copy.deepcopy(res), SamplingParams(max_new_tokens=max_new_tokens))
@@ -101,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "w") as f:
         json.dump(got, f, indent=1)
     print(f"{len(got)} answers written to {args.out}")
+    side = [k for k in got if k.endswith("/together")]
+    same = [k for k in side if got[k] == got[k.removesuffix("/together") + "/alone"]]
+    print(f"{len(same)} of {len(side)} prompts run side by side give the tokens they give alone")
     if args.compare:
         with open(args.compare) as f:
             old = json.load(f)

@@ -102,6 +102,9 @@ class ServerMetrics:
         self.time_per_output_token = Histogram(
             "ragkv_time_per_output_token_seconds", "Seconds of one batched decode step.",
             buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0), registry=r)
+        self.prompt_layer_passes = Histogram(
+            "ragkv_prompt_layer_passes", "Prompt passes whose same layer ran in one prompt step (--prompt-batch-rows).",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32), registry=r)
         self.generation_tokens = Counter("ragkv_generation_tokens", "Tokens generated (exported as _total).",
                                          ["collection"], registry=r)
         self.prompt_tokens = Counter("ragkv_prompt_tokens", "Prompt tokens, by whether their KV came from a cache "
@@ -117,6 +120,10 @@ class ServerMetrics:
         self.key_prompt_tokens = Counter("ragkv_key_prompt_tokens", "Prompt tokens answered, by API key name "
                                          "(exported as _total).", ["key"], registry=r)
 
+    def observe_prompt_layer(self, passes: int, rows: int) -> None:
+        """One prompt step's layer, run for `passes` passes at once (engine.scheduler's hook)."""
+        self.prompt_layer_passes.observe(passes)
+
     def observe_step(self, batch: int, seconds: float) -> None:
         """One batched decode step (engine.scheduler's hook)."""
         self.batch_size.observe(batch)
@@ -127,6 +134,7 @@ class ServerMetrics:
         self.requests_running.set_function(lambda: stats.running)
         self.requests_waiting.set_function(lambda: stats.waiting)
         stats.on_step.append(self.observe_step)
+        stats.on_prompt_layer.append(self.observe_prompt_layer)
 
     def observe_usage(self, prompt_tokens: int, cached_prompt_tokens: int, completion_tokens: int,
                       collection: str = DEFAULT_COLLECTION) -> None:

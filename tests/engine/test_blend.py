@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ragkv.engine import BlendOptions, Engine, Prompt, SamplingParams, load_model
+from ragkv.engine.forward import LayerWork
 from ragkv.evals.testing import tiny_model_dir
 from ragkv.types import Mode
 
@@ -294,7 +295,7 @@ def test_step_rows_are_sized_from_the_measured_speed(tiny_engine):
     # the size reaches the pass: each prompt's steps are at most the rows step_rows gives then
     slow.step_rows = lambda: 7  # type: ignore[method-assign]
     _, _, _, ids = _parts(slow)
-    steps = [s for s in slow.run_steps(Prompt(ids), Mode.FULL) if isinstance(s, int)]
+    steps = [s.rows for s in slow.run_steps(Prompt(ids), Mode.FULL) if isinstance(s, LayerWork)]
     assert len(ids) > 7 and max(steps) <= 7, steps
     with pytest.raises(ValueError, match="step_s must be > 0"):
         Engine(tiny_engine.lm, step_s=0)

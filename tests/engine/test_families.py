@@ -27,7 +27,9 @@ from ragkv.engine.check import check_model
 from ragkv.engine.decode import decode_batch
 from ragkv.engine.decode_graphs import unsupported_reason
 from ragkv.engine.family import FAMILIES, Adapter, _lm_head
+from ragkv.engine.forward import LayerWork, drain_together
 from ragkv.engine.runtime import Engine
+from ragkv.engine.work import drain
 from ragkv.evals.testing import FAMILY_CONFIGS, HYBRIDS, tiny_model_dir
 from ragkv.types import Mode
 
@@ -239,8 +241,8 @@ def _steps(engine: Engine, prompt: Prompt, mode: Mode, options: BlendOptions | N
             item = next(steps)
         except StopIteration as done:
             return done.value, tokens
-        if isinstance(item, int):
-            tokens.append(item)
+        if isinstance(item, LayerWork):
+            tokens.append(item.rows)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -269,6 +271,51 @@ def test_chunked_prefill_equals_whole_layers(tmp_path_factory, name):
         # no step past 7 rows, but a hybrid's recurrent layers (whole: their state carries)
         assert len([t for t in b_steps if t > 7]) == len(lm.adapter.recurrent_layers), (mode, b_steps)
         assert sum(b_steps) == sum(a_steps), mode  # the same rows, layer by layer
+        assert torch.equal(a.recomputed, b.recomputed), mode
+        scale = max(1.0, float(a.logits.abs().max()))
+        torch.testing.assert_close(b.logits, a.logits, atol=1e-4 * scale, rtol=0, msg=lambda m, mode=mode: f"{mode}: {m}")
+        n = a.cache.length
+        torch.testing.assert_close(b.cache.k[:, :, :n], a.cache.k[:, :, :n], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(b.cache.v[:, :, :n], a.cache.v[:, :, :n], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_passes_side_by_side_equal_each_alone(tmp_path_factory, name, monkeypatch):
+    """Passes of every mode run side by side, each layer they stand at together run as one forward
+    (`drain_together`, the scheduler's `prompt_batch_rows`), give each pass's logits and cache
+    alone: a pass's attention reads its own cache only, whatever rows sit beside it (windows,
+    attention chunks, scattered recompute; a hybrid's recurrent layers run pass by pass)."""
+    import ragkv.engine.forward as forward
+
+    lm = _lm(tmp_path_factory, name)
+    engine = Engine(lm)
+    fmt = engine.prompt
+    prefix, chunk_ids = fmt.prefix_ids(), [fmt.chunk_ids(t) for t in TEXTS]
+    runs: list[tuple[Mode, BlendOptions | None, int]] = [(Mode.FULL, None, 0), (Mode.FULL, None, 1)]
+    chunks = None
+    if name not in HYBRIDS:
+        chunks = [engine.prefill(prefix, ids) for ids in chunk_ids]
+        runs += [(Mode.REUSE, None, 0), (Mode.REUSE, None, 2), (Mode.BLEND, BlendOptions(recompute_ratio=0.5), 1),
+                 (Mode.BLEND, BlendOptions(recompute_ratio=0.3), 2), (Mode.FOCUS, None, 0)]
+
+    def passes():
+        return [engine.run_steps(Prompt(fmt.question_ids(QUESTIONS[q]), prefix, chunk_ids,
+                                        None if mode is Mode.FULL else chunks), mode, opts)
+                for mode, opts, q in runs]
+
+    alone = [drain(p) for p in passes()]
+    shared: list[int] = []
+    run_layers = forward.run_layers
+
+    def spy(works):
+        shared.append(len(works))
+        run_layers(works)
+
+    monkeypatch.setattr(forward, "run_layers", spy)
+    together = drain_together(passes())
+    assert max(shared) == len(runs)  # every pass at once, their scoring layers' weights summed pass by pass
+    assert sum(n > 1 for n in shared) >= lm.num_layers - len(lm.adapter.recurrent_layers)
+    for (mode, _, _), a, b in zip(runs, alone, together):
         assert torch.equal(a.recomputed, b.recomputed), mode
         scale = max(1.0, float(a.logits.abs().max()))
         torch.testing.assert_close(b.logits, a.logits, atol=1e-4 * scale, rtol=0, msg=lambda m, mode=mode: f"{mode}: {m}")

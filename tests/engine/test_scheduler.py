@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ragkv.engine import Engine, Prompt, SamplingParams, load_model
+from ragkv.engine.forward import LayerWork, run_layers
 from ragkv.engine.request import Decode, EndReason, Finished, LoadedKV, PromptChunk, Request, TokenOut, Work
 from ragkv.engine.scheduler import Scheduler, SchedulerConfig, SchedulerFullError
 from ragkv.engine.speed import EngineSpeed
@@ -714,7 +715,7 @@ def test_prompt_rows_track_the_rows_a_pass_computes(tiny_lm, mode: Mode) -> None
             item = next(steps)
         except StopIteration:
             break
-        rows += item if isinstance(item, int) else 0
+        rows += item.rows if isinstance(item, LayerWork) else item if isinstance(item, int) else 0
     factor = 2.0 if mode is Mode.FOCUS else 1.5
     assert expected / factor <= rows <= expected * factor, (mode, rows, expected)
 
@@ -1036,3 +1037,58 @@ def test_a_layered_read_that_stalls_mid_prompt_has_its_chunk_computed(tiny_lm, s
     computed = [e for e in stalled.events if isinstance(e, ChunkComputed)]
     assert [c.index for c in computed] == [1]
     assert seconds < 30
+
+
+@pytest.mark.parametrize("rows", [0, 100, 100_000])
+def test_passes_at_the_same_layer_run_it_as_one_forward(tiny_lm, rows: int) -> None:
+    """With `prompt_batch_rows`, the passes that stand at the same layer run it in one step, as one
+    forward: the four mixed requests (full, blend, reuse, focus), admitted together (behind a
+    0.3 s step of another pass), get the tokens each gets alone; steps did carry several passes,
+    and a shared step never more rows than the cap. With 0 every step carries one pass."""
+    engine = Engine(tiny_lm)
+    alone = _alone(engine)
+    requests = [_request(engine, mode, n, q, m) for mode, n, q, m in REQUESTS]
+    sched = Scheduler(SchedulerConfig(prompt_batch_rows=rows))
+    layers: list[tuple[int, int]] = []  # (passes, rows) of each prompt step that ran a layer
+    sched.stats.on_prompt_layer.append(lambda passes, n: layers.append((passes, n)))
+    _submit(sched, _timed(1, 0.3), _Sink())  # the four come in while it runs: admitted at once
+    sinks = [_Sink() for _ in requests]
+    for req, sink in zip(requests, sinks):
+        sched.submit(req, engine.work(req), sink)
+    for sink in sinks:
+        assert sink.ended.wait(120)
+    sched.close()
+    assert [s.tokens for s in sinks] == alone
+    assert all(s.finished.reason is EndReason.DONE for s in sinks)
+    shared = [(p, n) for p, n in layers if p > 1]
+    assert len(layers) == sched.stats.prompt_layers and len(shared) == sched.stats.shared_layers
+    if rows == 0:
+        assert not shared
+    else:  # at 100 blend's recomputed rows go with reuse's (62 + 29); with no cap, full's too
+        assert shared and all(n <= rows for _, n in shared), shared
+    if rows == 100_000:  # at least one other pass's every layer went with full prefill's
+        assert sum(p for p, _ in shared) >= 2 * tiny_lm.num_layers, shared
+
+
+def test_a_pass_whose_layer_fails_fails_alone_in_a_shared_step(tiny_lm) -> None:
+    """Two passes' layer 0 in one step, one of them broken (its rows of the wrong width): the shared
+    forward fails, so each runs alone; the good one gets the output it gets by itself and the
+    broken one its own error, raised where its pass resumes."""
+    engine = Engine(tiny_lm)
+    fmt = engine.prompt
+
+    def first_layer(question: str) -> LayerWork:
+        item = next(engine.run_steps(Prompt(fmt.question_ids(question), fmt.prefix_ids()), Mode.FULL))
+        assert isinstance(item, LayerWork) and item.layer == 0
+        return item
+
+    good, bad = first_layer("Who built the observatory?"), first_layer("What does the village grow?")
+    bad.h = torch.zeros(bad.rows, bad.h.shape[1] + 3)
+    solo = first_layer("Who built the observatory?")
+    assert good.joins(bad)
+    run_layers([good, bad])
+    assert good.error is None and good.out is not None
+    torch.testing.assert_close(good.out[0], solo.result()[0])
+    assert bad.out is None and isinstance(bad.error, RuntimeError)
+    with pytest.raises(RuntimeError):
+        bad.result()

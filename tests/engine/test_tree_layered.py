@@ -9,6 +9,7 @@ import threading
 import torch
 
 from ragkv.engine import BlendOptions, Engine, Prompt, SamplingParams, TreeConfig, load_model
+from ragkv.engine.forward import LayerWork
 from ragkv.engine.kv.cache import KVCache
 from ragkv.engine.kv.tree import KVTree, TreeContext, TreeKey
 from ragkv.engine.request import Finished, PromptChunk, Request, TokenOut
@@ -83,7 +84,7 @@ def test_a_disk_path_is_read_layer_by_layer_as_the_pass_reaches_each(tmp_path):
     assert isinstance(next(steps), WaitFor)  # layer 0 not read yet: the pass parks on it
     for g in files.gates:
         g.publish(1)
-    assert isinstance(next(steps), int)  # layer 0 ran while layer 1 is still being read
+    assert isinstance(next(steps), LayerWork)  # layer 0 runs while layer 1 is still being read
     assert isinstance(next(steps), WaitFor)  # and the pass parks again on layer 1
     for g in files.gates:
         g.publish(g.num_layers)

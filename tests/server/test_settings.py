@@ -73,6 +73,8 @@ def test_json_file_and_index_specs(tmp_path: Path) -> None:
         ({"prompt_share": 1.0}, {}, "prompt_share must be in (0, 1), got 1.0"),
         ({}, {"RAGKV_PROMPT_STEP_TOKENS": "-1"}, "prompt_step_tokens must be >= 0 (0 = a whole layer per step), got -1"),
         ({}, {"RAGKV_PROMPT_STEP_TOKENS": "many"}, "prompt_step_tokens must be a int or auto, got 'many'"),
+        ({}, {"RAGKV_PROMPT_BATCH_ROWS": "-2"}, "prompt_batch_rows must be >= 0 (0 = one pass per step), got -2"),
+        ({"prompt_batch_rows": "wide"}, {}, "prompt_batch_rows must be a int or auto, got 'wide'"),
     ],
 )
 def test_bad_values_are_named(flags: dict, env: dict, needle: str) -> None:
@@ -95,6 +97,7 @@ def test_serve_flags_map_to_settings(tmp_path: Path) -> None:
     args = build_parser().parse_args([
         "serve", "--index", "/idx/a", "--index", "b=/idx/b", "--port", "0", "--metrics-port", "off",
         "--max-queue", "3", "--default-mode", "reuse", "--focus-keep", "0.5", "--prompt-step-tokens", "512",
+        "--prompt-batch-rows", "300",
     ])
     s = settings_from_args(args, env={"RAGKV_MAX_QUEUE": "7", "RAGKV_GRACE_SECONDS": "1.5"})
     assert [c.name for c in s.indexes] == ["default", "b"]
@@ -103,6 +106,10 @@ def test_serve_flags_map_to_settings(tmp_path: Path) -> None:
     assert s.prompt_step_tokens == 512 and ServerSettings().prompt_step_tokens is None  # auto
     assert load_settings({"prompt_step_tokens": "auto"}, env={"RAGKV_PROMPT_STEP_TOKENS": "512"}).prompt_step_tokens \
         is None  # the flag's auto wins over the environment's 512
+    assert s.prompt_batch_rows == 300 and s.scheduler().prompt_batch_rows == 300
+    # auto: by device, 0 (one pass per step) on a CPU, 2048 on CUDA
+    assert load_settings({"prompt_batch_rows": "auto", "device": "cpu"}, env={}).scheduler().prompt_batch_rows == 0
+    assert load_settings({"device": "cuda"}, env={}).scheduler().prompt_batch_rows == 2048
 
 
 def test_serve_exits_nonzero_when_the_index_cannot_load(tmp_path: Path) -> None:

@@ -36,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mode", default="blend,reuse", help="modes, each run in turn (default blend,reuse)")
     ap.add_argument("--chunks", type=int, default=5, help="chunks per request (default 5)")
     ap.add_argument("--chunk-tokens", type=int, default=128, help="tokens per chunk, about (default 128)")
-    ap.add_argument("--rows", type=int, default=2048,
-                    help="the side arm's prompt_batch_rows: rows a shared step carries at most (default 2048)")
+    ap.add_argument("--rows", type=int, default=512,
+                    help="the side arm's prompt_batch_rows: rows a shared step carries at most (default 512, "
+                         "CUDA's auto)")
     ap.add_argument("--max-new-tokens", type=int, default=8, help="answer length (default 8)")
     ap.add_argument("--repeats", type=int, default=3, help="rounds of both arms, interleaved (default 3)")
     ap.add_argument("--seed", type=int, default=0, help="the synthetic cases' seed (default 0)")

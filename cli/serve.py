@@ -35,7 +35,7 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
                                 "measured speed (2048 until it has measured it)"),
     ("prompt_batch_rows", str, "prompt rows one step may carry from several queries' prompt passes that stand at "
                                "the same layer, run as one forward (the layer's weights read once for all); 0 = "
-                               "one pass per step; auto (the default) = 2048 on CUDA, 0 on a CPU (where a layer's "
+                               "one pass per step; auto (the default) = 512 on CUDA, 0 on a CPU (where a layer's "
                                "time grows with its rows)"),
     ("decode_pool", str, "decode over one KV pool, every step of a batch bucket the same shapes: auto (on CUDA, "
                          "where a step of many small kernels is launch-bound), on, or off (ragged decode, each "

@@ -190,6 +190,53 @@ def test_prompt_step_tokens_reaches_the_engine_and_changes_no_answer(
     assert served.text == "".join(decode)
 
 
+def test_prompt_batch_rows_reaches_the_scheduler_and_changes_no_answer(
+    tiny_index: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--prompt-batch-rows: four queries at once (the first layer step held 0.5 s, so the others
+    come in meanwhile), whose passes then share layer steps (the ragkv_prompt_layer_passes
+    histogram counts steps of several passes), answer as one pass per step answers them."""
+    import concurrent.futures
+    import time
+
+    from ragkv.engine import scheduler
+    from ragkv.server.assembly import build_pipeline
+
+    real = scheduler.run_layers
+    held: list[bool] = []
+
+    def first_held(works):  # the tiny model's passes are too short to meet otherwise
+        if not held:
+            held.append(True)
+            time.sleep(0.5)
+        real(works)
+
+    monkeypatch.setattr(scheduler, "run_layers", first_held)
+
+    questions = [QUESTION, "Where is the archive?", "Who met in Paris?", "What does the fox do?"]
+    answers = {}
+    for rows in (0, 100_000):
+        held.clear()
+        st = ServerThread(settings(indexes=(CollectionSpec("default", tiny_index),), prompt_batch_rows=rows),
+                          build_pipeline)
+        try:
+            with RagClient(st.addr, timeout=60) as client, concurrent.futures.ThreadPoolExecutor(4) as pool:
+                futures = [pool.submit(lambda q: client.query(q, mode="reuse", top_k=2, max_new_tokens=8).result().text, q)
+                           for q in questions]
+                answers[rows] = [f.result() for f in futures]
+            reg = st.server.metrics.registry
+            steps = reg.get_sample_value("ragkv_prompt_layer_passes_count")
+            alone = reg.get_sample_value("ragkv_prompt_layer_passes_bucket", {"le": "1.0"})
+        finally:
+            st.stop()
+        assert steps and steps > 0
+        if rows == 0:
+            assert alone == steps  # every layer step carried one pass
+        else:
+            assert alone < steps, (alone, steps)  # some carried several
+    assert answers[0] == answers[100_000]
+
+
 def test_retrieve_and_collections(pipeline_server: ServerThread) -> None:
     with RagClient(pipeline_server.addr, timeout=60) as client:
         result = client.retrieve(QUESTION, top_k=2, snippet_chars=10)

@@ -107,9 +107,9 @@ def test_serve_flags_map_to_settings(tmp_path: Path) -> None:
     assert load_settings({"prompt_step_tokens": "auto"}, env={"RAGKV_PROMPT_STEP_TOKENS": "512"}).prompt_step_tokens \
         is None  # the flag's auto wins over the environment's 512
     assert s.prompt_batch_rows == 300 and s.scheduler().prompt_batch_rows == 300
-    # auto: by device, 0 (one pass per step) on a CPU, 2048 on CUDA
+    # auto: by device, 0 (one pass per step) on a CPU, 512 on CUDA
     assert load_settings({"prompt_batch_rows": "auto", "device": "cpu"}, env={}).scheduler().prompt_batch_rows == 0
-    assert load_settings({"device": "cuda"}, env={}).scheduler().prompt_batch_rows == 2048
+    assert load_settings({"device": "cuda"}, env={}).scheduler().prompt_batch_rows == 512
 
 
 def test_serve_exits_nonzero_when_the_index_cannot_load(tmp_path: Path) -> None:

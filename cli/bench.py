@@ -64,9 +64,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     load.add_argument("--prompt-share", type=float, default=None, metavar="F",
                       help="the server's --prompt-share: the engine's share prompt passes get while requests "
                            "decode (default: the server's)")
-    load.add_argument("--prompt-batch-rows", default=None, metavar="N",
+    load.add_argument("--prompt-batch-rows", type=int, default=None, metavar="N",
                       help="the server's --prompt-batch-rows: rows a prompt step carries from several passes at "
-                           "the same layer, 0 = one pass per step, auto (default: the server's)")
+                           "the same layer, 0 = one pass per step (default: the server's)")
     load.add_argument("--prompt-slice-s", type=float, default=None, metavar="S",
                       help="the server's --prompt-slice-s: the shortest slice of prompt work between decode "
                            "steps (default: the server's)")

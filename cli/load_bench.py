@@ -143,16 +143,6 @@ def _ttft_ratios(results: dict[str, dict], baseline: str) -> dict[str, dict[str,
             for level, r in results.items() if level != baseline}
 
 
-def _batch_rows(raw: str) -> int | None:
-    """--prompt-batch-rows: a number of rows, or auto (None: by device)."""
-    if raw.strip().lower() == "auto":
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"--prompt-batch-rows takes a number of rows or auto, got {raw!r}") from None
-
-
 def run_concurrency_bench(args) -> int:  # argparse.Namespace from cli.bench
     from ragkv.server.assembly import build_pipeline
     from ragkv.server.inprocess import InProcessServer
@@ -175,7 +165,7 @@ def run_concurrency_bench(args) -> int:  # argparse.Namespace from cli.bench
             **({"device": args.device} if args.device else {}), **({"dtype": args.dtype} if args.dtype else {}),
             **({"prompt_slice_s": args.prompt_slice_s} if args.prompt_slice_s else {}),
             **({"prompt_share": args.prompt_share} if args.prompt_share else {}),
-            **({"prompt_batch_rows": _batch_rows(args.prompt_batch_rows)} if args.prompt_batch_rows else {}),
+            **({"prompt_batch_rows": args.prompt_batch_rows} if args.prompt_batch_rows is not None else {}),
         )
         server = InProcessServer(settings, build_pipeline, load_timeout=600)
         try:

@@ -33,10 +33,9 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
                                 "so decode steps run between them (chunked prefill); 0 = whole layers; auto (the "
                                 "default) = the tokens of one layer that take --prompt-slice-s at the engine's "
                                 "measured speed (2048 until it has measured it)"),
-    ("prompt_batch_rows", str, "prompt rows one step may carry from several queries' prompt passes that stand at "
-                               "the same layer, run as one forward (the layer's weights read once for all); 0 = "
-                               "one pass per step; auto (the default) = 512 on CUDA, 0 on a CPU (where a layer's "
-                               "time grows with its rows)"),
+    ("prompt_batch_rows", int, "prompt rows one step may carry from several queries' prompt passes that stand at "
+                               "the same layer, run as one forward (the layer's weights read once for all); a "
+                               "pass longer than that runs alone; 0 = one pass per step (default 512)"),
     ("decode_pool", str, "decode over one KV pool, every step of a batch bucket the same shapes: auto (on CUDA, "
                          "where a step of many small kernels is launch-bound), on, or off (ragged decode, each "
                          "request its own cache: the CPU's faster path); the pool holds --kv-budget-bytes, "

@@ -78,7 +78,6 @@ from typing import Protocol, TypeVar
 
 from ragkv.engine.decode import DecodeStream, decode_batch, pick_greedy
 from ragkv.engine.decode_graphs import PooledDecoder
-from ragkv.engine.device import resolve_device
 from ragkv.engine.forward import LayerWork, Step, run_layers
 from ragkv.engine.kv.host_allocator import trim_host_heap
 from ragkv.engine.request import (
@@ -139,7 +138,8 @@ class SchedulerConfig:
     aging: float = 0.1
     heap_trim_s: float = 10.0  # under load, free host heap pages go back to the OS this often; 0 = never
     # prompt rows one step may carry from several passes at the same layer, run as one forward (a
-    # layer's weights read once for all of them); 0 = one pass per step
+    # layer's weights read once for all of them); 0 = one pass per step (the server's
+    # --prompt-batch-rows is 512: docs/quality.md, Serving under load)
     prompt_batch_rows: int = 0
 
     def __post_init__(self) -> None:
@@ -147,20 +147,6 @@ class SchedulerConfig:
                 or not 0 < self.prompt_share < 1 or self.aging < 0 or self.heap_trim_s < 0
                 or self.prompt_batch_rows < 0):
             raise ValueError(f"scheduler budgets must be positive, got {self}")
-
-
-def default_prompt_batch_rows(device: str) -> int:
-    """`prompt_batch_rows` for "auto" on `device` ("auto", "cuda", "cpu"...).
-
-    512 on CUDA, where a layer over a few hundred rows is bound by reading its weights (an 8B
-    model's layer, 0.44 GB, about 0.1 ms on an H200's HBM: as long as 150 rows' products) and
-    launching its kernels, so passes side by side cost about what one does; a larger cap lets a
-    long pass's rows into a short one's step, which then goes at the long one's pace. 0 on a
-    CPU, where a layer's time grows with its rows: 4 blend passes' layers side by side ran 1.25x
-    faster than one after another here, but in a mixed load a reuse pass that shared full
-    prefill's steps had its first token 4x later (`ragkv bench --concurrency 1,4
-    --prompt-batch-rows 2048`), so the CPU keeps shortest-first pass by pass."""
-    return 512 if resolve_device(device).startswith("cuda") else 0
 
 
 Sink = Callable[[Output], None]  # where a request's outputs go (called on the scheduler thread)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ragkv.engine.decode_graphs import DecodeConfig
 from ragkv.engine.focus import FocusOptions
-from ragkv.engine.scheduler import SchedulerConfig, default_prompt_batch_rows
+from ragkv.engine.scheduler import SchedulerConfig
 from ragkv.server.fidelity import DEFAULT_RECOMPUTE_RATIO
 from ragkv.server.validation import RequestLimits
 from ragkv.types import DEFAULT_COLLECTION, DType, Mode, SearchMode
@@ -90,8 +90,8 @@ class ServerSettings:
     # the rows of a layer that last prompt_slice_s at the engine's measured speed (Engine.step_rows)
     prompt_step_tokens: int | None = None
     # prompt rows one step may carry from several passes at the same layer, run as one forward
-    # (engine.scheduler); 0 = one pass per step; None ("auto") = by device (default_prompt_batch_rows)
-    prompt_batch_rows: int | None = None
+    # (engine.scheduler); 0 = one pass per step
+    prompt_batch_rows: int = 512
     # decode steps over one KV pool, each batch bucket's step shape-static (engine.decode_graphs): auto =
     # on CUDA, where a ragged step is launch-bound; on; off. The pool is kv_budget_bytes: requests' caches
     # are runs of it, and the KV tree keeps its device tier (at most kv_tree_bytes) in it, reserving none.
@@ -218,7 +218,7 @@ class ServerSettings:
         if self.prompt_step_tokens is not None and self.prompt_step_tokens < 0:
             raise ValueError(f"prompt_step_tokens must be >= 0 (0 = a whole layer per step), got "
                              f"{self.prompt_step_tokens}")
-        if self.prompt_batch_rows is not None and self.prompt_batch_rows < 0:
+        if self.prompt_batch_rows < 0:
             raise ValueError(f"prompt_batch_rows must be >= 0 (0 = one pass per step), got {self.prompt_batch_rows}")
         if not 0 < self.prompt_share < 1:
             raise ValueError(f"prompt_share must be in (0, 1), got {self.prompt_share}: the share of the engine's "
@@ -320,10 +320,8 @@ class ServerSettings:
 
     def scheduler(self) -> SchedulerConfig:
         """The engine scheduler's budgets, from the --kv-budget-bytes, --max-batch and --prompt-* settings."""
-        rows = self.prompt_batch_rows
         return SchedulerConfig(self.kv_budget_bytes, self.max_batch, prompt_share=self.prompt_share,
-                               prompt_slice_s=self.prompt_slice_s,
-                               prompt_batch_rows=default_prompt_batch_rows(self.device) if rows is None else rows)
+                               prompt_slice_s=self.prompt_slice_s, prompt_batch_rows=self.prompt_batch_rows)
 
     def limits(self) -> RequestLimits:
         """The request bounds these settings imply."""
@@ -343,7 +341,6 @@ _HINTS = typing.get_type_hints(ServerSettings)
 _FIELDS = tuple(f.name for f in dataclasses.fields(ServerSettings))
 
 
-_AUTO_INTS = ("prompt_step_tokens", "prompt_batch_rows")  # int settings that also take "auto" (None)
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -354,8 +351,8 @@ def _parse(name: str, raw: object) -> object:
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         if raw is None or (isinstance(raw, str) and raw.lower() in ("", "none", "off")):
             return None
-        if name in _AUTO_INTS and isinstance(raw, str) and raw.strip().lower() == "auto":
-            return None  # prompt_step_tokens: sized from the engine's measured speed; prompt_batch_rows: by device
+        if name == "prompt_step_tokens" and isinstance(raw, str) and raw.strip().lower() == "auto":
+            return None  # sized from the engine's measured speed
         hint = next(a for a in args if a is not type(None))
     if name == "indexes":
         items = raw.split(",") if isinstance(raw, str) else list(raw)  # type: ignore[arg-type]
@@ -376,7 +373,7 @@ def _parse(name: str, raw: object) -> object:
     try:
         return hint(raw)
     except (TypeError, ValueError):
-        also = " or auto" if name in _AUTO_INTS else ""
+        also = " or auto" if name == "prompt_step_tokens" else ""
         raise ValueError(f"{name} must be a {hint.__name__}{also}, got {raw!r}") from None
 
 

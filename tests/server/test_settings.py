@@ -74,7 +74,7 @@ def test_json_file_and_index_specs(tmp_path: Path) -> None:
         ({}, {"RAGKV_PROMPT_STEP_TOKENS": "-1"}, "prompt_step_tokens must be >= 0 (0 = a whole layer per step), got -1"),
         ({}, {"RAGKV_PROMPT_STEP_TOKENS": "many"}, "prompt_step_tokens must be a int or auto, got 'many'"),
         ({}, {"RAGKV_PROMPT_BATCH_ROWS": "-2"}, "prompt_batch_rows must be >= 0 (0 = one pass per step), got -2"),
-        ({"prompt_batch_rows": "wide"}, {}, "prompt_batch_rows must be a int or auto, got 'wide'"),
+        ({"prompt_batch_rows": "wide"}, {}, "prompt_batch_rows must be a int, got 'wide'"),
     ],
 )
 def test_bad_values_are_named(flags: dict, env: dict, needle: str) -> None:
@@ -107,9 +107,7 @@ def test_serve_flags_map_to_settings(tmp_path: Path) -> None:
     assert load_settings({"prompt_step_tokens": "auto"}, env={"RAGKV_PROMPT_STEP_TOKENS": "512"}).prompt_step_tokens \
         is None  # the flag's auto wins over the environment's 512
     assert s.prompt_batch_rows == 300 and s.scheduler().prompt_batch_rows == 300
-    # auto: by device, 0 (one pass per step) on a CPU, 512 on CUDA
-    assert load_settings({"prompt_batch_rows": "auto", "device": "cpu"}, env={}).scheduler().prompt_batch_rows == 0
-    assert load_settings({"device": "cuda"}, env={}).scheduler().prompt_batch_rows == 512
+    assert ServerSettings().scheduler().prompt_batch_rows == 512  # the default, on every device
 
 
 def test_serve_exits_nonzero_when_the_index_cannot_load(tmp_path: Path) -> None:

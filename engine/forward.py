@@ -231,9 +231,9 @@ class LayerWork:
 
 @torch.inference_mode()  # as the passes' own steps run (their caches are inference tensors)
 def run_layers(works: Sequence[LayerWork]) -> None:
-    """Run several passes' layer works: those that `join` the first as one forward, their rows
+    """Run several passes' layer works, as one forward when they all `join` the first: their rows
     side by side (each pass's attention over its own cache, as batched decode's spans), each
-    work's `out` its own rows'. A shared run that fails is run again pass by pass, so one
+    work's `out` its own rows'; else pass by pass. A shared run that fails is run again pass by pass, so one
     pass's bad input fails that pass alone (its `error`, raised as it resumes)."""
     t0 = time.perf_counter()
     first = works[0]

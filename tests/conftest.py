@@ -15,7 +15,7 @@ import pytest
 # (the agents' standard suites and cited answers on the shipped SmolLM2) and the benches' smoke
 # runs. `make test` leaves them out; `make test-slow` runs them; CI (.ci/run) runs both.
 SLOW_PATHS = ("tests/agents/", "tests/bench/test_soak.py", "tests/bench/test_slow_tier.py", "tests/bench/test_slow_client.py",
-              "tests/cli/test_eval_bench.py")
+              "tests/cli/test_eval_bench.py", "tests/bench/test_agents_bench.py", "tests/test_gpu_bench.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

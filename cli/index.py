@@ -34,6 +34,17 @@ DEMO = "demo"
 MERGE = "merge"
 
 
+def _share(text: str) -> float:
+    """argparse type: a share in [0, 1]."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= x <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a share in [0, 1], got {x:g}")
+    return x
+
+
 def _positive_int(text: str) -> int:
     """argparse type: an integer of at least 1."""
     try:
@@ -110,11 +121,17 @@ def add_index_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                         "the corpus's own chunk sets, with questions made from the chunks, and record it in the "
                         "manifest; `ragkv serve` then serves the cheapest ratio that meets --fidelity-kl (1 set per "
                         "100 chunks, 4 to 32: a few percent of a large corpus's indexing, +49%% on the demo's 54 "
-                        "chunks; repeated only when chunks change). off: the server's default ratio")
+                        "chunks; measured again when --recalibrate-after of the chunks changed). off: the server's default ratio")
     p.add_argument("--calibration-sets", type=_positive_int, default=None, metavar="N",
                    help="chunk sets calibration measures (default: 1 per 100 chunks, 4 to 32). Fewer cost less "
                         "and predict less: the standard error of each ratio's KL is in the manifest; an index "
                         "calibrated with another number is measured again")
+    p.add_argument("--recalibrate-after", type=_share, default=0.5, metavar="SHARE",
+                   help="keep the index's calibration until the chunks whose KV changed since it was measured "
+                        "(added, changed, deleted, or computed after other neighbours) reach this share of those it "
+                        "was measured on (default 0.5: on 400 chunks or more, measuring again costs about what indexing "
+                        "4.5%% of them does, so at most ~9%% of the indexing those changes took); 0: measure again "
+                        "on any change")
     p.add_argument("--shard", metavar="i/N",
                    help="index only shard i of N (default: AWS_BATCH_JOB_ARRAY_INDEX/_SIZE when set)")
     p.add_argument("--device", default=DType.AUTO.value, help="torch device; auto = cuda when torch sees a GPU, else cpu")
@@ -241,7 +258,7 @@ def run_index_command(args: argparse.Namespace) -> int:
         ray_workers=args.ray_workers, system_prompt=read_system_prompt(args.system_prompt),
         kv_compression=INDEX_KV_COMPRESSION, plain_kv_compression=args.plain_kv_compression,
         model_check=not args.skip_model_check, calibrate=args.calibrate == "on",
-        calibration_sets=args.calibration_sets,
+        calibration_sets=args.calibration_sets, recalibrate_after=args.recalibrate_after,
         neighbours=NeighbourOptions(args.neighbours, args.neighbour_budget, args.neighbour_choice,
                                     context=args.neighbour_context),
     )

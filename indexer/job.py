@@ -15,9 +15,10 @@ command resumes where it stopped:
    mark the manifest complete (calibrated first, when asked: step 5). BM25 is rebuilt from the chunk database rather than
    patched: 10k chunks take well under a second (bench/retrieval_bench.py).
 
-5. with ``calibrate``, when the chunks or their KV changed (or no calibration is recorded):
-   measure blend at a few ratios against full prefill on a sample of the index's own chunk
-   sets (``indexer.calibrate``), for the manifest.
+5. with ``calibrate``, when no calibration is recorded or the chunks whose KV changed since it
+   was measured reach ``recalibrate_after`` of those it was measured on: measure blend at a few
+   ratios against full prefill on a sample of the index's own chunk sets
+   (``indexer.calibrate``), for the manifest.
 
 A ``StopSignal`` (SIGTERM, Spot notice) is checked between batches: the job then
 raises ``IndexInterrupted`` with all finished work saved.
@@ -113,10 +114,19 @@ class IndexJobConfig:
     # chunk sets calibration measures (None: `indexer.calibrate.sample_size`, 1 per 100 chunks, 4 to 32);
     # a calibration of another size is measured again
     calibration_sets: int | None = None
+    # a calibration is kept until the chunks whose KV changed since it was measured (added, changed,
+    # deleted, or computed after other neighbours) reach this share of the chunks it was measured on;
+    # 0: measured again on any change. On 400 chunks or more, measuring again costs about what indexing
+    # 4.5% of them does (`indexer.calibrate.SETS_PER_CHUNK`), so at 0.5 at most ~9% of the indexing
+    # those changes took
+    recalibrate_after: float = 0.5
 
     def __post_init__(self) -> None:
         if self.calibration_sets is not None and self.calibration_sets < 1:
             raise ValueError(f"calibration_sets must be >= 1 (or None for the default), got {self.calibration_sets}")
+        if not 0.0 <= self.recalibrate_after <= 1.0:
+            raise ValueError(f"recalibrate_after must be a share of the chunks in [0, 1] (0: measure again on any "
+                             f"change), got {self.recalibrate_after}")
 
     def index_dir(self) -> Path:
         """Where this run writes: ``out``, or its shard's subfolder."""
@@ -146,6 +156,10 @@ class IndexSummary:
     skipped_files: tuple[str, ...]  # corpus files that are not documents
     calibration: Calibration | None = None  # the manifest's (measured this run or kept), None = not calibrated
     calibration_seconds: float = 0.0  # seconds calibrating this run (0: kept, or not calibrated)
+    # a kept calibration: the share of its chunks whose KV changed since it was measured (None: not kept,
+    # or kept from before that was recorded), and the share at which it is measured again
+    calibration_changed: float | None = None
+    recalibrate_after: float = 0.5
 
     @property
     def kv_tokens_per_s(self) -> float:
@@ -164,8 +178,13 @@ class IndexSummary:
         if self.calibration is not None:
             c = self.calibration
             kls = ", ".join(f"{s.recompute_ratio:g}: {s.kl_mean:.4f}" for s in c.settings)
-            took = f", {self.calibration_seconds:.1f} s, {self.calibration_seconds / self.seconds:.0%} of this run" \
-                if self.calibration_seconds and self.seconds else ", kept"
+            if self.calibration_seconds and self.seconds:
+                took = f", {self.calibration_seconds:.1f} s, {self.calibration_seconds / self.seconds:.0%} of this run"
+            elif self.calibration_changed:
+                took = (f", kept: {self.calibration_changed:.0%} of its chunks' KV changed since it was measured, "
+                        f"measured again at {self.recalibrate_after:.0%} (--recalibrate-after)")
+            else:
+                took = ", kept"
             out.append(f"calibration ({c.sets} chunk sets of {c.chunks_per_set}, {c.method} questions{took}): "
                        f"blend's next-token KL to full prefill by recompute ratio: {kls}")
         if self.skipped_files:
@@ -298,23 +317,20 @@ def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Loa
             LexicalIndex.build(*db.texts()).save(index_dir)
             db.mark_lexical_built(version)
         kv_done = db.count_kv_pending() == 0
-        calibration, calibration_s = None, 0.0
+        calibration, calibration_s, changed = None, 0.0, None
         if config.calibrate and config.precompute_kv and kv_done:
-            from ragkv.indexer.calibrate import METHOD
-
-            unchanged = old is not None and old.calibration is not None and old.calibration.method == METHOD \
-                and not (added or deleted or kv_chunks) \
-                and config.calibration_sets in (None, old.calibration.sets)  # (an older method's or size's: again)
+            kept, changed = _kept_calibration(old, db, config, touched=bool(added or deleted or kv_chunks))
             t_cal = time.perf_counter()
-            calibration = old.calibration if unchanged and old is not None else \
-                _calibrate(db, manifest, kv_uris, engine, lm, config)
-            calibration_s = 0.0 if unchanged else time.perf_counter() - t_cal
+            calibration = kept or _calibrate(db, manifest, kv_uris, engine, lm, config)
+            calibration_s = 0.0 if kept else time.perf_counter() - t_cal
             stop.check()
         write_manifest(index_dir, replace(
             manifest, state=IndexState.COMPLETE, vector_index=kind, n_documents=n_docs,
             n_chunks=n_chunks, n_tokens=n_tokens, kv_precomputed=kv_done,
             updated_at=time.time(), faiss_sha256=faiss_sha256, calibration=calibration,
         ))
+        if calibration is not None and changed is None:  # measured now (or kept from before keys were recorded)
+            db.record_calibrated_keys()  # after the manifest: a crash between the two measures again, not less
         db.close(compact=True)
         db = None
     finally:
@@ -325,7 +341,7 @@ def run_index(config: IndexJobConfig, stop: StopSignal | None = None, *, lm: Loa
         documents_added=added, documents_deleted=deleted, chunks_embedded=embedded,
         kv_chunks=kv_chunks, kv_tokens=kv_tokens, kv_bytes=kv_bytes, kv_seconds=kv_seconds,
         seconds=time.perf_counter() - t0, skipped_files=corpus.skipped, calibration=calibration,
-        calibration_seconds=calibration_s,
+        calibration_seconds=calibration_s, calibration_changed=changed, recalibrate_after=config.recalibrate_after,
     )
 
 
@@ -527,6 +543,31 @@ def _precompute_kv(db: ChunkDB, pending: Sequence[tuple[int, str, tuple[int, ...
         if close is not None:
             close()
     return totals[0], totals[1], totals[2]
+
+
+def _kept_calibration(old: Manifest | None, db: ChunkDB, config: IndexJobConfig,
+                      touched: bool) -> tuple[Calibration | None, float | None]:
+    """The index's calibration, when it still holds: measured by this method and sample size, on
+    chunks of which less than `config.recalibrate_after` have changed KV since (or none has; keys
+    recorded at measurement, `ChunkDB.keys_changed_since_calibration`). An index calibrated before
+    the keys were recorded keeps it only when this run changed nothing (`touched`). Returns (the
+    calibration or None: measure again, the share of its chunks changed since or None)."""
+    from ragkv.indexer.calibrate import METHOD
+
+    cal = old.calibration if old is not None else None
+    if cal is None or cal.method != METHOD or config.calibration_sets not in (None, cal.sets):
+        return None, None  # none yet, or an older method's or another size's: measured again
+    since = db.keys_changed_since_calibration()
+    if since is None:
+        return (None, None) if touched else (cal, None)
+    then, changed = since
+    share = changed / then
+    if changed and share >= config.recalibrate_after:
+        log.info("%d of the %d chunks calibration was measured on changed their KV since (%.0f%%, at least "
+                 "--recalibrate-after %.0f%%): calibrating again", changed, then, 100 * share,
+                 100 * config.recalibrate_after)
+        return None, None
+    return cal, share
 
 
 def _calibrate(db: ChunkDB, manifest: Manifest, kv_uris: Sequence[str], engine: Engine, lm: LoadedModel,

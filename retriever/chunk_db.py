@@ -50,6 +50,9 @@ CREATE TABLE IF NOT EXISTS neighbours (  -- neighbour-conditioned KV: what each 
     row INTEGER PRIMARY KEY REFERENCES chunks(row) ON DELETE CASCADE,
     rows TEXT NOT NULL                -- JSON list of its neighbours' rows, most similar first
 );
+CREATE TABLE IF NOT EXISTS calibrated_keys (  -- the chunks' KV keys when the calibration was measured
+    kv_key TEXT PRIMARY KEY
+);
 """
 
 # meta keys
@@ -299,6 +302,28 @@ class ChunkDB:
                 f"SELECT row, token_ids FROM chunks WHERE row IN ({','.join('?' * len(rows))})", rows).fetchall())
         return {cid: tuple(_ids_from_blob(ids[r]) for r in rs) for cid, rs in wanted.items()
                 if all(r in ids for r in rs)}
+
+    def record_calibrated_keys(self) -> None:
+        """Remember the chunks' KV keys as they are now: what the index's calibration was measured
+        on (`keys_changed_since_calibration` counts the change since)."""
+        with self._lock, self._tx():
+            self._conn.execute("DELETE FROM calibrated_keys")
+            self._conn.execute("INSERT INTO calibrated_keys SELECT DISTINCT kv_key FROM chunks")
+
+    def keys_changed_since_calibration(self) -> tuple[int, int] | None:
+        """(KV keys when the calibration was measured, keys added or gone since): a changed chunk,
+        or one whose neighbours changed, has a new key. None when no keys were recorded."""
+        with self._lock:
+            (then,) = self._conn.execute("SELECT COUNT(*) FROM calibrated_keys").fetchone()
+            if not then:
+                return None
+            (added,) = self._conn.execute(
+                "SELECT COUNT(DISTINCT kv_key) FROM chunks WHERE kv_key NOT IN (SELECT kv_key FROM calibrated_keys)"
+            ).fetchone()
+            (gone,) = self._conn.execute(
+                "SELECT COUNT(*) FROM calibrated_keys WHERE kv_key NOT IN (SELECT kv_key FROM chunks)"
+            ).fetchone()
+        return int(then), int(added) + int(gone)
 
     def count_kv_pending(self) -> int:
         with self._lock:

@@ -7,6 +7,8 @@
 - the manifest keeps the calibration (and reads one without it), a rerun that changed nothing
   keeps it (one made by an older method is measured again), and a second build of the same
   corpus measures the same KLs;
+- a corpus that changes keeps it until the chunks whose KV changed since reach
+  `--recalibrate-after` of those it was measured on, the changes adding up across runs;
 - a model whose chunks interact more gets a higher ratio for the same target: a one-layer
   model's KV depends on no other token, so blend is exact at any ratio, and four layers are not.
 """
@@ -286,3 +288,81 @@ def test_the_cli_takes_a_positive_number_of_calibration_sets(capsys) -> None:
     with pytest.raises(SystemExit):
         parser.parse_args(["index", "demo", "--out", "x", "--calibration-sets", "0"])
     assert "--calibration-sets: must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_the_cli_takes_a_share_to_recalibrate_after(capsys) -> None:
+    from ragkv.cli.main import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["index", "demo", "--out", "x"]).recalibrate_after == 0.5
+    assert parser.parse_args(["index", "demo", "--out", "x", "--recalibrate-after", "0"]).recalibrate_after == 0.0
+    for bad, said in (("1.5", "must be a share in [0, 1], got 1.5"), ("half", "not a number: 'half'")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["index", "demo", "--out", "x", "--recalibrate-after", bad])
+        assert f"--recalibrate-after: {said}" in capsys.readouterr().err
+
+
+def test_a_calibration_is_kept_until_half_its_chunks_changed_and_the_changes_add_up(calibrated) -> None:
+    """A corpus that changes a little keeps its calibration (measuring again would cost more than the
+    change's own indexing); the changes add up across runs until they reach --recalibrate-after of the
+    chunks it was measured on, and then it is measured again; at 0 any change measures it again."""
+    from dataclasses import replace
+
+    from ragkv.indexer.job import IndexJobConfig
+
+    build, lm, embedder = calibrated
+    config, first = build("drift")
+    cal = first.calibration
+    assert cal is not None and first.calibration_seconds > 0 and first.calibration_changed is None
+    corpus = config.corpus
+
+    (corpus / "extra-1.txt").write_text("Owls hunt at night. The barn owl nests in old barns.", "utf-8")
+    one = run_index(config, lm=lm, embedder=embedder)
+    assert one.documents_added == 1 and one.calibration == cal == read_manifest(config.out).calibration
+    assert one.calibration_seconds == 0 and one.calibration_changed is not None and 0 < one.calibration_changed < 0.5
+    line = next(x for x in one.lines() if x.startswith("calibration ("))
+    assert f"kept: {one.calibration_changed:.0%} of its chunks' KV changed" in line and "--recalibrate-after" in line
+
+    (corpus / "space.txt").unlink()  # a deletion counts too, and adds to the change before it
+    two = run_index(config, lm=lm, embedder=embedder)
+    assert two.documents_deleted == 1 and two.calibration == cal and two.calibration_seconds == 0
+    assert two.calibration_changed is not None and two.calibration_changed > one.calibration_changed
+
+    for i in range(2, 16):  # the changes reach half the chunks it was measured on: measured again
+        (corpus / f"extra-{i}.txt").write_text(f"Note {i}: the river Tamsin{i} floods every spring near Orlay.", "utf-8")
+    three = run_index(config, lm=lm, embedder=embedder)
+    assert three.calibration_seconds > 0 and three.calibration_changed is None
+    assert three.calibration == read_manifest(config.out).calibration and three.calibration.sets == cal.sets
+    same = run_index(config, lm=lm, embedder=embedder)  # nothing changed since it was measured
+    assert same.calibration == three.calibration and same.calibration_seconds == 0 and same.calibration_changed == 0
+    assert next(x for x in same.lines() if x.startswith("calibration (")).split(": blend")[0].endswith(", kept)")
+
+    eager = replace(config, recalibrate_after=0.0)  # 0: any change measures it again
+    (corpus / "extra-1.txt").write_text("Owls hunt at night, and sleep by day.", "utf-8")
+    again = run_index(eager, lm=lm, embedder=embedder)
+    assert again.documents_added == 1 and again.calibration_seconds > 0
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=r"recalibrate_after must be a share of the chunks in \[0, 1\]"):
+            IndexJobConfig(corpus=config.corpus, out=config.out, recalibrate_after=bad)
+
+
+def test_an_index_calibrated_before_its_keys_were_recorded_keeps_it_until_a_change(calibrated) -> None:
+    """An index calibrated before the chunks' keys were recorded: a run that changes nothing keeps the
+    calibration and records the keys; from then on its changes are counted."""
+    import sqlite3
+
+    build, lm, embedder = calibrated
+    config, first = build("legacy")
+    with sqlite3.connect(config.out / "chunks.sqlite") as conn:
+        conn.execute("DELETE FROM calibrated_keys")
+    kept = run_index(config, lm=lm, embedder=embedder)
+    assert kept.calibration == first.calibration and kept.calibration_seconds == 0 and kept.calibration_changed is None
+    with sqlite3.connect(config.out / "chunks.sqlite") as conn:
+        assert conn.execute("SELECT COUNT(*) FROM calibrated_keys").fetchone()[0] > 0
+    (config.out.parent / "corpus-legacy" / "extra.txt").write_text("Owls hunt at night.", "utf-8")
+    counted = run_index(config, lm=lm, embedder=embedder)
+    assert counted.calibration == first.calibration and counted.calibration_changed and counted.calibration_changed > 0
+    with sqlite3.connect(config.out / "chunks.sqlite") as conn:  # with no record, a change measures it again
+        conn.execute("DELETE FROM calibrated_keys")
+    (config.out.parent / "corpus-legacy" / "extra.txt").write_text("Owls hunt at night, and sleep by day.", "utf-8")
+    assert run_index(config, lm=lm, embedder=embedder).calibration_seconds > 0

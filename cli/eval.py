@@ -501,13 +501,14 @@ def run_from_cases(args: argparse.Namespace) -> dict:
 
 def _print_table(modes: dict[str, dict], held: dict | None) -> None:
     print(f"{'method':28s} {'n':>4s} {'acc':>5s} {'F1':>5s} {'agree':>5s} {'F1full':>6s} {'tok1':>5s} "
-          f"{'KL':>7s} {'TTFT s':>7s} {'xfull':>6s} {'xpair':>6s} {'recomp':>6s} {'KV s':>6s}")
+          f"{'KL':>7s} {'KLans':>7s} {'TTFT s':>7s} {'xfull':>6s} {'xpair':>6s} {'recomp':>6s} {'KV s':>6s}")
     full = modes.get("full", {}).get("ttft_median_s", 0.0)
     for name, r in modes.items():
         x = full / r["ttft_median_s"] if full and r["ttft_median_s"] else float("nan")
         print(f"{name:28s} {r['n']:4d} {r['accuracy']:5.2f} {r['f1']:5.2f} {r['agreement']:5.2f} "
               f"{r['f1_vs_full']:6.2f} {r['first_token_agreement']:5.2f} {r['kl_mean']:7.4f} "
-              f"{r['ttft_median_s']:7.3f} {x:6.2f} {r.get('ttft_x_full_paired', float('nan')):6.2f} "
+              f"{r.get('kl_answer', float('nan')):7.4f} {r['ttft_median_s']:7.3f} {x:6.2f} "
+              f"{r.get('ttft_x_full_paired', float('nan')):6.2f} "
               f"{r['recompute_fraction']:6.2f} {r['kv_prefill_median_s']:6.2f}")
     if held is not None:
         print(f"held out, {held['folds']} folds (seed {held['fold_seed']}):")

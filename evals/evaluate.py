@@ -10,6 +10,10 @@ greedily. Per method (and variant):
 - f1_vs_full: token F1 of the answer against full prefill's answer (fidelity);
 - first_token_agreement: the first token equals full prefill's (argmax of the logits);
 - kl_mean:    KL(full || method) of the next-token distribution at the last prompt position;
+- kl_answer, kl_answer_max: the same KL at each answer position while the two answers agree,
+              and at the one where they part (each fed the same tokens so far), mean and max:
+              where F1 is lost (an answer that first repeats the question parts at the word
+              that answers it, not at the first position);
 - ttft_median_s: prompt processing up to the first token's logits;
 - recompute_fraction: the mean share of chunk tokens recomputed;
 - kv_prefill_median_s: the indexer's work for one case's chunks in this KV variant.
@@ -24,6 +28,8 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+
+import torch
 
 from ragkv.engine.blend import BlendOptions, BlendResult, Prompt
 from ragkv.engine.decode import SamplingParams
@@ -70,6 +76,8 @@ class MethodReport:
     f1_vs_full: float = 0.0
     first_token_agreement: float = 0.0
     kl_mean: float = 0.0
+    kl_answer: float = 0.0  # mean over cases of each case's mean KL along the answer (see the module doc)
+    kl_answer_max: float = 0.0  # mean over cases of each case's highest KL along the answer
     ttft_median_s: float = 0.0
     recompute_fraction: float = 0.0
     kv_prefill_median_s: float = 0.0
@@ -147,7 +155,7 @@ def evaluate(engine: Engine, cases: Iterable[EvalCase], methods: Sequence[Method
             return res, time.perf_counter() - t
 
         ref, ref_s = run(Method("full", Mode.FULL), [])
-        ref_answer = "".join(engine.decode(ref, params))
+        ref_answer, ref_tokens, ref_steps = decode_logged(engine, ref, params)
         ref_first = int(ref.logits.argmax())
         done: set[str] = set()
         row: dict = {"id": case.id, "answers": list(case.answers), "full_answer": ref_answer, "methods": {}}
@@ -161,19 +169,23 @@ def evaluate(engine: Engine, cases: Iterable[EvalCase], methods: Sequence[Method
                     continue
                 done.add(name)
                 res, secs = (ref, ref_s) if m.mode is Mode.FULL else run(m, kvs)
-                answer = ref_answer if res is ref else "".join(engine.decode(res, params))
+                answer, tokens, steps = (ref_answer, ref_tokens, ref_steps) if res is ref else \
+                    decode_logged(engine, res, params)
+                along = answer_kls(ref_tokens, ref_steps, tokens, steps)  # [K]
                 head = first_sentence(answer)
                 one = row["methods"][name] = {
                     "answer": answer, "acc": any(normalize(a) in normalize(head) for a in case.answers),
                     "f1": best_f1(head, case.answers), "agree": normalize(answer) == normalize(ref_answer),
                     "f1_vs_full": token_f1(answer, ref_answer), "first": int(res.logits.argmax()) == ref_first,
-                    "kl": kl_divergence(ref.logits, res.logits), "ttft_s": secs,
+                    "kl": kl_divergence(ref.logits, res.logits), "kl_answer": statistics.fmean(along),
+                    "kl_answer_max": max(along), "ttft_s": secs,
                     "kv_prefill_s": 0.0 if m.mode is Mode.FULL else prefill_s,
                     "recompute_fraction": res.recompute_fraction,
                     "phases_s": {k: round(v, 4) for k, v in res.timings.items()},
                     "handed_over": res.handed_over, "used_chunks": res.used_chunks, "chunk_scores": res.chunk_scores}
                 s, r = sums[name], reports[name]
-                for key in ("acc", "f1", "agree", "f1_vs_full", "first", "kl", "recompute_fraction"):
+                for key in ("acc", "f1", "agree", "f1_vs_full", "first", "kl", "kl_answer", "kl_answer_max",
+                            "recompute_fraction"):
                     s[key] += one[key]
                 r.n += 1
                 r._ttfts.append(secs)
@@ -183,6 +195,34 @@ def evaluate(engine: Engine, cases: Iterable[EvalCase], methods: Sequence[Method
         if after_case is not None:
             after_case(_finish(reports, sums))
     return _finish(reports, sums)
+
+
+def decode_logged(engine: Engine, res: BlendResult, params: SamplingParams) -> tuple[str, list[int], list[torch.Tensor]]:
+    """Decode greedily: (the answer, its token ids, the next-token logits [V] at each answer
+    position: before each token, and after the last when the answer ended on EOS)."""
+    stream = engine.decode(res, params)
+    steps = [stream.logits.float().cpu()]
+    receive = stream.receive
+
+    def logged(logits: torch.Tensor) -> None:  # each forward step's logits, as the stream takes them
+        receive(logits)
+        steps.append(stream.logits.float().cpu())
+
+    stream.receive = logged  # type: ignore[method-assign]
+    answer = "".join(stream)
+    return answer, list(stream.token_ids), steps
+
+
+def answer_kls(ref_tokens: Sequence[int], ref_steps: Sequence[torch.Tensor], tokens: Sequence[int],
+               steps: Sequence[torch.Tensor]) -> list[float]:
+    """KL(full || method) at each answer position while the two answers agree, and at the one
+    where they part: positions where both were fed the same tokens (at least the first)."""
+    out = []
+    for i in range(min(len(ref_steps), len(steps))):
+        out.append(kl_divergence(ref_steps[i], steps[i]))
+        if i >= len(ref_tokens) or i >= len(tokens) or ref_tokens[i] != tokens[i]:
+            break  # they part here (a different token, or one ended)
+    return out
 
 
 def variant_kvs(engine: Engine, v: KVVariant, case: EvalCase) -> list[ChunkKV]:
@@ -206,6 +246,7 @@ def _finish(reports: dict[str, MethodReport], sums: dict[str, Counter]) -> dict[
             r.accuracy, r.f1, r.agreement = s["acc"] / r.n, s["f1"] / r.n, s["agree"] / r.n
             r.f1_vs_full, r.first_token_agreement = s["f1_vs_full"] / r.n, s["first"] / r.n
             r.kl_mean, r.recompute_fraction = s["kl"] / r.n, s["recompute_fraction"] / r.n
+            r.kl_answer, r.kl_answer_max = s["kl_answer"] / r.n, s["kl_answer_max"] / r.n
             r.ttft_median_s = statistics.median(r._ttfts)
             r.kv_prefill_median_s = statistics.median(r._prefills)
     return reports

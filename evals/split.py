@@ -22,6 +22,8 @@ from ragkv.evals.evaluate import MethodReport
 # a case's scores that are averaged into a MethodReport (row key -> report field)
 _MEANS = {"acc": "accuracy", "f1": "f1", "agree": "agreement", "f1_vs_full": "f1_vs_full",
           "first": "first_token_agreement", "kl": "kl_mean", "recompute_fraction": "recompute_fraction"}
+# means of rows recorded since they were added (KL along the answer): 0 over rows that lack them
+_LATER_MEANS = {"kl_answer": "kl_answer", "kl_answer_max": "kl_answer_max"}
 
 
 class Part(enum.Enum):
@@ -67,7 +69,8 @@ def report_from_rows(rows: Iterable[Mapping], method: str) -> MethodReport:
     """One method's MethodReport over per-case rows (`evaluate(on_case=)`'s), the cases that
     ran it; the same means and medians `evaluate` reports over the same cases."""
     r, ttfts, prefills = MethodReport(), [], []
-    sums = dict.fromkeys(_MEANS, 0.0)
+    sums = dict.fromkeys(_MEANS | _LATER_MEANS, 0.0)
+    later = True  # every row has the later means
     for row in rows:
         one = row["methods"].get(method)
         if one is None:
@@ -79,10 +82,13 @@ def report_from_rows(rows: Iterable[Mapping], method: str) -> MethodReport:
         r.n += 1
         for key in _MEANS:
             sums[key] += float(one[key])
+        later = later and all(k in one for k in _LATER_MEANS)
+        for key in _LATER_MEANS:
+            sums[key] += float(one.get(key, 0.0))
         ttfts.append(float(one["ttft_s"]))
         prefills.append(float(one.get("kv_prefill_s", 0.0)))
     if r.n:
-        for key, name in _MEANS.items():
+        for key, name in (_MEANS | (_LATER_MEANS if later else {})).items():
             setattr(r, name, sums[key] / r.n)
         r.ttft_median_s, r.kv_prefill_median_s = statistics.median(ttfts), statistics.median(prefills)
     return r

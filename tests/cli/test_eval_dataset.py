@@ -93,12 +93,17 @@ def test_eval_dataset_with_neighbour_kv_json(tiny_llama_dir, tmp_path, capsys):
     assert np.load(tmp_path / "pool.npy").shape[0] == 12  # every passage of the file, kept for the next run
     full = out["modes"]["full"]
     assert full["n"] == 2 and full["f1_vs_full"] == 1.0 and full["first_token_agreement"] == 1.0
+    assert full["kl_answer"] == full["kl_answer_max"] == 0.0
     for name in ("blend", "blend+nb1", "blend+nb1kv"):  # ratio 1.0 is full prefill, whatever KV it starts from
         m = out["modes"][name]
         assert m["kl_mean"] < 1e-6 and m["f1_vs_full"] == 1.0 and m["first_token_agreement"] == 1.0
+        assert m["kl_answer_max"] < 1e-5  # and so at every answer position
     for name, m in out["modes"].items():
         assert 0.0 <= m["f1"] <= 1.0 and 0.0 <= m["f1_vs_full"] <= 1.0
+        # the answer's KLs include the first position's: each case's highest is at least it
+        assert m["kl_answer_max"] >= m["kl_mean"] - 1e-9 and m["kl_answer_max"] >= m["kl_answer"] - 1e-9
         assert (m["kv_prefill_median_s"] > 0) == (name != "full")
+    assert out["modes"]["reuse"]["kl_answer_max"] > 0  # reuse is not full prefill on a random model
     assert out["config"]["instruction"] == "Answer from the passages."
 
 

@@ -303,11 +303,15 @@ def _steps_between_pieces(order: list[str]) -> list[int]:
     return runs
 
 
-def _timed(steps: int, step_s: float = 0.01, name: str = "", finished: list[str] | None = None):
+def _timed(steps: int, step_s: float = 0.01, name: str = "", finished: list[str] | None = None,
+           reached: tuple[int, threading.Event] | None = None):
     """Prompt work of `steps` one-token steps of `step_s` seconds each; its `name` goes into
-    `finished` once the pass ends (the order passes finish in)."""
-    for _ in range(steps):
+    `finished` once the pass ends (the order passes finish in); `reached` (n, event): the event
+    is set once n steps are done (a test waits for it, not for a time a loaded host overruns)."""
+    for n in range(steps):
         time.sleep(step_s)
+        if reached is not None and n + 1 == reached[0]:
+            reached[1].set()
         yield 1
     if finished is not None:
         finished.append(name)
@@ -594,8 +598,10 @@ def test_a_modes_passes_teach_how_many_of_their_estimated_rows_they_compute() ->
     _submit(sched, _timed(20, name="warm", finished=finished), warm, prompt_cost=20, mode=Mode.FOCUS, prompt_rows=40)
     assert warm.ended.wait(30)
     assert speed.rows_scale(Mode.FOCUS) == 0.5 and speed.rows_scale(Mode.BLEND) == 1.0
-    _submit(sched, _timed(20, name="focus", finished=finished), a, prompt_cost=20, mode=Mode.FOCUS, prompt_rows=40)
-    time.sleep(0.15)
+    fifteen = threading.Event()
+    _submit(sched, _timed(20, name="focus", finished=finished, reached=(15, fifteen)), a, prompt_cost=20,
+            mode=Mode.FOCUS, prompt_rows=40)
+    assert fifteen.wait(30)
     _submit(sched, _timed(10, name="new", finished=finished), b, prompt_cost=10, mode=Mode.FOCUS, prompt_rows=10)
     assert a.ended.wait(30) and b.ended.wait(30)
     sched.close()

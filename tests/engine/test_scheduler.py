@@ -558,8 +558,9 @@ def test_work_left_falls_as_a_pass_runs() -> None:
     warm, a, b = _Sink(), _Sink(), _Sink()
     _submit(sched, _timed(10, name="warm", finished=finished), warm, prompt_cost=10)  # the rate: 10 units per ~0.1 s
     assert warm.ended.wait(30)
-    _submit(sched, _timed(40, name="long", finished=finished), a, prompt_cost=40)
-    time.sleep(0.3)  # about 3/4 done: about 10 units left
+    three_quarters = threading.Event()
+    _submit(sched, _timed(40, name="long", finished=finished, reached=(30, three_quarters)), a, prompt_cost=40)
+    assert three_quarters.wait(30)  # 3/4 done: about 10 units left
     _submit(sched, _timed(30, name="middle", finished=finished), b, prompt_cost=30)
     assert a.ended.wait(30) and b.ended.wait(30)
     sched.close()

@@ -68,9 +68,7 @@ def answer_steps(engine: PromptEngine, req: Request) -> Work:
     try:
         return (yield from _answer(engine, req))
     finally:  # a tree lease not used (cancelled, failed) lets its path go
-        for spot in (req.tree, req.instructions):
-            if spot is not None:
-                spot.release()
+        req.let_go()
 
 
 def _answer(engine: PromptEngine, req: Request) -> Work:

@@ -172,6 +172,20 @@ class Request:
         """The prompt's tokens: prefix, chunks and question segment."""
         return len(self.prefix_ids) + sum(len(ch.token_ids) for ch in self.chunks) + len(self.question_ids)
 
+    @property
+    def leased_bytes(self) -> int:
+        """Device bytes of the KV tree's nodes its leases hold: KV of its own prompt, which its
+        `kv_bytes` count already (its run runs on from them, or copies them and lets them go)."""
+        return sum(spot.device_bytes for spot in (self.tree, self.instructions) if spot is not None)
+
+    def let_go(self) -> None:
+        """Its KV tree leases go (its path's and its instructions'; idempotent): when its work ends,
+        and when it ends before its work ever ran (refused, stopped, cancelled while queued), since
+        a work never started runs none of its own cleanup."""
+        for spot in (self.tree, self.instructions):
+            if spot is not None:
+                spot.release()
+
     def stop_after(self, n_tokens: int) -> None:
         """A stop string ended the answer's text after `n_tokens` tokens (the consumer, any
         thread): the next decode step ends the stream, its tokens past the stop dropped."""

@@ -57,7 +57,10 @@ When it goes idle, and every `heap_trim_s` seconds under load, it hands the host
 free pages back to the OS (`engine.kv.host_allocator.trim_host_heap`).
 
 Admission counts KV bytes in flight as well as requests: `submit` refuses, with
-`SchedulerFullError`, a request whose cache would take the total past `kv_budget_bytes`.
+`SchedulerFullError`, a request whose cache would take the total past `kv_budget_bytes`
+(the KV tree's device bytes count too, shrunk first; the nodes the request's own lease holds
+are its prompt's KV, counted once). A request refused or ended before its work ran lets its
+tree leases go at once (`Request.let_go`).
 Sampling is per request (each stream has its own generator); greedy decoding gives the
 same tokens in a batch as alone (tests/engine/test_scheduler.py).
 
@@ -109,6 +112,17 @@ class SchedulerFullError(RagKVError):
 
 class SchedulerStoppedError(RagKVError):
     """The scheduler stopped (the server is shutting down) before the request finished."""
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 or nbytes == 0 else f"{nbytes / 2**10:.0f} KiB"
+
+
+def _discard(request: Request, work: Work) -> None:
+    """End a request's work, and let its KV tree leases go: a work that never ran (refused,
+    stopped, cancelled while queued) runs none of its own cleanup when closed."""
+    work.close()
+    request.let_go()
 
 
 class SharedKV(Protocol):
@@ -256,22 +270,25 @@ class Scheduler:
         kv_bytes = request.kv_bytes
         with self._lock:
             if self._stopping:
-                work.close()
+                _discard(request, work)
                 raise SchedulerStoppedError("the server is stopping: no new requests")
             if kv_bytes > budget:
-                work.close()
+                _discard(request, work)
                 raise SchedulerFullError(
-                    f"this request needs {kv_bytes / 2**20:.0f} MiB of KV cache, more than the whole "
-                    f"budget of {budget / 2**20:.0f} MiB (--kv-budget-bytes): ask for fewer chunks or tokens")
+                    f"this request needs {_mib(kv_bytes)} of KV cache, more than the whole budget of "
+                    f"{_mib(budget)} (--kv-budget-bytes): ask for fewer chunks or tokens")
+            # the tree's nodes its own leases hold are KV of its prompt, in `kv_bytes` already: counted
+            # twice, a request whose path is most of the budget would be refused however often it came
             shared = 0 if self._shared is None else self._shared.nbytes
-            if self._kv_bytes + kv_bytes + shared > budget and self._shared is not None:
-                shared = self._shared.shrink(budget - self._kv_bytes - kv_bytes)
-            if self._kv_bytes + kv_bytes + shared > budget:
-                work.close()
+            own = min(request.leased_bytes, shared)
+            if self._kv_bytes + kv_bytes + shared - own > budget and self._shared is not None:
+                shared = self._shared.shrink(budget - self._kv_bytes - kv_bytes + own)
+            if self._kv_bytes + kv_bytes + shared - own > budget:
+                _discard(request, work)
                 raise SchedulerFullError(
-                    f"KV memory budget full: {self._kv_bytes / 2**20:.0f} MiB of {budget / 2**20:.0f} MiB "
-                    f"(--kv-budget-bytes) in flight and {shared / 2**20:.0f} MiB of the KV tree held by them, "
-                    f"this request needs {kv_bytes / 2**20:.0f} MiB: retry later")
+                    f"KV memory budget full: {_mib(self._kv_bytes)} of {_mib(budget)} (--kv-budget-bytes) in "
+                    f"flight and {_mib(shared - own)} of the KV tree held by them, this request needs "
+                    f"{_mib(kv_bytes)}: retry later")
             self._kv_bytes += kv_bytes
             request.status, request.submitted_at = RequestStatus.QUEUED, time.perf_counter()
             self._incoming.append(_Job(request, work, sink))
@@ -671,7 +688,7 @@ class Scheduler:
         if req.status is RequestStatus.FINISHED:
             return
         req.status, req.end_reason, job.wait = RequestStatus.FINISHED, reason, None
-        job.work.close()
+        _discard(req, job.work)
         if job.decode is not None:
             self._give_back(job.decode)
         job.decode = None  # the cache goes with the stream

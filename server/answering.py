@@ -124,9 +124,7 @@ class QueryRunner:
                     try:
                         reserve(request.prompt_tokens)
                     except BaseException:
-                        for spot in (request.tree, request.instructions):  # its leases go with it
-                            if spot is not None:
-                                spot.release()
+                        request.let_go()  # its leases go with it
                         raise
                 request.cancel, request.deadline = cancel, deadline
                 prepared_at = time.perf_counter()

@@ -87,6 +87,11 @@ class TreeSpot:
         carried = len(self.turns.ids) if self.turns is not None and self.turns.kv is not None else 0
         return self.tokens + carried
 
+    @property
+    def device_bytes(self) -> int:
+        """Device bytes of the tree's nodes the lease holds (0 on a miss or once released)."""
+        return 0 if self.lease is None else self.lease.device_bytes
+
     def release(self) -> None:
         """Let the leased path be evicted again (idempotent; nothing on a miss)."""
         if self.lease is not None:

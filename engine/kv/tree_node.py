@@ -187,6 +187,15 @@ class TreeLease:
         return len(self.context_ids) + self.matched
 
     @property
+    def device_bytes(self) -> int:
+        """Device bytes of the nodes it holds there (0 once released): what the tree cannot give
+        up while it is held, and KV of the request's own prompt (admission counts it once)."""
+        if not self._held:
+            return 0
+        nodes = {id(p.node): p.node for p in self._parts if p.node.tier is TreeTier.DEVICE}
+        return sum(n.nbytes for n in nodes.values())
+
+    @property
     def arriving(self) -> bool:
         """Whether a disk read of the lease still has layers to come."""
         return any(p.k is not None and arriving(p.ready, p.k.shape[0]) for p in self._parts)
@@ -253,7 +262,7 @@ class TreeLease:
             self._held = False
             self._let_go([p.node for p in self._parts])
 
-    def __del__(self) -> None:  # a lease dropped unreleased (a request refused after prepare)
+    def __del__(self) -> None:  # a lease dropped unreleased (a prepared request its caller dropped)
         # The collector runs this in whatever thread allocates, perhaps one holding the tree's lock
         # (or the decode pool's): the references go back when the tree's lock is next taken
         try:

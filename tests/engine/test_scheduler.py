@@ -3,6 +3,7 @@ cancellation and prompt slicing."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -10,9 +11,14 @@ import pytest
 import torch
 
 from ragkv.engine import Engine, Prompt, SamplingParams, load_model
+from ragkv.engine.answer import answer_steps
 from ragkv.engine.forward import LayerWork, run_layers
+from ragkv.engine.kv.cache import KVCache
+from ragkv.engine.kv.conversation import TreeSpot
+from ragkv.engine.kv.tree import KVTree, TreeContext
+from ragkv.engine.kv.tree_node import TreeKey
 from ragkv.engine.request import Decode, EndReason, Finished, LoadedKV, PromptChunk, Request, TokenOut, Work
-from ragkv.engine.scheduler import Scheduler, SchedulerConfig, SchedulerFullError
+from ragkv.engine.scheduler import Scheduler, SchedulerConfig, SchedulerFullError, SchedulerStoppedError
 from ragkv.engine.speed import EngineSpeed
 from ragkv.evals.testing import tiny_model_dir
 from ragkv.types import FinishReason, Mode, Tier
@@ -214,6 +220,42 @@ def test_the_kv_trees_bytes_count_in_the_budget_and_it_shrinks_to_admit() -> Non
     sched.close()
 
 
+def test_a_request_whose_own_tree_path_fills_the_budget_is_admitted_once_counted() -> None:
+    """A conversation's next call leases its path in the KV tree, and its `kv_bytes` count its
+    whole prompt, that path too (its run runs on from the path, or copies it and lets it go).
+    Admission counts the path once: counted as the tree's as well, a call whose path is most of
+    the budget was refused however often it came back, the tree unable to give up its own lease
+    (an agent's tool loop so refused 400 times over, nothing else in flight). What others lease
+    still counts in full."""
+    tree, key, n = KVTree(10**6), TreeKey.of("ctx"), 40
+    cache = KVCache(2, 1, 3, n + 6, torch.float32, torch.device("cpu"))
+    cache.length = n + 2
+    tree.insert(key, [7, 8], TreeContext(prefix_tokens=0, chunk_end=0, chunk_tokens=0), list(range(1, n + 1)), cache)
+    per_token = 2 * 2 * 1 * 3 * 4  # K and V, [L=2, Hkv=1, T, D=3], float32
+    path = (n + 2) * per_token  # the context's 2 tokens and the path's n
+    kv_bytes = (n + 2 + 10) * per_token  # the prompt (the path and one new token) and 9 to decode
+    sched = Scheduler(SchedulerConfig(kv_budget_bytes=kv_bytes + path // 2))
+    sched.share_engine(tree, EngineSpeed())
+    hold = threading.Event()
+
+    def waiting_job():
+        while not hold.is_set():
+            yield 0
+            time.sleep(0.01)
+
+    lease = tree.match(key, [*range(1, n + 1), 99])
+    assert lease is not None and lease.device_bytes == path
+    req = Request(kv_bytes=kv_bytes, tree=TreeSpot(key, tuple(range(1, n + 1)), lease))
+    assert req.leased_bytes == path
+    sched.submit(req, waiting_job(), _Sink())  # kv_bytes + path > budget, but the path is its own
+    with pytest.raises(SchedulerFullError, match="KV tree"):  # another's: the leased path counts
+        _submit(sched, waiting_job(), _Sink(), kv_bytes=path // 2)
+    hold.set()
+    lease.release()
+    assert lease.device_bytes == 0 and req.leased_bytes == 0
+    sched.close()
+
+
 def test_cancel_and_deadline_end_a_request_and_free_its_budget() -> None:
     sched = Scheduler(SchedulerConfig(kv_budget_bytes=1000))
     closed = []
@@ -237,6 +279,64 @@ def test_cancel_and_deadline_end_a_request_and_free_its_budget() -> None:
     assert closed == [True, True]
     assert (sink.finished.reason, late.finished.reason) == (EndReason.CANCELLED, EndReason.DEADLINE)
     sched.close()
+
+
+class _Lease:
+    """A stand-in for a KV tree lease: counts its releases."""
+
+    device_bytes = 0
+
+    def __init__(self) -> None:
+        self.released = 0
+
+    def release(self) -> None:
+        self.released += 1
+
+
+def test_a_request_ended_before_its_work_ran_lets_its_tree_leases_go() -> None:
+    """A request holds its KV tree path (and its instructions') from preparation: refused at
+    admission, refused by a stopping scheduler, or cancelled before its first step, its work never
+    ran, so the work's own cleanup never did, and the leases go at once, not when the collector
+    finds the request. (A full budget's refusals held their paths so, and the tree could not shrink
+    for the retries: an agent refused on and on, its budget never coming back.)"""
+    gc.disable()  # the leases' own safety net (TreeLease.__del__) must not be what lets them go
+    try:
+        def leased() -> tuple[Request, list[_Lease]]:
+            leases = [_Lease(), _Lease()]
+            key = TreeKey("context")
+            req = Request(kv_bytes=600, tree=TreeSpot(key, (1, 2), leases[0]),  # type: ignore[arg-type]
+                          instructions=TreeSpot(key, (3,), leases[1]))  # type: ignore[arg-type]
+            return req, leases
+
+        sched = Scheduler(SchedulerConfig(kv_budget_bytes=1000))
+        hold = threading.Event()
+
+        def waiting_job():
+            while not hold.is_set():
+                yield 0
+                time.sleep(0.01)
+
+        sched.submit(Request(kv_bytes=600), waiting_job(), _Sink())
+        refused, leases = leased()
+        with pytest.raises(SchedulerFullError):
+            sched.submit(refused, answer_steps(None, refused), _Sink())  # type: ignore[arg-type]
+        assert [x.released for x in leases] == [1, 1]
+
+        cancelled, leases = leased()
+        cancelled.kv_bytes, sink = 0, _Sink()
+        cancelled.cancel.set()
+        sched.submit(cancelled, answer_steps(None, cancelled), sink)  # type: ignore[arg-type]
+        assert sink.ended.wait(5) and sink.finished.reason is EndReason.CANCELLED
+        assert [x.released for x in leases] == [1, 1]
+        hold.set()
+        sched.close()
+
+        late, leases = leased()
+        with pytest.raises(SchedulerStoppedError):
+            sched.submit(late, answer_steps(None, late), _Sink())  # type: ignore[arg-type]
+        assert [x.released for x in leases] == [1, 1]
+    finally:
+        gc.enable()
 
 
 def _decoding(engine: Engine, sched: Scheduler, order: list[str]) -> tuple[_Sink, threading.Event]:

@@ -14,6 +14,7 @@ run, or the index's own embeddings.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -80,6 +81,11 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                    help="query selector: the layers whose attention scores tokens, as fractions of the depth "
                         "joined by + (0.5 = the middle layer), averaged; comma list to compare (default: the "
                         "engine's, which ragkv serve serves)")
+    p.add_argument("--refresh", default=None, metavar="K:R[,K:R]",
+                   help="blend: also run each blend method refreshed: after the answer's first K tokens the "
+                        "prompt is blended again at ratio R with them after the question, and the rest decoded "
+                        "from that (TTFT stays the first pass's; the second is reported as refresh_median_s). "
+                        "A study: the server does not refresh")
     p.add_argument("--window", type=int, default=1, help="recompute whole windows of this many tokens")
     p.add_argument("--adaptive-mass", type=float, default=None,
                    help="recompute the fewest tokens holding this share of the selector's score")
@@ -290,7 +296,23 @@ def _methods(args: argparse.Namespace):
                             name += (f"-sink{sinks}" if len(sink_list) > 1 else "") + (
                                 f"-L{'+'.join(f'{f:g}' for f in layers)}" if len(layer_sets) > 1 else "")
                             methods.append(Method(name, bm, opts))
+    for spec in [x.strip() for x in (args.refresh or "").split(",") if x.strip()]:
+        refresh = _refresh(spec)
+        methods += [dataclasses.replace(m, name=f"{m.name}+refresh{refresh.after}@{refresh.ratio:g}", refresh=refresh)
+                    for m in methods if m.mode is Mode.BLEND and m.refresh is None]
     return methods
+
+
+def _refresh(spec: str):
+    """One --refresh entry, K:R."""
+    from ragkv.evals.evaluate import Refresh
+
+    after, _, ratio = spec.partition(":")
+    try:
+        return Refresh(int(after), float(ratio))
+    except ValueError as exc:
+        raise ValueError(f"--refresh takes K:R (answer tokens before the refresh, its recompute ratio in "
+                         f"(0, 1]), e.g. 8:0.3; got {spec!r}: {exc}") from None
 
 
 def _cases(args: argparse.Namespace, engine):
@@ -501,7 +523,7 @@ def run_from_cases(args: argparse.Namespace) -> dict:
 
 def _print_table(modes: dict[str, dict], held: dict | None) -> None:
     print(f"{'method':28s} {'n':>4s} {'acc':>5s} {'F1':>5s} {'agree':>5s} {'F1full':>6s} {'tok1':>5s} "
-          f"{'KL':>7s} {'KLans':>7s} {'TTFT s':>7s} {'xfull':>6s} {'xpair':>6s} {'recomp':>6s} {'KV s':>6s}")
+          f"{'KL':>7s} {'KLans':>7s} {'TTFT s':>7s} {'xfull':>6s} {'xpair':>6s} {'recomp':>6s} {'KV s':>6s} {'rfrsh s':>7s}")
     full = modes.get("full", {}).get("ttft_median_s", 0.0)
     for name, r in modes.items():
         x = full / r["ttft_median_s"] if full and r["ttft_median_s"] else float("nan")
@@ -509,7 +531,7 @@ def _print_table(modes: dict[str, dict], held: dict | None) -> None:
               f"{r['f1_vs_full']:6.2f} {r['first_token_agreement']:5.2f} {r['kl_mean']:7.4f} "
               f"{r.get('kl_answer', float('nan')):7.4f} {r['ttft_median_s']:7.3f} {x:6.2f} "
               f"{r.get('ttft_x_full_paired', float('nan')):6.2f} "
-              f"{r['recompute_fraction']:6.2f} {r['kv_prefill_median_s']:6.2f}")
+              f"{r['recompute_fraction']:6.2f} {r['kv_prefill_median_s']:6.2f} {r.get('refresh_median_s', 0.0):7.2f}")
     if held is not None:
         print(f"held out, {held['folds']} folds (seed {held['fold_seed']}):")
         for f in held["per_fold"]:

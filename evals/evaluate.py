@@ -16,11 +16,20 @@ greedily. Per method (and variant):
               that answers it, not at the first position);
 - ttft_median_s: prompt processing up to the first token's logits;
 - recompute_fraction: the mean share of chunk tokens recomputed;
-- kv_prefill_median_s: the indexer's work for one case's chunks in this KV variant.
+- kv_prefill_median_s: the indexer's work for one case's chunks in this KV variant;
+- refresh_median_s: a refreshed method's second pass (below), apart from its TTFT.
+
+A method may refresh its answer (`Refresh`): after its first `after` answer tokens it blends the
+prompt again at `ratio`, the answer so far in its question segment (its selector reads them
+too), and decodes the rest from there. Its TTFT is the first pass's; the second pass is a stall
+in the answer's stream, reported as `refresh_median_s`. (A study of the served blend's F1 loss,
+which falls where the answer parts from full prefill's, after its first words; the server does
+not refresh.)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import statistics
 import string
@@ -47,6 +56,20 @@ class Method:
     name: str  # label in reports, e.g. "blend-query-0.30"
     mode: Mode
     options: BlendOptions = field(default_factory=BlendOptions)
+    refresh: Refresh | None = None  # blend the prompt again after the answer's first tokens; None = once
+
+
+@dataclass(frozen=True, slots=True)
+class Refresh:
+    """A second blend pass after the answer's first `after` tokens, at `ratio`, with them in its question."""
+
+    after: int
+    ratio: float
+
+    def __post_init__(self) -> None:
+        if self.after < 1 or not 0.0 < self.ratio <= 1.0:
+            raise ValueError(f"a refresh needs after >= 1 answer tokens and a ratio in (0, 1], got "
+                             f"{self.after}:{self.ratio:g}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,12 +104,14 @@ class MethodReport:
     ttft_median_s: float = 0.0
     recompute_fraction: float = 0.0
     kv_prefill_median_s: float = 0.0
+    refresh_median_s: float = 0.0  # a refreshed method's second pass (0 for the others)
     _ttfts: list[float] = field(default_factory=list, repr=False)
     _prefills: list[float] = field(default_factory=list, repr=False)
+    _refreshes: list[float] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict[str, float]:
         d = asdict(self)
-        d.pop("_ttfts"), d.pop("_prefills")
+        d.pop("_ttfts"), d.pop("_prefills"), d.pop("_refreshes")
         return d
 
 
@@ -169,8 +194,13 @@ def evaluate(engine: Engine, cases: Iterable[EvalCase], methods: Sequence[Method
                     continue
                 done.add(name)
                 res, secs = (ref, ref_s) if m.mode is Mode.FULL else run(m, kvs)
-                answer, tokens, steps = (ref_answer, ref_tokens, ref_steps) if res is ref else \
-                    decode_logged(engine, res, params)
+                refresh_s = 0.0
+                if res is ref:
+                    answer, tokens, steps = ref_answer, ref_tokens, ref_steps
+                elif m.refresh is None:
+                    answer, tokens, steps = decode_logged(engine, res, params)
+                else:
+                    answer, tokens, steps, refresh_s = refreshed(engine, m, res, prefix_ids, kvs, q, params)
                 along = answer_kls(ref_tokens, ref_steps, tokens, steps)  # [K]
                 head = first_sentence(answer)
                 one = row["methods"][name] = {
@@ -179,7 +209,7 @@ def evaluate(engine: Engine, cases: Iterable[EvalCase], methods: Sequence[Method
                     "f1_vs_full": token_f1(answer, ref_answer), "first": int(res.logits.argmax()) == ref_first,
                     "kl": kl_divergence(ref.logits, res.logits), "kl_answer": statistics.fmean(along),
                     "kl_answer_max": max(along), "ttft_s": secs,
-                    "kv_prefill_s": 0.0 if m.mode is Mode.FULL else prefill_s,
+                    "kv_prefill_s": 0.0 if m.mode is Mode.FULL else prefill_s, "refresh_s": refresh_s,
                     "recompute_fraction": res.recompute_fraction,
                     "phases_s": {k: round(v, 4) for k, v in res.timings.items()},
                     "handed_over": res.handed_over, "used_chunks": res.used_chunks, "chunk_scores": res.chunk_scores}
@@ -190,6 +220,7 @@ def evaluate(engine: Engine, cases: Iterable[EvalCase], methods: Sequence[Method
                 r.n += 1
                 r._ttfts.append(secs)
                 r._prefills.append(one["kv_prefill_s"])
+                r._refreshes.append(refresh_s)
         if on_case is not None:
             on_case(row)
         if after_case is not None:
@@ -211,6 +242,29 @@ def decode_logged(engine: Engine, res: BlendResult, params: SamplingParams) -> t
     stream.receive = logged  # type: ignore[method-assign]
     answer = "".join(stream)
     return answer, list(stream.token_ids), steps
+
+
+def refreshed(engine: Engine, m: Method, res: BlendResult, prefix_ids: Sequence[int], kvs: Sequence[ChunkKV],
+              q: Sequence[int], params: SamplingParams) -> tuple[str, list[int], list[torch.Tensor], float]:
+    """`m`'s answer refreshed (`Refresh`): its first `after` tokens decoded from `res`, then the
+    prompt blended again at the refresh's ratio with them after the question, and the rest
+    decoded from that. (answer, token ids, logits at each answer position as `decode_logged`
+    gives them, the second pass's seconds); an answer that ends within `after` tokens is `res`'s."""
+    assert m.refresh is not None
+    after = m.refresh.after
+    first = SamplingParams(max_new_tokens=min(after, params.max_new_tokens))
+    head_text, head, head_steps = decode_logged(engine, res, first)
+    if len(head) < after or after >= params.max_new_tokens:  # it ended (or is whole) before the refresh
+        return head_text, head, head_steps, 0.0
+    t = time.perf_counter()
+    again = engine.run(Prompt.of(prefix_ids, kvs, [*q, *head]), m.mode,
+                       options=dataclasses.replace(m.options, recompute_ratio=m.refresh.ratio))
+    again.logits.cpu()
+    secs = time.perf_counter() - t
+    rest = SamplingParams(max_new_tokens=params.max_new_tokens - after)
+    _, tail, tail_steps = decode_logged(engine, again, rest)
+    tokens = [*head, *tail]
+    return engine.lm.tokenizer.decode(tokens, skip_special_tokens=True), tokens, [*head_steps[:after], *tail_steps], secs
 
 
 def answer_kls(ref_tokens: Sequence[int], ref_steps: Sequence[torch.Tensor], tokens: Sequence[int],
@@ -249,4 +303,5 @@ def _finish(reports: dict[str, MethodReport], sums: dict[str, Counter]) -> dict[
             r.kl_answer, r.kl_answer_max = s["kl_answer"] / r.n, s["kl_answer_max"] / r.n
             r.ttft_median_s = statistics.median(r._ttfts)
             r.kv_prefill_median_s = statistics.median(r._prefills)
+            r.refresh_median_s = statistics.median(r._refreshes)
     return reports

@@ -176,15 +176,18 @@ class Request:
     def leased_bytes(self) -> int:
         """Device bytes of the KV tree's nodes its leases hold: KV of its own prompt, which its
         `kv_bytes` count already (its run runs on from them, or copies them and lets them go)."""
-        return sum(spot.device_bytes for spot in (self.tree, self.instructions) if spot is not None)
+        return sum(spot.device_bytes for spot in self._spots())
 
     def let_go(self) -> None:
         """Its KV tree leases go (its path's and its instructions'; idempotent): when its work ends,
         and when it ends before its work ever ran (refused, stopped, cancelled while queued), since
         a work never started runs none of its own cleanup."""
-        for spot in (self.tree, self.instructions):
-            if spot is not None:
-                spot.release()
+        for spot in self._spots():
+            spot.release()
+
+    def _spots(self) -> list[TreeSpot]:
+        """Its places in the KV tree: its path's and its instructions' (those it has)."""
+        return [spot for spot in (self.tree, self.instructions) if spot is not None]
 
     def stop_after(self, n_tokens: int) -> None:
         """A stop string ended the answer's text after `n_tokens` tokens (the consumer, any

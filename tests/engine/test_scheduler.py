@@ -70,6 +70,13 @@ def _submit(sched: Scheduler, work: Work, sink: _Sink, cancel: threading.Event |
     return req
 
 
+def _waiting(hold: threading.Event) -> Work:
+    """Work that steps (computing nothing) until `hold` is set: it holds its budget meanwhile."""
+    while not hold.is_set():
+        yield 0
+        time.sleep(0.01)
+
+
 def _request(engine: Engine, mode: Mode, n_chunks: int, question: str, max_new: int,
              sampling: SamplingParams | None = None) -> Request:
     """A server-like request: its chunks' KV ready, the question's tokens."""
@@ -164,23 +171,18 @@ def test_kv_budget_refuses_with_a_message_naming_it() -> None:
     sched = Scheduler(SchedulerConfig(kv_budget_bytes=1000))
     hold = threading.Event()
 
-    def waiting_job():
-        while not hold.is_set():
-            yield 0
-            time.sleep(0.01)
-
     sink = _Sink()
-    _submit(sched, waiting_job(), sink, kv_bytes=600)
+    _submit(sched, _waiting(hold), sink, kv_bytes=600)
     with pytest.raises(SchedulerFullError, match="budget"):
-        _submit(sched, waiting_job(), _Sink(), kv_bytes=600)
+        _submit(sched, _waiting(hold), _Sink(), kv_bytes=600)
     with pytest.raises(SchedulerFullError, match="more than the whole budget"):
-        _submit(sched, waiting_job(), _Sink(), kv_bytes=5000)
+        _submit(sched, _waiting(hold), _Sink(), kv_bytes=5000)
     hold.set()
     assert sink.ended.wait(10)
     deadline = time.monotonic() + 5
     while sched.stats.kv_bytes and time.monotonic() < deadline:
         time.sleep(0.01)
-    _submit(sched, waiting_job(), _Sink(), kv_bytes=600)  # the budget came back
+    _submit(sched, _waiting(hold), _Sink(), kv_bytes=600)  # the budget came back
     sched.close()
 
 
@@ -206,15 +208,10 @@ def test_the_kv_trees_bytes_count_in_the_budget_and_it_shrinks_to_admit() -> Non
     sched.share_engine(tree, EngineSpeed())
     hold = threading.Event()
 
-    def waiting_job():
-        while not hold.is_set():
-            yield 0
-            time.sleep(0.01)
-
-    _submit(sched, waiting_job(), _Sink(), kv_bytes=500)  # 700 + 500 > 1000: the tree gives 200
+    _submit(sched, _waiting(hold), _Sink(), kv_bytes=500)  # 700 + 500 > 1000: the tree gives 200
     assert tree.asked == [500] and tree.held == 500
     with pytest.raises(SchedulerFullError, match="KV tree"):  # 500 in flight + 300 leased + 300 > 1000
-        _submit(sched, waiting_job(), _Sink(), kv_bytes=300)
+        _submit(sched, _waiting(hold), _Sink(), kv_bytes=300)
     assert tree.held == 300
     hold.set()
     sched.close()
@@ -238,18 +235,13 @@ def test_a_request_whose_own_tree_path_fills_the_budget_is_admitted_once_counted
     sched.share_engine(tree, EngineSpeed())
     hold = threading.Event()
 
-    def waiting_job():
-        while not hold.is_set():
-            yield 0
-            time.sleep(0.01)
-
     lease = tree.match(key, [*range(1, n + 1), 99])
     assert lease is not None and lease.device_bytes == path
     req = Request(kv_bytes=kv_bytes, tree=TreeSpot(key, tuple(range(1, n + 1)), lease))
     assert req.leased_bytes == path
-    sched.submit(req, waiting_job(), _Sink())  # kv_bytes + path > budget, but the path is its own
+    sched.submit(req, _waiting(hold), _Sink())  # kv_bytes + path > budget, but the path is its own
     with pytest.raises(SchedulerFullError, match="KV tree"):  # another's: the leased path counts
-        _submit(sched, waiting_job(), _Sink(), kv_bytes=path // 2)
+        _submit(sched, _waiting(hold), _Sink(), kv_bytes=path // 2)
     hold.set()
     lease.release()
     assert lease.device_bytes == 0 and req.leased_bytes == 0
@@ -311,12 +303,7 @@ def test_a_request_ended_before_its_work_ran_lets_its_tree_leases_go() -> None:
         sched = Scheduler(SchedulerConfig(kv_budget_bytes=1000))
         hold = threading.Event()
 
-        def waiting_job():
-            while not hold.is_set():
-                yield 0
-                time.sleep(0.01)
-
-        sched.submit(Request(kv_bytes=600), waiting_job(), _Sink())
+        sched.submit(Request(kv_bytes=600), _waiting(hold), _Sink())
         refused, leases = leased()
         with pytest.raises(SchedulerFullError):
             sched.submit(refused, answer_steps(None, refused), _Sink())  # type: ignore[arg-type]

@@ -19,14 +19,14 @@ import dataclasses
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from ragkv.engine.request import ChunkComputed, ChunksReady, EndReason, Finished, Output, Request, TokenOut
 from ragkv.engine.scheduler import Scheduler
 from ragkv.server.admission import Admission
-from ragkv.server.backend import Catalogue, QueryBackend
+from ragkv.server.backend import Catalogue, Prepared, QueryBackend
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.query import Query
 from ragkv.server.structured import ToolCallReader, find_citations
@@ -118,7 +118,7 @@ class QueryRunner:
         loop = asyncio.get_running_loop()
         try:
             with self._admission.query_slot():
-                prepared = await loop.run_in_executor(self._retrieve_pool, backend.prepare, query, hits)
+                prepared = await self._prepare(backend, query, hits)
                 request: Request = prepared.request
                 if reserve is not None:
                     try:
@@ -230,6 +230,25 @@ class QueryRunner:
                 yield stats
         finally:
             cancel.set()
+
+    async def _prepare(self, backend: QueryBackend, query: Query, hits: Sequence[SearchHit] | None) -> Prepared:
+        """`backend.prepare` on the retrieval pool. A caller that leaves meanwhile (its task
+        cancelled) cannot stop a preparation already running, and the request it makes holds KV tree
+        leases from the start: they go when it lands (`Request.let_go`), not when the collector
+        finds the request; one not started yet never runs."""
+        job = self._retrieve_pool.submit(backend.prepare, query, hits)
+        try:
+            return await asyncio.shield(asyncio.wrap_future(job))
+        except asyncio.CancelledError:
+            if not job.cancel():
+                job.add_done_callback(_let_go_prepared)
+            raise
+
+
+def _let_go_prepared(job: Future[Prepared]) -> None:
+    """A preparation whose caller left: the request it made lets its leases go (any thread)."""
+    if not job.cancelled() and job.exception() is None:
+        job.result().request.let_go()
 
 
 async def answer_events(runner: Answerer, backend: Catalogue, query: Query, admission: Admission, *,

@@ -21,6 +21,7 @@ OTHER_ENV = {
     "RAGKV_CACHE_DIR": "engine.model_loading.cache_dir: converted models, staging, synced indexes",
     "RAGKV_AUTH_TOKEN": "server.auth (the server's token) and ragkv query / the SDK (the client's)",
     "RAGKV_HOST_ALLOCATOR": "engine.kv.host_allocator: `default` keeps glibc's malloc as shipped",
+    "RAGKV_HOST_THREADS": "engine.host_threads: `default` leaves every thread of a server on torch's count",
     "RAGKV_ADDR": "ragkv query and ragkv.langchain: the server address",
 }
 

@@ -233,9 +233,11 @@ def run_serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
+    from ragkv.engine.host_threads import compute_on_one_thread
     from ragkv.engine.kv.host_allocator import tune_host_allocator
 
     tune_host_allocator()  # before torch's first large allocation
+    compute_on_one_thread()  # the scheduler's thread computes on the cores, the rest on one (before any torch op)
     from ragkv.server.app import run
 
     settings = settings_from_args(args)

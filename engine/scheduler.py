@@ -82,6 +82,7 @@ from typing import Protocol, TypeVar
 from ragkv.engine.decode import DecodeStream, decode_batch, pick_greedy
 from ragkv.engine.decode_graphs import PooledDecoder
 from ragkv.engine.forward import LayerWork, Step, run_layers
+from ragkv.engine.host_threads import take_cores
 from ragkv.engine.kv.host_allocator import trim_host_heap
 from ragkv.engine.request import (
     Answered,
@@ -305,6 +306,7 @@ class Scheduler:
     # ---- the loop (scheduler thread only)
 
     def _loop(self) -> None:
+        take_cores()  # a server's one computing thread (engine/host_threads.py): a no-op elsewhere
         while self._admit():
             plan = self._schedule()
             self._execute(plan)

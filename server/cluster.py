@@ -189,8 +189,10 @@ class EngineReplica:
     """One engine with its own tiers: the one-process server's parts without its gRPC server."""
 
     def __init__(self, settings: ServerSettings, peer: PeerSettings | None = None) -> None:
+        from ragkv.engine.host_threads import compute_on_one_thread
         from ragkv.server.assembly import build_pipeline, fetch_indexes
 
+        compute_on_one_thread()  # its scheduler's thread computes on the replica's cores, the rest on one
         logging.basicConfig(level=settings.log_level)
         fetch_indexes(settings)  # an s3:// index, synced onto this replica's host
         self.settings = settings

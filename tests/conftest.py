@@ -8,6 +8,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# a test process computes on its main thread too: the benches' in-process servers leave torch's threads
+# as they are (tests/engine/test_host_threads.py sets up a server's in processes of their own)
+os.environ.setdefault("RAGKV_HOST_THREADS", "default")
 
 import pytest
 

@@ -22,6 +22,7 @@ from ragkv.engine.scheduler import Scheduler, SchedulerConfig, SchedulerFullErro
 from ragkv.engine.speed import EngineSpeed
 from ragkv.evals.testing import tiny_model_dir
 from ragkv.types import FinishReason, Mode, Tier
+from tests.engine.fakes import CountingLease
 
 PASSAGES = [
     "The observatory on Mount Kerr was built in 1931 by the astronomer Ada Lind.",
@@ -273,18 +274,6 @@ def test_cancel_and_deadline_end_a_request_and_free_its_budget() -> None:
     sched.close()
 
 
-class _Lease:
-    """A stand-in for a KV tree lease: counts its releases."""
-
-    device_bytes = 0
-
-    def __init__(self) -> None:
-        self.released = 0
-
-    def release(self) -> None:
-        self.released += 1
-
-
 def test_a_request_ended_before_its_work_ran_lets_its_tree_leases_go() -> None:
     """A request holds its KV tree path (and its instructions') from preparation: refused at
     admission, refused by a stopping scheduler, or cancelled before its first step, its work never
@@ -293,8 +282,8 @@ def test_a_request_ended_before_its_work_ran_lets_its_tree_leases_go() -> None:
     for the retries: an agent refused on and on, its budget never coming back.)"""
     gc.disable()  # the leases' own safety net (TreeLease.__del__) must not be what lets them go
     try:
-        def leased() -> tuple[Request, list[_Lease]]:
-            leases = [_Lease(), _Lease()]
+        def leased() -> tuple[Request, list[CountingLease]]:
+            leases = [CountingLease(), CountingLease()]
             key = TreeKey("context")
             req = Request(kv_bytes=600, tree=TreeSpot(key, (1, 2), leases[0]),  # type: ignore[arg-type]
                           instructions=TreeSpot(key, (3,), leases[1]))  # type: ignore[arg-type]

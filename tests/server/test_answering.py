@@ -15,19 +15,8 @@ from ragkv.server.answering import QueryRunner
 from ragkv.server.backend import Prepared
 from ragkv.server.metrics import ServerMetrics
 from ragkv.server.query import Query
+from tests.engine.fakes import CountingLease
 from tests.server.fakes import FakeBackend
-
-
-class _Lease:
-    """A stand-in for a KV tree lease: counts its releases."""
-
-    device_bytes = 0
-
-    def __init__(self) -> None:
-        self.released = 0
-
-    def release(self) -> None:
-        self.released += 1
 
 
 class _SlowPrepare(FakeBackend):
@@ -36,11 +25,11 @@ class _SlowPrepare(FakeBackend):
     def __init__(self) -> None:
         super().__init__()
         self.entered, self.go = threading.Event(), threading.Event()
-        self.leases: list[_Lease] = []
+        self.leases: list[CountingLease] = []
 
     def prepare(self, query: Query, hits: object = None) -> Prepared:
         prepared = super().prepare(query, hits)
-        self.leases = [_Lease(), _Lease()]
+        self.leases = [CountingLease(), CountingLease()]
         key = TreeKey("context")
         prepared.request.tree = TreeSpot(key, (1, 2), self.leases[0])  # type: ignore[arg-type]
         prepared.request.instructions = TreeSpot(key, (3,), self.leases[1])  # type: ignore[arg-type]

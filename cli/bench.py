@@ -158,29 +158,23 @@ def run_bench(args: argparse.Namespace) -> int:
         return 0
     if args.agents is not None:
         from ragkv.cli.agents_bench import run_agents_bench
-        from ragkv.engine.host_threads import compute_on_one_thread
-        from ragkv.engine.kv.host_allocator import tune_host_allocator
+        from ragkv.cli.serve import as_server_process
 
-        tune_host_allocator()
-        compute_on_one_thread()  # a server's threads, as `ragkv serve` sets them
+        as_server_process()  # the in-process server's, as `ragkv serve` sets it up
         return run_agents_bench(args)
     if args.agent_loop:
         if args.kv_tree_bytes is None:
             args.kv_tree_bytes = 1024**3
         from ragkv.cli.agent_bench import run_agent_bench
-        from ragkv.engine.host_threads import compute_on_one_thread
-        from ragkv.engine.kv.host_allocator import tune_host_allocator
+        from ragkv.cli.serve import as_server_process
 
-        tune_host_allocator()
-        compute_on_one_thread()  # a server's threads, as `ragkv serve` sets them
+        as_server_process()  # the in-process server's, as `ragkv serve` sets it up
         return run_agent_bench(args)
     if args.concurrency:
         from ragkv.cli.load_bench import run_concurrency_bench
-        from ragkv.engine.host_threads import compute_on_one_thread
-        from ragkv.engine.kv.host_allocator import tune_host_allocator
+        from ragkv.cli.serve import as_server_process
 
-        tune_host_allocator()
-        compute_on_one_thread()  # a server's threads, as `ragkv serve` sets them
+        as_server_process()  # the in-process server's, as `ragkv serve` sets it up
         return run_concurrency_bench(args)
     from ragkv.engine.kv.host_allocator import tune_host_allocator
 

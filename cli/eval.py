@@ -18,8 +18,12 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ragkv.types import Mode
+
+if TYPE_CHECKING:
+    from ragkv.evals.evaluate import Refresh
 
 
 def add_eval_parser(sub: argparse._SubParsersAction) -> None:
@@ -303,7 +307,7 @@ def _methods(args: argparse.Namespace):
     return methods
 
 
-def _refresh(spec: str):
+def _refresh(spec: str) -> Refresh:
     """One --refresh entry, K:R."""
     from ragkv.evals.evaluate import Refresh
 

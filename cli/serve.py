@@ -228,16 +228,23 @@ def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = No
     return load_settings(flags, env=env, config_file=args.config)
 
 
+def as_server_process() -> None:
+    """Set this process up as a server's, before any torch op: glibc keeps freed blocks for reuse
+    (`engine/kv/host_allocator.py`), and the scheduler's thread computes on the cores, every other
+    thread on one (`engine/host_threads.py`). `ragkv serve` and the benches that start a server."""
+    from ragkv.engine.host_threads import compute_on_one_thread
+    from ragkv.engine.kv.host_allocator import tune_host_allocator
+
+    tune_host_allocator()
+    compute_on_one_thread()
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Load settings, then serve until SIGTERM; returns the exit status."""
     import asyncio
     import logging
 
-    from ragkv.engine.host_threads import compute_on_one_thread
-    from ragkv.engine.kv.host_allocator import tune_host_allocator
-
-    tune_host_allocator()  # before torch's first large allocation
-    compute_on_one_thread()  # the scheduler's thread computes on the cores, the rest on one (before any torch op)
+    as_server_process()
     from ragkv.server.app import run
 
     settings = settings_from_args(args)

@@ -23,19 +23,17 @@ import threading
 _cores: int | None = None  # the engine thread's count, once `compute_on_one_thread` has run
 
 
-def compute_on_one_thread() -> int | None:
+def compute_on_one_thread() -> None:
     """From now on every thread's torch ops run on one core, but the thread that takes the cores
-    (`take_cores`). Call at start-up, before any torch op. Returns the cores the scheduler's thread
-    will take (torch's count so far), or None with RAGKV_HOST_THREADS=default."""
+    (`take_cores`: torch's count so far). Call at start-up, before any torch op; with
+    RAGKV_HOST_THREADS=default it does nothing."""
     global _cores
-    if os.environ.get("RAGKV_HOST_THREADS", "engine") == "default":
-        return None
+    if _cores is not None or os.environ.get("RAGKV_HOST_THREADS", "engine") == "default":
+        return
     import torch
 
-    if _cores is None:
-        _cores = torch.get_num_threads()
-        torch.set_num_threads(1)  # this thread's, and the count every thread starts with
-    return _cores
+    _cores = torch.get_num_threads()
+    torch.set_num_threads(1)  # this thread's, and the count every thread starts with
 
 
 def take_cores() -> None:
@@ -50,4 +48,3 @@ def take_cores() -> None:
     reset = threading.Thread(target=torch.set_num_threads, args=(1,), name="ragkv-threads-reset")
     reset.start()  # so one thread sets it back to 1 for them (a thread's own count stays its own)
     reset.join()
-

@@ -3,23 +3,16 @@ before any arm runs (the arms themselves: tests/engine/test_host_threads.py chec
 
 from __future__ import annotations
 
-import re
-import shlex
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.cited import cited_args
 
 
 def test_every_host_threads_bench_command_in_the_docs_parses() -> None:
     from bench.host_threads_bench import build_parser
 
-    pattern = r"python bench/host_threads_bench\.py([^`\n]*)"
-    found = [m for doc in (ROOT / "docs").glob("*.md") for m in re.findall(pattern, doc.read_text())]
-    assert found, "docs/*.md cite the bench"
-    for args in found:
-        build_parser().parse_args(shlex.split(args))
+    for args in cited_args("host_threads_bench.py"):
+        build_parser().parse_args(args)
 
 
 def test_no_timed_round_is_refused_before_any_arm_runs(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import json
-import re
-import shlex
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.cited import cited_args
 
 
 def test_every_pool_agents_bench_command_in_the_docs_parses() -> None:
     from bench.pool_agents_bench import build_parser
 
-    pattern = r"python bench/pool_agents_bench\.py([^`\n]*)"
-    found = [m for doc in (ROOT / "docs").glob("*.md") for m in re.findall(pattern, doc.read_text())]
-    assert found, "docs/*.md cite the bench"
-    for args in found:
-        parsed = build_parser().parse_args(shlex.split(args))
+    for args in cited_args("pool_agents_bench.py"):
+        parsed = build_parser().parse_args(args)
         assert parsed.agents > 0 and all(s.isdigit() for s in parsed.seeds.split(",")), args
 
 

@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import re
-import shlex
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.cited import cited_args
 
 
 def test_every_prompt_batch_bench_command_in_the_docs_parses() -> None:
     from bench.prompt_batch_bench import build_parser
 
-    pattern = r"python bench/prompt_batch_bench\.py([^`\n]*)"
-    found = [m for doc in (ROOT / "docs").glob("*.md") for m in re.findall(pattern, doc.read_text())]
-    assert found, "docs/*.md cite the bench"
-    for args in found:
-        parsed = build_parser().parse_args(shlex.split(args))
+    for args in cited_args("prompt_batch_bench.py"):
+        parsed = build_parser().parse_args(args)
         assert parsed.clients > 0 and parsed.rows > 0, args
 
 
